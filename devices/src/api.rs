@@ -1,0 +1,342 @@
+//! The trait family every device backend implements.
+//!
+//! One [`Backend`] trait carries the associated types; each role trait
+//! ([`Device`], [`Stream`], [`Event`], [`Buffer`]) points back to it, so a
+//! stream of one backend cannot be handed an event or buffer of another: the
+//! mix does not compile.
+//!
+//! # Ordering
+//! Every data operation on a [`Stream`] is *enqueued* and returns at once.
+//! Operations on one stream run in the order they were enqueued. Across
+//! streams, order exists only through events: [`Stream::record`] on stream A,
+//! then [`Stream::wait`] on stream B makes everything B runs afterwards start
+//! after what A had enqueued before the record. The host observes results
+//! only after [`Stream::synchronize`] or [`Event::synchronize`] (both block)
+//! or a completed [`Readback`]. [`Event::query`] never blocks.
+//!
+//! # Errors
+//! Argument errors (lengths, dtypes, ranges) are returned by the enqueuing
+//! call and nothing is enqueued. Failures while an operation runs are
+//! asynchronous: they are sticky on the stream, every later operation on it
+//! is skipped, and the next host synchronize on that stream (or on an event
+//! recorded after the failure, or on a stream that waited for such an event)
+//! returns the error.
+
+use crate::{DType, DeviceError, Readback, Scalar, View};
+use std::fmt;
+
+/// Result of device operations.
+pub type Result<T, E = DeviceError> = std::result::Result<T, E>;
+
+/// The backend: only associated types, so role traits can refer to each other.
+pub trait Backend: Sized + Send + Sync + fmt::Debug + 'static {
+    /// The backend's name (`cpu`, `cuda`, `hip`).
+    const NAME: &'static str;
+    /// A device (a GPU, or the host for `cpu`).
+    type Device: Device<B = Self>;
+    /// An in-order queue of work on a device.
+    type Stream: Stream<B = Self>;
+    /// A marker recorded on a stream; other streams and the host can wait for it.
+    type Event: Event<B = Self>;
+    /// Owned device memory.
+    type Buffer: Buffer<B = Self>;
+}
+
+/// Stream priority. Every device accepts both; a device without priorities treats them alike.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Priority {
+    /// The default priority.
+    #[default]
+    Normal,
+    /// Scheduled ahead of normal-priority work where the device supports it
+    /// (FSDP puts its communication streams here).
+    High,
+}
+
+/// Memory statistics of a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct MemoryStats {
+    /// Bytes held by live buffers now.
+    pub bytes_in_use: usize,
+    /// The most bytes in use at once since the device was made or the peak was reset.
+    pub peak_bytes: usize,
+    /// Number of live allocations.
+    pub live_allocations: usize,
+}
+
+/// A device: creates streams, events and buffers, and reports memory.
+pub trait Device: Clone + Send + Sync + fmt::Debug + 'static {
+    /// The backend.
+    type B: Backend<Device = Self>;
+
+    /// A human-readable name (`cpu:0`, `cuda:1 (NVIDIA H100)`).
+    fn name(&self) -> String;
+    /// The device's index among devices of its backend in this process.
+    fn ordinal(&self) -> usize;
+    /// Creates a stream with the given priority.
+    fn create_stream(&self, priority: Priority) -> Result<<Self::B as Backend>::Stream>;
+    /// Creates an event that has never been recorded (synchronizing or
+    /// waiting on it returns at once).
+    fn create_event(&self) -> Result<<Self::B as Backend>::Event>;
+    /// Allocates `len` zeroed elements of `dtype`, synchronously: the buffer
+    /// may be used on any stream at once.
+    fn alloc(&self, dtype: DType, len: usize) -> Result<<Self::B as Backend>::Buffer>;
+    /// Current memory statistics.
+    fn memory_stats(&self) -> MemoryStats;
+    /// Resets the peak to the bytes in use now.
+    fn reset_peak_memory(&self);
+    /// Blocks until every stream of this device has finished its work; returns
+    /// the first asynchronous error among them.
+    fn synchronize(&self) -> Result<()>;
+}
+
+/// Owned device memory. Dropping a buffer while queued work still uses it is
+/// safe: the memory is released after that work (stream-ordered free, or the
+/// queued work keeps the allocation alive).
+pub trait Buffer: Send + Sync + fmt::Debug + 'static {
+    /// The backend.
+    type B: Backend<Buffer = Self>;
+    /// The element type.
+    fn dtype(&self) -> DType;
+    /// Number of elements.
+    fn len(&self) -> usize;
+    /// A process-unique id (used in sanitizer and error reports).
+    fn id(&self) -> u64;
+    /// Whether the buffer holds no elements.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Size in bytes.
+    fn bytes(&self) -> usize {
+        self.len() * self.dtype().size()
+    }
+    /// A view of the whole buffer.
+    fn view(&self) -> View<'_, Self::B>
+    where
+        Self: Sized,
+    {
+        View::whole(self)
+    }
+    /// A view of `len` elements from `offset`; an error if it does not fit.
+    fn slice(&self, offset: usize, len: usize) -> Result<View<'_, Self::B>>
+    where
+        Self: Sized,
+    {
+        View::whole(self).slice(offset, len)
+    }
+}
+
+/// A marker on a stream.
+pub trait Event: Send + Sync + fmt::Debug + 'static {
+    /// The backend.
+    type B: Backend<Event = Self>;
+    /// Blocks the host until the work enqueued before the most recent record
+    /// has finished (at once if never recorded). Returns that work's error,
+    /// if it failed, or `Timeout` after the device's deadline.
+    fn synchronize(&self) -> Result<()>;
+    /// Whether the work before the most recent record has finished. Never
+    /// blocks. An asynchronous failure of that work is returned as an error.
+    fn query(&self) -> Result<bool>;
+}
+
+/// Shape of a matrix product `C[m×n] (+)= op(A)[m×k] · op(B)[k×n]`, all row-major.
+/// `A` is stored `[m, k]`, or `[k, m]` when `trans_a`; `B` is stored `[k, n]`, or `[n, k]` when `trans_b`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatmulSpec {
+    /// Rows of C.
+    pub m: usize,
+    /// Columns of C.
+    pub n: usize,
+    /// The contracted dimension.
+    pub k: usize,
+    /// Use Aᵀ.
+    pub trans_a: bool,
+    /// Use Bᵀ.
+    pub trans_b: bool,
+    /// Add the product to C instead of overwriting it.
+    pub accumulate: bool,
+}
+
+/// SGD hyper-parameters with PyTorch's semantics (`torch.optim.SGD`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdParams {
+    /// Learning rate.
+    pub lr: f64,
+    /// Momentum factor (0 disables the buffer).
+    pub momentum: f64,
+    /// Dampening for momentum.
+    pub dampening: f64,
+    /// L2 penalty added to the gradient.
+    pub weight_decay: f64,
+    /// Nesterov momentum.
+    pub nesterov: bool,
+    /// Whether this is the first step (the momentum buffer is set to the gradient).
+    pub first_step: bool,
+}
+
+/// AdamW hyper-parameters with PyTorch's semantics (`torch.optim.AdamW`):
+/// decoupled weight decay, bias correction, eps added outside the square root.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWParams {
+    /// Learning rate.
+    pub lr: f64,
+    /// First-moment decay.
+    pub beta1: f64,
+    /// Second-moment decay.
+    pub beta2: f64,
+    /// Added to the denominator.
+    pub eps: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// The step number, starting at 1 (for bias correction).
+    pub step: u64,
+}
+
+/// An in-order queue of work on one device.
+///
+/// Every method that takes views enqueues work and returns at once; see the
+/// module documentation for ordering and error rules. Views passed to a
+/// method must belong to this stream's device. Floating-point arithmetic on
+/// f16/bf16 is done in f32 and rounded once to nearest even (PyTorch's
+/// "opmath"); f32 in f32; f64 in f64.
+pub trait Stream: Send + Sync + fmt::Debug + 'static {
+    /// The backend.
+    type B: Backend<Stream = Self>;
+
+    /// The device this stream belongs to.
+    fn device(&self) -> &<Self::B as Backend>::Device;
+    /// The stream's priority.
+    fn priority(&self) -> Priority;
+    /// A name for reports (`cpu:0/stream3`).
+    fn name(&self) -> String;
+
+    /// Allocates `len` elements of `dtype` in stream order: the contents are
+    /// unspecified, and other streams may use the buffer only after waiting on
+    /// an event recorded on this stream after the allocation.
+    fn alloc(&self, dtype: DType, len: usize) -> Result<<Self::B as Backend>::Buffer>;
+
+    /// Copies `src` to `dst` (same dtype and length).
+    fn copy(&self, src: View<'_, Self::B>, dst: View<'_, Self::B>) -> Result<()>;
+    /// Copies host bytes into `dst`; `src` must be exactly `dst`'s byte length.
+    /// `src` is captured before this returns, so the caller may reuse it at once.
+    fn copy_from_host(&self, src: &[u8], dst: View<'_, Self::B>) -> Result<()>;
+    /// Copies `src` to the host; the returned [`Readback`] completes when the copy has run.
+    fn copy_to_host(&self, src: View<'_, Self::B>) -> Result<Readback>;
+    /// Sets every element of `dst` to `value`.
+    fn fill(&self, dst: View<'_, Self::B>, value: Scalar) -> Result<()>;
+    /// Converts `src` into `dst` (same length, both float dtypes), rounding to nearest even.
+    fn cast(&self, src: View<'_, Self::B>, dst: View<'_, Self::B>) -> Result<()>;
+    /// `x *= alpha` (float dtypes).
+    fn scale(&self, x: View<'_, Self::B>, alpha: f64) -> Result<()>;
+    /// `dst += src`, same length; same dtype for every dtype (integers wrap),
+    /// or any float `src` into a float `dst` (f16/bf16 into f32, say).
+    fn accumulate(&self, src: View<'_, Self::B>, dst: View<'_, Self::B>) -> Result<()>;
+    /// `y += alpha * x` (float dtypes; `x` may be a different float dtype than `y`).
+    fn axpy(&self, alpha: f64, x: View<'_, Self::B>, y: View<'_, Self::B>) -> Result<()>;
+
+    /// Records `event` on this stream: it completes when the work enqueued
+    /// so far has finished. A later record replaces the earlier one.
+    fn record(&self, event: &<Self::B as Backend>::Event) -> Result<()>;
+    /// Makes this stream wait (on the device, not the host) until `event`'s
+    /// most recent record has completed. Returns at once.
+    fn wait(&self, event: &<Self::B as Backend>::Event) -> Result<()>;
+    /// Blocks the host until all work enqueued so far has finished; returns
+    /// the stream's asynchronous error, if any, or `Timeout` after the
+    /// device's deadline.
+    fn synchronize(&self) -> Result<()>;
+
+    /// Matrix product per [`MatmulSpec`]: `a` and `b` share a float dtype;
+    /// `c` is that dtype or f32. Accumulates in f32 (f64 for f64) and rounds once.
+    fn matmul(
+        &self,
+        spec: MatmulSpec,
+        a: View<'_, Self::B>,
+        b: View<'_, Self::B>,
+        c: View<'_, Self::B>,
+    ) -> Result<()>;
+    /// `x[r, c] += bias[c]` for `x` of `rows × bias.len()`, any float dtypes.
+    fn bias_add(&self, x: View<'_, Self::B>, bias: View<'_, Self::B>) -> Result<()>;
+    /// `y = max(x, 0)`; `y` may be `x`.
+    fn relu(&self, x: View<'_, Self::B>, y: View<'_, Self::B>) -> Result<()>;
+    /// `grad_in = grad_out` where `out > 0`, else 0.
+    fn relu_backward(
+        &self,
+        grad_out: View<'_, Self::B>,
+        out: View<'_, Self::B>,
+        grad_in: View<'_, Self::B>,
+    ) -> Result<()>;
+    /// `loss[0] = scale · Σ (pred − target)²`, summed in f64; `loss` is one f32 or f64 element.
+    fn mse_loss(
+        &self,
+        pred: View<'_, Self::B>,
+        target: View<'_, Self::B>,
+        loss: View<'_, Self::B>,
+        scale: f64,
+    ) -> Result<()>;
+    /// `grad = 2 · scale · (pred − target)`.
+    fn mse_grad(
+        &self,
+        pred: View<'_, Self::B>,
+        target: View<'_, Self::B>,
+        grad: View<'_, Self::B>,
+        scale: f64,
+    ) -> Result<()>;
+    /// `out[c] (+)= Σ_r x[r, c]` for `x` of `rows × out.len()`, summed in f32 (f64 for f64).
+    fn column_sums(
+        &self,
+        x: View<'_, Self::B>,
+        out: View<'_, Self::B>,
+        accumulate: bool,
+    ) -> Result<()>;
+    /// `out[0] (+)= Σ x²`, summed in f64; `out` is one f32 or f64 element.
+    fn sum_squares(
+        &self,
+        x: View<'_, Self::B>,
+        out: View<'_, Self::B>,
+        accumulate: bool,
+    ) -> Result<()>;
+    /// One SGD step on f32 `param` with f32 `grad`; `momentum_buf` is needed when momentum ≠ 0.
+    fn sgd_step(
+        &self,
+        params: SgdParams,
+        param: View<'_, Self::B>,
+        grad: View<'_, Self::B>,
+        momentum_buf: Option<View<'_, Self::B>>,
+    ) -> Result<()>;
+    /// One AdamW step on f32 `param`, `grad`, `exp_avg`, `exp_avg_sq`.
+    fn adamw_step(
+        &self,
+        params: AdamWParams,
+        param: View<'_, Self::B>,
+        grad: View<'_, Self::B>,
+        exp_avg: View<'_, Self::B>,
+        exp_avg_sq: View<'_, Self::B>,
+    ) -> Result<()>;
+}
+
+/// Typed conveniences over [`Stream`], available on every backend.
+pub trait StreamExt: Stream {
+    /// Copies a typed host slice into `dst` (dtype must match `T`).
+    fn upload<T: crate::Element>(&self, src: &[T], dst: View<'_, Self::B>) -> Result<()> {
+        if dst.dtype() != T::DTYPE {
+            return Err(DeviceError::DTypeMismatch {
+                op: "upload",
+                expected: dst.dtype(),
+                found: T::DTYPE,
+            });
+        }
+        self.copy_from_host(bytemuck::cast_slice(src), dst)
+    }
+    /// Allocates a buffer in stream order and fills it from `src`.
+    fn buffer_from<T: crate::Element>(&self, src: &[T]) -> Result<<Self::B as Backend>::Buffer> {
+        let buf = self.alloc(T::DTYPE, src.len())?;
+        self.upload(src, buf.view())?;
+        Ok(buf)
+    }
+    /// Enqueues a copy of `src` to the host and blocks until it is there.
+    fn read_vec<T: crate::Element>(&self, src: View<'_, Self::B>) -> Result<Vec<T>> {
+        self.copy_to_host(src)?.wait_typed()
+    }
+}
+
+impl<S: Stream> StreamExt for S {}

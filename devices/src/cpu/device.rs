@@ -1,0 +1,214 @@
+//! The cpu device and its buffers.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use super::event::CpuEvent;
+use super::memory::{MemCounters, Memory, RawRange};
+use super::sanitizer::Sanitizer;
+use super::stream::{CpuStream, StreamShared};
+use super::Cpu;
+use crate::{DType, DeviceError, MemoryStats, Priority, Result};
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A process-unique id for buffers, streams and events.
+pub(crate) fn next_id() -> u64 {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Settings of a cpu device.
+#[derive(Clone, Debug)]
+pub struct CpuConfig {
+    /// Index of the device (ranks of the sim backend use their rank).
+    pub ordinal: usize,
+    /// Check every enqueued operation for cross-stream races. On by default;
+    /// benchmarks turn it off. The environment variable `CHORUS_SANITIZER=0`
+    /// or `=1` overrides the default.
+    pub sanitizer: bool,
+    /// Deadline of every wait: host synchronizes, readbacks, and an
+    /// executor's wait on an event.
+    pub timeout: Duration,
+}
+
+impl Default for CpuConfig {
+    fn default() -> Self {
+        let sanitizer = match std::env::var("CHORUS_SANITIZER").as_deref() {
+            Ok("0") | Ok("off") | Ok("false") => false,
+            _ => true,
+        };
+        CpuConfig {
+            ordinal: 0,
+            sanitizer,
+            timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct DeviceInner {
+    pub(crate) config: CpuConfig,
+    pub(crate) counters: Arc<MemCounters>,
+    pub(crate) sanitizer: Option<Mutex<Sanitizer>>,
+    pub(crate) streams: Mutex<Vec<Weak<StreamShared>>>,
+    pub(crate) next_stream: AtomicUsize,
+}
+
+/// The host as a device. Cheap to clone; clones are the same device.
+#[derive(Clone, Debug)]
+pub struct CpuDevice {
+    pub(crate) inner: Arc<DeviceInner>,
+}
+
+impl CpuDevice {
+    /// A device with the given settings.
+    pub fn new(config: CpuConfig) -> CpuDevice {
+        let sanitizer = config.sanitizer.then(|| Mutex::new(Sanitizer::default()));
+        CpuDevice {
+            inner: Arc::new(DeviceInner {
+                config,
+                counters: Arc::new(MemCounters::default()),
+                sanitizer,
+                streams: Mutex::new(Vec::new()),
+                next_stream: AtomicUsize::new(0),
+            }),
+        }
+    }
+
+    /// A device with default settings and the given ordinal.
+    pub fn with_ordinal(ordinal: usize) -> CpuDevice {
+        CpuDevice::new(CpuConfig {
+            ordinal,
+            ..CpuConfig::default()
+        })
+    }
+
+    /// The settings this device was made with.
+    pub fn config(&self) -> &CpuConfig {
+        &self.inner.config
+    }
+
+    /// Whether the stream sanitizer is on.
+    pub fn sanitizer_enabled(&self) -> bool {
+        self.inner.sanitizer.is_some()
+    }
+
+    pub(crate) fn same_as(&self, other: &CpuDevice) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    pub(crate) fn label(&self) -> String {
+        format!("cpu:{}", self.inner.config.ordinal)
+    }
+
+    /// Runs `f` on the sanitizer, if it is on. A poisoned lock (a panic while
+    /// holding it) disables checking rather than failing the caller.
+    pub(crate) fn with_sanitizer<R>(&self, f: impl FnOnce(&mut Sanitizer) -> R) -> Option<R> {
+        let s = self.inner.sanitizer.as_ref()?;
+        let mut guard = s.lock().ok()?;
+        Some(f(&mut guard))
+    }
+
+    pub(crate) fn alloc_memory(&self, dtype: DType, len: usize) -> Result<CpuBuffer> {
+        let bytes = len
+            .checked_mul(dtype.size())
+            .ok_or_else(|| DeviceError::OutOfMemory {
+                device: self.label(),
+                bytes: usize::MAX,
+            })?;
+        let mem = Memory::zeroed(bytes, &self.inner.counters, &self.label())?;
+        Ok(CpuBuffer {
+            mem,
+            dtype,
+            len,
+            id: next_id(),
+            device: self.clone(),
+        })
+    }
+}
+
+impl crate::Device for CpuDevice {
+    type B = Cpu;
+
+    fn name(&self) -> String {
+        self.label()
+    }
+    fn ordinal(&self) -> usize {
+        self.inner.config.ordinal
+    }
+    fn create_stream(&self, priority: Priority) -> Result<CpuStream> {
+        CpuStream::spawn(self, priority)
+    }
+    fn create_event(&self) -> Result<CpuEvent> {
+        Ok(CpuEvent::new(self))
+    }
+    fn alloc(&self, dtype: DType, len: usize) -> Result<CpuBuffer> {
+        self.alloc_memory(dtype, len)
+    }
+    fn memory_stats(&self) -> MemoryStats {
+        self.inner.counters.stats()
+    }
+    fn reset_peak_memory(&self) {
+        self.inner.counters.reset_peak()
+    }
+    fn synchronize(&self) -> Result<()> {
+        let streams: Vec<_> = match self.inner.streams.lock() {
+            Ok(s) => s.iter().filter_map(Weak::upgrade).collect(),
+            Err(_) => Vec::new(),
+        };
+        let mut first = Ok(());
+        for s in streams {
+            let r = s.synchronize(self);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+}
+
+/// A cpu buffer: owned, 64-byte-aligned host memory.
+#[derive(Debug)]
+pub struct CpuBuffer {
+    mem: Arc<Memory>,
+    dtype: DType,
+    len: usize,
+    id: u64,
+    device: CpuDevice,
+}
+
+impl CpuBuffer {
+    /// The device that owns the memory.
+    pub fn device(&self) -> &CpuDevice {
+        &self.device
+    }
+    pub(crate) fn raw_range(&self, bytes: std::ops::Range<usize>) -> RawRange {
+        RawRange::new(
+            self.mem.clone(),
+            bytes.start,
+            bytes.end - bytes.start,
+            self.dtype,
+        )
+    }
+}
+
+impl crate::Buffer for CpuBuffer {
+    type B = Cpu;
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn id(&self) -> u64 {
+        self.id
+    }
+}
+
+impl Drop for CpuBuffer {
+    fn drop(&mut self) {
+        let id = self.id;
+        self.device.with_sanitizer(|s| s.forget_buffer(id));
+    }
+}

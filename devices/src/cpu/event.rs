@@ -1,0 +1,149 @@
+//! Events: completion flags with acquire/release ordering.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use super::device::{next_id, CpuDevice};
+use super::Cpu;
+use crate::{DeviceError, Result};
+
+const PENDING: u8 = 0;
+const DONE: u8 = 1;
+const FAILED: u8 = 2;
+
+/// One record of an event: set once, by the executor that reaches the marker.
+#[derive(Debug)]
+pub(crate) struct Completion {
+    state: AtomicU8,
+    error: Mutex<Option<DeviceError>>,
+    lock: Mutex<()>,
+    cv: Condvar,
+}
+
+impl Completion {
+    pub(crate) fn new() -> Arc<Completion> {
+        Arc::new(Completion {
+            state: AtomicU8::new(PENDING),
+            error: Mutex::new(None),
+            lock: Mutex::new(()),
+            cv: Condvar::new(),
+        })
+    }
+
+    pub(crate) fn complete(&self, error: Option<DeviceError>) {
+        let state = match error {
+            Some(e) => {
+                if let Ok(mut slot) = self.error.lock() {
+                    *slot = Some(e);
+                }
+                FAILED
+            }
+            None => DONE,
+        };
+        // Release: everything the executor did before the marker is visible
+        // to whoever observes the flag with acquire.
+        let _guard = self.lock.lock();
+        self.state.store(state, Ordering::Release);
+        self.cv.notify_all();
+    }
+
+    fn error(&self) -> DeviceError {
+        self.error
+            .lock()
+            .ok()
+            .and_then(|e| e.clone())
+            .unwrap_or_else(|| DeviceError::invalid("event", "failed without a recorded cause"))
+    }
+
+    pub(crate) fn query(&self) -> Result<bool> {
+        match self.state.load(Ordering::Acquire) {
+            PENDING => Ok(false),
+            DONE => Ok(true),
+            _ => Err(self.error()),
+        }
+    }
+
+    pub(crate) fn wait(&self, timeout: Duration, what: &str) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut guard = self
+            .lock
+            .lock()
+            .map_err(|_| DeviceError::invalid("event", "lock poisoned"))?;
+        loop {
+            if self.query()? {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(DeviceError::Timeout {
+                    what: what.to_string(),
+                    waited: timeout,
+                });
+            }
+            guard = self
+                .cv
+                .wait_timeout(guard, deadline - now)
+                .map_err(|_| DeviceError::invalid("event", "lock poisoned"))?
+                .0;
+        }
+    }
+}
+
+/// An event of the cpu device.
+#[derive(Debug)]
+pub struct CpuEvent {
+    pub(crate) id: u64,
+    pub(crate) device: CpuDevice,
+    current: Mutex<Option<Arc<Completion>>>,
+}
+
+impl CpuEvent {
+    pub(crate) fn new(device: &CpuDevice) -> CpuEvent {
+        CpuEvent {
+            id: next_id(),
+            device: device.clone(),
+            current: Mutex::new(None),
+        }
+    }
+
+    /// Starts a new record and returns its completion (set by the stream's marker).
+    pub(crate) fn begin_record(&self) -> Arc<Completion> {
+        let c = Completion::new();
+        if let Ok(mut cur) = self.current.lock() {
+            *cur = Some(c.clone());
+        }
+        c
+    }
+
+    pub(crate) fn current(&self) -> Option<Arc<Completion>> {
+        self.current.lock().ok().and_then(|c| c.clone())
+    }
+}
+
+impl crate::Event for CpuEvent {
+    type B = Cpu;
+
+    fn synchronize(&self) -> Result<()> {
+        if let Some(c) = self.current() {
+            c.wait(self.device.config().timeout, &format!("event #{}", self.id))?;
+        }
+        let id = self.id;
+        self.device.with_sanitizer(|s| s.host_synced_event(id));
+        Ok(())
+    }
+
+    fn query(&self) -> Result<bool> {
+        match self.current() {
+            Some(c) => c.query(),
+            None => Ok(true),
+        }
+    }
+}
+
+impl Drop for CpuEvent {
+    fn drop(&mut self) {
+        let id = self.id;
+        self.device.with_sanitizer(|s| s.forget_event(id));
+    }
+}

@@ -1,0 +1,194 @@
+//! Host memory that backs cpu buffers, with exact accounting.
+
+use std::alloc::{self, Layout};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use crate::{DeviceError, MemoryStats};
+
+/// Alignment of every allocation: a cache line, enough for any dtype and SIMD loads.
+const ALIGN: usize = 64;
+
+/// The device's counters. Updated on every allocation and free.
+#[derive(Debug, Default)]
+pub(crate) struct MemCounters {
+    in_use: AtomicUsize,
+    peak: AtomicUsize,
+    live: AtomicUsize,
+}
+
+impl MemCounters {
+    pub(crate) fn stats(&self) -> MemoryStats {
+        MemoryStats {
+            bytes_in_use: self.in_use.load(Ordering::Acquire),
+            peak_bytes: self.peak.load(Ordering::Acquire),
+            live_allocations: self.live.load(Ordering::Acquire),
+        }
+    }
+    pub(crate) fn reset_peak(&self) {
+        self.peak
+            .store(self.in_use.load(Ordering::Acquire), Ordering::Release);
+    }
+    fn add(&self, bytes: usize) {
+        let now = self.in_use.fetch_add(bytes, Ordering::AcqRel) + bytes;
+        self.peak.fetch_max(now, Ordering::AcqRel);
+        self.live.fetch_add(1, Ordering::AcqRel);
+    }
+    fn sub(&self, bytes: usize) {
+        self.in_use.fetch_sub(bytes, Ordering::AcqRel);
+        self.live.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One allocation. Shared (`Arc`) between the buffer and the queued work that
+/// uses it, so it is freed only after the last of them.
+#[derive(Debug)]
+pub(crate) struct Memory {
+    ptr: NonNull<u8>,
+    bytes: usize,
+    counters: Arc<MemCounters>,
+}
+
+// SAFETY: the memory is plain bytes owned by this struct; concurrent access is
+// governed by the stream model (and checked by the sanitizer), as on a GPU.
+unsafe impl Send for Memory {}
+unsafe impl Sync for Memory {}
+
+impl Memory {
+    pub(crate) fn zeroed(
+        bytes: usize,
+        counters: &Arc<MemCounters>,
+        device: &str,
+    ) -> Result<Arc<Memory>, DeviceError> {
+        let ptr = if bytes == 0 {
+            // A well-aligned dangling pointer: never dereferenced for zero bytes.
+            NonNull::new(ALIGN as *mut u8)
+                .ok_or_else(|| DeviceError::invalid("alloc", "null alignment"))?
+        } else {
+            let layout =
+                Layout::from_size_align(bytes, ALIGN).map_err(|_| DeviceError::OutOfMemory {
+                    device: device.to_string(),
+                    bytes,
+                })?;
+            // SAFETY: layout has non-zero size.
+            let raw = unsafe { alloc::alloc_zeroed(layout) };
+            NonNull::new(raw).ok_or_else(|| DeviceError::OutOfMemory {
+                device: device.to_string(),
+                bytes,
+            })?
+        };
+        counters.add(bytes);
+        Ok(Arc::new(Memory {
+            ptr,
+            bytes,
+            counters: counters.clone(),
+        }))
+    }
+
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for Memory {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            if let Ok(layout) = Layout::from_size_align(self.bytes, ALIGN) {
+                // SAFETY: allocated in `zeroed` with this layout.
+                unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) };
+            }
+        }
+        self.counters.sub(self.bytes);
+    }
+}
+
+/// A byte range of a cpu buffer's memory that stays allocated while this
+/// handle lives. Queued work holds these, which is what makes dropping a
+/// buffer with work in flight safe.
+#[derive(Clone, Debug)]
+pub struct RawRange {
+    mem: Arc<Memory>,
+    start: usize,
+    len: usize,
+    dtype: crate::DType,
+}
+
+impl RawRange {
+    pub(crate) fn new(mem: Arc<Memory>, start: usize, len: usize, dtype: crate::DType) -> RawRange {
+        debug_assert!(start + len <= mem.bytes());
+        RawRange {
+            mem,
+            start,
+            len,
+            dtype,
+        }
+    }
+    /// Number of bytes.
+    pub fn bytes(&self) -> usize {
+        self.len
+    }
+    /// The element type of the buffer.
+    pub fn dtype(&self) -> crate::DType {
+        self.dtype
+    }
+    /// Number of elements.
+    pub fn elements(&self) -> usize {
+        self.len / self.dtype.size()
+    }
+    /// Pointer to the first byte.
+    pub fn ptr(&self) -> *mut u8 {
+        // SAFETY: start is within the allocation (checked at construction).
+        unsafe { self.mem.ptr().add(self.start) }
+    }
+    /// Whether two ranges are of the same allocation and overlap.
+    pub fn overlaps(&self, other: &RawRange) -> bool {
+        Arc::ptr_eq(&self.mem, &other.mem)
+            && self.len > 0
+            && other.len > 0
+            && self.start < other.start + other.len
+            && other.start < self.start + self.len
+    }
+    /// The bytes, shared.
+    ///
+    /// # Safety
+    /// No operation may write this range while the slice lives: the caller
+    /// runs in stream order after every write to it and before any later one.
+    pub unsafe fn as_bytes(&self) -> &[u8] {
+        // SAFETY: in bounds; aliasing per the caller's contract.
+        unsafe { std::slice::from_raw_parts(self.ptr(), self.len) }
+    }
+    /// The bytes, exclusive.
+    ///
+    /// # Safety
+    /// No other access to this range may happen while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_bytes_mut(&self) -> &mut [u8] {
+        // SAFETY: in bounds; exclusivity per the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr(), self.len) }
+    }
+    /// The elements as `T`, shared. Alignment holds because allocations are
+    /// 64-byte aligned and offsets are whole elements.
+    ///
+    /// # Safety
+    /// As [`RawRange::as_bytes`], and `T` must be the range's element type.
+    pub unsafe fn as_slice<T: crate::Element>(&self) -> &[T] {
+        debug_assert_eq!(T::DTYPE, self.dtype);
+        // SAFETY: see above.
+        unsafe { std::slice::from_raw_parts(self.ptr() as *const T, self.elements()) }
+    }
+    /// The elements as `T`, exclusive.
+    ///
+    /// # Safety
+    /// As [`RawRange::as_bytes_mut`], and `T` must be the range's element type.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice<T: crate::Element>(&self) -> &mut [T] {
+        debug_assert_eq!(T::DTYPE, self.dtype);
+        // SAFETY: see above.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr() as *mut T, self.elements()) }
+    }
+}

@@ -1,0 +1,66 @@
+//! The `cpu` device: the host's memory and threads with CUDA's stream semantics.
+//!
+//! How the contract maps onto the host:
+//! - a **stream** is an executor thread with a FIFO queue; enqueueing sends a
+//!   closure and returns, so work on two streams really runs concurrently;
+//! - an **event** record is a marker in the queue that completes a flag with
+//!   release ordering; a stream wait is a queued job that blocks the executor
+//!   (acquire) until the flag is set, so the host returns at once;
+//! - a **buffer** is a 64-byte-aligned host allocation shared by `Arc` with
+//!   the queued jobs that use it, so dropping a buffer with work in flight is
+//!   safe and the bytes are freed after the last job;
+//! - memory statistics are exact counters updated on every allocation and free;
+//! - the **stream sanitizer** ([`sanitizer`]) checks every enqueued
+//!   operation's declared reads and writes against the other streams' with
+//!   vector clocks and refuses unordered ones with [`DeviceError::Race`].
+//!
+//! Other crates (the `sim` collectives backend) enqueue their own jobs with
+//! [`CpuStream::enqueue`], declaring their accesses the same way.
+
+mod device;
+mod event;
+mod kernels;
+mod memory;
+pub mod sanitizer;
+mod stream;
+
+pub use device::{CpuBuffer, CpuConfig, CpuDevice};
+pub use event::CpuEvent;
+pub use memory::RawRange;
+pub use sanitizer::Access;
+pub use stream::{CpuStream, JobInput};
+
+use crate::DeviceError;
+
+/// The cpu backend's types.
+#[derive(Debug)]
+pub enum Cpu {}
+
+impl crate::Backend for Cpu {
+    const NAME: &'static str = "cpu";
+    type Device = CpuDevice;
+    type Stream = CpuStream;
+    type Event = CpuEvent;
+    type Buffer = CpuBuffer;
+}
+
+/// The memory behind a view, kept alive while the handle lives (for jobs
+/// enqueued with [`CpuStream::enqueue`]).
+pub fn raw(view: crate::View<'_, Cpu>) -> RawRange {
+    view.buffer().raw_range(view.byte_range())
+}
+
+fn check_device(op: &'static str, ours: &CpuDevice, theirs: &CpuDevice) -> Result<(), DeviceError> {
+    if ours.same_as(theirs) {
+        Ok(())
+    } else {
+        Err(DeviceError::invalid(
+            op,
+            format!(
+                "a view of {} was passed to a stream of {}",
+                theirs.label(),
+                ours.label()
+            ),
+        ))
+    }
+}

@@ -1,0 +1,781 @@
+//! Streams of the cpu device: an executor thread per stream.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+
+use super::device::{next_id, CpuDevice};
+use super::event::{Completion, CpuEvent};
+use super::kernels::{self, with_float, Float};
+use super::memory::RawRange;
+use super::sanitizer::Access;
+use super::{check_device, raw, Cpu};
+use crate::{
+    AdamWParams, DType, DeviceError, Element, MatmulSpec, Priority, Readback, Result, Scalar,
+    SgdParams, View,
+};
+
+/// What a job is told when the executor reaches it.
+#[derive(Debug)]
+pub enum JobInput<'a> {
+    /// Run the work.
+    Run,
+    /// The stream has failed earlier: do not run, only release what the job
+    /// holds (fail a readback, tell peers a collective will not come).
+    Skip(&'a DeviceError),
+}
+
+type JobFn = Box<dyn FnOnce(JobInput<'_>) -> Result<()> + Send>;
+
+enum Job {
+    Run { op: &'static str, f: JobFn },
+    Record(Arc<Completion>),
+    Wait(Arc<Completion>, u64),
+    Stop,
+}
+
+#[derive(Debug, Default)]
+struct Progress {
+    submitted: u64,
+    completed: u64,
+    error: Option<DeviceError>,
+}
+
+#[derive(Debug)]
+pub(crate) struct StreamShared {
+    index: usize,
+    name: String,
+    priority: Priority,
+    progress: Mutex<Progress>,
+    done: Condvar,
+}
+
+impl StreamShared {
+    fn error(&self) -> Option<DeviceError> {
+        self.progress.lock().ok().and_then(|p| p.error.clone())
+    }
+
+    fn fail(&self, e: DeviceError) {
+        if let Ok(mut p) = self.progress.lock() {
+            p.error.get_or_insert(e);
+        }
+    }
+
+    fn finish_one(&self) {
+        if let Ok(mut p) = self.progress.lock() {
+            p.completed += 1;
+        }
+        self.done.notify_all();
+    }
+
+    pub(crate) fn synchronize(&self, device: &CpuDevice) -> Result<()> {
+        let timeout = device.config().timeout;
+        let deadline = Instant::now() + timeout;
+        let lock_err = || DeviceError::invalid("synchronize", "stream state poisoned");
+        let mut p = self.progress.lock().map_err(|_| lock_err())?;
+        let target = p.submitted;
+        while p.completed < target {
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(DeviceError::Timeout {
+                    what: format!("{} to finish", self.name),
+                    waited: timeout,
+                });
+            }
+            p = self
+                .done
+                .wait_timeout(p, deadline - now)
+                .map_err(|_| lock_err())?
+                .0;
+        }
+        if let Some(e) = p.error.clone() {
+            return Err(e);
+        }
+        drop(p);
+        let index = self.index;
+        device.with_sanitizer(|s| s.host_synced_stream(index));
+        Ok(())
+    }
+}
+
+fn poisoned(e: &DeviceError) -> DeviceError {
+    match e {
+        DeviceError::Poisoned { .. } => e.clone(),
+        other => DeviceError::Poisoned {
+            cause: Box::new(other.clone()),
+        },
+    }
+}
+
+fn run_executor(rx: Receiver<Job>, shared: Arc<StreamShared>, timeout: Duration) {
+    while let Ok(job) = rx.recv() {
+        match job {
+            Job::Run { op, f } => match shared.error() {
+                Some(e) => {
+                    let skipped = poisoned(&e);
+                    let _ = catch_unwind(AssertUnwindSafe(|| f(JobInput::Skip(&skipped))));
+                }
+                None => match catch_unwind(AssertUnwindSafe(|| f(JobInput::Run))) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => shared.fail(e),
+                    Err(panic) => {
+                        let msg = panic
+                            .downcast_ref::<&str>()
+                            .map(|s| s.to_string())
+                            .or_else(|| panic.downcast_ref::<String>().cloned())
+                            .unwrap_or_default();
+                        shared.fail(DeviceError::invalid(
+                            op,
+                            format!("the operation panicked: {msg}"),
+                        ));
+                    }
+                },
+            },
+            Job::Record(c) => c.complete(shared.error().map(|e| poisoned(&e))),
+            Job::Wait(c, event) => {
+                if shared.error().is_none() {
+                    if let Err(e) = c.wait(timeout, &format!("event #{event} on {}", shared.name)) {
+                        shared.fail(poisoned(&e));
+                    }
+                }
+            }
+            Job::Stop => break,
+        }
+        shared.finish_one();
+    }
+}
+
+/// A stream of the cpu device.
+#[derive(Debug)]
+pub struct CpuStream {
+    shared: Arc<StreamShared>,
+    tx: Sender<Job>,
+    device: CpuDevice,
+    id: u64,
+}
+
+impl CpuStream {
+    pub(crate) fn spawn(device: &CpuDevice, priority: Priority) -> Result<CpuStream> {
+        let index = device
+            .inner
+            .next_stream
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let suffix = if priority == Priority::High {
+            " (high)"
+        } else {
+            ""
+        };
+        let name = format!("{}/stream{index}{suffix}", device.label());
+        let shared = Arc::new(StreamShared {
+            index,
+            name: name.clone(),
+            priority,
+            progress: Mutex::new(Progress::default()),
+            done: Condvar::new(),
+        });
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let timeout = device.config().timeout;
+        let worker = shared.clone();
+        std::thread::Builder::new()
+            .name(name.clone())
+            .spawn(move || run_executor(rx, worker, timeout))
+            .map_err(|e| DeviceError::Backend {
+                library: "std::thread",
+                code: 0,
+                message: e.to_string(),
+            })?;
+        device.with_sanitizer(|s| s.add_stream(index, name));
+        if let Ok(mut list) = device.inner.streams.lock() {
+            list.retain(|w| w.strong_count() > 0);
+            list.push(Arc::downgrade(&shared));
+        }
+        Ok(CpuStream {
+            shared,
+            tx,
+            device: device.clone(),
+            id: next_id(),
+        })
+    }
+
+    /// A process-unique id of this stream.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn send(&self, job: Job) -> Result<()> {
+        if let Ok(mut p) = self.shared.progress.lock() {
+            p.submitted += 1;
+        }
+        self.tx.send(job).map_err(|_| {
+            if let Ok(mut p) = self.shared.progress.lock() {
+                p.submitted -= 1;
+            }
+            DeviceError::invalid(
+                "enqueue",
+                format!("the executor of {} has stopped", self.shared.name),
+            )
+        })
+    }
+
+    /// Enqueues a job that declares `accesses`. With the sanitizer on, the
+    /// accesses are checked first and a race is returned without enqueueing.
+    /// The job is called once, with [`JobInput::Run`] normally or
+    /// [`JobInput::Skip`] if the stream has failed; an error it returns
+    /// fails the stream.
+    pub fn enqueue(
+        &self,
+        op: &'static str,
+        accesses: &[Access],
+        f: impl FnOnce(JobInput<'_>) -> Result<()> + Send + 'static,
+    ) -> Result<()> {
+        let job = Job::Run { op, f: Box::new(f) };
+        match &self.device.inner.sanitizer {
+            Some(s) => {
+                let mut s = s
+                    .lock()
+                    .map_err(|_| DeviceError::invalid(op, "sanitizer poisoned"))?;
+                s.enqueue(self.shared.index, op, accesses)
+                    .map_err(DeviceError::Race)?;
+                // Sent under the lock so queue order matches the clocks.
+                self.send(job)
+            }
+            None => self.send(job),
+        }
+    }
+
+    fn own(&self, op: &'static str, v: &View<'_, Cpu>) -> Result<RawRange> {
+        check_device(op, &self.device, v.buffer().device())?;
+        Ok(raw(*v))
+    }
+
+    /// Enqueues an elementwise job over `inputs` (read) and `output` (written).
+    /// Inputs that overlap the output are copied first so the kernel sees
+    /// disjoint slices.
+    fn map_job<const N: usize>(
+        &self,
+        op: &'static str,
+        inputs: [View<'_, Cpu>; N],
+        output: View<'_, Cpu>,
+        kernel: impl FnOnce([&[u8]; N], &mut [u8]) + Send + 'static,
+    ) -> Result<()> {
+        let out = self.own(op, &output)?;
+        let mut ins = Vec::with_capacity(N);
+        let mut accesses = Vec::with_capacity(N + 1);
+        for v in &inputs {
+            ins.push(self.own(op, v)?);
+            accesses.push(Access::read(*v));
+        }
+        accesses.push(Access::write(output));
+        self.enqueue(op, &accesses, move |input| {
+            if let JobInput::Skip(_) = input {
+                return Ok(());
+            }
+            let copies: Vec<Option<Vec<u64>>> = ins
+                .iter()
+                .map(|r| {
+                    r.overlaps(&out).then(|| {
+                        // u64 words keep the copy aligned for any dtype.
+                        let mut words = vec![0u64; r.bytes().div_ceil(8)];
+                        // SAFETY: stream order makes this job the only writer; reading before writing.
+                        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..r.bytes()]
+                            .copy_from_slice(unsafe { r.as_bytes() });
+                        words
+                    })
+                })
+                .collect();
+            let slices: [&[u8]; N] = std::array::from_fn(|i| match &copies[i] {
+                Some(w) => &bytemuck::cast_slice::<u64, u8>(w)[..ins[i].bytes()],
+                // SAFETY: no overlap with the output; stream order excludes other writers.
+                None => unsafe { ins[i].as_bytes() },
+            });
+            // SAFETY: the sole access to the output range in this job.
+            kernel(slices, unsafe { out.as_bytes_mut() });
+            Ok(())
+        })
+    }
+}
+
+fn need_float(op: &'static str, d: DType) -> Result<()> {
+    if d.is_float() {
+        Ok(())
+    } else {
+        Err(DeviceError::invalid(
+            op,
+            format!("needs a float dtype, got {d}"),
+        ))
+    }
+}
+
+fn need_len(op: &'static str, what: &str, expected: usize, found: usize) -> Result<()> {
+    if expected == found {
+        Ok(())
+    } else {
+        Err(DeviceError::invalid(
+            op,
+            format!("{what} has {found} elements, expected {expected}"),
+        ))
+    }
+}
+
+fn need_dtype(op: &'static str, expected: DType, found: DType) -> Result<()> {
+    if expected == found {
+        Ok(())
+    } else {
+        Err(DeviceError::DTypeMismatch {
+            op,
+            expected,
+            found,
+        })
+    }
+}
+
+fn typed<T: Element>(b: &[u8]) -> &[T] {
+    bytemuck::cast_slice(b)
+}
+fn typed_mut<T: Element>(b: &mut [u8]) -> &mut [T] {
+    bytemuck::cast_slice_mut(b)
+}
+
+/// Stores `value` (an f64 result) into a one-element f32 or f64 output.
+fn store_scalar<T: Float>(out: &mut [u8], value: f64, accumulate: bool) {
+    let o = &mut typed_mut::<T>(out)[0];
+    let v = if accumulate {
+        o.to_f64() + value
+    } else {
+        value
+    };
+    *o = T::from_f64(v);
+}
+
+impl crate::Stream for CpuStream {
+    type B = Cpu;
+
+    fn device(&self) -> &CpuDevice {
+        &self.device
+    }
+    fn priority(&self) -> Priority {
+        self.shared.priority
+    }
+    fn name(&self) -> String {
+        self.shared.name.clone()
+    }
+
+    fn alloc(&self, dtype: DType, len: usize) -> Result<super::CpuBuffer> {
+        let buf = self.device.alloc_memory(dtype, len)?;
+        // The allocation counts as a write on this stream, so another stream
+        // touching it without an event is reported like any other race.
+        self.enqueue("alloc", &[Access::write(View::whole(&buf))], |_| Ok(()))?;
+        Ok(buf)
+    }
+
+    fn copy(&self, src: View<'_, Cpu>, dst: View<'_, Cpu>) -> Result<()> {
+        need_dtype("copy", dst.dtype(), src.dtype())?;
+        need_len("copy", "the source", dst.len(), src.len())?;
+        self.map_job("copy", [src], dst, |[s], d| d.copy_from_slice(s))
+    }
+
+    fn copy_from_host(&self, src: &[u8], dst: View<'_, Cpu>) -> Result<()> {
+        need_len(
+            "copy_from_host",
+            "the host slice (bytes)",
+            dst.bytes(),
+            src.len(),
+        )?;
+        let out = self.own("copy_from_host", &dst)?;
+        let staged = src.to_vec();
+        self.enqueue("copy_from_host", &[Access::write(dst)], move |input| {
+            if let JobInput::Run = input {
+                // SAFETY: the only access to this range in stream order.
+                unsafe { out.as_bytes_mut() }.copy_from_slice(&staged);
+            }
+            Ok(())
+        })
+    }
+
+    fn copy_to_host(&self, src: View<'_, Cpu>) -> Result<Readback> {
+        let input = self.own("copy_to_host", &src)?;
+        let (readback, filler) =
+            Readback::pending(src.dtype(), src.len(), self.device.config().timeout);
+        self.enqueue("copy_to_host", &[Access::read(src)], move |job| {
+            match job {
+                // SAFETY: stream order excludes concurrent writers.
+                JobInput::Run => filler.fill(unsafe { input.as_bytes() }.to_vec()),
+                JobInput::Skip(e) => filler.fail(e.clone()),
+            }
+            Ok(())
+        })?;
+        Ok(readback)
+    }
+
+    fn fill(&self, dst: View<'_, Cpu>, value: Scalar) -> Result<()> {
+        let pattern = value
+            .encode(dst.dtype())
+            .map_err(|r| DeviceError::invalid("fill", r))?;
+        self.map_job("fill", [], dst, move |[], d| {
+            for chunk in d.chunks_exact_mut(pattern.len()) {
+                chunk.copy_from_slice(&pattern);
+            }
+        })
+    }
+
+    fn cast(&self, src: View<'_, Cpu>, dst: View<'_, Cpu>) -> Result<()> {
+        need_float("cast", src.dtype())?;
+        need_float("cast", dst.dtype())?;
+        need_len("cast", "the source", dst.len(), src.len())?;
+        let (sd, dd) = (src.dtype(), dst.dtype());
+        self.map_job("cast", [src], dst, move |[s], d| {
+            with_float!(sd, S => with_float!(dd, D => kernels::cast::<S, D>(typed(s), typed_mut(d))))
+        })
+    }
+
+    fn scale(&self, x: View<'_, Cpu>, alpha: f64) -> Result<()> {
+        need_float("scale", x.dtype())?;
+        let d = x.dtype();
+        self.map_job(
+            "scale",
+            [],
+            x,
+            move |[], x| with_float!(d, T => kernels::scale::<T>(typed_mut(x), alpha)),
+        )
+    }
+
+    fn accumulate(&self, src: View<'_, Cpu>, dst: View<'_, Cpu>) -> Result<()> {
+        need_len("accumulate", "the source", dst.len(), src.len())?;
+        let (sd, dd) = (src.dtype(), dst.dtype());
+        if sd.is_float() && dd.is_float() {
+            return self.map_job("accumulate", [src, dst], dst, move |[s, o], d| {
+                d.copy_from_slice(o);
+                with_float!(sd, S => with_float!(dd, D => kernels::accumulate::<S, D>(typed(s), typed_mut(d))))
+            });
+        }
+        need_dtype("accumulate", dd, sd)?;
+        self.map_job("accumulate", [src, dst], dst, move |[s, o], d| {
+            d.copy_from_slice(o);
+            match dd {
+                DType::I32 => kernels::accumulate_int::<i32>(typed(s), typed_mut(d)),
+                DType::I64 => kernels::accumulate_int::<i64>(typed(s), typed_mut(d)),
+                DType::I8 => kernels::accumulate_int::<i8>(typed(s), typed_mut(d)),
+                _ => kernels::accumulate_int::<u8>(s, d),
+            }
+        })
+    }
+
+    fn axpy(&self, alpha: f64, x: View<'_, Cpu>, y: View<'_, Cpu>) -> Result<()> {
+        need_float("axpy", x.dtype())?;
+        need_float("axpy", y.dtype())?;
+        need_len("axpy", "x", y.len(), x.len())?;
+        let (xd, yd) = (x.dtype(), y.dtype());
+        self.map_job("axpy", [x, y], y, move |[x, o], y| {
+            y.copy_from_slice(o);
+            with_float!(xd, S => with_float!(yd, D => kernels::axpy::<S, D>(alpha, typed(x), typed_mut(y))))
+        })
+    }
+
+    fn record(&self, event: &CpuEvent) -> Result<()> {
+        check_device("record", &self.device, &event.device)?;
+        let completion = event.begin_record();
+        match &self.device.inner.sanitizer {
+            Some(s) => {
+                let mut s = s
+                    .lock()
+                    .map_err(|_| DeviceError::invalid("record", "sanitizer poisoned"))?;
+                s.record_event(event.id, self.shared.index);
+                self.send(Job::Record(completion))
+            }
+            None => self.send(Job::Record(completion)),
+        }
+    }
+
+    fn wait(&self, event: &CpuEvent) -> Result<()> {
+        check_device("wait", &self.device, &event.device)?;
+        let Some(completion) = event.current() else {
+            return Ok(());
+        };
+        match &self.device.inner.sanitizer {
+            Some(s) => {
+                let mut s = s
+                    .lock()
+                    .map_err(|_| DeviceError::invalid("wait", "sanitizer poisoned"))?;
+                s.wait_event(event.id, self.shared.index);
+                self.send(Job::Wait(completion, event.id))
+            }
+            None => self.send(Job::Wait(completion, event.id)),
+        }
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.shared.synchronize(&self.device)
+    }
+
+    fn matmul(
+        &self,
+        spec: MatmulSpec,
+        a: View<'_, Cpu>,
+        b: View<'_, Cpu>,
+        c: View<'_, Cpu>,
+    ) -> Result<()> {
+        let op = "matmul";
+        need_float(op, a.dtype())?;
+        need_dtype(op, a.dtype(), b.dtype())?;
+        if c.dtype() != a.dtype() && c.dtype() != DType::F32 {
+            return Err(DeviceError::invalid(
+                op,
+                format!("the output must be {} or f32, got {}", a.dtype(), c.dtype()),
+            ));
+        }
+        let MatmulSpec { m, n, k, .. } = spec;
+        let size = |x: usize, y: usize| {
+            x.checked_mul(y)
+                .ok_or_else(|| DeviceError::invalid(op, "shape overflows"))
+        };
+        need_len(op, "A", size(m, k)?, a.len())?;
+        need_len(op, "B", size(k, n)?, b.len())?;
+        need_len(op, "C", size(m, n)?, c.len())?;
+        let (ad, cd) = (a.dtype(), c.dtype());
+        self.map_job(op, [a, b, c], c, move |[a, b, old], out| {
+            out.copy_from_slice(old);
+            with_float!(ad, T => with_float!(cd, C => kernels::matmul::<T, C>(spec, typed(a), typed(b), typed_mut(out))))
+        })
+    }
+
+    fn bias_add(&self, x: View<'_, Cpu>, bias: View<'_, Cpu>) -> Result<()> {
+        need_float("bias_add", x.dtype())?;
+        need_float("bias_add", bias.dtype())?;
+        if bias.is_empty() || x.len() % bias.len() != 0 {
+            if !(x.is_empty() && bias.is_empty()) && !(x.is_empty()) {
+                return Err(DeviceError::invalid(
+                    "bias_add",
+                    format!("{} elements are not rows of {}", x.len(), bias.len()),
+                ));
+            }
+        }
+        let (xd, bd) = (x.dtype(), bias.dtype());
+        self.map_job("bias_add", [bias, x], x, move |[b, old], x| {
+            x.copy_from_slice(old);
+            with_float!(xd, X => with_float!(bd, B => kernels::bias_add::<X, B>(typed_mut(x), typed(b))))
+        })
+    }
+
+    fn relu(&self, x: View<'_, Cpu>, y: View<'_, Cpu>) -> Result<()> {
+        need_float("relu", x.dtype())?;
+        need_dtype("relu", x.dtype(), y.dtype())?;
+        need_len("relu", "y", x.len(), y.len())?;
+        let d = x.dtype();
+        self.map_job(
+            "relu",
+            [x],
+            y,
+            move |[x], y| with_float!(d, T => kernels::relu::<T>(typed(x), typed_mut(y))),
+        )
+    }
+
+    fn relu_backward(
+        &self,
+        grad_out: View<'_, Cpu>,
+        out: View<'_, Cpu>,
+        grad_in: View<'_, Cpu>,
+    ) -> Result<()> {
+        let op = "relu_backward";
+        need_float(op, grad_out.dtype())?;
+        need_dtype(op, grad_out.dtype(), out.dtype())?;
+        need_dtype(op, grad_out.dtype(), grad_in.dtype())?;
+        need_len(op, "out", grad_out.len(), out.len())?;
+        need_len(op, "grad_in", grad_out.len(), grad_in.len())?;
+        let d = out.dtype();
+        self.map_job(op, [grad_out, out], grad_in, move |[g, o], gi| {
+            with_float!(d, T => kernels::relu_backward::<T>(typed(g), typed(o), typed_mut(gi)))
+        })
+    }
+
+    fn mse_loss(
+        &self,
+        pred: View<'_, Cpu>,
+        target: View<'_, Cpu>,
+        loss: View<'_, Cpu>,
+        scale: f64,
+    ) -> Result<()> {
+        let op = "mse_loss";
+        need_float(op, pred.dtype())?;
+        need_float(op, target.dtype())?;
+        need_len(op, "target", pred.len(), target.len())?;
+        scalar_out(op, &loss)?;
+        let (pd, td, ld) = (pred.dtype(), target.dtype(), loss.dtype());
+        self.map_job(op, [pred, target], loss, move |[p, t], l| {
+            let s = with_float!(pd, P => with_float!(td, T => kernels::mse_sum::<P, T>(typed(p), typed(t))));
+            with_float!(ld, L => store_scalar::<L>(l, s * scale, false))
+        })
+    }
+
+    fn mse_grad(
+        &self,
+        pred: View<'_, Cpu>,
+        target: View<'_, Cpu>,
+        grad: View<'_, Cpu>,
+        scale: f64,
+    ) -> Result<()> {
+        let op = "mse_grad";
+        need_float(op, pred.dtype())?;
+        need_float(op, target.dtype())?;
+        need_float(op, grad.dtype())?;
+        need_len(op, "target", pred.len(), target.len())?;
+        need_len(op, "grad", pred.len(), grad.len())?;
+        let (pd, td, gd) = (pred.dtype(), target.dtype(), grad.dtype());
+        self.map_job(op, [pred, target], grad, move |[p, t], g| {
+            with_float!(pd, P => with_float!(td, T => with_float!(gd, G =>
+                kernels::mse_grad::<P, T, G>(typed(p), typed(t), typed_mut(g), scale))))
+        })
+    }
+
+    fn column_sums(&self, x: View<'_, Cpu>, out: View<'_, Cpu>, accumulate: bool) -> Result<()> {
+        let op = "column_sums";
+        need_float(op, x.dtype())?;
+        need_float(op, out.dtype())?;
+        if (out.is_empty() && !x.is_empty()) || (!out.is_empty() && x.len() % out.len() != 0) {
+            return Err(DeviceError::invalid(
+                op,
+                format!("{} elements are not rows of {}", x.len(), out.len()),
+            ));
+        }
+        let (xd, od) = (x.dtype(), out.dtype());
+        self.map_job(op, [x, out], out, move |[x, old], o| {
+            o.copy_from_slice(old);
+            with_float!(xd, X => with_float!(od, O => kernels::column_sums::<X, O>(typed(x), typed_mut(o), accumulate)))
+        })
+    }
+
+    fn sum_squares(&self, x: View<'_, Cpu>, out: View<'_, Cpu>, accumulate: bool) -> Result<()> {
+        let op = "sum_squares";
+        need_float(op, x.dtype())?;
+        scalar_out(op, &out)?;
+        let (xd, od) = (x.dtype(), out.dtype());
+        self.map_job(op, [x, out], out, move |[x, old], o| {
+            o.copy_from_slice(old);
+            let s = with_float!(xd, X => kernels::sum_squares::<X>(typed(x)));
+            with_float!(od, O => store_scalar::<O>(o, s, accumulate))
+        })
+    }
+
+    fn sgd_step(
+        &self,
+        params: SgdParams,
+        param: View<'_, Cpu>,
+        grad: View<'_, Cpu>,
+        momentum_buf: Option<View<'_, Cpu>>,
+    ) -> Result<()> {
+        let op = "sgd_step";
+        for v in [Some(param), Some(grad), momentum_buf]
+            .into_iter()
+            .flatten()
+        {
+            need_dtype(op, DType::F32, v.dtype())?;
+            need_len(op, "every operand", param.len(), v.len())?;
+        }
+        if params.momentum != 0.0 && momentum_buf.is_none() {
+            return Err(DeviceError::invalid(op, "momentum needs a momentum buffer"));
+        }
+        let p = self.own(op, &param)?;
+        let g = self.own(op, &grad)?;
+        let m = momentum_buf.map(|v| self.own(op, &v)).transpose()?;
+        let mut accesses = vec![Access::read(grad), Access::write(param)];
+        accesses.extend(momentum_buf.map(Access::write));
+        if [Some(&g), m.as_ref()]
+            .into_iter()
+            .flatten()
+            .any(|r| r.overlaps(&p))
+            || m.as_ref().is_some_and(|m| m.overlaps(&g))
+        {
+            return Err(DeviceError::invalid(
+                op,
+                "param, grad and momentum buffer must not overlap",
+            ));
+        }
+        self.enqueue(op, &accesses, move |input| {
+            if let JobInput::Run = input {
+                // SAFETY: disjoint ranges (checked above), stream-ordered.
+                unsafe {
+                    kernels::sgd(
+                        params,
+                        p.as_mut_slice(),
+                        g.as_slice(),
+                        m.as_ref().map(|m| m.as_mut_slice()),
+                    )
+                };
+            }
+            Ok(())
+        })
+    }
+
+    fn adamw_step(
+        &self,
+        params: AdamWParams,
+        param: View<'_, Cpu>,
+        grad: View<'_, Cpu>,
+        exp_avg: View<'_, Cpu>,
+        exp_avg_sq: View<'_, Cpu>,
+    ) -> Result<()> {
+        let op = "adamw_step";
+        let views = [param, grad, exp_avg, exp_avg_sq];
+        let mut raws = Vec::new();
+        for v in views {
+            need_dtype(op, DType::F32, v.dtype())?;
+            need_len(op, "every operand", param.len(), v.len())?;
+            raws.push(self.own(op, &v)?);
+        }
+        for i in 0..4 {
+            for j in i + 1..4 {
+                if raws[i].overlaps(&raws[j]) {
+                    return Err(DeviceError::invalid(
+                        op,
+                        "param, grad and the moments must not overlap",
+                    ));
+                }
+            }
+        }
+        let accesses = [
+            Access::read(grad),
+            Access::write(param),
+            Access::write(exp_avg),
+            Access::write(exp_avg_sq),
+        ];
+        self.enqueue(op, &accesses, move |input| {
+            if let JobInput::Run = input {
+                let [p, g, m, v] = [&raws[0], &raws[1], &raws[2], &raws[3]];
+                // SAFETY: disjoint ranges (checked above), stream-ordered.
+                unsafe {
+                    kernels::adamw(
+                        params,
+                        p.as_mut_slice(),
+                        g.as_slice(),
+                        m.as_mut_slice(),
+                        v.as_mut_slice(),
+                    )
+                };
+            }
+            Ok(())
+        })
+    }
+}
+
+fn scalar_out(op: &'static str, v: &View<'_, Cpu>) -> Result<()> {
+    if v.len() != 1 || !matches!(v.dtype(), DType::F32 | DType::F64) {
+        return Err(DeviceError::invalid(
+            op,
+            format!(
+                "the result must be one f32 or f64 element, got {}[{}]",
+                v.dtype(),
+                v.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl Drop for CpuStream {
+    fn drop(&mut self) {
+        // The executor drains what is queued, then exits; jobs keep their
+        // buffers alive, so nothing waits here.
+        let _ = self.tx.send(Job::Stop);
+    }
+}

@@ -1,0 +1,26 @@
+//! Devices, streams, events and buffers with CUDA's stream-ordered semantics.
+//!
+//! This crate is the bottom layer of chorus. It defines the [`Backend`] trait
+//! family (see [`api`] for the ordering and error contract every backend
+//! honours), the element types ([`DType`]), views into buffers ([`View`]),
+//! host readbacks ([`Readback`]), and the always-available [`cpu`] device,
+//! whose streams are executor threads and whose stream sanitizer reports
+//! cross-stream races as typed errors.
+#![warn(missing_docs)]
+
+pub mod api;
+pub mod cpu;
+mod dtype;
+mod error;
+mod readback;
+mod view;
+
+pub use api::{
+    AdamWParams, Backend, Buffer, Device, Event, MatmulSpec, MemoryStats, Priority, Result,
+    SgdParams, Stream, StreamExt,
+};
+pub use dtype::{DType, Element, Scalar};
+pub use error::{AccessKind, DeviceError, RaceAccess, RaceReport};
+pub use half::{bf16, f16};
+pub use readback::{Readback, ReadbackFiller};
+pub use view::View;
