@@ -247,13 +247,7 @@ pub trait Stream: Send + Sync + fmt::Debug + 'static {
 
     /// Matrix product per [`MatmulSpec`]: `a` and `b` share a float dtype;
     /// `c` is that dtype or f32. Accumulates in f32 (f64 for f64) and rounds once.
-    fn matmul(
-        &self,
-        spec: MatmulSpec,
-        a: View<'_, Self::B>,
-        b: View<'_, Self::B>,
-        c: View<'_, Self::B>,
-    ) -> Result<()>;
+    fn matmul(&self, spec: MatmulSpec, a: View<'_, Self::B>, b: View<'_, Self::B>, c: View<'_, Self::B>) -> Result<()>;
     /// `x[r, c] += bias[c]` for `x` of `rows × bias.len()`, any float dtypes.
     fn bias_add(&self, x: View<'_, Self::B>, bias: View<'_, Self::B>) -> Result<()>;
     /// `y = max(x, 0)`; `y` may be `x`.
@@ -282,19 +276,9 @@ pub trait Stream: Send + Sync + fmt::Debug + 'static {
         scale: f64,
     ) -> Result<()>;
     /// `out[c] (+)= Σ_r x[r, c]` for `x` of `rows × out.len()`, summed in f32 (f64 for f64).
-    fn column_sums(
-        &self,
-        x: View<'_, Self::B>,
-        out: View<'_, Self::B>,
-        accumulate: bool,
-    ) -> Result<()>;
+    fn column_sums(&self, x: View<'_, Self::B>, out: View<'_, Self::B>, accumulate: bool) -> Result<()>;
     /// `out[0] (+)= Σ x²`, summed in f64; `out` is one f32 or f64 element.
-    fn sum_squares(
-        &self,
-        x: View<'_, Self::B>,
-        out: View<'_, Self::B>,
-        accumulate: bool,
-    ) -> Result<()>;
+    fn sum_squares(&self, x: View<'_, Self::B>, out: View<'_, Self::B>, accumulate: bool) -> Result<()>;
     /// One SGD step on f32 `param` with f32 `grad`; `momentum_buf` is needed when momentum ≠ 0.
     fn sgd_step(
         &self,
@@ -319,11 +303,7 @@ pub trait StreamExt: Stream {
     /// Copies a typed host slice into `dst` (dtype must match `T`).
     fn upload<T: crate::Element>(&self, src: &[T], dst: View<'_, Self::B>) -> Result<()> {
         if dst.dtype() != T::DTYPE {
-            return Err(DeviceError::DTypeMismatch {
-                op: "upload",
-                expected: dst.dtype(),
-                found: T::DTYPE,
-            });
+            return Err(DeviceError::DTypeMismatch { op: "upload", expected: dst.dtype(), found: T::DTYPE });
         }
         self.copy_from_host(bytemuck::cast_slice(src), dst)
     }

@@ -26,16 +26,8 @@ pub enum DType {
 
 impl DType {
     /// Every dtype, in a fixed order (used by the conformance suite and the CLI).
-    pub const ALL: [DType; 8] = [
-        DType::F32,
-        DType::F64,
-        DType::F16,
-        DType::BF16,
-        DType::I32,
-        DType::I64,
-        DType::I8,
-        DType::U8,
-    ];
+    pub const ALL: [DType; 8] =
+        [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::I8, DType::U8];
 
     /// Size of one element in bytes.
     pub const fn size(self) -> usize {
@@ -137,13 +129,8 @@ pub enum Scalar {
 impl Scalar {
     /// Encodes this scalar as one element of `dtype`, little-endian, or says why it cannot.
     pub fn encode(self, dtype: DType) -> Result<Vec<u8>, String> {
-        fn int_in<T: TryFrom<i64> + bytemuck::Pod>(
-            v: i64,
-            dtype: DType,
-        ) -> Result<Vec<u8>, String> {
-            T::try_from(v)
-                .map(|x| bytemuck::bytes_of(&x).to_vec())
-                .map_err(|_| format!("{v} does not fit in {dtype}"))
+        fn int_in<T: TryFrom<i64> + bytemuck::Pod>(v: i64, dtype: DType) -> Result<Vec<u8>, String> {
+            T::try_from(v).map(|x| bytemuck::bytes_of(&x).to_vec()).map_err(|_| format!("{v} does not fit in {dtype}"))
         }
         match (self, dtype) {
             (Scalar::Float(v), DType::F32) => Ok((v as f32).to_le_bytes().to_vec()),
@@ -161,9 +148,7 @@ impl Scalar {
                 if v.fract() == 0.0 && v.abs() < 9.0e15 {
                     Scalar::Int(v as i64).encode(d)
                 } else {
-                    Err(format!(
-                        "{v} is not an integer; cannot fill a {d} buffer with it"
-                    ))
+                    Err(format!("{v} is not an integer; cannot fill a {d} buffer with it"))
                 }
             }
         }
@@ -189,9 +174,6 @@ mod tests {
         assert_eq!(Scalar::Int(-1).encode(DType::I8).unwrap(), vec![0xff]);
         assert!(Scalar::Int(300).encode(DType::U8).is_err());
         assert!(Scalar::Float(0.5).encode(DType::I32).is_err());
-        assert_eq!(
-            Scalar::Float(1.0).encode(DType::BF16).unwrap(),
-            vec![0x80, 0x3f]
-        );
+        assert_eq!(Scalar::Float(1.0).encode(DType::BF16).unwrap(), vec![0x80, 0x3f]);
     }
 }

@@ -94,10 +94,7 @@ pub enum DeviceError {
 
 impl DeviceError {
     pub(crate) fn invalid(op: &'static str, reason: impl Into<String>) -> Self {
-        DeviceError::InvalidArgument {
-            op,
-            reason: reason.into(),
-        }
+        DeviceError::InvalidArgument { op, reason: reason.into() }
     }
 
     /// The first failure behind this error, looking through `Poisoned`.

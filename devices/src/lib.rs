@@ -16,8 +16,8 @@ mod readback;
 mod view;
 
 pub use api::{
-    AdamWParams, Backend, Buffer, Device, Event, MatmulSpec, MemoryStats, Priority, Result,
-    SgdParams, Stream, StreamExt,
+    AdamWParams, Backend, Buffer, Device, Event, MatmulSpec, MemoryStats, Priority, Result, SgdParams, Stream,
+    StreamExt,
 };
 pub use dtype::{DType, Element, Scalar};
 pub use error::{AccessKind, DeviceError, RaceAccess, RaceReport};

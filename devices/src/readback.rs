@@ -31,19 +31,8 @@ pub struct ReadbackFiller {
 impl Readback {
     /// A pending readback of `len` elements of `dtype`; host waits give up after `timeout`.
     pub fn pending(dtype: DType, len: usize, timeout: Duration) -> (Readback, ReadbackFiller) {
-        let slot = Arc::new(Slot {
-            state: Mutex::new(None),
-            ready: Condvar::new(),
-        });
-        (
-            Readback {
-                slot: slot.clone(),
-                dtype,
-                len,
-                timeout,
-            },
-            ReadbackFiller { slot: Some(slot) },
-        )
+        let slot = Arc::new(Slot { state: Mutex::new(None), ready: Condvar::new() });
+        (Readback { slot: slot.clone(), dtype, len, timeout }, ReadbackFiller { slot: Some(slot) })
     }
 
     /// The dtype of the data.
@@ -68,8 +57,7 @@ impl Readback {
     /// the stream, or `Timeout`.
     pub fn wait(self) -> Result<Vec<u8>, DeviceError> {
         let deadline = Instant::now() + self.timeout;
-        let poisoned =
-            || DeviceError::invalid("readback", "a thread panicked while holding the readback");
+        let poisoned = || DeviceError::invalid("readback", "a thread panicked while holding the readback");
         let mut state = self.slot.state.lock().map_err(|_| poisoned())?;
         loop {
             if let Some(result) = state.take() {
@@ -77,28 +65,16 @@ impl Readback {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(DeviceError::Timeout {
-                    what: "a device-to-host copy".into(),
-                    waited: self.timeout,
-                });
+                return Err(DeviceError::Timeout { what: "a device-to-host copy".into(), waited: self.timeout });
             }
-            state = self
-                .slot
-                .ready
-                .wait_timeout(state, deadline - now)
-                .map_err(|_| poisoned())?
-                .0;
+            state = self.slot.ready.wait_timeout(state, deadline - now).map_err(|_| poisoned())?.0;
         }
     }
 
     /// Like [`Readback::wait`], typed; `T` must match the dtype.
     pub fn wait_typed<T: Element>(self) -> Result<Vec<T>, DeviceError> {
         if T::DTYPE != self.dtype {
-            return Err(DeviceError::DTypeMismatch {
-                op: "readback",
-                expected: self.dtype,
-                found: T::DTYPE,
-            });
+            return Err(DeviceError::DTypeMismatch { op: "readback", expected: self.dtype, found: T::DTYPE });
         }
         let len = self.len;
         let bytes = self.wait()?;
@@ -106,10 +82,7 @@ impl Readback {
         let mut out = vec![T::zeroed(); len];
         let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
         if dst.len() != bytes.len() {
-            return Err(DeviceError::invalid(
-                "readback",
-                "the copy returned the wrong number of bytes",
-            ));
+            return Err(DeviceError::invalid("readback", "the copy returned the wrong number of bytes"));
         }
         dst.copy_from_slice(&bytes);
         Ok(out)
@@ -137,9 +110,6 @@ impl ReadbackFiller {
 
 impl Drop for ReadbackFiller {
     fn drop(&mut self) {
-        self.finish(Err(DeviceError::invalid(
-            "readback",
-            "the copy was dropped before it ran",
-        )));
+        self.finish(Err(DeviceError::invalid("readback", "the copy was dropped before it ran")));
     }
 }

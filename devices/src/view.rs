@@ -36,27 +36,16 @@ impl<B: Backend> fmt::Debug for View<'_, B> {
 impl<'a, B: Backend> View<'a, B> {
     /// The whole of `buffer`.
     pub fn whole(buffer: &'a B::Buffer) -> Self {
-        View {
-            buffer,
-            offset: 0,
-            len: buffer.len(),
-        }
+        View { buffer, offset: 0, len: buffer.len() }
     }
 
     /// A sub-range of this view: `len` elements from `offset` (relative to this view).
     pub fn slice(&self, offset: usize, len: usize) -> Result<View<'a, B>, DeviceError> {
         match offset.checked_add(len) {
-            Some(end) if end <= self.len => Ok(View {
-                buffer: self.buffer,
-                offset: self.offset + offset,
-                len,
-            }),
+            Some(end) if end <= self.len => Ok(View { buffer: self.buffer, offset: self.offset + offset, len }),
             _ => Err(DeviceError::invalid(
                 "slice",
-                format!(
-                    "range {offset}..{offset}+{len} is outside a view of {} elements",
-                    self.len
-                ),
+                format!("range {offset}..{offset}+{len} is outside a view of {} elements", self.len),
             )),
         }
     }
@@ -66,10 +55,7 @@ impl<'a, B: Backend> View<'a, B> {
         if parts == 0 || self.len % parts != 0 || index >= parts {
             return Err(DeviceError::invalid(
                 "chunk",
-                format!(
-                    "cannot take chunk {index} of {parts} from a view of {} elements",
-                    self.len
-                ),
+                format!("cannot take chunk {index} of {parts} from a view of {} elements", self.len),
             ));
         }
         let n = self.len / parts;
@@ -115,8 +101,6 @@ impl<'a, B: Backend> View<'a, B> {
     }
     /// Whether two views are exactly the same range of the same buffer.
     pub fn same_range(&self, other: &View<'_, B>) -> bool {
-        self.buffer.id() == other.buffer.id()
-            && self.offset == other.offset
-            && self.len == other.len
+        self.buffer.id() == other.buffer.id() && self.offset == other.offset && self.len == other.len
     }
 }

@@ -38,11 +38,7 @@ impl Default for CpuConfig {
             Ok("0") | Ok("off") | Ok("false") => false,
             _ => true,
         };
-        CpuConfig {
-            ordinal: 0,
-            sanitizer,
-            timeout: Duration::from_secs(120),
-        }
+        CpuConfig { ordinal: 0, sanitizer, timeout: Duration::from_secs(120) }
     }
 }
 
@@ -78,10 +74,7 @@ impl CpuDevice {
 
     /// A device with default settings and the given ordinal.
     pub fn with_ordinal(ordinal: usize) -> CpuDevice {
-        CpuDevice::new(CpuConfig {
-            ordinal,
-            ..CpuConfig::default()
-        })
+        CpuDevice::new(CpuConfig { ordinal, ..CpuConfig::default() })
     }
 
     /// The settings this device was made with.
@@ -113,18 +106,9 @@ impl CpuDevice {
     pub(crate) fn alloc_memory(&self, dtype: DType, len: usize) -> Result<CpuBuffer> {
         let bytes = len
             .checked_mul(dtype.size())
-            .ok_or_else(|| DeviceError::OutOfMemory {
-                device: self.label(),
-                bytes: usize::MAX,
-            })?;
+            .ok_or_else(|| DeviceError::OutOfMemory { device: self.label(), bytes: usize::MAX })?;
         let mem = Memory::zeroed(bytes, &self.inner.counters, &self.label())?;
-        Ok(CpuBuffer {
-            mem,
-            dtype,
-            len,
-            id: next_id(),
-            device: self.clone(),
-        })
+        Ok(CpuBuffer { mem, dtype, len, id: next_id(), device: self.clone() })
     }
 }
 
@@ -184,12 +168,7 @@ impl CpuBuffer {
         &self.device
     }
     pub(crate) fn raw_range(&self, bytes: std::ops::Range<usize>) -> RawRange {
-        RawRange::new(
-            self.mem.clone(),
-            bytes.start,
-            bytes.end - bytes.start,
-            self.dtype,
-        )
+        RawRange::new(self.mem.clone(), bytes.start, bytes.end - bytes.start, self.dtype)
     }
 }
 

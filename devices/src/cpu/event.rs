@@ -66,20 +66,14 @@ impl Completion {
 
     pub(crate) fn wait(&self, timeout: Duration, what: &str) -> Result<()> {
         let deadline = Instant::now() + timeout;
-        let mut guard = self
-            .lock
-            .lock()
-            .map_err(|_| DeviceError::invalid("event", "lock poisoned"))?;
+        let mut guard = self.lock.lock().map_err(|_| DeviceError::invalid("event", "lock poisoned"))?;
         loop {
             if self.query()? {
                 return Ok(());
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(DeviceError::Timeout {
-                    what: what.to_string(),
-                    waited: timeout,
-                });
+                return Err(DeviceError::Timeout { what: what.to_string(), waited: timeout });
             }
             guard = self
                 .cv
@@ -100,11 +94,7 @@ pub struct CpuEvent {
 
 impl CpuEvent {
     pub(crate) fn new(device: &CpuDevice) -> CpuEvent {
-        CpuEvent {
-            id: next_id(),
-            device: device.clone(),
-            current: Mutex::new(None),
-        }
+        CpuEvent { id: next_id(), device: device.clone(), current: Mutex::new(None) }
     }
 
     /// Starts a new record and returns its completion (set by the stream's marker).

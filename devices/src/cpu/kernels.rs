@@ -10,14 +10,7 @@ use crate::{AdamWParams, DType, Element, SgdParams};
 
 /// The type arithmetic is done in.
 pub(crate) trait Math:
-    Copy
-    + Add<Output = Self>
-    + Sub<Output = Self>
-    + Mul<Output = Self>
-    + PartialOrd
-    + Send
-    + Sync
-    + 'static
+    Copy + Add<Output = Self> + Sub<Output = Self> + Mul<Output = Self> + PartialOrd + Send + Sync + 'static
 {
     const ZERO: Self;
     fn of(v: f64) -> Self;
@@ -170,25 +163,10 @@ int_wrap!(i32, i64, i8, u8);
 
 /// `C (+)= op(A) op(B)` with f32 (f64) accumulation, through a fast GEMM.
 pub(crate) fn matmul<T: Float, C: Float>(spec: crate::MatmulSpec, a: &[T], b: &[T], c: &mut [C]) {
-    let crate::MatmulSpec {
-        m,
-        n,
-        k,
-        trans_a,
-        trans_b,
-        accumulate,
-    } = spec;
+    let crate::MatmulSpec { m, n, k, trans_a, trans_b, accumulate } = spec;
     // Strides of op(A) [m×k] and op(B) [k×n] as stored.
-    let (rsa, csa) = if trans_a {
-        (1, m as isize)
-    } else {
-        (k as isize, 1)
-    };
-    let (rsb, csb) = if trans_b {
-        (1, k as isize)
-    } else {
-        (n as isize, 1)
-    };
+    let (rsa, csa) = if trans_a { (1, m as isize) } else { (k as isize, 1) };
+    let (rsb, csb) = if trans_b { (1, k as isize) } else { (n as isize, 1) };
     if m == 0 || n == 0 {
         return;
     }
@@ -263,37 +241,21 @@ pub(crate) fn bias_add<X: Float, B: Float>(x: &mut [X], bias: &[B]) {
 
 pub(crate) fn relu<T: Float>(x: &[T], y: &mut [T]) {
     for (yv, xv) in y.iter_mut().zip(x) {
-        *yv = if xv.up() > T::M::ZERO {
-            *xv
-        } else {
-            T::down(T::M::ZERO)
-        };
+        *yv = if xv.up() > T::M::ZERO { *xv } else { T::down(T::M::ZERO) };
     }
 }
 
 pub(crate) fn relu_backward<T: Float>(grad_out: &[T], out: &[T], grad_in: &mut [T]) {
     for ((gi, go), o) in grad_in.iter_mut().zip(grad_out).zip(out) {
-        *gi = if o.up() > T::M::ZERO {
-            *go
-        } else {
-            T::down(T::M::ZERO)
-        };
+        *gi = if o.up() > T::M::ZERO { *go } else { T::down(T::M::ZERO) };
     }
 }
 
 pub(crate) fn mse_sum<P: Float, T: Float>(pred: &[P], target: &[T]) -> f64 {
-    pred.iter()
-        .zip(target)
-        .map(|(p, t)| (p.to_f64() - t.to_f64()).powi(2))
-        .sum()
+    pred.iter().zip(target).map(|(p, t)| (p.to_f64() - t.to_f64()).powi(2)).sum()
 }
 
-pub(crate) fn mse_grad<P: Float, T: Float, G: Float>(
-    pred: &[P],
-    target: &[T],
-    grad: &mut [G],
-    scale: f64,
-) {
+pub(crate) fn mse_grad<P: Float, T: Float, G: Float>(pred: &[P], target: &[T], grad: &mut [G], scale: f64) {
     let s = G::M::of(2.0 * scale);
     for ((g, p), t) in grad.iter_mut().zip(pred).zip(target) {
         *g = G::down(s * (G::m_from(*p) - G::m_from(*t)));
@@ -322,20 +284,11 @@ pub(crate) fn sum_squares<T: Float>(x: &[T]) -> f64 {
 
 /// One SGD step in f32, mirroring `torch.optim.SGD`'s single-tensor update.
 pub(crate) fn sgd(p: SgdParams, param: &mut [f32], grad: &[f32], buf: Option<&mut [f32]>) {
-    let (lr, wd, mom, damp) = (
-        p.lr as f32,
-        p.weight_decay as f32,
-        p.momentum as f32,
-        (1.0 - p.dampening) as f32,
-    );
+    let (lr, wd, mom, damp) = (p.lr as f32, p.weight_decay as f32, p.momentum as f32, (1.0 - p.dampening) as f32);
     match buf {
         Some(buf) if p.momentum != 0.0 => {
             for ((w, g), b) in param.iter_mut().zip(grad).zip(buf.iter_mut()) {
-                let d = if p.weight_decay != 0.0 {
-                    *g + wd * *w
-                } else {
-                    *g
-                };
+                let d = if p.weight_decay != 0.0 { *g + wd * *w } else { *g };
                 *b = if p.first_step { d } else { *b * mom + damp * d };
                 let step = if p.nesterov { d + mom * *b } else { *b };
                 *w += -lr * step;
@@ -343,11 +296,7 @@ pub(crate) fn sgd(p: SgdParams, param: &mut [f32], grad: &[f32], buf: Option<&mu
         }
         _ => {
             for (w, g) in param.iter_mut().zip(grad) {
-                let d = if p.weight_decay != 0.0 {
-                    *g + wd * *w
-                } else {
-                    *g
-                };
+                let d = if p.weight_decay != 0.0 { *g + wd * *w } else { *g };
                 *w += -lr * d;
             }
         }
@@ -366,12 +315,7 @@ pub(crate) fn adamw(p: AdamWParams, param: &mut [f32], grad: &[f32], m: &mut [f3
     let bc2_sqrt = (1.0 - b2.powi(step)).sqrt() as f32;
     let step_size = (p.lr / bc1) as f32;
     let eps = p.eps as f32;
-    for (((w, g), mv), vv) in param
-        .iter_mut()
-        .zip(grad)
-        .zip(m.iter_mut())
-        .zip(v.iter_mut())
-    {
+    for (((w, g), mv), vv) in param.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
         *w *= decay;
         *mv += one_minus_b1 * (*g - *mv);
         *vv = *vv * b2f + one_minus_b2 * *g * *g;

@@ -27,8 +27,7 @@ impl MemCounters {
         }
     }
     pub(crate) fn reset_peak(&self) {
-        self.peak
-            .store(self.in_use.load(Ordering::Acquire), Ordering::Release);
+        self.peak.store(self.in_use.load(Ordering::Acquire), Ordering::Release);
     }
     fn add(&self, bytes: usize) {
         let now = self.in_use.fetch_add(bytes, Ordering::AcqRel) + bytes;
@@ -56,34 +55,19 @@ unsafe impl Send for Memory {}
 unsafe impl Sync for Memory {}
 
 impl Memory {
-    pub(crate) fn zeroed(
-        bytes: usize,
-        counters: &Arc<MemCounters>,
-        device: &str,
-    ) -> Result<Arc<Memory>, DeviceError> {
+    pub(crate) fn zeroed(bytes: usize, counters: &Arc<MemCounters>, device: &str) -> Result<Arc<Memory>, DeviceError> {
         let ptr = if bytes == 0 {
             // A well-aligned dangling pointer: never dereferenced for zero bytes.
-            NonNull::new(ALIGN as *mut u8)
-                .ok_or_else(|| DeviceError::invalid("alloc", "null alignment"))?
+            NonNull::new(ALIGN as *mut u8).ok_or_else(|| DeviceError::invalid("alloc", "null alignment"))?
         } else {
-            let layout =
-                Layout::from_size_align(bytes, ALIGN).map_err(|_| DeviceError::OutOfMemory {
-                    device: device.to_string(),
-                    bytes,
-                })?;
+            let layout = Layout::from_size_align(bytes, ALIGN)
+                .map_err(|_| DeviceError::OutOfMemory { device: device.to_string(), bytes })?;
             // SAFETY: layout has non-zero size.
             let raw = unsafe { alloc::alloc_zeroed(layout) };
-            NonNull::new(raw).ok_or_else(|| DeviceError::OutOfMemory {
-                device: device.to_string(),
-                bytes,
-            })?
+            NonNull::new(raw).ok_or_else(|| DeviceError::OutOfMemory { device: device.to_string(), bytes })?
         };
         counters.add(bytes);
-        Ok(Arc::new(Memory {
-            ptr,
-            bytes,
-            counters: counters.clone(),
-        }))
+        Ok(Arc::new(Memory { ptr, bytes, counters: counters.clone() }))
     }
 
     pub(crate) fn ptr(&self) -> *mut u8 {
@@ -121,12 +105,7 @@ pub struct RawRange {
 impl RawRange {
     pub(crate) fn new(mem: Arc<Memory>, start: usize, len: usize, dtype: crate::DType) -> RawRange {
         debug_assert!(start + len <= mem.bytes());
-        RawRange {
-            mem,
-            start,
-            len,
-            dtype,
-        }
+        RawRange { mem, start, len, dtype }
     }
     /// Number of bytes.
     pub fn bytes(&self) -> usize {

@@ -56,11 +56,7 @@ fn check_device(op: &'static str, ours: &CpuDevice, theirs: &CpuDevice) -> Resul
     } else {
         Err(DeviceError::invalid(
             op,
-            format!(
-                "a view of {} was passed to a stream of {}",
-                theirs.label(),
-                ours.label()
-            ),
+            format!("a view of {} was passed to a stream of {}", theirs.label(), ours.label()),
         ))
     }
 }

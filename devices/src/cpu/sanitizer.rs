@@ -102,8 +102,7 @@ fn covers(outer: &Range<usize>, inner: &Range<usize>) -> bool {
 impl Sanitizer {
     pub(crate) fn add_stream(&mut self, index: usize, name: String) {
         if self.streams.len() <= index {
-            self.streams
-                .resize(index + 1, (String::new(), Clock::default()));
+            self.streams.resize(index + 1, (String::new(), Clock::default()));
         }
         self.streams[index] = (name, Clock::default());
     }
@@ -116,11 +115,7 @@ impl Sanitizer {
         op: &'static str,
         accesses: &[Access],
     ) -> Result<(), Box<RaceReport>> {
-        let mut clock = self
-            .streams
-            .get(stream)
-            .map(|s| s.1.clone())
-            .unwrap_or_default();
+        let mut clock = self.streams.get(stream).map(|s| s.1.clone()).unwrap_or_default();
         clock.merge(&self.host);
         let position = clock.get(stream) + 1;
         clock.set(stream, position);
@@ -168,13 +163,7 @@ impl Sanitizer {
                     && ordered(e)
                     && (a.kind == AccessKind::Write || e.kind == AccessKind::Read))
             });
-            entries.push(Entry {
-                bytes: a.bytes.clone(),
-                kind: a.kind,
-                stream,
-                position,
-                op,
-            });
+            entries.push(Entry { bytes: a.bytes.clone(), kind: a.kind, stream, position, op });
         }
         if let Some(s) = self.streams.get_mut(stream) {
             s.1 = clock;
@@ -183,11 +172,7 @@ impl Sanitizer {
     }
 
     pub(crate) fn record_event(&mut self, event: u64, stream: usize) {
-        let clock = self
-            .streams
-            .get(stream)
-            .map(|s| s.1.clone())
-            .unwrap_or_default();
+        let clock = self.streams.get(stream).map(|s| s.1.clone()).unwrap_or_default();
         self.events.insert(event, clock);
     }
 

@@ -13,8 +13,7 @@ use super::memory::RawRange;
 use super::sanitizer::Access;
 use super::{check_device, raw, Cpu};
 use crate::{
-    AdamWParams, DType, DeviceError, Element, MatmulSpec, Priority, Readback, Result, Scalar,
-    SgdParams, View,
+    AdamWParams, DType, DeviceError, Element, MatmulSpec, Priority, Readback, Result, Scalar, SgdParams, View,
 };
 
 /// What a job is told when the executor reaches it.
@@ -79,16 +78,9 @@ impl StreamShared {
         while p.completed < target {
             let now = Instant::now();
             if now >= deadline {
-                return Err(DeviceError::Timeout {
-                    what: format!("{} to finish", self.name),
-                    waited: timeout,
-                });
+                return Err(DeviceError::Timeout { what: format!("{} to finish", self.name), waited: timeout });
             }
-            p = self
-                .done
-                .wait_timeout(p, deadline - now)
-                .map_err(|_| lock_err())?
-                .0;
+            p = self.done.wait_timeout(p, deadline - now).map_err(|_| lock_err())?.0;
         }
         if let Some(e) = p.error.clone() {
             return Err(e);
@@ -103,9 +95,7 @@ impl StreamShared {
 fn poisoned(e: &DeviceError) -> DeviceError {
     match e {
         DeviceError::Poisoned { .. } => e.clone(),
-        other => DeviceError::Poisoned {
-            cause: Box::new(other.clone()),
-        },
+        other => DeviceError::Poisoned { cause: Box::new(other.clone()) },
     }
 }
 
@@ -126,10 +116,7 @@ fn run_executor(rx: Receiver<Job>, shared: Arc<StreamShared>, timeout: Duration)
                             .map(|s| s.to_string())
                             .or_else(|| panic.downcast_ref::<String>().cloned())
                             .unwrap_or_default();
-                        shared.fail(DeviceError::invalid(
-                            op,
-                            format!("the operation panicked: {msg}"),
-                        ));
+                        shared.fail(DeviceError::invalid(op, format!("the operation panicked: {msg}")));
                     }
                 },
             },
@@ -158,15 +145,8 @@ pub struct CpuStream {
 
 impl CpuStream {
     pub(crate) fn spawn(device: &CpuDevice, priority: Priority) -> Result<CpuStream> {
-        let index = device
-            .inner
-            .next_stream
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let suffix = if priority == Priority::High {
-            " (high)"
-        } else {
-            ""
-        };
+        let index = device.inner.next_stream.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let suffix = if priority == Priority::High { " (high)" } else { "" };
         let name = format!("{}/stream{index}{suffix}", device.label());
         let shared = Arc::new(StreamShared {
             index,
@@ -181,22 +161,13 @@ impl CpuStream {
         std::thread::Builder::new()
             .name(name.clone())
             .spawn(move || run_executor(rx, worker, timeout))
-            .map_err(|e| DeviceError::Backend {
-                library: "std::thread",
-                code: 0,
-                message: e.to_string(),
-            })?;
+            .map_err(|e| DeviceError::Backend { library: "std::thread", code: 0, message: e.to_string() })?;
         device.with_sanitizer(|s| s.add_stream(index, name));
         if let Ok(mut list) = device.inner.streams.lock() {
             list.retain(|w| w.strong_count() > 0);
             list.push(Arc::downgrade(&shared));
         }
-        Ok(CpuStream {
-            shared,
-            tx,
-            device: device.clone(),
-            id: next_id(),
-        })
+        Ok(CpuStream { shared, tx, device: device.clone(), id: next_id() })
     }
 
     /// A process-unique id of this stream.
@@ -212,10 +183,7 @@ impl CpuStream {
             if let Ok(mut p) = self.shared.progress.lock() {
                 p.submitted -= 1;
             }
-            DeviceError::invalid(
-                "enqueue",
-                format!("the executor of {} has stopped", self.shared.name),
-            )
+            DeviceError::invalid("enqueue", format!("the executor of {} has stopped", self.shared.name))
         })
     }
 
@@ -233,11 +201,8 @@ impl CpuStream {
         let job = Job::Run { op, f: Box::new(f) };
         match &self.device.inner.sanitizer {
             Some(s) => {
-                let mut s = s
-                    .lock()
-                    .map_err(|_| DeviceError::invalid(op, "sanitizer poisoned"))?;
-                s.enqueue(self.shared.index, op, accesses)
-                    .map_err(DeviceError::Race)?;
+                let mut s = s.lock().map_err(|_| DeviceError::invalid(op, "sanitizer poisoned"))?;
+                s.enqueue(self.shared.index, op, accesses).map_err(DeviceError::Race)?;
                 // Sent under the lock so queue order matches the clocks.
                 self.send(job)
             }
@@ -301,10 +266,7 @@ fn need_float(op: &'static str, d: DType) -> Result<()> {
     if d.is_float() {
         Ok(())
     } else {
-        Err(DeviceError::invalid(
-            op,
-            format!("needs a float dtype, got {d}"),
-        ))
+        Err(DeviceError::invalid(op, format!("needs a float dtype, got {d}")))
     }
 }
 
@@ -312,10 +274,7 @@ fn need_len(op: &'static str, what: &str, expected: usize, found: usize) -> Resu
     if expected == found {
         Ok(())
     } else {
-        Err(DeviceError::invalid(
-            op,
-            format!("{what} has {found} elements, expected {expected}"),
-        ))
+        Err(DeviceError::invalid(op, format!("{what} has {found} elements, expected {expected}")))
     }
 }
 
@@ -323,11 +282,7 @@ fn need_dtype(op: &'static str, expected: DType, found: DType) -> Result<()> {
     if expected == found {
         Ok(())
     } else {
-        Err(DeviceError::DTypeMismatch {
-            op,
-            expected,
-            found,
-        })
+        Err(DeviceError::DTypeMismatch { op, expected, found })
     }
 }
 
@@ -341,11 +296,7 @@ fn typed_mut<T: Element>(b: &mut [u8]) -> &mut [T] {
 /// Stores `value` (an f64 result) into a one-element f32 or f64 output.
 fn store_scalar<T: Float>(out: &mut [u8], value: f64, accumulate: bool) {
     let o = &mut typed_mut::<T>(out)[0];
-    let v = if accumulate {
-        o.to_f64() + value
-    } else {
-        value
-    };
+    let v = if accumulate { o.to_f64() + value } else { value };
     *o = T::from_f64(v);
 }
 
@@ -377,12 +328,7 @@ impl crate::Stream for CpuStream {
     }
 
     fn copy_from_host(&self, src: &[u8], dst: View<'_, Cpu>) -> Result<()> {
-        need_len(
-            "copy_from_host",
-            "the host slice (bytes)",
-            dst.bytes(),
-            src.len(),
-        )?;
+        need_len("copy_from_host", "the host slice (bytes)", dst.bytes(), src.len())?;
         let out = self.own("copy_from_host", &dst)?;
         let staged = src.to_vec();
         self.enqueue("copy_from_host", &[Access::write(dst)], move |input| {
@@ -396,8 +342,7 @@ impl crate::Stream for CpuStream {
 
     fn copy_to_host(&self, src: View<'_, Cpu>) -> Result<Readback> {
         let input = self.own("copy_to_host", &src)?;
-        let (readback, filler) =
-            Readback::pending(src.dtype(), src.len(), self.device.config().timeout);
+        let (readback, filler) = Readback::pending(src.dtype(), src.len(), self.device.config().timeout);
         self.enqueue("copy_to_host", &[Access::read(src)], move |job| {
             match job {
                 // SAFETY: stream order excludes concurrent writers.
@@ -410,9 +355,7 @@ impl crate::Stream for CpuStream {
     }
 
     fn fill(&self, dst: View<'_, Cpu>, value: Scalar) -> Result<()> {
-        let pattern = value
-            .encode(dst.dtype())
-            .map_err(|r| DeviceError::invalid("fill", r))?;
+        let pattern = value.encode(dst.dtype()).map_err(|r| DeviceError::invalid("fill", r))?;
         self.map_job("fill", [], dst, move |[], d| {
             for chunk in d.chunks_exact_mut(pattern.len()) {
                 chunk.copy_from_slice(&pattern);
@@ -425,20 +368,18 @@ impl crate::Stream for CpuStream {
         need_float("cast", dst.dtype())?;
         need_len("cast", "the source", dst.len(), src.len())?;
         let (sd, dd) = (src.dtype(), dst.dtype());
-        self.map_job("cast", [src], dst, move |[s], d| {
-            with_float!(sd, S => with_float!(dd, D => kernels::cast::<S, D>(typed(s), typed_mut(d))))
-        })
+        self.map_job(
+            "cast",
+            [src],
+            dst,
+            move |[s], d| with_float!(sd, S => with_float!(dd, D => kernels::cast::<S, D>(typed(s), typed_mut(d)))),
+        )
     }
 
     fn scale(&self, x: View<'_, Cpu>, alpha: f64) -> Result<()> {
         need_float("scale", x.dtype())?;
         let d = x.dtype();
-        self.map_job(
-            "scale",
-            [],
-            x,
-            move |[], x| with_float!(d, T => kernels::scale::<T>(typed_mut(x), alpha)),
-        )
+        self.map_job("scale", [], x, move |[], x| with_float!(d, T => kernels::scale::<T>(typed_mut(x), alpha)))
     }
 
     fn accumulate(&self, src: View<'_, Cpu>, dst: View<'_, Cpu>) -> Result<()> {
@@ -478,9 +419,7 @@ impl crate::Stream for CpuStream {
         let completion = event.begin_record();
         match &self.device.inner.sanitizer {
             Some(s) => {
-                let mut s = s
-                    .lock()
-                    .map_err(|_| DeviceError::invalid("record", "sanitizer poisoned"))?;
+                let mut s = s.lock().map_err(|_| DeviceError::invalid("record", "sanitizer poisoned"))?;
                 s.record_event(event.id, self.shared.index);
                 self.send(Job::Record(completion))
             }
@@ -495,9 +434,7 @@ impl crate::Stream for CpuStream {
         };
         match &self.device.inner.sanitizer {
             Some(s) => {
-                let mut s = s
-                    .lock()
-                    .map_err(|_| DeviceError::invalid("wait", "sanitizer poisoned"))?;
+                let mut s = s.lock().map_err(|_| DeviceError::invalid("wait", "sanitizer poisoned"))?;
                 s.wait_event(event.id, self.shared.index);
                 self.send(Job::Wait(completion, event.id))
             }
@@ -509,13 +446,7 @@ impl crate::Stream for CpuStream {
         self.shared.synchronize(&self.device)
     }
 
-    fn matmul(
-        &self,
-        spec: MatmulSpec,
-        a: View<'_, Cpu>,
-        b: View<'_, Cpu>,
-        c: View<'_, Cpu>,
-    ) -> Result<()> {
+    fn matmul(&self, spec: MatmulSpec, a: View<'_, Cpu>, b: View<'_, Cpu>, c: View<'_, Cpu>) -> Result<()> {
         let op = "matmul";
         need_float(op, a.dtype())?;
         need_dtype(op, a.dtype(), b.dtype())?;
@@ -526,10 +457,7 @@ impl crate::Stream for CpuStream {
             ));
         }
         let MatmulSpec { m, n, k, .. } = spec;
-        let size = |x: usize, y: usize| {
-            x.checked_mul(y)
-                .ok_or_else(|| DeviceError::invalid(op, "shape overflows"))
-        };
+        let size = |x: usize, y: usize| x.checked_mul(y).ok_or_else(|| DeviceError::invalid(op, "shape overflows"));
         need_len(op, "A", size(m, k)?, a.len())?;
         need_len(op, "B", size(k, n)?, b.len())?;
         need_len(op, "C", size(m, n)?, c.len())?;
@@ -563,20 +491,10 @@ impl crate::Stream for CpuStream {
         need_dtype("relu", x.dtype(), y.dtype())?;
         need_len("relu", "y", x.len(), y.len())?;
         let d = x.dtype();
-        self.map_job(
-            "relu",
-            [x],
-            y,
-            move |[x], y| with_float!(d, T => kernels::relu::<T>(typed(x), typed_mut(y))),
-        )
+        self.map_job("relu", [x], y, move |[x], y| with_float!(d, T => kernels::relu::<T>(typed(x), typed_mut(y))))
     }
 
-    fn relu_backward(
-        &self,
-        grad_out: View<'_, Cpu>,
-        out: View<'_, Cpu>,
-        grad_in: View<'_, Cpu>,
-    ) -> Result<()> {
+    fn relu_backward(&self, grad_out: View<'_, Cpu>, out: View<'_, Cpu>, grad_in: View<'_, Cpu>) -> Result<()> {
         let op = "relu_backward";
         need_float(op, grad_out.dtype())?;
         need_dtype(op, grad_out.dtype(), out.dtype())?;
@@ -584,18 +502,15 @@ impl crate::Stream for CpuStream {
         need_len(op, "out", grad_out.len(), out.len())?;
         need_len(op, "grad_in", grad_out.len(), grad_in.len())?;
         let d = out.dtype();
-        self.map_job(op, [grad_out, out], grad_in, move |[g, o], gi| {
-            with_float!(d, T => kernels::relu_backward::<T>(typed(g), typed(o), typed_mut(gi)))
-        })
+        self.map_job(
+            op,
+            [grad_out, out],
+            grad_in,
+            move |[g, o], gi| with_float!(d, T => kernels::relu_backward::<T>(typed(g), typed(o), typed_mut(gi))),
+        )
     }
 
-    fn mse_loss(
-        &self,
-        pred: View<'_, Cpu>,
-        target: View<'_, Cpu>,
-        loss: View<'_, Cpu>,
-        scale: f64,
-    ) -> Result<()> {
+    fn mse_loss(&self, pred: View<'_, Cpu>, target: View<'_, Cpu>, loss: View<'_, Cpu>, scale: f64) -> Result<()> {
         let op = "mse_loss";
         need_float(op, pred.dtype())?;
         need_float(op, target.dtype())?;
@@ -608,13 +523,7 @@ impl crate::Stream for CpuStream {
         })
     }
 
-    fn mse_grad(
-        &self,
-        pred: View<'_, Cpu>,
-        target: View<'_, Cpu>,
-        grad: View<'_, Cpu>,
-        scale: f64,
-    ) -> Result<()> {
+    fn mse_grad(&self, pred: View<'_, Cpu>, target: View<'_, Cpu>, grad: View<'_, Cpu>, scale: f64) -> Result<()> {
         let op = "mse_grad";
         need_float(op, pred.dtype())?;
         need_float(op, target.dtype())?;
@@ -633,10 +542,7 @@ impl crate::Stream for CpuStream {
         need_float(op, x.dtype())?;
         need_float(op, out.dtype())?;
         if (out.is_empty() && !x.is_empty()) || (!out.is_empty() && x.len() % out.len() != 0) {
-            return Err(DeviceError::invalid(
-                op,
-                format!("{} elements are not rows of {}", x.len(), out.len()),
-            ));
+            return Err(DeviceError::invalid(op, format!("{} elements are not rows of {}", x.len(), out.len())));
         }
         let (xd, od) = (x.dtype(), out.dtype());
         self.map_job(op, [x, out], out, move |[x, old], o| {
@@ -665,10 +571,7 @@ impl crate::Stream for CpuStream {
         momentum_buf: Option<View<'_, Cpu>>,
     ) -> Result<()> {
         let op = "sgd_step";
-        for v in [Some(param), Some(grad), momentum_buf]
-            .into_iter()
-            .flatten()
-        {
+        for v in [Some(param), Some(grad), momentum_buf].into_iter().flatten() {
             need_dtype(op, DType::F32, v.dtype())?;
             need_len(op, "every operand", param.len(), v.len())?;
         }
@@ -680,28 +583,15 @@ impl crate::Stream for CpuStream {
         let m = momentum_buf.map(|v| self.own(op, &v)).transpose()?;
         let mut accesses = vec![Access::read(grad), Access::write(param)];
         accesses.extend(momentum_buf.map(Access::write));
-        if [Some(&g), m.as_ref()]
-            .into_iter()
-            .flatten()
-            .any(|r| r.overlaps(&p))
+        if [Some(&g), m.as_ref()].into_iter().flatten().any(|r| r.overlaps(&p))
             || m.as_ref().is_some_and(|m| m.overlaps(&g))
         {
-            return Err(DeviceError::invalid(
-                op,
-                "param, grad and momentum buffer must not overlap",
-            ));
+            return Err(DeviceError::invalid(op, "param, grad and momentum buffer must not overlap"));
         }
         self.enqueue(op, &accesses, move |input| {
             if let JobInput::Run = input {
                 // SAFETY: disjoint ranges (checked above), stream-ordered.
-                unsafe {
-                    kernels::sgd(
-                        params,
-                        p.as_mut_slice(),
-                        g.as_slice(),
-                        m.as_ref().map(|m| m.as_mut_slice()),
-                    )
-                };
+                unsafe { kernels::sgd(params, p.as_mut_slice(), g.as_slice(), m.as_ref().map(|m| m.as_mut_slice())) };
             }
             Ok(())
         })
@@ -726,32 +616,16 @@ impl crate::Stream for CpuStream {
         for i in 0..4 {
             for j in i + 1..4 {
                 if raws[i].overlaps(&raws[j]) {
-                    return Err(DeviceError::invalid(
-                        op,
-                        "param, grad and the moments must not overlap",
-                    ));
+                    return Err(DeviceError::invalid(op, "param, grad and the moments must not overlap"));
                 }
             }
         }
-        let accesses = [
-            Access::read(grad),
-            Access::write(param),
-            Access::write(exp_avg),
-            Access::write(exp_avg_sq),
-        ];
+        let accesses = [Access::read(grad), Access::write(param), Access::write(exp_avg), Access::write(exp_avg_sq)];
         self.enqueue(op, &accesses, move |input| {
             if let JobInput::Run = input {
                 let [p, g, m, v] = [&raws[0], &raws[1], &raws[2], &raws[3]];
                 // SAFETY: disjoint ranges (checked above), stream-ordered.
-                unsafe {
-                    kernels::adamw(
-                        params,
-                        p.as_mut_slice(),
-                        g.as_slice(),
-                        m.as_mut_slice(),
-                        v.as_mut_slice(),
-                    )
-                };
+                unsafe { kernels::adamw(params, p.as_mut_slice(), g.as_slice(), m.as_mut_slice(), v.as_mut_slice()) };
             }
             Ok(())
         })
@@ -762,11 +636,7 @@ fn scalar_out(op: &'static str, v: &View<'_, Cpu>) -> Result<()> {
     if v.len() != 1 || !matches!(v.dtype(), DType::F32 | DType::F64) {
         return Err(DeviceError::invalid(
             op,
-            format!(
-                "the result must be one f32 or f64 element, got {}[{}]",
-                v.dtype(),
-                v.len()
-            ),
+            format!("the result must be one f32 or f64 element, got {}[{}]", v.dtype(), v.len()),
         ));
     }
     Ok(())
