@@ -87,7 +87,8 @@ impl CpuDevice {
         self.inner.sanitizer.is_some()
     }
 
-    pub(crate) fn same_as(&self, other: &CpuDevice) -> bool {
+    /// Whether two handles are the same device.
+    pub fn is_same(&self, other: &CpuDevice) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 

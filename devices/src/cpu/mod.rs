@@ -51,7 +51,7 @@ pub fn raw(view: crate::View<'_, Cpu>) -> RawRange {
 }
 
 fn check_device(op: &'static str, ours: &CpuDevice, theirs: &CpuDevice) -> Result<(), DeviceError> {
-    if ours.same_as(theirs) {
+    if ours.is_same(theirs) {
         Ok(())
     } else {
         Err(DeviceError::invalid(

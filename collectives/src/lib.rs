@@ -1,0 +1,23 @@
+//! One collective-communication API with NCCL's semantics over several backends.
+//!
+//! - [`Communicator`] is what users call: validation, sequence numbers and
+//!   fingerprints, groups, splits; it hands validated [`backend::Call`]s to a
+//!   [`CommBackend`].
+//! - [`Mesh`] builds named dimensions (HSDP's replicate × shard) from splits.
+//! - Backends: [`sim`] (feature `sim`, default) runs ranks as threads of one
+//!   process on cpu devices.
+#![warn(missing_docs)]
+
+pub mod backend;
+mod comm;
+mod error;
+mod mesh;
+mod reduce;
+#[cfg(feature = "sim")]
+pub mod sim;
+
+pub use backend::{Capabilities, CommBackend, OpKind};
+pub use comm::{Communicator, Group};
+pub use error::{CommError, Result};
+pub use mesh::Mesh;
+pub use reduce::ReduceOp;

@@ -1,0 +1,157 @@
+//! Element arithmetic of the sim backend's reductions.
+//!
+//! Results are deterministic and the same on every rank: each element is
+//! reduced in rank order 0..n-1, each step rounded to the dtype (f16/bf16
+//! computed in f32 and rounded, as NCCL's kernels do); integers wrap.
+//! `Avg` is the sum divided by n (rounded; integer division for integers);
+//! `PreMulSum(s)` converts `s` to the dtype, multiplies each rank's input by
+//! it, then sums.
+
+use chorus_devices::{bf16, f16, Element};
+
+use crate::ReduceOp;
+
+pub(crate) trait Reducible: Element {
+    fn sum(a: Self, b: Self) -> Self;
+    fn prod(a: Self, b: Self) -> Self;
+    fn min(a: Self, b: Self) -> Self;
+    fn max(a: Self, b: Self) -> Self;
+    fn div_n(a: Self, n: usize) -> Self;
+    /// The scalar of a pre-multiplied sum, converted to this type.
+    fn scalar(s: f64) -> Self;
+}
+
+macro_rules! int_reducible {
+    ($($t:ty),*) => {$(
+        impl Reducible for $t {
+            fn sum(a: Self, b: Self) -> Self { a.wrapping_add(b) }
+            fn prod(a: Self, b: Self) -> Self { a.wrapping_mul(b) }
+            fn min(a: Self, b: Self) -> Self { Ord::min(a, b) }
+            fn max(a: Self, b: Self) -> Self { Ord::max(a, b) }
+            fn div_n(a: Self, n: usize) -> Self { (a as i128 / n as i128) as $t }
+            fn scalar(s: f64) -> Self { s as $t }
+        }
+    )*};
+}
+int_reducible!(i32, i64, i8, u8);
+
+macro_rules! float_reducible {
+    ($t:ty, $m:ty, $up:expr, $down:expr) => {
+        impl Reducible for $t {
+            fn sum(a: Self, b: Self) -> Self {
+                $down($up(a) + $up(b))
+            }
+            fn prod(a: Self, b: Self) -> Self {
+                $down($up(a) * $up(b))
+            }
+            fn min(a: Self, b: Self) -> Self {
+                if $up(b) < $up(a) {
+                    b
+                } else {
+                    a
+                }
+            }
+            fn max(a: Self, b: Self) -> Self {
+                if $up(b) > $up(a) {
+                    b
+                } else {
+                    a
+                }
+            }
+            fn div_n(a: Self, n: usize) -> Self {
+                $down($up(a) / (n as $m))
+            }
+            fn scalar(s: f64) -> Self {
+                <$t as Element>::from_f64(s)
+            }
+        }
+    };
+}
+float_reducible!(f32, f32, |x: f32| x, |x: f32| x);
+float_reducible!(f64, f64, |x: f64| x, |x: f64| x);
+float_reducible!(f16, f32, |x: f16| x.to_f32(), f16::from_f32);
+float_reducible!(bf16, f32, |x: bf16| x.to_f32(), bf16::from_f32);
+
+/// `acc = x * s` (the first rank of a pre-multiplied sum) or `acc = x`.
+pub(crate) fn start<T: Reducible>(acc: &mut [T], x: &[T], op: ReduceOp, scalar: f64) {
+    match op {
+        ReduceOp::PreMulSum(_) => {
+            let s = T::scalar(scalar);
+            for (a, v) in acc.iter_mut().zip(x) {
+                *a = T::prod(*v, s);
+            }
+        }
+        _ => acc.copy_from_slice(x),
+    }
+}
+
+/// `acc = acc op x` for one more rank.
+pub(crate) fn combine<T: Reducible>(acc: &mut [T], x: &[T], op: ReduceOp, scalar: f64) {
+    macro_rules! each {
+        ($f:expr) => {
+            for (a, v) in acc.iter_mut().zip(x) {
+                *a = $f(*a, *v);
+            }
+        };
+    }
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => each!(T::sum),
+        ReduceOp::Prod => each!(T::prod),
+        ReduceOp::Min => each!(T::min),
+        ReduceOp::Max => each!(T::max),
+        ReduceOp::PreMulSum(_) => {
+            let s = T::scalar(scalar);
+            each!(|a, v| T::sum(a, T::prod(v, s)))
+        }
+    }
+}
+
+/// The last step: divide by n for `Avg`.
+pub(crate) fn finish<T: Reducible>(acc: &mut [T], op: ReduceOp, n: usize) {
+    if op == ReduceOp::Avg {
+        for a in acc {
+            *a = T::div_n(*a, n);
+        }
+    }
+}
+
+/// Calls `$body` with `$t` bound to the host type of `$dtype`.
+macro_rules! with_dtype {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            chorus_devices::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            chorus_devices::DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            chorus_devices::DType::F16 => {
+                type $t = chorus_devices::f16;
+                $body
+            }
+            chorus_devices::DType::BF16 => {
+                type $t = chorus_devices::bf16;
+                $body
+            }
+            chorus_devices::DType::I32 => {
+                type $t = i32;
+                $body
+            }
+            chorus_devices::DType::I64 => {
+                type $t = i64;
+                $body
+            }
+            chorus_devices::DType::I8 => {
+                type $t = i8;
+                $body
+            }
+            chorus_devices::DType::U8 => {
+                type $t = u8;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_dtype;
