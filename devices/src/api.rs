@@ -157,6 +157,33 @@ pub struct MatmulSpec {
     pub accumulate: bool,
 }
 
+/// The shape of a strided copy; see [`Stream::copy_2d`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Copy2d {
+    /// Number of blocks.
+    pub rows: usize,
+    /// Elements per block.
+    pub row_len: usize,
+    /// First element read, relative to the source view.
+    pub src_offset: usize,
+    /// Elements between the starts of consecutive source blocks.
+    pub src_stride: usize,
+    /// First element written, relative to the destination view.
+    pub dst_offset: usize,
+    /// Elements between the starts of consecutive destination blocks.
+    pub dst_stride: usize,
+}
+
+impl Copy2d {
+    /// The elements of a view of `len` that blocks starting at `offset` with `stride` reach, or `None` on overflow.
+    pub fn extent(&self, offset: usize, stride: usize) -> Option<usize> {
+        if self.rows == 0 || self.row_len == 0 {
+            return Some(0);
+        }
+        (self.rows - 1).checked_mul(stride)?.checked_add(offset)?.checked_add(self.row_len)
+    }
+}
+
 /// SGD hyper-parameters with PyTorch's semantics (`torch.optim.SGD`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SgdParams {
@@ -217,6 +244,12 @@ pub trait Stream: Send + Sync + fmt::Debug + 'static {
 
     /// Copies `src` to `dst` (same dtype and length).
     fn copy(&self, src: View<'_, Self::B>, dst: View<'_, Self::B>) -> Result<()>;
+    /// Strided copy of `rows` blocks of `row_len` elements (cudaMemcpy2DAsync):
+    /// block `i` goes from element `src_offset + i·src_stride` of `src` to
+    /// element `dst_offset + i·dst_stride` of `dst` (offsets relative to the
+    /// views). Same dtype; every block must lie inside its view; the two views
+    /// must not overlap.
+    fn copy_2d(&self, src: View<'_, Self::B>, dst: View<'_, Self::B>, layout: Copy2d) -> Result<()>;
     /// Copies host bytes into `dst`; `src` must be exactly `dst`'s byte length.
     /// `src` is captured before this returns, so the caller may reuse it at once.
     fn copy_from_host(&self, src: &[u8], dst: View<'_, Self::B>) -> Result<()>;

@@ -16,7 +16,7 @@ mod readback;
 mod view;
 
 pub use api::{
-    AdamWParams, Backend, Buffer, Device, Event, MatmulSpec, MemoryStats, Priority, Result, SgdParams, Stream,
+    AdamWParams, Backend, Buffer, Copy2d, Device, Event, MatmulSpec, MemoryStats, Priority, Result, SgdParams, Stream,
     StreamExt,
 };
 pub use dtype::{DType, Element, Scalar};

@@ -13,7 +13,7 @@ use super::memory::RawRange;
 use super::sanitizer::Access;
 use super::{check_device, raw, Cpu};
 use crate::{
-    AdamWParams, DType, DeviceError, Element, MatmulSpec, Priority, Readback, Result, Scalar, SgdParams, View,
+    AdamWParams, Copy2d, DType, DeviceError, Element, MatmulSpec, Priority, Readback, Result, Scalar, SgdParams, View,
 };
 
 /// What a job is told when the executor reaches it.
@@ -325,6 +325,40 @@ impl crate::Stream for CpuStream {
         need_dtype("copy", dst.dtype(), src.dtype())?;
         need_len("copy", "the source", dst.len(), src.len())?;
         self.map_job("copy", [src], dst, |[s], d| d.copy_from_slice(s))
+    }
+
+    fn copy_2d(&self, src: View<'_, Cpu>, dst: View<'_, Cpu>, layout: Copy2d) -> Result<()> {
+        let op = "copy_2d";
+        need_dtype(op, dst.dtype(), src.dtype())?;
+        let fits = |extent: Option<usize>, len: usize| extent.is_some_and(|e| e <= len);
+        if !fits(layout.extent(layout.src_offset, layout.src_stride), src.len())
+            || !fits(layout.extent(layout.dst_offset, layout.dst_stride), dst.len())
+        {
+            return Err(DeviceError::invalid(
+                op,
+                format!("{layout:?} does not fit views of {} and {}", src.len(), dst.len()),
+            ));
+        }
+        if src.overlaps(&dst) {
+            return Err(DeviceError::invalid(op, "the source and destination overlap"));
+        }
+        let size = src.dtype().size();
+        let (s, d) = (self.own(op, &src)?, self.own(op, &dst)?);
+        // Only the blocks are touched, so the job writes through the raw range
+        // instead of rewriting the whole destination.
+        self.enqueue(op, &[Access::read(src), Access::write(dst)], move |input| {
+            if let JobInput::Run = input {
+                // SAFETY: disjoint views (checked above); stream order excludes other access.
+                let (s, d) = unsafe { (s.as_bytes(), d.as_bytes_mut()) };
+                let n = layout.row_len * size;
+                for i in 0..layout.rows {
+                    let so = (layout.src_offset + i * layout.src_stride) * size;
+                    let d_o = (layout.dst_offset + i * layout.dst_stride) * size;
+                    d[d_o..d_o + n].copy_from_slice(&s[so..so + n]);
+                }
+            }
+            Ok(())
+        })
     }
 
     fn copy_from_host(&self, src: &[u8], dst: View<'_, Cpu>) -> Result<()> {
