@@ -1,0 +1,204 @@
+//! Where each element of a parameter lives when it is sharded: pure index math.
+//!
+//! A parameter of shape `[..., rows, ...]` sharded on dimension `dim` over
+//! `world` ranks is seen as `[outer, rows, inner]` (`outer` the product of
+//! the dimensions before `dim`, `inner` of those after). Rows are padded to
+//! `world · shard_rows` with `shard_rows = ceil(rows / world)`; rank `r` holds
+//! rows `r·shard_rows ..` of them, of which `real_rows(r)` are real (trailing
+//! ranks may hold fewer, or none). A shard is stored contiguously as
+//! `[outer, shard_rows, inner]`, padding zero.
+//!
+//! A group's shards are concatenated (the all-gather input); the all-gather
+//! output and the reduce-scatter input are `world` such concatenations in
+//! rank order.
+
+use chorus_devices::Copy2d;
+
+use crate::FsdpError;
+
+/// One parameter's sharding.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamLayout {
+    /// The unsharded shape.
+    pub shape: Vec<usize>,
+    /// The (non-negative) dimension sharded on.
+    pub dim: usize,
+    /// Product of the dimensions before `dim`.
+    pub outer: usize,
+    /// Size of `dim`.
+    pub rows: usize,
+    /// Product of the dimensions after `dim`.
+    pub inner: usize,
+    /// Ranks sharded over.
+    pub world: usize,
+    /// Padded rows per rank: `ceil(rows / world)`.
+    pub shard_rows: usize,
+    /// Elements per rank's shard, padding included.
+    pub shard_numel: usize,
+    /// Offset of this parameter's shard within its group's concatenated shard.
+    pub offset: usize,
+}
+
+/// Resolves a possibly negative dimension against `ndim`.
+pub fn normalize_dim(dim: isize, ndim: usize) -> Result<usize, FsdpError> {
+    let n = ndim as isize;
+    let d = if dim < 0 { dim + n } else { dim };
+    if ndim == 0 || d < 0 || d >= n {
+        return Err(FsdpError::InvalidArgument(format!("shard dim {dim} is out of range for a {ndim}-d parameter")));
+    }
+    Ok(d as usize)
+}
+
+impl ParamLayout {
+    /// The layout of `shape` sharded on `dim` over `world` ranks, placed at `offset` in its group.
+    pub fn new(shape: &[usize], dim: usize, world: usize, offset: usize) -> Result<ParamLayout, FsdpError> {
+        if world == 0 || dim >= shape.len() {
+            return Err(FsdpError::InvalidArgument(format!("cannot shard {shape:?} on dim {dim} over {world} ranks")));
+        }
+        let outer: usize = shape[..dim].iter().product();
+        let inner: usize = shape[dim + 1..].iter().product();
+        let rows = shape[dim];
+        let shard_rows = rows.div_ceil(world);
+        Ok(ParamLayout {
+            shape: shape.to_vec(),
+            dim,
+            outer,
+            rows,
+            inner,
+            world,
+            shard_rows,
+            shard_numel: outer * shard_rows * inner,
+            offset,
+        })
+    }
+
+    /// Number of elements of the unsharded parameter.
+    pub fn numel(&self) -> usize {
+        self.outer * self.rows * self.inner
+    }
+
+    /// Real (unpadded) rows held by `rank`.
+    pub fn real_rows(&self, rank: usize) -> usize {
+        self.rows.saturating_sub(rank * self.shard_rows).min(self.shard_rows)
+    }
+
+    /// Real elements held by `rank`.
+    pub fn real_numel(&self, rank: usize) -> usize {
+        self.outer * self.real_rows(rank) * self.inner
+    }
+
+    /// Copies rank `rank`'s rows from a group's rank-major buffer (chunk
+    /// `rank` starts at `rank · group_shard`) into the unsharded parameter.
+    pub fn chunk_to_full(&self, rank: usize, group_shard: usize) -> Copy2d {
+        Copy2d {
+            rows: self.outer,
+            row_len: self.real_rows(rank) * self.inner,
+            src_offset: rank * group_shard + self.offset,
+            src_stride: self.shard_rows * self.inner,
+            dst_offset: rank * self.shard_rows * self.inner,
+            dst_stride: self.rows * self.inner,
+        }
+    }
+
+    /// The inverse: rank `rank`'s rows of the unsharded parameter into chunk
+    /// `rank` of a rank-major buffer (`base` is the chunk's start).
+    pub fn full_to_chunk(&self, rank: usize, base: usize) -> Copy2d {
+        Copy2d {
+            rows: self.outer,
+            row_len: self.real_rows(rank) * self.inner,
+            src_offset: rank * self.shard_rows * self.inner,
+            src_stride: self.rows * self.inner,
+            dst_offset: base + self.offset,
+            dst_stride: self.shard_rows * self.inner,
+        }
+    }
+
+    /// Rank `rank`'s shard (padded, zeros in the padding) cut from the full
+    /// tensor on the host.
+    pub fn shard_of(&self, full: &[f32], rank: usize) -> Vec<f32> {
+        let mut out = vec![0.0; self.shard_numel];
+        let len = self.real_rows(rank) * self.inner;
+        for o in 0..self.outer {
+            let src = o * self.rows * self.inner + rank * self.shard_rows * self.inner;
+            let dst = o * self.shard_rows * self.inner;
+            out[dst..dst + len].copy_from_slice(&full[src..src + len]);
+        }
+        out
+    }
+}
+
+/// The layouts of a group's sharded parameters over one world.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupLayout {
+    /// Ranks sharded over.
+    pub world: usize,
+    /// One per sharded parameter, in group order.
+    pub params: Vec<ParamLayout>,
+    /// Elements of one rank's concatenated shards.
+    pub shard_numel: usize,
+}
+
+impl GroupLayout {
+    /// Lays out `params` (shape and normalized dim) over `world` ranks.
+    pub fn new(params: &[(Vec<usize>, usize)], world: usize) -> Result<GroupLayout, FsdpError> {
+        let mut offset = 0;
+        let mut layouts = Vec::with_capacity(params.len());
+        for (shape, dim) in params {
+            let l = ParamLayout::new(shape, *dim, world, offset)?;
+            offset += l.shard_numel;
+            layouts.push(l);
+        }
+        Ok(GroupLayout { world, params: layouts, shard_numel: offset })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Applies a Copy2d on the host.
+    fn apply(c: Copy2d, src: &[f32], dst: &mut [f32]) {
+        for i in 0..c.rows {
+            let s = c.src_offset + i * c.src_stride;
+            let d = c.dst_offset + i * c.dst_stride;
+            dst[d..d + c.row_len].copy_from_slice(&src[s..s + c.row_len]);
+        }
+    }
+
+    #[test]
+    fn uneven_rows_pad_and_trailing_ranks_hold_fewer() {
+        let l = ParamLayout::new(&[5, 3], 0, 4, 0).unwrap();
+        assert_eq!((l.shard_rows, l.shard_numel), (2, 6));
+        assert_eq!((0..4).map(|r| l.real_rows(r)).collect::<Vec<_>>(), vec![2, 2, 1, 0]);
+        let l = ParamLayout::new(&[2, 3], 0, 8, 0).unwrap();
+        assert_eq!((0..8).map(|r| l.real_rows(r)).sum::<usize>(), 2);
+    }
+
+    #[test]
+    fn shards_reassemble_on_any_dim() {
+        for (shape, dim, world) in [(vec![5, 3], 0, 4), (vec![4, 7], 1, 3), (vec![2, 3, 5], 1, 2), (vec![3, 2], 1, 8)] {
+            let l = ParamLayout::new(&shape, dim, world, 0).unwrap();
+            let full: Vec<f32> = (0..l.numel()).map(|i| i as f32 + 1.0).collect();
+            // all-gather of the shards, then copy-out
+            let gathered: Vec<f32> = (0..world).flat_map(|r| l.shard_of(&full, r)).collect();
+            let mut out = vec![0.0; l.numel()];
+            for r in 0..world {
+                apply(l.chunk_to_full(r, l.shard_numel), &gathered, &mut out);
+            }
+            assert_eq!(out, full, "{shape:?} dim {dim} world {world}");
+            // packing the full tensor rank-major gives the shards back
+            let mut packed = vec![0.0; world * l.shard_numel];
+            for r in 0..world {
+                apply(l.full_to_chunk(r, r * l.shard_numel), &full, &mut packed);
+            }
+            assert_eq!(packed, gathered);
+        }
+    }
+
+    #[test]
+    fn negative_dims_resolve() {
+        assert_eq!(normalize_dim(-1, 2).unwrap(), 1);
+        assert!(normalize_dim(2, 2).is_err());
+        assert!(normalize_dim(-3, 2).is_err());
+    }
+}
