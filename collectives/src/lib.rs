@@ -12,6 +12,7 @@ pub mod backend;
 mod comm;
 mod error;
 mod mesh;
+pub mod nccl_abi;
 mod reduce;
 #[cfg(feature = "sim")]
 pub mod sim;
