@@ -118,6 +118,9 @@ impl ParamLayout {
     pub fn shard_of(&self, full: &[f32], rank: usize) -> Vec<f32> {
         let mut out = vec![0.0; self.shard_numel];
         let len = self.real_rows(rank) * self.inner;
+        if len == 0 {
+            return out;
+        }
         for o in 0..self.outer {
             let src = o * self.rows * self.inner + rank * self.shard_rows * self.inner;
             let dst = o * self.shard_rows * self.inner;

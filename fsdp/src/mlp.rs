@@ -190,7 +190,7 @@ impl Mlp {
     fn backward<C: CommBackend>(
         &self,
         fsdp: &mut Fsdp<C>,
-        mut saved: Saved<C>,
+        saved: Saved<C>,
         grad_out: Buf<C>,
         batch: usize,
         pd: DType,
@@ -198,16 +198,15 @@ impl Mlp {
         fsdp.pre_backward(self.root)?;
         let last = self.layers.len() - 1;
         let mut grad = grad_out;
-        // The output of layer i is the input of layer i+1 (after ReLU).
-        let mut outputs: Vec<Buf<C>> = saved.inputs.drain(1..).collect();
-        outputs.extend(saved.outputs.drain(..));
         for (i, g) in self.layers.iter().copied().enumerate().rev() {
             let (din, dout) = (self.dims[i], self.dims[i + 1]);
-            let x = saved.inputs.pop().ok_or_else(|| FsdpError::InvalidArgument("missing activation".into()))?;
-            let out = outputs.pop().ok_or_else(|| FsdpError::InvalidArgument("missing activation".into()))?;
+            let x = &saved.inputs[i];
+            // Layer i's (post-ReLU) output is layer i+1's input.
+            let out = saved.inputs.get(i + 1).or(saved.outputs.last());
             grad = fsdp.backward(g, |f| {
                 let s = f.compute_stream();
                 if i != last {
+                    let out = out.ok_or_else(|| FsdpError::InvalidArgument("missing activation".into()))?;
                     s.relu_backward(grad.view(), out.view(), grad.view())?;
                 }
                 let gw = MatmulSpec { m: dout, n: din, k: batch, trans_a: true, trans_b: false, accumulate: true };
@@ -236,6 +235,3 @@ fn to_dtype<S: Stream>(s: &S, src: View<'_, S::B>, dtype: DType) -> chorus_devic
     }
     Ok(out)
 }
-
-#[allow(dead_code)]
-fn _assert_buffer<Bf: Buffer>() {}

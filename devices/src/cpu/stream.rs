@@ -351,7 +351,8 @@ impl crate::Stream for CpuStream {
                 // SAFETY: disjoint views (checked above); stream order excludes other access.
                 let (s, d) = unsafe { (s.as_bytes(), d.as_bytes_mut()) };
                 let n = layout.row_len * size;
-                for i in 0..layout.rows {
+                // Empty blocks may start past the end (a rank with no real rows).
+                for i in (0..layout.rows).filter(|_| n > 0) {
                     let so = (layout.src_offset + i * layout.src_stride) * size;
                     let d_o = (layout.dst_offset + i * layout.dst_stride) * size;
                     d[d_o..d_o + n].copy_from_slice(&s[so..so + n]);
