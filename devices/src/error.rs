@@ -61,6 +61,19 @@ pub enum DeviceError {
         /// The native message.
         message: String,
     },
+    /// The backend's library loaded, but it sees no device with this ordinal
+    /// (no GPU at all, a driver that is not running, or an ordinal past the count).
+    #[error("no {backend} device {ordinal}: {visible} visible ({reason})")]
+    NoDevice {
+        /// The backend (`hip`, `cuda`).
+        backend: &'static str,
+        /// The ordinal that was asked for.
+        ordinal: usize,
+        /// How many devices the library reports.
+        visible: usize,
+        /// The library's own words (its status name and message).
+        reason: String,
+    },
     /// A vendor library could not be loaded.
     #[error("{library} could not be loaded (tried {tried}); install it or point {variable} at it")]
     LibraryUnavailable {
