@@ -110,8 +110,25 @@ macro_rules! element {
 
 element!(f32, DType::F32, |s| s as f64, |v| v as f32);
 element!(f64, DType::F64, |s| s, |v| v);
-element!(f16, DType::F16, |s| s.to_f64(), |v| f16::from_f64(v));
-element!(bf16, DType::BF16, |s| s.to_f64(), |v| bf16::from_f64(v));
+element!(f16, DType::F16, |s| s.to_f64(), |v| f16::from_f32(f32_round_to_odd(v)));
+element!(bf16, DType::BF16, |s| s.to_f64(), |v| bf16::from_f32(f32_round_to_odd(v)));
+
+/// `v` rounded to f32 *to odd*: truncated toward zero, with the lowest bit set
+/// when that lost anything. Rounding the result to nearest even in a format
+/// at least two bits narrower (f16, bf16) then rounds `v` correctly, once.
+/// `half`'s own f64 conversions do not: they drop the low 32 bits of the
+/// significand (or go through f32 rounded to nearest), so values just above
+/// a tie round down.
+fn f32_round_to_odd(v: f64) -> f32 {
+    let nearest = v as f32;
+    if nearest.is_nan() || nearest as f64 == v {
+        return nearest;
+    }
+    // Inexact, so `nearest` is not zero when it is the larger in magnitude,
+    // and one step down in magnitude is one step down in the bit pattern.
+    let toward_zero = if (nearest as f64).abs() > v.abs() { f32::from_bits(nearest.to_bits() - 1) } else { nearest };
+    f32::from_bits(toward_zero.to_bits() | 1)
+}
 element!(i32, DType::I32, |s| s as f64, |v| v as i32);
 element!(i64, DType::I64, |s| s as f64, |v| v as i64);
 element!(i8, DType::I8, |s| s as f64, |v| v as i8);
@@ -135,8 +152,8 @@ impl Scalar {
         match (self, dtype) {
             (Scalar::Float(v), DType::F32) => Ok((v as f32).to_le_bytes().to_vec()),
             (Scalar::Float(v), DType::F64) => Ok(v.to_le_bytes().to_vec()),
-            (Scalar::Float(v), DType::F16) => Ok(f16::from_f64(v).to_le_bytes().to_vec()),
-            (Scalar::Float(v), DType::BF16) => Ok(bf16::from_f64(v).to_le_bytes().to_vec()),
+            (Scalar::Float(v), DType::F16) => Ok(<f16 as Element>::from_f64(v).to_le_bytes().to_vec()),
+            (Scalar::Float(v), DType::BF16) => Ok(<bf16 as Element>::from_f64(v).to_le_bytes().to_vec()),
             (Scalar::Int(v), DType::F32 | DType::F64 | DType::F16 | DType::BF16) => {
                 Scalar::Float(v as f64).encode(dtype)
             }

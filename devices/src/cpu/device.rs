@@ -34,10 +34,7 @@ pub struct CpuConfig {
 
 impl Default for CpuConfig {
     fn default() -> Self {
-        let sanitizer = match std::env::var("CHORUS_SANITIZER").as_deref() {
-            Ok("0") | Ok("off") | Ok("false") => false,
-            _ => true,
-        };
+        let sanitizer = !matches!(std::env::var("CHORUS_SANITIZER").as_deref(), Ok("0" | "off" | "false"));
         CpuConfig { ordinal: 0, sanitizer, timeout: Duration::from_secs(120) }
     }
 }

@@ -193,7 +193,7 @@ pub(crate) fn matmul<T: Float, C: Float>(spec: crate::MatmulSpec, a: &[T], b: &[
                 1,
             );
         }
-        finish(out.iter().map(|v| *v), c, accumulate);
+        finish(out.iter().copied(), c, accumulate);
     } else {
         let a32: Vec<f32> = a.iter().map(|v| v.to_f64() as f32).collect();
         let b32: Vec<f32> = b.iter().map(|v| v.to_f64() as f32).collect();
@@ -220,10 +220,12 @@ pub(crate) fn matmul<T: Float, C: Float>(spec: crate::MatmulSpec, a: &[T], b: &[
         finish(out.iter().map(|v| *v as f64), c, accumulate);
     }
 
+    // Add the old C in f64 and round into C once, rather than rounding the
+    // product to C's precision first and the sum again (an f64 product into
+    // an f32 C lost up to an extra half ulp that way).
     fn finish<C: Float>(out: impl Iterator<Item = f64>, c: &mut [C], accumulate: bool) {
         for (cv, o) in c.iter_mut().zip(out) {
-            let o = C::M::of(o);
-            *cv = C::down(if accumulate { cv.up() + o } else { o });
+            *cv = C::from_f64(if accumulate { cv.to_f64() + o } else { o });
         }
     }
 }

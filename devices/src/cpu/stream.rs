@@ -506,13 +506,12 @@ impl crate::Stream for CpuStream {
     fn bias_add(&self, x: View<'_, Cpu>, bias: View<'_, Cpu>) -> Result<()> {
         need_float("bias_add", x.dtype())?;
         need_float("bias_add", bias.dtype())?;
-        if bias.is_empty() || x.len() % bias.len() != 0 {
-            if !(x.is_empty() && bias.is_empty()) && !(x.is_empty()) {
-                return Err(DeviceError::invalid(
-                    "bias_add",
-                    format!("{} elements are not rows of {}", x.len(), bias.len()),
-                ));
-            }
+        // An empty x is zero rows of any bias; otherwise x must be whole rows.
+        if !x.is_empty() && (bias.is_empty() || x.len() % bias.len() != 0) {
+            return Err(DeviceError::invalid(
+                "bias_add",
+                format!("{} elements are not rows of {}", x.len(), bias.len()),
+            ));
         }
         let (xd, bd) = (x.dtype(), bias.dtype());
         self.map_job("bias_add", [bias, x], x, move |[b, old], x| {
