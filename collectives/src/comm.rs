@@ -67,6 +67,10 @@ impl<C: CommBackend> Communicator<C> {
     pub fn backend(&self) -> &C {
         &self.backend
     }
+    /// Unwraps the backend endpoint (to wrap it in another backend, say).
+    pub fn into_backend(self) -> C {
+        self.backend
+    }
 
     fn launch(&self, calls: Vec<PendingCall<'_, C>>, stream: &S<C>) -> Result<()> {
         let mut seq = self.seq.lock().map_err(|_| CommError::invalid("launch", "communicator lock poisoned"))?;

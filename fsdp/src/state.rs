@@ -432,6 +432,10 @@ impl<C: CommBackend> Fsdp<C> {
     pub fn unshard(&mut self, g: usize, async_op: bool) -> Result<UnshardHandle> {
         let t0 = Instant::now();
         self.group(g)?;
+        if !self.root_ready {
+            // Outside a step (FSDP2's explicit `unshard()`), order after the compute stream.
+            self.all_gather_streams_follow_compute()?;
+        }
         self.issue_all_gather(g)?;
         if !async_op {
             self.wait_for_unshard(g)?;
@@ -586,15 +590,21 @@ impl<C: CommBackend> Fsdp<C> {
 
     // ---- hooks ----
 
-    fn root_pre_forward(&mut self) -> Result<()> {
-        if self.root_ready {
-            return Ok(());
-        }
-        // The all-gather streams must see the optimizer's updates of the shards.
+    /// Makes the all-gather streams wait for the compute stream, so copy-ins
+    /// see the shards as the optimizer (or the initial upload) left them.
+    fn all_gather_streams_follow_compute(&self) -> Result<()> {
         let e = self.device.create_event()?;
         self.streams.compute.record(&e)?;
         self.streams.copy_in.wait(&e)?;
         self.streams.all_gather.wait(&e)?;
+        Ok(())
+    }
+
+    fn root_pre_forward(&mut self) -> Result<()> {
+        if self.root_ready {
+            return Ok(());
+        }
+        self.all_gather_streams_follow_compute()?;
         self.post_forward_order.clear();
         self.root_ready = true;
         Ok(())
@@ -647,6 +657,11 @@ impl<C: CommBackend> Fsdp<C> {
             TrainingState::PreBackward => return Ok(()),
             TrainingState::Idle => {}
             _ => return Err(state_err(grp, "pre_backward")),
+        }
+        // The last forward all-gather output is not needed in backward.
+        if let Some((_, e)) = self.all_gather_state.take() {
+            self.streams.copy_in.wait(&e)?;
+            self.streams.all_gather.wait(&e)?;
         }
         self.groups[g].training = TrainingState::PreBackward;
         self.issue_all_gather(g)?;

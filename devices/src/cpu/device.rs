@@ -105,7 +105,8 @@ impl CpuDevice {
         let bytes = len
             .checked_mul(dtype.size())
             .ok_or_else(|| DeviceError::OutOfMemory { device: self.label(), bytes: usize::MAX })?;
-        let mem = Memory::zeroed(bytes, &self.inner.counters, &self.label())?;
+        let mem = Memory::zeroed(bytes, &self.label())?;
+        self.inner.counters.add(bytes);
         Ok(CpuBuffer { mem, dtype, len, id: next_id(), device: self.clone() })
     }
 }
@@ -186,6 +187,7 @@ impl crate::Buffer for CpuBuffer {
 impl Drop for CpuBuffer {
     fn drop(&mut self) {
         let id = self.id;
+        self.device.inner.counters.sub(self.mem.bytes());
         self.device.with_sanitizer(|s| s.forget_buffer(id));
     }
 }

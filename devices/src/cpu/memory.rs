@@ -10,7 +10,12 @@ use crate::{DeviceError, MemoryStats};
 /// Alignment of every allocation: a cache line, enough for any dtype and SIMD loads.
 const ALIGN: usize = 64;
 
-/// The device's counters. Updated on every allocation and free.
+/// The device's counters, kept in the stream-ordered allocator's terms: a
+/// buffer counts from its allocation until its handle is dropped, the moment
+/// its memory is free for later work in stream order (what CUDA's
+/// `cudaFreeAsync` pool and PyTorch's `memory_allocated` report). The bytes
+/// themselves stay allocated until queued work that uses them has run, so the
+/// counts do not depend on how far the executors lag behind the host.
 #[derive(Debug, Default)]
 pub(crate) struct MemCounters {
     in_use: AtomicUsize,
@@ -29,24 +34,23 @@ impl MemCounters {
     pub(crate) fn reset_peak(&self) {
         self.peak.store(self.in_use.load(Ordering::Acquire), Ordering::Release);
     }
-    fn add(&self, bytes: usize) {
+    pub(crate) fn add(&self, bytes: usize) {
         let now = self.in_use.fetch_add(bytes, Ordering::AcqRel) + bytes;
         self.peak.fetch_max(now, Ordering::AcqRel);
         self.live.fetch_add(1, Ordering::AcqRel);
     }
-    fn sub(&self, bytes: usize) {
+    pub(crate) fn sub(&self, bytes: usize) {
         self.in_use.fetch_sub(bytes, Ordering::AcqRel);
         self.live.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
 /// One allocation. Shared (`Arc`) between the buffer and the queued work that
-/// uses it, so it is freed only after the last of them.
+/// uses it, so the bytes are released only after the last of them.
 #[derive(Debug)]
 pub(crate) struct Memory {
     ptr: NonNull<u8>,
     bytes: usize,
-    counters: Arc<MemCounters>,
 }
 
 // SAFETY: the memory is plain bytes owned by this struct; concurrent access is
@@ -55,7 +59,7 @@ unsafe impl Send for Memory {}
 unsafe impl Sync for Memory {}
 
 impl Memory {
-    pub(crate) fn zeroed(bytes: usize, counters: &Arc<MemCounters>, device: &str) -> Result<Arc<Memory>, DeviceError> {
+    pub(crate) fn zeroed(bytes: usize, device: &str) -> Result<Arc<Memory>, DeviceError> {
         let ptr = if bytes == 0 {
             // A well-aligned dangling pointer: never dereferenced for zero bytes.
             NonNull::new(ALIGN as *mut u8).ok_or_else(|| DeviceError::invalid("alloc", "null alignment"))?
@@ -66,8 +70,7 @@ impl Memory {
             let raw = unsafe { alloc::alloc_zeroed(layout) };
             NonNull::new(raw).ok_or_else(|| DeviceError::OutOfMemory { device: device.to_string(), bytes })?
         };
-        counters.add(bytes);
-        Ok(Arc::new(Memory { ptr, bytes, counters: counters.clone() }))
+        Ok(Arc::new(Memory { ptr, bytes }))
     }
 
     pub(crate) fn ptr(&self) -> *mut u8 {
@@ -87,7 +90,6 @@ impl Drop for Memory {
                 unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) };
             }
         }
-        self.counters.sub(self.bytes);
     }
 }
 

@@ -9,7 +9,9 @@
 //! - a **buffer** is a 64-byte-aligned host allocation shared by `Arc` with
 //!   the queued jobs that use it, so dropping a buffer with work in flight is
 //!   safe and the bytes are freed after the last job;
-//! - memory statistics are exact counters updated on every allocation and free;
+//! - memory statistics are exact counters in the stream-ordered allocator's
+//!   terms: a buffer counts from allocation until its handle is dropped (see
+//!   `memory.rs`), so they are deterministic whatever the executors' lag;
 //! - the **stream sanitizer** ([`sanitizer`]) checks every enqueued
 //!   operation's declared reads and writes against the other streams' with
 //!   vector clocks and refuses unordered ones with [`DeviceError::Race`].
