@@ -19,8 +19,10 @@ mod config;
 mod error;
 pub mod layout;
 pub mod mlp;
+pub mod npy;
 pub mod optim;
 mod state;
+pub mod train;
 
 pub use config::{DataParallel, FsdpConfig, MixedPrecision, Reshard, ShardPlacement};
 pub use error::{FsdpError, Result};

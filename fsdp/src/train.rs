@@ -1,0 +1,198 @@
+//! The training loop behind `chorus train`: the reference MLP under FSDP on
+//! any backend, with data laid out as PyTorch users export it.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use chorus_collectives::{CommBackend, Communicator, Mesh};
+use chorus_devices::{Buffer, Device};
+
+use crate::mlp::{Mlp, SplitMix};
+use crate::npy::Array;
+use crate::{
+    DataParallel, Fsdp, FsdpConfig, FsdpError, HostOverhead, OptimizerKind, ParamInit, Result, ShardedOptimizer,
+};
+
+/// Inputs and targets: `batches` global batches of `rows` rows (the
+/// data-parallel world × the per-rank batch).
+#[derive(Clone, Debug)]
+pub struct Dataset {
+    x: Vec<f32>,
+    y: Vec<f32>,
+    batches: usize,
+    rows: usize,
+    d_in: usize,
+    d_out: usize,
+}
+
+impl Dataset {
+    /// From arrays of shape `[S, rows, d]` (one batch per step, cycling) or
+    /// `[rows, d]` (the same batch every step).
+    pub fn from_arrays(x: Array, y: Array) -> Result<Dataset> {
+        let split = |a: &Array, what: &str| -> Result<(usize, usize, usize)> {
+            match a.shape.as_slice() {
+                [s, r, d] => Ok((*s, *r, *d)),
+                [r, d] => Ok((1, *r, *d)),
+                s => Err(FsdpError::InvalidArgument(format!(
+                    "{what} has shape {s:?}; expected [S, rows, d] or [rows, d]"
+                ))),
+            }
+        };
+        let (sx, rx, d_in) = split(&x, "x")?;
+        let (sy, ry, d_out) = split(&y, "y")?;
+        if (sx, rx) != (sy, ry) {
+            return Err(FsdpError::InvalidArgument(format!(
+                "x {:?} and y {:?} disagree on batches/rows",
+                x.shape, y.shape
+            )));
+        }
+        Ok(Dataset { x: x.values, y: y.values, batches: sx, rows: rx, d_in, d_out })
+    }
+
+    /// Uniform random data in [-1, 1) from `seed`.
+    pub fn random(d_in: usize, d_out: usize, rows: usize, batches: usize, seed: u64) -> Dataset {
+        let mut rng = SplitMix::new(seed ^ 0xDA7A);
+        let x = (0..batches * rows * d_in).map(|_| rng.uniform(-1.0, 1.0)).collect();
+        let y = (0..batches * rows * d_out).map(|_| rng.uniform(-1.0, 1.0)).collect();
+        Dataset { x, y, batches, rows, d_in, d_out }
+    }
+
+    /// The arrays, as written to disk: `x` `[S, rows, d_in]` and `y` `[S, rows, d_out]`.
+    pub fn arrays(&self) -> (Array, Array) {
+        (
+            Array { shape: vec![self.batches, self.rows, self.d_in], values: self.x.clone() },
+            Array { shape: vec![self.batches, self.rows, self.d_out], values: self.y.clone() },
+        )
+    }
+
+    /// Rows `[first, first + n)` of the batch used at `step`.
+    pub fn rows(&self, step: usize, first: usize, n: usize) -> Result<(&[f32], &[f32])> {
+        if first + n > self.rows {
+            return Err(FsdpError::InvalidArgument(format!(
+                "rows {first}..{} are past the {} rows of a batch",
+                first + n,
+                self.rows
+            )));
+        }
+        let b = step % self.batches.max(1);
+        let xs = (b * self.rows + first) * self.d_in;
+        let ys = (b * self.rows + first) * self.d_out;
+        Ok((&self.x[xs..xs + n * self.d_in], &self.y[ys..ys + n * self.d_out]))
+    }
+}
+
+/// What to train.
+#[derive(Clone, Debug)]
+pub struct TrainSpec {
+    /// Initial parameters, one list (weight, bias) per layer.
+    pub layers: Vec<Vec<ParamInit>>,
+    /// The data.
+    pub data: Arc<Dataset>,
+    /// Rows per rank per step.
+    pub batch: usize,
+    /// Steps.
+    pub steps: usize,
+    /// The optimizer.
+    pub optimizer: OptimizerKind,
+    /// FSDP settings.
+    pub fsdp: FsdpConfig,
+    /// HSDP: the replicate dimension's size (the rest is the shard dimension).
+    pub replicate: Option<usize>,
+    /// Clip the global gradient norm to this.
+    pub max_grad_norm: Option<f64>,
+}
+
+/// What one rank measured.
+#[derive(Clone, Debug)]
+pub struct RankReport {
+    /// The global mean loss of each step, before its update.
+    pub losses: Vec<f64>,
+    /// Wall time of each step, host-synchronized.
+    pub step_times_s: Vec<f64>,
+    /// The most device bytes in use during the steps.
+    pub peak_memory_bytes: usize,
+    /// Device bytes in use after the last step.
+    pub final_memory_bytes: usize,
+    /// Host time in FSDP's hooks over the steps.
+    pub overhead: HostOverhead,
+    /// Number of param groups.
+    pub groups: usize,
+    /// The final unsharded parameters.
+    pub params: Vec<(String, Vec<f32>)>,
+}
+
+/// Trains on this rank of `world`; every rank calls it with the same spec.
+/// `on_step(step, loss)` is called after each step.
+pub fn train<C: CommBackend>(
+    world: Arc<Communicator<C>>,
+    spec: &TrainSpec,
+    on_step: &mut dyn FnMut(usize, f64),
+) -> Result<RankReport> {
+    let n = world.size();
+    if spec.batch * n > spec.data.rows {
+        return Err(FsdpError::InvalidArgument(format!(
+            "{n} ranks × batch {} needs {} rows per step; the data has {}",
+            spec.batch,
+            spec.batch * n,
+            spec.data.rows
+        )));
+    }
+    let dp = match spec.replicate {
+        Some(r) if r > 1 => {
+            if n % r != 0 {
+                return Err(FsdpError::InvalidArgument(format!("--hsdp {r} does not divide {n} ranks")));
+            }
+            DataParallel::hsdp(&Mesh::new(&world, &[("replicate", r), ("shard", n / r)])?)?
+        }
+        _ => DataParallel::fsdp(world.clone()),
+    };
+    let mut fsdp = Fsdp::new(dp, spec.fsdp.clone())?;
+    let mlp = Mlp::register(&mut fsdp, spec.layers.clone())?;
+    if mlp.dims()[0] != spec.data.d_in || mlp.dims().last() != Some(&spec.data.d_out) {
+        return Err(FsdpError::InvalidArgument(format!(
+            "the model maps {} → {:?} but the data has {} → {}",
+            mlp.dims()[0],
+            mlp.dims().last(),
+            spec.data.d_in,
+            spec.data.d_out
+        )));
+    }
+    let mut opt = ShardedOptimizer::new(spec.optimizer);
+    fsdp.synchronize()?;
+    fsdp.device().reset_peak_memory();
+    let overhead_before = fsdp.host_overhead();
+    let rank = world.rank();
+    let mut losses = Vec::with_capacity(spec.steps);
+    let mut times = Vec::with_capacity(spec.steps);
+    for step in 0..spec.steps {
+        let t0 = Instant::now();
+        let (x, y) = spec.data.rows(step, rank * spec.batch, spec.batch)?;
+        let loss = mlp.forward_backward(&mut fsdp, x, y)?;
+        fsdp.finalize_backward()?;
+        let mean = fsdp.mean_over_ranks(loss.view())?;
+        if let Some(max) = spec.max_grad_norm {
+            fsdp.clip_grad_norm(max)?;
+        }
+        opt.step(&mut fsdp)?;
+        fsdp.zero_grad();
+        fsdp.synchronize()?;
+        times.push(t0.elapsed().as_secs_f64());
+        losses.push(mean);
+        on_step(step, mean);
+    }
+    let stats = fsdp.device().memory_stats();
+    let after = fsdp.host_overhead();
+    let params = fsdp.full_parameters()?;
+    Ok(RankReport {
+        losses,
+        step_times_s: times,
+        peak_memory_bytes: stats.peak_bytes,
+        final_memory_bytes: stats.bytes_in_use,
+        overhead: HostOverhead {
+            total: after.total - overhead_before.total,
+            calls: after.calls - overhead_before.calls,
+        },
+        groups: fsdp.num_groups(),
+        params,
+    })
+}
