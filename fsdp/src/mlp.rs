@@ -140,7 +140,16 @@ impl Mlp {
         let saved = self.forward(fsdp, x, batch, pd)?;
         let s = fsdp.compute_stream();
         let out = saved.outputs.last().ok_or_else(|| FsdpError::InvalidArgument("no layers".into()))?;
-        let out32 = to_dtype(s, out.view(), DType::F32)?;
+        // The policy's output dtype applies to the model's output; the loss is f32.
+        let cast_out;
+        let out = match fsdp.mixed_precision().output_dtype {
+            Some(d) if d != out.dtype() => {
+                cast_out = to_dtype(s, out.view(), d)?;
+                cast_out.view()
+            }
+            _ => out.view(),
+        };
+        let out32 = to_dtype(s, out, DType::F32)?;
         let target = s.buffer_from(y)?;
         let scale = 1.0 / (batch * dl).max(1) as f64;
         let loss = s.alloc(DType::F32, 1)?;
