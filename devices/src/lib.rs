@@ -10,6 +10,8 @@
 
 pub mod api;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod dtype;
 mod error;
 mod readback;

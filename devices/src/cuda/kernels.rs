@@ -17,8 +17,8 @@ use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::sys::{CUfunction, CUmodule, CUstream};
 use cudarc::driver::result as drv;
+use cudarc::driver::sys::{CUfunction, CUmodule, CUstream};
 use cudarc::nvrtc::result as nvrtc;
 
 use super::result::{self as res, DriverResult};
@@ -296,16 +296,19 @@ extern "C" __global__ void chorus_adamw(float* w, const float* g, float* m, floa
 }
 "#;
 
+/// PTX by compute capability.
+type PtxCache = Mutex<HashMap<(i32, i32), Arc<CString>>>;
+
 /// PTX per compute capability, shared by every device of this process.
-fn ptx_cache() -> &'static Mutex<HashMap<(i32, i32), Arc<CString>>> {
-    static CACHE: OnceLock<Mutex<HashMap<(i32, i32), Arc<CString>>>> = OnceLock::new();
+fn ptx_cache() -> &'static PtxCache {
+    static CACHE: OnceLock<PtxCache> = OnceLock::new();
     CACHE.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
 fn compile(arch: &str) -> Result<CString, DeviceError> {
     let src = CString::new(SOURCE).map_err(|_| DeviceError::invalid("nvrtc", "kernel source contains NUL"))?;
-    let prog = nvrtc::create_program(&src, Some(c"chorus_kernels.cu"))
-        .map_err(|e| res::nvrtc("nvrtcCreateProgram", e, ""))?;
+    let prog =
+        nvrtc::create_program(&src, Some(c"chorus_kernels.cu")).map_err(|e| res::nvrtc("nvrtcCreateProgram", e, ""))?;
     let options = [format!("--gpu-architecture={arch}"), "--fmad=false".to_string(), "--std=c++14".to_string()];
     // SAFETY: `prog` was created above and is destroyed once, below.
     let compiled = unsafe { nvrtc::compile_program(prog, &options) };
@@ -364,7 +367,8 @@ impl Kernels {
     /// Loads the PTX into the current context (the caller binds the device).
     pub(crate) fn load(ptx: &CString, device: &str) -> Result<Kernels, DeviceError> {
         // SAFETY: a NUL-terminated PTX image; the context is current.
-        let module = unsafe { drv::module::load_data(ptx.as_ptr() as *const c_void) }.drv("cuModuleLoadData", device)?;
+        let module =
+            unsafe { drv::module::load_data(ptx.as_ptr() as *const c_void) }.drv("cuModuleLoadData", device)?;
         let mut functions = HashMap::new();
         for name in NAMES {
             let cname = CString::new(*name).map_err(|_| DeviceError::invalid("kernels", "bad kernel name"))?;
@@ -435,4 +439,3 @@ impl Kernels {
 pub(crate) fn arg<T>(v: &mut T) -> *mut c_void {
     v as *mut T as *mut c_void
 }
-

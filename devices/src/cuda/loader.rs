@@ -67,6 +67,7 @@ const DRIVER: Spec = Spec {
         "cuMemcpyHtoDAsync_v2",
         "cuMemcpyDtoHAsync_v2",
         "cuMemcpyDtoDAsync_v2",
+        "cuMemcpy2DAsync_v2",
         "cuMemsetD8Async",
         "cuMemsetD16Async",
         "cuMemsetD32Async",

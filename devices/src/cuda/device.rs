@@ -1,0 +1,330 @@
+//! The cuda device: one GPU's primary context, its memory accounting, its
+//! kernels and its internal allocation stream.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
+
+use cudarc::driver::result as drv;
+use cudarc::driver::sys::{self, CUcontext, CUdevice, CUdevice_attribute};
+
+use super::event::CudaEvent;
+use super::kernels::Kernels;
+use super::loader;
+use super::memory::{CudaBuffer, MemCounters, StagingPool};
+use super::result::DriverResult;
+use super::stream::{CudaStream, StreamShared};
+use super::Cuda;
+use crate::{DType, DeviceError, MemoryStats, Priority, Result};
+
+// Ids of cuda buffers, streams and events; a separate range from the cpu
+// device's so reports never confuse the two.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1 << 48);
+
+pub(crate) fn next_id() -> u64 {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Settings of a cuda device.
+#[derive(Clone, Debug)]
+pub struct CudaConfig {
+    /// The GPU's index among the visible CUDA devices.
+    pub ordinal: usize,
+    /// Deadline of every host wait (stream and event synchronize, readbacks).
+    pub timeout: Duration,
+}
+
+impl Default for CudaConfig {
+    fn default() -> Self {
+        CudaConfig { ordinal: 0, timeout: Duration::from_secs(120) }
+    }
+}
+
+/// Loads the driver (probing first) and runs `cuInit` once per process.
+pub(crate) fn init() -> Result<()> {
+    static INIT: OnceLock<Result<()>> = OnceLock::new();
+    INIT.get_or_init(|| {
+        loader::driver_library()?;
+        loader::guarded("libcuda", || drv::init().drv("cuInit", "cuda"))
+    })
+    .clone()
+}
+
+/// Number of CUDA devices visible to this process, or why there are none to
+/// be had (the driver library missing, `cuInit` failing).
+pub fn device_count() -> Result<usize> {
+    init()?;
+    Ok(drv::device::get_count().drv("cuDeviceGetCount", "cuda")?.max(0) as usize)
+}
+
+/// The driver's CUDA version (`12080` for 12.8), without touching a GPU.
+pub fn driver_version() -> Result<i32> {
+    loader::driver_library()?;
+    loader::guarded("libcuda", || {
+        let mut v = 0;
+        // SAFETY: an out-pointer to a local.
+        unsafe { sys::cuDriverGetVersion(&mut v) }.result().drv("cuDriverGetVersion", "cuda")?;
+        Ok(v)
+    })
+}
+
+#[derive(Debug)]
+pub(crate) struct DeviceInner {
+    pub(crate) config: CudaConfig,
+    pub(crate) cu_device: CUdevice,
+    pub(crate) ctx: CUcontext,
+    pub(crate) gpu_name: String,
+    pub(crate) compute_capability: (i32, i32),
+    /// `(normal, high)` stream priorities (CUDA: lower is higher).
+    pub(crate) priorities: (i32, i32),
+    pub(crate) counters: MemCounters,
+    pub(crate) streams: Mutex<Vec<Weak<StreamShared>>>,
+    pub(crate) next_stream: AtomicUsize,
+    pub(crate) kernels: OnceLock<Result<Arc<Kernels>>>,
+    pub(crate) parked: Mutex<Vec<DeviceError>>,
+    pub(crate) staging: Arc<StagingPool>,
+}
+
+// SAFETY: the context handle is a driver handle usable from any thread
+// (each call binds it first); everything else is Send + Sync.
+unsafe impl Send for DeviceInner {}
+unsafe impl Sync for DeviceInner {}
+
+impl Drop for DeviceInner {
+    fn drop(&mut self) {
+        // Nothing can be parked any more: the device is gone. Release what
+        // the device owns, best effort, never panicking.
+        // SAFETY: our retained primary context.
+        if unsafe { drv::ctx::set_current(self.ctx) }.is_ok() {
+            if let Some(Ok(k)) = self.kernels.get() {
+                let _ = k.unload();
+            }
+            let _ = self.staging.trim(false);
+        }
+        // SAFETY: retained once in `CudaDevice::with_config`, released once here.
+        let _ = unsafe { drv::primary_ctx::release(self.cu_device) };
+    }
+}
+
+/// One NVIDIA GPU (its primary context). Cheap to clone; clones are the same device.
+#[derive(Clone, Debug)]
+pub struct CudaDevice {
+    pub(crate) inner: Arc<DeviceInner>,
+    /// The stream `Device::alloc` orders its allocations on.
+    pub(crate) internal: Arc<StreamShared>,
+}
+
+impl CudaDevice {
+    /// The GPU with this ordinal, default settings.
+    ///
+    /// Fails with [`DeviceError::LibraryUnavailable`] when `libcuda.so.1`
+    /// cannot be loaded, and with a `libcuda` backend error when the driver
+    /// finds no such GPU. Never panics.
+    pub fn new(ordinal: usize) -> Result<CudaDevice> {
+        CudaDevice::with_config(CudaConfig { ordinal, ..CudaConfig::default() })
+    }
+
+    /// The GPU `config.ordinal` with the given settings.
+    pub fn with_config(config: CudaConfig) -> Result<CudaDevice> {
+        init()?;
+        let label = format!("cuda:{}", config.ordinal);
+        let ordinal =
+            i32::try_from(config.ordinal).map_err(|_| DeviceError::invalid("CudaDevice::new", "ordinal too large"))?;
+        let cu_device = drv::device::get(ordinal).drv("cuDeviceGet", &label)?;
+        let attr = |a: CUdevice_attribute| {
+            // SAFETY: a device returned by cuDeviceGet.
+            unsafe { drv::device::get_attribute(cu_device, a) }.drv("cuDeviceGetAttribute", &label)
+        };
+        let cc = (
+            attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        );
+        if attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)? == 0 {
+            return Err(DeviceError::Backend {
+                library: "libcuda",
+                code: 801,
+                message: format!("{label} does not support the stream-ordered allocator (cuMemAllocAsync)"),
+            });
+        }
+        let gpu_name = drv::device::get_name(cu_device).drv("cuDeviceGetName", &label)?;
+        // SAFETY: a device returned by cuDeviceGet; released in DeviceInner::drop.
+        let ctx = unsafe { drv::primary_ctx::retain(cu_device) }.drv("cuDevicePrimaryCtxRetain", &label)?;
+        // SAFETY: the context just retained.
+        let bound = unsafe { drv::ctx::set_current(ctx) }.drv("cuCtxSetCurrent", &label);
+        let priorities =
+            bound.and_then(|_| drv::stream::get_priority_range().drv("cuCtxGetStreamPriorityRange", &label));
+        let priorities = match priorities {
+            Ok((least, greatest)) => (least, greatest),
+            Err(e) => {
+                // SAFETY: retained above.
+                let _ = unsafe { drv::primary_ctx::release(cu_device) };
+                return Err(e);
+            }
+        };
+        let inner = Arc::new(DeviceInner {
+            config,
+            cu_device,
+            ctx,
+            gpu_name,
+            compute_capability: cc,
+            priorities,
+            counters: MemCounters::default(),
+            streams: Mutex::new(Vec::new()),
+            next_stream: AtomicUsize::new(0),
+            kernels: OnceLock::new(),
+            parked: Mutex::new(Vec::new()),
+            staging: Arc::new(StagingPool::default()),
+        });
+        let internal = StreamShared::create(&inner, Priority::Normal, "internal")?;
+        Ok(CudaDevice { inner, internal })
+    }
+
+    /// The settings this device was made with.
+    pub fn config(&self) -> &CudaConfig {
+        &self.inner.config
+    }
+
+    /// The GPU's marketing name (`NVIDIA H100 80GB HBM3`).
+    pub fn gpu_name(&self) -> &str {
+        &self.inner.gpu_name
+    }
+
+    /// Compute capability `(major, minor)`.
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.inner.compute_capability
+    }
+
+    /// The driver's device handle (for vendor libraries such as NCCL).
+    pub fn cu_device(&self) -> CUdevice {
+        self.inner.cu_device
+    }
+
+    /// Whether two handles are the same device.
+    pub fn is_same(&self, other: &CudaDevice) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// Makes this device's context current on the calling thread. Every
+    /// chorus call does this itself; vendor libraries called directly need it.
+    pub fn bind(&self) -> Result<()> {
+        bind_ctx(&self.inner)
+    }
+
+    /// Errors from drops (stream-ordered frees, stream and event destruction)
+    /// that had no caller to return them to; [`crate::Device::synchronize`]
+    /// returns the first of them too.
+    pub fn take_parked_errors(&self) -> Vec<DeviceError> {
+        self.inner.parked.lock().map(|mut p| std::mem::take(&mut *p)).unwrap_or_default()
+    }
+
+    pub(crate) fn park(&self, e: DeviceError) {
+        park(&self.inner, e)
+    }
+
+    pub(crate) fn label(&self) -> String {
+        format!("cuda:{}", self.inner.config.ordinal)
+    }
+
+    /// The kernels, compiled and loaded on first use.
+    pub(crate) fn kernels(&self) -> Result<Arc<Kernels>> {
+        self.inner
+            .kernels
+            .get_or_init(|| {
+                let ptx = super::kernels::ptx_for(self.inner.compute_capability)?;
+                self.bind()?;
+                Kernels::load(&ptx, &self.label()).map(Arc::new)
+            })
+            .clone()
+    }
+
+    /// Allocates `len` elements in `stream`'s order (contents unspecified).
+    pub(crate) fn alloc_on(&self, stream: &Arc<StreamShared>, dtype: DType, len: usize) -> Result<CudaBuffer> {
+        let bytes = len
+            .checked_mul(dtype.size())
+            .ok_or_else(|| DeviceError::OutOfMemory { device: self.label(), bytes: usize::MAX })?;
+        let ptr = if bytes == 0 {
+            0
+        } else {
+            self.bind()?;
+            // SAFETY: a live stream of this device's context.
+            unsafe { drv::malloc_async(stream.raw, bytes) }.drv_alloc("cuMemAllocAsync", &self.label(), bytes)?
+        };
+        Ok(CudaBuffer::adopt(self, stream, ptr, dtype, len))
+    }
+}
+
+pub(crate) fn bind_ctx(inner: &DeviceInner) -> Result<()> {
+    // SAFETY: the device's retained primary context.
+    unsafe { drv::ctx::set_current(inner.ctx) }.drv("cuCtxSetCurrent", &format!("cuda:{}", inner.config.ordinal))
+}
+
+pub(crate) fn park(inner: &DeviceInner, e: DeviceError) {
+    if let Ok(mut p) = inner.parked.lock() {
+        p.push(e);
+    }
+}
+
+impl crate::Device for CudaDevice {
+    type B = Cuda;
+
+    fn name(&self) -> String {
+        format!("{} ({})", self.label(), self.inner.gpu_name)
+    }
+    fn ordinal(&self) -> usize {
+        self.inner.config.ordinal
+    }
+    fn create_stream(&self, priority: Priority) -> Result<CudaStream> {
+        CudaStream::create(self, priority)
+    }
+    fn create_event(&self) -> Result<CudaEvent> {
+        CudaEvent::create(self)
+    }
+    fn alloc(&self, dtype: DType, len: usize) -> Result<CudaBuffer> {
+        let buf = self.alloc_on(&self.internal, dtype, len)?;
+        if buf.bytes_len() > 0 {
+            // SAFETY: the allocation just made, on the internal stream.
+            unsafe { drv::memset_d8_async(buf.ptr, 0, buf.bytes_len(), self.internal.raw) }
+                .drv("cuMemsetD8Async", &self.label())?;
+        }
+        // "Usable on any stream at once": the allocation and zeroing are done
+        // when this returns.
+        self.internal.host_wait(self, None)?;
+        Ok(buf)
+    }
+    fn memory_stats(&self) -> MemoryStats {
+        self.inner.counters.stats()
+    }
+    fn reset_peak_memory(&self) {
+        self.inner.counters.reset_peak()
+    }
+    fn synchronize(&self) -> Result<()> {
+        let streams: Vec<_> = match self.inner.streams.lock() {
+            Ok(s) => s.iter().filter_map(Weak::upgrade).collect(),
+            Err(_) => Vec::new(),
+        };
+        let mut first = Ok(());
+        for s in streams {
+            let r = s.host_wait(self, None);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        if self.bind().is_ok() {
+            if let Err(e) = self.inner.staging.trim(true) {
+                self.park(e);
+            }
+        }
+        if let Some(e) = self.take_parked_errors().into_iter().next() {
+            if first.is_ok() {
+                first = Err(e);
+            }
+        }
+        first
+    }
+}
+
+impl CudaBuffer {
+    pub(crate) fn bytes_len(&self) -> usize {
+        crate::Buffer::bytes(self)
+    }
+}

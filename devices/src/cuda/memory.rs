@@ -1,0 +1,238 @@
+//! Device buffers on the stream-ordered allocator, our own accounting, and
+//! the pinned host blocks that device-to-host copies land in.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::result as drv;
+use cudarc::driver::sys::CUdeviceptr;
+
+use super::device::CudaDevice;
+use super::result::DriverResult;
+use super::stream::StreamShared;
+use super::Cuda;
+use crate::{DType, DeviceError, MemoryStats};
+
+/// The device's counters, updated when a buffer is made and when its free is enqueued.
+#[derive(Debug, Default)]
+pub(crate) struct MemCounters {
+    in_use: AtomicUsize,
+    peak: AtomicUsize,
+    live: AtomicUsize,
+}
+
+impl MemCounters {
+    pub(crate) fn stats(&self) -> MemoryStats {
+        MemoryStats {
+            bytes_in_use: self.in_use.load(Ordering::Acquire),
+            peak_bytes: self.peak.load(Ordering::Acquire),
+            live_allocations: self.live.load(Ordering::Acquire),
+        }
+    }
+    pub(crate) fn reset_peak(&self) {
+        self.peak.store(self.in_use.load(Ordering::Acquire), Ordering::Release);
+    }
+    pub(crate) fn add(&self, bytes: usize) {
+        let now = self.in_use.fetch_add(bytes, Ordering::AcqRel) + bytes;
+        self.peak.fetch_max(now, Ordering::AcqRel);
+        self.live.fetch_add(1, Ordering::AcqRel);
+    }
+    pub(crate) fn sub(&self, bytes: usize) {
+        self.in_use.fetch_sub(bytes, Ordering::AcqRel);
+        self.live.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A cuda buffer: device memory from the stream-ordered allocator
+/// (`cuMemAllocAsync`), freed in stream order after every stream that used it.
+///
+/// The buffer remembers its *owner* stream (the one the allocation is
+/// ordered on) and every other stream that enqueued work on it. Dropping it
+/// records an event on each of those streams, makes the owner wait on them,
+/// and enqueues `cuMemFreeAsync` on the owner: the memory returns to the pool
+/// only after all queued work that touches it. Failures are parked on the
+/// device (see [`CudaDevice::take_parked_errors`]); drop never panics.
+#[derive(Debug)]
+pub struct CudaBuffer {
+    pub(crate) ptr: CUdeviceptr,
+    bytes: usize,
+    dtype: DType,
+    len: usize,
+    id: u64,
+    pub(crate) device: CudaDevice,
+    owner: Arc<StreamShared>,
+    users: Mutex<Vec<Arc<StreamShared>>>,
+}
+
+impl CudaBuffer {
+    /// Takes ownership of `ptr` (`bytes` long, allocated in `owner`'s order) and counts it.
+    pub(crate) fn adopt(
+        device: &CudaDevice,
+        owner: &Arc<StreamShared>,
+        ptr: CUdeviceptr,
+        dtype: DType,
+        len: usize,
+    ) -> CudaBuffer {
+        let bytes = len * dtype.size();
+        device.inner.counters.add(bytes);
+        CudaBuffer {
+            ptr,
+            bytes,
+            dtype,
+            len,
+            id: super::device::next_id(),
+            device: device.clone(),
+            owner: owner.clone(),
+            users: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The device that owns the memory.
+    pub fn device(&self) -> &CudaDevice {
+        &self.device
+    }
+
+    /// The device address of the first byte (for vendor libraries such as NCCL).
+    ///
+    /// Valid while the buffer lives; use it only in the order of a stream
+    /// that has been passed to [`CudaBuffer::note_use`] (chorus's own
+    /// operations do this themselves).
+    pub fn device_ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+
+    /// Records that work enqueued on `stream` uses this buffer, so the
+    /// stream-ordered free waits for it.
+    pub(crate) fn note_use(&self, stream: &Arc<StreamShared>) {
+        if Arc::ptr_eq(stream, &self.owner) {
+            return;
+        }
+        if let Ok(mut users) = self.users.lock() {
+            if !users.iter().any(|u| Arc::ptr_eq(u, stream)) {
+                users.push(stream.clone());
+            }
+        }
+    }
+
+    fn release(&mut self) -> Result<(), DeviceError> {
+        let label = self.device.label();
+        self.device.bind()?;
+        let users = self.users.lock().map(|mut u| std::mem::take(&mut *u)).unwrap_or_default();
+        for user in users {
+            let event = drv::event::create(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .drv("cuEventCreate", &label)?;
+            // SAFETY: live stream and event handles; the event is destroyed
+            // after the wait is enqueued, which CUDA allows.
+            let waited = unsafe {
+                drv::event::record(event, user.raw)
+                    .and_then(|_| {
+                        drv::stream::wait_event(
+                            self.owner.raw,
+                            event,
+                            cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                        )
+                    })
+                    .drv("cuStreamWaitEvent", &label)
+            };
+            // SAFETY: created above, destroyed once.
+            let destroyed = unsafe { drv::event::destroy(event) }.drv("cuEventDestroy", &label);
+            waited?;
+            destroyed?;
+        }
+        // SAFETY: allocated by cuMemAllocAsync, freed once, in the owner's order
+        // after every user's work (the waits above).
+        unsafe { drv::free_async(self.ptr, self.owner.raw) }.drv("cuMemFreeAsync", &label)
+    }
+}
+
+impl crate::Buffer for CudaBuffer {
+    type B = Cuda;
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn id(&self) -> u64 {
+        self.id
+    }
+}
+
+impl Drop for CudaBuffer {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            if let Err(e) = self.release() {
+                self.device.park(e);
+            }
+        }
+        self.device.inner.counters.sub(self.bytes);
+    }
+}
+
+/// A page-locked host block that a device-to-host copy lands in.
+#[derive(Debug)]
+pub(crate) struct PinnedBlock {
+    pub(crate) ptr: *mut u8,
+    pub(crate) capacity: usize,
+}
+
+// SAFETY: plain host memory; access is ordered by the stream and the host
+// callback that hands it back.
+unsafe impl Send for PinnedBlock {}
+
+/// Reused pinned blocks: `cuMemHostAlloc` is slow, and a host callback may
+/// not call CUDA, so callbacks return blocks here instead of freeing them.
+#[derive(Debug, Default)]
+pub(crate) struct StagingPool {
+    free: Mutex<Vec<PinnedBlock>>,
+}
+
+/// Blocks kept for reuse at most; more are freed at the next device synchronize.
+const KEEP_BLOCKS: usize = 8;
+
+impl StagingPool {
+    /// A block of at least `bytes` (the device's context must be current).
+    pub(crate) fn take(&self, bytes: usize, device: &str) -> Result<PinnedBlock, DeviceError> {
+        if let Ok(mut free) = self.free.lock() {
+            if let Some(i) = free.iter().position(|b| b.capacity >= bytes) {
+                return Ok(free.swap_remove(i));
+            }
+        }
+        let capacity = bytes.max(4096).next_power_of_two();
+        // SAFETY: a fresh pinned allocation, owned by the returned block.
+        let ptr = unsafe { drv::malloc_host(capacity, cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE) }.drv_alloc(
+            "cuMemHostAlloc",
+            device,
+            capacity,
+        )?;
+        Ok(PinnedBlock { ptr: ptr as *mut u8, capacity })
+    }
+
+    /// Returns a block (callable from a host callback: no CUDA calls).
+    pub(crate) fn put(&self, block: PinnedBlock) {
+        if let Ok(mut free) = self.free.lock() {
+            free.push(block);
+        }
+    }
+
+    /// Frees blocks beyond [`KEEP_BLOCKS`] (or all); the context must be current.
+    pub(crate) fn trim(&self, keep: bool) -> Result<(), DeviceError> {
+        let excess: Vec<PinnedBlock> = match self.free.lock() {
+            Ok(mut free) => {
+                free.sort_by_key(|b| std::cmp::Reverse(b.capacity));
+                let at = if keep { KEEP_BLOCKS.min(free.len()) } else { 0 };
+                free.split_off(at)
+            }
+            Err(_) => Vec::new(),
+        };
+        let mut first = Ok(());
+        for b in excess {
+            // SAFETY: allocated by cuMemHostAlloc, no longer referenced by any copy.
+            let r = unsafe { drv::free_host(b.ptr as *mut std::ffi::c_void) }.drv("cuMemFreeHost", "");
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+}

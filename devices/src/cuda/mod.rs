@@ -1,0 +1,82 @@
+//! The `cuda` device: NVIDIA GPUs through the CUDA driver API, NVRTC and
+//! cuBLAS, all loaded at run time through cudarc (feature `cuda`).
+//!
+//! How the contract maps onto CUDA:
+//! - a **device** is one GPU's primary context (`cuDevicePrimaryCtxRetain`);
+//!   every call binds it to the calling thread first, so any thread may use
+//!   any device;
+//! - a **stream** is a CUDA stream made by `cuStreamCreateWithPriority`
+//!   (non-blocking; `Priority::High` is the context's greatest priority);
+//! - an **event** is a CUDA event without timing; [`Stream::record`] is
+//!   `cuEventRecord`, [`Stream::wait`] is `cuStreamWaitEvent` (device side,
+//!   returns at once), [`Event::query`] is `cuEventQuery`;
+//! - **host waits** poll `cuStreamQuery` / `cuEventQuery` against the
+//!   device's deadline rather than block in the driver, so a wait on a dead
+//!   peer ends in `Timeout`, and so that [`StreamMonitor`]s (a collective's
+//!   watchdog) are polled while the host waits;
+//! - **asynchronous failures**: a device fault reported by the driver is
+//!   sticky for every position of the stream (CUDA makes it sticky for the
+//!   context); a failure only the host can see (a monitor's) is sticky from
+//!   the failed operation's position on and reaches the events recorded
+//!   after it and the streams that waited for them; later operations on a
+//!   failed stream are skipped;
+//! - a **buffer** comes from the stream-ordered allocator (`cuMemAllocAsync`
+//!   on the allocating stream; `Device::alloc` allocates and zeroes on an
+//!   internal stream and waits). Dropping it makes the owning stream wait for
+//!   every other stream that used it and enqueues `cuMemFreeAsync` there, so
+//!   queued work never sees freed memory; errors are parked on the device;
+//! - **memory statistics** are our own exact counters, changed when a
+//!   buffer is made and when its free is enqueued (the pool may keep the
+//!   bytes reserved; the statistics count what chorus holds);
+//! - **host→device** copies use `cuMemcpyHtoDAsync` from the caller's
+//!   slice: for pageable memory the driver stages the bytes before it
+//!   returns, so the slice may be reused at once. **Device→host** copies go
+//!   into a pinned block with `cuMemcpyDtoHAsync`, followed by
+//!   `cuLaunchHostFunc`: the callback (which may not call CUDA) copies the
+//!   bytes out, completes the [`crate::Readback`] and returns the block to a
+//!   pool. So a readback completes exactly when its copy has run;
+//! - the **compute operations** are NVRTC-compiled kernels
+//!   ([`kernels`](self) source, compiled once per compute capability per
+//!   process, loaded once per device); `matmul` is `cublasGemmEx` with f32
+//!   compute for f16/bf16/f32 (f64 for f64), one handle per stream;
+//! - **loading**: before cudarc is touched, [`driver_library`],
+//!   [`nvrtc_library`] and [`cublas_library`] probe the libraries the way
+//!   cudarc will load them; a missing library is
+//!   [`DeviceError::LibraryUnavailable`](crate::DeviceError::LibraryUnavailable)
+//!   naming the files tried and the variable to set, never a panic.
+//!
+//! [`Stream::record`]: crate::Stream::record
+//! [`Stream::wait`]: crate::Stream::wait
+//! [`Event::query`]: crate::Event::query
+
+mod blas;
+mod device;
+mod event;
+mod kernels;
+mod loader;
+mod memory;
+mod result;
+mod stream;
+
+pub use device::{device_count, driver_version, CudaConfig, CudaDevice};
+pub use event::CudaEvent;
+pub use loader::{cublas_library, driver_library, nvrtc_library, LibraryInfo};
+pub use memory::CudaBuffer;
+pub use stream::{device_ptr, CudaStream, StreamMonitor};
+
+/// The raw driver types that vendor libraries built on this device take.
+pub mod sys {
+    pub use cudarc::driver::sys::{CUcontext, CUdevice, CUdeviceptr, CUevent, CUstream};
+}
+
+/// The cuda backend's types.
+#[derive(Debug)]
+pub enum Cuda {}
+
+impl crate::Backend for Cuda {
+    const NAME: &'static str = "cuda";
+    type Device = CudaDevice;
+    type Stream = CudaStream;
+    type Event = CudaEvent;
+    type Buffer = CudaBuffer;
+}

@@ -1,0 +1,1161 @@
+//! Streams of the cuda device: CUDA streams with priorities, host waits with
+//! deadlines, sticky host-detected failures, and every stream operation.
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::result::{self as drv, stream::StreamKind};
+use cudarc::driver::sys::{CUdeviceptr, CUevent, CUevent_wait_flags, CUmemorytype, CUresult, CUstream, CUDA_MEMCPY2D};
+
+use super::blas::BlasHandle;
+use super::device::{bind_ctx, next_id, park, CudaDevice, DeviceInner};
+use super::event::CudaEvent;
+use super::kernels::{arg, code, REDUCE_BLOCK};
+use super::memory::{CudaBuffer, PinnedBlock, StagingPool};
+use super::result::{self as res, DriverResult};
+use super::Cuda;
+use crate::{
+    AdamWParams, Buffer, Copy2d, DType, DeviceError, MatmulSpec, Priority, Readback, ReadbackFiller, Result, Scalar,
+    SgdParams, View,
+};
+
+/// Work on a stream whose failure only the host can see, such as a
+/// collective whose peer may die: CUDA would just wait forever.
+///
+/// Registered with [`CudaStream::watch`]; every host wait on the stream (and
+/// on events recorded after it) polls the monitors. A monitor that fails
+/// makes its error sticky on the stream from the monitored operation on,
+/// exactly like a failed operation on the cpu device.
+pub trait StreamMonitor: Send + Sync {
+    /// Checks the monitored work without blocking: `Ok(true)` once it has
+    /// finished (the monitor is then dropped), `Ok(false)` while it is
+    /// pending, or the error that failed it (the monitor should also make
+    /// the device work finish, e.g. by aborting its communicator).
+    fn poll(&self) -> Result<bool>;
+}
+
+/// What a host wait waits for.
+pub(crate) enum Target {
+    /// Everything enqueued on the stream so far.
+    Stream,
+    /// An event recorded at this position of the stream.
+    Event(CUevent, u64),
+}
+
+#[derive(Default)]
+struct Upstream {
+    /// (stream waited on, its position at the record, our position at the wait)
+    entries: Vec<(Weak<StreamShared>, u64, u64)>,
+}
+
+const MAX_UPSTREAM: usize = 256;
+
+pub(crate) struct StreamShared {
+    pub(crate) raw: CUstream,
+    pub(crate) id: u64,
+    pub(crate) name: String,
+    pub(crate) priority: Priority,
+    pub(crate) device: Arc<DeviceInner>,
+    /// Operations enqueued so far (the next one's position is this + 1).
+    position: AtomicU64,
+    /// Everything up to here completed without error, as seen by a host wait.
+    synced_upto: AtomicU64,
+    /// The first failure and the position it applies from.
+    failure: Mutex<Option<(u64, DeviceError)>>,
+    upstream: Mutex<Upstream>,
+    monitors: Mutex<Vec<(u64, Arc<dyn StreamMonitor>)>>,
+    blas: Mutex<Option<BlasHandle>>,
+}
+
+impl std::fmt::Debug for StreamShared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StreamShared({})", self.name)
+    }
+}
+
+// SAFETY: the stream handle is a driver handle usable from any thread once
+// the context is bound; the rest is synchronized.
+unsafe impl Send for StreamShared {}
+unsafe impl Sync for StreamShared {}
+
+impl StreamShared {
+    pub(crate) fn create(device: &Arc<DeviceInner>, priority: Priority, label: &str) -> Result<Arc<StreamShared>> {
+        bind_ctx(device)?;
+        let index = device.next_stream.fetch_add(1, Ordering::Relaxed);
+        let dev = format!("cuda:{}", device.config.ordinal);
+        let prio = match priority {
+            Priority::Normal => device.priorities.0,
+            Priority::High => device.priorities.1,
+        };
+        let raw =
+            drv::stream::create_with_priority(StreamKind::NonBlocking, prio).drv("cuStreamCreateWithPriority", &dev)?;
+        let suffix = if priority == Priority::High { " (high)" } else { "" };
+        let shared = Arc::new(StreamShared {
+            raw,
+            id: next_id(),
+            name: format!("{dev}/{label}{index}{suffix}"),
+            priority,
+            device: device.clone(),
+            position: AtomicU64::new(0),
+            synced_upto: AtomicU64::new(0),
+            failure: Mutex::new(None),
+            upstream: Mutex::new(Upstream::default()),
+            monitors: Mutex::new(Vec::new()),
+            blas: Mutex::new(None),
+        });
+        if let Ok(mut list) = device.streams.lock() {
+            list.retain(|w| w.strong_count() > 0);
+            list.push(Arc::downgrade(&shared));
+        }
+        Ok(shared)
+    }
+
+    fn label(&self) -> String {
+        format!("cuda:{}", self.device.config.ordinal)
+    }
+
+    pub(crate) fn position(&self) -> u64 {
+        self.position.load(Ordering::Acquire)
+    }
+
+    fn fail(&self, at: u64, e: DeviceError) {
+        if let Ok(mut f) = self.failure.lock() {
+            match &*f {
+                Some((p, _)) if *p <= at => {}
+                _ => *f = Some((at, e)),
+            }
+        }
+    }
+
+    fn own_failure(&self) -> Option<DeviceError> {
+        self.failure.lock().ok().and_then(|f| f.as_ref().map(|(_, e)| e.clone()))
+    }
+
+    /// The failure that affects work up to position `upto`: this stream's
+    /// own, or one of a stream it waited for before `upto` (as `Poisoned`).
+    pub(crate) fn failure_at(&self, upto: u64) -> Option<DeviceError> {
+        self.failure_depth(upto, 0)
+    }
+
+    fn failure_depth(&self, upto: u64, depth: usize) -> Option<DeviceError> {
+        if let Some((p, e)) = self.failure.lock().ok().and_then(|f| f.clone()) {
+            if p <= upto {
+                return Some(e);
+            }
+        }
+        if depth >= 16 {
+            return None;
+        }
+        let entries: Vec<_> = match self.upstream.lock() {
+            Ok(u) => u.entries.iter().filter(|(_, _, at)| *at <= upto).cloned().collect(),
+            Err(_) => Vec::new(),
+        };
+        entries.into_iter().find_map(|(w, their, _)| {
+            let s = w.upgrade()?;
+            s.poll_monitors();
+            s.failure_depth(their, depth + 1).map(|e| match e {
+                DeviceError::Poisoned { .. } => e,
+                other => DeviceError::Poisoned { cause: Box::new(other) },
+            })
+        })
+    }
+
+    fn add_upstream(&self, stream: &Arc<StreamShared>, their: u64, ours: u64) {
+        if let Ok(mut u) = self.upstream.lock() {
+            u.entries.retain(|(w, q, _)| w.upgrade().is_some_and(|s| *q > s.synced_upto.load(Ordering::Acquire)));
+            if u.entries.len() >= MAX_UPSTREAM {
+                u.entries.remove(0);
+            }
+            u.entries.push((Arc::downgrade(stream), their, ours));
+        }
+    }
+
+    /// Polls the monitors; a failing one makes its error sticky.
+    pub(crate) fn poll_monitors(&self) {
+        let monitors: Vec<_> = match self.monitors.lock() {
+            Ok(m) if !m.is_empty() => m.clone(),
+            _ => return,
+        };
+        let mut finished = Vec::new();
+        for (pos, m) in monitors {
+            match m.poll() {
+                Ok(true) => finished.push(Arc::as_ptr(&m) as *const () as usize),
+                Ok(false) => {}
+                Err(e) => {
+                    self.fail(pos, e);
+                    finished.push(Arc::as_ptr(&m) as *const () as usize);
+                }
+            }
+        }
+        if let Ok(mut m) = self.monitors.lock() {
+            m.retain(|(_, x)| !finished.contains(&(Arc::as_ptr(x) as *const () as usize)));
+        }
+    }
+
+    /// Blocks the host until `target` (default: all work so far) has run, a
+    /// failure is known, or the device's deadline passes.
+    pub(crate) fn host_wait(&self, device: &CudaDevice, target: Option<Target>) -> Result<()> {
+        let target = target.unwrap_or(Target::Stream);
+        let upto = match target {
+            Target::Stream => self.position(),
+            Target::Event(_, pos) => pos,
+        };
+        device.bind()?;
+        let what = match target {
+            Target::Stream => format!("{} to finish", self.name),
+            Target::Event(..) => format!("an event on {}", self.name),
+        };
+        poll_until(device.config().timeout, &what, || {
+            self.poll_monitors();
+            if let Some(e) = self.failure_at(upto) {
+                return Err(e);
+            }
+            // SAFETY: live stream / event handles of the bound context.
+            let status = unsafe {
+                match target {
+                    Target::Stream => cudarc::driver::sys::cuStreamQuery(self.raw).result(),
+                    Target::Event(ev, _) => drv::event::query(ev),
+                }
+            };
+            match status {
+                Ok(()) => {
+                    self.poll_monitors();
+                    if let Some(e) = self.failure_at(upto) {
+                        return Err(e);
+                    }
+                    self.synced_upto.fetch_max(upto, Ordering::AcqRel);
+                    Ok(true)
+                }
+                Err(e) if e.0 == CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+                Err(e) => {
+                    // A device fault: sticky for the whole context, so for every position.
+                    let err = res::driver("cuStreamQuery", e, &self.label(), 0);
+                    self.fail(0, err.clone());
+                    Err(err)
+                }
+            }
+        })
+    }
+}
+
+/// Polls `check` (spinning briefly, then sleeping up to 1 ms) until it says
+/// done, fails, or `timeout` passes.
+pub(crate) fn poll_until(timeout: Duration, what: &str, mut check: impl FnMut() -> Result<bool>) -> Result<()> {
+    let start = Instant::now();
+    let mut round = 0u32;
+    loop {
+        if check()? {
+            return Ok(());
+        }
+        if start.elapsed() >= timeout {
+            return Err(DeviceError::Timeout { what: what.to_string(), waited: timeout });
+        }
+        round += 1;
+        if round < 64 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros((round as u64 * 10).min(1000)));
+        }
+    }
+}
+
+impl Drop for StreamShared {
+    fn drop(&mut self) {
+        // Work still queued finishes: CUDA releases a destroyed stream's
+        // resources after its work completes.
+        let r = bind_ctx(&self.device).and_then(|_| {
+            let blas = self.blas.lock().ok().and_then(|mut b| b.take());
+            let b = blas.map(BlasHandle::destroy).unwrap_or(Ok(()));
+            // SAFETY: destroyed once, here.
+            let s = unsafe { drv::stream::destroy(self.raw) }.drv("cuStreamDestroy", &self.label());
+            b.and(s)
+        });
+        if let Err(e) = r {
+            park(&self.device, e);
+        }
+    }
+}
+
+/// A stream of a cuda device: a CUDA stream created with
+/// `cuStreamCreateWithPriority` (non-blocking with respect to the legacy
+/// default stream).
+#[derive(Debug)]
+pub struct CudaStream {
+    pub(crate) shared: Arc<StreamShared>,
+    device: CudaDevice,
+}
+
+/// A temporary device copy of an input that overlaps an output, freed in
+/// stream order after the kernel that reads it.
+struct Staged {
+    ptr: CUdeviceptr,
+    stream: CUstream,
+    device: CudaDevice,
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if self.ptr != 0 {
+            // SAFETY: allocated by cuMemAllocAsync on `stream`, freed once in its order.
+            if let Err(e) = unsafe { drv::free_async(self.ptr, self.stream) }.drv("cuMemFreeAsync", "staging") {
+                self.device.park(e);
+            }
+        }
+    }
+}
+
+struct ReadbackJob {
+    filler: ReadbackFiller,
+    block: PinnedBlock,
+    bytes: usize,
+    pool: Arc<StagingPool>,
+    stream: Weak<StreamShared>,
+    position: u64,
+}
+
+/// Runs on a CUDA driver thread once the device-to-host copy before it has
+/// finished. Must not call CUDA: it copies the pinned bytes out, hands the
+/// block back to the pool and completes the readback.
+unsafe extern "C" fn readback_done(data: *mut c_void) {
+    // SAFETY: `data` is the Box leaked by `copy_to_host`, given to exactly one callback.
+    let job = unsafe { Box::from_raw(data as *mut ReadbackJob) };
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+        let ReadbackJob { filler, block, bytes, pool, stream, position } = *job;
+        let failure = stream.upgrade().and_then(|s| s.failure_at(position));
+        match failure {
+            Some(e) => filler.fail(e),
+            None => {
+                // SAFETY: the copy into the block has completed (stream order).
+                let data = unsafe { std::slice::from_raw_parts(block.ptr, bytes) }.to_vec();
+                filler.fill(data);
+            }
+        }
+        pool.put(block);
+    }));
+}
+
+fn check_device(op: &'static str, ours: &CudaDevice, theirs: &CudaDevice) -> Result<()> {
+    if ours.is_same(theirs) {
+        Ok(())
+    } else {
+        Err(DeviceError::invalid(
+            op,
+            format!("a view of {} was passed to a stream of {}", theirs.label(), ours.label()),
+        ))
+    }
+}
+
+fn need_float(op: &'static str, d: DType) -> Result<()> {
+    if d.is_float() {
+        Ok(())
+    } else {
+        Err(DeviceError::invalid(op, format!("needs a float dtype, got {d}")))
+    }
+}
+
+fn need_len(op: &'static str, what: &str, expected: usize, found: usize) -> Result<()> {
+    if expected == found {
+        Ok(())
+    } else {
+        Err(DeviceError::invalid(op, format!("{what} has {found} elements, expected {expected}")))
+    }
+}
+
+fn need_dtype(op: &'static str, expected: DType, found: DType) -> Result<()> {
+    if expected == found {
+        Ok(())
+    } else {
+        Err(DeviceError::DTypeMismatch { op, expected, found })
+    }
+}
+
+fn scalar_out(op: &'static str, v: &View<'_, Cuda>) -> Result<()> {
+    if v.len() != 1 || !matches!(v.dtype(), DType::F32 | DType::F64) {
+        return Err(DeviceError::invalid(
+            op,
+            format!("the result must be one f32 or f64 element, got {}[{}]", v.dtype(), v.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// The device address of a view's first element.
+pub fn device_ptr(v: &View<'_, Cuda>) -> CUdeviceptr {
+    v.buffer().ptr + v.byte_range().start as u64
+}
+
+impl CudaStream {
+    pub(crate) fn create(device: &CudaDevice, priority: Priority) -> Result<CudaStream> {
+        let shared = StreamShared::create(&device.inner, priority, "stream")?;
+        Ok(CudaStream { shared, device: device.clone() })
+    }
+
+    /// A process-unique id of this stream.
+    pub fn id(&self) -> u64 {
+        self.shared.id
+    }
+
+    /// The driver handle, for enqueuing vendor work (NCCL) through
+    /// [`CudaStream::enqueue_raw`].
+    pub fn raw(&self) -> CUstream {
+        self.shared.raw
+    }
+
+    /// Enqueues vendor work on this stream: checks that `views` are on this
+    /// device, notes them as used (so their stream-ordered frees wait), binds
+    /// the context and calls `f` with the stream handle. Returns `Ok(None)`
+    /// without calling `f` when the stream has already failed (the work is
+    /// skipped, as on every device), else `Ok(Some(position))`.
+    pub fn enqueue_raw(
+        &self,
+        op: &'static str,
+        views: &[View<'_, Cuda>],
+        f: impl FnOnce(CUstream) -> Result<()>,
+    ) -> Result<Option<u64>> {
+        for v in views {
+            check_device(op, &self.device, v.buffer().device())?;
+        }
+        if self.shared.own_failure().is_some() {
+            return Ok(None);
+        }
+        self.device.bind()?;
+        for v in views {
+            v.buffer().note_use(&self.shared);
+        }
+        f(self.shared.raw)?;
+        Ok(Some(self.shared.position.fetch_add(1, Ordering::AcqRel) + 1))
+    }
+
+    /// Registers `monitor` for the operation at `position` (from
+    /// [`CudaStream::enqueue_raw`]); see [`StreamMonitor`].
+    pub fn watch(&self, position: u64, monitor: Arc<dyn StreamMonitor>) {
+        if let Ok(mut m) = self.shared.monitors.lock() {
+            m.push((position, monitor));
+        }
+    }
+
+    /// The failure that has made this stream skip its work, if any.
+    pub fn failure(&self) -> Option<DeviceError> {
+        self.shared.poll_monitors();
+        self.shared.own_failure()
+    }
+
+    /// Enqueues one of our own operations (see `enqueue_raw`).
+    fn run(&self, op: &'static str, views: &[View<'_, Cuda>], f: impl FnOnce(CUstream) -> Result<()>) -> Result<()> {
+        self.enqueue_raw(op, views, f).map(|_| ())
+    }
+
+    /// `input`'s address, or that of a stream-ordered copy when it overlaps
+    /// `output` (always when `always`, else unless it is the same range).
+    fn input_ptr(
+        &self,
+        input: &View<'_, Cuda>,
+        output: &View<'_, Cuda>,
+        always: bool,
+    ) -> Result<(CUdeviceptr, Option<Staged>)> {
+        let ptr = device_ptr(input);
+        if !input.overlaps(output) || (!always && input.same_range(output)) {
+            return Ok((ptr, None));
+        }
+        let bytes = input.bytes();
+        // SAFETY: a fresh allocation on this stream, then a copy in its order.
+        let tmp = unsafe { drv::malloc_async(self.shared.raw, bytes) }.drv_alloc(
+            "cuMemAllocAsync",
+            &self.device.label(),
+            bytes,
+        )?;
+        let staged = Staged { ptr: tmp, stream: self.shared.raw, device: self.device.clone() };
+        // SAFETY: both ranges are valid for `bytes` in this stream's order.
+        unsafe { drv::memcpy_dtod_async(tmp, ptr, bytes, self.shared.raw) }
+            .drv("cuMemcpyDtoDAsync", &self.device.label())?;
+        Ok((tmp, Some(staged)))
+    }
+
+    fn kernels(&self) -> Result<Arc<super::kernels::Kernels>> {
+        self.device.kernels()
+    }
+}
+
+impl crate::Stream for CudaStream {
+    type B = Cuda;
+
+    fn device(&self) -> &CudaDevice {
+        &self.device
+    }
+    fn priority(&self) -> Priority {
+        self.shared.priority
+    }
+    fn name(&self) -> String {
+        self.shared.name.clone()
+    }
+
+    fn alloc(&self, dtype: DType, len: usize) -> Result<CudaBuffer> {
+        self.device.alloc_on(&self.shared, dtype, len)
+    }
+
+    fn copy(&self, src: View<'_, Cuda>, dst: View<'_, Cuda>) -> Result<()> {
+        need_dtype("copy", dst.dtype(), src.dtype())?;
+        need_len("copy", "the source", dst.len(), src.len())?;
+        if src.is_empty() || src.same_range(&dst) {
+            return self.run("copy", &[src, dst], |_| Ok(()));
+        }
+        self.run("copy", &[src, dst], |s| {
+            let (from, _staged) = self.input_ptr(&src, &dst, false)?;
+            // SAFETY: valid, non-overlapping ranges of `bytes` in stream order.
+            unsafe { drv::memcpy_dtod_async(device_ptr(&dst), from, dst.bytes(), s) }
+                .drv("cuMemcpyDtoDAsync", &self.device.label())
+        })
+    }
+
+    fn copy_2d(&self, src: View<'_, Cuda>, dst: View<'_, Cuda>, layout: Copy2d) -> Result<()> {
+        let op = "copy_2d";
+        need_dtype(op, dst.dtype(), src.dtype())?;
+        let fits = |extent: Option<usize>, len: usize| extent.is_some_and(|e| e <= len);
+        if !fits(layout.extent(layout.src_offset, layout.src_stride), src.len())
+            || !fits(layout.extent(layout.dst_offset, layout.dst_stride), dst.len())
+        {
+            return Err(DeviceError::invalid(
+                op,
+                format!("{layout:?} does not fit views of {} and {}", src.len(), dst.len()),
+            ));
+        }
+        if src.overlaps(&dst) {
+            return Err(DeviceError::invalid(op, "the source and destination overlap"));
+        }
+        let size = src.dtype().size();
+        let width = layout.row_len * size;
+        if layout.rows == 0 || width == 0 {
+            return self.run(op, &[src, dst], |_| Ok(()));
+        }
+        let label = self.device.label();
+        self.run(op, &[src, dst], |s| {
+            let (sp, dp) = (device_ptr(&src), device_ptr(&dst));
+            let (src_pitch, dst_pitch) = (layout.src_stride * size, layout.dst_stride * size);
+            if layout.rows == 1 || src_pitch < width || dst_pitch < width {
+                // cuMemcpy2D needs pitches of at least the width: copy block by block.
+                for i in 0..layout.rows {
+                    let so = ((layout.src_offset + i * layout.src_stride) * size) as u64;
+                    let d_o = ((layout.dst_offset + i * layout.dst_stride) * size) as u64;
+                    // SAFETY: blocks inside the views (checked above), valid in stream order.
+                    unsafe { drv::memcpy_dtod_async(dp + d_o, sp + so, width, s) }.drv("cuMemcpyDtoDAsync", &label)?;
+                }
+                return Ok(());
+            }
+            let copy = CUDA_MEMCPY2D {
+                srcXInBytes: layout.src_offset * size,
+                srcY: 0,
+                srcMemoryType: CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                srcHost: std::ptr::null(),
+                srcDevice: sp,
+                srcArray: std::ptr::null_mut(),
+                srcPitch: src_pitch,
+                dstXInBytes: layout.dst_offset * size,
+                dstY: 0,
+                dstMemoryType: CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                dstHost: std::ptr::null_mut(),
+                dstDevice: dp,
+                dstArray: std::ptr::null_mut(),
+                dstPitch: dst_pitch,
+                WidthInBytes: width,
+                Height: layout.rows,
+            };
+            // SAFETY: a fully initialized descriptor of ranges inside the views.
+            unsafe { cudarc::driver::sys::cuMemcpy2DAsync_v2(&copy, s) }.result().drv("cuMemcpy2DAsync", &label)
+        })
+    }
+
+    fn copy_from_host(&self, src: &[u8], dst: View<'_, Cuda>) -> Result<()> {
+        need_len("copy_from_host", "the host slice (bytes)", dst.bytes(), src.len())?;
+        if src.is_empty() {
+            return self.run("copy_from_host", &[dst], |_| Ok(()));
+        }
+        self.run("copy_from_host", &[dst], |s| {
+            // From pageable memory the driver stages `src` before returning
+            // (CUDA's "API synchronization behavior"), so the caller may
+            // reuse it at once, as the contract requires.
+            // SAFETY: `dst` is valid for `src.len()` bytes in stream order.
+            unsafe { drv::memcpy_htod_async(device_ptr(&dst), src, s) }.drv("cuMemcpyHtoDAsync", &self.device.label())
+        })
+    }
+
+    fn copy_to_host(&self, src: View<'_, Cuda>) -> Result<Readback> {
+        check_device("copy_to_host", &self.device, src.buffer().device())?;
+        let (readback, filler) = Readback::pending(src.dtype(), src.len(), self.device.config().timeout);
+        if let Some(e) = self.shared.own_failure() {
+            filler.fail(match e {
+                DeviceError::Poisoned { .. } => e,
+                other => DeviceError::Poisoned { cause: Box::new(other) },
+            });
+            return Ok(readback);
+        }
+        let bytes = src.bytes();
+        self.device.bind()?;
+        let pool = self.device.inner.staging.clone();
+        let block = pool.take(bytes, &self.device.label())?;
+        let block_ptr = block.ptr;
+        let position = self.shared.position() + 1;
+        let job = Box::new(ReadbackJob {
+            filler,
+            block,
+            bytes,
+            pool: pool.clone(),
+            stream: Arc::downgrade(&self.shared),
+            position,
+        });
+        let job = Box::into_raw(job);
+        let enqueued = self.enqueue_raw("copy_to_host", &[src], |s| {
+            if bytes > 0 {
+                // SAFETY: the pinned block holds at least `bytes`; the device
+                // range is valid in stream order.
+                let dst = unsafe { std::slice::from_raw_parts_mut(block_ptr, bytes) };
+                // SAFETY: as above; the callback below reads it only after the copy.
+                unsafe { drv::memcpy_dtoh_async(dst, device_ptr(&src), s) }
+                    .drv("cuMemcpyDtoHAsync", &self.device.label())?;
+            }
+            // SAFETY: `job` is handed to exactly one callback, which frees it.
+            unsafe { drv::stream::launch_host_function(s, readback_done, job as *mut c_void) }
+                .drv("cuLaunchHostFunc", &self.device.label())
+        });
+        match enqueued {
+            Ok(Some(_)) => Ok(readback),
+            Ok(None) | Err(_) => {
+                // Not enqueued: the callback will never run, so reclaim the job.
+                // SAFETY: leaked above and not handed to CUDA.
+                let job = unsafe { Box::from_raw(job) };
+                let ReadbackJob { filler, block, pool, .. } = *job;
+                pool.put(block);
+                match enqueued {
+                    Err(e) => {
+                        filler.fail(e.clone());
+                        Err(e)
+                    }
+                    _ => {
+                        let e = self.shared.own_failure().unwrap_or_else(|| {
+                            DeviceError::invalid("copy_to_host", "the stream failed before the copy")
+                        });
+                        filler.fail(DeviceError::Poisoned { cause: Box::new(e) });
+                        Ok(readback)
+                    }
+                }
+            }
+        }
+    }
+
+    fn fill(&self, dst: View<'_, Cuda>, value: Scalar) -> Result<()> {
+        let pattern = value.encode(dst.dtype()).map_err(|r| DeviceError::invalid("fill", r))?;
+        let n = dst.len();
+        if n == 0 {
+            return self.run("fill", &[dst], |_| Ok(()));
+        }
+        let label = self.device.label();
+        let kernels = if pattern.len() == 8 { Some(self.kernels()?) } else { None };
+        self.run("fill", &[dst], |s| {
+            let ptr = device_ptr(&dst);
+            // SAFETY: `dst` is valid for n elements of the pattern's size in stream order.
+            unsafe {
+                match pattern.len() {
+                    1 => drv::memset_d8_async(ptr, pattern[0], n, s).drv("cuMemsetD8Async", &label),
+                    2 => cudarc::driver::sys::cuMemsetD16Async(ptr, u16::from_le_bytes([pattern[0], pattern[1]]), n, s)
+                        .result()
+                        .drv("cuMemsetD16Async", &label),
+                    4 => cudarc::driver::sys::cuMemsetD32Async(
+                        ptr,
+                        u32::from_le_bytes([pattern[0], pattern[1], pattern[2], pattern[3]]),
+                        n,
+                        s,
+                    )
+                    .result()
+                    .drv("cuMemsetD32Async", &label),
+                    _ => {
+                        let mut word = [0u8; 8];
+                        word.copy_from_slice(&pattern);
+                        let (mut p, mut count, mut w) = (ptr, n as u64, u64::from_le_bytes(word));
+                        let k = kernels.as_ref().ok_or_else(|| DeviceError::invalid("fill", "no kernels"))?;
+                        k.launch(
+                            "chorus_fill_u64",
+                            n as u64,
+                            s,
+                            &mut [arg(&mut p), arg(&mut count), arg(&mut w)],
+                            &label,
+                        )
+                    }
+                }
+            }
+        })
+    }
+
+    fn cast(&self, src: View<'_, Cuda>, dst: View<'_, Cuda>) -> Result<()> {
+        need_float("cast", src.dtype())?;
+        need_float("cast", dst.dtype())?;
+        need_len("cast", "the source", dst.len(), src.len())?;
+        self.elementwise("cast", &[src, dst], dst.len(), |k, s, label| {
+            let (from, _staged) = self.input_ptr(&src, &dst, false)?;
+            let (mut a, mut at, mut b, mut bt, mut n) =
+                (from, code(src.dtype()), device_ptr(&dst), code(dst.dtype()), dst.len() as u64);
+            // SAFETY: the kernel's parameter types; ranges valid in stream order.
+            unsafe {
+                k.launch(
+                    "chorus_cast",
+                    n,
+                    s,
+                    &mut [arg(&mut a), arg(&mut at), arg(&mut b), arg(&mut bt), arg(&mut n)],
+                    label,
+                )
+            }
+        })
+    }
+
+    fn scale(&self, x: View<'_, Cuda>, alpha: f64) -> Result<()> {
+        need_float("scale", x.dtype())?;
+        self.elementwise("scale", &[x], x.len(), |k, s, label| {
+            let (mut p, mut t, mut n, mut a) = (device_ptr(&x), code(x.dtype()), x.len() as u64, alpha);
+            // SAFETY: as in `cast`.
+            unsafe { k.launch("chorus_scale", n, s, &mut [arg(&mut p), arg(&mut t), arg(&mut n), arg(&mut a)], label) }
+        })
+    }
+
+    fn accumulate(&self, src: View<'_, Cuda>, dst: View<'_, Cuda>) -> Result<()> {
+        need_len("accumulate", "the source", dst.len(), src.len())?;
+        let (sd, dd) = (src.dtype(), dst.dtype());
+        let float = sd.is_float() && dd.is_float();
+        if !float {
+            need_dtype("accumulate", dd, sd)?;
+        }
+        self.elementwise("accumulate", &[src, dst], dst.len(), |k, s, label| {
+            let (from, _staged) = self.input_ptr(&src, &dst, false)?;
+            let (mut a, mut b, mut n) = (from, device_ptr(&dst), dst.len() as u64);
+            // SAFETY: as in `cast`.
+            unsafe {
+                if float {
+                    let (mut at, mut bt) = (code(sd), code(dd));
+                    k.launch(
+                        "chorus_accumulate",
+                        n,
+                        s,
+                        &mut [arg(&mut a), arg(&mut at), arg(&mut b), arg(&mut bt), arg(&mut n)],
+                        label,
+                    )
+                } else {
+                    let mut t = code(dd);
+                    k.launch(
+                        "chorus_accumulate_int",
+                        n,
+                        s,
+                        &mut [arg(&mut a), arg(&mut b), arg(&mut t), arg(&mut n)],
+                        label,
+                    )
+                }
+            }
+        })
+    }
+
+    fn axpy(&self, alpha: f64, x: View<'_, Cuda>, y: View<'_, Cuda>) -> Result<()> {
+        need_float("axpy", x.dtype())?;
+        need_float("axpy", y.dtype())?;
+        need_len("axpy", "x", y.len(), x.len())?;
+        self.elementwise("axpy", &[x, y], y.len(), |k, s, label| {
+            let (from, _staged) = self.input_ptr(&x, &y, false)?;
+            let (mut al, mut a, mut at, mut b, mut bt, mut n) =
+                (alpha, from, code(x.dtype()), device_ptr(&y), code(y.dtype()), y.len() as u64);
+            // SAFETY: as in `cast`.
+            unsafe {
+                k.launch(
+                    "chorus_axpy",
+                    n,
+                    s,
+                    &mut [arg(&mut al), arg(&mut a), arg(&mut at), arg(&mut b), arg(&mut bt), arg(&mut n)],
+                    label,
+                )
+            }
+        })
+    }
+
+    fn record(&self, event: &CudaEvent) -> Result<()> {
+        check_device("record", &self.device, &event.device)?;
+        self.device.bind()?;
+        // SAFETY: live event and stream of the bound context.
+        unsafe { drv::event::record(event.raw, self.shared.raw) }.drv("cuEventRecord", &self.device.label())?;
+        let pos = self.shared.position.fetch_add(1, Ordering::AcqRel) + 1;
+        if let Ok(mut r) = event.recorded.lock() {
+            *r = Some((Arc::downgrade(&self.shared), pos));
+        }
+        Ok(())
+    }
+
+    fn wait(&self, event: &CudaEvent) -> Result<()> {
+        check_device("wait", &self.device, &event.device)?;
+        self.device.bind()?;
+        // SAFETY: live event and stream of the bound context.
+        unsafe { drv::stream::wait_event(self.shared.raw, event.raw, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+            .drv("cuStreamWaitEvent", &self.device.label())?;
+        let ours = self.shared.position.fetch_add(1, Ordering::AcqRel) + 1;
+        if let Some((stream, theirs)) = event.last_record() {
+            if !Arc::ptr_eq(&stream, &self.shared) {
+                self.shared.add_upstream(&stream, theirs, ours);
+            }
+        }
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.shared.host_wait(&self.device, None)
+    }
+
+    fn matmul(&self, spec: MatmulSpec, a: View<'_, Cuda>, b: View<'_, Cuda>, c: View<'_, Cuda>) -> Result<()> {
+        let op = "matmul";
+        need_float(op, a.dtype())?;
+        need_dtype(op, a.dtype(), b.dtype())?;
+        if c.dtype() != a.dtype() && c.dtype() != DType::F32 {
+            return Err(DeviceError::invalid(
+                op,
+                format!("the output must be {} or f32, got {}", a.dtype(), c.dtype()),
+            ));
+        }
+        let MatmulSpec { m, n, k, accumulate, .. } = spec;
+        let size = |x: usize, y: usize| x.checked_mul(y).ok_or_else(|| DeviceError::invalid(op, "shape overflows"));
+        need_len(op, "A", size(m, k)?, a.len())?;
+        need_len(op, "B", size(k, n)?, b.len())?;
+        need_len(op, "C", size(m, n)?, c.len())?;
+        if m == 0 || n == 0 || (k == 0 && accumulate) {
+            return self.run(op, &[a, b, c], |_| Ok(()));
+        }
+        if k == 0 {
+            return self.fill(c, Scalar::Float(0.0));
+        }
+        // f64 inputs with an f32 output: cuBLAS has no such gemm, so compute
+        // in f64 and round once on the cast.
+        if a.dtype() == DType::F64 && c.dtype() == DType::F32 {
+            let tmp = self.alloc(DType::F64, c.len())?;
+            if accumulate {
+                self.cast(c, tmp.view())?;
+            }
+            self.matmul(spec, a, b, tmp.view())?;
+            return self.cast(tmp.view(), c);
+        }
+        let label = self.device.label();
+        self.run(op, &[a, b, c], |s| {
+            let (pa, _sa) = self.input_ptr(&a, &c, true)?;
+            let (pb, _sb) = self.input_ptr(&b, &c, true)?;
+            let mut guard = self.shared.blas.lock().map_err(|_| DeviceError::invalid(op, "cuBLAS handle poisoned"))?;
+            if guard.is_none() {
+                *guard = Some(BlasHandle::create(s)?);
+            }
+            let handle = guard.as_ref().ok_or_else(|| DeviceError::invalid(op, "no cuBLAS handle"))?;
+            let _ = &label;
+            // SAFETY: ranges checked against the spec above, valid in stream order.
+            unsafe { handle.gemm(spec, a.dtype(), c.dtype(), pa, pb, device_ptr(&c)) }
+        })
+    }
+
+    fn bias_add(&self, x: View<'_, Cuda>, bias: View<'_, Cuda>) -> Result<()> {
+        need_float("bias_add", x.dtype())?;
+        need_float("bias_add", bias.dtype())?;
+        if !x.is_empty() && (bias.is_empty() || x.len() % bias.len() != 0) {
+            return Err(DeviceError::invalid(
+                "bias_add",
+                format!("{} elements are not rows of {}", x.len(), bias.len()),
+            ));
+        }
+        self.elementwise("bias_add", &[x, bias], x.len(), |k, s, label| {
+            let (pb, _staged) = self.input_ptr(&bias, &x, true)?;
+            let (mut px, mut xt, mut b, mut bt, mut n, mut cols) =
+                (device_ptr(&x), code(x.dtype()), pb, code(bias.dtype()), x.len() as u64, bias.len() as u64);
+            // SAFETY: as in `cast`.
+            unsafe {
+                k.launch(
+                    "chorus_bias_add",
+                    n,
+                    s,
+                    &mut [arg(&mut px), arg(&mut xt), arg(&mut b), arg(&mut bt), arg(&mut n), arg(&mut cols)],
+                    label,
+                )
+            }
+        })
+    }
+
+    fn relu(&self, x: View<'_, Cuda>, y: View<'_, Cuda>) -> Result<()> {
+        need_float("relu", x.dtype())?;
+        need_dtype("relu", x.dtype(), y.dtype())?;
+        need_len("relu", "y", x.len(), y.len())?;
+        self.elementwise("relu", &[x, y], y.len(), |k, s, label| {
+            let (from, _staged) = self.input_ptr(&x, &y, false)?;
+            let (mut a, mut b, mut t, mut n) = (from, device_ptr(&y), code(x.dtype()), y.len() as u64);
+            // SAFETY: as in `cast`.
+            unsafe { k.launch("chorus_relu", n, s, &mut [arg(&mut a), arg(&mut b), arg(&mut t), arg(&mut n)], label) }
+        })
+    }
+
+    fn relu_backward(&self, grad_out: View<'_, Cuda>, out: View<'_, Cuda>, grad_in: View<'_, Cuda>) -> Result<()> {
+        let op = "relu_backward";
+        need_float(op, grad_out.dtype())?;
+        need_dtype(op, grad_out.dtype(), out.dtype())?;
+        need_dtype(op, grad_out.dtype(), grad_in.dtype())?;
+        need_len(op, "out", grad_out.len(), out.len())?;
+        need_len(op, "grad_in", grad_out.len(), grad_in.len())?;
+        self.elementwise(op, &[grad_out, out, grad_in], grad_in.len(), |k, s, label| {
+            let (g, _s1) = self.input_ptr(&grad_out, &grad_in, false)?;
+            let (o, _s2) = self.input_ptr(&out, &grad_in, false)?;
+            let (mut a, mut b, mut c, mut t, mut n) =
+                (g, o, device_ptr(&grad_in), code(out.dtype()), grad_in.len() as u64);
+            // SAFETY: as in `cast`.
+            unsafe {
+                k.launch(
+                    "chorus_relu_backward",
+                    n,
+                    s,
+                    &mut [arg(&mut a), arg(&mut b), arg(&mut c), arg(&mut t), arg(&mut n)],
+                    label,
+                )
+            }
+        })
+    }
+
+    fn mse_loss(&self, pred: View<'_, Cuda>, target: View<'_, Cuda>, loss: View<'_, Cuda>, scale: f64) -> Result<()> {
+        let op = "mse_loss";
+        need_float(op, pred.dtype())?;
+        need_float(op, target.dtype())?;
+        need_len(op, "target", pred.len(), target.len())?;
+        scalar_out(op, &loss)?;
+        let kernels = self.kernels()?;
+        let label = self.device.label();
+        self.run(op, &[pred, target, loss], |s| {
+            let (p, _s1) = self.input_ptr(&pred, &loss, true)?;
+            let (q, _s2) = self.input_ptr(&target, &loss, true)?;
+            let (mut a, mut at, mut b, mut bt, mut l, mut lt, mut n, mut sc) = (
+                p,
+                code(pred.dtype()),
+                q,
+                code(target.dtype()),
+                device_ptr(&loss),
+                code(loss.dtype()),
+                pred.len() as u64,
+                scale,
+            );
+            let mut args = [
+                arg(&mut a),
+                arg(&mut at),
+                arg(&mut b),
+                arg(&mut bt),
+                arg(&mut l),
+                arg(&mut lt),
+                arg(&mut n),
+                arg(&mut sc),
+            ];
+            // SAFETY: as in `cast`; one block of REDUCE_BLOCK threads.
+            unsafe { kernels.launch_grid("chorus_mse_loss", 1, REDUCE_BLOCK, s, &mut args, &label) }
+        })
+    }
+
+    fn mse_grad(&self, pred: View<'_, Cuda>, target: View<'_, Cuda>, grad: View<'_, Cuda>, scale: f64) -> Result<()> {
+        let op = "mse_grad";
+        need_float(op, pred.dtype())?;
+        need_float(op, target.dtype())?;
+        need_float(op, grad.dtype())?;
+        need_len(op, "target", pred.len(), target.len())?;
+        need_len(op, "grad", pred.len(), grad.len())?;
+        self.elementwise(op, &[pred, target, grad], grad.len(), |k, s, label| {
+            let (p, _s1) = self.input_ptr(&pred, &grad, false)?;
+            let (q, _s2) = self.input_ptr(&target, &grad, false)?;
+            let (mut a, mut at, mut b, mut bt, mut g, mut gt, mut n, mut sc) = (
+                p,
+                code(pred.dtype()),
+                q,
+                code(target.dtype()),
+                device_ptr(&grad),
+                code(grad.dtype()),
+                grad.len() as u64,
+                scale,
+            );
+            let mut args = [
+                arg(&mut a),
+                arg(&mut at),
+                arg(&mut b),
+                arg(&mut bt),
+                arg(&mut g),
+                arg(&mut gt),
+                arg(&mut n),
+                arg(&mut sc),
+            ];
+            // SAFETY: as in `cast`.
+            unsafe { k.launch("chorus_mse_grad", n, s, &mut args, label) }
+        })
+    }
+
+    fn column_sums(&self, x: View<'_, Cuda>, out: View<'_, Cuda>, accumulate: bool) -> Result<()> {
+        let op = "column_sums";
+        need_float(op, x.dtype())?;
+        need_float(op, out.dtype())?;
+        if (out.is_empty() && !x.is_empty()) || (!out.is_empty() && x.len() % out.len() != 0) {
+            return Err(DeviceError::invalid(op, format!("{} elements are not rows of {}", x.len(), out.len())));
+        }
+        let rows = if out.is_empty() { 0 } else { x.len() / out.len() };
+        self.elementwise(op, &[x, out], out.len(), |k, s, label| {
+            let (px, _staged) = self.input_ptr(&x, &out, true)?;
+            let (mut a, mut at, mut o, mut ot, mut r, mut c, mut acc) = (
+                px,
+                code(x.dtype()),
+                device_ptr(&out),
+                code(out.dtype()),
+                rows as u64,
+                out.len() as u64,
+                accumulate as i32,
+            );
+            let mut args =
+                [arg(&mut a), arg(&mut at), arg(&mut o), arg(&mut ot), arg(&mut r), arg(&mut c), arg(&mut acc)];
+            // SAFETY: as in `cast`.
+            unsafe { k.launch("chorus_column_sums", c, s, &mut args, label) }
+        })
+    }
+
+    fn sum_squares(&self, x: View<'_, Cuda>, out: View<'_, Cuda>, accumulate: bool) -> Result<()> {
+        let op = "sum_squares";
+        need_float(op, x.dtype())?;
+        scalar_out(op, &out)?;
+        let kernels = self.kernels()?;
+        let label = self.device.label();
+        self.run(op, &[x, out], |s| {
+            let (px, _staged) = self.input_ptr(&x, &out, true)?;
+            let (mut a, mut at, mut o, mut ot, mut n, mut acc) =
+                (px, code(x.dtype()), device_ptr(&out), code(out.dtype()), x.len() as u64, accumulate as i32);
+            let mut args = [arg(&mut a), arg(&mut at), arg(&mut o), arg(&mut ot), arg(&mut n), arg(&mut acc)];
+            // SAFETY: as in `cast`; one block.
+            unsafe { kernels.launch_grid("chorus_sum_squares", 1, REDUCE_BLOCK, s, &mut args, &label) }
+        })
+    }
+
+    fn sgd_step(
+        &self,
+        params: SgdParams,
+        param: View<'_, Cuda>,
+        grad: View<'_, Cuda>,
+        momentum_buf: Option<View<'_, Cuda>>,
+    ) -> Result<()> {
+        let op = "sgd_step";
+        for v in [Some(param), Some(grad), momentum_buf].into_iter().flatten() {
+            need_dtype(op, DType::F32, v.dtype())?;
+            need_len(op, "every operand", param.len(), v.len())?;
+        }
+        if params.momentum != 0.0 && momentum_buf.is_none() {
+            return Err(DeviceError::invalid(op, "momentum needs a momentum buffer"));
+        }
+        if grad.overlaps(&param) || momentum_buf.is_some_and(|m| m.overlaps(&param) || m.overlaps(&grad)) {
+            return Err(DeviceError::invalid(op, "param, grad and momentum buffer must not overlap"));
+        }
+        let mut views = vec![param, grad];
+        views.extend(momentum_buf);
+        self.elementwise(op, &views, param.len(), |k, s, label| {
+            let use_momentum = params.momentum != 0.0 && momentum_buf.is_some();
+            let (mut w, mut g, mut b, mut n) = (
+                device_ptr(&param),
+                device_ptr(&grad),
+                momentum_buf.map(|m| device_ptr(&m)).unwrap_or(0),
+                param.len() as u64,
+            );
+            let (mut lr, mut wd, mut mom, mut damp) =
+                (params.lr as f32, params.weight_decay as f32, params.momentum as f32, (1.0 - params.dampening) as f32);
+            let (mut has_wd, mut use_m, mut first, mut nesterov) = (
+                (params.weight_decay != 0.0) as i32,
+                use_momentum as i32,
+                params.first_step as i32,
+                params.nesterov as i32,
+            );
+            let mut args = [
+                arg(&mut w),
+                arg(&mut g),
+                arg(&mut b),
+                arg(&mut n),
+                arg(&mut lr),
+                arg(&mut wd),
+                arg(&mut mom),
+                arg(&mut damp),
+                arg(&mut has_wd),
+                arg(&mut use_m),
+                arg(&mut first),
+                arg(&mut nesterov),
+            ];
+            // SAFETY: as in `cast`; disjoint f32 ranges.
+            unsafe { k.launch("chorus_sgd", n, s, &mut args, label) }
+        })
+    }
+
+    fn adamw_step(
+        &self,
+        params: AdamWParams,
+        param: View<'_, Cuda>,
+        grad: View<'_, Cuda>,
+        exp_avg: View<'_, Cuda>,
+        exp_avg_sq: View<'_, Cuda>,
+    ) -> Result<()> {
+        let op = "adamw_step";
+        let views = [param, grad, exp_avg, exp_avg_sq];
+        for v in views {
+            need_dtype(op, DType::F32, v.dtype())?;
+            need_len(op, "every operand", param.len(), v.len())?;
+        }
+        for i in 0..4 {
+            for j in i + 1..4 {
+                if views[i].overlaps(&views[j]) {
+                    return Err(DeviceError::invalid(op, "param, grad and the moments must not overlap"));
+                }
+            }
+        }
+        // The scalars as torch computes them (f64 in Python), applied in f32.
+        let step = params.step.max(1) as i32;
+        let bc1 = 1.0 - params.beta1.powi(step);
+        let (mut decay, mut omb1, mut b2, mut omb2, mut bc2_sqrt, mut step_size, mut eps) = (
+            (1.0 - params.lr * params.weight_decay) as f32,
+            (1.0 - params.beta1) as f32,
+            params.beta2 as f32,
+            (1.0 - params.beta2) as f32,
+            (1.0 - params.beta2.powi(step)).sqrt() as f32,
+            (params.lr / bc1) as f32,
+            params.eps as f32,
+        );
+        self.elementwise(op, &views, param.len(), |k, s, label| {
+            let (mut w, mut g, mut m, mut v, mut n) = (
+                device_ptr(&param),
+                device_ptr(&grad),
+                device_ptr(&exp_avg),
+                device_ptr(&exp_avg_sq),
+                param.len() as u64,
+            );
+            let mut args = [
+                arg(&mut w),
+                arg(&mut g),
+                arg(&mut m),
+                arg(&mut v),
+                arg(&mut n),
+                arg(&mut decay),
+                arg(&mut omb1),
+                arg(&mut b2),
+                arg(&mut omb2),
+                arg(&mut bc2_sqrt),
+                arg(&mut step_size),
+                arg(&mut eps),
+            ];
+            // SAFETY: as in `cast`; disjoint f32 ranges.
+            unsafe { k.launch("chorus_adamw", n, s, &mut args, label) }
+        })
+    }
+}
+
+impl CudaStream {
+    /// Enqueues a kernel over `n` elements touching `views`; nothing is
+    /// launched for `n == 0` (the operation still takes its place in order).
+    fn elementwise(
+        &self,
+        op: &'static str,
+        views: &[View<'_, Cuda>],
+        n: usize,
+        launch: impl FnOnce(&super::kernels::Kernels, CUstream, &str) -> Result<()>,
+    ) -> Result<()> {
+        if n == 0 {
+            return self.run(op, views, |_| Ok(()));
+        }
+        let kernels = self.kernels()?;
+        let label = self.device.label();
+        self.run(op, views, |s| launch(&kernels, s, &label))
+    }
+}
