@@ -439,3 +439,26 @@ impl Kernels {
 pub(crate) fn arg<T>(v: &mut T) -> *mut c_void {
     v as *mut T as *mut c_void
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NVRTC runs without a GPU: where it is installed (CI points
+    /// `CHORUS_NVRTC_LIB` at pip's copy), the kernel source must compile for
+    /// every architecture we target and define every kernel.
+    #[test]
+    fn the_kernel_source_compiles_with_nvrtc() {
+        if let Err(e) = crate::cuda::nvrtc_library() {
+            eprintln!("skipped: NVRTC unavailable: {e}");
+            return;
+        }
+        for arch in ["compute_70", "compute_80", "compute_90"] {
+            let ptx = compile(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
+            let text = ptx.to_string_lossy();
+            for name in NAMES {
+                assert!(text.contains(&format!(".entry {name}(")), "{arch}: {name} missing");
+            }
+        }
+    }
+}
