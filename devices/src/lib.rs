@@ -12,6 +12,8 @@ pub mod api;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "rocm")]
+pub mod hip;
 mod dtype;
 mod error;
 mod readback;

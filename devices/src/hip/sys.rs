@@ -119,7 +119,9 @@ fn resolved_path(name: &str) -> String {
         .and_then(|maps| {
             maps.lines()
                 .filter_map(|l| l.split_whitespace().nth(5))
-                .find(|p| p.rsplit('/').next().is_some_and(|f| f.starts_with(stem) && f[stem.len()..].starts_with(".so")))
+                .find(|p| {
+                    p.rsplit('/').next().is_some_and(|f| f.starts_with(stem) && f[stem.len()..].starts_with(".so"))
+                })
                 .map(str::to_string)
         })
         .unwrap_or_else(|| name.to_string())
@@ -194,6 +196,8 @@ api! {
         hipGetDeviceCount: fn(*mut c_int) -> hipError_t;
         /// `hipSetDevice(ordinal)`.
         hipSetDevice: fn(c_int) -> hipError_t;
+        /// `hipDeviceSynchronize()`: blocks until the current device is idle.
+        hipDeviceSynchronize: fn() -> hipError_t;
         /// `hipDeviceGetName(name, len, device)`.
         hipDeviceGetName: fn(*mut c_char, c_int, c_int) -> hipError_t;
         /// `hipDeviceTotalMem(&bytes, device)`.
@@ -283,7 +287,9 @@ api! {
 /// The HIP runtime, loaded on first use.
 pub fn hip() -> Result<&'static HipLib, DeviceError> {
     static LIB: OnceLock<Result<HipLib, DeviceError>> = OnceLock::new();
-    LIB.get_or_init(|| HipLib::resolve(open_first("libamdhip64", HIP_VARIABLE, &HIP_NAMES)?)).as_ref().map_err(Clone::clone)
+    LIB.get_or_init(|| HipLib::resolve(open_first("libamdhip64", HIP_VARIABLE, &HIP_NAMES)?))
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
 /// hipRTC, loaded on first use: `CHORUS_HIPRTC_LIB`, then `libhiprtc.so*`,

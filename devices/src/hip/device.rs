@@ -1,0 +1,352 @@
+//! The hip device, its memory accounting and its buffers.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use super::event::HipEvent;
+use super::kernels::KernelCache;
+use super::result;
+use super::stream::{HipStream, StreamInner};
+use super::Hip;
+use crate::{DType, DeviceError, MemoryStats, Priority, Result};
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A process-unique id for hip buffers and events.
+pub(crate) fn next_id() -> u64 {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Settings of a hip device.
+#[derive(Clone, Debug)]
+pub struct HipConfig {
+    /// Which GPU (`hipSetDevice` ordinal).
+    pub ordinal: usize,
+    /// Deadline of every host wait: stream, event and device synchronize, readbacks.
+    pub timeout: Duration,
+    /// The architecture kernels are compiled for (`gfx90a`, `gfx942`, ...).
+    /// `None` lets hipRTC use the current device's; the environment variable
+    /// `CHORUS_HIP_ARCH` sets the default.
+    pub arch: Option<String>,
+}
+
+impl Default for HipConfig {
+    fn default() -> Self {
+        let arch = std::env::var("CHORUS_HIP_ARCH").ok().filter(|a| !a.is_empty());
+        HipConfig { ordinal: 0, timeout: Duration::from_secs(120), arch }
+    }
+}
+
+/// Errors from `Drop` implementations, returned by the next device synchronize.
+pub(crate) type Parked = Arc<Mutex<Vec<DeviceError>>>;
+
+pub(crate) fn park(parked: &Parked, e: DeviceError) {
+    if let Ok(mut p) = parked.lock() {
+        p.push(e);
+    }
+}
+
+/// The device's memory counters (our own accounting of live buffers).
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    in_use: AtomicUsize,
+    peak: AtomicUsize,
+    live: AtomicUsize,
+}
+
+impl Counters {
+    fn stats(&self) -> MemoryStats {
+        MemoryStats {
+            bytes_in_use: self.in_use.load(Ordering::Acquire),
+            peak_bytes: self.peak.load(Ordering::Acquire),
+            live_allocations: self.live.load(Ordering::Acquire),
+        }
+    }
+    fn add(&self, bytes: usize) {
+        let now = self.in_use.fetch_add(bytes, Ordering::AcqRel) + bytes;
+        self.peak.fetch_max(now, Ordering::AcqRel);
+        self.live.fetch_add(1, Ordering::AcqRel);
+    }
+    fn sub(&self, bytes: usize) {
+        self.in_use.fetch_sub(bytes, Ordering::AcqRel);
+        self.live.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct DeviceInner {
+    pub(crate) config: HipConfig,
+    name: String,
+    /// `(least, greatest)` stream priority.
+    pub(crate) priorities: (i32, i32),
+    counters: Counters,
+    pub(crate) streams: Mutex<Vec<Weak<StreamInner>>>,
+    /// Allocations of `Device::alloc` and their frees run here.
+    internal: Arc<StreamInner>,
+    pub(crate) kernels: KernelCache,
+    pub(crate) parked: Parked,
+    pub(crate) next_stream: AtomicUsize,
+}
+
+impl Drop for DeviceInner {
+    fn drop(&mut self) {
+        // No stream, buffer or event of this device is left, but work they
+        // queued may be: wait for it before unloading the kernels it runs.
+        let idle = result::set_device(self.config.ordinal).and_then(|_| result::device_synchronize());
+        if idle.is_ok() {
+            for k in self.kernels.drain() {
+                let _ = k.unload();
+            }
+        }
+    }
+}
+
+/// An AMD GPU. Cheap to clone; clones are the same device.
+#[derive(Clone, Debug)]
+pub struct HipDevice {
+    pub(crate) inner: Arc<DeviceInner>,
+}
+
+impl HipDevice {
+    /// Opens GPU `config.ordinal`: loads HIP, initializes it and creates the
+    /// device's internal stream. No GPU (or no driver) is [`DeviceError::NoDevice`];
+    /// no runtime is [`DeviceError::LibraryUnavailable`].
+    pub fn new(config: HipConfig) -> Result<HipDevice> {
+        let ordinal = config.ordinal;
+        result::init().map_err(|e| match e {
+            DeviceError::NoDevice { backend, visible, reason, .. } => {
+                DeviceError::NoDevice { backend, ordinal, visible, reason }
+            }
+            other => other,
+        })?;
+        let visible = result::device_count()?;
+        if ordinal >= visible {
+            return Err(DeviceError::NoDevice {
+                backend: "hip",
+                ordinal,
+                visible,
+                reason: format!("hipGetDeviceCount reports {visible}"),
+            });
+        }
+        result::set_device(ordinal)?;
+        let name = format!("hip:{ordinal} ({})", result::device_name(ordinal)?);
+        let priorities = result::stream_priority_range()?;
+        let parked: Parked = Arc::default();
+        let internal = Arc::new(StreamInner::create(
+            ordinal,
+            format!("hip:{ordinal}/internal"),
+            Priority::Normal,
+            priorities.0,
+            &parked,
+        )?);
+        Ok(HipDevice {
+            inner: Arc::new(DeviceInner {
+                config,
+                name,
+                priorities,
+                counters: Counters::default(),
+                streams: Mutex::new(Vec::new()),
+                internal,
+                kernels: KernelCache::default(),
+                parked,
+                next_stream: AtomicUsize::new(0),
+            }),
+        })
+    }
+
+    /// GPU `ordinal` with default settings.
+    pub fn with_ordinal(ordinal: usize) -> Result<HipDevice> {
+        HipDevice::new(HipConfig { ordinal, ..HipConfig::default() })
+    }
+
+    /// The settings this device was made with.
+    pub fn config(&self) -> &HipConfig {
+        &self.inner.config
+    }
+
+    /// Whether two handles are the same device.
+    pub fn is_same(&self, other: &HipDevice) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// Makes this device current on the calling thread (every HIP call that
+    /// creates or enqueues does this first).
+    pub fn bind(&self) -> Result<()> {
+        result::set_device(self.inner.config.ordinal)
+    }
+
+    pub(crate) fn label(&self) -> String {
+        format!("hip:{}", self.inner.config.ordinal)
+    }
+
+    /// Allocates `len` elements on `home` in its stream order.
+    pub(crate) fn alloc_on(&self, home: &Arc<StreamInner>, dtype: DType, len: usize) -> Result<HipBuffer> {
+        let bytes = len
+            .checked_mul(dtype.size())
+            .ok_or_else(|| DeviceError::OutOfMemory { device: self.label(), bytes: usize::MAX })?;
+        let ptr = if bytes == 0 {
+            0
+        } else {
+            self.bind()?;
+            // SAFETY: `home` is a live stream of this device, now current.
+            unsafe { result::malloc_async(bytes, home.raw(), &self.label()) }? as usize
+        };
+        self.inner.counters.add(bytes);
+        Ok(HipBuffer {
+            ptr,
+            bytes,
+            dtype,
+            len,
+            id: next_id(),
+            device: self.clone(),
+            home: home.clone(),
+            users: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn take_parked(&self) -> Option<DeviceError> {
+        let mut p = self.inner.parked.lock().ok()?;
+        if p.is_empty() {
+            None
+        } else {
+            Some(p.remove(0))
+        }
+    }
+}
+
+impl crate::Device for HipDevice {
+    type B = Hip;
+
+    fn name(&self) -> String {
+        self.inner.name.clone()
+    }
+    fn ordinal(&self) -> usize {
+        self.inner.config.ordinal
+    }
+    fn create_stream(&self, priority: Priority) -> Result<HipStream> {
+        HipStream::create(self, priority)
+    }
+    fn create_event(&self) -> Result<HipEvent> {
+        HipEvent::create(self)
+    }
+    fn alloc(&self, dtype: DType, len: usize) -> Result<HipBuffer> {
+        let internal = self.inner.internal.clone();
+        let buf = self.alloc_on(&internal, dtype, len)?;
+        if buf.bytes > 0 {
+            // SAFETY: the allocation is `bytes` long and ordered before the memset on this stream.
+            unsafe { result::memset_async(buf.ptr as *mut _, 0, buf.bytes, internal.raw()) }?;
+        }
+        // "Usable on any stream at once": the allocation and zeroing are done before this returns.
+        internal.synchronize(self.inner.config.timeout)?;
+        Ok(buf)
+    }
+    fn memory_stats(&self) -> MemoryStats {
+        self.inner.counters.stats()
+    }
+    fn reset_peak_memory(&self) {
+        let c = &self.inner.counters;
+        c.peak.store(c.in_use.load(Ordering::Acquire), Ordering::Release);
+    }
+    fn synchronize(&self) -> Result<()> {
+        let streams: Vec<Arc<StreamInner>> = match self.inner.streams.lock() {
+            Ok(s) => s.iter().filter_map(Weak::upgrade).collect(),
+            Err(_) => Vec::new(),
+        };
+        let timeout = self.inner.config.timeout;
+        let mut first = self.inner.internal.synchronize(timeout);
+        for s in streams {
+            let r = s.synchronize(timeout);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        match self.take_parked() {
+            Some(e) => Err(e),
+            None => first,
+        }
+    }
+}
+
+/// Device memory of a hip device, freed in stream order when dropped.
+#[derive(Debug)]
+pub struct HipBuffer {
+    ptr: usize,
+    bytes: usize,
+    dtype: DType,
+    len: usize,
+    id: u64,
+    device: HipDevice,
+    /// The stream that allocated it, where it is freed.
+    home: Arc<StreamInner>,
+    /// Other streams that have used it: the free waits for them.
+    users: Mutex<Vec<Arc<StreamInner>>>,
+}
+
+impl HipBuffer {
+    /// The device that owns the memory.
+    pub fn device(&self) -> &HipDevice {
+        &self.device
+    }
+
+    /// The device address of the first byte (0 for an empty buffer).
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    /// Remembers that `stream` uses this buffer, so the free waits for it.
+    pub(crate) fn note_use(&self, stream: &Arc<StreamInner>) {
+        if Arc::ptr_eq(stream, &self.home) {
+            return;
+        }
+        if let Ok(mut users) = self.users.lock() {
+            if !users.iter().any(|u| Arc::ptr_eq(u, stream)) {
+                users.push(stream.clone());
+            }
+        }
+    }
+
+    fn release(&mut self) -> Result<()> {
+        self.device.bind()?;
+        let users = self.users.lock().map(|mut u| std::mem::take(&mut *u)).unwrap_or_default();
+        for user in users {
+            // The free on the home stream comes after everything the user stream has queued so far.
+            let event = result::event_create()?;
+            // SAFETY: live handles of this device; the event is destroyed once, after the wait is enqueued.
+            let ordered = unsafe {
+                result::event_record(event, user.raw()).and_then(|_| result::stream_wait_event(self.home.raw(), event))
+            };
+            // SAFETY: as above; destroying a pending event is allowed.
+            let destroyed = unsafe { result::event_destroy(event) };
+            ordered?;
+            destroyed?;
+        }
+        // SAFETY: allocated by hipMallocAsync, freed once, after every use (ordered above).
+        unsafe { result::free_async(self.ptr as *mut _, self.home.raw()) }
+    }
+}
+
+impl crate::Buffer for HipBuffer {
+    type B = Hip;
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn id(&self) -> u64 {
+        self.id
+    }
+}
+
+impl Drop for HipBuffer {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            if let Err(e) = self.release() {
+                // The memory is leaked rather than freed while work may still use it.
+                park(&self.device.inner.parked, e);
+            }
+        }
+        self.device.inner.counters.sub(self.bytes);
+    }
+}

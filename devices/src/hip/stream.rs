@@ -1,0 +1,871 @@
+//! Streams of the hip device: every operation is one or two asynchronous HIP calls.
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::device::{park, HipBuffer, HipDevice, Parked};
+use super::event::{poisoned, poll_event, HipEvent, Recorded};
+use super::kernels::{self, Args, Kernel, BLOCK, TILE};
+use super::sys::{self, hipStream_t};
+use super::{result, Hip};
+use crate::{AdamWParams, Copy2d, DType, DeviceError, MatmulSpec, Priority, Readback, Result, Scalar, SgdParams, View};
+
+/// A stream's progress and sticky failure, shared with host functions (which
+/// must not own HIP handles: dropping one there would call HIP).
+#[derive(Debug, Default)]
+pub(crate) struct StreamState {
+    /// Operations enqueued so far.
+    position: AtomicU64,
+    /// The first failure and the position of the operation that failed.
+    failure: Mutex<Option<(u64, DeviceError)>>,
+}
+
+impl StreamState {
+    pub(crate) fn position(&self) -> u64 {
+        self.position.load(Ordering::Acquire)
+    }
+    fn advance(&self) -> u64 {
+        self.position.fetch_add(1, Ordering::AcqRel) + 1
+    }
+    pub(crate) fn failure(&self) -> Option<DeviceError> {
+        self.failure.lock().ok().and_then(|f| f.as_ref().map(|(_, e)| e.clone()))
+    }
+    /// The failure, if the failed operation is at or before `position`.
+    pub(crate) fn failed_by(&self, position: u64) -> Option<DeviceError> {
+        self.failure.lock().ok().and_then(|f| f.as_ref().filter(|(at, _)| *at <= position).map(|(_, e)| e.clone()))
+    }
+    pub(crate) fn fail(&self, at: u64, e: DeviceError) {
+        if let Ok(mut f) = self.failure.lock() {
+            f.get_or_insert((at, e));
+        }
+    }
+}
+
+/// The owned `hipStream_t`, destroyed when the last user (stream handle,
+/// buffer homed on it, buffer it used) is gone.
+#[derive(Debug)]
+pub(crate) struct StreamInner {
+    raw: usize,
+    ordinal: usize,
+    pub(crate) name: String,
+    priority: Priority,
+    pub(crate) state: Arc<StreamState>,
+    parked: Parked,
+}
+
+impl StreamInner {
+    pub(crate) fn create(
+        ordinal: usize,
+        name: String,
+        priority: Priority,
+        hip_priority: i32,
+        parked: &Parked,
+    ) -> Result<StreamInner> {
+        result::set_device(ordinal)?;
+        let raw = result::stream_create(hip_priority)? as usize;
+        Ok(StreamInner { raw, ordinal, name, priority, state: Arc::default(), parked: parked.clone() })
+    }
+
+    pub(crate) fn raw(&self) -> hipStream_t {
+        self.raw as hipStream_t
+    }
+
+    /// Blocks the host until the work enqueued so far has finished (polling,
+    /// with `timeout`); returns the stream's failure, if any.
+    pub(crate) fn synchronize(&self, timeout: Duration) -> Result<()> {
+        result::set_device(self.ordinal)?;
+        let event = result::event_create()?;
+        // SAFETY: live handles of the current device; the event is destroyed once below.
+        let waited = unsafe {
+            result::event_record(event, self.raw())
+                .and_then(|_| poll_event(event, timeout, &format!("{} to finish", self.name)))
+        };
+        // SAFETY: created above.
+        let _ = unsafe { result::event_destroy(event) };
+        if let Err(e) = waited {
+            if !matches!(e, DeviceError::Timeout { .. }) {
+                // A HIP error from the queued work: sticky from here on.
+                self.state.fail(self.state.position(), e.clone());
+            }
+            return Err(e);
+        }
+        match self.state.failure() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+// SAFETY: a hipStream_t may be used from any thread; the struct's own state is synchronized.
+unsafe impl Send for StreamInner {}
+unsafe impl Sync for StreamInner {}
+
+impl Drop for StreamInner {
+    fn drop(&mut self) {
+        // Returns at once; HIP finishes the queued work before releasing the stream.
+        // SAFETY: the last owner destroys the stream once.
+        let r = result::set_device(self.ordinal).and_then(|_| unsafe { result::stream_destroy(self.raw()) });
+        if let Err(e) = r {
+            park(&self.parked, e);
+        }
+    }
+}
+
+/// A stream of a hip device.
+#[derive(Debug)]
+pub struct HipStream {
+    inner: Arc<StreamInner>,
+    device: HipDevice,
+}
+
+fn need_float(op: &'static str, d: DType) -> Result<()> {
+    if d.is_float() {
+        Ok(())
+    } else {
+        Err(DeviceError::invalid(op, format!("needs a float dtype, got {d}")))
+    }
+}
+
+fn need_len(op: &'static str, what: &str, expected: usize, found: usize) -> Result<()> {
+    if expected == found {
+        Ok(())
+    } else {
+        Err(DeviceError::invalid(op, format!("{what} has {found} elements, expected {expected}")))
+    }
+}
+
+fn need_dtype(op: &'static str, expected: DType, found: DType) -> Result<()> {
+    if expected == found {
+        Ok(())
+    } else {
+        Err(DeviceError::DTypeMismatch { op, expected, found })
+    }
+}
+
+fn scalar_out(op: &'static str, v: &View<'_, Hip>) -> Result<()> {
+    if v.len() != 1 || !matches!(v.dtype(), DType::F32 | DType::F64) {
+        return Err(DeviceError::invalid(
+            op,
+            format!("the result must be one f32 or f64 element, got {}[{}]", v.dtype(), v.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// How an input relates to the output of a kernel.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Reads {
+    /// Element i of the output depends only on element i of this input, so
+    /// the exact same range is safe in place.
+    Elementwise,
+    /// Any overlap with the output must be staged.
+    Whole,
+}
+
+impl HipStream {
+    pub(crate) fn create(device: &HipDevice, priority: Priority) -> Result<HipStream> {
+        let d = &device.inner;
+        let index = d.next_stream.fetch_add(1, Ordering::Relaxed);
+        let suffix = if priority == Priority::High { " (high)" } else { "" };
+        let name = format!("{}/stream{index}{suffix}", device.label());
+        let hip_priority = match priority {
+            Priority::Normal => d.priorities.0,
+            Priority::High => d.priorities.1,
+        };
+        let inner = Arc::new(StreamInner::create(d.config.ordinal, name, priority, hip_priority, &d.parked)?);
+        if let Ok(mut list) = d.streams.lock() {
+            list.retain(|w| w.strong_count() > 0);
+            list.push(Arc::downgrade(&inner));
+        }
+        Ok(HipStream { inner, device: device.clone() })
+    }
+
+    /// The `hipStream_t`, for libraries that enqueue their own work (RCCL).
+    /// Valid while this stream lives.
+    pub fn raw(&self) -> hipStream_t {
+        self.inner.raw()
+    }
+
+    /// Operations enqueued on this stream so far (each enqueuing call counts one).
+    pub fn position(&self) -> u64 {
+        self.inner.state.position()
+    }
+
+    /// Counts one operation that another library enqueues on [`HipStream::raw`]
+    /// and returns its position, for a later [`HipStream::fail`]. Returns
+    /// `Err` with the stream's failure if it has failed: the caller should
+    /// then skip the operation, as every chorus operation does.
+    pub fn begin_external(&self) -> Result<u64> {
+        let at = self.inner.state.advance();
+        match self.inner.state.failure() {
+            Some(e) => Err(poisoned(&e)),
+            None => Ok(at),
+        }
+    }
+
+    /// Marks the operation at `position` failed with `error` (asynchronously,
+    /// as a collective's watchdog does): later operations are skipped, and the
+    /// next synchronize — of this stream, or of an event recorded after that
+    /// operation — returns the error. The first failure sticks.
+    pub fn fail(&self, position: u64, error: DeviceError) {
+        self.inner.state.fail(position, error);
+    }
+
+    /// The stream's failure, if it has failed.
+    pub fn failure(&self) -> Option<DeviceError> {
+        self.inner.state.failure()
+    }
+
+    /// The device address of `view`'s first element, after checking that it
+    /// is of this stream's device and recording that this stream uses its
+    /// buffer (so dropping the buffer frees it only after this stream's work).
+    pub fn device_ptr(&self, op: &'static str, view: View<'_, Hip>) -> Result<u64> {
+        let buf: &HipBuffer = view.buffer();
+        if !buf.device().is_same(&self.device) {
+            return Err(DeviceError::invalid(
+                op,
+                format!("a view of {} was passed to a stream of {}", buf.device().label(), self.device.label()),
+            ));
+        }
+        buf.note_use(&self.inner);
+        Ok(buf.device_ptr() + (view.offset() * view.dtype().size()) as u64)
+    }
+
+    /// Runs `f` to enqueue one operation, unless the stream has failed (then
+    /// the operation is skipped, as the contract says, and `Ok` returned).
+    fn enqueue(&self, f: impl FnOnce(hipStream_t) -> Result<()>) -> Result<()> {
+        self.inner.state.advance();
+        if self.inner.state.failure().is_some() {
+            return Ok(());
+        }
+        self.device.bind()?;
+        f(self.raw())
+    }
+
+    fn timeout(&self) -> Duration {
+        self.device.config().timeout
+    }
+
+    /// Enqueues host work after what is queued; if that fails, waits for the
+    /// stream (so the memory `work` owns is no longer in use by a copy) before
+    /// dropping it, or leaks it if the wait fails.
+    fn host_work(&self, work: result::HostWork) -> Result<()> {
+        // SAFETY: the stream is live.
+        match unsafe { result::launch_host_work(self.raw(), work) } {
+            Ok(()) => Ok(()),
+            Err((e, work)) => {
+                match self.inner.synchronize(self.timeout()) {
+                    Ok(()) => drop(work),
+                    Err(_) => std::mem::forget(work),
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// A scratch allocation in this stream's order, freed after the work enqueued next.
+    fn scratch(&self, bytes: usize) -> Result<Scratch<'_>> {
+        // SAFETY: this stream is live and its device current (callers are inside `enqueue`).
+        let ptr = unsafe { result::malloc_async(bytes, self.raw(), &self.device.label()) }? as usize;
+        Ok(Scratch { ptr, stream: self })
+    }
+
+    /// The pointer a kernel should read `input` through: the view itself, or
+    /// a staged copy when it overlaps `output` in a way the kernel cannot handle.
+    fn read_ptr<'s>(
+        &'s self,
+        op: &'static str,
+        input: View<'_, Hip>,
+        output: &View<'_, Hip>,
+        reads: Reads,
+        scratch: &mut Vec<Scratch<'s>>,
+    ) -> Result<u64> {
+        let p = self.device_ptr(op, input)?;
+        let staged = input.overlaps(output) && !(reads == Reads::Elementwise && input.same_range(output));
+        if !staged {
+            return Ok(p);
+        }
+        let s = self.scratch(input.bytes())?;
+        // SAFETY: both ranges are `bytes` long on this device, ordered on this stream.
+        unsafe {
+            result::memcpy_async(
+                s.ptr as *mut c_void,
+                p as *const c_void,
+                input.bytes(),
+                sys::hipMemcpyDeviceToDevice,
+                self.raw(),
+            )
+        }?;
+        let at = s.ptr as u64;
+        scratch.push(s);
+        Ok(at)
+    }
+
+    /// Compiles (once per device) and launches `kernel`: `inputs` are read,
+    /// `output` is written; `args` builds the argument list from the input
+    /// pointers and the output pointer.
+    fn launch(
+        &self,
+        op: &'static str,
+        kernel: Kernel,
+        inputs: &[(View<'_, Hip>, Reads)],
+        output: View<'_, Hip>,
+        dims: Dims,
+        args: impl FnOnce(&[u64], u64) -> Args,
+    ) -> Result<()> {
+        let out = self.device_ptr(op, output)?;
+        let mut ptrs = Vec::with_capacity(inputs.len());
+        for (v, _) in inputs {
+            self.device_ptr(op, *v)?;
+        }
+        self.enqueue(|stream| {
+            let loaded = self.device.inner.kernels.get(kernel, self.device.config().arch.as_deref())?;
+            let mut scratch = Vec::new();
+            for (v, reads) in inputs {
+                ptrs.push(self.read_ptr(op, *v, &output, *reads, &mut scratch)?);
+            }
+            // SAFETY: the arguments follow the kernel's wrapper signature; the
+            // buffers are kept alive past the kernel by their stream-ordered free.
+            unsafe { kernels::launch(&loaded, stream, dims.grid, dims.block, args(&ptrs, out)) }
+        })
+    }
+}
+
+/// Stream-ordered scratch memory: freed on its stream when dropped, after the work enqueued before.
+struct Scratch<'a> {
+    ptr: usize,
+    stream: &'a HipStream,
+}
+
+impl Drop for Scratch<'_> {
+    fn drop(&mut self) {
+        // SAFETY: allocated by hipMallocAsync on this stream; freed once, after the work that used it.
+        if let Err(e) = unsafe { result::free_async(self.ptr as *mut c_void, self.stream.raw()) } {
+            park(&self.stream.device.inner.parked, e);
+        }
+    }
+}
+
+/// The grid and block of a launch.
+#[derive(Clone, Copy)]
+struct Dims {
+    grid: (u32, u32),
+    block: (u32, u32),
+}
+
+impl Dims {
+    /// One block of `BLOCK` threads (the reductions).
+    const ONE_BLOCK: Dims = Dims { grid: (1, 1), block: (BLOCK, 1) };
+
+    /// A grid-stride launch over `n` elements.
+    fn linear(n: usize) -> Dims {
+        Dims { grid: (kernels::blocks_for(n as u64), 1), block: (BLOCK, 1) }
+    }
+}
+
+impl crate::Stream for HipStream {
+    type B = Hip;
+
+    fn device(&self) -> &HipDevice {
+        &self.device
+    }
+    fn priority(&self) -> Priority {
+        self.inner.priority
+    }
+    fn name(&self) -> String {
+        self.inner.name.clone()
+    }
+
+    fn alloc(&self, dtype: DType, len: usize) -> Result<HipBuffer> {
+        self.device.alloc_on(&self.inner, dtype, len)
+    }
+
+    fn copy(&self, src: View<'_, Hip>, dst: View<'_, Hip>) -> Result<()> {
+        let op = "copy";
+        need_dtype(op, dst.dtype(), src.dtype())?;
+        need_len(op, "the source", dst.len(), src.len())?;
+        let (s, d) = (self.device_ptr(op, src)?, self.device_ptr(op, dst)?);
+        let bytes = src.bytes();
+        self.enqueue(|stream| {
+            if bytes == 0 || src.same_range(&dst) {
+                return Ok(());
+            }
+            let mut scratch = Vec::new();
+            let s = if src.overlaps(&dst) { self.read_ptr(op, src, &dst, Reads::Whole, &mut scratch)? } else { s };
+            // SAFETY: both ranges hold `bytes` on this device and are ordered on this stream.
+            unsafe {
+                result::memcpy_async(d as *mut c_void, s as *const c_void, bytes, sys::hipMemcpyDeviceToDevice, stream)
+            }
+        })
+    }
+
+    fn copy_2d(&self, src: View<'_, Hip>, dst: View<'_, Hip>, layout: Copy2d) -> Result<()> {
+        let op = "copy_2d";
+        need_dtype(op, dst.dtype(), src.dtype())?;
+        let fits = |extent: Option<usize>, len: usize| extent.is_some_and(|e| e <= len);
+        if !fits(layout.extent(layout.src_offset, layout.src_stride), src.len())
+            || !fits(layout.extent(layout.dst_offset, layout.dst_stride), dst.len())
+        {
+            return Err(DeviceError::invalid(
+                op,
+                format!("{layout:?} does not fit views of {} and {}", src.len(), dst.len()),
+            ));
+        }
+        if src.overlaps(&dst) {
+            return Err(DeviceError::invalid(op, "the source and destination overlap"));
+        }
+        let size = src.dtype().size();
+        let (s, d) = (self.device_ptr(op, src)?, self.device_ptr(op, dst)?);
+        let Copy2d { rows, row_len, src_offset, src_stride, dst_offset, dst_stride } = layout;
+        self.enqueue(|stream| {
+            if rows == 0 || row_len == 0 {
+                return Ok(());
+            }
+            let (s0, d0) = (s + (src_offset * size) as u64, d + (dst_offset * size) as u64);
+            let width = row_len * size;
+            if rows == 1 || (src_stride >= row_len && dst_stride >= row_len) {
+                let (sp, dp) = if rows == 1 { (width, width) } else { (src_stride * size, dst_stride * size) };
+                // SAFETY: every row lies inside its view (checked above); ordered on this stream.
+                return unsafe {
+                    result::memcpy_2d_async(
+                        d0 as *mut c_void,
+                        dp,
+                        s0 as *const c_void,
+                        sp,
+                        width,
+                        rows,
+                        sys::hipMemcpyDeviceToDevice,
+                        stream,
+                    )
+                };
+            }
+            // Blocks closer than their length: row by row, in order, as the cpu device does.
+            for i in 0..rows {
+                let (si, di) = (s0 + (i * src_stride * size) as u64, d0 + (i * dst_stride * size) as u64);
+                // SAFETY: as above.
+                unsafe {
+                    result::memcpy_async(
+                        di as *mut c_void,
+                        si as *const c_void,
+                        width,
+                        sys::hipMemcpyDeviceToDevice,
+                        stream,
+                    )
+                }?;
+            }
+            Ok(())
+        })
+    }
+
+    fn copy_from_host(&self, src: &[u8], dst: View<'_, Hip>) -> Result<()> {
+        let op = "copy_from_host";
+        need_len(op, "the host slice (bytes)", dst.bytes(), src.len())?;
+        let d = self.device_ptr(op, dst)?;
+        if src.is_empty() {
+            return self.enqueue(|_| Ok(()));
+        }
+        let staged = src.to_vec();
+        self.enqueue(|stream| {
+            // SAFETY: `staged` holds the bytes until the host work below drops it, after the copy.
+            unsafe {
+                result::memcpy_async(
+                    d as *mut c_void,
+                    staged.as_ptr().cast(),
+                    staged.len(),
+                    sys::hipMemcpyHostToDevice,
+                    stream,
+                )
+            }?;
+            self.host_work(Box::new(move |_| drop(staged)))
+        })
+    }
+
+    fn copy_to_host(&self, src: View<'_, Hip>) -> Result<Readback> {
+        let s = self.device_ptr("copy_to_host", src)?;
+        let (readback, filler) = Readback::pending(src.dtype(), src.len(), self.timeout());
+        let at = self.inner.state.advance();
+        if let Some(e) = self.inner.state.failure() {
+            filler.fail(poisoned(&e));
+            return Ok(readback);
+        }
+        if src.is_empty() {
+            filler.fill(Vec::new());
+            return Ok(readback);
+        }
+        self.device.bind()?;
+        let mut host = vec![0u8; src.bytes()];
+        // SAFETY: `host` is moved into the host work below and outlives the copy.
+        unsafe {
+            result::memcpy_async(
+                host.as_mut_ptr().cast(),
+                s as *const c_void,
+                host.len(),
+                sys::hipMemcpyDeviceToHost,
+                self.raw(),
+            )
+        }?;
+        let state = self.inner.state.clone();
+        self.host_work(Box::new(move |outcome| match outcome {
+            Err(code) => filler.fail(DeviceError::Backend {
+                library: result::LIBRARY,
+                code: code as i64,
+                message: "the stream failed before the device-to-host copy completed".into(),
+            }),
+            Ok(()) => match state.failed_by(at) {
+                Some(e) => filler.fail(poisoned(&e)),
+                None => filler.fill(host),
+            },
+        }))?;
+        Ok(readback)
+    }
+
+    fn fill(&self, dst: View<'_, Hip>, value: Scalar) -> Result<()> {
+        let pattern = value.encode(dst.dtype()).map_err(|r| DeviceError::invalid("fill", r))?;
+        let size = pattern.len();
+        if pattern.iter().all(|b| *b == pattern[0]) {
+            let d = self.device_ptr("fill", dst)?;
+            let bytes = dst.bytes();
+            return self.enqueue(|stream| {
+                if bytes == 0 {
+                    return Ok(());
+                }
+                // SAFETY: `bytes` of this device, ordered on this stream.
+                unsafe { result::memset_async(d as *mut c_void, pattern[0], bytes, stream) }
+            });
+        }
+        let mut word = [0u8; 8];
+        word[..size].copy_from_slice(&pattern);
+        let word = u64::from_le_bytes(word);
+        let n = dst.len();
+        if n == 0 {
+            return self.enqueue(|_| Ok(()));
+        }
+        self.launch("fill", Kernel::Fill(size), &[], dst, Dims::linear(n), |_, d| {
+            Args::default().ptr(d).u64(n as u64).u64(word)
+        })
+    }
+
+    fn cast(&self, src: View<'_, Hip>, dst: View<'_, Hip>) -> Result<()> {
+        need_float("cast", src.dtype())?;
+        need_float("cast", dst.dtype())?;
+        need_len("cast", "the source", dst.len(), src.len())?;
+        let n = src.len();
+        if n == 0 {
+            return self.enqueue(|_| Ok(()));
+        }
+        let k = Kernel::Cast(src.dtype(), dst.dtype());
+        self.launch("cast", k, &[(src, Reads::Elementwise)], dst, Dims::linear(n), |p, d| {
+            Args::default().ptr(p[0]).ptr(d).u64(n as u64)
+        })
+    }
+
+    fn scale(&self, x: View<'_, Hip>, alpha: f64) -> Result<()> {
+        need_float("scale", x.dtype())?;
+        let n = x.len();
+        if n == 0 {
+            return self.enqueue(|_| Ok(()));
+        }
+        self.launch("scale", Kernel::Scale(x.dtype()), &[], x, Dims::linear(n), |_, d| {
+            Args::default().ptr(d).u64(n as u64).f64(alpha)
+        })
+    }
+
+    fn accumulate(&self, src: View<'_, Hip>, dst: View<'_, Hip>) -> Result<()> {
+        need_len("accumulate", "the source", dst.len(), src.len())?;
+        let (sd, dd) = (src.dtype(), dst.dtype());
+        let kernel = if sd.is_float() && dd.is_float() {
+            Kernel::Accumulate(sd, dd)
+        } else {
+            need_dtype("accumulate", dd, sd)?;
+            Kernel::AccumulateInt(dd)
+        };
+        let n = dst.len();
+        if n == 0 {
+            return self.enqueue(|_| Ok(()));
+        }
+        self.launch("accumulate", kernel, &[(src, Reads::Elementwise)], dst, Dims::linear(n), |p, d| {
+            Args::default().ptr(p[0]).ptr(d).u64(n as u64)
+        })
+    }
+
+    fn axpy(&self, alpha: f64, x: View<'_, Hip>, y: View<'_, Hip>) -> Result<()> {
+        need_float("axpy", x.dtype())?;
+        need_float("axpy", y.dtype())?;
+        need_len("axpy", "x", y.len(), x.len())?;
+        let n = y.len();
+        if n == 0 {
+            return self.enqueue(|_| Ok(()));
+        }
+        let k = Kernel::Axpy(x.dtype(), y.dtype());
+        self.launch("axpy", k, &[(x, Reads::Elementwise)], y, Dims::linear(n), |p, d| {
+            Args::default().f64(alpha).ptr(p[0]).ptr(d).u64(n as u64)
+        })
+    }
+
+    fn record(&self, event: &HipEvent) -> Result<()> {
+        if !event.device.is_same(&self.device) {
+            return Err(DeviceError::invalid("record", "the event is of another device"));
+        }
+        self.device.bind()?;
+        // SAFETY: live handles of one device.
+        unsafe { result::event_record(event.raw(), self.raw()) }?;
+        event.set_recorded(Recorded { state: self.inner.state.clone(), position: self.position() });
+        Ok(())
+    }
+
+    fn wait(&self, event: &HipEvent) -> Result<()> {
+        if !event.device.is_same(&self.device) {
+            return Err(DeviceError::invalid("wait", "the event is of another device"));
+        }
+        let Some(rec) = event.recorded() else {
+            return Ok(());
+        };
+        if let Some(e) = rec.failure() {
+            // What this stream waits for has failed: so has everything after the wait.
+            self.inner.state.fail(self.inner.state.advance(), poisoned(&e));
+        }
+        self.device.bind()?;
+        // SAFETY: live handles of one device.
+        unsafe { result::stream_wait_event(self.raw(), event.raw()) }
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.inner.synchronize(self.timeout())
+    }
+
+    fn matmul(&self, spec: MatmulSpec, a: View<'_, Hip>, b: View<'_, Hip>, c: View<'_, Hip>) -> Result<()> {
+        let op = "matmul";
+        need_float(op, a.dtype())?;
+        need_dtype(op, a.dtype(), b.dtype())?;
+        if c.dtype() != a.dtype() && c.dtype() != DType::F32 {
+            return Err(DeviceError::invalid(
+                op,
+                format!("the output must be {} or f32, got {}", a.dtype(), c.dtype()),
+            ));
+        }
+        let MatmulSpec { m, n, k, trans_a, trans_b, accumulate } = spec;
+        let size = |x: usize, y: usize| x.checked_mul(y).ok_or_else(|| DeviceError::invalid(op, "shape overflows"));
+        need_len(op, "A", size(m, k)?, a.len())?;
+        need_len(op, "B", size(k, n)?, b.len())?;
+        need_len(op, "C", size(m, n)?, c.len())?;
+        if m == 0 || n == 0 {
+            return self.enqueue(|_| Ok(()));
+        }
+        let tiles = |x: usize| {
+            u32::try_from(x.div_ceil(TILE as usize)).map_err(|_| DeviceError::invalid(op, "too many columns"))
+        };
+        let grid = (tiles(n)?, tiles(m)?.min(65_535));
+        let inputs = [(a, Reads::Whole), (b, Reads::Whole)];
+        self.launch(op, Kernel::Matmul(a.dtype(), c.dtype()), &inputs, c, Dims { grid, block: (TILE, TILE) }, |p, d| {
+            Args::default()
+                .ptr(p[0])
+                .ptr(p[1])
+                .ptr(d)
+                .u64(m as u64)
+                .u64(n as u64)
+                .u64(k as u64)
+                .i32(trans_a as i32)
+                .i32(trans_b as i32)
+                .i32(accumulate as i32)
+        })
+    }
+
+    fn bias_add(&self, x: View<'_, Hip>, bias: View<'_, Hip>) -> Result<()> {
+        need_float("bias_add", x.dtype())?;
+        need_float("bias_add", bias.dtype())?;
+        if !x.is_empty() && (bias.is_empty() || x.len() % bias.len() != 0) {
+            return Err(DeviceError::invalid(
+                "bias_add",
+                format!("{} elements are not rows of {}", x.len(), bias.len()),
+            ));
+        }
+        let (n, cols) = (x.len(), bias.len());
+        if n == 0 {
+            return self.enqueue(|_| Ok(()));
+        }
+        let k = Kernel::BiasAdd(x.dtype(), bias.dtype());
+        self.launch("bias_add", k, &[(bias, Reads::Whole)], x, Dims::linear(n), |p, d| {
+            Args::default().ptr(d).ptr(p[0]).u64(n as u64).u64(cols as u64)
+        })
+    }
+
+    fn relu(&self, x: View<'_, Hip>, y: View<'_, Hip>) -> Result<()> {
+        need_float("relu", x.dtype())?;
+        need_dtype("relu", x.dtype(), y.dtype())?;
+        need_len("relu", "y", x.len(), y.len())?;
+        let n = x.len();
+        if n == 0 {
+            return self.enqueue(|_| Ok(()));
+        }
+        self.launch("relu", Kernel::Relu(x.dtype()), &[(x, Reads::Elementwise)], y, Dims::linear(n), |p, d| {
+            Args::default().ptr(p[0]).ptr(d).u64(n as u64)
+        })
+    }
+
+    fn relu_backward(&self, grad_out: View<'_, Hip>, out: View<'_, Hip>, grad_in: View<'_, Hip>) -> Result<()> {
+        let op = "relu_backward";
+        need_float(op, grad_out.dtype())?;
+        need_dtype(op, grad_out.dtype(), out.dtype())?;
+        need_dtype(op, grad_out.dtype(), grad_in.dtype())?;
+        need_len(op, "out", grad_out.len(), out.len())?;
+        need_len(op, "grad_in", grad_out.len(), grad_in.len())?;
+        let n = grad_out.len();
+        if n == 0 {
+            return self.enqueue(|_| Ok(()));
+        }
+        let inputs = [(grad_out, Reads::Elementwise), (out, Reads::Elementwise)];
+        self.launch(op, Kernel::ReluBackward(out.dtype()), &inputs, grad_in, Dims::linear(n), |p, d| {
+            Args::default().ptr(p[0]).ptr(p[1]).ptr(d).u64(n as u64)
+        })
+    }
+
+    fn mse_loss(&self, pred: View<'_, Hip>, target: View<'_, Hip>, loss: View<'_, Hip>, scale: f64) -> Result<()> {
+        let op = "mse_loss";
+        need_float(op, pred.dtype())?;
+        need_float(op, target.dtype())?;
+        need_len(op, "target", pred.len(), target.len())?;
+        scalar_out(op, &loss)?;
+        let n = pred.len();
+        let k = Kernel::MseLoss(pred.dtype(), target.dtype(), loss.dtype());
+        let inputs = [(pred, Reads::Whole), (target, Reads::Whole)];
+        self.launch(op, k, &inputs, loss, Dims::ONE_BLOCK, |p, d| {
+            Args::default().ptr(p[0]).ptr(p[1]).ptr(d).u64(n as u64).f64(scale)
+        })
+    }
+
+    fn mse_grad(&self, pred: View<'_, Hip>, target: View<'_, Hip>, grad: View<'_, Hip>, scale: f64) -> Result<()> {
+        let op = "mse_grad";
+        need_float(op, pred.dtype())?;
+        need_float(op, target.dtype())?;
+        need_float(op, grad.dtype())?;
+        need_len(op, "target", pred.len(), target.len())?;
+        need_len(op, "grad", pred.len(), grad.len())?;
+        let n = pred.len();
+        if n == 0 {
+            return self.enqueue(|_| Ok(()));
+        }
+        let k = Kernel::MseGrad(pred.dtype(), target.dtype(), grad.dtype());
+        let inputs = [(pred, Reads::Elementwise), (target, Reads::Elementwise)];
+        self.launch(op, k, &inputs, grad, Dims::linear(n), |p, d| {
+            Args::default().ptr(p[0]).ptr(p[1]).ptr(d).u64(n as u64).f64(scale)
+        })
+    }
+
+    fn column_sums(&self, x: View<'_, Hip>, out: View<'_, Hip>, accumulate: bool) -> Result<()> {
+        let op = "column_sums";
+        need_float(op, x.dtype())?;
+        need_float(op, out.dtype())?;
+        if (out.is_empty() && !x.is_empty()) || (!out.is_empty() && x.len() % out.len() != 0) {
+            return Err(DeviceError::invalid(op, format!("{} elements are not rows of {}", x.len(), out.len())));
+        }
+        let cols = out.len();
+        if cols == 0 {
+            return self.enqueue(|_| Ok(()));
+        }
+        let rows = x.len() / cols;
+        let k = Kernel::ColumnSums(x.dtype(), out.dtype());
+        self.launch(op, k, &[(x, Reads::Whole)], out, Dims::linear(cols), |p, d| {
+            Args::default().ptr(p[0]).ptr(d).u64(rows as u64).u64(cols as u64).i32(accumulate as i32)
+        })
+    }
+
+    fn sum_squares(&self, x: View<'_, Hip>, out: View<'_, Hip>, accumulate: bool) -> Result<()> {
+        let op = "sum_squares";
+        need_float(op, x.dtype())?;
+        scalar_out(op, &out)?;
+        let n = x.len();
+        let k = Kernel::SumSquares(x.dtype(), out.dtype());
+        self.launch(op, k, &[(x, Reads::Whole)], out, Dims::ONE_BLOCK, |p, d| {
+            Args::default().ptr(p[0]).ptr(d).u64(n as u64).i32(accumulate as i32)
+        })
+    }
+
+    fn sgd_step(
+        &self,
+        params: SgdParams,
+        param: View<'_, Hip>,
+        grad: View<'_, Hip>,
+        momentum_buf: Option<View<'_, Hip>>,
+    ) -> Result<()> {
+        let op = "sgd_step";
+        for v in [Some(param), Some(grad), momentum_buf].into_iter().flatten() {
+            need_dtype(op, DType::F32, v.dtype())?;
+            need_len(op, "every operand", param.len(), v.len())?;
+        }
+        if params.momentum != 0.0 && momentum_buf.is_none() {
+            return Err(DeviceError::invalid(op, "momentum needs a momentum buffer"));
+        }
+        if param.overlaps(&grad) || momentum_buf.is_some_and(|m| m.overlaps(&param) || m.overlaps(&grad)) {
+            return Err(DeviceError::invalid(op, "param, grad and momentum buffer must not overlap"));
+        }
+        let n = param.len();
+        let buf = momentum_buf.map(|m| self.device_ptr(op, m)).transpose()?.unwrap_or(0);
+        if n == 0 {
+            return self.enqueue(|_| Ok(()));
+        }
+        let use_buf = params.momentum != 0.0 && momentum_buf.is_some();
+        let flags = (params.weight_decay != 0.0) as i32
+            | (use_buf as i32) << 1
+            | (params.first_step as i32) << 2
+            | (params.nesterov as i32) << 3;
+        let (lr, wd, mom, damp) =
+            (params.lr as f32, params.weight_decay as f32, params.momentum as f32, (1.0 - params.dampening) as f32);
+        self.launch(op, Kernel::Sgd, &[(grad, Reads::Whole)], param, Dims::linear(n), |p, d| {
+            Args::default().ptr(d).ptr(p[0]).ptr(buf).u64(n as u64).f32(lr).f32(wd).f32(mom).f32(damp).i32(flags)
+        })
+    }
+
+    fn adamw_step(
+        &self,
+        params: AdamWParams,
+        param: View<'_, Hip>,
+        grad: View<'_, Hip>,
+        exp_avg: View<'_, Hip>,
+        exp_avg_sq: View<'_, Hip>,
+    ) -> Result<()> {
+        let op = "adamw_step";
+        let views = [param, grad, exp_avg, exp_avg_sq];
+        for v in views {
+            need_dtype(op, DType::F32, v.dtype())?;
+            need_len(op, "every operand", param.len(), v.len())?;
+        }
+        for i in 0..4 {
+            for j in i + 1..4 {
+                if views[i].overlaps(&views[j]) {
+                    return Err(DeviceError::invalid(op, "param, grad and the moments must not overlap"));
+                }
+            }
+        }
+        let (m, v) = (self.device_ptr(op, exp_avg)?, self.device_ptr(op, exp_avg_sq)?);
+        let n = param.len();
+        if n == 0 {
+            return self.enqueue(|_| Ok(()));
+        }
+        // The scalars exactly as the cpu device (and torch) computes them.
+        let step = params.step.max(1) as i32;
+        let decay = (1.0 - params.lr * params.weight_decay) as f32;
+        let one_minus_b1 = (1.0 - params.beta1) as f32;
+        let (b2, one_minus_b2) = (params.beta2 as f32, (1.0 - params.beta2) as f32);
+        let bc1 = 1.0 - params.beta1.powi(step);
+        let bc2_sqrt = (1.0 - params.beta2.powi(step)).sqrt() as f32;
+        let step_size = (params.lr / bc1) as f32;
+        let eps = params.eps as f32;
+        self.launch(op, Kernel::AdamW, &[(grad, Reads::Whole)], param, Dims::linear(n), |p, d| {
+            Args::default()
+                .ptr(d)
+                .ptr(p[0])
+                .ptr(m)
+                .ptr(v)
+                .u64(n as u64)
+                .f32(decay)
+                .f32(one_minus_b1)
+                .f32(b2)
+                .f32(one_minus_b2)
+                .f32(bc2_sqrt)
+                .f32(step_size)
+                .f32(eps)
+        })
+    }
+}
