@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it (`.ci/run`) and as the README tells
+# people to: formatting, clippy with every feature, then every crate's tests.
+# Works from a fresh clone; installs only what is missing.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+# --- hook: vendor libraries ---------------------------------------------------
+# GPU backends add ci/vendor-libs.sh to install NCCL/HIP libraries and export
+# the variables that point to them. Nothing else in this script needs to change.
+if [ -f ci/vendor-libs.sh ]; then source ci/vendor-libs.sh; fi
+# ------------------------------------------------------------------------------
+
+# One target directory for fmt, clippy and the tests, so nothing builds twice
+# more than it must (clippy's check builds and the test builds still differ).
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
+export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+
+step() { printf '\n=== %s ===\n' "$*"; }
+
+step "toolchain"
+if ! command -v cargo >/dev/null 2>&1; then
+    echo "cargo is not installed; install Rust from https://rustup.rs" >&2
+    exit 1
+fi
+if command -v rustup >/dev/null 2>&1; then
+    installed="$(rustup component list --installed 2>/dev/null || true)"
+    for component in rustfmt clippy; do
+        if ! grep -q "^${component}" <<<"$installed"; then
+            rustup component add "$component"
+        fi
+    done
+fi
+cargo --version
+rustc --version
+
+step "cargo fmt --all -- --check"
+cargo fmt --all -- --check
+
+step "cargo clippy --workspace --all-targets --all-features -- -D warnings"
+cargo clippy --workspace --all-targets --all-features -- -D warnings
+
+step "cargo test --workspace"
+cargo test --workspace
+
+step "all checks passed"

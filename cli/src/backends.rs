@@ -1,0 +1,154 @@
+//! The backends compiled into this binary, and `chorus info`.
+//!
+//! Each backend is one [`Backend`] variant behind its cargo feature and one
+//! [`InfoRow`] made by a probe function. Adding a backend (say `nccl`) is:
+//! a feature in `cli/Cargo.toml`, a `#[cfg(feature = "nccl")]` variant here
+//! with its name, a probe that tries to load its library and says which
+//! variable points to it, and the arms in `bench` and `conformance` that run it.
+
+use crate::Outcome;
+
+/// A communication backend this binary can run `bench` and `conformance` on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// Ranks as threads of this process, each with its own cpu device.
+    #[cfg(feature = "sim")]
+    Sim,
+}
+
+/// Backends that exist in the design but are not (yet) in this binary; named
+/// in the error when someone asks for one.
+const PLANNED: &[&str] = &["nccl", "rccl", "ucx"];
+
+impl Backend {
+    /// Every backend compiled in, in a fixed order.
+    pub fn compiled() -> Vec<Backend> {
+        vec![
+            #[cfg(feature = "sim")]
+            Backend::Sim,
+        ]
+    }
+
+    /// The name used on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            #[cfg(feature = "sim")]
+            Backend::Sim => "sim",
+        }
+    }
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Parses `--backend`: one of the compiled backends, or an error that lists them.
+pub fn parse_backend(text: &str) -> Result<Backend, String> {
+    let compiled = Backend::compiled();
+    if let Some(b) = compiled.iter().find(|b| b.name() == text) {
+        return Ok(*b);
+    }
+    let names: Vec<&str> = compiled.iter().map(|b| b.name()).collect();
+    let names = if names.is_empty() { "none".to_string() } else { names.join(", ") };
+    Err(format!(
+        "backend `{text}` is not compiled into this binary (compiled: {names}; planned: {})",
+        PLANNED.join(", ")
+    ))
+}
+
+/// Whether a backend's library can be used on this machine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Availability {
+    /// Usable; the detail says what was found.
+    Available(String),
+    /// Not usable here; the reason names the library and the variable that points to it.
+    // Made by the probes of the vendor backends (cuda, nccl, rocm, rccl), none compiled yet.
+    #[allow(dead_code)]
+    Unavailable(String),
+}
+
+/// One line of `chorus info`.
+#[derive(Clone, Debug)]
+pub struct InfoRow {
+    /// The backend's name.
+    pub name: &'static str,
+    /// What it provides (`device`, `collectives`).
+    pub role: &'static str,
+    /// The library it needs.
+    pub library: &'static str,
+    /// Whether that library is usable here.
+    pub availability: Availability,
+}
+
+/// The host device: always compiled, always available.
+fn cpu_row() -> InfoRow {
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    InfoRow {
+        name: "cpu",
+        role: "device",
+        library: "none (host memory, one executor thread per stream)",
+        availability: Availability::Available(format!("{cpus} CPUs available to this process")),
+    }
+}
+
+#[cfg(feature = "sim")]
+fn sim_row() -> InfoRow {
+    InfoRow {
+        name: "sim",
+        role: "collectives",
+        library: "none (ranks are threads of this process, each on a cpu device)",
+        availability: Availability::Available("always".into()),
+    }
+}
+
+/// The rows of `chorus info`: every compiled backend, devices first.
+pub fn rows() -> Vec<InfoRow> {
+    vec![
+        cpu_row(),
+        #[cfg(feature = "sim")]
+        sim_row(),
+    ]
+}
+
+/// `chorus info`.
+pub fn info() -> anyhow::Result<Outcome> {
+    println!("chorus {} — backends compiled into this binary", env!("CARGO_PKG_VERSION"));
+    println!();
+    let rows = rows();
+    let w_name = rows.iter().map(|r| r.name.len()).max().unwrap_or(0).max("backend".len());
+    let w_role = rows.iter().map(|r| r.role.len()).max().unwrap_or(0).max("role".len());
+    let w_status = "unavailable".len();
+    println!("{:<w_name$}  {:<w_role$}  {:<w_status$}  library / detail", "backend", "role", "status");
+    for r in &rows {
+        let (status, detail) = match &r.availability {
+            Availability::Available(d) => ("available", d.as_str()),
+            Availability::Unavailable(d) => ("unavailable", d.as_str()),
+        };
+        println!("{:<w_name$}  {:<w_role$}  {status:<w_status$}  {}; {detail}", r.name, r.role, r.library);
+    }
+    println!();
+    println!("planned, not in this binary: {}", PLANNED.join(", "));
+    Ok(Outcome::Passed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_backends_are_refused_with_the_compiled_list() {
+        let e = parse_backend("nccl").unwrap_err();
+        assert!(e.contains("not compiled"), "{e}");
+        assert!(rows().iter().any(|r| r.name == "cpu"));
+    }
+
+    #[cfg(feature = "sim")]
+    #[test]
+    fn sim_is_compiled_and_available() {
+        assert_eq!(parse_backend("sim"), Ok(Backend::Sim));
+        let sim = rows().into_iter().find(|r| r.name == "sim").expect("sim row");
+        assert!(matches!(sim.availability, Availability::Available(_)));
+    }
+}

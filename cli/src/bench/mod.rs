@@ -1,0 +1,475 @@
+//! `chorus bench`: nccl-tests-style tables for the collectives of a backend.
+//!
+//! Columns and formulas follow nccl-tests (`doc/PERFORMANCE.md` there):
+//! `size` is the bytes of the largest buffer a rank holds (the all-gather
+//! output, the reduce-scatter input), `algbw = size / time`, and
+//! `busbw = algbw · factor` with factor `2(n−1)/n` for all_reduce, `(n−1)/n`
+//! for all_gather, reduce_scatter and all_to_all, and 1 for broadcast.
+//!
+//! chorus adds an **efficiency**: the bytes that any algorithm must read and
+//! write in one address space for the collective, summed over ranks, per
+//! second, divided by the read+write rate of `n` threads doing plain memcpys
+//! of `size` bytes, measured in the same run ([`memcpy`]). See
+//! `docs/benchmarks.md`.
+
+mod memcpy;
+mod pattern;
+#[cfg(feature = "sim")]
+mod sim;
+mod timing;
+
+use std::io::Write;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+
+use chorus_devices::DType;
+use pattern::Pattern;
+
+use crate::backends::{parse_backend, Backend};
+use crate::conformance::parse_world_size;
+use crate::size::{format_bytes, parse_nonzero_bytes};
+use crate::{Outcome, UsageError};
+
+/// Arguments of `chorus bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// The communication backend to measure.
+    #[arg(long, default_value = "sim", value_parser = parse_backend)]
+    pub backend: Backend,
+    /// The collective, or `all` for every one in turn.
+    #[arg(long, value_enum, default_value_t = OpArg::AllReduce)]
+    pub op: OpArg,
+    /// Number of ranks.
+    #[arg(long, default_value_t = 8, value_parser = parse_world_size)]
+    pub world_size: usize,
+    /// Smallest size (bytes; suffixes K, M, G are powers of 1024). Sizes double up to --max-bytes.
+    #[arg(long, default_value = "1K", value_parser = parse_nonzero_bytes)]
+    pub min_bytes: u64,
+    /// Largest size.
+    #[arg(long, default_value = "256M", value_parser = parse_nonzero_bytes)]
+    pub max_bytes: u64,
+    /// Element type.
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    pub dtype: DType,
+    /// Timed iterations per size.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..))]
+    pub iters: u32,
+    /// Untimed iterations before them.
+    #[arg(long, default_value_t = 5)]
+    pub warmup: u32,
+    /// Print one JSON object per row instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_dtype(text: &str) -> Result<DType, String> {
+    text.parse()
+}
+
+/// `--op`: one collective or all of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OpArg {
+    /// all_reduce (sum).
+    #[value(name = "all_reduce", alias = "all-reduce")]
+    AllReduce,
+    /// all_gather.
+    #[value(name = "all_gather", alias = "all-gather")]
+    AllGather,
+    /// reduce_scatter (sum).
+    #[value(name = "reduce_scatter", alias = "reduce-scatter")]
+    ReduceScatter,
+    /// broadcast from rank 0.
+    #[value(name = "broadcast")]
+    Broadcast,
+    /// all_to_all.
+    #[value(name = "all_to_all", alias = "all-to-all", alias = "alltoall")]
+    AllToAll,
+    /// Every collective above, one table each.
+    #[value(name = "all")]
+    All,
+}
+
+impl OpArg {
+    fn ops(self) -> Vec<Op> {
+        match self {
+            OpArg::AllReduce => vec![Op::AllReduce],
+            OpArg::AllGather => vec![Op::AllGather],
+            OpArg::ReduceScatter => vec![Op::ReduceScatter],
+            OpArg::Broadcast => vec![Op::Broadcast],
+            OpArg::AllToAll => vec![Op::AllToAll],
+            OpArg::All => Op::ALL.to_vec(),
+        }
+    }
+}
+
+/// A collective the bench measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// Sum over ranks, result on every rank.
+    AllReduce,
+    /// Every rank's input, concatenated in rank order, on every rank.
+    AllGather,
+    /// Sum over ranks, chunk r on rank r.
+    ReduceScatter,
+    /// Rank 0's buffer on every rank.
+    Broadcast,
+    /// Chunk j of rank r's input to chunk r of rank j's output.
+    AllToAll,
+}
+
+impl Op {
+    /// Every operation, in the order `--op all` runs them.
+    pub const ALL: [Op; 5] = [Op::AllReduce, Op::AllGather, Op::ReduceScatter, Op::Broadcast, Op::AllToAll];
+
+    /// The name, as in the table.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce => "all_reduce",
+            Op::AllGather => "all_gather",
+            Op::ReduceScatter => "reduce_scatter",
+            Op::Broadcast => "broadcast",
+            Op::AllToAll => "all_to_all",
+        }
+    }
+
+    /// The reduce operator (`none` for data movement only).
+    pub fn redop(self) -> &'static str {
+        match self {
+            Op::AllReduce | Op::ReduceScatter => "sum",
+            Op::AllGather | Op::Broadcast | Op::AllToAll => "none",
+        }
+    }
+
+    /// The root, for rooted collectives.
+    pub fn root(self) -> Option<usize> {
+        (self == Op::Broadcast).then_some(0)
+    }
+
+    /// nccl-tests' bus-bandwidth factor for `n` ranks.
+    pub fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Op::AllReduce => 2.0 * (n - 1.0) / n,
+            Op::AllGather | Op::ReduceScatter | Op::AllToAll => (n - 1.0) / n,
+            Op::Broadcast => 1.0,
+        }
+    }
+
+    /// Bytes any algorithm must read and write in one address space, summed
+    /// over the `n` ranks, for a collective of nccl-tests size `size`:
+    /// - all_reduce (`size` per rank): each rank's output is written (`size`)
+    ///   and each rank's input read (`size`): `2·size·n`;
+    /// - all_gather (output `size` per rank): `size` read and `size` written per rank: `2·size·n`;
+    /// - reduce_scatter (input `size` per rank): `size` read, `size/n` written per rank: `size·n + size`;
+    /// - broadcast: each non-root reads `size` (of the root) and writes `size`: `2·size·(n−1)`;
+    /// - all_to_all (`size` per rank): `size` read, `size` written per rank: `2·size·n`.
+    pub fn required_bytes(self, size: u64, n: usize) -> f64 {
+        let (s, n) = (size as f64, n as f64);
+        match self {
+            Op::AllReduce | Op::AllGather | Op::AllToAll => 2.0 * s * n,
+            Op::ReduceScatter => s * n + s,
+            Op::Broadcast => 2.0 * s * (n - 1.0),
+        }
+    }
+}
+
+/// The buffers of one measurement.
+#[derive(Clone, Copy, Debug)]
+pub struct Geometry {
+    /// The operation.
+    pub op: Op,
+    /// Ranks.
+    pub n: usize,
+    /// Element type.
+    pub dtype: DType,
+    /// nccl-tests' `count`: elements in `size`.
+    pub count: usize,
+    /// nccl-tests' `size` in bytes.
+    pub size: u64,
+    /// Elements of each rank's send buffer.
+    pub send_len: usize,
+    /// Elements of each rank's receive buffer.
+    pub recv_len: usize,
+    /// Elements per chunk (see [`pattern::Expectation::chunk`]).
+    pub chunk: usize,
+    /// The inputs.
+    pub pattern: Pattern,
+}
+
+impl Geometry {
+    /// The geometry for a requested size: the element count is rounded down to
+    /// whole elements, and to a multiple of `n` where the op splits buffers in
+    /// `n` chunks (as nccl-tests does).
+    pub fn new(op: Op, n: usize, dtype: DType, requested: u64) -> Geometry {
+        let mut count = usize::try_from(requested).unwrap_or(usize::MAX) / dtype.size();
+        let chunked = matches!(op, Op::AllGather | Op::ReduceScatter | Op::AllToAll);
+        if chunked {
+            count -= count % n;
+        }
+        let chunk = if chunked { count / n } else { count };
+        let (send_len, recv_len) = match op {
+            Op::AllReduce | Op::Broadcast | Op::AllToAll => (count, count),
+            Op::ReduceScatter => (count, chunk),
+            Op::AllGather => (chunk, count),
+        };
+        Geometry {
+            op,
+            n,
+            dtype,
+            count,
+            size: (count * dtype.size()) as u64,
+            send_len,
+            recv_len,
+            chunk,
+            pattern: Pattern::new(dtype, n),
+        }
+    }
+}
+
+/// What a backend measured for one geometry.
+#[derive(Clone, Copy, Debug)]
+pub struct Measured {
+    /// Median iteration time.
+    pub time: Duration,
+    /// Output elements, over all ranks, that differ from the expected values.
+    pub wrong: u64,
+}
+
+/// One row of the table (and one JSON object with `--json`).
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    /// The backend.
+    pub backend: String,
+    /// The collective.
+    pub op: &'static str,
+    /// Ranks.
+    pub world_size: usize,
+    /// nccl-tests' size, bytes.
+    pub size_bytes: u64,
+    /// nccl-tests' count, elements.
+    pub count: usize,
+    /// Element type.
+    pub dtype: &'static str,
+    /// Reduce operator or `none`.
+    pub redop: &'static str,
+    /// Root of rooted collectives.
+    pub root: Option<usize>,
+    /// Median time of one iteration, microseconds.
+    pub time_us: f64,
+    /// `size / time`, GB/s (10⁹ bytes).
+    pub algbw_gbps: f64,
+    /// `algbw · bus factor`, GB/s.
+    pub busbw_gbps: f64,
+    /// Wrong output elements after the timed iterations, over all ranks.
+    pub wrong: u64,
+    /// Read+write rate of `world_size` threads copying `size` bytes each, GB/s.
+    pub memcpy_gbps: f64,
+    /// Required bytes per second ÷ memcpy rate.
+    pub efficiency: f64,
+    /// Timed iterations.
+    pub iters: u32,
+    /// Warm-up iterations.
+    pub warmup: u32,
+}
+
+impl Row {
+    fn new(backend: Backend, g: &Geometry, m: Measured, memcpy_rate: f64, args: &BenchArgs) -> Row {
+        let secs = m.time.as_secs_f64();
+        let per_sec = |bytes: f64| if secs > 0.0 { bytes / secs } else { 0.0 };
+        let algbw = per_sec(g.size as f64) / 1e9;
+        let required_rate = per_sec(g.op.required_bytes(g.size, g.n));
+        Row {
+            backend: backend.to_string(),
+            op: g.op.name(),
+            world_size: g.n,
+            size_bytes: g.size,
+            count: g.count,
+            dtype: g.dtype.name(),
+            redop: g.op.redop(),
+            root: g.op.root(),
+            time_us: secs * 1e6,
+            algbw_gbps: algbw,
+            busbw_gbps: algbw * g.op.bus_factor(g.n),
+            wrong: m.wrong,
+            memcpy_gbps: memcpy_rate / 1e9,
+            efficiency: if memcpy_rate > 0.0 { required_rate / memcpy_rate } else { 0.0 },
+            iters: args.iters,
+            warmup: args.warmup,
+        }
+    }
+}
+
+const TABLE_HEAD: [&str; 2] = [
+    "#        size         count   type   redop  root      time    algbw    busbw  #wrong    memcpy  efficiency",
+    "#         (B)    (elements)                          (us)   (GB/s)   (GB/s)            (GB/s)",
+];
+
+fn table_line(r: &Row) -> String {
+    let root = r.root.map_or("-1".to_string(), |x| x.to_string());
+    format!(
+        "{:>13} {:>13} {:>6} {:>7} {:>5} {:>9.1} {:>8.2} {:>8.2} {:>7} {:>9.2} {:>11.2}",
+        r.size_bytes,
+        r.count,
+        r.dtype,
+        r.redop,
+        root,
+        r.time_us,
+        r.algbw_gbps,
+        r.busbw_gbps,
+        r.wrong,
+        r.memcpy_gbps,
+        r.efficiency
+    )
+}
+
+/// The sizes from `min` doubling while at most `max`.
+pub fn sizes(min: u64, max: u64) -> Vec<u64> {
+    let mut out = Vec::new();
+    let mut s = min.max(1);
+    while s <= max {
+        out.push(s);
+        match s.checked_mul(2) {
+            Some(next) => s = next,
+            None => break,
+        }
+    }
+    out
+}
+
+// Without a backend feature the enum is empty and the arguments go unused.
+#[cfg_attr(not(feature = "sim"), allow(unused_variables))]
+fn measure(backend: Backend, g: Geometry, warmup: usize, iters: usize) -> anyhow::Result<Measured> {
+    match backend {
+        #[cfg(feature = "sim")]
+        Backend::Sim => sim::measure(g, warmup, iters),
+    }
+}
+
+/// `chorus bench`.
+pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
+    if args.min_bytes > args.max_bytes {
+        return Err(UsageError(format!(
+            "--min-bytes ({}) is larger than --max-bytes ({})",
+            format_bytes(args.min_bytes),
+            format_bytes(args.max_bytes)
+        ))
+        .into());
+    }
+    let (n, warmup, iters) = (args.world_size, args.warmup as usize, args.iters as usize);
+    let mut out = std::io::stdout();
+    if !args.json {
+        writeln!(
+            out,
+            "# chorus bench: backend {}, {n} ranks, dtype {}, out-of-place, sizes {}..{}, {iters} timed iterations after {warmup} warm-up",
+            args.backend,
+            args.dtype,
+            format_bytes(args.min_bytes),
+            format_bytes(args.max_bytes)
+        )?;
+        writeln!(out, "# stream sanitizer off; time = median over iterations of (host barrier → slowest rank's stream synchronize)")?;
+        writeln!(out, "# memcpy = {n} threads each copying `size` bytes between private buffers (read+write rate);")?;
+        writeln!(out, "# efficiency = (bytes the collective must read+write, all ranks) / time / memcpy rate — docs/benchmarks.md")?;
+    }
+    let (mut wrong, mut busbw_sum, mut rows) = (0u64, 0.0, 0usize);
+    for op in args.op.ops() {
+        if !args.json {
+            writeln!(out, "#\n# {}", op.name())?;
+            for line in TABLE_HEAD {
+                writeln!(out, "{line}")?;
+            }
+        }
+        for requested in sizes(args.min_bytes, args.max_bytes) {
+            let g = Geometry::new(op, n, args.dtype, requested);
+            // Measured next to each collective, not once per size, so that both
+            // see the same load on a shared machine.
+            let memcpy_rate = match g.size {
+                0 => 0.0,
+                bytes => memcpy::measure(n, usize::try_from(bytes)?, warmup, iters)?,
+            };
+            let m = measure(args.backend, g, warmup, iters)
+                .map_err(|e| e.context(format!("{} of {} bytes on {n} ranks", op.name(), g.size)))?;
+            let row = Row::new(args.backend, &g, m, memcpy_rate, args);
+            wrong += row.wrong;
+            busbw_sum += row.busbw_gbps;
+            rows += 1;
+            if args.json {
+                writeln!(out, "{}", serde_json::to_string(&row)?)?;
+            } else {
+                writeln!(out, "{}", table_line(&row))?;
+            }
+            out.flush()?;
+        }
+    }
+    if !args.json {
+        writeln!(out, "# wrong values: {wrong} {}", if wrong == 0 { "OK" } else { "FAILED" })?;
+        if rows > 0 {
+            writeln!(out, "# average busbw: {:.2} GB/s over {rows} rows", busbw_sum / rows as f64)?;
+        }
+    }
+    Ok(if wrong == 0 { Outcome::Passed } else { Outcome::Failed })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_double_from_min_to_max() {
+        assert_eq!(sizes(1024, 8192), vec![1024, 2048, 4096, 8192]);
+        assert_eq!(sizes(1000, 5000), vec![1000, 2000, 4000]);
+        assert_eq!(sizes(16 << 20, 16 << 20), vec![16 << 20]);
+    }
+
+    #[test]
+    fn geometry_follows_nccl_tests_size_conventions() {
+        // all_gather: size is the output; each rank sends size/n.
+        let g = Geometry::new(Op::AllGather, 8, DType::F32, 1024);
+        assert_eq!((g.count, g.size, g.send_len, g.recv_len, g.chunk), (256, 1024, 32, 256, 32));
+        // reduce_scatter: size is the input; each rank keeps size/n.
+        let g = Geometry::new(Op::ReduceScatter, 8, DType::F32, 1024);
+        assert_eq!((g.send_len, g.recv_len, g.chunk), (256, 32, 32));
+        // Counts are rounded down to a multiple of n where buffers are chunked.
+        let g = Geometry::new(Op::AllToAll, 3, DType::F32, 1024);
+        assert_eq!((g.count, g.size, g.chunk), (255, 1020, 85));
+        let g = Geometry::new(Op::AllReduce, 3, DType::F64, 1028);
+        assert_eq!((g.count, g.size, g.send_len, g.recv_len), (128, 1024, 128, 128));
+    }
+
+    #[test]
+    fn bus_factors_and_required_bytes() {
+        assert_eq!(Op::AllReduce.bus_factor(8), 1.75);
+        assert_eq!(Op::AllGather.bus_factor(8), 0.875);
+        assert_eq!(Op::Broadcast.bus_factor(8), 1.0);
+        assert_eq!(Op::AllReduce.required_bytes(100, 4), 800.0);
+        assert_eq!(Op::ReduceScatter.required_bytes(100, 4), 500.0);
+        assert_eq!(Op::Broadcast.required_bytes(100, 4), 600.0);
+    }
+
+    #[test]
+    fn rows_compute_bandwidths_and_efficiency() {
+        let args = BenchArgs {
+            backend: crate::backends::Backend::compiled()[0],
+            op: OpArg::AllReduce,
+            world_size: 4,
+            min_bytes: 1,
+            max_bytes: 1,
+            dtype: DType::F32,
+            iters: 1,
+            warmup: 0,
+            json: true,
+        };
+        let g = Geometry::new(Op::AllReduce, 4, DType::F32, 1_000_000);
+        let m = Measured { time: Duration::from_millis(1), wrong: 0 };
+        let r = Row::new(args.backend, &g, m, 16e9, &args);
+        assert!((r.algbw_gbps - 1.0).abs() < 1e-9);
+        assert!((r.busbw_gbps - 1.5).abs() < 1e-9);
+        // 8 MB required in 1 ms = 8 GB/s, half of the 16 GB/s memcpy rate.
+        assert!((r.efficiency - 0.5).abs() < 1e-9);
+        let json: serde_json::Value = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        for key in ["world_size", "memcpy_gbps", "efficiency", "busbw_gbps", "wrong", "size_bytes"] {
+            assert!(json.get(key).is_some(), "{key}");
+        }
+    }
+}

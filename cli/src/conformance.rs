@@ -1,0 +1,112 @@
+//! `chorus conformance`: the conformance suite on one backend.
+
+use clap::Args;
+
+use crate::backends::{parse_backend, Backend};
+use crate::Outcome;
+
+/// Arguments of `chorus conformance`.
+#[derive(Debug, Args)]
+pub struct ConformanceArgs {
+    /// The communication backend to test.
+    #[arg(long, default_value = "sim", value_parser = parse_backend)]
+    pub backend: Backend,
+    /// Number of ranks.
+    #[arg(long, default_value_t = 4, value_parser = parse_world_size)]
+    pub world_size: usize,
+    /// Run only the cases whose name contains this text.
+    #[arg(long, value_name = "PATTERN")]
+    pub filter: Option<String>,
+    /// Print the names of the cases that would run, and run none.
+    #[arg(long)]
+    pub list: bool,
+}
+
+/// Parses a world size: at least one rank.
+pub fn parse_world_size(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("a world needs at least one rank".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("`{text}` is not a number of ranks")),
+    }
+}
+
+/// One line per case: `passed|failed|skipped  <name>  (reason)`.
+pub fn outcome_line(o: &chorus_conformance::CaseOutcome) -> String {
+    use chorus_conformance::Status;
+    match &o.status {
+        Status::Passed => format!("passed   {}", o.name),
+        Status::Failed(reason) => format!("failed   {}  ({reason})", o.name),
+        Status::Skipped(reason) => format!("skipped  {}  ({reason})", o.name),
+    }
+}
+
+/// `chorus conformance`.
+pub fn run(args: &ConformanceArgs) -> anyhow::Result<Outcome> {
+    match args.backend {
+        #[cfg(feature = "sim")]
+        Backend::Sim => run_sim(args),
+    }
+}
+
+#[cfg(feature = "sim")]
+fn run_sim(args: &ConformanceArgs) -> anyhow::Result<Outcome> {
+    use crate::UsageError;
+    use std::io::Write;
+
+    let names = chorus_conformance::sim::case_names(args.world_size);
+    let selected: Vec<&String> =
+        names.iter().filter(|n| args.filter.as_deref().is_none_or(|f| n.contains(f))).collect();
+    if selected.is_empty() {
+        let what = args.filter.as_deref().unwrap_or("");
+        return Err(UsageError(format!(
+            "no conformance case name contains `{what}` ({} cases for {} ranks; `--list` prints them)",
+            names.len(),
+            args.world_size
+        ))
+        .into());
+    }
+    if args.list {
+        for n in selected {
+            println!("{n}");
+        }
+        return Ok(Outcome::Passed);
+    }
+    let mut stdout = std::io::stdout();
+    let summary = chorus_conformance::sim::run(args.world_size, args.filter.as_deref(), &mut |o| {
+        // A closed pipe (`| head`) must not stop the run; the exit status still counts.
+        let _ = writeln!(stdout, "{}", outcome_line(o));
+        let _ = stdout.flush();
+    });
+    println!("{}", summary.line());
+    Ok(if summary.failed == 0 { Outcome::Passed } else { Outcome::Failed })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chorus_conformance::{CaseOutcome, Status};
+    use std::time::Duration;
+
+    #[test]
+    fn lines_name_the_status_the_case_and_the_reason() {
+        let o =
+            |status| CaseOutcome { name: "all_reduce/sum/f32".into(), world_size: 4, status, duration: Duration::ZERO };
+        assert_eq!(outcome_line(&o(Status::Passed)), "passed   all_reduce/sum/f32");
+        assert_eq!(
+            outcome_line(&o(Status::Failed("rank 1: boom".into()))),
+            "failed   all_reduce/sum/f32  (rank 1: boom)"
+        );
+        assert_eq!(
+            outcome_line(&o(Status::Skipped("needs 2 ranks".into()))),
+            "skipped  all_reduce/sum/f32  (needs 2 ranks)"
+        );
+    }
+
+    #[test]
+    fn a_world_needs_a_rank() {
+        assert!(parse_world_size("0").is_err());
+        assert!(parse_world_size("x").is_err());
+        assert_eq!(parse_world_size("8"), Ok(8));
+    }
+}

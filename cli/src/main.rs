@@ -1,0 +1,107 @@
+//! `chorus`: the command line of the chorus workspace.
+//!
+//! - `chorus info`: the backends compiled into this binary and whether their
+//!   libraries are available here;
+//! - `chorus bench`: nccl-tests-style bandwidth tables, checked results, and
+//!   an efficiency ratio against a memcpy reference measured in the same run;
+//! - `chorus conformance`: the conformance suite on one backend.
+//!
+//! Exit status: 0 on success, 1 when a run fails (a wrong value, a failed
+//! case, a backend error), 2 for bad arguments.
+
+// Built without any backend feature, the binary only has `info`; the
+// measuring and checking code is then unused, which is expected.
+#![cfg_attr(not(feature = "sim"), allow(dead_code))]
+
+mod backends;
+mod bench;
+mod conformance;
+mod size;
+
+use std::process::ExitCode;
+
+use clap::{CommandFactory, Parser, Subcommand};
+
+/// One collective-communication API with NCCL semantics over several backends.
+#[derive(Debug, Parser)]
+#[command(name = "chorus", version, about, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// List the compiled backends and whether their libraries are available here.
+    Info,
+    /// Measure collectives like nccl-tests: time, algbw, busbw, checked results, efficiency vs memcpy.
+    Bench(bench::BenchArgs),
+    /// Run the conformance suite on a backend.
+    Conformance(conformance::ConformanceArgs),
+}
+
+/// A problem with the arguments that clap's parser cannot see (a world size
+/// of 0, `--min-bytes` above `--max-bytes`): reported like clap's own errors,
+/// with exit status 2.
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+/// What a subcommand reports when it ran to the end: whether everything it checked passed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Everything passed.
+    Passed,
+    /// Something ran but failed (wrong values, failed cases); already reported.
+    Failed,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let subcommand = match &cli.command {
+        Command::Info => "info",
+        Command::Bench(_) => "bench",
+        Command::Conformance(_) => "conformance",
+    };
+    let result = match cli.command {
+        Command::Info => backends::info(),
+        Command::Bench(args) => bench::run(&args),
+        Command::Conformance(args) => conformance::run(&args),
+    };
+    match result {
+        Ok(Outcome::Passed) => ExitCode::SUCCESS,
+        Ok(Outcome::Failed) => ExitCode::from(1),
+        Err(e) => match e.downcast_ref::<UsageError>() {
+            Some(usage) => {
+                let mut cli = Cli::command();
+                cli.build();
+                let kind = clap::error::ErrorKind::ValueValidation;
+                match cli.find_subcommand_mut(subcommand) {
+                    Some(sub) => sub.error(kind, &usage.0).exit(),
+                    None => cli.error(kind, &usage.0).exit(),
+                }
+            }
+            None => {
+                eprintln!("error: {e:#}");
+                ExitCode::from(1)
+            }
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+}

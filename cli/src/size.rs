@@ -1,0 +1,76 @@
+//! Byte sizes on the command line: `1K`, `16M`, `256M`, `1G`, or plain bytes.
+
+/// Parses a byte size: a whole number with an optional binary suffix
+/// `K`, `M`, `G` or `T` (powers of 1024, as nccl-tests reads them), in
+/// either case, optionally followed by `B` or `iB` (`16MiB`, `1kb`).
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let lower = t.to_ascii_lowercase();
+    let body = lower.strip_suffix("ib").or_else(|| lower.strip_suffix('b')).unwrap_or(&lower);
+    let (digits, shift) = match body.chars().last() {
+        Some('k') => (&body[..body.len() - 1], 10),
+        Some('m') => (&body[..body.len() - 1], 20),
+        Some('g') => (&body[..body.len() - 1], 30),
+        Some('t') => (&body[..body.len() - 1], 40),
+        _ => (body, 0),
+    };
+    let bad = || format!("`{text}` is not a byte size (examples: 1024, 1K, 16M, 256M, 1G)");
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    let n: u64 = digits.parse().map_err(|_| bad())?;
+    n.checked_mul(1u64 << shift).ok_or_else(|| format!("`{text}` is too large"))
+}
+
+/// Parses a byte size of at least one byte (for `--min-bytes`/`--max-bytes`).
+pub fn parse_nonzero_bytes(text: &str) -> Result<u64, String> {
+    match parse_bytes(text)? {
+        0 => Err("the size must be at least 1 byte".into()),
+        n => Ok(n),
+    }
+}
+
+/// `1024` → `1K`, `3 << 20` → `3M`; other values in bytes.
+pub fn format_bytes(bytes: u64) -> String {
+    for (shift, suffix) in [(40, "T"), (30, "G"), (20, "M"), (10, "K")] {
+        if bytes >= 1 << shift && bytes % (1 << shift) == 0 {
+            return format!("{}{suffix}", bytes >> shift);
+        }
+    }
+    bytes.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn suffixes_are_binary_and_case_insensitive() {
+        assert_eq!(parse_bytes("1024"), Ok(1024));
+        assert_eq!(parse_bytes("1K"), Ok(1024));
+        assert_eq!(parse_bytes("16m"), Ok(16 << 20));
+        assert_eq!(parse_bytes("256M"), Ok(256 << 20));
+        assert_eq!(parse_bytes("1G"), Ok(1 << 30));
+        assert_eq!(parse_bytes("16MiB"), Ok(16 << 20));
+        assert_eq!(parse_bytes("4kb"), Ok(4096));
+        assert_eq!(parse_bytes(" 8 "), Ok(8));
+    }
+
+    #[test]
+    fn junk_is_refused_with_a_message() {
+        for bad in ["", "K", "1.5M", "-1", "12Q", "M16", "1KK"] {
+            let e = parse_bytes(bad).unwrap_err();
+            assert!(e.contains("byte size"), "{bad}: {e}");
+        }
+        assert!(parse_bytes("99999999999T").unwrap_err().contains("too large"));
+        assert!(parse_nonzero_bytes("0").is_err());
+    }
+
+    #[test]
+    fn formatting_round_trips() {
+        for b in [1, 1000, 1024, 3 << 20, 1 << 30, 5 << 40] {
+            assert_eq!(parse_bytes(&format_bytes(b)), Ok(b));
+        }
+        assert_eq!(format_bytes(16 << 20), "16M");
+    }
+}
