@@ -12,10 +12,13 @@ pub mod backend;
 mod comm;
 mod error;
 mod mesh;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod nccl_abi;
 mod reduce;
 #[cfg(feature = "sim")]
 pub mod sim;
+pub mod store;
 
 pub use backend::{Capabilities, CommBackend, OpKind};
 pub use comm::{Communicator, Group};

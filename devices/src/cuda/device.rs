@@ -217,7 +217,10 @@ impl CudaDevice {
         self.inner.parked.lock().map(|mut p| std::mem::take(&mut *p)).unwrap_or_default()
     }
 
-    pub(crate) fn park(&self, e: DeviceError) {
+    /// Parks an error that arose where no caller can take it (a `Drop` of a
+    /// vendor object built on this device); [`crate::Device::synchronize`]
+    /// and [`CudaDevice::take_parked_errors`] report it.
+    pub fn park(&self, e: DeviceError) {
         park(&self.inner, e)
     }
 
