@@ -1,0 +1,42 @@
+# Sourced by ci/test.sh: installs the NVIDIA libraries that load without a GPU
+# and exports the variables that point chorus at them. Idempotent: when the
+# wheels are installed this is one python call. Never fails the caller: when a
+# library cannot be installed its tests report a skip instead.
+#
+#   nvidia-nccl-cu12       -> CHORUS_NCCL_LIB  (ncclGetVersion / ncclGetUniqueId tests)
+#   nvidia-cuda-nvrtc-cu12 -> CHORUS_NVRTC_LIB (the cuda kernels compile under NVRTC)
+
+chorus_vendor_lib() {
+    # $1: python module path under nvidia/, $2: library file, $3: pip package
+    local found
+    found="$(python3 - "$1" "$2" 2>/dev/null <<'PY'
+import importlib.util, os, sys
+try:
+    spec = importlib.util.find_spec("nvidia." + sys.argv[1])
+except ImportError:
+    spec = None
+for root in (spec.submodule_search_locations or []) if spec else []:
+    path = os.path.join(root, "lib", sys.argv[2])
+    if os.path.exists(path):
+        print(path)
+        break
+PY
+)" || found=""
+    if [ -z "$found" ] && command -v python3 >/dev/null 2>&1; then
+        echo "vendor-libs: installing $3" >&2
+        python3 -m pip install --quiet --disable-pip-version-check "$3" >&2 || echo "vendor-libs: could not install $3; its tests will skip" >&2
+        found="$(python3 -c "import nvidia.$1 as m, os; p = os.path.join(list(m.__path__)[0], 'lib', '$2'); print(p if os.path.exists(p) else '')" 2>/dev/null || true)"
+    fi
+    printf '%s' "$found"
+}
+
+if command -v python3 >/dev/null 2>&1; then
+    _chorus_nccl="$(chorus_vendor_lib nccl libnccl.so.2 nvidia-nccl-cu12)"
+    if [ -n "$_chorus_nccl" ]; then export CHORUS_NCCL_LIB="$_chorus_nccl"; echo "vendor-libs: CHORUS_NCCL_LIB=$CHORUS_NCCL_LIB" >&2; fi
+    _chorus_nvrtc="$(chorus_vendor_lib cuda_nvrtc libnvrtc.so.12 nvidia-cuda-nvrtc-cu12)"
+    if [ -n "$_chorus_nvrtc" ]; then export CHORUS_NVRTC_LIB="$_chorus_nvrtc"; echo "vendor-libs: CHORUS_NVRTC_LIB=$CHORUS_NVRTC_LIB" >&2; fi
+    unset _chorus_nccl _chorus_nvrtc
+else
+    echo "vendor-libs: no python3; NCCL and NVRTC loading tests will skip" >&2
+fi
+unset -f chorus_vendor_lib
