@@ -114,22 +114,24 @@ pub fn rows() -> Vec<InfoRow> {
 
 /// `chorus info`.
 pub fn info() -> anyhow::Result<Outcome> {
-    println!("chorus {} — backends compiled into this binary", env!("CARGO_PKG_VERSION"));
-    println!();
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "chorus {} — backends compiled into this binary", env!("CARGO_PKG_VERSION"))?;
+    writeln!(out)?;
     let rows = rows();
     let w_name = rows.iter().map(|r| r.name.len()).max().unwrap_or(0).max("backend".len());
     let w_role = rows.iter().map(|r| r.role.len()).max().unwrap_or(0).max("role".len());
     let w_status = "unavailable".len();
-    println!("{:<w_name$}  {:<w_role$}  {:<w_status$}  library / detail", "backend", "role", "status");
+    writeln!(out, "{:<w_name$}  {:<w_role$}  {:<w_status$}  library / detail", "backend", "role", "status")?;
     for r in &rows {
         let (status, detail) = match &r.availability {
             Availability::Available(d) => ("available", d.as_str()),
             Availability::Unavailable(d) => ("unavailable", d.as_str()),
         };
-        println!("{:<w_name$}  {:<w_role$}  {status:<w_status$}  {}; {detail}", r.name, r.role, r.library);
+        writeln!(out, "{:<w_name$}  {:<w_role$}  {status:<w_status$}  {}; {detail}", r.name, r.role, r.library)?;
     }
-    println!();
-    println!("planned, not in this binary: {}", PLANNED.join(", "));
+    writeln!(out)?;
+    writeln!(out, "planned, not in this binary: {}", PLANNED.join(", "))?;
     Ok(Outcome::Passed)
 }
 

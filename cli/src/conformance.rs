@@ -66,19 +66,19 @@ fn run_sim(args: &ConformanceArgs) -> anyhow::Result<Outcome> {
         ))
         .into());
     }
+    let mut stdout = std::io::stdout();
     if args.list {
         for n in selected {
-            println!("{n}");
+            writeln!(stdout, "{n}")?;
         }
         return Ok(Outcome::Passed);
     }
-    let mut stdout = std::io::stdout();
     let summary = chorus_conformance::sim::run(args.world_size, args.filter.as_deref(), &mut |o| {
         // A closed pipe (`| head`) must not stop the run; the exit status still counts.
         let _ = writeln!(stdout, "{}", outcome_line(o));
         let _ = stdout.flush();
     });
-    println!("{}", summary.line());
+    let _ = writeln!(stdout, "{}", summary.line());
     Ok(if summary.failed == 0 { Outcome::Passed } else { Outcome::Failed })
 }
 

@@ -88,12 +88,18 @@ fn main() -> ExitCode {
                     None => cli.error(kind, &usage.0).exit(),
                 }
             }
+            // A closed pipe (`chorus ... | head`) ends the output, not the program with an error.
+            None if is_broken_pipe(&e) => ExitCode::SUCCESS,
             None => {
                 eprintln!("error: {e:#}");
                 ExitCode::from(1)
             }
         },
     }
+}
+
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe))
 }
 
 #[cfg(test)]
