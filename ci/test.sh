@@ -44,4 +44,9 @@ cargo clippy --workspace --all-targets --all-features -- -D warnings
 step "cargo test --workspace"
 cargo test --workspace
 
+step "GPU backends: loading without a GPU (NCCL, NVRTC; CUDA driver absent)"
+cargo test -p chorus-devices --features cuda --lib cuda
+cargo test -p chorus-devices --features cuda --test cuda_load
+cargo test -p chorus-collectives --features nccl --test nccl_load
+
 step "all checks passed"
