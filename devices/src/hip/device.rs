@@ -176,6 +176,12 @@ impl HipDevice {
         result::set_device(self.inner.config.ordinal)
     }
 
+    /// Keeps an error met where it cannot be returned (a `Drop` in another
+    /// crate, a watchdog): the next [`Device::synchronize`](crate::Device::synchronize) returns it.
+    pub fn park_error(&self, error: DeviceError) {
+        park(&self.inner.parked, error);
+    }
+
     pub(crate) fn label(&self) -> String {
         format!("hip:{}", self.inner.config.ordinal)
     }

@@ -55,7 +55,7 @@ pub mod sys;
 
 pub use device::{HipBuffer, HipConfig, HipDevice};
 pub use event::HipEvent;
-pub use stream::HipStream;
+pub use stream::{FailureHandle, HipStream};
 
 #[cfg(doc)]
 use crate::{Device, Priority, Stream};

@@ -43,6 +43,24 @@ impl StreamState {
     }
 }
 
+/// Fails a stream from elsewhere; see [`HipStream::failure_handle`].
+#[derive(Clone, Debug)]
+pub struct FailureHandle {
+    state: Arc<StreamState>,
+    name: String,
+}
+
+impl FailureHandle {
+    /// As [`HipStream::fail`].
+    pub fn fail(&self, position: u64, error: DeviceError) {
+        self.state.fail(position, error);
+    }
+    /// The stream's name.
+    pub fn stream_name(&self) -> &str {
+        &self.name
+    }
+}
+
 /// The owned `hipStream_t`, destroyed when the last user (stream handle,
 /// buffer homed on it, buffer it used) is gone.
 #[derive(Debug)]
@@ -216,6 +234,12 @@ impl HipStream {
     /// The stream's failure, if it has failed.
     pub fn failure(&self) -> Option<DeviceError> {
         self.inner.state.failure()
+    }
+
+    /// A handle that can fail this stream later, from any thread, without
+    /// keeping the stream alive (what a collective's watchdog holds).
+    pub fn failure_handle(&self) -> FailureHandle {
+        FailureHandle { state: self.inner.state.clone(), name: self.inner.name.clone() }
     }
 
     /// The device address of `view`'s first element, after checking that it
