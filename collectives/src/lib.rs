@@ -15,6 +15,8 @@ mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod nccl_abi;
+#[cfg(feature = "rccl")]
+pub mod rccl;
 mod reduce;
 #[cfg(feature = "sim")]
 pub mod sim;
