@@ -103,12 +103,63 @@ fn sim_row() -> InfoRow {
     }
 }
 
-/// The rows of `chorus info`: every compiled backend, devices first.
+/// NVIDIA GPUs: the driver, NVRTC and cuBLAS, probed the way the backend loads them.
+#[cfg(feature = "cuda")]
+fn cuda_row() -> InfoRow {
+    use chorus_devices::cuda;
+    let found = |l: cuda::LibraryInfo| format!("{} at {}", l.name, l.path.unwrap_or_else(|| "(path unknown)".into()));
+    let availability = match cuda::driver_library() {
+        Err(e) => Availability::Unavailable(e.to_string()),
+        Ok(driver) => {
+            let version = match cuda::driver_version() {
+                Ok(v) => format!("driver supports CUDA {}.{}", v / 1000, (v % 1000) / 10),
+                Err(e) => format!("driver version unknown: {e}"),
+            };
+            let devices = match cuda::device_count() {
+                Ok(n) => format!("{n} device(s) visible"),
+                Err(e) => format!("no devices: {e}"),
+            };
+            let nvrtc = cuda::nvrtc_library().map(found).unwrap_or_else(|e| format!("nvrtc unavailable: {e}"));
+            let cublas = cuda::cublas_library().map(found).unwrap_or_else(|e| format!("cublas unavailable: {e}"));
+            Availability::Available(format!("{}, {version}, {devices}; {nvrtc}; {cublas}", found(driver)))
+        }
+    };
+    InfoRow {
+        name: "cuda",
+        role: "device",
+        library: "libcuda.so.1, libnvrtc.so.12, libcublas.so.12 (CHORUS_CUDA_LIB, CHORUS_NVRTC_LIB, CHORUS_CUBLAS_LIB)",
+        availability,
+    }
+}
+
+/// NCCL: the library (version, where it was found) and the GPUs it could use.
+#[cfg(feature = "nccl")]
+fn nccl_row() -> InfoRow {
+    use chorus_collectives::nccl::result as nccl;
+    let availability = match nccl::get_version() {
+        Err(e) => Availability::Unavailable(e.to_string()),
+        Ok(v) => {
+            let path = nccl::library_path().unwrap_or_default();
+            let devices = match chorus_devices::cuda::device_count() {
+                Ok(n) => format!("{n} CUDA device(s) visible"),
+                Err(e) => format!("no CUDA devices: {e}"),
+            };
+            Availability::Available(format!("NCCL {v} from {path}; {devices}"))
+        }
+    };
+    InfoRow { name: "nccl", role: "collectives", library: "libnccl.so.2 (CHORUS_NCCL_LIB)", availability }
+}
+
+/// AMD GPUs: the HIP runtime and hipRTC (where they were found, the version) and the devices they see./// The rows of `chorus info`: every compiled backend, devices first.
 pub fn rows() -> Vec<InfoRow> {
     vec![
         cpu_row(),
+        #[cfg(feature = "cuda")]
+        cuda_row(),
         #[cfg(feature = "sim")]
         sim_row(),
+        #[cfg(feature = "nccl")]
+        nccl_row(),
     ]
 }
 
