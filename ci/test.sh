@@ -10,6 +10,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # GPU backends add ci/vendor-libs.sh to install NCCL/HIP libraries and export
 # the variables that point to them. Nothing else in this script needs to change.
 if [ -f ci/vendor-libs.sh ]; then source ci/vendor-libs.sh; fi
+if [ -f ci/vendor-hip.sh ]; then source ci/vendor-hip.sh; fi
 # ------------------------------------------------------------------------------
 
 # One target directory for fmt, clippy and the tests, so nothing builds twice
@@ -48,5 +49,9 @@ step "GPU backends: loading without a GPU (NCCL, NVRTC; CUDA driver absent)"
 cargo test -p chorus-devices --features cuda --lib cuda
 cargo test -p chorus-devices --features cuda --test cuda_load
 cargo test -p chorus-collectives --features nccl --test nccl_load
+
+step "GPU backends: loading without a GPU (HIP from Debian's libamdhip64-5, hipRTC; RCCL absent)"
+cargo test -p chorus-devices --features rocm --test hip_load
+cargo test -p chorus-collectives --features rccl --test rccl_load
 
 step "all checks passed"
