@@ -150,16 +150,65 @@ fn nccl_row() -> InfoRow {
     InfoRow { name: "nccl", role: "collectives", library: "libnccl.so.2 (CHORUS_NCCL_LIB)", availability }
 }
 
-/// AMD GPUs: the HIP runtime and hipRTC (where they were found, the version) and the devices they see./// The rows of `chorus info`: every compiled backend, devices first.
+/// AMD GPUs: the HIP runtime and hipRTC (where they were found, the version) and the devices they see.
+#[cfg(feature = "rocm")]
+fn rocm_row() -> InfoRow {
+    use chorus_devices::hip;
+    let availability = match hip::info() {
+        Ok(i) => {
+            let rtc = match &i.hiprtc {
+                Ok(path) => format!("hipRTC at {path}"),
+                Err(e) => format!("hipRTC unavailable: {e}"),
+            };
+            let found = format!("HIP {} at {}; {rtc}", i.runtime_version, i.library);
+            match (i.devices, &i.no_device_reason) {
+                (0, reason) => Availability::Unavailable(format!(
+                    "{found}; no device visible ({})",
+                    reason.as_deref().unwrap_or("none reported")
+                )),
+                (n, _) => Availability::Available(format!("{found}; {n} device(s) visible")),
+            }
+        }
+        Err(e) => Availability::Unavailable(e.to_string()),
+    };
+    InfoRow {
+        name: "rocm",
+        role: "device",
+        library: "libamdhip64, hipRTC (CHORUS_HIP_LIB, CHORUS_HIPRTC_LIB)",
+        availability,
+    }
+}
+
+/// RCCL: the library (version, where it was found) and the HIP devices it could use.
+#[cfg(feature = "rccl")]
+fn rccl_row() -> InfoRow {
+    use chorus_collectives::rccl;
+    let availability = match (rccl::sys::rccl(), rccl::version()) {
+        (Ok(lib), Ok(v)) => match chorus_devices::hip::device_count() {
+            Ok(n) if n > 0 => Availability::Available(format!("RCCL {v} from {}; {n} HIP device(s) visible", lib.path)),
+            Ok(_) => Availability::Unavailable(format!("RCCL {v} from {}; no HIP device visible", lib.path)),
+            Err(e) => Availability::Unavailable(format!("RCCL {v} from {}; {e}", lib.path)),
+        },
+        (Err(e), _) => Availability::Unavailable(e.to_string()),
+        (_, Err(e)) => Availability::Unavailable(e.to_string()),
+    };
+    InfoRow { name: "rccl", role: "collectives", library: "librccl.so (CHORUS_RCCL_LIB)", availability }
+}
+
+/// The rows of `chorus info`: every compiled backend, devices first.
 pub fn rows() -> Vec<InfoRow> {
     vec![
         cpu_row(),
         #[cfg(feature = "cuda")]
         cuda_row(),
+        #[cfg(feature = "rocm")]
+        rocm_row(),
         #[cfg(feature = "sim")]
         sim_row(),
         #[cfg(feature = "nccl")]
         nccl_row(),
+        #[cfg(feature = "rccl")]
+        rccl_row(),
     ]
 }
 
