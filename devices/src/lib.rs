@@ -12,10 +12,10 @@ pub mod api;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-#[cfg(feature = "rocm")]
-pub mod hip;
 mod dtype;
 mod error;
+#[cfg(feature = "rocm")]
+pub mod hip;
 mod readback;
 mod view;
 
