@@ -3,7 +3,7 @@
 //! Each (operation, size) gets a fresh world whose devices run with the
 //! stream sanitizer **off** (it checks every enqueue against vector clocks,
 //! which is not what a bandwidth number should include). Every rank fills
-//! its input from [`Pattern`], then runs the warm-up and timed iterations of
+//! its input from the pattern, then runs the warm-up and timed iterations of
 //! [`timed_loop`]: enqueue the collective on its stream, synchronize the
 //! stream. After the timed iterations each rank reads its output back (in
 //! pieces, to bound host memory) and counts the elements that differ from
@@ -27,8 +27,8 @@ use chorus_devices::cpu::Cpu;
 /// collective on a small machine is slow, and a bench should not time out.
 const DEADLINE: Duration = Duration::from_secs(600);
 
-/// Elements read back per piece when checking an output.
-const CHECK_PIECE: usize = 1 << 22;
+/// Elements uploaded or read back at a time, to bound host memory.
+const PIECE: usize = 1 << 22;
 
 fn config() -> SimConfig {
     SimConfig { timeout: DEADLINE, device: CpuConfig { sanitizer: false, timeout: DEADLINE, ordinal: 0 } }
@@ -92,9 +92,17 @@ fn rank<T: Element>(
 ) -> anyhow::Result<(Spans, u64)> {
     let me = comm.rank();
     let stream = comm.device().create_stream(Priority::Normal)?;
-    let input: Vec<T> = (0..g.send_len).map(|i| T::from_f64(g.pattern.value(me, i))).collect();
-    let send = stream.buffer_from(&input)?;
-    drop(input);
+    // Filled a piece at a time: each upload stages its bytes, so whole-buffer
+    // host copies would double the memory of the largest sizes.
+    let send = stream.alloc(T::DTYPE, g.send_len)?;
+    let mut start = 0;
+    while start < g.send_len {
+        let len = PIECE.min(g.send_len - start);
+        let piece: Vec<T> = (start..start + len).map(|i| T::from_f64(g.pattern.value(me, i))).collect();
+        stream.upload(&piece, send.slice(start, len)?)?;
+        stream.synchronize()?;
+        start += len;
+    }
     let recv = stream.alloc(T::DTYPE, g.recv_len)?;
     stream.synchronize()?;
 
@@ -106,9 +114,9 @@ fn rank<T: Element>(
 
     let expect = Expectation { op: g.op, n: g.n, chunk: g.chunk, pattern: g.pattern };
     let mut wrong = 0;
-    let mut start = 0;
+    start = 0;
     while start < recv.len() {
-        let len = CHECK_PIECE.min(recv.len() - start);
+        let len = PIECE.min(recv.len() - start);
         let got: Vec<T> = stream.read_vec(recv.slice(start, len)?)?;
         wrong += expect.count_wrong(me, start, got.iter().map(|v| v.to_f64()));
         start += len;
