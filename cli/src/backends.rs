@@ -14,6 +14,9 @@ pub enum Backend {
     /// Ranks as threads of this process, each with its own cpu device.
     #[cfg(feature = "sim")]
     Sim,
+    /// NCCL, one rank per GPU, as threads of this process.
+    #[cfg(feature = "nccl")]
+    Nccl,
 }
 
 /// Backends that exist in the design but are not (yet) in this binary; named
@@ -26,6 +29,8 @@ impl Backend {
         vec![
             #[cfg(feature = "sim")]
             Backend::Sim,
+            #[cfg(feature = "nccl")]
+            Backend::Nccl,
         ]
     }
 
@@ -34,6 +39,8 @@ impl Backend {
         match self {
             #[cfg(feature = "sim")]
             Backend::Sim => "sim",
+            #[cfg(feature = "nccl")]
+            Backend::Nccl => "nccl",
         }
     }
 }
@@ -241,7 +248,7 @@ mod tests {
 
     #[test]
     fn unknown_backends_are_refused_with_the_compiled_list() {
-        let e = parse_backend("nccl").unwrap_err();
+        let e = parse_backend("ucx").unwrap_err();
         assert!(e.contains("not compiled"), "{e}");
         assert!(rows().iter().any(|r| r.name == "cpu"));
     }

@@ -46,6 +46,8 @@ pub fn run(args: &ConformanceArgs) -> anyhow::Result<Outcome> {
     match args.backend {
         #[cfg(feature = "sim")]
         Backend::Sim => run_sim(args),
+        #[cfg(feature = "nccl")]
+        Backend::Nccl => run_nccl(args),
     }
 }
 
@@ -75,6 +77,28 @@ fn run_sim(args: &ConformanceArgs) -> anyhow::Result<Outcome> {
     }
     let summary = chorus_conformance::sim::run(args.world_size, args.filter.as_deref(), &mut |o| {
         // A closed pipe (`| head`) must not stop the run; the exit status still counts.
+        let _ = writeln!(stdout, "{}", outcome_line(o));
+        let _ = stdout.flush();
+    });
+    let _ = writeln!(stdout, "{}", summary.line());
+    Ok(if summary.failed == 0 { Outcome::Passed } else { Outcome::Failed })
+}
+
+/// `chorus conformance --backend nccl`: one rank per GPU (world size 1 on one GPU).
+#[cfg(feature = "nccl")]
+fn run_nccl(args: &ConformanceArgs) -> anyhow::Result<Outcome> {
+    use std::io::Write;
+
+    let mut stdout = std::io::stdout();
+    if args.list {
+        for n in chorus_conformance::nccl::case_names(args.world_size) {
+            if args.filter.as_deref().is_none_or(|f| n.contains(f)) {
+                writeln!(stdout, "{n}")?;
+            }
+        }
+        return Ok(Outcome::Passed);
+    }
+    let summary = chorus_conformance::nccl::run(args.world_size, args.filter.as_deref(), &mut |o| {
         let _ = writeln!(stdout, "{}", outcome_line(o));
         let _ = stdout.flush();
     });

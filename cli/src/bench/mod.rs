@@ -13,6 +13,8 @@
 //! `docs/benchmarks.md`.
 
 mod memcpy;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod pattern;
 #[cfg(feature = "sim")]
 mod sim;
@@ -344,6 +346,8 @@ fn measure(backend: Backend, g: Geometry, warmup: usize, iters: usize) -> anyhow
     match backend {
         #[cfg(feature = "sim")]
         Backend::Sim => sim::measure(g, warmup, iters),
+        #[cfg(feature = "nccl")]
+        Backend::Nccl => nccl::measure(g, warmup, iters),
     }
 }
 

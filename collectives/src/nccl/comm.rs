@@ -240,6 +240,22 @@ impl NcclComm {
         NcclComm::init(store, rank, world_size, device, config)
     }
 
+    /// Runs `f` with the raw `ncclComm_t`, under the communicator's lock and
+    /// with the device bound, for calling NCCL directly (the benchmark
+    /// compares chorus's per-call overhead with it). Fails with `Aborted`
+    /// once the communicator has been aborted.
+    ///
+    /// # Safety
+    /// `f` must not destroy, abort or keep the handle, and whatever it
+    /// enqueues must follow NCCL's rules (every rank issues the same calls).
+    pub unsafe fn with_raw<R>(&self, f: impl FnOnce(Comm) -> R) -> Result<R> {
+        let raw = self.shared.raw.read().map_err(|_| CommError::invalid("with_raw", "lock poisoned"))?;
+        let comm = (*raw)
+            .ok_or_else(|| self.shared.abort_error().unwrap_or(CommError::Aborted { reason: "aborted".into() }))?;
+        self.shared.device.bind().map_err(CommError::Device)?;
+        Ok(f(comm))
+    }
+
     /// The library's version.
     pub fn version(&self) -> Version {
         self.shared.version
