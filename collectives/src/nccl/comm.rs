@@ -478,6 +478,16 @@ impl CommBackend for NcclComm {
                 return Err(CommError::invalid(name, "a buffer is not on this rank's device"));
             }
         }
+        if calls.len() == 1 {
+            if let CallKind::Send { peer, .. } | CallKind::Recv { peer, .. } = calls[0].kind {
+                if peer == self.shared.rank {
+                    return Err(CommError::invalid(
+                        name,
+                        "a send or recv with oneself outside a group can never complete",
+                    ));
+                }
+            }
+        }
         if let Some(e) = self.shared.abort_error() {
             return self.fail_stream(stream, name, e);
         }
