@@ -47,14 +47,21 @@ impl AbortState {
         self.reason.lock().ok().and_then(|r| r.clone())
     }
 
-    /// Records `reason` (the first one wins) and wakes every waiter of every world.
-    pub(crate) fn abort(&self, reason: CommError) {
+    /// Records `reason` (the first one wins) and raises the flag, waking no
+    /// one: for a caller that holds a world's lock, which calls
+    /// [`AbortState::abort`] once it has released it.
+    fn mark(&self, reason: CommError) {
         if let Ok(mut r) = self.reason.lock() {
             if r.is_none() {
                 *r = Some(reason);
             }
         }
         self.flag.store(true, Ordering::Release);
+    }
+
+    /// Records `reason` (the first one wins) and wakes every waiter of every world.
+    pub(crate) fn abort(&self, reason: CommError) {
+        self.mark(reason);
         let worlds: Vec<_> =
             self.worlds.lock().map(|w| w.iter().filter_map(Weak::upgrade).collect()).unwrap_or_default();
         for w in worlds {
@@ -92,11 +99,14 @@ pub(crate) struct Posted {
     pub(crate) outcome: Mutex<Option<Result<(), CommError>>>,
 }
 
+/// The groups a split made: per color, the new world and its ranks' old ranks.
+type SplitGroups = HashMap<u32, (Arc<WorldShared>, Vec<usize>)>;
+
 struct SplitSlot {
     entries: Vec<Option<(Option<u32>, i64)>>,
     arrived: usize,
     taken: usize,
-    result: Option<HashMap<u32, (Arc<WorldShared>, Vec<usize>)>>,
+    result: Option<SplitGroups>,
 }
 
 #[derive(Default)]
@@ -221,6 +231,10 @@ impl WorldShared {
                     .map(|s| (0..n).filter(|r| s.arrivals[*r].is_none()).collect())
                     .unwrap_or_default();
                 let e = CommError::Timeout { op: op.to_string(), seq, waited: self.timeout, missing };
+                // Raise the flag before the slot goes, under the lock: a peer
+                // that wakes to find the slot gone must see the timeout, not
+                // a vanished slot.
+                self.abort.mark(e.clone());
                 st.slots.remove(&seq);
                 drop(st);
                 self.abort.abort(e.clone());

@@ -1,0 +1,69 @@
+//! The conformance suite: what every chorus communication backend must do.
+//!
+//! A **case** ([`Case`]) is an SPMD function written once, generic over the
+//! backend: every rank of a world runs it with its own [`RankCtx`] (its
+//! communicator, its device, and a few harness hooks) and returns `Ok` or a
+//! [`Failure`]. Expected values are computed on the host by this crate
+//! ([`expected`]), never by the code under test.
+//!
+//! A case declares what it needs ([`Requirements`]: a minimum world size,
+//! optional capabilities such as `ReduceOp::Avg`, fault injection or the
+//! stream sanitizer). A harness compares that with what its backend offers
+//! ([`Support`]) and reports the case as skipped, with the reason, when it
+//! does not apply; a case never returns early on its own to hide a skip.
+//!
+//! The suite ([`cases`]) is made of
+//! - [`collectives`]: every operation × dtype × reduce operator × count, out of
+//!   place and in place, plus send/recv patterns, groups and barriers;
+//! - [`subgroups`]: split by color (with opted-out ranks and key order) and
+//!   both dimensions of a 2-D [`Mesh`](chorus_collectives::Mesh);
+//! - [`streams`]: cross-stream ordering through events, and the sanitizer's
+//!   race report when the event is missing;
+//! - [`errors`]: invalid arguments, mismatched calls, missing ranks, abort and
+//!   injected faults, each of which must give the right error on every rank
+//!   before the deadline.
+//!
+//! Harnesses: [`sim`] (feature `sim`, default) runs the suite on the sim
+//! backend, ranks as threads of this process; [`nccl`] (feature `nccl`) runs
+//! it on NCCL, one rank per GPU.
+#![warn(missing_docs)]
+
+mod case;
+pub mod collectives;
+pub mod errors;
+pub mod expected;
+mod report;
+pub mod streams;
+pub mod subgroups;
+mod util;
+
+#[cfg(feature = "nccl")]
+pub mod nccl;
+#[cfg(feature = "sim")]
+pub mod sim;
+
+pub use case::{
+    Buf, Case, CaseFn, Dev, Evt, FaultAction, FaultSpec, Faults, Hooks, Isolation, RankCtx, Requirements, Strm, Support,
+};
+pub use report::{CaseOutcome, Status, Summary};
+
+use chorus_collectives::CommBackend;
+
+/// Why a case failed on one rank. Cases build it with `anyhow`'s macros and `?`.
+pub type Failure = anyhow::Error;
+
+/// The whole suite for a world of `world_size` ranks, in a fixed order:
+/// collectives, subgroups, streams, errors. Names are unique and stable;
+/// some depend on the world size (roots, chunk lengths).
+pub fn cases<C: CommBackend>(world_size: usize) -> Vec<Case<C>> {
+    let mut all = collectives::cases(world_size);
+    all.extend(subgroups::cases(world_size));
+    all.extend(streams::cases(world_size));
+    all.extend(errors::cases(world_size));
+    all
+}
+
+/// The cases of [`cases`] whose name contains `filter` (all when `None`).
+pub fn select<C: CommBackend>(world_size: usize, filter: Option<&str>) -> Vec<Case<C>> {
+    cases(world_size).into_iter().filter(|c| filter.is_none_or(|f| c.name.contains(f))).collect()
+}
