@@ -111,3 +111,21 @@ fn kernel_names_are_unique() {
     names.dedup();
     assert_eq!(names.len(), n);
 }
+
+/// hipRTC crashes when two threads compile at once; chorus serializes compiles.
+#[test]
+fn concurrent_compiles_are_serialized_not_crashed() {
+    runtime();
+    let threads: Vec<_> =
+        [kernels::Kernel::Sgd, kernels::Kernel::AdamW, kernels::Kernel::Fill(8), kernels::Kernel::Sgd]
+            .into_iter()
+            .map(|k| {
+                std::thread::spawn(move || {
+                    result::rtc_compile(&k.source().unwrap(), "one.hip", &kernels::compile_options(Some("gfx90a")))
+                })
+            })
+            .collect();
+    for t in threads {
+        assert!(t.join().unwrap().unwrap().len() > 100);
+    }
+}

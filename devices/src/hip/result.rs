@@ -13,6 +13,7 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::ptr;
+use std::sync::Mutex;
 
 use super::sys::{self, hipError_t, hipEvent_t, hipFunction_t, hipModule_t, hipStream_t, HipLib};
 use crate::DeviceError;
@@ -439,8 +440,14 @@ pub fn rtc_version() -> Result<(i32, i32), DeviceError> {
 /// Compiles HIP C++ `source` with hipRTC and returns the code object.
 /// `options` are compiler flags (`--offload-arch=gfx90a`, `-O3`, ...);
 /// without `--offload-arch`, hipRTC compiles for the current device. A
-/// compile error carries the compiler's log.
+/// compile error carries the compiler's log. Compiles are serialized
+/// process-wide (hipRTC is not safe to call from two threads at once).
 pub fn rtc_compile(source: &str, name: &str, options: &[String]) -> Result<Vec<u8>, DeviceError> {
+    // hipRTC (ROCm 5.2's, at least) crashes when two threads compile at
+    // once, so compiles are serialized process-wide; each runs once per
+    // kernel and device, so this costs little.
+    static COMPILER: Mutex<()> = Mutex::new(());
+    let _one_at_a_time = COMPILER.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let lib = sys::hiprtc()?;
     let bad = |what: &str| DeviceError::invalid("hiprtcCreateProgram", format!("NUL byte in the {what}"));
     let src = CString::new(source).map_err(|_| bad("source"))?;
