@@ -1,5 +1,7 @@
 //! `chorus`: the command line of the chorus workspace.
 //!
+//! - `chorus train`: the reference MLP under FSDP, and `--bench` for FSDP's
+//!   step time and host overhead;
 //! - `chorus info`: the backends compiled into this binary and whether their
 //!   libraries are available here;
 //! - `chorus bench`: nccl-tests-style bandwidth tables, checked results, and
@@ -17,6 +19,8 @@ mod backends;
 mod bench;
 mod conformance;
 mod size;
+#[cfg(feature = "sim")]
+mod train;
 
 use std::process::ExitCode;
 
@@ -38,6 +42,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Run the conformance suite on a backend.
     Conformance(conformance::ConformanceArgs),
+    /// Train the reference MLP under FSDP (progress, .npy out-dir, summary.json); --bench measures FSDP.
+    #[cfg(feature = "sim")]
+    Train(Box<train::TrainArgs>),
 }
 
 /// A problem with the arguments that clap's parser cannot see (a world size
@@ -69,11 +76,15 @@ fn main() -> ExitCode {
         Command::Info => "info",
         Command::Bench(_) => "bench",
         Command::Conformance(_) => "conformance",
+        #[cfg(feature = "sim")]
+        Command::Train(_) => "train",
     };
     let result = match cli.command {
         Command::Info => backends::info(),
         Command::Bench(args) => bench::run(&args),
         Command::Conformance(args) => conformance::run(&args),
+        #[cfg(feature = "sim")]
+        Command::Train(args) => train::run(&args),
     };
     match result {
         Ok(Outcome::Passed) => ExitCode::SUCCESS,

@@ -53,8 +53,11 @@ impl OptimizerKind {
 pub struct ShardedOptimizer<C: CommBackend> {
     kind: OptimizerKind,
     step: u64,
-    state: Vec<Vec<Option<[Option<Buf<C>>; 2]>>>,
+    /// Per group, per parameter: the moment buffers (momentum; or AdamW's two).
+    state: Vec<Vec<Option<Moments<C>>>>,
 }
+
+type Moments<C> = [Option<Buf<C>>; 2];
 
 impl<C: CommBackend> ShardedOptimizer<C> {
     /// An optimizer of `kind`; state is created on the first step.

@@ -49,11 +49,22 @@ impl Dataset {
         Ok(Dataset { x: x.values, y: y.values, batches: sx, rows: rx, d_in, d_out })
     }
 
-    /// Uniform random data in [-1, 1) from `seed`.
+    /// Inputs uniform in [-1, 1) and targets from a random teacher,
+    /// `y = tanh(x·T)`, so there is something to learn; all from `seed`.
     pub fn random(d_in: usize, d_out: usize, rows: usize, batches: usize, seed: u64) -> Dataset {
         let mut rng = SplitMix::new(seed ^ 0xDA7A);
-        let x = (0..batches * rows * d_in).map(|_| rng.uniform(-1.0, 1.0)).collect();
-        let y = (0..batches * rows * d_out).map(|_| rng.uniform(-1.0, 1.0)).collect();
+        let bound = 2.0 / (d_in.max(1) as f32).sqrt();
+        let teacher: Vec<f32> = (0..d_in * d_out).map(|_| rng.uniform(-bound, bound)).collect();
+        let x: Vec<f32> = (0..batches * rows * d_in).map(|_| rng.uniform(-1.0, 1.0)).collect();
+        let y = x
+            .chunks(d_in.max(1))
+            .take(batches * rows)
+            .flat_map(|row| {
+                let teacher = &teacher;
+                (0..d_out)
+                    .map(move |o| row.iter().enumerate().map(|(k, v)| v * teacher[k * d_out + o]).sum::<f32>().tanh())
+            })
+            .collect();
         Dataset { x, y, batches, rows, d_in, d_out }
     }
 
