@@ -74,6 +74,50 @@ impl Counters {
     }
 }
 
+/// A page-locked host block for staging host↔device copies (so they are
+/// truly asynchronous). Raw: given back to its pool, never freed on drop.
+#[derive(Debug)]
+pub(crate) struct PinnedBlock {
+    ptr: usize,
+    capacity: usize,
+}
+
+impl PinnedBlock {
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr as *mut u8
+    }
+}
+
+/// Page-locked blocks of power-of-two sizes, reused. Taking may allocate
+/// (`hipHostMalloc`); giving back never calls HIP, so host functions do it.
+/// The blocks are freed when the device is dropped.
+#[derive(Debug, Default)]
+pub(crate) struct PinnedPool {
+    free: Mutex<Vec<PinnedBlock>>,
+}
+
+impl PinnedPool {
+    pub(crate) fn take(&self, bytes: usize) -> Result<PinnedBlock> {
+        let capacity = bytes.max(4096).checked_next_power_of_two().unwrap_or(bytes);
+        if let Ok(mut free) = self.free.lock() {
+            if let Some(i) = free.iter().position(|b| b.capacity == capacity) {
+                return Ok(free.swap_remove(i));
+            }
+        }
+        Ok(PinnedBlock { ptr: result::host_malloc(capacity)? as usize, capacity })
+    }
+
+    pub(crate) fn give(&self, block: PinnedBlock) {
+        if let Ok(mut free) = self.free.lock() {
+            free.push(block);
+        }
+    }
+
+    fn drain(&self) -> Vec<PinnedBlock> {
+        self.free.lock().map(|mut f| std::mem::take(&mut *f)).unwrap_or_default()
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct DeviceInner {
     pub(crate) config: HipConfig,
@@ -85,6 +129,7 @@ pub(crate) struct DeviceInner {
     /// Allocations of `Device::alloc` and their frees run here.
     internal: Arc<StreamInner>,
     pub(crate) kernels: KernelCache,
+    pub(crate) pinned: Arc<PinnedPool>,
     pub(crate) parked: Parked,
     pub(crate) next_stream: AtomicUsize,
 }
@@ -97,6 +142,10 @@ impl Drop for DeviceInner {
         if idle.is_ok() {
             for k in self.kernels.drain() {
                 let _ = k.unload();
+            }
+            for b in self.pinned.drain() {
+                // SAFETY: from hipHostMalloc; the device is idle, so no copy uses it.
+                let _ = unsafe { result::host_free(b.ptr() as *mut _) };
             }
         }
     }
@@ -149,6 +198,7 @@ impl HipDevice {
                 streams: Mutex::new(Vec::new()),
                 internal,
                 kernels: KernelCache::default(),
+                pinned: Arc::default(),
                 parked,
                 next_stream: AtomicUsize::new(0),
             }),

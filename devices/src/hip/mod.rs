@@ -29,10 +29,12 @@
 //!   next [`Device::synchronize`];
 //! - **memory statistics** are our own counters, updated on every allocation
 //!   and drop (HIP's pool may hold more than that from the driver);
-//! - **host↔device copies** stage through an owned host vector; a host
-//!   function enqueued after the copy (`hipLaunchHostFunc`, or
-//!   `hipStreamAddCallback` on runtimes that lack it) completes the
-//!   [`Readback`](crate::Readback) or releases the staged upload, in stream order;
+//! - **host↔device copies** stage through page-locked blocks (`hipHostMalloc`,
+//!   pooled per device) so they are truly asynchronous; a host function
+//!   enqueued after the copy (`hipLaunchHostFunc`, or `hipStreamAddCallback`
+//!   on runtimes that lack it, such as ROCm 5.2) completes the
+//!   [`Readback`](crate::Readback) or returns the staged upload's block to
+//!   the pool, in stream order. Host functions never call HIP;
 //! - **compute** (cast, scale, accumulate, axpy, the MLP and loss ops, SGD,
 //!   AdamW, matmul) are HIP C++ kernels compiled at run time with hipRTC on
 //!   first use and cached per device; see [`kernels`] (matmul is a tiled

@@ -293,6 +293,29 @@ pub unsafe fn memcpy_2d_async(
     )
 }
 
+/// `hipHostMalloc(hipHostMallocDefault)`: `bytes` (> 0) of page-locked host memory.
+pub fn host_malloc(bytes: usize) -> Result<*mut c_void, DeviceError> {
+    let lib = lib()?;
+    let mut p: *mut c_void = ptr::null_mut();
+    // SAFETY: out-pointer to a local.
+    let code = unsafe { (lib.hipHostMalloc)(&mut p, bytes, 0) };
+    if code == sys::hipErrorOutOfMemory {
+        return Err(DeviceError::OutOfMemory { device: "host (page-locked)".into(), bytes });
+    }
+    check(lib, code, "hipHostMalloc")?;
+    Ok(p)
+}
+
+/// `hipHostFree`.
+///
+/// # Safety
+/// `ptr` came from `hipHostMalloc`, is freed once, and no queued copy uses it.
+pub unsafe fn host_free(ptr: *mut c_void) -> Result<(), DeviceError> {
+    let lib = lib()?;
+    // SAFETY: per the caller's contract.
+    check(lib, unsafe { (lib.hipHostFree)(ptr) }, "hipHostFree")
+}
+
 /// `hipMemsetAsync` (byte value).
 ///
 /// # Safety

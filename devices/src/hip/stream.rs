@@ -272,16 +272,16 @@ impl HipStream {
         self.device.config().timeout
     }
 
-    /// Enqueues host work after what is queued; if that fails, waits for the
-    /// stream (so the memory `work` owns is no longer in use by a copy) before
-    /// dropping it, or leaks it if the wait fails.
+    /// Enqueues host work after what is queued. If that fails, waits for the
+    /// stream and runs the work on this thread (the copies it follows are
+    /// then done), or leaks it if the wait fails; the error is returned.
     fn host_work(&self, work: result::HostWork) -> Result<()> {
         // SAFETY: the stream is live.
         match unsafe { result::launch_host_work(self.raw(), work) } {
             Ok(()) => Ok(()),
             Err((e, work)) => {
                 match self.inner.synchronize(self.timeout()) {
-                    Ok(()) => drop(work),
+                    Ok(()) => work(Ok(())),
                     Err(_) => std::mem::forget(work),
                 }
                 Err(e)
@@ -490,19 +490,28 @@ impl crate::Stream for HipStream {
         if src.is_empty() {
             return self.enqueue(|_| Ok(()));
         }
-        let staged = src.to_vec();
+        let pool = self.device.inner.pinned.clone();
         self.enqueue(|stream| {
-            // SAFETY: `staged` holds the bytes until the host work below drops it, after the copy.
-            unsafe {
+            // Staged in page-locked memory, so the copy is asynchronous and `src` free at once.
+            let block = pool.take(src.len())?;
+            // SAFETY: the block holds at least `src.len()` bytes and nothing else uses it.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), block.ptr(), src.len()) };
+            // SAFETY: the block stays out of the pool until the host work below, after the copy.
+            let copied = unsafe {
                 result::memcpy_async(
                     d as *mut c_void,
-                    staged.as_ptr().cast(),
-                    staged.len(),
+                    block.ptr().cast(),
+                    src.len(),
                     sys::hipMemcpyHostToDevice,
                     stream,
                 )
-            }?;
-            self.host_work(Box::new(move |_| drop(staged)))
+            };
+            if let Err(e) = copied {
+                pool.give(block);
+                return Err(e);
+            }
+            let back = pool.clone();
+            self.host_work(Box::new(move |_| back.give(block)))
         })
     }
 
@@ -514,33 +523,41 @@ impl crate::Stream for HipStream {
             filler.fail(poisoned(&e));
             return Ok(readback);
         }
-        if src.is_empty() {
+        let bytes = src.bytes();
+        if bytes == 0 {
             filler.fill(Vec::new());
             return Ok(readback);
         }
         self.device.bind()?;
-        let mut host = vec![0u8; src.bytes()];
-        // SAFETY: `host` is moved into the host work below and outlives the copy.
-        unsafe {
-            result::memcpy_async(
-                host.as_mut_ptr().cast(),
-                s as *const c_void,
-                host.len(),
-                sys::hipMemcpyDeviceToHost,
-                self.raw(),
-            )
-        }?;
+        let pool = self.device.inner.pinned.clone();
+        let block = pool.take(bytes)?;
+        // SAFETY: the block holds `bytes` and stays out of the pool until the host work below.
+        let copied = unsafe {
+            result::memcpy_async(block.ptr().cast(), s as *const c_void, bytes, sys::hipMemcpyDeviceToHost, self.raw())
+        };
+        if let Err(e) = copied {
+            pool.give(block);
+            return Err(e);
+        }
         let state = self.inner.state.clone();
-        self.host_work(Box::new(move |outcome| match outcome {
-            Err(code) => filler.fail(DeviceError::Backend {
-                library: result::LIBRARY,
-                code: code as i64,
-                message: "the stream failed before the device-to-host copy completed".into(),
-            }),
-            Ok(()) => match state.failed_by(at) {
-                Some(e) => filler.fail(poisoned(&e)),
-                None => filler.fill(host),
-            },
+        self.host_work(Box::new(move |outcome| {
+            let result = match outcome {
+                Err(code) => Err(DeviceError::Backend {
+                    library: result::LIBRARY,
+                    code: code as i64,
+                    message: "the stream failed before the device-to-host copy completed".into(),
+                }),
+                Ok(()) => match state.failed_by(at) {
+                    Some(e) => Err(poisoned(&e)),
+                    // SAFETY: the copy into the block has completed (stream order).
+                    None => Ok(unsafe { std::slice::from_raw_parts(block.ptr(), bytes) }.to_vec()),
+                },
+            };
+            pool.give(block);
+            match result {
+                Ok(data) => filler.fill(data),
+                Err(e) => filler.fail(e),
+            }
         }))?;
         Ok(readback)
     }

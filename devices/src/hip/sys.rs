@@ -237,6 +237,10 @@ api! {
         /// `hipMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream)`.
         hipMemcpy2DAsync:
             fn(*mut c_void, usize, *const c_void, usize, usize, usize, hipMemcpyKind, hipStream_t) -> hipError_t;
+        /// `hipHostMalloc(&ptr, bytes, flags)`: page-locked host memory.
+        hipHostMalloc: fn(*mut *mut c_void, usize, c_uint) -> hipError_t;
+        /// `hipHostFree(ptr)`.
+        hipHostFree: fn(*mut c_void) -> hipError_t;
         /// `hipMemsetAsync(dst, value, bytes, stream)`.
         hipMemsetAsync: fn(*mut c_void, c_int, usize, hipStream_t) -> hipError_t;
         /// `hipModuleLoadData(&module, image)`.
