@@ -19,6 +19,9 @@
 //!   both dimensions of a 2-D [`Mesh`](chorus_collectives::Mesh);
 //! - [`streams`]: cross-stream ordering through events, and the sanitizer's
 //!   race report when the event is missing;
+//! - [`fsdp`]: FSDP trained on the world under test against a host
+//!   reference (every optimizer, layout and policy), its state machine, the
+//!   collectives per step and the memory bound;
 //! - [`errors`]: invalid arguments, mismatched calls, missing ranks, abort and
 //!   injected faults, each of which must give the right error on every rank
 //!   before the deadline.
@@ -32,6 +35,7 @@ mod case;
 pub mod collectives;
 pub mod errors;
 pub mod expected;
+pub mod fsdp;
 mod report;
 pub mod streams;
 pub mod subgroups;
@@ -53,12 +57,13 @@ use chorus_collectives::CommBackend;
 pub type Failure = anyhow::Error;
 
 /// The whole suite for a world of `world_size` ranks, in a fixed order:
-/// collectives, subgroups, streams, errors. Names are unique and stable;
+/// collectives, subgroups, streams, fsdp, errors. Names are unique and stable;
 /// some depend on the world size (roots, chunk lengths).
 pub fn cases<C: CommBackend>(world_size: usize) -> Vec<Case<C>> {
     let mut all = collectives::cases(world_size);
     all.extend(subgroups::cases(world_size));
     all.extend(streams::cases(world_size));
+    all.extend(fsdp::cases(world_size));
     all.extend(errors::cases(world_size));
     all
 }

@@ -1,28 +1,47 @@
 //! A plain host implementation of the reference MLP and its optimizers, in
 //! f64, written independently of the device layer: the parity oracle.
-#![allow(dead_code)]
 
 use chorus_devices::bf16;
 
 /// Which optimizer the reference applies.
 #[derive(Clone, Copy, Debug)]
 pub enum RefOpt {
-    Sgd { lr: f64, momentum: f64 },
-    AdamW { lr: f64, weight_decay: f64 },
+    /// SGD with momentum (dampening 0, no weight decay).
+    Sgd {
+        /// Learning rate.
+        lr: f64,
+        /// Momentum.
+        momentum: f64,
+    },
+    /// AdamW with PyTorch's default betas and eps.
+    AdamW {
+        /// Learning rate.
+        lr: f64,
+        /// Decoupled weight decay.
+        weight_decay: f64,
+    },
 }
 
+/// The MLP: `layers.{i}` = Linear(d_i → d_{i+1}), ReLU between layers.
 pub struct RefMlp {
+    /// Layer widths.
     pub dims: Vec<usize>,
+    /// Weights, `[out, in]` row-major.
     pub w: Vec<Vec<f64>>,
+    /// Biases.
     pub b: Vec<Vec<f64>>,
     mom: Vec<(Vec<f64>, Vec<f64>)>,
     adam: Vec<[Vec<f64>; 4]>,
     step: u64,
 }
 
+/// Gradients of one batch.
 pub struct Grads {
+    /// Weight gradients.
     pub w: Vec<Vec<f64>>,
+    /// Bias gradients.
     pub b: Vec<Vec<f64>>,
+    /// The batch's loss.
     pub loss: f64,
 }
 
@@ -31,11 +50,14 @@ fn round_bf16(v: f64) -> f64 {
 }
 
 impl RefMlp {
+    /// The model with the named initial parameters.
     pub fn new(dims: &[usize], params: &[(String, Vec<f32>)]) -> Self {
         let mut w: Vec<Vec<f64>> = Vec::new();
         let mut b: Vec<Vec<f64>> = Vec::new();
         for i in 0..dims.len() - 1 {
-            let get = |n: String| params.iter().find(|p| p.0 == n).unwrap().1.iter().map(|v| *v as f64).collect();
+            let get = |n: String| -> Vec<f64> {
+                params.iter().find(|p| p.0 == n).map(|p| p.1.iter().map(|v| *v as f64).collect()).unwrap_or_default()
+            };
             w.push(get(format!("layers.{i}.weight")));
             b.push(get(format!("layers.{i}.bias")));
         }
@@ -125,6 +147,7 @@ impl RefMlp {
         Grads { w: gw, b: gb, loss }
     }
 
+    /// One optimizer step with `g`.
     pub fn apply(&mut self, g: &Grads, opt: RefOpt) {
         self.step += 1;
         let step = self.step;
@@ -143,6 +166,7 @@ impl RefMlp {
         }
     }
 
+    /// The parameters by name, as FSDP exports them.
     pub fn named(&self) -> Vec<(String, Vec<f64>)> {
         let mut out = Vec::new();
         for l in 0..self.w.len() {

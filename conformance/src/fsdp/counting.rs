@@ -1,0 +1,76 @@
+//! A backend wrapper that counts every call by kind and communicator size,
+//! so tests see the collectives FSDP really issues.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use chorus_collectives::backend::{Call, Capabilities, CommBackend, OpKind};
+use chorus_collectives::{CommError, Result};
+use chorus_devices::Backend;
+
+/// Counts shared by a wrapped communicator and everything split from it.
+#[derive(Clone, Debug, Default)]
+pub struct Counts(Arc<Mutex<HashMap<(OpKind, usize), usize>>>);
+
+impl Counts {
+    /// Calls of `kind` on communicators of `size` ranks.
+    pub fn get(&self, kind: OpKind, size: usize) -> usize {
+        self.0.lock().map(|m| m.get(&(kind, size)).copied().unwrap_or(0)).unwrap_or(0)
+    }
+    /// Forgets every count.
+    pub fn clear(&self) {
+        if let Ok(mut m) = self.0.lock() {
+            m.clear();
+        }
+    }
+    fn add(&self, kind: OpKind, size: usize) {
+        if let Ok(mut m) = self.0.lock() {
+            *m.entry((kind, size)).or_default() += 1;
+        }
+    }
+}
+
+/// `C` with every launched call counted.
+pub struct Counting<C> {
+    inner: C,
+    counts: Counts,
+}
+
+impl<C> Counting<C> {
+    /// Wraps `inner`, counting into `counts`.
+    pub fn new(inner: C, counts: Counts) -> Self {
+        Counting { inner, counts }
+    }
+}
+
+impl<C: CommBackend> CommBackend for Counting<C> {
+    type B = C::B;
+    const NAME: &'static str = C::NAME;
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn device(&self) -> &<C::B as Backend>::Device {
+        self.inner.device()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    fn launch(&self, calls: Vec<Call<'_, C::B>>, stream: &<C::B as Backend>::Stream) -> Result<()> {
+        for c in &calls {
+            self.counts.add(c.kind.kind(), self.inner.size());
+        }
+        self.inner.launch(calls, stream)
+    }
+    fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Self>> {
+        Ok(self.inner.split(color, key)?.map(|inner| Counting { inner, counts: self.counts.clone() }))
+    }
+    fn abort(&self, reason: &str) {
+        self.inner.abort(reason)
+    }
+    fn async_error(&self) -> Option<CommError> {
+        self.inner.async_error()
+    }
+}
