@@ -47,6 +47,9 @@ pub struct Setup {
     /// FSDP's gradients are this multiple of the reference's (custom divide
     /// factors); the reference's SGD learning rate is scaled to match.
     pub grad_scale: f64,
+    /// Clip the global gradient norm to this fraction of the first step's
+    /// norm (so clipping really happens) before each optimizer step.
+    pub clip_fraction: Option<f64>,
 }
 
 impl Setup {
@@ -62,8 +65,23 @@ impl Setup {
             opt,
             config: FsdpConfig::default(),
             grad_scale: 1.0,
+            clip_fraction: None,
         }
     }
+}
+
+/// The clip threshold both sides use: a fraction of the reference's first gradient norm.
+fn clip_threshold(s: &Setup, n: usize) -> Option<f64> {
+    let fraction = s.clip_fraction?;
+    let init: Vec<(String, Vec<f32>)> =
+        init_layers(&s.dims, SEED).into_iter().flatten().map(|p| (p.name, p.values)).collect();
+    let model = RefMlp::new(&s.dims, &init);
+    let (x, y) = batch(&s.dims, n * s.batch * s.micro, 0);
+    Some(fraction * norm(&model.grads(&x, &y, false)))
+}
+
+fn norm(g: &Grads) -> f64 {
+    g.w.iter().flatten().chain(g.b.iter().flatten()).map(|v| v * v).sum::<f64>().sqrt()
 }
 
 const SEED: u64 = 7;
@@ -109,6 +127,7 @@ pub fn train_fsdp<C: CommBackend>(world: Arc<Communicator<C>>, s: &Setup) -> Res
     };
     let mut opt = ShardedOptimizer::new(kind);
     let (d0, dl) = (s.dims[0], s.dims[s.dims.len() - 1]);
+    let clip = clip_threshold(s, n);
     for step in 0..s.steps {
         let (x, y) = batch(&s.dims, n * s.batch * s.micro, step);
         for m in 0..s.micro {
@@ -116,6 +135,9 @@ pub fn train_fsdp<C: CommBackend>(world: Arc<Communicator<C>>, s: &Setup) -> Res
             let row = (m * n + rank) * s.batch;
             mlp.forward_backward(&mut fsdp, &x[row * d0..(row + s.batch) * d0], &y[row * dl..(row + s.batch) * dl])?;
             fsdp.finalize_backward()?;
+        }
+        if let Some(max) = clip {
+            fsdp.clip_grad_norm(max)?;
         }
         opt.step(&mut fsdp)?;
         fsdp.zero_grad();
@@ -136,9 +158,10 @@ pub fn train_reference(s: &Setup, n: usize, bf16_compute: bool) -> Vec<(String, 
         o => o,
     };
     let (d0, dl) = (s.dims[0], s.dims[s.dims.len() - 1]);
+    let clip = clip_threshold(s, n);
     for step in 0..s.steps {
         let (x, y) = batch(&s.dims, n * s.batch * s.micro, step);
-        let g = if bf16_compute {
+        let mut g = if bf16_compute {
             let parts: Vec<Grads> = (0..n)
                 .map(|r| {
                     let row = r * s.batch;
@@ -162,6 +185,13 @@ pub fn train_reference(s: &Setup, n: usize, bf16_compute: bool) -> Vec<(String, 
             g.w.iter_mut().flatten().chain(g.b.iter_mut().flatten()).for_each(|v| *v *= scale);
             g
         };
+        if let Some(max) = clip {
+            // torch.nn.utils.clip_grad_norm_
+            let coef = max / (norm(&g) + 1e-6);
+            if coef < 1.0 {
+                g.w.iter_mut().flatten().chain(g.b.iter_mut().flatten()).for_each(|v| *v *= coef);
+            }
+        }
         model.apply(&g, opt);
     }
     model.named()
@@ -255,6 +285,17 @@ pub fn cases<C: CommBackend>(world_size: usize) -> Vec<Case<C>> {
             1e-6,
         ),
         parity_case("ddp", Setup { ddp: true, ..Setup::new(sgd(0.05, 0.0)) }, 1e-6),
+        // Clipping to half the first norm (padding and replicated parameters counted once).
+        parity_case("clip-grad-norm", Setup { clip_fraction: Some(0.5), ..Setup::new(sgd(0.05, 0.9)) }, 1e-6),
+        parity_case(
+            "clip-grad-norm-replicated-params",
+            Setup {
+                clip_fraction: Some(0.5),
+                config: FsdpConfig { replicate_below: 200, ..FsdpConfig::default() },
+                ..Setup::new(sgd(0.05, 0.0))
+            },
+            1e-6,
+        ),
         bf16_case(DType::F32),
         bf16_case(DType::BF16),
         state_machine_case(),
