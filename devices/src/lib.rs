@@ -9,6 +9,7 @@
 #![warn(missing_docs)]
 
 pub mod api;
+mod checks;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -12,6 +12,7 @@ use super::kernels::{self, with_float, Float};
 use super::memory::RawRange;
 use super::sanitizer::Access;
 use super::{check_device, raw, Cpu};
+use crate::checks;
 use crate::{
     AdamWParams, Copy2d, DType, DeviceError, Element, MatmulSpec, Priority, Readback, Result, Scalar, SgdParams, View,
 };
@@ -262,30 +263,6 @@ impl CpuStream {
     }
 }
 
-fn need_float(op: &'static str, d: DType) -> Result<()> {
-    if d.is_float() {
-        Ok(())
-    } else {
-        Err(DeviceError::invalid(op, format!("needs a float dtype, got {d}")))
-    }
-}
-
-fn need_len(op: &'static str, what: &str, expected: usize, found: usize) -> Result<()> {
-    if expected == found {
-        Ok(())
-    } else {
-        Err(DeviceError::invalid(op, format!("{what} has {found} elements, expected {expected}")))
-    }
-}
-
-fn need_dtype(op: &'static str, expected: DType, found: DType) -> Result<()> {
-    if expected == found {
-        Ok(())
-    } else {
-        Err(DeviceError::DTypeMismatch { op, expected, found })
-    }
-}
-
 fn typed<T: Element>(b: &[u8]) -> &[T] {
     bytemuck::cast_slice(b)
 }
@@ -322,26 +299,13 @@ impl crate::Stream for CpuStream {
     }
 
     fn copy(&self, src: View<'_, Cpu>, dst: View<'_, Cpu>) -> Result<()> {
-        need_dtype("copy", dst.dtype(), src.dtype())?;
-        need_len("copy", "the source", dst.len(), src.len())?;
+        checks::copy(src, dst)?;
         self.map_job("copy", [src], dst, |[s], d| d.copy_from_slice(s))
     }
 
     fn copy_2d(&self, src: View<'_, Cpu>, dst: View<'_, Cpu>, layout: Copy2d) -> Result<()> {
         let op = "copy_2d";
-        need_dtype(op, dst.dtype(), src.dtype())?;
-        let fits = |extent: Option<usize>, len: usize| extent.is_some_and(|e| e <= len);
-        if !fits(layout.extent(layout.src_offset, layout.src_stride), src.len())
-            || !fits(layout.extent(layout.dst_offset, layout.dst_stride), dst.len())
-        {
-            return Err(DeviceError::invalid(
-                op,
-                format!("{layout:?} does not fit views of {} and {}", src.len(), dst.len()),
-            ));
-        }
-        if src.overlaps(&dst) {
-            return Err(DeviceError::invalid(op, "the source and destination overlap"));
-        }
+        checks::copy_2d(src, dst, &layout)?;
         let size = src.dtype().size();
         let (s, d) = (self.own(op, &src)?, self.own(op, &dst)?);
         // Only the blocks are touched, so the job writes through the raw range
@@ -363,7 +327,7 @@ impl crate::Stream for CpuStream {
     }
 
     fn copy_from_host(&self, src: &[u8], dst: View<'_, Cpu>) -> Result<()> {
-        need_len("copy_from_host", "the host slice (bytes)", dst.bytes(), src.len())?;
+        checks::copy_from_host(src, dst)?;
         let out = self.own("copy_from_host", &dst)?;
         let staged = src.to_vec();
         self.enqueue("copy_from_host", &[Access::write(dst)], move |input| {
@@ -390,7 +354,7 @@ impl crate::Stream for CpuStream {
     }
 
     fn fill(&self, dst: View<'_, Cpu>, value: Scalar) -> Result<()> {
-        let pattern = value.encode(dst.dtype()).map_err(|r| DeviceError::invalid("fill", r))?;
+        let pattern = checks::fill(dst, value)?;
         self.map_job("fill", [], dst, move |[], d| {
             for chunk in d.chunks_exact_mut(pattern.len()) {
                 chunk.copy_from_slice(&pattern);
@@ -399,9 +363,7 @@ impl crate::Stream for CpuStream {
     }
 
     fn cast(&self, src: View<'_, Cpu>, dst: View<'_, Cpu>) -> Result<()> {
-        need_float("cast", src.dtype())?;
-        need_float("cast", dst.dtype())?;
-        need_len("cast", "the source", dst.len(), src.len())?;
+        checks::cast(src, dst)?;
         let (sd, dd) = (src.dtype(), dst.dtype());
         self.map_job(
             "cast",
@@ -412,13 +374,13 @@ impl crate::Stream for CpuStream {
     }
 
     fn scale(&self, x: View<'_, Cpu>, alpha: f64) -> Result<()> {
-        need_float("scale", x.dtype())?;
+        checks::scale(x)?;
         let d = x.dtype();
         self.map_job("scale", [], x, move |[], x| with_float!(d, T => kernels::scale::<T>(typed_mut(x), alpha)))
     }
 
     fn accumulate(&self, src: View<'_, Cpu>, dst: View<'_, Cpu>) -> Result<()> {
-        need_len("accumulate", "the source", dst.len(), src.len())?;
+        checks::accumulate(src, dst)?;
         let (sd, dd) = (src.dtype(), dst.dtype());
         if sd.is_float() && dd.is_float() {
             return self.map_job("accumulate", [src, dst], dst, move |[s, o], d| {
@@ -426,7 +388,6 @@ impl crate::Stream for CpuStream {
                 with_float!(sd, S => with_float!(dd, D => kernels::accumulate::<S, D>(typed(s), typed_mut(d))))
             });
         }
-        need_dtype("accumulate", dd, sd)?;
         self.map_job("accumulate", [src, dst], dst, move |[s, o], d| {
             d.copy_from_slice(o);
             match dd {
@@ -439,9 +400,7 @@ impl crate::Stream for CpuStream {
     }
 
     fn axpy(&self, alpha: f64, x: View<'_, Cpu>, y: View<'_, Cpu>) -> Result<()> {
-        need_float("axpy", x.dtype())?;
-        need_float("axpy", y.dtype())?;
-        need_len("axpy", "x", y.len(), x.len())?;
+        checks::axpy(x, y)?;
         let (xd, yd) = (x.dtype(), y.dtype());
         self.map_job("axpy", [x, y], y, move |[x, o], y| {
             y.copy_from_slice(o);
@@ -483,19 +442,7 @@ impl crate::Stream for CpuStream {
 
     fn matmul(&self, spec: MatmulSpec, a: View<'_, Cpu>, b: View<'_, Cpu>, c: View<'_, Cpu>) -> Result<()> {
         let op = "matmul";
-        need_float(op, a.dtype())?;
-        need_dtype(op, a.dtype(), b.dtype())?;
-        if c.dtype() != a.dtype() && c.dtype() != DType::F32 {
-            return Err(DeviceError::invalid(
-                op,
-                format!("the output must be {} or f32, got {}", a.dtype(), c.dtype()),
-            ));
-        }
-        let MatmulSpec { m, n, k, .. } = spec;
-        let size = |x: usize, y: usize| x.checked_mul(y).ok_or_else(|| DeviceError::invalid(op, "shape overflows"));
-        need_len(op, "A", size(m, k)?, a.len())?;
-        need_len(op, "B", size(k, n)?, b.len())?;
-        need_len(op, "C", size(m, n)?, c.len())?;
+        checks::matmul(&spec, a, b, c)?;
         let (ad, cd) = (a.dtype(), c.dtype());
         self.map_job(op, [a, b, c], c, move |[a, b, old], out| {
             out.copy_from_slice(old);
@@ -504,15 +451,7 @@ impl crate::Stream for CpuStream {
     }
 
     fn bias_add(&self, x: View<'_, Cpu>, bias: View<'_, Cpu>) -> Result<()> {
-        need_float("bias_add", x.dtype())?;
-        need_float("bias_add", bias.dtype())?;
-        // An empty x is zero rows of any bias; otherwise x must be whole rows.
-        if !x.is_empty() && (bias.is_empty() || x.len() % bias.len() != 0) {
-            return Err(DeviceError::invalid(
-                "bias_add",
-                format!("{} elements are not rows of {}", x.len(), bias.len()),
-            ));
-        }
+        checks::bias_add(x, bias)?;
         let (xd, bd) = (x.dtype(), bias.dtype());
         self.map_job("bias_add", [bias, x], x, move |[b, old], x| {
             x.copy_from_slice(old);
@@ -521,20 +460,14 @@ impl crate::Stream for CpuStream {
     }
 
     fn relu(&self, x: View<'_, Cpu>, y: View<'_, Cpu>) -> Result<()> {
-        need_float("relu", x.dtype())?;
-        need_dtype("relu", x.dtype(), y.dtype())?;
-        need_len("relu", "y", x.len(), y.len())?;
+        checks::relu(x, y)?;
         let d = x.dtype();
         self.map_job("relu", [x], y, move |[x], y| with_float!(d, T => kernels::relu::<T>(typed(x), typed_mut(y))))
     }
 
     fn relu_backward(&self, grad_out: View<'_, Cpu>, out: View<'_, Cpu>, grad_in: View<'_, Cpu>) -> Result<()> {
         let op = "relu_backward";
-        need_float(op, grad_out.dtype())?;
-        need_dtype(op, grad_out.dtype(), out.dtype())?;
-        need_dtype(op, grad_out.dtype(), grad_in.dtype())?;
-        need_len(op, "out", grad_out.len(), out.len())?;
-        need_len(op, "grad_in", grad_out.len(), grad_in.len())?;
+        checks::relu_backward(grad_out, out, grad_in)?;
         let d = out.dtype();
         self.map_job(
             op,
@@ -546,10 +479,7 @@ impl crate::Stream for CpuStream {
 
     fn mse_loss(&self, pred: View<'_, Cpu>, target: View<'_, Cpu>, loss: View<'_, Cpu>, scale: f64) -> Result<()> {
         let op = "mse_loss";
-        need_float(op, pred.dtype())?;
-        need_float(op, target.dtype())?;
-        need_len(op, "target", pred.len(), target.len())?;
-        scalar_out(op, &loss)?;
+        checks::mse_loss(pred, target, loss)?;
         let (pd, td, ld) = (pred.dtype(), target.dtype(), loss.dtype());
         self.map_job(op, [pred, target], loss, move |[p, t], l| {
             let s = with_float!(pd, P => with_float!(td, T => kernels::mse_sum::<P, T>(typed(p), typed(t))));
@@ -559,11 +489,7 @@ impl crate::Stream for CpuStream {
 
     fn mse_grad(&self, pred: View<'_, Cpu>, target: View<'_, Cpu>, grad: View<'_, Cpu>, scale: f64) -> Result<()> {
         let op = "mse_grad";
-        need_float(op, pred.dtype())?;
-        need_float(op, target.dtype())?;
-        need_float(op, grad.dtype())?;
-        need_len(op, "target", pred.len(), target.len())?;
-        need_len(op, "grad", pred.len(), grad.len())?;
+        checks::mse_grad(pred, target, grad)?;
         let (pd, td, gd) = (pred.dtype(), target.dtype(), grad.dtype());
         self.map_job(op, [pred, target], grad, move |[p, t], g| {
             with_float!(pd, P => with_float!(td, T => with_float!(gd, G =>
@@ -573,11 +499,7 @@ impl crate::Stream for CpuStream {
 
     fn column_sums(&self, x: View<'_, Cpu>, out: View<'_, Cpu>, accumulate: bool) -> Result<()> {
         let op = "column_sums";
-        need_float(op, x.dtype())?;
-        need_float(op, out.dtype())?;
-        if (out.is_empty() && !x.is_empty()) || (!out.is_empty() && x.len() % out.len() != 0) {
-            return Err(DeviceError::invalid(op, format!("{} elements are not rows of {}", x.len(), out.len())));
-        }
+        checks::column_sums(x, out)?;
         let (xd, od) = (x.dtype(), out.dtype());
         self.map_job(op, [x, out], out, move |[x, old], o| {
             o.copy_from_slice(old);
@@ -587,8 +509,7 @@ impl crate::Stream for CpuStream {
 
     fn sum_squares(&self, x: View<'_, Cpu>, out: View<'_, Cpu>, accumulate: bool) -> Result<()> {
         let op = "sum_squares";
-        need_float(op, x.dtype())?;
-        scalar_out(op, &out)?;
+        checks::sum_squares(x, out)?;
         let (xd, od) = (x.dtype(), out.dtype());
         self.map_job(op, [x, out], out, move |[x, old], o| {
             o.copy_from_slice(old);
@@ -605,23 +526,12 @@ impl crate::Stream for CpuStream {
         momentum_buf: Option<View<'_, Cpu>>,
     ) -> Result<()> {
         let op = "sgd_step";
-        for v in [Some(param), Some(grad), momentum_buf].into_iter().flatten() {
-            need_dtype(op, DType::F32, v.dtype())?;
-            need_len(op, "every operand", param.len(), v.len())?;
-        }
-        if params.momentum != 0.0 && momentum_buf.is_none() {
-            return Err(DeviceError::invalid(op, "momentum needs a momentum buffer"));
-        }
+        checks::sgd_step(&params, param, grad, momentum_buf)?;
         let p = self.own(op, &param)?;
         let g = self.own(op, &grad)?;
         let m = momentum_buf.map(|v| self.own(op, &v)).transpose()?;
         let mut accesses = vec![Access::read(grad), Access::write(param)];
         accesses.extend(momentum_buf.map(Access::write));
-        if [Some(&g), m.as_ref()].into_iter().flatten().any(|r| r.overlaps(&p))
-            || m.as_ref().is_some_and(|m| m.overlaps(&g))
-        {
-            return Err(DeviceError::invalid(op, "param, grad and momentum buffer must not overlap"));
-        }
         self.enqueue(op, &accesses, move |input| {
             if let JobInput::Run = input {
                 // SAFETY: disjoint ranges (checked above), stream-ordered.
@@ -640,19 +550,10 @@ impl crate::Stream for CpuStream {
         exp_avg_sq: View<'_, Cpu>,
     ) -> Result<()> {
         let op = "adamw_step";
-        let views = [param, grad, exp_avg, exp_avg_sq];
-        let mut raws = Vec::new();
-        for v in views {
-            need_dtype(op, DType::F32, v.dtype())?;
-            need_len(op, "every operand", param.len(), v.len())?;
+        checks::adamw_step(param, grad, exp_avg, exp_avg_sq)?;
+        let mut raws = Vec::with_capacity(4);
+        for v in [param, grad, exp_avg, exp_avg_sq] {
             raws.push(self.own(op, &v)?);
-        }
-        for i in 0..4 {
-            for j in i + 1..4 {
-                if raws[i].overlaps(&raws[j]) {
-                    return Err(DeviceError::invalid(op, "param, grad and the moments must not overlap"));
-                }
-            }
         }
         let accesses = [Access::read(grad), Access::write(param), Access::write(exp_avg), Access::write(exp_avg_sq)];
         self.enqueue(op, &accesses, move |input| {
@@ -664,16 +565,6 @@ impl crate::Stream for CpuStream {
             Ok(())
         })
     }
-}
-
-fn scalar_out(op: &'static str, v: &View<'_, Cpu>) -> Result<()> {
-    if v.len() != 1 || !matches!(v.dtype(), DType::F32 | DType::F64) {
-        return Err(DeviceError::invalid(
-            op,
-            format!("the result must be one f32 or f64 element, got {}[{}]", v.dtype(), v.len()),
-        ));
-    }
-    Ok(())
 }
 
 impl Drop for CpuStream {

@@ -16,6 +16,7 @@ use super::kernels::{arg, code, REDUCE_BLOCK};
 use super::memory::{CudaBuffer, PinnedBlock, StagingPool};
 use super::result::{self as res, DriverResult};
 use super::Cuda;
+use crate::checks;
 use crate::{
     AdamWParams, Buffer, Copy2d, DType, DeviceError, MatmulSpec, Priority, Readback, ReadbackFiller, Result, Scalar,
     SgdParams, View,
@@ -347,40 +348,6 @@ fn check_device(op: &'static str, ours: &CudaDevice, theirs: &CudaDevice) -> Res
     }
 }
 
-fn need_float(op: &'static str, d: DType) -> Result<()> {
-    if d.is_float() {
-        Ok(())
-    } else {
-        Err(DeviceError::invalid(op, format!("needs a float dtype, got {d}")))
-    }
-}
-
-fn need_len(op: &'static str, what: &str, expected: usize, found: usize) -> Result<()> {
-    if expected == found {
-        Ok(())
-    } else {
-        Err(DeviceError::invalid(op, format!("{what} has {found} elements, expected {expected}")))
-    }
-}
-
-fn need_dtype(op: &'static str, expected: DType, found: DType) -> Result<()> {
-    if expected == found {
-        Ok(())
-    } else {
-        Err(DeviceError::DTypeMismatch { op, expected, found })
-    }
-}
-
-fn scalar_out(op: &'static str, v: &View<'_, Cuda>) -> Result<()> {
-    if v.len() != 1 || !matches!(v.dtype(), DType::F32 | DType::F64) {
-        return Err(DeviceError::invalid(
-            op,
-            format!("the result must be one f32 or f64 element, got {}[{}]", v.dtype(), v.len()),
-        ));
-    }
-    Ok(())
-}
-
 /// The device address of a view's first element.
 pub fn device_ptr(v: &View<'_, Cuda>) -> CUdeviceptr {
     v.buffer().ptr + v.byte_range().start as u64
@@ -496,8 +463,7 @@ impl crate::Stream for CudaStream {
     }
 
     fn copy(&self, src: View<'_, Cuda>, dst: View<'_, Cuda>) -> Result<()> {
-        need_dtype("copy", dst.dtype(), src.dtype())?;
-        need_len("copy", "the source", dst.len(), src.len())?;
+        checks::copy(src, dst)?;
         if src.is_empty() || src.same_range(&dst) {
             return self.run("copy", &[src, dst], |_| Ok(()));
         }
@@ -511,19 +477,7 @@ impl crate::Stream for CudaStream {
 
     fn copy_2d(&self, src: View<'_, Cuda>, dst: View<'_, Cuda>, layout: Copy2d) -> Result<()> {
         let op = "copy_2d";
-        need_dtype(op, dst.dtype(), src.dtype())?;
-        let fits = |extent: Option<usize>, len: usize| extent.is_some_and(|e| e <= len);
-        if !fits(layout.extent(layout.src_offset, layout.src_stride), src.len())
-            || !fits(layout.extent(layout.dst_offset, layout.dst_stride), dst.len())
-        {
-            return Err(DeviceError::invalid(
-                op,
-                format!("{layout:?} does not fit views of {} and {}", src.len(), dst.len()),
-            ));
-        }
-        if src.overlaps(&dst) {
-            return Err(DeviceError::invalid(op, "the source and destination overlap"));
-        }
+        checks::copy_2d(src, dst, &layout)?;
         let size = src.dtype().size();
         let width = layout.row_len * size;
         if layout.rows == 0 || width == 0 {
@@ -567,7 +521,7 @@ impl crate::Stream for CudaStream {
     }
 
     fn copy_from_host(&self, src: &[u8], dst: View<'_, Cuda>) -> Result<()> {
-        need_len("copy_from_host", "the host slice (bytes)", dst.bytes(), src.len())?;
+        checks::copy_from_host(src, dst)?;
         if src.is_empty() {
             return self.run("copy_from_host", &[dst], |_| Ok(()));
         }
@@ -644,7 +598,7 @@ impl crate::Stream for CudaStream {
     }
 
     fn fill(&self, dst: View<'_, Cuda>, value: Scalar) -> Result<()> {
-        let pattern = value.encode(dst.dtype()).map_err(|r| DeviceError::invalid("fill", r))?;
+        let pattern = checks::fill(dst, value)?;
         let n = dst.len();
         if n == 0 {
             return self.run("fill", &[dst], |_| Ok(()));
@@ -687,9 +641,7 @@ impl crate::Stream for CudaStream {
     }
 
     fn cast(&self, src: View<'_, Cuda>, dst: View<'_, Cuda>) -> Result<()> {
-        need_float("cast", src.dtype())?;
-        need_float("cast", dst.dtype())?;
-        need_len("cast", "the source", dst.len(), src.len())?;
+        checks::cast(src, dst)?;
         self.elementwise("cast", &[src, dst], dst.len(), |k, s, label| {
             let (from, _staged) = self.input_ptr(&src, &dst, false)?;
             let (mut a, mut at, mut b, mut bt, mut n) =
@@ -708,7 +660,7 @@ impl crate::Stream for CudaStream {
     }
 
     fn scale(&self, x: View<'_, Cuda>, alpha: f64) -> Result<()> {
-        need_float("scale", x.dtype())?;
+        checks::scale(x)?;
         self.elementwise("scale", &[x], x.len(), |k, s, label| {
             let (mut p, mut t, mut n, mut a) = (device_ptr(&x), code(x.dtype()), x.len() as u64, alpha);
             // SAFETY: as in `cast`.
@@ -717,12 +669,9 @@ impl crate::Stream for CudaStream {
     }
 
     fn accumulate(&self, src: View<'_, Cuda>, dst: View<'_, Cuda>) -> Result<()> {
-        need_len("accumulate", "the source", dst.len(), src.len())?;
+        checks::accumulate(src, dst)?;
         let (sd, dd) = (src.dtype(), dst.dtype());
         let float = sd.is_float() && dd.is_float();
-        if !float {
-            need_dtype("accumulate", dd, sd)?;
-        }
         self.elementwise("accumulate", &[src, dst], dst.len(), |k, s, label| {
             let (from, _staged) = self.input_ptr(&src, &dst, false)?;
             let (mut a, mut b, mut n) = (from, device_ptr(&dst), dst.len() as u64);
@@ -752,9 +701,7 @@ impl crate::Stream for CudaStream {
     }
 
     fn axpy(&self, alpha: f64, x: View<'_, Cuda>, y: View<'_, Cuda>) -> Result<()> {
-        need_float("axpy", x.dtype())?;
-        need_float("axpy", y.dtype())?;
-        need_len("axpy", "x", y.len(), x.len())?;
+        checks::axpy(x, y)?;
         self.elementwise("axpy", &[x, y], y.len(), |k, s, label| {
             let (from, _staged) = self.input_ptr(&x, &y, false)?;
             let (mut al, mut a, mut at, mut b, mut bt, mut n) =
@@ -805,19 +752,8 @@ impl crate::Stream for CudaStream {
 
     fn matmul(&self, spec: MatmulSpec, a: View<'_, Cuda>, b: View<'_, Cuda>, c: View<'_, Cuda>) -> Result<()> {
         let op = "matmul";
-        need_float(op, a.dtype())?;
-        need_dtype(op, a.dtype(), b.dtype())?;
-        if c.dtype() != a.dtype() && c.dtype() != DType::F32 {
-            return Err(DeviceError::invalid(
-                op,
-                format!("the output must be {} or f32, got {}", a.dtype(), c.dtype()),
-            ));
-        }
+        checks::matmul(&spec, a, b, c)?;
         let MatmulSpec { m, n, k, accumulate, .. } = spec;
-        let size = |x: usize, y: usize| x.checked_mul(y).ok_or_else(|| DeviceError::invalid(op, "shape overflows"));
-        need_len(op, "A", size(m, k)?, a.len())?;
-        need_len(op, "B", size(k, n)?, b.len())?;
-        need_len(op, "C", size(m, n)?, c.len())?;
         if m == 0 || n == 0 || (k == 0 && accumulate) {
             return self.run(op, &[a, b, c], |_| Ok(()));
         }
@@ -850,14 +786,7 @@ impl crate::Stream for CudaStream {
     }
 
     fn bias_add(&self, x: View<'_, Cuda>, bias: View<'_, Cuda>) -> Result<()> {
-        need_float("bias_add", x.dtype())?;
-        need_float("bias_add", bias.dtype())?;
-        if !x.is_empty() && (bias.is_empty() || x.len() % bias.len() != 0) {
-            return Err(DeviceError::invalid(
-                "bias_add",
-                format!("{} elements are not rows of {}", x.len(), bias.len()),
-            ));
-        }
+        checks::bias_add(x, bias)?;
         self.elementwise("bias_add", &[x, bias], x.len(), |k, s, label| {
             let (pb, _staged) = self.input_ptr(&bias, &x, true)?;
             let (mut px, mut xt, mut b, mut bt, mut n, mut cols) =
@@ -876,9 +805,7 @@ impl crate::Stream for CudaStream {
     }
 
     fn relu(&self, x: View<'_, Cuda>, y: View<'_, Cuda>) -> Result<()> {
-        need_float("relu", x.dtype())?;
-        need_dtype("relu", x.dtype(), y.dtype())?;
-        need_len("relu", "y", x.len(), y.len())?;
+        checks::relu(x, y)?;
         self.elementwise("relu", &[x, y], y.len(), |k, s, label| {
             let (from, _staged) = self.input_ptr(&x, &y, false)?;
             let (mut a, mut b, mut t, mut n) = (from, device_ptr(&y), code(x.dtype()), y.len() as u64);
@@ -889,11 +816,7 @@ impl crate::Stream for CudaStream {
 
     fn relu_backward(&self, grad_out: View<'_, Cuda>, out: View<'_, Cuda>, grad_in: View<'_, Cuda>) -> Result<()> {
         let op = "relu_backward";
-        need_float(op, grad_out.dtype())?;
-        need_dtype(op, grad_out.dtype(), out.dtype())?;
-        need_dtype(op, grad_out.dtype(), grad_in.dtype())?;
-        need_len(op, "out", grad_out.len(), out.len())?;
-        need_len(op, "grad_in", grad_out.len(), grad_in.len())?;
+        checks::relu_backward(grad_out, out, grad_in)?;
         self.elementwise(op, &[grad_out, out, grad_in], grad_in.len(), |k, s, label| {
             let (g, _s1) = self.input_ptr(&grad_out, &grad_in, false)?;
             let (o, _s2) = self.input_ptr(&out, &grad_in, false)?;
@@ -914,10 +837,7 @@ impl crate::Stream for CudaStream {
 
     fn mse_loss(&self, pred: View<'_, Cuda>, target: View<'_, Cuda>, loss: View<'_, Cuda>, scale: f64) -> Result<()> {
         let op = "mse_loss";
-        need_float(op, pred.dtype())?;
-        need_float(op, target.dtype())?;
-        need_len(op, "target", pred.len(), target.len())?;
-        scalar_out(op, &loss)?;
+        checks::mse_loss(pred, target, loss)?;
         let kernels = self.kernels()?;
         let label = self.device.label();
         self.run(op, &[pred, target, loss], |s| {
@@ -950,11 +870,7 @@ impl crate::Stream for CudaStream {
 
     fn mse_grad(&self, pred: View<'_, Cuda>, target: View<'_, Cuda>, grad: View<'_, Cuda>, scale: f64) -> Result<()> {
         let op = "mse_grad";
-        need_float(op, pred.dtype())?;
-        need_float(op, target.dtype())?;
-        need_float(op, grad.dtype())?;
-        need_len(op, "target", pred.len(), target.len())?;
-        need_len(op, "grad", pred.len(), grad.len())?;
+        checks::mse_grad(pred, target, grad)?;
         self.elementwise(op, &[pred, target, grad], grad.len(), |k, s, label| {
             let (p, _s1) = self.input_ptr(&pred, &grad, false)?;
             let (q, _s2) = self.input_ptr(&target, &grad, false)?;
@@ -985,11 +901,7 @@ impl crate::Stream for CudaStream {
 
     fn column_sums(&self, x: View<'_, Cuda>, out: View<'_, Cuda>, accumulate: bool) -> Result<()> {
         let op = "column_sums";
-        need_float(op, x.dtype())?;
-        need_float(op, out.dtype())?;
-        if (out.is_empty() && !x.is_empty()) || (!out.is_empty() && x.len() % out.len() != 0) {
-            return Err(DeviceError::invalid(op, format!("{} elements are not rows of {}", x.len(), out.len())));
-        }
+        checks::column_sums(x, out)?;
         let rows = if out.is_empty() { 0 } else { x.len() / out.len() };
         self.elementwise(op, &[x, out], out.len(), |k, s, label| {
             let (px, _staged) = self.input_ptr(&x, &out, true)?;
@@ -1011,8 +923,7 @@ impl crate::Stream for CudaStream {
 
     fn sum_squares(&self, x: View<'_, Cuda>, out: View<'_, Cuda>, accumulate: bool) -> Result<()> {
         let op = "sum_squares";
-        need_float(op, x.dtype())?;
-        scalar_out(op, &out)?;
+        checks::sum_squares(x, out)?;
         let kernels = self.kernels()?;
         let label = self.device.label();
         self.run(op, &[x, out], |s| {
@@ -1033,16 +944,7 @@ impl crate::Stream for CudaStream {
         momentum_buf: Option<View<'_, Cuda>>,
     ) -> Result<()> {
         let op = "sgd_step";
-        for v in [Some(param), Some(grad), momentum_buf].into_iter().flatten() {
-            need_dtype(op, DType::F32, v.dtype())?;
-            need_len(op, "every operand", param.len(), v.len())?;
-        }
-        if params.momentum != 0.0 && momentum_buf.is_none() {
-            return Err(DeviceError::invalid(op, "momentum needs a momentum buffer"));
-        }
-        if grad.overlaps(&param) || momentum_buf.is_some_and(|m| m.overlaps(&param) || m.overlaps(&grad)) {
-            return Err(DeviceError::invalid(op, "param, grad and momentum buffer must not overlap"));
-        }
+        checks::sgd_step(&params, param, grad, momentum_buf)?;
         let mut views = vec![param, grad];
         views.extend(momentum_buf);
         self.elementwise(op, &views, param.len(), |k, s, label| {
@@ -1089,18 +991,8 @@ impl crate::Stream for CudaStream {
         exp_avg_sq: View<'_, Cuda>,
     ) -> Result<()> {
         let op = "adamw_step";
+        checks::adamw_step(param, grad, exp_avg, exp_avg_sq)?;
         let views = [param, grad, exp_avg, exp_avg_sq];
-        for v in views {
-            need_dtype(op, DType::F32, v.dtype())?;
-            need_len(op, "every operand", param.len(), v.len())?;
-        }
-        for i in 0..4 {
-            for j in i + 1..4 {
-                if views[i].overlaps(&views[j]) {
-                    return Err(DeviceError::invalid(op, "param, grad and the moments must not overlap"));
-                }
-            }
-        }
         // The scalars as torch computes them (f64 in Python), applied in f32.
         let step = params.step.max(1) as i32;
         let bc1 = 1.0 - params.beta1.powi(step);

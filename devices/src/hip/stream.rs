@@ -10,6 +10,7 @@ use super::event::{poisoned, poll_event, HipEvent, Recorded};
 use super::kernels::{self, Args, Kernel, BLOCK, TILE};
 use super::sys::{self, hipStream_t};
 use super::{result, Hip};
+use crate::checks;
 use crate::{AdamWParams, Copy2d, DType, DeviceError, MatmulSpec, Priority, Readback, Result, Scalar, SgdParams, View};
 
 /// A stream's progress and sticky failure, shared with host functions (which
@@ -136,40 +137,6 @@ impl Drop for StreamInner {
 pub struct HipStream {
     inner: Arc<StreamInner>,
     device: HipDevice,
-}
-
-fn need_float(op: &'static str, d: DType) -> Result<()> {
-    if d.is_float() {
-        Ok(())
-    } else {
-        Err(DeviceError::invalid(op, format!("needs a float dtype, got {d}")))
-    }
-}
-
-fn need_len(op: &'static str, what: &str, expected: usize, found: usize) -> Result<()> {
-    if expected == found {
-        Ok(())
-    } else {
-        Err(DeviceError::invalid(op, format!("{what} has {found} elements, expected {expected}")))
-    }
-}
-
-fn need_dtype(op: &'static str, expected: DType, found: DType) -> Result<()> {
-    if expected == found {
-        Ok(())
-    } else {
-        Err(DeviceError::DTypeMismatch { op, expected, found })
-    }
-}
-
-fn scalar_out(op: &'static str, v: &View<'_, Hip>) -> Result<()> {
-    if v.len() != 1 || !matches!(v.dtype(), DType::F32 | DType::F64) {
-        return Err(DeviceError::invalid(
-            op,
-            format!("the result must be one f32 or f64 element, got {}[{}]", v.dtype(), v.len()),
-        ));
-    }
-    Ok(())
 }
 
 /// How an input relates to the output of a kernel.
@@ -408,8 +375,7 @@ impl crate::Stream for HipStream {
 
     fn copy(&self, src: View<'_, Hip>, dst: View<'_, Hip>) -> Result<()> {
         let op = "copy";
-        need_dtype(op, dst.dtype(), src.dtype())?;
-        need_len(op, "the source", dst.len(), src.len())?;
+        checks::copy(src, dst)?;
         let (s, d) = (self.device_ptr(op, src)?, self.device_ptr(op, dst)?);
         let bytes = src.bytes();
         self.enqueue(|stream| {
@@ -427,19 +393,7 @@ impl crate::Stream for HipStream {
 
     fn copy_2d(&self, src: View<'_, Hip>, dst: View<'_, Hip>, layout: Copy2d) -> Result<()> {
         let op = "copy_2d";
-        need_dtype(op, dst.dtype(), src.dtype())?;
-        let fits = |extent: Option<usize>, len: usize| extent.is_some_and(|e| e <= len);
-        if !fits(layout.extent(layout.src_offset, layout.src_stride), src.len())
-            || !fits(layout.extent(layout.dst_offset, layout.dst_stride), dst.len())
-        {
-            return Err(DeviceError::invalid(
-                op,
-                format!("{layout:?} does not fit views of {} and {}", src.len(), dst.len()),
-            ));
-        }
-        if src.overlaps(&dst) {
-            return Err(DeviceError::invalid(op, "the source and destination overlap"));
-        }
+        checks::copy_2d(src, dst, &layout)?;
         let size = src.dtype().size();
         let (s, d) = (self.device_ptr(op, src)?, self.device_ptr(op, dst)?);
         let Copy2d { rows, row_len, src_offset, src_stride, dst_offset, dst_stride } = layout;
@@ -485,7 +439,7 @@ impl crate::Stream for HipStream {
 
     fn copy_from_host(&self, src: &[u8], dst: View<'_, Hip>) -> Result<()> {
         let op = "copy_from_host";
-        need_len(op, "the host slice (bytes)", dst.bytes(), src.len())?;
+        checks::copy_from_host(src, dst)?;
         let d = self.device_ptr(op, dst)?;
         if src.is_empty() {
             return self.enqueue(|_| Ok(()));
@@ -563,7 +517,7 @@ impl crate::Stream for HipStream {
     }
 
     fn fill(&self, dst: View<'_, Hip>, value: Scalar) -> Result<()> {
-        let pattern = value.encode(dst.dtype()).map_err(|r| DeviceError::invalid("fill", r))?;
+        let pattern = checks::fill(dst, value)?;
         let size = pattern.len();
         if pattern.iter().all(|b| *b == pattern[0]) {
             let d = self.device_ptr("fill", dst)?;
@@ -589,9 +543,7 @@ impl crate::Stream for HipStream {
     }
 
     fn cast(&self, src: View<'_, Hip>, dst: View<'_, Hip>) -> Result<()> {
-        need_float("cast", src.dtype())?;
-        need_float("cast", dst.dtype())?;
-        need_len("cast", "the source", dst.len(), src.len())?;
+        checks::cast(src, dst)?;
         let n = src.len();
         if n == 0 {
             return self.enqueue(|_| Ok(()));
@@ -603,7 +555,7 @@ impl crate::Stream for HipStream {
     }
 
     fn scale(&self, x: View<'_, Hip>, alpha: f64) -> Result<()> {
-        need_float("scale", x.dtype())?;
+        checks::scale(x)?;
         let n = x.len();
         if n == 0 {
             return self.enqueue(|_| Ok(()));
@@ -614,14 +566,10 @@ impl crate::Stream for HipStream {
     }
 
     fn accumulate(&self, src: View<'_, Hip>, dst: View<'_, Hip>) -> Result<()> {
-        need_len("accumulate", "the source", dst.len(), src.len())?;
+        checks::accumulate(src, dst)?;
         let (sd, dd) = (src.dtype(), dst.dtype());
-        let kernel = if sd.is_float() && dd.is_float() {
-            Kernel::Accumulate(sd, dd)
-        } else {
-            need_dtype("accumulate", dd, sd)?;
-            Kernel::AccumulateInt(dd)
-        };
+        let kernel =
+            if sd.is_float() && dd.is_float() { Kernel::Accumulate(sd, dd) } else { Kernel::AccumulateInt(dd) };
         let n = dst.len();
         if n == 0 {
             return self.enqueue(|_| Ok(()));
@@ -632,9 +580,7 @@ impl crate::Stream for HipStream {
     }
 
     fn axpy(&self, alpha: f64, x: View<'_, Hip>, y: View<'_, Hip>) -> Result<()> {
-        need_float("axpy", x.dtype())?;
-        need_float("axpy", y.dtype())?;
-        need_len("axpy", "x", y.len(), x.len())?;
+        checks::axpy(x, y)?;
         let n = y.len();
         if n == 0 {
             return self.enqueue(|_| Ok(()));
@@ -678,19 +624,8 @@ impl crate::Stream for HipStream {
 
     fn matmul(&self, spec: MatmulSpec, a: View<'_, Hip>, b: View<'_, Hip>, c: View<'_, Hip>) -> Result<()> {
         let op = "matmul";
-        need_float(op, a.dtype())?;
-        need_dtype(op, a.dtype(), b.dtype())?;
-        if c.dtype() != a.dtype() && c.dtype() != DType::F32 {
-            return Err(DeviceError::invalid(
-                op,
-                format!("the output must be {} or f32, got {}", a.dtype(), c.dtype()),
-            ));
-        }
+        checks::matmul(&spec, a, b, c)?;
         let MatmulSpec { m, n, k, trans_a, trans_b, accumulate } = spec;
-        let size = |x: usize, y: usize| x.checked_mul(y).ok_or_else(|| DeviceError::invalid(op, "shape overflows"));
-        need_len(op, "A", size(m, k)?, a.len())?;
-        need_len(op, "B", size(k, n)?, b.len())?;
-        need_len(op, "C", size(m, n)?, c.len())?;
         if m == 0 || n == 0 {
             return self.enqueue(|_| Ok(()));
         }
@@ -714,14 +649,7 @@ impl crate::Stream for HipStream {
     }
 
     fn bias_add(&self, x: View<'_, Hip>, bias: View<'_, Hip>) -> Result<()> {
-        need_float("bias_add", x.dtype())?;
-        need_float("bias_add", bias.dtype())?;
-        if !x.is_empty() && (bias.is_empty() || x.len() % bias.len() != 0) {
-            return Err(DeviceError::invalid(
-                "bias_add",
-                format!("{} elements are not rows of {}", x.len(), bias.len()),
-            ));
-        }
+        checks::bias_add(x, bias)?;
         let (n, cols) = (x.len(), bias.len());
         if n == 0 {
             return self.enqueue(|_| Ok(()));
@@ -733,9 +661,7 @@ impl crate::Stream for HipStream {
     }
 
     fn relu(&self, x: View<'_, Hip>, y: View<'_, Hip>) -> Result<()> {
-        need_float("relu", x.dtype())?;
-        need_dtype("relu", x.dtype(), y.dtype())?;
-        need_len("relu", "y", x.len(), y.len())?;
+        checks::relu(x, y)?;
         let n = x.len();
         if n == 0 {
             return self.enqueue(|_| Ok(()));
@@ -747,11 +673,7 @@ impl crate::Stream for HipStream {
 
     fn relu_backward(&self, grad_out: View<'_, Hip>, out: View<'_, Hip>, grad_in: View<'_, Hip>) -> Result<()> {
         let op = "relu_backward";
-        need_float(op, grad_out.dtype())?;
-        need_dtype(op, grad_out.dtype(), out.dtype())?;
-        need_dtype(op, grad_out.dtype(), grad_in.dtype())?;
-        need_len(op, "out", grad_out.len(), out.len())?;
-        need_len(op, "grad_in", grad_out.len(), grad_in.len())?;
+        checks::relu_backward(grad_out, out, grad_in)?;
         let n = grad_out.len();
         if n == 0 {
             return self.enqueue(|_| Ok(()));
@@ -764,10 +686,7 @@ impl crate::Stream for HipStream {
 
     fn mse_loss(&self, pred: View<'_, Hip>, target: View<'_, Hip>, loss: View<'_, Hip>, scale: f64) -> Result<()> {
         let op = "mse_loss";
-        need_float(op, pred.dtype())?;
-        need_float(op, target.dtype())?;
-        need_len(op, "target", pred.len(), target.len())?;
-        scalar_out(op, &loss)?;
+        checks::mse_loss(pred, target, loss)?;
         let n = pred.len();
         let k = Kernel::MseLoss(pred.dtype(), target.dtype(), loss.dtype());
         let inputs = [(pred, Reads::Whole), (target, Reads::Whole)];
@@ -778,11 +697,7 @@ impl crate::Stream for HipStream {
 
     fn mse_grad(&self, pred: View<'_, Hip>, target: View<'_, Hip>, grad: View<'_, Hip>, scale: f64) -> Result<()> {
         let op = "mse_grad";
-        need_float(op, pred.dtype())?;
-        need_float(op, target.dtype())?;
-        need_float(op, grad.dtype())?;
-        need_len(op, "target", pred.len(), target.len())?;
-        need_len(op, "grad", pred.len(), grad.len())?;
+        checks::mse_grad(pred, target, grad)?;
         let n = pred.len();
         if n == 0 {
             return self.enqueue(|_| Ok(()));
@@ -796,11 +711,7 @@ impl crate::Stream for HipStream {
 
     fn column_sums(&self, x: View<'_, Hip>, out: View<'_, Hip>, accumulate: bool) -> Result<()> {
         let op = "column_sums";
-        need_float(op, x.dtype())?;
-        need_float(op, out.dtype())?;
-        if (out.is_empty() && !x.is_empty()) || (!out.is_empty() && x.len() % out.len() != 0) {
-            return Err(DeviceError::invalid(op, format!("{} elements are not rows of {}", x.len(), out.len())));
-        }
+        checks::column_sums(x, out)?;
         let cols = out.len();
         if cols == 0 {
             return self.enqueue(|_| Ok(()));
@@ -814,8 +725,7 @@ impl crate::Stream for HipStream {
 
     fn sum_squares(&self, x: View<'_, Hip>, out: View<'_, Hip>, accumulate: bool) -> Result<()> {
         let op = "sum_squares";
-        need_float(op, x.dtype())?;
-        scalar_out(op, &out)?;
+        checks::sum_squares(x, out)?;
         let n = x.len();
         let k = Kernel::SumSquares(x.dtype(), out.dtype());
         self.launch(op, k, &[(x, Reads::Whole)], out, Dims::ONE_BLOCK, |p, d| {
@@ -831,16 +741,7 @@ impl crate::Stream for HipStream {
         momentum_buf: Option<View<'_, Hip>>,
     ) -> Result<()> {
         let op = "sgd_step";
-        for v in [Some(param), Some(grad), momentum_buf].into_iter().flatten() {
-            need_dtype(op, DType::F32, v.dtype())?;
-            need_len(op, "every operand", param.len(), v.len())?;
-        }
-        if params.momentum != 0.0 && momentum_buf.is_none() {
-            return Err(DeviceError::invalid(op, "momentum needs a momentum buffer"));
-        }
-        if param.overlaps(&grad) || momentum_buf.is_some_and(|m| m.overlaps(&param) || m.overlaps(&grad)) {
-            return Err(DeviceError::invalid(op, "param, grad and momentum buffer must not overlap"));
-        }
+        checks::sgd_step(&params, param, grad, momentum_buf)?;
         let n = param.len();
         let buf = momentum_buf.map(|m| self.device_ptr(op, m)).transpose()?.unwrap_or(0);
         if n == 0 {
@@ -867,18 +768,7 @@ impl crate::Stream for HipStream {
         exp_avg_sq: View<'_, Hip>,
     ) -> Result<()> {
         let op = "adamw_step";
-        let views = [param, grad, exp_avg, exp_avg_sq];
-        for v in views {
-            need_dtype(op, DType::F32, v.dtype())?;
-            need_len(op, "every operand", param.len(), v.len())?;
-        }
-        for i in 0..4 {
-            for j in i + 1..4 {
-                if views[i].overlaps(&views[j]) {
-                    return Err(DeviceError::invalid(op, "param, grad and the moments must not overlap"));
-                }
-            }
-        }
+        checks::adamw_step(param, grad, exp_avg, exp_avg_sq)?;
         let (m, v) = (self.device_ptr(op, exp_avg)?, self.device_ptr(op, exp_avg_sq)?);
         let n = param.len();
         if n == 0 {

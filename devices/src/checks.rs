@@ -1,0 +1,303 @@
+//! Argument checks of the [`Stream`](crate::Stream) operations, written once
+//! for every backend.
+//!
+//! Each function checks one operation's dtypes, lengths, shapes and overlaps
+//! as the trait documents them, and returns the error the enqueuing call must
+//! return (so nothing is enqueued). A backend calls it first, then checks
+//! what only it can (that the views belong to its device) and enqueues.
+
+use crate::api::{Backend, Copy2d, MatmulSpec, Result, SgdParams};
+use crate::{DType, DeviceError, Scalar, View};
+
+fn need_float(op: &'static str, d: DType) -> Result<()> {
+    if d.is_float() {
+        Ok(())
+    } else {
+        Err(DeviceError::invalid(op, format!("needs a float dtype, got {d}")))
+    }
+}
+
+fn need_len(op: &'static str, what: &str, expected: usize, found: usize) -> Result<()> {
+    if expected == found {
+        Ok(())
+    } else {
+        Err(DeviceError::invalid(op, format!("{what} has {found} elements, expected {expected}")))
+    }
+}
+
+fn need_dtype(op: &'static str, expected: DType, found: DType) -> Result<()> {
+    if expected == found {
+        Ok(())
+    } else {
+        Err(DeviceError::DTypeMismatch { op, expected, found })
+    }
+}
+
+/// A reduction's result: one f32 or f64 element.
+fn scalar_out<B: Backend>(op: &'static str, v: &View<'_, B>) -> Result<()> {
+    if v.len() != 1 || !matches!(v.dtype(), DType::F32 | DType::F64) {
+        return Err(DeviceError::invalid(
+            op,
+            format!("the result must be one f32 or f64 element, got {}[{}]", v.dtype(), v.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// `x` must be whole rows of `cols`; an empty `x` is zero rows of any `cols`.
+fn whole_rows(op: &'static str, x: usize, cols: usize) -> Result<()> {
+    if x != 0 && (cols == 0 || x % cols != 0) {
+        return Err(DeviceError::invalid(op, format!("{x} elements are not rows of {cols}")));
+    }
+    Ok(())
+}
+
+/// [`Stream::copy`](crate::Stream::copy): same dtype and length.
+pub(crate) fn copy<B: Backend>(src: View<'_, B>, dst: View<'_, B>) -> Result<()> {
+    need_dtype("copy", dst.dtype(), src.dtype())?;
+    need_len("copy", "the source", dst.len(), src.len())
+}
+
+/// [`Stream::copy_2d`](crate::Stream::copy_2d): same dtype, every block inside
+/// its view, views disjoint.
+pub(crate) fn copy_2d<B: Backend>(src: View<'_, B>, dst: View<'_, B>, layout: &Copy2d) -> Result<()> {
+    let op = "copy_2d";
+    need_dtype(op, dst.dtype(), src.dtype())?;
+    let fits = |extent: Option<usize>, len: usize| extent.is_some_and(|e| e <= len);
+    if !fits(layout.extent(layout.src_offset, layout.src_stride), src.len())
+        || !fits(layout.extent(layout.dst_offset, layout.dst_stride), dst.len())
+    {
+        return Err(DeviceError::invalid(
+            op,
+            format!("{layout:?} does not fit views of {} and {}", src.len(), dst.len()),
+        ));
+    }
+    if src.overlaps(&dst) {
+        return Err(DeviceError::invalid(op, "the source and destination overlap"));
+    }
+    Ok(())
+}
+
+/// [`Stream::copy_from_host`](crate::Stream::copy_from_host): exactly `dst`'s bytes.
+pub(crate) fn copy_from_host<B: Backend>(src: &[u8], dst: View<'_, B>) -> Result<()> {
+    need_len("copy_from_host", "the host slice (bytes)", dst.bytes(), src.len())
+}
+
+/// [`Stream::fill`](crate::Stream::fill): `value` must fit `dst`'s dtype.
+/// Returns one element of `value` in `dst`'s dtype (little-endian bytes).
+pub(crate) fn fill<B: Backend>(dst: View<'_, B>, value: Scalar) -> Result<Vec<u8>> {
+    value.encode(dst.dtype()).map_err(|r| DeviceError::invalid("fill", r))
+}
+
+/// [`Stream::cast`](crate::Stream::cast): float dtypes, same length.
+pub(crate) fn cast<B: Backend>(src: View<'_, B>, dst: View<'_, B>) -> Result<()> {
+    need_float("cast", src.dtype())?;
+    need_float("cast", dst.dtype())?;
+    need_len("cast", "the source", dst.len(), src.len())
+}
+
+/// [`Stream::scale`](crate::Stream::scale): a float dtype.
+pub(crate) fn scale<B: Backend>(x: View<'_, B>) -> Result<()> {
+    need_float("scale", x.dtype())
+}
+
+/// [`Stream::accumulate`](crate::Stream::accumulate): same length; any float
+/// into any float, otherwise the same dtype.
+pub(crate) fn accumulate<B: Backend>(src: View<'_, B>, dst: View<'_, B>) -> Result<()> {
+    need_len("accumulate", "the source", dst.len(), src.len())?;
+    let (sd, dd) = (src.dtype(), dst.dtype());
+    if sd.is_float() && dd.is_float() {
+        return Ok(());
+    }
+    need_dtype("accumulate", dd, sd)
+}
+
+/// [`Stream::axpy`](crate::Stream::axpy): float dtypes, same length.
+pub(crate) fn axpy<B: Backend>(x: View<'_, B>, y: View<'_, B>) -> Result<()> {
+    need_float("axpy", x.dtype())?;
+    need_float("axpy", y.dtype())?;
+    need_len("axpy", "x", y.len(), x.len())
+}
+
+/// [`Stream::matmul`](crate::Stream::matmul): `a` and `b` of one float dtype,
+/// `c` of that dtype or f32, lengths as the spec's shape says.
+pub(crate) fn matmul<B: Backend>(spec: &MatmulSpec, a: View<'_, B>, b: View<'_, B>, c: View<'_, B>) -> Result<()> {
+    let op = "matmul";
+    need_float(op, a.dtype())?;
+    need_dtype(op, a.dtype(), b.dtype())?;
+    if c.dtype() != a.dtype() && c.dtype() != DType::F32 {
+        return Err(DeviceError::invalid(op, format!("the output must be {} or f32, got {}", a.dtype(), c.dtype())));
+    }
+    let MatmulSpec { m, n, k, .. } = *spec;
+    let size = |x: usize, y: usize| x.checked_mul(y).ok_or_else(|| DeviceError::invalid(op, "shape overflows"));
+    need_len(op, "A", size(m, k)?, a.len())?;
+    need_len(op, "B", size(k, n)?, b.len())?;
+    need_len(op, "C", size(m, n)?, c.len())
+}
+
+/// [`Stream::bias_add`](crate::Stream::bias_add): float dtypes, `x` whole rows of `bias`.
+pub(crate) fn bias_add<B: Backend>(x: View<'_, B>, bias: View<'_, B>) -> Result<()> {
+    need_float("bias_add", x.dtype())?;
+    need_float("bias_add", bias.dtype())?;
+    whole_rows("bias_add", x.len(), bias.len())
+}
+
+/// [`Stream::relu`](crate::Stream::relu): one float dtype, same length.
+pub(crate) fn relu<B: Backend>(x: View<'_, B>, y: View<'_, B>) -> Result<()> {
+    need_float("relu", x.dtype())?;
+    need_dtype("relu", x.dtype(), y.dtype())?;
+    need_len("relu", "y", x.len(), y.len())
+}
+
+/// [`Stream::relu_backward`](crate::Stream::relu_backward): one float dtype, same length.
+pub(crate) fn relu_backward<B: Backend>(grad_out: View<'_, B>, out: View<'_, B>, grad_in: View<'_, B>) -> Result<()> {
+    let op = "relu_backward";
+    need_float(op, grad_out.dtype())?;
+    need_dtype(op, grad_out.dtype(), out.dtype())?;
+    need_dtype(op, grad_out.dtype(), grad_in.dtype())?;
+    need_len(op, "out", grad_out.len(), out.len())?;
+    need_len(op, "grad_in", grad_out.len(), grad_in.len())
+}
+
+/// [`Stream::mse_loss`](crate::Stream::mse_loss): float inputs of one length,
+/// a one-element f32 or f64 `loss`.
+pub(crate) fn mse_loss<B: Backend>(pred: View<'_, B>, target: View<'_, B>, loss: View<'_, B>) -> Result<()> {
+    let op = "mse_loss";
+    need_float(op, pred.dtype())?;
+    need_float(op, target.dtype())?;
+    need_len(op, "target", pred.len(), target.len())?;
+    scalar_out(op, &loss)
+}
+
+/// [`Stream::mse_grad`](crate::Stream::mse_grad): float dtypes, same length.
+pub(crate) fn mse_grad<B: Backend>(pred: View<'_, B>, target: View<'_, B>, grad: View<'_, B>) -> Result<()> {
+    let op = "mse_grad";
+    need_float(op, pred.dtype())?;
+    need_float(op, target.dtype())?;
+    need_float(op, grad.dtype())?;
+    need_len(op, "target", pred.len(), target.len())?;
+    need_len(op, "grad", pred.len(), grad.len())
+}
+
+/// [`Stream::column_sums`](crate::Stream::column_sums): float dtypes, `x` whole rows of `out`.
+pub(crate) fn column_sums<B: Backend>(x: View<'_, B>, out: View<'_, B>) -> Result<()> {
+    let op = "column_sums";
+    need_float(op, x.dtype())?;
+    need_float(op, out.dtype())?;
+    whole_rows(op, x.len(), out.len())
+}
+
+/// [`Stream::sum_squares`](crate::Stream::sum_squares): a float `x`, a
+/// one-element f32 or f64 `out`.
+pub(crate) fn sum_squares<B: Backend>(x: View<'_, B>, out: View<'_, B>) -> Result<()> {
+    let op = "sum_squares";
+    need_float(op, x.dtype())?;
+    scalar_out(op, &out)
+}
+
+/// [`Stream::sgd_step`](crate::Stream::sgd_step): f32 operands of one length,
+/// a momentum buffer when momentum is on, no two operands overlapping.
+pub(crate) fn sgd_step<B: Backend>(
+    params: &SgdParams,
+    param: View<'_, B>,
+    grad: View<'_, B>,
+    momentum_buf: Option<View<'_, B>>,
+) -> Result<()> {
+    let op = "sgd_step";
+    for v in [Some(param), Some(grad), momentum_buf].into_iter().flatten() {
+        need_dtype(op, DType::F32, v.dtype())?;
+        need_len(op, "every operand", param.len(), v.len())?;
+    }
+    if params.momentum != 0.0 && momentum_buf.is_none() {
+        return Err(DeviceError::invalid(op, "momentum needs a momentum buffer"));
+    }
+    if grad.overlaps(&param) || momentum_buf.is_some_and(|m| m.overlaps(&param) || m.overlaps(&grad)) {
+        return Err(DeviceError::invalid(op, "param, grad and momentum buffer must not overlap"));
+    }
+    Ok(())
+}
+
+/// [`Stream::adamw_step`](crate::Stream::adamw_step): f32 operands of one
+/// length, no two overlapping.
+pub(crate) fn adamw_step<B: Backend>(
+    param: View<'_, B>,
+    grad: View<'_, B>,
+    exp_avg: View<'_, B>,
+    exp_avg_sq: View<'_, B>,
+) -> Result<()> {
+    let op = "adamw_step";
+    let views = [param, grad, exp_avg, exp_avg_sq];
+    for v in views {
+        need_dtype(op, DType::F32, v.dtype())?;
+        need_len(op, "every operand", param.len(), v.len())?;
+    }
+    for i in 0..4 {
+        for j in i + 1..4 {
+            if views[i].overlaps(&views[j]) {
+                return Err(DeviceError::invalid(op, "param, grad and the moments must not overlap"));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::CpuDevice;
+    use crate::{Buffer, Device};
+
+    fn message(r: Result<()>) -> String {
+        r.expect_err("the check should fail").to_string()
+    }
+
+    #[test]
+    fn rows_must_be_whole_unless_there_are_none() {
+        let dev = CpuDevice::with_ordinal(0);
+        let (x6, b3, b4, e) = (
+            dev.alloc(DType::F32, 6).unwrap(),
+            dev.alloc(DType::F32, 3).unwrap(),
+            dev.alloc(DType::F32, 4).unwrap(),
+            dev.alloc(DType::F32, 0).unwrap(),
+        );
+        assert!(bias_add(x6.view(), b3.view()).is_ok());
+        assert!(bias_add(e.view(), e.view()).is_ok());
+        assert!(column_sums(e.view(), b3.view()).is_ok());
+        assert!(message(bias_add(x6.view(), b4.view())).contains("6 elements are not rows of 4"));
+        assert!(message(column_sums(x6.view(), e.view())).contains("6 elements are not rows of 0"));
+    }
+
+    #[test]
+    fn optimizer_operands_must_be_disjoint() {
+        let dev = CpuDevice::with_ordinal(0);
+        let buf = dev.alloc(DType::F32, 8).unwrap();
+        let (a, b, overlapping) = (buf.slice(0, 4).unwrap(), buf.slice(4, 4).unwrap(), buf.slice(2, 4).unwrap());
+        let sgd =
+            SgdParams { lr: 0.1, momentum: 0.9, dampening: 0.0, weight_decay: 0.0, nesterov: false, first_step: true };
+        assert!(message(sgd_step(&sgd, a, b, None)).contains("momentum needs a momentum buffer"));
+        assert!(message(sgd_step(&sgd, a, overlapping, Some(b))).contains("must not overlap"));
+        let other = dev.alloc(DType::F32, 8).unwrap();
+        let (c, d) = (other.slice(0, 4).unwrap(), other.slice(4, 4).unwrap());
+        assert!(sgd_step(&sgd, a, b, Some(c)).is_ok());
+        assert!(adamw_step(a, b, c, d).is_ok());
+        assert!(message(adamw_step(a, b, c, c)).contains("must not overlap"));
+    }
+
+    #[test]
+    fn reductions_write_one_f32_or_f64_element() {
+        let dev = CpuDevice::with_ordinal(0);
+        let (x, two, int) =
+            (dev.alloc(DType::F32, 4).unwrap(), dev.alloc(DType::F64, 2).unwrap(), dev.alloc(DType::I32, 1).unwrap());
+        assert!(message(sum_squares(x.view(), two.view())).contains("got f64[2]"));
+        assert!(message(mse_loss(x.view(), x.view(), int.view())).contains("got i32[1]"));
+        assert!(sum_squares(x.view(), two.slice(0, 1).unwrap()).is_ok());
+    }
+
+    #[test]
+    fn matmul_shapes_that_overflow_are_errors() {
+        let dev = CpuDevice::with_ordinal(0);
+        let x = dev.alloc(DType::F32, 4).unwrap();
+        let spec = MatmulSpec { m: usize::MAX, n: 1, k: 2, trans_a: false, trans_b: false, accumulate: false };
+        assert!(message(matmul(&spec, x.view(), x.view(), x.view())).contains("shape overflows"));
+    }
+}
