@@ -31,7 +31,7 @@ pub enum OptimizerArg {
 /// Arguments of `chorus train`.
 #[derive(Debug, clap::Args)]
 pub struct TrainArgs {
-    /// The communication backend.
+    /// The communication backend: sim, or nccl (one rank per GPU, in builds with --features nccl).
     #[arg(long, default_value = "sim")]
     pub backend: String,
     /// Number of ranks.
@@ -108,10 +108,12 @@ fn parse_float_dtype(s: &str) -> Result<DType, String> {
 
 impl TrainArgs {
     fn usage(&self) -> anyhow::Result<()> {
-        if self.backend != "sim" {
+        let compiled: &[&str] = if cfg!(feature = "nccl") { &["sim", "nccl"] } else { &["sim"] };
+        if !compiled.contains(&self.backend.as_str()) {
             return Err(UsageError(format!(
-                "--backend {} is not available for training (compiled: sim)",
-                self.backend
+                "--backend {} is not available for training (compiled: {})",
+                self.backend,
+                compiled.join(", ")
             ))
             .into());
         }
@@ -205,6 +207,44 @@ fn save_init(dir: &Path, layers: &[Vec<ParamInit>], data: &Dataset) -> anyhow::R
     Ok(())
 }
 
+/// Runs `spec` on `world` ranks of `backend` and returns every rank's report.
+fn run_on(backend: &str, world: usize, spec: TrainSpec, bar: Option<ProgressBar>) -> anyhow::Result<Vec<RankReport>> {
+    match backend {
+        #[cfg(feature = "nccl")]
+        "nccl" => run_nccl(world, spec, bar),
+        _ => run_sim(world, spec, bar),
+    }
+}
+
+/// One rank per GPU, as threads of this process, bootstrapped through an in-memory store.
+#[cfg(feature = "nccl")]
+fn run_nccl(world: usize, spec: TrainSpec, bar: Option<ProgressBar>) -> anyhow::Result<Vec<RankReport>> {
+    use chorus_collectives::nccl::{NcclComm, NcclConfig};
+    use chorus_collectives::store::MemStore;
+    use chorus_devices::cuda::{CudaConfig, CudaDevice};
+    let store = MemStore::new();
+    let results: Vec<anyhow::Result<RankReport>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let (store, spec, bar) = (store.clone(), &spec, bar.clone());
+                s.spawn(move || -> anyhow::Result<RankReport> {
+                    let device = CudaDevice::with_config(CudaConfig { ordinal: rank, ..CudaConfig::default() })?;
+                    let comm = NcclComm::init(&store, rank, world, device, NcclConfig::default())?;
+                    let mut on_step = |_step: usize, loss: f64| {
+                        if let (0, Some(b)) = (rank, &bar) {
+                            b.set_message(format!("loss {loss:.5}"));
+                            b.inc(1);
+                        }
+                    };
+                    train(Arc::new(comm), spec, &mut on_step).with_context(|| format!("rank {rank}"))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a rank panicked")))).collect()
+    });
+    results.into_iter().collect()
+}
+
 /// Runs `spec` on `world` simulated ranks and returns every rank's report.
 fn run_sim(world: usize, spec: TrainSpec, bar: Option<ProgressBar>) -> anyhow::Result<Vec<RankReport>> {
     let spec = Arc::new(spec);
@@ -277,7 +317,7 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
             .map(|s| s.progress_chars("=> "))
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let reports = run_sim(args.world_size, spec.clone(), Some(bar.clone()))?;
+    let reports = run_on(&args.backend, args.world_size, spec.clone(), Some(bar.clone()))?;
     bar.finish_and_clear();
     let first = reports.first().context("no ranks")?;
     std::fs::create_dir_all(&args.out_dir).with_context(|| format!("creating {}", args.out_dir.display()))?;
@@ -335,12 +375,13 @@ fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let warmup = 3;
     if !args.json {
         println!(
-            "# chorus train --bench: MLP {} layers (widths {}..), batch {}/rank, {} timed steps after {warmup}, param dtype {}, sim backend, sanitizer off",
+            "# chorus train --bench: MLP {} layers (widths {}..), batch {}/rank, {} timed steps after {warmup}, param dtype {}, backend {} (sim: sanitizer off)",
             dims.len() - 1,
             dims[0],
             args.batch,
             args.steps,
-            args.param_dtype
+            args.param_dtype,
+            args.backend
         );
         println!("# overhead = host time inside FSDP's hooks (they only enqueue) / (groups x steps)");
         println!(
@@ -348,7 +389,13 @@ fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
             "world", "groups", "step ms (med)", "overhead us/group/step", "peak KiB/rank"
         );
     }
-    for world in [1, 2, 4, 8] {
+    // NCCL takes one rank per GPU, so its worlds stop at the GPU count.
+    let max_world = match args.backend.as_str() {
+        #[cfg(feature = "nccl")]
+        "nccl" => chorus_devices::cuda::device_count()?,
+        _ => usize::MAX,
+    };
+    for world in [1, 2, 4, 8].into_iter().filter(|w| *w <= max_world) {
         let data = Dataset::random(dims[0], dims[dims.len() - 1], world * args.batch, 4, args.seed);
         let spec = TrainSpec {
             layers: init_layers(&dims, args.seed),
@@ -360,7 +407,7 @@ fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
             replicate: None,
             max_grad_norm: None,
         };
-        let reports = run_sim(world, spec, None)?;
+        let reports = run_on(&args.backend, world, spec, None)?;
         let r = reports.first().context("no ranks")?;
         let timed = &r.step_times_s[warmup.min(r.step_times_s.len())..];
         let step = median(timed);
