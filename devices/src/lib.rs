@@ -17,6 +17,7 @@ mod dtype;
 mod error;
 #[cfg(feature = "rocm")]
 pub mod hip;
+mod memory;
 mod readback;
 mod view;
 

@@ -5,10 +5,11 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use super::event::CpuEvent;
-use super::memory::{MemCounters, Memory, RawRange};
+use super::memory::{Memory, RawRange};
 use super::sanitizer::Sanitizer;
 use super::stream::{CpuStream, StreamShared};
 use super::Cpu;
+use crate::memory::MemCounters;
 use crate::{DType, DeviceError, MemoryStats, Priority, Result};
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -42,6 +43,12 @@ impl Default for CpuConfig {
 #[derive(Debug)]
 pub(crate) struct DeviceInner {
     pub(crate) config: CpuConfig,
+    /// Kept in the stream-ordered allocator's terms: a buffer counts from its
+    /// allocation until its handle is dropped, the moment its memory is free
+    /// for later work in stream order (what CUDA's `cudaFreeAsync` pool and
+    /// PyTorch's `memory_allocated` report). The bytes themselves stay
+    /// allocated until queued work that uses them has run, so the counts do
+    /// not depend on how far the executors lag behind the host.
     pub(crate) counters: Arc<MemCounters>,
     pub(crate) sanitizer: Option<Mutex<Sanitizer>>,
     pub(crate) streams: Mutex<Vec<Weak<StreamShared>>>,

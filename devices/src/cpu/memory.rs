@@ -2,48 +2,12 @@
 
 use std::alloc::{self, Layout};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::{DeviceError, MemoryStats};
+use crate::DeviceError;
 
 /// Alignment of every allocation: a cache line, enough for any dtype and SIMD loads.
 const ALIGN: usize = 64;
-
-/// The device's counters, kept in the stream-ordered allocator's terms: a
-/// buffer counts from its allocation until its handle is dropped, the moment
-/// its memory is free for later work in stream order (what CUDA's
-/// `cudaFreeAsync` pool and PyTorch's `memory_allocated` report). The bytes
-/// themselves stay allocated until queued work that uses them has run, so the
-/// counts do not depend on how far the executors lag behind the host.
-#[derive(Debug, Default)]
-pub(crate) struct MemCounters {
-    in_use: AtomicUsize,
-    peak: AtomicUsize,
-    live: AtomicUsize,
-}
-
-impl MemCounters {
-    pub(crate) fn stats(&self) -> MemoryStats {
-        MemoryStats {
-            bytes_in_use: self.in_use.load(Ordering::Acquire),
-            peak_bytes: self.peak.load(Ordering::Acquire),
-            live_allocations: self.live.load(Ordering::Acquire),
-        }
-    }
-    pub(crate) fn reset_peak(&self) {
-        self.peak.store(self.in_use.load(Ordering::Acquire), Ordering::Release);
-    }
-    pub(crate) fn add(&self, bytes: usize) {
-        let now = self.in_use.fetch_add(bytes, Ordering::AcqRel) + bytes;
-        self.peak.fetch_max(now, Ordering::AcqRel);
-        self.live.fetch_add(1, Ordering::AcqRel);
-    }
-    pub(crate) fn sub(&self, bytes: usize) {
-        self.in_use.fetch_sub(bytes, Ordering::AcqRel);
-        self.live.fetch_sub(1, Ordering::AcqRel);
-    }
-}
 
 /// One allocation. Shared (`Arc`) between the buffer and the queued work that
 /// uses it, so the bytes are released only after the last of them.

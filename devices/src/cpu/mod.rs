@@ -11,7 +11,7 @@
 //!   safe and the bytes are freed after the last job;
 //! - memory statistics are exact counters in the stream-ordered allocator's
 //!   terms: a buffer counts from allocation until its handle is dropped (see
-//!   `memory.rs`), so they are deterministic whatever the executors' lag;
+//!   `device.rs`), so they are deterministic whatever the executors' lag;
 //! - the **stream sanitizer** ([`sanitizer`]) checks every enqueued
 //!   operation's declared reads and writes against the other streams' with
 //!   vector clocks and refuses unordered ones with [`DeviceError::Race`].

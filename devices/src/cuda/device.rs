@@ -11,10 +11,11 @@ use cudarc::driver::sys::{self, CUcontext, CUdevice, CUdevice_attribute};
 use super::event::CudaEvent;
 use super::kernels::Kernels;
 use super::loader;
-use super::memory::{CudaBuffer, MemCounters, StagingPool};
+use super::memory::{CudaBuffer, StagingPool};
 use super::result::DriverResult;
 use super::stream::{CudaStream, StreamShared};
 use super::Cuda;
+use crate::memory::MemCounters;
 use crate::{DType, DeviceError, MemoryStats, Priority, Result};
 
 // Ids of cuda buffers, streams and events; a separate range from the cpu
@@ -77,6 +78,7 @@ pub(crate) struct DeviceInner {
     pub(crate) compute_capability: (i32, i32),
     /// `(normal, high)` stream priorities (CUDA: lower is higher).
     pub(crate) priorities: (i32, i32),
+    /// Updated when a buffer is made and when its free is enqueued.
     pub(crate) counters: MemCounters,
     pub(crate) streams: Mutex<Vec<Weak<StreamShared>>>,
     pub(crate) next_stream: AtomicUsize,

@@ -1,7 +1,6 @@
 //! Device buffers on the stream-ordered allocator, our own accounting, and
 //! the pinned host blocks that device-to-host copies land in.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::result as drv;
@@ -11,37 +10,7 @@ use super::device::CudaDevice;
 use super::result::DriverResult;
 use super::stream::StreamShared;
 use super::Cuda;
-use crate::{DType, DeviceError, MemoryStats};
-
-/// The device's counters, updated when a buffer is made and when its free is enqueued.
-#[derive(Debug, Default)]
-pub(crate) struct MemCounters {
-    in_use: AtomicUsize,
-    peak: AtomicUsize,
-    live: AtomicUsize,
-}
-
-impl MemCounters {
-    pub(crate) fn stats(&self) -> MemoryStats {
-        MemoryStats {
-            bytes_in_use: self.in_use.load(Ordering::Acquire),
-            peak_bytes: self.peak.load(Ordering::Acquire),
-            live_allocations: self.live.load(Ordering::Acquire),
-        }
-    }
-    pub(crate) fn reset_peak(&self) {
-        self.peak.store(self.in_use.load(Ordering::Acquire), Ordering::Release);
-    }
-    pub(crate) fn add(&self, bytes: usize) {
-        let now = self.in_use.fetch_add(bytes, Ordering::AcqRel) + bytes;
-        self.peak.fetch_max(now, Ordering::AcqRel);
-        self.live.fetch_add(1, Ordering::AcqRel);
-    }
-    pub(crate) fn sub(&self, bytes: usize) {
-        self.in_use.fetch_sub(bytes, Ordering::AcqRel);
-        self.live.fetch_sub(1, Ordering::AcqRel);
-    }
-}
+use crate::{DType, DeviceError};
 
 /// A cuda buffer: device memory from the stream-ordered allocator
 /// (`cuMemAllocAsync`), freed in stream order after every stream that used it.

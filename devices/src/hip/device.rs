@@ -9,6 +9,7 @@ use super::kernels::KernelCache;
 use super::result;
 use super::stream::{HipStream, StreamInner};
 use super::Hip;
+use crate::memory::MemCounters;
 use crate::{DType, DeviceError, MemoryStats, Priority, Result};
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -44,33 +45,6 @@ pub(crate) type Parked = Arc<Mutex<Vec<DeviceError>>>;
 pub(crate) fn park(parked: &Parked, e: DeviceError) {
     if let Ok(mut p) = parked.lock() {
         p.push(e);
-    }
-}
-
-/// The device's memory counters (our own accounting of live buffers).
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    in_use: AtomicUsize,
-    peak: AtomicUsize,
-    live: AtomicUsize,
-}
-
-impl Counters {
-    fn stats(&self) -> MemoryStats {
-        MemoryStats {
-            bytes_in_use: self.in_use.load(Ordering::Acquire),
-            peak_bytes: self.peak.load(Ordering::Acquire),
-            live_allocations: self.live.load(Ordering::Acquire),
-        }
-    }
-    fn add(&self, bytes: usize) {
-        let now = self.in_use.fetch_add(bytes, Ordering::AcqRel) + bytes;
-        self.peak.fetch_max(now, Ordering::AcqRel);
-        self.live.fetch_add(1, Ordering::AcqRel);
-    }
-    fn sub(&self, bytes: usize) {
-        self.in_use.fetch_sub(bytes, Ordering::AcqRel);
-        self.live.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -124,7 +98,8 @@ pub(crate) struct DeviceInner {
     name: String,
     /// `(least, greatest)` stream priority.
     pub(crate) priorities: (i32, i32),
-    counters: Counters,
+    /// Our own accounting of live buffers: counted when allocated, uncounted when dropped.
+    counters: MemCounters,
     pub(crate) streams: Mutex<Vec<Weak<StreamInner>>>,
     /// Allocations of `Device::alloc` and their frees run here.
     internal: Arc<StreamInner>,
@@ -194,7 +169,7 @@ impl HipDevice {
                 config,
                 name,
                 priorities,
-                counters: Counters::default(),
+                counters: MemCounters::default(),
                 streams: Mutex::new(Vec::new()),
                 internal,
                 kernels: KernelCache::default(),
@@ -301,8 +276,7 @@ impl crate::Device for HipDevice {
         self.inner.counters.stats()
     }
     fn reset_peak_memory(&self) {
-        let c = &self.inner.counters;
-        c.peak.store(c.in_use.load(Ordering::Acquire), Ordering::Release);
+        self.inner.counters.reset_peak()
     }
     fn synchronize(&self) -> Result<()> {
         let streams: Vec<Arc<StreamInner>> = match self.inner.streams.lock() {

@@ -1,0 +1,62 @@
+//! Memory accounting shared by every device: bytes in use, their peak and
+//! live allocations, as [`Device::memory_stats`](crate::Device::memory_stats)
+//! reports them.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::MemoryStats;
+
+/// A device's memory counters. The backend decides when a buffer counts: it
+/// calls [`MemCounters::add`] when the buffer is made and
+/// [`MemCounters::sub`] when it is released in its terms (each backend's
+/// `mod.rs` says when that is).
+#[derive(Debug, Default)]
+pub(crate) struct MemCounters {
+    in_use: AtomicUsize,
+    peak: AtomicUsize,
+    live: AtomicUsize,
+}
+
+impl MemCounters {
+    /// The counters now.
+    pub(crate) fn stats(&self) -> MemoryStats {
+        MemoryStats {
+            bytes_in_use: self.in_use.load(Ordering::Acquire),
+            peak_bytes: self.peak.load(Ordering::Acquire),
+            live_allocations: self.live.load(Ordering::Acquire),
+        }
+    }
+    /// Resets the peak to the bytes in use now.
+    pub(crate) fn reset_peak(&self) {
+        self.peak.store(self.in_use.load(Ordering::Acquire), Ordering::Release);
+    }
+    /// Counts a new allocation of `bytes`.
+    pub(crate) fn add(&self, bytes: usize) {
+        let now = self.in_use.fetch_add(bytes, Ordering::AcqRel) + bytes;
+        self.peak.fetch_max(now, Ordering::AcqRel);
+        self.live.fetch_add(1, Ordering::AcqRel);
+    }
+    /// Stops counting an allocation of `bytes`.
+    pub(crate) fn sub(&self, bytes: usize) {
+        self.in_use.fetch_sub(bytes, Ordering::AcqRel);
+        self.live.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_peak_follows_the_most_in_use_until_reset() {
+        let c = MemCounters::default();
+        c.add(100);
+        c.add(50);
+        c.sub(100);
+        assert_eq!(c.stats(), MemoryStats { bytes_in_use: 50, peak_bytes: 150, live_allocations: 1 });
+        c.reset_peak();
+        assert_eq!(c.stats().peak_bytes, 50);
+        c.sub(50);
+        assert_eq!(c.stats(), MemoryStats { bytes_in_use: 0, peak_bytes: 50, live_allocations: 0 });
+    }
+}
