@@ -162,7 +162,7 @@ impl<B: Backend> fmt::Debug for CallKind<'_, B> {
     }
 }
 
-impl<B: Backend> CallKind<'_, B> {
+impl<'a, B: Backend> CallKind<'a, B> {
     /// The kind of operation.
     pub fn kind(&self) -> OpKind {
         match self {
@@ -175,6 +175,21 @@ impl<B: Backend> CallKind<'_, B> {
             CallKind::Send { .. } => OpKind::Send,
             CallKind::Recv { .. } => OpKind::Recv,
             CallKind::Barrier => OpKind::Barrier,
+        }
+    }
+
+    /// Every view the call reads or writes (`send` then `recv`, or `buf`;
+    /// none for a barrier), e.g. to check that they are on the rank's device.
+    pub fn views(&self) -> Vec<View<'a, B>> {
+        match self {
+            CallKind::AllReduce { send, recv, .. }
+            | CallKind::AllGather { send, recv }
+            | CallKind::ReduceScatter { send, recv, .. }
+            | CallKind::Broadcast { send, recv, .. }
+            | CallKind::Reduce { send, recv, .. }
+            | CallKind::AllToAll { send, recv } => vec![*send, *recv],
+            CallKind::Send { buf, .. } | CallKind::Recv { buf, .. } => vec![*buf],
+            CallKind::Barrier => vec![],
         }
     }
 }

@@ -429,19 +429,6 @@ fn encode_scalar(dtype: DType, s: f64) -> [u8; 8] {
     out
 }
 
-fn views<'a>(kind: &CallKind<'a, Cuda>) -> Vec<View<'a, Cuda>> {
-    match kind {
-        CallKind::AllReduce { send, recv, .. }
-        | CallKind::AllGather { send, recv }
-        | CallKind::ReduceScatter { send, recv, .. }
-        | CallKind::Broadcast { send, recv, .. }
-        | CallKind::Reduce { send, recv, .. }
-        | CallKind::AllToAll { send, recv } => vec![*send, *recv],
-        CallKind::Send { buf, .. } | CallKind::Recv { buf, .. } => vec![*buf],
-        CallKind::Barrier => vec![],
-    }
-}
-
 impl CommBackend for NcclComm {
     type B = Cuda;
     const NAME: &'static str = "nccl";
@@ -472,7 +459,7 @@ impl CommBackend for NcclComm {
         }
         let name = if calls.len() == 1 { calls[0].kind.kind().name() } else { "group" };
         let seq = calls.first().map(|c| c.seq).unwrap_or(0);
-        let all_views: Vec<View<'_, Cuda>> = calls.iter().flat_map(|c| views(&c.kind)).collect();
+        let all_views: Vec<View<'_, Cuda>> = calls.iter().flat_map(|c| c.kind.views()).collect();
         for v in &all_views {
             if !v.buffer().device().is_same(&self.shared.device) {
                 return Err(CommError::invalid(name, "a buffer is not on this rank's device"));

@@ -345,7 +345,7 @@ impl CommBackend for SimComm {
             return Err(CommError::invalid("launch", "the stream is not on this rank's device"));
         }
         for c in &calls {
-            for v in views(&c.kind) {
+            for v in c.kind.views() {
                 if !same_device(v.buffer().device(), &self.device) {
                     return Err(CommError::invalid(c.kind.kind().name(), "a buffer is not on this rank's device"));
                 }
@@ -399,17 +399,4 @@ fn cpu_same(stream: &CpuStream, device: &CpuDevice) -> bool {
 
 fn same_device(a: &CpuDevice, b: &CpuDevice) -> bool {
     a.is_same(b)
-}
-
-fn views<'a>(kind: &CallKind<'a, Cpu>) -> Vec<chorus_devices::View<'a, Cpu>> {
-    match kind {
-        CallKind::AllReduce { send, recv, .. }
-        | CallKind::AllGather { send, recv }
-        | CallKind::ReduceScatter { send, recv, .. }
-        | CallKind::Broadcast { send, recv, .. }
-        | CallKind::Reduce { send, recv, .. }
-        | CallKind::AllToAll { send, recv } => vec![*send, *recv],
-        CallKind::Send { buf, .. } | CallKind::Recv { buf, .. } => vec![*buf],
-        CallKind::Barrier => vec![],
-    }
 }
