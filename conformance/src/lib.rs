@@ -31,6 +31,7 @@
 //! it on NCCL, one rank per GPU.
 #![warn(missing_docs)]
 
+mod barrier;
 mod case;
 pub mod collectives;
 pub mod errors;
@@ -46,6 +47,7 @@ pub mod nccl;
 #[cfg(feature = "sim")]
 pub mod sim;
 
+pub use barrier::HostBarrier;
 pub use case::{
     Buf, Case, CaseFn, Dev, Evt, FaultAction, FaultSpec, Faults, Hooks, Isolation, RankCtx, Requirements, Strm, Support,
 };

@@ -10,7 +10,6 @@
 //! those are reported as skipped, with the reason.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
@@ -19,7 +18,7 @@ use chorus_collectives::store::MemStore;
 use chorus_collectives::Communicator;
 use chorus_devices::cuda::{self, CudaConfig, CudaDevice};
 
-use crate::{Case, CaseOutcome, Faults, Hooks, Isolation, RankCtx, Status, Summary, Support};
+use crate::{Case, CaseOutcome, Faults, Hooks, HostBarrier, Isolation, RankCtx, Status, Summary, Support};
 
 /// Deadline of the world shared by value cases.
 pub const SHARED_TIMEOUT: Duration = Duration::from_secs(60);
@@ -36,52 +35,14 @@ pub fn gpus() -> Result<usize, chorus_devices::DeviceError> {
     cuda::device_count()
 }
 
-struct HostBarrier {
-    size: usize,
-    timeout: Duration,
-    state: Mutex<(usize, u64, bool)>,
-    cv: Condvar,
+/// The harness's hooks: a host barrier, and no fault injection (NCCL has none).
+struct NcclHooks {
+    barrier: HostBarrier,
 }
 
-impl HostBarrier {
-    fn new(size: usize, timeout: Duration) -> HostBarrier {
-        HostBarrier { size, timeout, state: Mutex::new((0, 0, false)), cv: Condvar::new() }
-    }
-
-    fn cancel(&self) {
-        if let Ok(mut st) = self.state.lock() {
-            st.2 = true;
-        }
-        self.cv.notify_all();
-    }
-}
-
-impl Hooks for HostBarrier {
+impl Hooks for NcclHooks {
     fn host_barrier(&self) -> Result<(), crate::Failure> {
-        let Ok(mut st) = self.state.lock() else { bail!("host barrier poisoned") };
-        let generation = st.1;
-        st.0 += 1;
-        if st.0 == self.size {
-            st.0 = 0;
-            st.1 += 1;
-            self.cv.notify_all();
-            return Ok(());
-        }
-        let deadline = Instant::now() + self.timeout;
-        while st.1 == generation {
-            if st.2 {
-                bail!("host barrier cancelled: another rank failed");
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                bail!("host barrier: not every rank arrived within {:?}", self.timeout);
-            }
-            st = match self.cv.wait_timeout(st, deadline - now) {
-                Ok((g, _)) => g,
-                Err(_) => bail!("host barrier poisoned"),
-            };
-        }
-        Ok(())
+        self.barrier.wait()
     }
     fn faults(&self) -> Option<&dyn Faults> {
         None
@@ -110,14 +71,14 @@ fn world(size: usize, timeout: Duration) -> Result<Vec<Communicator<NcclComm>>, 
 
 /// Runs `case` on every rank of `comms`; the status and the wall time.
 fn run_case(comms: &[Communicator<NcclComm>], case: &Case<NcclComm>, support: Support, timeout: Duration) -> Status {
-    let barrier = HostBarrier::new(comms.len(), timeout * 2);
+    let hooks = NcclHooks { barrier: HostBarrier::new(comms.len(), timeout * 2) };
     let failures: Vec<String> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .iter()
             .map(|comm| {
-                let barrier = &barrier;
+                let hooks = &hooks;
                 s.spawn(move || {
-                    let ctx = RankCtx { comm, hooks: barrier, support, comm_timeout: timeout };
+                    let ctx = RankCtx { comm, hooks, support, comm_timeout: timeout };
                     let r = match catch_unwind(AssertUnwindSafe(|| (case.run)(&ctx))) {
                         Ok(Ok(())) => Ok(()),
                         Ok(Err(e)) => Err(format!("rank {}: {e:#}", comm.rank())),
@@ -125,7 +86,7 @@ fn run_case(comms: &[Communicator<NcclComm>], case: &Case<NcclComm>, support: Su
                     };
                     if r.is_err() {
                         // Peers waiting for this rank fail now, not at their deadline.
-                        barrier.cancel();
+                        hooks.barrier.cancel();
                         comm.abort(&format!("rank {} failed {}", comm.rank(), case.name));
                     }
                     r

@@ -18,17 +18,17 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use anyhow::bail;
 use chorus_collectives::sim::{Fault, FaultKind, SimComm, SimConfig, SimWorld};
 use chorus_collectives::Communicator;
 use chorus_devices::cpu::CpuConfig;
 
 use crate::{
-    Case, CaseFn, CaseOutcome, FaultAction, FaultSpec, Faults, Hooks, Isolation, RankCtx, Status, Summary, Support,
+    Case, CaseFn, CaseOutcome, FaultAction, FaultSpec, Faults, Hooks, HostBarrier, Isolation, RankCtx, Status, Summary,
+    Support,
 };
 
 /// Rendezvous deadline of the world shared by value cases.
@@ -128,65 +128,6 @@ pub fn run(world_size: usize, filter: Option<&str>, on_outcome: &mut dyn FnMut(&
         r.close();
     }
     summary
-}
-
-/// A host-side barrier the harness owns, with a deadline and a cancel switch
-/// (so a failed rank cannot leave the others waiting).
-struct HostBarrier {
-    size: usize,
-    timeout: Duration,
-    state: Mutex<BarrierState>,
-    cv: Condvar,
-}
-
-#[derive(Default)]
-struct BarrierState {
-    arrived: usize,
-    generation: u64,
-    cancelled: bool,
-}
-
-impl HostBarrier {
-    fn new(size: usize, timeout: Duration) -> HostBarrier {
-        HostBarrier { size, timeout, state: Mutex::new(BarrierState::default()), cv: Condvar::new() }
-    }
-
-    fn wait(&self) -> Result<(), crate::Failure> {
-        let Ok(mut st) = self.state.lock() else { bail!("host barrier poisoned") };
-        if st.cancelled {
-            bail!("host barrier cancelled: another rank failed");
-        }
-        let generation = st.generation;
-        st.arrived += 1;
-        if st.arrived == self.size {
-            st.arrived = 0;
-            st.generation += 1;
-            self.cv.notify_all();
-            return Ok(());
-        }
-        let deadline = Instant::now() + self.timeout;
-        while st.generation == generation {
-            if st.cancelled {
-                bail!("host barrier cancelled: another rank failed");
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                bail!("host barrier: not every rank arrived within {:?}", self.timeout);
-            }
-            st = match self.cv.wait_timeout(st, deadline - now) {
-                Ok((g, _)) => g,
-                Err(_) => bail!("host barrier poisoned"),
-            };
-        }
-        Ok(())
-    }
-
-    fn cancel(&self) {
-        if let Ok(mut st) = self.state.lock() {
-            st.cancelled = true;
-        }
-        self.cv.notify_all();
-    }
 }
 
 struct SimHooks {
