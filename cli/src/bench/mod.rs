@@ -415,6 +415,24 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
     Ok(if wrong == 0 { Outcome::Passed } else { Outcome::Failed })
 }
 
+/// Enqueues one `op` (sum for the reducing ones, root 0 for broadcast) on any backend.
+fn launch<C: chorus_collectives::CommBackend>(
+    comm: &chorus_collectives::Communicator<C>,
+    op: Op,
+    send: chorus_devices::View<'_, C::B>,
+    recv: chorus_devices::View<'_, C::B>,
+    stream: &<C::B as chorus_devices::Backend>::Stream,
+) -> Result<(), chorus_collectives::CommError> {
+    use chorus_collectives::ReduceOp;
+    match op {
+        Op::AllReduce => comm.all_reduce(send, recv, ReduceOp::Sum, stream),
+        Op::AllGather => comm.all_gather(send, recv, stream),
+        Op::ReduceScatter => comm.reduce_scatter(send, recv, ReduceOp::Sum, stream),
+        Op::Broadcast => comm.broadcast(send, recv, 0, stream),
+        Op::AllToAll => comm.all_to_all(send, recv, stream),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

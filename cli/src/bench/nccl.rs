@@ -22,9 +22,10 @@ use chorus_collectives::nccl::{sys, NcclComm, NcclConfig};
 use chorus_collectives::nccl_abi::{DataType, RedOp, ResultCode};
 use chorus_collectives::store::MemStore;
 use chorus_collectives::{CommError, Communicator, ReduceOp};
-use chorus_devices::cuda::{self, Cuda, CudaConfig, CudaDevice, CudaStream};
-use chorus_devices::{bf16, f16, Buffer, Device, Element, Priority, Stream, StreamExt, View};
+use chorus_devices::cuda::{self, CudaConfig, CudaDevice, CudaStream};
+use chorus_devices::{bf16, f16, Buffer, Device, Element, Priority, Stream, StreamExt};
 
+use super::launch;
 use super::pattern::Expectation;
 use super::timing::{median_window, timed_loop, HostBarrier, Spans};
 use super::{Geometry, Measured, Op};
@@ -96,22 +97,6 @@ fn rank_main(
         comm.abort(&format!("{e:#}"));
     }
     out
-}
-
-fn launch(
-    comm: &Communicator<NcclComm>,
-    op: Op,
-    send: View<'_, Cuda>,
-    recv: View<'_, Cuda>,
-    stream: &CudaStream,
-) -> Result<(), CommError> {
-    match op {
-        Op::AllReduce => comm.all_reduce(send, recv, ReduceOp::Sum, stream),
-        Op::AllGather => comm.all_gather(send, recv, stream),
-        Op::ReduceScatter => comm.reduce_scatter(send, recv, ReduceOp::Sum, stream),
-        Op::Broadcast => comm.broadcast(send, recv, 0, stream),
-        Op::AllToAll => comm.all_to_all(send, recv, stream),
-    }
 }
 
 fn run<T: Element>(

@@ -14,14 +14,14 @@ use std::time::Duration;
 
 use anyhow::Context;
 use chorus_collectives::sim::{SimComm, SimConfig, SimWorld};
-use chorus_collectives::{CommError, Communicator, ReduceOp};
-use chorus_devices::cpu::{CpuConfig, CpuStream};
-use chorus_devices::{bf16, f16, Buffer, Device, Element, Priority, Stream, StreamExt, View};
+use chorus_collectives::{CommError, Communicator};
+use chorus_devices::cpu::CpuConfig;
+use chorus_devices::{bf16, f16, Buffer, Device, Element, Priority, Stream, StreamExt};
 
+use super::launch;
 use super::pattern::Expectation;
 use super::timing::{median_window, timed_loop, HostBarrier, Spans};
-use super::{Geometry, Measured, Op};
-use chorus_devices::cpu::Cpu;
+use super::{Geometry, Measured};
 
 /// Deadline of every rendezvous and device wait: generous, because a large
 /// collective on a small machine is slow, and a bench should not time out.
@@ -64,22 +64,6 @@ pub fn measure(g: Geometry, warmup: usize, iters: usize) -> anyhow::Result<Measu
         wrong += w;
     }
     Ok(Measured { time: median_window(&spans)?, wrong })
-}
-
-fn launch(
-    comm: &Communicator<SimComm>,
-    op: Op,
-    send: View<'_, Cpu>,
-    recv: View<'_, Cpu>,
-    stream: &CpuStream,
-) -> Result<(), CommError> {
-    match op {
-        Op::AllReduce => comm.all_reduce(send, recv, ReduceOp::Sum, stream),
-        Op::AllGather => comm.all_gather(send, recv, stream),
-        Op::ReduceScatter => comm.reduce_scatter(send, recv, ReduceOp::Sum, stream),
-        Op::Broadcast => comm.broadcast(send, recv, 0, stream),
-        Op::AllToAll => comm.all_to_all(send, recv, stream),
-    }
 }
 
 /// One rank's part: set up, time, check. Returns its spans and its wrong-element count.
