@@ -38,6 +38,9 @@ pub struct Setup {
     pub batch: usize,
     /// Micro-batches per step (gradient sync only on the last).
     pub micro: usize,
+    /// HSDP: reduce-scatter every micro-batch but all-reduce only on the last
+    /// (instead of skipping gradient sync).
+    pub defer_all_reduce: bool,
     /// Steps.
     pub steps: usize,
     /// The optimizer (FSDP's is the same kind with the same settings).
@@ -61,6 +64,7 @@ impl Setup {
             dims: vec![37, 64, 33, 5],
             batch: 3,
             micro: 1,
+            defer_all_reduce: false,
             steps: 4,
             opt,
             config: FsdpConfig::default(),
@@ -131,7 +135,12 @@ pub fn train_fsdp<C: CommBackend>(world: Arc<Communicator<C>>, s: &Setup) -> Res
     for step in 0..s.steps {
         let (x, y) = batch(&s.dims, n * s.batch * s.micro, step);
         for m in 0..s.micro {
-            fsdp.set_requires_gradient_sync(m + 1 == s.micro);
+            let last = m + 1 == s.micro;
+            if s.defer_all_reduce {
+                fsdp.set_requires_all_reduce(last);
+            } else {
+                fsdp.set_requires_gradient_sync(last);
+            }
             let row = (m * n + rank) * s.batch;
             mlp.forward_backward(&mut fsdp, &x[row * d0..(row + s.batch) * d0], &y[row * dl..(row + s.batch) * dl])?;
             fsdp.finalize_backward()?;
@@ -321,6 +330,12 @@ pub fn cases<C: CommBackend>(world_size: usize) -> Vec<Case<C>> {
                 ..Setup::new(adamw())
             },
             1e-5,
+        ));
+        // Partial reduce-scatter results accumulate until the all-reduce.
+        out.push(parity_case(
+            &format!("hsdp-2x{half}-deferred-all-reduce"),
+            Setup { replicate: r, micro: 2, defer_all_reduce: true, ..Setup::new(sgd(0.05 / 2.0, 0.0)) },
+            1e-6,
         ));
         out.push(hsdp_counts_case());
     }
