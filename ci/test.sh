@@ -45,6 +45,13 @@ cargo clippy --workspace --all-targets --all-features -- -D warnings
 step "cargo test --workspace"
 cargo test --workspace
 
+step "chorus train against an independent NumPy implementation (init written by numpy.save)"
+if ! python3 -c "import numpy" >/dev/null 2>&1; then
+    python3 -m pip install --quiet --disable-pip-version-check numpy
+fi
+cargo build -p chorus
+python3 ci/train_vs_numpy.py "$CARGO_TARGET_DIR/debug/chorus" "$(mktemp -d)"
+
 step "GPU backends: loading without a GPU (NCCL, NVRTC; CUDA driver absent)"
 cargo test -p chorus-devices --features cuda --lib cuda
 cargo test -p chorus-devices --features cuda --test cuda_load
