@@ -26,8 +26,10 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 
-use chorus_devices::DType;
-use pattern::Pattern;
+use chorus_collectives::{CommBackend, CommError, Communicator};
+use chorus_devices::{Buffer, DType, Device, Element, Priority, Stream, StreamExt};
+use pattern::{Expectation, Pattern};
+use timing::{timed_loop, HostBarrier, Spans};
 
 use crate::backends::{parse_backend, Backend};
 use crate::conformance::parse_world_size;
@@ -413,6 +415,50 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
         }
     }
     Ok(if wrong == 0 { Outcome::Passed } else { Outcome::Failed })
+}
+
+/// Elements per host staging piece when filling inputs and checking outputs:
+/// whole-buffer host copies would double the memory of the largest sizes.
+const PIECE: usize = 1 << 22;
+
+/// One rank's part, on any backend: set up, time, check. Returns its spans and its wrong-element count.
+pub(crate) fn measure_rank<C: CommBackend, T: Element>(
+    comm: &Communicator<C>,
+    g: Geometry,
+    barrier: &HostBarrier,
+    warmup: usize,
+    iters: usize,
+) -> anyhow::Result<(Spans, u64)> {
+    let me = comm.rank();
+    let stream = comm.device().create_stream(Priority::Normal)?;
+    let send = stream.alloc(T::DTYPE, g.send_len)?;
+    let mut start = 0;
+    while start < g.send_len {
+        let len = PIECE.min(g.send_len - start);
+        let piece: Vec<T> = (start..start + len).map(|i| T::from_f64(g.pattern.value(me, i))).collect();
+        stream.upload(&piece, send.slice(start, len)?)?;
+        stream.synchronize()?;
+        start += len;
+    }
+    let recv = stream.alloc(T::DTYPE, g.recv_len)?;
+    stream.synchronize()?;
+
+    let spans = timed_loop(barrier, warmup, iters, || {
+        launch(comm, g.op, send.view(), recv.view(), &stream)?;
+        stream.synchronize().map_err(CommError::from)?;
+        Ok(())
+    })?;
+
+    let expect = Expectation { op: g.op, n: g.n, chunk: g.chunk, pattern: g.pattern };
+    let mut wrong = 0;
+    start = 0;
+    while start < recv.len() {
+        let len = PIECE.min(recv.len() - start);
+        let got: Vec<T> = stream.read_vec(recv.slice(start, len)?)?;
+        wrong += expect.count_wrong(me, start, got.iter().map(|v| v.to_f64()));
+        start += len;
+    }
+    Ok((spans, wrong))
 }
 
 /// Enqueues one `op` (sum for the reducing ones, root 0 for broadcast) on any backend.

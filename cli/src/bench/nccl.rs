@@ -23,17 +23,14 @@ use chorus_collectives::nccl_abi::{DataType, RedOp, ResultCode};
 use chorus_collectives::store::MemStore;
 use chorus_collectives::{CommError, Communicator, ReduceOp};
 use chorus_devices::cuda::{self, CudaConfig, CudaDevice, CudaStream};
-use chorus_devices::{bf16, f16, Buffer, Device, Element, Priority, Stream, StreamExt};
+use chorus_devices::{bf16, f16, Buffer, Device, Element, Priority, Stream};
 
-use super::launch;
-use super::pattern::Expectation;
-use super::timing::{median_window, timed_loop, HostBarrier, Spans};
+use super::measure_rank;
+use super::timing::{median_window, HostBarrier, Spans};
 use super::{Geometry, Measured, Op};
 
 /// Deadline of initialization and of every wait.
 const DEADLINE: Duration = Duration::from_secs(600);
-/// Elements read back per piece when checking an output.
-const CHECK_PIECE: usize = 1 << 22;
 /// Calls per host-overhead measurement, and their element count.
 const OVERHEAD_CALLS: usize = 200;
 const OVERHEAD_COUNT: usize = 1024;
@@ -107,29 +104,9 @@ fn run<T: Element>(
     iters: usize,
 ) -> anyhow::Result<(Spans, u64)> {
     let me = comm.rank();
-    let stream = comm.device().create_stream(Priority::Normal)?;
-    let input: Vec<T> = (0..g.send_len).map(|i| T::from_f64(g.pattern.value(me, i))).collect();
-    let send = stream.buffer_from(&input)?;
-    drop(input);
-    let recv = stream.alloc(T::DTYPE, g.recv_len)?;
-    stream.synchronize()?;
-
-    let spans = timed_loop(barrier, warmup, iters, || {
-        launch(comm, g.op, send.view(), recv.view(), &stream)?;
-        stream.synchronize().map_err(CommError::from)?;
-        Ok(())
-    })?;
-
-    let expect = Expectation { op: g.op, n: g.n, chunk: g.chunk, pattern: g.pattern };
-    let mut wrong = 0;
-    let mut start = 0;
-    while start < recv.len() {
-        let len = CHECK_PIECE.min(recv.len() - start);
-        let got: Vec<T> = stream.read_vec(recv.slice(start, len)?)?;
-        wrong += expect.count_wrong(me, start, got.iter().map(|v| v.to_f64()));
-        start += len;
-    }
+    let (spans, wrong) = measure_rank::<NcclComm, T>(comm, g, barrier, warmup, iters)?;
     if g.op == Op::AllReduce {
+        let stream = comm.device().create_stream(Priority::Normal)?;
         let (ours, direct) = host_overhead::<T>(comm, barrier, &stream)?;
         if me == 0 {
             eprintln!(
