@@ -14,6 +14,14 @@
 //! does not happen before the new. The check runs when the operation is
 //! enqueued, so a race is reported deterministically, before anything runs,
 //! and the racing operation is not enqueued.
+//!
+//! A stream occupies a slot (a clock component) while it lives. When its
+//! executor has run its last job, every later enqueue is ordered after all
+//! of its work (the executor finished it, then took the sanitizer's lock),
+//! so its records are dropped and the slot is reused; the next stream in
+//! the slot continues the slot's positions, so no stale clock component can
+//! order its operations. Clocks are as long as the most streams alive at
+//! once, not as every stream ever made.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -85,7 +93,11 @@ struct Entry {
 /// The sanitizer's state for one device.
 #[derive(Debug, Default)]
 pub(crate) struct Sanitizer {
+    /// Per slot: the stream's name and clock (kept after retirement, so the
+    /// slot's next stream continues its positions).
     streams: Vec<(String, Clock)>,
+    /// Slots whose stream has retired.
+    free: Vec<usize>,
     host: Clock,
     events: HashMap<u64, Clock>,
     buffers: HashMap<u64, Vec<Entry>>,
@@ -100,11 +112,39 @@ fn covers(outer: &Range<usize>, inner: &Range<usize>) -> bool {
 }
 
 impl Sanitizer {
-    pub(crate) fn add_stream(&mut self, index: usize, name: String) {
-        if self.streams.len() <= index {
-            self.streams.resize(index + 1, (String::new(), Clock::default()));
+    /// Gives a new stream a slot.
+    pub(crate) fn add_stream(&mut self, name: String) -> usize {
+        match self.free.pop() {
+            Some(slot) => {
+                let last = self.streams[slot].1.get(slot);
+                let mut clock = Clock::default();
+                clock.set(slot, last);
+                self.streams[slot] = (name, clock);
+                slot
+            }
+            None => {
+                self.streams.push((name, Clock::default()));
+                self.streams.len() - 1
+            }
         }
-        self.streams[index] = (name, Clock::default());
+    }
+
+    /// The stream in `slot` has run all its work: forget its accesses and free the slot.
+    pub(crate) fn retire_stream(&mut self, slot: usize) {
+        if slot >= self.streams.len() || self.free.contains(&slot) {
+            return;
+        }
+        for entries in self.buffers.values_mut() {
+            entries.retain(|e| e.stream != slot);
+        }
+        self.buffers.retain(|_, entries| !entries.is_empty());
+        self.free.push(slot);
+    }
+
+    /// Number of slots (the length of every clock), for tests.
+    #[cfg(test)]
+    pub(crate) fn slots(&self) -> usize {
+        self.streams.len()
     }
 
     /// Checks `accesses` of operation `op` on `stream`; on success records
