@@ -43,8 +43,7 @@ const SHARED_DEADLINE: Duration = Duration::from_secs(90);
 const FRESH_DEADLINE: Duration = Duration::from_secs(20);
 
 fn config(timeout: Duration) -> SimConfig {
-    let device =
-        CpuConfig { sanitizer: true, timeout: timeout.max(Duration::from_secs(10)) * 2, ..CpuConfig::default() };
+    let device = CpuConfig::default().with_timeout(timeout.max(Duration::from_secs(10)) * 2);
     SimConfig { timeout, device }
 }
 

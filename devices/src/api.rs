@@ -292,7 +292,7 @@ pub trait Stream: Send + Sync + fmt::Debug + 'static {
     /// handles it drops — with [`DeviceError::InHostFunction`](crate::DeviceError::InHostFunction)
     /// (see [`crate::host_fn`]). It runs even when earlier work failed, with
     /// that failure (`Err`), so it can release what it holds. A panic in `f`
-    /// is caught.
+    /// is caught and fails the stream from this operation on.
     fn launch_host_fn(&self, f: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()>;
 
     /// Matrix product per [`MatmulSpec`]: `a` and `b` share a float dtype;

@@ -99,7 +99,9 @@ pub enum DeviceError {
     /// A device API call was made inside a host function (or from something
     /// a host function dropped), which CUDA and HIP forbid
     /// (`CUDA_ERROR_NOT_PERMITTED`); see [`crate::host_fn`]. Nothing was done.
-    #[error("{op} was called inside a host function, where device API calls are not permitted (CUDA_ERROR_NOT_PERMITTED)")]
+    #[error(
+        "{op} was called inside a host function, where device API calls are not permitted (CUDA_ERROR_NOT_PERMITTED)"
+    )]
     InHostFunction {
         /// The refused operation.
         op: String,

@@ -101,7 +101,7 @@ mod tests {
         }
         let seen = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let probe = Probe(seen.clone());
-        run(move || drop(probe));
+        assert!(run(move || drop(probe)).is_ok());
         assert!(seen.load(std::sync::atomic::Ordering::SeqCst));
         assert!(!in_host_fn());
         assert_eq!(run(|| panic!("boom")).unwrap_err(), "boom", "a panic is caught");

@@ -13,6 +13,8 @@ mod checks;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+mod deferred;
 mod dtype;
 mod error;
 mod failure;

@@ -57,11 +57,7 @@ impl Backoff {
 
 /// Polls `check` until it returns `Ok(true)`, returns an error, or `timeout`
 /// passes; then [`DeviceError::Timeout`](crate::DeviceError::Timeout) naming `what`.
-pub fn poll_until(
-    timeout: Duration,
-    what: &str,
-    mut check: impl FnMut() -> crate::Result<bool>,
-) -> crate::Result<()> {
+pub fn poll_until(timeout: Duration, what: &str, mut check: impl FnMut() -> crate::Result<bool>) -> crate::Result<()> {
     let backoff = Backoff::new();
     loop {
         if check()? {

@@ -33,7 +33,6 @@ pub use memory::RawRange;
 pub use sanitizer::Access;
 pub use stream::{CpuStream, JobInput};
 
-
 /// The cpu backend's types.
 #[derive(Debug)]
 pub enum Cpu {}

@@ -455,7 +455,8 @@ impl crate::Stream for CpuStream {
     }
 
     fn launch_host_fn(&self, f: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
-        self.enqueue("host_fn", &[], move |input| {
+        // A panic fails the stream with its message: the executor catches it.
+        self.enqueue("launch_host_fn", &[], move |input| {
             match input {
                 JobInput::Run => f(Ok(())),
                 JobInput::Skip(e) => f(Err(e.clone())),

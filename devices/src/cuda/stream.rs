@@ -3,32 +3,23 @@
 //! failures, and every stream operation.
 
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::result::{self as drv, stream::StreamKind};
-use cudarc::driver::sys::{CUdeviceptr, CUevent, CUevent_wait_flags, CUmemorytype, CUresult, CUstream, CUDA_MEMCPY2D};
+use cudarc::driver::sys::{CUdeviceptr, CUevent_wait_flags, CUmemorytype, CUresult, CUstream, CUDA_MEMCPY2D};
 
 use super::blas::BlasHandle;
 use super::device::{bind_ctx, defer, next_id, CudaDevice, DeviceInner};
 use super::event::CudaEvent;
 use super::kernels::{arg, code, REDUCE_BLOCK};
-use super::memory::{CudaBuffer, PinnedBlock, StagingPool};
+use super::memory::CudaBuffer;
 use super::result::{self as res, DriverResult};
 use super::Cuda;
 use crate::failure::{poisoned, StreamState};
 use crate::{checks, host_fn, wait};
 use crate::{
-    AdamWParams, Buffer, Copy2d, DType, Device, DeviceError, MatmulSpec, Priority, Readback, Result, Scalar,
-    SgdParams, View,
+    AdamWParams, Buffer, Copy2d, DType, DeviceError, MatmulSpec, Priority, Readback, Result, Scalar, SgdParams, View,
 };
-
-/// What a host wait waits for.
-pub(crate) enum Target {
-    /// Everything enqueued on the stream so far.
-    Stream,
-    /// An event recorded at this position of the stream.
-    Event(CUevent, u64),
-}
 
 pub(crate) struct StreamShared {
     pub(crate) raw: CUstream,
@@ -86,32 +77,18 @@ impl StreamShared {
         format!("cuda:{}", self.device.config.ordinal)
     }
 
-    /// Blocks the host until `target` (default: all work so far) has run, a
-    /// failure is known, or the device's deadline passes. Polls the driver
-    /// and the host-seen failures; it never runs anything else.
-    pub(crate) fn host_wait(&self, device: &CudaDevice, target: Option<Target>) -> Result<()> {
-        let target = target.unwrap_or(Target::Stream);
-        let upto = match target {
-            Target::Stream => self.state.position(),
-            Target::Event(_, pos) => pos,
-        };
+    /// Blocks the host until the work enqueued so far has run, a failure is
+    /// known, or the device's deadline passes. Polls the driver and the
+    /// host-seen failures; it never runs anything else.
+    pub(crate) fn host_wait(&self, device: &CudaDevice) -> Result<()> {
+        let upto = self.state.position();
         device.bind()?;
-        let what = match target {
-            Target::Stream => format!("{} to finish", self.name()),
-            Target::Event(..) => format!("an event on {}", self.name()),
-        };
-        wait::poll_until(device.config().timeout, &what, || {
+        wait::poll_until(device.config().timeout, &format!("{} to finish", self.name()), || {
             if let Some(e) = self.state.failure_at(upto) {
                 return Err(e);
             }
-            // SAFETY: live stream / event handles of the bound context.
-            let status = unsafe {
-                match target {
-                    Target::Stream => cudarc::driver::sys::cuStreamQuery(self.raw).result(),
-                    Target::Event(ev, _) => drv::event::query(ev),
-                }
-            };
-            match status {
+            // SAFETY: a live stream of the bound context.
+            match unsafe { cudarc::driver::sys::cuStreamQuery(self.raw) }.result() {
                 Ok(()) => {
                     // A watchdog may have failed the work just before it completed.
                     if let Some(e) = self.state.failure_at(upto) {
@@ -192,23 +169,16 @@ struct HostJob {
 unsafe extern "C" fn host_fn_trampoline(data: *mut c_void) {
     // SAFETY: `data` is the Box leaked by `launch_host_job`, given to exactly one call.
     let job = unsafe { Box::from_raw(data as *mut HostJob) };
-    let _ = host_fn::run(move || {
+    let (state, position) = (job.state.clone(), job.position);
+    let ran = host_fn::run(move || {
         let HostJob { f, state, position } = *job;
         match state.failure_at(position) {
             Some(e) => f(Err(poisoned(&e))),
             None => f(Ok(())),
         }
     });
-}
-
-fn check_device(op: &'static str, ours: &CudaDevice, theirs: &CudaDevice) -> Result<()> {
-    if ours.is_same(theirs) {
-        Ok(())
-    } else {
-        Err(DeviceError::invalid(
-            op,
-            format!("a view of {} was passed to a stream of {}", theirs.label(), ours.label()),
-        ))
+    if let Err(panic) = ran {
+        state.fail(position, DeviceError::invalid("launch_host_fn", format!("the host function panicked: {panic}")));
     }
 }
 
@@ -228,8 +198,9 @@ impl CudaStream {
         self.shared.id
     }
 
-    /// The driver handle, for enqueuing vendor work (NCCL) through
-    /// [`CudaStream::enqueue_raw`].
+    /// The driver handle. Vendor libraries enqueue through
+    /// [`ForeignBackend::enqueue_foreign`](crate::ForeignBackend::enqueue_foreign)
+    /// instead, which keeps the buffers alive and the failures tracked.
     pub fn raw(&self) -> CUstream {
         self.shared.raw
     }
@@ -248,7 +219,7 @@ impl CudaStream {
     ) -> Result<Option<u64>> {
         host_fn::check(op)?;
         for v in views {
-            check_device(op, &self.device, v.buffer().device())?;
+            checks::on_device(op, &self.device, v)?;
         }
         if self.shared.state.own_failure().is_some() {
             return Ok(None);
@@ -284,8 +255,9 @@ impl CudaStream {
         let position = self.shared.state.position() + 1;
         let job = Box::into_raw(Box::new(HostJob { f, state: self.shared.state.clone(), position }));
         // SAFETY: `job` is handed to exactly one trampoline call, which frees it.
-        let launched = unsafe { drv::stream::launch_host_function(self.shared.raw, host_fn_trampoline, job as *mut c_void) }
-            .drv("cuLaunchHostFunc", &self.device.label());
+        let launched =
+            unsafe { drv::stream::launch_host_function(self.shared.raw, host_fn_trampoline, job as *mut c_void) }
+                .drv("cuLaunchHostFunc", &self.device.label());
         match launched {
             Ok(()) => {
                 self.shared.state.advance();
@@ -424,7 +396,7 @@ impl crate::Stream for CudaStream {
     fn copy_to_host(&self, src: View<'_, Cuda>) -> Result<Readback> {
         let op = "copy_to_host";
         host_fn::check(op)?;
-        check_device(op, &self.device, src.buffer().device())?;
+        checks::on_device(op, &self.device, &src)?;
         let (readback, filler) = Readback::pending(src.dtype(), src.len(), self.device.config().timeout);
         if let Some(e) = self.shared.state.own_failure() {
             filler.fail(poisoned(&e));
@@ -441,7 +413,8 @@ impl crate::Stream for CudaStream {
                 // out of the pool until the host job below has read it.
                 let dst = unsafe { std::slice::from_raw_parts_mut(block_ptr, bytes) };
                 // SAFETY: the device range is valid in stream order.
-                unsafe { drv::memcpy_dtoh_async(dst, device_ptr(&src), s) }.drv("cuMemcpyDtoHAsync", &self.device.label())?;
+                unsafe { drv::memcpy_dtoh_async(dst, device_ptr(&src), s) }
+                    .drv("cuMemcpyDtoHAsync", &self.device.label())?;
             }
             Ok(())
         });
@@ -591,7 +564,7 @@ impl crate::Stream for CudaStream {
 
     fn record(&self, event: &CudaEvent) -> Result<()> {
         host_fn::check("record")?;
-        check_device("record", &self.device, &event.device)?;
+        checks::same_device("record", "an event", &self.device, &event.device)?;
         self.device.bind()?;
         // SAFETY: live event and stream of the bound context.
         unsafe { drv::event::record(event.raw, self.shared.raw) }.drv("cuEventRecord", &self.device.label())?;
@@ -604,7 +577,7 @@ impl crate::Stream for CudaStream {
 
     fn wait(&self, event: &CudaEvent) -> Result<()> {
         host_fn::check("wait")?;
-        check_device("wait", &self.device, &event.device)?;
+        checks::same_device("wait", "an event", &self.device, &event.device)?;
         self.device.bind()?;
         // SAFETY: live event and stream of the bound context.
         unsafe { drv::stream::wait_event(self.shared.raw, event.raw, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
@@ -620,7 +593,7 @@ impl crate::Stream for CudaStream {
 
     fn synchronize(&self) -> Result<()> {
         host_fn::check("stream synchronize")?;
-        self.shared.host_wait(&self.device, None)
+        self.shared.host_wait(&self.device)
     }
 
     fn launch_host_fn(&self, f: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
