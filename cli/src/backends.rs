@@ -159,8 +159,8 @@ fn cuda_row() -> InfoRow {
 /// NCCL: the library (version, where it was found) and the GPUs it could use.
 #[cfg(feature = "nccl")]
 fn nccl_row() -> InfoRow {
-    use chorus_collectives::nccl::result as nccl;
-    let availability = match nccl::get_version() {
+    use chorus_collectives::nccl;
+    let availability = match nccl::version() {
         Err(e) => Availability::Unavailable(e.to_string()),
         Ok(v) => {
             let path = nccl::library_path().unwrap_or_default();
@@ -207,11 +207,11 @@ fn rocm_row() -> InfoRow {
 #[cfg(feature = "rccl")]
 fn rccl_row() -> InfoRow {
     use chorus_collectives::rccl;
-    let availability = match (rccl::sys::rccl(), rccl::version()) {
-        (Ok(lib), Ok(v)) => match chorus_devices::hip::device_count() {
-            Ok(n) if n > 0 => Availability::Available(format!("RCCL {v} from {}; {n} HIP device(s) visible", lib.path)),
-            Ok(_) => Availability::Unavailable(format!("RCCL {v} from {}; no HIP device visible", lib.path)),
-            Err(e) => Availability::Unavailable(format!("RCCL {v} from {}; {e}", lib.path)),
+    let availability = match (rccl::library_path(), rccl::version()) {
+        (Ok(path), Ok(v)) => match chorus_devices::hip::device_count() {
+            Ok(n) if n > 0 => Availability::Available(format!("RCCL {v} from {path}; {n} HIP device(s) visible")),
+            Ok(_) => Availability::Unavailable(format!("RCCL {v} from {path}; no HIP device visible")),
+            Err(e) => Availability::Unavailable(format!("RCCL {v} from {path}; {e}")),
         },
         (Err(e), _) => Availability::Unavailable(e.to_string()),
         (_, Err(e)) => Availability::Unavailable(e.to_string()),

@@ -240,6 +240,14 @@ pub struct Capabilities {
     pub world_abort: bool,
     /// Faults can be injected (`sim` only).
     pub fault_injection: bool,
+    /// Ranks that issue different calls at the same position fail with
+    /// `CommError::Mismatch` on every rank. A vendor library cannot see a
+    /// peer's call (NCCL hangs or corrupts instead); the
+    /// [`checked`](crate::checked) wrapper adds the check to any backend.
+    pub detects_mismatch: bool,
+    /// A `Timeout` names the ranks that never arrived. Vendor libraries
+    /// cannot tell which peer is missing.
+    pub names_missing_ranks: bool,
 }
 
 /// A communication backend: one rank's endpoint of a communicator.

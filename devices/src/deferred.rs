@@ -13,9 +13,12 @@ use std::sync::Mutex;
 
 use crate::{host_fn, DeviceError, Result};
 
+/// The driver work of one drop.
+type Work<C> = Box<dyn FnOnce(&C) -> Result<()> + Send>;
+
 struct Item<C> {
     what: &'static str,
-    work: Box<dyn FnOnce(&C) -> Result<()> + Send>,
+    work: Work<C>,
 }
 
 /// Postponed driver work of one device; `C` is what the work needs (the device).

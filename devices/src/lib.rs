@@ -22,6 +22,8 @@ mod foreign;
 #[cfg(feature = "rocm")]
 pub mod hip;
 pub mod host_fn;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod loader;
 mod memory;
 mod readback;
 mod view;

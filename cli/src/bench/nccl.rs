@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use chorus_collectives::nccl::{sys, NcclComm, NcclConfig};
+use chorus_collectives::nccl::{NcclComm, NcclConfig};
 use chorus_collectives::nccl_abi::{DataType, RedOp, ResultCode};
 use chorus_collectives::store::MemStore;
 use chorus_collectives::{CommError, Communicator, ReduceOp};
@@ -139,24 +139,23 @@ fn host_overhead<T: Element>(
     let ours = t.elapsed().as_secs_f64() / OVERHEAD_CALLS as f64;
     stream.synchronize().map_err(CommError::from)?;
 
-    let nccl = sys::nccl()?;
     let ptr = cuda::device_ptr(&buf.view()) as *mut std::ffi::c_void;
-    let raw_stream = stream.raw() as sys::Stream;
+    let raw_stream = stream.raw() as *mut std::ffi::c_void;
     let (dtype, sum) = (DataType::of(T::DTYPE).raw(), RedOp::Sum.raw());
     barrier.wait()?;
     // SAFETY: every rank makes the same calls on a live communicator; the
     // buffer is valid for OVERHEAD_COUNT elements in the stream's order and
-    // outlives the synchronize below.
+    // outlives the synchronize below; every call is waited for before the next.
     let direct = unsafe {
-        comm.backend().with_raw(|raw| {
+        comm.backend().with_raw(|raw, lib| {
             let t = Instant::now();
             let mut status = 0;
             for _ in 0..OVERHEAD_CALLS {
-                let mut r = (nccl.all_reduce)(ptr, ptr, OVERHEAD_COUNT, dtype, sum, raw, raw_stream);
+                let mut r = (lib.api.ncclAllReduce)(ptr, ptr, OVERHEAD_COUNT, dtype, sum, raw, raw_stream);
                 // A non-blocking communicator may still be connecting: wait as a direct user must.
                 while r == ResultCode::IN_PROGRESS.0 {
                     let mut state = 0;
-                    (nccl.comm_get_async_error)(raw, &mut state);
+                    (lib.api.ncclCommGetAsyncError)(raw, &mut state);
                     r = state;
                 }
                 if r != 0 {

@@ -337,7 +337,15 @@ impl CommBackend for SimComm {
         &self.device
     }
     fn capabilities(&self) -> Capabilities {
-        Capabilities { avg: true, premul_sum: true, ranks_share_device: true, world_abort: true, fault_injection: true }
+        Capabilities {
+            avg: true,
+            premul_sum: true,
+            ranks_share_device: true,
+            world_abort: true,
+            fault_injection: true,
+            detects_mismatch: true,
+            names_missing_ranks: true,
+        }
     }
 
     fn launch(&self, calls: Vec<Call<'_, Cpu>>, stream: &CpuStream) -> Result<()> {

@@ -142,6 +142,7 @@ impl Sanitizer {
     }
 
     /// Slots in use: the length of every clock.
+    #[cfg(test)]
     pub(crate) fn slots(&self) -> usize {
         self.streams.len()
     }

@@ -28,7 +28,7 @@ impl ForeignBackend for Hip {
         for (v, _) in accesses {
             stream.device_ptr(op, *v)?;
         }
-        stream.enqueue_at(|raw| issue(raw as *mut c_void))
+        stream.enqueue_at(issue)
     }
 
     fn failure_handle(stream: &HipStream) -> FailureHandle {
