@@ -70,7 +70,7 @@ impl VendorLib for Nccl {
     }
 
     fn one_rank_scaling_broken(version: Version) -> bool {
-        version < Version { major: 2, minor: 29, patch: 7 }
+        crate::vendor::abi::nccl_one_rank_scaling_broken(version)
     }
 }
 

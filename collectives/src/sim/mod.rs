@@ -18,7 +18,7 @@
 
 mod kernels;
 mod reduce;
-mod world;
+pub(crate) mod world;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -163,14 +163,14 @@ impl SimComm {
 }
 
 /// A call with its buffers resolved to raw memory, ready to run on an executor.
-struct Prepared {
-    seq: u64,
-    fingerprint: crate::backend::Fingerprint,
-    op: OpKind,
-    reduce: ReduceOp,
-    root: usize,
-    send: Option<RawRange>,
-    recv: Option<RawRange>,
+pub(crate) struct Prepared {
+    pub(crate) seq: u64,
+    pub(crate) fingerprint: crate::backend::Fingerprint,
+    pub(crate) op: OpKind,
+    pub(crate) reduce: ReduceOp,
+    pub(crate) root: usize,
+    pub(crate) send: Option<RawRange>,
+    pub(crate) recv: Option<RawRange>,
 }
 
 impl SimComm {
@@ -241,7 +241,7 @@ fn scalar_of(op: ReduceOp) -> f64 {
 }
 
 /// Runs one group of prepared calls on rank `me`'s executor.
-fn run_group(world: &WorldShared, me: usize, calls: &[Prepared]) -> Result<()> {
+pub(crate) fn run_group(world: &WorldShared, me: usize, calls: &[Prepared]) -> Result<()> {
     // Sends first, so the peers' receives in this group can complete.
     let mut posted = Vec::new();
     for c in calls.iter().filter(|c| c.op == OpKind::Send) {
@@ -374,7 +374,7 @@ impl CommBackend for SimComm {
 
     fn split(&self, color: Option<u32>, key: i64) -> Result<Option<SimComm>> {
         let seq = self.splits.fetch_add(1, Ordering::Relaxed);
-        Ok(self.world.split(seq, self.rank, color, key)?.map(|(w, r)| SimComm::new(w, r, self.device.clone())))
+        Ok(self.world.split(seq, self.rank, color, key, false)?.map(|(w, r)| SimComm::new(w, r, self.device.clone())))
     }
 
     fn abort(&self, reason: &str) {

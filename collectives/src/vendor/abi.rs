@@ -205,6 +205,13 @@ impl RedOpPlan {
     }
 }
 
+/// Whether an NCCL of this version computes one-rank `Avg` and `PreMulSum`
+/// reductions wrongly: the last elements unwritten or unscaled when the count
+/// is not a multiple of the kernel's split (NVIDIA/nccl#1950, fixed in 2.29.7).
+pub fn nccl_one_rank_scaling_broken(version: Version) -> bool {
+    version < Version { major: 2, minor: 29, patch: 7 }
+}
+
 /// A pre-multiplied sum's scalar as one element of `dtype`, little-endian
 /// (what `ncclRedOpCreatePreMulSum` reads with a host-immediate residence):
 /// floats rounded to nearest, integers truncated toward zero, as C converts.

@@ -172,6 +172,21 @@ impl<L: VendorLib> Shared<L> {
         }
     }
 
+    /// After a call gave way to an abort request: waits until the abort has
+    /// released the handle — which ends the library's work for the call (its
+    /// thread may still be enqueueing on the caller's stream) — so the caller
+    /// returns only once nothing of the call can still touch its stream.
+    fn await_abort(&self) {
+        let backoff = Backoff::new();
+        while !backoff.expired(self.config.timeout) {
+            match self.handle.lock() {
+                Ok(h) if !h.released => {}
+                _ => return,
+            }
+            backoff.pause();
+        }
+    }
+
     fn take_event(&self) -> Result<<L::B as Backend>::Event> {
         if let Some(e) = self.spare_events.lock().ok().and_then(|mut s| s.pop()) {
             return Ok(e);
@@ -766,7 +781,9 @@ impl<L: VendorLib> CommBackend for VendorComm<L> {
             Err(e) => {
                 self.shared.give_events([start]);
                 let e = error.take().unwrap_or(CommError::Device(e));
-                if matches!(e, CommError::Timeout { .. } | CommError::Backend { .. }) {
+                if self.shared.abort_requested.load(Ordering::Acquire) {
+                    self.shared.await_abort();
+                } else if matches!(e, CommError::Timeout { .. } | CommError::Backend { .. }) {
                     self.shared.abort_with(CommError::Aborted { reason: format!("{name} #{seq} failed: {e}") });
                 }
                 return Err(e);
@@ -822,7 +839,11 @@ impl<L: VendorLib> CommBackend for VendorComm<L> {
             if let Err(e) = shared.wait_ready(parent, "ncclCommSplit", 0) {
                 slot.abandon();
                 drop(guard);
-                shared.abort_with(CommError::Aborted { reason: format!("split failed: {e}") });
+                if shared.abort_requested.load(Ordering::Acquire) {
+                    shared.await_abort();
+                } else {
+                    shared.abort_with(CommError::Aborted { reason: format!("split failed: {e}") });
+                }
                 return Err(e);
             }
         }

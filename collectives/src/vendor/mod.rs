@@ -53,6 +53,8 @@
 pub mod abi;
 mod comm;
 pub mod result;
+#[cfg(feature = "sim")]
+pub mod simlib;
 pub mod sys;
 mod watchdog;
 
