@@ -11,8 +11,7 @@
 use chorus_collectives::CommBackend;
 use chorus_devices::{Backend, Buffer, DType, MatmulSpec, Stream, StreamExt, View};
 
-use crate::state::Buf;
-use crate::{Fsdp, FsdpError, ParamInit, Result};
+use crate::{Buf, Fsdp, FsdpError, ParamInit, Result};
 
 /// A deterministic generator (splitmix64) for weights and data.
 #[derive(Clone, Debug)]
