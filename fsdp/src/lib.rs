@@ -9,10 +9,12 @@
 //! explicit prefetch; reshard-after-forward as a bool or a smaller world;
 //! HSDP and DDP layouts; mixed precision; gradient-accumulation switches;
 //! gradient divide factors; sharded optimizers and gradient clipping
-//! ([`optim`]); and a reference model ([`mlp`]).
+//! ([`optim`]).
 //!
 //! Rust has no module hooks, so a model calls the hooks explicitly — one
-//! line per layer with [`Fsdp::forward`] and [`Fsdp::backward`].
+//! line per layer with [`Fsdp::forward`] and [`Fsdp::backward`]. The
+//! `chorus-train` crate holds a reference model and training loop written
+//! against this public API.
 //!
 //! The modules follow FSDP2's files: `state` is the root ([`Fsdp`]) and the
 //! order of the hooks, `param_group` a group's state machine, `collectives`
@@ -24,13 +26,10 @@ mod collectives;
 mod config;
 mod error;
 pub mod layout;
-pub mod mlp;
-pub mod npy;
 pub mod optim;
 mod param;
 mod param_group;
 mod state;
-pub mod train;
 
 use chorus_collectives::CommBackend;
 use chorus_devices::Backend;

@@ -15,11 +15,12 @@ use chorus_collectives::backend::OpKind;
 use chorus_collectives::{CommBackend, Communicator, Mesh};
 use chorus_devices::{Buffer, DType, Device, Scalar, Stream, StreamExt};
 use chorus_fsdp::layout::GroupLayout;
-use chorus_fsdp::mlp::{init_layers, Mlp, SplitMix};
 use chorus_fsdp::{
     DataParallel, Fsdp, FsdpConfig, FsdpError, MixedPrecision, OptimizerKind, ParamInit, Reshard, ShardedOptimizer,
     ShardedState, TrainingState,
 };
+use chorus_train::mlp::{init_layers, Mlp, SplitMix};
+use chorus_train::train::Dataset;
 
 use crate::{Case, Failure, RankCtx, Requirements};
 use counting::{Counting, Counts};
@@ -640,7 +641,7 @@ fn losses_case<C: CommBackend>() -> Case<C> {
         let mlp = Mlp::register(&mut fsdp, init_layers(&dims, 3))?;
         let mut opt = ShardedOptimizer::new(OptimizerKind::sgd(0.1, 0.0));
         // Targets from a teacher network, so there is something to fit.
-        let data = chorus_fsdp::train::Dataset::random(dims[0], dims[2], 8 * n, 1, 3);
+        let data = Dataset::random(dims[0], dims[2], 8 * n, 1, 3);
         let (x, y) = data.rows(0, rank * 8, 8)?;
         let mut losses = Vec::new();
         for _ in 0..30 {
