@@ -10,10 +10,10 @@ use anyhow::Context;
 use chorus_collectives::sim::{SimConfig, SimWorld};
 use chorus_devices::cpu::CpuConfig;
 use chorus_devices::DType;
-use chorus_fsdp::mlp::init_layers;
-use chorus_fsdp::npy;
-use chorus_fsdp::train::{train, Dataset, RankReport, TrainSpec};
 use chorus_fsdp::{FsdpConfig, MixedPrecision, OptimizerKind, ParamInit, Reshard};
+use chorus_train::mlp::init_layers;
+use chorus_train::npy;
+use chorus_train::train::{train, Dataset, RankReport, TrainSpec};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
