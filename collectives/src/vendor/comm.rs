@@ -241,8 +241,8 @@ impl<L: VendorLib> Watched for Shared<L> {
         };
         self.give_events(done.into_iter().flat_map(|l| [l.start, l.end]));
         if let Some(e) = expired {
-            self.abort_with(CommError::Aborted { reason: e.to_string() });
-            // The launch that expired reports the timeout itself.
+            // The pending launches (the expired one first) report the timeout.
+            self.abort_with(e);
             return false;
         }
         if still_pending {
@@ -527,6 +527,28 @@ impl<L: VendorLib> VendorComm<L> {
     }
 }
 
+/// What a communicator of `lib` at `version` can do.
+fn capabilities_of(lib: &Lib, v: Version) -> Capabilities {
+    Capabilities {
+        avg: v.at_least(2, 10),
+        premul_sum: v.at_least(2, 11) && lib.api.ncclRedOpCreatePreMulSum.is_some(),
+        ranks_share_device: false,
+        world_abort: false,
+        fault_injection: false,
+        detects_mismatch: false,
+        names_missing_ranks: false,
+    }
+}
+
+impl<L: VendorLib> VendorComm<L> {
+    /// What a communicator of this library would offer, from the library
+    /// alone (no device needed): for listing and planning before a world exists.
+    pub fn declared_capabilities() -> Result<Capabilities> {
+        let lib = L::lib()?;
+        Ok(capabilities_of(&lib, lib.version()?))
+    }
+}
+
 /// What a launch does after the library's calls, on the same stream.
 #[derive(Clone, Copy, Debug)]
 enum Fixup {
@@ -556,16 +578,7 @@ impl<L: VendorLib> CommBackend for VendorComm<L> {
         &self.shared.device
     }
     fn capabilities(&self) -> Capabilities {
-        let v = self.shared.version;
-        Capabilities {
-            avg: v.at_least(2, 10),
-            premul_sum: v.at_least(2, 11) && self.shared.lib.api.ncclRedOpCreatePreMulSum.is_some(),
-            ranks_share_device: false,
-            world_abort: false,
-            fault_injection: false,
-            detects_mismatch: false,
-            names_missing_ranks: false,
-        }
+        capabilities_of(&self.shared.lib, self.shared.version)
     }
 
     fn launch(&self, calls: Vec<Call<'_, L::B>>, stream: &<L::B as Backend>::Stream) -> Result<()> {

@@ -214,25 +214,30 @@ unsafe extern "C" fn abort(comm: ncclComm_t) -> ncclResult_t {
         Err(code) => return code,
     };
     release(entered.comm.handle);
-    // Queued work of this communicator returns with the error; the library's
+    // Queued work of this communicator returns with the error, and the peers'
+    // see the connection go as NCCL's do: a remote error. The library's
     // threads end before abort does, as NCCL joins its group jobs.
-    entered.comm.world.abort.abort(CommError::Aborted { reason: "ncclCommAbort".into() });
+    entered.comm.world.abort.abort(CommError::Backend {
+        library: "simnccl",
+        code: ResultCode::REMOTE_ERROR.0 as i64,
+        message: format!("rank {} aborted its communicator (ncclRemoteError)", entered.comm.rank),
+    });
     entered.comm.join_jobs();
     OK
 }
 
 unsafe extern "C" fn error_string(code: ncclResult_t) -> *const c_char {
-    let s: &'static [u8] = match code {
-        0 => b"no error\0",
-        5 => b"invalid usage\0",
-        7 => b"operation in progress\0",
-        _ => b"simulated NCCL error\0",
+    let s: &'static std::ffi::CStr = match code {
+        0 => c"no error",
+        5 => c"invalid usage",
+        7 => c"operation in progress",
+        _ => c"simulated NCCL error",
     };
-    s.as_ptr() as *const c_char
+    s.as_ptr()
 }
 
 unsafe extern "C" fn last_error(_comm: ncclComm_t) -> *const c_char {
-    b"\0".as_ptr() as *const c_char
+    c"".as_ptr()
 }
 
 fn dtype_of(raw: c_int) -> Option<DType> {
