@@ -62,7 +62,7 @@ fn run_harness<H: chorus_conformance::harness::Harness>(
     let listed = chorus_conformance::harness::list(harness, args.world_size, args.filter.as_deref());
     if listed.is_empty() {
         let what = args.filter.as_deref().unwrap_or("");
-        let all = chorus_conformance::harness::case_names::<H::C>(args.world_size).len();
+        let all = chorus_conformance::harness::case_names(harness, args.world_size).len();
         return Err(UsageError(format!(
             "no conformance case name contains `{what}` ({all} cases for {} ranks; `--list` prints them)",
             args.world_size

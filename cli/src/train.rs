@@ -214,7 +214,7 @@ fn run_on(
 fn run_vendor<L>(world: usize, spec: TrainSpec, bar: Option<ProgressBar>) -> anyhow::Result<Vec<RankReport>>
 where
     L: chorus_collectives::vendor::VendorLib,
-    L::B: chorus_conformance::vendor::HarnessDevice,
+    L::B: chorus_conformance::vendor::HarnessDevice + chorus_devices::ComputeBackend,
 {
     use chorus_collectives::store::MemStore;
     use chorus_collectives::vendor::{VendorComm, VendorConfig};

@@ -69,6 +69,13 @@ pub trait Harness: Sync {
     fn case_deadline(&self, timeout: Duration) -> Duration {
         (timeout * 3).max(Duration::from_secs(20))
     }
+    /// Cases beyond the collective suite that this backend runs: the FSDP
+    /// cases, for a backend whose device has the compute kernels
+    /// (`chorus_devices::ComputeStream`).
+    fn extra_cases(&self, world_size: usize) -> Vec<Case<Self::C>> {
+        let _ = world_size;
+        Vec::new()
+    }
     /// A check after every case that is not a case's own: the simulated
     /// library's record of rule violations, say. An `Err` fails the case.
     fn after_case(&self) -> Result<(), String> {
@@ -76,19 +83,37 @@ pub trait Harness: Sync {
     }
 }
 
-/// The names of the suite's cases for `world_size` ranks of backend `C`, in run order.
-pub fn case_names<C: CommBackend>(world_size: usize) -> Vec<String> {
-    crate::cases::<C>(world_size).into_iter().map(|c| c.name).collect()
+/// Every case `harness` runs at `world_size`, in run order: the collective
+/// suite (the errors last), with the harness's extra cases before the errors.
+pub fn cases<H: Harness>(harness: &H, world_size: usize) -> Vec<Case<H::C>> {
+    let mut all = crate::cases::<H::C>(world_size);
+    let errors = all.iter().position(|c| c.name.starts_with("errors/")).unwrap_or(all.len());
+    let tail = all.split_off(errors);
+    all.extend(harness.extra_cases(world_size));
+    all.extend(tail);
+    all
+}
+
+/// The cases of [`cases`] whose name contains `filter` (all when `None`).
+pub fn select<H: Harness>(harness: &H, world_size: usize, filter: Option<&str>) -> Vec<Case<H::C>> {
+    cases(harness, world_size).into_iter().filter(|c| filter.is_none_or(|f| c.name.contains(f))).collect()
+}
+
+/// The names of the cases `harness` runs at `world_size`, in run order.
+pub fn case_names<H: Harness>(harness: &H, world_size: usize) -> Vec<String> {
+    cases(harness, world_size).into_iter().map(|c| c.name).collect()
 }
 
 /// Each case whose name contains `filter`, with whether it would run or be
 /// skipped (and why) on `harness` at `world_size` — without a device.
 pub fn list<H: Harness>(harness: &H, world_size: usize, filter: Option<&str>) -> Vec<(String, Option<String>)> {
     let support = harness.support();
-    crate::select::<H::C>(world_size, filter)
+    select(harness, world_size, filter)
         .into_iter()
-        .map(|c| (c.skip_reason(world_size, &support), c.name))
-        .map(|(r, n)| (n, r))
+        .map(|c| {
+            let reason = c.skip_reason(world_size, &support);
+            (c.name, reason)
+        })
         .collect()
 }
 
@@ -129,7 +154,7 @@ pub fn run<H: Harness>(
     }
     let support = harness.support();
     let mut shared: Option<Runner<H::C>> = None;
-    for case in crate::select::<H::C>(world_size, filter) {
+    for case in select(harness, world_size, filter) {
         if let Some(reason) = case.skip_reason(world_size, &support) {
             emit(&case.name, Status::Skipped(reason), Duration::ZERO);
             continue;

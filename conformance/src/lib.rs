@@ -60,19 +60,15 @@ use chorus_collectives::CommBackend;
 /// Why a case failed on one rank. Cases build it with `anyhow`'s macros and `?`.
 pub type Failure = anyhow::Error;
 
-/// The whole suite for a world of `world_size` ranks, in a fixed order:
-/// collectives, subgroups, streams, fsdp, errors. Names are unique and stable;
-/// some depend on the world size (roots, chunk lengths).
+/// The suite every communication backend must pass, for a world of
+/// `world_size` ranks, in a fixed order: collectives, subgroups, streams,
+/// errors. Names are unique and stable; some depend on the world size (roots,
+/// chunk lengths). A backend whose device has the compute kernels also runs
+/// [`fsdp::cases`] (its harness adds them, [`harness::Harness::extra_cases`]).
 pub fn cases<C: CommBackend>(world_size: usize) -> Vec<Case<C>> {
     let mut all = collectives::cases(world_size);
     all.extend(subgroups::cases(world_size));
     all.extend(streams::cases(world_size));
-    all.extend(fsdp::cases(world_size));
     all.extend(errors::cases(world_size));
     all
-}
-
-/// The cases of [`cases`] whose name contains `filter` (all when `None`).
-pub fn select<C: CommBackend>(world_size: usize, filter: Option<&str>) -> Vec<Case<C>> {
-    cases(world_size).into_iter().filter(|c| filter.is_none_or(|f| c.name.contains(f))).collect()
 }

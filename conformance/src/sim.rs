@@ -87,4 +87,8 @@ impl Harness for SimHarness {
     fn case_deadline(&self, timeout: Duration) -> Duration {
         (timeout * 3).max(Duration::from_secs(20))
     }
+
+    fn extra_cases(&self, world_size: usize) -> Vec<crate::Case<SimComm>> {
+        crate::fsdp::cases(world_size)
+    }
 }

@@ -15,7 +15,7 @@ use anyhow::bail;
 use chorus_collectives::store::MemStore;
 use chorus_collectives::vendor::{VendorComm, VendorConfig, VendorLib};
 use chorus_collectives::{Capabilities, Communicator};
-use chorus_devices::{Backend, ForeignBackend};
+use chorus_devices::{Backend, ComputeBackend, ForeignBackend};
 
 use crate::harness::{Harness, World};
 use crate::Support;
@@ -96,7 +96,7 @@ const ASSUMED: Capabilities = Capabilities {
 
 impl<L: VendorLib> Harness for VendorHarness<L>
 where
-    L::B: HarnessDevice,
+    L::B: HarnessDevice + ComputeBackend,
 {
     type C = VendorComm<L>;
 
@@ -139,6 +139,10 @@ where
 
     fn shared_timeout(&self) -> Duration {
         Duration::from_secs(60)
+    }
+
+    fn extra_cases(&self, world_size: usize) -> Vec<crate::Case<VendorComm<L>>> {
+        crate::fsdp::cases(world_size)
     }
 
     fn fresh_timeout(&self) -> Duration {

@@ -1,6 +1,5 @@
 //! Runs the whole conformance suite on the sim backend, one test per world size.
 
-use chorus_collectives::sim::SimComm;
 use chorus_conformance::harness::case_names;
 use chorus_conformance::sim::SimHarness;
 
@@ -16,7 +15,7 @@ chorus_conformance::conformance_tests!(
 #[test]
 fn case_names_are_unique_for_every_world_size() {
     for n in 0..=9 {
-        let names = case_names::<SimComm>(n);
+        let names = case_names(&SimHarness, n);
         let unique: std::collections::HashSet<&String> = names.iter().collect();
         assert_eq!(unique.len(), names.len(), "duplicate case names for {n} ranks");
     }

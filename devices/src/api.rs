@@ -225,7 +225,9 @@ pub struct AdamWParams {
     pub step: u64,
 }
 
-/// An in-order queue of work on one device.
+/// An in-order queue of work on one device: the core every communicator
+/// needs (allocation, copies, fill, cast, scale, accumulate, axpy, events,
+/// host functions). The model and optimizer kernels are [`ComputeStream`].
 ///
 /// Every method that takes views enqueues work and returns at once; see the
 /// module documentation for ordering and error rules. Views passed to a
@@ -294,7 +296,16 @@ pub trait Stream: Send + Sync + fmt::Debug + 'static {
     /// that failure (`Err`), so it can release what it holds. A panic in `f`
     /// is caught and fails the stream from this operation on.
     fn launch_host_fn(&self, f: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()>;
+}
 
+/// The model and optimizer kernels: what FSDP's reference model and its
+/// sharded optimizers need beyond the core a communicator uses. A new device
+/// implements [`Stream`] first (and passes the collective conformance suite
+/// with it), then this.
+///
+/// Ordering and errors as [`Stream`]: every method enqueues and returns at
+/// once; argument errors are returned and nothing is enqueued.
+pub trait ComputeStream: Stream {
     /// Matrix product per [`MatmulSpec`]: `a` and `b` share a float dtype;
     /// `c` is that dtype or f32. Accumulates in f32 (f64 for f64) and rounds once.
     fn matmul(&self, spec: MatmulSpec, a: View<'_, Self::B>, b: View<'_, Self::B>, c: View<'_, Self::B>) -> Result<()>;
@@ -346,6 +357,21 @@ pub trait Stream: Send + Sync + fmt::Debug + 'static {
         exp_avg: View<'_, Self::B>,
         exp_avg_sq: View<'_, Self::B>,
     ) -> Result<()>;
+}
+
+/// A backend whose streams have the compute kernels: how generic code (FSDP,
+/// the reference model) asks for them. Every backend whose stream implements
+/// [`ComputeStream`] is one.
+pub trait ComputeBackend: Backend<Stream = <Self as ComputeBackend>::ComputeStream> {
+    /// The stream type, with its compute kernels.
+    type ComputeStream: ComputeStream<B = Self>;
+}
+
+impl<B: Backend> ComputeBackend for B
+where
+    B::Stream: ComputeStream,
+{
+    type ComputeStream = B::Stream;
 }
 
 /// Typed conveniences over [`Stream`], available on every backend.

@@ -8,7 +8,9 @@ mod common;
 
 use anyhow::Result;
 use chorus_devices::cpu::{CpuDevice, CpuStream};
-use chorus_devices::{AdamWParams, Buffer, DType, Device, DeviceError, MatmulSpec, SgdParams, Stream, StreamExt};
+use chorus_devices::{
+    AdamWParams, Buffer, ComputeStream, DType, Device, DeviceError, MatmulSpec, SgdParams, Stream, StreamExt,
+};
 use common::{assert_close, assert_same, device, get, put, round_to, stream, unit_roundoff, Lcg, FLOATS};
 
 /// The type f16/bf16/f32 arithmetic is done in (PyTorch's opmath).

@@ -9,7 +9,8 @@ mod common;
 use anyhow::Result;
 use chorus_devices::cpu::{Access, CpuStream};
 use chorus_devices::{
-    AccessKind, Buffer, DType, Device, DeviceError, Event, MatmulSpec, RaceReport, Scalar, Stream, StreamExt,
+    AccessKind, Buffer, ComputeStream, DType, Device, DeviceError, Event, MatmulSpec, RaceReport, Scalar, Stream,
+    StreamExt,
 };
 use common::{device, device_without_sanitizer, stream, Gate};
 

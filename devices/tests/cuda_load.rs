@@ -5,7 +5,9 @@
 
 use chorus_devices::cpu::CpuDevice;
 use chorus_devices::cuda::{self, CudaDevice};
-use chorus_devices::{Buffer, DType, Device, DeviceError, Event, MatmulSpec, Priority, Scalar, Stream, StreamExt};
+use chorus_devices::{
+    Buffer, ComputeStream, DType, Device, DeviceError, Event, MatmulSpec, Priority, Scalar, Stream, StreamExt,
+};
 
 #[test]
 fn probing_never_panics_and_names_the_variable() {

@@ -1,7 +1,7 @@
 //! Optimizers that step on the shards, with state sharded like the parameters.
 
 use chorus_collectives::{CommBackend, ReduceOp};
-use chorus_devices::{AdamWParams, Buffer, DType, Scalar, SgdParams, Stream, StreamExt};
+use chorus_devices::{AdamWParams, Buffer, ComputeBackend, ComputeStream, DType, Scalar, SgdParams, Stream, StreamExt};
 
 use crate::{Buf, Fsdp, FsdpError, Result};
 
@@ -58,7 +58,10 @@ pub struct ShardedOptimizer<C: CommBackend> {
 
 type Moments<C> = [Option<Buf<C>>; 2];
 
-impl<C: CommBackend> ShardedOptimizer<C> {
+impl<C: CommBackend> ShardedOptimizer<C>
+where
+    C::B: ComputeBackend,
+{
     /// An optimizer of `kind`; state is created on the first step.
     pub fn new(kind: OptimizerKind) -> Self {
         ShardedOptimizer { kind, step: 0, state: Vec::new() }
@@ -120,7 +123,11 @@ impl<C: CommBackend> ShardedOptimizer<C> {
     }
 }
 
-impl<C: CommBackend> Fsdp<C> {
+/// Gradient clipping needs a reduction kernel ([`ComputeStream::sum_squares`]).
+impl<C: CommBackend> Fsdp<C>
+where
+    C::B: ComputeBackend,
+{
     /// The global L2 norm of all gradients across shards (padding is zero and
     /// adds nothing; replicated parameters count once). If it exceeds
     /// `max_norm`, scales every gradient by `max_norm / (norm + 1e-6)` as

@@ -9,7 +9,7 @@
 //! output cast to f32 for an f32 loss, gradients flowing back in bf16.
 
 use chorus_collectives::CommBackend;
-use chorus_devices::{Backend, Buffer, DType, MatmulSpec, Stream, StreamExt, View};
+use chorus_devices::{Backend, Buffer, ComputeBackend, ComputeStream, DType, MatmulSpec, Stream, StreamExt, View};
 use chorus_fsdp::{Fsdp, FsdpError, ParamInit, Result};
 
 /// A device buffer of the backend behind communicator `C`.
@@ -73,7 +73,10 @@ struct Saved<C: CommBackend> {
 
 impl Mlp {
     /// Registers the layers (from [`init_layers`] or loaded values) as groups of `fsdp`.
-    pub fn register<C: CommBackend>(fsdp: &mut Fsdp<C>, layers: Vec<Vec<ParamInit>>) -> Result<Mlp> {
+    pub fn register<C: CommBackend>(fsdp: &mut Fsdp<C>, layers: Vec<Vec<ParamInit>>) -> Result<Mlp>
+    where
+        C::B: ComputeBackend,
+    {
         let mut dims = Vec::new();
         for (i, l) in layers.iter().enumerate() {
             let [w, b] = l.as_slice() else {
@@ -127,7 +130,10 @@ impl Mlp {
     /// `[batch, d_last]`, both f32 on the host. Gradients go to FSDP (reduced
     /// or accumulated per its switches). Returns the rank's loss as a
     /// one-element f32 buffer (read it after synchronizing).
-    pub fn forward_backward<C: CommBackend>(&self, fsdp: &mut Fsdp<C>, x: &[f32], y: &[f32]) -> Result<Buf<C>> {
+    pub fn forward_backward<C: CommBackend>(&self, fsdp: &mut Fsdp<C>, x: &[f32], y: &[f32]) -> Result<Buf<C>>
+    where
+        C::B: ComputeBackend,
+    {
         let (d0, dl) = (self.dims[0], *self.dims.last().unwrap_or(&0));
         if d0 == 0 || x.len() % d0 != 0 || y.len() != x.len() / d0 * dl {
             return Err(FsdpError::InvalidArgument(format!(
@@ -162,7 +168,10 @@ impl Mlp {
         Ok(loss)
     }
 
-    fn forward<C: CommBackend>(&self, fsdp: &mut Fsdp<C>, x: &[f32], batch: usize, pd: DType) -> Result<Saved<C>> {
+    fn forward<C: CommBackend>(&self, fsdp: &mut Fsdp<C>, x: &[f32], batch: usize, pd: DType) -> Result<Saved<C>>
+    where
+        C::B: ComputeBackend,
+    {
         fsdp.pre_forward(self.root)?;
         let x32 = fsdp.compute_stream().buffer_from(x)?;
         let mut input = to_dtype(fsdp.compute_stream(), x32.view(), pd)?;
@@ -204,7 +213,10 @@ impl Mlp {
         grad_out: Buf<C>,
         batch: usize,
         pd: DType,
-    ) -> Result<()> {
+    ) -> Result<()>
+    where
+        C::B: ComputeBackend,
+    {
         fsdp.pre_backward(self.root)?;
         let last = self.layers.len() - 1;
         let mut grad = grad_out;

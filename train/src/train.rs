@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use chorus_collectives::{CommBackend, Communicator, Mesh};
-use chorus_devices::{Buffer, Device};
+use chorus_devices::{Buffer, ComputeBackend, Device};
 use chorus_fsdp::{
     DataParallel, Fsdp, FsdpConfig, FsdpError, HostOverhead, OptimizerKind, ParamInit, Result, ShardedOptimizer,
 };
@@ -138,7 +138,10 @@ pub fn train<C: CommBackend>(
     world: Arc<Communicator<C>>,
     spec: &TrainSpec,
     on_step: &mut dyn FnMut(usize, f64),
-) -> Result<RankReport> {
+) -> Result<RankReport>
+where
+    C::B: ComputeBackend,
+{
     let n = world.size();
     if spec.batch * n > spec.data.rows {
         return Err(FsdpError::InvalidArgument(format!(

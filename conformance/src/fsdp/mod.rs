@@ -13,7 +13,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, ensure};
 use chorus_collectives::backend::OpKind;
 use chorus_collectives::{CommBackend, Communicator, Mesh};
-use chorus_devices::{Buffer, DType, Device, Scalar, Stream, StreamExt};
+use chorus_devices::{Buffer, ComputeBackend, DType, Device, Scalar, Stream, StreamExt};
 use chorus_fsdp::{
     DataParallel, Fsdp, FsdpConfig, FsdpError, MixedPrecision, OptimizerKind, ParamInit, Reshard, ShardedOptimizer,
     ShardedState, TrainingState,
@@ -107,13 +107,19 @@ fn batch(dims: &[usize], rows: usize, step: usize) -> (Vec<f32>, Vec<f32>) {
 }
 
 /// A communicator of the whole world that FSDP can own: split from the one under test.
-fn own_world<C: CommBackend>(ctx: &RankCtx<'_, C>) -> Result<Arc<Communicator<C>>, Failure> {
+fn own_world<C: CommBackend>(ctx: &RankCtx<'_, C>) -> Result<Arc<Communicator<C>>, Failure>
+where
+    C::B: ComputeBackend,
+{
     let c = ctx.comm.split(Some(0), ctx.rank() as i64)?.ok_or_else(|| anyhow!("split returned no communicator"))?;
     Ok(Arc::new(c))
 }
 
 /// Trains the reference MLP under FSDP on `world` and returns the final full parameters.
-pub fn train_fsdp<C: CommBackend>(world: Arc<Communicator<C>>, s: &Setup) -> Result<Vec<(String, Vec<f32>)>, Failure> {
+pub fn train_fsdp<C: CommBackend>(world: Arc<Communicator<C>>, s: &Setup) -> Result<Vec<(String, Vec<f32>)>, Failure>
+where
+    C::B: ComputeBackend,
+{
     let (rank, n) = (world.rank(), world.size());
     let dp = if s.ddp {
         DataParallel::ddp(world.clone())?
@@ -219,7 +225,10 @@ pub fn max_diff(fsdp: &[(String, Vec<f32>)], reference: &[(String, Vec<f64>)]) -
     Ok(worst)
 }
 
-fn parity_case<C: CommBackend>(name: &str, setup: Setup, tol: f64) -> Case<C> {
+fn parity_case<C: CommBackend>(name: &str, setup: Setup, tol: f64) -> Case<C>
+where
+    C::B: ComputeBackend,
+{
     Case::new(format!("fsdp/parity/{name}"), move |ctx: &RankCtx<'_, C>| {
         let got = train_fsdp(own_world(ctx)?, &setup)?;
         let d = max_diff(&got, &train_reference(&setup, ctx.size(), false))?;
@@ -228,7 +237,10 @@ fn parity_case<C: CommBackend>(name: &str, setup: Setup, tol: f64) -> Case<C> {
     })
 }
 
-fn bf16_case<C: CommBackend>(reduce: DType) -> Case<C> {
+fn bf16_case<C: CommBackend>(reduce: DType) -> Case<C>
+where
+    C::B: ComputeBackend,
+{
     let mp = MixedPrecision { param_dtype: Some(DType::BF16), reduce_dtype: Some(reduce), output_dtype: None };
     let setup =
         Setup { config: FsdpConfig { mixed_precision: mp, ..FsdpConfig::default() }, ..Setup::new(sgd(0.05, 0.0)) };
@@ -245,7 +257,10 @@ fn bf16_case<C: CommBackend>(reduce: DType) -> Case<C> {
 }
 
 /// The FSDP cases for a world of `world_size` ranks.
-pub fn cases<C: CommBackend>(world_size: usize) -> Vec<Case<C>> {
+pub fn cases<C: CommBackend>(world_size: usize) -> Vec<Case<C>>
+where
+    C::B: ComputeBackend,
+{
     let even = Requirements { even_world: true, ..Requirements::default() };
     let half = (world_size / 2).max(1);
     let mut out = vec![
@@ -345,7 +360,10 @@ pub fn cases<C: CommBackend>(world_size: usize) -> Vec<Case<C>> {
 /// The world, split and wrapped so its calls are counted.
 type CountedWorld<C> = Arc<Communicator<Counting<C>>>;
 
-fn counted<C: CommBackend>(ctx: &RankCtx<'_, C>) -> Result<(CountedWorld<C>, Counts), Failure> {
+fn counted<C: CommBackend>(ctx: &RankCtx<'_, C>) -> Result<(CountedWorld<C>, Counts), Failure>
+where
+    C::B: ComputeBackend,
+{
     let counts = Counts::default();
     let comm = ctx.comm.split(Some(0), ctx.rank() as i64)?.ok_or_else(|| anyhow!("split returned no communicator"))?;
     Ok((Arc::new(Communicator::new(Counting::new(comm.into_backend(), counts.clone()))), counts))
@@ -353,7 +371,10 @@ fn counted<C: CommBackend>(ctx: &RankCtx<'_, C>) -> Result<(CountedWorld<C>, Cou
 
 const DIMS: [usize; 4] = [16, 32, 32, 8];
 
-fn one_step<C: CommBackend>(fsdp: &mut Fsdp<C>, mlp: &Mlp, rank: usize) -> Result<(), Failure> {
+fn one_step<C: CommBackend>(fsdp: &mut Fsdp<C>, mlp: &Mlp, rank: usize) -> Result<(), Failure>
+where
+    C::B: ComputeBackend,
+{
     let x: Vec<f32> = (0..4 * DIMS[0]).map(|i| ((i + rank) % 7) as f32 * 0.1).collect();
     let y: Vec<f32> = (0..4 * DIMS[3]).map(|i| (i % 5) as f32 * 0.1).collect();
     mlp.forward_backward(fsdp, &x, &y)?;
@@ -362,7 +383,10 @@ fn one_step<C: CommBackend>(fsdp: &mut Fsdp<C>, mlp: &Mlp, rank: usize) -> Resul
     Ok(())
 }
 
-fn counts_case<C: CommBackend>() -> Case<C> {
+fn counts_case<C: CommBackend>() -> Case<C>
+where
+    C::B: ComputeBackend,
+{
     Case::new("fsdp/collectives-per-step", |ctx: &RankCtx<'_, C>| {
         let n = ctx.size();
         let half = (n / 2).max(1);
@@ -406,7 +430,10 @@ fn counts_case<C: CommBackend>() -> Case<C> {
     })
 }
 
-fn hsdp_counts_case<C: CommBackend>() -> Case<C> {
+fn hsdp_counts_case<C: CommBackend>() -> Case<C>
+where
+    C::B: ComputeBackend,
+{
     Case::new("fsdp/hsdp-collectives-per-step", |ctx: &RankCtx<'_, C>| {
         let (world, counts) = counted(ctx)?;
         let shard = world.size() / 2;
@@ -451,7 +478,10 @@ fn state_error<T>(r: Result<T, FsdpError>, event: &str) -> Result<(), Failure> {
     }
 }
 
-fn state_machine_case<C: CommBackend>() -> Case<C> {
+fn state_machine_case<C: CommBackend>() -> Case<C>
+where
+    C::B: ComputeBackend,
+{
     Case::new("fsdp/state-machine", |ctx: &RankCtx<'_, C>| {
         let n = ctx.size();
         for reshard in [Reshard::Yes, Reshard::No, Reshard::To(1)] {
@@ -517,7 +547,10 @@ fn state_machine_case<C: CommBackend>() -> Case<C> {
     })
 }
 
-fn prefetch_case<C: CommBackend>() -> Case<C> {
+fn prefetch_case<C: CommBackend>() -> Case<C>
+where
+    C::B: ComputeBackend,
+{
     Case::new("fsdp/async-unshard-and-explicit-prefetch", |ctx: &RankCtx<'_, C>| {
         let (world, counts) = counted(ctx)?;
         let n = world.size();
@@ -590,7 +623,10 @@ fn bound(shapes: &[&[usize]], world: usize) -> Bound {
     }
 }
 
-fn memory_case<C: CommBackend>() -> Case<C> {
+fn memory_case<C: CommBackend>() -> Case<C>
+where
+    C::B: ComputeBackend,
+{
     Case::new("fsdp/memory-within-zero3-bound", |ctx: &RankCtx<'_, C>| {
         let world = own_world(ctx)?;
         let n = world.size();
@@ -640,7 +676,10 @@ fn memory_case<C: CommBackend>() -> Case<C> {
     })
 }
 
-fn losses_case<C: CommBackend>() -> Case<C> {
+fn losses_case<C: CommBackend>() -> Case<C>
+where
+    C::B: ComputeBackend,
+{
     Case::new("fsdp/losses-agree-across-ranks-and-fall", |ctx: &RankCtx<'_, C>| {
         let world = own_world(ctx)?;
         let (rank, n) = (world.rank(), world.size());

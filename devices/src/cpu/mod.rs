@@ -19,6 +19,7 @@
 //! Other crates (the `sim` collectives backend) enqueue their own jobs with
 //! [`CpuStream::enqueue`], declaring their accesses the same way.
 
+mod compute;
 mod device;
 mod event;
 mod foreign;

@@ -57,6 +57,7 @@
 //! [`Event::query`]: crate::Event::query
 
 mod blas;
+mod compute;
 mod device;
 mod event;
 mod foreign;

@@ -11,15 +11,13 @@ use cudarc::driver::sys::{CUdeviceptr, CUevent_wait_flags, CUmemorytype, CUresul
 use super::blas::BlasHandle;
 use super::device::{bind_ctx, defer, next_id, CudaDevice, DeviceInner};
 use super::event::CudaEvent;
-use super::kernels::{arg, code, REDUCE_BLOCK};
+use super::kernels::{arg, code};
 use super::memory::CudaBuffer;
 use super::result::{self as res, DriverResult};
 use super::Cuda;
 use crate::failure::{poisoned, StreamState};
 use crate::{checks, host_fn, wait};
-use crate::{
-    AdamWParams, Buffer, Copy2d, DType, DeviceError, MatmulSpec, Priority, Readback, Result, Scalar, SgdParams, View,
-};
+use crate::{Copy2d, DType, DeviceError, Priority, Readback, Result, Scalar, View};
 
 pub(crate) struct StreamShared {
     pub(crate) raw: CUstream,
@@ -28,7 +26,7 @@ pub(crate) struct StreamShared {
     pub(crate) device: Arc<DeviceInner>,
     /// Position and failures, shared with host functions and watchdogs.
     pub(crate) state: Arc<StreamState>,
-    blas: Mutex<Option<BlasHandle>>,
+    pub(super) blas: Mutex<Option<BlasHandle>>,
 }
 
 impl std::fmt::Debug for StreamShared {
@@ -133,12 +131,12 @@ impl Drop for StreamShared {
 #[derive(Debug)]
 pub struct CudaStream {
     pub(crate) shared: Arc<StreamShared>,
-    device: CudaDevice,
+    pub(super) device: CudaDevice,
 }
 
 /// A temporary device copy of an input that overlaps an output, freed in
 /// stream order after the kernel that reads it.
-struct Staged {
+pub(super) struct Staged {
     ptr: CUdeviceptr,
     stream: CUstream,
     device: CudaDevice,
@@ -238,7 +236,12 @@ impl CudaStream {
     }
 
     /// Enqueues one of our own operations (see `enqueue_op`).
-    fn run(&self, op: &'static str, views: &[View<'_, Cuda>], f: impl FnOnce(CUstream) -> Result<()>) -> Result<()> {
+    pub(super) fn run(
+        &self,
+        op: &'static str,
+        views: &[View<'_, Cuda>],
+        f: impl FnOnce(CUstream) -> Result<()>,
+    ) -> Result<()> {
         self.enqueue_op(op, views, f).map(|_| ())
     }
 
@@ -275,7 +278,7 @@ impl CudaStream {
 
     /// `input`'s address, or that of a stream-ordered copy when it overlaps
     /// `output` (always when `always`, else unless it is the same range).
-    fn input_ptr(
+    pub(super) fn input_ptr(
         &self,
         input: &View<'_, Cuda>,
         output: &View<'_, Cuda>,
@@ -299,7 +302,7 @@ impl CudaStream {
         Ok((tmp, Some(staged)))
     }
 
-    fn kernels(&self) -> Result<Arc<super::kernels::Kernels>> {
+    pub(super) fn kernels(&self) -> Result<Arc<super::kernels::Kernels>> {
         self.device.kernels()
     }
 }
@@ -599,294 +602,12 @@ impl crate::Stream for CudaStream {
     fn launch_host_fn(&self, f: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
         self.launch_host_job("launch_host_fn", f)
     }
-
-    fn matmul(&self, spec: MatmulSpec, a: View<'_, Cuda>, b: View<'_, Cuda>, c: View<'_, Cuda>) -> Result<()> {
-        let op = "matmul";
-        checks::matmul(&spec, a, b, c)?;
-        let MatmulSpec { m, n, k, accumulate, .. } = spec;
-        if m == 0 || n == 0 || (k == 0 && accumulate) {
-            return self.run(op, &[a, b, c], |_| Ok(()));
-        }
-        if k == 0 {
-            return self.fill(c, Scalar::Float(0.0));
-        }
-        // f64 inputs with an f32 output: cuBLAS has no such gemm, so compute
-        // in f64 and round once on the cast.
-        if a.dtype() == DType::F64 && c.dtype() == DType::F32 {
-            let tmp = self.alloc(DType::F64, c.len())?;
-            if accumulate {
-                self.cast(c, tmp.view())?;
-            }
-            self.matmul(spec, a, b, tmp.view())?;
-            return self.cast(tmp.view(), c);
-        }
-        let label = self.device.label();
-        self.run(op, &[a, b, c], |s| {
-            let (pa, _sa) = self.input_ptr(&a, &c, true)?;
-            let (pb, _sb) = self.input_ptr(&b, &c, true)?;
-            let mut guard = self.shared.blas.lock().map_err(|_| DeviceError::invalid(op, "cuBLAS handle poisoned"))?;
-            if guard.is_none() {
-                *guard = Some(BlasHandle::create(s)?);
-            }
-            let handle = guard.as_ref().ok_or_else(|| DeviceError::invalid(op, "no cuBLAS handle"))?;
-            let _ = &label;
-            // SAFETY: ranges checked against the spec above, valid in stream order.
-            unsafe { handle.gemm(spec, a.dtype(), c.dtype(), pa, pb, device_ptr(&c)) }
-        })
-    }
-
-    fn bias_add(&self, x: View<'_, Cuda>, bias: View<'_, Cuda>) -> Result<()> {
-        checks::bias_add(x, bias)?;
-        self.elementwise("bias_add", &[x, bias], x.len(), |k, s, label| {
-            let (pb, _staged) = self.input_ptr(&bias, &x, true)?;
-            let (mut px, mut xt, mut b, mut bt, mut n, mut cols) =
-                (device_ptr(&x), code(x.dtype()), pb, code(bias.dtype()), x.len() as u64, bias.len() as u64);
-            // SAFETY: as in `cast`.
-            unsafe {
-                k.launch(
-                    "chorus_bias_add",
-                    n,
-                    s,
-                    &mut [arg(&mut px), arg(&mut xt), arg(&mut b), arg(&mut bt), arg(&mut n), arg(&mut cols)],
-                    label,
-                )
-            }
-        })
-    }
-
-    fn relu(&self, x: View<'_, Cuda>, y: View<'_, Cuda>) -> Result<()> {
-        checks::relu(x, y)?;
-        self.elementwise("relu", &[x, y], y.len(), |k, s, label| {
-            let (from, _staged) = self.input_ptr(&x, &y, false)?;
-            let (mut a, mut b, mut t, mut n) = (from, device_ptr(&y), code(x.dtype()), y.len() as u64);
-            // SAFETY: as in `cast`.
-            unsafe { k.launch("chorus_relu", n, s, &mut [arg(&mut a), arg(&mut b), arg(&mut t), arg(&mut n)], label) }
-        })
-    }
-
-    fn relu_backward(&self, grad_out: View<'_, Cuda>, out: View<'_, Cuda>, grad_in: View<'_, Cuda>) -> Result<()> {
-        let op = "relu_backward";
-        checks::relu_backward(grad_out, out, grad_in)?;
-        self.elementwise(op, &[grad_out, out, grad_in], grad_in.len(), |k, s, label| {
-            let (g, _s1) = self.input_ptr(&grad_out, &grad_in, false)?;
-            let (o, _s2) = self.input_ptr(&out, &grad_in, false)?;
-            let (mut a, mut b, mut c, mut t, mut n) =
-                (g, o, device_ptr(&grad_in), code(out.dtype()), grad_in.len() as u64);
-            // SAFETY: as in `cast`.
-            unsafe {
-                k.launch(
-                    "chorus_relu_backward",
-                    n,
-                    s,
-                    &mut [arg(&mut a), arg(&mut b), arg(&mut c), arg(&mut t), arg(&mut n)],
-                    label,
-                )
-            }
-        })
-    }
-
-    fn mse_loss(&self, pred: View<'_, Cuda>, target: View<'_, Cuda>, loss: View<'_, Cuda>, scale: f64) -> Result<()> {
-        let op = "mse_loss";
-        checks::mse_loss(pred, target, loss)?;
-        let kernels = self.kernels()?;
-        let label = self.device.label();
-        self.run(op, &[pred, target, loss], |s| {
-            let (p, _s1) = self.input_ptr(&pred, &loss, true)?;
-            let (q, _s2) = self.input_ptr(&target, &loss, true)?;
-            let (mut a, mut at, mut b, mut bt, mut l, mut lt, mut n, mut sc) = (
-                p,
-                code(pred.dtype()),
-                q,
-                code(target.dtype()),
-                device_ptr(&loss),
-                code(loss.dtype()),
-                pred.len() as u64,
-                scale,
-            );
-            let mut args = [
-                arg(&mut a),
-                arg(&mut at),
-                arg(&mut b),
-                arg(&mut bt),
-                arg(&mut l),
-                arg(&mut lt),
-                arg(&mut n),
-                arg(&mut sc),
-            ];
-            // SAFETY: as in `cast`; one block of REDUCE_BLOCK threads.
-            unsafe { kernels.launch_grid("chorus_mse_loss", 1, REDUCE_BLOCK, s, &mut args, &label) }
-        })
-    }
-
-    fn mse_grad(&self, pred: View<'_, Cuda>, target: View<'_, Cuda>, grad: View<'_, Cuda>, scale: f64) -> Result<()> {
-        let op = "mse_grad";
-        checks::mse_grad(pred, target, grad)?;
-        self.elementwise(op, &[pred, target, grad], grad.len(), |k, s, label| {
-            let (p, _s1) = self.input_ptr(&pred, &grad, false)?;
-            let (q, _s2) = self.input_ptr(&target, &grad, false)?;
-            let (mut a, mut at, mut b, mut bt, mut g, mut gt, mut n, mut sc) = (
-                p,
-                code(pred.dtype()),
-                q,
-                code(target.dtype()),
-                device_ptr(&grad),
-                code(grad.dtype()),
-                grad.len() as u64,
-                scale,
-            );
-            let mut args = [
-                arg(&mut a),
-                arg(&mut at),
-                arg(&mut b),
-                arg(&mut bt),
-                arg(&mut g),
-                arg(&mut gt),
-                arg(&mut n),
-                arg(&mut sc),
-            ];
-            // SAFETY: as in `cast`.
-            unsafe { k.launch("chorus_mse_grad", n, s, &mut args, label) }
-        })
-    }
-
-    fn column_sums(&self, x: View<'_, Cuda>, out: View<'_, Cuda>, accumulate: bool) -> Result<()> {
-        let op = "column_sums";
-        checks::column_sums(x, out)?;
-        let rows = if out.is_empty() { 0 } else { x.len() / out.len() };
-        self.elementwise(op, &[x, out], out.len(), |k, s, label| {
-            let (px, _staged) = self.input_ptr(&x, &out, true)?;
-            let (mut a, mut at, mut o, mut ot, mut r, mut c, mut acc) = (
-                px,
-                code(x.dtype()),
-                device_ptr(&out),
-                code(out.dtype()),
-                rows as u64,
-                out.len() as u64,
-                accumulate as i32,
-            );
-            let mut args =
-                [arg(&mut a), arg(&mut at), arg(&mut o), arg(&mut ot), arg(&mut r), arg(&mut c), arg(&mut acc)];
-            // SAFETY: as in `cast`.
-            unsafe { k.launch("chorus_column_sums", c, s, &mut args, label) }
-        })
-    }
-
-    fn sum_squares(&self, x: View<'_, Cuda>, out: View<'_, Cuda>, accumulate: bool) -> Result<()> {
-        let op = "sum_squares";
-        checks::sum_squares(x, out)?;
-        let kernels = self.kernels()?;
-        let label = self.device.label();
-        self.run(op, &[x, out], |s| {
-            let (px, _staged) = self.input_ptr(&x, &out, true)?;
-            let (mut a, mut at, mut o, mut ot, mut n, mut acc) =
-                (px, code(x.dtype()), device_ptr(&out), code(out.dtype()), x.len() as u64, accumulate as i32);
-            let mut args = [arg(&mut a), arg(&mut at), arg(&mut o), arg(&mut ot), arg(&mut n), arg(&mut acc)];
-            // SAFETY: as in `cast`; one block.
-            unsafe { kernels.launch_grid("chorus_sum_squares", 1, REDUCE_BLOCK, s, &mut args, &label) }
-        })
-    }
-
-    fn sgd_step(
-        &self,
-        params: SgdParams,
-        param: View<'_, Cuda>,
-        grad: View<'_, Cuda>,
-        momentum_buf: Option<View<'_, Cuda>>,
-    ) -> Result<()> {
-        let op = "sgd_step";
-        checks::sgd_step(&params, param, grad, momentum_buf)?;
-        let mut views = vec![param, grad];
-        views.extend(momentum_buf);
-        self.elementwise(op, &views, param.len(), |k, s, label| {
-            let use_momentum = params.momentum != 0.0 && momentum_buf.is_some();
-            let (mut w, mut g, mut b, mut n) = (
-                device_ptr(&param),
-                device_ptr(&grad),
-                momentum_buf.map(|m| device_ptr(&m)).unwrap_or(0),
-                param.len() as u64,
-            );
-            let (mut lr, mut wd, mut mom, mut damp) =
-                (params.lr as f32, params.weight_decay as f32, params.momentum as f32, (1.0 - params.dampening) as f32);
-            let (mut has_wd, mut use_m, mut first, mut nesterov) = (
-                (params.weight_decay != 0.0) as i32,
-                use_momentum as i32,
-                params.first_step as i32,
-                params.nesterov as i32,
-            );
-            let mut args = [
-                arg(&mut w),
-                arg(&mut g),
-                arg(&mut b),
-                arg(&mut n),
-                arg(&mut lr),
-                arg(&mut wd),
-                arg(&mut mom),
-                arg(&mut damp),
-                arg(&mut has_wd),
-                arg(&mut use_m),
-                arg(&mut first),
-                arg(&mut nesterov),
-            ];
-            // SAFETY: as in `cast`; disjoint f32 ranges.
-            unsafe { k.launch("chorus_sgd", n, s, &mut args, label) }
-        })
-    }
-
-    fn adamw_step(
-        &self,
-        params: AdamWParams,
-        param: View<'_, Cuda>,
-        grad: View<'_, Cuda>,
-        exp_avg: View<'_, Cuda>,
-        exp_avg_sq: View<'_, Cuda>,
-    ) -> Result<()> {
-        let op = "adamw_step";
-        checks::adamw_step(param, grad, exp_avg, exp_avg_sq)?;
-        let views = [param, grad, exp_avg, exp_avg_sq];
-        // The scalars as torch computes them (f64 in Python), applied in f32.
-        let step = params.step.max(1) as i32;
-        let bc1 = 1.0 - params.beta1.powi(step);
-        let (mut decay, mut omb1, mut b2, mut omb2, mut bc2_sqrt, mut step_size, mut eps) = (
-            (1.0 - params.lr * params.weight_decay) as f32,
-            (1.0 - params.beta1) as f32,
-            params.beta2 as f32,
-            (1.0 - params.beta2) as f32,
-            (1.0 - params.beta2.powi(step)).sqrt() as f32,
-            (params.lr / bc1) as f32,
-            params.eps as f32,
-        );
-        self.elementwise(op, &views, param.len(), |k, s, label| {
-            let (mut w, mut g, mut m, mut v, mut n) = (
-                device_ptr(&param),
-                device_ptr(&grad),
-                device_ptr(&exp_avg),
-                device_ptr(&exp_avg_sq),
-                param.len() as u64,
-            );
-            let mut args = [
-                arg(&mut w),
-                arg(&mut g),
-                arg(&mut m),
-                arg(&mut v),
-                arg(&mut n),
-                arg(&mut decay),
-                arg(&mut omb1),
-                arg(&mut b2),
-                arg(&mut omb2),
-                arg(&mut bc2_sqrt),
-                arg(&mut step_size),
-                arg(&mut eps),
-            ];
-            // SAFETY: as in `cast`; disjoint f32 ranges.
-            unsafe { k.launch("chorus_adamw", n, s, &mut args, label) }
-        })
-    }
 }
 
 impl CudaStream {
     /// Enqueues a kernel over `n` elements touching `views`; nothing is
     /// launched for `n == 0` (the operation still takes its place in order).
-    fn elementwise(
+    pub(super) fn elementwise(
         &self,
         op: &'static str,
         views: &[View<'_, Cuda>],

@@ -53,6 +53,7 @@
 //! The stream sanitizer of the cpu device has no counterpart here: the same
 //! program runs on `cpu` in CI, where races are caught.
 
+mod compute;
 mod device;
 mod event;
 mod foreign;
