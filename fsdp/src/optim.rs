@@ -72,6 +72,66 @@ where
         self.step
     }
 
+    /// The optimizer's kind and hyperparameters.
+    pub fn kind(&self) -> OptimizerKind {
+        self.kind
+    }
+
+    /// This rank's state of parameter `i` of group `g`, laid out like
+    /// [`Fsdp::read_shard`]: SGD with momentum `[momentum_buffer]`; AdamW
+    /// `[exp_avg, exp_avg_sq]`; empty before the first step or for plain SGD.
+    /// Blocks on the compute stream.
+    pub fn read_state(&self, fsdp: &Fsdp<C>, g: usize, i: usize) -> Result<Vec<Vec<f32>>> {
+        let stream = &fsdp.ctx.streams.compute;
+        let Some(Some(moments)) = self.state.get(g).and_then(|v| v.get(i)) else {
+            return Ok(Vec::new());
+        };
+        moments.iter().flatten().map(|b| Ok(stream.read_vec::<f32>(b.view())?)).collect()
+    }
+
+    /// Restores the optimizer as a checkpoint left it: `steps` taken, and for
+    /// each `(g, i, moments)` the state of that parameter in the layout of
+    /// [`ShardedOptimizer::read_state`] on this rank (an empty `moments`
+    /// leaves the parameter without state). Uploads on the compute stream.
+    pub fn load_state(&mut self, fsdp: &Fsdp<C>, steps: u64, states: Vec<(usize, usize, Vec<Vec<f32>>)>) -> Result<()> {
+        let stream = &fsdp.ctx.streams.compute;
+        let expected = match self.kind {
+            OptimizerKind::Sgd { momentum, .. } if momentum != 0.0 => 1,
+            OptimizerKind::Sgd { .. } => 0,
+            OptimizerKind::AdamW { .. } => 2,
+        };
+        let mut state: Vec<Vec<Option<Moments<C>>>> =
+            fsdp.groups.iter().map(|grp| grp.params.iter().map(|_| None).collect()).collect();
+        for (g, i, moments) in states {
+            let p = fsdp
+                .groups
+                .get(g)
+                .and_then(|grp| grp.params.get(i))
+                .ok_or_else(|| FsdpError::InvalidArgument(format!("no parameter {i} in group {g}")))?;
+            if moments.is_empty() {
+                continue;
+            }
+            if moments.len() != expected || moments.iter().any(|m| m.len() != p.master.len()) {
+                return Err(FsdpError::InvalidArgument(format!(
+                    "{}: optimizer state of {} buffers of {:?} elements; {:?} expects {expected} of {}",
+                    p.name,
+                    moments.len(),
+                    moments.iter().map(Vec::len).collect::<Vec<_>>(),
+                    self.kind,
+                    p.master.len()
+                )));
+            }
+            let mut bufs: Moments<C> = [None, None];
+            for (slot, m) in bufs.iter_mut().zip(&moments) {
+                *slot = Some(stream.buffer_from(m)?);
+            }
+            state[g][i] = Some(bufs);
+        }
+        self.state = state;
+        self.step = steps;
+        Ok(())
+    }
+
     /// One step on every parameter that has a gradient, enqueued on the
     /// compute stream (after [`Fsdp::finalize_backward`]).
     pub fn step(&mut self, fsdp: &mut Fsdp<C>) -> Result<()> {

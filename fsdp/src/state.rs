@@ -482,6 +482,52 @@ impl<C: CommBackend> Fsdp<C> {
         Ok(out)
     }
 
+    // ---- export and import of this rank's shards (checkpoints) ----
+
+    /// Where parameter `i` of group `g` lives on this rank: its layout over
+    /// the shard world (this rank is `data_parallel().shard.rank()`), or
+    /// `None` when it is replicated (every rank holds all of it).
+    pub fn param_layout(&self, g: usize, i: usize) -> Result<Option<crate::layout::ParamLayout>> {
+        let grp = self.group(g)?;
+        let p = self.param_ref(g, i)?;
+        Ok(p.layout.map(|l| grp.layout.params[l].clone()))
+    }
+
+    /// This rank's f32 master of parameter `i` of group `g`: the padded shard
+    /// (`[outer, shard_rows, inner]`, zeros in the padding, see
+    /// [`layout`](crate::layout)), or the whole parameter when replicated.
+    /// Ordered after everything enqueued on the compute stream; blocks.
+    pub fn read_shard(&self, g: usize, i: usize) -> Result<Vec<f32>> {
+        let p = self.param_ref(g, i)?;
+        Ok(self.ctx.streams.compute.read_vec::<f32>(p.master.view())?)
+    }
+
+    /// Replaces this rank's f32 master of parameter `i` of group `g` with
+    /// `values` (same layout as [`Fsdp::read_shard`]; padding must be zero).
+    /// Enqueued on the compute stream, so the next all-gather (which follows
+    /// the compute stream) sees it. Allowed only while every group is idle and
+    /// sharded, i.e. between steps; any other time is [`FsdpError::State`].
+    pub fn write_shard(&mut self, g: usize, i: usize, values: &[f32]) -> Result<()> {
+        let busy = |grp: &&Group<C>| grp.training != TrainingState::Idle || grp.sharded != ShardedState::Sharded;
+        if let Some(grp) = self.groups.iter().find(busy) {
+            return Err(grp.state_error("write_shard"));
+        }
+        if self.root_ready {
+            return Err(FsdpError::InvalidArgument("write_shard during a step (before finalize_backward)".into()));
+        }
+        let p = self.param_ref(g, i)?;
+        if values.len() != p.master.len() {
+            return Err(FsdpError::InvalidArgument(format!(
+                "{}: {} values for a shard of {} elements",
+                p.name,
+                values.len(),
+                p.master.len()
+            )));
+        }
+        self.ctx.streams.compute.upload(values, p.master.view())?;
+        Ok(())
+    }
+
     /// Mean of a one-element f32 value over the data-parallel world (every
     /// rank must call it); blocks and returns it on every rank.
     pub fn mean_over_ranks(&self, value: View<'_, B<C>>) -> Result<f64> {

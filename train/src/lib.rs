@@ -6,6 +6,9 @@
 //!   on every backend; with a deterministic initialisation.
 //! - [`train`]: the loop behind `chorus train` — data, optimizer, clipping,
 //!   losses, step times, peak memory and FSDP's host overhead per rank.
+//! - [`gpt`]: a small decoder-only transformer written with candle-nn, as a
+//!   plain candle model and sharded through the candle adapter
+//!   (`chorus-fsdp-candle`), trained on [`text`] generated from a grammar.
 //! - [`npy`]: float32 `.npy` files, the interchange with PyTorch and NumPy
 //!   users for initial weights, data and trained parameters.
 //!
@@ -14,6 +17,9 @@
 //! type for a training step.
 #![warn(missing_docs)]
 
+pub mod gpt;
+pub mod gpt_train;
 pub mod mlp;
 pub mod npy;
+pub mod text;
 pub mod train;

@@ -1,0 +1,30 @@
+//! FSDP for candle models, over `chorus-fsdp`.
+//!
+//! candle has no module hooks and differentiates the whole graph at once, so
+//! the adapter maps FSDP's per-group hooks onto candle custom ops
+//! ([`FsdpModel`]): a model is split into *stages*, each using one param
+//! group's parameters; a stage's forward all-gathers its group, computes
+//! without keeping a graph, and reshards; its backward all-gathers again,
+//! recomputes the stage (activation checkpointing), runs candle's backward
+//! on it, and hands the parameter gradients to FSDP's reduce-scatter. The
+//! design and its trade-offs are in `docs/fsdp.md`.
+//!
+//! The adapter runs on any chorus backend whose device holds host memory
+//! (the sim backend's `cpu` device): moving data between a candle CPU tensor
+//! and a device buffer is a host copy through the public
+//! [`Stream`](chorus_devices::Stream) API ([`convert`]).
+//!
+//! [`checkpoint`] saves and loads sharded safetensors checkpoints (PyTorch
+//! distributed checkpoint's layout for safetensors) that reshard on load to
+//! any world size and mesh, and consolidates them into plain safetensors
+//! files that candle and Python load.
+#![warn(missing_docs)]
+
+pub mod checkpoint;
+pub mod convert;
+mod crc32;
+mod error;
+mod module;
+
+pub use error::{CheckpointError, Error, Result};
+pub use module::{named_tensors, take_params, AdapterTimes, FsdpModel, GroupId, StageFn, StageId};

@@ -1,0 +1,265 @@
+//! A small decoder-only transformer written with candle-nn (token embedding,
+//! pre-norm blocks of causal self-attention and an MLP with RMSNorm, a final
+//! RMSNorm and an LM head), as a plain candle model ([`Gpt`]) and sharded
+//! with FSDP through the candle adapter ([`ShardedGpt`]): one param group
+//! per block, plus the root group (embedding, final norm, head) with two
+//! stages, as FSDP2 wraps a transformer.
+
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
+use chorus_collectives::CommBackend;
+use chorus_devices::ComputeBackend;
+use chorus_fsdp::Fsdp;
+use chorus_fsdp_candle::{take_params, FsdpModel, StageId};
+
+use crate::mlp::SplitMix;
+
+/// The transformer's sizes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct GptConfig {
+    /// Tokens in the vocabulary.
+    pub vocab: usize,
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Attention heads (they divide `d_model`).
+    pub heads: usize,
+    /// Width of the MLP's hidden layer.
+    pub d_ff: usize,
+    /// Context length.
+    pub seq_len: usize,
+}
+
+impl GptConfig {
+    /// Checks the sizes.
+    pub fn validate(&self) -> Result<(), String> {
+        if [self.vocab, self.d_model, self.layers, self.heads, self.d_ff, self.seq_len].contains(&0) {
+            return Err("every transformer size must be positive".into());
+        }
+        if self.d_model % self.heads != 0 {
+            return Err(format!("{} heads do not divide d_model {}", self.heads, self.d_model));
+        }
+        Ok(())
+    }
+
+    /// Parameter names and shapes, in registration order.
+    pub fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let (v, d, f) = (self.vocab, self.d_model, self.d_ff);
+        let mut out = vec![("embed.weight".to_string(), vec![v, d])];
+        for i in 0..self.layers {
+            let p = format!("blocks.{i}");
+            out.push((format!("{p}.attn_norm.weight"), vec![d]));
+            for w in ["q", "k", "v", "o"] {
+                out.push((format!("{p}.attn.{w}.weight"), vec![d, d]));
+            }
+            out.push((format!("{p}.mlp_norm.weight"), vec![d]));
+            out.push((format!("{p}.mlp.up.weight"), vec![f, d]));
+            out.push((format!("{p}.mlp.down.weight"), vec![d, f]));
+        }
+        out.push(("norm.weight".to_string(), vec![d]));
+        out.push(("head.weight".to_string(), vec![v, d]));
+        out
+    }
+
+    /// Number of parameters.
+    pub fn num_params(&self) -> usize {
+        self.param_shapes().iter().map(|(_, s)| s.iter().product::<usize>()).sum()
+    }
+}
+
+/// Initial parameters from `seed` (GPT-2's scheme: normal-like weights of
+/// scale 0.02, output projections scaled by 1/√(2·layers), norms at one),
+/// drawn with chorus's own generator so every rank and every run agrees.
+pub fn init_params(cfg: &GptConfig, seed: u64) -> candle_core::Result<Vec<(String, Tensor)>> {
+    let mut rng = SplitMix::new(seed ^ 0x6_7074);
+    let proj_scale = 1.0 / (2.0 * cfg.layers as f32).sqrt();
+    cfg.param_shapes()
+        .into_iter()
+        .map(|(name, shape)| {
+            let n: usize = shape.iter().product();
+            let values: Vec<f32> = if name.ends_with("norm.weight") {
+                vec![1.0; n]
+            } else {
+                let scale =
+                    if name.ends_with(".o.weight") || name.ends_with("down.weight") { 0.02 * proj_scale } else { 0.02 };
+                // The sum of four uniforms is close to normal; variance 4/12 → scale by √3.
+                (0..n)
+                    .map(|_| (0..4).map(|_| rng.uniform(-1.0, 1.0)).sum::<f32>() * scale * 3f32.sqrt() / 2.0)
+                    .collect()
+            };
+            Ok((name, Tensor::from_vec(values, shape, &Device::Cpu)?))
+        })
+        .collect()
+}
+
+const NORM_EPS: f64 = 1e-5;
+
+/// RMSNorm with candle's differentiable path (candle-nn's `RmsNorm::forward`
+/// takes a fused kernel without a backward on contiguous inputs).
+fn rms_norm(size: usize, vb: VarBuilder) -> candle_core::Result<RmsNorm> {
+    candle_nn::rms_norm(size, NORM_EPS, vb)
+}
+
+/// One pre-norm transformer block.
+pub struct Block {
+    attn_norm: RmsNorm,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    mlp_norm: RmsNorm,
+    up: Linear,
+    down: Linear,
+    heads: usize,
+}
+
+impl Block {
+    /// The block whose parameters are under `vb` (`blocks.{i}`).
+    pub fn new(cfg: &GptConfig, vb: VarBuilder) -> candle_core::Result<Block> {
+        let (d, f) = (cfg.d_model, cfg.d_ff);
+        Ok(Block {
+            attn_norm: rms_norm(d, vb.pp("attn_norm"))?,
+            q: candle_nn::linear_no_bias(d, d, vb.pp("attn.q"))?,
+            k: candle_nn::linear_no_bias(d, d, vb.pp("attn.k"))?,
+            v: candle_nn::linear_no_bias(d, d, vb.pp("attn.v"))?,
+            o: candle_nn::linear_no_bias(d, d, vb.pp("attn.o"))?,
+            mlp_norm: rms_norm(d, vb.pp("mlp_norm"))?,
+            up: candle_nn::linear_no_bias(d, f, vb.pp("mlp.up"))?,
+            down: candle_nn::linear_no_bias(f, d, vb.pp("mlp.down"))?,
+            heads: cfg.heads,
+        })
+    }
+
+    /// `x + attn(norm(x))`, then `+ mlp(norm(·))`; `x` is `[batch, seq, d_model]`.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let hd = d / self.heads;
+        let h = self.attn_norm.forward_diff(x)?;
+        let split = |y: Tensor| -> candle_core::Result<Tensor> {
+            y.reshape((b, t, self.heads, hd))?.transpose(1, 2)?.contiguous()
+        };
+        let (q, k, v) = (split(self.q.forward(&h)?)?, split(self.k.forward(&h)?)?, split(self.v.forward(&h)?)?);
+        let scores = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (hd as f64).sqrt()))?;
+        let scores = scores.broadcast_add(&causal_mask(t, scores.dtype())?)?;
+        let attn = candle_nn::ops::softmax(&scores, D::Minus1)?.matmul(&v)?;
+        let attn = attn.transpose(1, 2)?.contiguous()?.reshape((b, t, d))?;
+        let x = (x + self.o.forward(&attn)?)?;
+        let h = self.mlp_norm.forward_diff(&x)?;
+        let h = self.down.forward(&self.up.forward(&h)?.gelu()?)?;
+        x + h
+    }
+}
+
+/// `[t, t]`: 0 on and below the diagonal, −∞ above (no attending to later tokens).
+fn causal_mask(t: usize, dtype: DType) -> candle_core::Result<Tensor> {
+    let m: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+    Tensor::from_vec(m, (t, t), &Device::Cpu)?.to_dtype(dtype)
+}
+
+/// The token embedding of `ids` (`[batch, seq]`, u32).
+pub fn embed(cfg: &GptConfig, vb: VarBuilder, ids: &Tensor) -> candle_core::Result<Tensor> {
+    Embedding::new(vb.get((cfg.vocab, cfg.d_model), "embed.weight")?, cfg.d_model).forward(ids)
+}
+
+/// The final norm and the LM head: logits `[batch, seq, vocab]`.
+pub fn head(cfg: &GptConfig, vb: VarBuilder, x: &Tensor) -> candle_core::Result<Tensor> {
+    let norm = rms_norm(cfg.d_model, vb.pp("norm"))?;
+    let head = candle_nn::linear_no_bias(cfg.d_model, cfg.vocab, vb.pp("head"))?;
+    head.forward(&norm.forward_diff(x)?)
+}
+
+/// Mean next-token cross-entropy of `logits` `[batch, seq, vocab]` against `targets` `[batch, seq]`.
+pub fn loss(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    let (b, t, v) = logits.dims3()?;
+    candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?.reshape((b * t, v))?, &targets.reshape(b * t)?)
+}
+
+/// The transformer as a plain candle model.
+pub struct Gpt {
+    cfg: GptConfig,
+    vb: VarBuilder<'static>,
+    blocks: Vec<Block>,
+}
+
+impl Gpt {
+    /// The model whose parameters are in `vb` (a `VarMap` for training, or
+    /// safetensors files for inference).
+    pub fn new(cfg: GptConfig, vb: VarBuilder<'static>) -> candle_core::Result<Gpt> {
+        let blocks = (0..cfg.layers)
+            .map(|i| Block::new(&cfg, vb.pp(format!("blocks.{i}"))))
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Gpt { cfg, vb, blocks })
+    }
+
+    /// Logits of `ids` (`[batch, seq]`, u32).
+    pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let mut x = embed(&self.cfg, self.vb.clone(), ids)?;
+        for b in &self.blocks {
+            x = b.forward(&x)?;
+        }
+        head(&self.cfg, self.vb.clone(), &x)
+    }
+}
+
+/// The transformer under FSDP through the candle adapter: the root group
+/// (`embed.`, `norm.`, `head.`; not resharded after forward) with the
+/// embedding and head stages, and one group per block.
+pub struct ShardedGpt<C: CommBackend> {
+    /// The adapter (and the [`Fsdp`] inside it).
+    pub model: FsdpModel<C>,
+    embed: StageId,
+    blocks: Vec<StageId>,
+    head: StageId,
+}
+
+impl<C: CommBackend + 'static> ShardedGpt<C>
+where
+    C::B: ComputeBackend,
+    Fsdp<C>: Send,
+{
+    /// Shards `params` (from [`init_params`], or a checkpoint) with `fsdp`.
+    /// With `forward_prefetch`, each group's pre-forward also all-gathers the
+    /// next group, so the all-gather of block `i + 1` runs while candle
+    /// computes block `i` (the root's backward prefetch is FSDP's default).
+    pub fn new(
+        fsdp: Fsdp<C>,
+        cfg: GptConfig,
+        mut params: Vec<(String, Tensor)>,
+        forward_prefetch: bool,
+    ) -> chorus_fsdp_candle::Result<Self> {
+        let mut model = FsdpModel::new(fsdp)?;
+        let root = model.add_group("root", take_params(&mut params, &["embed.", "norm.", "head."]), true)?;
+        let embed_stage = model.add_stage(root, move |vb, ids| embed(&cfg, vb, ids))?;
+        let mut blocks = Vec::with_capacity(cfg.layers);
+        let mut groups = vec![root.0];
+        for i in 0..cfg.layers {
+            let prefix = format!("blocks.{i}.");
+            let g = model.add_group(&format!("blocks.{i}"), take_params(&mut params, &[&prefix]), false)?;
+            groups.push(g.0);
+            blocks.push(model.add_stage(g, move |vb, x| Block::new(&cfg, vb.pp(format!("blocks.{i}")))?.forward(x))?);
+        }
+        if let Some((name, _)) = params.first() {
+            return Err(chorus_fsdp_candle::Error::InvalidArgument(format!("parameter `{name}` belongs to no group")));
+        }
+        let head_stage = model.add_stage(root, move |vb, x| head(&cfg, vb, x))?;
+        if forward_prefetch {
+            model.with_fsdp(|f| -> chorus_fsdp::Result<()> {
+                for w in groups.windows(2) {
+                    f.set_forward_prefetch(w[0], vec![w[1]])?;
+                }
+                Ok(())
+            })??;
+        }
+        Ok(ShardedGpt { model, embed: embed_stage, blocks, head: head_stage })
+    }
+
+    /// Logits of `ids` (`[batch, seq]`, u32), carrying candle's graph through every stage.
+    pub fn forward(&self, ids: &Tensor) -> chorus_fsdp_candle::Result<Tensor> {
+        let mut x = self.model.run(self.embed, ids)?;
+        for b in &self.blocks {
+            x = self.model.run(*b, &x)?;
+        }
+        self.model.run(self.head, &x)
+    }
+}

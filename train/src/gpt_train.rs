@@ -1,0 +1,265 @@
+//! Training the transformer: under FSDP on any backend whose device holds
+//! host memory ([`train_gpt`], behind `chorus train --model gpt`), and as
+//! plain single-process candle on the global batch ([`train_plain`], the
+//! reference the FSDP runs are checked against).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{Device, Tensor, Var};
+use candle_nn::{Optimizer, VarBuilder, VarMap};
+use chorus_collectives::{CommBackend, Communicator, Mesh};
+use chorus_devices::{ComputeBackend, Device as _};
+use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, HostOverhead, OptimizerKind, ShardedOptimizer};
+use chorus_fsdp_candle::checkpoint::{self, TrainingState};
+use chorus_fsdp_candle::{AdapterTimes, Error, Result};
+
+use crate::gpt::{loss, Gpt, GptConfig, ShardedGpt};
+use crate::text::TextData;
+
+/// What to train.
+#[derive(Clone, Debug)]
+pub struct GptSpec {
+    /// The model's sizes.
+    pub config: GptConfig,
+    /// Initial parameters (names, values), e.g. from [`init_params`](crate::gpt::init_params).
+    pub init: Vec<(String, Tensor)>,
+    /// The data.
+    pub data: Arc<TextData>,
+    /// Sequences per rank per step.
+    pub batch: usize,
+    /// The step to stop before (a resumed run starts at its checkpoint's step).
+    pub steps: u64,
+    /// The optimizer.
+    pub optimizer: OptimizerKind,
+    /// FSDP settings.
+    pub fsdp: FsdpConfig,
+    /// HSDP: the replicate dimension's size.
+    pub replicate: Option<usize>,
+    /// Clip the global gradient norm to this.
+    pub max_grad_norm: Option<f64>,
+    /// Each group's pre-forward also all-gathers the next group.
+    pub forward_prefetch: bool,
+    /// Micro-batches per step (gradient accumulation without sync on all but the last).
+    pub micro_batches: usize,
+    /// Save a checkpoint under this directory every `save_every` steps (and at the end).
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Steps between checkpoints (0: only at the end, when a directory is given).
+    pub save_every: u64,
+    /// Resume from this checkpoint (a `step-*` directory, or a directory with a `latest` pointer).
+    pub resume: Option<PathBuf>,
+    /// Keep going when the loss is not finite (default: stop with an error).
+    pub allow_nonfinite: bool,
+}
+
+/// What one rank measured.
+#[derive(Clone, Debug)]
+pub struct GptReport {
+    /// The step this run started at (0, or the resumed checkpoint's).
+    pub start_step: u64,
+    /// The global mean loss of each step this run took, before its update.
+    pub losses: Vec<f64>,
+    /// Wall time of each step, host-synchronized.
+    pub step_times_s: Vec<f64>,
+    /// The most device bytes in use during the steps.
+    pub peak_memory_bytes: usize,
+    /// Host time in FSDP's hooks over the steps.
+    pub overhead: HostOverhead,
+    /// Host time of the adapter (copies between candle and the device; candle compute).
+    pub adapter: AdapterTimes,
+    /// Number of param groups.
+    pub groups: usize,
+    /// The final parameters, unsharded.
+    pub params: Vec<(String, Vec<f32>)>,
+    /// Checkpoints written.
+    pub saved: Vec<PathBuf>,
+}
+
+fn u32_tensor(v: Vec<u32>, rows: usize, seq: usize) -> Result<Tensor> {
+    Ok(Tensor::from_vec(v, (rows, seq), &Device::Cpu)?)
+}
+
+/// Trains on this rank of `world`; every rank calls it with the same spec.
+/// `on_step(step, loss)` is called after each step.
+pub fn train_gpt<C: CommBackend + 'static>(
+    world: Arc<Communicator<C>>,
+    spec: &GptSpec,
+    on_step: &mut dyn FnMut(u64, f64),
+) -> Result<GptReport>
+where
+    C::B: ComputeBackend,
+    Fsdp<C>: Send,
+{
+    let n = world.size();
+    let micro = spec.micro_batches.max(1);
+    if spec.batch == 0 || spec.batch % micro != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "batch {} must be a positive multiple of {micro} micro-batches",
+            spec.batch
+        )));
+    }
+    let dp = match spec.replicate {
+        Some(r) if r > 1 => {
+            if n % r != 0 {
+                return Err(Error::InvalidArgument(format!("--hsdp {r} does not divide {n} ranks")));
+            }
+            DataParallel::hsdp(
+                &Mesh::new(&world, &[("replicate", r), ("shard", n / r)]).map_err(chorus_fsdp::FsdpError::from)?,
+            )?
+        }
+        _ => DataParallel::fsdp(world.clone()),
+    };
+    let fsdp = Fsdp::new(dp, spec.fsdp.clone())?;
+    let gpt = ShardedGpt::new(fsdp, spec.config, spec.init.clone(), spec.forward_prefetch)?;
+    let mut opt = ShardedOptimizer::new(spec.optimizer);
+    let mut start = 0;
+    if let Some(dir) = &spec.resume {
+        let state = gpt.model.with_fsdp(|f| checkpoint::load(f, &mut opt, dir))??;
+        if state.data_seed != spec.data.seed() {
+            return Err(Error::InvalidArgument(format!(
+                "{}: saved with data seed {}, this run's is {}",
+                dir.display(),
+                state.data_seed,
+                spec.data.seed()
+            )));
+        }
+        start = state.step;
+    }
+    gpt.model.with_fsdp(|f| -> Result<()> {
+        f.synchronize()?;
+        f.device().reset_peak_memory();
+        Ok(())
+    })??;
+    let overhead_before = gpt.model.with_fsdp(|f| f.host_overhead())?;
+    let adapter_before = gpt.model.times()?;
+    let rank = world.rank();
+    let seq = spec.data.seq_len();
+    let rows = spec.batch / micro;
+    let mut losses = Vec::new();
+    let mut times = Vec::new();
+    let mut saved = Vec::new();
+    for step in start..spec.steps {
+        let t0 = Instant::now();
+        let mut local = 0.0f64;
+        for m in 0..micro {
+            gpt.model.with_fsdp(|f| f.set_requires_gradient_sync(m + 1 == micro))?;
+            let (x, y) = spec.data.rows(step, rank * spec.batch + m * rows, rows);
+            let logits = gpt.forward(&u32_tensor(x, rows, seq)?)?;
+            let l = loss(&logits, &u32_tensor(y, rows, seq)?)?;
+            let l = if micro > 1 { (l / micro as f64)? } else { l };
+            local += l.to_scalar::<f32>()? as f64;
+            gpt.model.backward(&l)?;
+        }
+        let mean = gpt.model.with_fsdp(|f| -> Result<f64> {
+            let s = f.compute_stream();
+            let buf =
+                chorus_devices::StreamExt::buffer_from(s, &[local as f32]).map_err(chorus_fsdp::FsdpError::from)?;
+            Ok(f.mean_over_ranks(chorus_devices::Buffer::view(&buf))?)
+        })??;
+        if !mean.is_finite() && !spec.allow_nonfinite {
+            return Err(Error::NonFinite { step, loss: mean });
+        }
+        if let Some(max) = spec.max_grad_norm {
+            gpt.model.clip_grad_norm(max)?;
+        }
+        gpt.model.optimizer_step(&mut opt)?;
+        gpt.model.with_fsdp(|f| f.synchronize())??;
+        times.push(t0.elapsed().as_secs_f64());
+        losses.push(mean);
+        on_step(step, mean);
+        let done = step + 1;
+        let due = spec.save_every > 0 && done % spec.save_every == 0 || done == spec.steps;
+        if let (Some(dir), true) = (&spec.checkpoint_dir, due) {
+            let state = TrainingState { step: done, data_seed: spec.data.seed(), losses: Vec::new() };
+            saved.push(gpt.model.with_fsdp(|f| checkpoint::save(f, &opt, dir, &state))??);
+        }
+    }
+    let stats = gpt.model.with_fsdp(|f| f.device().memory_stats())?;
+    let after = gpt.model.with_fsdp(|f| f.host_overhead())?;
+    let adapter_after = gpt.model.times()?;
+    let groups = gpt.model.with_fsdp(|f| f.num_groups())?;
+    let params = gpt.model.with_fsdp(|f| f.full_parameters())??;
+    Ok(GptReport {
+        start_step: start,
+        losses,
+        step_times_s: times,
+        peak_memory_bytes: stats.peak_bytes,
+        overhead: HostOverhead {
+            total: after.total - overhead_before.total,
+            calls: after.calls - overhead_before.calls,
+        },
+        adapter: AdapterTimes {
+            transfer: adapter_after.transfer - adapter_before.transfer,
+            compute: adapter_after.compute - adapter_before.compute,
+            stage_calls: adapter_after.stage_calls - adapter_before.stage_calls,
+        },
+        groups,
+        params,
+        saved,
+    })
+}
+
+/// What the plain candle run measured.
+#[derive(Clone, Debug)]
+pub struct PlainReport {
+    /// The mean loss of each step over the global batch.
+    pub losses: Vec<f64>,
+    /// Wall time of each step.
+    pub step_times_s: Vec<f64>,
+    /// The final parameters.
+    pub params: Vec<(String, Vec<f32>)>,
+}
+
+/// The same training as plain single-process candle on the global batch of
+/// `ranks × batch` sequences, with candle-nn's own optimizers (`SGD` without
+/// momentum, `AdamW`) — an implementation independent of chorus's.
+pub fn train_plain(spec: &GptSpec, ranks: usize) -> Result<PlainReport> {
+    let varmap = VarMap::new();
+    {
+        let mut data = varmap.data().lock().map_err(|_| Error::InvalidArgument("VarMap lock poisoned".into()))?;
+        for (name, t) in &spec.init {
+            data.insert(name.clone(), Var::from_tensor(t)?);
+        }
+    }
+    let vb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &Device::Cpu);
+    let gpt = Gpt::new(spec.config, vb)?;
+    let vars = varmap.all_vars();
+    enum Opt {
+        Sgd(candle_nn::SGD),
+        AdamW(candle_nn::AdamW),
+    }
+    let mut opt = match spec.optimizer {
+        OptimizerKind::Sgd { lr, momentum, weight_decay, .. } if momentum == 0.0 && weight_decay == 0.0 => {
+            Opt::Sgd(candle_nn::SGD::new(vars, lr)?)
+        }
+        OptimizerKind::AdamW { lr, beta1, beta2, eps, weight_decay } => {
+            Opt::AdamW(candle_nn::AdamW::new(vars, candle_nn::ParamsAdamW { lr, beta1, beta2, eps, weight_decay })?)
+        }
+        k => return Err(Error::InvalidArgument(format!("candle-nn has no optimizer matching {k:?}"))),
+    };
+    let rows = ranks * spec.batch;
+    let seq = spec.data.seq_len();
+    let (mut losses, mut times) = (Vec::new(), Vec::new());
+    for step in 0..spec.steps {
+        let t0 = Instant::now();
+        let (x, y) = spec.data.rows(step, 0, rows);
+        let l = loss(&gpt.forward(&u32_tensor(x, rows, seq)?)?, &u32_tensor(y, rows, seq)?)?;
+        losses.push(l.to_scalar::<f32>()? as f64);
+        match &mut opt {
+            Opt::Sgd(o) => o.backward_step(&l)?,
+            Opt::AdamW(o) => o.backward_step(&l)?,
+        }
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    let params = spec
+        .init
+        .iter()
+        .map(|(name, _)| {
+            let data = varmap.data().lock().map_err(|_| Error::InvalidArgument("VarMap lock poisoned".into()))?;
+            let v = data.get(name).ok_or_else(|| Error::InvalidArgument(format!("no variable {name}")))?;
+            Ok((name.clone(), v.as_tensor().flatten_all()?.to_vec1::<f32>()?))
+        })
+        .collect::<Result<_>>()?;
+    Ok(PlainReport { losses, step_times_s: times, params })
+}
