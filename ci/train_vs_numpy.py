@@ -68,7 +68,7 @@ def reference(d, layers, steps, optimizer, lr, weight_decay):
 def check(chorus, scratch, name, dims, world, batch, steps, args, optimizer, lr, weight_decay, tol):
     init, out = f"{scratch}/{name}/init", f"{scratch}/{name}/out"
     write_init(init, dims, 3, world * batch, seed=len(name))
-    cmd = [chorus, "train", "--backend", "sim", "--world-size", str(world), "--batch", str(batch),
+    cmd = [chorus, "train", "--model", "mlp", "--backend", "sim", "--world-size", str(world), "--batch", str(batch),
            "--steps", str(steps), "--init-dir", init, "--out-dir", out, "--optimizer", optimizer] + args
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     losses, params = reference(init, len(dims) - 1, steps, optimizer, lr, weight_decay)

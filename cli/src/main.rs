@@ -1,7 +1,8 @@
 //! `chorus`: the command line of the chorus workspace.
 //!
-//! - `chorus train`: the reference MLP under FSDP, and `--bench` for FSDP's
-//!   step time and host overhead;
+//! - `chorus train`: a transformer (candle, through the FSDP adapter) or the
+//!   reference MLP under FSDP, with sharded checkpoints, and `--bench` for
+//!   FSDP's step time and host overhead;
 //! - `chorus info`: the backends compiled into this binary and whether their
 //!   libraries are available here;
 //! - `chorus bench`: nccl-tests-style bandwidth tables, checked results, and
@@ -18,6 +19,10 @@
 mod backends;
 mod bench;
 mod conformance;
+#[cfg(feature = "sim")]
+mod outdir;
+#[cfg(feature = "sim")]
+mod plot;
 mod size;
 #[cfg(feature = "sim")]
 mod train;
@@ -42,7 +47,7 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Run the conformance suite on a backend.
     Conformance(conformance::ConformanceArgs),
-    /// Train the reference MLP under FSDP (progress, .npy out-dir, summary.json); --bench measures FSDP.
+    /// Train a transformer (candle, --model gpt) or the reference MLP under FSDP: summary.json, loss.svg, checkpoints; --bench measures FSDP.
     #[cfg(feature = "sim")]
     Train(Box<train::TrainArgs>),
 }

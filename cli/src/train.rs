@@ -1,23 +1,35 @@
-//! `chorus train`: the reference MLP under FSDP on simulated ranks, with
-//! PyTorch-compatible `.npy` input and output, and `--bench` for FSDP's step
-//! time and host overhead.
+//! `chorus train`: a model under FSDP on simulated ranks (or a GPU backend):
+//! the transformer through the candle adapter (`--model gpt`, the default),
+//! or the reference MLP (`--model mlp`, with PyTorch-compatible `.npy` input
+//! and output, and `--bench` for FSDP's step time and host overhead).
+//!
+//! Nothing is written before the arguments are checked (bad ones exit 2,
+//! the memory a run needs included); the out-dir is locked against another
+//! run and replaced whole when the run has written everything
+//! ([`crate::outdir`]); a loss that stops being finite stops the run.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
 use chorus_collectives::sim::{SimConfig, SimWorld};
+use chorus_collectives::{CommBackend, Communicator};
 use chorus_devices::cpu::CpuConfig;
-use chorus_devices::DType;
-use chorus_fsdp::{FsdpConfig, MixedPrecision, OptimizerKind, ParamInit, Reshard};
+use chorus_devices::{ComputeBackend, DType};
+use chorus_fsdp::{Fsdp, FsdpConfig, MixedPrecision, OptimizerKind, ParamInit, Reshard};
+use chorus_train::gpt::{init_params, GptConfig};
+use chorus_train::gpt_train::{train_gpt, GptReport, GptSpec};
 use chorus_train::mlp::init_layers;
 use chorus_train::npy;
+use chorus_train::text::{self, TextData};
 use chorus_train::train::{train, Dataset, RankReport, TrainSpec};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
 use crate::backends::Backend;
+use crate::outdir::{write_file, OutDir};
 use crate::{Outcome, UsageError};
 
 /// Optimizers `chorus train` offers.
@@ -29,28 +41,40 @@ pub enum OptimizerArg {
     Adamw,
 }
 
+/// Models `chorus train` trains.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModelArg {
+    /// A decoder-only transformer (candle-nn) on generated text, through the candle adapter.
+    Gpt,
+    /// The reference MLP (device kernels), `.npy` in and out.
+    Mlp,
+}
+
 /// Arguments of `chorus train`.
 #[derive(Debug, clap::Args)]
 pub struct TrainArgs {
+    /// The model (default gpt; --bench measures the mlp).
+    #[arg(long, value_enum)]
+    pub model: Option<ModelArg>,
     /// The communication backend: sim, simnccl, or nccl/rccl (one rank per GPU, in builds with those features).
     #[arg(long, default_value = "sim", value_parser = crate::backends::parse_backend)]
     pub backend: Backend,
-    /// Number of ranks.
-    #[arg(long, default_value_t = 4)]
-    pub world_size: usize,
+    /// Number of ranks (default 4).
+    #[arg(long)]
+    pub world_size: Option<usize>,
     /// HSDP: replicate over this many groups (it must divide the world size).
     #[arg(long)]
     pub hsdp: Option<usize>,
-    /// Training steps.
-    #[arg(long, default_value_t = 50)]
-    pub steps: usize,
-    /// Rows per rank per step.
+    /// Training steps (default 150 for gpt, 50 for mlp); with --resume, the step to stop before.
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Rows (mlp) or sequences (gpt) per rank per step.
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
-    /// The optimizer.
-    #[arg(long, value_enum, default_value_t = OptimizerArg::Sgd)]
-    pub optimizer: OptimizerArg,
-    /// Learning rate (default 0.05 for SGD, 1e-3 for AdamW).
+    /// The optimizer (default adamw for gpt, sgd for mlp).
+    #[arg(long, value_enum)]
+    pub optimizer: Option<OptimizerArg>,
+    /// Learning rate (default 0.05 for SGD; AdamW 3e-3 for gpt, 1e-3 for mlp).
     #[arg(long)]
     pub lr: Option<f64>,
     /// SGD momentum.
@@ -68,31 +92,61 @@ pub struct TrainArgs {
     /// true, false, or a smaller world size that divides the shard world.
     #[arg(long, default_value = "true")]
     pub reshard_after_forward: Reshard,
-    /// Layer widths, e.g. 37,64,33,5 (instead of --layers/--width; default 16,64,64,4).
+    /// mlp: layer widths, e.g. 37,64,33,5 (instead of --layers/--width; default 16,64,64,4).
     #[arg(long, value_delimiter = ',', conflicts_with_all = ["layers", "width"])]
     pub dims: Option<Vec<usize>>,
-    /// Number of Linear layers (with --width).
+    /// mlp: number of Linear layers (with --width); gpt: transformer blocks (default 2).
     #[arg(long)]
     pub layers: Option<usize>,
-    /// Width of every layer (with --layers).
+    /// mlp: width of every layer (with --layers).
     #[arg(long)]
     pub width: Option<usize>,
-    /// Parameters with fewer elements than this are replicated, not sharded.
+    /// gpt: width of the residual stream.
+    #[arg(long, default_value_t = 64)]
+    pub d_model: usize,
+    /// gpt: attention heads (they divide --d-model).
+    #[arg(long, default_value_t = 4)]
+    pub heads: usize,
+    /// gpt: width of the MLP's hidden layer (default 4 × --d-model).
+    #[arg(long)]
+    pub d_ff: Option<usize>,
+    /// gpt: context length.
+    #[arg(long, default_value_t = 32)]
+    pub seq_len: usize,
+    /// gpt: train on this text file (ASCII; other characters become spaces) instead of generated text.
+    #[arg(long)]
+    pub text: Option<PathBuf>,
+    /// gpt: micro-batches per step (gradient accumulation; they divide --batch).
+    #[arg(long, default_value_t = 1)]
+    pub micro_batches: usize,
+    /// gpt: save a sharded checkpoint every N steps (and at the end).
+    #[arg(long)]
+    pub save_every: Option<u64>,
+    /// gpt: where checkpoints go (default <out-dir>-checkpoints).
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// gpt: resume from a checkpoint directory (a step-* directory, or one with a `latest` file).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Keep training when the loss is NaN or infinite (default: stop with an error).
+    #[arg(long)]
+    pub allow_nonfinite: bool,
+    /// mlp: parameters with fewer elements than this are replicated, not sharded.
     #[arg(long, default_value_t = 0)]
     pub replicate_below: usize,
     /// Clip the global gradient norm to this.
     #[arg(long)]
     pub max_grad_norm: Option<f64>,
-    /// Seed of the weights and data when there is no --init-dir.
+    /// Seed of the weights and data (mlp: when there is no --init-dir).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Directory with layers.{i}.weight.npy / layers.{i}.bias.npy and x.npy / y.npy (float32).
+    /// mlp: directory with layers.{i}.weight.npy / layers.{i}.bias.npy and x.npy / y.npy (float32).
     #[arg(long)]
     pub init_dir: Option<PathBuf>,
-    /// Where the final parameters (.npy) and summary.json go.
-    #[arg(long, default_value = "out/train")]
-    pub out_dir: PathBuf,
-    /// Benchmark FSDP instead: step time and host overhead per group per step for world sizes 1, 2, 4, 8.
+    /// Where the results go (default out/train): replaced whole when the run succeeds.
+    #[arg(long)]
+    pub out_dir: Option<PathBuf>,
+    /// Benchmark FSDP on the mlp instead: step time and host overhead per group per step for world sizes 1, 2, 4, 8.
     #[arg(long)]
     pub bench: bool,
     /// With --bench: print one JSON object per row.
@@ -107,32 +161,223 @@ fn parse_float_dtype(s: &str) -> Result<DType, String> {
     }
 }
 
+/// Ranks the simulated backend runs (each rank is a handful of threads).
+const MAX_SIM_WORLD: usize = 512;
+
+fn usage(msg: impl Into<String>) -> anyhow::Error {
+    UsageError(msg.into()).into()
+}
+
+/// Bytes of memory available to a new run (Linux's `MemAvailable`), if known.
+fn available_memory() -> Option<u128> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u128 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+fn gib(bytes: u128) -> f64 {
+    bytes as f64 / (1u128 << 30) as f64
+}
+
 impl TrainArgs {
+    fn model(&self) -> ModelArg {
+        self.model.unwrap_or(if self.bench { ModelArg::Mlp } else { ModelArg::Gpt })
+    }
+    fn world(&self) -> usize {
+        self.world_size.unwrap_or(4)
+    }
+    fn steps(&self) -> u64 {
+        self.steps.unwrap_or(match self.model() {
+            ModelArg::Gpt => 150,
+            ModelArg::Mlp => 50,
+        })
+    }
+    fn out_dir(&self) -> PathBuf {
+        self.out_dir.clone().unwrap_or_else(|| PathBuf::from("out/train"))
+    }
+    fn optimizer_arg(&self) -> OptimizerArg {
+        self.optimizer.unwrap_or(match self.model() {
+            ModelArg::Gpt => OptimizerArg::Adamw,
+            ModelArg::Mlp => OptimizerArg::Sgd,
+        })
+    }
+
+    /// Every check that needs no file: ranges, combinations, the memory the run needs.
     fn usage(&self) -> anyhow::Result<()> {
-        if self.world_size == 0 || self.batch == 0 {
-            return Err(UsageError("--world-size and --batch must be at least 1".into()).into());
+        let model = self.model();
+        let world = self.world();
+        if world == 0 || self.batch == 0 {
+            return Err(usage("--world-size and --batch must be at least 1"));
         }
-        if let Some(r) = self.hsdp {
-            if r == 0 || self.world_size % r != 0 {
-                return Err(UsageError(format!("--hsdp {r} must divide --world-size {}", self.world_size)).into());
+        if self.steps() == 0 {
+            return Err(usage("--steps must be at least 1"));
+        }
+        if matches!(self.backend.name(), "sim" | "simnccl") && world > MAX_SIM_WORLD {
+            return Err(usage(format!(
+                "--world-size {world}: the {} backend runs every rank as threads of this process; at most {MAX_SIM_WORLD}",
+                self.backend
+            )));
+        }
+        if self.bench {
+            if model != ModelArg::Mlp {
+                return Err(usage("--bench measures FSDP on the mlp (--model mlp)"));
+            }
+            for (given, name) in [
+                (self.world_size.is_some(), "--world-size (it measures 1, 2, 4 and 8 ranks)"),
+                (self.init_dir.is_some(), "--init-dir"),
+                (self.out_dir.is_some(), "--out-dir (it writes nothing)"),
+                (self.hsdp.is_some(), "--hsdp"),
+            ] {
+                if given {
+                    return Err(usage(format!("--bench does not use {name}")));
+                }
+            }
+        } else if self.json {
+            return Err(usage("--json goes with --bench"));
+        }
+        let shard_world = match self.hsdp {
+            Some(r) if r == 0 || world % r != 0 => {
+                return Err(usage(format!("--hsdp {r} must divide --world-size {world}")));
+            }
+            Some(r) => world / r,
+            None => world,
+        };
+        if let Reshard::To(k) = self.reshard_after_forward {
+            if k > shard_world || shard_world % k != 0 {
+                return Err(usage(format!(
+                    "--reshard-after-forward {k} must divide the shard world of {shard_world} ranks"
+                )));
+            }
+        }
+        let lr_ok = self.lr.is_none_or(|lr| lr.is_finite() && lr >= 0.0);
+        if !lr_ok {
+            return Err(usage(format!("--lr {} must be a finite number ≥ 0", self.lr.unwrap_or_default())));
+        }
+        if !(self.momentum.is_finite() && self.momentum >= 0.0) {
+            return Err(usage(format!("--momentum {} must be a finite number ≥ 0", self.momentum)));
+        }
+        if let Some(w) = self.weight_decay.filter(|w| !(w.is_finite() && *w >= 0.0)) {
+            return Err(usage(format!("--weight-decay {w} must be a finite number ≥ 0")));
+        }
+        if let Some(m) = self.max_grad_norm.filter(|m| !(m.is_finite() && *m > 0.0)) {
+            return Err(usage(format!("--max-grad-norm {m} must be a finite number > 0")));
+        }
+        if self.momentum != 0.0 && self.optimizer_arg() == OptimizerArg::Adamw {
+            return Err(usage("--momentum is for --optimizer sgd"));
+        }
+        match model {
+            ModelArg::Mlp => self.usage_mlp(world),
+            ModelArg::Gpt => self.usage_gpt(world),
+        }
+    }
+
+    fn usage_mlp(&self, world: usize) -> anyhow::Result<()> {
+        for (given, name) in [
+            (self.text.is_some(), "--text"),
+            (self.d_ff.is_some(), "--d-ff"),
+            (self.save_every.is_some(), "--save-every"),
+            (self.checkpoint_dir.is_some(), "--checkpoint-dir"),
+            (self.resume.is_some(), "--resume"),
+            (self.micro_batches != 1, "--micro-batches"),
+        ] {
+            if given {
+                return Err(usage(format!("{name} is for --model gpt")));
             }
         }
         if self.layers.is_some() != self.width.is_some() {
-            return Err(UsageError("--layers and --width go together".into()).into());
+            return Err(usage("--layers and --width go together"));
         }
         if let Some(d) = &self.dims {
             if d.len() < 2 || d.contains(&0) {
-                return Err(UsageError("--dims needs at least two positive widths".into()).into());
+                return Err(usage("--dims needs at least two positive widths"));
             }
         }
         if let (Some(0), _) | (_, Some(0)) = (self.layers, self.width) {
-            return Err(UsageError("--layers and --width must be positive".into()).into());
+            return Err(usage("--layers and --width must be positive"));
+        }
+        if self.init_dir.is_some() && (self.dims.is_some() || self.layers.is_some()) {
+            return Err(usage("--init-dir gives the model; --dims/--layers/--width do not apply"));
+        }
+        // The memory the run needs, in u128 so no size overflows (the init
+        // dir's sizes are checked again once its headers are read).
+        let dims: Vec<u128> = match (&self.dims, self.layers, self.width) {
+            (Some(d), _, _) => d.iter().map(|v| *v as u128).collect(),
+            (None, Some(l), Some(w)) => {
+                if l as u128 > 1 << 20 {
+                    return Err(usage(format!("--layers {l} is more than this tool trains (at most {})", 1 << 20)));
+                }
+                vec![w as u128; l + 1]
+            }
+            _ if self.init_dir.is_some() => return Ok(()),
+            _ => vec![16, 64, 64, 4],
+        };
+        let params: u128 = dims.windows(2).map(|w| w[0] * w[1] + w[1]).sum();
+        let widest = dims.iter().copied().max().unwrap_or(0);
+        let rows = world as u128 * self.batch as u128;
+        let batches = self.steps().clamp(1, 16) as u128;
+        let data = batches * rows * (dims[0] + dims[dims.len() - 1]) * 4;
+        let per_rank = 4
+            * (4 * params / world as u128 + 3 * params + 4 * self.batch as u128 * dims.iter().sum::<u128>())
+            + 16 * self.steps() as u128
+            + 8 * widest;
+        self.check_memory(data + world as u128 * per_rank + 2 * 4 * params)
+    }
+
+    fn gpt_config(&self) -> GptConfig {
+        GptConfig {
+            vocab: text::vocab_size(),
+            d_model: self.d_model,
+            layers: self.layers.unwrap_or(2),
+            heads: self.heads,
+            d_ff: self.d_ff.unwrap_or(self.d_model.saturating_mul(4)),
+            seq_len: self.seq_len,
+        }
+    }
+
+    fn usage_gpt(&self, world: usize) -> anyhow::Result<()> {
+        for (given, name) in [
+            (self.dims.is_some(), "--dims"),
+            (self.width.is_some(), "--width"),
+            (self.init_dir.is_some(), "--init-dir"),
+            (self.replicate_below != 0, "--replicate-below"),
+        ] {
+            if given {
+                return Err(usage(format!("{name} is for --model mlp")));
+            }
+        }
+        let cfg = self.gpt_config();
+        cfg.validate().map_err(usage)?;
+        if self.micro_batches == 0 || self.batch % self.micro_batches != 0 {
+            return Err(usage(format!("--micro-batches {} must divide --batch {}", self.micro_batches, self.batch)));
+        }
+        if self.save_every == Some(0) {
+            return Err(usage("--save-every must be at least 1"));
+        }
+        let (v, d, l, f, t) =
+            (cfg.vocab as u128, cfg.d_model as u128, cfg.layers as u128, cfg.d_ff as u128, cfg.seq_len as u128);
+        let params = 2 * v * d + d + l * (4 * d * d + 2 * d * f + 2 * d);
+        let tokens = self.batch as u128 * t;
+        let heads = cfg.heads as u128;
+        let activations = 4 * tokens * (l + 2) * (8 * d + 2 * f + 3 * heads * t + 3 * v);
+        let per_rank = 4 * (4 * params / world as u128 + 4 * params) + activations + 16 * self.steps() as u128;
+        self.check_memory(world as u128 * per_rank + 4 * (1 << 20))
+    }
+
+    fn check_memory(&self, needed: u128) -> anyhow::Result<()> {
+        let Some(available) = available_memory() else { return Ok(()) };
+        if needed > available / 10 * 9 {
+            return Err(usage(format!(
+                "this run needs about {:.1} GiB of memory; {:.1} GiB are available (make the model, batch, world or --steps smaller)",
+                gib(needed),
+                gib(available)
+            )));
         }
         Ok(())
     }
 
     fn optimizer(&self) -> OptimizerKind {
-        match self.optimizer {
+        match self.optimizer_arg() {
             OptimizerArg::Sgd => OptimizerKind::Sgd {
                 lr: self.lr.unwrap_or(0.05),
                 momentum: self.momentum,
@@ -140,7 +385,10 @@ impl TrainArgs {
                 weight_decay: self.weight_decay.unwrap_or(0.0),
                 nesterov: false,
             },
-            OptimizerArg::Adamw => OptimizerKind::adamw(self.lr.unwrap_or(1e-3), self.weight_decay.unwrap_or(0.01)),
+            OptimizerArg::Adamw => {
+                let default_lr = if self.model() == ModelArg::Gpt { 3e-3 } else { 1e-3 };
+                OptimizerKind::adamw(self.lr.unwrap_or(default_lr), self.weight_decay.unwrap_or(0.01))
+            }
         }
     }
 
@@ -164,10 +412,35 @@ impl TrainArgs {
             _ => vec![16, 64, 64, 4],
         }
     }
+
+    fn checkpoint_dir(&self) -> PathBuf {
+        self.checkpoint_dir.clone().unwrap_or_else(|| {
+            let out = self.out_dir();
+            let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "train".into());
+            out.with_file_name(format!("{name}-checkpoints"))
+        })
+    }
 }
 
-/// Loads `layers.{i}.weight.npy`/`layers.{i}.bias.npy` (as many layers as exist) and `x.npy`/`y.npy`.
+/// The configuration as structured JSON (for `summary.json`).
+fn optimizer_json(kind: OptimizerKind) -> serde_json::Value {
+    match kind {
+        OptimizerKind::Sgd { lr, momentum, dampening, weight_decay, nesterov } => json!({
+            "kind": "sgd", "lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay, "nesterov": nesterov,
+        }),
+        OptimizerKind::AdamW { lr, beta1, beta2, eps, weight_decay } => json!({
+            "kind": "adamw", "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
+        }),
+    }
+}
+
+// ---------------------------------------------------------------- the MLP's files
+
+/// Loads `layers.{i}.weight.npy`/`layers.{i}.bias.npy` (consecutive from 0) and `x.npy`/`y.npy`.
 fn load_init(dir: &Path) -> anyhow::Result<(Vec<Vec<ParamInit>>, Dataset)> {
+    if !dir.is_dir() {
+        anyhow::bail!("--init-dir {}: not a directory", dir.display());
+    }
     let mut layers = Vec::new();
     for i in 0.. {
         let w = dir.join(format!("layers.{i}.weight.npy"));
@@ -184,37 +457,113 @@ fn load_init(dir: &Path) -> anyhow::Result<(Vec<Vec<ParamInit>>, Dataset)> {
     if layers.is_empty() {
         anyhow::bail!("{} has no layers.0.weight.npy", dir.display());
     }
+    // A layer file past the consecutive ones is a leftover of another model, not part of this one.
+    for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))?.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(i) =
+            name.strip_prefix("layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok())
+        {
+            if i >= layers.len() {
+                anyhow::bail!(
+                    "{}: {name} does not follow layers 0..{} (a file of another model?); remove it or use another --init-dir",
+                    dir.display(),
+                    layers.len()
+                );
+            }
+        }
+    }
     let data = Dataset::from_arrays(npy::read(&dir.join("x.npy"))?, npy::read(&dir.join("y.npy"))?)?;
     Ok((layers, data))
+}
+
+fn write_npy(path: &Path, shape: &[usize], values: &[f32]) -> anyhow::Result<()> {
+    let bytes = npy::encode(shape, values).map_err(|e| anyhow::anyhow!("encoding {}: {e}", path.display()))?;
+    write_file(path, &bytes)
 }
 
 fn save_init(dir: &Path, layers: &[Vec<ParamInit>], data: &Dataset) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     for p in layers.iter().flatten() {
-        npy::write(&dir.join(format!("{}.npy", p.name)), &p.shape, &p.values)?;
+        write_npy(&dir.join(format!("{}.npy", p.name)), &p.shape, &p.values)?;
     }
     let (x, y) = data.arrays();
-    npy::write(&dir.join("x.npy"), &x.shape, &x.values)?;
-    npy::write(&dir.join("y.npy"), &y.shape, &y.values)?;
-    Ok(())
+    write_npy(&dir.join("x.npy"), &x.shape, &x.values)?;
+    write_npy(&dir.join("y.npy"), &y.shape, &y.values)
 }
 
-/// Runs `spec` on `world` ranks of `backend` and returns every rank's report.
-fn run_on(
+// ---------------------------------------------------------------- running ranks
+
+/// What every rank runs: the MLP or the transformer.
+trait RankJob: Send + Sync + 'static {
+    type Report: Send + 'static;
+    fn run<C: CommBackend + 'static>(
+        &self,
+        world: Arc<Communicator<C>>,
+        on_step: &mut dyn FnMut(u64, f64),
+    ) -> anyhow::Result<Self::Report>
+    where
+        C::B: ComputeBackend,
+        Fsdp<C>: Send;
+}
+
+struct MlpJob(TrainSpec);
+
+impl RankJob for MlpJob {
+    type Report = RankReport;
+    fn run<C: CommBackend + 'static>(
+        &self,
+        world: Arc<Communicator<C>>,
+        on_step: &mut dyn FnMut(u64, f64),
+    ) -> anyhow::Result<RankReport>
+    where
+        C::B: ComputeBackend,
+        Fsdp<C>: Send,
+    {
+        Ok(train(world, &self.0, &mut |s, l| on_step(s as u64, l))?)
+    }
+}
+
+struct GptJob(GptSpec);
+
+impl RankJob for GptJob {
+    type Report = GptReport;
+    fn run<C: CommBackend + 'static>(
+        &self,
+        world: Arc<Communicator<C>>,
+        on_step: &mut dyn FnMut(u64, f64),
+    ) -> anyhow::Result<GptReport>
+    where
+        C::B: ComputeBackend,
+        Fsdp<C>: Send,
+    {
+        Ok(train_gpt(world, &self.0, on_step)?)
+    }
+}
+
+/// Runs `job` on `world` ranks of `backend` and returns every rank's report.
+fn run_on<J: RankJob>(
     backend: Backend,
     world: usize,
-    spec: TrainSpec,
+    job: J,
     bar: Option<ProgressBar>,
-) -> anyhow::Result<Vec<RankReport>> {
-    crate::with_backend!(backend, sim => run_sim(world, spec, bar), vendor<L> => run_vendor::<L>(world, spec, bar))
+) -> anyhow::Result<Vec<J::Report>> {
+    crate::with_backend!(backend, sim => run_sim(world, job, bar), vendor<L> => run_vendor::<L, J>(world, job, bar))
+}
+
+fn progress(rank: usize, bar: &Option<ProgressBar>, loss: f64) {
+    if let (0, Some(b)) = (rank, bar) {
+        b.set_message(format!("loss {loss:.4}"));
+        b.inc(1);
+    }
 }
 
 /// One rank per device of the NCCL family, as threads of this process,
 /// bootstrapped through an in-memory store.
-fn run_vendor<L>(world: usize, spec: TrainSpec, bar: Option<ProgressBar>) -> anyhow::Result<Vec<RankReport>>
+fn run_vendor<L, J: RankJob>(world: usize, job: J, bar: Option<ProgressBar>) -> anyhow::Result<Vec<J::Report>>
 where
     L: chorus_collectives::vendor::VendorLib,
     L::B: chorus_conformance::vendor::HarnessDevice + chorus_devices::ComputeBackend,
+    Fsdp<chorus_collectives::vendor::VendorComm<L>>: Send,
 {
     use chorus_collectives::store::MemStore;
     use chorus_collectives::vendor::{VendorComm, VendorConfig};
@@ -224,20 +573,15 @@ where
         anyhow::bail!("{world} ranks need as many devices (one rank per device); {devices} visible");
     }
     let store = MemStore::new();
-    let results: Vec<anyhow::Result<RankReport>> = std::thread::scope(|s| {
+    let results: Vec<anyhow::Result<J::Report>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
             .map(|rank| {
-                let (store, spec, bar) = (store.clone(), &spec, bar.clone());
-                s.spawn(move || -> anyhow::Result<RankReport> {
-                    let device = L::B::make(rank, std::time::Duration::from_secs(300))?;
+                let (store, job, bar) = (store.clone(), &job, bar.clone());
+                s.spawn(move || -> anyhow::Result<J::Report> {
+                    let device = L::B::make(rank, Duration::from_secs(300))?;
                     let comm = VendorComm::<L>::init(&store, rank, world, device, VendorConfig::default())?;
-                    let mut on_step = |_step: usize, loss: f64| {
-                        if let (0, Some(b)) = (rank, &bar) {
-                            b.set_message(format!("loss {loss:.5}"));
-                            b.inc(1);
-                        }
-                    };
-                    train(Arc::new(comm), spec, &mut on_step).with_context(|| format!("rank {rank}"))
+                    job.run(Arc::new(comm), &mut |_, loss| progress(rank, &bar, loss))
+                        .with_context(|| format!("rank {rank}"))
                 })
             })
             .collect();
@@ -246,9 +590,9 @@ where
     results.into_iter().collect()
 }
 
-/// Runs `spec` on `world` simulated ranks and returns every rank's report.
-fn run_sim(world: usize, spec: TrainSpec, bar: Option<ProgressBar>) -> anyhow::Result<Vec<RankReport>> {
-    let spec = Arc::new(spec);
+/// Runs `job` on `world` simulated ranks and returns every rank's report.
+fn run_sim<J: RankJob>(world: usize, job: J, bar: Option<ProgressBar>) -> anyhow::Result<Vec<J::Report>> {
+    let job = Arc::new(job);
     let config = SimConfig {
         timeout: Duration::from_secs(300),
         // SAFETY: FSDP orders every cross-stream access with events, and the
@@ -260,16 +604,8 @@ fn run_sim(world: usize, spec: TrainSpec, bar: Option<ProgressBar>) -> anyhow::R
     let bar = Arc::new(Mutex::new(bar));
     let results = SimWorld::run(world, config, move |comm| {
         let rank = comm.rank();
-        let bar = bar.clone();
-        let mut on_step = move |_step: usize, loss: f64| {
-            if rank == 0 {
-                if let Ok(Some(b)) = bar.lock().as_deref() {
-                    b.set_message(format!("loss {loss:.5}"));
-                    b.inc(1);
-                }
-            }
-        };
-        train(Arc::new(comm), &spec, &mut on_step)
+        let bar = bar.lock().map(|b| b.clone()).unwrap_or(None);
+        job.run(Arc::new(comm), &mut |_, loss| progress(rank, &bar, loss))
     })?;
     results
         .into_iter()
@@ -288,85 +624,287 @@ fn median(values: &[f64]) -> f64 {
     }
 }
 
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+/// Writes a line to stdout; a closed pipe or a full disk is an error the
+/// caller returns (main ends a broken pipe quietly), never a panic.
+fn say(line: std::fmt::Arguments<'_>) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    out.write_fmt(line).and_then(|_| out.write_all(b"\n")).and_then(|_| out.flush()).context("writing to stdout")
+}
+
+/// The honest summary of a loss curve: the mean of the first and of the
+/// last `window` steps (a tenth of the run, at least one step).
+struct LossSummary {
+    window: usize,
+    start: f64,
+    end: f64,
+}
+
+fn summarize(losses: &[f64]) -> LossSummary {
+    let window = (losses.len() / 10).max(1);
+    LossSummary {
+        window,
+        start: mean(&losses[..window.min(losses.len())]),
+        end: mean(&losses[losses.len().saturating_sub(window)..]),
+    }
+}
+
+fn progress_bar(steps: u64) -> ProgressBar {
+    let bar = ProgressBar::new(steps);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg} ({elapsed})")
+            .map(|s| s.progress_chars("=> "))
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
+}
+
 /// Runs `chorus train`.
 pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     args.usage()?;
     if args.bench {
         return bench(args);
     }
-    let rows = args.world_size * args.batch;
+    match args.model() {
+        ModelArg::Mlp => run_mlp(args),
+        ModelArg::Gpt => run_gpt(args),
+    }
+}
+
+fn run_mlp(args: &TrainArgs) -> anyhow::Result<Outcome> {
+    let world = args.world();
+    let steps = args.steps();
+    let rows = world * args.batch;
     let (layers, data) = match &args.init_dir {
         Some(dir) => load_init(dir)?,
         None => {
             let dims = args.dims();
-            let layers = init_layers(&dims, args.seed);
-            let data = Dataset::random(dims[0], dims[dims.len() - 1], rows, args.steps.clamp(1, 16), args.seed);
-            save_init(&args.out_dir.join("init"), &layers, &data)?;
-            (layers, data)
+            let data = Dataset::random(dims[0], dims[dims.len() - 1], rows, steps.clamp(1, 16) as usize, args.seed);
+            (init_layers(&dims, args.seed), data)
         }
     };
+    let out = OutDir::acquire(&args.out_dir())?;
+    if args.init_dir.is_none() {
+        save_init(&out.stage().join("init"), &layers, &data)?;
+    }
     let spec = TrainSpec {
         layers,
         data: Arc::new(data),
         batch: args.batch,
-        steps: args.steps,
+        steps: usize::try_from(steps).map_err(|_| usage(format!("--steps {steps} is too large")))?,
         optimizer: args.optimizer(),
         fsdp: args.fsdp_config(),
         replicate: args.hsdp,
         max_grad_norm: args.max_grad_norm,
+        stop_on_nonfinite: !args.allow_nonfinite,
     };
-    let bar = ProgressBar::new(args.steps as u64);
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg} ({elapsed})")
-            .map(|s| s.progress_chars("=> "))
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    let reports = run_on(args.backend, args.world_size, spec.clone(), Some(bar.clone()))?;
+    let bar = progress_bar(steps);
+    let reports = run_on(args.backend, world, MlpJob(spec.clone()), Some(bar.clone()));
     bar.finish_and_clear();
+    let reports = reports?;
     let first = reports.first().context("no ranks")?;
-    std::fs::create_dir_all(&args.out_dir).with_context(|| format!("creating {}", args.out_dir.display()))?;
     for (name, values) in &first.params {
         let shape = spec.layers.iter().flatten().find(|p| &p.name == name).map(|p| p.shape.clone()).unwrap_or_default();
-        npy::write(&args.out_dir.join(format!("{name}.npy")), &shape, values)?;
+        write_npy(&out.stage().join(format!("{name}.npy")), &shape, values)?;
     }
     let median_step = median(&first.step_times_s);
-    let overhead_per_group_step = first.overhead.total.as_secs_f64() / (first.groups.max(1) * args.steps.max(1)) as f64;
+    let overhead_per_group_step = first.overhead.total.as_secs_f64() / (first.groups.max(1) as f64 * steps as f64);
+    let s = summarize(&first.losses);
+    let dims: Vec<usize> = std::iter::once(spec.layers[0][0].shape.get(1).copied().unwrap_or(0))
+        .chain(spec.layers.iter().map(|l| l[0].shape[0]))
+        .collect();
     let summary = json!({
+        "model": "mlp",
         "losses": first.losses,
+        "loss_window": s.window,
+        "loss_start_mean": s.start,
+        "loss_end_mean": s.end,
+        "loss_smoothed": crate::plot::smooth(&first.losses, s.window),
         "step_times_s": first.step_times_s,
         "median_step_time_s": median_step,
         "peak_memory_bytes": reports.iter().map(|r| r.peak_memory_bytes).collect::<Vec<_>>(),
         "final_memory_bytes": reports.iter().map(|r| r.final_memory_bytes).collect::<Vec<_>>(),
         "fsdp_host_overhead_per_group_per_step_s": overhead_per_group_step,
         "config": {
+            "model": "mlp",
             "backend": args.backend.name(),
-            "world_size": args.world_size,
+            "world_size": world,
             "hsdp": args.hsdp,
-            "steps": args.steps,
+            "steps": steps,
             "batch": args.batch,
-            "optimizer": format!("{:?}", spec.optimizer),
+            "optimizer": optimizer_json(spec.optimizer),
             "param_dtype": args.param_dtype.name(),
             "reduce_dtype": args.reduce_dtype.unwrap_or(args.param_dtype).name(),
             "reshard_after_forward": args.reshard_after_forward.to_string(),
-            "dims": std::iter::once(spec.layers[0][0].shape[1]).chain(spec.layers.iter().map(|l| l[0].shape[0])).collect::<Vec<_>>(),
+            "dims": dims,
             "replicate_below": args.replicate_below,
             "max_grad_norm": args.max_grad_norm,
             "seed": args.seed,
             "init_dir": args.init_dir.as_ref().map(|p| p.display().to_string()),
         },
     });
-    std::fs::write(args.out_dir.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
-    let (l0, l1) = (first.losses.first().copied().unwrap_or(0.0), first.losses.last().copied().unwrap_or(0.0));
+    let path = out.stage().join("summary.json");
+    write_file(&path, serde_json::to_string_pretty(&summary)?.as_bytes())?;
+    crate::plot::loss_curve(&out.stage().join("loss.svg"), "chorus train --model mlp", 0, &first.losses, s.window)?;
+    let dest = out.dest().to_path_buf();
+    out.commit()?;
     let peak = reports.iter().map(|r| r.peak_memory_bytes).max().unwrap_or(0);
-    println!(
-        "trained {} ranks x {} steps: loss {l0:.6} -> {l1:.6}, median step {:.2} ms, peak memory {:.1} KiB/rank, FSDP overhead {:.1} us/group/step, wrote {}",
-        args.world_size,
-        args.steps,
+    say(format_args!(
+        "trained the mlp on {world} ranks x {steps} steps: loss {:.6} (mean of the first {w}) -> {:.6} (mean of the last {w}), median step {:.2} ms, peak memory {:.1} KiB/rank, FSDP overhead {:.1} us/group/step, wrote {}",
+        s.start,
+        s.end,
         median_step * 1e3,
         peak as f64 / 1024.0,
         overhead_per_group_step * 1e6,
-        args.out_dir.display()
-    );
+        dest.display(),
+        w = s.window,
+    ))?;
+    Ok(Outcome::Passed)
+}
+
+fn run_gpt(args: &TrainArgs) -> anyhow::Result<Outcome> {
+    let world = args.world();
+    let steps = args.steps();
+    let cfg = args.gpt_config();
+    let corpus = match &args.text {
+        Some(path) => std::fs::read_to_string(path).with_context(|| format!("--text {}", path.display()))?,
+        None => text::generate(200_000, args.seed),
+    };
+    let data = TextData::new(text::encode(&corpus), cfg.seq_len, args.seed).ok_or_else(|| {
+        usage(format!(
+            "the text has {} characters; --seq-len {} needs at least {}",
+            corpus.len(),
+            cfg.seq_len,
+            cfg.seq_len + 2
+        ))
+    })?;
+    if let Some(dir) = &args.resume {
+        let state = chorus_fsdp_candle::checkpoint::read_training_state(dir)?;
+        if state.step >= steps {
+            return Err(usage(format!(
+                "{} is at step {}; --steps {steps} leaves nothing to train",
+                dir.display(),
+                state.step
+            )));
+        }
+    }
+    let out = OutDir::acquire(&args.out_dir())?;
+    let checkpoint_dir = (args.save_every.is_some() || args.checkpoint_dir.is_some()).then(|| args.checkpoint_dir());
+    let spec = GptSpec {
+        config: cfg,
+        init: init_params(&cfg, args.seed)?,
+        data: Arc::new(data),
+        batch: args.batch,
+        steps,
+        optimizer: args.optimizer(),
+        fsdp: args.fsdp_config(),
+        replicate: args.hsdp,
+        max_grad_norm: args.max_grad_norm,
+        forward_prefetch: true,
+        micro_batches: args.micro_batches,
+        checkpoint_dir: checkpoint_dir.clone(),
+        save_every: args.save_every.unwrap_or(0),
+        resume: args.resume.clone(),
+        allow_nonfinite: args.allow_nonfinite,
+    };
+    let bar = progress_bar(steps);
+    let reports = run_on(args.backend, world, GptJob(spec.clone()), Some(bar.clone()));
+    bar.finish_and_clear();
+    let reports = reports?;
+    let first = reports.first().context("no ranks")?;
+    let all_losses: Vec<f64> = first.earlier_losses.iter().chain(&first.losses).copied().collect();
+    let s = summarize(&all_losses);
+    let median_step = median(&first.step_times_s);
+    let ran = first.losses.len().max(1) as f64;
+    let overhead_per_group_step = first.overhead.total.as_secs_f64() / (first.groups.max(1) as f64 * ran);
+    // The trained model, unsharded, as candle and Python load it.
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = first
+        .params
+        .iter()
+        .map(|(name, v)| {
+            let shape = cfg
+                .param_shapes()
+                .into_iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, s)| s)
+                .unwrap_or_else(|| vec![v.len()]);
+            (name.clone(), shape, v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        })
+        .collect();
+    let views = tensors
+        .iter()
+        .map(|(n, shape, b)| {
+            Ok((n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), b)?))
+        })
+        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
+    write_file(&out.stage().join("model.safetensors"), &safetensors::tensor::serialize(views, None)?)?;
+    let sample = chorus_train::gpt::sample(&cfg, &first.params, "the cat ", 60)?;
+    let summary = json!({
+        "model": "gpt",
+        "first_step": first.start_step - first.earlier_losses.len() as u64,
+        "losses": all_losses,
+        "loss_window": s.window,
+        "loss_start_mean": s.start,
+        "loss_end_mean": s.end,
+        "loss_smoothed": crate::plot::smooth(&all_losses, s.window),
+        "step_times_s": first.step_times_s,
+        "median_step_time_s": median_step,
+        "peak_memory_bytes": reports.iter().map(|r| r.peak_memory_bytes).collect::<Vec<_>>(),
+        "fsdp_host_overhead_per_group_per_step_s": overhead_per_group_step,
+        "adapter_transfer_per_step_s": first.adapter.transfer.as_secs_f64() / ran,
+        "candle_compute_per_step_s": first.adapter.compute.as_secs_f64() / ran,
+        "sample": sample,
+        "checkpoints": first.saved.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+        "config": {
+            "model": "gpt",
+            "backend": args.backend.name(),
+            "world_size": world,
+            "hsdp": args.hsdp,
+            "steps": steps,
+            "batch": args.batch,
+            "micro_batches": args.micro_batches,
+            "optimizer": optimizer_json(spec.optimizer),
+            "param_dtype": args.param_dtype.name(),
+            "reduce_dtype": args.reduce_dtype.unwrap_or(args.param_dtype).name(),
+            "reshard_after_forward": args.reshard_after_forward.to_string(),
+            "transformer": cfg,
+            "parameters": cfg.num_params(),
+            "max_grad_norm": args.max_grad_norm,
+            "seed": args.seed,
+            "text": args.text.as_ref().map(|p| p.display().to_string()),
+            "resume": args.resume.as_ref().map(|p| p.display().to_string()),
+            "start_step": first.start_step,
+            "save_every": args.save_every,
+            "checkpoint_dir": checkpoint_dir.as_ref().map(|p| p.display().to_string()),
+        },
+    });
+    write_file(&out.stage().join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
+    let first_step = first.start_step - first.earlier_losses.len() as u64;
+    crate::plot::loss_curve(
+        &out.stage().join("loss.svg"),
+        "chorus train --model gpt",
+        first_step,
+        &all_losses,
+        s.window,
+    )?;
+    let dest = out.dest().to_path_buf();
+    out.commit()?;
+    let peak = reports.iter().map(|r| r.peak_memory_bytes).max().unwrap_or(0);
+    say(format_args!(
+        "trained the transformer ({} parameters) on {world} ranks, steps {}..{steps}: loss {:.3} (mean of the first {w} steps) -> {:.3} (mean of the last {w}), median step {:.1} ms, peak FSDP memory {:.1} KiB/rank, wrote {}",
+        cfg.num_params(),
+        first.start_step,
+        s.start,
+        s.end,
+        median_step * 1e3,
+        peak as f64 / 1024.0,
+        dest.display(),
+        w = s.window,
+    ))?;
+    say(format_args!("sample: {sample:?}"))?;
     Ok(Outcome::Passed)
 }
 
@@ -377,21 +915,22 @@ fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
         _ => args.dims(),
     };
     let warmup = 3;
+    let steps = usize::try_from(args.steps()).map_err(|_| usage("--steps is too large"))?;
     if !args.json {
-        println!(
+        say(format_args!(
             "# chorus train --bench: MLP {} layers (widths {}..), batch {}/rank, {} timed steps after {warmup}, param dtype {}, backend {} (sim: sanitizer off)",
             dims.len() - 1,
             dims[0],
             args.batch,
-            args.steps,
+            steps,
             args.param_dtype,
             args.backend
-        );
-        println!("# overhead = host time inside FSDP's hooks (they only enqueue) / (groups x steps)");
-        println!(
+        ))?;
+        say(format_args!("# overhead = host time inside FSDP's hooks (they only enqueue) / (groups x steps)"))?;
+        say(format_args!(
             "{:>6} {:>7} {:>14} {:>22} {:>16}",
             "world", "groups", "step ms (med)", "overhead us/group/step", "peak KiB/rank"
-        );
+        ))?;
     }
     // The GPU backends take one rank per device, so their worlds stop at the device count.
     let max_world = crate::with_backend!(args.backend, sim => usize::MAX, vendor<L> => {
@@ -404,33 +943,34 @@ fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
             layers: init_layers(&dims, args.seed),
             data: Arc::new(data),
             batch: args.batch,
-            steps: args.steps + warmup,
+            steps: steps + warmup,
             optimizer: args.optimizer(),
             fsdp: args.fsdp_config(),
             replicate: None,
             max_grad_norm: None,
+            stop_on_nonfinite: false,
         };
-        let reports = run_on(args.backend, world, spec, None)?;
+        let reports = run_on(args.backend, world, MlpJob(spec), None)?;
         let r = reports.first().context("no ranks")?;
         let timed = &r.step_times_s[warmup.min(r.step_times_s.len())..];
         let step = median(timed);
-        let overhead = r.overhead.total.as_secs_f64() / (r.groups * (args.steps + warmup)) as f64;
+        let overhead = r.overhead.total.as_secs_f64() / (r.groups * (steps + warmup)) as f64;
         let peak = reports.iter().map(|r| r.peak_memory_bytes).max().unwrap_or(0);
         if args.json {
-            println!(
+            say(format_args!(
                 "{}",
                 json!({"world_size": world, "groups": r.groups, "layers": dims.len() - 1, "width": dims[1],
                        "batch": args.batch, "median_step_time_s": step, "host_overhead_per_group_per_step_s": overhead,
                        "peak_memory_bytes": peak})
-            );
+            ))?;
         } else {
-            println!(
+            say(format_args!(
                 "{world:>6} {:>7} {:>14.3} {:>22.2} {:>16.1}",
                 r.groups,
                 step * 1e3,
                 overhead * 1e6,
                 peak as f64 / 1024.0
-            );
+            ))?;
         }
     }
     Ok(Outcome::Passed)

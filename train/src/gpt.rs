@@ -263,3 +263,26 @@ where
         self.model.run(self.head, &x)
     }
 }
+
+/// Continues `prompt` by `n` characters with the model whose full
+/// parameters are `params` (greedy decoding, plain candle): a look at what
+/// the model learned.
+pub fn sample(cfg: &GptConfig, params: &[(String, Vec<f32>)], prompt: &str, n: usize) -> candle_core::Result<String> {
+    let shapes = cfg.param_shapes();
+    let mut tensors = std::collections::HashMap::new();
+    for (name, values) in params {
+        let shape =
+            shapes.iter().find(|(n, _)| n == name).map(|(_, s)| s.clone()).unwrap_or_else(|| vec![values.len()]);
+        tensors.insert(name.clone(), Tensor::from_vec(values.clone(), shape, &Device::Cpu)?);
+    }
+    let gpt = Gpt::new(*cfg, VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu))?;
+    let mut tokens = crate::text::encode(prompt);
+    for _ in 0..n {
+        let ctx = &tokens[tokens.len().saturating_sub(cfg.seq_len)..];
+        let ids = Tensor::from_vec(ctx.to_vec(), (1, ctx.len()), &Device::Cpu)?;
+        let logits = gpt.forward(&ids)?.squeeze(0)?;
+        let last = logits.get(ctx.len() - 1)?;
+        tokens.push(last.argmax(0)?.to_scalar::<u32>()?);
+    }
+    Ok(crate::text::decode(&tokens))
+}

@@ -58,6 +58,8 @@ pub struct GptSpec {
 pub struct GptReport {
     /// The step this run started at (0, or the resumed checkpoint's).
     pub start_step: u64,
+    /// The losses of the steps before `start_step`, as the checkpoint recorded them.
+    pub earlier_losses: Vec<f64>,
     /// The global mean loss of each step this run took, before its update.
     pub losses: Vec<f64>,
     /// Wall time of each step, host-synchronized.
@@ -114,6 +116,7 @@ where
     let gpt = ShardedGpt::new(fsdp, spec.config, spec.init.clone(), spec.forward_prefetch)?;
     let mut opt = ShardedOptimizer::new(spec.optimizer);
     let mut start = 0;
+    let mut earlier_losses = Vec::new();
     if let Some(dir) = &spec.resume {
         let state = gpt.model.with_fsdp(|f| checkpoint::load(f, &mut opt, dir))??;
         if state.data_seed != spec.data.seed() {
@@ -125,6 +128,7 @@ where
             )));
         }
         start = state.step;
+        earlier_losses = state.losses;
     }
     gpt.model.with_fsdp(|f| -> Result<()> {
         f.synchronize()?;
@@ -171,7 +175,8 @@ where
         let done = step + 1;
         let due = spec.save_every > 0 && done % spec.save_every == 0 || done == spec.steps;
         if let (Some(dir), true) = (&spec.checkpoint_dir, due) {
-            let state = TrainingState { step: done, data_seed: spec.data.seed(), losses: Vec::new() };
+            let losses = earlier_losses.iter().chain(&losses).copied().collect();
+            let state = TrainingState { step: done, data_seed: spec.data.seed(), losses };
             saved.push(gpt.model.with_fsdp(|f| checkpoint::save(f, &opt, dir, &state))??);
         }
     }
@@ -182,6 +187,7 @@ where
     let params = gpt.model.with_fsdp(|f| f.full_parameters())??;
     Ok(GptReport {
         start_step: start,
+        earlier_losses,
         losses,
         step_times_s: times,
         peak_memory_bytes: stats.peak_bytes,

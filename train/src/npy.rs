@@ -68,9 +68,15 @@ fn parse(bytes: &[u8]) -> std::result::Result<Array, String> {
 
 /// Writes a float32 `.npy` file (format 1.0).
 pub fn write(path: &Path, shape: &[usize], values: &[f32]) -> Result<()> {
-    let count: usize = shape.iter().product();
-    if count != values.len() {
-        return Err(bad(path, format!("{} values for shape {shape:?}", values.len())));
+    let out = encode(shape, values).map_err(|e| bad(path, e))?;
+    std::fs::File::create(path).and_then(|mut f| f.write_all(&out)).map_err(|e| bad(path, e))
+}
+
+/// The bytes of a float32 `.npy` file (format 1.0) of `shape` and `values`.
+pub fn encode(shape: &[usize], values: &[f32]) -> std::result::Result<Vec<u8>, String> {
+    let count = shape.iter().try_fold(1usize, |a, d| a.checked_mul(*d));
+    if count != Some(values.len()) {
+        return Err(format!("{} values for shape {shape:?}", values.len()));
     }
     let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
     let shape_text = match dims.len() {
@@ -89,7 +95,7 @@ pub fn write(path: &Path, shape: &[usize], values: &[f32]) -> Result<()> {
     for v in values {
         out.extend_from_slice(&v.to_le_bytes());
     }
-    std::fs::File::create(path).and_then(|mut f| f.write_all(&out)).map_err(|e| bad(path, e))
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -111,6 +111,8 @@ pub struct TrainSpec {
     pub replicate: Option<usize>,
     /// Clip the global gradient norm to this.
     pub max_grad_norm: Option<f64>,
+    /// Stop with an error when the global loss is NaN or infinite.
+    pub stop_on_nonfinite: bool,
 }
 
 /// What one rank measured.
@@ -176,14 +178,19 @@ where
     fsdp.device().reset_peak_memory();
     let overhead_before = fsdp.host_overhead();
     let rank = world.rank();
-    let mut losses = Vec::with_capacity(spec.steps);
-    let mut times = Vec::with_capacity(spec.steps);
+    let mut losses = Vec::new();
+    let mut times = Vec::new();
     for step in 0..spec.steps {
         let t0 = Instant::now();
         let (x, y) = spec.data.rows(step, rank * spec.batch, spec.batch)?;
         let loss = mlp.forward_backward(&mut fsdp, x, y)?;
         fsdp.finalize_backward()?;
         let mean = fsdp.mean_over_ranks(loss.view())?;
+        if spec.stop_on_nonfinite && !mean.is_finite() {
+            return Err(FsdpError::InvalidArgument(format!(
+                "the loss became {mean} at step {step}: stopping (a NaN or infinity in the data, the weights or the learning rate)"
+            )));
+        }
         if let Some(max) = spec.max_grad_norm {
             fsdp.clip_grad_norm(max)?;
         }

@@ -17,6 +17,7 @@ fn spec(dims: &[usize], ranks: usize, replicate: Option<usize>) -> TrainSpec {
         fsdp: FsdpConfig::default(),
         replicate,
         max_grad_norm: None,
+        stop_on_nonfinite: true,
     }
 }
 
