@@ -176,6 +176,28 @@ fn bias_add_adds_the_bias_to_every_row() -> Result<()> {
     Ok(())
 }
 
+/// PyTorch's ReLU propagates NaN (`relu(nan) = nan`) and its backward
+/// (`threshold_backward`) zeroes the gradient only where the output is ≤ 0.
+#[test]
+fn relu_propagates_nan_like_pytorch() -> Result<()> {
+    let dev = device();
+    let s = stream(&dev)?;
+    for dtype in FLOATS {
+        let x = [f64::NAN, -1.0, 2.0, f64::INFINITY, f64::NEG_INFINITY, 0.0];
+        let xb = buffer(&dev, &s, dtype, &x)?;
+        let yb = dev.alloc(dtype, x.len())?;
+        s.relu(xb.view(), yb.view())?;
+        let y = get(&s, yb.view())?;
+        assert!(y[0].is_nan(), "relu(NaN) in {dtype} is {}", y[0]);
+        assert_eq!(&y[1..], &[0.0, 2.0, f64::INFINITY, 0.0, 0.0], "{dtype}");
+        let gob = buffer(&dev, &s, dtype, &[1.0, 1.0, 1.0, 1.0, 1.0, 1.0])?;
+        let gib = dev.alloc(dtype, x.len())?;
+        s.relu_backward(gob.view(), yb.view(), gib.view())?;
+        assert_eq!(get(&s, gib.view())?, vec![1.0, 0.0, 1.0, 1.0, 0.0, 0.0], "relu_backward {dtype}");
+    }
+    Ok(())
+}
+
 #[test]
 fn relu_and_its_backward_for_every_float_dtype() -> Result<()> {
     let dev = device();

@@ -241,15 +241,17 @@ pub(crate) fn bias_add<X: Float, B: Float>(x: &mut [X], bias: &[B]) {
     }
 }
 
+// NaN propagates as in PyTorch: relu(NaN) = NaN (only x ≤ 0 becomes 0), and
+// the gradient passes where the output is not ≤ 0 (threshold_backward).
 pub(crate) fn relu<T: Float>(x: &[T], y: &mut [T]) {
     for (yv, xv) in y.iter_mut().zip(x) {
-        *yv = if xv.up() > T::M::ZERO { *xv } else { T::down(T::M::ZERO) };
+        *yv = if xv.up() <= T::M::ZERO { T::down(T::M::ZERO) } else { *xv };
     }
 }
 
 pub(crate) fn relu_backward<T: Float>(grad_out: &[T], out: &[T], grad_in: &mut [T]) {
     for ((gi, go), o) in grad_in.iter_mut().zip(grad_out).zip(out) {
-        *gi = if o.up() > T::M::ZERO { *go } else { T::down(T::M::ZERO) };
+        *gi = if o.up() <= T::M::ZERO { T::down(T::M::ZERO) } else { *go };
     }
 }
 

@@ -197,13 +197,13 @@ extern "C" __global__ void chorus_bias_add(void* x, int xt, const void* bias, in
 
 extern "C" __global__ void chorus_relu(const void* x, void* y, int t, u64 n) {
     GRID_STRIDE(i, n) {
-        if (ldd(x, t, i) > 0.0) copy_elem(y, x, t, i); else zero_elem(y, t, i);
+        if (ldd(x, t, i) <= 0.0) zero_elem(y, t, i); else copy_elem(y, x, t, i);  /* NaN propagates, as in PyTorch */
     }
 }
 
 extern "C" __global__ void chorus_relu_backward(const void* grad_out, const void* out, void* grad_in, int t, u64 n) {
     GRID_STRIDE(i, n) {
-        if (ldd(out, t, i) > 0.0) copy_elem(grad_in, grad_out, t, i); else zero_elem(grad_in, t, i);
+        if (ldd(out, t, i) <= 0.0) zero_elem(grad_in, t, i); else copy_elem(grad_in, grad_out, t, i);
     }
 }
 

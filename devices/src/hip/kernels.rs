@@ -142,14 +142,14 @@ template <class T>
 __device__ void k_relu(const void* x, void* y, u64 n) {
   const typename T::S* xs = (const typename T::S*)x; typename T::S* ys = (typename T::S*)y;
   typename T::M zero = (typename T::M)0;
-  CHORUS_LOOP(i, n) { typename T::S v = xs[i]; ys[i] = T::up(v) > zero ? v : T::down(zero); }
+  CHORUS_LOOP(i, n) { typename T::S v = xs[i]; ys[i] = T::up(v) <= zero ? T::down(zero) : v; }  /* NaN propagates, as in PyTorch */
 }
 
 template <class T>
 __device__ void k_relu_backward(const void* grad_out, const void* out, void* grad_in, u64 n) {
   const typename T::S* g = (const typename T::S*)grad_out; const typename T::S* o = (const typename T::S*)out;
   typename T::S* gi = (typename T::S*)grad_in; typename T::M zero = (typename T::M)0;
-  CHORUS_LOOP(i, n) { typename T::S v = g[i]; gi[i] = T::up(o[i]) > zero ? v : T::down(zero); }
+  CHORUS_LOOP(i, n) { typename T::S v = g[i]; gi[i] = T::up(o[i]) <= zero ? T::down(zero) : v; }
 }
 
 template <class P, class T, class G>
