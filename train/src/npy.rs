@@ -30,40 +30,151 @@ fn parse(bytes: &[u8]) -> std::result::Result<Array, String> {
     if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
         return Err("not an .npy file".into());
     }
-    let (header_len, start) = match bytes[6] {
+    let (header_len, start): (usize, usize) = match bytes[6] {
         1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
         2 | 3 if bytes.len() >= 12 => (u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize, 12),
         v => return Err(format!("unsupported .npy version {v}")),
     };
-    let header = bytes.get(start..start + header_len).ok_or("truncated header")?;
-    let header = std::str::from_utf8(header).map_err(|_| "header is not text")?;
-    let field = |key: &str| -> std::result::Result<&str, String> {
-        let at = header.find(&format!("'{key}'")).ok_or(format!("header has no '{key}'"))?;
-        let rest = &header[at + key.len() + 2..];
-        Ok(rest.trim_start().trim_start_matches(':').trim_start())
+    let end = start.checked_add(header_len).ok_or("header length overflows")?;
+    let header = bytes.get(start..end).ok_or("truncated header")?;
+    if !header.is_ascii() {
+        return Err("the header is not ASCII".into());
+    }
+    let header = std::str::from_utf8(header).map_err(|_| "the header is not text")?;
+    let dict = header_dict(header)?;
+    let get =
+        |key: &str| dict.iter().find(|(k, _)| k == key).map(|(_, v)| v).ok_or(format!("the header has no '{key}'"));
+    match get("descr")? {
+        Value::Str(d) if d == "<f4" || d == "|f4" || d == "=f4" => {}
+        other => return Err(format!("only little-endian float32 ('<f4') is supported, found {other}")),
+    }
+    match get("fortran_order")? {
+        Value::Bool(false) => {}
+        Value::Bool(true) => return Err("Fortran-order arrays are not supported".into()),
+        other => return Err(format!("fortran_order must be True or False, found {other}")),
+    }
+    let shape = match get("shape")? {
+        Value::Tuple(dims) => dims.clone(),
+        other => return Err(format!("shape must be a tuple of integers, found {other}")),
     };
-    let descr = field("descr")?;
-    if !(descr.starts_with("'<f4'") || descr.starts_with("'|f4'")) {
-        return Err(format!("only little-endian float32 ('<f4') is supported, found {}", &descr[..descr.len().min(8)]));
-    }
-    if field("fortran_order")?.starts_with("True") {
-        return Err("Fortran-order arrays are not supported".into());
-    }
-    let shape_text = field("shape")?;
-    let close = shape_text.find(')').ok_or("malformed shape")?;
-    let shape: Vec<usize> = shape_text[1..close]
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| s.parse::<usize>().map_err(|_| format!("bad dimension `{s}`")))
-        .collect::<std::result::Result<_, _>>()?;
-    let count: usize = shape.iter().product();
-    let data = &bytes[start + header_len..];
-    if data.len() != count * 4 {
-        return Err(format!("shape {shape:?} needs {} data bytes, found {}", count * 4, data.len()));
+    let count = shape
+        .iter()
+        .try_fold(1usize, |a, d| a.checked_mul(*d))
+        .ok_or(format!("shape {shape:?} has too many elements"))?;
+    let data = &bytes[end..];
+    let needed = count.checked_mul(4).ok_or(format!("shape {shape:?} has too many elements"))?;
+    if data.len() != needed {
+        return Err(format!("shape {shape:?} needs {needed} data bytes, found {}", data.len()));
     }
     let values = data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
     Ok(Array { shape, values })
+}
+
+/// A value of the header's Python dict literal.
+#[derive(Clone, Debug, PartialEq)]
+enum Value {
+    Str(String),
+    Bool(bool),
+    Tuple(Vec<usize>),
+}
+
+impl std::fmt::Display for Value {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Value::Str(s) => write!(f, "'{s}'"),
+            Value::Bool(b) => f.write_str(if *b { "True" } else { "False" }),
+            Value::Tuple(t) => write!(f, "{t:?}"),
+        }
+    }
+}
+
+/// Parses the header: `{'key': value, ...}` with string, boolean and
+/// integer-tuple values (what NumPy writes), and nothing else.
+fn header_dict(text: &str) -> std::result::Result<Vec<(String, Value)>, String> {
+    let b = text.trim().as_bytes();
+    let mut i = 0;
+    let skip = |i: &mut usize| {
+        while *i < b.len() && b[*i].is_ascii_whitespace() {
+            *i += 1;
+        }
+    };
+    let expect = |i: &mut usize, c: u8| -> std::result::Result<(), String> {
+        if b.get(*i) == Some(&c) {
+            *i += 1;
+            Ok(())
+        } else {
+            Err(format!("malformed header: expected `{}` at byte {i}", c as char))
+        }
+    };
+    let string = |i: &mut usize| -> std::result::Result<String, String> {
+        let quote = *b.get(*i).ok_or("malformed header: unexpected end")?;
+        if quote != b'\'' && quote != b'"' {
+            return Err(format!("malformed header: expected a string at byte {i}"));
+        }
+        let from = *i + 1;
+        let len = b[from..].iter().position(|c| *c == quote).ok_or("malformed header: unterminated string")?;
+        *i = from + len + 1;
+        Ok(String::from_utf8_lossy(&b[from..from + len]).into_owned())
+    };
+    expect(&mut i, b'{')?;
+    let mut out = Vec::new();
+    loop {
+        skip(&mut i);
+        if b.get(i) == Some(&b'}') {
+            break;
+        }
+        let key = string(&mut i)?;
+        skip(&mut i);
+        expect(&mut i, b':')?;
+        skip(&mut i);
+        let value = match b.get(i) {
+            Some(b'\'') | Some(b'"') => Value::Str(string(&mut i)?),
+            Some(b'T') if b[i..].starts_with(b"True") => {
+                i += 4;
+                Value::Bool(true)
+            }
+            Some(b'F') if b[i..].starts_with(b"False") => {
+                i += 5;
+                Value::Bool(false)
+            }
+            Some(b'(') => {
+                i += 1;
+                let mut dims = Vec::new();
+                loop {
+                    skip(&mut i);
+                    if b.get(i) == Some(&b')') {
+                        i += 1;
+                        break;
+                    }
+                    let from = i;
+                    while i < b.len() && b[i].is_ascii_digit() {
+                        i += 1;
+                    }
+                    if from == i {
+                        return Err(format!("malformed shape: expected a dimension at byte {from}"));
+                    }
+                    let digits = std::str::from_utf8(&b[from..i]).map_err(|_| "malformed shape")?;
+                    dims.push(digits.parse::<usize>().map_err(|_| format!("dimension {digits} is too large"))?);
+                    skip(&mut i);
+                    match b.get(i) {
+                        Some(b',') => i += 1,
+                        Some(b')') => {}
+                        _ => return Err(format!("malformed shape: expected `,` or `)` at byte {i}")),
+                    }
+                }
+                Value::Tuple(dims)
+            }
+            _ => return Err(format!("malformed header: unexpected value at byte {i}")),
+        };
+        out.push((key, value));
+        skip(&mut i);
+        match b.get(i) {
+            Some(b',') => i += 1,
+            Some(b'}') => {}
+            _ => return Err(format!("malformed header: expected `,` or `}}` at byte {i}")),
+        }
+    }
+    Ok(out)
 }
 
 /// Writes a float32 `.npy` file (format 1.0).
@@ -124,5 +235,78 @@ mod tests {
         assert!(parse(&f64_file).unwrap_err().contains("float32"));
         assert!(parse(b"garbage").is_err());
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    fn file_with_header(h: &str, data: &[u8]) -> Vec<u8> {
+        let mut f = b"\x93NUMPY\x01\x00".to_vec();
+        f.extend_from_slice(&(h.len() as u16).to_le_bytes());
+        f.extend_from_slice(h.as_bytes());
+        f.extend_from_slice(data);
+        f
+    }
+
+    #[test]
+    fn malformed_headers_are_errors_not_panics() {
+        for (h, why) in [
+            ("{'descr': '<f4', 'fortran_order': False, 'shape': ), }", "unexpected value"),
+            ("{'descr': '<f4', 'fortran_order': False, 'shape': (1,,), }", "malformed shape"),
+            ("{'descr': '<fé4', 'fortran_order': False, 'shape': (1,), }", "not ASCII"),
+            ("{'descr': '<f4', 'fortran_order': False, 'shape': (1é,), }", "not ASCII"),
+            (
+                "{'descr': '<f4', 'fortran_order': False, 'shape': (4294967296, 4294967296, 4294967296), }",
+                "too many elements",
+            ),
+            ("{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999999999999999,), }", "too large"),
+            ("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }", "needs 24 data bytes"),
+            ("{'descr': '<f4', 'fortran_order': 'no', 'shape': (1,), }", "True or False"),
+            ("{'descr': '<f4', 'fortran_order': 1, 'shape': (1,), }", "unexpected value"),
+            ("{'descr': '<f4', 'shape': (1,), }", "no 'fortran_order'"),
+            ("{'descr': '<f4", "unterminated"),
+            ("", "expected `{`"),
+        ] {
+            let err = parse(&file_with_header(h, &[0; 4])).unwrap_err();
+            assert!(err.contains(why), "{h:?}: {err}");
+        }
+        // A (0, n) array parses to no values (the training data checks refuse it).
+        let a = parse(&file_with_header("{'descr': '<f4', 'fortran_order': False, 'shape': (0, 3), }", &[])).unwrap();
+        assert_eq!((a.shape, a.values.len()), (vec![0, 3], 0));
+    }
+
+    /// Random mutations of valid files in bounded time: every one parses or
+    /// is refused, none panics.
+    #[test]
+    fn fuzzed_files_never_panic() {
+        let mut rng = crate::mlp::SplitMix::new(99);
+        let valid = [
+            encode(&[2, 3], &[1.0; 6]).unwrap(),
+            encode(&[5], &[0.5; 5]).unwrap(),
+            file_with_header("{'descr': '<f4', 'fortran_order': False, 'shape': (1, 1), }", &[0; 4]),
+        ];
+        let alphabet = b"{}()[],:' \"0123456789TrueFalse<f4descrshape\xc3\xa9\xff\x00";
+        let started = std::time::Instant::now();
+        let mut n = 0;
+        while n < 20_000 && started.elapsed() < std::time::Duration::from_secs(10) {
+            let mut f = valid[(rng.next_u64() % 3) as usize].clone();
+            for _ in 0..1 + rng.next_u64() % 4 {
+                let at = (rng.next_u64() as usize) % f.len().max(1);
+                let c = alphabet[(rng.next_u64() as usize) % alphabet.len()];
+                match rng.next_u64() % 4 {
+                    0 => f[at] = c,
+                    1 => f.insert(at, c),
+                    2 => {
+                        f.remove(at);
+                    }
+                    _ => f.truncate(at),
+                }
+                if f.is_empty() {
+                    break;
+                }
+            }
+            if let Ok(a) = parse(&f) {
+                assert_eq!(a.values.len(), a.shape.iter().product::<usize>());
+            }
+            n += 1;
+        }
+        assert!(n >= 1000, "only {n} cases ran");
     }
 }

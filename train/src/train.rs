@@ -40,6 +40,12 @@ impl Dataset {
         };
         let (sx, rx, d_in) = split(&x, "x")?;
         let (sy, ry, d_out) = split(&y, "y")?;
+        if [sx, rx, d_in, sy, ry, d_out].contains(&0) {
+            return Err(FsdpError::InvalidArgument(format!(
+                "x {:?} and y {:?}: every dimension must be at least 1",
+                x.shape, y.shape
+            )));
+        }
         if (sx, rx) != (sy, ry) {
             return Err(FsdpError::InvalidArgument(format!(
                 "x {:?} and y {:?} disagree on batches/rows",
