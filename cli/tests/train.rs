@@ -1,0 +1,367 @@
+//! `chorus train` as a hostile user runs it: every case of "nothing lost,
+//! nothing hidden" gives a clear error (exit 2 for bad arguments, before
+//! anything is written) or a correct result, never a panic, an abort or a
+//! mixed out-dir; and the transformer's default-style run learns, plots,
+//! checkpoints and resumes.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn chorus() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_chorus"))
+}
+
+fn run(args: &[&str]) -> Output {
+    chorus().args(args).stdin(Stdio::null()).output().expect("run chorus")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("chorus-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn no_panic(o: &Output) {
+    let e = stderr(o);
+    assert!(!e.contains("panicked") && !e.contains("RUST_BACKTRACE"), "panicked: {e}");
+    assert!(o.status.code().is_some(), "killed by a signal: {e}");
+}
+
+/// A small transformer run (seconds in a debug build).
+const SMALL_GPT: &[&str] =
+    &["train", "--model", "gpt", "--world-size", "2", "--batch", "4", "--d-model", "32", "--layers", "1", "--seq-len", "16"];
+
+fn gpt(extra: &[&str]) -> Output {
+    let args: Vec<&str> = SMALL_GPT.iter().chain(extra).copied().collect();
+    run(&args)
+}
+
+fn summary(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
+}
+
+fn listing(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut out: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().is_file())
+        .map(|e| (e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap()))
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn the_transformer_learns_plots_checkpoints_and_resumes() {
+    let root = scratch("gpt");
+    let out = root.join("out");
+    let ckpt = root.join("ckpt");
+    let o = gpt(&["--steps", "40", "--lr", "1e-2", "--save-every", "20", "--checkpoint-dir", ckpt.to_str().unwrap(), "--out-dir", out.to_str().unwrap()]);
+    no_panic(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("mean of the first 4 steps") && stdout.contains("sample:"), "{stdout}");
+    let s = summary(&out);
+    let losses: Vec<f64> = serde_json::from_value(s["losses"].clone()).unwrap();
+    assert_eq!(losses.len(), 40);
+    let (start, end) = (s["loss_start_mean"].as_f64().unwrap(), s["loss_end_mean"].as_f64().unwrap());
+    assert!((start - losses[..4].iter().sum::<f64>() / 4.0).abs() < 1e-12, "the start mean is the mean of the first tenth");
+    assert!(end < start - 0.3, "the loss did not fall visibly: {start} -> {end}");
+    assert_eq!(s["config"]["optimizer"]["kind"], "adamw", "structured configuration");
+    assert_eq!(s["config"]["transformer"]["d_model"], 32);
+    let svg = std::fs::read_to_string(out.join("loss.svg")).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("polyline") || svg.contains("<path"), "loss.svg");
+    let st = std::fs::read(out.join("model.safetensors")).unwrap();
+    assert_eq!(safetensors::SafeTensors::deserialize(&st).unwrap().len(), 2 + 1 + 8, "root (3) + one block (8) tensors");
+    assert_eq!(std::fs::read_to_string(ckpt.join("latest")).unwrap().trim(), "step-00000040");
+    assert!(ckpt.join("step-00000020").join("chorus_checkpoint.json").exists());
+
+    // Resume from step 20 to 40 at another world size: the losses continue.
+    let resumed = root.join("resumed");
+    let o = run(&[
+        "train", "--model", "gpt", "--world-size", "4", "--batch", "2", "--d-model", "32", "--layers", "1", "--seq-len", "16",
+        "--steps", "40", "--lr", "1e-2", "--resume", ckpt.join("step-00000020").to_str().unwrap(), "--out-dir", resumed.to_str().unwrap(),
+    ]);
+    no_panic(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: Vec<f64> = serde_json::from_value(summary(&resumed)["losses"].clone()).unwrap();
+    assert_eq!(r.len(), 40, "the summary holds the whole curve");
+    assert_eq!(r[..20], losses[..20], "the first half comes from the checkpoint");
+    for (a, b) in r[20..].iter().zip(&losses[20..]) {
+        assert!((a - b).abs() < 1e-4 * (1.0 + b.abs()), "{:?} vs {:?}", &r[20..], &losses[20..]);
+    }
+    // Resuming past the end is a usage error.
+    let o = gpt(&["--steps", "40", "--resume", ckpt.to_str().unwrap(), "--out-dir", root.join("x").to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    std::fs::remove_dir_all(&root).ok();
+}
+
+#[test]
+fn bad_arguments_exit_2_before_anything_is_written() {
+    let root = scratch("usage");
+    let out = root.join("out");
+    let o = out.to_str().unwrap();
+    let mlp = |extra: &[&str]| -> Vec<String> {
+        ["train", "--model", "mlp", "--out-dir", o].iter().chain(extra).map(|s| s.to_string()).collect()
+    };
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (mlp(&["--layers", "18446744073709551615", "--width", "4"]), "--layers"),
+        (mlp(&["--world-size", "18446744073709551615"]), "--world-size"),
+        (mlp(&["--steps", "18446744073709551615"]), "memory"),
+        (mlp(&["--steps", "10000000000"]), "memory"),
+        (mlp(&["--batch", "100000000"]), "memory"),
+        (mlp(&["--dims", "100000,100000"]), "memory"),
+        (mlp(&["--dims", "4294967296,4294967296,1"]), "memory"),
+        (mlp(&["--steps", "0"]), "--steps"),
+        (mlp(&["--lr", "nan"]), "--lr"),
+        (mlp(&["--lr", "inf"]), "--lr"),
+        (mlp(&["--lr", "-1"]), "--lr"),
+        (mlp(&["--max-grad-norm", "-1"]), "--max-grad-norm"),
+        (mlp(&["--max-grad-norm", "nan"]), "--max-grad-norm"),
+        (mlp(&["--weight-decay", "nan"]), "--weight-decay"),
+        (mlp(&["--world-size", "4", "--reshard-after-forward", "3"]), "--reshard-after-forward 3"),
+        (mlp(&["--world-size", "4", "--hsdp", "3"]), "--hsdp"),
+        (mlp(&["--save-every", "5"]), "--model gpt"),
+        (["train", "--bench", "--world-size", "2"].iter().map(|s| s.to_string()).collect(), "--bench"),
+        (["train", "--bench", "--out-dir", o].iter().map(|s| s.to_string()).collect(), "--bench"),
+        (["train", "--model", "gpt", "--heads", "5", "--out-dir", o].iter().map(|s| s.to_string()).collect(), "heads"),
+        (["train", "--model", "gpt", "--d-model", "0", "--out-dir", o].iter().map(|s| s.to_string()).collect(), "positive"),
+        (["train", "--model", "gpt", "--dims", "4,4", "--out-dir", o].iter().map(|s| s.to_string()).collect(), "--model mlp"),
+        (["train", "--model", "gpt", "--micro-batches", "3", "--out-dir", o].iter().map(|s| s.to_string()).collect(), "--micro-batches"),
+    ];
+    for (args, why) in cases {
+        let started = Instant::now();
+        let out_ = chorus().args(&args).output().unwrap();
+        no_panic(&out_);
+        assert_eq!(out_.status.code(), Some(2), "{args:?}: {}", stderr(&out_));
+        assert!(stderr(&out_).contains(why), "{args:?}: expected `{why}` in {}", stderr(&out_));
+        assert!(started.elapsed() < Duration::from_secs(10), "{args:?} took {:?}", started.elapsed());
+        assert!(!out.exists(), "{args:?} wrote {}", out.display());
+        assert_eq!(std::fs::read_dir(&root).unwrap().count(), 0, "{args:?} left files in {}", root.display());
+    }
+    std::fs::remove_dir_all(&root).ok();
+}
+
+fn write_npy(path: &Path, shape: &[usize], values: &[f32]) {
+    let shape_text = match shape.len() {
+        1 => format!("({},)", shape[0]),
+        _ => format!("({})", shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
+    };
+    let mut h = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {shape_text}, }}");
+    while (10 + h.len() + 1) % 64 != 0 {
+        h.push(' ');
+    }
+    h.push('\n');
+    let mut f = b"\x93NUMPY\x01\x00".to_vec();
+    f.extend_from_slice(&(h.len() as u16).to_le_bytes());
+    f.extend_from_slice(h.as_bytes());
+    for v in values {
+        f.extend_from_slice(&v.to_le_bytes());
+    }
+    std::fs::write(path, f).unwrap();
+}
+
+/// An init dir for an MLP 3 → 4 → 2 with 8 rows.
+fn init_dir(dir: &Path, weight0: f32) {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut w0 = vec![0.1f32; 12];
+    w0[0] = weight0;
+    write_npy(&dir.join("layers.0.weight.npy"), &[4, 3], &w0);
+    write_npy(&dir.join("layers.0.bias.npy"), &[4], &[0.05; 4]);
+    write_npy(&dir.join("layers.1.weight.npy"), &[2, 4], &[0.2; 8]);
+    write_npy(&dir.join("layers.1.bias.npy"), &[2], &[0.0; 2]);
+    write_npy(&dir.join("x.npy"), &[8, 3], &(0..24).map(|i| i as f32 / 24.0).collect::<Vec<_>>());
+    write_npy(&dir.join("y.npy"), &[8, 2], &[0.5; 16]);
+}
+
+fn mlp_from(init: &Path, out: &Path, extra: &[&str]) -> Output {
+    let args: Vec<&str> = ["train", "--model", "mlp", "--world-size", "2", "--batch", "4", "--steps", "3"]
+        .iter()
+        .copied()
+        .chain(["--init-dir", init.to_str().unwrap(), "--out-dir", out.to_str().unwrap()])
+        .chain(extra.iter().copied())
+        .collect();
+    run(&args)
+}
+
+#[test]
+fn failed_runs_leave_the_out_dir_as_it_was() {
+    let root = scratch("outdir");
+    let out = root.join("out");
+    let o = run(&["train", "--model", "mlp", "--seed", "1", "--steps", "3", "--out-dir", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let before = listing(&out);
+    let init_before = listing(&out.join("init"));
+    // A usage error (exit 2) and a failing run (exit 1: NaN in the weights) change nothing.
+    let o = run(&["train", "--model", "mlp", "--seed", "2", "--reshard-after-forward", "3", "--out-dir", out.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    let nan_init = root.join("nan");
+    init_dir(&nan_init, f32::NAN);
+    let o = mlp_from(&nan_init, &out, &[]);
+    no_panic(&o);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    // ReLU propagates NaN (PyTorch's semantics), so the loss is NaN and the run stops.
+    assert!(stderr(&o).contains("the loss became NaN"), "{}", stderr(&o));
+    assert_eq!(listing(&out), before, "a failed run changed the out-dir");
+    assert_eq!(listing(&out.join("init")), init_before);
+    // With --allow-nonfinite it runs to the end, and says the losses are NaN (null in JSON).
+    let o = mlp_from(&nan_init, &out, &["--allow-nonfinite"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(summary(&out)["losses"][0].is_null());
+    // The NaN reached the outputs: every weight of the output layer is NaN.
+    let w1 = std::fs::read(out.join("layers.1.weight.npy")).unwrap();
+    let vals: Vec<f32> = w1[w1.len() - 32..].chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    assert!(vals.iter().all(|v| v.is_nan()), "{vals:?}");
+    // A new successful run replaces the whole directory: no file of the earlier one survives.
+    assert!(!out.join("init").exists(), "--init-dir runs write no init/; the earlier init/ is gone");
+    std::fs::remove_dir_all(&root).ok();
+}
+
+#[test]
+fn init_dirs_with_leftover_or_malformed_files_are_refused() {
+    let root = scratch("init");
+    let init = root.join("init");
+    init_dir(&init, 0.1);
+    let out = root.join("out");
+    assert!(mlp_from(&init, &out, &[]).status.success());
+    // A leftover deeper layer.
+    write_npy(&init.join("layers.3.weight.npy"), &[2, 2], &[0.0; 4]);
+    let o = mlp_from(&init, &out, &[]);
+    no_panic(&o);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("layers.3.weight.npy"), "{}", stderr(&o));
+    std::fs::remove_file(init.join("layers.3.weight.npy")).unwrap();
+    // Malformed headers, non-ASCII, overflowing shapes, empty data: errors naming the file.
+    for (header, data) in [
+        ("{'descr': '<f4', 'fortran_order': False, 'shape': ), }", 0usize),
+        ("{'descr': '<f\u{e9}', 'fortran_order': False, 'shape': (8, 3), }", 96),
+        ("{'descr': '<f4', 'fortran_order': False, 'shape': (4294967296, 4294967296, 2), }", 0),
+        ("{'descr': '<f4', 'fortran_order': False, 'shape': (0, 3), }", 0),
+    ] {
+        let mut f = b"\x93NUMPY\x01\x00".to_vec();
+        f.extend_from_slice(&(header.len() as u16).to_le_bytes());
+        f.extend_from_slice(header.as_bytes());
+        f.extend(std::iter::repeat_n(0u8, data));
+        std::fs::write(init.join("x.npy"), &f).unwrap();
+        let o = mlp_from(&init, &out, &[]);
+        no_panic(&o);
+        assert_eq!(o.status.code(), Some(1), "{header}: {}", stderr(&o));
+        assert!(stderr(&o).contains("x.npy") || stderr(&o).contains("x ["), "{header}: {}", stderr(&o));
+    }
+    std::fs::remove_dir_all(&root).ok();
+}
+
+#[test]
+fn a_second_run_into_a_live_out_dir_is_refused() {
+    let root = scratch("lock");
+    let out = root.join("out");
+    let mut first = chorus()
+        .args(SMALL_GPT)
+        .args(["--steps", "100000", "--out-dir", out.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let lock = root.join(".out.lock");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !lock.exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(lock.exists(), "the first run never took the lock");
+    let o = gpt(&["--steps", "2", "--out-dir", out.to_str().unwrap()]);
+    no_panic(&o);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("another chorus run"), "{}", stderr(&o));
+    first.kill().unwrap();
+    first.wait().unwrap();
+    assert!(!out.exists(), "the killed run wrote its out-dir");
+    // Its lock is stale now: the next run takes it over and succeeds.
+    let o = gpt(&["--steps", "2", "--out-dir", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(out.join("summary.json").exists());
+    assert!(!std::fs::read_dir(&root).unwrap().flatten().any(|e| e.file_name().to_string_lossy().contains("partial")));
+    std::fs::remove_dir_all(&root).ok();
+}
+
+#[test]
+fn stdout_errors_are_handled() {
+    let root = scratch("stdout");
+    // A closed pipe ends the output quietly.
+    let o = Command::new("bash")
+        .args(["-c", &format!("set -o pipefail; {} train --bench --steps 1 --layers 2 --width 8 | head -1", env!("CARGO_BIN_EXE_chorus"))])
+        .output()
+        .unwrap();
+    no_panic(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 1);
+    // A full disk is an error that says so.
+    if Path::new("/dev/full").exists() {
+        let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+        let o = chorus()
+            .args(SMALL_GPT)
+            .args(["--steps", "2", "--out-dir", root.join("out").to_str().unwrap()])
+            .stdout(full)
+            .output()
+            .unwrap();
+        no_panic(&o);
+        assert_eq!(o.status.code(), Some(1));
+        assert!(stderr(&o).contains("No space left on device"), "{}", stderr(&o));
+    }
+    // An out-dir that cannot be created is found before training.
+    let o = run(&["train", "--model", "mlp", "--out-dir", "/proc/version/out"]);
+    no_panic(&o);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("/proc/version"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&root).ok();
+}
+
+/// Kills a run while it saves a checkpoint (its temporary directory
+/// exists) and shows the previous checkpoint intact: `latest` names a
+/// complete checkpoint whose every file passes its checksum on resume.
+#[test]
+fn a_save_killed_midway_leaves_the_previous_checkpoint_intact() {
+    let root = scratch("kill");
+    let ckpt = root.join("ckpt");
+    for attempt in 0..3 {
+        let mut child = chorus()
+            .args(["train", "--model", "gpt", "--world-size", "4", "--batch", "1", "--d-model", "128", "--layers", "4", "--seq-len", "8"])
+            .args(["--steps", "100000", "--save-every", "1", "--checkpoint-dir", ckpt.to_str().unwrap()])
+            .args(["--out-dir", root.join("out").to_str().unwrap()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let mut caught = false;
+        while Instant::now() < deadline {
+            let saving = std::fs::read_dir(&ckpt).into_iter().flatten().flatten().any(|e| {
+                let n = e.file_name().to_string_lossy().into_owned();
+                n.starts_with(".tmp-step-") && e.path().read_dir().is_ok_and(|mut d| d.next().is_some())
+            });
+            if saving && ckpt.join("latest").exists() {
+                child.kill().unwrap();
+                caught = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        child.wait().unwrap();
+        assert!(caught, "attempt {attempt}: never saw a save in progress after a complete one");
+        let latest = std::fs::read_to_string(ckpt.join("latest")).unwrap();
+        let step: u64 = latest.trim().trim_start_matches("step-").parse().unwrap();
+        // Resuming reads every shard and checks every checksum.
+        let o = run(&[
+            "train", "--model", "gpt", "--world-size", "4", "--batch", "1", "--d-model", "128", "--layers", "4", "--seq-len", "8",
+            "--steps", &(step + 1).to_string(), "--resume", ckpt.to_str().unwrap(), "--out-dir", root.join(format!("resumed{attempt}")).to_str().unwrap(),
+        ]);
+        no_panic(&o);
+        assert!(o.status.success(), "attempt {attempt}: the previous checkpoint (step {step}) does not load: {}", stderr(&o));
+    }
+    std::fs::remove_dir_all(&root).ok();
+}
