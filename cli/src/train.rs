@@ -219,8 +219,8 @@ fn run_on(backend: &str, world: usize, spec: TrainSpec, bar: Option<ProgressBar>
 /// One rank per GPU, as threads of this process, bootstrapped through an in-memory store.
 #[cfg(feature = "nccl")]
 fn run_nccl(world: usize, spec: TrainSpec, bar: Option<ProgressBar>) -> anyhow::Result<Vec<RankReport>> {
+    use chorus_collectives::bootstrap::MemStore;
     use chorus_collectives::nccl::{NcclComm, NcclConfig};
-    use chorus_collectives::store::MemStore;
     use chorus_devices::cuda::{CudaConfig, CudaDevice};
     let store = MemStore::new();
     let results: Vec<anyhow::Result<RankReport>> = std::thread::scope(|s| {

@@ -4,11 +4,15 @@
 //!   fingerprints, groups, splits; it hands validated [`backend::Call`]s to a
 //!   [`CommBackend`].
 //! - [`Mesh`] builds named dimensions (HSDP's replicate × shard) from splits.
+//! - [`bootstrap`]: how ranks find each other — the rendezvous [`bootstrap::Store`]
+//!   (in memory, on a shared filesystem, over TCP in PyTorch's TCPStore
+//!   protocol) and the launcher environments (torchrun, Slurm, Open MPI, PMI).
 //! - Backends: [`sim`] (feature `sim`, default) runs ranks as threads of one
 //!   process on cpu devices.
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod bootstrap;
 mod comm;
 mod error;
 mod mesh;
@@ -20,10 +24,9 @@ pub mod rccl;
 mod reduce;
 #[cfg(feature = "sim")]
 pub mod sim;
-pub mod store;
 
 pub use backend::{Capabilities, CommBackend, OpKind};
 pub use comm::{Communicator, Group};
-pub use error::{CommError, Result};
+pub use error::{CommError, Result, StoreFailure};
 pub use mesh::Mesh;
 pub use reduce::ReduceOp;

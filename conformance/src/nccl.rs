@@ -13,8 +13,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
+use chorus_collectives::bootstrap::MemStore;
 use chorus_collectives::nccl::{NcclComm, NcclConfig};
-use chorus_collectives::store::MemStore;
 use chorus_collectives::Communicator;
 use chorus_devices::cuda::{self, CudaConfig, CudaDevice};
 

@@ -18,9 +18,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use chorus_collectives::bootstrap::MemStore;
 use chorus_collectives::nccl::{sys, NcclComm, NcclConfig};
 use chorus_collectives::nccl_abi::{DataType, RedOp, ResultCode};
-use chorus_collectives::store::MemStore;
 use chorus_collectives::{CommError, Communicator, ReduceOp};
 use chorus_devices::cuda::{self, CudaConfig, CudaDevice, CudaStream};
 use chorus_devices::{bf16, f16, Buffer, Device, Element, Priority, Stream};

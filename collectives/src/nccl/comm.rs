@@ -11,8 +11,8 @@ use chorus_devices::{bf16, f16, DType, Device, DeviceError, Stream, View};
 use super::result as nccl;
 use super::sys::Comm;
 use crate::backend::{Call, CallKind, Capabilities, CommBackend};
+use crate::bootstrap::Store;
 use crate::nccl_abi::{CommConfig, DataType, RedOpPlan, Status, UniqueId, Version};
-use crate::store::Store;
 use crate::{CommError, Communicator, Result};
 
 /// Settings of an NCCL communicator.

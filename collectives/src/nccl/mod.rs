@@ -12,7 +12,7 @@
 //!
 //! How the contract maps onto NCCL:
 //! - **bootstrap**: rank 0 calls `ncclGetUniqueId` and publishes the 128
-//!   bytes in a [`Store`](crate::store::Store); the others read them; every
+//!   bytes in a [`Store`](crate::bootstrap::Store); the others read them; every
 //!   rank calls `ncclCommInitRankConfig` with a **non-blocking** config and
 //!   polls `ncclCommGetAsyncError` until it is ready or the deadline passes
 //!   (then the communicator is aborted and the error is `Timeout`);

@@ -57,8 +57,8 @@ use chorus_devices::hip::{FailureHandle, Hip, HipBuffer, HipDevice, HipEvent, Hi
 use chorus_devices::{Buffer, DType, Device, DeviceError, Element, Event, Stream, View};
 
 use crate::backend::{Call, CallKind, Capabilities, CommBackend};
+use crate::bootstrap::Store;
 use crate::nccl_abi::{CommConfig, DataType, RedOp, RedOpPlan, Status, UniqueId, Version};
-use crate::store::Store;
 use crate::{CommError, Communicator, ReduceOp, Result};
 
 /// Settings of an RCCL communicator.
