@@ -45,6 +45,14 @@ pub struct ClientOptions {
     /// Limits checked before sending, so the server never has to close the
     /// connection over them (PyTorch's server's limits by default).
     pub limits: Limits,
+    /// Whether `set`, `multi_set` and `append` return only once the server
+    /// has applied them (true by default). The protocol does not answer
+    /// those requests, so the client follows them with a `PING` on the same
+    /// connection and waits for its echo: the server handles a connection's
+    /// requests in order. Without it (PyTorch's client behaviour), a write
+    /// may still be in flight when the call returns, and an operation on
+    /// another connection (another thread, another rank) can miss it.
+    pub confirm_writes: bool,
 }
 
 impl Default for ClientOptions {
@@ -53,6 +61,7 @@ impl Default for ClientOptions {
             connect_timeout: Duration::from_secs(60),
             io_timeout: Duration::from_secs(300),
             limits: Limits::default(),
+            confirm_writes: true,
         }
     }
 }
@@ -117,7 +126,7 @@ impl TcpStore {
     pub fn append(&self, key: &str, value: &[u8]) -> Result<()> {
         let key = self.wire_key(key)?;
         self.check_value(value)?;
-        self.run(|conn, d| conn.send(&Request::Append { key, value: value.to_vec() }, d, "append"))
+        self.run(|conn, d| self.write(conn, Request::Append { key, value: value.to_vec() }, d, "append"))
     }
 
     fn wire_key(&self, key: &str) -> Result<Vec<u8>> {
@@ -246,6 +255,21 @@ impl TcpStore {
             CommError::Store { failure, reason, .. } => CommError::store(&self.address, failure, reason),
             other => other,
         }
+    }
+
+    /// Sends a request that has no answer; with `confirm_writes`, follows it
+    /// with a `PING` and waits for the echo, so the server has applied it.
+    fn write(&self, conn: &mut Conn, request: Request, deadline: Instant, op: &str) -> OpResult<()> {
+        conn.send(&request, deadline, op)?;
+        if self.options.confirm_writes {
+            let nonce = std::process::id();
+            conn.send(&Request::Ping { nonce }, deadline, op)?;
+            let echo = u32::from_le_bytes(conn.recv_array(deadline, op)?);
+            if echo != nonce {
+                return Err(Failure::Drop(protocol(format!("{op}: ping answered {echo}, not {nonce}"))));
+            }
+        }
+        Ok(())
     }
 
     /// `WAIT` for `keys` until `timeout`, cancelling on the deadline.
@@ -393,7 +417,7 @@ impl Store for TcpStore {
     fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         let key = self.wire_key(key)?;
         self.check_value(value)?;
-        self.run(|conn, d| conn.send(&Request::Set { key, value: value.to_vec() }, d, "set"))
+        self.run(|conn, d| self.write(conn, Request::Set { key, value: value.to_vec() }, d, "set"))
     }
 
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
@@ -491,6 +515,6 @@ impl Store for TcpStore {
             return Err(self
                 .limit(format!("multi_set of {total} bytes (the limit is {})", self.options.limits.max_request_len)));
         }
-        self.run(|conn, d| conn.send(&Request::MultiSet { entries: wire }, d, "multi_set"))
+        self.run(|conn, d| self.write(conn, Request::MultiSet { entries: wire }, d, "multi_set"))
     }
 }

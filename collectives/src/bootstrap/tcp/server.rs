@@ -173,6 +173,8 @@ struct Conn {
     written: usize,
     validated: bool,
     opened: Instant,
+    /// The peer closed its side: answer what it sent, then close.
+    eof: bool,
     /// Why it must close, when it must (logged), or `Some("")` for a quiet close.
     close: Option<String>,
 }
@@ -182,8 +184,16 @@ impl Conn {
         self.output.len() - self.written
     }
 
+    /// Whether to read more input from the socket.
     fn wants_read(&self) -> bool {
-        self.close.is_none() && self.pending_output() < OUTPUT_HIGH_WATER
+        !self.eof && self.wants_requests()
+    }
+
+    /// Whether to decode more of the input: not while answers back up,
+    /// except after the peer closed (what it sent still counts: a `SET`
+    /// followed by a close must be applied).
+    fn wants_requests(&self) -> bool {
+        self.close.is_none() && (self.eof || self.pending_output() < OUTPUT_HIGH_WATER)
     }
 }
 
@@ -350,6 +360,12 @@ impl EventLoop {
             }
             self.process_all();
             self.flush_all();
+            for conn in self.conns.values_mut() {
+                if conn.eof && conn.close.is_none() {
+                    // Everything it sent was processed above; unsent answers have no reader.
+                    conn.close = Some(String::new());
+                }
+            }
             self.expire_handshakes();
             self.close_marked();
         }
@@ -397,6 +413,7 @@ impl EventLoop {
                             written: 0,
                             validated: false,
                             opened: Instant::now(),
+                            eof: false,
                             close: None,
                         },
                     );
@@ -419,7 +436,7 @@ impl EventLoop {
         while conn.wants_read() && read < READ_PER_TURN {
             match conn.stream.read(&mut chunk) {
                 Ok(0) => {
-                    conn.close = Some(String::new());
+                    conn.eof = true;
                     return;
                 }
                 Ok(n) => {
@@ -449,7 +466,7 @@ impl EventLoop {
         let mut consumed = 0;
         loop {
             let Some(conn) = self.conns.get_mut(&id) else { return };
-            if !conn.wants_read() || conn.input.len() < consumed + conn.needed {
+            if !conn.wants_requests() || conn.input.len() < consumed + conn.needed {
                 break;
             }
             match decode_request(&conn.input[consumed..], &self.options.limits) {
