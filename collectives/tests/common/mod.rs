@@ -174,6 +174,7 @@ pub fn multi_get_and_multi_set(h: &Handles) {
 
 pub fn unusual_keys(h: &Handles) {
     let s = h();
+    let before = s.num_keys().unwrap();
     let long = "k".repeat(1000);
     let keys = ["a/b/c", "spaces and ünïcode", "", "..", "/", long.as_str(), "x\ny"];
     for (i, k) in keys.iter().enumerate() {
@@ -182,7 +183,7 @@ pub fn unusual_keys(h: &Handles) {
     for (i, k) in keys.iter().enumerate() {
         assert_eq!(h().get(k, LONG).unwrap(), format!("{i}").as_bytes(), "key {k:?}");
     }
-    assert_eq!(s.num_keys().unwrap(), keys.len() as u64);
+    assert_eq!(s.num_keys().unwrap(), before + keys.len() as u64);
 }
 
 pub fn prefix_store_namespaces_keys(h: &Handles) {
@@ -203,6 +204,20 @@ pub fn prefix_store_namespaces_keys(h: &Handles) {
     assert!(s.check(&["inner/outer/z"]).unwrap());
     assert_eq!(p.num_keys().unwrap(), s.num_keys().unwrap());
 }
+
+/// Every case, by name, for harnesses that run them in sequence.
+pub const CASES: [(&str, fn(&Handles)); 10] = [
+    ("set_get_overwrite_and_binary", set_get_overwrite_and_binary),
+    ("get_times_out_on_a_missing_key", get_times_out_on_a_missing_key),
+    ("get_waits_for_another_rank", get_waits_for_another_rank),
+    ("add_counts_atomically", add_counts_atomically),
+    ("compare_set_has_pytorch_semantics", compare_set_has_pytorch_semantics),
+    ("wait_and_check", wait_and_check),
+    ("delete_and_num_keys", delete_and_num_keys),
+    ("multi_get_and_multi_set", multi_get_and_multi_set),
+    ("unusual_keys", unusual_keys),
+    ("prefix_store_namespaces_keys", prefix_store_namespaces_keys),
+];
 
 /// Every case as a `#[test]` in a module `$name`; `$fresh` is an expression
 /// returning [`Handles`] to a new, empty store.
