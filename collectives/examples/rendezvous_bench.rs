@@ -60,7 +60,11 @@ fn main() -> anyhow::Result<()> {
     let mut connects = Vec::new();
     for rep in 0..reps {
         let (total, connect) = rendezvous(ranks, rep)?;
-        println!("rep {rep}: {ranks} ranks rendezvoused in {:.2} ms (all connected after {:.2} ms)", total.as_secs_f64() * 1e3, connect.as_secs_f64() * 1e3);
+        println!(
+            "rep {rep}: {ranks} ranks rendezvoused in {:.2} ms (all connected after {:.2} ms)",
+            total.as_secs_f64() * 1e3,
+            connect.as_secs_f64() * 1e3
+        );
         totals.push(total.as_secs_f64());
         connects.push(connect.as_secs_f64());
     }
@@ -70,7 +74,13 @@ fn main() -> anyhow::Result<()> {
     };
     let (min, max) = (totals.iter().copied().fold(f64::INFINITY, f64::min), totals.iter().copied().fold(0.0, f64::max));
     let (med, med_connect) = (median(&mut totals), median(&mut connects));
-    println!("median {:.2} ms (min {:.2}, max {:.2}); connecting: median {:.2} ms", med * 1e3, min * 1e3, max * 1e3, med_connect * 1e3);
+    println!(
+        "median {:.2} ms (min {:.2}, max {:.2}); connecting: median {:.2} ms",
+        med * 1e3,
+        min * 1e3,
+        max * 1e3,
+        med_connect * 1e3
+    );
     println!("{{\"bench\":\"rendezvous\",\"store\":\"tcp-loopback\",\"ranks\":{ranks},\"reps\":{reps},\"median_s\":{med:.6},\"min_s\":{min:.6},\"max_s\":{max:.6},\"median_connect_s\":{med_connect:.6}}}");
     Ok(())
 }

@@ -4,7 +4,9 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use chorus_collectives::bootstrap::{connect_from_env, ClientOptions, ConnectOptions, LaunchEnv, Launcher, Store, TcpStoreServer};
+use chorus_collectives::bootstrap::{
+    connect_from_env, ClientOptions, ConnectOptions, LaunchEnv, Launcher, Store, TcpStoreServer,
+};
 use chorus_collectives::{CommError, StoreFailure};
 
 fn free_port() -> u16 {
@@ -31,7 +33,10 @@ fn torchrun_vars(rank: usize, world: usize, port: u16, agent: bool) -> HashMap<S
 }
 
 fn options() -> ConnectOptions {
-    ConnectOptions { client: ClientOptions { connect_timeout: Duration::from_secs(20), ..ClientOptions::default() }, ..ConnectOptions::default() }
+    ConnectOptions {
+        client: ClientOptions { connect_timeout: Duration::from_secs(20), ..ClientOptions::default() },
+        ..ConnectOptions::default()
+    }
 }
 
 /// Every rank publishes its rank and reads everyone's.
@@ -101,7 +106,13 @@ fn a_taken_port_and_an_absent_rank_zero_are_typed_errors() {
     assert!(matches!(e, CommError::Store { failure: StoreFailure::AddressInUse, .. }), "{e}");
 
     let env = LaunchEnv::detect(&torchrun_vars(1, 2, free_port(), false)).unwrap();
-    let quick = ConnectOptions { client: ClientOptions { connect_timeout: Duration::from_millis(300), ..ClientOptions::default() }, ..ConnectOptions::default() };
+    let quick = ConnectOptions {
+        client: ClientOptions { connect_timeout: Duration::from_millis(300), ..ClientOptions::default() },
+        ..ConnectOptions::default()
+    };
     let e = connect_from_env(&env, &quick).unwrap_err();
-    assert!(matches!(e, CommError::Store { failure: StoreFailure::Unreachable, ref reason, .. } if reason.contains("hosted by rank 0")), "{e}");
+    assert!(
+        matches!(e, CommError::Store { failure: StoreFailure::Unreachable, ref reason, .. } if reason.contains("hosted by rank 0")),
+        "{e}"
+    );
 }

@@ -22,7 +22,12 @@ fn python() -> String {
 
 /// Why PyTorch cannot be used here, or `None` when it can.
 fn torch_missing() -> Option<String> {
-    match Command::new(python()).args(["-c", "import torch.distributed as d; assert d.is_available()"]).stdout(Stdio::null()).stderr(Stdio::null()).status() {
+    match Command::new(python())
+        .args(["-c", "import torch.distributed as d; assert d.is_available()"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+    {
         Ok(s) if s.success() => None,
         Ok(s) => Some(format!("`{} -c \"import torch\"` failed ({s})", python())),
         Err(e) => Some(format!("cannot run {}: {e}", python())),
@@ -53,7 +58,12 @@ fn a_pytorch_client_uses_a_chorus_server() {
     let chorus = TcpStore::connect("127.0.0.1", server.port(), ClientOptions::default()).unwrap();
     chorus.set("from_chorus", b"hello from chorus").unwrap();
     let out = Command::new(python()).arg(script("torch_client.py")).arg(server.port().to_string()).output().unwrap();
-    assert!(out.status.success(), "torch client failed: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "torch client failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(chorus.get("from_torch", Duration::from_secs(5)).unwrap(), b"hello from torch");
     assert_eq!(chorus.get("n", Duration::from_secs(5)).unwrap(), b"7");
 }
@@ -74,7 +84,12 @@ fn chorus_clients_pass_the_store_suite_against_a_pytorch_server() {
     for (name, case) in common::CASES {
         // One PyTorch server for every case: each case gets its own key prefix.
         let options = options.clone();
-        let handles: Handles = Arc::new(move || Arc::new(PrefixStore::new(format!("suite/{name}"), TcpStore::connect("127.0.0.1", port, options.clone()).unwrap())) as Arc<dyn Store>);
+        let handles: Handles = Arc::new(move || {
+            Arc::new(PrefixStore::new(
+                format!("suite/{name}"),
+                TcpStore::connect("127.0.0.1", port, options.clone()).unwrap(),
+            )) as Arc<dyn Store>
+        });
         case(&handles);
         eprintln!("passed against PyTorch's server: {name}");
     }
