@@ -67,57 +67,50 @@ pub trait Store: Send + Sync {
     fn multi_set(&self, entries: &[(&str, &[u8])]) -> Result<()>;
 }
 
+/// The trait's methods, forwarded to `**self` (for smart pointers).
 macro_rules! forward_store {
-    ($($target:tt)*) => {
+    () => {
         fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-            $($target)*(self).set(key, value)
+            (**self).set(key, value)
         }
         fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-            $($target)*(self).get(key, timeout)
+            (**self).get(key, timeout)
         }
         fn add(&self, key: &str, delta: i64) -> Result<i64> {
-            $($target)*(self).add(key, delta)
+            (**self).add(key, delta)
         }
         fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
-            $($target)*(self).compare_set(key, expected, desired)
+            (**self).compare_set(key, expected, desired)
         }
         fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
-            $($target)*(self).wait(keys, timeout)
+            (**self).wait(keys, timeout)
         }
         fn check(&self, keys: &[&str]) -> Result<bool> {
-            $($target)*(self).check(keys)
+            (**self).check(keys)
         }
         fn delete(&self, key: &str) -> Result<bool> {
-            $($target)*(self).delete(key)
+            (**self).delete(key)
         }
         fn num_keys(&self) -> Result<u64> {
-            $($target)*(self).num_keys()
+            (**self).num_keys()
         }
         fn multi_get(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
-            $($target)*(self).multi_get(keys, timeout)
+            (**self).multi_get(keys, timeout)
         }
         fn multi_set(&self, entries: &[(&str, &[u8])]) -> Result<()> {
-            $($target)*(self).multi_set(entries)
+            (**self).multi_set(entries)
         }
     };
 }
 
-fn deref_arc<S: ?Sized>(s: &Arc<S>) -> &S {
-    s
-}
-
-fn deref_box<S: ?Sized>(s: &Box<S>) -> &S {
-    s
-}
-
 /// A shared store is a store (`Arc<dyn Store>` is what launchers hand out).
 impl<S: Store + ?Sized> Store for Arc<S> {
-    forward_store!(deref_arc);
+    forward_store!();
 }
 
 /// A boxed store is a store.
 impl<S: Store + ?Sized> Store for Box<S> {
-    forward_store!(deref_box);
+    forward_store!();
 }
 
 /// A view of a store where every key is `"{prefix}/{key}"`, as PyTorch's

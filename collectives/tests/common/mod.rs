@@ -205,8 +205,11 @@ pub fn prefix_store_namespaces_keys(h: &Handles) {
     assert_eq!(p.num_keys().unwrap(), s.num_keys().unwrap());
 }
 
+/// One case of the suite.
+pub type Case = fn(&Handles);
+
 /// Every case, by name, for harnesses that run them in sequence.
-pub const CASES: [(&str, fn(&Handles)); 10] = [
+pub const CASES: [(&str, Case); 10] = [
     ("set_get_overwrite_and_binary", set_get_overwrite_and_binary),
     ("get_times_out_on_a_missing_key", get_times_out_on_a_missing_key),
     ("get_waits_for_another_rank", get_waits_for_another_rank),
