@@ -125,6 +125,7 @@ fn a_rank_exiting_non_zero_stops_the_others_and_is_named() {
     );
     assert!(stderr.contains("rank 0 (local rank 0") && stderr.contains("stopped by the launcher"), "{stderr}");
     assert_all_dead(&pids(&dir, 3));
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -154,6 +155,7 @@ fn sigterm_to_the_launcher_stops_every_rank() {
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("received SIGTERM"), "{}", text(&out.stderr));
     assert_all_dead(&pids);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -170,6 +172,7 @@ fn a_killed_launcher_takes_its_ranks_with_it() {
     child.kill().unwrap();
     child.wait().unwrap();
     assert_all_dead(&pids);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -189,6 +192,7 @@ fn bad_arguments_exit_2_before_anything_starts() {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out.stderr));
     }
     assert!(!dir.join("started").exists());
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

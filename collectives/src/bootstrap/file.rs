@@ -145,20 +145,17 @@ impl FileStore {
     /// removing a stale one, until the lock timeout.
     fn lock(&self, op: &str) -> Result<LockGuard> {
         let path = self.dir.join(LOCK_NAME);
-        let deadline = deadline_after(self.lock_timeout);
-        let mut got = false;
-        let done = poll_until(deadline, || match OpenOptions::new().write(true).create_new(true).open(&path) {
-            Ok(_) => {
-                got = true;
-                Ok(true)
+        let acquired = poll_until(deadline_after(self.lock_timeout), || {
+            match OpenOptions::new().write(true).create_new(true).open(&path) {
+                Ok(_) => Ok(true),
+                Err(e) if e.kind() == ErrorKind::AlreadyExists => {
+                    self.break_stale_lock(&path);
+                    Ok(false)
+                }
+                Err(e) => Err(io_error(&path, "create the lock file", &e)),
             }
-            Err(e) if e.kind() == ErrorKind::AlreadyExists => {
-                self.break_stale_lock(&path);
-                Ok(false)
-            }
-            Err(e) => Err(io_error(&path, "create the lock file", &e)),
         })?;
-        if done && got {
+        if acquired {
             Ok(LockGuard { path })
         } else {
             Err(timeout_error(format!("file store lock for {op}"), self.lock_timeout))
@@ -293,5 +290,40 @@ impl Store for FileStore {
     fn multi_set(&self, entries: &[(&str, &[u8])]) -> Result<()> {
         let _lock = self.lock("multi_set")?;
         entries.iter().try_for_each(|(k, v)| self.write(k, v))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("chorus-filestore-unit-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn a_held_lock_times_out_and_a_stale_one_is_broken() {
+        let d = dir("lock");
+        let store = FileStore::open(&d).unwrap().with_lock_timeout(Duration::from_millis(100));
+        let lock = File::create(d.join(LOCK_NAME)).unwrap();
+        let e = store.set("k", b"v").unwrap_err();
+        assert!(matches!(e, CommError::Timeout { ref op, .. } if op == "file store lock for set"), "{e}");
+        lock.set_modified(SystemTime::now() - Duration::from_secs(60)).unwrap();
+        store.set("k", b"v").unwrap();
+        assert_eq!(store.get("k", Duration::from_secs(1)).unwrap(), b"v");
+        assert!(!d.join(LOCK_NAME).exists(), "the lock is released after the change");
+        let _ = fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_file_that_is_not_an_entry_is_reported_not_served() {
+        let d = dir("corrupt");
+        let store = FileStore::open(&d).unwrap();
+        fs::write(store.entry_path("k"), b"xx").unwrap();
+        let e = store.get("k", Duration::from_millis(10)).unwrap_err();
+        assert!(matches!(e, CommError::Store { failure: StoreFailure::Io, .. }), "{e}");
+        let _ = fs::remove_dir_all(&d);
     }
 }

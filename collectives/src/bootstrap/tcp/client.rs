@@ -185,12 +185,10 @@ impl TcpStore {
                     format!("gave up after {tries} attempts over {:?}: {error}", self.options.connect_timeout),
                 ));
             }
-            // Jitter spreads many ranks' retries so they do not arrive together.
-            let jitter = Duration::from_micros(
-                u64::from(std::process::id().wrapping_mul(2_654_435_761).wrapping_add(tries) % 1000)
-                    * backoff.as_micros().min(1000) as u64
-                    / 1000,
-            );
+            // Jitter (up to a quarter of the backoff, from the pid and the
+            // attempt) spreads many ranks' retries so they do not arrive together.
+            let spread = u64::from(std::process::id().wrapping_mul(2_654_435_761) ^ tries.wrapping_mul(40_503)) % 1024;
+            let jitter = backoff / 4 * (spread as u32) / 1024;
             std::thread::sleep((backoff + jitter).min(deadline - now));
             backoff = (backoff * 2).min(Duration::from_secs(1));
         }
