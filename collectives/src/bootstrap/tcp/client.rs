@@ -422,6 +422,8 @@ impl Store for TcpStore {
         let wire = self.wire_key(key)?;
         self.run(|conn, d| {
             self.wait_on(conn, vec![wire.clone()], timeout, d, || format!("store get {key}"))?;
+            // The wait may have used most of `d`: the read gets a deadline of its own.
+            let d = deadline_after(self.options.io_timeout);
             conn.send(&Request::Get { key: wire }, d, "get")?;
             conn.recv_value(d, "get")
         })
@@ -488,6 +490,7 @@ impl Store for TcpStore {
         self.run(|conn, d| {
             self.wait_on(conn, wire.clone(), timeout, d, || format!("store multi_get [{}]", keys.join(", ")))?;
             let n = wire.len();
+            let d = deadline_after(self.options.io_timeout);
             conn.send(&Request::MultiGet { keys: wire }, d, "multi_get")?;
             (0..n).map(|_| conn.recv_value(d, "multi_get")).collect()
         })
