@@ -1,22 +1,59 @@
 //! The backends compiled into this binary, and `chorus info`.
 //!
 //! Each backend is one [`Backend`] variant behind its cargo feature and one
-//! [`InfoRow`] made by a probe function. Adding a backend (say `nccl`) is:
-//! a feature in `cli/Cargo.toml`, a `#[cfg(feature = "nccl")]` variant here
-//! with its name, a probe that tries to load its library and says which
-//! variable points to it, and the arms in `bench` and `conformance` that run it.
+//! [`InfoRow`] made by a probe function. Adding a backend is: a feature in
+//! `cli/Cargo.toml`, a variant here with its name, a probe that tries to load
+//! its library and says which variable points to it, and its arm in
+//! [`with_backend!`] (a member of the NCCL family needs nothing else:
+//! `train`, `bench` and `conformance` are written once over the family).
 
 use crate::Outcome;
 
-/// A communication backend this binary can run `bench` and `conformance` on.
+/// A communication backend this binary can run `train`, `bench` and
+/// `conformance` on: the one place a backend is registered in the CLI.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
     /// Ranks as threads of this process, each with its own cpu device.
     #[cfg(feature = "sim")]
     Sim,
+    /// The NCCL family's communicator over the simulated NCCL ABI (as NCCL
+    /// 2.28.3), ranks as threads on cpu devices.
+    #[cfg(feature = "sim")]
+    SimNccl,
     /// NCCL, one rank per GPU, as threads of this process.
     #[cfg(feature = "nccl")]
     Nccl,
+    /// RCCL, one rank per GPU, as threads of this process.
+    #[cfg(feature = "rccl")]
+    Rccl,
+}
+
+/// Calls `$body` with `$L` bound to the [`VendorLib`](chorus_collectives::vendor::VendorLib)
+/// of a vendor-family backend, or evaluates `$other` for the others: how the
+/// subcommands dispatch once to code written generically over the family.
+#[macro_export]
+macro_rules! with_backend {
+    ($backend:expr, sim => $sim:expr, vendor<$L:ident> => $body:expr) => {
+        match $backend {
+            #[cfg(feature = "sim")]
+            $crate::backends::Backend::Sim => $sim,
+            #[cfg(feature = "sim")]
+            $crate::backends::Backend::SimNccl => {
+                type $L = chorus_collectives::vendor::simlib::SimNccl228;
+                $body
+            }
+            #[cfg(feature = "nccl")]
+            $crate::backends::Backend::Nccl => {
+                type $L = chorus_collectives::nccl::Nccl;
+                $body
+            }
+            #[cfg(feature = "rccl")]
+            $crate::backends::Backend::Rccl => {
+                type $L = chorus_collectives::rccl::Rccl;
+                $body
+            }
+        }
+    };
 }
 
 /// Backends that exist but are not compiled into this binary (each behind
@@ -46,8 +83,12 @@ impl Backend {
         vec![
             #[cfg(feature = "sim")]
             Backend::Sim,
+            #[cfg(feature = "sim")]
+            Backend::SimNccl,
             #[cfg(feature = "nccl")]
             Backend::Nccl,
+            #[cfg(feature = "rccl")]
+            Backend::Rccl,
         ]
     }
 
@@ -56,8 +97,12 @@ impl Backend {
         match self {
             #[cfg(feature = "sim")]
             Backend::Sim => "sim",
+            #[cfg(feature = "sim")]
+            Backend::SimNccl => "simnccl",
             #[cfg(feature = "nccl")]
             Backend::Nccl => "nccl",
+            #[cfg(feature = "rccl")]
+            Backend::Rccl => "rccl",
         }
     }
 }
@@ -159,8 +204,8 @@ fn cuda_row() -> InfoRow {
 /// NCCL: the library (version, where it was found) and the GPUs it could use.
 #[cfg(feature = "nccl")]
 fn nccl_row() -> InfoRow {
-    use chorus_collectives::nccl::result as nccl;
-    let availability = match nccl::get_version() {
+    use chorus_collectives::nccl;
+    let availability = match nccl::version() {
         Err(e) => Availability::Unavailable(e.to_string()),
         Ok(v) => {
             let path = nccl::library_path().unwrap_or_default();
@@ -207,11 +252,11 @@ fn rocm_row() -> InfoRow {
 #[cfg(feature = "rccl")]
 fn rccl_row() -> InfoRow {
     use chorus_collectives::rccl;
-    let availability = match (rccl::sys::rccl(), rccl::version()) {
-        (Ok(lib), Ok(v)) => match chorus_devices::hip::device_count() {
-            Ok(n) if n > 0 => Availability::Available(format!("RCCL {v} from {}; {n} HIP device(s) visible", lib.path)),
-            Ok(_) => Availability::Unavailable(format!("RCCL {v} from {}; no HIP device visible", lib.path)),
-            Err(e) => Availability::Unavailable(format!("RCCL {v} from {}; {e}", lib.path)),
+    let availability = match (rccl::library_path(), rccl::version()) {
+        (Ok(path), Ok(v)) => match chorus_devices::hip::device_count() {
+            Ok(n) if n > 0 => Availability::Available(format!("RCCL {v} from {path}; {n} HIP device(s) visible")),
+            Ok(_) => Availability::Unavailable(format!("RCCL {v} from {path}; no HIP device visible")),
+            Err(e) => Availability::Unavailable(format!("RCCL {v} from {path}; {e}")),
         },
         (Err(e), _) => Availability::Unavailable(e.to_string()),
         (_, Err(e)) => Availability::Unavailable(e.to_string()),

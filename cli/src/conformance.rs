@@ -43,62 +43,44 @@ pub fn outcome_line(o: &chorus_conformance::CaseOutcome) -> String {
 
 /// `chorus conformance`.
 pub fn run(args: &ConformanceArgs) -> anyhow::Result<Outcome> {
-    match args.backend {
-        #[cfg(feature = "sim")]
-        Backend::Sim => run_sim(args),
-        #[cfg(feature = "nccl")]
-        Backend::Nccl => run_nccl(args),
-    }
+    use chorus_conformance::vendor::VendorHarness;
+    crate::with_backend!(
+        args.backend,
+        sim => run_harness(&chorus_conformance::sim::SimHarness, args),
+        vendor<L> => run_harness(&VendorHarness::<L>::default(), args)
+    )
 }
 
-#[cfg(feature = "sim")]
-fn run_sim(args: &ConformanceArgs) -> anyhow::Result<Outcome> {
+/// Runs (or with `--list`, lists without a device) the suite on `harness`.
+fn run_harness<H: chorus_conformance::harness::Harness>(
+    harness: &H,
+    args: &ConformanceArgs,
+) -> anyhow::Result<Outcome> {
     use crate::UsageError;
     use std::io::Write;
 
-    let names = chorus_conformance::sim::case_names(args.world_size);
-    let selected: Vec<&String> =
-        names.iter().filter(|n| args.filter.as_deref().is_none_or(|f| n.contains(f))).collect();
-    if selected.is_empty() {
+    let listed = chorus_conformance::harness::list(harness, args.world_size, args.filter.as_deref());
+    if listed.is_empty() {
         let what = args.filter.as_deref().unwrap_or("");
+        let all = chorus_conformance::harness::case_names::<H::C>(args.world_size).len();
         return Err(UsageError(format!(
-            "no conformance case name contains `{what}` ({} cases for {} ranks; `--list` prints them)",
-            names.len(),
+            "no conformance case name contains `{what}` ({all} cases for {} ranks; `--list` prints them)",
             args.world_size
         ))
         .into());
     }
     let mut stdout = std::io::stdout();
     if args.list {
-        for n in selected {
-            writeln!(stdout, "{n}")?;
-        }
-        return Ok(Outcome::Passed);
-    }
-    let summary = chorus_conformance::sim::run(args.world_size, args.filter.as_deref(), &mut |o| {
-        // A closed pipe (`| head`) must not stop the run; the exit status still counts.
-        let _ = writeln!(stdout, "{}", outcome_line(o));
-        let _ = stdout.flush();
-    });
-    let _ = writeln!(stdout, "{}", summary.line());
-    Ok(if summary.failed == 0 { Outcome::Passed } else { Outcome::Failed })
-}
-
-/// `chorus conformance --backend nccl`: one rank per GPU (world size 1 on one GPU).
-#[cfg(feature = "nccl")]
-fn run_nccl(args: &ConformanceArgs) -> anyhow::Result<Outcome> {
-    use std::io::Write;
-
-    let mut stdout = std::io::stdout();
-    if args.list {
-        for n in chorus_conformance::nccl::case_names(args.world_size) {
-            if args.filter.as_deref().is_none_or(|f| n.contains(f)) {
-                writeln!(stdout, "{n}")?;
+        for (name, skip) in listed {
+            match skip {
+                None => writeln!(stdout, "run      {name}")?,
+                Some(reason) => writeln!(stdout, "skip     {name}  ({reason})")?,
             }
         }
         return Ok(Outcome::Passed);
     }
-    let summary = chorus_conformance::nccl::run(args.world_size, args.filter.as_deref(), &mut |o| {
+    let summary = chorus_conformance::harness::run(harness, args.world_size, args.filter.as_deref(), &mut |o| {
+        // A closed pipe (`| head`) must not stop the run; the exit status still counts.
         let _ = writeln!(stdout, "{}", outcome_line(o));
         let _ = stdout.flush();
     });

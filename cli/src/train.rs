@@ -10,13 +10,14 @@ use anyhow::Context;
 use chorus_collectives::sim::{SimConfig, SimWorld};
 use chorus_devices::cpu::CpuConfig;
 use chorus_devices::DType;
-use chorus_fsdp::mlp::init_layers;
-use chorus_fsdp::npy;
-use chorus_fsdp::train::{train, Dataset, RankReport, TrainSpec};
 use chorus_fsdp::{FsdpConfig, MixedPrecision, OptimizerKind, ParamInit, Reshard};
+use chorus_train::mlp::init_layers;
+use chorus_train::npy;
+use chorus_train::train::{train, Dataset, RankReport, TrainSpec};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
+use crate::backends::Backend;
 use crate::{Outcome, UsageError};
 
 /// Optimizers `chorus train` offers.
@@ -31,9 +32,9 @@ pub enum OptimizerArg {
 /// Arguments of `chorus train`.
 #[derive(Debug, clap::Args)]
 pub struct TrainArgs {
-    /// The communication backend: sim, or nccl (one rank per GPU, in builds with --features nccl).
-    #[arg(long, default_value = "sim")]
-    pub backend: String,
+    /// The communication backend: sim, simnccl, or nccl/rccl (one rank per GPU, in builds with those features).
+    #[arg(long, default_value = "sim", value_parser = crate::backends::parse_backend)]
+    pub backend: Backend,
     /// Number of ranks.
     #[arg(long, default_value_t = 4)]
     pub world_size: usize,
@@ -108,15 +109,6 @@ fn parse_float_dtype(s: &str) -> Result<DType, String> {
 
 impl TrainArgs {
     fn usage(&self) -> anyhow::Result<()> {
-        let compiled: &[&str] = if cfg!(feature = "nccl") { &["sim", "nccl"] } else { &["sim"] };
-        if !compiled.contains(&self.backend.as_str()) {
-            return Err(UsageError(format!(
-                "--backend {} is not available for training (compiled: {})",
-                self.backend,
-                compiled.join(", ")
-            ))
-            .into());
-        }
         if self.world_size == 0 || self.batch == 0 {
             return Err(UsageError("--world-size and --batch must be at least 1".into()).into());
         }
@@ -208,28 +200,37 @@ fn save_init(dir: &Path, layers: &[Vec<ParamInit>], data: &Dataset) -> anyhow::R
 }
 
 /// Runs `spec` on `world` ranks of `backend` and returns every rank's report.
-fn run_on(backend: &str, world: usize, spec: TrainSpec, bar: Option<ProgressBar>) -> anyhow::Result<Vec<RankReport>> {
-    match backend {
-        #[cfg(feature = "nccl")]
-        "nccl" => run_nccl(world, spec, bar),
-        _ => run_sim(world, spec, bar),
-    }
+fn run_on(
+    backend: Backend,
+    world: usize,
+    spec: TrainSpec,
+    bar: Option<ProgressBar>,
+) -> anyhow::Result<Vec<RankReport>> {
+    crate::with_backend!(backend, sim => run_sim(world, spec, bar), vendor<L> => run_vendor::<L>(world, spec, bar))
 }
 
-/// One rank per GPU, as threads of this process, bootstrapped through an in-memory store.
-#[cfg(feature = "nccl")]
-fn run_nccl(world: usize, spec: TrainSpec, bar: Option<ProgressBar>) -> anyhow::Result<Vec<RankReport>> {
+/// One rank per device of the NCCL family, as threads of this process,
+/// bootstrapped through an in-memory store.
+fn run_vendor<L>(world: usize, spec: TrainSpec, bar: Option<ProgressBar>) -> anyhow::Result<Vec<RankReport>>
+where
+    L: chorus_collectives::vendor::VendorLib,
+    L::B: chorus_conformance::vendor::HarnessDevice,
+{
     use chorus_collectives::bootstrap::MemStore;
-    use chorus_collectives::nccl::{NcclComm, NcclConfig};
-    use chorus_devices::cuda::{CudaConfig, CudaDevice};
+    use chorus_collectives::vendor::{VendorComm, VendorConfig};
+    use chorus_conformance::vendor::HarnessDevice;
+    let devices = L::B::count().map_err(anyhow::Error::msg)?;
+    if world > devices {
+        anyhow::bail!("{world} ranks need as many devices (one rank per device); {devices} visible");
+    }
     let store = MemStore::new();
     let results: Vec<anyhow::Result<RankReport>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
             .map(|rank| {
                 let (store, spec, bar) = (store.clone(), &spec, bar.clone());
                 s.spawn(move || -> anyhow::Result<RankReport> {
-                    let device = CudaDevice::with_config(CudaConfig { ordinal: rank, ..CudaConfig::default() })?;
-                    let comm = NcclComm::init(&store, rank, world, device, NcclConfig::default())?;
+                    let device = L::B::make(rank, std::time::Duration::from_secs(300))?;
+                    let comm = VendorComm::<L>::init(&store, rank, world, device, VendorConfig::default())?;
                     let mut on_step = |_step: usize, loss: f64| {
                         if let (0, Some(b)) = (rank, &bar) {
                             b.set_message(format!("loss {loss:.5}"));
@@ -250,8 +251,11 @@ fn run_sim(world: usize, spec: TrainSpec, bar: Option<ProgressBar>) -> anyhow::R
     let spec = Arc::new(spec);
     let config = SimConfig {
         timeout: Duration::from_secs(300),
-        // The sanitizer checks FSDP's stream ordering in the tests; training runs without it.
-        device: CpuConfig { sanitizer: false, ..CpuConfig::default() },
+        // SAFETY: FSDP orders every cross-stream access with events, and the
+        // conformance suite checks each of those orderings with the sanitizer
+        // on (conformance/src/fsdp); the model's own work is on one stream.
+        // Training runs without the sanitizer's per-operation bookkeeping.
+        device: unsafe { CpuConfig::default().without_sanitizer() },
     };
     let bar = Arc::new(Mutex::new(bar));
     let results = SimWorld::run(world, config, move |comm| {
@@ -317,7 +321,7 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
             .map(|s| s.progress_chars("=> "))
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let reports = run_on(&args.backend, args.world_size, spec.clone(), Some(bar.clone()))?;
+    let reports = run_on(args.backend, args.world_size, spec.clone(), Some(bar.clone()))?;
     bar.finish_and_clear();
     let first = reports.first().context("no ranks")?;
     std::fs::create_dir_all(&args.out_dir).with_context(|| format!("creating {}", args.out_dir.display()))?;
@@ -335,7 +339,7 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         "final_memory_bytes": reports.iter().map(|r| r.final_memory_bytes).collect::<Vec<_>>(),
         "fsdp_host_overhead_per_group_per_step_s": overhead_per_group_step,
         "config": {
-            "backend": args.backend,
+            "backend": args.backend.name(),
             "world_size": args.world_size,
             "hsdp": args.hsdp,
             "steps": args.steps,
@@ -389,12 +393,11 @@ fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
             "world", "groups", "step ms (med)", "overhead us/group/step", "peak KiB/rank"
         );
     }
-    // NCCL takes one rank per GPU, so its worlds stop at the GPU count.
-    let max_world = match args.backend.as_str() {
-        #[cfg(feature = "nccl")]
-        "nccl" => chorus_devices::cuda::device_count()?,
-        _ => usize::MAX,
-    };
+    // The GPU backends take one rank per device, so their worlds stop at the device count.
+    let max_world = crate::with_backend!(args.backend, sim => usize::MAX, vendor<L> => {
+        <<L as chorus_collectives::vendor::VendorLib>::B as chorus_conformance::vendor::HarnessDevice>::count()
+            .map_err(anyhow::Error::msg)?
+    });
     for world in [1, 2, 4, 8].into_iter().filter(|w| *w <= max_world) {
         let data = Dataset::random(dims[0], dims[dims.len() - 1], world * args.batch, 4, args.seed);
         let spec = TrainSpec {
@@ -407,7 +410,7 @@ fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
             replicate: None,
             max_grad_norm: None,
         };
-        let reports = run_on(&args.backend, world, spec, None)?;
+        let reports = run_on(args.backend, world, spec, None)?;
         let r = reports.first().context("no ranks")?;
         let timed = &r.step_times_s[warmup.min(r.step_times_s.len())..];
         let step = median(timed);

@@ -3,7 +3,9 @@
 //! The user-facing [`Communicator`](crate::Communicator) validates every call
 //! once, numbers it, and hands the backend a batch of [`Call`]s (one call, or
 //! all the calls of a group) with the stream to enqueue them on. A backend
-//! therefore never sees a length, dtype, root or peer that is out of range.
+//! therefore never sees a length, dtype, root or peer that is out of range,
+//! a buffer or stream of another device, or a lone send or receive with
+//! itself; and only validation can make a [`Call`].
 
 use chorus_devices::{Backend, DType, View};
 use std::fmt;
@@ -195,15 +197,32 @@ impl<'a, B: Backend> CallKind<'a, B> {
 }
 
 /// A validated call with its place in the communicator's call sequence.
+///
+/// Only [`Communicator`](crate::Communicator)'s validation makes one (the
+/// fields are private): a backend may rely on every length, dtype, root,
+/// peer and device in it being checked, so its kernels never go out of
+/// bounds. Wrapping backends pass calls on unchanged.
 #[derive(Debug)]
 pub struct Call<'a, B: Backend> {
+    pub(crate) seq: u64,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) kind: CallKind<'a, B>,
+}
+
+impl<'a, B: Backend> Call<'a, B> {
     /// Position among this communicator's collectives (send/recv are
     /// numbered per peer by the backend, not here).
-    pub seq: u64,
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
     /// What all ranks must agree on.
-    pub fingerprint: Fingerprint,
+    pub fn fingerprint(&self) -> &Fingerprint {
+        &self.fingerprint
+    }
     /// The operation and its buffers.
-    pub kind: CallKind<'a, B>,
+    pub fn kind(&self) -> &CallKind<'a, B> {
+        &self.kind
+    }
 }
 
 /// Optional capabilities, declared so callers and the conformance suite can
@@ -221,6 +240,14 @@ pub struct Capabilities {
     pub world_abort: bool,
     /// Faults can be injected (`sim` only).
     pub fault_injection: bool,
+    /// Ranks that issue different calls at the same position fail with
+    /// `CommError::Mismatch` on every rank. A vendor library cannot see a
+    /// peer's call (NCCL hangs or corrupts instead); the
+    /// [`checked`](crate::checked) wrapper adds the check to any backend.
+    pub detects_mismatch: bool,
+    /// A `Timeout` names the ranks that never arrived. Vendor libraries
+    /// cannot tell which peer is missing.
+    pub names_missing_ranks: bool,
 }
 
 /// A communication backend: one rank's endpoint of a communicator.
@@ -246,7 +273,8 @@ pub trait CommBackend: Send + Sync + Sized + 'static {
 
     /// Enqueues `calls` on `stream` as one group (NCCL group semantics: the
     /// calls may progress concurrently, so a send and a recv between two
-    /// ranks in one group cannot deadlock). Returns at once. Failures found
+    /// ranks in one group cannot deadlock). The calls and the stream are
+    /// validated (see the module documentation). Returns at once. Failures found
     /// while running (mismatch, timeout, abort) fail the stream with the
     /// `CommError` inside `DeviceError::OpFailed`.
     fn launch(&self, calls: Vec<Call<'_, Self::B>>, stream: &<Self::B as Backend>::Stream) -> Result<()>;

@@ -2,7 +2,7 @@
 
 use std::sync::Mutex;
 
-use chorus_devices::{Backend, View};
+use chorus_devices::{Backend, Buffer, Device, Stream, View};
 
 use crate::backend::{Call, CallKind, Capabilities, CommBackend, Fingerprint, OpKind};
 use crate::{CommError, ReduceOp, Result};
@@ -73,6 +73,19 @@ impl<C: CommBackend> Communicator<C> {
     }
 
     fn launch(&self, calls: Vec<PendingCall<'_, C>>, stream: &S<C>) -> Result<()> {
+        let op = if calls.len() == 1 { calls[0].kind.kind().name() } else { "group" };
+        if !stream.device().is_same(self.device()) {
+            return Err(CommError::invalid(
+                op,
+                format!("the stream is of {}, not of this rank's {}", stream.device().name(), self.device().name()),
+            ));
+        }
+        if let [PendingCall { kind: CallKind::Send { peer, .. } | CallKind::Recv { peer, .. }, .. }] = calls.as_slice()
+        {
+            if *peer == self.rank() {
+                return Err(CommError::invalid(op, "a send or recv with oneself outside a group can never complete"));
+            }
+        }
         let mut seq = self.seq.lock().map_err(|_| CommError::invalid("launch", "communicator lock poisoned"))?;
         let mut next = *seq;
         let calls: Vec<Call<'_, C::B>> = calls
@@ -91,7 +104,7 @@ impl<C: CommBackend> Communicator<C> {
     }
 
     fn one(&self, kind: CallKind<'_, C::B>, stream: &S<C>) -> Result<()> {
-        let call = validate(self.rank(), self.size(), kind)?;
+        let call = validate::<C>(self.rank(), self.size(), self.device(), kind)?;
         self.launch(vec![call], stream)
     }
 
@@ -163,7 +176,7 @@ impl<C: CommBackend> Communicator<C> {
     /// paired sends and receives cannot deadlock. If `build` or any
     /// validation fails, nothing is enqueued.
     pub fn group<'a>(&self, stream: &S<C>, build: impl FnOnce(&mut Group<'a, C>) -> Result<()>) -> Result<()> {
-        let mut g = Group { rank: self.rank(), size: self.size(), calls: Vec::new() };
+        let mut g = Group { rank: self.rank(), size: self.size(), device: self.device().clone(), calls: Vec::new() };
         build(&mut g)?;
         if g.calls.is_empty() {
             return Ok(());
@@ -192,6 +205,7 @@ impl<C: CommBackend> Communicator<C> {
 pub struct Group<'a, C: CommBackend> {
     rank: usize,
     size: usize,
+    device: <C::B as Backend>::Device,
     calls: Vec<PendingCall<'a, C>>,
 }
 
@@ -202,7 +216,7 @@ struct PendingCall<'a, C: CommBackend> {
 
 impl<'a, C: CommBackend> Group<'a, C> {
     fn add(&mut self, kind: CallKind<'a, C::B>) -> Result<()> {
-        self.calls.push(validate(self.rank, self.size, kind)?);
+        self.calls.push(validate::<C>(self.rank, self.size, &self.device, kind)?);
         Ok(())
     }
     /// Adds an all-reduce.
@@ -264,8 +278,21 @@ fn check_alias<B: Backend>(op: &'static str, a: &View<'_, B>, b: &View<'_, B>, i
     Ok(())
 }
 
-fn validate<'a, C: CommBackend>(rank: usize, size: usize, kind: CallKind<'a, C::B>) -> Result<PendingCall<'a, C>> {
+fn validate<'a, C: CommBackend>(
+    rank: usize,
+    size: usize,
+    device: &<C::B as Backend>::Device,
+    kind: CallKind<'a, C::B>,
+) -> Result<PendingCall<'a, C>> {
     let op = kind.kind().name();
+    for v in kind.views() {
+        if !v.buffer().device().is_same(device) {
+            return Err(CommError::invalid(
+                op,
+                format!("a buffer of {} was passed to a communicator on {}", v.buffer().device().name(), device.name()),
+            ));
+        }
+    }
     let fp = |dtype, count, root, reduce: Option<ReduceOp>| Fingerprint {
         op: kind.kind(),
         dtype,

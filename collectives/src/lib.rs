@@ -8,7 +8,9 @@
 //!   (in memory, on a shared filesystem, over TCP in PyTorch's TCPStore
 //!   protocol) and the launcher environments (torchrun, Slurm, Open MPI, PMI).
 //! - Backends: [`sim`] (feature `sim`, default) runs ranks as threads of one
-//!   process on cpu devices.
+//!   process on cpu devices; the NCCL family ([`vendor`]: `nccl` on cuda
+//!   devices, `rccl` on hip devices, and a simulated NCCL ABI on cpu
+//!   devices that checks the library's usage rules in CI).
 #![warn(missing_docs)]
 
 pub mod backend;
@@ -18,15 +20,22 @@ mod error;
 mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
-pub mod nccl_abi;
 #[cfg(feature = "rccl")]
 pub mod rccl;
 mod reduce;
 #[cfg(feature = "sim")]
 pub mod sim;
+pub mod vendor;
 
 pub use backend::{Capabilities, CommBackend, OpKind};
 pub use comm::{Communicator, Group};
 pub use error::{CommError, Result, StoreFailure};
 pub use mesh::Mesh;
 pub use reduce::ReduceOp;
+pub use vendor::abi as nccl_abi;
+
+/// `Ok` outside host functions; inside one, the device's `InHostFunction`
+/// for `op` (a communicator call there would call the driver).
+pub(crate) fn host_fn_check(op: &str) -> Result<()> {
+    chorus_devices::host_fn::check(op).map_err(CommError::Device)
+}

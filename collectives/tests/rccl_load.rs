@@ -3,13 +3,16 @@
 //! files tried and `CHORUS_RCCL_LIB`, never a panic or a link failure.
 #![cfg(feature = "rccl")]
 
-use chorus_collectives::rccl::{self, sys};
+use chorus_collectives::rccl;
 use chorus_collectives::CommError;
 use chorus_devices::DeviceError;
 
 fn rccl_is_installed() -> bool {
-    if sys::is_rccl_available() {
-        println!("skipped: RCCL is installed here ({:?}); the missing-library path cannot be shown", sys::rccl());
+    if rccl::is_available() {
+        println!(
+            "skipped: RCCL is installed here ({:?}); the missing-library path cannot be shown",
+            rccl::library_path()
+        );
         return true;
     }
     false
@@ -40,7 +43,7 @@ fn a_missing_rccl_is_a_typed_error_naming_the_library_and_the_variable() {
     let message = expect_missing(rccl::version().unwrap_err());
     println!("as expected: {message}");
     expect_missing(rccl::unique_id().unwrap_err());
-    assert!(!sys::is_rccl_available());
+    assert!(!rccl::is_available());
 }
 
 /// Run by the test below in a child process whose `CHORUS_RCCL_LIB` points nowhere.

@@ -39,6 +39,10 @@ pub struct Requirements {
     /// The device checks cross-stream accesses and refuses unordered ones
     /// with `DeviceError::Race` (the cpu device's stream sanitizer).
     pub stream_sanitizer: bool,
+    /// Mismatched calls fail with `Mismatch` ([`Capabilities::detects_mismatch`]).
+    pub detects_mismatch: bool,
+    /// A `Timeout` names the missing ranks ([`Capabilities::names_missing_ranks`]).
+    pub names_missing_ranks: bool,
 }
 
 /// What a harness and its backend offer, to decide skips.
@@ -131,6 +135,8 @@ impl<C: CommBackend> Case<C> {
         n.world_abort |= r.world_abort;
         n.fault_injection |= r.fault_injection;
         n.stream_sanitizer |= r.stream_sanitizer;
+        n.detects_mismatch |= r.detects_mismatch;
+        n.names_missing_ranks |= r.names_missing_ranks;
         self
     }
 
@@ -165,6 +171,16 @@ impl<C: CommBackend> Case<C> {
         }
         if needs.stream_sanitizer && !support.stream_sanitizer {
             return Some("the device has no stream sanitizer to report missing waits".into());
+        }
+        if needs.detects_mismatch && !caps.detects_mismatch {
+            return Some(
+                "the backend cannot see a peer's call, so a mismatch hangs instead of failing \
+                 (Capabilities::detects_mismatch; run it under the checked wrapper)"
+                    .into(),
+            );
+        }
+        if needs.names_missing_ranks && !caps.names_missing_ranks {
+            return Some("the backend cannot tell which rank is missing (Capabilities::names_missing_ranks)".into());
         }
         None
     }

@@ -26,9 +26,12 @@
 //!   injected faults, each of which must give the right error on every rank
 //!   before the deadline.
 //!
-//! Harnesses: [`sim`] (feature `sim`, default) runs the suite on the sim
-//! backend, ranks as threads of this process; [`nccl`] (feature `nccl`) runs
-//! it on NCCL, one rank per GPU.
+//! Harnesses (one [`harness::Harness`] each, one runner for all, in
+//! [`harness`]): [`sim`] (feature `sim`, default) runs the suite on the sim
+//! backend, ranks as threads of this process; [`vendor`] runs it on the NCCL
+//! family — the simulated NCCL ABI on cpu devices (in CI), NCCL on cuda
+//! devices (feature `nccl`) and RCCL on hip devices (feature `rccl`), one
+//! rank per device.
 #![warn(missing_docs)]
 
 mod barrier;
@@ -37,15 +40,14 @@ pub mod collectives;
 pub mod errors;
 pub mod expected;
 pub mod fsdp;
+pub mod harness;
 mod report;
+#[cfg(feature = "sim")]
+pub mod sim;
 pub mod streams;
 pub mod subgroups;
 mod util;
-
-#[cfg(feature = "nccl")]
-pub mod nccl;
-#[cfg(feature = "sim")]
-pub mod sim;
+pub mod vendor;
 
 pub use barrier::HostBarrier;
 pub use case::{

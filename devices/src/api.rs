@@ -73,6 +73,8 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + 'static {
     fn name(&self) -> String;
     /// The device's index among devices of its backend in this process.
     fn ordinal(&self) -> usize;
+    /// Whether two handles are the same device (clones of one device are).
+    fn is_same(&self, other: &Self) -> bool;
     /// Creates a stream with the given priority.
     fn create_stream(&self, priority: Priority) -> Result<<Self::B as Backend>::Stream>;
     /// Creates an event that has never been recorded (synchronizing or
@@ -86,7 +88,9 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + 'static {
     /// Resets the peak to the bytes in use now.
     fn reset_peak_memory(&self);
     /// Blocks until every stream of this device has finished its work; returns
-    /// the first asynchronous error among them.
+    /// the first asynchronous error among them, or else the first error a
+    /// drop could not return (a stream-ordered free that failed, a handle
+    /// dropped inside a host function).
     fn synchronize(&self) -> Result<()>;
 }
 
@@ -102,6 +106,8 @@ pub trait Buffer: Send + Sync + fmt::Debug + 'static {
     fn len(&self) -> usize;
     /// A process-unique id (used in sanitizer and error reports).
     fn id(&self) -> u64;
+    /// The device that owns the memory.
+    fn device(&self) -> &<Self::B as Backend>::Device;
     /// Whether the buffer holds no elements.
     fn is_empty(&self) -> bool {
         self.len() == 0
@@ -277,6 +283,17 @@ pub trait Stream: Send + Sync + fmt::Debug + 'static {
     /// the stream's asynchronous error, if any, or `Timeout` after the
     /// device's deadline.
     fn synchronize(&self) -> Result<()>;
+
+    /// Enqueues `f` to run on the host, in stream order, once the work
+    /// enqueued before it has finished (`cuLaunchHostFunc`). It runs on a
+    /// thread of the device (a driver thread on GPUs), so it must be short
+    /// and must not block on other streams' work; like CUDA, every device
+    /// refuses device API calls made inside it — including those of
+    /// handles it drops — with [`DeviceError::InHostFunction`](crate::DeviceError::InHostFunction)
+    /// (see [`crate::host_fn`]). It runs even when earlier work failed, with
+    /// that failure (`Err`), so it can release what it holds. A panic in `f`
+    /// is caught and fails the stream from this operation on.
+    fn launch_host_fn(&self, f: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()>;
 
     /// Matrix product per [`MatmulSpec`]: `a` and `b` share a float dtype;
     /// `c` is that dtype or f32. Accumulates in f32 (f64 for f64) and rounds once.

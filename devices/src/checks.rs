@@ -6,8 +6,21 @@
 //! return (so nothing is enqueued). A backend calls it first, then checks
 //! what only it can (that the views belong to its device) and enqueues.
 
-use crate::api::{Backend, Copy2d, MatmulSpec, Result, SgdParams};
+use crate::api::{Backend, Buffer, Copy2d, Device, MatmulSpec, Result, SgdParams};
 use crate::{DType, DeviceError, Scalar, View};
+
+/// `what` (a view, an event) passed to a stream of `ours` must be of that device.
+pub(crate) fn same_device<D: Device>(op: &'static str, what: &str, ours: &D, theirs: &D) -> Result<()> {
+    if ours.is_same(theirs) {
+        return Ok(());
+    }
+    Err(DeviceError::invalid(op, format!("{what} of {} was passed to a stream of {}", theirs.name(), ours.name())))
+}
+
+/// A view passed to a stream of `device` must be of that device.
+pub(crate) fn on_device<B: Backend>(op: &'static str, device: &B::Device, view: &View<'_, B>) -> Result<()> {
+    same_device(op, "a view", device, view.buffer().device())
+}
 
 fn need_float(op: &'static str, d: DType) -> Result<()> {
     if d.is_float() {

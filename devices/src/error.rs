@@ -96,6 +96,16 @@ pub enum DeviceError {
         /// The operation's error.
         source: Arc<dyn std::error::Error + Send + Sync>,
     },
+    /// A device API call was made inside a host function (or from something
+    /// a host function dropped), which CUDA and HIP forbid
+    /// (`CUDA_ERROR_NOT_PERMITTED`); see [`crate::host_fn`]. Nothing was done.
+    #[error(
+        "{op} was called inside a host function, where device API calls are not permitted (CUDA_ERROR_NOT_PERMITTED)"
+    )]
+    InHostFunction {
+        /// The refused operation.
+        op: String,
+    },
     /// The operation was skipped because an earlier operation on its stream
     /// (or on a stream it waited for) failed; `cause` is that failure.
     #[error("skipped because an earlier operation failed: {cause}")]

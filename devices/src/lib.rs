@@ -13,13 +13,21 @@ mod checks;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+mod deferred;
 mod dtype;
 mod error;
+mod failure;
+mod foreign;
 #[cfg(feature = "rocm")]
 pub mod hip;
+pub mod host_fn;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod loader;
 mod memory;
 mod readback;
 mod view;
+pub mod wait;
 
 pub use api::{
     AdamWParams, Backend, Buffer, Copy2d, Device, Event, MatmulSpec, MemoryStats, Priority, Result, SgdParams, Stream,
@@ -27,6 +35,8 @@ pub use api::{
 };
 pub use dtype::{DType, Element, Scalar};
 pub use error::{AccessKind, DeviceError, RaceAccess, RaceReport};
+pub use failure::FailureHandle;
+pub use foreign::ForeignBackend;
 pub use half::{bf16, f16};
 pub use readback::{Readback, ReadbackFiller};
 pub use view::View;

@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::Result;
 use chorus_devices::cpu::{CpuStream, JobInput};
 use chorus_devices::{Buffer, DType, Device, DeviceError, Event, Scalar, Stream, StreamExt};
-use common::{device, device_with, stream, Gate, TEST_TIMEOUT};
+use common::{device, device_with, device_without_sanitizer, stream, Gate, TEST_TIMEOUT};
 
 /// An operation-level error, as a collective would report one.
 #[derive(Debug, PartialEq)]
@@ -144,7 +144,7 @@ fn event_query_becomes_true_without_a_host_wait() -> Result<()> {
 
 #[test]
 fn a_later_record_replaces_the_earlier_one() -> Result<()> {
-    let dev = device_with(true, Duration::from_secs(10));
+    let dev = device_with(Duration::from_secs(10));
     let (a, b) = (stream(&dev)?, stream(&dev)?);
     let event = dev.create_event()?;
     let gate = Gate::close(&a)?;
@@ -210,7 +210,8 @@ fn streams_run_concurrently() -> Result<()> {
 fn without_a_wait_another_stream_really_sees_stale_data() -> Result<()> {
     // With the sanitizer off the missing wait is not refused; the reader
     // deterministically runs ahead of the held writer.
-    let dev = device_with(false, TEST_TIMEOUT);
+    // SAFETY: the gate holds the writer until the reader has finished.
+    let dev = unsafe { device_without_sanitizer() };
     let (a, b) = (stream(&dev)?, stream(&dev)?);
     let buf = dev.alloc(DType::F32, 1024)?;
     let gate = Gate::close(&a)?;
@@ -287,7 +288,9 @@ fn a_failed_job_poisons_its_stream_and_everything_ordered_after_it() -> Result<(
 fn skipped_work_leaves_buffers_untouched() -> Result<()> {
     // Sanitizer off: the check reads the buffer from another stream without
     // an event, because no event recorded after the failure can complete.
-    let dev = device_with(false, TEST_TIMEOUT);
+    // SAFETY: the writes are skipped (their stream has failed) and the first
+    // write is synchronized before the read.
+    let dev = unsafe { device_without_sanitizer() };
     let (s, reader) = (stream(&dev)?, stream(&dev)?);
     let buf = s.buffer_from(&[1i64, 2, 3])?;
     s.synchronize()?;
@@ -321,7 +324,7 @@ fn a_panicking_job_becomes_an_error_not_a_crash() -> Result<()> {
 #[test]
 fn a_stuck_wait_times_out_instead_of_hanging() -> Result<()> {
     let timeout = Duration::from_millis(200);
-    let dev = device_with(true, timeout);
+    let dev = device_with(timeout);
     let (s, waiter) = (stream(&dev)?, stream(&dev)?);
     let (release, blocked) = mpsc::channel::<()>();
     // Blocks far longer than the device's deadline, until released.

@@ -11,7 +11,7 @@ use chorus_devices::cpu::{Access, CpuStream};
 use chorus_devices::{
     AccessKind, Buffer, DType, Device, DeviceError, Event, MatmulSpec, RaceReport, Scalar, Stream, StreamExt,
 };
-use common::{device, device_with, stream, TEST_TIMEOUT};
+use common::{device, device_without_sanitizer, stream, Gate};
 
 fn race(e: DeviceError) -> Box<RaceReport> {
     match e {
@@ -265,14 +265,18 @@ fn a_refused_operation_leaves_no_trace() -> Result<()> {
 
 #[test]
 fn with_the_sanitizer_off_no_race_is_reported() -> Result<()> {
-    let dev = device_with(false, TEST_TIMEOUT);
+    // SAFETY: the gate keeps stream `a`'s fill from running until `b`'s work has finished.
+    let dev = unsafe { device_without_sanitizer() };
     assert!(!dev.sanitizer_enabled());
     let [a, b] = streams(&dev)?;
-    let buf = a.alloc(DType::F32, 64)?;
+    let buf = dev.alloc(DType::F32, 64)?;
+    let gate = Gate::close(&a)?;
     a.fill(buf.view(), Scalar::Float(1.0))?;
     let readback = b.copy_to_host(buf.view())?;
     b.fill(buf.view(), Scalar::Float(2.0))?;
-    readback.wait()?;
+    assert_eq!(readback.wait_typed::<f32>()?, vec![0.0; 64]);
+    b.synchronize()?;
+    gate.open();
     dev.synchronize()?;
     let _ = dev.create_event()?.query()?;
     Ok(())

@@ -9,22 +9,40 @@
 //! explicit prefetch; reshard-after-forward as a bool or a smaller world;
 //! HSDP and DDP layouts; mixed precision; gradient-accumulation switches;
 //! gradient divide factors; sharded optimizers and gradient clipping
-//! ([`optim`]); and a reference model ([`mlp`]).
+//! ([`optim`]).
 //!
 //! Rust has no module hooks, so a model calls the hooks explicitly — one
-//! line per layer with [`Fsdp::forward`] and [`Fsdp::backward`].
+//! line per layer with [`Fsdp::forward`] and [`Fsdp::backward`]. The
+//! `chorus-train` crate holds a reference model and training loop written
+//! against this public API.
+//!
+//! The modules follow FSDP2's files: `state` is the root ([`Fsdp`]) and the
+//! order of the hooks, `param_group` a group's state machine, `collectives`
+//! the copy-in / all-gather / copy-out and gradient reduction, `param` one
+//! parameter's sharded and unsharded storage.
 #![warn(missing_docs)]
 
+mod collectives;
 mod config;
 mod error;
 pub mod layout;
-pub mod mlp;
-pub mod npy;
 pub mod optim;
+mod param;
+mod param_group;
 mod state;
-pub mod train;
+
+use chorus_collectives::CommBackend;
+use chorus_devices::Backend;
 
 pub use config::{DataParallel, FsdpConfig, MixedPrecision, Reshard, ShardPlacement};
 pub use error::{FsdpError, Result};
 pub use optim::{OptimizerKind, ShardedOptimizer};
-pub use state::{CommCounts, Fsdp, HostOverhead, ParamInit, ShardedState, TrainingState, UnshardHandle};
+pub use param::ParamInit;
+pub use param_group::{ShardedState, TrainingState};
+pub use state::{CommCounts, Fsdp, HostOverhead, UnshardHandle};
+
+// Shorthands for the backend types behind a communicator.
+pub(crate) type B<C> = <C as CommBackend>::B;
+pub(crate) type Buf<C> = <B<C> as Backend>::Buffer;
+pub(crate) type Strm<C> = <B<C> as Backend>::Stream;
+pub(crate) type Ev<C> = <B<C> as Backend>::Event;

@@ -3,8 +3,7 @@
 use chorus_collectives::{CommBackend, ReduceOp};
 use chorus_devices::{AdamWParams, Buffer, DType, Scalar, SgdParams, Stream, StreamExt};
 
-use crate::state::Buf;
-use crate::{Fsdp, FsdpError, Result};
+use crate::{Buf, Fsdp, FsdpError, Result};
 
 /// Which optimizer, with PyTorch's semantics and defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -74,7 +73,7 @@ impl<C: CommBackend> ShardedOptimizer<C> {
     /// compute stream (after [`Fsdp::finalize_backward`]).
     pub fn step(&mut self, fsdp: &mut Fsdp<C>) -> Result<()> {
         self.step += 1;
-        let stream = &fsdp.streams.compute;
+        let stream = &fsdp.ctx.streams.compute;
         self.state.resize_with(fsdp.groups.len(), Vec::new);
         for (g, grp) in fsdp.groups.iter().enumerate() {
             self.state[g].resize_with(grp.params.len(), || None);
@@ -128,7 +127,7 @@ impl<C: CommBackend> Fsdp<C> {
     /// `torch.nn.utils.clip_grad_norm_` does. Every rank must call it; blocks.
     /// Returns the norm before clipping.
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64> {
-        let s = &self.streams.compute;
+        let s = &self.ctx.streams.compute;
         let sharded = s.alloc(DType::F32, 1)?;
         let replicated = s.alloc(DType::F32, 1)?;
         s.fill(sharded.view(), Scalar::Float(0.0))?;
@@ -140,7 +139,7 @@ impl<C: CommBackend> Fsdp<C> {
             }
         }
         // Shards differ across the shard group only; replicas hold the same values.
-        self.shard_comm().all_reduce_in_place(sharded.view(), ReduceOp::Sum, s)?;
+        self.ctx.dp.shard.all_reduce_in_place(sharded.view(), ReduceOp::Sum, s)?;
         let total = s.read_vec::<f32>(sharded.view())?[0] as f64 + s.read_vec::<f32>(replicated.view())?[0] as f64;
         let norm = total.sqrt();
         let coef = max_norm / (norm + 1e-6);

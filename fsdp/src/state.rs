@@ -1,56 +1,22 @@
-//! The root state and the param-group state machine.
+//! The root (FSDP2's `_fsdp_state`): [`Fsdp`], which owns the param groups
+//! and their shared communication context, checks that each hook is allowed
+//! in the group's state, and orders the groups — the root's first
+//! pre-forward, implicit and explicit prefetch, the post-forward order that
+//! backward prefetch follows, and the end of backward.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chorus_collectives::{CommBackend, Communicator, ReduceOp};
-use chorus_devices::{Backend, Buffer, DType, Device, Priority, Scalar, Stream, StreamExt, View};
+use chorus_devices::{Backend, Buffer, DType, Device, Priority, Stream, StreamExt, View};
 
+use crate::collectives::{self, ReducePlan};
 use crate::config::{DataParallel, FsdpConfig, MixedPrecision, Reshard};
 use crate::layout::{normalize_dim, GroupLayout};
-use crate::{FsdpError, Result};
-
-pub(crate) type B<C> = <C as CommBackend>::B;
-pub(crate) type Buf<C> = <B<C> as Backend>::Buffer;
-pub(crate) type Strm<C> = <B<C> as Backend>::Stream;
-pub(crate) type Ev<C> = <B<C> as Backend>::Event;
-
-/// Where a group is in the training step (FSDP2's `TrainingState`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TrainingState {
-    /// Between hooks.
-    Idle,
-    /// Between pre-forward and post-forward.
-    Forward,
-    /// Between pre-backward and post-backward.
-    PreBackward,
-    /// After post-backward, until the root finalizes backward.
-    PostBackward,
-}
-
-/// Where a group's parameters are (FSDP2's `ShardedState`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ShardedState {
-    /// Only the shards exist.
-    Sharded,
-    /// A copy sharded over the smaller post-forward world exists (reshard-after-forward = K).
-    ShardedPostForward,
-    /// The unsharded parameters exist.
-    Unsharded,
-}
-
-/// A parameter to put under FSDP: its name, shape and full initial values
-/// (every rank passes the same values and keeps its shard).
-#[derive(Clone, Debug)]
-pub struct ParamInit {
-    /// Fully qualified name (`layers.0.weight`).
-    pub name: String,
-    /// Unsharded shape.
-    pub shape: Vec<usize>,
-    /// Row-major values of the whole parameter.
-    pub values: Vec<f32>,
-}
+use crate::param::{Param, ParamInit};
+use crate::param_group::{CommContext, Group, ShardedState, Streams, TrainingState};
+use crate::{FsdpError, Result, Strm, B};
 
 /// Collectives issued, by kind (FSDP's own count; tests also count at the communicator).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -72,60 +38,6 @@ pub struct HostOverhead {
     pub calls: usize,
 }
 
-pub(crate) struct Param<C: CommBackend> {
-    pub(crate) name: String,
-    pub(crate) shape: Vec<usize>,
-    pub(crate) numel: usize,
-    /// Index into the group layout, or `None` when replicated.
-    pub(crate) layout: Option<usize>,
-    /// f32 master: the padded shard, or the whole parameter when replicated.
-    pub(crate) master: Buf<C>,
-    /// f32 gradient of the master, once reduced.
-    pub(crate) grad: Option<Buf<C>>,
-    unsharded: Option<Buf<C>>,
-    unsharded_grad: Option<Buf<C>>,
-    /// Accumulated unsharded gradient in the reduce dtype (no-sync micro-batches).
-    acc_grad: Option<Buf<C>>,
-}
-
-struct AllGatherResult<C: CommBackend> {
-    buffer: Buf<C>,
-    event: Ev<C>,
-    post_forward: bool,
-}
-
-pub(crate) struct Group<C: CommBackend> {
-    pub(crate) name: String,
-    pub(crate) params: Vec<Param<C>>,
-    layout: GroupLayout,
-    post_forward: Option<(Arc<Communicator<C>>, GroupLayout)>,
-    training: TrainingState,
-    sharded: ShardedState,
-    reshard_after_forward: Reshard,
-    reshard_after_backward: bool,
-    requires_gradient_sync: bool,
-    requires_all_reduce: bool,
-    mp: MixedPrecision,
-    pending: Option<AllGatherResult<C>>,
-    post_forward_buffer: Option<Buf<C>>,
-    post_forward_event: Option<Ev<C>>,
-    post_reduce_event: Option<Ev<C>>,
-    reduce_outputs: Vec<Buf<C>>,
-    partial_reduce: Option<Buf<C>>,
-    post_forward_indices: Vec<usize>,
-    forward_prefetch: Vec<usize>,
-    backward_prefetch: Option<Vec<usize>>,
-}
-
-/// The four communication streams and the compute stream (FSDP2's comm context).
-pub(crate) struct Streams<C: CommBackend> {
-    pub(crate) compute: Strm<C>,
-    copy_in: Strm<C>,
-    all_gather: Strm<C>,
-    reduce_scatter: Strm<C>,
-    all_reduce: Strm<C>,
-}
-
 /// FSDP for one rank: the root state, its groups, streams and policies.
 ///
 /// A model calls, per group and step: [`Fsdp::pre_forward`] /
@@ -136,17 +48,15 @@ pub(crate) struct Streams<C: CommBackend> {
 /// [`Fsdp::compute_stream`]; unsharded parameters and gradients are reached
 /// with [`Fsdp::param`] and [`Fsdp::grad`] while the group is unsharded.
 pub struct Fsdp<C: CommBackend> {
-    dp: DataParallel<C>,
-    device: <B<C> as Backend>::Device,
-    pub(crate) streams: Streams<C>,
+    pub(crate) ctx: CommContext<C>,
     pub(crate) groups: Vec<Group<C>>,
     config: FsdpConfig,
+    /// Communicators of the post-forward worlds, one per size K.
     post_forward_comms: HashMap<usize, Arc<Communicator<C>>>,
+    /// Groups in the order their forward ended this step.
     post_forward_order: Vec<usize>,
-    all_gather_state: Option<(Buf<C>, Ev<C>)>,
-    reduce_scatter_state: Option<(Buf<C>, Ev<C>)>,
+    /// The root's first pre-forward of the step has run.
     root_ready: bool,
-    counts: CommCounts,
     overhead: HostOverhead,
 }
 
@@ -157,13 +67,10 @@ pub struct UnshardHandle {
     group: usize,
 }
 
-fn state_err<C: CommBackend>(g: &Group<C>, event: &'static str) -> FsdpError {
-    FsdpError::State { group: g.name.clone(), event, state: g.training }
-}
-
 impl<C: CommBackend> Fsdp<C> {
     /// FSDP over `dp` with `config`; creates the compute stream and the four
-    /// communication streams (high priority) on the communicator's device.
+    /// communication streams on the communicator's device (copy-in,
+    /// all-gather and reduce-scatter at high priority, as FSDP2 does).
     pub fn new(dp: DataParallel<C>, config: FsdpConfig) -> Result<Self> {
         let device = dp.shard.device().clone();
         let mp = config.mixed_precision;
@@ -180,17 +87,19 @@ impl<C: CommBackend> Fsdp<C> {
             all_reduce: device.create_stream(Priority::Normal)?,
         };
         Ok(Fsdp {
-            dp,
-            device,
-            streams,
+            ctx: CommContext {
+                dp,
+                device,
+                streams,
+                all_gather_state: None,
+                reduce_scatter_state: None,
+                counts: CommCounts::default(),
+            },
             groups: Vec::new(),
             config,
             post_forward_comms: HashMap::new(),
             post_forward_order: Vec::new(),
-            all_gather_state: None,
-            reduce_scatter_state: None,
             root_ready: false,
-            counts: CommCounts::default(),
             overhead: HostOverhead::default(),
         })
     }
@@ -206,8 +115,8 @@ impl<C: CommBackend> Fsdp<C> {
     /// Like [`Fsdp::add_group`] with this group's own reshard-after-forward.
     pub fn add_group_with(&mut self, name: &str, params: Vec<ParamInit>, reshard: Reshard) -> Result<usize> {
         let t0 = Instant::now();
-        let world = self.dp.shard.size();
-        let rank = self.dp.shard.rank();
+        let world = self.ctx.dp.shard.size();
+        let rank = self.ctx.dp.shard.rank();
         let mut sharded_specs = Vec::new();
         let mut is_sharded = Vec::new();
         for p in &params {
@@ -233,79 +142,49 @@ impl<C: CommBackend> Fsdp<C> {
         let layout = GroupLayout::new(&sharded_specs, world)?;
         let post_forward = match reshard {
             Reshard::To(k) if k == world => None,
-            Reshard::To(k) => {
-                if k == 0 || world % k != 0 {
-                    return Err(FsdpError::InvalidArgument(format!(
-                        "reshard-after-forward to {k} ranks must divide the shard world of {world}"
-                    )));
-                }
-                let comm = match self.post_forward_comms.get(&k) {
-                    Some(c) => c.clone(),
-                    None => {
-                        let c = self.dp.shard.split(Some((rank / k) as u32), (rank % k) as i64)?.ok_or_else(|| {
-                            FsdpError::InvalidArgument("split for the post-forward world returned nothing".into())
-                        })?;
-                        let c = Arc::new(c);
-                        self.post_forward_comms.insert(k, c.clone());
-                        c
-                    }
-                };
-                Some((comm, GroupLayout::new(&sharded_specs, k)?))
-            }
+            Reshard::To(k) => Some((self.post_forward_comm(k)?, GroupLayout::new(&sharded_specs, k)?)),
             _ => None,
         };
         let reshard = match reshard {
             Reshard::To(k) if k == world => Reshard::Yes,
             r => r,
         };
-        let stream = &self.streams.compute;
+        let stream = &self.ctx.streams.compute;
         let mut out = Vec::with_capacity(params.len());
         let mut next = 0;
         for (p, shard) in params.into_iter().zip(is_sharded) {
-            let numel = p.values.len();
-            let (master, layout_index) = if shard {
-                let values = layout.params[next].shard_of(&p.values, rank);
+            let layout_index = if shard {
+                let i = next;
                 next += 1;
-                (stream.buffer_from(&values)?, Some(next - 1))
+                Some((i, &layout.params[i]))
             } else {
-                (stream.buffer_from(&p.values)?, None)
+                None
             };
-            out.push(Param {
-                name: p.name,
-                shape: p.shape,
-                numel,
-                layout: layout_index,
-                master,
-                grad: None,
-                unsharded: None,
-                unsharded_grad: None,
-                acc_grad: None,
-            });
+            out.push(Param::new(p, layout_index, rank, stream)?);
         }
-        self.groups.push(Group {
-            name: name.to_string(),
-            params: out,
-            layout,
-            post_forward,
-            training: TrainingState::Idle,
-            sharded: ShardedState::Sharded,
-            reshard_after_forward: reshard,
-            reshard_after_backward: true,
-            requires_gradient_sync: true,
-            requires_all_reduce: true,
-            mp: self.config.mixed_precision,
-            pending: None,
-            post_forward_buffer: None,
-            post_forward_event: None,
-            post_reduce_event: None,
-            reduce_outputs: Vec::new(),
-            partial_reduce: None,
-            post_forward_indices: Vec::new(),
-            forward_prefetch: Vec::new(),
-            backward_prefetch: None,
-        });
+        let mp = self.config.mixed_precision;
+        self.groups.push(Group::new(name, out, layout, post_forward, reshard, mp));
         self.note_overhead(t0);
         Ok(self.groups.len() - 1)
+    }
+
+    /// The communicator of this rank's `k` consecutive shard ranks, split
+    /// once per `k` and shared by every group resharding to `k`.
+    fn post_forward_comm(&mut self, k: usize) -> Result<Arc<Communicator<C>>> {
+        let (world, rank) = (self.ctx.dp.shard.size(), self.ctx.dp.shard.rank());
+        if k == 0 || world % k != 0 {
+            return Err(FsdpError::InvalidArgument(format!(
+                "reshard-after-forward to {k} ranks must divide the shard world of {world}"
+            )));
+        }
+        if let Some(c) = self.post_forward_comms.get(&k) {
+            return Ok(c.clone());
+        }
+        let split = self.ctx.dp.shard.split(Some((rank / k) as u32), (rank % k) as i64)?;
+        let missing = || FsdpError::InvalidArgument("split for the post-forward world returned nothing".into());
+        let c = Arc::new(split.ok_or_else(missing)?);
+        self.post_forward_comms.insert(k, c.clone());
+        Ok(c)
     }
 
     fn note_overhead(&mut self, t0: Instant) {
@@ -317,17 +196,21 @@ impl<C: CommBackend> Fsdp<C> {
         self.groups.get(g).ok_or_else(|| FsdpError::InvalidArgument(format!("no group {g}")))
     }
 
+    fn group_mut(&mut self, g: usize) -> Result<&mut Group<C>> {
+        self.groups.get_mut(g).ok_or_else(|| FsdpError::InvalidArgument(format!("no group {g}")))
+    }
+
     /// The stream the model computes on.
     pub fn compute_stream(&self) -> &Strm<C> {
-        &self.streams.compute
+        &self.ctx.streams.compute
     }
     /// The device.
     pub fn device(&self) -> &<B<C> as Backend>::Device {
-        &self.device
+        &self.ctx.device
     }
     /// The data-parallel layout.
     pub fn data_parallel(&self) -> &DataParallel<C> {
-        &self.dp
+        &self.ctx.dp
     }
     /// Number of groups.
     pub fn num_groups(&self) -> usize {
@@ -355,7 +238,7 @@ impl<C: CommBackend> Fsdp<C> {
     }
     /// Collectives issued so far.
     pub fn comm_counts(&self) -> CommCounts {
-        self.counts
+        self.ctx.counts
     }
     /// Host time spent in hooks so far.
     pub fn host_overhead(&self) -> HostOverhead {
@@ -377,7 +260,7 @@ impl<C: CommBackend> Fsdp<C> {
     /// the group is unsharded.
     pub fn param(&self, g: usize, i: usize) -> Result<View<'_, B<C>>> {
         let p = self.param_ref(g, i)?;
-        p.unsharded.as_ref().map(|b| b.view()).ok_or_else(|| state_err(&self.groups[g], "parameter access"))
+        p.unsharded.as_ref().map(|b| b.view()).ok_or_else(|| self.groups[g].state_error("parameter access"))
     }
 
     /// The unsharded gradient of parameter `i` of group `g` (param dtype),
@@ -385,7 +268,7 @@ impl<C: CommBackend> Fsdp<C> {
     /// to post-backward.
     pub fn grad(&self, g: usize, i: usize) -> Result<View<'_, B<C>>> {
         let p = self.param_ref(g, i)?;
-        p.unsharded_grad.as_ref().map(|b| b.view()).ok_or_else(|| state_err(&self.groups[g], "gradient access"))
+        p.unsharded_grad.as_ref().map(|b| b.view()).ok_or_else(|| self.groups[g].state_error("gradient access"))
     }
 
     // ---- switches (FSDPModule's setters) ----
@@ -405,16 +288,14 @@ impl<C: CommBackend> Fsdp<C> {
     /// Groups to unshard (prefetch) when group `g`'s forward starts.
     pub fn set_forward_prefetch(&mut self, g: usize, targets: Vec<usize>) -> Result<()> {
         self.check_targets(&targets)?;
-        self.groups.get_mut(g).ok_or_else(|| FsdpError::InvalidArgument(format!("no group {g}")))?.forward_prefetch =
-            targets;
+        self.group_mut(g)?.forward_prefetch = targets;
         Ok(())
     }
     /// Groups to unshard when group `g`'s backward starts (replaces the default
     /// reverse-post-forward prefetch).
     pub fn set_backward_prefetch(&mut self, g: usize, targets: Vec<usize>) -> Result<()> {
         self.check_targets(&targets)?;
-        self.groups.get_mut(g).ok_or_else(|| FsdpError::InvalidArgument(format!("no group {g}")))?.backward_prefetch =
-            Some(targets);
+        self.group_mut(g)?.backward_prefetch = Some(targets);
         Ok(())
     }
     fn check_targets(&self, targets: &[usize]) -> Result<()> {
@@ -424,7 +305,7 @@ impl<C: CommBackend> Fsdp<C> {
         }
     }
 
-    // ---- unshard / reshard ----
+    // ---- explicit unshard ----
 
     /// All-gathers group `g`'s parameters. With `async_op` the returned
     /// handle must be waited on ([`Fsdp::wait_unshard`]); otherwise this
@@ -434,11 +315,11 @@ impl<C: CommBackend> Fsdp<C> {
         self.group(g)?;
         if !self.root_ready {
             // Outside a step (FSDP2's explicit `unshard()`), order after the compute stream.
-            self.all_gather_streams_follow_compute()?;
+            self.ctx.all_gather_streams_follow_compute()?;
         }
-        self.issue_all_gather(g)?;
+        self.groups[g].unshard(&mut self.ctx)?;
         if !async_op {
-            self.wait_for_unshard(g)?;
+            self.groups[g].wait_for_unshard(&mut self.ctx)?;
         }
         self.note_overhead(t0);
         Ok(UnshardHandle { group: g })
@@ -448,163 +329,19 @@ impl<C: CommBackend> Fsdp<C> {
     /// parameters is enqueued on the compute stream.
     pub fn wait_unshard(&mut self, handle: UnshardHandle) -> Result<()> {
         let t0 = Instant::now();
-        self.wait_for_unshard(handle.group)?;
+        self.group(handle.group)?;
+        self.groups[handle.group].wait_for_unshard(&mut self.ctx)?;
         self.note_overhead(t0);
-        Ok(())
-    }
-
-    fn issue_all_gather(&mut self, g: usize) -> Result<()> {
-        let grp = &mut self.groups[g];
-        if grp.pending.is_some() || grp.sharded == ShardedState::Unsharded {
-            return Ok(());
-        }
-        let s = &self.streams;
-        if let Some(e) = grp.post_forward_event.take() {
-            // The post-forward copy was written on the compute stream.
-            s.copy_in.wait(&e)?;
-            s.all_gather.wait(&e)?;
-        }
-        let from_post_forward = grp.sharded == ShardedState::ShardedPostForward;
-        let (comm, layout) = match (&grp.post_forward, from_post_forward) {
-            (Some((c, l)), true) => (c.clone(), l),
-            _ => (self.dp.shard.clone(), &grp.layout),
-        };
-        if layout.params.is_empty() {
-            return Ok(());
-        }
-        let dtype = grp.mp.param();
-        let n = layout.shard_numel;
-        let out = s.copy_in.alloc(dtype, comm.size() * n)?;
-        let own = out.slice(comm.rank() * n, n)?;
-        if from_post_forward {
-            let src = grp.post_forward_buffer.as_ref().ok_or_else(|| state_err(grp, "post-forward unshard"))?;
-            s.copy_in.copy(src.view(), own)?;
-        } else {
-            for p in &grp.params {
-                if let Some(i) = p.layout {
-                    let l = &layout.params[i];
-                    cast_or_copy(&s.copy_in, p.master.view(), own.slice(l.offset, l.shard_numel)?)?;
-                }
-            }
-        }
-        let copied = self.device.create_event()?;
-        s.copy_in.record(&copied)?;
-        s.all_gather.wait(&copied)?;
-        comm.all_gather_in_place(out.view(), &s.all_gather)?;
-        self.counts.all_gathers += 1;
-        let event = self.device.create_event()?;
-        s.all_gather.record(&event)?;
-        grp.pending = Some(AllGatherResult { buffer: out, event, post_forward: from_post_forward });
-        Ok(())
-    }
-
-    fn wait_for_unshard(&mut self, g: usize) -> Result<()> {
-        let s = &self.streams;
-        let grp = &mut self.groups[g];
-        if grp.sharded == ShardedState::Unsharded {
-            return Ok(());
-        }
-        let pending = grp.pending.take();
-        if grp.training == TrainingState::Forward {
-            // Implicit prefetch: the previous group's all-gather output is
-            // freed only now, after this group's copy-in has been issued.
-            if let Some((_, e)) = self.all_gather_state.take() {
-                s.copy_in.wait(&e)?;
-                s.all_gather.wait(&e)?;
-            }
-        }
-        let dtype = grp.mp.param();
-        if let Some(res) = &pending {
-            s.compute.wait(&res.event)?;
-        }
-        let (world, layout) = match (&grp.post_forward, pending.as_ref().is_some_and(|p| p.post_forward)) {
-            (Some((c, l)), true) => (c.size(), l),
-            _ => (self.dp.shard.size(), &grp.layout),
-        };
-        for p in grp.params.iter_mut() {
-            let full = s.compute.alloc(dtype, p.numel)?;
-            match (p.layout, &pending) {
-                (Some(i), Some(res)) => {
-                    let l = &layout.params[i];
-                    for j in 0..world {
-                        s.compute.copy_2d(res.buffer.view(), full.view(), l.chunk_to_full(j, layout.shard_numel))?;
-                    }
-                }
-                (None, _) => cast_or_copy(&s.compute, p.master.view(), full.view())?,
-                (Some(_), None) => return Err(state_err(grp, "unshard without an all-gather")),
-            }
-            p.unsharded = Some(full);
-        }
-        grp.sharded = ShardedState::Unsharded;
-        grp.post_forward_buffer = None;
-        if let Some(res) = pending {
-            let copied_out = self.device.create_event()?;
-            s.compute.record(&copied_out)?;
-            if grp.training == TrainingState::Forward {
-                self.all_gather_state = Some((res.buffer, copied_out));
-            } else {
-                s.copy_in.wait(&copied_out)?;
-                s.all_gather.wait(&copied_out)?;
-            }
-        }
-        Ok(())
-    }
-
-    fn reshard(&mut self, g: usize) -> Result<()> {
-        let s = &self.streams;
-        let grp = &mut self.groups[g];
-        if grp.training == TrainingState::Forward {
-            match grp.reshard_after_forward {
-                Reshard::No => return Ok(()),
-                Reshard::To(_) if grp.sharded == ShardedState::Unsharded => {
-                    let (comm, layout) =
-                        grp.post_forward.as_ref().ok_or_else(|| state_err(grp, "post-forward reshard"))?;
-                    let buf = s.compute.alloc(grp.mp.param(), layout.shard_numel)?;
-                    s.compute.fill(buf.view(), Scalar::Float(0.0))?;
-                    for p in &grp.params {
-                        if let (Some(i), Some(full)) = (p.layout, &p.unsharded) {
-                            s.compute.copy_2d(
-                                full.view(),
-                                buf.view(),
-                                layout.params[i].full_to_chunk(comm.rank(), 0),
-                            )?;
-                        }
-                    }
-                    let e = self.device.create_event()?;
-                    s.compute.record(&e)?;
-                    grp.post_forward_buffer = Some(buf);
-                    grp.post_forward_event = Some(e);
-                    grp.params.iter_mut().for_each(|p| p.unsharded = None);
-                    grp.sharded = ShardedState::ShardedPostForward;
-                    return Ok(());
-                }
-                _ => {}
-            }
-        }
-        grp.params.iter_mut().for_each(|p| p.unsharded = None);
-        grp.post_forward_buffer = None;
-        grp.post_forward_event = None;
-        grp.sharded = ShardedState::Sharded;
         Ok(())
     }
 
     // ---- hooks ----
 
-    /// Makes the all-gather streams wait for the compute stream, so copy-ins
-    /// see the shards as the optimizer (or the initial upload) left them.
-    fn all_gather_streams_follow_compute(&self) -> Result<()> {
-        let e = self.device.create_event()?;
-        self.streams.compute.record(&e)?;
-        self.streams.copy_in.wait(&e)?;
-        self.streams.all_gather.wait(&e)?;
-        Ok(())
-    }
-
     fn root_pre_forward(&mut self) -> Result<()> {
         if self.root_ready {
             return Ok(());
         }
-        self.all_gather_streams_follow_compute()?;
+        self.ctx.all_gather_streams_follow_compute()?;
         self.post_forward_order.clear();
         self.root_ready = true;
         Ok(())
@@ -616,14 +353,12 @@ impl<C: CommBackend> Fsdp<C> {
         let t0 = Instant::now();
         let grp = self.group(g)?;
         if grp.training != TrainingState::Idle {
-            return Err(state_err(grp, "pre_forward"));
+            return Err(grp.state_error("pre_forward"));
         }
         self.root_pre_forward()?;
-        self.groups[g].training = TrainingState::Forward;
-        self.issue_all_gather(g)?;
-        self.wait_for_unshard(g)?;
+        self.groups[g].pre_forward(&mut self.ctx)?;
         for t in self.groups[g].forward_prefetch.clone() {
-            self.issue_all_gather(t)?;
+            self.groups[t].unshard(&mut self.ctx)?;
         }
         self.note_overhead(t0);
         Ok(())
@@ -635,14 +370,11 @@ impl<C: CommBackend> Fsdp<C> {
         let t0 = Instant::now();
         let grp = self.group(g)?;
         if grp.training != TrainingState::Forward {
-            return Err(state_err(grp, "post_forward"));
+            return Err(grp.state_error("post_forward"));
         }
-        self.reshard(g)?;
         let index = self.post_forward_order.len();
+        self.groups[g].post_forward(&self.ctx, index)?;
         self.post_forward_order.push(g);
-        let grp = &mut self.groups[g];
-        grp.post_forward_indices.push(index);
-        grp.training = TrainingState::Idle;
         self.note_overhead(t0);
         Ok(())
     }
@@ -654,40 +386,14 @@ impl<C: CommBackend> Fsdp<C> {
         let t0 = Instant::now();
         let grp = self.group(g)?;
         match grp.training {
+            // A second pre-backward of the same group is a no-op, as in FSDP2.
             TrainingState::PreBackward => return Ok(()),
             TrainingState::Idle => {}
-            _ => return Err(state_err(grp, "pre_backward")),
+            _ => return Err(grp.state_error("pre_backward")),
         }
-        // The last forward all-gather output is not needed in backward.
-        if let Some((_, e)) = self.all_gather_state.take() {
-            self.streams.copy_in.wait(&e)?;
-            self.streams.all_gather.wait(&e)?;
-        }
-        self.groups[g].training = TrainingState::PreBackward;
-        self.issue_all_gather(g)?;
-        self.wait_for_unshard(g)?;
-        let s = &self.streams;
-        let grp = &mut self.groups[g];
-        let dtype = grp.mp.param();
-        for p in grp.params.iter_mut().filter(|p| p.unsharded_grad.is_none()) {
-            let buf = s.compute.alloc(dtype, p.numel)?;
-            s.compute.fill(buf.view(), Scalar::Float(0.0))?;
-            p.unsharded_grad = Some(buf);
-        }
-        let targets = match &grp.backward_prefetch {
-            Some(t) => t.clone(),
-            None => {
-                let index = grp.post_forward_indices.pop();
-                index
-                    .and_then(|i| i.checked_sub(1))
-                    .and_then(|i| self.post_forward_order.get(i))
-                    .copied()
-                    .into_iter()
-                    .collect()
-            }
-        };
-        for t in targets {
-            self.issue_all_gather(t)?;
+        self.groups[g].pre_backward(&mut self.ctx)?;
+        for t in self.groups[g].backward_prefetch_targets(&self.post_forward_order) {
+            self.groups[t].unshard(&mut self.ctx)?;
         }
         self.note_overhead(t0);
         Ok(())
@@ -699,195 +405,11 @@ impl<C: CommBackend> Fsdp<C> {
         let t0 = Instant::now();
         let grp = self.group(g)?;
         if grp.training != TrainingState::PreBackward {
-            return Err(state_err(grp, "post_backward"));
+            return Err(grp.state_error("post_backward"));
         }
-        self.groups[g].training = TrainingState::PostBackward;
-        self.post_backward_inner(g)?;
+        let plan = ReducePlan::new(&self.ctx.dp, grp.mp.reduce(), self.config.force_sum, self.config.divide_factor);
+        self.groups[g].post_backward(&mut self.ctx, plan)?;
         self.note_overhead(t0);
-        Ok(())
-    }
-
-    fn post_backward_inner(&mut self, g: usize) -> Result<()> {
-        let s = &self.streams;
-        let grp = &mut self.groups[g];
-        let (param_dtype, reduce_dtype) = (grp.mp.param(), grp.mp.reduce());
-        // Fold a fresh unsharded gradient into the reduce-dtype accumulator.
-        for p in grp.params.iter_mut() {
-            if let (Some(acc), Some(fresh)) = (&p.acc_grad, &p.unsharded_grad) {
-                s.compute.accumulate(fresh.view(), acc.view())?;
-                p.unsharded_grad = None;
-            }
-        }
-        if !grp.requires_gradient_sync {
-            if grp.reshard_after_backward {
-                self.reshard(g)?;
-            }
-            let s = &self.streams;
-            let grp = &mut self.groups[g];
-            if reduce_dtype != param_dtype {
-                for p in grp.params.iter_mut().filter(|p| p.acc_grad.is_none()) {
-                    if let Some(fresh) = p.unsharded_grad.take() {
-                        let acc = s.compute.alloc(reduce_dtype, p.numel)?;
-                        s.compute.cast(fresh.view(), acc.view())?;
-                        p.acc_grad = Some(acc);
-                    }
-                }
-            }
-            return Ok(());
-        }
-        // Gradients to reduce, in the reduce dtype, taken out of the params.
-        let mut grads: Vec<(usize, Buf<C>)> = Vec::new();
-        for (i, p) in grp.params.iter_mut().enumerate() {
-            let g = match (p.acc_grad.take(), p.unsharded_grad.take()) {
-                (Some(acc), _) => acc,
-                (None, Some(fresh)) if param_dtype == reduce_dtype => fresh,
-                (None, Some(fresh)) => {
-                    let cast = s.compute.alloc(reduce_dtype, p.numel)?;
-                    s.compute.cast(fresh.view(), cast.view())?;
-                    cast
-                }
-                (None, None) => continue,
-            };
-            grads.push((i, g));
-        }
-        if self.groups[g].reshard_after_backward {
-            self.reshard(g)?;
-        }
-        if grads.is_empty() {
-            return Ok(());
-        }
-        self.reduce_gradients(g, grads)
-    }
-
-    /// The reduce ops for the shard and replicate groups, and a scale applied afterwards.
-    fn reduce_plan(&self) -> (ReduceOp, ReduceOp, Option<f64>) {
-        let caps = self.dp.shard.capabilities();
-        let dp = self.dp.world_size() as f64;
-        match (self.config.force_sum, self.config.divide_factor) {
-            (true, f) => (ReduceOp::Sum, ReduceOp::Sum, Some(1.0 / f.unwrap_or(dp))),
-            (false, Some(f)) if caps.premul_sum => (ReduceOp::PreMulSum(1.0 / f), ReduceOp::Sum, None),
-            (false, Some(f)) => (ReduceOp::Sum, ReduceOp::Sum, Some(1.0 / f)),
-            (false, None) if caps.avg => (ReduceOp::Avg, ReduceOp::Avg, None),
-            (false, None) => (ReduceOp::Sum, ReduceOp::Sum, Some(1.0 / dp)),
-        }
-    }
-
-    fn reduce_gradients(&mut self, g: usize, grads: Vec<(usize, Buf<C>)>) -> Result<()> {
-        let (shard_op, replicate_op, post_scale) = self.reduce_plan();
-        let s = &self.streams;
-        // The compute stream waits for the previous reduce-scatter, bounding
-        // memory to one reduce-scatter input in flight.
-        if let Some((_, e)) = self.reduce_scatter_state.take() {
-            s.compute.wait(&e)?;
-        }
-        let grp = &mut self.groups[g];
-        let reduce_dtype = grp.mp.reduce();
-        let world = self.dp.shard.size();
-        let layout = &grp.layout;
-        let n = layout.shard_numel;
-        let sharded: Vec<&(usize, Buf<C>)> = grads.iter().filter(|(i, _)| grp.params[*i].layout.is_some()).collect();
-        let replicated: Vec<&(usize, Buf<C>)> = grads.iter().filter(|(i, _)| grp.params[*i].layout.is_none()).collect();
-
-        // Pack on the compute stream, where the gradients were produced (FSDP2 does the same).
-        let packed = if sharded.is_empty() {
-            None
-        } else {
-            let input = s.compute.alloc(reduce_dtype, world * n)?;
-            s.compute.fill(input.view(), Scalar::Float(0.0))?;
-            for (i, buf) in &sharded {
-                let l = &layout.params[grp.params[*i].layout.unwrap_or_default()];
-                for j in 0..world {
-                    s.compute.copy_2d(buf.view(), input.view(), l.full_to_chunk(j, j * n))?;
-                }
-            }
-            Some(input)
-        };
-        let flat_replicated = if replicated.is_empty() {
-            None
-        } else {
-            let total: usize = replicated.iter().map(|(i, _)| grp.params[*i].numel).sum();
-            let flat = s.compute.alloc(reduce_dtype, total)?;
-            let mut off = 0;
-            for (i, buf) in &replicated {
-                let m = grp.params[*i].numel;
-                s.compute.copy(buf.view(), flat.slice(off, m)?)?;
-                off += m;
-            }
-            Some(flat)
-        };
-        let grads_ready = self.device.create_event()?;
-        s.compute.record(&grads_ready)?;
-        s.reduce_scatter.wait(&grads_ready)?;
-
-        let mut outputs: Vec<(Buf<C>, bool)> = Vec::new();
-        if let Some(input) = &packed {
-            let out = s.reduce_scatter.alloc(reduce_dtype, n)?;
-            self.dp.shard.reduce_scatter(input.view(), out.view(), shard_op, &s.reduce_scatter)?;
-            self.counts.reduce_scatters += 1;
-            outputs.push((out, true));
-        }
-        if let Some(flat) = &flat_replicated {
-            self.dp.shard.all_reduce_in_place(flat.view(), shard_op, &s.reduce_scatter)?;
-            self.counts.all_reduces += 1;
-        }
-        let rs_done = self.device.create_event()?;
-        s.reduce_scatter.record(&rs_done)?;
-
-        let mut post = &s.reduce_scatter;
-        if let Some(replicate) = &self.dp.replicate {
-            if let (Some(partial), Some((out, _))) = (grp.partial_reduce.take(), outputs.first()) {
-                s.reduce_scatter.accumulate(partial.view(), out.view())?;
-            }
-            if !grp.requires_all_reduce {
-                // Keep the sharded partial sums; their all-reduce happens on a
-                // later backward. Replicated parameters are all-reduced anyway.
-                grp.partial_reduce = outputs.pop().map(|(b, _)| b);
-            }
-            let e = self.device.create_event()?;
-            s.reduce_scatter.record(&e)?;
-            s.all_reduce.wait(&e)?;
-            for (out, _) in &outputs {
-                replicate.all_reduce_in_place(out.view(), replicate_op, &s.all_reduce)?;
-                self.counts.all_reduces += 1;
-            }
-            if let Some(flat) = &flat_replicated {
-                replicate.all_reduce_in_place(flat.view(), replicate_op, &s.all_reduce)?;
-                self.counts.all_reduces += 1;
-            }
-            post = &s.all_reduce;
-        }
-        if let Some(f) = post_scale {
-            for (out, _) in &outputs {
-                post.scale(out.view(), f)?;
-            }
-            if let Some(flat) = &flat_replicated {
-                post.scale(flat.view(), f)?;
-            }
-        }
-        // Views out into the f32 sharded gradients.
-        for (out, _) in &outputs {
-            for (i, _) in &sharded {
-                let p = &mut grp.params[*i];
-                let l = &layout.params[p.layout.unwrap_or_default()];
-                accumulate_into(post, out.slice(l.offset, l.shard_numel)?, &mut p.grad, l.shard_numel)?;
-            }
-        }
-        if let Some(flat) = &flat_replicated {
-            let mut off = 0;
-            for (i, _) in &replicated {
-                let p = &mut grp.params[*i];
-                accumulate_into(post, flat.slice(off, p.numel)?, &mut p.grad, p.numel)?;
-                off += p.numel;
-            }
-        }
-        let done = self.device.create_event()?;
-        post.record(&done)?;
-        grp.post_reduce_event = Some(done);
-        // Kept until finalize so their stream-ordered release follows the
-        // streams that use them.
-        grp.reduce_outputs.extend(outputs.into_iter().map(|(b, _)| b));
-        grp.reduce_outputs.extend(flat_replicated);
-        self.reduce_scatter_state = packed.map(|b| (b, rs_done));
         Ok(())
     }
 
@@ -901,19 +423,14 @@ impl<C: CommBackend> Fsdp<C> {
                 self.post_backward(g)?;
             }
         }
-        let s = &self.streams;
         for grp in self.groups.iter_mut() {
-            if let Some(e) = grp.post_reduce_event.take() {
-                s.compute.wait(&e)?;
-            }
-            grp.reduce_outputs.clear();
-            grp.training = TrainingState::Idle;
-            grp.post_forward_indices.clear();
+            grp.finalize_backward(&self.ctx)?;
         }
-        if let Some((_, e)) = self.reduce_scatter_state.take() {
+        let s = &self.ctx.streams;
+        if let Some((_, e)) = self.ctx.reduce_scatter_state.take() {
             s.compute.wait(&e)?;
         }
-        if let Some((_, e)) = self.all_gather_state.take() {
+        if let Some((_, e)) = self.ctx.all_gather_state.take() {
             s.compute.wait(&e)?;
         }
         self.post_forward_order.clear();
@@ -947,45 +464,20 @@ impl<C: CommBackend> Fsdp<C> {
 
     /// Blocks until all of this rank's FSDP work has finished.
     pub fn synchronize(&self) -> Result<()> {
-        Ok(self.device.synchronize()?)
+        Ok(self.ctx.device.synchronize()?)
     }
 
     /// Every parameter's full f32 values (padding removed), all-gathered from
     /// the shards; every rank must call it. Blocks.
     pub fn full_parameters(&self) -> Result<Vec<(String, Vec<f32>)>> {
-        let s = &self.streams.compute;
-        let comm = &self.dp.shard;
         let mut out = Vec::new();
         for grp in &self.groups {
-            let n = grp.layout.shard_numel;
-            let gathered = if grp.layout.params.is_empty() {
-                None
-            } else {
-                let buf = s.alloc(DType::F32, comm.size() * n)?;
-                let own = buf.slice(comm.rank() * n, n)?;
-                for p in &grp.params {
-                    if let Some(i) = p.layout {
-                        let l = &grp.layout.params[i];
-                        s.copy(p.master.view(), own.slice(l.offset, l.shard_numel)?)?;
-                    }
-                }
-                comm.all_gather_in_place(buf.view(), s)?;
-                Some(buf)
-            };
-            for p in &grp.params {
-                let values = match (p.layout, &gathered) {
-                    (Some(i), Some(buf)) => {
-                        let full = s.alloc(DType::F32, p.numel)?;
-                        let l = &grp.layout.params[i];
-                        for j in 0..comm.size() {
-                            s.copy_2d(buf.view(), full.view(), l.chunk_to_full(j, n))?;
-                        }
-                        s.read_vec::<f32>(full.view())?
-                    }
-                    _ => s.read_vec::<f32>(p.master.view())?,
-                };
-                out.push((p.name.clone(), values));
-            }
+            out.extend(collectives::gather_full_parameters(
+                &self.ctx.streams.compute,
+                &self.ctx.dp.shard,
+                &grp.layout,
+                &grp.params,
+            )?);
         }
         Ok(out)
     }
@@ -993,44 +485,15 @@ impl<C: CommBackend> Fsdp<C> {
     /// Mean of a one-element f32 value over the data-parallel world (every
     /// rank must call it); blocks and returns it on every rank.
     pub fn mean_over_ranks(&self, value: View<'_, B<C>>) -> Result<f64> {
-        let s = &self.streams.compute;
+        let s = &self.ctx.streams.compute;
+        let dp = &self.ctx.dp;
         let buf = s.alloc(DType::F32, 1)?;
         s.copy(value, buf.view())?;
-        self.dp.shard.all_reduce_in_place(buf.view(), ReduceOp::Sum, s)?;
-        if let Some(r) = &self.dp.replicate {
+        dp.shard.all_reduce_in_place(buf.view(), ReduceOp::Sum, s)?;
+        if let Some(r) = &dp.replicate {
             r.all_reduce_in_place(buf.view(), ReduceOp::Sum, s)?;
         }
         let v = s.read_vec::<f32>(buf.view())?;
-        Ok(v.first().copied().unwrap_or(0.0) as f64 / self.dp.world_size() as f64)
-    }
-
-    pub(crate) fn shard_comm(&self) -> &Arc<Communicator<C>> {
-        &self.dp.shard
-    }
-}
-
-fn cast_or_copy<S: Stream>(s: &S, src: View<'_, S::B>, dst: View<'_, S::B>) -> chorus_devices::Result<()> {
-    if src.dtype() == dst.dtype() {
-        s.copy(src, dst)
-    } else {
-        s.cast(src, dst)
-    }
-}
-
-/// `grad += src` (cast to f32), allocating the f32 gradient on first use.
-fn accumulate_into<S: Stream>(
-    s: &S,
-    src: View<'_, S::B>,
-    grad: &mut Option<<S::B as Backend>::Buffer>,
-    len: usize,
-) -> chorus_devices::Result<()> {
-    match grad {
-        Some(g) => s.accumulate(src, g.view()),
-        None => {
-            let g = s.alloc(DType::F32, len)?;
-            cast_or_copy(s, src, g.view())?;
-            *grad = Some(g);
-            Ok(())
-        }
+        Ok(v.first().copied().unwrap_or(0.0) as f64 / dp.world_size() as f64)
     }
 }

@@ -13,12 +13,11 @@
 //! `docs/benchmarks.md`.
 
 mod memcpy;
-#[cfg(feature = "nccl")]
-mod nccl;
 mod pattern;
 #[cfg(feature = "sim")]
 mod sim;
 mod timing;
+mod vendor;
 
 use std::io::Write;
 use std::time::Duration;
@@ -345,12 +344,7 @@ pub fn sizes(min: u64, max: u64) -> Vec<u64> {
 // Without a backend feature the enum is empty and the arguments go unused.
 #[cfg_attr(not(feature = "sim"), allow(unused_variables))]
 fn measure(backend: Backend, g: Geometry, warmup: usize, iters: usize) -> anyhow::Result<Measured> {
-    match backend {
-        #[cfg(feature = "sim")]
-        Backend::Sim => sim::measure(g, warmup, iters),
-        #[cfg(feature = "nccl")]
-        Backend::Nccl => nccl::measure(g, warmup, iters),
-    }
+    crate::with_backend!(backend, sim => sim::measure(g, warmup, iters), vendor<L> => vendor::measure::<L>(g, warmup, iters))
 }
 
 /// `chorus bench`.

@@ -315,12 +315,16 @@ impl WorldShared {
 
     /// Split rendezvous number `seq`: every rank contributes `(color, key)`;
     /// returns the new world and this rank's index in it.
+    /// With `own_abort`, each new world gets its own abort state (an NCCL
+    /// split child aborts independently of its parent); otherwise it shares
+    /// this world's (the sim backend's world-wide abort).
     pub(crate) fn split(
         &self,
         seq: u64,
         rank: usize,
         color: Option<u32>,
         key: i64,
+        own_abort: bool,
     ) -> Result<Option<(Arc<WorldShared>, usize)>, CommError> {
         if let Some(e) = self.abort.error() {
             return Err(e);
@@ -347,7 +351,8 @@ impl WorldShared {
                 members.sort();
                 let ranks: Vec<usize> = members.into_iter().map(|(_, r)| r).collect();
                 let name = format!("{}/split{seq}.color{c}", self.name);
-                result.insert(c, (WorldShared::new(ranks.len(), name, self.timeout, self.abort.clone()), ranks));
+                let abort = if own_abort { Arc::new(AbortState::default()) } else { self.abort.clone() };
+                result.insert(c, (WorldShared::new(ranks.len(), name, self.timeout, abort), ranks));
             }
             slot.result = Some(result);
             self.cv.notify_all();

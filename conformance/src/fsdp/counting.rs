@@ -60,7 +60,7 @@ impl<C: CommBackend> CommBackend for Counting<C> {
     }
     fn launch(&self, calls: Vec<Call<'_, C::B>>, stream: &<C::B as Backend>::Stream) -> Result<()> {
         for c in &calls {
-            self.counts.add(c.kind.kind(), self.inner.size());
+            self.counts.add(c.kind().kind(), self.inner.size());
         }
         self.inner.launch(calls, stream)
     }

@@ -14,12 +14,12 @@ use anyhow::{anyhow, ensure};
 use chorus_collectives::backend::OpKind;
 use chorus_collectives::{CommBackend, Communicator, Mesh};
 use chorus_devices::{Buffer, DType, Device, Scalar, Stream, StreamExt};
-use chorus_fsdp::layout::GroupLayout;
-use chorus_fsdp::mlp::{init_layers, Mlp, SplitMix};
 use chorus_fsdp::{
     DataParallel, Fsdp, FsdpConfig, FsdpError, MixedPrecision, OptimizerKind, ParamInit, Reshard, ShardedOptimizer,
     ShardedState, TrainingState,
 };
+use chorus_train::mlp::{init_layers, Mlp, SplitMix};
+use chorus_train::train::Dataset;
 
 use crate::{Case, Failure, RankCtx, Requirements};
 use counting::{Counting, Counts};
@@ -552,9 +552,20 @@ struct Bound {
     floor: usize,
 }
 
-fn bound(layouts: &[(GroupLayout, usize)], world: usize) -> Bound {
-    let s: Vec<usize> = layouts.iter().map(|(l, _)| l.shard_numel * 4).collect();
-    let n: Vec<usize> = layouts.iter().map(|(_, n)| n * 4).collect();
+/// Bytes of one rank's f32 shard of a parameter of `shape` sharded on dim 0
+/// over `world` ranks, padding included: by docs/fsdp.md's rule every rank
+/// holds `ceil(rows / world)` rows. Computed here from the rule, not by
+/// FSDP's own layout code, so a layout bug cannot move the oracle with it.
+fn padded_shard_bytes(shape: &[usize], world: usize) -> usize {
+    let rows = shape[0];
+    let row_len: usize = shape[1..].iter().product();
+    rows.div_ceil(world) * row_len * 4
+}
+
+/// The bound for groups of one f32 parameter each, of these shapes, over `world` ranks.
+fn bound(shapes: &[&[usize]], world: usize) -> Bound {
+    let s: Vec<usize> = shapes.iter().map(|shape| padded_shard_bytes(shape, world)).collect();
+    let n: Vec<usize> = shapes.iter().map(|shape| shape.iter().product::<usize>() * 4).collect();
     let ag: Vec<usize> = s.iter().map(|s| s * world).collect();
     let l = s.len();
     let base: usize = s.iter().map(|s| 2 * s).sum();
@@ -588,12 +599,10 @@ fn memory_case<C: CommBackend>() -> Case<C> {
         let others = ctx.device().memory_stats().bytes_in_use;
         let mut f = Fsdp::new(DataParallel::fsdp(world), FsdpConfig::default())?;
         let shapes: [&[usize]; 4] = [&[64, 48], &[96, 64], &[33, 96], &[50, 33]];
-        let mut layouts = Vec::new();
         for (i, shape) in shapes.iter().enumerate() {
             f.add_group(&format!("g{i}"), vec![param(&format!("p{i}"), shape)], false)?;
-            layouts.push((GroupLayout::new(&[(shape.to_vec(), 0)], n)?, shape.iter().product::<usize>()));
         }
-        let b = bound(&layouts, n);
+        let b = bound(&shapes, n);
         let mut opt = ShardedOptimizer::new(OptimizerKind::sgd(0.1, 0.9));
         let dev = f.device().clone();
         for step in 0..2 {
@@ -640,7 +649,7 @@ fn losses_case<C: CommBackend>() -> Case<C> {
         let mlp = Mlp::register(&mut fsdp, init_layers(&dims, 3))?;
         let mut opt = ShardedOptimizer::new(OptimizerKind::sgd(0.1, 0.0));
         // Targets from a teacher network, so there is something to fit.
-        let data = chorus_fsdp::train::Dataset::random(dims[0], dims[2], 8 * n, 1, 3);
+        let data = Dataset::random(dims[0], dims[2], 8 * n, 1, 3);
         let (x, y) = data.rows(0, rank * 8, 8)?;
         let mut losses = Vec::new();
         for _ in 0..30 {

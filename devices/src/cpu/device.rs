@@ -10,7 +10,7 @@ use super::sanitizer::Sanitizer;
 use super::stream::{CpuStream, StreamShared};
 use super::Cpu;
 use crate::memory::MemCounters;
-use crate::{DType, DeviceError, MemoryStats, Priority, Result};
+use crate::{host_fn, DType, DeviceError, MemoryStats, Priority, Result};
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -20,23 +20,58 @@ pub(crate) fn next_id() -> u64 {
 }
 
 /// Settings of a cpu device.
+///
+/// The stream sanitizer is on unless turned off with the `unsafe`
+/// [`CpuConfig::without_sanitizer`]: on this device every stream is a thread
+/// over host memory, so two stream operations on one buffer with no event
+/// between them are a data race in the Rust sense, and the sanitizer is what
+/// refuses them. Without it, keeping stream order is the caller's
+/// obligation, as with `unsafe` code.
 #[derive(Clone, Debug)]
 pub struct CpuConfig {
     /// Index of the device (ranks of the sim backend use their rank).
     pub ordinal: usize,
-    /// Check every enqueued operation for cross-stream races. On by default;
-    /// benchmarks turn it off. The environment variable `CHORUS_SANITIZER=0`
-    /// or `=1` overrides the default.
-    pub sanitizer: bool,
     /// Deadline of every wait: host synchronizes, readbacks, and an
     /// executor's wait on an event.
     pub timeout: Duration,
+    sanitizer: bool,
 }
 
 impl Default for CpuConfig {
     fn default() -> Self {
-        let sanitizer = !matches!(std::env::var("CHORUS_SANITIZER").as_deref(), Ok("0" | "off" | "false"));
-        CpuConfig { ordinal: 0, sanitizer, timeout: Duration::from_secs(120) }
+        CpuConfig { ordinal: 0, timeout: Duration::from_secs(120), sanitizer: true }
+    }
+}
+
+impl CpuConfig {
+    /// These settings with another ordinal.
+    pub fn with_ordinal(mut self, ordinal: usize) -> Self {
+        self.ordinal = ordinal;
+        self
+    }
+
+    /// These settings with another deadline.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// These settings with the stream sanitizer off (benchmarks, where its
+    /// per-operation bookkeeping would be measured too).
+    ///
+    /// # Safety
+    /// Every operation the device's streams run must be ordered after every
+    /// conflicting earlier operation on another stream (through events or
+    /// host synchronization), exactly what the sanitizer would have checked:
+    /// otherwise two executor threads access the same memory concurrently.
+    pub unsafe fn without_sanitizer(mut self) -> Self {
+        self.sanitizer = false;
+        self
+    }
+
+    /// Whether the stream sanitizer is on.
+    pub fn sanitizer(&self) -> bool {
+        self.sanitizer
     }
 }
 
@@ -53,6 +88,8 @@ pub(crate) struct DeviceInner {
     pub(crate) sanitizer: Option<Mutex<Sanitizer>>,
     pub(crate) streams: Mutex<Vec<Weak<StreamShared>>>,
     pub(crate) next_stream: AtomicUsize,
+    /// Errors of drops, reported by the next `synchronize`.
+    pub(crate) parked: Mutex<Vec<DeviceError>>,
 }
 
 /// The host as a device. Cheap to clone; clones are the same device.
@@ -64,7 +101,7 @@ pub struct CpuDevice {
 impl CpuDevice {
     /// A device with the given settings.
     pub fn new(config: CpuConfig) -> CpuDevice {
-        let sanitizer = config.sanitizer.then(|| Mutex::new(Sanitizer::default()));
+        let sanitizer = config.sanitizer().then(|| Mutex::new(Sanitizer::default()));
         CpuDevice {
             inner: Arc::new(DeviceInner {
                 config,
@@ -72,13 +109,14 @@ impl CpuDevice {
                 sanitizer,
                 streams: Mutex::new(Vec::new()),
                 next_stream: AtomicUsize::new(0),
+                parked: Mutex::new(Vec::new()),
             }),
         }
     }
 
     /// A device with default settings and the given ordinal.
     pub fn with_ordinal(ordinal: usize) -> CpuDevice {
-        CpuDevice::new(CpuConfig { ordinal, ..CpuConfig::default() })
+        CpuDevice::new(CpuConfig::default().with_ordinal(ordinal))
     }
 
     /// The settings this device was made with.
@@ -91,9 +129,26 @@ impl CpuDevice {
         self.inner.sanitizer.is_some()
     }
 
-    /// Whether two handles are the same device.
-    pub fn is_same(&self, other: &CpuDevice) -> bool {
-        Arc::ptr_eq(&self.inner, &other.inner)
+    /// Keeps an error that arose where no caller can take it (a drop inside
+    /// a host function); the next [`Device::synchronize`](crate::Device::synchronize) reports it.
+    pub fn park(&self, e: DeviceError) {
+        if let Ok(mut p) = self.inner.parked.lock() {
+            p.push(e);
+        }
+    }
+
+    /// Errors parked by drops since the last call, oldest first.
+    pub fn take_parked_errors(&self) -> Vec<DeviceError> {
+        self.inner.parked.lock().map(|mut p| std::mem::take(&mut *p)).unwrap_or_default()
+    }
+
+    /// Reports a handle dropped inside a host function: harmless on the cpu,
+    /// but a driver call (and so refused) on a GPU, so it is parked as the
+    /// GPU devices would report it.
+    pub(crate) fn check_drop(&self, what: &str) {
+        if crate::host_fn::in_host_fn() {
+            self.park(DeviceError::InHostFunction { op: format!("dropping {what}") });
+        }
     }
 
     pub(crate) fn label(&self) -> String {
@@ -127,13 +182,19 @@ impl crate::Device for CpuDevice {
     fn ordinal(&self) -> usize {
         self.inner.config.ordinal
     }
+    fn is_same(&self, other: &CpuDevice) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
     fn create_stream(&self, priority: Priority) -> Result<CpuStream> {
+        host_fn::check("create_stream")?;
         CpuStream::spawn(self, priority)
     }
     fn create_event(&self) -> Result<CpuEvent> {
+        host_fn::check("create_event")?;
         Ok(CpuEvent::new(self))
     }
     fn alloc(&self, dtype: DType, len: usize) -> Result<CpuBuffer> {
+        host_fn::check("alloc")?;
         self.alloc_memory(dtype, len)
     }
     fn memory_stats(&self) -> MemoryStats {
@@ -143,6 +204,7 @@ impl crate::Device for CpuDevice {
         self.inner.counters.reset_peak()
     }
     fn synchronize(&self) -> Result<()> {
+        host_fn::check("device synchronize")?;
         let streams: Vec<_> = match self.inner.streams.lock() {
             Ok(s) => s.iter().filter_map(Weak::upgrade).collect(),
             Err(_) => Vec::new(),
@@ -152,6 +214,11 @@ impl crate::Device for CpuDevice {
             let r = s.synchronize(self);
             if first.is_ok() {
                 first = r;
+            }
+        }
+        if let Some(e) = self.take_parked_errors().into_iter().next() {
+            if first.is_ok() {
+                first = Err(e);
             }
         }
         first
@@ -169,10 +236,6 @@ pub struct CpuBuffer {
 }
 
 impl CpuBuffer {
-    /// The device that owns the memory.
-    pub fn device(&self) -> &CpuDevice {
-        &self.device
-    }
     pub(crate) fn raw_range(&self, bytes: std::ops::Range<usize>) -> RawRange {
         RawRange::new(self.mem.clone(), bytes.start, bytes.end - bytes.start, self.dtype)
     }
@@ -189,10 +252,14 @@ impl crate::Buffer for CpuBuffer {
     fn id(&self) -> u64 {
         self.id
     }
+    fn device(&self) -> &CpuDevice {
+        &self.device
+    }
 }
 
 impl Drop for CpuBuffer {
     fn drop(&mut self) {
+        self.device.check_drop("a cpu buffer");
         let id = self.id;
         self.device.inner.counters.sub(self.mem.bytes());
         self.device.with_sanitizer(|s| s.forget_buffer(id));

@@ -115,6 +115,7 @@ impl crate::Event for CpuEvent {
     type B = Cpu;
 
     fn synchronize(&self) -> Result<()> {
+        crate::host_fn::check("event synchronize")?;
         if let Some(c) = self.current() {
             c.wait(self.device.config().timeout, &format!("event #{}", self.id))?;
         }
@@ -124,6 +125,7 @@ impl crate::Event for CpuEvent {
     }
 
     fn query(&self) -> Result<bool> {
+        crate::host_fn::check("event query")?;
         match self.current() {
             Some(c) => c.query(),
             None => Ok(true),
@@ -133,6 +135,7 @@ impl crate::Event for CpuEvent {
 
 impl Drop for CpuEvent {
     fn drop(&mut self) {
+        self.device.check_drop("a cpu event");
         let id = self.id;
         self.device.with_sanitizer(|s| s.forget_event(id));
     }

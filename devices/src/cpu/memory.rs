@@ -15,6 +15,8 @@ const ALIGN: usize = 64;
 pub(crate) struct Memory {
     ptr: NonNull<u8>,
     bytes: usize,
+    /// Allocated here (freed on drop), or borrowed from an owner that keeps it alive.
+    owned: bool,
 }
 
 // SAFETY: the memory is plain bytes owned by this struct; concurrent access is
@@ -34,7 +36,7 @@ impl Memory {
             let raw = unsafe { alloc::alloc_zeroed(layout) };
             NonNull::new(raw).ok_or_else(|| DeviceError::OutOfMemory { device: device.to_string(), bytes })?
         };
-        Ok(Arc::new(Memory { ptr, bytes }))
+        Ok(Arc::new(Memory { ptr, bytes, owned: true }))
     }
 
     pub(crate) fn ptr(&self) -> *mut u8 {
@@ -48,7 +50,7 @@ impl Memory {
 
 impl Drop for Memory {
     fn drop(&mut self) {
-        if self.bytes > 0 {
+        if self.owned && self.bytes > 0 {
             if let Ok(layout) = Layout::from_size_align(self.bytes, ALIGN) {
                 // SAFETY: allocated in `zeroed` with this layout.
                 unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) };
@@ -73,6 +75,17 @@ impl RawRange {
         debug_assert!(start + len <= mem.bytes());
         RawRange { mem, start, len, dtype }
     }
+    /// A range of memory that something else owns and keeps alive: what a
+    /// library that was handed raw addresses (the simulated NCCL ABI) works on.
+    ///
+    /// # Safety
+    /// `ptr` is valid for `len` bytes, aligned for `dtype`, for as long as the
+    /// range (and its clones) are used; access follows [`RawRange::as_bytes`]'s rules.
+    pub unsafe fn borrowed(ptr: *mut u8, len: usize, dtype: crate::DType) -> RawRange {
+        let ptr = NonNull::new(ptr).unwrap_or(NonNull::dangling());
+        RawRange { mem: Arc::new(Memory { ptr, bytes: len, owned: false }), start: 0, len, dtype }
+    }
+
     /// Number of bytes.
     pub fn bytes(&self) -> usize {
         self.len
@@ -90,13 +103,10 @@ impl RawRange {
         // SAFETY: start is within the allocation (checked at construction).
         unsafe { self.mem.ptr().add(self.start) }
     }
-    /// Whether two ranges are of the same allocation and overlap.
+    /// Whether two ranges share a byte (ranges of different allocations never do).
     pub fn overlaps(&self, other: &RawRange) -> bool {
-        Arc::ptr_eq(&self.mem, &other.mem)
-            && self.len > 0
-            && other.len > 0
-            && self.start < other.start + other.len
-            && other.start < self.start + self.len
+        let (a, b) = (self.ptr() as usize, other.ptr() as usize);
+        self.len > 0 && other.len > 0 && a < b + other.len && b < a + self.len
     }
     /// The bytes, shared.
     ///

@@ -21,6 +21,7 @@
 
 mod device;
 mod event;
+mod foreign;
 mod kernels;
 mod memory;
 pub mod sanitizer;
@@ -31,8 +32,6 @@ pub use event::CpuEvent;
 pub use memory::RawRange;
 pub use sanitizer::Access;
 pub use stream::{CpuStream, JobInput};
-
-use crate::DeviceError;
 
 /// The cpu backend's types.
 #[derive(Debug)]
@@ -50,15 +49,4 @@ impl crate::Backend for Cpu {
 /// enqueued with [`CpuStream::enqueue`]).
 pub fn raw(view: crate::View<'_, Cpu>) -> RawRange {
     view.buffer().raw_range(view.byte_range())
-}
-
-fn check_device(op: &'static str, ours: &CpuDevice, theirs: &CpuDevice) -> Result<(), DeviceError> {
-    if ours.is_same(theirs) {
-        Ok(())
-    } else {
-        Err(DeviceError::invalid(
-            op,
-            format!("a view of {} was passed to a stream of {}", theirs.label(), ours.label()),
-        ))
-    }
 }

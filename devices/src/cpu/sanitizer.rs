@@ -14,6 +14,14 @@
 //! does not happen before the new. The check runs when the operation is
 //! enqueued, so a race is reported deterministically, before anything runs,
 //! and the racing operation is not enqueued.
+//!
+//! A stream occupies a slot (a clock component) while it lives. When its
+//! executor has run its last job, every later enqueue is ordered after all
+//! of its work (the executor finished it, then took the sanitizer's lock),
+//! so its records are dropped and the slot is reused; the next stream in
+//! the slot continues the slot's positions, so no stale clock component can
+//! order its operations. Clocks are as long as the most streams alive at
+//! once, not as every stream ever made.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -85,7 +93,11 @@ struct Entry {
 /// The sanitizer's state for one device.
 #[derive(Debug, Default)]
 pub(crate) struct Sanitizer {
+    /// Per slot: the stream's name and clock (kept after retirement, so the
+    /// slot's next stream continues its positions).
     streams: Vec<(String, Clock)>,
+    /// Slots whose stream has retired.
+    free: Vec<usize>,
     host: Clock,
     events: HashMap<u64, Clock>,
     buffers: HashMap<u64, Vec<Entry>>,
@@ -100,11 +112,39 @@ fn covers(outer: &Range<usize>, inner: &Range<usize>) -> bool {
 }
 
 impl Sanitizer {
-    pub(crate) fn add_stream(&mut self, index: usize, name: String) {
-        if self.streams.len() <= index {
-            self.streams.resize(index + 1, (String::new(), Clock::default()));
+    /// Gives a new stream a slot.
+    pub(crate) fn add_stream(&mut self, name: String) -> usize {
+        match self.free.pop() {
+            Some(slot) => {
+                let last = self.streams[slot].1.get(slot);
+                let mut clock = Clock::default();
+                clock.set(slot, last);
+                self.streams[slot] = (name, clock);
+                slot
+            }
+            None => {
+                self.streams.push((name, Clock::default()));
+                self.streams.len() - 1
+            }
         }
-        self.streams[index] = (name, Clock::default());
+    }
+
+    /// The stream in `slot` has run all its work: forget its accesses and free the slot.
+    pub(crate) fn retire_stream(&mut self, slot: usize) {
+        if slot >= self.streams.len() || self.free.contains(&slot) {
+            return;
+        }
+        for entries in self.buffers.values_mut() {
+            entries.retain(|e| e.stream != slot);
+        }
+        self.buffers.retain(|_, entries| !entries.is_empty());
+        self.free.push(slot);
+    }
+
+    /// Slots in use: the length of every clock.
+    #[cfg(test)]
+    pub(crate) fn slots(&self) -> usize {
+        self.streams.len()
     }
 
     /// Checks `accesses` of operation `op` on `stream`; on success records
@@ -201,5 +241,59 @@ impl Sanitizer {
 
     pub(crate) fn forget_event(&mut self, event: u64) {
         self.events.remove(&event);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use crate::cpu::CpuDevice;
+    use crate::{Buffer, DType, Device, Scalar, Stream};
+
+    #[test]
+    fn clocks_stay_as_long_as_the_streams_alive_at_once() {
+        let dev = CpuDevice::with_ordinal(0);
+        let keep = dev.create_stream(crate::Priority::Normal).unwrap();
+        let buf = dev.alloc(DType::F32, 16).unwrap();
+        for i in 0..200 {
+            let s = dev.create_stream(crate::Priority::Normal).unwrap();
+            s.fill(buf.view(), Scalar::Float(i as f64)).unwrap();
+            s.synchronize().unwrap();
+            drop(s);
+            // The executor retires the slot when it exits, after the drop.
+            let start = Instant::now();
+            while dev.with_sanitizer(|z| z.free.len()).unwrap_or(0) == 0 && start.elapsed() < Duration::from_secs(10) {
+                std::thread::yield_now();
+            }
+        }
+        let slots = dev.with_sanitizer(|z| z.slots()).unwrap();
+        assert!(slots <= 3, "{slots} slots after 200 short-lived streams");
+        // The long-lived stream and a reused slot still order correctly: a
+        // fill on `keep` after the host synchronized is accepted, and the
+        // value is the last one written.
+        keep.fill(buf.view(), Scalar::Float(-1.0)).unwrap();
+        assert_eq!(crate::StreamExt::read_vec::<f32>(&keep, buf.view()).unwrap(), vec![-1.0; 16]);
+    }
+
+    #[test]
+    fn a_reused_slot_does_not_inherit_the_old_streams_order() {
+        let dev = CpuDevice::with_ordinal(0);
+        let buf = dev.alloc(DType::F32, 16).unwrap();
+        let other = dev.create_stream(crate::Priority::Normal).unwrap();
+        // `other` writes without any host synchronization afterwards.
+        let first = dev.create_stream(crate::Priority::Normal).unwrap();
+        first.synchronize().unwrap();
+        drop(first);
+        let start = Instant::now();
+        while dev.with_sanitizer(|z| z.free.len()).unwrap_or(0) == 0 && start.elapsed() < Duration::from_secs(10) {
+            std::thread::yield_now();
+        }
+        other.fill(buf.view(), Scalar::Float(1.0)).unwrap();
+        // A new stream in the freed slot must still see the race with `other`.
+        let second = dev.create_stream(crate::Priority::Normal).unwrap();
+        let e = second.fill(buf.view(), Scalar::Float(2.0)).unwrap_err();
+        assert!(matches!(e, crate::DeviceError::Race(_)), "{e}");
+        other.synchronize().unwrap();
     }
 }

@@ -1,8 +1,7 @@
 //! Streams of the cpu device: an executor thread per stream.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
 
@@ -11,8 +10,8 @@ use super::event::{Completion, CpuEvent};
 use super::kernels::{self, with_float, Float};
 use super::memory::RawRange;
 use super::sanitizer::Access;
-use super::{check_device, raw, Cpu};
-use crate::checks;
+use super::{raw, Cpu};
+use crate::{checks, host_fn};
 use crate::{
     AdamWParams, Copy2d, DType, DeviceError, Element, MatmulSpec, Priority, Readback, Result, Scalar, SgdParams, View,
 };
@@ -45,8 +44,9 @@ struct Progress {
 
 #[derive(Debug)]
 pub(crate) struct StreamShared {
-    index: usize,
-    name: String,
+    /// The stream's slot in the device's sanitizer (0 without one).
+    slot: usize,
+    pub(crate) name: String,
     priority: Priority,
     progress: Mutex<Progress>,
     done: Condvar,
@@ -57,7 +57,7 @@ impl StreamShared {
         self.progress.lock().ok().and_then(|p| p.error.clone())
     }
 
-    fn fail(&self, e: DeviceError) {
+    pub(crate) fn fail(&self, e: DeviceError) {
         if let Ok(mut p) = self.progress.lock() {
             p.error.get_or_insert(e);
         }
@@ -87,38 +87,30 @@ impl StreamShared {
             return Err(e);
         }
         drop(p);
-        let index = self.index;
-        device.with_sanitizer(|s| s.host_synced_stream(index));
+        let slot = self.slot;
+        device.with_sanitizer(|s| s.host_synced_stream(slot));
         Ok(())
     }
 }
 
-fn poisoned(e: &DeviceError) -> DeviceError {
-    match e {
-        DeviceError::Poisoned { .. } => e.clone(),
-        other => DeviceError::Poisoned { cause: Box::new(other.clone()) },
-    }
-}
+use crate::failure::poisoned;
 
-fn run_executor(rx: Receiver<Job>, shared: Arc<StreamShared>, timeout: Duration) {
+/// The executor: runs the stream's jobs in order. Every job (and whatever it
+/// drops) runs as a host function, so device API calls from inside it are
+/// refused as on a GPU (see [`crate::host_fn`]).
+fn run_executor(rx: Receiver<Job>, shared: Arc<StreamShared>, device: CpuDevice) {
+    let timeout = device.config().timeout;
     while let Ok(job) = rx.recv() {
         match job {
             Job::Run { op, f } => match shared.error() {
                 Some(e) => {
                     let skipped = poisoned(&e);
-                    let _ = catch_unwind(AssertUnwindSafe(|| f(JobInput::Skip(&skipped))));
+                    let _ = host_fn::run(|| f(JobInput::Skip(&skipped)));
                 }
-                None => match catch_unwind(AssertUnwindSafe(|| f(JobInput::Run))) {
+                None => match host_fn::run(|| f(JobInput::Run)) {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => shared.fail(e),
-                    Err(panic) => {
-                        let msg = panic
-                            .downcast_ref::<&str>()
-                            .map(|s| s.to_string())
-                            .or_else(|| panic.downcast_ref::<String>().cloned())
-                            .unwrap_or_default();
-                        shared.fail(DeviceError::invalid(op, format!("the operation panicked: {msg}")));
-                    }
+                    Err(msg) => shared.fail(DeviceError::invalid(op, format!("the operation panicked: {msg}"))),
                 },
             },
             Job::Record(c) => c.complete(shared.error().map(|e| poisoned(&e))),
@@ -133,12 +125,17 @@ fn run_executor(rx: Receiver<Job>, shared: Arc<StreamShared>, timeout: Duration)
         }
         shared.finish_one();
     }
+    // Every job of this stream has run, and every later enqueue on another
+    // stream takes the sanitizer's lock after this: they are ordered after
+    // all of this stream's work, so its records can go.
+    let slot = shared.slot;
+    device.with_sanitizer(|s| s.retire_stream(slot));
 }
 
 /// A stream of the cpu device.
 #[derive(Debug)]
 pub struct CpuStream {
-    shared: Arc<StreamShared>,
+    pub(crate) shared: Arc<StreamShared>,
     tx: Sender<Job>,
     device: CpuDevice,
     id: u64,
@@ -146,24 +143,27 @@ pub struct CpuStream {
 
 impl CpuStream {
     pub(crate) fn spawn(device: &CpuDevice, priority: Priority) -> Result<CpuStream> {
-        let index = device.inner.next_stream.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let number = device.inner.next_stream.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let suffix = if priority == Priority::High { " (high)" } else { "" };
-        let name = format!("{}/stream{index}{suffix}", device.label());
+        let name = format!("{}/stream{number}{suffix}", device.label());
+        // The sanitizer's slot; the executor frees it when it exits.
+        let slot = device.with_sanitizer(|s| s.add_stream(name.clone())).unwrap_or(0);
         let shared = Arc::new(StreamShared {
-            index,
+            slot,
             name: name.clone(),
             priority,
             progress: Mutex::new(Progress::default()),
             done: Condvar::new(),
         });
         let (tx, rx) = crossbeam_channel::unbounded();
-        let timeout = device.config().timeout;
         let worker = shared.clone();
-        std::thread::Builder::new()
-            .name(name.clone())
-            .spawn(move || run_executor(rx, worker, timeout))
-            .map_err(|e| DeviceError::Backend { library: "std::thread", code: 0, message: e.to_string() })?;
-        device.with_sanitizer(|s| s.add_stream(index, name));
+        let executor_device = device.clone();
+        std::thread::Builder::new().name(name).spawn(move || run_executor(rx, worker, executor_device)).map_err(
+            |e| {
+                device.with_sanitizer(|s| s.retire_stream(slot));
+                DeviceError::Backend { library: "std::thread", code: 0, message: e.to_string() }
+            },
+        )?;
         if let Ok(mut list) = device.inner.streams.lock() {
             list.retain(|w| w.strong_count() > 0);
             list.push(Arc::downgrade(&shared));
@@ -174,6 +174,16 @@ impl CpuStream {
     /// A process-unique id of this stream.
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    /// Whether an operation of this stream has failed (later ones are skipped).
+    pub fn failed(&self) -> bool {
+        self.shared.error().is_some()
+    }
+
+    /// Operations enqueued so far.
+    pub(crate) fn submitted(&self) -> u64 {
+        self.shared.progress.lock().map(|p| p.submitted).unwrap_or(0)
     }
 
     fn send(&self, job: Job) -> Result<()> {
@@ -199,11 +209,12 @@ impl CpuStream {
         accesses: &[Access],
         f: impl FnOnce(JobInput<'_>) -> Result<()> + Send + 'static,
     ) -> Result<()> {
+        host_fn::check(op)?;
         let job = Job::Run { op, f: Box::new(f) };
         match &self.device.inner.sanitizer {
             Some(s) => {
                 let mut s = s.lock().map_err(|_| DeviceError::invalid(op, "sanitizer poisoned"))?;
-                s.enqueue(self.shared.index, op, accesses).map_err(DeviceError::Race)?;
+                s.enqueue(self.shared.slot, op, accesses).map_err(DeviceError::Race)?;
                 // Sent under the lock so queue order matches the clocks.
                 self.send(job)
             }
@@ -212,7 +223,7 @@ impl CpuStream {
     }
 
     fn own(&self, op: &'static str, v: &View<'_, Cpu>) -> Result<RawRange> {
-        check_device(op, &self.device, v.buffer().device())?;
+        checks::on_device(op, &self.device, v)?;
         Ok(raw(*v))
     }
 
@@ -409,12 +420,13 @@ impl crate::Stream for CpuStream {
     }
 
     fn record(&self, event: &CpuEvent) -> Result<()> {
-        check_device("record", &self.device, &event.device)?;
+        host_fn::check("record")?;
+        checks::same_device("record", "an event", &self.device, &event.device)?;
         let completion = event.begin_record();
         match &self.device.inner.sanitizer {
             Some(s) => {
                 let mut s = s.lock().map_err(|_| DeviceError::invalid("record", "sanitizer poisoned"))?;
-                s.record_event(event.id, self.shared.index);
+                s.record_event(event.id, self.shared.slot);
                 self.send(Job::Record(completion))
             }
             None => self.send(Job::Record(completion)),
@@ -422,14 +434,15 @@ impl crate::Stream for CpuStream {
     }
 
     fn wait(&self, event: &CpuEvent) -> Result<()> {
-        check_device("wait", &self.device, &event.device)?;
+        host_fn::check("wait")?;
+        checks::same_device("wait", "an event", &self.device, &event.device)?;
         let Some(completion) = event.current() else {
             return Ok(());
         };
         match &self.device.inner.sanitizer {
             Some(s) => {
                 let mut s = s.lock().map_err(|_| DeviceError::invalid("wait", "sanitizer poisoned"))?;
-                s.wait_event(event.id, self.shared.index);
+                s.wait_event(event.id, self.shared.slot);
                 self.send(Job::Wait(completion, event.id))
             }
             None => self.send(Job::Wait(completion, event.id)),
@@ -437,7 +450,19 @@ impl crate::Stream for CpuStream {
     }
 
     fn synchronize(&self) -> Result<()> {
+        host_fn::check("stream synchronize")?;
         self.shared.synchronize(&self.device)
+    }
+
+    fn launch_host_fn(&self, f: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
+        // A panic fails the stream with its message: the executor catches it.
+        self.enqueue("launch_host_fn", &[], move |input| {
+            match input {
+                JobInput::Run => f(Ok(())),
+                JobInput::Skip(e) => f(Err(e.clone())),
+            }
+            Ok(())
+        })
     }
 
     fn matmul(&self, spec: MatmulSpec, a: View<'_, Cpu>, b: View<'_, Cpu>, c: View<'_, Cpu>) -> Result<()> {
@@ -569,6 +594,7 @@ impl crate::Stream for CpuStream {
 
 impl Drop for CpuStream {
     fn drop(&mut self) {
+        self.device.check_drop("a cpu stream");
         // The executor drains what is queued, then exits; jobs keep their
         // buffers alive, so nothing waits here.
         let _ = self.tx.send(Job::Stop);

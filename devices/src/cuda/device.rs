@@ -15,8 +15,9 @@ use super::memory::{CudaBuffer, StagingPool};
 use super::result::DriverResult;
 use super::stream::{CudaStream, StreamShared};
 use super::Cuda;
+use crate::deferred::Deferred;
 use crate::memory::MemCounters;
-use crate::{DType, DeviceError, MemoryStats, Priority, Result};
+use crate::{host_fn, DType, DeviceError, MemoryStats, Priority, Result};
 
 // Ids of cuda buffers, streams and events; a separate range from the cpu
 // device's so reports never confuse the two.
@@ -85,6 +86,8 @@ pub(crate) struct DeviceInner {
     pub(crate) kernels: OnceLock<Result<Arc<Kernels>>>,
     pub(crate) parked: Mutex<Vec<DeviceError>>,
     pub(crate) staging: Arc<StagingPool>,
+    /// Driver work of drops that ran inside host functions.
+    pub(crate) deferred: Deferred<DeviceInner>,
 }
 
 // SAFETY: the context handle is a driver handle usable from any thread
@@ -94,10 +97,16 @@ unsafe impl Sync for DeviceInner {}
 
 impl Drop for DeviceInner {
     fn drop(&mut self) {
+        // Inside a host function the driver may not be called: the context
+        // stays retained (a leak, never a forbidden call).
+        if host_fn::in_host_fn() {
+            return;
+        }
         // Nothing can be parked any more: the device is gone. Release what
         // the device owns, best effort, never panicking.
         // SAFETY: our retained primary context.
         if unsafe { drv::ctx::set_current(self.ctx) }.is_ok() {
+            self.deferred.drain(self, |_| {});
             if let Some(Ok(k)) = self.kernels.get() {
                 let _ = k.unload();
             }
@@ -176,6 +185,7 @@ impl CudaDevice {
             kernels: OnceLock::new(),
             parked: Mutex::new(Vec::new()),
             staging: Arc::new(StagingPool::default()),
+            deferred: Deferred::default(),
         });
         let internal = StreamShared::create(&inner, Priority::Normal, "internal")?;
         Ok(CudaDevice { inner, internal })
@@ -199,11 +209,6 @@ impl CudaDevice {
     /// The driver's device handle (for vendor libraries such as NCCL).
     pub fn cu_device(&self) -> CUdevice {
         self.inner.cu_device
-    }
-
-    /// Whether two handles are the same device.
-    pub fn is_same(&self, other: &CudaDevice) -> bool {
-        Arc::ptr_eq(&self.inner, &other.inner)
     }
 
     /// Makes this device's context current on the calling thread. Every
@@ -258,9 +263,27 @@ impl CudaDevice {
     }
 }
 
+/// Makes the device's context current. Every driver call goes through here
+/// first, so this is where the host-function rule is enforced (CUDA answers
+/// a call inside a host function with `CUDA_ERROR_NOT_PERMITTED`, or hangs),
+/// and where driver work that drops postponed out of host functions is done.
 pub(crate) fn bind_ctx(inner: &DeviceInner) -> Result<()> {
+    host_fn::check("cuCtxSetCurrent")?;
     // SAFETY: the device's retained primary context.
-    unsafe { drv::ctx::set_current(inner.ctx) }.drv("cuCtxSetCurrent", &format!("cuda:{}", inner.config.ordinal))
+    unsafe { drv::ctx::set_current(inner.ctx) }.drv("cuCtxSetCurrent", &format!("cuda:{}", inner.config.ordinal))?;
+    inner.deferred.drain(inner, |e| park(inner, e));
+    Ok(())
+}
+
+/// Runs `work` (driver calls of a drop) now, or, inside a host function where
+/// the driver may not be called, at the next bind from another thread. Its
+/// error is parked on the device.
+pub(crate) fn defer(
+    inner: &Arc<DeviceInner>,
+    what: &'static str,
+    work: impl FnOnce(&DeviceInner) -> Result<()> + Send + 'static,
+) {
+    inner.deferred.run_or_defer(inner, what, work, |e| park(inner, e));
 }
 
 pub(crate) fn park(inner: &DeviceInner, e: DeviceError) {
@@ -278,6 +301,9 @@ impl crate::Device for CudaDevice {
     fn ordinal(&self) -> usize {
         self.inner.config.ordinal
     }
+    fn is_same(&self, other: &CudaDevice) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
     fn create_stream(&self, priority: Priority) -> Result<CudaStream> {
         CudaStream::create(self, priority)
     }
@@ -293,7 +319,7 @@ impl crate::Device for CudaDevice {
         }
         // "Usable on any stream at once": the allocation and zeroing are done
         // when this returns.
-        self.internal.host_wait(self, None)?;
+        self.internal.host_wait(self)?;
         Ok(buf)
     }
     fn memory_stats(&self) -> MemoryStats {
@@ -303,13 +329,14 @@ impl crate::Device for CudaDevice {
         self.inner.counters.reset_peak()
     }
     fn synchronize(&self) -> Result<()> {
+        self.bind()?;
         let streams: Vec<_> = match self.inner.streams.lock() {
             Ok(s) => s.iter().filter_map(Weak::upgrade).collect(),
             Err(_) => Vec::new(),
         };
         let mut first = Ok(());
         for s in streams {
-            let r = s.host_wait(self, None);
+            let r = s.host_wait(self);
             if first.is_ok() {
                 first = r;
             }

@@ -1,16 +1,17 @@
-//! Events: CUDA events (timing disabled), plus what the host needs to report
-//! a failure that CUDA cannot see (a collective aborted by its watchdog).
+//! Events: CUDA events (timing disabled), plus the host-side failure state
+//! of the stream they were recorded on (a collective failed by its watchdog
+//! is a failure CUDA cannot see).
 
 use std::sync::{Arc, Mutex, Weak};
 
 use cudarc::driver::result as drv;
 use cudarc::driver::sys::{CUevent, CUevent_flags};
 
-use super::device::{next_id, CudaDevice};
+use super::device::{defer, next_id, CudaDevice};
 use super::result::DriverResult;
-use super::stream::{StreamShared, Target};
 use super::Cuda;
-use crate::Result;
+use crate::failure::StreamState;
+use crate::{host_fn, wait, Result};
 
 /// An event of a cuda device.
 #[derive(Debug)]
@@ -18,8 +19,8 @@ pub struct CudaEvent {
     pub(crate) raw: CUevent,
     pub(crate) id: u64,
     pub(crate) device: CudaDevice,
-    /// The stream of the most recent record and its position there.
-    pub(crate) recorded: Mutex<Option<(Weak<StreamShared>, u64)>>,
+    /// The state of the stream of the most recent record and its position there.
+    pub(crate) recorded: Mutex<Option<(Weak<StreamState>, u64)>>,
 }
 
 // SAFETY: a driver handle usable from any thread once the context is bound.
@@ -43,7 +44,7 @@ impl CudaEvent {
         self.raw
     }
 
-    pub(crate) fn last_record(&self) -> Option<(Arc<StreamShared>, u64)> {
+    pub(crate) fn last_record(&self) -> Option<(Arc<StreamState>, u64)> {
         let r = self.recorded.lock().ok()?;
         let (w, pos) = r.as_ref()?;
         Some((w.upgrade()?, *pos))
@@ -54,28 +55,32 @@ impl crate::Event for CudaEvent {
     type B = Cuda;
 
     fn synchronize(&self) -> Result<()> {
-        match self.last_record() {
-            Some((stream, pos)) => stream.host_wait(&self.device, Some(Target::Event(self.raw, pos))),
-            // Never recorded, or its stream is gone: CUDA answers for the event alone.
-            None => {
-                self.device.bind()?;
-                let what = format!("event #{}", self.id);
-                super::stream::poll_until(self.device.config().timeout, &what, || crate::Event::query(self))
-            }
-        }
+        host_fn::check("event synchronize")?;
+        let what = format!("event #{} on {}", self.id, self.device.label());
+        wait::poll_until(self.device.config().timeout, &what, || crate::Event::query(self))
     }
 
     fn query(&self) -> Result<bool> {
+        host_fn::check("event query")?;
         self.device.bind()?;
-        if let Some((stream, pos)) = self.last_record() {
-            stream.poll_monitors();
-            if let Some(e) = stream.failure_at(pos) {
+        let record = self.last_record();
+        if let Some((state, pos)) = &record {
+            if let Some(e) = state.failure_at(*pos) {
                 return Err(e);
             }
         }
         // SAFETY: a live event.
         match unsafe { drv::event::query(self.raw) } {
-            Ok(()) => Ok(true),
+            Ok(()) => {
+                if let Some((state, pos)) = record {
+                    // A watchdog may have failed the work just before it completed.
+                    if let Some(e) = state.failure_at(pos) {
+                        return Err(e);
+                    }
+                    state.mark_synced(pos);
+                }
+                Ok(true)
+            }
             Err(e) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
             Err(e) => Err(super::result::driver("cuEventQuery", e, &self.device.label(), 0)),
         }
@@ -84,13 +89,11 @@ impl crate::Event for CudaEvent {
 
 impl Drop for CudaEvent {
     fn drop(&mut self) {
-        let destroyed = self
-            .device
-            .bind()
+        let (raw, label) = (self.raw as usize, self.device.label());
+        defer(&self.device.inner, "cuEventDestroy", move |inner| {
+            super::device::bind_ctx(inner)?;
             // SAFETY: destroyed once; CUDA releases a pending event after it completes.
-            .and_then(|_| unsafe { drv::event::destroy(self.raw) }.drv("cuEventDestroy", &self.device.label()));
-        if let Err(e) = destroyed {
-            self.device.park(e);
-        }
+            unsafe { drv::event::destroy(raw as CUevent) }.drv("cuEventDestroy", &label)
+        });
     }
 }

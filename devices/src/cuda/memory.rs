@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::result as drv;
 use cudarc::driver::sys::CUdeviceptr;
 
-use super::device::CudaDevice;
+use super::device::{bind_ctx, defer, CudaDevice};
 use super::result::DriverResult;
 use super::stream::StreamShared;
 use super::Cuda;
@@ -56,11 +56,6 @@ impl CudaBuffer {
         }
     }
 
-    /// The device that owns the memory.
-    pub fn device(&self) -> &CudaDevice {
-        &self.device
-    }
-
     /// The device address of the first byte (for vendor libraries such as NCCL).
     ///
     /// Valid while the buffer lives; use it only in the order of a stream
@@ -82,36 +77,40 @@ impl CudaBuffer {
             }
         }
     }
+}
 
-    fn release(&mut self) -> Result<(), DeviceError> {
-        let label = self.device.label();
-        self.device.bind()?;
-        let users = self.users.lock().map(|mut u| std::mem::take(&mut *u)).unwrap_or_default();
-        for user in users {
-            let event = drv::event::create(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                .drv("cuEventCreate", &label)?;
-            // SAFETY: live stream and event handles; the event is destroyed
-            // after the wait is enqueued, which CUDA allows.
-            let waited = unsafe {
-                drv::event::record(event, user.raw)
-                    .and_then(|_| {
-                        drv::stream::wait_event(
-                            self.owner.raw,
-                            event,
-                            cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                        )
-                    })
-                    .drv("cuStreamWaitEvent", &label)
-            };
-            // SAFETY: created above, destroyed once.
-            let destroyed = unsafe { drv::event::destroy(event) }.drv("cuEventDestroy", &label);
-            waited?;
-            destroyed?;
-        }
-        // SAFETY: allocated by cuMemAllocAsync, freed once, in the owner's order
-        // after every user's work (the waits above).
-        unsafe { drv::free_async(self.ptr, self.owner.raw) }.drv("cuMemFreeAsync", &label)
+/// The stream-ordered free of a buffer: make the owner stream wait for every
+/// other stream that used it, then `cuMemFreeAsync` on the owner.
+fn release(
+    ptr: CUdeviceptr,
+    owner: &StreamShared,
+    users: Vec<Arc<StreamShared>>,
+    label: &str,
+) -> Result<(), DeviceError> {
+    for user in users {
+        let event = drv::event::create(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .drv("cuEventCreate", label)?;
+        // SAFETY: live stream and event handles; the event is destroyed
+        // after the wait is enqueued, which CUDA allows.
+        let waited = unsafe {
+            drv::event::record(event, user.raw)
+                .and_then(|_| {
+                    drv::stream::wait_event(
+                        owner.raw,
+                        event,
+                        cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                    )
+                })
+                .drv("cuStreamWaitEvent", label)
+        };
+        // SAFETY: created above, destroyed once.
+        let destroyed = unsafe { drv::event::destroy(event) }.drv("cuEventDestroy", label);
+        waited?;
+        destroyed?;
     }
+    // SAFETY: allocated by cuMemAllocAsync, freed once, in the owner's order
+    // after every user's work (the waits above).
+    unsafe { drv::free_async(ptr, owner.raw) }.drv("cuMemFreeAsync", label)
 }
 
 impl crate::Buffer for CudaBuffer {
@@ -125,14 +124,20 @@ impl crate::Buffer for CudaBuffer {
     fn id(&self) -> u64 {
         self.id
     }
+    fn device(&self) -> &CudaDevice {
+        &self.device
+    }
 }
 
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
         if self.bytes > 0 {
-            if let Err(e) = self.release() {
-                self.device.park(e);
-            }
+            let (ptr, owner, label) = (self.ptr, self.owner.clone(), self.device.label());
+            let users = self.users.lock().map(|mut u| std::mem::take(&mut *u)).unwrap_or_default();
+            defer(&self.device.inner, "cuMemFreeAsync", move |inner| {
+                bind_ctx(inner)?;
+                release(ptr, &owner, users, &label)
+            });
         }
         self.device.inner.counters.sub(self.bytes);
     }

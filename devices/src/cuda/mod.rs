@@ -11,15 +11,22 @@
 //!   `cuEventRecord`, [`Stream::wait`] is `cuStreamWaitEvent` (device side,
 //!   returns at once), [`Event::query`] is `cuEventQuery`;
 //! - **host waits** poll `cuStreamQuery` / `cuEventQuery` against the
-//!   device's deadline rather than block in the driver, so a wait on a dead
-//!   peer ends in `Timeout`, and so that [`StreamMonitor`]s (a collective's
-//!   watchdog) are polled while the host waits;
+//!   device's deadline (with [`crate::wait::Backoff`]) rather than block in
+//!   the driver, so a wait on a dead peer ends in `Timeout`;
 //! - **asynchronous failures**: a device fault reported by the driver is
 //!   sticky for every position of the stream (CUDA makes it sticky for the
-//!   context); a failure only the host can see (a monitor's) is sticky from
-//!   the failed operation's position on and reaches the events recorded
-//!   after it and the streams that waited for them; later operations on a
-//!   failed stream are skipped;
+//!   context); a failure only the host can see — a collective failed by its
+//!   communicator's watchdog, through a [`FailureHandle`](crate::FailureHandle)
+//!   — is sticky from the failed operation's position on and reaches the
+//!   events recorded after it and the streams that waited for them; later
+//!   operations on a failed stream are skipped. The bookkeeping is host
+//!   state only (`crate::failure`), so host functions may read it;
+//! - **host functions** (`cuLaunchHostFunc`: readback completion and
+//!   [`Stream::launch_host_fn`](crate::Stream::launch_host_fn)) run marked
+//!   (`crate::host_fn`): every driver entry point binds the context first
+//!   and refuses there with `InHostFunction`, and the driver work of a drop
+//!   that happens there (a buffer's stream-ordered free, a stream's or an
+//!   event's destruction) is postponed to the next bind on another thread;
 //! - a **buffer** comes from the stream-ordered allocator (`cuMemAllocAsync`
 //!   on the allocating stream; `Device::alloc` allocates and zeroes on an
 //!   internal stream and waits). Dropping it makes the owning stream wait for
@@ -32,9 +39,9 @@
 //!   slice: for pageable memory the driver stages the bytes before it
 //!   returns, so the slice may be reused at once. **Device→host** copies go
 //!   into a pinned block with `cuMemcpyDtoHAsync`, followed by
-//!   `cuLaunchHostFunc`: the callback (which may not call CUDA) copies the
-//!   bytes out, completes the [`crate::Readback`] and returns the block to a
-//!   pool. So a readback completes exactly when its copy has run;
+//!   `cuLaunchHostFunc`: the host function (which may not call CUDA) copies
+//!   the bytes out, completes the [`crate::Readback`] and returns the block
+//!   to a pool. So a readback completes exactly when its copy has run;
 //! - the **compute operations** are NVRTC-compiled kernels
 //!   ([`kernels`](self) source, compiled once per compute capability per
 //!   process, loaded once per device); `matmul` is `cublasGemmEx` with f32
@@ -52,6 +59,7 @@
 mod blas;
 mod device;
 mod event;
+mod foreign;
 mod kernels;
 mod loader;
 mod memory;
@@ -62,7 +70,7 @@ pub use device::{device_count, driver_version, CudaConfig, CudaDevice};
 pub use event::CudaEvent;
 pub use loader::{cublas_library, driver_library, nvrtc_library, LibraryInfo};
 pub use memory::CudaBuffer;
-pub use stream::{device_ptr, CudaStream, StreamMonitor};
+pub use stream::{device_ptr, CudaStream};
 
 /// The raw driver types that vendor libraries built on this device take.
 pub mod sys {

@@ -1,78 +1,39 @@
 //! Streams of the cuda device: CUDA streams with priorities, host waits with
-//! deadlines, sticky host-detected failures, and every stream operation.
+//! deadlines, host functions that never call the driver, sticky host-seen
+//! failures, and every stream operation.
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::result::{self as drv, stream::StreamKind};
-use cudarc::driver::sys::{CUdeviceptr, CUevent, CUevent_wait_flags, CUmemorytype, CUresult, CUstream, CUDA_MEMCPY2D};
+use cudarc::driver::sys::{CUdeviceptr, CUevent_wait_flags, CUmemorytype, CUresult, CUstream, CUDA_MEMCPY2D};
 
 use super::blas::BlasHandle;
-use super::device::{bind_ctx, next_id, park, CudaDevice, DeviceInner};
+use super::device::{bind_ctx, defer, next_id, CudaDevice, DeviceInner};
 use super::event::CudaEvent;
 use super::kernels::{arg, code, REDUCE_BLOCK};
-use super::memory::{CudaBuffer, PinnedBlock, StagingPool};
+use super::memory::CudaBuffer;
 use super::result::{self as res, DriverResult};
 use super::Cuda;
-use crate::checks;
+use crate::failure::{poisoned, StreamState};
+use crate::{checks, host_fn, wait};
 use crate::{
-    AdamWParams, Buffer, Copy2d, DType, DeviceError, MatmulSpec, Priority, Readback, ReadbackFiller, Result, Scalar,
-    SgdParams, View,
+    AdamWParams, Buffer, Copy2d, DType, DeviceError, MatmulSpec, Priority, Readback, Result, Scalar, SgdParams, View,
 };
-
-/// Work on a stream whose failure only the host can see, such as a
-/// collective whose peer may die: CUDA would just wait forever.
-///
-/// Registered with [`CudaStream::watch`]; every host wait on the stream (and
-/// on events recorded after it) polls the monitors. A monitor that fails
-/// makes its error sticky on the stream from the monitored operation on,
-/// exactly like a failed operation on the cpu device.
-pub trait StreamMonitor: Send + Sync {
-    /// Checks the monitored work without blocking: `Ok(true)` once it has
-    /// finished (the monitor is then dropped), `Ok(false)` while it is
-    /// pending, or the error that failed it (the monitor should also make
-    /// the device work finish, e.g. by aborting its communicator).
-    fn poll(&self) -> Result<bool>;
-}
-
-/// What a host wait waits for.
-pub(crate) enum Target {
-    /// Everything enqueued on the stream so far.
-    Stream,
-    /// An event recorded at this position of the stream.
-    Event(CUevent, u64),
-}
-
-#[derive(Default)]
-struct Upstream {
-    /// (stream waited on, its position at the record, our position at the wait)
-    entries: Vec<(Weak<StreamShared>, u64, u64)>,
-}
-
-const MAX_UPSTREAM: usize = 256;
 
 pub(crate) struct StreamShared {
     pub(crate) raw: CUstream,
     pub(crate) id: u64,
-    pub(crate) name: String,
     pub(crate) priority: Priority,
     pub(crate) device: Arc<DeviceInner>,
-    /// Operations enqueued so far (the next one's position is this + 1).
-    position: AtomicU64,
-    /// Everything up to here completed without error, as seen by a host wait.
-    synced_upto: AtomicU64,
-    /// The first failure and the position it applies from.
-    failure: Mutex<Option<(u64, DeviceError)>>,
-    upstream: Mutex<Upstream>,
-    monitors: Mutex<Vec<(u64, Arc<dyn StreamMonitor>)>>,
+    /// Position and failures, shared with host functions and watchdogs.
+    pub(crate) state: Arc<StreamState>,
     blas: Mutex<Option<BlasHandle>>,
 }
 
 impl std::fmt::Debug for StreamShared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "StreamShared({})", self.name)
+        write!(f, "StreamShared({})", self.state.name)
     }
 }
 
@@ -84,7 +45,7 @@ unsafe impl Sync for StreamShared {}
 impl StreamShared {
     pub(crate) fn create(device: &Arc<DeviceInner>, priority: Priority, label: &str) -> Result<Arc<StreamShared>> {
         bind_ctx(device)?;
-        let index = device.next_stream.fetch_add(1, Ordering::Relaxed);
+        let index = device.next_stream.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dev = format!("cuda:{}", device.config.ordinal);
         let prio = match priority {
             Priority::Normal => device.priorities.0,
@@ -96,14 +57,9 @@ impl StreamShared {
         let shared = Arc::new(StreamShared {
             raw,
             id: next_id(),
-            name: format!("{dev}/{label}{index}{suffix}"),
             priority,
             device: device.clone(),
-            position: AtomicU64::new(0),
-            synced_upto: AtomicU64::new(0),
-            failure: Mutex::new(None),
-            upstream: Mutex::new(Upstream::default()),
-            monitors: Mutex::new(Vec::new()),
+            state: StreamState::new(format!("{dev}/{label}{index}{suffix}")),
             blas: Mutex::new(None),
         });
         if let Ok(mut list) = device.streams.lock() {
@@ -113,127 +69,39 @@ impl StreamShared {
         Ok(shared)
     }
 
+    pub(crate) fn name(&self) -> &str {
+        &self.state.name
+    }
+
     fn label(&self) -> String {
         format!("cuda:{}", self.device.config.ordinal)
     }
 
-    pub(crate) fn position(&self) -> u64 {
-        self.position.load(Ordering::Acquire)
-    }
-
-    fn fail(&self, at: u64, e: DeviceError) {
-        if let Ok(mut f) = self.failure.lock() {
-            match &*f {
-                Some((p, _)) if *p <= at => {}
-                _ => *f = Some((at, e)),
-            }
-        }
-    }
-
-    fn own_failure(&self) -> Option<DeviceError> {
-        self.failure.lock().ok().and_then(|f| f.as_ref().map(|(_, e)| e.clone()))
-    }
-
-    /// The failure that affects work up to position `upto`: this stream's
-    /// own, or one of a stream it waited for before `upto` (as `Poisoned`).
-    pub(crate) fn failure_at(&self, upto: u64) -> Option<DeviceError> {
-        self.failure_depth(upto, 0)
-    }
-
-    fn failure_depth(&self, upto: u64, depth: usize) -> Option<DeviceError> {
-        if let Some((p, e)) = self.failure.lock().ok().and_then(|f| f.clone()) {
-            if p <= upto {
-                return Some(e);
-            }
-        }
-        if depth >= 16 {
-            return None;
-        }
-        let entries: Vec<_> = match self.upstream.lock() {
-            Ok(u) => u.entries.iter().filter(|(_, _, at)| *at <= upto).cloned().collect(),
-            Err(_) => Vec::new(),
-        };
-        entries.into_iter().find_map(|(w, their, _)| {
-            let s = w.upgrade()?;
-            s.poll_monitors();
-            s.failure_depth(their, depth + 1).map(|e| match e {
-                DeviceError::Poisoned { .. } => e,
-                other => DeviceError::Poisoned { cause: Box::new(other) },
-            })
-        })
-    }
-
-    fn add_upstream(&self, stream: &Arc<StreamShared>, their: u64, ours: u64) {
-        if let Ok(mut u) = self.upstream.lock() {
-            u.entries.retain(|(w, q, _)| w.upgrade().is_some_and(|s| *q > s.synced_upto.load(Ordering::Acquire)));
-            if u.entries.len() >= MAX_UPSTREAM {
-                u.entries.remove(0);
-            }
-            u.entries.push((Arc::downgrade(stream), their, ours));
-        }
-    }
-
-    /// Polls the monitors; a failing one makes its error sticky.
-    pub(crate) fn poll_monitors(&self) {
-        let monitors: Vec<_> = match self.monitors.lock() {
-            Ok(m) if !m.is_empty() => m.clone(),
-            _ => return,
-        };
-        let mut finished = Vec::new();
-        for (pos, m) in monitors {
-            match m.poll() {
-                Ok(true) => finished.push(Arc::as_ptr(&m) as *const () as usize),
-                Ok(false) => {}
-                Err(e) => {
-                    self.fail(pos, e);
-                    finished.push(Arc::as_ptr(&m) as *const () as usize);
-                }
-            }
-        }
-        if let Ok(mut m) = self.monitors.lock() {
-            m.retain(|(_, x)| !finished.contains(&(Arc::as_ptr(x) as *const () as usize)));
-        }
-    }
-
-    /// Blocks the host until `target` (default: all work so far) has run, a
-    /// failure is known, or the device's deadline passes.
-    pub(crate) fn host_wait(&self, device: &CudaDevice, target: Option<Target>) -> Result<()> {
-        let target = target.unwrap_or(Target::Stream);
-        let upto = match target {
-            Target::Stream => self.position(),
-            Target::Event(_, pos) => pos,
-        };
+    /// Blocks the host until the work enqueued so far has run, a failure is
+    /// known, or the device's deadline passes. Polls the driver and the
+    /// host-seen failures; it never runs anything else.
+    pub(crate) fn host_wait(&self, device: &CudaDevice) -> Result<()> {
+        let upto = self.state.position();
         device.bind()?;
-        let what = match target {
-            Target::Stream => format!("{} to finish", self.name),
-            Target::Event(..) => format!("an event on {}", self.name),
-        };
-        poll_until(device.config().timeout, &what, || {
-            self.poll_monitors();
-            if let Some(e) = self.failure_at(upto) {
+        wait::poll_until(device.config().timeout, &format!("{} to finish", self.name()), || {
+            if let Some(e) = self.state.failure_at(upto) {
                 return Err(e);
             }
-            // SAFETY: live stream / event handles of the bound context.
-            let status = unsafe {
-                match target {
-                    Target::Stream => cudarc::driver::sys::cuStreamQuery(self.raw).result(),
-                    Target::Event(ev, _) => drv::event::query(ev),
-                }
-            };
-            match status {
+            // SAFETY: a live stream of the bound context.
+            match unsafe { cudarc::driver::sys::cuStreamQuery(self.raw) }.result() {
                 Ok(()) => {
-                    self.poll_monitors();
-                    if let Some(e) = self.failure_at(upto) {
+                    // A watchdog may have failed the work just before it completed.
+                    if let Some(e) = self.state.failure_at(upto) {
                         return Err(e);
                     }
-                    self.synced_upto.fetch_max(upto, Ordering::AcqRel);
+                    self.state.mark_synced(upto);
                     Ok(true)
                 }
                 Err(e) if e.0 == CUresult::CUDA_ERROR_NOT_READY => Ok(false),
                 Err(e) => {
                     // A device fault: sticky for the whole context, so for every position.
                     let err = res::driver("cuStreamQuery", e, &self.label(), 0);
-                    self.fail(0, err.clone());
+                    self.state.fail(0, err.clone());
                     Err(err)
                 }
             }
@@ -241,41 +109,21 @@ impl StreamShared {
     }
 }
 
-/// Polls `check` (spinning briefly, then sleeping up to 1 ms) until it says
-/// done, fails, or `timeout` passes.
-pub(crate) fn poll_until(timeout: Duration, what: &str, mut check: impl FnMut() -> Result<bool>) -> Result<()> {
-    let start = Instant::now();
-    let mut round = 0u32;
-    loop {
-        if check()? {
-            return Ok(());
-        }
-        if start.elapsed() >= timeout {
-            return Err(DeviceError::Timeout { what: what.to_string(), waited: timeout });
-        }
-        round += 1;
-        if round < 64 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros((round as u64 * 10).min(1000)));
-        }
-    }
-}
-
 impl Drop for StreamShared {
     fn drop(&mut self) {
         // Work still queued finishes: CUDA releases a destroyed stream's
-        // resources after its work completes.
-        let r = bind_ctx(&self.device).and_then(|_| {
-            let blas = self.blas.lock().ok().and_then(|mut b| b.take());
+        // resources after its work completes. Inside a host function the
+        // destruction waits for a thread that may call the driver.
+        let raw = self.raw as usize;
+        let blas = self.blas.lock().ok().and_then(|mut b| b.take());
+        let label = self.label();
+        defer(&self.device, "cuStreamDestroy", move |device| {
+            bind_ctx(device)?;
             let b = blas.map(BlasHandle::destroy).unwrap_or(Ok(()));
             // SAFETY: destroyed once, here.
-            let s = unsafe { drv::stream::destroy(self.raw) }.drv("cuStreamDestroy", &self.label());
+            let s = unsafe { drv::stream::destroy(raw as CUstream) }.drv("cuStreamDestroy", &label);
             b.and(s)
         });
-        if let Err(e) = r {
-            park(&self.device, e);
-        }
     }
 }
 
@@ -307,44 +155,30 @@ impl Drop for Staged {
     }
 }
 
-struct ReadbackJob {
-    filler: ReadbackFiller,
-    block: PinnedBlock,
-    bytes: usize,
-    pool: Arc<StagingPool>,
-    stream: Weak<StreamShared>,
+/// A host function in flight: the closure, and where on which stream it runs.
+struct HostJob {
+    f: Box<dyn FnOnce(Result<()>) + Send>,
+    state: Arc<StreamState>,
     position: u64,
 }
 
-/// Runs on a CUDA driver thread once the device-to-host copy before it has
-/// finished. Must not call CUDA: it copies the pinned bytes out, hands the
-/// block back to the pool and completes the readback.
-unsafe extern "C" fn readback_done(data: *mut c_void) {
-    // SAFETY: `data` is the Box leaked by `copy_to_host`, given to exactly one callback.
-    let job = unsafe { Box::from_raw(data as *mut ReadbackJob) };
-    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
-        let ReadbackJob { filler, block, bytes, pool, stream, position } = *job;
-        let failure = stream.upgrade().and_then(|s| s.failure_at(position));
-        match failure {
-            Some(e) => filler.fail(e),
-            None => {
-                // SAFETY: the copy into the block has completed (stream order).
-                let data = unsafe { std::slice::from_raw_parts(block.ptr, bytes) }.to_vec();
-                filler.fill(data);
-            }
+/// The host function every chorus host job runs through. It runs on a CUDA
+/// driver thread and so must not call CUDA: it marks the thread (so any
+/// driver entry point reached from here refuses, and drops defer their
+/// driver calls), consults only host-side failure state, and runs the job.
+unsafe extern "C" fn host_fn_trampoline(data: *mut c_void) {
+    // SAFETY: `data` is the Box leaked by `launch_host_job`, given to exactly one call.
+    let job = unsafe { Box::from_raw(data as *mut HostJob) };
+    let (state, position) = (job.state.clone(), job.position);
+    let ran = host_fn::run(move || {
+        let HostJob { f, state, position } = *job;
+        match state.failure_at(position) {
+            Some(e) => f(Err(poisoned(&e))),
+            None => f(Ok(())),
         }
-        pool.put(block);
-    }));
-}
-
-fn check_device(op: &'static str, ours: &CudaDevice, theirs: &CudaDevice) -> Result<()> {
-    if ours.is_same(theirs) {
-        Ok(())
-    } else {
-        Err(DeviceError::invalid(
-            op,
-            format!("a view of {} was passed to a stream of {}", theirs.label(), ours.label()),
-        ))
+    });
+    if let Err(panic) = ran {
+        state.fail(position, DeviceError::invalid("launch_host_fn", format!("the host function panicked: {panic}")));
     }
 }
 
@@ -364,27 +198,30 @@ impl CudaStream {
         self.shared.id
     }
 
-    /// The driver handle, for enqueuing vendor work (NCCL) through
-    /// [`CudaStream::enqueue_raw`].
+    /// The driver handle. Vendor libraries enqueue through
+    /// [`ForeignBackend::enqueue_foreign`](crate::ForeignBackend::enqueue_foreign)
+    /// instead, which keeps the buffers alive and the failures tracked.
     pub fn raw(&self) -> CUstream {
         self.shared.raw
     }
 
-    /// Enqueues vendor work on this stream: checks that `views` are on this
-    /// device, notes them as used (so their stream-ordered frees wait), binds
-    /// the context and calls `f` with the stream handle. Returns `Ok(None)`
-    /// without calling `f` when the stream has already failed (the work is
-    /// skipped, as on every device), else `Ok(Some(position))`.
-    pub fn enqueue_raw(
+    /// Enqueues one operation: checks that `views` are of this device and
+    /// that this is not a host function, notes the views as used (so their
+    /// stream-ordered frees wait for this stream), binds the context and
+    /// calls `f` with the stream handle. Returns `Ok(None)` without calling
+    /// `f` when the stream has already failed (the work is skipped, as on
+    /// every device), else `Ok(Some(position))`.
+    pub(crate) fn enqueue_op(
         &self,
         op: &'static str,
         views: &[View<'_, Cuda>],
         f: impl FnOnce(CUstream) -> Result<()>,
     ) -> Result<Option<u64>> {
+        host_fn::check(op)?;
         for v in views {
-            check_device(op, &self.device, v.buffer().device())?;
+            checks::on_device(op, &self.device, v)?;
         }
-        if self.shared.own_failure().is_some() {
+        if self.shared.state.own_failure().is_some() {
             return Ok(None);
         }
         self.device.bind()?;
@@ -392,26 +229,48 @@ impl CudaStream {
             v.buffer().note_use(&self.shared);
         }
         f(self.shared.raw)?;
-        Ok(Some(self.shared.position.fetch_add(1, Ordering::AcqRel) + 1))
-    }
-
-    /// Registers `monitor` for the operation at `position` (from
-    /// [`CudaStream::enqueue_raw`]); see [`StreamMonitor`].
-    pub fn watch(&self, position: u64, monitor: Arc<dyn StreamMonitor>) {
-        if let Ok(mut m) = self.shared.monitors.lock() {
-            m.push((position, monitor));
-        }
+        Ok(Some(self.shared.state.advance()))
     }
 
     /// The failure that has made this stream skip its work, if any.
     pub fn failure(&self) -> Option<DeviceError> {
-        self.shared.poll_monitors();
-        self.shared.own_failure()
+        self.shared.state.own_failure()
     }
 
-    /// Enqueues one of our own operations (see `enqueue_raw`).
+    /// Enqueues one of our own operations (see `enqueue_op`).
     fn run(&self, op: &'static str, views: &[View<'_, Cuda>], f: impl FnOnce(CUstream) -> Result<()>) -> Result<()> {
-        self.enqueue_raw(op, views, f).map(|_| ())
+        self.enqueue_op(op, views, f).map(|_| ())
+    }
+
+    /// Enqueues `f` as a host function (`cuLaunchHostFunc`) after the work
+    /// enqueued so far; it gets the stream's failure up to that point, if any.
+    /// On a failed stream it is not enqueued: it runs at once with the failure.
+    fn launch_host_job(&self, op: &'static str, f: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
+        host_fn::check(op)?;
+        if let Some(e) = self.shared.state.own_failure() {
+            f(Err(poisoned(&e)));
+            return Ok(());
+        }
+        self.device.bind()?;
+        let position = self.shared.state.position() + 1;
+        let job = Box::into_raw(Box::new(HostJob { f, state: self.shared.state.clone(), position }));
+        // SAFETY: `job` is handed to exactly one trampoline call, which frees it.
+        let launched =
+            unsafe { drv::stream::launch_host_function(self.shared.raw, host_fn_trampoline, job as *mut c_void) }
+                .drv("cuLaunchHostFunc", &self.device.label());
+        match launched {
+            Ok(()) => {
+                self.shared.state.advance();
+                Ok(())
+            }
+            Err(e) => {
+                // Not enqueued: the trampoline will never run, so the job comes back.
+                // SAFETY: leaked above and not handed to CUDA.
+                let job = unsafe { Box::from_raw(job) };
+                (job.f)(Err(e.clone()));
+                Err(e)
+            }
+        }
     }
 
     /// `input`'s address, or that of a stream-ordered copy when it overlaps
@@ -455,7 +314,7 @@ impl crate::Stream for CudaStream {
         self.shared.priority
     }
     fn name(&self) -> String {
-        self.shared.name.clone()
+        self.shared.name().to_string()
     }
 
     fn alloc(&self, dtype: DType, len: usize) -> Result<CudaBuffer> {
@@ -535,13 +394,12 @@ impl crate::Stream for CudaStream {
     }
 
     fn copy_to_host(&self, src: View<'_, Cuda>) -> Result<Readback> {
-        check_device("copy_to_host", &self.device, src.buffer().device())?;
+        let op = "copy_to_host";
+        host_fn::check(op)?;
+        checks::on_device(op, &self.device, &src)?;
         let (readback, filler) = Readback::pending(src.dtype(), src.len(), self.device.config().timeout);
-        if let Some(e) = self.shared.own_failure() {
-            filler.fail(match e {
-                DeviceError::Poisoned { .. } => e,
-                other => DeviceError::Poisoned { cause: Box::new(other) },
-            });
+        if let Some(e) = self.shared.state.own_failure() {
+            filler.fail(poisoned(&e));
             return Ok(readback);
         }
         let bytes = src.bytes();
@@ -549,52 +407,37 @@ impl crate::Stream for CudaStream {
         let pool = self.device.inner.staging.clone();
         let block = pool.take(bytes, &self.device.label())?;
         let block_ptr = block.ptr;
-        let position = self.shared.position() + 1;
-        let job = Box::new(ReadbackJob {
-            filler,
-            block,
-            bytes,
-            pool: pool.clone(),
-            stream: Arc::downgrade(&self.shared),
-            position,
-        });
-        let job = Box::into_raw(job);
-        let enqueued = self.enqueue_raw("copy_to_host", &[src], |s| {
+        let copied = self.enqueue_op(op, &[src], |s| {
             if bytes > 0 {
-                // SAFETY: the pinned block holds at least `bytes`; the device
-                // range is valid in stream order.
+                // SAFETY: the pinned block holds at least `bytes`, and stays
+                // out of the pool until the host job below has read it.
                 let dst = unsafe { std::slice::from_raw_parts_mut(block_ptr, bytes) };
-                // SAFETY: as above; the callback below reads it only after the copy.
+                // SAFETY: the device range is valid in stream order.
                 unsafe { drv::memcpy_dtoh_async(dst, device_ptr(&src), s) }
                     .drv("cuMemcpyDtoHAsync", &self.device.label())?;
             }
-            // SAFETY: `job` is handed to exactly one callback, which frees it.
-            unsafe { drv::stream::launch_host_function(s, readback_done, job as *mut c_void) }
-                .drv("cuLaunchHostFunc", &self.device.label())
+            Ok(())
         });
-        match enqueued {
-            Ok(Some(_)) => Ok(readback),
-            Ok(None) | Err(_) => {
-                // Not enqueued: the callback will never run, so reclaim the job.
-                // SAFETY: leaked above and not handed to CUDA.
-                let job = unsafe { Box::from_raw(job) };
-                let ReadbackJob { filler, block, pool, .. } = *job;
-                pool.put(block);
-                match enqueued {
-                    Err(e) => {
-                        filler.fail(e.clone());
-                        Err(e)
-                    }
-                    _ => {
-                        let e = self.shared.own_failure().unwrap_or_else(|| {
-                            DeviceError::invalid("copy_to_host", "the stream failed before the copy")
-                        });
-                        filler.fail(DeviceError::Poisoned { cause: Box::new(e) });
-                        Ok(readback)
-                    }
-                }
-            }
+        if let Err(e) = copied {
+            pool.put(block);
+            return Err(e);
         }
+        // Runs on a driver thread: only host memory and host-side state.
+        self.launch_host_job(
+            op,
+            Box::new(move |outcome| {
+                match outcome {
+                    Ok(()) => {
+                        // SAFETY: the copy into the block has completed (stream order).
+                        let data = unsafe { std::slice::from_raw_parts(block.ptr, bytes) }.to_vec();
+                        filler.fill(data);
+                    }
+                    Err(e) => filler.fail(e),
+                }
+                pool.put(block);
+            }),
+        )?;
+        Ok(readback)
     }
 
     fn fill(&self, dst: View<'_, Cuda>, value: Scalar) -> Result<()> {
@@ -720,34 +563,41 @@ impl crate::Stream for CudaStream {
     }
 
     fn record(&self, event: &CudaEvent) -> Result<()> {
-        check_device("record", &self.device, &event.device)?;
+        host_fn::check("record")?;
+        checks::same_device("record", "an event", &self.device, &event.device)?;
         self.device.bind()?;
         // SAFETY: live event and stream of the bound context.
         unsafe { drv::event::record(event.raw, self.shared.raw) }.drv("cuEventRecord", &self.device.label())?;
-        let pos = self.shared.position.fetch_add(1, Ordering::AcqRel) + 1;
+        let pos = self.shared.state.advance();
         if let Ok(mut r) = event.recorded.lock() {
-            *r = Some((Arc::downgrade(&self.shared), pos));
+            *r = Some((Arc::downgrade(&self.shared.state), pos));
         }
         Ok(())
     }
 
     fn wait(&self, event: &CudaEvent) -> Result<()> {
-        check_device("wait", &self.device, &event.device)?;
+        host_fn::check("wait")?;
+        checks::same_device("wait", "an event", &self.device, &event.device)?;
         self.device.bind()?;
         // SAFETY: live event and stream of the bound context.
         unsafe { drv::stream::wait_event(self.shared.raw, event.raw, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
             .drv("cuStreamWaitEvent", &self.device.label())?;
-        let ours = self.shared.position.fetch_add(1, Ordering::AcqRel) + 1;
+        let ours = self.shared.state.advance();
         if let Some((stream, theirs)) = event.last_record() {
-            if !Arc::ptr_eq(&stream, &self.shared) {
-                self.shared.add_upstream(&stream, theirs, ours);
+            if !Arc::ptr_eq(&stream, &self.shared.state) {
+                self.shared.state.add_upstream(&stream, theirs, ours);
             }
         }
         Ok(())
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.shared.host_wait(&self.device, None)
+        host_fn::check("stream synchronize")?;
+        self.shared.host_wait(&self.device)
+    }
+
+    fn launch_host_fn(&self, f: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
+        self.launch_host_job("launch_host_fn", f)
     }
 
     fn matmul(&self, spec: MatmulSpec, a: View<'_, Cuda>, b: View<'_, Cuda>, c: View<'_, Cuda>) -> Result<()> {

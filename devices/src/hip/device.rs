@@ -9,6 +9,7 @@ use super::kernels::KernelCache;
 use super::result;
 use super::stream::{HipStream, StreamInner};
 use super::Hip;
+use crate::deferred::Deferred;
 use crate::memory::MemCounters;
 use crate::{DType, DeviceError, MemoryStats, Priority, Result};
 
@@ -41,6 +42,9 @@ impl Default for HipConfig {
 
 /// Errors from `Drop` implementations, returned by the next device synchronize.
 pub(crate) type Parked = Arc<Mutex<Vec<DeviceError>>>;
+
+/// HIP work of drops that ran inside host functions (see `crate::deferred`).
+pub(crate) type DeferredDrops = Arc<Deferred<()>>;
 
 pub(crate) fn park(parked: &Parked, e: DeviceError) {
     if let Ok(mut p) = parked.lock() {
@@ -106,6 +110,7 @@ pub(crate) struct DeviceInner {
     pub(crate) kernels: KernelCache,
     pub(crate) pinned: Arc<PinnedPool>,
     pub(crate) parked: Parked,
+    pub(crate) deferred: DeferredDrops,
     pub(crate) next_stream: AtomicUsize,
 }
 
@@ -157,12 +162,14 @@ impl HipDevice {
         let name = format!("hip:{ordinal} ({})", result::device_name(ordinal)?);
         let priorities = result::stream_priority_range()?;
         let parked: Parked = Arc::default();
+        let deferred: DeferredDrops = Arc::default();
         let internal = Arc::new(StreamInner::create(
             ordinal,
             format!("hip:{ordinal}/internal"),
             Priority::Normal,
             priorities.0,
             &parked,
+            &deferred,
         )?);
         Ok(HipDevice {
             inner: Arc::new(DeviceInner {
@@ -175,6 +182,7 @@ impl HipDevice {
                 kernels: KernelCache::default(),
                 pinned: Arc::default(),
                 parked,
+                deferred,
                 next_stream: AtomicUsize::new(0),
             }),
         })
@@ -190,15 +198,14 @@ impl HipDevice {
         &self.inner.config
     }
 
-    /// Whether two handles are the same device.
-    pub fn is_same(&self, other: &HipDevice) -> bool {
-        Arc::ptr_eq(&self.inner, &other.inner)
-    }
-
     /// Makes this device current on the calling thread (every HIP call that
-    /// creates or enqueues does this first).
+    /// creates or enqueues does this first), and does the HIP work that drops
+    /// inside host functions postponed. Refused inside a host function.
     pub fn bind(&self) -> Result<()> {
-        result::set_device(self.inner.config.ordinal)
+        result::set_device(self.inner.config.ordinal)?;
+        let parked = &self.inner.parked;
+        self.inner.deferred.drain(&(), |e| park(parked, e));
+        Ok(())
     }
 
     /// Keeps an error met where it cannot be returned (a `Drop` in another
@@ -255,6 +262,9 @@ impl crate::Device for HipDevice {
     fn ordinal(&self) -> usize {
         self.inner.config.ordinal
     }
+    fn is_same(&self, other: &HipDevice) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
     fn create_stream(&self, priority: Priority) -> Result<HipStream> {
         HipStream::create(self, priority)
     }
@@ -279,6 +289,7 @@ impl crate::Device for HipDevice {
         self.inner.counters.reset_peak()
     }
     fn synchronize(&self) -> Result<()> {
+        self.bind()?;
         let streams: Vec<Arc<StreamInner>> = match self.inner.streams.lock() {
             Ok(s) => s.iter().filter_map(Weak::upgrade).collect(),
             Err(_) => Vec::new(),
@@ -314,11 +325,6 @@ pub struct HipBuffer {
 }
 
 impl HipBuffer {
-    /// The device that owns the memory.
-    pub fn device(&self) -> &HipDevice {
-        &self.device
-    }
-
     /// The device address of the first byte (0 for an empty buffer).
     pub fn device_ptr(&self) -> u64 {
         self.ptr as u64
@@ -335,25 +341,26 @@ impl HipBuffer {
             }
         }
     }
+}
 
-    fn release(&mut self) -> Result<()> {
-        self.device.bind()?;
-        let users = self.users.lock().map(|mut u| std::mem::take(&mut *u)).unwrap_or_default();
-        for user in users {
-            // The free on the home stream comes after everything the user stream has queued so far.
-            let event = result::event_create()?;
-            // SAFETY: live handles of this device; the event is destroyed once, after the wait is enqueued.
-            let ordered = unsafe {
-                result::event_record(event, user.raw()).and_then(|_| result::stream_wait_event(self.home.raw(), event))
-            };
-            // SAFETY: as above; destroying a pending event is allowed.
-            let destroyed = unsafe { result::event_destroy(event) };
-            ordered?;
-            destroyed?;
-        }
-        // SAFETY: allocated by hipMallocAsync, freed once, after every use (ordered above).
-        unsafe { result::free_async(self.ptr as *mut _, self.home.raw()) }
+/// The stream-ordered free of a buffer: the home stream waits for every other
+/// stream that used it, then frees (`hipFreeAsync`).
+fn release(ordinal: usize, ptr: usize, home: &StreamInner, users: Vec<Arc<StreamInner>>) -> Result<()> {
+    result::set_device(ordinal)?;
+    for user in users {
+        // The free on the home stream comes after everything the user stream has queued so far.
+        let event = result::event_create()?;
+        // SAFETY: live handles of this device; the event is destroyed once, after the wait is enqueued.
+        let ordered = unsafe {
+            result::event_record(event, user.raw()).and_then(|_| result::stream_wait_event(home.raw(), event))
+        };
+        // SAFETY: as above; destroying a pending event is allowed.
+        let destroyed = unsafe { result::event_destroy(event) };
+        ordered?;
+        destroyed?;
     }
+    // SAFETY: allocated by hipMallocAsync, freed once, after every use (ordered above).
+    unsafe { result::free_async(ptr as *mut _, home.raw()) }
 }
 
 impl crate::Buffer for HipBuffer {
@@ -367,15 +374,24 @@ impl crate::Buffer for HipBuffer {
     fn id(&self) -> u64 {
         self.id
     }
+    fn device(&self) -> &HipDevice {
+        &self.device
+    }
 }
 
 impl Drop for HipBuffer {
     fn drop(&mut self) {
         if self.bytes > 0 {
-            if let Err(e) = self.release() {
-                // The memory is leaked rather than freed while work may still use it.
-                park(&self.device.inner.parked, e);
-            }
+            let (ordinal, ptr, home) = (self.device.inner.config.ordinal, self.ptr, self.home.clone());
+            let users = self.users.lock().map(|mut u| std::mem::take(&mut *u)).unwrap_or_default();
+            let parked = self.device.inner.parked.clone();
+            // On failure the memory is leaked rather than freed while work may still use it.
+            self.device.inner.deferred.run_or_defer(
+                &(),
+                "hipFreeAsync",
+                move |_| release(ordinal, ptr, &home, users),
+                |e| park(&parked, e),
+            );
         }
         self.device.inner.counters.sub(self.bytes);
     }

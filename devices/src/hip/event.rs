@@ -1,60 +1,31 @@
 //! Events of the hip device, and the host-side polling every host wait uses.
 
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use super::device::{next_id, park, HipDevice};
-use super::stream::StreamState;
 use super::sys::hipEvent_t;
 use super::{result, Hip};
-use crate::{DeviceError, Result};
+use crate::failure::StreamState;
+use crate::wait::Backoff;
+use crate::{host_fn, DeviceError, Result};
 
 /// Blocks the host until `event`'s recorded work has finished, polling
-/// `hipEventQuery` (spinning briefly, then sleeping up to 1 ms between
-/// queries), or returns `Timeout` after `timeout`.
+/// `hipEventQuery` with [`Backoff`], or returns `Timeout` after `timeout`.
 ///
 /// # Safety
 /// `event` is live.
 pub(crate) unsafe fn poll_event(event: hipEvent_t, timeout: Duration, what: &str) -> Result<()> {
-    let start = Instant::now();
-    let mut pause = Duration::from_micros(20);
+    let backoff = Backoff::new();
     loop {
         // SAFETY: per the caller's contract.
         if unsafe { result::event_query(event) }? {
             return Ok(());
         }
-        let waited = start.elapsed();
-        if waited >= timeout {
+        if backoff.expired(timeout) {
             return Err(DeviceError::Timeout { what: what.to_string(), waited: timeout });
         }
-        if waited < Duration::from_micros(100) {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(pause.min(timeout - waited));
-            pause = (pause * 2).min(Duration::from_millis(1));
-        }
-    }
-}
-
-/// The error a wait on work recorded after a failure reports.
-pub(crate) fn poisoned(e: &DeviceError) -> DeviceError {
-    match e {
-        DeviceError::Poisoned { .. } => e.clone(),
-        other => DeviceError::Poisoned { cause: Box::new(other.clone()) },
-    }
-}
-
-/// The most recent record: which stream's state, and how many operations it had enqueued.
-#[derive(Debug, Clone)]
-pub(crate) struct Recorded {
-    pub(crate) state: Arc<StreamState>,
-    pub(crate) position: u64,
-}
-
-impl Recorded {
-    /// The stream's failure, if it happened at or before the record.
-    pub(crate) fn failure(&self) -> Option<DeviceError> {
-        self.state.failed_by(self.position)
+        backoff.pause();
     }
 }
 
@@ -64,7 +35,8 @@ pub struct HipEvent {
     raw: usize,
     id: u64,
     pub(crate) device: HipDevice,
-    recorded: Mutex<Option<Recorded>>,
+    /// The state of the stream of the most recent record, and its position there.
+    recorded: Mutex<Option<(Weak<StreamState>, u64)>>,
 }
 
 impl HipEvent {
@@ -84,14 +56,16 @@ impl HipEvent {
         self.id
     }
 
-    pub(crate) fn set_recorded(&self, r: Recorded) {
+    pub(crate) fn set_recorded(&self, state: &Arc<StreamState>, position: u64) {
         if let Ok(mut cur) = self.recorded.lock() {
-            *cur = Some(r);
+            *cur = Some((Arc::downgrade(state), position));
         }
     }
 
-    pub(crate) fn recorded(&self) -> Option<Recorded> {
-        self.recorded.lock().ok().and_then(|r| r.clone())
+    pub(crate) fn recorded(&self) -> Option<(Arc<StreamState>, u64)> {
+        let r = self.recorded.lock().ok()?;
+        let (w, pos) = r.as_ref()?;
+        Some((w.upgrade()?, *pos))
     }
 }
 
@@ -99,24 +73,29 @@ impl crate::Event for HipEvent {
     type B = Hip;
 
     fn synchronize(&self) -> Result<()> {
-        let Some(rec) = self.recorded() else {
+        host_fn::check("event synchronize")?;
+        let Some((state, position)) = self.recorded() else {
             return Ok(());
         };
         self.device.bind()?;
         // SAFETY: the event is live while `self` is.
         unsafe { poll_event(self.raw(), self.device.config().timeout, &format!("hip event #{}", self.id)) }?;
-        match rec.failure() {
-            Some(e) => Err(poisoned(&e)),
-            None => Ok(()),
+        match state.failure_at(position) {
+            Some(e) => Err(e),
+            None => {
+                state.mark_synced(position);
+                Ok(())
+            }
         }
     }
 
     fn query(&self) -> Result<bool> {
-        let Some(rec) = self.recorded() else {
+        host_fn::check("event query")?;
+        let Some((state, position)) = self.recorded() else {
             return Ok(true);
         };
-        if let Some(e) = rec.failure() {
-            return Err(poisoned(&e));
+        if let Some(e) = state.failure_at(position) {
+            return Err(e);
         }
         self.device.bind()?;
         // SAFETY: the event is live while `self` is.
@@ -126,10 +105,18 @@ impl crate::Event for HipEvent {
 
 impl Drop for HipEvent {
     fn drop(&mut self) {
-        // SAFETY: destroyed once; HIP releases a pending event when its work completes.
-        let r = self.device.bind().and_then(|_| unsafe { result::event_destroy(self.raw()) });
-        if let Err(e) = r {
-            park(&self.device.inner.parked, e);
-        }
+        let raw = self.raw;
+        let ordinal = self.device.inner.config.ordinal;
+        let parked = self.device.inner.parked.clone();
+        self.device.inner.deferred.run_or_defer(
+            &(),
+            "hipEventDestroy",
+            move |_| {
+                result::set_device(ordinal)?;
+                // SAFETY: destroyed once; HIP releases a pending event when its work completes.
+                unsafe { result::event_destroy(raw as hipEvent_t) }
+            },
+            |e| park(&parked, e),
+        );
     }
 }

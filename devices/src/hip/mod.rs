@@ -34,22 +34,28 @@
 //!   enqueued after the copy (`hipLaunchHostFunc`, or `hipStreamAddCallback`
 //!   on runtimes that lack it, such as ROCm 5.2) completes the
 //!   [`Readback`](crate::Readback) or returns the staged upload's block to
-//!   the pool, in stream order. Host functions never call HIP;
+//!   the pool, in stream order. Host functions never call HIP: they run
+//!   marked (`crate::host_fn`), every HIP call refuses there with
+//!   `InHostFunction`, and a drop there postpones its HIP work to the next
+//!   bind from another thread;
 //! - **compute** (cast, scale, accumulate, axpy, the MLP and loss ops, SGD,
 //!   AdamW, matmul) are HIP C++ kernels compiled at run time with hipRTC on
 //!   first use and cached per device; see [`kernels`] (matmul is a tiled
 //!   hipRTC kernel with f32 accumulation, not hipBLAS);
 //! - **asynchronous failures**: a HIP error seen by a host wait, or a failure
-//!   another layer reports with [`HipStream::fail`] (a collective's watchdog),
-//!   is sticky on the stream: later operations on it are skipped, and the
-//!   next synchronize — or of an event recorded after it, or of a stream
-//!   that waited for such an event — returns it.
+//!   another layer reports through a [`FailureHandle`](crate::FailureHandle)
+//!   (a collective's watchdog), is sticky on the stream from the failed
+//!   operation on (`crate::failure`, shared with the cuda device): later
+//!   operations on it are skipped, and the next synchronize — or of an event
+//!   recorded after it, or of a stream that waited for such an event —
+//!   returns it.
 //!
 //! The stream sanitizer of the cpu device has no counterpart here: the same
 //! program runs on `cpu` in CI, where races are caught.
 
 mod device;
 mod event;
+mod foreign;
 pub mod kernels;
 pub mod result;
 mod stream;
@@ -57,7 +63,7 @@ pub mod sys;
 
 pub use device::{HipBuffer, HipConfig, HipDevice};
 pub use event::HipEvent;
-pub use stream::{FailureHandle, HipStream};
+pub use stream::HipStream;
 
 #[cfg(doc)]
 use crate::{Device, Priority, Stream};

@@ -54,6 +54,8 @@ pub fn check(lib: &HipLib, code: hipError_t, call: &str) -> Result<(), DeviceErr
 
 /// The loaded runtime.
 pub fn lib() -> Result<&'static HipLib, DeviceError> {
+    // Every HIP call goes through here: the host-function rule is enforced once.
+    crate::host_fn::check("a HIP runtime call")?;
     sys::hip()
 }
 
@@ -401,15 +403,15 @@ pub type HostWork = Box<dyn FnOnce(Result<(), i32>) + Send>;
 unsafe extern "C" fn host_fn_trampoline(user: *mut c_void) {
     // SAFETY: `user` is the `Box<HostWork>` leaked by `launch_host_work`, handed over once.
     let work = unsafe { Box::from_raw(user as *mut HostWork) };
-    // A panic must not unwind into the HIP runtime.
-    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || work(Ok(()))));
+    // Marked as a host function (HIP calls refused); a panic must not unwind into the runtime.
+    let _ = crate::host_fn::run(move || work(Ok(())));
 }
 
 unsafe extern "C" fn callback_trampoline(_stream: hipStream_t, status: hipError_t, user: *mut c_void) {
     // SAFETY: as in `host_fn_trampoline`.
     let work = unsafe { Box::from_raw(user as *mut HostWork) };
     let outcome = if status == sys::hipSuccess { Ok(()) } else { Err(status) };
-    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || work(outcome)));
+    let _ = crate::host_fn::run(move || work(outcome));
 }
 
 /// Enqueues `work` on `stream`: `hipLaunchHostFunc` where the runtime has it,

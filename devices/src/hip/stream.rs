@@ -1,66 +1,18 @@
 //! Streams of the hip device: every operation is one or two asynchronous HIP calls.
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
-use super::device::{park, HipBuffer, HipDevice, Parked};
-use super::event::{poisoned, poll_event, HipEvent, Recorded};
+use super::device::{park, DeferredDrops, HipBuffer, HipDevice, Parked};
+use super::event::{poll_event, HipEvent};
 use super::kernels::{self, Args, Kernel, BLOCK, TILE};
 use super::sys::{self, hipStream_t};
 use super::{result, Hip};
-use crate::checks;
+use crate::failure::{poisoned, StreamState};
+use crate::{checks, host_fn, FailureHandle};
 use crate::{AdamWParams, Copy2d, DType, DeviceError, MatmulSpec, Priority, Readback, Result, Scalar, SgdParams, View};
-
-/// A stream's progress and sticky failure, shared with host functions (which
-/// must not own HIP handles: dropping one there would call HIP).
-#[derive(Debug, Default)]
-pub(crate) struct StreamState {
-    /// Operations enqueued so far.
-    position: AtomicU64,
-    /// The first failure and the position of the operation that failed.
-    failure: Mutex<Option<(u64, DeviceError)>>,
-}
-
-impl StreamState {
-    pub(crate) fn position(&self) -> u64 {
-        self.position.load(Ordering::Acquire)
-    }
-    fn advance(&self) -> u64 {
-        self.position.fetch_add(1, Ordering::AcqRel) + 1
-    }
-    pub(crate) fn failure(&self) -> Option<DeviceError> {
-        self.failure.lock().ok().and_then(|f| f.as_ref().map(|(_, e)| e.clone()))
-    }
-    /// The failure, if the failed operation is at or before `position`.
-    pub(crate) fn failed_by(&self, position: u64) -> Option<DeviceError> {
-        self.failure.lock().ok().and_then(|f| f.as_ref().filter(|(at, _)| *at <= position).map(|(_, e)| e.clone()))
-    }
-    pub(crate) fn fail(&self, at: u64, e: DeviceError) {
-        if let Ok(mut f) = self.failure.lock() {
-            f.get_or_insert((at, e));
-        }
-    }
-}
-
-/// Fails a stream from elsewhere; see [`HipStream::failure_handle`].
-#[derive(Clone, Debug)]
-pub struct FailureHandle {
-    state: Arc<StreamState>,
-    name: String,
-}
-
-impl FailureHandle {
-    /// As [`HipStream::fail`].
-    pub fn fail(&self, position: u64, error: DeviceError) {
-        self.state.fail(position, error);
-    }
-    /// The stream's name.
-    pub fn stream_name(&self) -> &str {
-        &self.name
-    }
-}
 
 /// The owned `hipStream_t`, destroyed when the last user (stream handle,
 /// buffer homed on it, buffer it used) is gone.
@@ -72,6 +24,7 @@ pub(crate) struct StreamInner {
     priority: Priority,
     pub(crate) state: Arc<StreamState>,
     parked: Parked,
+    deferred: DeferredDrops,
 }
 
 impl StreamInner {
@@ -81,10 +34,19 @@ impl StreamInner {
         priority: Priority,
         hip_priority: i32,
         parked: &Parked,
+        deferred: &DeferredDrops,
     ) -> Result<StreamInner> {
         result::set_device(ordinal)?;
         let raw = result::stream_create(hip_priority)? as usize;
-        Ok(StreamInner { raw, ordinal, name, priority, state: Arc::default(), parked: parked.clone() })
+        Ok(StreamInner {
+            raw,
+            ordinal,
+            state: StreamState::new(name.clone()),
+            name,
+            priority,
+            parked: parked.clone(),
+            deferred: deferred.clone(),
+        })
     }
 
     pub(crate) fn raw(&self) -> hipStream_t {
@@ -103,16 +65,20 @@ impl StreamInner {
         };
         // SAFETY: created above.
         let _ = unsafe { result::event_destroy(event) };
+        let upto = self.state.position();
         if let Err(e) = waited {
             if !matches!(e, DeviceError::Timeout { .. }) {
                 // A HIP error from the queued work: sticky from here on.
-                self.state.fail(self.state.position(), e.clone());
+                self.state.fail(upto, e.clone());
             }
             return Err(e);
         }
-        match self.state.failure() {
+        match self.state.failure_at(upto) {
             Some(e) => Err(e),
-            None => Ok(()),
+            None => {
+                self.state.mark_synced(upto);
+                Ok(())
+            }
         }
     }
 }
@@ -123,12 +89,20 @@ unsafe impl Sync for StreamInner {}
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
-        // Returns at once; HIP finishes the queued work before releasing the stream.
-        // SAFETY: the last owner destroys the stream once.
-        let r = result::set_device(self.ordinal).and_then(|_| unsafe { result::stream_destroy(self.raw()) });
-        if let Err(e) = r {
-            park(&self.parked, e);
-        }
+        // Returns at once; HIP finishes the queued work before releasing the
+        // stream. Inside a host function, postponed to a thread that may call HIP.
+        let (raw, ordinal) = (self.raw, self.ordinal);
+        let parked = self.parked.clone();
+        self.deferred.run_or_defer(
+            &(),
+            "hipStreamDestroy",
+            move |_| {
+                result::set_device(ordinal)?;
+                // SAFETY: the last owner destroys the stream once.
+                unsafe { result::stream_destroy(raw as hipStream_t) }
+            },
+            |e| park(&parked, e),
+        );
     }
 }
 
@@ -159,7 +133,8 @@ impl HipStream {
             Priority::Normal => d.priorities.0,
             Priority::High => d.priorities.1,
         };
-        let inner = Arc::new(StreamInner::create(d.config.ordinal, name, priority, hip_priority, &d.parked)?);
+        let inner =
+            Arc::new(StreamInner::create(d.config.ordinal, name, priority, hip_priority, &d.parked, &d.deferred)?);
         if let Ok(mut list) = d.streams.lock() {
             list.retain(|w| w.strong_count() > 0);
             list.push(Arc::downgrade(&inner));
@@ -178,48 +153,17 @@ impl HipStream {
         self.inner.state.position()
     }
 
-    /// Counts one operation that another library enqueues on [`HipStream::raw`]
-    /// and returns its position, for a later [`HipStream::fail`]. Returns
-    /// `Err` with the stream's failure if it has failed: the caller should
-    /// then skip the operation, as every chorus operation does.
-    pub fn begin_external(&self) -> Result<u64> {
-        let at = self.inner.state.advance();
-        match self.inner.state.failure() {
-            Some(e) => Err(poisoned(&e)),
-            None => Ok(at),
-        }
-    }
-
-    /// Marks the operation at `position` failed with `error` (asynchronously,
-    /// as a collective's watchdog does): later operations are skipped, and the
-    /// next synchronize — of this stream, or of an event recorded after that
-    /// operation — returns the error. The first failure sticks.
-    pub fn fail(&self, position: u64, error: DeviceError) {
-        self.inner.state.fail(position, error);
-    }
-
     /// The stream's failure, if it has failed.
     pub fn failure(&self) -> Option<DeviceError> {
-        self.inner.state.failure()
-    }
-
-    /// A handle that can fail this stream later, from any thread, without
-    /// keeping the stream alive (what a collective's watchdog holds).
-    pub fn failure_handle(&self) -> FailureHandle {
-        FailureHandle { state: self.inner.state.clone(), name: self.inner.name.clone() }
+        self.inner.state.own_failure()
     }
 
     /// The device address of `view`'s first element, after checking that it
     /// is of this stream's device and recording that this stream uses its
     /// buffer (so dropping the buffer frees it only after this stream's work).
     pub fn device_ptr(&self, op: &'static str, view: View<'_, Hip>) -> Result<u64> {
+        checks::on_device(op, &self.device, &view)?;
         let buf: &HipBuffer = view.buffer();
-        if !buf.device().is_same(&self.device) {
-            return Err(DeviceError::invalid(
-                op,
-                format!("a view of {} was passed to a stream of {}", buf.device().label(), self.device.label()),
-            ));
-        }
         buf.note_use(&self.inner);
         Ok(buf.device_ptr() + (view.offset() * view.dtype().size()) as u64)
     }
@@ -227,12 +171,26 @@ impl HipStream {
     /// Runs `f` to enqueue one operation, unless the stream has failed (then
     /// the operation is skipped, as the contract says, and `Ok` returned).
     fn enqueue(&self, f: impl FnOnce(hipStream_t) -> Result<()>) -> Result<()> {
-        self.inner.state.advance();
-        if self.inner.state.failure().is_some() {
-            return Ok(());
+        self.enqueue_at(f).map(|_| ())
+    }
+
+    /// [`HipStream::enqueue`], returning the operation's position, or `None`
+    /// when the stream has failed and the operation was skipped.
+    pub(crate) fn enqueue_at(&self, f: impl FnOnce(hipStream_t) -> Result<()>) -> Result<Option<u64>> {
+        host_fn::check("a hip stream operation")?;
+        let at = self.inner.state.advance();
+        if self.inner.state.own_failure().is_some() {
+            return Ok(None);
         }
         self.device.bind()?;
-        f(self.raw())
+        f(self.raw())?;
+        Ok(Some(at))
+    }
+
+    /// A handle that fails this stream from a given position on (what a
+    /// collective's watchdog holds).
+    pub(crate) fn failure_handle(&self) -> FailureHandle {
+        self.inner.state.failure_handle()
     }
 
     fn timeout(&self) -> Duration {
@@ -471,9 +429,10 @@ impl crate::Stream for HipStream {
 
     fn copy_to_host(&self, src: View<'_, Hip>) -> Result<Readback> {
         let s = self.device_ptr("copy_to_host", src)?;
+        host_fn::check("copy_to_host")?;
         let (readback, filler) = Readback::pending(src.dtype(), src.len(), self.timeout());
         let at = self.inner.state.advance();
-        if let Some(e) = self.inner.state.failure() {
+        if let Some(e) = self.inner.state.own_failure() {
             filler.fail(poisoned(&e));
             return Ok(readback);
         }
@@ -501,7 +460,7 @@ impl crate::Stream for HipStream {
                     code: code as i64,
                     message: "the stream failed before the device-to-host copy completed".into(),
                 }),
-                Ok(()) => match state.failed_by(at) {
+                Ok(()) => match state.failure_at(at) {
                     Some(e) => Err(poisoned(&e)),
                     // SAFETY: the copy into the block has completed (stream order).
                     None => Ok(unsafe { std::slice::from_raw_parts(block.ptr(), bytes) }.to_vec()),
@@ -592,34 +551,63 @@ impl crate::Stream for HipStream {
     }
 
     fn record(&self, event: &HipEvent) -> Result<()> {
-        if !event.device.is_same(&self.device) {
-            return Err(DeviceError::invalid("record", "the event is of another device"));
-        }
+        host_fn::check("record")?;
+        checks::same_device("record", "an event", &self.device, &event.device)?;
         self.device.bind()?;
         // SAFETY: live handles of one device.
         unsafe { result::event_record(event.raw(), self.raw()) }?;
-        event.set_recorded(Recorded { state: self.inner.state.clone(), position: self.position() });
+        let position = self.inner.state.advance();
+        event.set_recorded(&self.inner.state, position);
         Ok(())
     }
 
     fn wait(&self, event: &HipEvent) -> Result<()> {
-        if !event.device.is_same(&self.device) {
-            return Err(DeviceError::invalid("wait", "the event is of another device"));
-        }
-        let Some(rec) = event.recorded() else {
+        host_fn::check("wait")?;
+        checks::same_device("wait", "an event", &self.device, &event.device)?;
+        let Some((state, theirs)) = event.recorded() else {
             return Ok(());
         };
-        if let Some(e) = rec.failure() {
-            // What this stream waits for has failed: so has everything after the wait.
-            self.inner.state.fail(self.inner.state.advance(), poisoned(&e));
-        }
         self.device.bind()?;
         // SAFETY: live handles of one device.
-        unsafe { result::stream_wait_event(self.raw(), event.raw()) }
+        unsafe { result::stream_wait_event(self.raw(), event.raw()) }?;
+        let ours = self.inner.state.advance();
+        if !Arc::ptr_eq(&state, &self.inner.state) {
+            self.inner.state.add_upstream(&state, theirs, ours);
+        }
+        Ok(())
     }
 
     fn synchronize(&self) -> Result<()> {
+        host_fn::check("stream synchronize")?;
         self.inner.synchronize(self.timeout())
+    }
+
+    fn launch_host_fn(&self, f: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
+        host_fn::check("launch_host_fn")?;
+        let at = self.inner.state.advance();
+        if let Some(e) = self.inner.state.own_failure() {
+            f(Err(poisoned(&e)));
+            return Ok(());
+        }
+        self.device.bind()?;
+        let state = self.inner.state.clone();
+        self.host_work(Box::new(move |outcome| {
+            let told = match outcome {
+                Err(code) => Err(DeviceError::Backend {
+                    library: result::LIBRARY,
+                    code: code as i64,
+                    message: "the stream failed before the host function".into(),
+                }),
+                Ok(()) => match state.failure_at(at) {
+                    Some(e) => Err(poisoned(&e)),
+                    None => Ok(()),
+                },
+            };
+            if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || f(told))) {
+                let msg = panic.downcast_ref::<&str>().map(|s| s.to_string()).unwrap_or_default();
+                state.fail(at, DeviceError::invalid("launch_host_fn", format!("the host function panicked: {msg}")));
+            }
+        }))
     }
 
     fn matmul(&self, spec: MatmulSpec, a: View<'_, Hip>, b: View<'_, Hip>, c: View<'_, Hip>) -> Result<()> {

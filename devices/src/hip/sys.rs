@@ -19,6 +19,8 @@
 use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::sync::OnceLock;
 
+pub use crate::loader::{open_first, Loaded};
+use crate::loader::{optional, required};
 use crate::DeviceError;
 
 /// `hipError_t`.
@@ -75,83 +77,6 @@ pub const HIPRTC_VARIABLE: &str = "CHORUS_HIPRTC_LIB";
 /// hipRTC inside `libamdhip64`, which is tried last.
 pub const HIPRTC_NAMES: [&str; 4] = ["libhiprtc.so", "libhiprtc.so.7", "libhiprtc.so.6", "libhiprtc.so.5"];
 
-/// A library that was found: the handle and where it was loaded from.
-#[derive(Debug)]
-pub struct Loaded {
-    /// The open library (kept open for the life of the process once stored).
-    pub library: libloading::Library,
-    /// The file it was loaded from: the resolved path where the process maps
-    /// show it, else the name that loaded.
-    pub path: String,
-}
-
-/// Opens the first library that loads: `$variable` (a full path) if set,
-/// then each of `names`. The error names every file tried and the variable.
-pub fn open_first(library: &'static str, variable: &'static str, names: &[&str]) -> Result<Loaded, DeviceError> {
-    let mut tried = Vec::new();
-    let from_env = std::env::var(variable).ok().filter(|v| !v.is_empty());
-    let candidates = from_env.iter().map(String::as_str).chain(names.iter().copied());
-    for name in candidates {
-        // SAFETY: loading a vendor library runs its initializers; these are
-        // the libraries the variable or the system designates for this purpose.
-        match unsafe { libloading::Library::new(name) } {
-            Ok(lib) => return Ok(Loaded { library: lib, path: resolved_path(name) }),
-            Err(e) => {
-                if from_env.as_deref() == Some(name) {
-                    tried.push(format!("{variable}={name} ({e})"));
-                } else {
-                    tried.push(name.to_string());
-                }
-            }
-        }
-    }
-    Err(DeviceError::LibraryUnavailable { library, tried: tried.join(", "), variable })
-}
-
-/// The path the dynamic loader mapped for `name` (from `/proc/self/maps`), or `name`.
-fn resolved_path(name: &str) -> String {
-    if name.starts_with('/') {
-        return name.to_string();
-    }
-    let stem = name.split(".so").next().unwrap_or(name);
-    std::fs::read_to_string("/proc/self/maps")
-        .ok()
-        .and_then(|maps| {
-            maps.lines()
-                .filter_map(|l| l.split_whitespace().nth(5))
-                .find(|p| {
-                    p.rsplit('/').next().is_some_and(|f| f.starts_with(stem) && f[stem.len()..].starts_with(".so"))
-                })
-                .map(str::to_string)
-        })
-        .unwrap_or_else(|| name.to_string())
-}
-
-/// Resolves a required symbol, or names it in the error.
-///
-/// # Safety
-/// `T` must be the symbol's true C signature.
-pub unsafe fn required<T: Copy>(lib: &Loaded, library: &'static str, name: &str) -> Result<T, DeviceError> {
-    // SAFETY: per the caller's contract on `T`.
-    match unsafe { lib.library.get::<T>(name) } {
-        Ok(sym) => Ok(*sym),
-        Err(e) => Err(DeviceError::Backend {
-            library,
-            code: -1,
-            message: format!("{} lacks the symbol {name} ({e}); a ROCm 5.1 or newer runtime is needed", lib.path),
-        }),
-    }
-}
-
-/// Resolves an optional symbol.
-///
-/// # Safety
-/// `T` must be the symbol's true C signature.
-pub unsafe fn optional<T: Copy>(lib: &Loaded, name: &str) -> Option<T> {
-    // SAFETY: per the caller's contract on `T`.
-    unsafe { lib.library.get::<T>(name) }.ok().map(|s| *s)
-}
-
 macro_rules! api {
     ($(#[$meta:meta])* $lib:ident, $name:literal { $($(#[$fmeta:meta])* $f:ident: fn($($arg:ty),*) -> $ret:ty;)* }
      optional { $($(#[$ometa:meta])* $o:ident: fn($($oarg:ty),*) -> $oret:ty;)* }) => {
@@ -171,7 +96,7 @@ macro_rules! api {
                 unsafe {
                     Ok($lib {
                         path: lib.path.clone(),
-                        $($f: required(&lib, $name, stringify!($f))?,)*
+                        $($f: required(&lib, $name, stringify!($f), "a ROCm 5.1 or newer runtime")?,)*
                         $($o: optional(&lib, stringify!($o)),)*
                         _library: lib.library,
                     })

@@ -17,14 +17,25 @@ pub const TEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a gate job waits to be opened before failing its stream.
 const GATE_LIMIT: Duration = Duration::from_secs(20);
 
-/// A device with the sanitizer on, whatever `CHORUS_SANITIZER` says.
+/// A device with the sanitizer on.
 pub fn device() -> CpuDevice {
-    device_with(true, TEST_TIMEOUT)
+    device_with(TEST_TIMEOUT)
 }
 
-/// A device with the given sanitizer setting and deadline.
-pub fn device_with(sanitizer: bool, timeout: Duration) -> CpuDevice {
-    CpuDevice::new(CpuConfig { ordinal: 0, sanitizer, timeout })
+/// A device with the sanitizer on and the given deadline.
+pub fn device_with(timeout: Duration) -> CpuDevice {
+    CpuDevice::new(CpuConfig::default().with_timeout(timeout))
+}
+
+/// A device with the sanitizer off.
+///
+/// # Safety
+/// As [`CpuConfig::without_sanitizer`]: the test must never let two streams
+/// touch one buffer at the same time (it holds one back with a [`Gate`], or
+/// the other's work is skipped).
+pub unsafe fn device_without_sanitizer() -> CpuDevice {
+    // SAFETY: the caller's obligation.
+    CpuDevice::new(unsafe { CpuConfig::default().with_timeout(TEST_TIMEOUT).without_sanitizer() })
 }
 
 /// A normal-priority stream.

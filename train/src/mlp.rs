@@ -10,9 +10,10 @@
 
 use chorus_collectives::CommBackend;
 use chorus_devices::{Backend, Buffer, DType, MatmulSpec, Stream, StreamExt, View};
+use chorus_fsdp::{Fsdp, FsdpError, ParamInit, Result};
 
-use crate::state::Buf;
-use crate::{Fsdp, FsdpError, ParamInit, Result};
+/// A device buffer of the backend behind communicator `C`.
+type Buf<C> = <<C as CommBackend>::B as Backend>::Buffer;
 
 /// A deterministic generator (splitmix64) for weights and data.
 #[derive(Clone, Debug)]

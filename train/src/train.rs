@@ -6,12 +6,12 @@ use std::time::Instant;
 
 use chorus_collectives::{CommBackend, Communicator, Mesh};
 use chorus_devices::{Buffer, Device};
+use chorus_fsdp::{
+    DataParallel, Fsdp, FsdpConfig, FsdpError, HostOverhead, OptimizerKind, ParamInit, Result, ShardedOptimizer,
+};
 
 use crate::mlp::{Mlp, SplitMix};
 use crate::npy::Array;
-use crate::{
-    DataParallel, Fsdp, FsdpConfig, FsdpError, HostOverhead, OptimizerKind, ParamInit, Result, ShardedOptimizer,
-};
 
 /// Inputs and targets: `batches` global batches of `rows` rows (the
 /// data-parallel world × the per-rank batch).

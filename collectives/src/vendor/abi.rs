@@ -12,8 +12,8 @@
 //! handle of a pre-multiplied sum is a run-time value beyond the enum.
 //!
 //! # Stability
-//! The ROCm backend depends on these names; add to this module, never
-//! rename or change a value.
+//! Every library of the family depends on these names; add to this module,
+//! never rename or change a value.
 
 use std::fmt;
 
@@ -203,6 +203,34 @@ impl RedOpPlan {
             ReduceOp::PreMulSum(s) => RedOpPlan::PreMulSum(s),
         }
     }
+}
+
+/// Whether an NCCL of this version computes one-rank `Avg` and `PreMulSum`
+/// reductions wrongly: the last elements unwritten or unscaled when the count
+/// is not a multiple of the kernel's split (NVIDIA/nccl#1950, fixed in 2.29.7).
+pub fn nccl_one_rank_scaling_broken(version: Version) -> bool {
+    version < Version { major: 2, minor: 29, patch: 7 }
+}
+
+/// A pre-multiplied sum's scalar as one element of `dtype`, little-endian
+/// (what `ncclRedOpCreatePreMulSum` reads with a host-immediate residence):
+/// floats rounded to nearest, integers truncated toward zero, as C converts.
+pub fn encode_scalar(dtype: DataType, s: f64) -> [u8; 8] {
+    let mut out = [0u8; 8];
+    let bytes: Vec<u8> = match dtype {
+        DataType::Float32 => (s as f32).to_le_bytes().to_vec(),
+        DataType::Float64 => s.to_le_bytes().to_vec(),
+        DataType::Float16 => half::f16::from_f64(s).to_le_bytes().to_vec(),
+        DataType::Bfloat16 => half::bf16::from_f64(s).to_le_bytes().to_vec(),
+        DataType::Int32 => (s as i32).to_le_bytes().to_vec(),
+        DataType::Uint32 => (s as u32).to_le_bytes().to_vec(),
+        DataType::Int64 => (s as i64).to_le_bytes().to_vec(),
+        DataType::Uint64 => (s as u64).to_le_bytes().to_vec(),
+        DataType::Int8 => (s as i8).to_le_bytes().to_vec(),
+        DataType::Uint8 | DataType::Float8E4M3 | DataType::Float8E5M2 => (s as u8).to_le_bytes().to_vec(),
+    };
+    out[..bytes.len()].copy_from_slice(&bytes);
+    out
 }
 
 /// `ncclScalarResidence_t`: where a pre-multiplied sum's scalar lives.

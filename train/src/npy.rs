@@ -4,7 +4,7 @@
 use std::io::{Read, Write};
 use std::path::Path;
 
-use crate::{FsdpError, Result};
+use chorus_fsdp::{FsdpError, Result};
 
 /// A float32 array: its shape and row-major values.
 #[derive(Clone, Debug, PartialEq)]

@@ -1,0 +1,905 @@
+//! The communicator of the NCCL family, written once for NCCL, RCCL and the
+//! simulated library: [`VendorComm`].
+
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use chorus_devices::wait::Backoff;
+use chorus_devices::{
+    AccessKind, Backend, Buffer, DType, Device, DeviceError, Event, FailureHandle, ForeignBackend, Scalar, Stream, View,
+};
+
+use super::abi::{encode_scalar, CommConfig, DataType, RedOp, RedOpPlan, Status, UniqueId, Version};
+use super::result::{Lib, RawCall};
+use super::sys::ncclComm_t;
+use super::watchdog::{self, Watched};
+use super::VendorLib;
+use crate::backend::{Call, CallKind, Capabilities, CommBackend};
+use crate::bootstrap::Store;
+use crate::{CommError, Communicator, ReduceOp, Result};
+
+/// Settings of an NCCL-family communicator.
+#[derive(Clone, Debug)]
+pub struct VendorConfig {
+    /// Deadline of initialization, of a split, of reading the unique id from
+    /// the store, and of each launch once its stream reaches it (the
+    /// watchdog's). A peer that has not arrived by then is treated as dead:
+    /// the communicator is aborted and the waiting rank gets `Timeout`.
+    pub timeout: Duration,
+    /// The store key rank 0 publishes the unique id under.
+    pub store_key: String,
+    /// Use the library's blocking mode: calls block inside the library until
+    /// peers arrive, so no deadline applies to them and an abort waits for
+    /// the call in progress. Off by default: non-blocking calls return
+    /// `ncclInProgress` and are polled with the deadline.
+    pub blocking: bool,
+}
+
+impl Default for VendorConfig {
+    fn default() -> Self {
+        VendorConfig { timeout: Duration::from_secs(300), store_key: "chorus/nccl/unique_id".into(), blocking: false }
+    }
+}
+
+/// The raw handle, used only under its lock.
+struct Handle {
+    raw: usize,
+    /// Aborted or destroyed: the handle must never be passed to the library again.
+    released: bool,
+}
+
+/// A launch the watchdog follows until its end event completes.
+struct Pending<B: Backend> {
+    start: B::Event,
+    end: B::Event,
+    /// When the stream reached the launch (the start event completed).
+    reached: Option<Instant>,
+    failure: FailureHandle,
+    position: u64,
+    op: &'static str,
+    seq: u64,
+}
+
+struct PendingList<B: Backend> {
+    launches: Vec<Pending<B>>,
+    /// Whether the watchdog is following this communicator.
+    watched: bool,
+}
+
+/// The handle and the state every user of it shares (the communicator, its
+/// launches' watchdog entry).
+struct Shared<L: VendorLib> {
+    lib: Lib,
+    /// Every call on the handle is made holding this lock: the library forbids
+    /// concurrent use of one communicator, and it orders calls with abort.
+    handle: Mutex<Handle>,
+    /// Raised by abort before it takes the lock, so a thread that holds the
+    /// lock while it polls an in-progress call gives way within one poll.
+    abort_requested: AtomicBool,
+    /// The first asynchronous error or abort reason.
+    error: Mutex<Option<CommError>>,
+    rank: usize,
+    size: usize,
+    device: <L::B as Backend>::Device,
+    config: VendorConfig,
+    version: Version,
+    pending: Mutex<PendingList<L::B>>,
+    /// Recorded events no launch uses any more.
+    spare_events: Mutex<Vec<<L::B as Backend>::Event>>,
+}
+
+fn op_failed(op: &'static str, stream: &str, error: CommError) -> DeviceError {
+    match error {
+        CommError::Device(d) => d,
+        other => DeviceError::OpFailed { op, stream: stream.to_string(), source: Arc::new(other) },
+    }
+}
+
+impl<L: VendorLib> Shared<L> {
+    fn error(&self) -> Option<CommError> {
+        self.error.lock().ok().and_then(|e| e.clone())
+    }
+
+    fn aborted(&self) -> CommError {
+        self.error().unwrap_or_else(|| CommError::Aborted { reason: "the communicator was aborted".into() })
+    }
+
+    /// The handle, locked, for a call; `Aborted` once released or while an
+    /// abort is waiting for the lock.
+    fn lock(&self) -> Result<MutexGuard<'_, Handle>> {
+        crate::host_fn_check(L::NAME)?;
+        let guard = self.handle.lock().map_err(|_| CommError::invalid("communicator", "lock poisoned by a panic"))?;
+        if guard.released || self.abort_requested.load(Ordering::Acquire) {
+            return Err(self.aborted());
+        }
+        L::B::bind(&self.device).map_err(CommError::Device)?;
+        Ok(guard)
+    }
+
+    /// Polls the communicator until its in-progress call has finished. The
+    /// caller holds the lock; an abort request ends the wait at once, the
+    /// deadline with `Timeout`.
+    fn wait_ready(&self, comm: ncclComm_t, op: &str, seq: u64) -> Result<()> {
+        let backoff = Backoff::new();
+        loop {
+            if self.abort_requested.load(Ordering::Acquire) {
+                return Err(self.aborted());
+            }
+            // SAFETY: the caller holds the lock on the live handle.
+            match unsafe { self.lib.async_error(comm) }? {
+                Status::Done => return Ok(()),
+                Status::InProgress if backoff.expired(self.config.timeout) => {
+                    return Err(CommError::Timeout {
+                        op: op.to_string(),
+                        seq,
+                        waited: self.config.timeout,
+                        missing: Vec::new(),
+                    })
+                }
+                Status::InProgress => backoff.pause(),
+            }
+        }
+    }
+
+    /// Aborts with `reason` (the first reason wins): releases the handle
+    /// (`ncclCommAbort`, which makes queued kernels return) and fails the
+    /// stream of every launch still pending. Never waits behind a call in
+    /// progress on a non-blocking communicator: such a call polls, sees the
+    /// request and gives the lock up.
+    fn abort_with(&self, reason: CommError) {
+        if let Ok(mut e) = self.error.lock() {
+            e.get_or_insert(reason);
+        }
+        self.abort_requested.store(true, Ordering::Release);
+        if let Ok(mut h) = self.handle.lock() {
+            if !h.released {
+                h.released = true;
+                let aborted = L::B::bind(&self.device)
+                    .map_err(CommError::Device)
+                    // SAFETY: the live handle, under its lock, released exactly once here.
+                    .and_then(|_| unsafe { self.lib.abort(h.raw as ncclComm_t) });
+                if let Err(e) = aborted {
+                    L::B::park(&self.device, op_failed("ncclCommAbort", &self.device.name(), e));
+                }
+            }
+        }
+        let error = self.aborted();
+        let launches = self.pending.lock().map(|mut p| std::mem::take(&mut p.launches)).unwrap_or_default();
+        for p in launches {
+            p.failure.fail(p.position, op_failed(p.op, p.failure.stream_name(), error.clone()));
+        }
+    }
+
+    /// After a call gave way to an abort request: waits until the abort has
+    /// released the handle — which ends the library's work for the call (its
+    /// thread may still be enqueueing on the caller's stream) — so the caller
+    /// returns only once nothing of the call can still touch its stream.
+    fn await_abort(&self) {
+        let backoff = Backoff::new();
+        while !backoff.expired(self.config.timeout) {
+            match self.handle.lock() {
+                Ok(h) if !h.released => {}
+                _ => return,
+            }
+            backoff.pause();
+        }
+    }
+
+    fn take_event(&self) -> Result<<L::B as Backend>::Event> {
+        if let Some(e) = self.spare_events.lock().ok().and_then(|mut s| s.pop()) {
+            return Ok(e);
+        }
+        self.device.create_event().map_err(CommError::Device)
+    }
+
+    fn give_events(&self, events: impl IntoIterator<Item = <L::B as Backend>::Event>) {
+        if let Ok(mut s) = self.spare_events.lock() {
+            s.extend(events);
+        }
+    }
+}
+
+impl<L: VendorLib> Watched for Shared<L> {
+    fn poll(&self) -> bool {
+        let mut expired = None;
+        let mut done = Vec::new();
+        let still_pending = {
+            let Ok(mut p) = self.pending.lock() else { return false };
+            let now = Instant::now();
+            let timeout = self.config.timeout;
+            let mut i = 0;
+            while i < p.launches.len() {
+                let l = &mut p.launches[i];
+                // A failed query means the stream failed at or before the
+                // launch: reported there already, nothing left to watch.
+                let mut finished = false;
+                if l.reached.is_none() {
+                    match l.start.query() {
+                        Ok(true) => l.reached = Some(now),
+                        Ok(false) => {}
+                        Err(_) => finished = true,
+                    }
+                }
+                finished = finished || l.end.query().unwrap_or(true);
+                if finished {
+                    let l = p.launches.swap_remove(i);
+                    done.push(l);
+                    continue;
+                }
+                if l.reached.is_some_and(|t| now.duration_since(t) >= timeout) && expired.is_none() {
+                    expired =
+                        Some(CommError::Timeout { op: l.op.to_string(), seq: l.seq, waited: timeout, missing: vec![] });
+                }
+                i += 1;
+            }
+            if p.launches.is_empty() {
+                p.watched = false;
+            }
+            !p.launches.is_empty()
+        };
+        self.give_events(done.into_iter().flat_map(|l| [l.start, l.end]));
+        if let Some(e) = expired {
+            // The pending launches (the expired one first) report the timeout.
+            self.abort_with(e);
+            return false;
+        }
+        if still_pending {
+            // An asynchronous error (a peer that died, a network failure).
+            let async_error = match self.handle.try_lock() {
+                // SAFETY: the live handle under its lock.
+                Ok(h) if !h.released => unsafe { self.lib.async_error(h.raw as ncclComm_t) }.err(),
+                _ => None,
+            };
+            if let Some(e) = async_error {
+                self.abort_with(e);
+                return false;
+            }
+        }
+        still_pending
+    }
+}
+
+impl<L: VendorLib> Drop for Shared<L> {
+    fn drop(&mut self) {
+        let Ok(h) = self.handle.get_mut() else { return };
+        if h.released {
+            return;
+        }
+        h.released = true;
+        let comm = h.raw as ncclComm_t;
+        if L::B::bind(&self.device).is_err() {
+            return;
+        }
+        // Finalize flushes queued work and tears connections down collectively;
+        // if that fails or takes past the deadline, abort instead.
+        // SAFETY: the live handle; nobody else holds this communicator any more.
+        let finalized = unsafe { self.lib.finalize(comm) }.and_then(|s| match s {
+            Status::Done => Ok(()),
+            Status::InProgress => {
+                let backoff = Backoff::new();
+                let deadline = self.config.timeout.min(Duration::from_secs(60));
+                loop {
+                    // SAFETY: as above.
+                    match unsafe { self.lib.async_error(comm) } {
+                        Ok(Status::Done) => break Ok(()),
+                        Ok(Status::InProgress) if !backoff.expired(deadline) => backoff.pause(),
+                        Ok(Status::InProgress) => {
+                            break Err(CommError::Timeout {
+                                op: "ncclCommFinalize".into(),
+                                seq: 0,
+                                waited: deadline,
+                                missing: Vec::new(),
+                            })
+                        }
+                        Err(e) => break Err(e),
+                    }
+                }
+            }
+        });
+        let result = match finalized {
+            // SAFETY: finalized; destroyed once.
+            Ok(()) => unsafe { self.lib.destroy(comm) },
+            Err(e) => {
+                // SAFETY: released once (abort frees the handle).
+                let _ = unsafe { self.lib.abort(comm) };
+                Err(e)
+            }
+        };
+        if let Err(e) = result {
+            L::B::park(&self.device, op_failed("ncclCommFinalize", &self.device.name(), e));
+        }
+    }
+}
+
+/// One rank's endpoint of an NCCL-family communicator: NCCL on a cuda device
+/// ([`NcclComm`](crate::nccl::NcclComm)), RCCL on a hip device
+/// ([`RcclComm`](crate::rccl::RcclComm)), or the simulated library on a cpu
+/// device. See the [module documentation](super) for how the contract maps
+/// onto the library.
+pub struct VendorComm<L: VendorLib> {
+    shared: Arc<Shared<L>>,
+}
+
+impl<L: VendorLib> std::fmt::Debug for VendorComm<L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}Comm(rank {}/{} on {}, {} {})",
+            L::NAME,
+            self.shared.rank,
+            self.shared.size,
+            self.shared.device.name(),
+            L::NAME,
+            self.shared.version
+        )
+    }
+}
+
+/// A heap slot the library writes a communicator handle into. It must stay
+/// valid until the library has written it, which for a non-blocking split
+/// is after the call returned; a slot whose operation did not complete is
+/// leaked rather than freed under the library.
+struct Slot(Box<AtomicPtr<c_void>>);
+
+impl Slot {
+    fn new() -> Slot {
+        Slot(Box::new(AtomicPtr::new(std::ptr::null_mut())))
+    }
+    fn ptr(&self) -> *mut ncclComm_t {
+        // AtomicPtr<c_void> has the layout of *mut c_void.
+        self.0.as_ptr() as *mut ncclComm_t
+    }
+    /// The handle, once the operation has completed.
+    fn read(self) -> ncclComm_t {
+        self.0.load(Ordering::Acquire)
+    }
+    /// The operation did not complete: the library may still write the slot.
+    fn abandon(self) {
+        Box::leak(self.0);
+    }
+}
+
+impl<L: VendorLib> VendorComm<L> {
+    /// The library's version (loads the library).
+    pub fn library_version() -> Result<Version> {
+        L::lib()?.version()
+    }
+
+    /// A new unique id (`ncclGetUniqueId`), for rank 0 to hand to the others.
+    pub fn unique_id() -> Result<UniqueId> {
+        L::lib()?.unique_id()
+    }
+
+    /// Bootstrap through `store`: rank 0 creates the unique id and publishes
+    /// its 128 bytes under [`VendorConfig::store_key`]; the other ranks wait
+    /// for them (up to the deadline); then every rank calls
+    /// [`VendorComm::init_with_id`]. Every rank must call this; it returns
+    /// when all have joined, or fails with `Timeout` (and aborts).
+    pub fn init(
+        store: &dyn Store,
+        rank: usize,
+        size: usize,
+        device: <L::B as Backend>::Device,
+        config: VendorConfig,
+    ) -> Result<Communicator<Self>> {
+        if size == 0 || rank >= size {
+            return Err(CommError::invalid("init", format!("rank {rank} of {size} ranks")));
+        }
+        let id = if rank == 0 {
+            let id = Self::unique_id()?;
+            store.set(&config.store_key, id.as_bytes())?;
+            id
+        } else {
+            UniqueId::from_slice(&store.get(&config.store_key, config.timeout)?)?
+        };
+        Self::init_with_id(&id, rank, size, device, config)
+    }
+
+    /// Rank `rank` of `size` joins the communicator identified by `id` on
+    /// `device`. Returns when every rank has joined, or fails with `Timeout`
+    /// after the deadline (non-blocking libraries; a library without
+    /// `ncclCommInitRankConfig` blocks until all have joined).
+    pub fn init_with_id(
+        id: &UniqueId,
+        rank: usize,
+        size: usize,
+        device: <L::B as Backend>::Device,
+        config: VendorConfig,
+    ) -> Result<Communicator<Self>> {
+        if size == 0 || rank >= size {
+            return Err(CommError::invalid("init", format!("rank {rank} of {size} ranks")));
+        }
+        crate::host_fn_check(L::NAME)?;
+        let lib = L::lib()?;
+        let version = lib.version()?;
+        L::B::bind(&device).map_err(CommError::Device)?;
+        let slot = Slot::new();
+        let mut cfg = CommConfig::new(config.blocking);
+        // SAFETY: the device is current on this thread; the slot outlives the
+        // initialization (it is leaked below if that does not complete).
+        let status = unsafe { lib.comm_init_rank(slot.ptr(), size, *id, rank, Some(&mut cfg)) }?;
+        // NCCL writes the handle before it returns, even when the rest of the
+        // initialization goes on in the background: it is what one polls.
+        let raw = slot.0.load(Ordering::Acquire);
+        if raw.is_null() {
+            slot.abandon();
+            return Err(CommError::Backend {
+                library: L::NAME,
+                code: -1,
+                message: "ncclCommInitRankConfig returned no communicator".into(),
+            });
+        }
+        let shared = Self::shared(lib, raw, rank, size, device, config, version);
+        if status == Status::InProgress {
+            let ready = shared.lock().and_then(|_guard| shared.wait_ready(raw, "ncclCommInitRankConfig", 0));
+            if let Err(e) = ready {
+                shared.abort_with(CommError::Aborted { reason: format!("initialization failed: {e}") });
+                drop(slot);
+                return Err(e);
+            }
+        }
+        drop(slot);
+        Ok(Communicator::new(VendorComm { shared }))
+    }
+
+    fn shared(
+        lib: Lib,
+        raw: ncclComm_t,
+        rank: usize,
+        size: usize,
+        device: <L::B as Backend>::Device,
+        config: VendorConfig,
+        version: Version,
+    ) -> Arc<Shared<L>> {
+        Arc::new(Shared {
+            lib,
+            handle: Mutex::new(Handle { raw: raw as usize, released: false }),
+            abort_requested: AtomicBool::new(false),
+            error: Mutex::new(None),
+            rank,
+            size,
+            device,
+            config,
+            version,
+            pending: Mutex::new(PendingList { launches: Vec::new(), watched: false }),
+            spare_events: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The library's version this communicator runs on.
+    pub fn version(&self) -> Version {
+        self.shared.version
+    }
+
+    /// Runs `f` with the raw `ncclComm_t`, under the communicator's lock and
+    /// with the device bound, for calling the library directly (the benchmark
+    /// compares chorus's per-call overhead with it). Fails with `Aborted`
+    /// once the communicator has been aborted.
+    ///
+    /// # Safety
+    /// `f` must not destroy, abort or keep the handle, must not leave a call
+    /// in progress, and whatever it enqueues must follow the library's rules
+    /// (every rank issues the same calls).
+    pub unsafe fn with_raw<R>(&self, f: impl FnOnce(ncclComm_t, &Lib) -> R) -> Result<R> {
+        let guard = self.shared.lock()?;
+        Ok(f(guard.raw as ncclComm_t, &self.shared.lib))
+    }
+
+    /// Fails `stream` from its next position with `error` (a call on an
+    /// aborted communicator, which must not hang and must not run).
+    fn fail_stream(&self, stream: &<L::B as Backend>::Stream, op: &'static str, error: CommError) -> Result<()> {
+        let wrapped = op_failed(op, &stream.name(), error);
+        let handle = L::B::failure_handle(stream);
+        if let Some(pos) = L::B::enqueue_foreign(stream, op, &[], &mut |_| Ok(())).map_err(CommError::Device)? {
+            handle.fail(pos, wrapped);
+        }
+        Ok(())
+    }
+
+    /// The operator to issue for `op`, and the scale to apply afterwards when
+    /// the library's one-rank scaling is broken (NVIDIA/nccl#1950).
+    fn plan_op(&self, op: ReduceOp, dtype: DType) -> Result<(ReduceOp, Option<Fixup>)> {
+        let broken = self.shared.size == 1 && L::one_rank_scaling_broken(self.shared.version);
+        if !broken {
+            return Ok((op, None));
+        }
+        match op {
+            // Over one rank the average is the value itself: a sum, exactly.
+            ReduceOp::Avg => Ok((ReduceOp::Sum, None)),
+            ReduceOp::PreMulSum(s) if dtype.is_float() => Ok((ReduceOp::Sum, Some(Fixup::Scale(s)))),
+            ReduceOp::PreMulSum(s) => match s.trunc() as i64 {
+                // The library converts the scalar to the integer dtype first.
+                1 => Ok((ReduceOp::Sum, None)),
+                0 => Ok((ReduceOp::Sum, Some(Fixup::Zero))),
+                _ => Err(CommError::Unsupported {
+                    backend: L::NAME,
+                    what: format!(
+                        "an integer PreMulSum by {s} on one rank with {} {} (NVIDIA/nccl#1950)",
+                        L::NAME,
+                        self.shared.version
+                    ),
+                }),
+            },
+            other => Ok((other, None)),
+        }
+    }
+}
+
+/// What a communicator of `lib` at `version` can do.
+fn capabilities_of(lib: &Lib, v: Version) -> Capabilities {
+    Capabilities {
+        avg: v.at_least(2, 10),
+        premul_sum: v.at_least(2, 11) && lib.api.ncclRedOpCreatePreMulSum.is_some(),
+        ranks_share_device: false,
+        world_abort: false,
+        fault_injection: false,
+        detects_mismatch: false,
+        names_missing_ranks: false,
+    }
+}
+
+impl<L: VendorLib> VendorComm<L> {
+    /// What a communicator of this library would offer, from the library
+    /// alone (no device needed): for listing and planning before a world exists.
+    pub fn declared_capabilities() -> Result<Capabilities> {
+        let lib = L::lib()?;
+        Ok(capabilities_of(&lib, lib.version()?))
+    }
+}
+
+/// What a launch does after the library's calls, on the same stream.
+#[derive(Clone, Copy, Debug)]
+enum Fixup {
+    Scale(f64),
+    Zero,
+}
+
+/// One call, prepared: the raw arguments (the reduce operator as a plan),
+/// what it reads and writes, and what to do after.
+struct Prepared<'a, B: Backend> {
+    call: RawCall,
+    premul: Option<(f64, DataType)>,
+    fixup: Option<(Fixup, View<'a, B>)>,
+}
+
+impl<L: VendorLib> CommBackend for VendorComm<L> {
+    type B = L::B;
+    const NAME: &'static str = L::NAME;
+
+    fn rank(&self) -> usize {
+        self.shared.rank
+    }
+    fn size(&self) -> usize {
+        self.shared.size
+    }
+    fn device(&self) -> &<L::B as Backend>::Device {
+        &self.shared.device
+    }
+    fn capabilities(&self) -> Capabilities {
+        capabilities_of(&self.shared.lib, self.shared.version)
+    }
+
+    fn launch(&self, calls: Vec<Call<'_, L::B>>, stream: &<L::B as Backend>::Stream) -> Result<()> {
+        let name = if calls.len() == 1 { calls[0].kind().kind().name() } else { "group" };
+        let seq = calls.first().map(|c| c.seq()).unwrap_or(0);
+        if let Some(e) = self.shared.error() {
+            return self.fail_stream(stream, name, e);
+        }
+        let lib = self.shared.lib;
+        let size = self.shared.size;
+        let me = self.shared.rank;
+        // A barrier all-reduces one element of scratch memory allocated in the
+        // stream's order, so it lives until the all-reduce has run.
+        let scratch = if calls.iter().any(|c| matches!(c.kind(), CallKind::Barrier)) {
+            Some(stream.alloc(DType::F32, 1).map_err(CommError::Device)?)
+        } else {
+            None
+        };
+        let mut accesses: Vec<(View<'_, L::B>, AccessKind)> = Vec::new();
+        let mut prepared: Vec<Prepared<'_, L::B>> = Vec::new();
+        let addr = |v: &View<'_, L::B>| L::B::address(v);
+        for c in &calls {
+            let reduce = |op: ReduceOp, dtype: DType| -> Result<_> {
+                let (op, fixup) = self.plan_op(op, dtype)?;
+                let (raw, premul) = match RedOpPlan::of(op) {
+                    RedOpPlan::Builtin(b) => (b.raw(), None),
+                    RedOpPlan::PreMulSum(s) => (RedOp::Sum.raw(), Some((s, DataType::of(dtype)))),
+                };
+                Ok((raw, premul, fixup))
+            };
+            let p = match c.kind() {
+                CallKind::AllReduce { send, recv, op } => {
+                    accesses.extend([(*send, AccessKind::Read), (*recv, AccessKind::Write)]);
+                    let (op, premul, fixup) = reduce(*op, send.dtype())?;
+                    let fixup = fixup.map(|f| (f, *recv));
+                    let (count, dtype) = (send.len(), DataType::of(send.dtype()));
+                    Prepared {
+                        call: RawCall::AllReduce { send: addr(send), recv: addr(recv), count, dtype, op },
+                        premul,
+                        fixup,
+                    }
+                }
+                CallKind::ReduceScatter { send, recv, op } => {
+                    accesses.extend([(*send, AccessKind::Read), (*recv, AccessKind::Write)]);
+                    let (op, premul, fixup) = reduce(*op, send.dtype())?;
+                    let fixup = fixup.map(|f| (f, *recv));
+                    let (count, dtype) = (recv.len(), DataType::of(send.dtype()));
+                    let call = RawCall::ReduceScatter { send: addr(send), recv: addr(recv), count, dtype, op };
+                    Prepared { call, premul, fixup }
+                }
+                CallKind::Reduce { send, recv, op, root } => {
+                    accesses.push((*send, AccessKind::Read));
+                    if me == *root {
+                        accesses.push((*recv, AccessKind::Write));
+                    }
+                    let (op, premul, fixup) = reduce(*op, send.dtype())?;
+                    let fixup = fixup.filter(|_| me == *root).map(|f| (f, *recv));
+                    let (count, dtype) = (send.len(), DataType::of(send.dtype()));
+                    let call = RawCall::Reduce { send: addr(send), recv: addr(recv), count, dtype, op, root: *root };
+                    Prepared { call, premul, fixup }
+                }
+                CallKind::AllGather { send, recv } => {
+                    accesses.extend([(*send, AccessKind::Read), (*recv, AccessKind::Write)]);
+                    let (count, dtype) = (send.len(), DataType::of(send.dtype()));
+                    Prepared {
+                        call: RawCall::AllGather { send: addr(send), recv: addr(recv), count, dtype },
+                        premul: None,
+                        fixup: None,
+                    }
+                }
+                CallKind::Broadcast { send, recv, root } => {
+                    if me == *root {
+                        accesses.push((*send, AccessKind::Read));
+                    }
+                    accesses.push((*recv, AccessKind::Write));
+                    let (count, dtype) = (send.len(), DataType::of(send.dtype()));
+                    let call = RawCall::Broadcast { send: addr(send), recv: addr(recv), count, dtype, root: *root };
+                    Prepared { call, premul: None, fixup: None }
+                }
+                CallKind::AllToAll { send, recv } => {
+                    accesses.extend([(*send, AccessKind::Read), (*recv, AccessKind::Write)]);
+                    let (chunk, dtype) = (send.len() / size, DataType::of(send.dtype()));
+                    match lib.all_to_all_fn() {
+                        Some(f) => prepared.push(Prepared {
+                            call: RawCall::AllToAll { send: addr(send), recv: addr(recv), count: chunk, dtype, f },
+                            premul: None,
+                            fixup: None,
+                        }),
+                        None => {
+                            // Without a native all-to-all: a send and a receive per peer, grouped.
+                            let bytes = (chunk * send.dtype().size()) as u64;
+                            for peer in 0..size {
+                                let off = peer as u64 * bytes;
+                                prepared.push(Prepared {
+                                    call: RawCall::Send { buf: addr(send) + off, count: chunk, dtype, peer },
+                                    premul: None,
+                                    fixup: None,
+                                });
+                                prepared.push(Prepared {
+                                    call: RawCall::Recv { buf: addr(recv) + off, count: chunk, dtype, peer },
+                                    premul: None,
+                                    fixup: None,
+                                });
+                            }
+                        }
+                    }
+                    continue;
+                }
+                CallKind::Send { buf, peer } => {
+                    accesses.push((*buf, AccessKind::Read));
+                    let call = RawCall::Send {
+                        buf: addr(buf),
+                        count: buf.len(),
+                        dtype: DataType::of(buf.dtype()),
+                        peer: *peer,
+                    };
+                    Prepared { call, premul: None, fixup: None }
+                }
+                CallKind::Recv { buf, peer } => {
+                    accesses.push((*buf, AccessKind::Write));
+                    let call = RawCall::Recv {
+                        buf: addr(buf),
+                        count: buf.len(),
+                        dtype: DataType::of(buf.dtype()),
+                        peer: *peer,
+                    };
+                    Prepared { call, premul: None, fixup: None }
+                }
+                CallKind::Barrier => {
+                    let Some(s) = scratch.as_ref() else { continue };
+                    accesses.push((s.view(), AccessKind::Write));
+                    let a = addr(&s.view());
+                    let call = RawCall::AllReduce {
+                        send: a,
+                        recv: a,
+                        count: 1,
+                        dtype: DataType::Float32,
+                        op: RedOp::Sum.raw(),
+                    };
+                    Prepared { call, premul: None, fixup: None }
+                }
+            };
+            prepared.push(p);
+        }
+
+        let stream_name = stream.name();
+        let failure = L::B::failure_handle(stream);
+        let guard = match self.shared.lock() {
+            Ok(g) => g,
+            Err(e) => return self.fail_stream(stream, name, e),
+        };
+        let comm = guard.raw as ncclComm_t;
+        let start = self.shared.take_event()?;
+        stream.record(&start).map_err(CommError::Device)?;
+        let mut created: Vec<c_int> = Vec::new();
+        let mut error: Option<CommError> = None;
+        let issued = L::B::enqueue_foreign(stream, name, &accesses, &mut |raw| {
+            let mut run = || -> Result<()> {
+                lib.group_start()?;
+                let mut enqueued = Ok(());
+                for p in &prepared {
+                    let mut call = p.call;
+                    if let Some((s, dtype)) = p.premul {
+                        let mut scalar = encode_scalar(dtype, s);
+                        // SAFETY: the live handle under its lock.
+                        match unsafe { lib.premul_sum(&mut scalar, dtype, comm) } {
+                            Ok(op) => {
+                                created.push(op);
+                                call = call.with_op(op);
+                            }
+                            Err(e) => {
+                                enqueued = Err(e);
+                                break;
+                            }
+                        }
+                    }
+                    // SAFETY: the calls were validated by the Communicator and
+                    // their views checked to be of this device; the addresses
+                    // are valid for their counts in the stream's order (the
+                    // accesses keep the buffers alive); the handle is locked.
+                    enqueued = unsafe { lib.issue(call, comm, raw) };
+                    if enqueued.is_err() {
+                        break;
+                    }
+                }
+                // The group is always closed, even after a failed call.
+                let ended = lib.group_end(comm);
+                enqueued?;
+                // Non-blocking: the library enqueues on the stream from its own
+                // thread; the launch returns only once it has, so the work the
+                // caller enqueues next runs after it.
+                if ended? == Status::InProgress {
+                    self.shared.wait_ready(comm, name, seq)?;
+                }
+                Ok(())
+            };
+            run().map_err(|e| {
+                error = Some(e.clone());
+                op_failed(name, &stream_name, e)
+            })
+        });
+        if !self.shared.abort_requested.load(Ordering::Acquire) {
+            for op in created {
+                // SAFETY: created on this handle in this launch, destroyed once, under the lock.
+                if let Err(e) = unsafe { lib.destroy_op(op, comm) } {
+                    L::B::park(&self.shared.device, op_failed("ncclRedOpDestroy", &stream_name, e));
+                }
+            }
+        }
+        drop(guard);
+        let position = match issued {
+            Ok(p) => p,
+            Err(e) => {
+                self.shared.give_events([start]);
+                let e = error.take().unwrap_or(CommError::Device(e));
+                if self.shared.abort_requested.load(Ordering::Acquire) {
+                    self.shared.await_abort();
+                } else if matches!(e, CommError::Timeout { .. } | CommError::Backend { .. }) {
+                    self.shared.abort_with(CommError::Aborted { reason: format!("{name} #{seq} failed: {e}") });
+                }
+                return Err(e);
+            }
+        };
+        let Some(position) = position else {
+            // The stream failed earlier: this rank will not take part, so
+            // abort rather than leave the peers waiting for it.
+            self.shared.give_events([start]);
+            self.shared
+                .abort_with(CommError::Aborted { reason: format!("rank {me}'s stream failed before {name} #{seq}") });
+            return Ok(());
+        };
+        let end = self.shared.take_event()?;
+        stream.record(&end).map_err(CommError::Device)?;
+        let register = {
+            let mut p = self.shared.pending.lock().map_err(|_| CommError::invalid(name, "lock poisoned"))?;
+            p.launches.push(Pending { start, end, reached: None, failure, position, op: name, seq });
+            !std::mem::replace(&mut p.watched, true)
+        };
+        if register {
+            let watched: Arc<dyn Watched> = self.shared.clone();
+            watchdog::watch(&watched);
+        }
+        for p in &prepared {
+            match p.fixup {
+                Some((Fixup::Scale(s), v)) => stream.scale(v, s).map_err(CommError::Device)?,
+                Some((Fixup::Zero, v)) => stream.fill(v, Scalar::Int(0)).map_err(CommError::Device)?,
+                None => {}
+            }
+        }
+        drop(scratch);
+        Ok(())
+    }
+
+    fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Self>> {
+        let shared = &self.shared;
+        let guard = shared.lock()?;
+        let parent = guard.raw as ncclComm_t;
+        let slot = Slot::new();
+        // SAFETY: the live parent under its lock; the slot outlives the split
+        // (it is abandoned, never freed, if the split does not complete).
+        let status = match unsafe { shared.lib.comm_split(parent, color, key, slot.ptr()) } {
+            Ok(s) => s,
+            Err(e) => {
+                slot.abandon();
+                return Err(e);
+            }
+        };
+        if status == Status::InProgress {
+            // The library writes the child into the slot from its own thread
+            // when the split completes: only then may it be read.
+            if let Err(e) = shared.wait_ready(parent, "ncclCommSplit", 0) {
+                slot.abandon();
+                drop(guard);
+                if shared.abort_requested.load(Ordering::Acquire) {
+                    shared.await_abort();
+                } else {
+                    shared.abort_with(CommError::Aborted { reason: format!("split failed: {e}") });
+                }
+                return Err(e);
+            }
+        }
+        drop(guard);
+        let child = slot.read();
+        if child.is_null() {
+            return match color {
+                None => Ok(None),
+                Some(c) => Err(CommError::Backend {
+                    library: L::NAME,
+                    code: -1,
+                    message: format!("ncclCommSplit with color {c} completed without a communicator"),
+                }),
+            };
+        }
+        let rank_size = {
+            // SAFETY: an initialized child that only this thread knows of.
+            match unsafe { shared.lib.async_error(child) }.and_then(|_| unsafe { shared.lib.rank_and_size(child) }) {
+                Ok(rs) => rs,
+                Err(e) => {
+                    // SAFETY: ours alone; released once.
+                    let _ = unsafe { shared.lib.abort(child) };
+                    return Err(e);
+                }
+            }
+        };
+        let (rank, size) = rank_size;
+        let child =
+            Self::shared(shared.lib, child, rank, size, shared.device.clone(), shared.config.clone(), shared.version);
+        Ok(Some(VendorComm { shared: child }))
+    }
+
+    fn abort(&self, reason: &str) {
+        self.shared
+            .abort_with(CommError::Aborted { reason: format!("rank {} called abort: {reason}", self.shared.rank) });
+    }
+
+    fn async_error(&self) -> Option<CommError> {
+        if let Some(e) = self.shared.error() {
+            return Some(e);
+        }
+        let guard = self.shared.lock().ok()?;
+        // SAFETY: the live handle under its lock.
+        unsafe { self.shared.lib.async_error(guard.raw as ncclComm_t) }.err()
+    }
+}

@@ -1,0 +1,89 @@
+//! The watchdog: one background thread per process that follows every
+//! NCCL-family communicator's launches.
+//!
+//! A collective on a GPU whose peer has died never completes, and the GPU
+//! cannot say so. So each launch is recorded between two events on its
+//! stream; the watchdog polls them and the communicator's asynchronous error
+//! from an ordinary thread (never from a host function, where the driver may
+//! not be called). A launch's deadline starts when its stream reaches it (the
+//! first event completes), not when the host enqueued it, so a collective
+//! queued behind long compute does not time out. An asynchronous error or an
+//! expired deadline aborts the communicator — which makes its kernels return
+//! — and fails the launch's stream from the launch on, so every host wait on
+//! that stream ends with the error instead of hanging.
+
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
+use std::time::Duration;
+
+/// Something the watchdog follows: a communicator with launches in flight.
+pub(crate) trait Watched: Send + Sync {
+    /// Checks the launches and the communicator once; `true` while anything
+    /// is still pending (the watchdog keeps polling it).
+    fn poll(&self) -> bool;
+}
+
+/// How often the watchdog polls while launches are pending: failures are
+/// found within this (deadlines are seconds; completed launches are cleared).
+const INTERVAL: Duration = Duration::from_millis(2);
+
+struct Watchdog {
+    entries: Mutex<Vec<Weak<dyn Watched>>>,
+    wake: Condvar,
+}
+
+fn watchdog() -> &'static Watchdog {
+    static DOG: OnceLock<Watchdog> = OnceLock::new();
+    static STARTED: OnceLock<()> = OnceLock::new();
+    let dog = DOG.get_or_init(|| Watchdog { entries: Mutex::new(Vec::new()), wake: Condvar::new() });
+    STARTED.get_or_init(|| {
+        // If the thread cannot start, watching degrades to the host waits'
+        // own deadlines (every device wait has one); say so once.
+        if let Err(e) = std::thread::Builder::new().name("chorus-watchdog".into()).spawn(move || run(dog)) {
+            eprintln!(
+                "chorus: the communicator watchdog could not start ({e}); collectives rely on the device deadlines"
+            );
+        }
+    });
+    dog
+}
+
+fn run(dog: &'static Watchdog) {
+    loop {
+        let entries: Vec<Weak<dyn Watched>> = match dog.entries.lock() {
+            Ok(mut e) => {
+                while e.is_empty() {
+                    e = match dog.wake.wait_timeout(e, Duration::from_secs(1)) {
+                        Ok((e, _)) => e,
+                        Err(_) => return,
+                    };
+                }
+                std::mem::take(&mut *e)
+            }
+            Err(_) => return,
+        };
+        let mut still = Vec::with_capacity(entries.len());
+        for weak in entries {
+            if let Some(w) = weak.upgrade() {
+                if w.poll() {
+                    still.push(weak);
+                }
+            }
+        }
+        if let Ok(mut e) = dog.entries.lock() {
+            e.extend(still);
+        }
+        std::thread::sleep(INTERVAL);
+    }
+}
+
+/// Starts following `w` (again) until it reports nothing pending.
+pub(crate) fn watch(w: &Arc<dyn Watched>) {
+    let dog = watchdog();
+    if let Ok(mut e) = dog.entries.lock() {
+        let weak = Arc::downgrade(w);
+        if !e.iter().any(|x| Weak::ptr_eq(x, &weak)) {
+            e.push(weak);
+        }
+    }
+    dog.wake.notify_one();
+}

@@ -1,0 +1,367 @@
+//! A group's data movement (FSDP2's `_fsdp_collectives`): copy-in,
+//! all-gather and copy-out of its parameters; the gradient path (pack
+//! rank-major, reduce-scatter, HSDP all-reduce, views out into the f32
+//! sharded gradients); and the all-gather of the masters for export.
+//!
+//! These functions only enqueue, on the streams named in each; which group
+//! runs them when, and what the streams wait on between groups, is the param
+//! group's and the root's business.
+
+use chorus_collectives::{CommBackend, Communicator, ReduceOp};
+use chorus_devices::{Backend, Buffer, DType, Device, Scalar, Stream, StreamExt, View};
+
+use crate::config::DataParallel;
+use crate::layout::GroupLayout;
+use crate::param::Param;
+use crate::param_group::CommContext;
+use crate::{Buf, Ev, FsdpError, Result, Strm};
+
+/// An all-gather output and the event recorded after the all-gather.
+pub(crate) struct AllGatherResult<C: CommBackend> {
+    pub(crate) buffer: Buf<C>,
+    pub(crate) event: Ev<C>,
+    /// Gathered over the post-forward world (from the post-forward shard).
+    pub(crate) post_forward: bool,
+}
+
+/// What a copy-in reads.
+pub(crate) enum CopyInSource<'a, C: CommBackend> {
+    /// Each sharded parameter's f32 master, cast to the param dtype.
+    Masters(&'a [Param<C>]),
+    /// The group's post-forward shard, already in the param dtype.
+    PostForward(&'a Buf<C>),
+}
+
+/// Copies this rank's shards into chunk `comm.rank()` of a new flat buffer on
+/// the copy-in stream, then all-gathers it in place on the all-gather stream.
+pub(crate) fn all_gather<C: CommBackend>(
+    ctx: &mut CommContext<C>,
+    comm: &Communicator<C>,
+    layout: &GroupLayout,
+    dtype: DType,
+    source: CopyInSource<'_, C>,
+) -> Result<AllGatherResult<C>> {
+    let s = &ctx.streams;
+    let n = layout.shard_numel;
+    let out = s.copy_in.alloc(dtype, comm.size() * n)?;
+    let own = out.slice(comm.rank() * n, n)?;
+    let post_forward = match source {
+        CopyInSource::PostForward(src) => {
+            s.copy_in.copy(src.view(), own)?;
+            true
+        }
+        CopyInSource::Masters(params) => {
+            for p in params {
+                if let Some(i) = p.layout {
+                    let l = &layout.params[i];
+                    cast_or_copy(&s.copy_in, p.master.view(), own.slice(l.offset, l.shard_numel)?)?;
+                }
+            }
+            false
+        }
+    };
+    let copied = ctx.device.create_event()?;
+    s.copy_in.record(&copied)?;
+    s.all_gather.wait(&copied)?;
+    comm.all_gather_in_place(out.view(), &s.all_gather)?;
+    ctx.counts.all_gathers += 1;
+    let event = ctx.device.create_event()?;
+    s.all_gather.record(&event)?;
+    Ok(AllGatherResult { buffer: out, event, post_forward })
+}
+
+/// A gathered buffer to copy out of: the buffer, its layout and the world it was gathered over.
+pub(crate) type Gathered<'a, C> = (&'a Buf<C>, &'a GroupLayout, usize);
+
+/// Allocates every parameter's unsharded buffer in `dtype` on `stream` and
+/// fills it: sharded parameters from each rank's chunk of `gathered` (one
+/// 2-D copy per rank, skipping padding), replicated ones from their master.
+pub(crate) fn copy_out<C: CommBackend>(
+    stream: &Strm<C>,
+    gathered: Option<Gathered<'_, C>>,
+    params: &mut [Param<C>],
+    dtype: DType,
+) -> Result<()> {
+    for p in params.iter_mut() {
+        let full = stream.alloc(dtype, p.numel)?;
+        match (p.layout, gathered) {
+            (Some(i), Some((buffer, layout, world))) => {
+                let l = &layout.params[i];
+                for j in 0..world {
+                    stream.copy_2d(buffer.view(), full.view(), l.chunk_to_full(j, layout.shard_numel))?;
+                }
+            }
+            (None, _) => cast_or_copy(stream, p.master.view(), full.view())?,
+            (Some(_), None) => {
+                return Err(FsdpError::InvalidArgument(format!("{}: no all-gather output to copy out of", p.name)))
+            }
+        }
+        p.unsharded = Some(full);
+    }
+    Ok(())
+}
+
+/// Reshard-after-forward to a smaller world: cuts chunk `rank` of the
+/// post-forward `layout` out of the unsharded parameters into a new zeroed
+/// buffer on the compute stream, and records an event after it.
+pub(crate) fn post_forward_shard<C: CommBackend>(
+    ctx: &CommContext<C>,
+    rank: usize,
+    layout: &GroupLayout,
+    params: &[Param<C>],
+    dtype: DType,
+) -> Result<(Buf<C>, Ev<C>)> {
+    let s = &ctx.streams.compute;
+    let buf = s.alloc(dtype, layout.shard_numel)?;
+    s.fill(buf.view(), Scalar::Float(0.0))?;
+    for p in params {
+        if let (Some(i), Some(full)) = (p.layout, &p.unsharded) {
+            s.copy_2d(full.view(), buf.view(), layout.params[i].full_to_chunk(rank, 0))?;
+        }
+    }
+    let e = ctx.device.create_event()?;
+    s.record(&e)?;
+    Ok((buf, e))
+}
+
+/// How gradients are reduced: the dtype, the ops on the shard and replicate
+/// groups, and a scale applied afterwards.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ReducePlan {
+    pub(crate) dtype: DType,
+    shard_op: ReduceOp,
+    replicate_op: ReduceOp,
+    post_scale: Option<f64>,
+}
+
+impl ReducePlan {
+    /// The plan for reducing in `dtype` over `dp`: divide by `divide_factor`
+    /// (default: the data-parallel world) with the backend's `PreMulSum` or
+    /// `Avg` where it has them, else (or with `force_sum`) a sum and a scale.
+    pub(crate) fn new<C: CommBackend>(
+        dp: &DataParallel<C>,
+        dtype: DType,
+        force_sum: bool,
+        divide_factor: Option<f64>,
+    ) -> Self {
+        let caps = dp.shard.capabilities();
+        let world = dp.world_size() as f64;
+        let (shard_op, replicate_op, post_scale) = match (force_sum, divide_factor) {
+            (true, f) => (ReduceOp::Sum, ReduceOp::Sum, Some(1.0 / f.unwrap_or(world))),
+            (false, Some(f)) if caps.premul_sum => (ReduceOp::PreMulSum(1.0 / f), ReduceOp::Sum, None),
+            (false, Some(f)) => (ReduceOp::Sum, ReduceOp::Sum, Some(1.0 / f)),
+            (false, None) if caps.avg => (ReduceOp::Avg, ReduceOp::Avg, None),
+            (false, None) => (ReduceOp::Sum, ReduceOp::Sum, Some(1.0 / world)),
+        };
+        ReducePlan { dtype, shard_op, replicate_op, post_scale }
+    }
+}
+
+/// What a reduction leaves for the group to keep until the root finalizes backward.
+pub(crate) struct Reduced<C: CommBackend> {
+    /// Recorded after the sharded gradients were written.
+    pub(crate) post_reduce_event: Ev<C>,
+    /// Reduce-scatter outputs and replicated flat buffers: freed only at
+    /// finalize, so their stream-ordered release follows the streams that use them.
+    pub(crate) outputs: Vec<Buf<C>>,
+}
+
+/// Reduces one group's unsharded gradients (`grads`: parameter index and
+/// gradient in the plan's dtype) into the params' f32 sharded gradients.
+///
+/// Sharded gradients are packed rank-major on the compute stream and
+/// reduce-scattered on the reduce-scatter stream; replicated ones are
+/// flattened and all-reduced there. With HSDP, the all-reduce stream then
+/// all-reduces over the replicate group, adding `partial_reduce` (the
+/// reduce-scatter sums of backwards whose all-reduce was deferred) first; if
+/// `all_reduce_now` is false the sharded result goes back into
+/// `partial_reduce` instead. The compute stream first waits on the previous
+/// reduce-scatter, and this one's input is left in `ctx` for the next.
+pub(crate) fn reduce_gradients<C: CommBackend>(
+    ctx: &mut CommContext<C>,
+    plan: ReducePlan,
+    layout: &GroupLayout,
+    params: &mut [Param<C>],
+    grads: Vec<(usize, Buf<C>)>,
+    partial_reduce: &mut Option<Buf<C>>,
+    all_reduce_now: bool,
+) -> Result<Reduced<C>> {
+    let s = &ctx.streams;
+    // The compute stream waits for the previous reduce-scatter, bounding
+    // memory to one reduce-scatter input in flight.
+    if let Some((_, e)) = ctx.reduce_scatter_state.take() {
+        s.compute.wait(&e)?;
+    }
+    let reduce_dtype = plan.dtype;
+    let world = ctx.dp.shard.size();
+    let n = layout.shard_numel;
+    let sharded: Vec<&(usize, Buf<C>)> = grads.iter().filter(|(i, _)| params[*i].layout.is_some()).collect();
+    let replicated: Vec<&(usize, Buf<C>)> = grads.iter().filter(|(i, _)| params[*i].layout.is_none()).collect();
+
+    // Pack on the compute stream, where the gradients were produced (FSDP2 does the same).
+    let packed = if sharded.is_empty() {
+        None
+    } else {
+        let input = s.compute.alloc(reduce_dtype, world * n)?;
+        s.compute.fill(input.view(), Scalar::Float(0.0))?;
+        for (i, buf) in &sharded {
+            let l = &layout.params[params[*i].layout.unwrap_or_default()];
+            for j in 0..world {
+                s.compute.copy_2d(buf.view(), input.view(), l.full_to_chunk(j, j * n))?;
+            }
+        }
+        Some(input)
+    };
+    let flat_replicated = if replicated.is_empty() {
+        None
+    } else {
+        let total: usize = replicated.iter().map(|(i, _)| params[*i].numel).sum();
+        let flat = s.compute.alloc(reduce_dtype, total)?;
+        let mut off = 0;
+        for (i, buf) in &replicated {
+            let m = params[*i].numel;
+            s.compute.copy(buf.view(), flat.slice(off, m)?)?;
+            off += m;
+        }
+        Some(flat)
+    };
+    let grads_ready = ctx.device.create_event()?;
+    s.compute.record(&grads_ready)?;
+    s.reduce_scatter.wait(&grads_ready)?;
+
+    let mut outputs: Vec<Buf<C>> = Vec::new();
+    if let Some(input) = &packed {
+        let out = s.reduce_scatter.alloc(reduce_dtype, n)?;
+        ctx.dp.shard.reduce_scatter(input.view(), out.view(), plan.shard_op, &s.reduce_scatter)?;
+        ctx.counts.reduce_scatters += 1;
+        outputs.push(out);
+    }
+    if let Some(flat) = &flat_replicated {
+        ctx.dp.shard.all_reduce_in_place(flat.view(), plan.shard_op, &s.reduce_scatter)?;
+        ctx.counts.all_reduces += 1;
+    }
+    let rs_done = ctx.device.create_event()?;
+    s.reduce_scatter.record(&rs_done)?;
+
+    let mut post = &s.reduce_scatter;
+    if let Some(replicate) = &ctx.dp.replicate {
+        if let (Some(partial), Some(out)) = (partial_reduce.take(), outputs.first()) {
+            s.reduce_scatter.accumulate(partial.view(), out.view())?;
+        }
+        if !all_reduce_now {
+            // Keep the sharded partial sums; their all-reduce happens on a
+            // later backward. Replicated parameters are all-reduced anyway.
+            *partial_reduce = outputs.pop();
+        }
+        let e = ctx.device.create_event()?;
+        s.reduce_scatter.record(&e)?;
+        s.all_reduce.wait(&e)?;
+        for out in &outputs {
+            replicate.all_reduce_in_place(out.view(), plan.replicate_op, &s.all_reduce)?;
+            ctx.counts.all_reduces += 1;
+        }
+        if let Some(flat) = &flat_replicated {
+            replicate.all_reduce_in_place(flat.view(), plan.replicate_op, &s.all_reduce)?;
+            ctx.counts.all_reduces += 1;
+        }
+        post = &s.all_reduce;
+    }
+    if let Some(f) = plan.post_scale {
+        for out in &outputs {
+            post.scale(out.view(), f)?;
+        }
+        if let Some(flat) = &flat_replicated {
+            post.scale(flat.view(), f)?;
+        }
+    }
+    // Views out into the f32 sharded gradients.
+    for out in &outputs {
+        for (i, _) in &sharded {
+            let p = &mut params[*i];
+            let l = &layout.params[p.layout.unwrap_or_default()];
+            accumulate_into(post, out.slice(l.offset, l.shard_numel)?, &mut p.grad, l.shard_numel)?;
+        }
+    }
+    if let Some(flat) = &flat_replicated {
+        let mut off = 0;
+        for (i, _) in &replicated {
+            let p = &mut params[*i];
+            accumulate_into(post, flat.slice(off, p.numel)?, &mut p.grad, p.numel)?;
+            off += p.numel;
+        }
+    }
+    let post_reduce_event = ctx.device.create_event()?;
+    post.record(&post_reduce_event)?;
+    outputs.extend(flat_replicated);
+    ctx.reduce_scatter_state = packed.map(|b| (b, rs_done));
+    Ok(Reduced { post_reduce_event, outputs })
+}
+
+/// Every parameter of a group with its full f32 values (padding removed):
+/// the masters all-gathered over `comm` on `stream`, then copied out. Blocks.
+pub(crate) fn gather_full_parameters<C: CommBackend>(
+    stream: &Strm<C>,
+    comm: &Communicator<C>,
+    layout: &GroupLayout,
+    params: &[Param<C>],
+) -> Result<Vec<(String, Vec<f32>)>> {
+    let s = stream;
+    let n = layout.shard_numel;
+    let gathered = if layout.params.is_empty() {
+        None
+    } else {
+        let buf = s.alloc(DType::F32, comm.size() * n)?;
+        let own = buf.slice(comm.rank() * n, n)?;
+        for p in params {
+            if let Some(i) = p.layout {
+                let l = &layout.params[i];
+                s.copy(p.master.view(), own.slice(l.offset, l.shard_numel)?)?;
+            }
+        }
+        comm.all_gather_in_place(buf.view(), s)?;
+        Some(buf)
+    };
+    let mut out = Vec::with_capacity(params.len());
+    for p in params {
+        let values = match (p.layout, &gathered) {
+            (Some(i), Some(buf)) => {
+                let full = s.alloc(DType::F32, p.numel)?;
+                let l = &layout.params[i];
+                for j in 0..comm.size() {
+                    s.copy_2d(buf.view(), full.view(), l.chunk_to_full(j, n))?;
+                }
+                s.read_vec::<f32>(full.view())?
+            }
+            _ => s.read_vec::<f32>(p.master.view())?,
+        };
+        out.push((p.name.clone(), values));
+    }
+    Ok(out)
+}
+
+/// A copy, or a cast where the dtypes differ.
+pub(crate) fn cast_or_copy<S: Stream>(s: &S, src: View<'_, S::B>, dst: View<'_, S::B>) -> chorus_devices::Result<()> {
+    if src.dtype() == dst.dtype() {
+        s.copy(src, dst)
+    } else {
+        s.cast(src, dst)
+    }
+}
+
+/// `grad += src` (cast to f32), allocating the f32 gradient on first use.
+fn accumulate_into<S: Stream>(
+    s: &S,
+    src: View<'_, S::B>,
+    grad: &mut Option<<S::B as Backend>::Buffer>,
+    len: usize,
+) -> chorus_devices::Result<()> {
+    match grad {
+        Some(g) => s.accumulate(src, g.view()),
+        None => {
+            let g = s.alloc(DType::F32, len)?;
+            cast_or_copy(s, src, g.view())?;
+            *grad = Some(g);
+            Ok(())
+        }
+    }
+}

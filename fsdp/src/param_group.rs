@@ -1,0 +1,368 @@
+//! A param group's state machine (FSDP2's `_fsdp_param_group`): its training
+//! and sharded states, unshard / wait-for-unshard / reshard, what each hook
+//! does to the group, and the communication context every group shares.
+//!
+//! The root ([`Fsdp`](crate::Fsdp)) checks a hook is allowed, orders the
+//! groups (prefetch, post-forward order) and calls into a group; a group
+//! calls [`collectives`](crate::collectives) to move data.
+
+use std::sync::Arc;
+
+use chorus_collectives::{CommBackend, Communicator};
+use chorus_devices::{Backend, Device, Stream};
+
+use crate::collectives::{self, AllGatherResult, CopyInSource, ReducePlan};
+use crate::config::{DataParallel, MixedPrecision, Reshard};
+use crate::layout::GroupLayout;
+use crate::param::Param;
+use crate::{Buf, CommCounts, Ev, FsdpError, Result, Strm};
+
+/// Where a group is in the training step (FSDP2's `TrainingState`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TrainingState {
+    /// Between hooks.
+    Idle,
+    /// Between pre-forward and post-forward.
+    Forward,
+    /// Between pre-backward and post-backward.
+    PreBackward,
+    /// After post-backward, until the root finalizes backward.
+    PostBackward,
+}
+
+/// Where a group's parameters are (FSDP2's `ShardedState`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShardedState {
+    /// Only the shards exist.
+    Sharded,
+    /// A copy sharded over the smaller post-forward world exists (reshard-after-forward = K).
+    ShardedPostForward,
+    /// The unsharded parameters exist.
+    Unsharded,
+}
+
+/// The four communication streams and the compute stream (FSDP2's comm context).
+pub(crate) struct Streams<C: CommBackend> {
+    pub(crate) compute: Strm<C>,
+    pub(crate) copy_in: Strm<C>,
+    pub(crate) all_gather: Strm<C>,
+    pub(crate) reduce_scatter: Strm<C>,
+    pub(crate) all_reduce: Strm<C>,
+}
+
+/// What every group of one [`Fsdp`](crate::Fsdp) shares (FSDP2's
+/// `FSDPCommContext`): the device, the streams, the data-parallel
+/// communicators, the buffers in flight between groups and the counts.
+pub(crate) struct CommContext<C: CommBackend> {
+    pub(crate) dp: DataParallel<C>,
+    pub(crate) device: <C::B as Backend>::Device,
+    pub(crate) streams: Streams<C>,
+    /// The last forward all-gather output and the event after its copy-out,
+    /// kept until the next group's copy-out is enqueued (implicit prefetch).
+    pub(crate) all_gather_state: Option<(Buf<C>, Ev<C>)>,
+    /// The last reduce-scatter input and the event after its reduce-scatter.
+    pub(crate) reduce_scatter_state: Option<(Buf<C>, Ev<C>)>,
+    pub(crate) counts: CommCounts,
+}
+
+impl<C: CommBackend> CommContext<C> {
+    /// Frees the kept forward all-gather output once both all-gather streams
+    /// have waited for its copy-out (the stream-ordered free follows them).
+    pub(crate) fn release_all_gather_output(&mut self) -> Result<()> {
+        if let Some((_, e)) = self.all_gather_state.take() {
+            self.streams.copy_in.wait(&e)?;
+            self.streams.all_gather.wait(&e)?;
+        }
+        Ok(())
+    }
+
+    /// Makes the all-gather streams wait for the compute stream, so copy-ins
+    /// see the shards as the optimizer (or the initial upload) left them.
+    pub(crate) fn all_gather_streams_follow_compute(&self) -> Result<()> {
+        let e = self.device.create_event()?;
+        self.streams.compute.record(&e)?;
+        self.streams.copy_in.wait(&e)?;
+        self.streams.all_gather.wait(&e)?;
+        Ok(())
+    }
+}
+
+/// One param group: its parameters, layouts, states, policies, and the
+/// buffers and events it keeps between hooks.
+pub(crate) struct Group<C: CommBackend> {
+    pub(crate) name: String,
+    pub(crate) params: Vec<Param<C>>,
+    pub(crate) layout: GroupLayout,
+    /// Reshard-after-forward to K ranks: the communicator of this rank's K and the layout over them.
+    post_forward: Option<(Arc<Communicator<C>>, GroupLayout)>,
+    pub(crate) training: TrainingState,
+    pub(crate) sharded: ShardedState,
+    reshard_after_forward: Reshard,
+    pub(crate) reshard_after_backward: bool,
+    pub(crate) requires_gradient_sync: bool,
+    pub(crate) requires_all_reduce: bool,
+    pub(crate) mp: MixedPrecision,
+    /// An all-gather issued but not yet copied out.
+    pending: Option<AllGatherResult<C>>,
+    post_forward_buffer: Option<Buf<C>>,
+    post_forward_event: Option<Ev<C>>,
+    post_reduce_event: Option<Ev<C>>,
+    reduce_outputs: Vec<Buf<C>>,
+    /// HSDP: reduce-scatter sums whose all-reduce is deferred.
+    partial_reduce: Option<Buf<C>>,
+    /// This group's positions in the root's post-forward order, for backward prefetch.
+    post_forward_indices: Vec<usize>,
+    pub(crate) forward_prefetch: Vec<usize>,
+    pub(crate) backward_prefetch: Option<Vec<usize>>,
+}
+
+impl<C: CommBackend> Group<C> {
+    /// A sharded, idle group. `post_forward` is given only for `Reshard::To(k)` with `k` below the shard world.
+    pub(crate) fn new(
+        name: &str,
+        params: Vec<Param<C>>,
+        layout: GroupLayout,
+        post_forward: Option<(Arc<Communicator<C>>, GroupLayout)>,
+        reshard_after_forward: Reshard,
+        mp: MixedPrecision,
+    ) -> Self {
+        Group {
+            name: name.to_string(),
+            params,
+            layout,
+            post_forward,
+            training: TrainingState::Idle,
+            sharded: ShardedState::Sharded,
+            reshard_after_forward,
+            reshard_after_backward: true,
+            requires_gradient_sync: true,
+            requires_all_reduce: true,
+            mp,
+            pending: None,
+            post_forward_buffer: None,
+            post_forward_event: None,
+            post_reduce_event: None,
+            reduce_outputs: Vec::new(),
+            partial_reduce: None,
+            post_forward_indices: Vec::new(),
+            forward_prefetch: Vec::new(),
+            backward_prefetch: None,
+        }
+    }
+
+    /// The error for `event` (a hook or an access) in the current state.
+    pub(crate) fn state_error(&self, event: &'static str) -> FsdpError {
+        FsdpError::State { group: self.name.clone(), event, state: self.training }
+    }
+
+    // ---- unshard / reshard ----
+
+    /// Issues the group's all-gather (FSDP2's `unshard`) unless its
+    /// parameters are unsharded or an all-gather is already in flight:
+    /// from the post-forward shard within the post-forward world, else from
+    /// the masters over the shard world.
+    pub(crate) fn unshard(&mut self, ctx: &mut CommContext<C>) -> Result<()> {
+        if self.pending.is_some() || self.sharded == ShardedState::Unsharded {
+            return Ok(());
+        }
+        if let Some(e) = self.post_forward_event.take() {
+            // The post-forward copy was written on the compute stream.
+            ctx.streams.copy_in.wait(&e)?;
+            ctx.streams.all_gather.wait(&e)?;
+        }
+        let from_post_forward = self.sharded == ShardedState::ShardedPostForward;
+        let (comm, layout) = match (&self.post_forward, from_post_forward) {
+            (Some((c, l)), true) => (c.clone(), l),
+            _ => (ctx.dp.shard.clone(), &self.layout),
+        };
+        if layout.params.is_empty() {
+            return Ok(());
+        }
+        let source = if from_post_forward {
+            let buf = self.post_forward_buffer.as_ref().ok_or_else(|| self.state_error("post-forward unshard"))?;
+            CopyInSource::PostForward(buf)
+        } else {
+            CopyInSource::Masters(&self.params)
+        };
+        let result = collectives::all_gather(ctx, &comm, layout, self.mp.param(), source)?;
+        self.pending = Some(result);
+        Ok(())
+    }
+
+    /// Copies the issued all-gather out into the unsharded parameters on the
+    /// compute stream (FSDP2's `wait_for_unshard`). In forward the output is
+    /// kept in `ctx` until the next group's copy-out (so the next all-gather
+    /// can overlap this copy-out); otherwise it is released at once.
+    pub(crate) fn wait_for_unshard(&mut self, ctx: &mut CommContext<C>) -> Result<()> {
+        if self.sharded == ShardedState::Unsharded {
+            return Ok(());
+        }
+        let pending = self.pending.take();
+        if self.training == TrainingState::Forward {
+            // Implicit prefetch: the previous group's all-gather output is
+            // freed only now, after this group's copy-in has been issued.
+            ctx.release_all_gather_output()?;
+        }
+        let s = &ctx.streams;
+        if let Some(res) = &pending {
+            s.compute.wait(&res.event)?;
+        }
+        let (world, layout) = match (&self.post_forward, pending.as_ref().is_some_and(|p| p.post_forward)) {
+            (Some((c, l)), true) => (c.size(), l),
+            _ => (ctx.dp.shard.size(), &self.layout),
+        };
+        if pending.is_none() && self.params.iter().any(|p| p.layout.is_some()) {
+            return Err(self.state_error("unshard without an all-gather"));
+        }
+        let gathered = pending.as_ref().map(|res| (&res.buffer, layout, world));
+        collectives::copy_out(&s.compute, gathered, &mut self.params, self.mp.param())?;
+        self.sharded = ShardedState::Unsharded;
+        self.post_forward_buffer = None;
+        if let Some(res) = pending {
+            let copied_out = ctx.device.create_event()?;
+            s.compute.record(&copied_out)?;
+            if self.training == TrainingState::Forward {
+                ctx.all_gather_state = Some((res.buffer, copied_out));
+            } else {
+                s.copy_in.wait(&copied_out)?;
+                s.all_gather.wait(&copied_out)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Frees the unsharded parameters (FSDP2's `reshard`). In forward this
+    /// follows reshard-after-forward: `No` keeps them; `To(k)` keeps this
+    /// rank's chunk over the post-forward world.
+    pub(crate) fn reshard(&mut self, ctx: &CommContext<C>) -> Result<()> {
+        if self.training == TrainingState::Forward {
+            match self.reshard_after_forward {
+                Reshard::No => return Ok(()),
+                Reshard::To(_) if self.sharded == ShardedState::Unsharded => {
+                    let (comm, layout) =
+                        self.post_forward.as_ref().ok_or_else(|| self.state_error("post-forward reshard"))?;
+                    let (buf, e) =
+                        collectives::post_forward_shard(ctx, comm.rank(), layout, &self.params, self.mp.param())?;
+                    self.post_forward_buffer = Some(buf);
+                    self.post_forward_event = Some(e);
+                    self.params.iter_mut().for_each(|p| p.unsharded = None);
+                    self.sharded = ShardedState::ShardedPostForward;
+                    return Ok(());
+                }
+                _ => {}
+            }
+        }
+        self.params.iter_mut().for_each(|p| p.unsharded = None);
+        self.post_forward_buffer = None;
+        self.post_forward_event = None;
+        self.sharded = ShardedState::Sharded;
+        Ok(())
+    }
+
+    // ---- hooks (the root has checked the training state) ----
+
+    /// Forward starts: unshard, waiting for a prefetch if one was issued.
+    pub(crate) fn pre_forward(&mut self, ctx: &mut CommContext<C>) -> Result<()> {
+        self.training = TrainingState::Forward;
+        self.unshard(ctx)?;
+        self.wait_for_unshard(ctx)
+    }
+
+    /// Forward ends: reshard per policy and remember this group's place
+    /// (`index`) in the post-forward order.
+    pub(crate) fn post_forward(&mut self, ctx: &CommContext<C>, index: usize) -> Result<()> {
+        self.reshard(ctx)?;
+        self.post_forward_indices.push(index);
+        self.training = TrainingState::Idle;
+        Ok(())
+    }
+
+    /// Backward starts: unshard and give every parameter a zeroed unsharded
+    /// gradient if it has none. The last forward all-gather output is freed
+    /// first: backward does not need it.
+    pub(crate) fn pre_backward(&mut self, ctx: &mut CommContext<C>) -> Result<()> {
+        ctx.release_all_gather_output()?;
+        self.training = TrainingState::PreBackward;
+        self.unshard(ctx)?;
+        self.wait_for_unshard(ctx)?;
+        let dtype = self.mp.param();
+        for p in self.params.iter_mut() {
+            p.ensure_unsharded_grad(&ctx.streams.compute, dtype)?;
+        }
+        Ok(())
+    }
+
+    /// The groups to unshard when this group's backward starts: the explicit
+    /// list, or the group that ran forward just before this one
+    /// (`post_forward_order` is the root's, FSDP2's reverse-post-forward default).
+    pub(crate) fn backward_prefetch_targets(&mut self, post_forward_order: &[usize]) -> Vec<usize> {
+        match &self.backward_prefetch {
+            Some(t) => t.clone(),
+            None => self
+                .post_forward_indices
+                .pop()
+                .and_then(|i| i.checked_sub(1))
+                .and_then(|i| post_forward_order.get(i))
+                .copied()
+                .into_iter()
+                .collect(),
+        }
+    }
+
+    /// Backward ends: reshard (if so configured) and reduce the gradients
+    /// with `plan`, or, without gradient sync, keep them accumulating.
+    pub(crate) fn post_backward(&mut self, ctx: &mut CommContext<C>, plan: ReducePlan) -> Result<()> {
+        self.training = TrainingState::PostBackward;
+        let (param_dtype, reduce_dtype) = (self.mp.param(), self.mp.reduce());
+        for p in self.params.iter_mut() {
+            p.fold_into_accumulator(&ctx.streams.compute)?;
+        }
+        if !self.requires_gradient_sync {
+            if self.reshard_after_backward {
+                self.reshard(ctx)?;
+            }
+            if reduce_dtype != param_dtype {
+                for p in self.params.iter_mut() {
+                    p.start_accumulator(&ctx.streams.compute, reduce_dtype)?;
+                }
+            }
+            return Ok(());
+        }
+        let mut grads: Vec<(usize, Buf<C>)> = Vec::new();
+        for (i, p) in self.params.iter_mut().enumerate() {
+            if let Some(g) = p.take_grad_to_reduce(&ctx.streams.compute, param_dtype, reduce_dtype)? {
+                grads.push((i, g));
+            }
+        }
+        if self.reshard_after_backward {
+            self.reshard(ctx)?;
+        }
+        if grads.is_empty() {
+            return Ok(());
+        }
+        let reduced = collectives::reduce_gradients(
+            ctx,
+            plan,
+            &self.layout,
+            &mut self.params,
+            grads,
+            &mut self.partial_reduce,
+            self.requires_all_reduce,
+        )?;
+        self.post_reduce_event = Some(reduced.post_reduce_event);
+        self.reduce_outputs.extend(reduced.outputs);
+        Ok(())
+    }
+
+    /// The root's end of backward for this group: the compute stream waits
+    /// for its reduction, the kept reduce outputs are freed, and it is idle.
+    pub(crate) fn finalize_backward(&mut self, ctx: &CommContext<C>) -> Result<()> {
+        if let Some(e) = self.post_reduce_event.take() {
+            ctx.streams.compute.wait(&e)?;
+        }
+        self.reduce_outputs.clear();
+        self.training = TrainingState::Idle;
+        self.post_forward_indices.clear();
+        Ok(())
+    }
+}

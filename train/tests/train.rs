@@ -1,0 +1,66 @@
+//! The training loop on simulated ranks: what `chorus train` relies on.
+
+use std::sync::Arc;
+
+use chorus_collectives::sim::{SimConfig, SimWorld};
+use chorus_fsdp::{FsdpConfig, FsdpError, OptimizerKind};
+use chorus_train::mlp::init_layers;
+use chorus_train::train::{train, Dataset, RankReport, TrainSpec};
+
+fn spec(dims: &[usize], ranks: usize, replicate: Option<usize>) -> TrainSpec {
+    TrainSpec {
+        layers: init_layers(dims, 5),
+        data: Arc::new(Dataset::random(dims[0], dims[dims.len() - 1], 4 * ranks, 2, 5)),
+        batch: 4,
+        steps: 12,
+        optimizer: OptimizerKind::sgd(0.1, 0.9),
+        fsdp: FsdpConfig::default(),
+        replicate,
+        max_grad_norm: None,
+    }
+}
+
+fn run(ranks: usize, spec: TrainSpec) -> Vec<Result<RankReport, FsdpError>> {
+    let spec = Arc::new(spec);
+    SimWorld::run(ranks, SimConfig::default(), move |comm| train(Arc::new(comm), &spec, &mut |_, _| {}))
+        .expect("sim world")
+        .into_iter()
+        .map(|r| r.expect("rank finished"))
+        .collect()
+}
+
+#[test]
+fn every_rank_reports_the_same_falling_losses_and_parameters() {
+    for (ranks, replicate) in [(2, None), (4, Some(2))] {
+        let dims = [6, 12, 3];
+        let reports: Vec<RankReport> =
+            run(ranks, spec(&dims, ranks, replicate)).into_iter().map(|r| r.unwrap()).collect();
+        let first = &reports[0];
+        assert_eq!(first.losses.len(), 12);
+        assert!(first.losses[11] < first.losses[0], "{ranks} ranks: the loss did not fall: {:?}", first.losses);
+        assert_eq!(first.groups, 3, "one group per layer and the root");
+        let names: Vec<&str> = first.params.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"]);
+        assert_eq!(first.params[0].1.len(), 12 * 6, "full, unpadded parameters");
+        for r in &reports[1..] {
+            assert_eq!(r.losses, first.losses, "ranks disagree on the global mean loss");
+            assert_eq!(r.params, first.params, "ranks disagree on the trained parameters");
+        }
+        assert!(reports.iter().all(|r| r.peak_memory_bytes >= r.final_memory_bytes));
+    }
+}
+
+#[test]
+fn data_that_does_not_fit_the_model_or_the_world_is_refused() {
+    let mut wrong_width = spec(&[6, 12, 3], 2, None);
+    wrong_width.data = Arc::new(Dataset::random(5, 3, 8, 1, 0));
+    let too_few_rows = TrainSpec { batch: 5, ..spec(&[6, 12, 3], 2, None) };
+    for (bad, why) in [(wrong_width, "the model maps 6"), (too_few_rows, "needs 10 rows per step")] {
+        for r in run(2, bad) {
+            match r {
+                Err(FsdpError::InvalidArgument(m)) => assert!(m.contains(why), "{m}"),
+                other => panic!("expected an invalid argument ({why}), got {:?}", other.map(|r| r.losses)),
+            }
+        }
+    }
+}
