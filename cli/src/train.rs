@@ -216,7 +216,7 @@ where
     L: chorus_collectives::vendor::VendorLib,
     L::B: chorus_conformance::vendor::HarnessDevice + chorus_devices::ComputeBackend,
 {
-    use chorus_collectives::store::MemStore;
+    use chorus_collectives::bootstrap::MemStore;
     use chorus_collectives::vendor::{VendorComm, VendorConfig};
     use chorus_conformance::vendor::HarnessDevice;
     let devices = L::B::count().map_err(anyhow::Error::msg)?;

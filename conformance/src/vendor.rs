@@ -12,7 +12,7 @@ use std::marker::PhantomData;
 use std::time::Duration;
 
 use anyhow::bail;
-use chorus_collectives::store::MemStore;
+use chorus_collectives::bootstrap::MemStore;
 use chorus_collectives::vendor::{VendorComm, VendorConfig, VendorLib};
 use chorus_collectives::{Capabilities, Communicator};
 use chorus_devices::{Backend, ComputeBackend, ForeignBackend};

@@ -22,8 +22,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use chorus_collectives::bootstrap::MemStore;
 use chorus_collectives::nccl_abi::{DataType, RedOp, ResultCode};
-use chorus_collectives::store::MemStore;
 use chorus_collectives::vendor::{VendorComm, VendorConfig, VendorLib};
 use chorus_collectives::{CommError, Communicator, ReduceOp};
 use chorus_conformance::vendor::HarnessDevice;

@@ -17,7 +17,7 @@ use super::sys::ncclComm_t;
 use super::watchdog::{self, Watched};
 use super::VendorLib;
 use crate::backend::{Call, CallKind, Capabilities, CommBackend};
-use crate::store::Store;
+use crate::bootstrap::Store;
 use crate::{CommError, Communicator, ReduceOp, Result};
 
 /// Settings of an NCCL-family communicator.
