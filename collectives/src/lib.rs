@@ -15,6 +15,7 @@
 
 pub mod backend;
 pub mod bootstrap;
+pub mod checked;
 mod comm;
 mod error;
 mod mesh;

@@ -36,6 +36,7 @@
 
 mod barrier;
 mod case;
+pub mod checked;
 pub mod collectives;
 pub mod errors;
 pub mod expected;

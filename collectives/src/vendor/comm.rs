@@ -153,6 +153,13 @@ impl<L: VendorLib> Shared<L> {
             e.get_or_insert(reason);
         }
         self.abort_requested.store(true, Ordering::Release);
+        // The pending launches' streams fail first, with the reason: the
+        // kernels the abort releases must not report a failure of their own first.
+        let error = self.aborted();
+        let launches = self.pending.lock().map(|mut p| std::mem::take(&mut p.launches)).unwrap_or_default();
+        for p in launches {
+            p.failure.fail(p.position, op_failed(p.op, p.failure.stream_name(), error.clone()));
+        }
         if let Ok(mut h) = self.handle.lock() {
             if !h.released {
                 h.released = true;
@@ -164,11 +171,6 @@ impl<L: VendorLib> Shared<L> {
                     L::B::park(&self.device, op_failed("ncclCommAbort", &self.device.name(), e));
                 }
             }
-        }
-        let error = self.aborted();
-        let launches = self.pending.lock().map(|mut p| std::mem::take(&mut p.launches)).unwrap_or_default();
-        for p in launches {
-            p.failure.fail(p.position, op_failed(p.op, p.failure.stream_name(), error.clone()));
         }
     }
 
