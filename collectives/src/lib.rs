@@ -13,6 +13,8 @@
 //!   devices that checks the library's usage rules in CI).
 #![warn(missing_docs)]
 
+#[cfg(any(feature = "sim", feature = "ucx"))]
+mod arith;
 pub mod backend;
 pub mod bootstrap;
 pub mod checked;
