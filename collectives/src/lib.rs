@@ -10,7 +10,9 @@
 //! - Backends: [`sim`] (feature `sim`, default) runs ranks as threads of one
 //!   process on cpu devices; the NCCL family ([`vendor`]: `nccl` on cuda
 //!   devices, `rccl` on hip devices, and a simulated NCCL ABI on cpu
-//!   devices that checks the library's usage rules in CI).
+//!   devices that checks the library's usage rules in CI); [`ucx`] (feature
+//!   `ucx`) runs one rank per process (or host) over UCX's tagged messages on
+//!   cpu devices.
 #![warn(missing_docs)]
 
 #[cfg(any(feature = "sim", feature = "ucx"))]
@@ -28,6 +30,8 @@ pub mod rccl;
 mod reduce;
 #[cfg(feature = "sim")]
 pub mod sim;
+#[cfg(feature = "ucx")]
+pub mod ucx;
 pub mod vendor;
 
 pub use backend::{Capabilities, CommBackend, OpKind};
