@@ -21,6 +21,7 @@ mod backends;
 mod bench;
 mod conformance;
 mod launch;
+mod process;
 mod size;
 #[cfg(feature = "sim")]
 mod train;

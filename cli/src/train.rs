@@ -206,7 +206,17 @@ fn run_on(
     spec: TrainSpec,
     bar: Option<ProgressBar>,
 ) -> anyhow::Result<Vec<RankReport>> {
-    crate::with_backend!(backend, sim => run_sim(world, spec, bar), vendor<L> => run_vendor::<L>(world, spec, bar))
+    // Under a launcher, the GPU backends run one rank per process (as ucx always does).
+    let process = if backend.runs_as_processes() { crate::process::RankProcess::detect()? } else { None };
+    crate::with_backend!(
+        backend,
+        sim => run_sim(world, spec, bar),
+        ucx => crate::process::train_ucx(world, &spec, bar),
+        vendor<L> => match process {
+            Some(p) => crate::process::train_vendor::<L>(p, world, &spec, bar),
+            None => run_vendor::<L>(world, spec, bar),
+        }
+    )
 }
 
 /// One rank per device of the NCCL family, as threads of this process,
@@ -323,6 +333,10 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     );
     let reports = run_on(args.backend, args.world_size, spec.clone(), Some(bar.clone()))?;
     bar.finish_and_clear();
+    if reports.is_empty() {
+        // One rank per process: rank 0 writes the outputs.
+        return Ok(Outcome::Passed);
+    }
     let first = reports.first().context("no ranks")?;
     std::fs::create_dir_all(&args.out_dir).with_context(|| format!("creating {}", args.out_dir.display()))?;
     for (name, values) in &first.params {
@@ -394,7 +408,7 @@ fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
         );
     }
     // The GPU backends take one rank per device, so their worlds stop at the device count.
-    let max_world = crate::with_backend!(args.backend, sim => usize::MAX, vendor<L> => {
+    let max_world = crate::with_backend!(args.backend, sim => usize::MAX, ucx => usize::MAX, vendor<L> => {
         <<L as chorus_collectives::vendor::VendorLib>::B as chorus_conformance::vendor::HarnessDevice>::count()
             .map_err(anyhow::Error::msg)?
     });

@@ -35,18 +35,12 @@ use crate::{Case, CaseFn, CaseOutcome, Failure, Faults, Hooks, Isolation, RankCt
 
 /// A harness whose ranks can be processes: how this process joins a world.
 pub trait RankHarness: Harness {
-    /// This process's communicator of a new world: rank `rank` of `size`,
-    /// through `store` under `prefix` (unique per world), giving up on a
-    /// missing peer after `timeout`. Every rank calls it for every world, in
-    /// the same order.
-    fn join(
-        &self,
-        store: Arc<dyn Store>,
-        prefix: &str,
-        rank: usize,
-        size: usize,
-        timeout: Duration,
-    ) -> Result<Communicator<Self::C>, Failure>;
+    /// This process's communicator of a new world: rank `env.rank` of
+    /// `env.size` (its device picked by `env.local_rank`), through
+    /// `env.store` under `prefix` (unique per world), giving up on a missing
+    /// peer after `timeout`. Every rank calls it for every world, in the
+    /// same order.
+    fn join(&self, env: &RankEnv, prefix: &str, timeout: Duration) -> Result<Communicator<Self::C>, Failure>;
 }
 
 /// Where this process is in the job.
@@ -56,6 +50,8 @@ pub struct RankEnv {
     pub rank: usize,
     /// Ranks (processes) in the job.
     pub size: usize,
+    /// This process's rank on its node (picks its GPU).
+    pub local_rank: usize,
     /// The job's rendezvous store.
     pub store: Arc<dyn Store>,
     /// The store prefix of this run (unique per run in the store).
@@ -282,9 +278,8 @@ pub fn run_rank<H: RankHarness>(
             (slot, isolation) => {
                 let prefix = format!("{}/world{worlds}", env.prefix);
                 worlds += 1;
-                let made = harness
-                    .join(env.store.clone(), &prefix, env.rank, n, timeout)
-                    .and_then(|comm| LocalWorld::start(comm, support, timeout));
+                let made =
+                    harness.join(env, &prefix, timeout).and_then(|comm| LocalWorld::start(comm, support, timeout));
                 match (made, isolation) {
                     (Ok(w), Isolation::Shared) => Ok(slot.insert(w)),
                     (Ok(w), Isolation::Fresh) => Ok(fresh.insert(w)),

@@ -19,7 +19,7 @@ use chorus_collectives::Communicator;
 use chorus_devices::cpu::{CpuConfig, CpuDevice};
 
 use crate::harness::{Harness, World};
-use crate::process::RankHarness;
+use crate::process::{RankEnv, RankHarness};
 use crate::{Case, Support};
 
 /// The UCX backend's harness.
@@ -87,15 +87,8 @@ impl Harness for UcxHarness {
 }
 
 impl RankHarness for UcxHarness {
-    fn join(
-        &self,
-        store: Arc<dyn Store>,
-        prefix: &str,
-        rank: usize,
-        size: usize,
-        timeout: Duration,
-    ) -> Result<Communicator<UcxComm>, crate::Failure> {
+    fn join(&self, env: &RankEnv, prefix: &str, timeout: Duration) -> Result<Communicator<UcxComm>, crate::Failure> {
         let config = UcxConfig { timeout, prefix: prefix.to_string(), ..UcxConfig::default() };
-        Ok(UcxComm::init(store, rank, size, device(rank, timeout), config)?)
+        Ok(UcxComm::init(env.store.clone(), env.rank, env.size, device(env.rank, timeout), config)?)
     }
 }

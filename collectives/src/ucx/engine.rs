@@ -616,12 +616,12 @@ fn progress_loop(mut w: Worker, shared: Arc<Shared>, control: ControlTag, on_eve
     }
     shared.stopped.store(true, Ordering::Release);
     w.cancel(&control_recv.done);
-    shutdown(w, &shared);
+    shutdown(w, &shared, &control_recv.done);
 }
 
 /// Cancels what is queued, closes the endpoints (flushing for up to a
 /// second, then by force) and releases the worker and context.
-fn shutdown(mut w: Worker, shared: &Shared) {
+fn shutdown(mut w: Worker, shared: &Shared, control: &Completion) {
     let leftover: Vec<Command> = shared.queue.lock().map(|mut q| q.drain(..).collect()).unwrap_or_default();
     for cmd in leftover {
         match cmd {
@@ -635,6 +635,12 @@ fn shutdown(mut w: Worker, shared: &Shared) {
         }
     }
     let deadline = Instant::now() + Duration::from_secs(1);
+    // The cancelled control receive completes (and is released) on progress.
+    while control.outcome().is_none() && Instant::now() < deadline {
+        if !w.progress() {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
     let mut closing = Vec::new();
     for ep in w.endpoints.drain(..).flatten() {
         // SAFETY: a live endpoint, closed once.
@@ -649,8 +655,14 @@ fn shutdown(mut w: Worker, shared: &Shared) {
     }
     while !closing.is_empty() && Instant::now() < deadline {
         w.progress();
-        // SAFETY: requests returned by ucp_ep_close_nbx, freed once below.
-        closing.retain(|(_, req)| unsafe { sys::ucp_request_check_status(*req) } == sys::ucs_status_t_UCS_INPROGRESS);
+        closing.retain(|(_, req)| {
+            // SAFETY: requests returned by ucp_ep_close_nbx, each freed once when done.
+            let busy = unsafe { sys::ucp_request_check_status(*req) } == sys::ucs_status_t_UCS_INPROGRESS;
+            if !busy {
+                unsafe { sys::ucp_request_free(*req) };
+            }
+            busy
+        });
         if !closing.is_empty() {
             std::thread::sleep(Duration::from_micros(200));
         }

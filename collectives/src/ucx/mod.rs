@@ -448,9 +448,8 @@ impl CommBackend for UcxComm {
     }
 
     fn launch(&self, calls: Vec<Call<'_, Cpu>>, stream: &CpuStream) -> Result<()> {
-        if let Some(e) = self.core.job.abort_error() {
-            return Err(e);
-        }
+        // A job that has failed fails the call when the stream reaches it
+        // (asynchronously, like every failure found while running).
         let mut accesses = Vec::new();
         let prepared = calls.iter().map(|c| self.prepare(c, &mut accesses)).collect::<Result<Vec<_>>>()?;
         let name = if calls.len() == 1 { calls[0].kind.kind().name() } else { "group" };
@@ -559,4 +558,12 @@ impl CommBackend for UcxComm {
     fn async_error(&self) -> Option<CommError> {
         self.core.job.abort_error()
     }
+}
+
+/// Starts a UCP context and worker and stops them: whether UCX works in
+/// this process, and what it is (for `chorus info`).
+pub fn probe() -> Result<String> {
+    let (ctag, cmask) = wire::control_match();
+    let engine = Engine::start("probe", ControlTag { tag: ctag, mask: cmask }, Arc::new(|_| {}))?;
+    Ok(format!("UCX {} (bundled), worker address {} bytes", ucx_rs::VENDORED_UCX_VERSION, engine.address().len()))
 }

@@ -1,0 +1,171 @@
+//! One rank per process: `bench`, `conformance` and `train` started by a
+//! launcher (`chorus launch`, torchrun, `srun`, `mpirun`) find their rank
+//! and the job's store here.
+//!
+//! The `ucx` backend always runs this way; `nccl` and `rccl` do when a
+//! launcher's variables are present (and run one rank per GPU as threads
+//! otherwise); the simulated backends always run their ranks as threads.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use chorus_collectives::bootstrap::{connect_from_env, ConnectOptions, EnvError, LaunchEnv, Rendezvous, Store};
+
+use crate::UsageError;
+
+/// This process's place in a launched job and the job's store.
+pub struct RankProcess {
+    /// Rank, world size, local rank, from the launcher's variables.
+    pub env: LaunchEnv,
+    rendezvous: Rendezvous,
+}
+
+impl RankProcess {
+    /// The job this process belongs to, or `None` when no launcher started it.
+    pub fn detect() -> anyhow::Result<Option<RankProcess>> {
+        match LaunchEnv::from_process_env() {
+            Err(EnvError::NoLauncher { .. }) => Ok(None),
+            Err(e) => Err(anyhow::Error::new(e).context("reading the launcher's variables")),
+            Ok(env) => {
+                let rendezvous = connect_from_env(&env, &ConnectOptions::default())
+                    .with_context(|| format!("rank {} joining the job's store", env.rank))?;
+                Ok(Some(RankProcess { env, rendezvous }))
+            }
+        }
+    }
+
+    /// The job, or a usage error naming the launchers when there is none.
+    pub fn require(backend: &str) -> anyhow::Result<RankProcess> {
+        RankProcess::detect()?.ok_or_else(|| {
+            UsageError(format!(
+                "the {backend} backend runs one rank per process: start it with a launcher, e.g. \
+                 `chorus launch --nproc-per-node 4 -- chorus ...` (or torchrun --no-python, srun, mpirun)"
+            ))
+            .into()
+        })
+    }
+
+    /// The job's store.
+    pub fn store(&self) -> Arc<dyn Store> {
+        self.rendezvous.store()
+    }
+
+    /// A store prefix for `what` that is unique per run and restart.
+    pub fn prefix(&self, what: &str) -> String {
+        let run = self.env.run_id.as_deref().unwrap_or("run");
+        format!("chorus/{what}/{run}/{}", self.env.restart_count)
+    }
+
+    /// The deadline of the UCX backend's waits: `CHORUS_UCX_TIMEOUT_S`
+    /// seconds, else `default`.
+    pub fn ucx_timeout(default: Duration) -> Duration {
+        std::env::var("CHORUS_UCX_TIMEOUT_S")
+            .ok()
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|s| *s > 0.0)
+            .map_or(default, Duration::from_secs_f64)
+    }
+
+    /// The process mode takes its world size from the launcher: a
+    /// different `--world-size` is a usage error.
+    pub fn check_world_size(&self, requested: usize) -> anyhow::Result<()> {
+        if requested != self.env.world_size {
+            return Err(UsageError(format!(
+                "--world-size {requested} but the launcher started {} ranks (WORLD_SIZE): pass --world-size {}",
+                self.env.world_size, self.env.world_size
+            ))
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Every rank waits here until all have arrived (bounded by `timeout`),
+    /// so that rank 0, which may host the store, leaves last.
+    pub fn finish(&self, what: &str, timeout: Duration) -> anyhow::Result<()> {
+        let store = self.store();
+        let key = format!("{}/finished", self.prefix(what));
+        store.add(&key, 1)?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let v = store.get(&key, timeout)?;
+            let count: usize = String::from_utf8_lossy(&v).trim().parse().unwrap_or(0);
+            if count >= self.env.world_size {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                anyhow::bail!("only {count} of {} ranks finished within {timeout:?}", self.env.world_size);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+/// Trains on this process's rank of the job with `comm`; rank 0 returns its
+/// report (the one `chorus train` writes out), the other ranks none.
+#[cfg(feature = "sim")]
+pub fn train_rank<C>(
+    p: &RankProcess,
+    comm: chorus_collectives::Communicator<C>,
+    spec: &chorus_train::train::TrainSpec,
+    bar: Option<indicatif::ProgressBar>,
+) -> anyhow::Result<Vec<chorus_train::train::RankReport>>
+where
+    C: chorus_collectives::CommBackend,
+    C::B: chorus_devices::ComputeBackend,
+{
+    let rank = p.env.rank;
+    let mut on_step = |_step: usize, loss: f64| {
+        if let (0, Some(b)) = (rank, &bar) {
+            b.set_message(format!("loss {loss:.5}"));
+            b.inc(1);
+        }
+    };
+    let report =
+        chorus_train::train::train(Arc::new(comm), spec, &mut on_step).with_context(|| format!("rank {rank}"))?;
+    p.finish("train", Duration::from_secs(300))?;
+    Ok(if rank == 0 { vec![report] } else { Vec::new() })
+}
+
+/// `chorus train --backend ucx`: this process's rank over UCX.
+#[cfg(all(feature = "sim", feature = "ucx"))]
+pub fn train_ucx(
+    world: usize,
+    spec: &chorus_train::train::TrainSpec,
+    bar: Option<indicatif::ProgressBar>,
+) -> anyhow::Result<Vec<chorus_train::train::RankReport>> {
+    use chorus_collectives::ucx::{UcxComm, UcxConfig};
+    use chorus_devices::cpu::{CpuConfig, CpuDevice};
+    let p = RankProcess::require("ucx")?;
+    p.check_world_size(world)?;
+    let timeout = RankProcess::ucx_timeout(Duration::from_secs(300));
+    // SAFETY: as for the sim backend's training (cli/src/train.rs): FSDP
+    // orders every cross-stream access with events, which the conformance
+    // suite checks with the sanitizer on.
+    let config = unsafe { CpuConfig::default().with_ordinal(p.env.rank).with_timeout(timeout).without_sanitizer() };
+    let ucx = UcxConfig { timeout, prefix: p.prefix("train/ucx"), ..UcxConfig::default() };
+    let comm = UcxComm::init(p.store(), p.env.rank, p.env.world_size, CpuDevice::new(config), ucx)?;
+    train_rank(&p, comm, spec, bar)
+}
+
+/// `chorus train --backend nccl|rccl` under a launcher: this process's rank,
+/// its GPU picked by `LOCAL_RANK`, the unique id through the job's store.
+#[cfg(feature = "sim")]
+pub fn train_vendor<L>(
+    p: RankProcess,
+    world: usize,
+    spec: &chorus_train::train::TrainSpec,
+    bar: Option<indicatif::ProgressBar>,
+) -> anyhow::Result<Vec<chorus_train::train::RankReport>>
+where
+    L: chorus_collectives::vendor::VendorLib,
+    L::B: chorus_conformance::vendor::HarnessDevice + chorus_devices::ComputeBackend,
+{
+    use chorus_collectives::vendor::{VendorComm, VendorConfig};
+    use chorus_conformance::vendor::HarnessDevice;
+    p.check_world_size(world)?;
+    let device = L::B::make(p.env.local_rank, Duration::from_secs(300))?;
+    let config = VendorConfig { store_key: format!("{}/unique_id", p.prefix("train/nccl")), ..VendorConfig::default() };
+    let comm = VendorComm::<L>::init(&*p.store(), p.env.rank, p.env.world_size, device, config)?;
+    train_rank(&p, comm, spec, bar)
+}
