@@ -67,6 +67,19 @@ impl RankProcess {
             .map_or(default, Duration::from_secs_f64)
     }
 
+    /// The UCX settings of a process-mode command: its store prefix and
+    /// deadline, `CHORUS_UCX_PEER_FAILURE=1` for UCX's peer-failure
+    /// handling, `CHORUS_UCX_SMALL_BYTES` for the algorithm switch.
+    #[cfg(feature = "ucx")]
+    pub fn ucx_config(&self, what: &str, timeout: Duration) -> chorus_collectives::ucx::UcxConfig {
+        let mut c = chorus_collectives::ucx::UcxConfig { timeout, prefix: self.prefix(what), ..Default::default() };
+        c.peer_failure = std::env::var("CHORUS_UCX_PEER_FAILURE").is_ok_and(|v| v == "1");
+        if let Some(bytes) = std::env::var("CHORUS_UCX_SMALL_BYTES").ok().and_then(|v| v.parse().ok()) {
+            c.small_bytes = bytes;
+        }
+        c
+    }
+
     /// The process mode takes its world size from the launcher: a
     /// different `--world-size` is a usage error.
     pub fn check_world_size(&self, requested: usize) -> anyhow::Result<()> {
@@ -127,23 +140,33 @@ where
     Ok(if rank == 0 { vec![report] } else { Vec::new() })
 }
 
-/// `chorus train --backend ucx`: this process's rank over UCX.
+/// `chorus train --backend ucx`: this process's rank over UCX (`process`:
+/// the job, when the caller has joined it already; the store is joined once).
 #[cfg(all(feature = "sim", feature = "ucx"))]
 pub fn train_ucx(
+    process: Option<RankProcess>,
     world: usize,
     spec: &chorus_train::train::TrainSpec,
     bar: Option<indicatif::ProgressBar>,
 ) -> anyhow::Result<Vec<chorus_train::train::RankReport>> {
-    use chorus_collectives::ucx::{UcxComm, UcxConfig};
+    use chorus_collectives::ucx::UcxComm;
     use chorus_devices::cpu::{CpuConfig, CpuDevice};
-    let p = RankProcess::require("ucx")?;
+    let p = match process {
+        Some(p) => p,
+        None => RankProcess::require("ucx")?,
+    };
     p.check_world_size(world)?;
     let timeout = RankProcess::ucx_timeout(Duration::from_secs(300));
     // SAFETY: as for the sim backend's training (cli/src/train.rs): FSDP
     // orders every cross-stream access with events, which the conformance
     // suite checks with the sanitizer on.
-    let config = unsafe { CpuConfig::default().with_ordinal(p.env.rank).with_timeout(timeout).without_sanitizer() };
-    let ucx = UcxConfig { timeout, prefix: p.prefix("train/ucx"), ..UcxConfig::default() };
+    let config = unsafe {
+        CpuConfig::default()
+            .with_ordinal(p.env.rank)
+            .with_timeout(timeout * 2 + Duration::from_secs(10))
+            .without_sanitizer()
+    };
+    let ucx = p.ucx_config("train/ucx", timeout);
     let comm = UcxComm::init(p.store(), p.env.rank, p.env.world_size, CpuDevice::new(config), ucx)?;
     train_rank(&p, comm, spec, bar)
 }

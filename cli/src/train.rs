@@ -211,7 +211,7 @@ fn run_on(
     crate::with_backend!(
         backend,
         sim => run_sim(world, spec, bar),
-        ucx => crate::process::train_ucx(world, &spec, bar),
+        ucx => crate::process::train_ucx(process, world, &spec, bar),
         vendor<L> => match process {
             Some(p) => crate::process::train_vendor::<L>(p, world, &spec, bar),
             None => run_vendor::<L>(world, spec, bar),
@@ -408,7 +408,9 @@ fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
         );
     }
     // The GPU backends take one rank per device, so their worlds stop at the device count.
-    let max_world = crate::with_backend!(args.backend, sim => usize::MAX, ucx => usize::MAX, vendor<L> => {
+    let max_world = crate::with_backend!(args.backend, sim => usize::MAX, ucx => {
+        anyhow::bail!("train --bench runs worlds of 1, 2, 4 and 8 ranks in this process; ucx runs one rank per process (use chorus bench under chorus launch)")
+    }, vendor<L> => {
         <<L as chorus_collectives::vendor::VendorLib>::B as chorus_conformance::vendor::HarnessDevice>::count()
             .map_err(anyhow::Error::msg)?
     });

@@ -45,19 +45,19 @@ impl<C: CommBackend> IterBarrier for CommBarrier<'_, C> {
 /// `chorus bench --backend ucx`.
 #[cfg(feature = "ucx")]
 pub fn run_ucx(args: &BenchArgs, p: RankProcess) -> anyhow::Result<Outcome> {
-    use chorus_collectives::ucx::{UcxComm, UcxConfig};
+    use chorus_collectives::ucx::UcxComm;
     use chorus_devices::cpu::{CpuConfig, CpuDevice};
     p.check_world_size(args.world_size)?;
     // SAFETY: each rank's collectives run on one stream and the host
     // synchronizes it before touching the buffers again.
     let timeout = RankProcess::ucx_timeout(DEADLINE);
     let device = CpuDevice::new(unsafe {
-        CpuConfig::default().with_ordinal(p.env.rank).with_timeout(timeout).without_sanitizer()
+        CpuConfig::default()
+            .with_ordinal(p.env.rank)
+            .with_timeout(timeout * 2 + Duration::from_secs(10))
+            .without_sanitizer()
     });
-    let mut config = UcxConfig { timeout, prefix: p.prefix("bench/ucx"), ..UcxConfig::default() };
-    if let Some(bytes) = std::env::var("CHORUS_UCX_SMALL_BYTES").ok().and_then(|v| v.parse().ok()) {
-        config.small_bytes = bytes;
-    }
+    let config = p.ucx_config("bench/ucx", timeout);
     let comm = UcxComm::init(p.store(), p.env.rank, p.env.world_size, device, config)?;
     run_with(args, &p, comm)
 }

@@ -19,7 +19,7 @@
 use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::mem::MaybeUninit;
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -155,7 +155,7 @@ impl Completion {
 
 /// What the progress thread is asked to do.
 enum Command {
-    Connect { addresses: Vec<Option<Vec<u8>>>, done: std::sync::mpsc::Sender<Result<()>> },
+    Connect { addresses: Vec<Option<Vec<u8>>>, peer_failure: bool, done: std::sync::mpsc::Sender<Result<()>> },
     Send { peer: usize, tag: u64, region: Region, done: Arc<Completion> },
     Recv { tag: u64, mask: u64, region: Region, done: Arc<Completion> },
     Cancel(Arc<Completion>),
@@ -180,6 +180,10 @@ pub(crate) struct ControlTag {
     pub(crate) tag: u64,
     pub(crate) mask: u64,
 }
+
+/// How long the progress thread polls without progress before it sleeps,
+/// while transfers are in flight.
+const SPIN: Duration = Duration::from_millis(2);
 
 /// Largest control message.
 pub(crate) const CONTROL_BYTES: usize = 8192;
@@ -281,10 +285,11 @@ impl Engine {
         &self.address
     }
 
-    /// Creates an endpoint to every peer whose address is given (index = world rank).
-    pub(crate) fn connect(&self, addresses: Vec<Option<Vec<u8>>>, timeout: Duration) -> Result<()> {
+    /// Creates an endpoint to every peer whose address is given (index =
+    /// world rank), with UCX's peer-failure handling when `peer_failure`.
+    pub(crate) fn connect(&self, addresses: Vec<Option<Vec<u8>>>, peer_failure: bool, timeout: Duration) -> Result<()> {
         let (tx, rx) = std::sync::mpsc::channel();
-        self.command(Command::Connect { addresses, done: tx })?;
+        self.command(Command::Connect { addresses, peer_failure, done: tx })?;
         rx.recv_timeout(timeout).map_err(|_| CommError::Timeout {
             op: "ucx endpoint creation".into(),
             seq: 0,
@@ -331,6 +336,8 @@ struct Worker {
     endpoints: Vec<Option<sys::ucp_ep_h>>,
     /// The error-handler arguments of the endpoints, freed after they close.
     handler_args: Vec<*mut ErrArg>,
+    /// Requests posted and not yet ended.
+    in_flight: Arc<AtomicUsize>,
 }
 
 struct ErrArg {
@@ -342,6 +349,14 @@ struct ErrArg {
 struct InFlight {
     done: Arc<Completion>,
     _region: Option<Region>,
+    /// The worker's count of requests in flight, decremented when this one ends.
+    count: Arc<AtomicUsize>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.count.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Worker {
@@ -372,7 +387,14 @@ impl Worker {
                 sys::ucp_cleanup(context);
                 return Err(e);
             }
-            Ok(Worker { context, worker, efd, endpoints: Vec::new(), handler_args: Vec::new() })
+            Ok(Worker {
+                context,
+                worker,
+                efd,
+                endpoints: Vec::new(),
+                handler_args: Vec::new(),
+                in_flight: Arc::new(AtomicUsize::new(0)),
+            })
         }
     }
 
@@ -388,7 +410,7 @@ impl Worker {
         }
     }
 
-    fn connect(&mut self, addresses: &[Option<Vec<u8>>], on_event: &EventHandler) -> Result<()> {
+    fn connect(&mut self, addresses: &[Option<Vec<u8>>], peer_failure: bool, on_event: &EventHandler) -> Result<()> {
         self.endpoints.resize(addresses.len().max(self.endpoints.len()), None);
         for (rank, addr) in addresses.iter().enumerate() {
             let Some(addr) = addr else { continue };
@@ -406,7 +428,11 @@ impl Worker {
                     | sys::ucp_ep_params_field_UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
                     | sys::ucp_ep_params_field_UCP_EP_PARAM_FIELD_ERR_HANDLER) as u64;
                 p.address = addr.as_ptr() as *const sys::ucp_address_t;
-                p.err_mode = sys::ucp_err_handling_mode_t_UCP_ERR_HANDLING_MODE_PEER;
+                p.err_mode = if peer_failure {
+                    sys::ucp_err_handling_mode_t_UCP_ERR_HANDLING_MODE_PEER
+                } else {
+                    sys::ucp_err_handling_mode_t_UCP_ERR_HANDLING_MODE_NONE
+                };
                 p.err_handler = sys::ucp_err_handler { cb: Some(on_ep_error), arg: arg as *mut c_void };
                 let mut ep: sys::ucp_ep_h = std::ptr::null_mut();
                 status_error(sys::ucp_ep_create(self.worker, &p, &mut ep), &format!("ucp_ep_create (rank {rank})"))?;
@@ -422,7 +448,9 @@ impl Worker {
             return;
         };
         let (ptr, len) = (region.ptr as *const c_void, region.len);
-        let flight = Box::into_raw(Box::new(InFlight { done: done.clone(), _region: Some(region) }));
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        let count = self.in_flight.clone();
+        let flight = Box::into_raw(Box::new(InFlight { done: done.clone(), _region: Some(region), count }));
         // SAFETY: the region stays alive in `flight` until the callback (or
         // the immediate outcome below) releases it.
         unsafe {
@@ -438,7 +466,9 @@ impl Worker {
 
     fn recv(&mut self, tag: u64, mask: u64, region: Region, done: Arc<Completion>) {
         let (ptr, len) = (region.ptr as *mut c_void, region.len);
-        let flight = Box::into_raw(Box::new(InFlight { done, _region: Some(region) }));
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        let count = self.in_flight.clone();
+        let flight = Box::into_raw(Box::new(InFlight { done, _region: Some(region), count }));
         // SAFETY: as in `send`.
         unsafe {
             let mut p: sys::ucp_request_param_t = MaybeUninit::zeroed().assume_init();
@@ -461,6 +491,46 @@ impl Worker {
             // SAFETY: a live request (its callback, which clears the pointer,
             // has not run: both happen on this thread).
             unsafe { sys::ucp_request_cancel(self.worker, req) };
+        }
+    }
+
+    /// Receives and drops the messages no receive ever matched (a failed
+    /// job's leftovers), so the worker goes without complaint.
+    fn drain_unexpected(&mut self, deadline: Instant) {
+        for _ in 0..4096 {
+            if Instant::now() >= deadline {
+                return;
+            }
+            // SAFETY: zeroed info is a valid out-parameter; a message handle
+            // removed from the queue is received exactly once below.
+            unsafe {
+                let mut info: sys::ucp_tag_recv_info_t = MaybeUninit::zeroed().assume_init();
+                let msg = sys::ucp_tag_probe_nb(self.worker, 0, 0, 1, &mut info);
+                if msg.is_null() {
+                    return;
+                }
+                let scratch = Scratch::new(info.length);
+                let done = Completion::new();
+                let region = Region { ptr: scratch.ptr(), len: info.length, _keep: Keep::Scratch(scratch.clone()) };
+                self.in_flight.fetch_add(1, Ordering::Relaxed);
+                let flight = Box::into_raw(Box::new(InFlight {
+                    done: done.clone(),
+                    _region: Some(region),
+                    count: self.in_flight.clone(),
+                }));
+                let mut p: sys::ucp_request_param_t = MaybeUninit::zeroed().assume_init();
+                p.op_attr_mask =
+                    sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_CALLBACK | sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_USER_DATA;
+                p.cb.recv = Some(on_recv);
+                p.user_data = flight as *mut c_void;
+                let r = sys::ucp_tag_msg_recv_nbx(self.worker, scratch.ptr() as *mut c_void, info.length, msg, &p);
+                settle(r, flight, info.length);
+                while done.outcome().is_none() && Instant::now() < deadline {
+                    if !self.progress() {
+                        std::thread::sleep(Duration::from_micros(50));
+                    }
+                }
+            }
         }
     }
 
@@ -553,14 +623,15 @@ fn post_control(w: &mut Worker, control: ControlTag) -> ControlRecv {
 
 fn progress_loop(mut w: Worker, shared: Arc<Shared>, control: ControlTag, on_event: EventHandler) {
     let mut control_recv = post_control(&mut w, control);
+    let mut last_progress = Instant::now();
     loop {
         let commands: Vec<Command> = shared.queue.lock().map(|mut q| q.drain(..).collect()).unwrap_or_default();
         let mut stop = false;
         let busy = !commands.is_empty();
         for cmd in commands {
             match cmd {
-                Command::Connect { addresses, done } => {
-                    let _ = done.send(w.connect(&addresses, &on_event));
+                Command::Connect { addresses, peer_failure, done } => {
+                    let _ = done.send(w.connect(&addresses, peer_failure, &on_event));
                 }
                 Command::Send { peer, tag, region, done } => w.send(peer, tag, region, done),
                 Command::Recv { tag, mask, region, done } => w.recv(tag, mask, region, done),
@@ -592,6 +663,14 @@ fn progress_loop(mut w: Worker, shared: Arc<Shared>, control: ControlTag, on_eve
             progressed = true;
         }
         if busy || progressed {
+            last_progress = Instant::now();
+            continue;
+        }
+        // Transfers in flight (beyond the control receive): poll, yielding
+        // the core, for a while before sleeping — a wake-up per fragment
+        // costs more than the fragment.
+        if w.in_flight.load(Ordering::Relaxed) > 1 && last_progress.elapsed() < SPIN {
+            std::thread::yield_now();
             continue;
         }
         // Sleep until UCX or a command needs us (the timeout bounds a lost wake-up).
@@ -641,6 +720,7 @@ fn shutdown(mut w: Worker, shared: &Shared, control: &Completion) {
             std::thread::sleep(Duration::from_micros(100));
         }
     }
+    w.drain_unexpected(deadline);
     let mut closing = Vec::new();
     for ep in w.endpoints.drain(..).flatten() {
         // SAFETY: a live endpoint, closed once.

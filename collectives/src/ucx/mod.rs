@@ -7,7 +7,7 @@
 //!   that sleeps on the worker's event fd when idle. Each rank publishes its
 //!   worker address (and the world size it was started with) in the
 //!   rendezvous [`Store`], reads every other rank's, and creates an
-//!   endpoint to each (with peer-failure handling). Communicators split
+//!   endpoint to each (itself included). Communicators split
 //!   from it share the worker and endpoints; each gets a 16-bit id from a
 //!   counter in the store.
 //! - **Stream-ordered.** A launch (one call, or a group) is one job on the
@@ -33,9 +33,11 @@
 //!   deadline, a failed transfer) or whose stream failed before a call, or
 //!   that calls [`abort`](crate::CommBackend::abort), sends the error to every rank of the
 //!   job as a control message; their pending and later calls fail with it
-//!   (the first error wins). A dead peer's connection error (UCX's peer
-//!   failure handling) aborts the job too. Every wait has the deadline
-//!   [`UcxConfig::timeout`], counted from the last progress of the call.
+//!   (the first error wins). Every wait has the deadline
+//!   [`UcxConfig::timeout`], counted from the last progress of the call: a
+//!   dead peer is found by it, or sooner when UCX reports the peer's
+//!   connection failed (which aborts the job too; see
+//!   [`UcxConfig::peer_failure`]).
 //! - **Memory.** A transfer keeps the memory it uses alive until UCX has
 //!   finished with it (a cancelled receive cannot write into freed memory).
 //!
@@ -77,17 +79,30 @@ pub struct UcxConfig {
     /// one-round direct algorithms (rank-order reductions); larger ones
     /// take the rings.
     pub small_bytes: usize,
+    /// UCX's peer-failure handling (`UCP_ERR_HANDLING_MODE_PEER`): a peer
+    /// whose process dies is reported by its connection at once and aborts
+    /// the job. UCX 1.22 then connects the ranks of one host over TCP only
+    /// (its shared-memory transports do not support the mode), several
+    /// times slower for large messages. Off (the default), ranks on one
+    /// host use shared memory and cross-memory attach, and a dead peer is
+    /// found by the deadline ([`UcxConfig::timeout`]).
+    pub peer_failure: bool,
 }
 
 impl Default for UcxConfig {
     fn default() -> Self {
-        UcxConfig { timeout: Duration::from_secs(300), prefix: "chorus/ucx".into(), small_bytes: DEFAULT_SMALL_BYTES }
+        UcxConfig {
+            timeout: Duration::from_secs(300),
+            prefix: "chorus/ucx".into(),
+            small_bytes: DEFAULT_SMALL_BYTES,
+            peer_failure: false,
+        }
     }
 }
 
 /// The default switch from the direct algorithms to the rings (see
 /// `docs/benchmarks.md` for the measurement it comes from).
-pub const DEFAULT_SMALL_BYTES: usize = 64 * 1024;
+pub const DEFAULT_SMALL_BYTES: usize = 128 * 1024;
 
 /// The state one process's ranks share: the progress thread and the
 /// job-wide abort (the world and every communicator split from it).
@@ -293,7 +308,7 @@ impl UcxComm {
             }
             *slot = Some(value[8..].to_vec());
         }
-        engine.connect(addresses, config.timeout)?;
+        engine.connect(addresses, config.peer_failure, config.timeout)?;
         let job =
             Arc::new(Job { engine, world_rank: rank, world_size: size, store, timeout, config: config.clone(), abort });
         let core =
