@@ -11,6 +11,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # the variables that point to them. Nothing else in this script needs to change.
 if [ -f ci/vendor-libs.sh ]; then source ci/vendor-libs.sh; fi
 if [ -f ci/vendor-hip.sh ]; then source ci/vendor-hip.sh; fi
+if [ -f ci/vendor-ucx.sh ]; then source ci/vendor-ucx.sh; fi
 # ------------------------------------------------------------------------------
 
 # One target directory for fmt, clippy and the tests, so nothing builds twice

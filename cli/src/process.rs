@@ -19,6 +19,9 @@ pub struct RankProcess {
     /// Rank, world size, local rank, from the launcher's variables.
     pub env: LaunchEnv,
     rendezvous: Rendezvous,
+    /// Which of the job's chorus commands this is (several may run one
+    /// after another in one job, sharing its store).
+    run: i64,
 }
 
 impl RankProcess {
@@ -30,12 +33,19 @@ impl RankProcess {
             Ok(env) => {
                 let rendezvous = connect_from_env(&env, &ConnectOptions::default())
                     .with_context(|| format!("rank {} joining the job's store", env.rank))?;
-                Ok(Some(RankProcess { env, rendezvous }))
+                // Every rank of a command counts itself in before any rank can
+                // finish it (`finish` waits for all), so the count tells the
+                // commands of one job apart and their keys never mix.
+                let key = format!("chorus/commands/{}/{}", env.run_id.as_deref().unwrap_or("run"), env.restart_count);
+                let n = rendezvous.store().add(&key, 1)?;
+                let run = (n - 1) / env.world_size.max(1) as i64;
+                Ok(Some(RankProcess { env, rendezvous, run }))
             }
         }
     }
 
     /// The job, or a usage error naming the launchers when there is none.
+    #[cfg(feature = "ucx")]
     pub fn require(backend: &str) -> anyhow::Result<RankProcess> {
         RankProcess::detect()?.ok_or_else(|| {
             UsageError(format!(
@@ -51,14 +61,15 @@ impl RankProcess {
         self.rendezvous.store()
     }
 
-    /// A store prefix for `what` that is unique per run and restart.
+    /// A store prefix for `what` that is unique per job, restart and command.
     pub fn prefix(&self, what: &str) -> String {
         let run = self.env.run_id.as_deref().unwrap_or("run");
-        format!("chorus/{what}/{run}/{}", self.env.restart_count)
+        format!("chorus/{what}/{run}/{}/{}", self.env.restart_count, self.run)
     }
 
     /// The deadline of the UCX backend's waits: `CHORUS_UCX_TIMEOUT_S`
     /// seconds, else `default`.
+    #[cfg(feature = "ucx")]
     pub fn ucx_timeout(default: Duration) -> Duration {
         std::env::var("CHORUS_UCX_TIMEOUT_S")
             .ok()
@@ -94,23 +105,35 @@ impl RankProcess {
     }
 
     /// Every rank waits here until all have arrived (bounded by `timeout`),
-    /// so that rank 0, which may host the store, leaves last.
+    /// and rank 0, which may host the store, until every other rank has
+    /// made its last store request: it leaves last.
     pub fn finish(&self, what: &str, timeout: Duration) -> anyhow::Result<()> {
         let store = self.store();
-        let key = format!("{}/finished", self.prefix(what));
-        store.add(&key, 1)?;
+        let n = self.env.world_size;
+        let arrived = format!("{}/finished", self.prefix(what));
+        let released = format!("{}/released", self.prefix(what));
+        store.add(&arrived, 1)?;
         let deadline = Instant::now() + timeout;
-        loop {
-            let v = store.get(&key, timeout)?;
-            let count: usize = String::from_utf8_lossy(&v).trim().parse().unwrap_or(0);
-            if count >= self.env.world_size {
-                return Ok(());
-            }
+        let count = |key: &str| -> anyhow::Result<usize> {
+            Ok(String::from_utf8_lossy(&store.get(key, timeout)?).trim().parse().unwrap_or(0))
+        };
+        while count(&arrived)? < n {
             if Instant::now() >= deadline {
-                anyhow::bail!("only {count} of {} ranks finished within {timeout:?}", self.env.world_size);
+                anyhow::bail!("only some of the {n} ranks finished within {timeout:?}");
             }
             std::thread::sleep(Duration::from_millis(5));
         }
+        if self.env.rank != 0 {
+            store.add(&released, 1)?;
+            return Ok(());
+        }
+        while n > 1 && count(&released).unwrap_or(0) < n - 1 {
+            if Instant::now() >= deadline {
+                anyhow::bail!("not every rank left within {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(())
     }
 }
 

@@ -1,6 +1,7 @@
 //! The whole conformance suite on the UCX backend with every rank in this
-//! process (each its own UCP worker); `ucx_processes.rs` runs it with one
-//! rank per process.
+//! process (each its own UCP worker); `cli/tests/ucx.rs` runs it with one
+//! rank per process under `chorus launch`.
+#![cfg(feature = "ucx")]
 
 use chorus_conformance::ucx::UcxHarness;
 

@@ -346,7 +346,16 @@ impl UcxComm {
         self.core.job.world_rank
     }
 
-    fn prepare(&self, call: &Call<'_, Cpu>, accesses: &mut Vec<Access>) -> Result<Prepared> {
+    /// Resolves `call`'s buffers and declares its accesses; a send or
+    /// receive takes the next number of its pair from `sent`/`received`
+    /// (copies that [`CommBackend::launch`] keeps only once the launch is enqueued).
+    fn prepare(
+        &self,
+        call: &Call<'_, Cpu>,
+        accesses: &mut Vec<Access>,
+        sent: &mut Vec<u64>,
+        received: &mut Vec<u64>,
+    ) -> Result<Prepared> {
         let me = self.core.rank;
         let fp = call.fingerprint;
         let mut p = Prepared {
@@ -365,9 +374,9 @@ impl UcxComm {
             accesses.push(Access::read(v));
             Some(cpu::raw(v))
         };
-        let next = |counters: &Mutex<Vec<u64>>, peer: usize| -> Result<u64> {
-            let mut c = counters.lock().map_err(|_| CommError::invalid("ucx", "counter lock poisoned"))?;
-            let slot = c.get_mut(peer).ok_or_else(|| CommError::invalid("ucx", format!("peer {peer} out of range")))?;
+        let next = |counters: &mut Vec<u64>, peer: usize| -> Result<u64> {
+            let slot =
+                counters.get_mut(peer).ok_or_else(|| CommError::invalid("ucx", format!("peer {peer} out of range")))?;
             let n = *slot;
             *slot += 1;
             Ok(n)
@@ -406,7 +415,7 @@ impl UcxComm {
                 p.send = read(*buf);
                 p.count = buf.len();
                 p.dtype = buf.dtype();
-                p.p2p_no = next(&self.sent, *peer)?;
+                p.p2p_no = next(sent, *peer)?;
             }
             CallKind::Recv { buf, peer } => {
                 p.root = *peer;
@@ -414,7 +423,7 @@ impl UcxComm {
                 p.recv = Some(cpu::raw(*buf));
                 p.count = buf.len();
                 p.dtype = buf.dtype();
-                p.p2p_no = next(&self.received, *peer)?;
+                p.p2p_no = next(received, *peer)?;
             }
             CallKind::Barrier => {}
         }
@@ -466,7 +475,14 @@ impl CommBackend for UcxComm {
         // A job that has failed fails the call when the stream reaches it
         // (asynchronously, like every failure found while running).
         let mut accesses = Vec::new();
-        let prepared = calls.iter().map(|c| self.prepare(c, &mut accesses)).collect::<Result<Vec<_>>>()?;
+        let lock_err = || CommError::invalid("ucx", "a send/recv counter lock was poisoned");
+        let mut sent_guard = self.sent.lock().map_err(|_| lock_err())?;
+        let mut received_guard = self.received.lock().map_err(|_| lock_err())?;
+        let (mut sent, mut received) = (sent_guard.clone(), received_guard.clone());
+        let prepared = calls
+            .iter()
+            .map(|c| self.prepare(c, &mut accesses, &mut sent, &mut received))
+            .collect::<Result<Vec<_>>>()?;
         let name = if calls.len() == 1 { calls[0].kind.kind().name() } else { "group" };
         let core = self.core.clone();
         let stream_name = stream.name();
@@ -485,7 +501,11 @@ impl CommBackend for UcxComm {
                     Ok(())
                 }
             })
-            .map_err(CommError::Device)
+            .map_err(CommError::Device)?;
+        // Enqueued: the pairs' numbers are taken (a refused launch takes none).
+        *sent_guard = sent;
+        *received_guard = received;
+        Ok(())
     }
 
     fn split(&self, color: Option<u32>, key: i64) -> Result<Option<UcxComm>> {
