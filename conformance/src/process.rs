@@ -308,8 +308,10 @@ pub fn run_rank<H: RankHarness>(
             }
             Err(e) => Err(e),
         };
-        drop(fresh);
+        // A fresh world goes only once every rank has reported: no rank tears
+        // its endpoints down while another is still joining or running.
         let status = agree(env, &case_prefix, local, deadline + REPORT_SLACK);
+        drop(fresh);
         if !matches!(status, Status::Passed) {
             if let Some(w) = shared.as_mut() {
                 w.healthy = false;

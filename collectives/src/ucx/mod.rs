@@ -244,7 +244,7 @@ impl UcxComm {
     /// connects to them. Every rank calls it with the same prefix and size;
     /// a rank that joined with another size makes the others fail with
     /// `Mismatch` naming both sizes, and a rank that never joins makes them
-    /// fail with `Timeout`. Blocks the host until every address is read.
+    /// fail with `Timeout`. Blocks the host until every rank has connected.
     pub fn init(
         store: Arc<dyn Store>,
         rank: usize,
@@ -309,6 +309,30 @@ impl UcxComm {
             *slot = Some(value[8..].to_vec());
         }
         engine.connect(addresses, config.peer_failure, config.timeout)?;
+        // Creating an endpoint attaches the peer's shared memory: no rank may
+        // tear its worker down before every rank has connected to it, so
+        // `init` returns only once all have.
+        let connected = format!("{}/connected", config.prefix);
+        store.add(&connected, 1)?;
+        let deadline = Instant::now() + config.timeout;
+        let mut pause = Duration::from_micros(100);
+        loop {
+            let count =
+                String::from_utf8_lossy(&store.get(&connected, config.timeout)?).trim().parse::<usize>().unwrap_or(0);
+            if count >= size {
+                break;
+            }
+            if Instant::now() >= deadline {
+                return Err(CommError::Timeout {
+                    op: format!("ucx init: {count} of {size} ranks connected"),
+                    seq: 0,
+                    waited: config.timeout,
+                    missing: vec![],
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(5));
+        }
         let job =
             Arc::new(Job { engine, world_rank: rank, world_size: size, store, timeout, config: config.clone(), abort });
         let core =
