@@ -554,7 +554,8 @@ unsafe fn settle(r: sys::ucs_status_ptr_t, flight: *mut InFlight, len: usize) {
     match status_ptr(r) {
         Ok(None) => {
             // SAFETY: completed in place: the callback will not run; we own the box.
-            let f = unsafe { Box::from_raw(flight) };
+            let mut f = unsafe { Box::from_raw(flight) };
+            drop(f._region.take());
             f.done.complete(Ok(len));
         }
         Ok(Some(req)) => {
@@ -572,9 +573,11 @@ unsafe fn settle(r: sys::ucs_status_ptr_t, flight: *mut InFlight, len: usize) {
 
 unsafe extern "C" fn on_send(request: *mut c_void, status: sys::ucs_status_t, user_data: *mut c_void) {
     // SAFETY: user_data is the InFlight box of this request; the callback runs once.
-    let f = unsafe { Box::from_raw(user_data as *mut InFlight) };
+    let mut f = unsafe { Box::from_raw(user_data as *mut InFlight) };
     f.done.request.store(std::ptr::null_mut(), Ordering::Release);
     let len = f._region.as_ref().map_or(0, Region::len);
+    // The memory is let go before the waiter wakes, so it can reuse it.
+    drop(f._region.take());
     f.done.complete(if status == sys::ucs_status_t_UCS_OK { Ok(len) } else { Err(status) });
     // SAFETY: the request has completed and is released exactly once.
     unsafe { sys::ucp_request_free(request) };
@@ -587,8 +590,9 @@ unsafe extern "C" fn on_recv(
     user_data: *mut c_void,
 ) {
     // SAFETY: as in `on_send`; `info` is valid during the callback when the status is OK.
-    let f = unsafe { Box::from_raw(user_data as *mut InFlight) };
+    let mut f = unsafe { Box::from_raw(user_data as *mut InFlight) };
     f.done.request.store(std::ptr::null_mut(), Ordering::Release);
+    drop(f._region.take());
     let outcome = if status == sys::ucs_status_t_UCS_OK && !info.is_null() {
         Ok(unsafe { (*info).length })
     } else if status == sys::ucs_status_t_UCS_OK {
