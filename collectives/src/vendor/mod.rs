@@ -53,6 +53,7 @@
 pub mod abi;
 mod comm;
 pub mod result;
+mod shared;
 #[cfg(feature = "sim")]
 pub mod simlib;
 pub mod sys;
