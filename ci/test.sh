@@ -11,6 +11,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # the variables that point to them. Nothing else in this script needs to change.
 if [ -f ci/vendor-libs.sh ]; then source ci/vendor-libs.sh; fi
 if [ -f ci/vendor-hip.sh ]; then source ci/vendor-hip.sh; fi
+if [ -f ci/vendor-ucx.sh ]; then source ci/vendor-ucx.sh; fi
 # ------------------------------------------------------------------------------
 
 # One target directory for fmt, clippy and the tests, so nothing builds twice
@@ -44,6 +45,11 @@ cargo clippy --workspace --all-targets --all-features -- -D warnings
 
 step "cargo test --workspace"
 cargo test --workspace
+
+step "ucx backend: unit tests, the suite with every rank in one process (2 and 4 ranks), and one rank per process: the suite over 4 processes, FSDP equal to sim (chorus launch and torchrun), killed rank, world-size disagreement (about 3 minutes with UCX's build)"
+cargo test -p chorus-collectives --features ucx --lib ucx
+cargo test -p chorus-conformance --features ucx --test ucx
+cargo test -p chorus --features ucx --test ucx
 
 step "chorus train against an independent NumPy implementation (init written by numpy.save)"
 if ! python3 -c "import numpy" >/dev/null 2>&1; then

@@ -26,17 +26,23 @@ pub enum Backend {
     /// RCCL, one rank per GPU, as threads of this process.
     #[cfg(feature = "rccl")]
     Rccl,
+    /// UCX, one rank per process (started by a launcher), on cpu devices.
+    #[cfg(feature = "ucx")]
+    Ucx,
 }
 
 /// Calls `$body` with `$L` bound to the [`VendorLib`](chorus_collectives::vendor::VendorLib)
-/// of a vendor-family backend, or evaluates `$other` for the others: how the
-/// subcommands dispatch once to code written generically over the family.
+/// of a vendor-family backend, or evaluates `$sim` / `$ucx` for those
+/// backends: how the subcommands dispatch once to code written generically
+/// over the family.
 #[macro_export]
 macro_rules! with_backend {
-    ($backend:expr, sim => $sim:expr, vendor<$L:ident> => $body:expr) => {
+    ($backend:expr, sim => $sim:expr, ucx => $ucx:expr, vendor<$L:ident> => $body:expr) => {
         match $backend {
             #[cfg(feature = "sim")]
             $crate::backends::Backend::Sim => $sim,
+            #[cfg(feature = "ucx")]
+            $crate::backends::Backend::Ucx => $ucx,
             #[cfg(feature = "sim")]
             $crate::backends::Backend::SimNccl => {
                 type $L = chorus_collectives::vendor::simlib::SimNccl228;
@@ -73,7 +79,9 @@ fn not_in_binary() -> String {
     if !cfg!(feature = "rccl") {
         out.push("rccl (--features rccl)");
     }
-    out.push("ucx (planned)");
+    if !cfg!(feature = "ucx") {
+        out.push("ucx (--features ucx)");
+    }
     out.join(", ")
 }
 
@@ -89,7 +97,25 @@ impl Backend {
             Backend::Nccl,
             #[cfg(feature = "rccl")]
             Backend::Rccl,
+            #[cfg(feature = "ucx")]
+            Backend::Ucx,
         ]
+    }
+
+    /// Whether the backend runs one rank per process when a launcher's
+    /// variables are present (`ucx` always needs them; the simulated
+    /// backends run their ranks as threads).
+    pub fn runs_as_processes(self) -> bool {
+        match self {
+            #[cfg(feature = "nccl")]
+            Backend::Nccl => true,
+            #[cfg(feature = "rccl")]
+            Backend::Rccl => true,
+            #[cfg(feature = "ucx")]
+            Backend::Ucx => true,
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
     }
 
     /// The name used on the command line.
@@ -103,6 +129,8 @@ impl Backend {
             Backend::Nccl => "nccl",
             #[cfg(feature = "rccl")]
             Backend::Rccl => "rccl",
+            #[cfg(feature = "ucx")]
+            Backend::Ucx => "ucx",
         }
     }
 }
@@ -264,6 +292,24 @@ fn rccl_row() -> InfoRow {
     InfoRow { name: "rccl", role: "collectives", library: "librccl.so (CHORUS_RCCL_LIB)", availability }
 }
 
+/// UCX: the bundled library (built into this binary) and whether a worker
+/// starts here.
+#[cfg(feature = "ucx")]
+fn ucx_row() -> InfoRow {
+    let availability = match chorus_collectives::ucx::probe() {
+        Ok(detail) => Availability::Available(format!(
+            "{detail}; one rank per process under chorus launch, torchrun --no-python, srun or mpirun"
+        )),
+        Err(e) => Availability::Unavailable(e.to_string()),
+    };
+    InfoRow {
+        name: "ucx",
+        role: "collectives",
+        library: "UCX 1.22.0 linked in statically (ucx-rs; TCP and shared-memory transports; UCX_* variables apply)",
+        availability,
+    }
+}
+
 /// The rows of `chorus info`: every compiled backend, devices first.
 pub fn rows() -> Vec<InfoRow> {
     vec![
@@ -278,6 +324,8 @@ pub fn rows() -> Vec<InfoRow> {
         nccl_row(),
         #[cfg(feature = "rccl")]
         rccl_row(),
+        #[cfg(feature = "ucx")]
+        ucx_row(),
     ]
 }
 
@@ -310,7 +358,7 @@ mod tests {
 
     #[test]
     fn unknown_backends_are_refused_with_the_compiled_list() {
-        let e = parse_backend("ucx").unwrap_err();
+        let e = parse_backend("mpi").unwrap_err();
         assert!(e.contains("not compiled"), "{e}");
         assert!(rows().iter().any(|r| r.name == "cpu"));
     }

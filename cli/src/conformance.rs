@@ -44,11 +44,75 @@ pub fn outcome_line(o: &chorus_conformance::CaseOutcome) -> String {
 /// `chorus conformance`.
 pub fn run(args: &ConformanceArgs) -> anyhow::Result<Outcome> {
     use chorus_conformance::vendor::VendorHarness;
+    // Under a launcher, a backend that can runs one rank per process.
+    let process = match args.backend.runs_as_processes() && !args.list {
+        true => crate::process::RankProcess::detect()?,
+        false => None,
+    };
     crate::with_backend!(
         args.backend,
         sim => run_harness(&chorus_conformance::sim::SimHarness, args),
-        vendor<L> => run_harness(&VendorHarness::<L>::default(), args)
+        ucx => {
+            let harness = chorus_conformance::ucx::UcxHarness::default();
+            match (process, args.list) {
+                (_, true) => run_harness(&harness, args),
+                (Some(p), false) => run_processes(&harness, args, p),
+                (None, false) => run_processes(&harness, args, crate::process::RankProcess::require("ucx")?),
+            }
+        },
+        vendor<L> => match process {
+            Some(p) => run_processes(&VendorHarness::<L>::default(), args, p),
+            None => run_harness(&VendorHarness::<L>::default(), args),
+        }
     )
+}
+
+/// The suite with this process as one rank of a launched job: every rank
+/// runs the cases, rank 0 prints the outcomes; every rank exits with the
+/// same status.
+fn run_processes<H: chorus_conformance::process::RankHarness>(
+    harness: &H,
+    args: &ConformanceArgs,
+    p: crate::process::RankProcess,
+) -> anyhow::Result<Outcome> {
+    use chorus_conformance::process::{run_rank, RankEnv};
+    use std::io::Write;
+    p.check_world_size(args.world_size)?;
+    let env = RankEnv {
+        rank: p.env.rank,
+        size: p.env.world_size,
+        local_rank: p.env.local_rank,
+        store: p.store(),
+        prefix: p.prefix("conformance"),
+    };
+    if chorus_conformance::harness::select(harness, env.size, args.filter.as_deref()).is_empty() {
+        let what = args.filter.as_deref().unwrap_or("");
+        return Err(
+            crate::UsageError(format!("no conformance case name contains `{what}` (`--list` prints them)")).into()
+        );
+    }
+    let mut stdout = std::io::stdout();
+    let leader = env.rank == 0;
+    if leader {
+        let _ = writeln!(
+            stdout,
+            "# {} conformance: {} ranks, one per process ({})",
+            harness.name(),
+            env.size,
+            p.env.launcher
+        );
+    }
+    let summary = run_rank(harness, &env, args.filter.as_deref(), &mut |o| {
+        if leader {
+            let _ = writeln!(stdout, "{}", outcome_line(o));
+            let _ = stdout.flush();
+        }
+    });
+    p.finish("conformance", std::time::Duration::from_secs(120))?;
+    if leader {
+        let _ = writeln!(stdout, "{}", summary.line());
+    }
+    Ok(if summary.failed == 0 && summary.passed > 0 { Outcome::Passed } else { Outcome::Failed })
 }
 
 /// Runs (or with `--list`, lists without a device) the suite on `harness`.

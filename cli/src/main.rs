@@ -7,7 +7,9 @@
 //!   libraries are available here;
 //! - `chorus bench`: nccl-tests-style bandwidth tables, checked results, and
 //!   an efficiency ratio against a memcpy reference measured in the same run;
-//! - `chorus conformance`: the conformance suite on one backend.
+//! - `chorus conformance`: the conformance suite on one backend;
+//! - `chorus launch`: torchrun's role — start the ranks of a job on this
+//!   node with torchrun's variables and the job's store.
 //!
 //! Exit status: 0 on success, 1 when a run fails (a wrong value, a failed
 //! case, a backend error), 2 for bad arguments.
@@ -19,10 +21,12 @@
 mod backends;
 mod bench;
 mod conformance;
+mod launch;
 #[cfg(feature = "sim")]
 mod outdir;
 #[cfg(feature = "sim")]
 mod plot;
+mod process;
 mod size;
 #[cfg(feature = "sim")]
 mod train;
@@ -47,6 +51,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Run the conformance suite on a backend.
     Conformance(conformance::ConformanceArgs),
+    /// Start N ranks of PROGRAM on this node with torchrun's variables; host or join the job's store.
+    Launch(launch::LaunchArgs),
     /// Train a transformer (candle, --model gpt) or the reference MLP under FSDP: summary.json, loss.svg, checkpoints; --bench measures FSDP.
     #[cfg(feature = "sim")]
     Train(Box<train::TrainArgs>),
@@ -81,6 +87,7 @@ fn main() -> ExitCode {
         Command::Info => "info",
         Command::Bench(_) => "bench",
         Command::Conformance(_) => "conformance",
+        Command::Launch(_) => "launch",
         #[cfg(feature = "sim")]
         Command::Train(_) => "train",
     };
@@ -88,6 +95,7 @@ fn main() -> ExitCode {
         Command::Info => backends::info(),
         Command::Bench(args) => bench::run(&args),
         Command::Conformance(args) => conformance::run(&args),
+        Command::Launch(args) => launch::run(&args),
         #[cfg(feature = "sim")]
         Command::Train(args) => train::run(&args),
     };

@@ -5,6 +5,9 @@ use std::path::Path;
 use anyhow::Context;
 use plotters::prelude::*;
 
+/// Losses beyond this magnitude are drawn at it.
+const LIMIT: f64 = 1e30;
+
 /// A moving average of `values` over `window` steps (the mean of the last
 /// `window` values at each step; fewer at the start).
 pub fn smooth(values: &[f64], window: usize) -> Vec<f64> {
@@ -19,10 +22,21 @@ pub fn smooth(values: &[f64], window: usize) -> Vec<f64> {
 
 /// Draws `losses` (per step, starting at `first_step`) and their moving
 /// average into an SVG at `path`.
+/// Non-finite losses are left out; finite ones are clamped to +-1e30 so the
+/// axis range and its padding stay finite (plotters loops forever on an
+/// infinite range).
 pub fn loss_curve(path: &Path, title: &str, first_step: u64, losses: &[f64], window: usize) -> anyhow::Result<()> {
-    let finite: Vec<f64> = losses.iter().copied().filter(|v| v.is_finite()).collect();
-    let (lo, hi) = finite.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| (a.min(*v), b.max(*v)));
-    let (lo, hi) = if lo.is_finite() && hi > lo { (lo, hi) } else { (lo.min(0.0), lo.max(0.0) + 1.0) };
+    let losses: Vec<f64> = losses.iter().map(|v| if v.is_finite() { v.clamp(-LIMIT, LIMIT) } else { *v }).collect();
+    let losses = &losses[..];
+    let (lo, hi) = losses
+        .iter()
+        .filter(|v| v.is_finite())
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| (a.min(*v), b.max(*v)));
+    let (lo, hi) = match (lo.is_finite(), hi > lo) {
+        (true, true) => (lo, hi),
+        (true, false) => (lo - 1.0, lo + 1.0),
+        (false, _) => (0.0, 1.0),
+    };
     let pad = (hi - lo) * 0.05;
     let x_end = first_step + losses.len().max(1) as u64;
     let draw = || -> Result<(), Box<dyn std::error::Error>> {
@@ -66,5 +80,21 @@ mod tests {
         assert_eq!(smooth(&[1.0, 3.0, 5.0, 7.0], 2), vec![1.0, 2.0, 4.0, 6.0]);
         assert_eq!(smooth(&[2.0, 4.0], 10), vec![2.0, 3.0]);
         assert!(smooth(&[], 3).is_empty());
+    }
+
+    #[test]
+    fn non_finite_and_huge_losses_draw_promptly() {
+        let dir = std::env::temp_dir().join(format!("chorus-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("loss.svg");
+        for losses in
+            [vec![f64::NAN, f64::NAN], vec![f64::INFINITY, 1.0], vec![f64::MAX, -f64::MAX, 0.5], vec![2.0, 2.0], vec![]]
+        {
+            let started = std::time::Instant::now();
+            loss_curve(&path, "t", 0, &losses, 3).unwrap();
+            assert!(started.elapsed() < std::time::Duration::from_secs(5), "{losses:?}");
+            assert!(std::fs::read_to_string(&path).unwrap().starts_with("<svg"));
+        }
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -52,6 +52,7 @@ pub enum ModelArg {
 
 /// Arguments of `chorus train`.
 #[derive(Debug, clap::Args)]
+#[command(allow_negative_numbers = true)]
 pub struct TrainArgs {
     /// The model (default gpt; --bench measures the mlp).
     #[arg(long, value_enum)]
@@ -494,7 +495,7 @@ fn save_init(dir: &Path, layers: &[Vec<ParamInit>], data: &Dataset) -> anyhow::R
 // ---------------------------------------------------------------- running ranks
 
 /// What every rank runs: the MLP or the transformer.
-trait RankJob: Send + Sync + 'static {
+pub(crate) trait RankJob: Send + Sync + 'static {
     type Report: Send + 'static;
     fn run<C: CommBackend + 'static>(
         &self,
@@ -540,6 +541,13 @@ impl RankJob for GptJob {
     }
 }
 
+/// Whether this process writes the run's outputs: always when the ranks are
+/// its threads; under a launcher (one rank per process), only rank 0.
+fn writes_outputs(backend: Backend) -> bool {
+    !backend.runs_as_processes()
+        || chorus_collectives::bootstrap::LaunchEnv::from_process_env().map_or(true, |env| env.rank == 0)
+}
+
 /// Runs `job` on `world` ranks of `backend` and returns every rank's report.
 fn run_on<J: RankJob>(
     backend: Backend,
@@ -547,10 +555,20 @@ fn run_on<J: RankJob>(
     job: J,
     bar: Option<ProgressBar>,
 ) -> anyhow::Result<Vec<J::Report>> {
-    crate::with_backend!(backend, sim => run_sim(world, job, bar), vendor<L> => run_vendor::<L, J>(world, job, bar))
+    // Under a launcher, the GPU backends run one rank per process (as ucx always does).
+    let process = if backend.runs_as_processes() { crate::process::RankProcess::detect()? } else { None };
+    crate::with_backend!(
+        backend,
+        sim => run_sim(world, job, bar),
+        ucx => crate::process::train_ucx(process, world, &job, bar),
+        vendor<L> => match process {
+            Some(p) => crate::process::train_vendor::<L, J>(p, world, &job, bar),
+            None => run_vendor::<L, J>(world, job, bar),
+        }
+    )
 }
 
-fn progress(rank: usize, bar: &Option<ProgressBar>, loss: f64) {
+pub(crate) fn progress(rank: usize, bar: &Option<ProgressBar>, loss: f64) {
     if let (0, Some(b)) = (rank, bar) {
         b.set_message(format!("loss {loss:.4}"));
         b.inc(1);
@@ -565,7 +583,7 @@ where
     L::B: chorus_conformance::vendor::HarnessDevice + chorus_devices::ComputeBackend,
     Fsdp<chorus_collectives::vendor::VendorComm<L>>: Send,
 {
-    use chorus_collectives::store::MemStore;
+    use chorus_collectives::bootstrap::MemStore;
     use chorus_collectives::vendor::{VendorComm, VendorConfig};
     use chorus_conformance::vendor::HarnessDevice;
     let devices = L::B::count().map_err(anyhow::Error::msg)?;
@@ -686,8 +704,9 @@ fn run_mlp(args: &TrainArgs) -> anyhow::Result<Outcome> {
             (init_layers(&dims, args.seed), data)
         }
     };
-    let out = OutDir::acquire(&args.out_dir())?;
-    if args.init_dir.is_none() {
+    // One rank per process: rank 0 writes the outputs.
+    let out = if writes_outputs(args.backend) { Some(OutDir::acquire(&args.out_dir())?) } else { None };
+    if let (Some(out), None) = (&out, &args.init_dir) {
         save_init(&out.stage().join("init"), &layers, &data)?;
     }
     let spec = TrainSpec {
@@ -705,6 +724,7 @@ fn run_mlp(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let reports = run_on(args.backend, world, MlpJob(spec.clone()), Some(bar.clone()));
     bar.finish_and_clear();
     let reports = reports?;
+    let Some(out) = out.filter(|_| !reports.is_empty()) else { return Ok(Outcome::Passed) };
     let first = reports.first().context("no ranks")?;
     for (name, values) in &first.params {
         let shape = spec.layers.iter().flatten().find(|p| &p.name == name).map(|p| p.shape.clone()).unwrap_or_default();
@@ -791,7 +811,7 @@ fn run_gpt(args: &TrainArgs) -> anyhow::Result<Outcome> {
             )));
         }
     }
-    let out = OutDir::acquire(&args.out_dir())?;
+    let out = if writes_outputs(args.backend) { Some(OutDir::acquire(&args.out_dir())?) } else { None };
     let checkpoint_dir = (args.save_every.is_some() || args.checkpoint_dir.is_some()).then(|| args.checkpoint_dir());
     let spec = GptSpec {
         config: cfg,
@@ -814,6 +834,7 @@ fn run_gpt(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let reports = run_on(args.backend, world, GptJob(spec.clone()), Some(bar.clone()));
     bar.finish_and_clear();
     let reports = reports?;
+    let Some(out) = out.filter(|_| !reports.is_empty()) else { return Ok(Outcome::Passed) };
     let first = reports.first().context("no ranks")?;
     let all_losses: Vec<f64> = first.earlier_losses.iter().chain(&first.losses).copied().collect();
     let s = summarize(&all_losses);
@@ -933,7 +954,9 @@ fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
         ))?;
     }
     // The GPU backends take one rank per device, so their worlds stop at the device count.
-    let max_world = crate::with_backend!(args.backend, sim => usize::MAX, vendor<L> => {
+    let max_world = crate::with_backend!(args.backend, sim => usize::MAX, ucx => {
+        anyhow::bail!("train --bench runs worlds of 1, 2, 4 and 8 ranks in this process; ucx runs one rank per process (use chorus bench under chorus launch)")
+    }, vendor<L> => {
         <<L as chorus_collectives::vendor::VendorLib>::B as chorus_conformance::vendor::HarnessDevice>::count()
             .map_err(anyhow::Error::msg)?
     });

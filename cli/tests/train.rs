@@ -34,8 +34,21 @@ fn no_panic(o: &Output) {
 }
 
 /// A small transformer run (seconds in a debug build).
-const SMALL_GPT: &[&str] =
-    &["train", "--model", "gpt", "--world-size", "2", "--batch", "4", "--d-model", "32", "--layers", "1", "--seq-len", "16"];
+const SMALL_GPT: &[&str] = &[
+    "train",
+    "--model",
+    "gpt",
+    "--world-size",
+    "2",
+    "--batch",
+    "4",
+    "--d-model",
+    "32",
+    "--layers",
+    "1",
+    "--seq-len",
+    "16",
+];
 
 fn gpt(extra: &[&str]) -> Output {
     let args: Vec<&str> = SMALL_GPT.iter().chain(extra).copied().collect();
@@ -62,7 +75,18 @@ fn the_transformer_learns_plots_checkpoints_and_resumes() {
     let root = scratch("gpt");
     let out = root.join("out");
     let ckpt = root.join("ckpt");
-    let o = gpt(&["--steps", "40", "--lr", "1e-2", "--save-every", "20", "--checkpoint-dir", ckpt.to_str().unwrap(), "--out-dir", out.to_str().unwrap()]);
+    let o = gpt(&[
+        "--steps",
+        "40",
+        "--lr",
+        "1e-2",
+        "--save-every",
+        "20",
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+        "--out-dir",
+        out.to_str().unwrap(),
+    ]);
     no_panic(&o);
     assert!(o.status.success(), "{}", stderr(&o));
     let stdout = String::from_utf8_lossy(&o.stdout);
@@ -71,22 +95,48 @@ fn the_transformer_learns_plots_checkpoints_and_resumes() {
     let losses: Vec<f64> = serde_json::from_value(s["losses"].clone()).unwrap();
     assert_eq!(losses.len(), 40);
     let (start, end) = (s["loss_start_mean"].as_f64().unwrap(), s["loss_end_mean"].as_f64().unwrap());
-    assert!((start - losses[..4].iter().sum::<f64>() / 4.0).abs() < 1e-12, "the start mean is the mean of the first tenth");
+    assert!(
+        (start - losses[..4].iter().sum::<f64>() / 4.0).abs() < 1e-12,
+        "the start mean is the mean of the first tenth"
+    );
     assert!(end < start - 0.3, "the loss did not fall visibly: {start} -> {end}");
     assert_eq!(s["config"]["optimizer"]["kind"], "adamw", "structured configuration");
     assert_eq!(s["config"]["transformer"]["d_model"], 32);
     let svg = std::fs::read_to_string(out.join("loss.svg")).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("polyline") || svg.contains("<path"), "loss.svg");
     let st = std::fs::read(out.join("model.safetensors")).unwrap();
-    assert_eq!(safetensors::SafeTensors::deserialize(&st).unwrap().len(), 2 + 1 + 8, "root (3) + one block (8) tensors");
+    assert_eq!(
+        safetensors::SafeTensors::deserialize(&st).unwrap().len(),
+        2 + 1 + 8,
+        "root (3) + one block (8) tensors"
+    );
     assert_eq!(std::fs::read_to_string(ckpt.join("latest")).unwrap().trim(), "step-00000040");
     assert!(ckpt.join("step-00000020").join("chorus_checkpoint.json").exists());
 
     // Resume from step 20 to 40 at another world size: the losses continue.
     let resumed = root.join("resumed");
     let o = run(&[
-        "train", "--model", "gpt", "--world-size", "4", "--batch", "2", "--d-model", "32", "--layers", "1", "--seq-len", "16",
-        "--steps", "40", "--lr", "1e-2", "--resume", ckpt.join("step-00000020").to_str().unwrap(), "--out-dir", resumed.to_str().unwrap(),
+        "train",
+        "--model",
+        "gpt",
+        "--world-size",
+        "4",
+        "--batch",
+        "2",
+        "--d-model",
+        "32",
+        "--layers",
+        "1",
+        "--seq-len",
+        "16",
+        "--steps",
+        "40",
+        "--lr",
+        "1e-2",
+        "--resume",
+        ckpt.join("step-00000020").to_str().unwrap(),
+        "--out-dir",
+        resumed.to_str().unwrap(),
     ]);
     no_panic(&o);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -131,9 +181,18 @@ fn bad_arguments_exit_2_before_anything_is_written() {
         (["train", "--bench", "--world-size", "2"].iter().map(|s| s.to_string()).collect(), "--bench"),
         (["train", "--bench", "--out-dir", o].iter().map(|s| s.to_string()).collect(), "--bench"),
         (["train", "--model", "gpt", "--heads", "5", "--out-dir", o].iter().map(|s| s.to_string()).collect(), "heads"),
-        (["train", "--model", "gpt", "--d-model", "0", "--out-dir", o].iter().map(|s| s.to_string()).collect(), "positive"),
-        (["train", "--model", "gpt", "--dims", "4,4", "--out-dir", o].iter().map(|s| s.to_string()).collect(), "--model mlp"),
-        (["train", "--model", "gpt", "--micro-batches", "3", "--out-dir", o].iter().map(|s| s.to_string()).collect(), "--micro-batches"),
+        (
+            ["train", "--model", "gpt", "--d-model", "0", "--out-dir", o].iter().map(|s| s.to_string()).collect(),
+            "positive",
+        ),
+        (
+            ["train", "--model", "gpt", "--dims", "4,4", "--out-dir", o].iter().map(|s| s.to_string()).collect(),
+            "--model mlp",
+        ),
+        (
+            ["train", "--model", "gpt", "--micro-batches", "3", "--out-dir", o].iter().map(|s| s.to_string()).collect(),
+            "--micro-batches",
+        ),
     ];
     for (args, why) in cases {
         let started = Instant::now();
@@ -199,7 +258,17 @@ fn failed_runs_leave_the_out_dir_as_it_was() {
     let before = listing(&out);
     let init_before = listing(&out.join("init"));
     // A usage error (exit 2) and a failing run (exit 1: NaN in the weights) change nothing.
-    let o = run(&["train", "--model", "mlp", "--seed", "2", "--reshard-after-forward", "3", "--out-dir", out.to_str().unwrap()]);
+    let o = run(&[
+        "train",
+        "--model",
+        "mlp",
+        "--seed",
+        "2",
+        "--reshard-after-forward",
+        "3",
+        "--out-dir",
+        out.to_str().unwrap(),
+    ]);
     assert_eq!(o.status.code(), Some(2));
     let nan_init = root.join("nan");
     init_dir(&nan_init, f32::NAN);
@@ -294,7 +363,13 @@ fn stdout_errors_are_handled() {
     let root = scratch("stdout");
     // A closed pipe ends the output quietly.
     let o = Command::new("bash")
-        .args(["-c", &format!("set -o pipefail; {} train --bench --steps 1 --layers 2 --width 8 | head -1", env!("CARGO_BIN_EXE_chorus"))])
+        .args([
+            "-c",
+            &format!(
+                "set -o pipefail; {} train --bench --steps 1 --layers 2 --width 8 | head -1",
+                env!("CARGO_BIN_EXE_chorus")
+            ),
+        ])
         .output()
         .unwrap();
     no_panic(&o);
@@ -330,7 +405,21 @@ fn a_save_killed_midway_leaves_the_previous_checkpoint_intact() {
     let ckpt = root.join("ckpt");
     for attempt in 0..3 {
         let mut child = chorus()
-            .args(["train", "--model", "gpt", "--world-size", "4", "--batch", "1", "--d-model", "128", "--layers", "4", "--seq-len", "8"])
+            .args([
+                "train",
+                "--model",
+                "gpt",
+                "--world-size",
+                "4",
+                "--batch",
+                "1",
+                "--d-model",
+                "128",
+                "--layers",
+                "4",
+                "--seq-len",
+                "8",
+            ])
             .args(["--steps", "100000", "--save-every", "1", "--checkpoint-dir", ckpt.to_str().unwrap()])
             .args(["--out-dir", root.join("out").to_str().unwrap()])
             .stdout(Stdio::null())
@@ -357,11 +446,32 @@ fn a_save_killed_midway_leaves_the_previous_checkpoint_intact() {
         let step: u64 = latest.trim().trim_start_matches("step-").parse().unwrap();
         // Resuming reads every shard and checks every checksum.
         let o = run(&[
-            "train", "--model", "gpt", "--world-size", "4", "--batch", "1", "--d-model", "128", "--layers", "4", "--seq-len", "8",
-            "--steps", &(step + 1).to_string(), "--resume", ckpt.to_str().unwrap(), "--out-dir", root.join(format!("resumed{attempt}")).to_str().unwrap(),
+            "train",
+            "--model",
+            "gpt",
+            "--world-size",
+            "4",
+            "--batch",
+            "1",
+            "--d-model",
+            "128",
+            "--layers",
+            "4",
+            "--seq-len",
+            "8",
+            "--steps",
+            &(step + 1).to_string(),
+            "--resume",
+            ckpt.to_str().unwrap(),
+            "--out-dir",
+            root.join(format!("resumed{attempt}")).to_str().unwrap(),
         ]);
         no_panic(&o);
-        assert!(o.status.success(), "attempt {attempt}: the previous checkpoint (step {step}) does not load: {}", stderr(&o));
+        assert!(
+            o.status.success(),
+            "attempt {attempt}: the previous checkpoint (step {step}) does not load: {}",
+            stderr(&o)
+        );
     }
     std::fs::remove_dir_all(&root).ok();
 }

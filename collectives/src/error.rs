@@ -62,11 +62,62 @@ pub enum CommError {
     /// The device layer failed (a stream error, a race, a device timeout).
     #[error(transparent)]
     Device(DeviceError),
+    /// A rendezvous store failed for a reason other than a deadline (that is
+    /// [`CommError::Timeout`]): it cannot be reached, its address is taken,
+    /// the peer broke the protocol, a request exceeds the store's limits.
+    #[error("store {address}: {failure}: {reason}")]
+    Store {
+        /// Where the store is: `host:port` for TCP, the directory of a file
+        /// store, `memory` for the in-process one.
+        address: String,
+        /// What kind of failure.
+        failure: StoreFailure,
+        /// The details (the OS error, what the peer sent).
+        reason: String,
+    },
+}
+
+/// The kinds of [`CommError::Store`] failures, for callers that react to
+/// them (retry on [`StoreFailure::AddressInUse`] with another port, say).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreFailure {
+    /// No connection could be made before the deadline (refused,
+    /// unreachable, the name did not resolve).
+    Unreachable,
+    /// The address a server was asked to listen on is already taken.
+    AddressInUse,
+    /// The peer broke the protocol or closed the connection mid-request.
+    Protocol,
+    /// The request exceeds a limit of the store (key or value size, key
+    /// count); nothing was sent.
+    Limit,
+    /// The stored value cannot serve the request (`add` on a value that is
+    /// not a decimal integer, or an overflow).
+    BadValue,
+    /// A local I/O error (socket, file, directory).
+    Io,
+}
+
+impl std::fmt::Display for StoreFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            StoreFailure::Unreachable => "unreachable",
+            StoreFailure::AddressInUse => "address in use",
+            StoreFailure::Protocol => "protocol error",
+            StoreFailure::Limit => "over a limit",
+            StoreFailure::BadValue => "bad value",
+            StoreFailure::Io => "i/o error",
+        })
+    }
 }
 
 impl CommError {
     pub(crate) fn invalid(op: &'static str, reason: impl Into<String>) -> Self {
         CommError::InvalidArgument { op, reason: reason.into() }
+    }
+
+    pub(crate) fn store(address: impl Into<String>, failure: StoreFailure, reason: impl Into<String>) -> Self {
+        CommError::Store { address: address.into(), failure, reason: reason.into() }
     }
 
     /// A short name of the variant (`timeout`, `mismatch`, ...), for reports.
@@ -79,6 +130,7 @@ impl CommError {
             CommError::Unsupported { .. } => "unsupported",
             CommError::Backend { .. } => "backend",
             CommError::Device(_) => "device",
+            CommError::Store { .. } => "store",
         }
     }
 }

@@ -4,13 +4,22 @@
 //!   fingerprints, groups, splits; it hands validated [`backend::Call`]s to a
 //!   [`CommBackend`].
 //! - [`Mesh`] builds named dimensions (HSDP's replicate × shard) from splits.
+//! - [`bootstrap`]: how ranks find each other — the rendezvous [`bootstrap::Store`]
+//!   (in memory, on a shared filesystem, over TCP in PyTorch's TCPStore
+//!   protocol) and the launcher environments (torchrun, Slurm, Open MPI, PMI).
 //! - Backends: [`sim`] (feature `sim`, default) runs ranks as threads of one
 //!   process on cpu devices; the NCCL family ([`vendor`]: `nccl` on cuda
 //!   devices, `rccl` on hip devices, and a simulated NCCL ABI on cpu
-//!   devices that checks the library's usage rules in CI).
+//!   devices that checks the library's usage rules in CI); [`ucx`] (feature
+//!   `ucx`) runs one rank per process (or host) over UCX's tagged messages on
+//!   cpu devices.
 #![warn(missing_docs)]
 
+#[cfg(any(feature = "sim", feature = "ucx"))]
+mod arith;
 pub mod backend;
+pub mod bootstrap;
+pub mod checked;
 mod comm;
 mod error;
 mod mesh;
@@ -21,12 +30,13 @@ pub mod rccl;
 mod reduce;
 #[cfg(feature = "sim")]
 pub mod sim;
-pub mod store;
+#[cfg(feature = "ucx")]
+pub mod ucx;
 pub mod vendor;
 
 pub use backend::{Capabilities, CommBackend, OpKind};
 pub use comm::{Communicator, Group};
-pub use error::{CommError, Result};
+pub use error::{CommError, Result, StoreFailure};
 pub use mesh::Mesh;
 pub use reduce::ReduceOp;
 pub use vendor::abi as nccl_abi;

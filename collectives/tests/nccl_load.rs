@@ -6,9 +6,9 @@
 
 use std::time::Duration;
 
+use chorus_collectives::bootstrap::MemStore;
 use chorus_collectives::nccl::{self, NcclComm, NcclConfig, LIBRARY_VARIABLE};
 use chorus_collectives::nccl_abi::UniqueId;
-use chorus_collectives::store::MemStore;
 use chorus_collectives::{CommError, ReduceOp};
 use chorus_devices::{Buffer, DType, Device, DeviceError, Priority, StreamExt};
 

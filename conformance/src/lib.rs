@@ -31,21 +31,28 @@
 //! backend, ranks as threads of this process; [`vendor`] runs it on the NCCL
 //! family — the simulated NCCL ABI on cpu devices (in CI), NCCL on cuda
 //! devices (feature `nccl`) and RCCL on hip devices (feature `rccl`), one
-//! rank per device.
+//! rank per device; [`ucx`] (feature `ucx`) runs it on the UCX backend, with
+//! every rank in this process or one rank per process. [`process`] is the
+//! runner for ranks that are processes: the same cases, host barriers and
+//! results through the job's store.
 #![warn(missing_docs)]
 
 mod barrier;
 mod case;
+pub mod checked;
 pub mod collectives;
 pub mod errors;
 pub mod expected;
 pub mod fsdp;
 pub mod harness;
+pub mod process;
 mod report;
 #[cfg(feature = "sim")]
 pub mod sim;
 pub mod streams;
 pub mod subgroups;
+#[cfg(feature = "ucx")]
+pub mod ucx;
 mod util;
 pub mod vendor;
 

@@ -12,12 +12,13 @@ use std::marker::PhantomData;
 use std::time::Duration;
 
 use anyhow::bail;
-use chorus_collectives::store::MemStore;
+use chorus_collectives::bootstrap::MemStore;
 use chorus_collectives::vendor::{VendorComm, VendorConfig, VendorLib};
 use chorus_collectives::{Capabilities, Communicator};
 use chorus_devices::{Backend, ComputeBackend, ForeignBackend};
 
 use crate::harness::{Harness, World};
+use crate::process::{RankEnv, RankHarness};
 use crate::Support;
 
 /// A device backend the vendor harness can make devices of.
@@ -160,5 +161,27 @@ where
         } else {
             Err(format!("the simulated NCCL saw its usage rules broken: {}", v.join("; ")))
         }
+    }
+}
+
+/// One rank per process (NCCL or RCCL under a launcher): the unique id goes
+/// through the job's store, `LOCAL_RANK` picks the device. The simulated
+/// library's rendezvous lives in one process, so it refuses.
+impl<L: VendorLib> RankHarness for VendorHarness<L>
+where
+    L::B: HarnessDevice + ComputeBackend,
+{
+    fn join(
+        &self,
+        env: &RankEnv,
+        prefix: &str,
+        timeout: Duration,
+    ) -> Result<Communicator<VendorComm<L>>, crate::Failure> {
+        if L::NAME == "simnccl" {
+            bail!("the simulated NCCL's rendezvous is inside one process: it cannot run one rank per process");
+        }
+        let device = L::B::make(env.local_rank, timeout * 2)?;
+        let config = VendorConfig { timeout, store_key: format!("{prefix}/unique_id"), ..VendorConfig::default() };
+        Ok(VendorComm::<L>::init(&*env.store, env.rank, env.size, device, config)?)
     }
 }

@@ -14,6 +14,7 @@
 
 mod memcpy;
 mod pattern;
+mod process;
 #[cfg(feature = "sim")]
 mod sim;
 mod timing;
@@ -28,7 +29,7 @@ use serde::Serialize;
 use chorus_collectives::{CommBackend, CommError, Communicator};
 use chorus_devices::{Buffer, DType, Device, Element, Priority, Stream, StreamExt};
 use pattern::{Expectation, Pattern};
-use timing::{timed_loop, HostBarrier, Spans};
+use timing::{timed_loop, Spans};
 
 use crate::backends::{parse_backend, Backend};
 use crate::conformance::parse_world_size;
@@ -344,11 +345,42 @@ pub fn sizes(min: u64, max: u64) -> Vec<u64> {
 // Without a backend feature the enum is empty and the arguments go unused.
 #[cfg_attr(not(feature = "sim"), allow(unused_variables))]
 fn measure(backend: Backend, g: Geometry, warmup: usize, iters: usize) -> anyhow::Result<Measured> {
-    crate::with_backend!(backend, sim => sim::measure(g, warmup, iters), vendor<L> => vendor::measure::<L>(g, warmup, iters))
+    crate::with_backend!(
+        backend,
+        sim => sim::measure(g, warmup, iters),
+        ucx => Err(anyhow::anyhow!("the ucx backend measures one rank per process (bench/process.rs)")),
+        vendor<L> => vendor::measure::<L>(g, warmup, iters)
+    )
 }
 
 /// `chorus bench`.
 pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
+    if args.backend.runs_as_processes() {
+        #[cfg(feature = "ucx")]
+        if args.backend == Backend::Ucx {
+            let p = crate::process::RankProcess::require("ucx")?;
+            return process::run_ucx(args, p);
+        }
+        if let Some(p) = crate::process::RankProcess::detect()? {
+            return crate::with_backend!(
+                args.backend,
+                sim => unreachable_backend(),
+                ucx => unreachable_backend(),
+                vendor<L> => process::run_vendor::<L>(args, p)
+            );
+        }
+    }
+    run_threads(args)
+}
+
+/// A backend that never reaches this dispatch (handled above).
+#[allow(dead_code)]
+fn unreachable_backend() -> anyhow::Result<Outcome> {
+    anyhow::bail!("this backend runs its ranks as threads")
+}
+
+/// `chorus bench` with the ranks as threads of this process.
+fn run_threads(args: &BenchArgs) -> anyhow::Result<Outcome> {
     if args.min_bytes > args.max_bytes {
         return Err(UsageError(format!(
             "--min-bytes ({}) is larger than --max-bytes ({})",
@@ -419,7 +451,7 @@ const PIECE: usize = 1 << 22;
 pub(crate) fn measure_rank<C: CommBackend, T: Element>(
     comm: &Communicator<C>,
     g: Geometry,
-    barrier: &HostBarrier,
+    barrier: &dyn timing::IterBarrier,
     warmup: usize,
     iters: usize,
 ) -> anyhow::Result<(Spans, u64)> {

@@ -16,10 +16,37 @@ pub use chorus_conformance::HostBarrier;
 /// One thread's start and end of each timed iteration.
 pub type Spans = Vec<(Instant, Instant)>;
 
+/// What the ranks wait at before each iteration: a host barrier for rank
+/// threads, the communicator's barrier for ranks that are processes.
+pub trait IterBarrier {
+    /// Blocks until every rank has arrived.
+    fn wait(&self) -> anyhow::Result<()>;
+    /// Makes the other ranks' waits fail (this rank has failed).
+    fn cancel(&self);
+}
+
+impl<B: IterBarrier + ?Sized> IterBarrier for std::sync::Arc<B> {
+    fn wait(&self) -> anyhow::Result<()> {
+        (**self).wait()
+    }
+    fn cancel(&self) {
+        (**self).cancel()
+    }
+}
+
+impl IterBarrier for HostBarrier {
+    fn wait(&self) -> anyhow::Result<()> {
+        HostBarrier::wait(self)
+    }
+    fn cancel(&self) {
+        HostBarrier::cancel(self)
+    }
+}
+
 /// Runs `warmup + iters` iterations of `body` between barrier waits and
 /// returns the spans of the timed ones. On error, cancels the barrier.
 pub fn timed_loop(
-    barrier: &HostBarrier,
+    barrier: &dyn IterBarrier,
     warmup: usize,
     iters: usize,
     mut body: impl FnMut() -> anyhow::Result<()>,

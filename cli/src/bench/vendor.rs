@@ -11,7 +11,9 @@
 //! call**, once: the time to enqueue 200 small all-reduces through chorus's
 //! `Communicator` (validation, sequence numbers, the group, the watchdog's
 //! events) against 200 `ncclAllReduce` calls made directly through the loaded
-//! symbol, on the same stream and buffers. It is printed to stderr as one
+//! symbol, on the same stream and buffers, and the same calls with the
+//! checked wrapper switched on (each rank's communicator is wrapped; the
+//! checks are off for everything else). It is printed to stderr as one
 //! comment line.
 //!
 //! [`Pattern`]: super::pattern::Pattern
@@ -22,8 +24,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use chorus_collectives::bootstrap::MemStore;
+use chorus_collectives::checked::Checked;
 use chorus_collectives::nccl_abi::{DataType, RedOp, ResultCode};
-use chorus_collectives::store::MemStore;
 use chorus_collectives::vendor::{VendorComm, VendorConfig, VendorLib};
 use chorus_collectives::{CommError, Communicator, ReduceOp};
 use chorus_conformance::vendor::HarnessDevice;
@@ -93,6 +96,11 @@ where
     let config =
         VendorConfig { timeout: DEADLINE, store_key: format!("bench/{}/{}", g.op.name(), g.size), blocking: false };
     let comm = VendorComm::<L>::init(store, rank, g.n, device, config)?;
+    // Wrapped in the checked wrapper, switched off but for its own measurement.
+    let side: Arc<dyn chorus_collectives::bootstrap::Store> = Arc::new(store.clone());
+    let prefix = format!("bench/checked/{}/{}", g.op.name(), g.size);
+    let comm = Checked::wrap(comm, side, &prefix, DEADLINE);
+    comm.backend().set_enabled(false);
     let out = match g.dtype {
         chorus_devices::DType::F32 => run::<L, f32>(&comm, g, barrier, warmup, iters),
         chorus_devices::DType::F64 => run::<L, f64>(&comm, g, barrier, warmup, iters),
@@ -109,52 +117,64 @@ where
     out
 }
 
+/// A rank's communicator: the library's, inside the checked wrapper.
+type Comm<L> = Communicator<Checked<VendorComm<L>>>;
+
 fn run<L: VendorLib, T: Element>(
-    comm: &Communicator<VendorComm<L>>,
+    comm: &Comm<L>,
     g: Geometry,
     barrier: &HostBarrier,
     warmup: usize,
     iters: usize,
 ) -> anyhow::Result<(Spans, u64)> {
     let me = comm.rank();
-    let (spans, wrong) = measure_rank::<VendorComm<L>, T>(comm, g, barrier, warmup, iters)?;
+    let (spans, wrong) = measure_rank::<Checked<VendorComm<L>>, T>(comm, g, barrier, warmup, iters)?;
     // Every rank decides alike (the flag is set only after all have measured).
     if g.op == Op::AllReduce && !OVERHEAD_PRINTED.load(Ordering::Acquire) {
         let stream = comm.device().create_stream(Priority::Normal)?;
-        let (ours, direct) = host_overhead::<L, T>(comm, barrier, &stream)?;
+        let (ours, checked, direct) = host_overhead::<L, T>(comm, barrier, &stream)?;
         barrier.wait()?;
         if me == 0 {
             OVERHEAD_PRINTED.store(true, Ordering::Release);
             eprintln!(
-                "# {} host overhead per all_reduce call ({OVERHEAD_COUNT} x {}, enqueue only, mean of {OVERHEAD_CALLS}): chorus {:.2} us, ncclAllReduce directly {:.2} us, difference {:.2} us",
+                "# {} host overhead per all_reduce call ({OVERHEAD_COUNT} x {}, enqueue only, mean of {OVERHEAD_CALLS}): chorus {:.2} us, ncclAllReduce directly {:.2} us, difference {:.2} us; with the checked wrapper on {:.2} us",
                 L::NAME,
                 T::DTYPE,
                 ours * 1e6,
                 direct * 1e6,
-                (ours - direct) * 1e6
+                (ours - direct) * 1e6,
+                checked * 1e6
             );
         }
     }
     Ok((spans, wrong))
 }
 
-/// Seconds per enqueue: through the `Communicator`, and through the raw symbol.
+/// Seconds per enqueue: through the `Communicator` (checks off), through it
+/// with the checked wrapper on, and through the raw symbol.
 fn host_overhead<L: VendorLib, T: Element>(
-    comm: &Communicator<VendorComm<L>>,
+    comm: &Comm<L>,
     barrier: &HostBarrier,
     stream: &<L::B as Backend>::Stream,
-) -> anyhow::Result<(f64, f64)> {
+) -> anyhow::Result<(f64, f64, f64)> {
     let buf = stream.alloc(T::DTYPE, OVERHEAD_COUNT)?;
     stream.fill(buf.view(), chorus_devices::Scalar::Int(0))?;
     stream.synchronize()?;
 
-    barrier.wait()?;
-    let t = Instant::now();
-    for _ in 0..OVERHEAD_CALLS {
-        comm.all_reduce_in_place(buf.view(), ReduceOp::Sum, stream)?;
-    }
-    let ours = t.elapsed().as_secs_f64() / OVERHEAD_CALLS as f64;
-    stream.synchronize().map_err(CommError::from)?;
+    let per_call = |checked: bool| -> anyhow::Result<f64> {
+        comm.backend().set_enabled(checked);
+        barrier.wait()?;
+        let t = Instant::now();
+        for _ in 0..OVERHEAD_CALLS {
+            comm.all_reduce_in_place(buf.view(), ReduceOp::Sum, stream)?;
+        }
+        let per_call = t.elapsed().as_secs_f64() / OVERHEAD_CALLS as f64;
+        comm.backend().set_enabled(false);
+        stream.synchronize().map_err(CommError::from)?;
+        Ok(per_call)
+    };
+    let ours = per_call(false)?;
+    let checked = per_call(true)?;
 
     let ptr = L::B::address(&buf.view()) as *mut std::ffi::c_void;
     let (dtype, sum) = (DataType::of(T::DTYPE).raw(), RedOp::Sum.raw());
@@ -165,7 +185,7 @@ fn host_overhead<L: VendorLib, T: Element>(
     // buffer is valid for OVERHEAD_COUNT elements in the stream's order and
     // outlives the synchronize below; each call completes before the next.
     unsafe {
-        comm.backend().with_raw(|raw, lib| {
+        comm.backend().inner().with_raw(|raw, lib| {
             // The raw stream handle, with the buffer declared as used by it.
             let access = [(view, chorus_devices::AccessKind::Write)];
             L::B::enqueue_foreign(stream, "ncclAllReduce (direct)", &access, &mut |raw_stream| {
@@ -192,5 +212,5 @@ fn host_overhead<L: VendorLib, T: Element>(
         anyhow::bail!("ncclAllReduce returned {}", ResultCode(direct.1));
     }
     stream.synchronize().map_err(CommError::from)?;
-    Ok((ours, direct.0))
+    Ok((ours, checked, direct.0))
 }

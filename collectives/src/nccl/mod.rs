@@ -16,7 +16,7 @@ use chorus_devices::cuda::{Cuda, CudaDevice};
 use chorus_devices::loader::open_first;
 use chorus_devices::DeviceError;
 
-use crate::store::Store;
+use crate::bootstrap::Store;
 use crate::vendor::abi::Version;
 use crate::vendor::result::Lib;
 use crate::vendor::sys::Api;

@@ -10,14 +10,15 @@
 //!   staging): each rank does an equal share of the work, then waits at an
 //!   exit barrier so no buffer is reused while a peer still reads it;
 //! - reductions go element by element in rank order 0..n-1, so every rank
-//!   gets bitwise the same result (see [`reduce`] for the arithmetic);
+//!   gets bitwise the same result (the arithmetic is `crate::arith`, shared
+//!   with the `ucx` backend);
 //! - every wait has the world's deadline; a rank that does not arrive makes
 //!   the others fail with `Timeout`, and any failure aborts the world (and
 //!   every communicator split from it), so the rest fail promptly;
 //! - faults can be injected to test all of that.
 
 mod kernels;
-mod reduce;
+use crate::arith as reduce;
 pub(crate) mod world;
 
 use std::sync::atomic::{AtomicU64, Ordering};

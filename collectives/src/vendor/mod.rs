@@ -7,7 +7,7 @@
 //!
 //! How the contract maps onto an NCCL-ABI library:
 //! - **bootstrap**: rank 0 calls `ncclGetUniqueId` and publishes the 128
-//!   bytes through a [`Store`](crate::store::Store); every rank calls
+//!   bytes through a [`Store`](crate::bootstrap::Store); every rank calls
 //!   `ncclCommInitRankConfig` with a **non-blocking** config and polls
 //!   `ncclCommGetAsyncError` until it is ready or the deadline passes (then
 //!   the communicator is aborted and the error is `Timeout`). A library
@@ -53,6 +53,7 @@
 pub mod abi;
 mod comm;
 pub mod result;
+mod shared;
 #[cfg(feature = "sim")]
 pub mod simlib;
 pub mod sys;

@@ -1,5 +1,5 @@
-//! Helpers shared by the cpu device's integration tests: devices with known
-//! settings, a gate that holds a stream at a point of its queue, host-side
+//! Helpers shared by the device tests: cpu devices with known settings, a
+//! gate that holds a stream at a point of its queue (on any device), host-side
 //! reference rounding, and typed uploads and downloads through f64.
 #![allow(dead_code)]
 
@@ -7,8 +7,8 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use anyhow::{ensure, Context};
-use chorus_devices::cpu::{Cpu, CpuConfig, CpuDevice, CpuStream, JobInput};
-use chorus_devices::{bf16, f16, DType, Device, DeviceError, Priority, Stream, View};
+use chorus_devices::cpu::{CpuConfig, CpuDevice};
+use chorus_devices::{bf16, f16, Backend, DType, Device, Priority, Stream, View};
 
 /// The deadline of test devices: long enough never to fire on a loaded
 /// machine, short enough that a broken wait fails the test instead of hanging CI.
@@ -39,27 +39,25 @@ pub unsafe fn device_without_sanitizer() -> CpuDevice {
 }
 
 /// A normal-priority stream.
-pub fn stream(device: &CpuDevice) -> anyhow::Result<CpuStream> {
+pub fn stream<D: Device>(device: &D) -> anyhow::Result<<D::B as Backend>::Stream> {
     Ok(device.create_stream(Priority::Normal)?)
 }
 
-/// Holds a stream at the point where it was closed: the executor blocks in a
-/// job until [`Gate::open`] (or drop). Lets tests observe in-flight states
-/// deterministically, without timing assumptions.
+/// Holds a stream at the point where it was closed: a host function blocks
+/// the stream until [`Gate::open`] (or drop, or a time limit). Lets tests
+/// observe in-flight states deterministically, without timing assumptions,
+/// on every device.
 pub struct Gate {
     tx: Option<mpsc::Sender<()>>,
 }
 
 impl Gate {
-    /// Enqueues the blocking job on `stream`.
-    pub fn close(stream: &CpuStream) -> anyhow::Result<Gate> {
+    /// Enqueues the blocking host function on `stream`.
+    pub fn close<S: Stream>(stream: &S) -> anyhow::Result<Gate> {
         let (tx, rx) = mpsc::channel::<()>();
-        stream.enqueue("test_gate", &[], move |input| match input {
-            JobInput::Skip(_) => Ok(()),
-            JobInput::Run => rx
-                .recv_timeout(GATE_LIMIT)
-                .map_err(|_| DeviceError::Timeout { what: "the test to open a gate".into(), waited: GATE_LIMIT }),
-        })?;
+        stream.launch_host_fn(Box::new(move |_| {
+            let _ = rx.recv_timeout(GATE_LIMIT);
+        }))?;
         Ok(Gate { tx: Some(tx) })
     }
 
@@ -207,14 +205,14 @@ pub fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
 }
 
 /// Uploads exactly representable values into `dst` (any dtype).
-pub fn put(stream: &CpuStream, dst: View<'_, Cpu>, values: &[f64]) -> anyhow::Result<()> {
+pub fn put<S: Stream>(stream: &S, dst: View<'_, S::B>, values: &[f64]) -> anyhow::Result<()> {
     let bytes = encode(dst.dtype(), values)?;
     stream.copy_from_host(&bytes, dst)?;
     Ok(())
 }
 
 /// Reads `src` back as f64 values (blocks until the copy has run).
-pub fn get(stream: &CpuStream, src: View<'_, Cpu>) -> anyhow::Result<Vec<f64>> {
+pub fn get<S: Stream>(stream: &S, src: View<'_, S::B>) -> anyhow::Result<Vec<f64>> {
     let dtype = src.dtype();
     let bytes = stream.copy_to_host(src)?.wait().context("readback")?;
     Ok(decode(dtype, &bytes))

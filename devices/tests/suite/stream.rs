@@ -1,15 +1,15 @@
-//! The cpu device's data-movement operations (copy, host transfers, fill,
-//! cast, scale, accumulate, axpy), its argument checking, and its memory
-//! accounting. Expected values are computed on the host in this file: IEEE
+//! A device's data-movement operations (copy, host transfers, fill, cast,
+//! scale, accumulate, axpy), its argument checking, and its memory
+//! accounting, generic over the backend. Expected values are computed on the host in this file: IEEE
 //! rounding written out in `common::round_to`, wrapping integer sums with
 //! the standard library's `wrapping_add`.
 
-mod common;
-
 use anyhow::Result;
-use chorus_devices::cpu::CpuDevice;
-use chorus_devices::{bf16, f16, Buffer, DType, Device, DeviceError, MemoryStats, Priority, Scalar, Stream, StreamExt};
-use common::{assert_close, assert_same, device, encode, get, put, round_to, stream, unit_roundoff, Gate, Lcg, FLOATS};
+use chorus_devices::{
+    bf16, f16, Buffer, ComputeBackend, DType, Device, DeviceError, MemoryStats, Scalar, Stream, StreamExt,
+};
+
+use crate::common::{assert_close, assert_same, encode, get, put, round_to, stream, unit_roundoff, Gate, Lcg, FLOATS};
 
 /// Representable test values of any dtype: floats spread over [-100, 100),
 /// integers over the dtype's whole range (i64 within ±2^53 so f64 holds them).
@@ -56,9 +56,11 @@ fn the_reference_rounding_agrees_with_half_on_f32_inputs() {
     assert_eq!(round_to(DType::F32, 1e39), f64::INFINITY);
 }
 
-#[test]
-fn copy_of_whole_buffers_and_sub_views_for_every_dtype() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn copy_of_whole_buffers_and_sub_views_for_every_dtype<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     for (i, dtype) in DType::ALL.into_iter().enumerate() {
         let values = sample(dtype, 16, 10 + i as u64);
@@ -84,9 +86,11 @@ fn copy_of_whole_buffers_and_sub_views_for_every_dtype() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn copy_between_overlapping_ranges_of_one_buffer_reads_the_source_first() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn copy_between_overlapping_ranges_of_one_buffer_reads_the_source_first<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     let buf = dev.alloc(DType::F32, 10)?;
     let start: Vec<f64> = (0..10).map(f64::from).collect();
@@ -99,9 +103,11 @@ fn copy_between_overlapping_ranges_of_one_buffer_reads_the_source_first() -> Res
     Ok(())
 }
 
-#[test]
-fn copy_from_host_captures_the_host_bytes_before_returning() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn copy_from_host_captures_the_host_bytes_before_returning<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     let buf = dev.alloc(DType::I32, 8)?;
     let values = [1., -2., 3., -4.];
@@ -123,9 +129,11 @@ fn copy_from_host_captures_the_host_bytes_before_returning() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn copy_to_host_completes_when_the_copy_has_run_in_stream_order() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn copy_to_host_completes_when_the_copy_has_run_in_stream_order<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     let buf = dev.alloc(DType::F64, 4)?;
     put(&s, buf.view(), &[1.5, 2.5, 3.5, 4.5])?;
@@ -149,9 +157,11 @@ fn copy_to_host_completes_when_the_copy_has_run_in_stream_order() -> Result<()> 
     Ok(())
 }
 
-#[test]
-fn fill_sets_every_element_of_the_view_for_every_dtype() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn fill_sets_every_element_of_the_view_for_every_dtype<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     let cases = [
         (DType::F32, Scalar::Float(1.5), 1.5),
@@ -187,9 +197,9 @@ fn fill_sets_every_element_of_the_view_for_every_dtype() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn fill_rounds_float_values_to_nearest_even() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn fill_rounds_float_values_to_nearest_even<B: ComputeBackend>(make: &dyn Fn() -> Result<B::Device>) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     let p = |e: i32| 2f64.powi(e);
     let cases = [
@@ -216,9 +226,11 @@ fn fill_rounds_float_values_to_nearest_even() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn fill_with_a_value_out_of_the_dtype_range_is_refused_and_changes_nothing() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn fill_with_a_value_out_of_the_dtype_range_is_refused_and_changes_nothing<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     let cases = [
         (DType::I8, Scalar::Int(128)),
@@ -316,9 +328,11 @@ fn cast_probes() -> Vec<f64> {
     v
 }
 
-#[test]
-fn cast_between_every_pair_of_float_dtypes_rounds_to_nearest_even() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn cast_between_every_pair_of_float_dtypes_rounds_to_nearest_even<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     let probes = cast_probes();
     for from in FLOATS {
@@ -343,9 +357,11 @@ fn cast_between_every_pair_of_float_dtypes_rounds_to_nearest_even() -> Result<()
     Ok(())
 }
 
-#[test]
-fn cast_of_a_sub_view_writes_only_that_range() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn cast_of_a_sub_view_writes_only_that_range<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     let src = s.buffer_from(&[1.25f64, 2.5, 3.75, 5.0, 6.25])?;
     let dst = s.buffer_from(&[f16::from_f32(-1.0); 6])?;
@@ -354,9 +370,11 @@ fn cast_of_a_sub_view_writes_only_that_range() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn cast_refuses_integer_dtypes_and_length_mismatches() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn cast_refuses_integer_dtypes_and_length_mismatches<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     let f = dev.alloc(DType::F32, 4)?;
     for int in [DType::I32, DType::I64, DType::I8, DType::U8] {
@@ -373,9 +391,11 @@ fn cast_refuses_integer_dtypes_and_length_mismatches() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn scale_multiplies_in_the_dtype_opmath_and_rounds_once() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn scale_multiplies_in_the_dtype_opmath_and_rounds_once<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     for (i, dtype) in FLOATS.into_iter().enumerate() {
         for alpha in [0.5, -3.0, 0.1, 1e-3, 0.0] {
@@ -409,9 +429,11 @@ fn scale_multiplies_in_the_dtype_opmath_and_rounds_once() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn accumulate_of_same_dtype_floats_rounds_the_sum_once() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn accumulate_of_same_dtype_floats_rounds_the_sum_once<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     for (i, dtype) in FLOATS.into_iter().enumerate() {
         let a = Lcg::new(50 + i as u64).values(dtype, 40, -100.0, 100.0);
@@ -431,9 +453,11 @@ fn accumulate_of_same_dtype_floats_rounds_the_sum_once() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn accumulate_of_integers_wraps_like_twos_complement() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn accumulate_of_integers_wraps_like_twos_complement<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
 
     let (a, b) = ([100i8, -128, 127, -1, 5, 0], [100i8, -1, 1, -128, -5, -128]);
@@ -466,9 +490,9 @@ fn accumulate_of_integers_wraps_like_twos_complement() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn accumulate_widens_f16_and_bf16_into_f32() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn accumulate_widens_f16_and_bf16_into_f32<B: ComputeBackend>(make: &dyn Fn() -> Result<B::Device>) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     for (i, half_dtype) in [DType::F16, DType::BF16].into_iter().enumerate() {
         let a = Lcg::new(70 + i as u64).values(half_dtype, 50, -1000.0, 1000.0);
@@ -484,9 +508,11 @@ fn accumulate_widens_f16_and_bf16_into_f32() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn accumulate_refuses_mixed_integer_dtypes_and_length_mismatches() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn accumulate_refuses_mixed_integer_dtypes_and_length_mismatches<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     let pairs = [(DType::I32, DType::F32), (DType::F32, DType::I32), (DType::I8, DType::I32), (DType::U8, DType::I8)];
     for (src_dtype, dst_dtype) in pairs {
@@ -504,9 +530,11 @@ fn accumulate_refuses_mixed_integer_dtypes_and_length_mismatches() -> Result<()>
     Ok(())
 }
 
-#[test]
-fn axpy_adds_a_scaled_vector_of_any_float_dtype() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn axpy_adds_a_scaled_vector_of_any_float_dtype<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     let pairs = [
         (DType::F32, DType::F32),
@@ -547,9 +575,9 @@ fn axpy_adds_a_scaled_vector_of_any_float_dtype() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn views_out_of_range_are_errors() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn views_out_of_range_are_errors<B: ComputeBackend>(make: &dyn Fn() -> Result<B::Device>) -> Result<()> {
+    let dev = make()?;
     let buf = dev.alloc(DType::F32, 9)?;
     for (offset, len) in [(5, 10), (10, 0), (0, 10), (usize::MAX, 2), (2, usize::MAX)] {
         let e = buf.slice(offset, len).unwrap_err();
@@ -570,9 +598,11 @@ fn views_out_of_range_are_errors() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn argument_errors_are_typed_and_enqueue_nothing() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn argument_errors_are_typed_and_enqueue_nothing<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let (s, other_stream) = (stream(&dev)?, stream(&dev)?);
     let a = s.buffer_from(&[1.0f32, 2.0, 3.0, 4.0])?;
     let wide = s.buffer_from(&[1.0f64, 2.0, 3.0, 4.0])?;
@@ -600,9 +630,11 @@ fn argument_errors_are_typed_and_enqueue_nothing() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn views_events_and_buffers_of_another_device_are_refused() -> Result<()> {
-    let (dev, elsewhere) = (device(), device());
+/// A case of the device suite.
+pub fn views_events_and_buffers_of_another_device_are_refused<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let (dev, elsewhere) = (make()?, make()?);
     let (s, t) = (stream(&dev)?, stream(&elsewhere)?);
     let mine = s.buffer_from(&[1.0f32; 4])?;
     let theirs = t.buffer_from(&[2.0f32; 4])?;
@@ -636,33 +668,9 @@ fn views_events_and_buffers_of_another_device_are_refused() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn devices_streams_and_buffers_describe_themselves() -> Result<()> {
-    let dev = CpuDevice::with_ordinal(3);
-    assert_eq!((dev.name(), dev.ordinal(), dev.config().ordinal), ("cpu:3".to_string(), 3, 3));
-    let (normal, high) = (dev.create_stream(Priority::Normal)?, dev.create_stream(Priority::High)?);
-    assert_eq!((normal.priority(), high.priority()), (Priority::Normal, Priority::High));
-    assert!(normal.name().starts_with("cpu:3/stream"), "{}", normal.name());
-    assert!(!normal.name().contains("high"), "{}", normal.name());
-    assert!(high.name().starts_with("cpu:3/stream") && high.name().contains("high"), "{}", high.name());
-    assert_ne!(normal.name(), high.name());
-    assert_ne!(normal.id(), high.id());
-    assert_eq!(normal.device().name(), "cpu:3");
-
-    let (a, b) = (dev.alloc(DType::BF16, 6)?, dev.alloc(DType::I64, 0)?);
-    assert_eq!((a.dtype(), a.len(), a.bytes(), a.is_empty()), (DType::BF16, 6, 12, false));
-    assert_eq!((b.len(), b.bytes(), b.is_empty()), (0, 0, true));
-    assert_ne!(a.id(), b.id());
-    let v = a.slice(2, 3)?;
-    assert_eq!((v.dtype(), v.bytes(), v.byte_range()), (DType::BF16, 6, 4..10));
-    assert!(v.overlaps(&a.slice(4, 2)?) && !v.overlaps(&a.slice(5, 1)?));
-    assert!(v.same_range(&a.view().slice(2, 3)?) && !v.same_range(&a.slice(2, 2)?));
-    Ok(())
-}
-
-#[test]
-fn memory_statistics_are_exact() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn memory_statistics_are_exact<B: ComputeBackend>(make: &dyn Fn() -> Result<B::Device>) -> Result<()> {
+    let dev = make()?;
     let stats = |in_use, peak, live| MemoryStats { bytes_in_use: in_use, peak_bytes: peak, live_allocations: live };
     assert_eq!(dev.memory_stats(), stats(0, 0, 0));
 
@@ -694,16 +702,18 @@ fn memory_statistics_are_exact() -> Result<()> {
     assert_eq!(dev.memory_stats(), stats(0, 0, 0));
 
     // Another device keeps its own counters.
-    let other = device();
+    let other = make()?;
     let _x = other.alloc(DType::F64, 8)?;
     assert_eq!(other.memory_stats(), stats(64, 64, 1));
     assert_eq!(dev.memory_stats(), stats(0, 0, 0));
     Ok(())
 }
 
-#[test]
-fn dropping_buffers_with_queued_work_frees_them_after_the_work() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn dropping_buffers_with_queued_work_frees_them_after_the_work<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     let n = 1 << 16;
     let values: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();

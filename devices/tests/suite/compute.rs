@@ -1,17 +1,16 @@
-//! The cpu device's compute operations: matmul, bias_add, relu and its
+//! A device's compute operations, generic over the backend: matmul, bias_add, relu and its
 //! backward, the MSE loss and gradient, column sums, sums of squares, and the
 //! SGD and AdamW steps. Every expected value comes from a plain host loop in
 //! f64 written here (PyTorch's update formulas for the optimizers), compared
 //! with a tolerance derived from the precision the device computes in.
 
-mod common;
-
 use anyhow::Result;
-use chorus_devices::cpu::{CpuDevice, CpuStream};
 use chorus_devices::{
-    AdamWParams, Buffer, ComputeStream, DType, Device, DeviceError, MatmulSpec, SgdParams, Stream, StreamExt,
+    AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, DType, Device, DeviceError, MatmulSpec, SgdParams,
+    Stream, StreamExt,
 };
-use common::{assert_close, assert_same, device, get, put, round_to, stream, unit_roundoff, Lcg, FLOATS};
+
+use crate::common::{assert_close, assert_same, get, put, round_to, stream, unit_roundoff, Lcg, FLOATS};
 
 /// The type f16/bf16/f32 arithmetic is done in (PyTorch's opmath).
 fn opmath(dtype: DType) -> DType {
@@ -23,7 +22,7 @@ fn opmath(dtype: DType) -> DType {
 }
 
 /// A buffer of `dtype` holding `values` (already representable).
-fn buffer(dev: &CpuDevice, s: &CpuStream, dtype: DType, values: &[f64]) -> Result<chorus_devices::cpu::CpuBuffer> {
+fn buffer<B: Backend>(dev: &B::Device, s: &B::Stream, dtype: DType, values: &[f64]) -> Result<B::Buffer> {
     let b = dev.alloc(dtype, values.len())?;
     put(s, b.view(), values)?;
     Ok(b)
@@ -59,9 +58,11 @@ fn reference_matmul(spec: MatmulSpec, a: &[f64], b: &[f64], c: &[f64]) -> (Vec<f
     (out, scale)
 }
 
-#[test]
-fn matmul_matches_a_naive_product_for_every_transpose_and_dtype() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn matmul_matches_a_naive_product_for_every_transpose_and_dtype<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     let dtypes = [
         (DType::F32, DType::F32),
@@ -83,8 +84,11 @@ fn matmul_matches_a_naive_product_for_every_transpose_and_dtype() -> Result<()> 
                     let a = Lcg::new(seed).values(input, m * k, -1.0, 1.0);
                     let b = Lcg::new(seed + 7919).values(input, k * n, -1.0, 1.0);
                     let c = Lcg::new(seed + 104_729).values(output, m * n, -1.0, 1.0);
-                    let (ab, bb, cb) =
-                        (buffer(&dev, &s, input, &a)?, buffer(&dev, &s, input, &b)?, buffer(&dev, &s, output, &c)?);
+                    let (ab, bb, cb) = (
+                        buffer::<B>(&dev, &s, input, &a)?,
+                        buffer::<B>(&dev, &s, input, &b)?,
+                        buffer::<B>(&dev, &s, output, &c)?,
+                    );
                     s.matmul(spec, ab.view(), bb.view(), cb.view())?;
                     let (want, scale) = reference_matmul(spec, &a, &b, &c);
                     // Accumulated in the opmath of the inputs (f32, or f64),
@@ -101,9 +105,9 @@ fn matmul_matches_a_naive_product_for_every_transpose_and_dtype() -> Result<()> 
     Ok(())
 }
 
-#[test]
-fn matmul_works_on_sub_views() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn matmul_works_on_sub_views<B: ComputeBackend>(make: &dyn Fn() -> Result<B::Device>) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     // A = [[1,2],[3,4]], B = [[5,6],[7,8]] inside larger buffers.
     let a = s.buffer_from(&[9.0f32, 1.0, 2.0, 3.0, 4.0, 9.0])?;
@@ -115,9 +119,9 @@ fn matmul_works_on_sub_views() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn matmul_refuses_bad_shapes_and_dtypes() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn matmul_refuses_bad_shapes_and_dtypes<B: ComputeBackend>(make: &dyn Fn() -> Result<B::Device>) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     let spec = MatmulSpec { m: 2, n: 3, k: 4, trans_a: false, trans_b: false, accumulate: false };
     let (a, b, c) = (dev.alloc(DType::F32, 8)?, dev.alloc(DType::F32, 12)?, dev.alloc(DType::F32, 6)?);
@@ -141,9 +145,9 @@ fn matmul_refuses_bad_shapes_and_dtypes() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn bias_add_adds_the_bias_to_every_row() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn bias_add_adds_the_bias_to_every_row<B: ComputeBackend>(make: &dyn Fn() -> Result<B::Device>) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     let pairs = [
         (DType::F32, DType::F32),
@@ -156,7 +160,7 @@ fn bias_add_adds_the_bias_to_every_row() -> Result<()> {
     for (i, (x_dtype, b_dtype)) in pairs.into_iter().enumerate() {
         let x = Lcg::new(300 + i as u64).values(x_dtype, rows * cols, -10.0, 10.0);
         let bias = Lcg::new(310 + i as u64).values(b_dtype, cols, -10.0, 10.0);
-        let (xb, bb) = (buffer(&dev, &s, x_dtype, &x)?, buffer(&dev, &s, b_dtype, &bias)?);
+        let (xb, bb) = (buffer::<B>(&dev, &s, x_dtype, &x)?, buffer::<B>(&dev, &s, b_dtype, &bias)?);
         s.bias_add(xb.view(), bb.view())?;
         // The sum of two such values is exact in f64: round it in x's opmath, then to x.
         let want: Vec<f64> = x
@@ -177,20 +181,19 @@ fn bias_add_adds_the_bias_to_every_row() -> Result<()> {
 }
 
 /// PyTorch's ReLU propagates NaN (`relu(nan) = nan`) and its backward
-/// (`threshold_backward`) zeroes the gradient only where the output is ≤ 0.
-#[test]
-fn relu_propagates_nan_like_pytorch() -> Result<()> {
-    let dev = device();
+/// (`threshold_backward`) zeroes the gradient only where the output is <= 0.
+pub fn relu_propagates_nan_like_pytorch<B: ComputeBackend>(make: &dyn Fn() -> Result<B::Device>) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     for dtype in FLOATS {
         let x = [f64::NAN, -1.0, 2.0, f64::INFINITY, f64::NEG_INFINITY, 0.0];
-        let xb = buffer(&dev, &s, dtype, &x)?;
+        let xb = buffer::<B>(&dev, &s, dtype, &x)?;
         let yb = dev.alloc(dtype, x.len())?;
         s.relu(xb.view(), yb.view())?;
         let y = get(&s, yb.view())?;
         assert!(y[0].is_nan(), "relu(NaN) in {dtype} is {}", y[0]);
         assert_eq!(&y[1..], &[0.0, 2.0, f64::INFINITY, 0.0, 0.0], "{dtype}");
-        let gob = buffer(&dev, &s, dtype, &[1.0, 1.0, 1.0, 1.0, 1.0, 1.0])?;
+        let gob = buffer::<B>(&dev, &s, dtype, &[1.0; 6])?;
         let gib = dev.alloc(dtype, x.len())?;
         s.relu_backward(gob.view(), yb.view(), gib.view())?;
         assert_eq!(get(&s, gib.view())?, vec![1.0, 0.0, 1.0, 1.0, 0.0, 0.0], "relu_backward {dtype}");
@@ -198,16 +201,18 @@ fn relu_propagates_nan_like_pytorch() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn relu_and_its_backward_for_every_float_dtype() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn relu_and_its_backward_for_every_float_dtype<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     for (i, dtype) in FLOATS.into_iter().enumerate() {
         let mut x = Lcg::new(400 + i as u64).values(dtype, 31, -5.0, 5.0);
         x[0] = 0.0;
         x[1] = -0.0;
         let relu: Vec<f64> = x.iter().map(|v| if *v > 0.0 { *v } else { 0.0 }).collect();
-        let xb = buffer(&dev, &s, dtype, &x)?;
+        let xb = buffer::<B>(&dev, &s, dtype, &x)?;
         let yb = dev.alloc(dtype, x.len())?;
         s.relu(xb.view(), yb.view())?;
         assert_close(&format!("relu {dtype}"), &get(&s, yb.view())?, &relu, |_| 0.0);
@@ -216,7 +221,7 @@ fn relu_and_its_backward_for_every_float_dtype() -> Result<()> {
         assert_close(&format!("relu in place {dtype}"), &get(&s, xb.view())?, &relu, |_| 0.0);
 
         let grad_out = Lcg::new(410 + i as u64).values(dtype, x.len(), -3.0, 3.0);
-        let gob = buffer(&dev, &s, dtype, &grad_out)?;
+        let gob = buffer::<B>(&dev, &s, dtype, &grad_out)?;
         let gib = dev.alloc(dtype, x.len())?;
         s.relu_backward(gob.view(), yb.view(), gib.view())?;
         let want: Vec<f64> = grad_out.iter().zip(&relu).map(|(g, o)| if *o > 0.0 { *g } else { 0.0 }).collect();
@@ -235,9 +240,9 @@ fn relu_and_its_backward_for_every_float_dtype() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn mse_loss_and_gradient() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn mse_loss_and_gradient<B: ComputeBackend>(make: &dyn Fn() -> Result<B::Device>) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     let n = 257;
     let combos = [
@@ -250,7 +255,7 @@ fn mse_loss_and_gradient() -> Result<()> {
     for (i, (pd, td, ld)) in combos.into_iter().enumerate() {
         let pred = Lcg::new(500 + i as u64).values(pd, n, -4.0, 4.0);
         let target = Lcg::new(510 + i as u64).values(td, n, -4.0, 4.0);
-        let (pb, tb) = (buffer(&dev, &s, pd, &pred)?, buffer(&dev, &s, td, &target)?);
+        let (pb, tb) = (buffer::<B>(&dev, &s, pd, &pred)?, buffer::<B>(&dev, &s, td, &target)?);
         let scale = 1.0 / n as f64;
         let sum: f64 = pred.iter().zip(&target).map(|(p, t)| (p - t) * (p - t)).sum();
         let want = scale * sum;
@@ -284,9 +289,11 @@ fn mse_loss_and_gradient() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn column_sums_over_rows_with_and_without_accumulation() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn column_sums_over_rows_with_and_without_accumulation<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     let (rows, cols) = (37, 6);
     let pairs =
@@ -294,9 +301,9 @@ fn column_sums_over_rows_with_and_without_accumulation() -> Result<()> {
     for (i, (xd, od)) in pairs.into_iter().enumerate() {
         let x = Lcg::new(600 + i as u64).values(xd, rows * cols, -2.0, 2.0);
         let old = Lcg::new(610 + i as u64).values(od, cols, -2.0, 2.0);
-        let xb = buffer(&dev, &s, xd, &x)?;
+        let xb = buffer::<B>(&dev, &s, xd, &x)?;
         for accumulate in [false, true] {
-            let out = buffer(&dev, &s, od, &old)?;
+            let out = buffer::<B>(&dev, &s, od, &old)?;
             s.column_sums(xb.view(), out.view(), accumulate)?;
             let mut want = if accumulate { old.clone() } else { vec![0.0; cols] };
             let mut mag: Vec<f64> = want.iter().map(|v| v.abs()).collect();
@@ -318,16 +325,18 @@ fn column_sums_over_rows_with_and_without_accumulation() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn sum_squares_with_and_without_accumulation() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn sum_squares_with_and_without_accumulation<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     for (i, xd) in FLOATS.into_iter().enumerate() {
         let x = Lcg::new(700 + i as u64).values(xd, 1000, -3.0, 3.0);
-        let xb = buffer(&dev, &s, xd, &x)?;
+        let xb = buffer::<B>(&dev, &s, xd, &x)?;
         let sum: f64 = x.iter().map(|v| v * v).sum();
         for od in [DType::F32, DType::F64] {
-            let out = buffer(&dev, &s, od, &[1.5])?;
+            let out = buffer::<B>(&dev, &s, od, &[1.5])?;
             s.sum_squares(xb.view(), out.view(), false)?;
             let tol = |w: f64| 1e-13 * w + unit_roundoff(od) * w;
             assert_close(&format!("sum_squares {xd}->{od}"), &get(&s, out.view())?, &[sum], |_| tol(sum));
@@ -356,9 +365,11 @@ fn sgd_reference(p: &SgdParams, w: &mut f64, g: f64, buf: &mut f64) {
     *w -= p.lr * d;
 }
 
-#[test]
-fn sgd_step_matches_pytorch_with_and_without_momentum_nesterov_and_weight_decay() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn sgd_step_matches_pytorch_with_and_without_momentum_nesterov_and_weight_decay<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     let base =
         SgdParams { lr: 0.1, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false, first_step: true };
@@ -373,7 +384,7 @@ fn sgd_step_matches_pytorch_with_and_without_momentum_nesterov_and_weight_decay(
     for (ci, config) in configs.into_iter().enumerate() {
         let mut w = Lcg::new(800 + ci as u64).values(DType::F32, n, -1.0, 1.0);
         let mut buf_ref = vec![0.0; n];
-        let param = buffer(&dev, &s, DType::F32, &w)?;
+        let param = buffer::<B>(&dev, &s, DType::F32, &w)?;
         let grad = dev.alloc(DType::F32, n)?;
         let momentum = (config.momentum != 0.0).then(|| dev.alloc(DType::F32, n)).transpose()?;
         for step in 0..4 {
@@ -411,9 +422,11 @@ fn sgd_step_matches_pytorch_with_and_without_momentum_nesterov_and_weight_decay(
     Ok(())
 }
 
-#[test]
-fn adamw_step_matches_pytorch_over_several_steps() -> Result<()> {
-    let dev = device();
+/// A case of the device suite.
+pub fn adamw_step_matches_pytorch_over_several_steps<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
     let s = stream(&dev)?;
     let configs = [
         AdamWParams { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, step: 1 },
@@ -424,7 +437,7 @@ fn adamw_step_matches_pytorch_over_several_steps() -> Result<()> {
     for (ci, config) in configs.into_iter().enumerate() {
         let mut w = Lcg::new(1000 + ci as u64).values(DType::F32, n, -1.0, 1.0);
         let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
-        let param = buffer(&dev, &s, DType::F32, &w)?;
+        let param = buffer::<B>(&dev, &s, DType::F32, &w)?;
         let (grad, exp_avg, exp_avg_sq) =
             (dev.alloc(DType::F32, n)?, dev.alloc(DType::F32, n)?, dev.alloc(DType::F32, n)?);
         for step in 1..=6u64 {

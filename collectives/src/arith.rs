@@ -1,8 +1,10 @@
-//! Element arithmetic of the sim backend's reductions.
+//! Element arithmetic of reductions, written once for every backend that
+//! reduces on the host (`sim`, `ucx`).
 //!
-//! Results are deterministic and the same on every rank: each element is
-//! reduced in rank order 0..n-1, each step rounded to the dtype (f16/bf16
-//! computed in f32 and rounded, as NCCL's kernels do); integers wrap.
+//! Each step is rounded to the dtype (f16/bf16 computed in f32 and rounded,
+//! as NCCL's kernels do); integers wrap. The order in which ranks are
+//! combined is the backend's (the sim backend: rank order 0..n-1; `ucx`: see
+//! its module documentation).
 //! `Avg` is the sum divided by n (rounded; integer division for integers);
 //! `PreMulSum(s)` converts `s` to the dtype, multiplies each rank's input by
 //! it, then sums.
@@ -85,7 +87,8 @@ pub(crate) fn start<T: Reducible>(acc: &mut [T], x: &[T], op: ReduceOp, scalar: 
     }
 }
 
-/// `acc = acc op x` for one more rank.
+/// `acc = acc op x` for one more rank (whose own input `x` is scaled by its
+/// `scalar` for a pre-multiplied sum).
 pub(crate) fn combine<T: Reducible>(acc: &mut [T], x: &[T], op: ReduceOp, scalar: f64) {
     macro_rules! each {
         ($f:expr) => {
@@ -155,3 +158,13 @@ macro_rules! with_dtype {
     };
 }
 pub(crate) use with_dtype;
+
+/// The operator that combines two partial results (already scaled and not
+/// yet divided): a sum for `Avg` and `PreMulSum`, the operator itself otherwise.
+#[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+pub(crate) fn partial_op(op: ReduceOp) -> ReduceOp {
+    match op {
+        ReduceOp::Avg | ReduceOp::PreMulSum(_) => ReduceOp::Sum,
+        other => other,
+    }
+}

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Builds, here, everything ci/gpu-check.sh runs on a GPU node (which has no
+# Rust toolchain): the chorus binary with the GPU features and the test
+# binaries of the GPU paths, copied into one folder to carry to the node.
+#
+#   bash ci/gpu-build.sh [OUT_DIR]      # default: gpu-bin/ (ignored by git)
+#
+# Then, on the node, from the checkout with that folder beside it:
+#   bash ci/gpu-check.sh [OUT_DIR] [RESULTS_DIR]
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+out="${1:-gpu-bin}"
+features="cuda,nccl,rocm,rccl"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
+mkdir -p "$out"
+
+cargo build --release -p chorus --features "$features"
+cp "$CARGO_TARGET_DIR/release/chorus" "$out/chorus"
+
+# The test binaries that prove the GPU paths, by their names in `cargo test`.
+copy_tests() {
+    # $1: package, $2: features, $3...: test target names
+    local package="$1" feats="$2"
+    shift 2
+    local json
+    json="$(cargo test --release -p "$package" --features "$feats" --no-run --message-format=json 2>/dev/null)"
+    for name in "$@"; do
+        local path
+        path="$(printf '%s\n' "$json" | python3 -c '
+import json, sys
+name = sys.argv[1]
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    t = m.get("target") or {}
+    if m.get("reason") == "compiler-artifact" and t.get("name") == name and m.get("executable"):
+        print(m["executable"])
+' "$name" | tail -n 1)"
+        if [ -z "$path" ]; then
+            echo "gpu-build: no test binary named $name in $package" >&2
+            exit 1
+        fi
+        cp "$path" "$out/test-$package-$name"
+    done
+}
+copy_tests chorus-devices cuda device_cuda cuda_load host_fn
+copy_tests chorus-devices rocm device_hip hip_load
+copy_tests chorus-collectives nccl nccl_load
+copy_tests chorus-collectives rccl rccl_load
+echo "gpu-build: binaries in $out/:"
+ls -l "$out"

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Everything a GPU node should prove, run from the binaries ci/gpu-build.sh
+# made (the node needs no Rust toolchain). Finds the vendor libraries (CUDA 12
+# or 13 names), runs each check, and writes every output and a summary to
+# RESULTS_DIR. Exits 1 if any check failed; every check runs regardless.
+#
+#   bash ci/gpu-check.sh [BIN_DIR] [RESULTS_DIR]   # defaults: gpu-bin, gpu-results
+#
+# Checks:
+#   info                 chorus info (libraries, versions, devices)
+#   devices-cuda         the device suite on the cuda device (every operation against host values)
+#   cuda-load            the cuda device's loading and smoke tests
+#   host-fn-cuda         device API calls inside host functions refused
+#   nccl-load            NCCL: version, unique id, a one-rank world that runs
+#   conformance-nccl-N   the conformance suite on NCCL, N = 1 and (if more) every GPU
+#   train-sim-vs-nccl    one init trained on sim and on NCCL; largest parameter difference
+#   bench-nccl           nccl-tests tables and the host overhead per call
+#   train-bench-nccl     FSDP step time and host overhead per group on NCCL
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+bin="${1:-gpu-bin}"
+results="${2:-gpu-results}"
+mkdir -p "$results"
+summary="$results/summary.txt"
+: >"$summary"
+
+# --- the vendor libraries: the variable if set, else the usual places -------
+find_lib() {
+    # $1: variable, $2...: candidate file names or globs
+    local var="$1"
+    shift
+    if [ -n "${!var:-}" ]; then
+        return
+    fi
+    local dirs="/usr/lib/x86_64-linux-gnu /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib"
+    dirs="$dirs $(ls -d /usr/local/cuda-*/targets/x86_64-linux/lib 2>/dev/null | sort -rV | tr '\n' ' ')"
+    local name dir f
+    for name in "$@"; do
+        for dir in $dirs; do
+            for f in $dir/$name; do
+                if [ -e "$f" ]; then
+                    export "$var=$f"
+                    return
+                fi
+            done
+        done
+    done
+}
+find_lib CHORUS_NCCL_LIB libnccl.so.2
+find_lib CHORUS_NVRTC_LIB libnvrtc.so.13 libnvrtc.so.12
+find_lib CHORUS_CUBLAS_LIB libcublas.so.13 libcublas.so.12
+{
+    echo "# chorus GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo "# host: $(hostname)"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/# gpu: /'
+    echo "# CHORUS_NCCL_LIB=${CHORUS_NCCL_LIB:-}"
+    echo "# CHORUS_NVRTC_LIB=${CHORUS_NVRTC_LIB:-}"
+    echo "# CHORUS_CUBLAS_LIB=${CHORUS_CUBLAS_LIB:-}"
+} | tee -a "$summary"
+
+gpus="$(nvidia-smi --list-gpus 2>/dev/null | wc -l)"
+[ "$gpus" -ge 1 ] || gpus=1
+failed=0
+
+# run NAME TIMEOUT_S COMMAND...: output to RESULTS_DIR/NAME.log, a line in the summary.
+run() {
+    local name="$1" limit="$2"
+    shift 2
+    local start end rc
+    start=$(date +%s)
+    timeout "$limit" "$@" >"$results/$name.log" 2>&1
+    rc=$?
+    end=$(date +%s)
+    if [ $rc -eq 0 ]; then
+        echo "ok      $name ($((end - start)) s)" | tee -a "$summary"
+    else
+        echo "FAILED  $name (exit $rc, $((end - start)) s; see $name.log)" | tee -a "$summary"
+        failed=1
+    fi
+    return $rc
+}
+
+chorus="$bin/chorus"
+run info 60 "$chorus" info
+run devices-cuda 600 "$bin/test-chorus-devices-device_cuda" --test-threads=1
+run cuda-load 600 "$bin/test-chorus-devices-cuda_load" --test-threads=1
+run host-fn-cuda 120 "$bin/test-chorus-devices-host_fn" --test-threads=1
+run nccl-load 300 "$bin/test-chorus-collectives-nccl_load" --test-threads=1 --nocapture
+run conformance-nccl-1 1800 "$chorus" conformance --backend nccl --world-size 1
+if [ "$gpus" -gt 1 ]; then
+    run "conformance-nccl-$gpus" 1800 "$chorus" conformance --backend nccl --world-size "$gpus"
+fi
+grep -E '^[0-9]+ passed' "$results"/conformance-nccl-*.log 2>/dev/null | sed 's/^/# /' | tee -a "$summary"
+
+# One init, trained on sim and on NCCL: the parameters must agree within f32 tolerance.
+if run train-sim 300 "$chorus" train --backend sim --world-size 1 --steps 50 --out-dir "$results/train-sim" \
+    && run train-nccl 300 "$chorus" train --backend nccl --world-size 1 --steps 50 \
+        --init-dir "$results/train-sim/init" --out-dir "$results/train-nccl"; then
+    run train-sim-vs-nccl 60 python3 - "$results/train-sim" "$results/train-nccl" <<'PY'
+import glob, json, os, sys
+import numpy as np
+a, b = sys.argv[1], sys.argv[2]
+worst = 0.0
+for f in sorted(glob.glob(os.path.join(a, "layers.*.npy"))):
+    x, y = np.load(f), np.load(os.path.join(b, os.path.basename(f)))
+    worst = max(worst, float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)))))
+la = json.load(open(os.path.join(a, "summary.json")))["losses"]
+lb = json.load(open(os.path.join(b, "summary.json")))["losses"]
+dl = max(abs(p - q) for p, q in zip(la, lb))
+print(f"largest parameter difference sim vs nccl: {worst:.3e}; largest loss difference: {dl:.3e}")
+sys.exit(0 if worst <= 1e-5 and dl <= 1e-5 else 1)
+PY
+    sed 's/^/# /' "$results/train-sim-vs-nccl.log" | tee -a "$summary"
+fi
+
+run bench-nccl 900 "$chorus" bench --backend nccl --world-size "$gpus" --op all --min-bytes 1K --max-bytes 64M
+grep -E '^# nccl host overhead' "$results/bench-nccl.log" | tee -a "$summary"
+run train-bench-nccl 900 "$chorus" train --bench --backend nccl
+tail -n 6 "$results/train-bench-nccl.log" | sed 's/^/# /' | tee -a "$summary"
+
+echo "# results in $results/" | tee -a "$summary"
+exit $failed

@@ -1,0 +1,215 @@
+//! One rank per process: `bench`, `conformance` and `train` started by a
+//! launcher (`chorus launch`, torchrun, `srun`, `mpirun`) find their rank
+//! and the job's store here.
+//!
+//! The `ucx` backend always runs this way; `nccl` and `rccl` do when a
+//! launcher's variables are present (and run one rank per GPU as threads
+//! otherwise); the simulated backends always run their ranks as threads.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use chorus_collectives::bootstrap::{connect_from_env, ConnectOptions, EnvError, LaunchEnv, Rendezvous, Store};
+
+use crate::UsageError;
+
+/// This process's place in a launched job and the job's store.
+pub struct RankProcess {
+    /// Rank, world size, local rank, from the launcher's variables.
+    pub env: LaunchEnv,
+    rendezvous: Rendezvous,
+    /// Which of the job's chorus commands this is (several may run one
+    /// after another in one job, sharing its store).
+    run: i64,
+}
+
+impl RankProcess {
+    /// The job this process belongs to, or `None` when no launcher started it.
+    pub fn detect() -> anyhow::Result<Option<RankProcess>> {
+        match LaunchEnv::from_process_env() {
+            Err(EnvError::NoLauncher { .. }) => Ok(None),
+            Err(e) => Err(anyhow::Error::new(e).context("reading the launcher's variables")),
+            Ok(env) => {
+                let rendezvous = connect_from_env(&env, &ConnectOptions::default())
+                    .with_context(|| format!("rank {} joining the job's store", env.rank))?;
+                // Every rank of a command counts itself in before any rank can
+                // finish it (`finish` waits for all), so the count tells the
+                // commands of one job apart and their keys never mix.
+                let key = format!("chorus/commands/{}/{}", env.run_id.as_deref().unwrap_or("run"), env.restart_count);
+                let n = rendezvous.store().add(&key, 1)?;
+                let run = (n - 1) / env.world_size.max(1) as i64;
+                Ok(Some(RankProcess { env, rendezvous, run }))
+            }
+        }
+    }
+
+    /// The job, or a usage error naming the launchers when there is none.
+    #[cfg(feature = "ucx")]
+    pub fn require(backend: &str) -> anyhow::Result<RankProcess> {
+        RankProcess::detect()?.ok_or_else(|| {
+            UsageError(format!(
+                "the {backend} backend runs one rank per process: start it with a launcher, e.g. \
+                 `chorus launch --nproc-per-node 4 -- chorus ...` (or torchrun --no-python, srun, mpirun)"
+            ))
+            .into()
+        })
+    }
+
+    /// The job's store.
+    pub fn store(&self) -> Arc<dyn Store> {
+        self.rendezvous.store()
+    }
+
+    /// A store prefix for `what` that is unique per job, restart and command.
+    pub fn prefix(&self, what: &str) -> String {
+        let run = self.env.run_id.as_deref().unwrap_or("run");
+        format!("chorus/{what}/{run}/{}/{}", self.env.restart_count, self.run)
+    }
+
+    /// The deadline of the UCX backend's waits: `CHORUS_UCX_TIMEOUT_S`
+    /// seconds, else `default`.
+    #[cfg(feature = "ucx")]
+    pub fn ucx_timeout(default: Duration) -> Duration {
+        std::env::var("CHORUS_UCX_TIMEOUT_S")
+            .ok()
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|s| *s > 0.0)
+            .map_or(default, Duration::from_secs_f64)
+    }
+
+    /// The UCX settings of a process-mode command: its store prefix and
+    /// deadline, `CHORUS_UCX_PEER_FAILURE=1` for UCX's peer-failure
+    /// handling, `CHORUS_UCX_SMALL_BYTES` for the algorithm switch.
+    #[cfg(feature = "ucx")]
+    pub fn ucx_config(&self, what: &str, timeout: Duration) -> chorus_collectives::ucx::UcxConfig {
+        let mut c = chorus_collectives::ucx::UcxConfig { timeout, prefix: self.prefix(what), ..Default::default() };
+        c.peer_failure = std::env::var("CHORUS_UCX_PEER_FAILURE").is_ok_and(|v| v == "1");
+        if let Some(bytes) = std::env::var("CHORUS_UCX_SMALL_BYTES").ok().and_then(|v| v.parse().ok()) {
+            c.small_bytes = bytes;
+        }
+        c
+    }
+
+    /// The process mode takes its world size from the launcher: a
+    /// different `--world-size` is a usage error.
+    pub fn check_world_size(&self, requested: usize) -> anyhow::Result<()> {
+        if requested != self.env.world_size {
+            return Err(UsageError(format!(
+                "--world-size {requested} but the launcher started {} ranks (WORLD_SIZE): pass --world-size {}",
+                self.env.world_size, self.env.world_size
+            ))
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Every rank waits here until all have arrived (bounded by `timeout`),
+    /// and rank 0, which may host the store, until every other rank has
+    /// made its last store request: it leaves last.
+    pub fn finish(&self, what: &str, timeout: Duration) -> anyhow::Result<()> {
+        let store = self.store();
+        let n = self.env.world_size;
+        let arrived = format!("{}/finished", self.prefix(what));
+        let released = format!("{}/released", self.prefix(what));
+        store.add(&arrived, 1)?;
+        let deadline = Instant::now() + timeout;
+        let count = |key: &str| -> anyhow::Result<usize> {
+            Ok(String::from_utf8_lossy(&store.get(key, timeout)?).trim().parse().unwrap_or(0))
+        };
+        while count(&arrived)? < n {
+            if Instant::now() >= deadline {
+                anyhow::bail!("only some of the {n} ranks finished within {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if self.env.rank != 0 {
+            store.add(&released, 1)?;
+            return Ok(());
+        }
+        while n > 1 && count(&released).unwrap_or(0) < n - 1 {
+            if Instant::now() >= deadline {
+                anyhow::bail!("not every rank left within {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(())
+    }
+}
+
+/// Trains on this process's rank of the job with `comm`; rank 0 returns its
+/// report (the one `chorus train` writes out), the other ranks none.
+#[cfg(feature = "sim")]
+pub fn train_rank<C, J>(
+    p: &RankProcess,
+    comm: chorus_collectives::Communicator<C>,
+    job: &J,
+    bar: Option<indicatif::ProgressBar>,
+) -> anyhow::Result<Vec<J::Report>>
+where
+    C: chorus_collectives::CommBackend + 'static,
+    C::B: chorus_devices::ComputeBackend,
+    J: crate::train::RankJob,
+    chorus_fsdp::Fsdp<C>: Send,
+{
+    let rank = p.env.rank;
+    let report = job
+        .run(Arc::new(comm), &mut |_, loss| crate::train::progress(rank, &bar, loss))
+        .with_context(|| format!("rank {rank}"))?;
+    p.finish("train", Duration::from_secs(300))?;
+    Ok(if rank == 0 { vec![report] } else { Vec::new() })
+}
+
+/// `chorus train --backend ucx`: this process's rank over UCX (`process`:
+/// the job, when the caller has joined it already; the store is joined once).
+#[cfg(all(feature = "sim", feature = "ucx"))]
+pub fn train_ucx<J: crate::train::RankJob>(
+    process: Option<RankProcess>,
+    world: usize,
+    job: &J,
+    bar: Option<indicatif::ProgressBar>,
+) -> anyhow::Result<Vec<J::Report>> {
+    use chorus_collectives::ucx::UcxComm;
+    use chorus_devices::cpu::{CpuConfig, CpuDevice};
+    let p = match process {
+        Some(p) => p,
+        None => RankProcess::require("ucx")?,
+    };
+    p.check_world_size(world)?;
+    let timeout = RankProcess::ucx_timeout(Duration::from_secs(300));
+    // SAFETY: as for the sim backend's training (cli/src/train.rs): FSDP
+    // orders every cross-stream access with events, which the conformance
+    // suite checks with the sanitizer on.
+    let config = unsafe {
+        CpuConfig::default()
+            .with_ordinal(p.env.rank)
+            .with_timeout(timeout * 2 + Duration::from_secs(10))
+            .without_sanitizer()
+    };
+    let ucx = p.ucx_config("train/ucx", timeout);
+    let comm = UcxComm::init(p.store(), p.env.rank, p.env.world_size, CpuDevice::new(config), ucx)?;
+    train_rank(&p, comm, job, bar)
+}
+
+/// `chorus train --backend nccl|rccl` under a launcher: this process's rank,
+/// its GPU picked by `LOCAL_RANK`, the unique id through the job's store.
+#[cfg(feature = "sim")]
+pub fn train_vendor<L, J: crate::train::RankJob>(
+    p: RankProcess,
+    world: usize,
+    job: &J,
+    bar: Option<indicatif::ProgressBar>,
+) -> anyhow::Result<Vec<J::Report>>
+where
+    L: chorus_collectives::vendor::VendorLib,
+    L::B: chorus_conformance::vendor::HarnessDevice + chorus_devices::ComputeBackend,
+    chorus_fsdp::Fsdp<chorus_collectives::vendor::VendorComm<L>>: Send,
+{
+    use chorus_collectives::vendor::{VendorComm, VendorConfig};
+    use chorus_conformance::vendor::HarnessDevice;
+    p.check_world_size(world)?;
+    let device = L::B::make(p.env.local_rank, Duration::from_secs(300))?;
+    let config = VendorConfig { store_key: format!("{}/unique_id", p.prefix("train/nccl")), ..VendorConfig::default() };
+    let comm = VendorComm::<L>::init(&*p.store(), p.env.rank, p.env.world_size, device, config)?;
+    train_rank(&p, comm, job, bar)
+}

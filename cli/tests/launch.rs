@@ -1,0 +1,361 @@
+//! `chorus launch` end to end: the real binary starting real processes.
+//! Every test is bounded (a launcher still running after its limit is
+//! killed and the test fails).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn chorus() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_chorus"))
+}
+
+/// Waits for `child` at most `limit`, then kills it and fails.
+fn wait_bounded(mut child: Child, limit: Duration) -> Output {
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!("still running after {limit:?}; stderr: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn launch(args: &[&str], limit: Duration) -> Output {
+    let child = chorus().arg("launch").args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    wait_bounded(child, limit)
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// A fresh directory for pid files.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("chorus-launch-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Whether a process runs (a zombie does not: it has exited).
+fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')),
+        Err(_) => false,
+    }
+}
+
+/// The pids the ranks wrote, once all `n` files exist (bounded).
+fn pids(dir: &Path, n: usize) -> Vec<u32> {
+    let start = Instant::now();
+    loop {
+        let found: Vec<u32> = (0..n)
+            .filter_map(|r| std::fs::read_to_string(dir.join(format!("pid.{r}"))).ok()?.trim().parse().ok())
+            .collect();
+        if found.len() == n {
+            return found;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "ranks did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn assert_all_dead(pids: &[u32]) {
+    let start = Instant::now();
+    while pids.iter().any(|&p| alive(p)) {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "left running: {:?}",
+            pids.iter().filter(|&&p| alive(p)).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn every_line_of_every_rank_is_prefixed_and_ranks_get_torchruns_variables() {
+    let script = "echo \"vars $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $TORCHELASTIC_USE_AGENT_STORE $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_RUN_ID\"; echo second line; echo to stderr >&2; printf 'no newline'";
+    let out = launch(&["--nproc-per-node", "3", "--run-id", "job1", "--", "sh", "-c", script], Duration::from_secs(30));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    for r in 0..3 {
+        assert!(stdout.contains(&format!("[rank {r}] vars {r} 3 {r} 3 0 True 0 job1\n")), "{stdout}");
+        assert!(stdout.contains(&format!("[rank {r}] second line\n")), "{stdout}");
+        assert!(stdout.contains(&format!("[rank {r}] no newline\n")), "{stdout}");
+        assert!(text(&out.stderr).contains(&format!("[rank {r}] to stderr\n")), "{}", text(&out.stderr));
+    }
+    assert_eq!(stdout.lines().count(), 9, "{stdout}");
+    // MASTER_ADDR:MASTER_PORT is the store the launcher hosts.
+    let out =
+        launch(&["--nproc-per-node", "1", "--", "sh", "-c", "echo $MASTER_ADDR $MASTER_PORT"], Duration::from_secs(30));
+    let line = text(&out.stdout);
+    let port: u16 = line.trim().rsplit(' ').next().unwrap().parse().unwrap();
+    assert!(line.starts_with("[rank 0] 127.0.0.1 ") && port != 0, "{line}");
+}
+
+#[test]
+fn a_rank_exiting_non_zero_stops_the_others_and_is_named() {
+    let dir = scratch("exit3");
+    let script = format!(
+        "echo $$ > {}/pid.$RANK; if [ \"$RANK\" = 1 ]; then sleep 0.3; exit 3; fi; exec sleep 60",
+        dir.display()
+    );
+    let start = Instant::now();
+    let child = chorus()
+        .args(["launch", "--nproc-per-node", "3", "--grace", "2", "--", "sh", "-c", &script])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = wait_bounded(child, Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(1));
+    assert!(start.elapsed() < Duration::from_secs(15));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("failed: rank 1 (node 0, local rank 1") && stderr.contains("exited with code 3"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("rank 0 (local rank 0") && stderr.contains("stopped by the launcher"), "{stderr}");
+    assert_all_dead(&pids(&dir, 3));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_rank_killed_by_a_signal_is_named() {
+    let script = "if [ \"$RANK\" = 0 ]; then kill -KILL $$; fi; exec sleep 60";
+    let out = launch(&["--nproc-per-node", "2", "--grace", "2", "--", "sh", "-c", script], Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("failed: rank 0") && stderr.contains("was killed by signal 9 (SIGKILL)"), "{stderr}");
+}
+
+#[test]
+fn sigterm_to_the_launcher_stops_every_rank() {
+    let dir = scratch("sigterm");
+    // The ranks ignore SIGTERM, so the launcher must escalate to SIGKILL.
+    let script = format!("trap '' TERM; echo $$ > {}/pid.$RANK; while true; do sleep 0.05; done", dir.display());
+    let child = chorus()
+        .args(["launch", "--nproc-per-node", "2", "--grace", "0.5", "--", "sh", "-c", &script])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pids = pids(&dir, 2);
+    // SAFETY: kill(2) on the launcher's pid.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let out = wait_bounded(child, Duration::from_secs(20));
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("received SIGTERM"), "{}", text(&out.stderr));
+    assert_all_dead(&pids);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_killed_launcher_takes_its_ranks_with_it() {
+    let dir = scratch("sigkill");
+    let script = format!("echo $$ > {}/pid.$RANK; exec sleep 60", dir.display());
+    let mut child = chorus()
+        .args(["launch", "--nproc-per-node", "2", "--", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pids = pids(&dir, 2);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_all_dead(&pids);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_arguments_exit_2_before_anything_starts() {
+    let dir = scratch("usage");
+    let marker = format!("touch {}/started", dir.display());
+    for args in [
+        vec!["--nproc-per-node", "0", "--", "sh", "-c", &marker],
+        vec!["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "2", "--", "sh", "-c", &marker],
+        vec!["--nproc-per-node", "1", "--nnodes", "2", "--master-port", "0", "--", "sh", "-c", &marker],
+        vec!["--nproc-per-node", "1", "--timeout", "-1", "--", "sh", "-c", &marker],
+        vec!["--nproc-per-node", "1", "--", "/no/such/program"],
+        vec!["--nproc-per-node", "1"],
+        vec!["--nproc-per-node", "two", "--", "true"],
+    ] {
+        let out = launch(&args, Duration::from_secs(10));
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out.stderr));
+    }
+    assert!(!dir.join("started").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn two_nodes_on_one_host_form_one_job() {
+    let port = free_port().to_string();
+    let node = |rank: &str| {
+        chorus()
+            .args([
+                "launch",
+                "--nproc-per-node",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                rank,
+                "--master-port",
+                &port,
+                "--timeout",
+                "20",
+                "--",
+                "sh",
+                "-c",
+                "echo rank $RANK of $WORLD_SIZE on node $GROUP_RANK",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (n0, n1) = (node("0"), node("1"));
+    let (o0, o1) = (wait_bounded(n0, Duration::from_secs(30)), wait_bounded(n1, Duration::from_secs(30)));
+    assert!(o0.status.success() && o1.status.success(), "{} {}", text(&o0.stderr), text(&o1.stderr));
+    let (s0, s1) = (text(&o0.stdout), text(&o1.stdout));
+    assert!(s0.contains("[rank 0] rank 0 of 4 on node 0") && s0.contains("[rank 1] rank 1 of 4 on node 0"), "{s0}");
+    assert!(s1.contains("[rank 2] rank 2 of 4 on node 1") && s1.contains("[rank 3] rank 3 of 4 on node 1"), "{s1}");
+}
+
+#[test]
+fn a_failure_on_one_node_stops_the_other_node() {
+    let port = free_port().to_string();
+    let script = "if [ \"$RANK\" = 3 ]; then sleep 0.5; exit 7; fi; exec sleep 60";
+    let node = |rank: &str| {
+        chorus()
+            .args([
+                "launch",
+                "--nproc-per-node",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                rank,
+                "--master-port",
+                &port,
+                "--grace",
+                "1",
+                "--timeout",
+                "20",
+                "--",
+                "sh",
+                "-c",
+                script,
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (n0, n1) = (node("0"), node("1"));
+    let (o0, o1) = (wait_bounded(n0, Duration::from_secs(30)), wait_bounded(n1, Duration::from_secs(30)));
+    assert_eq!((o0.status.code(), o1.status.code()), (Some(1), Some(1)));
+    assert!(
+        text(&o0.stderr).contains("rank 3 (node 1, local rank 1") && text(&o0.stderr).contains("exited with code 7"),
+        "{}",
+        text(&o0.stderr)
+    );
+}
+
+#[test]
+fn nodes_that_disagree_on_the_rank_count_start_nothing() {
+    let port = free_port().to_string();
+    let node = |rank: &str, nproc: &str| {
+        chorus()
+            .args([
+                "launch",
+                "--nproc-per-node",
+                nproc,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                rank,
+                "--master-port",
+                &port,
+                "--timeout",
+                "20",
+                "--",
+                "echo",
+                "started",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (n0, n1) = (node("0", "2"), node("1", "3"));
+    let (o0, o1) = (wait_bounded(n0, Duration::from_secs(30)), wait_bounded(n1, Duration::from_secs(30)));
+    assert_eq!((o0.status.code(), o1.status.code()), (Some(1), Some(1)));
+    assert!(text(&o0.stderr).contains("same --nproc-per-node"), "{}", text(&o0.stderr));
+    assert!(!text(&o0.stdout).contains("started") && !text(&o1.stdout).contains("started"));
+}
+
+#[test]
+fn an_unreachable_node_zero_is_an_error_after_the_timeout() {
+    let port = free_port().to_string();
+    let out = launch(
+        &[
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-port",
+            &port,
+            "--timeout",
+            "0.5",
+            "--",
+            "echo",
+            "started",
+        ],
+        Duration::from_secs(20),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains(&format!("127.0.0.1:{port}")) && stderr.contains("unreachable"), "{stderr}");
+}
+
+/// PyTorch ranks under `chorus launch`: they join the launcher's store as
+/// torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) and all-reduce
+/// with gloo. Skipped, with the reason, where `import torch` fails.
+#[test]
+fn pytorch_ranks_rendezvous_through_the_launchers_store() {
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_torch = Command::new(&python)
+        .args(["-c", "import torch.distributed"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_torch {
+        eprintln!(
+            "SKIPPED pytorch_ranks_rendezvous_through_the_launchers_store: `{python} -c \"import torch\"` failed"
+        );
+        return;
+    }
+    let program = "import torch, torch.distributed as dist\n\
+                   dist.init_process_group('gloo')\n\
+                   t = torch.tensor([float(dist.get_rank() + 1)])\n\
+                   dist.all_reduce(t)\n\
+                   print('sum', int(t.item()), 'world', dist.get_world_size(), flush=True)\n\
+                   dist.destroy_process_group()";
+    let out =
+        launch(&["--nproc-per-node", "2", "--timeout", "60", "--", &python, "-c", program], Duration::from_secs(120));
+    assert!(out.status.success(), "{}\n{}", text(&out.stdout), text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("[rank 0] sum 3 world 2") && stdout.contains("[rank 1] sum 3 world 2"), "{stdout}");
+}

@@ -1,0 +1,696 @@
+//! The collectives as sequences of tagged sends and receives, run by one
+//! rank on its stream's executor thread.
+//!
+//! - **Small** calls (every rank's buffer at most [`UcxConfig::small_bytes`](super::UcxConfig))
+//!   take one round of direct messages: all-reduce sends every rank's vector
+//!   to every other rank, reduce-scatter sends chunk `j` to rank `j`,
+//!   all-gather and broadcast send the input to every rank, reduce sends to
+//!   the root; the receiver reduces **in rank order** 0..n−1 — the sim
+//!   backend's order, so the results are bitwise the sim's.
+//! - **Large** calls take the bandwidth-optimal ring: reduce-scatter in
+//!   n−1 steps (chunk `j` is reduced starting at rank j+1 and going round
+//!   to rank j, each rank adding its own input), all-gather in n−1 steps,
+//!   all-reduce as both (chunks of `count/n`), reduce as the ring
+//!   reduce-scatter and a gather to the root; broadcast is a pipelined chain
+//!   from the root in segments. The ring's order is fixed, so every rank
+//!   gets bitwise the same result, run after run, but float results can
+//!   differ from the rank-order ones in the last bits.
+//! - all-to-all is pairwise (round `k` sends to `rank + k` and receives
+//!   from `rank − k`); a barrier is a dissemination barrier (⌈log2 n⌉
+//!   rounds of empty messages).
+//!
+//! Every collective opens with a **hello**: each rank sends the call's
+//! sequence number and fingerprint to the next rank and compares the one it
+//! receives from the previous rank with its own before any data moves. If
+//! every rank agrees with its neighbour, all agree; a rank that sees a
+//! difference fails with `Mismatch` naming both calls, and reports it to
+//! every rank of the job, so all fail with it instead of hanging.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chorus_devices::cpu::RawRange;
+use chorus_devices::DType;
+
+use super::engine::{Completion, Region, Scratch};
+use super::wire::{tag, Kind};
+use super::{result, Core};
+use crate::arith::{combine, finish, partial_op, start, with_dtype};
+use crate::backend::OpKind;
+use crate::{CommError, ReduceOp, Result};
+
+/// How long a waiter sleeps between checks of the job's abort flag.
+const SLICE: Duration = Duration::from_millis(10);
+
+/// Segment of the pipelined broadcast chain.
+const SEGMENT: usize = 1 << 20;
+
+/// A call with its buffers resolved to raw memory.
+pub(crate) struct Prepared {
+    pub(crate) seq: u64,
+    pub(crate) fingerprint: String,
+    pub(crate) op: OpKind,
+    pub(crate) dtype: DType,
+    /// Elements per rank (the fingerprint's count).
+    pub(crate) count: usize,
+    pub(crate) reduce: ReduceOp,
+    /// Root of broadcast/reduce, peer of send/recv (communicator ranks).
+    pub(crate) root: usize,
+    pub(crate) send: Option<RawRange>,
+    pub(crate) recv: Option<RawRange>,
+    /// The position of a send or receive among this pair's.
+    pub(crate) p2p_no: u64,
+}
+
+/// One request in flight, and what it was for (for error messages).
+struct Req {
+    done: Arc<Completion>,
+    peer: usize,
+    /// A receive: the bytes it must get.
+    expect: Option<usize>,
+}
+
+/// One call being run by one rank.
+pub(crate) struct Exec<'a> {
+    core: &'a Core,
+    seq: u64,
+    op: &'static str,
+}
+
+fn missing(what: &str) -> CommError {
+    CommError::invalid("ucx", format!("the call has no {what} buffer"))
+}
+
+/// The `i`-th of `n` balanced shares of `0..len`.
+pub(crate) fn share(len: usize, n: usize, i: usize) -> (usize, usize) {
+    let base = len / n;
+    let extra = len % n;
+    let lo = i * base + i.min(extra);
+    (lo, lo + base + usize::from(i < extra))
+}
+
+/// Elements as typed slices of raw memory.
+///
+/// # Safety
+/// `ptr` is valid and aligned for `len` elements of `T`, and nothing else
+/// accesses them while the slice lives.
+unsafe fn slice_mut<'s, T>(ptr: *mut u8, len: usize) -> &'s mut [T] {
+    // SAFETY: per the caller.
+    unsafe { std::slice::from_raw_parts_mut(ptr as *mut T, len) }
+}
+
+/// # Safety
+/// As [`slice_mut`], with readers only.
+unsafe fn slice<'s, T>(ptr: *const u8, len: usize) -> &'s [T] {
+    // SAFETY: per the caller.
+    unsafe { std::slice::from_raw_parts(ptr as *const T, len) }
+}
+
+fn scalar_of(op: ReduceOp) -> f64 {
+    match op {
+        ReduceOp::PreMulSum(s) => s,
+        _ => 1.0,
+    }
+}
+
+/// `acc = own contribution` (`x`, scaled for a pre-multiplied sum).
+fn start_raw(dtype: DType, acc: *mut u8, x: *const u8, len: usize, op: ReduceOp) {
+    // SAFETY: callers pass disjoint, live, aligned ranges of `len` elements.
+    with_dtype!(dtype, T => unsafe { start::<T>(slice_mut(acc, len), slice(x, len), op, scalar_of(op)) });
+}
+
+/// `acc = acc ⊕ x` where `x` is this rank's own input.
+fn combine_own(dtype: DType, acc: *mut u8, x: *const u8, len: usize, op: ReduceOp) {
+    // SAFETY: as in `start_raw`.
+    with_dtype!(dtype, T => unsafe { combine::<T>(slice_mut(acc, len), slice(x, len), op, scalar_of(op)) });
+}
+
+/// `acc = acc ⊕ partial` where `partial` is already scaled.
+fn combine_partial(dtype: DType, acc: *mut u8, partial: *const u8, len: usize, op: ReduceOp) {
+    // SAFETY: as in `start_raw`.
+    with_dtype!(dtype, T => unsafe { combine::<T>(slice_mut(acc, len), slice(partial, len), partial_op(op), 1.0) });
+}
+
+fn finish_raw(dtype: DType, acc: *mut u8, len: usize, op: ReduceOp, n: usize) {
+    // SAFETY: as in `start_raw`.
+    with_dtype!(dtype, T => unsafe { finish::<T>(slice_mut(acc, len), op, n) });
+}
+
+fn copy_raw(src: *const u8, dst: *mut u8, bytes: usize) {
+    if bytes == 0 || std::ptr::eq(src, dst) {
+        return;
+    }
+    // SAFETY: callers pass live ranges of `bytes` that are equal or disjoint.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, bytes) }
+}
+
+impl<'a> Exec<'a> {
+    pub(crate) fn new(core: &'a Core, seq: u64, op: &'static str) -> Exec<'a> {
+        Exec { core, seq, op }
+    }
+
+    fn n(&self) -> usize {
+        self.core.size
+    }
+    fn me(&self) -> usize {
+        self.core.rank
+    }
+
+    fn send(&self, peer: usize, kind: Kind, region: Region) -> Result<Req> {
+        let world_peer = self.core.world_rank(peer)?;
+        let t = tag(kind, self.core.id, self.seq, self.core.world_rank(self.me())?);
+        Ok(Req { done: self.core.job.engine.send(world_peer, t, region)?, peer, expect: None })
+    }
+
+    fn recv(&self, peer: usize, kind: Kind, region: Region) -> Result<Req> {
+        let t = tag(kind, self.core.id, self.seq, self.core.world_rank(peer)?);
+        let expect = Some(region.len());
+        Ok(Req { done: self.core.job.engine.recv(t, u64::MAX, region)?, peer, expect })
+    }
+
+    /// A receive whose length may be shorter than the region (a small message).
+    fn recv_upto(&self, peer: usize, kind: Kind, region: Region) -> Result<Req> {
+        let mut r = self.recv(peer, kind, region)?;
+        r.expect = None;
+        Ok(r)
+    }
+
+    /// Waits for every request. A request that ends in error, the job's
+    /// abort, or no request ending for a whole deadline fails the call; the
+    /// requests still pending are then cancelled (their memory stays alive
+    /// until UCX lets go of it).
+    fn wait(&self, mut reqs: Vec<Req>) -> Result<Vec<usize>> {
+        let mut lens = vec![0; reqs.len()];
+        let mut pending: Vec<usize> = (0..reqs.len()).collect();
+        let timeout = self.core.job.timeout;
+        let mut deadline = Instant::now() + timeout;
+        let fail = |reqs: &mut Vec<Req>, e: CommError| {
+            for r in reqs.iter() {
+                self.core.job.engine.cancel(&r.done);
+            }
+            Err(e)
+        };
+        while let Some(&i) = pending.first() {
+            match reqs[i].done.wait_for(SLICE) {
+                Some(Ok(len)) => {
+                    if let Some(expect) = reqs[i].expect {
+                        if len != expect {
+                            let e = CommError::Mismatch {
+                                seq: self.seq,
+                                details: format!(
+                                    "{} #{}: rank {} sent {len} bytes where rank {} expected {expect}",
+                                    self.op,
+                                    self.seq,
+                                    reqs[i].peer,
+                                    self.me()
+                                ),
+                            };
+                            return fail(&mut reqs, e);
+                        }
+                    }
+                    lens[i] = len;
+                    pending.remove(0);
+                    deadline = Instant::now() + timeout;
+                }
+                Some(Err(status)) => {
+                    let e = self.core.job.abort_error().unwrap_or_else(|| {
+                        if status == ucx_rs::sys::ucs_status_t_UCS_ERR_MESSAGE_TRUNCATED {
+                            CommError::Mismatch {
+                                seq: self.seq,
+                                details: format!(
+                                    "{} #{}: rank {} sent more bytes than rank {} expected",
+                                    self.op,
+                                    self.seq,
+                                    reqs[i].peer,
+                                    self.me()
+                                ),
+                            }
+                        } else {
+                            result::error(status, &format!("{} #{} with rank {}", self.op, self.seq, reqs[i].peer))
+                        }
+                    });
+                    return fail(&mut reqs, e);
+                }
+                None => {
+                    if let Some(e) = self.core.job.abort_error() {
+                        return fail(&mut reqs, e);
+                    }
+                    if Instant::now() >= deadline {
+                        let e = CommError::Timeout {
+                            op: format!("{} (rank {} waiting for rank {})", self.op, self.me(), reqs[i].peer),
+                            seq: self.seq,
+                            waited: timeout,
+                            missing: vec![],
+                        };
+                        return fail(&mut reqs, e);
+                    }
+                }
+            }
+        }
+        Ok(lens)
+    }
+
+    /// The opening exchange: compares the previous rank's call with this one's.
+    pub(crate) fn hello(&self, fingerprint: &str) -> Result<()> {
+        let n = self.n();
+        if n == 1 {
+            return Ok(());
+        }
+        let (me, next, prev) = (self.me(), (self.me() + 1) % n, (self.me() + n - 1) % n);
+        let mine = format!("#{} {fingerprint}", self.seq);
+        let inbox = Scratch::new(512);
+        let reqs = vec![
+            self.recv_upto(prev, Kind::Hello, Region::scratch(&inbox, 0, 512)?)?,
+            self.send(next, Kind::Hello, Region::bytes(mine.clone().into_bytes()))?,
+        ];
+        let lens = self.wait(reqs)?;
+        // SAFETY: the receive has completed; nothing else writes the inbox.
+        let theirs = String::from_utf8_lossy(unsafe { slice::<u8>(inbox.ptr(), lens[0].min(512)) }).into_owned();
+        if theirs != mine {
+            return Err(CommError::Mismatch {
+                seq: self.seq,
+                details: format!("rank {prev} called {theirs}; rank {me} called {mine}"),
+            });
+        }
+        Ok(())
+    }
+
+    fn small(&self, bytes: usize) -> bool {
+        bytes <= self.core.job.config.small_bytes
+    }
+
+    pub(crate) fn run(&self, c: &Prepared) -> Result<()> {
+        self.hello(&c.fingerprint)?;
+        let es = c.dtype.size();
+        match c.op {
+            OpKind::AllReduce => {
+                let (send, recv) =
+                    (c.send.as_ref().ok_or_else(|| missing("send"))?, c.recv.as_ref().ok_or_else(|| missing("recv"))?);
+                if self.small(c.count * es) {
+                    self.all_reduce_direct(c, send, recv)
+                } else {
+                    self.all_reduce_ring(c, send, recv)
+                }
+            }
+            OpKind::ReduceScatter => {
+                let (send, recv) =
+                    (c.send.as_ref().ok_or_else(|| missing("send"))?, c.recv.as_ref().ok_or_else(|| missing("recv"))?);
+                let chunks: Vec<(usize, usize)> = (0..self.n()).map(|j| (j * c.count, (j + 1) * c.count)).collect();
+                if self.small(c.count * self.n() * es) {
+                    self.reduce_scatter_direct(c, send, recv)
+                } else {
+                    let out = self.core.scratch(c.count * es);
+                    self.ring_reduce_scatter(c, send, &chunks, &out)?;
+                    copy_raw(out.ptr(), recv.ptr(), c.count * es);
+                    self.core.give_back(out);
+                    Ok(())
+                }
+            }
+            OpKind::AllGather => {
+                let (send, recv) =
+                    (c.send.as_ref().ok_or_else(|| missing("send"))?, c.recv.as_ref().ok_or_else(|| missing("recv"))?);
+                let chunks: Vec<(usize, usize)> = (0..self.n()).map(|j| (j * c.count, (j + 1) * c.count)).collect();
+                let own = chunks[self.me()];
+                copy_raw(send.ptr(), Region::user(recv, own.0 * es, (own.1 - own.0) * es)?.ptr(), (own.1 - own.0) * es);
+                if self.small(c.count * self.n() * es) {
+                    self.all_gather_direct(c, recv, &chunks)
+                } else {
+                    self.ring_all_gather(c, recv, &chunks)
+                }
+            }
+            OpKind::Broadcast => {
+                let recv = c.recv.as_ref().ok_or_else(|| missing("recv"))?;
+                if self.me() == c.root {
+                    let send = c.send.as_ref().ok_or_else(|| missing("send"))?;
+                    copy_raw(send.ptr(), recv.ptr(), c.count * es);
+                }
+                if self.small(c.count * es) {
+                    self.broadcast_direct(c, recv)
+                } else {
+                    self.broadcast_chain(c, recv)
+                }
+            }
+            OpKind::Reduce => {
+                let send = c.send.as_ref().ok_or_else(|| missing("send"))?;
+                if self.small(c.count * es) {
+                    self.reduce_direct(c, send)
+                } else {
+                    self.reduce_ring(c, send)
+                }
+            }
+            OpKind::AllToAll => {
+                let (send, recv) =
+                    (c.send.as_ref().ok_or_else(|| missing("send"))?, c.recv.as_ref().ok_or_else(|| missing("recv"))?);
+                self.all_to_all_pairwise(c, send, recv)
+            }
+            OpKind::Barrier => self.barrier(),
+            OpKind::Send | OpKind::Recv => Err(CommError::invalid("ucx", "a send or receive run as a collective")),
+        }
+    }
+
+    /// This rank's contribution, scaled for a pre-multiplied sum, in scratch.
+    fn own_contribution(&self, c: &Prepared, send: &RawRange, offset: usize, len: usize) -> Arc<Scratch> {
+        let es = c.dtype.size();
+        let s = self.core.scratch(len * es);
+        // SAFETY (inside): offset + len is within the validated send buffer.
+        start_raw(c.dtype, s.ptr(), unsafe { send.ptr().add(offset * es) }, len, c.reduce);
+        s
+    }
+
+    /// Every rank's (scaled) vector to every rank; each reduces in rank order.
+    fn all_reduce_direct(&self, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
+        let (n, me, es, len) = (self.n(), self.me(), c.dtype.size(), c.count);
+        let bytes = len * es;
+        let own = self.own_contribution(c, send, 0, len);
+        let slots = self.core.scratch(n * bytes);
+        let mut reqs = Vec::new();
+        for k in 1..n {
+            let (to, from) = ((me + k) % n, (me + n - k) % n);
+            reqs.push(self.recv(from, Kind::Data, Region::scratch(&slots, from * bytes, bytes)?)?);
+            reqs.push(self.send(to, Kind::Data, Region::scratch(&own, 0, bytes)?)?);
+        }
+        self.wait(reqs)?;
+        copy_raw(own.ptr(), Region::scratch(&slots, me * bytes, bytes)?.ptr(), bytes);
+        self.reduce_slots(c, &slots, n, bytes, recv.ptr());
+        self.core.give_back(own);
+        self.core.give_back(slots);
+        Ok(())
+    }
+
+    /// Reduces `n` scaled vectors of `bytes` in rank order into `out`.
+    fn reduce_slots(&self, c: &Prepared, slots: &Scratch, n: usize, bytes: usize, out: *mut u8) {
+        let len = bytes / c.dtype.size().max(1);
+        let acc = slots.ptr();
+        for j in 1..n {
+            // SAFETY: slot j is inside the scratch (n × bytes).
+            combine_partial(c.dtype, acc, unsafe { slots.ptr().add(j * bytes) }, len, c.reduce);
+        }
+        finish_raw(c.dtype, acc, len, c.reduce, n);
+        copy_raw(acc, out, bytes);
+    }
+
+    /// Chunk `j` (scaled) to rank `j`; each reduces its chunk in rank order.
+    fn reduce_scatter_direct(&self, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
+        let (n, me, es, len) = (self.n(), self.me(), c.dtype.size(), c.count);
+        let bytes = len * es;
+        let own = self.own_contribution(c, send, 0, n * len);
+        let slots = self.core.scratch(n * bytes);
+        let mut reqs = Vec::new();
+        for k in 1..n {
+            let (to, from) = ((me + k) % n, (me + n - k) % n);
+            reqs.push(self.recv(from, Kind::Data, Region::scratch(&slots, from * bytes, bytes)?)?);
+            reqs.push(self.send(to, Kind::Data, Region::scratch(&own, to * bytes, bytes)?)?);
+        }
+        self.wait(reqs)?;
+        copy_raw(
+            Region::scratch(&own, me * bytes, bytes)?.ptr(),
+            Region::scratch(&slots, me * bytes, bytes)?.ptr(),
+            bytes,
+        );
+        self.reduce_slots(c, &slots, n, bytes, recv.ptr());
+        self.core.give_back(own);
+        self.core.give_back(slots);
+        Ok(())
+    }
+
+    /// The ring reduce-scatter over `chunks` (element ranges of the input):
+    /// the fully reduced chunk `rank` lands in `out`.
+    fn ring_reduce_scatter(
+        &self,
+        c: &Prepared,
+        send: &RawRange,
+        chunks: &[(usize, usize)],
+        out: &Arc<Scratch>,
+    ) -> Result<()> {
+        let (n, me, es) = (self.n(), self.me(), c.dtype.size());
+        let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+        let len_of = |j: usize| chunks[j].1 - chunks[j].0;
+        let own_ptr = |j: usize| unsafe { send.ptr().add(chunks[j].0 * es) } as *const u8;
+        if n == 1 {
+            start_raw(c.dtype, out.ptr(), own_ptr(0), len_of(0), c.reduce);
+            finish_raw(c.dtype, out.ptr(), len_of(0), c.reduce, 1);
+            return Ok(());
+        }
+        let cmax = chunks.iter().map(|(lo, hi)| hi - lo).max().unwrap_or(0) * es;
+        let bufs = [self.core.scratch(cmax), self.core.scratch(cmax)];
+        // Step 0 sends this rank's own chunk `me − 1` (scaled: from scratch).
+        let first = (me + n - 1) % n;
+        let mut outgoing = if matches!(c.reduce, ReduceOp::PreMulSum(_)) {
+            let s = self.own_contribution(c, send, chunks[first].0, len_of(first));
+            Region::scratch(&s, 0, len_of(first) * es)?
+        } else {
+            Region::user(send, chunks[first].0 * es, len_of(first) * es)?
+        };
+        for k in 0..n - 1 {
+            let incoming = (me + 2 * n - 2 - k) % n;
+            let buf = &bufs[k % 2];
+            let bytes = len_of(incoming) * es;
+            let reqs = vec![
+                self.recv(prev, Kind::Data, Region::scratch(buf, 0, bytes)?)?,
+                self.send(next, Kind::Data, outgoing)?,
+            ];
+            self.wait(reqs)?;
+            combine_own(c.dtype, buf.ptr(), own_ptr(incoming), len_of(incoming), c.reduce);
+            outgoing = Region::scratch(buf, 0, bytes)?;
+        }
+        let last = &bufs[(n - 2) % 2];
+        finish_raw(c.dtype, last.ptr(), len_of(me), c.reduce, n);
+        copy_raw(last.ptr(), out.ptr(), len_of(me) * es);
+        drop(outgoing);
+        let [a, b] = bufs;
+        self.core.give_back(a);
+        self.core.give_back(b);
+        Ok(())
+    }
+
+    /// The ring all-gather in place over `chunks` of `recv` (chunk `rank` already there).
+    fn ring_all_gather(&self, c: &Prepared, recv: &RawRange, chunks: &[(usize, usize)]) -> Result<()> {
+        let (n, me, es) = (self.n(), self.me(), c.dtype.size());
+        let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+        let region = |j: usize| Region::user(recv, chunks[j].0 * es, (chunks[j].1 - chunks[j].0) * es);
+        for k in 0..n.saturating_sub(1) {
+            let (out, inc) = ((me + n - k) % n, (me + 2 * n - k - 1) % n);
+            let reqs = vec![self.recv(prev, Kind::Data, region(inc)?)?, self.send(next, Kind::Data, region(out)?)?];
+            self.wait(reqs)?;
+        }
+        Ok(())
+    }
+
+    fn all_gather_direct(&self, c: &Prepared, recv: &RawRange, chunks: &[(usize, usize)]) -> Result<()> {
+        let (n, me, es) = (self.n(), self.me(), c.dtype.size());
+        let region = |j: usize| Region::user(recv, chunks[j].0 * es, (chunks[j].1 - chunks[j].0) * es);
+        let mut reqs = Vec::new();
+        for k in 1..n {
+            let (to, from) = ((me + k) % n, (me + n - k) % n);
+            reqs.push(self.recv(from, Kind::Data, region(from)?)?);
+            reqs.push(self.send(to, Kind::Data, region(me)?)?);
+        }
+        self.wait(reqs).map(|_| ())
+    }
+
+    fn all_reduce_ring(&self, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
+        let (n, me, es) = (self.n(), self.me(), c.dtype.size());
+        let chunks: Vec<(usize, usize)> = (0..n).map(|j| share(c.count, n, j)).collect();
+        let out = self.core.scratch((chunks[me].1 - chunks[me].0) * es);
+        self.ring_reduce_scatter(c, send, &chunks, &out)?;
+        // Every input chunk has been read (all steps waited): the in-place output can be written.
+        copy_raw(out.ptr(), Region::user(recv, chunks[me].0 * es, 0)?.ptr(), (chunks[me].1 - chunks[me].0) * es);
+        self.core.give_back(out);
+        self.ring_all_gather(c, recv, &chunks)
+    }
+
+    fn broadcast_direct(&self, c: &Prepared, recv: &RawRange) -> Result<()> {
+        let (n, me) = (self.n(), self.me());
+        let bytes = c.count * c.dtype.size();
+        let reqs = if me == c.root {
+            (1..n)
+                .map(|k| self.send((me + k) % n, Kind::Data, Region::user(recv, 0, bytes)?))
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            vec![self.recv(c.root, Kind::Data, Region::user(recv, 0, bytes)?)?]
+        };
+        self.wait(reqs).map(|_| ())
+    }
+
+    /// A chain from the root (root → root+1 → …), pipelined in segments:
+    /// each rank forwards a segment as soon as it has it.
+    fn broadcast_chain(&self, c: &Prepared, recv: &RawRange) -> Result<()> {
+        let (n, me) = (self.n(), self.me());
+        let bytes = c.count * c.dtype.size();
+        let pos = (me + n - c.root) % n;
+        let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+        let segments: Vec<(usize, usize)> =
+            (0..bytes.div_ceil(SEGMENT)).map(|i| (i * SEGMENT, ((i + 1) * SEGMENT).min(bytes))).collect();
+        let forward = pos + 1 < n;
+        if pos == 0 {
+            let reqs = segments
+                .iter()
+                .map(|(lo, hi)| self.send(next, Kind::Data, Region::user(recv, *lo, hi - lo)?))
+                .collect::<Result<Vec<_>>>()?;
+            return self.wait(reqs).map(|_| ());
+        }
+        let incoming = segments
+            .iter()
+            .map(|(lo, hi)| self.recv(prev, Kind::Data, Region::user(recv, *lo, hi - lo)?))
+            .collect::<Result<Vec<_>>>()?;
+        let mut sends = Vec::new();
+        for (r, (lo, hi)) in incoming.into_iter().zip(&segments) {
+            self.wait(vec![r])?;
+            if forward {
+                sends.push(self.send(next, Kind::Data, Region::user(recv, *lo, hi - lo)?)?);
+            }
+        }
+        self.wait(sends).map(|_| ())
+    }
+
+    fn reduce_direct(&self, c: &Prepared, send: &RawRange) -> Result<()> {
+        let (n, me, es, len) = (self.n(), self.me(), c.dtype.size(), c.count);
+        let bytes = len * es;
+        let own = self.own_contribution(c, send, 0, len);
+        if me != c.root {
+            self.wait(vec![self.send(c.root, Kind::Data, Region::scratch(&own, 0, bytes)?)?])?;
+            self.core.give_back(own);
+            return Ok(());
+        }
+        let recv = c.recv.as_ref().ok_or_else(|| missing("recv"))?;
+        let slots = self.core.scratch(n * bytes);
+        let reqs = (0..n)
+            .filter(|j| *j != me)
+            .map(|j| self.recv(j, Kind::Data, Region::scratch(&slots, j * bytes, bytes)?))
+            .collect::<Result<Vec<_>>>()?;
+        self.wait(reqs)?;
+        copy_raw(own.ptr(), Region::scratch(&slots, me * bytes, bytes)?.ptr(), bytes);
+        self.reduce_slots(c, &slots, n, bytes, recv.ptr());
+        self.core.give_back(own);
+        self.core.give_back(slots);
+        Ok(())
+    }
+
+    /// The ring reduce-scatter, then every rank sends its reduced chunk to the root.
+    fn reduce_ring(&self, c: &Prepared, send: &RawRange) -> Result<()> {
+        let (n, me, es) = (self.n(), self.me(), c.dtype.size());
+        let chunks: Vec<(usize, usize)> = (0..n).map(|j| share(c.count, n, j)).collect();
+        let mine = (chunks[me].1 - chunks[me].0) * es;
+        let out = self.core.scratch(mine);
+        self.ring_reduce_scatter(c, send, &chunks, &out)?;
+        if me != c.root {
+            self.wait(vec![self.send(c.root, Kind::Data, Region::scratch(&out, 0, mine)?)?])?;
+            self.core.give_back(out);
+            return Ok(());
+        }
+        let recv = c.recv.as_ref().ok_or_else(|| missing("recv"))?;
+        let reqs = (0..n)
+            .filter(|j| *j != me)
+            .map(|j| self.recv(j, Kind::Data, Region::user(recv, chunks[j].0 * es, (chunks[j].1 - chunks[j].0) * es)?))
+            .collect::<Result<Vec<_>>>()?;
+        self.wait(reqs)?;
+        copy_raw(out.ptr(), Region::user(recv, chunks[me].0 * es, 0)?.ptr(), mine);
+        self.core.give_back(out);
+        Ok(())
+    }
+
+    fn all_to_all_pairwise(&self, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
+        let (n, me) = (self.n(), self.me());
+        let bytes = c.count / n * c.dtype.size();
+        copy_raw(Region::user(send, me * bytes, bytes)?.ptr(), Region::user(recv, me * bytes, bytes)?.ptr(), bytes);
+        for k in 1..n {
+            let (to, from) = ((me + k) % n, (me + n - k) % n);
+            let reqs = vec![
+                self.recv(from, Kind::Data, Region::user(recv, from * bytes, bytes)?)?,
+                self.send(to, Kind::Data, Region::user(send, to * bytes, bytes)?)?,
+            ];
+            self.wait(reqs)?;
+        }
+        Ok(())
+    }
+
+    /// Dissemination: round `k` sends to `rank + 2^k` and hears from `rank − 2^k`.
+    fn barrier(&self) -> Result<()> {
+        let (n, me) = (self.n(), self.me());
+        let mut d = 1;
+        while d < n {
+            let reqs = vec![
+                self.recv((me + n - d) % n, Kind::Data, Region::bytes(Vec::new()))?,
+                self.send((me + d) % n, Kind::Data, Region::bytes(Vec::new()))?,
+            ];
+            self.wait(reqs)?;
+            d *= 2;
+        }
+        Ok(())
+    }
+}
+
+/// A send's header as the receiver compares it.
+fn p2p_header(c: &Prepared) -> String {
+    format!("{} x {}", c.count, c.dtype)
+}
+
+/// A send of a group, posted before the group's other calls: its header
+/// and data are on their way; [`finish_send`] waits for the receiver's answer.
+pub(crate) struct PostedSend {
+    reqs: Vec<Req>,
+    ack: Arc<Scratch>,
+    seq: u64,
+    peer: usize,
+}
+
+pub(crate) fn post_send(core: &Core, c: &Prepared) -> Result<PostedSend> {
+    let x = Exec::new(core, c.p2p_no, "send");
+    let data = c.send.as_ref().ok_or_else(|| missing("send"))?;
+    let ack = Scratch::new(1024);
+    let reqs = vec![
+        x.send(c.root, Kind::P2pHeader, Region::bytes(p2p_header(c).into_bytes()))?,
+        x.send(c.root, Kind::P2pData, Region::user(data, 0, data.bytes())?)?,
+        x.recv_upto(c.root, Kind::P2pAck, Region::scratch(&ack, 0, 1024)?)?,
+    ];
+    Ok(PostedSend { reqs, ack, seq: c.p2p_no, peer: c.root })
+}
+
+pub(crate) fn finish_send(core: &Core, p: PostedSend) -> Result<()> {
+    let x = Exec::new(core, p.seq, "send");
+    let lens = x.wait(p.reqs)?;
+    // SAFETY: the ack receive has completed.
+    let answer = String::from_utf8_lossy(unsafe { slice::<u8>(p.ack.ptr(), lens[2].min(1024)) }).into_owned();
+    if answer == "ok" {
+        Ok(())
+    } else {
+        Err(CommError::Mismatch { seq: 0, details: format!("{answer} (send #{} to rank {})", p.seq, p.peer) })
+    }
+}
+
+pub(crate) fn receive(core: &Core, c: &Prepared) -> Result<()> {
+    let x = Exec::new(core, c.p2p_no, "recv");
+    let buf = c.recv.as_ref().ok_or_else(|| missing("recv"))?;
+    let header = Scratch::new(256);
+    let lens = x.wait(vec![x.recv_upto(c.root, Kind::P2pHeader, Region::scratch(&header, 0, 256)?)?])?;
+    // SAFETY: the header receive has completed.
+    let theirs = String::from_utf8_lossy(unsafe { slice::<u8>(header.ptr(), lens[0].min(256)) }).into_owned();
+    let mine = p2p_header(c);
+    if theirs != mine {
+        let details = format!("rank {} sent {theirs} to rank {}, which posted a recv of {mine}", c.root, core.rank);
+        x.wait(vec![x.send(c.root, Kind::P2pAck, Region::bytes(details.clone().into_bytes()))?])?;
+        return Err(CommError::Mismatch { seq: 0, details });
+    }
+    x.wait(vec![x.recv(c.root, Kind::P2pData, Region::user(buf, 0, buf.bytes())?)?])?;
+    x.wait(vec![x.send(c.root, Kind::P2pAck, Region::bytes(b"ok".to_vec()))?]).map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::share;
+
+    #[test]
+    fn shares_cover_the_range_once() {
+        for len in [0, 1, 7, 1023] {
+            for n in 1..=8 {
+                let mut next = 0;
+                for i in 0..n {
+                    let (lo, hi) = share(len, n, i);
+                    assert_eq!(lo, next);
+                    next = hi;
+                }
+                assert_eq!(next, len);
+            }
+        }
+    }
+}

@@ -1,0 +1,628 @@
+//! The `ucx` backend: ranks as processes (or hosts), one rank per process,
+//! over UCX's tagged messages, on cpu devices.
+//!
+//! How the contract maps onto UCX:
+//! - **One job, one UCP worker.** [`UcxComm::init`] starts a UCP context
+//!   and worker in this process, owned by a progress thread (`engine.rs`)
+//!   that sleeps on the worker's event fd when idle. Each rank publishes its
+//!   worker address (and the world size it was started with) in the
+//!   rendezvous [`Store`], reads every other rank's, and creates an
+//!   endpoint to each (itself included). Communicators split
+//!   from it share the worker and endpoints; each gets a 16-bit id from a
+//!   counter in the store.
+//! - **Stream-ordered.** A launch (one call, or a group) is one job on the
+//!   caller's cpu stream, declaring its reads and writes to the stream
+//!   sanitizer; the host returns at once. When the stream reaches it, the
+//!   job runs the algorithm (`algorithms.rs`) on the executor thread:
+//!   it hands sends and receives to the progress thread and waits for them.
+//! - **Tags** (`wire.rs`): kind, communicator id, sequence number and
+//!   sender; so concurrent calls on different streams (FSDP's all-gather
+//!   and reduce-scatter streams) never take each other's messages.
+//! - **Algorithms** (`algorithms.rs`): one round of direct messages for
+//!   small calls, reduced in rank order (bitwise the sim's results); rings
+//!   for large ones (deterministic, the same on every rank, not rank
+//!   order); pairwise all-to-all; dissemination barrier. The switch is
+//!   [`UcxConfig::small_bytes`] (per rank's buffer), measured in
+//!   `docs/benchmarks.md`.
+//! - **Mismatch.** Every collective opens with its sequence number and
+//!   fingerprint sent to the next rank and checked against the previous
+//!   rank's; a send carries its dtype and count and waits for the
+//!   receiver's answer. A mismatch is `CommError::Mismatch` naming both
+//!   calls, on every rank.
+//! - **Failures** reach every rank: a rank whose call fails (a mismatch, a
+//!   deadline, a failed transfer) or whose stream failed before a call, or
+//!   that calls [`abort`](crate::CommBackend::abort), sends the error to every rank of the
+//!   job as a control message; their pending and later calls fail with it
+//!   (the first error wins). Every wait has the deadline
+//!   [`UcxConfig::timeout`], counted from the last progress of the call: a
+//!   dead peer is found by it, or sooner when UCX reports the peer's
+//!   connection failed (which aborts the job too; see
+//!   [`UcxConfig::peer_failure`]).
+//! - **Memory.** A transfer keeps the memory it uses alive until UCX has
+//!   finished with it (a cancelled receive cannot write into freed memory).
+//!
+//! Capabilities: native `Avg` and `PreMulSum`, world-wide abort, mismatch
+//! detection. A `Timeout` says which peer a rank waited for but cannot know
+//! which rank never arrived (`names_missing_ranks` is false), and there is
+//! no fault injection.
+
+mod algorithms;
+mod engine;
+mod result;
+mod wire;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chorus_devices::cpu::{self, Access, Cpu, CpuDevice, CpuStream, JobInput};
+use chorus_devices::{DeviceError, Stream};
+
+use algorithms::{Exec, Prepared};
+use engine::{ControlTag, Engine, Event, Scratch};
+
+use crate::backend::{Call, CallKind, Capabilities, CommBackend, OpKind};
+use crate::bootstrap::Store;
+use crate::{CommError, Communicator, ReduceOp, Result};
+
+/// Settings of a UCX communicator.
+#[derive(Clone, Debug)]
+pub struct UcxConfig {
+    /// Deadline of every wait: joining (the other ranks' addresses in the
+    /// store), splits, and each step of a call (no message for this long
+    /// fails the call with `Timeout` on this rank and, through the control
+    /// message, on every rank).
+    pub timeout: Duration,
+    /// The store prefix of this job's keys (unique per job in the store).
+    pub prefix: String,
+    /// Calls whose per-rank buffer is at most this many bytes take the
+    /// one-round direct algorithms (rank-order reductions); larger ones
+    /// take the rings.
+    pub small_bytes: usize,
+    /// UCX's peer-failure handling (`UCP_ERR_HANDLING_MODE_PEER`): a peer
+    /// whose process dies is reported by its connection at once and aborts
+    /// the job. UCX 1.22 then connects the ranks of one host over TCP only
+    /// (its shared-memory transports do not support the mode), several
+    /// times slower for large messages. Off (the default), ranks on one
+    /// host use shared memory and cross-memory attach, and a dead peer is
+    /// found by the deadline ([`UcxConfig::timeout`]).
+    pub peer_failure: bool,
+}
+
+impl Default for UcxConfig {
+    fn default() -> Self {
+        UcxConfig {
+            timeout: Duration::from_secs(300),
+            prefix: "chorus/ucx".into(),
+            small_bytes: DEFAULT_SMALL_BYTES,
+            peer_failure: false,
+        }
+    }
+}
+
+/// The default switch from the direct algorithms to the rings (see
+/// `docs/benchmarks.md` for the measurement it comes from).
+pub const DEFAULT_SMALL_BYTES: usize = 128 * 1024;
+
+/// The state one process's ranks share: the progress thread and the
+/// job-wide abort (the world and every communicator split from it).
+pub(crate) struct Job {
+    engine: Engine,
+    world_rank: usize,
+    world_size: usize,
+    store: Arc<dyn Store>,
+    config: UcxConfig,
+    timeout: Duration,
+    abort: Arc<AbortState>,
+}
+
+#[derive(Default)]
+struct AbortState {
+    flag: AtomicBool,
+    error: Mutex<Option<CommError>>,
+}
+
+impl AbortState {
+    /// Records `e` (the first wins); whether it was the first.
+    fn set(&self, e: CommError) -> bool {
+        let Ok(mut slot) = self.error.lock() else { return false };
+        if slot.is_some() {
+            return false;
+        }
+        *slot = Some(e);
+        self.flag.store(true, Ordering::Release);
+        true
+    }
+    fn get(&self) -> Option<CommError> {
+        if !self.flag.load(Ordering::Acquire) {
+            return None;
+        }
+        self.error.lock().ok().and_then(|e| e.clone())
+    }
+}
+
+impl Job {
+    fn abort_error(&self) -> Option<CommError> {
+        self.abort.get()
+    }
+
+    /// Fails the job with `e` here and on every other rank (once: a later
+    /// failure is not sent). Waits up to a second for the messages to leave.
+    fn fail(&self, e: CommError) {
+        if !self.abort.set(e.clone()) {
+            return;
+        }
+        let msg = wire::encode_failure(self.world_rank, &e);
+        let (ctag, _) = wire::control_match();
+        let tag = ctag | (self.world_rank as u64 & 0xffff);
+        let sent: Vec<_> = (0..self.world_size)
+            .filter(|r| *r != self.world_rank)
+            .filter_map(|r| self.engine.send(r, tag, engine::Region::bytes(msg.clone())).ok())
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(1);
+        for c in sent {
+            while c.outcome().is_none() && Instant::now() < deadline {
+                c.wait_for(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+/// What a call runs against: the job and this communicator's place in it.
+pub(crate) struct Core {
+    job: Arc<Job>,
+    id: u16,
+    rank: usize,
+    size: usize,
+    /// World rank of each rank of this communicator.
+    members: Vec<usize>,
+    /// Scratch buffers no transfer uses any more, for the next call.
+    pool: Mutex<Vec<Arc<Scratch>>>,
+}
+
+impl Core {
+    fn world_rank(&self, rank: usize) -> Result<usize> {
+        self.members.get(rank).copied().ok_or_else(|| CommError::invalid("ucx", format!("rank {rank} is not a member")))
+    }
+
+    /// A scratch buffer of at least `bytes` (reused when one is free).
+    fn scratch(&self, bytes: usize) -> Arc<Scratch> {
+        if let Ok(mut pool) = self.pool.lock() {
+            if let Some(i) = pool.iter().position(|s| s.bytes() >= bytes && Arc::strong_count(s) == 1) {
+                return pool.swap_remove(i);
+            }
+        }
+        Scratch::new(bytes.next_power_of_two().max(4096))
+    }
+
+    /// Returns a scratch buffer to the pool (when no transfer holds it).
+    fn give_back(&self, s: Arc<Scratch>) {
+        if Arc::strong_count(&s) != 1 {
+            return;
+        }
+        if let Ok(mut pool) = self.pool.lock() {
+            pool.push(s);
+            if pool.len() > 6 {
+                // Keep the largest ones.
+                pool.sort_by_key(|s| std::cmp::Reverse(s.bytes()));
+                pool.truncate(6);
+            }
+        }
+    }
+}
+
+/// One rank's endpoint of a UCX communicator.
+pub struct UcxComm {
+    core: Arc<Core>,
+    device: CpuDevice,
+    /// Store prefix of this communicator (its splits' keys go under it).
+    prefix: String,
+    splits: AtomicU64,
+    /// Sends to / receives from each peer so far (p2p messages are numbered per pair).
+    sent: Mutex<Vec<u64>>,
+    received: Mutex<Vec<u64>>,
+}
+
+impl std::fmt::Debug for UcxComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "UcxComm(rank {}/{}, id {}, world rank {})",
+            self.core.rank, self.core.size, self.core.id, self.core.job.world_rank
+        )
+    }
+}
+
+fn world_key(prefix: &str, rank: usize) -> String {
+    format!("{prefix}/rank/{rank}")
+}
+
+impl UcxComm {
+    /// Joins the job's world as `rank` of `size` on `device`: starts this
+    /// process's UCP worker, publishes its address under `config.prefix` in
+    /// `store`, reads every other rank's (up to `config.timeout`) and
+    /// connects to them. Every rank calls it with the same prefix and size;
+    /// a rank that joined with another size makes the others fail with
+    /// `Mismatch` naming both sizes, and a rank that never joins makes them
+    /// fail with `Timeout`. Blocks the host until every rank has connected.
+    pub fn init(
+        store: Arc<dyn Store>,
+        rank: usize,
+        size: usize,
+        device: CpuDevice,
+        config: UcxConfig,
+    ) -> Result<Communicator<UcxComm>> {
+        if size == 0 || rank >= size {
+            return Err(CommError::invalid("UcxComm::init", format!("rank {rank} of {size} ranks")));
+        }
+        if size > wire::MAX_RANKS {
+            return Err(CommError::invalid("UcxComm::init", format!("{size} ranks; at most {}", wire::MAX_RANKS)));
+        }
+        crate::host_fn_check("ucx init")?;
+        let abort = Arc::new(AbortState::default());
+        let timeout = config.timeout;
+        let on_event: engine::EventHandler = {
+            let abort = abort.clone();
+            Arc::new(move |event| {
+                let e = match event {
+                    Event::PeerFailed(r, status) => CommError::Aborted {
+                        reason: format!("the connection to world rank {r} failed: {}", ucx_rs::status_string(status)),
+                    },
+                    Event::Control(bytes) => wire::decode_failure(&bytes, timeout),
+                };
+                abort.set(e);
+            })
+        };
+        let (ctag, cmask) = wire::control_match();
+        let engine = Engine::start(&format!("rank {rank}"), ControlTag { tag: ctag, mask: cmask }, on_event)?;
+        let mut mine = (size as u64).to_le_bytes().to_vec();
+        mine.extend_from_slice(engine.address());
+        store.set(&world_key(&config.prefix, rank), &mine)?;
+        let mut addresses = vec![None; size];
+        // An endpoint to itself too: a group may send to its own rank.
+        addresses[rank] = Some(engine.address().to_vec());
+        for (r, slot) in addresses.iter_mut().enumerate().filter(|(r, _)| *r != rank) {
+            let value = store.get(&world_key(&config.prefix, r), config.timeout).map_err(|e| match e {
+                CommError::Timeout { waited, .. } => CommError::Timeout {
+                    op: format!("ucx init: rank {r} never published its address"),
+                    seq: 0,
+                    waited,
+                    missing: vec![r],
+                },
+                other => other,
+            })?;
+            if value.len() < 8 {
+                return Err(CommError::invalid(
+                    "UcxComm::init",
+                    format!("rank {r}'s address record is {} bytes", value.len()),
+                ));
+            }
+            let mut their = [0u8; 8];
+            their.copy_from_slice(&value[..8]);
+            let their = u64::from_le_bytes(their);
+            if their != size as u64 {
+                return Err(CommError::Mismatch {
+                    seq: 0,
+                    details: format!("rank {r} joined a world of {their} ranks; rank {rank} a world of {size}"),
+                });
+            }
+            *slot = Some(value[8..].to_vec());
+        }
+        engine.connect(addresses, config.peer_failure, config.timeout)?;
+        // Creating an endpoint attaches the peer's shared memory: no rank may
+        // tear its worker down before every rank has connected to it, so
+        // `init` returns only once all have.
+        let connected = format!("{}/connected", config.prefix);
+        store.add(&connected, 1)?;
+        let deadline = Instant::now() + config.timeout;
+        let mut pause = Duration::from_micros(100);
+        loop {
+            let count =
+                String::from_utf8_lossy(&store.get(&connected, config.timeout)?).trim().parse::<usize>().unwrap_or(0);
+            if count >= size {
+                break;
+            }
+            if Instant::now() >= deadline {
+                return Err(CommError::Timeout {
+                    op: format!("ucx init: {count} of {size} ranks connected"),
+                    seq: 0,
+                    waited: config.timeout,
+                    missing: vec![],
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(5));
+        }
+        let job =
+            Arc::new(Job { engine, world_rank: rank, world_size: size, store, timeout, config: config.clone(), abort });
+        let core =
+            Arc::new(Core { job, id: 0, rank, size, members: (0..size).collect(), pool: Mutex::new(Vec::new()) });
+        Ok(Communicator::new(UcxComm::with_core(core, device, config.prefix)))
+    }
+
+    fn with_core(core: Arc<Core>, device: CpuDevice, prefix: String) -> UcxComm {
+        let size = core.size;
+        UcxComm {
+            core,
+            device,
+            prefix,
+            splits: AtomicU64::new(0),
+            sent: Mutex::new(vec![0; size]),
+            received: Mutex::new(vec![0; size]),
+        }
+    }
+
+    /// The capabilities every UCX communicator has (declared without one).
+    pub fn declared_capabilities() -> Capabilities {
+        Capabilities {
+            avg: true,
+            premul_sum: true,
+            ranks_share_device: false,
+            world_abort: true,
+            fault_injection: false,
+            detects_mismatch: true,
+            names_missing_ranks: false,
+        }
+    }
+
+    /// This rank's rank in the job's world (the communicator it was split from).
+    pub fn world_rank(&self) -> usize {
+        self.core.job.world_rank
+    }
+
+    /// Resolves `call`'s buffers and declares its accesses; a send or
+    /// receive takes the next number of its pair from `sent`/`received`
+    /// (copies that [`CommBackend::launch`] keeps only once the launch is enqueued).
+    fn prepare(
+        &self,
+        call: &Call<'_, Cpu>,
+        accesses: &mut Vec<Access>,
+        sent: &mut Vec<u64>,
+        received: &mut Vec<u64>,
+    ) -> Result<Prepared> {
+        let me = self.core.rank;
+        let fp = call.fingerprint;
+        let mut p = Prepared {
+            seq: call.seq,
+            fingerprint: fp.to_string(),
+            op: call.kind.kind(),
+            dtype: fp.dtype,
+            count: fp.count,
+            reduce: ReduceOp::Sum,
+            root: 0,
+            send: None,
+            recv: None,
+            p2p_no: 0,
+        };
+        let mut read = |v: chorus_devices::View<'_, Cpu>| {
+            accesses.push(Access::read(v));
+            Some(cpu::raw(v))
+        };
+        let next = |counters: &mut Vec<u64>, peer: usize| -> Result<u64> {
+            let slot =
+                counters.get_mut(peer).ok_or_else(|| CommError::invalid("ucx", format!("peer {peer} out of range")))?;
+            let n = *slot;
+            *slot += 1;
+            Ok(n)
+        };
+        match &call.kind {
+            CallKind::AllReduce { send, recv, op } | CallKind::ReduceScatter { send, recv, op } => {
+                p.reduce = *op;
+                p.send = read(*send);
+                accesses.push(Access::write(*recv));
+                p.recv = Some(cpu::raw(*recv));
+            }
+            CallKind::AllGather { send, recv } | CallKind::AllToAll { send, recv } => {
+                p.send = read(*send);
+                accesses.push(Access::write(*recv));
+                p.recv = Some(cpu::raw(*recv));
+            }
+            CallKind::Broadcast { send, recv, root } => {
+                p.root = *root;
+                if me == *root {
+                    p.send = read(*send);
+                }
+                accesses.push(Access::write(*recv));
+                p.recv = Some(cpu::raw(*recv));
+            }
+            CallKind::Reduce { send, recv, op, root } => {
+                p.reduce = *op;
+                p.root = *root;
+                p.send = read(*send);
+                if me == *root {
+                    accesses.push(Access::write(*recv));
+                    p.recv = Some(cpu::raw(*recv));
+                }
+            }
+            CallKind::Send { buf, peer } => {
+                p.root = *peer;
+                p.send = read(*buf);
+                p.count = buf.len();
+                p.dtype = buf.dtype();
+                p.p2p_no = next(sent, *peer)?;
+            }
+            CallKind::Recv { buf, peer } => {
+                p.root = *peer;
+                accesses.push(Access::write(*buf));
+                p.recv = Some(cpu::raw(*buf));
+                p.count = buf.len();
+                p.dtype = buf.dtype();
+                p.p2p_no = next(received, *peer)?;
+            }
+            CallKind::Barrier => {}
+        }
+        Ok(p)
+    }
+}
+
+/// Runs one launch's calls on this rank's executor: sends first (so the
+/// group's receives can complete), then the collectives in order, then the
+/// receives, then the sends' answers.
+fn run_group(core: &Core, calls: &[Prepared]) -> Result<()> {
+    if let Some(e) = core.job.abort_error() {
+        return Err(e);
+    }
+    let mut posted = Vec::new();
+    for c in calls.iter().filter(|c| c.op == OpKind::Send) {
+        posted.push(algorithms::post_send(core, c)?);
+    }
+    for c in calls.iter().filter(|c| !matches!(c.op, OpKind::Send | OpKind::Recv)) {
+        Exec::new(core, c.seq, c.op.name()).run(c)?;
+    }
+    for c in calls.iter().filter(|c| c.op == OpKind::Recv) {
+        algorithms::receive(core, c)?;
+    }
+    for p in posted {
+        algorithms::finish_send(core, p)?;
+    }
+    Ok(())
+}
+
+impl CommBackend for UcxComm {
+    type B = Cpu;
+    const NAME: &'static str = "ucx";
+
+    fn rank(&self) -> usize {
+        self.core.rank
+    }
+    fn size(&self) -> usize {
+        self.core.size
+    }
+    fn device(&self) -> &CpuDevice {
+        &self.device
+    }
+    fn capabilities(&self) -> Capabilities {
+        UcxComm::declared_capabilities()
+    }
+
+    fn launch(&self, calls: Vec<Call<'_, Cpu>>, stream: &CpuStream) -> Result<()> {
+        // A job that has failed fails the call when the stream reaches it
+        // (asynchronously, like every failure found while running).
+        let mut accesses = Vec::new();
+        let lock_err = || CommError::invalid("ucx", "a send/recv counter lock was poisoned");
+        let mut sent_guard = self.sent.lock().map_err(|_| lock_err())?;
+        let mut received_guard = self.received.lock().map_err(|_| lock_err())?;
+        let (mut sent, mut received) = (sent_guard.clone(), received_guard.clone());
+        let prepared = calls
+            .iter()
+            .map(|c| self.prepare(c, &mut accesses, &mut sent, &mut received))
+            .collect::<Result<Vec<_>>>()?;
+        let name = if calls.len() == 1 { calls[0].kind.kind().name() } else { "group" };
+        let core = self.core.clone();
+        let stream_name = stream.name();
+        stream
+            .enqueue(name, &accesses, move |input| match input {
+                JobInput::Run => run_group(&core, &prepared).map_err(|e| {
+                    core.job.fail(e.clone());
+                    // A later error of the job (a peer's report) stays the job's;
+                    // this call fails with what it saw.
+                    DeviceError::OpFailed { op: name, stream: stream_name, source: Arc::new(e) }
+                }),
+                JobInput::Skip(cause) => {
+                    core.job.fail(CommError::Aborted {
+                        reason: format!("world rank {}'s stream failed before {name}: {cause}", core.job.world_rank),
+                    });
+                    Ok(())
+                }
+            })
+            .map_err(CommError::Device)?;
+        // Enqueued: the pairs' numbers are taken (a refused launch takes none).
+        *sent_guard = sent;
+        *received_guard = received;
+        Ok(())
+    }
+
+    fn split(&self, color: Option<u32>, key: i64) -> Result<Option<UcxComm>> {
+        crate::host_fn_check("ucx split")?;
+        if let Some(e) = self.core.job.abort_error() {
+            return Err(e);
+        }
+        let n = self.splits.fetch_add(1, Ordering::Relaxed);
+        let (me, size) = (self.core.rank, self.core.size);
+        let timeout = self.core.job.timeout;
+        let store = &self.core.job.store;
+        let base = format!("{}/split{n}", self.prefix);
+        let entry = match color {
+            Some(c) => format!("{c},{key}"),
+            None => format!("-,{key}"),
+        };
+        store.set(&format!("{base}/{me}"), entry.as_bytes())?;
+        let keys: Vec<String> = (0..size).map(|r| format!("{base}/{r}")).collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let values = store.multi_get(&refs, timeout).map_err(|e| match e {
+            CommError::Timeout { waited, .. } => {
+                let missing = refs
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, k)| !store.check(&[k]).unwrap_or(true))
+                    .map(|(r, _)| r)
+                    .collect();
+                CommError::Timeout { op: "split".into(), seq: n, waited, missing }
+            }
+            other => other,
+        })?;
+        let Some(color) = color else { return Ok(None) };
+        let mut members: Vec<(i64, usize)> = Vec::new();
+        for (r, v) in values.iter().enumerate() {
+            let text = String::from_utf8_lossy(v);
+            let (c, k) = text
+                .split_once(',')
+                .ok_or_else(|| CommError::invalid("split", format!("rank {r}'s entry {text:?} is not color,key")))?;
+            if c == color.to_string() {
+                let k: i64 = k.parse().map_err(|_| CommError::invalid("split", format!("rank {r}'s key {k:?}")))?;
+                members.push((k, r));
+            }
+        }
+        members.sort();
+        let my_index = members
+            .iter()
+            .position(|(_, r)| *r == me)
+            .ok_or_else(|| CommError::invalid("split", "not in my own color"))?;
+        let child_prefix = format!("{base}/c{color}");
+        let id_key = format!("{child_prefix}/id");
+        let id = if my_index == 0 {
+            let id = store.add(&format!("{}/next_comm_id", self.core.job.config.prefix), 1)?;
+            store.set(&id_key, id.to_string().as_bytes())?;
+            id
+        } else {
+            let v = store.get(&id_key, timeout)?;
+            String::from_utf8_lossy(&v)
+                .parse()
+                .map_err(|_| CommError::invalid("split", "the communicator id in the store does not parse"))?
+        };
+        if id <= 0 || id as u64 >= wire::MAX_COMMS {
+            return Err(CommError::invalid(
+                "split",
+                format!("communicator id {id}: at most {} communicators per job", wire::MAX_COMMS - 1),
+            ));
+        }
+        let world: Vec<usize> = members.iter().map(|(_, r)| self.core.members[*r]).collect();
+        let core = Arc::new(Core {
+            job: self.core.job.clone(),
+            id: id as u16,
+            rank: my_index,
+            size: members.len(),
+            members: world,
+            pool: Mutex::new(Vec::new()),
+        });
+        Ok(Some(UcxComm::with_core(core, self.device.clone(), child_prefix)))
+    }
+
+    fn abort(&self, reason: &str) {
+        self.core.job.fail(CommError::Aborted {
+            reason: format!("world rank {} called abort: {reason}", self.core.job.world_rank),
+        });
+    }
+
+    fn async_error(&self) -> Option<CommError> {
+        self.core.job.abort_error()
+    }
+}
+
+/// Starts a UCP context and worker and stops them: whether UCX works in
+/// this process, and what it is (for `chorus info`).
+pub fn probe() -> Result<String> {
+    let (ctag, cmask) = wire::control_match();
+    let engine = Engine::start("probe", ControlTag { tag: ctag, mask: cmask }, Arc::new(|_| {}))?;
+    Ok(format!("UCX {} (bundled), worker address {} bytes", ucx_rs::VENDORED_UCX_VERSION, engine.address().len()))
+}

@@ -1,0 +1,291 @@
+//! A communicator's handle and what every user of it shares: the lock every
+//! call on the handle takes, the abort that releases it, the polling of a
+//! call in progress, the launches the watchdog follows, and the drop that
+//! finalizes it.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use chorus_devices::wait::Backoff;
+use chorus_devices::{Backend, Device, DeviceError, Event, FailureHandle, ForeignBackend};
+
+use super::abi::{Status, Version};
+use super::comm::VendorConfig;
+use super::result::Lib;
+use super::sys::ncclComm_t;
+use super::watchdog::Watched;
+use super::VendorLib;
+use crate::{CommError, Result};
+
+/// The raw handle, used only under its lock.
+pub(super) struct Handle {
+    pub(super) raw: usize,
+    /// Aborted or destroyed: the handle must never be passed to the library again.
+    pub(super) released: bool,
+}
+
+/// A launch the watchdog follows until its end event completes.
+pub(super) struct Pending<B: Backend> {
+    pub(super) start: B::Event,
+    pub(super) end: B::Event,
+    /// When the stream reached the launch (the start event completed).
+    pub(super) reached: Option<Instant>,
+    pub(super) failure: FailureHandle,
+    pub(super) position: u64,
+    pub(super) op: &'static str,
+    pub(super) seq: u64,
+}
+
+pub(super) struct PendingList<B: Backend> {
+    pub(super) launches: Vec<Pending<B>>,
+    /// Whether the watchdog is following this communicator.
+    pub(super) watched: bool,
+}
+
+/// The handle and the state every user of it shares (the communicator, its
+/// launches' watchdog entry).
+pub(super) struct Shared<L: VendorLib> {
+    pub(super) lib: Lib,
+    /// Every call on the handle is made holding this lock: the library forbids
+    /// concurrent use of one communicator, and it orders calls with abort.
+    pub(super) handle: Mutex<Handle>,
+    /// Raised by abort before it takes the lock, so a thread that holds the
+    /// lock while it polls an in-progress call gives way within one poll.
+    pub(super) abort_requested: AtomicBool,
+    /// The first asynchronous error or abort reason.
+    pub(super) error: Mutex<Option<CommError>>,
+    pub(super) rank: usize,
+    pub(super) size: usize,
+    pub(super) device: <L::B as Backend>::Device,
+    pub(super) config: VendorConfig,
+    pub(super) version: Version,
+    pub(super) pending: Mutex<PendingList<L::B>>,
+    /// Recorded events no launch uses any more.
+    pub(super) spare_events: Mutex<Vec<<L::B as Backend>::Event>>,
+}
+
+pub(super) fn op_failed(op: &'static str, stream: &str, error: CommError) -> DeviceError {
+    match error {
+        CommError::Device(d) => d,
+        other => DeviceError::OpFailed { op, stream: stream.to_string(), source: Arc::new(other) },
+    }
+}
+
+impl<L: VendorLib> Shared<L> {
+    pub(super) fn error(&self) -> Option<CommError> {
+        self.error.lock().ok().and_then(|e| e.clone())
+    }
+
+    pub(super) fn aborted(&self) -> CommError {
+        self.error().unwrap_or_else(|| CommError::Aborted { reason: "the communicator was aborted".into() })
+    }
+
+    /// The handle, locked, for a call; `Aborted` once released or while an
+    /// abort is waiting for the lock.
+    pub(super) fn lock(&self) -> Result<MutexGuard<'_, Handle>> {
+        crate::host_fn_check(L::NAME)?;
+        let guard = self.handle.lock().map_err(|_| CommError::invalid("communicator", "lock poisoned by a panic"))?;
+        if guard.released || self.abort_requested.load(Ordering::Acquire) {
+            return Err(self.aborted());
+        }
+        L::B::bind(&self.device).map_err(CommError::Device)?;
+        Ok(guard)
+    }
+
+    /// Polls the communicator until its in-progress call has finished. The
+    /// caller holds the lock; an abort request ends the wait at once, the
+    /// deadline with `Timeout`.
+    pub(super) fn wait_ready(&self, comm: ncclComm_t, op: &str, seq: u64) -> Result<()> {
+        let backoff = Backoff::new();
+        loop {
+            if self.abort_requested.load(Ordering::Acquire) {
+                return Err(self.aborted());
+            }
+            // SAFETY: the caller holds the lock on the live handle.
+            match unsafe { self.lib.async_error(comm) }? {
+                Status::Done => return Ok(()),
+                Status::InProgress if backoff.expired(self.config.timeout) => {
+                    return Err(CommError::Timeout {
+                        op: op.to_string(),
+                        seq,
+                        waited: self.config.timeout,
+                        missing: Vec::new(),
+                    })
+                }
+                Status::InProgress => backoff.pause(),
+            }
+        }
+    }
+
+    /// Aborts with `reason` (the first reason wins): releases the handle
+    /// (`ncclCommAbort`, which makes queued kernels return) and fails the
+    /// stream of every launch still pending. Never waits behind a call in
+    /// progress on a non-blocking communicator: such a call polls, sees the
+    /// request and gives the lock up.
+    pub(super) fn abort_with(&self, reason: CommError) {
+        if let Ok(mut e) = self.error.lock() {
+            e.get_or_insert(reason);
+        }
+        self.abort_requested.store(true, Ordering::Release);
+        // The pending launches' streams fail first, with the reason: the
+        // kernels the abort releases must not report a failure of their own first.
+        let error = self.aborted();
+        let launches = self.pending.lock().map(|mut p| std::mem::take(&mut p.launches)).unwrap_or_default();
+        for p in launches {
+            p.failure.fail(p.position, op_failed(p.op, p.failure.stream_name(), error.clone()));
+        }
+        if let Ok(mut h) = self.handle.lock() {
+            if !h.released {
+                h.released = true;
+                let aborted = L::B::bind(&self.device)
+                    .map_err(CommError::Device)
+                    // SAFETY: the live handle, under its lock, released exactly once here.
+                    .and_then(|_| unsafe { self.lib.abort(h.raw as ncclComm_t) });
+                if let Err(e) = aborted {
+                    L::B::park(&self.device, op_failed("ncclCommAbort", &self.device.name(), e));
+                }
+            }
+        }
+    }
+
+    /// After a call gave way to an abort request: waits until the abort has
+    /// released the handle — which ends the library's work for the call (its
+    /// thread may still be enqueueing on the caller's stream) — so the caller
+    /// returns only once nothing of the call can still touch its stream.
+    pub(super) fn await_abort(&self) {
+        let backoff = Backoff::new();
+        while !backoff.expired(self.config.timeout) {
+            match self.handle.lock() {
+                Ok(h) if !h.released => {}
+                _ => return,
+            }
+            backoff.pause();
+        }
+    }
+
+    pub(super) fn take_event(&self) -> Result<<L::B as Backend>::Event> {
+        if let Some(e) = self.spare_events.lock().ok().and_then(|mut s| s.pop()) {
+            return Ok(e);
+        }
+        self.device.create_event().map_err(CommError::Device)
+    }
+
+    pub(super) fn give_events(&self, events: impl IntoIterator<Item = <L::B as Backend>::Event>) {
+        if let Ok(mut s) = self.spare_events.lock() {
+            s.extend(events);
+        }
+    }
+}
+
+impl<L: VendorLib> Watched for Shared<L> {
+    fn poll(&self) -> bool {
+        let mut expired = None;
+        let mut done = Vec::new();
+        let still_pending = {
+            let Ok(mut p) = self.pending.lock() else { return false };
+            let now = Instant::now();
+            let timeout = self.config.timeout;
+            let mut i = 0;
+            while i < p.launches.len() {
+                let l = &mut p.launches[i];
+                // A failed query means the stream failed at or before the
+                // launch: reported there already, nothing left to watch.
+                let mut finished = false;
+                if l.reached.is_none() {
+                    match l.start.query() {
+                        Ok(true) => l.reached = Some(now),
+                        Ok(false) => {}
+                        Err(_) => finished = true,
+                    }
+                }
+                finished = finished || l.end.query().unwrap_or(true);
+                if finished {
+                    let l = p.launches.swap_remove(i);
+                    done.push(l);
+                    continue;
+                }
+                if l.reached.is_some_and(|t| now.duration_since(t) >= timeout) && expired.is_none() {
+                    expired =
+                        Some(CommError::Timeout { op: l.op.to_string(), seq: l.seq, waited: timeout, missing: vec![] });
+                }
+                i += 1;
+            }
+            if p.launches.is_empty() {
+                p.watched = false;
+            }
+            !p.launches.is_empty()
+        };
+        self.give_events(done.into_iter().flat_map(|l| [l.start, l.end]));
+        if let Some(e) = expired {
+            // The pending launches (the expired one first) report the timeout.
+            self.abort_with(e);
+            return false;
+        }
+        if still_pending {
+            // An asynchronous error (a peer that died, a network failure).
+            let async_error = match self.handle.try_lock() {
+                // SAFETY: the live handle under its lock.
+                Ok(h) if !h.released => unsafe { self.lib.async_error(h.raw as ncclComm_t) }.err(),
+                _ => None,
+            };
+            if let Some(e) = async_error {
+                self.abort_with(e);
+                return false;
+            }
+        }
+        still_pending
+    }
+}
+
+impl<L: VendorLib> Drop for Shared<L> {
+    fn drop(&mut self) {
+        let Ok(h) = self.handle.get_mut() else { return };
+        if h.released {
+            return;
+        }
+        h.released = true;
+        let comm = h.raw as ncclComm_t;
+        if L::B::bind(&self.device).is_err() {
+            return;
+        }
+        // Finalize flushes queued work and tears connections down collectively;
+        // if that fails or takes past the deadline, abort instead.
+        // SAFETY: the live handle; nobody else holds this communicator any more.
+        let finalized = unsafe { self.lib.finalize(comm) }.and_then(|s| match s {
+            Status::Done => Ok(()),
+            Status::InProgress => {
+                let backoff = Backoff::new();
+                let deadline = self.config.timeout.min(Duration::from_secs(60));
+                loop {
+                    // SAFETY: as above.
+                    match unsafe { self.lib.async_error(comm) } {
+                        Ok(Status::Done) => break Ok(()),
+                        Ok(Status::InProgress) if !backoff.expired(deadline) => backoff.pause(),
+                        Ok(Status::InProgress) => {
+                            break Err(CommError::Timeout {
+                                op: "ncclCommFinalize".into(),
+                                seq: 0,
+                                waited: deadline,
+                                missing: Vec::new(),
+                            })
+                        }
+                        Err(e) => break Err(e),
+                    }
+                }
+            }
+        });
+        let result = match finalized {
+            // SAFETY: finalized; destroyed once.
+            Ok(()) => unsafe { self.lib.destroy(comm) },
+            Err(e) => {
+                // SAFETY: released once (abort frees the handle).
+                let _ = unsafe { self.lib.abort(comm) };
+                Err(e)
+            }
+        };
+        if let Err(e) = result {
+            L::B::park(&self.device, op_failed("ncclCommFinalize", &self.device.name(), e));
+        }
+    }
+}

@@ -1,0 +1,94 @@
+//! The UCX backend's harness.
+//!
+//! [`UcxHarness`] is a [`Harness`] whose worlds are every rank in this
+//! process (one UCP worker and progress thread each, connected over UCX's
+//! shared-memory and TCP transports through an in-memory store), which is
+//! how `cargo test` runs the whole suite quickly; and a
+//! [`RankHarness`](crate::process::RankHarness), so `chorus conformance
+//! --backend ucx` under a launcher runs the same cases with one rank per
+//! process ([`crate::process`]).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::bail;
+use chorus_collectives::bootstrap::{MemStore, Store};
+use chorus_collectives::ucx::{UcxComm, UcxConfig};
+use chorus_collectives::Communicator;
+use chorus_devices::cpu::{CpuConfig, CpuDevice};
+
+use crate::harness::{Harness, World};
+use crate::process::{RankEnv, RankHarness};
+use crate::{Case, Support};
+
+/// The UCX backend's harness.
+#[derive(Debug, Default)]
+pub struct UcxHarness {
+    worlds: AtomicU64,
+}
+
+fn device(rank: usize, timeout: Duration) -> CpuDevice {
+    CpuDevice::new(CpuConfig::default().with_ordinal(rank).with_timeout(timeout.max(Duration::from_secs(10)) * 2))
+}
+
+impl Harness for UcxHarness {
+    type C = UcxComm;
+
+    fn name(&self) -> String {
+        "ucx".into()
+    }
+
+    fn support(&self) -> Support {
+        Support { capabilities: UcxComm::declared_capabilities(), stream_sanitizer: true, fault_hooks: false }
+    }
+
+    fn max_world(&self) -> Result<usize, String> {
+        Ok(usize::MAX)
+    }
+
+    fn world(&self, size: usize, timeout: Duration) -> Result<World<UcxComm>, crate::Failure> {
+        let store: Arc<dyn Store> = Arc::new(MemStore::new());
+        let prefix = format!("ucx/world{}", self.worlds.fetch_add(1, Ordering::Relaxed));
+        let results: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..size)
+                .map(|rank| {
+                    let (store, prefix) = (store.clone(), prefix.clone());
+                    s.spawn(move || {
+                        let config = UcxConfig { timeout, prefix, ..UcxConfig::default() };
+                        UcxComm::init(store, rank, size, device(rank, timeout), config)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join()).collect()
+        });
+        let mut comms = Vec::with_capacity(size);
+        for r in results {
+            match r {
+                Ok(Ok(c)) => comms.push(c),
+                Ok(Err(e)) => return Err(e.into()),
+                Err(_) => bail!("a rank panicked while joining"),
+            }
+        }
+        Ok(World { comms, faults: None })
+    }
+
+    fn shared_timeout(&self) -> Duration {
+        Duration::from_secs(30)
+    }
+
+    fn fresh_timeout(&self) -> Duration {
+        Duration::from_secs(2)
+    }
+
+    fn extra_cases(&self, world_size: usize) -> Vec<Case<UcxComm>> {
+        crate::fsdp::cases(world_size)
+    }
+}
+
+impl RankHarness for UcxHarness {
+    fn join(&self, env: &RankEnv, prefix: &str, timeout: Duration) -> Result<Communicator<UcxComm>, crate::Failure> {
+        let config = UcxConfig { timeout, prefix: prefix.to_string(), ..UcxConfig::default() };
+        Ok(UcxComm::init(env.store.clone(), env.rank, env.size, device(env.rank, timeout), config)?)
+    }
+}
