@@ -121,39 +121,15 @@ pub(crate) fn finish<T: Reducible>(acc: &mut [T], op: ReduceOp, n: usize) {
 /// Calls `$body` with `$t` bound to the host type of `$dtype`.
 macro_rules! with_dtype {
     ($dtype:expr, $t:ident => $body:expr) => {
+        $crate::arith::with_dtype!(@each $dtype, $t => $body; F32 f32, F64 f64, F16 chorus_devices::f16,
+            BF16 chorus_devices::bf16, I32 i32, I64 i64, I8 i8, U8 u8)
+    };
+    (@each $dtype:expr, $t:ident => $body:expr; $($variant:ident $host:ty),*) => {
         match $dtype {
-            chorus_devices::DType::F32 => {
-                type $t = f32;
+            $(chorus_devices::DType::$variant => {
+                type $t = $host;
                 $body
-            }
-            chorus_devices::DType::F64 => {
-                type $t = f64;
-                $body
-            }
-            chorus_devices::DType::F16 => {
-                type $t = chorus_devices::f16;
-                $body
-            }
-            chorus_devices::DType::BF16 => {
-                type $t = chorus_devices::bf16;
-                $body
-            }
-            chorus_devices::DType::I32 => {
-                type $t = i32;
-                $body
-            }
-            chorus_devices::DType::I64 => {
-                type $t = i64;
-                $body
-            }
-            chorus_devices::DType::I8 => {
-                type $t = i8;
-                $body
-            }
-            chorus_devices::DType::U8 => {
-                type $t = u8;
-                $body
-            }
+            })*
         }
     };
 }
@@ -166,5 +142,35 @@ pub(crate) fn partial_op(op: ReduceOp) -> ReduceOp {
     match op {
         ReduceOp::Avg | ReduceOp::PreMulSum(_) => ReduceOp::Sum,
         other => other,
+    }
+}
+
+/// The `i`-th of `n` balanced shares of `0..len` (the first `len % n`
+/// shares one element longer).
+pub(crate) fn share(len: usize, n: usize, i: usize) -> (usize, usize) {
+    let base = len / n;
+    let extra = len % n;
+    let lo = i * base + i.min(extra);
+    (lo, lo + base + usize::from(i < extra))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::share;
+
+    #[test]
+    fn shares_cover_the_range_once_and_differ_by_at_most_one() {
+        for len in [0, 1, 7, 1023, 1 << 20] {
+            for n in 1..=8 {
+                let mut next = 0;
+                for i in 0..n {
+                    let (lo, hi) = share(len, n, i);
+                    assert_eq!(lo, next);
+                    assert!(hi - lo == len / n || hi - lo == len / n + 1);
+                    next = hi;
+                }
+                assert_eq!(next, len);
+            }
+        }
     }
 }

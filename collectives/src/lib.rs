@@ -22,6 +22,8 @@ pub mod bootstrap;
 pub mod checked;
 mod comm;
 mod error;
+#[cfg(any(feature = "sim", feature = "ucx"))]
+mod host_call;
 mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;

@@ -234,39 +234,14 @@ impl HostValue for f64 {
 /// Calls `$body` with `$t` bound to the host type of `$dtype`.
 macro_rules! with_type {
     ($dtype:expr, $t:ident => $body:expr) => {
+        with_type!(@each $dtype, $t => $body; F32 f32, F64 f64, F16 f16, BF16 bf16, I32 i32, I64 i64, I8 i8, U8 u8)
+    };
+    (@each $dtype:expr, $t:ident => $body:expr; $($variant:ident $host:ty),*) => {
         match $dtype {
-            DType::F32 => {
-                type $t = f32;
+            $(DType::$variant => {
+                type $t = $host;
                 $body
-            }
-            DType::F64 => {
-                type $t = f64;
-                $body
-            }
-            DType::F16 => {
-                type $t = f16;
-                $body
-            }
-            DType::BF16 => {
-                type $t = bf16;
-                $body
-            }
-            DType::I32 => {
-                type $t = i32;
-                $body
-            }
-            DType::I64 => {
-                type $t = i64;
-                $body
-            }
-            DType::I8 => {
-                type $t = i8;
-                $body
-            }
-            DType::U8 => {
-                type $t = u8;
-                $body
-            }
+            })*
         }
     };
 }

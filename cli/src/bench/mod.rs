@@ -404,14 +404,9 @@ fn run_threads(args: &BenchArgs) -> anyhow::Result<Outcome> {
         writeln!(out, "# memcpy = {n} threads each copying `size` bytes between private buffers (read+write rate);")?;
         writeln!(out, "# efficiency = (bytes the collective must read+write, all ranks) / time / memcpy rate — docs/benchmarks.md")?;
     }
-    let (mut wrong, mut busbw_sum, mut rows) = (0u64, 0.0, 0usize);
+    let mut table = Table::new(args.json);
     for op in args.op.ops() {
-        if !args.json {
-            writeln!(out, "#\n# {}", op.name())?;
-            for line in TABLE_HEAD {
-                writeln!(out, "{line}")?;
-            }
-        }
+        table.op_head(&mut out, op)?;
         for requested in sizes(args.min_bytes, args.max_bytes) {
             let g = Geometry::new(op, n, args.dtype, requested);
             // Measured next to each collective, not once per size, so that both
@@ -422,26 +417,83 @@ fn run_threads(args: &BenchArgs) -> anyhow::Result<Outcome> {
             };
             let m = measure(args.backend, g, warmup, iters)
                 .map_err(|e| e.context(format!("{} of {} bytes on {n} ranks", op.name(), g.size)))?;
-            let row = Row::new(args.backend, &g, m, memcpy_rate, args);
-            wrong += row.wrong;
-            busbw_sum += row.busbw_gbps;
-            rows += 1;
-            if args.json {
-                writeln!(out, "{}", serde_json::to_string(&row)?)?;
-            } else {
-                writeln!(out, "{}", table_line(&row))?;
-            }
-            out.flush()?;
+            table.row(&mut out, &Row::new(args.backend, &g, m, memcpy_rate, args))?;
         }
     }
-    if !args.json {
-        writeln!(out, "# wrong values: {wrong} {}", if wrong == 0 { "OK" } else { "FAILED" })?;
-        if rows > 0 {
-            writeln!(out, "# average busbw: {:.2} GB/s over {rows} rows", busbw_sum / rows as f64)?;
-        }
-    }
-    Ok(if wrong == 0 { Outcome::Passed } else { Outcome::Failed })
+    table.foot(&mut out)?;
+    Ok(if table.wrong == 0 { Outcome::Passed } else { Outcome::Failed })
 }
+
+/// What a run prints per collective and size (a table line or a JSON
+/// object), and the totals its last lines report.
+pub(crate) struct Table {
+    json: bool,
+    /// Wrong elements over every row.
+    pub(crate) wrong: u64,
+    busbw_sum: f64,
+    rows: usize,
+}
+
+impl Table {
+    pub(crate) fn new(json: bool) -> Table {
+        Table { json, wrong: 0, busbw_sum: 0.0, rows: 0 }
+    }
+
+    /// The head of one collective's table.
+    pub(crate) fn op_head(&self, out: &mut dyn Write, op: Op) -> anyhow::Result<()> {
+        if !self.json {
+            writeln!(out, "#\n# {}", op.name())?;
+            for line in TABLE_HEAD {
+                writeln!(out, "{line}")?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn row(&mut self, out: &mut dyn Write, row: &Row) -> anyhow::Result<()> {
+        self.wrong += row.wrong;
+        self.busbw_sum += row.busbw_gbps;
+        self.rows += 1;
+        if self.json {
+            writeln!(out, "{}", serde_json::to_string(row)?)?;
+        } else {
+            writeln!(out, "{}", table_line(row))?;
+        }
+        Ok(out.flush()?)
+    }
+
+    pub(crate) fn foot(&self, out: &mut dyn Write) -> anyhow::Result<()> {
+        if !self.json {
+            let wrong = self.wrong;
+            writeln!(out, "# wrong values: {wrong} {}", if wrong == 0 { "OK" } else { "FAILED" })?;
+            if self.rows > 0 {
+                writeln!(
+                    out,
+                    "# average busbw: {:.2} GB/s over {} rows",
+                    self.busbw_sum / self.rows as f64,
+                    self.rows
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Evaluates `$body` with `$t` the element type of `$dtype`.
+macro_rules! with_element {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        with_element!(@each $dtype, $t => $body; F32 f32, F64 f64, F16 chorus_devices::f16, BF16 chorus_devices::bf16, I32 i32, I64 i64, I8 i8, U8 u8)
+    };
+    (@each $dtype:expr, $t:ident => $body:expr; $($variant:ident $host:ty),*) => {
+        match $dtype {
+            $(chorus_devices::DType::$variant => {
+                type $t = $host;
+                $body
+            })*
+        }
+    };
+}
+pub(crate) use with_element;
 
 /// Elements per host staging piece when filling inputs and checking outputs:
 /// whole-buffer host copies would double the memory of the largest sizes.

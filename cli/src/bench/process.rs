@@ -14,10 +14,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 use chorus_collectives::{CommBackend, CommError, Communicator};
-use chorus_devices::{bf16, f16, Device, Priority, Stream};
+use chorus_devices::{Device, Priority, Stream};
 
 use super::timing::IterBarrier;
-use super::{measure_rank, memcpy, sizes, table_line, BenchArgs, Geometry, Measured, Row, TABLE_HEAD};
+use super::{measure_rank, memcpy, sizes, with_element, BenchArgs, Geometry, Measured, Row, Table};
 use crate::process::RankProcess;
 use crate::size::format_bytes;
 use crate::{Outcome, UsageError};
@@ -136,13 +136,10 @@ fn run_with<C: CommBackend>(args: &BenchArgs, p: &RankProcess, comm: Communicato
         writeln!(out, "# efficiency = (bytes the collective must read+write, all ranks) / time / memcpy rate — docs/benchmarks.md")?;
     }
     let barrier = CommBarrier { comm: &comm, stream: comm.device().create_stream(Priority::Normal)? };
-    let (mut wrong_total, mut busbw_sum, mut rows) = (0u64, 0.0, 0usize);
+    let mut table = Table::new(args.json);
     for op in args.op.ops() {
-        if leader && !args.json {
-            writeln!(out, "#\n# {}", op.name())?;
-            for line in TABLE_HEAD {
-                writeln!(out, "{line}")?;
-            }
+        if leader {
+            table.op_head(&mut out, op)?;
         }
         for requested in sizes(args.min_bytes, args.max_bytes) {
             let g = Geometry::new(op, n, args.dtype, requested);
@@ -150,16 +147,7 @@ fn run_with<C: CommBackend>(args: &BenchArgs, p: &RankProcess, comm: Communicato
                 (true, bytes) if bytes > 0 => memcpy::measure(n, usize::try_from(bytes)?, warmup, iters)?,
                 _ => 0.0,
             };
-            let measured = match g.dtype {
-                chorus_devices::DType::F32 => measure_rank::<C, f32>(&comm, g, &barrier, warmup, iters),
-                chorus_devices::DType::F64 => measure_rank::<C, f64>(&comm, g, &barrier, warmup, iters),
-                chorus_devices::DType::F16 => measure_rank::<C, f16>(&comm, g, &barrier, warmup, iters),
-                chorus_devices::DType::BF16 => measure_rank::<C, bf16>(&comm, g, &barrier, warmup, iters),
-                chorus_devices::DType::I32 => measure_rank::<C, i32>(&comm, g, &barrier, warmup, iters),
-                chorus_devices::DType::I64 => measure_rank::<C, i64>(&comm, g, &barrier, warmup, iters),
-                chorus_devices::DType::I8 => measure_rank::<C, i8>(&comm, g, &barrier, warmup, iters),
-                chorus_devices::DType::U8 => measure_rank::<C, u8>(&comm, g, &barrier, warmup, iters),
-            };
+            let measured = with_element!(g.dtype, T => measure_rank::<C, T>(&comm, g, &barrier, warmup, iters));
             let (spans, wrong) = measured.with_context(|| format!("rank {rank}: {} of {} bytes", op.name(), g.size))?;
             let times: Vec<f64> = spans.iter().map(|(s, e)| e.saturating_duration_since(*s).as_secs_f64()).collect();
             let key = |r: usize| format!("{prefix}/{}/{}/r{r}", op.name(), g.size);
@@ -186,31 +174,16 @@ fn run_with<C: CommBackend>(args: &BenchArgs, p: &RankProcess, comm: Communicato
             } else {
                 (slowest[mid.saturating_sub(1)] + slowest[mid]) / 2.0
             };
-            let row = Row::new(
-                args.backend,
-                &g,
-                Measured { time: Duration::from_secs_f64(median), wrong: wrong_here },
-                memcpy_rate,
-                args,
-            );
-            wrong_total += row.wrong;
-            busbw_sum += row.busbw_gbps;
-            rows += 1;
-            if args.json {
-                writeln!(out, "{}", serde_json::to_string(&row)?)?;
-            } else {
-                writeln!(out, "{}", table_line(&row))?;
-            }
-            out.flush()?;
+            let time = Duration::from_secs_f64(median);
+            table
+                .row(&mut out, &Row::new(args.backend, &g, Measured { time, wrong: wrong_here }, memcpy_rate, args))?;
         }
     }
     p.finish("bench", DEADLINE)?;
-    if leader && !args.json {
-        writeln!(out, "# wrong values: {wrong_total} {}", if wrong_total == 0 { "OK" } else { "FAILED" })?;
-        if rows > 0 {
-            writeln!(out, "# average busbw: {:.2} GB/s over {rows} rows", busbw_sum / rows as f64)?;
-        }
+    if leader {
+        table.foot(&mut out)?;
     }
+    let wrong_total = table.wrong;
     // Every rank exits alike: rank 0 publishes whether any value was wrong.
     let verdict = format!("{prefix}/verdict");
     if leader {

@@ -15,11 +15,10 @@ use std::time::Duration;
 use anyhow::Context;
 use chorus_collectives::sim::{SimComm, SimConfig, SimWorld};
 use chorus_devices::cpu::CpuConfig;
-use chorus_devices::{bf16, f16};
 
 use super::measure_rank;
 use super::timing::{median_window, HostBarrier};
-use super::{Geometry, Measured};
+use super::{with_element, Geometry, Measured};
 
 /// Deadline of every rendezvous and device wait: generous, because a large
 /// collective on a small machine is slow, and a bench should not time out.
@@ -36,16 +35,7 @@ fn config() -> SimConfig {
 pub fn measure(g: Geometry, warmup: usize, iters: usize) -> anyhow::Result<Measured> {
     let barrier = Arc::new(HostBarrier::new(g.n, DEADLINE));
     let results = SimWorld::run(g.n, config(), move |comm| {
-        let out = match g.dtype {
-            chorus_devices::DType::F32 => measure_rank::<SimComm, f32>(&comm, g, &barrier, warmup, iters),
-            chorus_devices::DType::F64 => measure_rank::<SimComm, f64>(&comm, g, &barrier, warmup, iters),
-            chorus_devices::DType::F16 => measure_rank::<SimComm, f16>(&comm, g, &barrier, warmup, iters),
-            chorus_devices::DType::BF16 => measure_rank::<SimComm, bf16>(&comm, g, &barrier, warmup, iters),
-            chorus_devices::DType::I32 => measure_rank::<SimComm, i32>(&comm, g, &barrier, warmup, iters),
-            chorus_devices::DType::I64 => measure_rank::<SimComm, i64>(&comm, g, &barrier, warmup, iters),
-            chorus_devices::DType::I8 => measure_rank::<SimComm, i8>(&comm, g, &barrier, warmup, iters),
-            chorus_devices::DType::U8 => measure_rank::<SimComm, u8>(&comm, g, &barrier, warmup, iters),
-        };
+        let out = with_element!(g.dtype, T => measure_rank::<SimComm, T>(&comm, g, &barrier, warmup, iters));
         if let Err(e) = &out {
             // Peers may wait for this rank at the barrier or in a collective.
             barrier.cancel();

@@ -30,11 +30,11 @@ use chorus_collectives::nccl_abi::{DataType, RedOp, ResultCode};
 use chorus_collectives::vendor::{VendorComm, VendorConfig, VendorLib};
 use chorus_collectives::{CommError, Communicator, ReduceOp};
 use chorus_conformance::vendor::HarnessDevice;
-use chorus_devices::{bf16, f16, Backend, Buffer, Device, Element, ForeignBackend, Priority, Stream};
+use chorus_devices::{Backend, Buffer, Device, Element, ForeignBackend, Priority, Stream};
 
 use super::measure_rank;
 use super::timing::{median_window, HostBarrier, Spans};
-use super::{Geometry, Measured, Op};
+use super::{with_element, Geometry, Measured, Op};
 
 /// Deadline of initialization and of every wait.
 const DEADLINE: Duration = Duration::from_secs(600);
@@ -101,16 +101,7 @@ where
     let prefix = format!("bench/checked/{}/{}", g.op.name(), g.size);
     let comm = Checked::wrap(comm, side, &prefix, DEADLINE);
     comm.backend().set_enabled(false);
-    let out = match g.dtype {
-        chorus_devices::DType::F32 => run::<L, f32>(&comm, g, barrier, warmup, iters),
-        chorus_devices::DType::F64 => run::<L, f64>(&comm, g, barrier, warmup, iters),
-        chorus_devices::DType::F16 => run::<L, f16>(&comm, g, barrier, warmup, iters),
-        chorus_devices::DType::BF16 => run::<L, bf16>(&comm, g, barrier, warmup, iters),
-        chorus_devices::DType::I32 => run::<L, i32>(&comm, g, barrier, warmup, iters),
-        chorus_devices::DType::I64 => run::<L, i64>(&comm, g, barrier, warmup, iters),
-        chorus_devices::DType::I8 => run::<L, i8>(&comm, g, barrier, warmup, iters),
-        chorus_devices::DType::U8 => run::<L, u8>(&comm, g, barrier, warmup, iters),
-    };
+    let out = with_element!(g.dtype, T => run::<L, T>(&comm, g, barrier, warmup, iters));
     if let Err(e) = &out {
         comm.abort(&format!("{e:#}"));
     }

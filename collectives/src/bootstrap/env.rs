@@ -140,6 +140,14 @@ const RELEVANT: [&str; 14] = [
     "PMI_",
 ];
 
+/// A process's place, as a launcher's four numbers give it.
+struct Ranks {
+    rank: usize,
+    world_size: usize,
+    local_rank: usize,
+    local_world_size: usize,
+}
+
 struct Vars<'a> {
     vars: &'a HashMap<String, String>,
     launcher: Launcher,
@@ -274,42 +282,45 @@ impl LaunchEnv {
         Ok(env)
     }
 
-    fn torchrun(mut v: Vars<'_>) -> Result<LaunchEnv, EnvError> {
-        let rank = v.number(&["RANK"])?;
-        let world_size = v.number(&["WORLD_SIZE"])?;
-        let local_rank = v.number(&["LOCAL_RANK"])?;
-        let local_world_size = v.number(&["LOCAL_WORLD_SIZE"])?;
+    /// Reads the rank, world size, local rank and local world size from the
+    /// variables `names` (in that order) and the store's address from
+    /// `MASTER_ADDR`/`MASTER_PORT`; names every missing one at once.
+    fn ranks_and_store(v: &mut Vars<'_>, names: [&str; 4]) -> Result<(Ranks, String, u16), EnvError> {
+        let rank = v.number(&[names[0]])?;
+        let world_size = v.number(&[names[1]])?;
+        let local_rank = v.number(&[names[2]])?;
+        let local_world_size = v.number(&[names[3]])?;
         let master_addr = v.first(&["MASTER_ADDR"]).map(|(a, _)| a.trim().to_string());
         let master_port = match v.first(&["MASTER_PORT"]) {
             Some((p, name)) => Some(parse_port(&name, p)?),
             None => None,
         };
         v.finish_missing()?;
-        let (
-            Some(rank),
-            Some(world_size),
-            Some(local_rank),
-            Some(local_world_size),
-            Some(master_addr),
-            Some(master_port),
-        ) = (rank, world_size, local_rank, local_world_size, master_addr, master_port)
-        else {
-            return Err(EnvError::Missing { launcher: v.launcher, missing: v.missing.clone(), found: v.found() });
-        };
+        match (rank, world_size, local_rank, local_world_size, master_addr, master_port) {
+            (Some(rank), Some(world_size), Some(local_rank), Some(local_world_size), Some(addr), Some(port)) => {
+                Ok((Ranks { rank, world_size, local_rank, local_world_size }, addr, port))
+            }
+            _ => Err(EnvError::Missing { launcher: v.launcher, missing: v.missing.clone(), found: v.found() }),
+        }
+    }
+
+    fn torchrun(mut v: Vars<'_>) -> Result<LaunchEnv, EnvError> {
+        let (r, master_addr, master_port) =
+            Self::ranks_and_store(&mut v, ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"])?;
         let node_rank = match v.raw("GROUP_RANK") {
             Some(g) => parse_number("GROUP_RANK", g)?,
-            None => rank / local_world_size.max(1),
+            None => r.rank / r.local_world_size.max(1),
         };
         let restart_count = match v.raw("TORCHELASTIC_RESTART_COUNT") {
-            Some(r) => parse_number("TORCHELASTIC_RESTART_COUNT", r)? as u32,
+            Some(c) => parse_number("TORCHELASTIC_RESTART_COUNT", c)? as u32,
             None => 0,
         };
         Ok(LaunchEnv {
             launcher: v.launcher,
-            rank,
-            world_size,
-            local_rank,
-            local_world_size,
+            rank: r.rank,
+            world_size: r.world_size,
+            local_rank: r.local_rank,
+            local_world_size: r.local_world_size,
             node_rank,
             master_addr,
             master_port,
@@ -319,37 +330,17 @@ impl LaunchEnv {
         })
     }
 
+    /// MPI launchers do not name a store: the job says where rank 0 hosts it.
     fn mpi(mut v: Vars<'_>, names: [&str; 4]) -> Result<LaunchEnv, EnvError> {
-        let rank = v.number(&[names[0]])?;
-        let world_size = v.number(&[names[1]])?;
-        let local_rank = v.number(&[names[2]])?;
-        let local_world_size = v.number(&[names[3]])?;
-        // MPI launchers do not name a store: the job says where rank 0 hosts it.
-        let master_addr = v.first(&["MASTER_ADDR"]).map(|(a, _)| a.trim().to_string());
-        let master_port = match v.first(&["MASTER_PORT"]) {
-            Some((p, name)) => Some(parse_port(&name, p)?),
-            None => None,
-        };
-        v.finish_missing()?;
-        let (
-            Some(rank),
-            Some(world_size),
-            Some(local_rank),
-            Some(local_world_size),
-            Some(master_addr),
-            Some(master_port),
-        ) = (rank, world_size, local_rank, local_world_size, master_addr, master_port)
-        else {
-            return Err(EnvError::Missing { launcher: v.launcher, missing: v.missing.clone(), found: v.found() });
-        };
+        let (r, master_addr, master_port) = Self::ranks_and_store(&mut v, names)?;
         Ok(LaunchEnv {
             launcher: v.launcher,
-            rank,
-            world_size,
-            local_rank,
-            local_world_size,
+            rank: r.rank,
+            world_size: r.world_size,
+            local_rank: r.local_rank,
+            local_world_size: r.local_world_size,
             // MPI does not export the node index; ranks fill nodes in blocks by default.
-            node_rank: rank / local_world_size.max(1),
+            node_rank: r.rank / r.local_world_size.max(1),
             master_addr,
             master_port,
             restart_count: 0,

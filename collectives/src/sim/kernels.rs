@@ -10,7 +10,7 @@
 use chorus_devices::cpu::RawRange;
 use chorus_devices::DType;
 
-use super::reduce::{combine, finish, start, with_dtype, Reducible};
+use super::reduce::{combine, finish, share, start, with_dtype, Reducible};
 use crate::{CommError, ReduceOp, Result};
 
 /// Elements per step of a reduction: the accumulator (and the slices read)
@@ -47,14 +47,6 @@ fn copy_bytes(src: *const u8, dst: *mut u8, len: usize) {
     // touches during this collective (see the module doc); distinct ranges of
     // a collective never partially overlap (validated before launch).
     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
-}
-
-/// The `i`-th of `n` balanced shares of `0..len`.
-fn share(len: usize, n: usize, i: usize) -> (usize, usize) {
-    let base = len / n;
-    let extra = len % n;
-    let lo = i * base + i.min(extra);
-    (lo, lo + base + usize::from(i < extra))
 }
 
 /// Reduces `len` elements starting at element `in_off` of every input into
@@ -181,25 +173,5 @@ impl Work<'_> {
             copy_bytes(src, dst, bytes);
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::share;
-
-    #[test]
-    fn shares_cover_the_range_once() {
-        for len in [0, 1, 7, 1023, 1 << 20] {
-            for n in 1..=8 {
-                let mut next = 0;
-                for i in 0..n {
-                    let (lo, hi) = share(len, n, i);
-                    assert_eq!(lo, next);
-                    next = hi;
-                }
-                assert_eq!(next, len);
-            }
-        }
     }
 }

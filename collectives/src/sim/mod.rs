@@ -25,13 +25,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use chorus_devices::cpu::{self, Access, Cpu, CpuConfig, CpuDevice, CpuStream, JobInput, RawRange};
+use chorus_devices::cpu::{Access, Cpu, CpuConfig, CpuDevice, CpuStream, JobInput, RawRange};
 use chorus_devices::{DeviceError, Stream};
 
 use world::{AbortState, Arrival, Posted, WorldShared};
 pub use world::{Fault, FaultKind};
 
-use crate::backend::{Call, CallKind, Capabilities, CommBackend, OpKind};
+use crate::backend::{Call, Capabilities, CommBackend, OpKind};
 use crate::{CommError, Communicator, ReduceOp, Result};
 
 /// Settings of a simulated world.
@@ -176,61 +176,16 @@ pub(crate) struct Prepared {
 
 impl SimComm {
     fn prepare(&self, call: &Call<'_, Cpu>, accesses: &mut Vec<Access>) -> Prepared {
-        let me = self.rank;
-        let mut p = Prepared {
+        let b = crate::host_call::resolve(call, self.rank, accesses);
+        Prepared {
             seq: call.seq,
             fingerprint: call.fingerprint,
             op: call.kind.kind(),
-            reduce: ReduceOp::Sum,
-            root: 0,
-            send: None,
-            recv: None,
-        };
-        let mut read = |v: chorus_devices::View<'_, Cpu>| {
-            accesses.push(Access::read(v));
-            Some(cpu::raw(v))
-        };
-        match &call.kind {
-            CallKind::AllReduce { send, recv, op } | CallKind::ReduceScatter { send, recv, op } => {
-                p.reduce = *op;
-                p.send = read(*send);
-                accesses.push(Access::write(*recv));
-                p.recv = Some(cpu::raw(*recv));
-            }
-            CallKind::AllGather { send, recv } | CallKind::AllToAll { send, recv } => {
-                p.send = read(*send);
-                accesses.push(Access::write(*recv));
-                p.recv = Some(cpu::raw(*recv));
-            }
-            CallKind::Broadcast { send, recv, root } => {
-                p.root = *root;
-                if me == *root {
-                    p.send = read(*send);
-                }
-                accesses.push(Access::write(*recv));
-                p.recv = Some(cpu::raw(*recv));
-            }
-            CallKind::Reduce { send, recv, op, root } => {
-                p.reduce = *op;
-                p.root = *root;
-                p.send = read(*send);
-                if me == *root {
-                    accesses.push(Access::write(*recv));
-                    p.recv = Some(cpu::raw(*recv));
-                }
-            }
-            CallKind::Send { buf, peer } => {
-                p.root = *peer;
-                p.send = read(*buf);
-            }
-            CallKind::Recv { buf, peer } => {
-                p.root = *peer;
-                accesses.push(Access::write(*buf));
-                p.recv = Some(cpu::raw(*buf));
-            }
-            CallKind::Barrier => {}
+            reduce: b.reduce,
+            root: b.root,
+            send: b.send,
+            recv: b.recv,
         }
-        p
     }
 }
 

@@ -35,7 +35,7 @@ use chorus_devices::DType;
 use super::engine::{Completion, Region, Scratch};
 use super::wire::{tag, Kind};
 use super::{result, Core};
-use crate::arith::{combine, finish, partial_op, start, with_dtype};
+use crate::arith::{combine, finish, partial_op, share, start, with_dtype};
 use crate::backend::OpKind;
 use crate::{CommError, ReduceOp, Result};
 
@@ -79,14 +79,6 @@ pub(crate) struct Exec<'a> {
 
 fn missing(what: &str) -> CommError {
     CommError::invalid("ucx", format!("the call has no {what} buffer"))
-}
-
-/// The `i`-th of `n` balanced shares of `0..len`.
-pub(crate) fn share(len: usize, n: usize, i: usize) -> (usize, usize) {
-    let base = len / n;
-    let extra = len % n;
-    let lo = i * base + i.min(extra);
-    (lo, lo + base + usize::from(i < extra))
 }
 
 /// Elements as typed slices of raw memory.
@@ -673,24 +665,4 @@ pub(crate) fn receive(core: &Core, c: &Prepared) -> Result<()> {
     }
     x.wait(vec![x.recv(c.root, Kind::P2pData, Region::user(buf, 0, buf.bytes())?)?])?;
     x.wait(vec![x.send(c.root, Kind::P2pAck, Region::bytes(b"ok".to_vec()))?]).map(|_| ())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::share;
-
-    #[test]
-    fn shares_cover_the_range_once() {
-        for len in [0, 1, 7, 1023] {
-            for n in 1..=8 {
-                let mut next = 0;
-                for i in 0..n {
-                    let (lo, hi) = share(len, n, i);
-                    assert_eq!(lo, next);
-                    next = hi;
-                }
-                assert_eq!(next, len);
-            }
-        }
-    }
 }

@@ -55,7 +55,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use chorus_devices::cpu::{self, Access, Cpu, CpuDevice, CpuStream, JobInput};
+use chorus_devices::cpu::{Access, Cpu, CpuDevice, CpuStream, JobInput};
 use chorus_devices::{DeviceError, Stream};
 
 use algorithms::{Exec, Prepared};
@@ -63,7 +63,7 @@ use engine::{ControlTag, Engine, Event, Scratch};
 
 use crate::backend::{Call, CallKind, Capabilities, CommBackend, OpKind};
 use crate::bootstrap::Store;
-use crate::{CommError, Communicator, ReduceOp, Result};
+use crate::{CommError, Communicator, Result};
 
 /// Settings of a UCX communicator.
 #[derive(Clone, Debug)]
@@ -380,23 +380,19 @@ impl UcxComm {
         sent: &mut Vec<u64>,
         received: &mut Vec<u64>,
     ) -> Result<Prepared> {
-        let me = self.core.rank;
         let fp = call.fingerprint;
+        let b = crate::host_call::resolve(call, self.core.rank, accesses);
         let mut p = Prepared {
             seq: call.seq,
             fingerprint: fp.to_string(),
             op: call.kind.kind(),
             dtype: fp.dtype,
             count: fp.count,
-            reduce: ReduceOp::Sum,
-            root: 0,
-            send: None,
-            recv: None,
+            reduce: b.reduce,
+            root: b.root,
+            send: b.send,
+            recv: b.recv,
             p2p_no: 0,
-        };
-        let mut read = |v: chorus_devices::View<'_, Cpu>| {
-            accesses.push(Access::read(v));
-            Some(cpu::raw(v))
         };
         let next = |counters: &mut Vec<u64>, peer: usize| -> Result<u64> {
             let slot =
@@ -406,50 +402,17 @@ impl UcxComm {
             Ok(n)
         };
         match &call.kind {
-            CallKind::AllReduce { send, recv, op } | CallKind::ReduceScatter { send, recv, op } => {
-                p.reduce = *op;
-                p.send = read(*send);
-                accesses.push(Access::write(*recv));
-                p.recv = Some(cpu::raw(*recv));
-            }
-            CallKind::AllGather { send, recv } | CallKind::AllToAll { send, recv } => {
-                p.send = read(*send);
-                accesses.push(Access::write(*recv));
-                p.recv = Some(cpu::raw(*recv));
-            }
-            CallKind::Broadcast { send, recv, root } => {
-                p.root = *root;
-                if me == *root {
-                    p.send = read(*send);
-                }
-                accesses.push(Access::write(*recv));
-                p.recv = Some(cpu::raw(*recv));
-            }
-            CallKind::Reduce { send, recv, op, root } => {
-                p.reduce = *op;
-                p.root = *root;
-                p.send = read(*send);
-                if me == *root {
-                    accesses.push(Access::write(*recv));
-                    p.recv = Some(cpu::raw(*recv));
-                }
-            }
             CallKind::Send { buf, peer } => {
-                p.root = *peer;
-                p.send = read(*buf);
                 p.count = buf.len();
                 p.dtype = buf.dtype();
                 p.p2p_no = next(sent, *peer)?;
             }
             CallKind::Recv { buf, peer } => {
-                p.root = *peer;
-                accesses.push(Access::write(*buf));
-                p.recv = Some(cpu::raw(*buf));
                 p.count = buf.len();
                 p.dtype = buf.dtype();
                 p.p2p_no = next(received, *peer)?;
             }
-            CallKind::Barrier => {}
+            _ => {}
         }
         Ok(p)
     }
