@@ -24,6 +24,29 @@ pub struct RankProcess {
     run: i64,
 }
 
+/// Fails unless every rank was started with the same world size: each
+/// publishes its own, the others compare theirs with rank 0's and rank 0
+/// with everyone's. Before any other key, because the command keys below
+/// are numbered by world size, and ranks that disagree on it would
+/// otherwise wait for each other under different keys until they time out.
+fn check_world_sizes(env: &LaunchEnv, store: &dyn Store, timeout: Duration) -> anyhow::Result<()> {
+    let prefix = format!("chorus/world-size/{}/{}", env.run_id.as_deref().unwrap_or("run"), env.restart_count);
+    store.set(&format!("{prefix}/{}", env.rank), env.world_size.to_string().as_bytes())?;
+    let peers: Vec<usize> = if env.rank == 0 { (1..env.world_size).collect() } else { vec![0] };
+    for r in peers {
+        let theirs = store.get(&format!("{prefix}/{r}"), timeout).with_context(|| format!("waiting for rank {r}"))?;
+        let theirs = String::from_utf8_lossy(&theirs).trim().to_string();
+        if theirs != env.world_size.to_string() {
+            anyhow::bail!(
+                "rank {r} joined a world of {theirs} ranks; rank {} a world of {} (the launcher's variables disagree)",
+                env.rank,
+                env.world_size
+            );
+        }
+    }
+    Ok(())
+}
+
 impl RankProcess {
     /// The job this process belongs to, or `None` when no launcher started it.
     pub fn detect() -> anyhow::Result<Option<RankProcess>> {
@@ -33,6 +56,7 @@ impl RankProcess {
             Ok(env) => {
                 let rendezvous = connect_from_env(&env, &ConnectOptions::default())
                     .with_context(|| format!("rank {} joining the job's store", env.rank))?;
+                check_world_sizes(&env, &*rendezvous.store(), RankProcess::ucx_timeout(Duration::from_secs(300)))?;
                 // Every rank of a command counts itself in before any rank can
                 // finish it (`finish` waits for all), so the count tells the
                 // commands of one job apart and their keys never mix.

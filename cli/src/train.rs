@@ -979,12 +979,21 @@ fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
         let step = median(timed);
         let overhead = r.overhead.total.as_secs_f64() / (r.groups * (steps + warmup)) as f64;
         let peak = reports.iter().map(|r| r.peak_memory_bytes).max().unwrap_or(0);
+        // Where a step's time goes: each stage's median, and each hook's share of the overhead.
+        let per_group_step = (r.groups * (steps + warmup)).max(1) as f64;
+        let hooks: Vec<(&str, f64)> = chorus_fsdp::Hook::ALL
+            .iter()
+            .map(|h| (h.name(), r.overhead.hook(*h).total.as_secs_f64() / per_group_step))
+            .filter(|(_, t)| *t > 0.0)
+            .collect();
         if args.json {
             say(format_args!(
                 "{}",
                 json!({"world_size": world, "groups": r.groups, "layers": dims.len() - 1, "width": dims[1],
                        "batch": args.batch, "median_step_time_s": step, "host_overhead_per_group_per_step_s": overhead,
-                       "peak_memory_bytes": peak})
+                       "peak_memory_bytes": peak,
+                       "stage_median_s": r.stage_times_s.iter().map(|(n, t)| (n.to_string(), json!(t))).collect::<serde_json::Map<_, _>>(),
+                       "hook_overhead_per_group_per_step_s": hooks.iter().map(|(n, t)| (n.to_string(), json!(t))).collect::<serde_json::Map<_, _>>()})
             ))?;
         } else {
             say(format_args!(
@@ -994,6 +1003,10 @@ fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
                 overhead * 1e6,
                 peak as f64 / 1024.0
             ))?;
+            let stages: Vec<String> = r.stage_times_s.iter().map(|(n, t)| format!("{n} {:.3}", t * 1e3)).collect();
+            say(format_args!("#   step stages, ms (median): {}", stages.join(", ")))?;
+            let hooks: Vec<String> = hooks.iter().map(|(n, t)| format!("{n} {:.2}", t * 1e6)).collect();
+            say(format_args!("#   overhead by hook, us/group/step: {}", hooks.join(", ")))?;
         }
     }
     Ok(Outcome::Passed)

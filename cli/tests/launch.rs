@@ -2,51 +2,17 @@
 //! Every test is bounded (a launcher still running after its limit is
 //! killed and the test fails).
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-fn chorus() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_chorus"))
-}
-
-/// Waits for `child` at most `limit`, then kills it and fails.
-fn wait_bounded(mut child: Child, limit: Duration) -> Output {
-    let start = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!("still running after {limit:?}; stderr: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    child.wait_with_output().unwrap()
-}
+use common::{assert_all_dead, chorus, free_port, scratch, text, wait_bounded};
 
 fn launch(args: &[&str], limit: Duration) -> Output {
     let child = chorus().arg("launch").args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     wait_bounded(child, limit)
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
-/// A fresh directory for pid files.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("chorus-launch-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// Whether a process runs (a zombie does not: it has exited).
-fn alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')),
-        Err(_) => false,
-    }
 }
 
 /// The pids the ranks wrote, once all `n` files exist (bounded).
@@ -62,22 +28,6 @@ fn pids(dir: &Path, n: usize) -> Vec<u32> {
         assert!(start.elapsed() < Duration::from_secs(10), "ranks did not start");
         std::thread::sleep(Duration::from_millis(10));
     }
-}
-
-fn assert_all_dead(pids: &[u32]) {
-    let start = Instant::now();
-    while pids.iter().any(|&p| alive(p)) {
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "left running: {:?}",
-            pids.iter().filter(|&&p| alive(p)).collect::<Vec<_>>()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 #[test]

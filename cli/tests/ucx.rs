@@ -4,9 +4,13 @@
 //! after its limit is killed and the test fails).
 #![cfg(feature = "ucx")]
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use common::{chorus, chorus_path, free_port, run_bounded as run, scratch, text, wait_bounded};
 
 use chorus_collectives::bootstrap::TcpStoreServer;
 
@@ -16,60 +20,6 @@ static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn turn() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn chorus_path() -> &'static str {
-    env!("CARGO_BIN_EXE_chorus")
-}
-
-fn chorus() -> Command {
-    Command::new(chorus_path())
-}
-
-/// Waits for `child` at most `limit`, then kills it and fails.
-fn wait_bounded(mut child: Child, limit: Duration) -> Output {
-    let start = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!("still running after {limit:?}; stdout: {}\nstderr: {}", text(&out.stdout), text(&out.stderr));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
-/// Runs `cmd` to the end (at most `limit`), its output going to files so a
-/// long output cannot fill a pipe nobody reads while waiting.
-fn run(cmd: &mut Command, limit: Duration) -> Output {
-    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let dir = std::env::temp_dir().join(format!("chorus-ucx-out-{}-{n}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let (o, e) = (dir.join("stdout"), dir.join("stderr"));
-    let child =
-        cmd.stdout(std::fs::File::create(&o).unwrap()).stderr(std::fs::File::create(&e).unwrap()).spawn().unwrap();
-    let mut out = wait_bounded(child, limit);
-    out.stdout = std::fs::read(&o).unwrap_or_default();
-    out.stderr = std::fs::read(&e).unwrap_or_default();
-    let _ = std::fs::remove_dir_all(&dir);
-    out
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("chorus-ucx-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 /// A float32 `.npy` file's values (the little-endian `<f4` files `chorus train` writes).
@@ -133,21 +83,12 @@ fn the_whole_suite_passes_across_four_processes() {
 }
 
 fn train_args<'a>(out: &'a str, init: Option<&'a str>) -> Vec<&'a str> {
-    let mut v = vec![
-        "train",
-        "--world-size",
-        "4",
-        "--steps",
-        "6",
-        "--dims",
-        "24,80,48,6",
-        "--optimizer",
-        "adamw",
-        "--out-dir",
-        out,
-    ];
-    if let Some(dir) = init {
-        v.extend(["--init-dir", dir]);
+    let mut v =
+        vec!["train", "--model", "mlp", "--world-size", "4", "--steps", "6", "--optimizer", "adamw", "--out-dir", out];
+    // The init directory gives the model; without one, these widths.
+    match init {
+        Some(dir) => v.extend(["--init-dir", dir]),
+        None => v.extend(["--dims", "24,80,48,6"]),
     }
     v
 }
@@ -265,6 +206,8 @@ fn a_rank_killed_mid_collective_makes_every_other_rank_fail_with_a_typed_error()
     // FSDP training: every rank in collectives all the time.
     let args = [
         "train",
+        "--model",
+        "mlp",
         "--backend",
         "ucx",
         "--steps",

@@ -39,7 +39,7 @@ pub use error::{FsdpError, Result};
 pub use optim::{OptimizerKind, ShardedOptimizer};
 pub use param::ParamInit;
 pub use param_group::{ShardedState, TrainingState};
-pub use state::{CommCounts, Fsdp, HostOverhead, UnshardHandle};
+pub use state::{CommCounts, Fsdp, Hook, HookTime, HostOverhead, UnshardHandle};
 
 // Shorthands for the backend types behind a communicator.
 pub(crate) type B<C> = <C as CommBackend>::B;

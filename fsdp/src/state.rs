@@ -29,13 +29,96 @@ pub struct CommCounts {
     pub all_reduces: usize,
 }
 
-/// Host time spent inside FSDP's hooks (they only enqueue, so this is FSDP's overhead).
+/// An FSDP entry point whose host time is counted in [`HostOverhead`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Hook {
+    /// [`Fsdp::add_group`] and [`Fsdp::add_group_with`].
+    AddGroup,
+    /// [`Fsdp::unshard`] (explicit or prefetch).
+    Unshard,
+    /// [`Fsdp::wait_unshard`].
+    WaitUnshard,
+    /// [`Fsdp::pre_forward`].
+    PreForward,
+    /// [`Fsdp::post_forward`].
+    PostForward,
+    /// [`Fsdp::pre_backward`].
+    PreBackward,
+    /// [`Fsdp::post_backward`].
+    PostBackward,
+    /// [`Fsdp::finalize_backward`].
+    FinalizeBackward,
+}
+
+impl Hook {
+    /// Every hook, in the order of a step.
+    pub const ALL: [Hook; 8] = [
+        Hook::AddGroup,
+        Hook::Unshard,
+        Hook::WaitUnshard,
+        Hook::PreForward,
+        Hook::PostForward,
+        Hook::PreBackward,
+        Hook::PostBackward,
+        Hook::FinalizeBackward,
+    ];
+
+    /// The hook's name, as reports print it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Hook::AddGroup => "add_group",
+            Hook::Unshard => "unshard",
+            Hook::WaitUnshard => "wait_unshard",
+            Hook::PreForward => "pre_forward",
+            Hook::PostForward => "post_forward",
+            Hook::PreBackward => "pre_backward",
+            Hook::PostBackward => "post_backward",
+            Hook::FinalizeBackward => "finalize_backward",
+        }
+    }
+}
+
+/// Host time in one hook: the sum over its calls, and how many.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HookTime {
+    /// Total time.
+    pub total: Duration,
+    /// Number of calls.
+    pub calls: usize,
+}
+
+/// Host time spent inside FSDP's hooks (they only enqueue, so this is
+/// FSDP's overhead), in total and per hook, so a slow step can be traced
+/// to the hook that took the time.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HostOverhead {
     /// Total time in hooks.
     pub total: Duration,
     /// Number of hook calls.
     pub calls: usize,
+    /// The same per hook, indexed as [`Hook::ALL`].
+    pub by_hook: [HookTime; Hook::ALL.len()],
+}
+
+impl HostOverhead {
+    /// The time spent since `earlier` (a reading of the same [`Fsdp`]).
+    pub fn since(&self, earlier: &HostOverhead) -> HostOverhead {
+        let mut by_hook = self.by_hook;
+        for (h, e) in by_hook.iter_mut().zip(&earlier.by_hook) {
+            h.total = h.total.saturating_sub(e.total);
+            h.calls = h.calls.saturating_sub(e.calls);
+        }
+        HostOverhead {
+            total: self.total.saturating_sub(earlier.total),
+            calls: self.calls.saturating_sub(earlier.calls),
+            by_hook,
+        }
+    }
+
+    /// The time in `hook`.
+    pub fn hook(&self, hook: Hook) -> HookTime {
+        self.by_hook[hook as usize]
+    }
 }
 
 /// FSDP for one rank: the root state, its groups, streams and policies.
@@ -164,7 +247,7 @@ impl<C: CommBackend> Fsdp<C> {
         }
         let mp = self.config.mixed_precision;
         self.groups.push(Group::new(name, out, layout, post_forward, reshard, mp));
-        self.note_overhead(t0);
+        self.note_overhead(Hook::AddGroup, t0);
         Ok(self.groups.len() - 1)
     }
 
@@ -187,9 +270,13 @@ impl<C: CommBackend> Fsdp<C> {
         Ok(c)
     }
 
-    fn note_overhead(&mut self, t0: Instant) {
-        self.overhead.total += t0.elapsed();
+    fn note_overhead(&mut self, hook: Hook, t0: Instant) {
+        let dt = t0.elapsed();
+        self.overhead.total += dt;
         self.overhead.calls += 1;
+        let h = &mut self.overhead.by_hook[hook as usize];
+        h.total += dt;
+        h.calls += 1;
     }
 
     fn group(&self, g: usize) -> Result<&Group<C>> {
@@ -321,7 +408,7 @@ impl<C: CommBackend> Fsdp<C> {
         if !async_op {
             self.groups[g].wait_for_unshard(&mut self.ctx)?;
         }
-        self.note_overhead(t0);
+        self.note_overhead(Hook::Unshard, t0);
         Ok(UnshardHandle { group: g })
     }
 
@@ -331,7 +418,7 @@ impl<C: CommBackend> Fsdp<C> {
         let t0 = Instant::now();
         self.group(handle.group)?;
         self.groups[handle.group].wait_for_unshard(&mut self.ctx)?;
-        self.note_overhead(t0);
+        self.note_overhead(Hook::WaitUnshard, t0);
         Ok(())
     }
 
@@ -360,7 +447,7 @@ impl<C: CommBackend> Fsdp<C> {
         for t in self.groups[g].forward_prefetch.clone() {
             self.groups[t].unshard(&mut self.ctx)?;
         }
-        self.note_overhead(t0);
+        self.note_overhead(Hook::PreForward, t0);
         Ok(())
     }
 
@@ -375,7 +462,7 @@ impl<C: CommBackend> Fsdp<C> {
         let index = self.post_forward_order.len();
         self.groups[g].post_forward(&self.ctx, index)?;
         self.post_forward_order.push(g);
-        self.note_overhead(t0);
+        self.note_overhead(Hook::PostForward, t0);
         Ok(())
     }
 
@@ -395,7 +482,7 @@ impl<C: CommBackend> Fsdp<C> {
         for t in self.groups[g].backward_prefetch_targets(&self.post_forward_order) {
             self.groups[t].unshard(&mut self.ctx)?;
         }
-        self.note_overhead(t0);
+        self.note_overhead(Hook::PreBackward, t0);
         Ok(())
     }
 
@@ -409,7 +496,7 @@ impl<C: CommBackend> Fsdp<C> {
         }
         let plan = ReducePlan::new(&self.ctx.dp, grp.mp.reduce(), self.config.force_sum, self.config.divide_factor);
         self.groups[g].post_backward(&mut self.ctx, plan)?;
-        self.note_overhead(t0);
+        self.note_overhead(Hook::PostBackward, t0);
         Ok(())
     }
 
@@ -435,7 +522,7 @@ impl<C: CommBackend> Fsdp<C> {
         }
         self.post_forward_order.clear();
         self.root_ready = false;
-        self.note_overhead(t0);
+        self.note_overhead(Hook::FinalizeBackward, t0);
         Ok(())
     }
 

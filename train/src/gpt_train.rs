@@ -191,10 +191,7 @@ where
         losses,
         step_times_s: times,
         peak_memory_bytes: stats.peak_bytes,
-        overhead: HostOverhead {
-            total: after.total - overhead_before.total,
-            calls: after.calls - overhead_before.calls,
-        },
+        overhead: after.since(&overhead_before),
         adapter: AdapterTimes {
             transfer: adapter_after.transfer - adapter_before.transfer,
             compute: adapter_after.compute - adapter_before.compute,

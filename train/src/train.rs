@@ -121,6 +121,37 @@ pub struct TrainSpec {
     pub stop_on_nonfinite: bool,
 }
 
+/// The stages of a training step whose host time [`RankReport`] reports:
+/// the ones that only enqueue work, and the two that wait for the device
+/// (the loss read back, the end-of-step synchronize).
+pub const STAGES: [&str; 7] = [
+    "batch",
+    "forward+backward (enqueue)",
+    "finalize_backward (enqueue)",
+    "loss (waits for the device)",
+    "clip_grad_norm",
+    "optimizer step (enqueue)",
+    "synchronize (waits for the device)",
+];
+
+/// The median of each column of `rows`.
+fn column_medians(rows: &[[f64; STAGES.len()]]) -> Vec<(&'static str, f64)> {
+    STAGES
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let mut v: Vec<f64> = rows.iter().map(|r| r[i]).collect();
+            v.sort_by(|a, b| a.total_cmp(b));
+            let m = match v.len() {
+                0 => 0.0,
+                n if n % 2 == 1 => v[n / 2],
+                n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+            };
+            (*name, m)
+        })
+        .collect()
+}
+
 /// What one rank measured.
 #[derive(Clone, Debug)]
 pub struct RankReport {
@@ -134,6 +165,9 @@ pub struct RankReport {
     pub final_memory_bytes: usize,
     /// Host time in FSDP's hooks over the steps.
     pub overhead: HostOverhead,
+    /// Host time of each stage of a step, the median over the steps, in
+    /// step order (see [`STAGES`]): where a slow step's time goes.
+    pub stage_times_s: Vec<(&'static str, f64)>,
     /// Number of param groups.
     pub groups: usize,
     /// The final unsharded parameters.
@@ -186,12 +220,24 @@ where
     let rank = world.rank();
     let mut losses = Vec::new();
     let mut times = Vec::new();
+    let mut stages = Vec::with_capacity(spec.steps.min(1 << 16));
     for step in 0..spec.steps {
         let t0 = Instant::now();
+        let mut marks = [0.0; STAGES.len()];
+        let mut last = t0;
+        let mut mark = |i: usize| {
+            let now = Instant::now();
+            marks[i] = (now - last).as_secs_f64();
+            last = now;
+        };
         let (x, y) = spec.data.rows(step, rank * spec.batch, spec.batch)?;
+        mark(0);
         let loss = mlp.forward_backward(&mut fsdp, x, y)?;
+        mark(1);
         fsdp.finalize_backward()?;
+        mark(2);
         let mean = fsdp.mean_over_ranks(loss.view())?;
+        mark(3);
         if spec.stop_on_nonfinite && !mean.is_finite() {
             return Err(FsdpError::InvalidArgument(format!(
                 "the loss became {mean} at step {step}: stopping (a NaN or infinity in the data, the weights or the learning rate)"
@@ -200,9 +246,13 @@ where
         if let Some(max) = spec.max_grad_norm {
             fsdp.clip_grad_norm(max)?;
         }
+        mark(4);
         opt.step(&mut fsdp)?;
         fsdp.zero_grad();
+        mark(5);
         fsdp.synchronize()?;
+        mark(6);
+        stages.push(marks);
         times.push(t0.elapsed().as_secs_f64());
         losses.push(mean);
         on_step(step, mean);
@@ -215,10 +265,8 @@ where
         step_times_s: times,
         peak_memory_bytes: stats.peak_bytes,
         final_memory_bytes: stats.bytes_in_use,
-        overhead: HostOverhead {
-            total: after.total - overhead_before.total,
-            calls: after.calls - overhead_before.calls,
-        },
+        overhead: after.since(&overhead_before),
+        stage_times_s: column_medians(&stages),
         groups: fsdp.num_groups(),
         params,
     })

@@ -1,0 +1,83 @@
+//! What the CLI's end-to-end tests share: the binary, bounded waits,
+//! scratch directories, free ports and process liveness.
+#![allow(dead_code)] // each test file uses its own part
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Output};
+use std::time::{Duration, Instant};
+
+pub fn chorus_path() -> &'static str {
+    env!("CARGO_BIN_EXE_chorus")
+}
+
+pub fn chorus() -> Command {
+    Command::new(chorus_path())
+}
+
+pub fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Waits for `child` at most `limit`, then kills it and fails with its output.
+pub fn wait_bounded(mut child: Child, limit: Duration) -> Output {
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!("still running after {limit:?}; stdout: {}\nstderr: {}", text(&out.stdout), text(&out.stderr));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// Runs `cmd` to the end (at most `limit`), its output going to files so a
+/// long output cannot fill a pipe nobody reads while waiting.
+pub fn run_bounded(cmd: &mut Command, limit: Duration) -> Output {
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("chorus-cli-out-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (o, e) = (dir.join("stdout"), dir.join("stderr"));
+    let child =
+        cmd.stdout(std::fs::File::create(&o).unwrap()).stderr(std::fs::File::create(&e).unwrap()).spawn().unwrap();
+    let mut out = wait_bounded(child, limit);
+    out.stdout = std::fs::read(&o).unwrap_or_default();
+    out.stderr = std::fs::read(&e).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&dir);
+    out
+}
+
+/// A fresh, empty directory unique to this test process.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("chorus-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Whether a process runs (a zombie does not: it has exited).
+pub fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')),
+        Err(_) => false,
+    }
+}
+
+/// Fails unless every process of `pids` has exited within 5 s.
+pub fn assert_all_dead(pids: &[u32]) {
+    let start = Instant::now();
+    while pids.iter().any(|&p| alive(p)) {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "left running: {:?}",
+            pids.iter().filter(|&&p| alive(p)).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
