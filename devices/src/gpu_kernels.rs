@@ -518,32 +518,3 @@ extern "C" __global__ void __launch_bounds__(CHORUS_TILE * CHORUS_TILE) chorus_m
     }
 }
 "#;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_source_defines_every_named_kernel_once_with_the_shared_sizes() {
-        for name in NAMES {
-            let decl = format!(" {name}(");
-            assert_eq!(SOURCE.matches(&decl).count(), 1, "{name}");
-        }
-        assert_eq!(SOURCE.matches("extern \"C\" __global__").count(), NAMES.len());
-        for (define, value) in [("CHORUS_BLOCK", BLOCK), ("CHORUS_REDUCE_BLOCK", REDUCE_BLOCK), ("CHORUS_TILE", TILE)] {
-            assert!(SOURCE.contains(&format!("#define {define} {value}\n")), "{define}");
-        }
-        assert!(REDUCE_BLOCK.is_power_of_two() && REDUCE_BLOCK <= 1024);
-        assert!(!SOURCE.contains("asm"), "no vendor assembly in the shared source");
-    }
-
-    #[test]
-    fn codes_are_distinct_and_match_the_source() {
-        let all = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::I8, DType::U8];
-        for (i, d) in all.iter().enumerate() {
-            assert_eq!(code(*d), i as i32);
-            let tag = format!("#define T_{} {i}\n", d.name().to_uppercase());
-            assert!(SOURCE.contains(&tag), "{tag}");
-        }
-    }
-}
