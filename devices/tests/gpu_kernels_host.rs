@@ -406,8 +406,9 @@ fn cast(k: &HostKernels, src: &Data, dt: DType) -> Data {
 #[track_caller]
 fn assert_bits<T: Element + std::fmt::Debug>(what: &str, input: &[u64], got: &Data, expected: &[T]) {
     let expected = Data::of(expected);
-    for i in 0..got.len {
-        assert_eq!(got.bits(i), expected.bits(i), "{what} of {:#x}", input[i]);
+    assert_eq!(got.len, input.len(), "{what}");
+    for (i, pattern) in input.iter().enumerate() {
+        assert_eq!(got.bits(i), expected.bits(i), "{what} of {pattern:#x}");
     }
 }
 
