@@ -12,6 +12,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ -f ci/vendor-libs.sh ]; then source ci/vendor-libs.sh; fi
 if [ -f ci/vendor-hip.sh ]; then source ci/vendor-hip.sh; fi
 if [ -f ci/vendor-ucx.sh ]; then source ci/vendor-ucx.sh; fi
+if [ -f ci/vendor-cxx.sh ]; then source ci/vendor-cxx.sh; fi
 # ------------------------------------------------------------------------------
 
 # One target directory for fmt, clippy and the tests, so nothing builds twice
@@ -63,8 +64,8 @@ cargo test -p chorus-devices --features cuda --lib cuda
 cargo test -p chorus-devices --features cuda --test cuda_load
 cargo test -p chorus-collectives --features nccl --test nccl_load
 
-step "GPU backends: loading without a GPU (HIP from Debian's libamdhip64-5, hipRTC; RCCL absent)"
-cargo test -p chorus-devices --features rocm --test hip_load
+step "GPU backends: loading without a GPU (HIP from Debian's libamdhip64-5, hipRTC; RCCL absent); the shared kernel source run on the host (c++) against half and the cpu device"
+cargo test -p chorus-devices --features rocm --test hip_load --test gpu_kernels_host
 cargo test -p chorus-collectives --features rccl --test rccl_load
 
 step "all checks passed"

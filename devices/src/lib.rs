@@ -19,6 +19,8 @@ mod dtype;
 mod error;
 mod failure;
 mod foreign;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod gpu_kernels;
 #[cfg(feature = "rocm")]
 pub mod hip;
 pub mod host_fn;

@@ -6,6 +6,7 @@ use super::blas::BlasHandle;
 use super::kernels::{arg, code, REDUCE_BLOCK};
 use super::Cuda;
 use crate::checks;
+use crate::gpu_kernels::{AdamWScalars, SgdScalars};
 use crate::{AdamWParams, Buffer, DType, DeviceError, MatmulSpec, Result, Scalar, SgdParams, View};
 
 use super::stream::device_ptr;
@@ -211,21 +212,16 @@ impl crate::ComputeStream for CudaStream {
         let mut views = vec![param, grad];
         views.extend(momentum_buf);
         self.elementwise(op, &views, param.len(), |k, s, label| {
-            let use_momentum = params.momentum != 0.0 && momentum_buf.is_some();
+            let sc = SgdScalars::new(&params, momentum_buf.is_some());
             let (mut w, mut g, mut b, mut n) = (
                 device_ptr(&param),
                 device_ptr(&grad),
                 momentum_buf.map(|m| device_ptr(&m)).unwrap_or(0),
                 param.len() as u64,
             );
-            let (mut lr, mut wd, mut mom, mut damp) =
-                (params.lr as f32, params.weight_decay as f32, params.momentum as f32, (1.0 - params.dampening) as f32);
-            let (mut has_wd, mut use_m, mut first, mut nesterov) = (
-                (params.weight_decay != 0.0) as i32,
-                use_momentum as i32,
-                params.first_step as i32,
-                params.nesterov as i32,
-            );
+            let (mut lr, mut wd, mut mom, mut damp) = (sc.lr, sc.weight_decay, sc.momentum, sc.one_minus_dampening);
+            let (mut has_wd, mut use_m, mut first, mut nesterov) =
+                (sc.has_weight_decay, sc.use_momentum, sc.first_step, sc.nesterov);
             let mut args = [
                 arg(&mut w),
                 arg(&mut g),
@@ -257,16 +253,15 @@ impl crate::ComputeStream for CudaStream {
         checks::adamw_step(param, grad, exp_avg, exp_avg_sq)?;
         let views = [param, grad, exp_avg, exp_avg_sq];
         // The scalars as torch computes them (f64 in Python), applied in f32.
-        let step = params.step.max(1) as i32;
-        let bc1 = 1.0 - params.beta1.powi(step);
+        let sc = AdamWScalars::new(&params);
         let (mut decay, mut omb1, mut b2, mut omb2, mut bc2_sqrt, mut step_size, mut eps) = (
-            (1.0 - params.lr * params.weight_decay) as f32,
-            (1.0 - params.beta1) as f32,
-            params.beta2 as f32,
-            (1.0 - params.beta2) as f32,
-            (1.0 - params.beta2.powi(step)).sqrt() as f32,
-            (params.lr / bc1) as f32,
-            params.eps as f32,
+            sc.decay,
+            sc.one_minus_beta1,
+            sc.beta2,
+            sc.one_minus_beta2,
+            sc.bias_correction2_sqrt,
+            sc.step_size,
+            sc.eps,
         );
         self.elementwise(op, &views, param.len(), |k, s, label| {
             let (mut w, mut g, mut m, mut v, mut n) = (

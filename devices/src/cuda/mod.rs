@@ -42,9 +42,9 @@
 //!   `cuLaunchHostFunc`: the host function (which may not call CUDA) copies
 //!   the bytes out, completes the [`crate::Readback`] and returns the block
 //!   to a pool. So a readback completes exactly when its copy has run;
-//! - the **compute operations** are NVRTC-compiled kernels
-//!   ([`kernels`](self) source, compiled once per compute capability per
-//!   process, loaded once per device); `matmul` is `cublasGemmEx` with f32
+//! - the **compute operations** are the kernels of the source shared with
+//!   the hip device ([`crate::gpu_kernels`]), compiled by NVRTC once per
+//!   compute capability per process and loaded once per device; `matmul` is `cublasGemmEx` with f32
 //!   compute for f16/bf16/f32 (f64 for f64), one handle per stream;
 //! - **loading**: before cudarc is touched, [`driver_library`],
 //!   [`nvrtc_library`] and [`cublas_library`] probe the libraries the way

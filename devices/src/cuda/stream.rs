@@ -471,13 +471,13 @@ impl crate::Stream for CudaStream {
                     _ => {
                         let mut word = [0u8; 8];
                         word.copy_from_slice(&pattern);
-                        let (mut p, mut count, mut w) = (ptr, n as u64, u64::from_le_bytes(word));
+                        let (mut p, mut width, mut count, mut w) = (ptr, 8i32, n as u64, u64::from_le_bytes(word));
                         let k = kernels.as_ref().ok_or_else(|| DeviceError::invalid("fill", "no kernels"))?;
                         k.launch(
-                            "chorus_fill_u64",
+                            "chorus_fill",
                             n as u64,
                             s,
-                            &mut [arg(&mut p), arg(&mut count), arg(&mut w)],
+                            &mut [arg(&mut p), arg(&mut width), arg(&mut count), arg(&mut w)],
                             &label,
                         )
                     }

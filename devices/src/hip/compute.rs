@@ -2,9 +2,10 @@
 //! optimizer kernels of [`ComputeStream`](crate::ComputeStream)), apart from
 //! the core operations a communicator needs (`stream.rs`).
 
-use super::kernels::{Args, Kernel, TILE};
+use super::kernels::Args;
 use super::Hip;
 use crate::checks;
+use crate::gpu_kernels::{code, AdamWScalars, SgdScalars, TILE};
 use crate::{AdamWParams, DeviceError, MatmulSpec, Result, SgdParams, View};
 
 use super::stream::{Dims, Reads};
@@ -23,11 +24,14 @@ impl crate::ComputeStream for HipStream {
         };
         let grid = (tiles(n)?, tiles(m)?.min(65_535));
         let inputs = [(a, Reads::Whole), (b, Reads::Whole)];
-        self.launch(op, Kernel::Matmul(a.dtype(), c.dtype()), &inputs, c, Dims { grid, block: (TILE, TILE) }, |p, d| {
+        let (t, ct) = (code(a.dtype()), code(c.dtype()));
+        self.launch(op, "chorus_matmul", &inputs, c, Dims { grid, block: (TILE, TILE) }, |p, d| {
             Args::default()
                 .ptr(p[0])
                 .ptr(p[1])
+                .i32(t)
                 .ptr(d)
+                .i32(ct)
                 .u64(m as u64)
                 .u64(n as u64)
                 .u64(k as u64)
@@ -43,9 +47,9 @@ impl crate::ComputeStream for HipStream {
         if n == 0 {
             return self.enqueue(|_| Ok(()));
         }
-        let k = Kernel::BiasAdd(x.dtype(), bias.dtype());
-        self.launch("bias_add", k, &[(bias, Reads::Whole)], x, Dims::linear(n), |p, d| {
-            Args::default().ptr(d).ptr(p[0]).u64(n as u64).u64(cols as u64)
+        let (xt, bt) = (code(x.dtype()), code(bias.dtype()));
+        self.launch("bias_add", "chorus_bias_add", &[(bias, Reads::Whole)], x, Dims::linear(n), |p, d| {
+            Args::default().ptr(d).i32(xt).ptr(p[0]).i32(bt).u64(n as u64).u64(cols as u64)
         })
     }
 
@@ -55,8 +59,9 @@ impl crate::ComputeStream for HipStream {
         if n == 0 {
             return self.enqueue(|_| Ok(()));
         }
-        self.launch("relu", Kernel::Relu(x.dtype()), &[(x, Reads::Elementwise)], y, Dims::linear(n), |p, d| {
-            Args::default().ptr(p[0]).ptr(d).u64(n as u64)
+        let t = code(x.dtype());
+        self.launch("relu", "chorus_relu", &[(x, Reads::Elementwise)], y, Dims::linear(n), |p, d| {
+            Args::default().ptr(p[0]).ptr(d).i32(t).u64(n as u64)
         })
     }
 
@@ -68,8 +73,9 @@ impl crate::ComputeStream for HipStream {
             return self.enqueue(|_| Ok(()));
         }
         let inputs = [(grad_out, Reads::Elementwise), (out, Reads::Elementwise)];
-        self.launch(op, Kernel::ReluBackward(out.dtype()), &inputs, grad_in, Dims::linear(n), |p, d| {
-            Args::default().ptr(p[0]).ptr(p[1]).ptr(d).u64(n as u64)
+        let t = code(out.dtype());
+        self.launch(op, "chorus_relu_backward", &inputs, grad_in, Dims::linear(n), |p, d| {
+            Args::default().ptr(p[0]).ptr(p[1]).ptr(d).i32(t).u64(n as u64)
         })
     }
 
@@ -77,10 +83,10 @@ impl crate::ComputeStream for HipStream {
         let op = "mse_loss";
         checks::mse_loss(pred, target, loss)?;
         let n = pred.len();
-        let k = Kernel::MseLoss(pred.dtype(), target.dtype(), loss.dtype());
+        let (pt, tt, lt) = (code(pred.dtype()), code(target.dtype()), code(loss.dtype()));
         let inputs = [(pred, Reads::Whole), (target, Reads::Whole)];
-        self.launch(op, k, &inputs, loss, Dims::ONE_BLOCK, |p, d| {
-            Args::default().ptr(p[0]).ptr(p[1]).ptr(d).u64(n as u64).f64(scale)
+        self.launch(op, "chorus_mse_loss", &inputs, loss, Dims::ONE_BLOCK, |p, d| {
+            Args::default().ptr(p[0]).i32(pt).ptr(p[1]).i32(tt).ptr(d).i32(lt).u64(n as u64).f64(scale)
         })
     }
 
@@ -91,10 +97,10 @@ impl crate::ComputeStream for HipStream {
         if n == 0 {
             return self.enqueue(|_| Ok(()));
         }
-        let k = Kernel::MseGrad(pred.dtype(), target.dtype(), grad.dtype());
+        let (pt, tt, gt) = (code(pred.dtype()), code(target.dtype()), code(grad.dtype()));
         let inputs = [(pred, Reads::Elementwise), (target, Reads::Elementwise)];
-        self.launch(op, k, &inputs, grad, Dims::linear(n), |p, d| {
-            Args::default().ptr(p[0]).ptr(p[1]).ptr(d).u64(n as u64).f64(scale)
+        self.launch(op, "chorus_mse_grad", &inputs, grad, Dims::linear(n), |p, d| {
+            Args::default().ptr(p[0]).i32(pt).ptr(p[1]).i32(tt).ptr(d).i32(gt).u64(n as u64).f64(scale)
         })
     }
 
@@ -106,9 +112,9 @@ impl crate::ComputeStream for HipStream {
             return self.enqueue(|_| Ok(()));
         }
         let rows = x.len() / cols;
-        let k = Kernel::ColumnSums(x.dtype(), out.dtype());
-        self.launch(op, k, &[(x, Reads::Whole)], out, Dims::linear(cols), |p, d| {
-            Args::default().ptr(p[0]).ptr(d).u64(rows as u64).u64(cols as u64).i32(accumulate as i32)
+        let (xt, ot) = (code(x.dtype()), code(out.dtype()));
+        self.launch(op, "chorus_column_sums", &[(x, Reads::Whole)], out, Dims::linear(cols), |p, d| {
+            Args::default().ptr(p[0]).i32(xt).ptr(d).i32(ot).u64(rows as u64).u64(cols as u64).i32(accumulate as i32)
         })
     }
 
@@ -116,9 +122,9 @@ impl crate::ComputeStream for HipStream {
         let op = "sum_squares";
         checks::sum_squares(x, out)?;
         let n = x.len();
-        let k = Kernel::SumSquares(x.dtype(), out.dtype());
-        self.launch(op, k, &[(x, Reads::Whole)], out, Dims::ONE_BLOCK, |p, d| {
-            Args::default().ptr(p[0]).ptr(d).u64(n as u64).i32(accumulate as i32)
+        let (xt, ot) = (code(x.dtype()), code(out.dtype()));
+        self.launch(op, "chorus_sum_squares", &[(x, Reads::Whole)], out, Dims::ONE_BLOCK, |p, d| {
+            Args::default().ptr(p[0]).i32(xt).ptr(d).i32(ot).u64(n as u64).i32(accumulate as i32)
         })
     }
 
@@ -136,15 +142,21 @@ impl crate::ComputeStream for HipStream {
         if n == 0 {
             return self.enqueue(|_| Ok(()));
         }
-        let use_buf = params.momentum != 0.0 && momentum_buf.is_some();
-        let flags = (params.weight_decay != 0.0) as i32
-            | (use_buf as i32) << 1
-            | (params.first_step as i32) << 2
-            | (params.nesterov as i32) << 3;
-        let (lr, wd, mom, damp) =
-            (params.lr as f32, params.weight_decay as f32, params.momentum as f32, (1.0 - params.dampening) as f32);
-        self.launch(op, Kernel::Sgd, &[(grad, Reads::Whole)], param, Dims::linear(n), |p, d| {
-            Args::default().ptr(d).ptr(p[0]).ptr(buf).u64(n as u64).f32(lr).f32(wd).f32(mom).f32(damp).i32(flags)
+        let sc = SgdScalars::new(&params, momentum_buf.is_some());
+        self.launch(op, "chorus_sgd", &[(grad, Reads::Whole)], param, Dims::linear(n), |p, d| {
+            Args::default()
+                .ptr(d)
+                .ptr(p[0])
+                .ptr(buf)
+                .u64(n as u64)
+                .f32(sc.lr)
+                .f32(sc.weight_decay)
+                .f32(sc.momentum)
+                .f32(sc.one_minus_dampening)
+                .i32(sc.has_weight_decay)
+                .i32(sc.use_momentum)
+                .i32(sc.first_step)
+                .i32(sc.nesterov)
         })
     }
 
@@ -164,28 +176,21 @@ impl crate::ComputeStream for HipStream {
             return self.enqueue(|_| Ok(()));
         }
         // The scalars exactly as the cpu device (and torch) computes them.
-        let step = params.step.max(1) as i32;
-        let decay = (1.0 - params.lr * params.weight_decay) as f32;
-        let one_minus_b1 = (1.0 - params.beta1) as f32;
-        let (b2, one_minus_b2) = (params.beta2 as f32, (1.0 - params.beta2) as f32);
-        let bc1 = 1.0 - params.beta1.powi(step);
-        let bc2_sqrt = (1.0 - params.beta2.powi(step)).sqrt() as f32;
-        let step_size = (params.lr / bc1) as f32;
-        let eps = params.eps as f32;
-        self.launch(op, Kernel::AdamW, &[(grad, Reads::Whole)], param, Dims::linear(n), |p, d| {
+        let sc = AdamWScalars::new(&params);
+        self.launch(op, "chorus_adamw", &[(grad, Reads::Whole)], param, Dims::linear(n), |p, d| {
             Args::default()
                 .ptr(d)
                 .ptr(p[0])
                 .ptr(m)
                 .ptr(v)
                 .u64(n as u64)
-                .f32(decay)
-                .f32(one_minus_b1)
-                .f32(b2)
-                .f32(one_minus_b2)
-                .f32(bc2_sqrt)
-                .f32(step_size)
-                .f32(eps)
+                .f32(sc.decay)
+                .f32(sc.one_minus_beta1)
+                .f32(sc.beta2)
+                .f32(sc.one_minus_beta2)
+                .f32(sc.bias_correction2_sqrt)
+                .f32(sc.step_size)
+                .f32(sc.eps)
         })
     }
 }

@@ -120,7 +120,7 @@ impl Drop for DeviceInner {
         // queued may be: wait for it before unloading the kernels it runs.
         let idle = result::set_device(self.config.ordinal).and_then(|_| result::device_synchronize());
         if idle.is_ok() {
-            for k in self.kernels.drain() {
+            if let Some(k) = self.kernels.take() {
                 let _ = k.unload();
             }
             for b in self.pinned.drain() {

@@ -39,9 +39,11 @@
 //!   `InHostFunction`, and a drop there postpones its HIP work to the next
 //!   bind from another thread;
 //! - **compute** (cast, scale, accumulate, axpy, the MLP and loss ops, SGD,
-//!   AdamW, matmul) are HIP C++ kernels compiled at run time with hipRTC on
-//!   first use and cached per device; see [`kernels`] (matmul is a tiled
-//!   hipRTC kernel with f32 accumulation, not hipBLAS);
+//!   AdamW, matmul) are the kernels of the source shared with the cuda
+//!   device ([`crate::gpu_kernels`]), compiled whole with hipRTC when a
+//!   stream of the device first needs one and kept per device; see
+//!   [`kernels`] (matmul is the source's tiled kernel with f32 accumulation,
+//!   not hipBLAS);
 //! - **asynchronous failures**: a HIP error seen by a host wait, or a failure
 //!   another layer reports through a [`FailureHandle`](crate::FailureHandle)
 //!   (a collective's watchdog), is sticky on the stream from the failed

@@ -7,10 +7,11 @@ use std::time::Duration;
 
 use super::device::{park, DeferredDrops, HipBuffer, HipDevice, Parked};
 use super::event::{poll_event, HipEvent};
-use super::kernels::{self, Args, Kernel, BLOCK};
+use super::kernels::{self, Args};
 use super::sys::{self, hipStream_t};
 use super::{result, Hip};
 use crate::failure::{poisoned, StreamState};
+use crate::gpu_kernels::{blocks_for, code, BLOCK, REDUCE_BLOCK};
 use crate::{checks, host_fn, FailureHandle};
 use crate::{Copy2d, DType, DeviceError, Priority, Readback, Result, Scalar, View};
 
@@ -252,13 +253,13 @@ impl HipStream {
         Ok(at)
     }
 
-    /// Compiles (once per device) and launches `kernel`: `inputs` are read,
-    /// `output` is written; `args` builds the argument list from the input
-    /// pointers and the output pointer.
+    /// Launches the kernel named `kernel` (the device compiles the kernels on
+    /// first use): `inputs` are read, `output` is written; `args` builds the
+    /// argument list from the input pointers and the output pointer.
     pub(super) fn launch(
         &self,
         op: &'static str,
-        kernel: Kernel,
+        kernel: &'static str,
         inputs: &[(View<'_, Hip>, Reads)],
         output: View<'_, Hip>,
         dims: Dims,
@@ -270,14 +271,15 @@ impl HipStream {
             self.device_ptr(op, *v)?;
         }
         self.enqueue(|stream| {
-            let loaded = self.device.inner.kernels.get(kernel, self.device.config().arch.as_deref())?;
+            let loaded = self.device.inner.kernels.get(self.device.config().arch.as_deref())?;
             let mut scratch = Vec::new();
             for (v, reads) in inputs {
                 ptrs.push(self.read_ptr(op, *v, &output, *reads, &mut scratch)?);
             }
-            // SAFETY: the arguments follow the kernel's wrapper signature; the
-            // buffers are kept alive past the kernel by their stream-ordered free.
-            unsafe { kernels::launch(&loaded, stream, dims.grid, dims.block, args(&ptrs, out)) }
+            // SAFETY: the arguments follow the kernel's signature in the shared
+            // source; the buffers are kept alive past the kernel by their
+            // stream-ordered free.
+            unsafe { kernels::launch(&loaded, kernel, stream, dims.grid, dims.block, args(&ptrs, out)) }
         })
     }
 }
@@ -305,12 +307,12 @@ pub(super) struct Dims {
 }
 
 impl Dims {
-    /// One block of `BLOCK` threads (the reductions).
-    pub(super) const ONE_BLOCK: Dims = Dims { grid: (1, 1), block: (BLOCK, 1) };
+    /// One block of `REDUCE_BLOCK` threads (the reductions).
+    pub(super) const ONE_BLOCK: Dims = Dims { grid: (1, 1), block: (REDUCE_BLOCK, 1) };
 
     /// A grid-stride launch over `n` elements.
     pub(super) fn linear(n: usize) -> Dims {
-        Dims { grid: (kernels::blocks_for(n as u64), 1), block: (BLOCK, 1) }
+        Dims { grid: (blocks_for(n as u64), 1), block: (BLOCK, 1) }
     }
 }
 
@@ -496,8 +498,8 @@ impl crate::Stream for HipStream {
         if n == 0 {
             return self.enqueue(|_| Ok(()));
         }
-        self.launch("fill", Kernel::Fill(size), &[], dst, Dims::linear(n), |_, d| {
-            Args::default().ptr(d).u64(n as u64).u64(word)
+        self.launch("fill", "chorus_fill", &[], dst, Dims::linear(n), |_, d| {
+            Args::default().ptr(d).i32(size as i32).u64(n as u64).u64(word)
         })
     }
 
@@ -507,9 +509,9 @@ impl crate::Stream for HipStream {
         if n == 0 {
             return self.enqueue(|_| Ok(()));
         }
-        let k = Kernel::Cast(src.dtype(), dst.dtype());
-        self.launch("cast", k, &[(src, Reads::Elementwise)], dst, Dims::linear(n), |p, d| {
-            Args::default().ptr(p[0]).ptr(d).u64(n as u64)
+        let (st, dt) = (code(src.dtype()), code(dst.dtype()));
+        self.launch("cast", "chorus_cast", &[(src, Reads::Elementwise)], dst, Dims::linear(n), |p, d| {
+            Args::default().ptr(p[0]).i32(st).ptr(d).i32(dt).u64(n as u64)
         })
     }
 
@@ -519,23 +521,30 @@ impl crate::Stream for HipStream {
         if n == 0 {
             return self.enqueue(|_| Ok(()));
         }
-        self.launch("scale", Kernel::Scale(x.dtype()), &[], x, Dims::linear(n), |_, d| {
-            Args::default().ptr(d).u64(n as u64).f64(alpha)
+        let t = code(x.dtype());
+        self.launch("scale", "chorus_scale", &[], x, Dims::linear(n), |_, d| {
+            Args::default().ptr(d).i32(t).u64(n as u64).f64(alpha)
         })
     }
 
     fn accumulate(&self, src: View<'_, Hip>, dst: View<'_, Hip>) -> Result<()> {
         checks::accumulate(src, dst)?;
         let (sd, dd) = (src.dtype(), dst.dtype());
-        let kernel =
-            if sd.is_float() && dd.is_float() { Kernel::Accumulate(sd, dd) } else { Kernel::AccumulateInt(dd) };
         let n = dst.len();
         if n == 0 {
             return self.enqueue(|_| Ok(()));
         }
-        self.launch("accumulate", kernel, &[(src, Reads::Elementwise)], dst, Dims::linear(n), |p, d| {
-            Args::default().ptr(p[0]).ptr(d).u64(n as u64)
-        })
+        let inputs = [(src, Reads::Elementwise)];
+        let (st, dt) = (code(sd), code(dd));
+        if sd.is_float() && dd.is_float() {
+            self.launch("accumulate", "chorus_accumulate", &inputs, dst, Dims::linear(n), |p, d| {
+                Args::default().ptr(p[0]).i32(st).ptr(d).i32(dt).u64(n as u64)
+            })
+        } else {
+            self.launch("accumulate", "chorus_accumulate_int", &inputs, dst, Dims::linear(n), |p, d| {
+                Args::default().ptr(p[0]).ptr(d).i32(dt).u64(n as u64)
+            })
+        }
     }
 
     fn axpy(&self, alpha: f64, x: View<'_, Hip>, y: View<'_, Hip>) -> Result<()> {
@@ -544,9 +553,9 @@ impl crate::Stream for HipStream {
         if n == 0 {
             return self.enqueue(|_| Ok(()));
         }
-        let k = Kernel::Axpy(x.dtype(), y.dtype());
-        self.launch("axpy", k, &[(x, Reads::Elementwise)], y, Dims::linear(n), |p, d| {
-            Args::default().f64(alpha).ptr(p[0]).ptr(d).u64(n as u64)
+        let (xt, yt) = (code(x.dtype()), code(y.dtype()));
+        self.launch("axpy", "chorus_axpy", &[(x, Reads::Elementwise)], y, Dims::linear(n), |p, d| {
+            Args::default().f64(alpha).ptr(p[0]).i32(xt).ptr(d).i32(yt).u64(n as u64)
         })
     }
 

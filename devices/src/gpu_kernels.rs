@@ -1,0 +1,520 @@
+//! The compute kernels of the GPU devices, written once: one CUDA C++ source
+//! that NVRTC (the cuda device, `cuda/kernels.rs`) and hipRTC (the hip
+//! device, `hip/kernels.rs`) both compile at run time.
+//!
+//! What is per vendor stays in each backend: compiling, loading the module,
+//! launching. What both share is here: the source, the names of its kernels,
+//! the dtype codes they switch on, the block sizes and the scalars the
+//! optimizer kernels take.
+//!
+//! The source is plain CUDA C++ that both compilers accept: no PTX assembly,
+//! no vendor header, no `half` types. f16 and bf16 are bit patterns converted
+//! by integer code (round to nearest even, NaN quieted as the `half` crate
+//! does), f64 to f32 is the language's `(float)v` (round to nearest), and f64
+//! to f16/bf16 rounds to odd into f32 first, so the final rounding is a single
+//! rounding of the exact value, as on the cpu device. Every kernel is
+//! `extern "C"`, takes its dtypes as codes ([`code`]; the switch is uniform
+//! across a launch, and these kernels are bound by memory bandwidth, so one
+//! kernel beats an instance per dtype combination) and walks its elements
+//! with a grid-stride loop, so any grid covers any length.
+//!
+//! The arithmetic mirrors the cpu device (`cpu/kernels.rs`) bit for bit where
+//! IEEE allows: f16/bf16 compute in f32 and round once, f64 in f64, integers
+//! wrap, no multiply-add contraction (both backends compile with it off) and
+//! IEEE division and square root. The two reductions (`mse_loss`,
+//! `sum_squares`) sum in f64 in one block, which is deterministic; the tree
+//! order differs from the host's left-to-right sum, so the last bits of an
+//! f64 may. `chorus_matmul` (16×16 shared-memory tiles, f32 accumulation, f64
+//! for f64) is what the hip device uses instead of a BLAS library; the cuda
+//! device uses cuBLAS and never launches it, but it compiles there too.
+//!
+//! The host test `devices/tests/gpu_kernels_host.rs` compiles this same source
+//! with the host C++ compiler (the CUDA keywords defined away, a block's
+//! threads as OS threads) and checks every kernel against the cpu device and
+//! the conversions against `half`, all 65536 patterns of f16 and bf16.
+
+use crate::{AdamWParams, DType, SgdParams};
+
+/// Threads per block of the elementwise kernels (`__launch_bounds__` in [`SOURCE`]).
+pub const BLOCK: u32 = 256;
+/// Threads of the single-block reductions (a power of two, at most the
+/// source's shared array of 1024).
+pub const REDUCE_BLOCK: u32 = 1024;
+/// Side of `chorus_matmul`'s square tile: blocks are `TILE × TILE` threads.
+pub const TILE: u32 = 16;
+/// Most blocks a grid-stride launch uses.
+pub const MAX_BLOCKS: u64 = 65_535;
+
+/// Blocks of a grid-stride launch of [`BLOCK`] threads over `n` elements.
+pub fn blocks_for(n: u64) -> u32 {
+    n.div_ceil(BLOCK as u64).clamp(1, MAX_BLOCKS) as u32
+}
+
+/// The code of `d` that the kernels switch on.
+pub fn code(d: DType) -> i32 {
+    match d {
+        DType::F32 => 0,
+        DType::F64 => 1,
+        DType::F16 => 2,
+        DType::BF16 => 3,
+        DType::I32 => 4,
+        DType::I64 => 5,
+        DType::I8 => 6,
+        DType::U8 => 7,
+    }
+}
+
+/// Every kernel [`SOURCE`] defines, by its `extern "C"` name.
+pub const NAMES: &[&str] = &[
+    "chorus_fill",
+    "chorus_cast",
+    "chorus_scale",
+    "chorus_accumulate",
+    "chorus_accumulate_int",
+    "chorus_axpy",
+    "chorus_bias_add",
+    "chorus_relu",
+    "chorus_relu_backward",
+    "chorus_mse_grad",
+    "chorus_mse_loss",
+    "chorus_column_sums",
+    "chorus_sum_squares",
+    "chorus_sgd",
+    "chorus_adamw",
+    "chorus_matmul",
+];
+
+/// The scalars of `chorus_sgd`, as torch's single-tensor SGD computes them
+/// (f64 parameters applied in f32), in the kernel's parameter order after the
+/// pointers and the length.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdScalars {
+    /// Learning rate.
+    pub lr: f32,
+    /// Weight decay.
+    pub weight_decay: f32,
+    /// Momentum.
+    pub momentum: f32,
+    /// `1 - dampening`.
+    pub one_minus_dampening: f32,
+    /// Whether the weight decay term is added (1) or not (0).
+    pub has_weight_decay: i32,
+    /// Whether the momentum buffer is used (1) or not (0).
+    pub use_momentum: i32,
+    /// Whether the buffer is set to the gradient (the first step).
+    pub first_step: i32,
+    /// Nesterov momentum.
+    pub nesterov: i32,
+}
+
+impl SgdScalars {
+    /// The scalars of `params`; `has_buffer` says whether a momentum buffer was given.
+    pub fn new(params: &SgdParams, has_buffer: bool) -> SgdScalars {
+        SgdScalars {
+            lr: params.lr as f32,
+            weight_decay: params.weight_decay as f32,
+            momentum: params.momentum as f32,
+            one_minus_dampening: (1.0 - params.dampening) as f32,
+            has_weight_decay: (params.weight_decay != 0.0) as i32,
+            use_momentum: (params.momentum != 0.0 && has_buffer) as i32,
+            first_step: params.first_step as i32,
+            nesterov: params.nesterov as i32,
+        }
+    }
+}
+
+/// The scalars of `chorus_adamw`, as torch's single-tensor AdamW computes
+/// them (in f64, as Python does, then applied in f32), in the kernel's
+/// parameter order after the pointers and the length.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWScalars {
+    /// `1 - lr * weight_decay`.
+    pub decay: f32,
+    /// `1 - beta1`.
+    pub one_minus_beta1: f32,
+    /// `beta2`.
+    pub beta2: f32,
+    /// `1 - beta2`.
+    pub one_minus_beta2: f32,
+    /// `sqrt(1 - beta2^step)`.
+    pub bias_correction2_sqrt: f32,
+    /// `lr / (1 - beta1^step)`.
+    pub step_size: f32,
+    /// `eps`.
+    pub eps: f32,
+}
+
+impl AdamWScalars {
+    /// The scalars of `params` (a step of 0 counts as 1, as on the cpu device).
+    pub fn new(params: &AdamWParams) -> AdamWScalars {
+        let step = params.step.max(1) as i32;
+        AdamWScalars {
+            decay: (1.0 - params.lr * params.weight_decay) as f32,
+            one_minus_beta1: (1.0 - params.beta1) as f32,
+            beta2: params.beta2 as f32,
+            one_minus_beta2: (1.0 - params.beta2) as f32,
+            bias_correction2_sqrt: (1.0 - params.beta2.powi(step)).sqrt() as f32,
+            step_size: (params.lr / (1.0 - params.beta1.powi(step))) as f32,
+            eps: params.eps as f32,
+        }
+    }
+}
+
+/// The kernels, for NVRTC and hipRTC alike.
+pub const SOURCE: &str = r#"
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#define CHORUS_BLOCK 256
+#define CHORUS_REDUCE_BLOCK 1024
+#define CHORUS_TILE 16
+
+#define T_F32 0
+#define T_F64 1
+#define T_F16 2
+#define T_BF16 3
+#define T_I32 4
+#define T_I64 5
+#define T_I8 6
+#define T_U8 7
+
+#define GRID_STRIDE(i, n) \
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)blockDim.x * gridDim.x)
+
+// ---- conversions: integer code, round to nearest even, NaN quieted (as the half crate) ----
+
+__device__ inline u32 f32_bits(float f) { return __float_as_uint(f); }
+__device__ inline float bits_f32(u32 u) { return __uint_as_float(u); }
+
+// f16 -> f32, exact.
+__device__ inline float h2f(u16 h) {
+    u32 sign = ((u32)h & 0x8000u) << 16;
+    u32 exp = ((u32)h >> 10) & 0x1fu;
+    u32 man = (u32)h & 0x3ffu;
+    if (exp == 0x1fu) return bits_f32(sign | 0x7f800000u | (man != 0u ? 0x400000u | (man << 13) : 0u));
+    if (exp == 0u) {
+        if (man == 0u) return bits_f32(sign);
+        // Subnormal: man * 2^-24, normalized.
+        u32 e = 113u;
+        while ((man & 0x400u) == 0u) {
+            man <<= 1;
+            e -= 1u;
+        }
+        return bits_f32(sign | (e << 23) | ((man & 0x3ffu) << 13));
+    }
+    return bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+// f32 -> f16, round to nearest even.
+__device__ inline u16 f2h(float f) {
+    u32 x = f32_bits(f);
+    u32 sign = (x >> 16) & 0x8000u;
+    u32 a = x & 0x7fffffffu;
+    if (a >= 0x7f800000u) return (u16)(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u | ((a >> 13) & 0x3ffu) : 0u));
+    if (a >= 0x477ff000u) return (u16)(sign | 0x7c00u);  // at least 65520: rounds past the largest f16
+    if (a >= 0x38800000u) {                             // at least 2^-14: a normal f16
+        u32 r = a + 0xfffu + ((a >> 13) & 1u);
+        return (u16)(sign | ((r - 0x38000000u) >> 13));
+    }
+    if (a < 0x33000000u) return (u16)sign;  // below 2^-25: rounds to zero
+    // A subnormal f16: the significand in units of 2^-24, rounded.
+    u32 m = (a & 0x7fffffu) | 0x800000u;
+    u32 shift = 126u - (a >> 23);  // 14..24
+    u32 q = m >> shift;
+    u32 rem = m & ((1u << shift) - 1u);
+    u32 half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (q & 1u) != 0u)) q += 1u;
+    return (u16)(sign | q);
+}
+
+// bf16 -> f32, exact.
+__device__ inline float b2f(u16 b) {
+    u32 u = (u32)b;
+    if ((u & 0x7fffu) > 0x7f80u) u |= 0x40u;
+    return bits_f32(u << 16);
+}
+
+// f32 -> bf16, round to nearest even.
+__device__ inline u16 f2b(float f) {
+    u32 u = f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+// f64 -> f32 rounded to odd: rounding that to nearest even in a format at
+// least two bits narrower (f16, bf16) rounds the f64 once.
+__device__ inline float d2f_odd(double v) {
+    float nearest = (float)v;
+    if (nearest != nearest || (double)nearest == v) return nearest;
+    u32 bits = f32_bits(nearest);
+    // Inexact: one step toward zero when `nearest` rounded away from it.
+    if (v > 0.0 ? (double)nearest > v : (double)nearest < v) bits -= 1u;
+    return bits_f32(bits | 1u);
+}
+
+// ---- loads and stores by dtype code ----
+
+// Load as the f32 opmath value (f64 sources round to nearest).
+__device__ inline float ldf(const void* p, int t, u64 i) {
+    switch (t) {
+        case T_F32: return ((const float*)p)[i];
+        case T_F64: return (float)((const double*)p)[i];
+        case T_F16: return h2f(((const u16*)p)[i]);
+        default: return b2f(((const u16*)p)[i]);
+    }
+}
+// Load exactly, widened to f64.
+__device__ inline double ldd(const void* p, int t, u64 i) {
+    switch (t) {
+        case T_F32: return (double)((const float*)p)[i];
+        case T_F64: return ((const double*)p)[i];
+        case T_F16: return (double)h2f(((const u16*)p)[i]);
+        default: return (double)b2f(((const u16*)p)[i]);
+    }
+}
+// Store an f32 opmath value, rounding once.
+__device__ inline void stf(void* p, int t, u64 i, float v) {
+    switch (t) {
+        case T_F32: ((float*)p)[i] = v; break;
+        case T_F64: ((double*)p)[i] = (double)v; break;
+        case T_F16: ((u16*)p)[i] = f2h(v); break;
+        default: ((u16*)p)[i] = f2b(v); break;
+    }
+}
+// Store an f64 value, rounding once.
+__device__ inline void std64(void* p, int t, u64 i, double v) {
+    switch (t) {
+        case T_F32: ((float*)p)[i] = (float)v; break;
+        case T_F64: ((double*)p)[i] = v; break;
+        case T_F16: ((u16*)p)[i] = f2h(d2f_odd(v)); break;
+        default: ((u16*)p)[i] = f2b(d2f_odd(v)); break;
+    }
+}
+__device__ inline void copy_elem(void* dst, const void* src, int t, u64 i) {
+    switch (t) {
+        case T_F32: ((float*)dst)[i] = ((const float*)src)[i]; break;
+        case T_F64: ((double*)dst)[i] = ((const double*)src)[i]; break;
+        default: ((u16*)dst)[i] = ((const u16*)src)[i]; break;
+    }
+}
+__device__ inline void zero_elem(void* dst, int t, u64 i) {
+    switch (t) {
+        case T_F32: ((float*)dst)[i] = 0.0f; break;
+        case T_F64: ((double*)dst)[i] = 0.0; break;
+        default: ((u16*)dst)[i] = 0; break;
+    }
+}
+
+// ---- elementwise kernels ----
+
+// Fill with a pattern of `width` bytes (1, 2, 4 or 8), little-endian in `pattern`.
+extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_fill(void* dst, int width, u64 n, u64 pattern) {
+    switch (width) {
+        case 1: { GRID_STRIDE(i, n) ((u8*)dst)[i] = (u8)pattern; break; }
+        case 2: { GRID_STRIDE(i, n) ((u16*)dst)[i] = (u16)pattern; break; }
+        case 4: { GRID_STRIDE(i, n) ((u32*)dst)[i] = (u32)pattern; break; }
+        default: { GRID_STRIDE(i, n) ((u64*)dst)[i] = pattern; break; }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_cast(const void* src, int st, void* dst, int dt, u64 n) {
+    GRID_STRIDE(i, n) std64(dst, dt, i, ldd(src, st, i));
+}
+
+extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_scale(void* x, int t, u64 n, double alpha) {
+    if (t == T_F64) {
+        GRID_STRIDE(i, n) ((double*)x)[i] = ((double*)x)[i] * alpha;
+    } else {
+        float a = (float)alpha;
+        GRID_STRIDE(i, n) stf(x, t, i, ldf(x, t, i) * a);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_accumulate(const void* src, int st, void* dst, int dt, u64 n) {
+    if (dt == T_F64) {
+        GRID_STRIDE(i, n) ((double*)dst)[i] = ((double*)dst)[i] + ldd(src, st, i);
+    } else {
+        GRID_STRIDE(i, n) stf(dst, dt, i, ldf(dst, dt, i) + ldf(src, st, i));
+    }
+}
+
+// Integer dtypes wrap, as NCCL and the host do: add as unsigned.
+extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_accumulate_int(const void* src, void* dst, int t, u64 n) {
+    switch (t) {
+        case T_I32: { GRID_STRIDE(i, n) ((u32*)dst)[i] = ((u32*)dst)[i] + ((const u32*)src)[i]; break; }
+        case T_I64: { GRID_STRIDE(i, n) ((u64*)dst)[i] = ((u64*)dst)[i] + ((const u64*)src)[i]; break; }
+        default: { GRID_STRIDE(i, n) ((u8*)dst)[i] = (u8)(((u8*)dst)[i] + ((const u8*)src)[i]); break; }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_axpy(double alpha, const void* x, int xt, void* y, int yt, u64 n) {
+    if (yt == T_F64) {
+        GRID_STRIDE(i, n) ((double*)y)[i] = ((double*)y)[i] + alpha * ldd(x, xt, i);
+    } else {
+        float a = (float)alpha;
+        GRID_STRIDE(i, n) stf(y, yt, i, ldf(y, yt, i) + a * ldf(x, xt, i));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_bias_add(void* x, int xt, const void* bias, int bt, u64 n, u64 cols) {
+    if (xt == T_F64) {
+        GRID_STRIDE(i, n) ((double*)x)[i] = ((double*)x)[i] + ldd(bias, bt, i % cols);
+    } else {
+        GRID_STRIDE(i, n) stf(x, xt, i, ldf(x, xt, i) + ldf(bias, bt, i % cols));
+    }
+}
+
+// NaN propagates, as in PyTorch: only x <= 0 becomes 0.
+extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_relu(const void* x, void* y, int t, u64 n) {
+    GRID_STRIDE(i, n) {
+        if (ldd(x, t, i) <= 0.0) zero_elem(y, t, i); else copy_elem(y, x, t, i);
+    }
+}
+
+// The gradient passes where the output is not <= 0 (NaN included).
+extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_relu_backward(const void* grad_out, const void* out, void* grad_in, int t, u64 n) {
+    GRID_STRIDE(i, n) {
+        if (ldd(out, t, i) <= 0.0) zero_elem(grad_in, t, i); else copy_elem(grad_in, grad_out, t, i);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_mse_grad(const void* p, int pt, const void* q, int qt, void* g, int gt, u64 n, double scale) {
+    if (gt == T_F64) {
+        double s = 2.0 * scale;
+        GRID_STRIDE(i, n) ((double*)g)[i] = s * (ldd(p, pt, i) - ldd(q, qt, i));
+    } else {
+        float s = (float)(2.0 * scale);
+        GRID_STRIDE(i, n) stf(g, gt, i, s * (ldf(p, pt, i) - ldf(q, qt, i)));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_column_sums(const void* x, int xt, void* out, int ot, u64 rows, u64 cols, int accumulate) {
+    GRID_STRIDE(c, cols) {
+        if (ot == T_F64) {
+            double acc = 0.0;
+            for (u64 r = 0; r < rows; r++) acc = acc + ldd(x, xt, r * cols + c);
+            ((double*)out)[c] = accumulate ? ((double*)out)[c] + acc : acc;
+        } else {
+            float acc = 0.0f;
+            for (u64 r = 0; r < rows; r++) acc = acc + ldf(x, xt, r * cols + c);
+            stf(out, ot, c, accumulate ? ldf(out, ot, c) + acc : acc);
+        }
+    }
+}
+
+// ---- single-block reductions ----
+
+// The sum over one block (blockDim.x a power of two, at most CHORUS_REDUCE_BLOCK): deterministic.
+__device__ inline double block_sum(double v) {
+    __shared__ double part[CHORUS_REDUCE_BLOCK];
+    part[threadIdx.x] = v;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+        __syncthreads();
+    }
+    double total = part[0];
+    __syncthreads();
+    return total;
+}
+
+extern "C" __global__ void __launch_bounds__(CHORUS_REDUCE_BLOCK) chorus_mse_loss(const void* p, int pt, const void* q, int qt, void* loss, int lt, u64 n, double scale) {
+    double acc = 0.0;
+    for (u64 i = threadIdx.x; i < n; i += blockDim.x) {
+        double d = ldd(p, pt, i) - ldd(q, qt, i);
+        acc += d * d;
+    }
+    double total = block_sum(acc);
+    if (threadIdx.x == 0) std64(loss, lt, 0, total * scale);
+}
+
+extern "C" __global__ void __launch_bounds__(CHORUS_REDUCE_BLOCK) chorus_sum_squares(const void* x, int xt, void* out, int ot, u64 n, int accumulate) {
+    double acc = 0.0;
+    for (u64 i = threadIdx.x; i < n; i += blockDim.x) {
+        double v = ldd(x, xt, i);
+        acc += v * v;
+    }
+    double total = block_sum(acc);
+    if (threadIdx.x == 0) std64(out, ot, 0, accumulate ? ldd(out, ot, 0) + total : total);
+}
+
+// ---- optimizers (f32) ----
+
+// torch.optim.SGD's single-tensor update.
+extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_sgd(float* w, const float* g, float* buf, u64 n, float lr, float wd, float mom,
+                                      float damp, int has_wd, int use_momentum, int first_step, int nesterov) {
+    GRID_STRIDE(i, n) {
+        float d = has_wd ? g[i] + wd * w[i] : g[i];
+        if (use_momentum) {
+            float b = first_step ? d : buf[i] * mom + damp * d;
+            buf[i] = b;
+            float step = nesterov ? d + mom * b : b;
+            w[i] = w[i] + -lr * step;
+        } else {
+            w[i] = w[i] + -lr * d;
+        }
+    }
+}
+
+// torch.optim.AdamW's single-tensor update (the scalars computed on the host in f64).
+extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_adamw(float* w, const float* g, float* m, float* v, u64 n, float decay,
+                                        float one_minus_b1, float b2, float one_minus_b2, float bc2_sqrt,
+                                        float step_size, float eps) {
+    GRID_STRIDE(i, n) {
+        float wi = w[i] * decay;
+        float gi = g[i];
+        float mi = m[i] + one_minus_b1 * (gi - m[i]);
+        float vi = v[i] * b2 + one_minus_b2 * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        float denom = sqrtf(vi) / bc2_sqrt + eps;
+        w[i] = wi + -step_size * (mi / denom);
+    }
+}
+
+// ---- matmul (the hip device's; the cuda device calls cuBLAS) ----
+
+__device__ inline float ld_as(const void* p, int t, u64 i, float) { return ldf(p, t, i); }
+__device__ inline double ld_as(const void* p, int t, u64 i, double) { return ldd(p, t, i); }
+
+// C[m x n] (+)= op(A)[m x k] op(B)[k x n], row-major, in tiles of CHORUS_TILE^2
+// threads, accumulating in A (f32, or f64 for f64 inputs); the old C is added
+// in f64 and the sum rounded into C once, as on the cpu device.
+template <class A>
+__device__ inline void matmul_tiles(const void* a, const void* b, int t, void* c, int ct, u64 m, u64 n, u64 k,
+                                    int trans_a, int trans_b, int accumulate) {
+    __shared__ A ta[CHORUS_TILE][CHORUS_TILE + 1];
+    __shared__ A tb[CHORUS_TILE][CHORUS_TILE + 1];
+    u64 col = (u64)blockIdx.x * CHORUS_TILE + threadIdx.x;
+    for (u64 row_tile = blockIdx.y; row_tile * CHORUS_TILE < m; row_tile += gridDim.y) {
+        u64 row = row_tile * CHORUS_TILE + threadIdx.y;
+        A acc = (A)0;
+        for (u64 k0 = 0; k0 < k; k0 += CHORUS_TILE) {
+            u64 ka = k0 + threadIdx.x;
+            ta[threadIdx.y][threadIdx.x] = (row < m && ka < k) ? ld_as(a, t, trans_a ? ka * m + row : row * k + ka, acc) : (A)0;
+            u64 kb = k0 + threadIdx.y;
+            tb[threadIdx.y][threadIdx.x] = (kb < k && col < n) ? ld_as(b, t, trans_b ? col * k + kb : kb * n + col, acc) : (A)0;
+            __syncthreads();
+            for (int j = 0; j < CHORUS_TILE; ++j) acc = acc + ta[threadIdx.y][j] * tb[j][threadIdx.x];
+            __syncthreads();
+        }
+        if (row < m && col < n) {
+            u64 at = row * n + col;
+            double o = (double)acc;
+            std64(c, ct, at, accumulate ? ldd(c, ct, at) + o : o);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(CHORUS_TILE * CHORUS_TILE) chorus_matmul(const void* a, const void* b, int t, void* c, int ct, u64 m, u64 n, u64 k,
+                                                                  int trans_a, int trans_b, int accumulate) {
+    if (t == T_F64) {
+        matmul_tiles<double>(a, b, t, c, ct, m, n, k, trans_a, trans_b, accumulate);
+    } else {
+        matmul_tiles<float>(a, b, t, c, ct, m, n, k, trans_a, trans_b, accumulate);
+    }
+}
+"#;
