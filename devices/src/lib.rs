@@ -24,6 +24,7 @@ pub mod gpu_kernels;
 #[cfg(feature = "rocm")]
 pub mod hip;
 pub mod host_fn;
+mod id;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub mod loader;
 mod memory;

@@ -1,6 +1,6 @@
 //! The cpu device and its buffers.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -12,12 +12,7 @@ use super::Cpu;
 use crate::memory::MemCounters;
 use crate::{host_fn, DType, DeviceError, MemoryStats, Priority, Result};
 
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-
-/// A process-unique id for buffers, streams and events.
-pub(crate) fn next_id() -> u64 {
-    NEXT_ID.fetch_add(1, Ordering::Relaxed)
-}
+pub(crate) use crate::id::next_id;
 
 /// Settings of a cpu device.
 ///

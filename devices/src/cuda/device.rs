@@ -1,7 +1,7 @@
 //! The cuda device: one GPU's primary context, its memory accounting, its
 //! kernels and its internal allocation stream.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
@@ -19,13 +19,7 @@ use crate::deferred::Deferred;
 use crate::memory::MemCounters;
 use crate::{host_fn, DType, DeviceError, MemoryStats, Priority, Result};
 
-// Ids of cuda buffers, streams and events; a separate range from the cpu
-// device's so reports never confuse the two.
-static NEXT_ID: AtomicU64 = AtomicU64::new(1 << 48);
-
-pub(crate) fn next_id() -> u64 {
-    NEXT_ID.fetch_add(1, Ordering::Relaxed)
-}
+pub(crate) use crate::id::next_id;
 
 /// Settings of a cuda device.
 #[derive(Clone, Debug)]

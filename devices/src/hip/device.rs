@@ -1,6 +1,6 @@
 //! The hip device, its memory accounting and its buffers.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -13,12 +13,7 @@ use crate::deferred::Deferred;
 use crate::memory::MemCounters;
 use crate::{DType, DeviceError, MemoryStats, Priority, Result};
 
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-
-/// A process-unique id for hip buffers and events.
-pub(crate) fn next_id() -> u64 {
-    NEXT_ID.fetch_add(1, Ordering::Relaxed)
-}
+pub(crate) use crate::id::next_id;
 
 /// Settings of a hip device.
 #[derive(Clone, Debug)]
