@@ -355,6 +355,14 @@ fn measure(backend: Backend, g: Geometry, warmup: usize, iters: usize) -> anyhow
 
 /// `chorus bench`.
 pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
+    if args.min_bytes > args.max_bytes {
+        return Err(UsageError(format!(
+            "--min-bytes ({}) is larger than --max-bytes ({})",
+            format_bytes(args.min_bytes),
+            format_bytes(args.max_bytes)
+        ))
+        .into());
+    }
     if args.backend.runs_as_processes() {
         #[cfg(feature = "ucx")]
         if args.backend == Backend::Ucx {
@@ -381,14 +389,6 @@ fn unreachable_backend() -> anyhow::Result<Outcome> {
 
 /// `chorus bench` with the ranks as threads of this process.
 fn run_threads(args: &BenchArgs) -> anyhow::Result<Outcome> {
-    if args.min_bytes > args.max_bytes {
-        return Err(UsageError(format!(
-            "--min-bytes ({}) is larger than --max-bytes ({})",
-            format_bytes(args.min_bytes),
-            format_bytes(args.max_bytes)
-        ))
-        .into());
-    }
     let (n, warmup, iters) = (args.world_size, args.warmup as usize, args.iters as usize);
     let mut out = std::io::stdout();
     if !args.json {

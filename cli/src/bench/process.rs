@@ -20,7 +20,7 @@ use super::timing::IterBarrier;
 use super::{measure_rank, memcpy, sizes, with_element, BenchArgs, Geometry, Measured, Row, Table};
 use crate::process::RankProcess;
 use crate::size::format_bytes;
-use crate::{Outcome, UsageError};
+use crate::Outcome;
 
 /// Deadline of initialization and of every wait.
 const DEADLINE: Duration = Duration::from_secs(600);
@@ -104,14 +104,6 @@ fn decode(bytes: &[u8]) -> anyhow::Result<(Vec<f64>, u64)> {
 
 fn run_with<C: CommBackend>(args: &BenchArgs, p: &RankProcess, comm: Communicator<C>) -> anyhow::Result<Outcome> {
     use std::io::Write;
-    if args.min_bytes > args.max_bytes {
-        return Err(UsageError(format!(
-            "--min-bytes ({}) is larger than --max-bytes ({})",
-            format_bytes(args.min_bytes),
-            format_bytes(args.max_bytes)
-        ))
-        .into());
-    }
     let (n, rank) = (p.env.world_size, p.env.rank);
     let (warmup, iters) = (args.warmup as usize, args.iters as usize);
     let leader = rank == 0;
