@@ -91,9 +91,9 @@ impl RankProcess {
         format!("chorus/{what}/{run}/{}/{}", self.env.restart_count, self.run)
     }
 
-    /// The deadline of the UCX backend's waits: `CHORUS_UCX_TIMEOUT_S`
+    /// The deadline of the UCX backend's waits, and of the world-size check
+    /// every process-mode backend makes on joining: `CHORUS_UCX_TIMEOUT_S`
     /// seconds, else `default`.
-    #[cfg(feature = "ucx")]
     pub fn ucx_timeout(default: Duration) -> Duration {
         std::env::var("CHORUS_UCX_TIMEOUT_S")
             .ok()
