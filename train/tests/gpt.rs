@@ -275,11 +275,13 @@ fn mixed_precision_through_the_adapter_matches_a_bf16_reference() {
 fn the_output_dtype_casts_the_logits() {
     let reports = SimWorld::run(1, SimConfig::default(), |comm| {
         let cfg = config();
-        let mut fsdp_config = FsdpConfig::default();
-        fsdp_config.mixed_precision = MixedPrecision {
-            param_dtype: Some(chorus_devices::DType::BF16),
-            reduce_dtype: None,
-            output_dtype: Some(chorus_devices::DType::F32),
+        let fsdp_config = FsdpConfig {
+            mixed_precision: MixedPrecision {
+                param_dtype: Some(chorus_devices::DType::BF16),
+                reduce_dtype: None,
+                output_dtype: Some(chorus_devices::DType::F32),
+            },
+            ..FsdpConfig::default()
         };
         let fsdp = Fsdp::new(DataParallel::fsdp(Arc::new(comm)), fsdp_config).unwrap();
         let gpt = ShardedGpt::new(fsdp, cfg, init_params(&cfg, 3).unwrap(), true).unwrap();
