@@ -191,6 +191,38 @@ fn available_memory() -> Option<u128> {
     Some(kib * 1024)
 }
 
+/// A byte or element count for the memory check: saturating arithmetic, so
+/// no size a user gives overflows (the result is then "more than any machine").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Sat(u128);
+
+impl Sat {
+    fn of<T: TryInto<u128>>(n: T) -> Sat {
+        Sat(n.try_into().unwrap_or(u128::MAX))
+    }
+}
+
+impl std::ops::Add for Sat {
+    type Output = Sat;
+    fn add(self, o: Sat) -> Sat {
+        Sat(self.0.saturating_add(o.0))
+    }
+}
+
+impl std::ops::Mul for Sat {
+    type Output = Sat;
+    fn mul(self, o: Sat) -> Sat {
+        Sat(self.0.saturating_mul(o.0))
+    }
+}
+
+impl std::ops::Div for Sat {
+    type Output = Sat;
+    fn div(self, o: Sat) -> Sat {
+        Sat(self.0.checked_div(o.0).unwrap_or(u128::MAX))
+    }
+}
+
 fn gib(bytes: u128) -> f64 {
     bytes as f64 / (1u128 << 30) as f64
 }
@@ -318,29 +350,29 @@ impl TrainArgs {
         if self.init_dir.is_some() && (self.dims.is_some() || self.layers.is_some()) {
             return Err(usage("--init-dir gives the model; --dims/--layers/--width do not apply"));
         }
-        // The memory the run needs, in u128 so no size overflows (the init
-        // dir's sizes are checked again once its headers are read).
-        let dims: Vec<u128> = match (&self.dims, self.layers, self.width) {
-            (Some(d), _, _) => d.iter().map(|v| *v as u128).collect(),
+        // The memory the run needs, saturating so no size overflows (the
+        // init dir's sizes are checked again once its headers are read).
+        let dims: Vec<Sat> = match (&self.dims, self.layers, self.width) {
+            (Some(d), _, _) => d.iter().map(|v| Sat::of(*v)).collect(),
             (None, Some(l), Some(w)) => {
                 if l as u128 > 1 << 20 {
                     return Err(usage(format!("--layers {l} is more than this tool trains (at most {})", 1 << 20)));
                 }
-                vec![w as u128; l + 1]
+                vec![Sat::of(w); l + 1]
             }
             _ if self.init_dir.is_some() => return Ok(()),
-            _ => vec![16, 64, 64, 4],
+            _ => [16, 64, 64, 4].map(Sat::of).to_vec(),
         };
-        let params: u128 = dims.windows(2).map(|w| w[0] * w[1] + w[1]).sum();
-        let widest = dims.iter().copied().max().unwrap_or(0);
-        let rows = world as u128 * self.batch as u128;
-        let batches = self.steps().clamp(1, 16) as u128;
-        let data = batches * rows * (dims[0] + dims[dims.len() - 1]) * 4;
-        let per_rank = 4
-            * (4 * params / world as u128 + 3 * params + 4 * self.batch as u128 * dims.iter().sum::<u128>())
-            + 16 * self.steps() as u128
-            + 8 * widest;
-        self.check_memory(data + world as u128 * per_rank + 2 * 4 * params)
+        let params = dims.windows(2).fold(Sat(0), |acc, w| acc + w[0] * w[1] + w[1]);
+        let widest = dims.iter().map(|d| d.0).max().map_or(Sat(0), Sat);
+        let (world_, batch, steps) = (Sat::of(world), Sat::of(self.batch), Sat::of(self.steps()));
+        let batches = Sat::of(self.steps().clamp(1, 16));
+        let data = batches * world_ * batch * (dims[0] + dims[dims.len() - 1]) * Sat(4);
+        let width_sum = dims.iter().fold(Sat(0), |a, d| a + *d);
+        let per_rank = Sat(4) * (Sat(4) * params / world_ + Sat(3) * params + Sat(4) * batch * width_sum)
+            + Sat(16) * steps
+            + Sat(8) * widest;
+        self.check_memory((data + world_ * per_rank + Sat(8) * params).0)
     }
 
     fn gpt_config(&self) -> GptConfig {
@@ -380,13 +412,15 @@ impl TrainArgs {
             return Err(usage("--save-every must be at least 1"));
         }
         let (v, d, l, f, t) =
-            (cfg.vocab as u128, cfg.d_model as u128, cfg.layers as u128, cfg.d_ff as u128, cfg.seq_len as u128);
-        let params = 2 * v * d + d + l * (4 * d * d + 2 * d * f + 2 * d);
-        let tokens = self.batch as u128 * t;
-        let heads = cfg.heads as u128;
-        let activations = 4 * tokens * (l + 2) * (8 * d + 2 * f + 3 * heads * t + 3 * v);
-        let per_rank = 4 * (4 * params / world as u128 + 4 * params) + activations + 16 * self.steps() as u128;
-        self.check_memory(world as u128 * per_rank + 4 * (1 << 20))
+            (Sat::of(cfg.vocab), Sat::of(cfg.d_model), Sat::of(cfg.layers), Sat::of(cfg.d_ff), Sat::of(cfg.seq_len));
+        let params = Sat(2) * v * d + d + l * (Sat(4) * d * d + Sat(2) * d * f + Sat(2) * d);
+        let tokens = Sat::of(self.batch) * t;
+        let heads = Sat::of(cfg.heads);
+        let activations = Sat(4) * tokens * (l + Sat(2)) * (Sat(8) * d + Sat(2) * f + Sat(3) * heads * t + Sat(3) * v);
+        let per_rank = Sat(4) * (Sat(4) * params / Sat::of(world) + Sat(4) * params)
+            + activations
+            + Sat(16) * Sat::of(self.steps());
+        self.check_memory((Sat::of(world) * per_rank + Sat(4 << 20)).0)
     }
 
     fn check_memory(&self, needed: u128) -> anyhow::Result<()> {

@@ -133,23 +133,12 @@ fn the_whole_suite_passes_across_four_processes() {
 }
 
 fn train_args<'a>(out: &'a str, init: Option<&'a str>) -> Vec<&'a str> {
-    let mut v = vec![
-        "train",
-        "--model",
-        "mlp",
-        "--world-size",
-        "4",
-        "--steps",
-        "6",
-        "--dims",
-        "24,80,48,6",
-        "--optimizer",
-        "adamw",
-        "--out-dir",
-        out,
-    ];
-    if let Some(dir) = init {
-        v.extend(["--init-dir", dir]);
+    let mut v =
+        vec!["train", "--model", "mlp", "--world-size", "4", "--steps", "6", "--optimizer", "adamw", "--out-dir", out];
+    match init {
+        // The init dir gives the model.
+        Some(dir) => v.extend(["--init-dir", dir]),
+        None => v.extend(["--dims", "24,80,48,6"]),
     }
     v
 }
