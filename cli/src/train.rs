@@ -183,14 +183,6 @@ fn usage(msg: impl Into<String>) -> anyhow::Error {
     UsageError(msg.into()).into()
 }
 
-/// Bytes of memory available to a new run (Linux's `MemAvailable`), if known.
-fn available_memory() -> Option<u128> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u128 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
 /// A byte or element count for the memory check: saturating arithmetic, so
 /// no size a user gives overflows (the result is then "more than any machine").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -221,10 +213,6 @@ impl std::ops::Div for Sat {
     fn div(self, o: Sat) -> Sat {
         Sat(self.0.checked_div(o.0).unwrap_or(u128::MAX))
     }
-}
-
-fn gib(bytes: u128) -> f64 {
-    bytes as f64 / (1u128 << 30) as f64
 }
 
 impl TrainArgs {
@@ -424,15 +412,7 @@ impl TrainArgs {
     }
 
     fn check_memory(&self, needed: u128) -> anyhow::Result<()> {
-        let Some(available) = available_memory() else { return Ok(()) };
-        if needed > available / 10 * 9 {
-            return Err(usage(format!(
-                "this run needs about {:.1} GiB of memory; {:.1} GiB are available (make the model, batch, world or --steps smaller)",
-                gib(needed),
-                gib(available)
-            )));
-        }
-        Ok(())
+        crate::size::check_memory(needed, "this run", "make the model, batch, world or --steps smaller").map_err(usage)
     }
 
     fn optimizer(&self) -> OptimizerKind {
