@@ -66,7 +66,7 @@ pub struct TrainArgs {
     /// HSDP: replicate over this many groups (it must divide the world size).
     #[arg(long)]
     pub hsdp: Option<usize>,
-    /// Training steps (default 150 for gpt, 50 for mlp); with --resume, the step to stop before.
+    /// Training steps (default 300 for gpt, 20 for the gpt bench, 50 for mlp); with --resume, the step to stop before.
     #[arg(long)]
     pub steps: Option<u64>,
     /// Rows (mlp) or sequences (gpt) per rank per step.
@@ -225,7 +225,7 @@ impl TrainArgs {
     fn steps(&self) -> u64 {
         self.steps.unwrap_or(match self.model() {
             ModelArg::Gpt if self.bench => 20,
-            ModelArg::Gpt => 150,
+            ModelArg::Gpt => 300,
             ModelArg::Mlp => 50,
         })
     }

@@ -146,6 +146,25 @@ fn the_transformer_learns_plots_checkpoints_and_resumes() {
     for (a, b) in r[20..].iter().zip(&losses[20..]) {
         assert!((a - b).abs() < 1e-4 * (1.0 + b.abs()), "{:?} vs {:?}", &r[20..], &losses[20..]);
     }
+    // The last checkpoint as plain safetensors: the trained model, tensor for tensor.
+    let consolidated = root.join("consolidated");
+    let o = run(&["consolidate", ckpt.to_str().unwrap(), consolidated.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(consolidated.join("model.safetensors.index.json")).unwrap()).unwrap();
+    let file = consolidated.join(index["weight_map"]["head.weight"].as_str().unwrap());
+    let bytes = std::fs::read(file).unwrap();
+    let (whole, model) =
+        (safetensors::SafeTensors::deserialize(&bytes).unwrap(), safetensors::SafeTensors::deserialize(&st).unwrap());
+    for (name, t) in model.tensors() {
+        assert_eq!(whole.tensor(&name).unwrap().data(), t.data(), "{name}");
+    }
+    let o = run(&["consolidate", ckpt.to_str().unwrap(), consolidated.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "never overwrites: {}", stderr(&o));
+    let o = run(&["consolidate", root.join("nothing").to_str().unwrap(), root.join("c2").to_str().unwrap()]);
+    no_panic(&o);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("nothing"), "{}", stderr(&o));
     // Resuming past the end is a usage error.
     let o = gpt(&["--steps", "40", "--resume", ckpt.to_str().unwrap(), "--out-dir", root.join("x").to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
