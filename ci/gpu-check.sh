@@ -94,8 +94,8 @@ fi
 grep -E '^[0-9]+ passed' "$results"/conformance-nccl-*.log 2>/dev/null | sed 's/^/# /' | tee -a "$summary"
 
 # One init, trained on sim and on NCCL: the parameters must agree within f32 tolerance.
-if run train-sim 300 "$chorus" train --backend sim --world-size 1 --steps 50 --out-dir "$results/train-sim" \
-    && run train-nccl 300 "$chorus" train --backend nccl --world-size 1 --steps 50 \
+if run train-sim 300 "$chorus" train --model mlp --backend sim --world-size 1 --steps 50 --out-dir "$results/train-sim" \
+    && run train-nccl 300 "$chorus" train --model mlp --backend nccl --world-size 1 --steps 50 \
         --init-dir "$results/train-sim/init" --out-dir "$results/train-nccl"; then
     run train-sim-vs-nccl 60 python3 - "$results/train-sim" "$results/train-nccl" <<'PY'
 import glob, json, os, sys

@@ -21,6 +21,7 @@
 mod backends;
 mod bench;
 mod conformance;
+mod consolidate;
 mod launch;
 #[cfg(feature = "sim")]
 mod outdir;
@@ -56,6 +57,8 @@ enum Command {
     /// Train a transformer (candle, --model gpt) or the reference MLP under FSDP: summary.json, loss.svg, checkpoints; --bench measures FSDP.
     #[cfg(feature = "sim")]
     Train(Box<train::TrainArgs>),
+    /// Write a sharded checkpoint of `train --model gpt` as plain safetensors files (candle and Python load them).
+    Consolidate(consolidate::ConsolidateArgs),
 }
 
 /// A problem with the arguments that clap's parser cannot see (a world size
@@ -90,6 +93,7 @@ fn main() -> ExitCode {
         Command::Launch(_) => "launch",
         #[cfg(feature = "sim")]
         Command::Train(_) => "train",
+        Command::Consolidate(_) => "consolidate",
     };
     let result = match cli.command {
         Command::Info => backends::info(),
@@ -98,6 +102,7 @@ fn main() -> ExitCode {
         Command::Launch(args) => launch::run(&args),
         #[cfg(feature = "sim")]
         Command::Train(args) => train::run(&args),
+        Command::Consolidate(args) => consolidate::run(&args),
     };
     match result {
         Ok(Outcome::Passed) => ExitCode::SUCCESS,

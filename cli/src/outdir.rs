@@ -104,18 +104,26 @@ impl OutDir {
     }
 
     /// Syncs the staged files and renames the staging directory to the
-    /// out-dir (the previous out-dir, if any, is moved aside first and then
-    /// removed).
+    /// out-dir. A previous out-dir is swapped with the new one in one step
+    /// (Linux's `renameat2(RENAME_EXCHANGE)`), so at every instant the
+    /// out-dir is one complete run; where the file system cannot exchange,
+    /// the previous one is moved aside first (a crash between the two renames
+    /// leaves it beside, as `.NAME.old-PID`). The previous run is then removed.
     pub fn commit(mut self) -> anyhow::Result<()> {
         sync_tree(&self.stage)?;
         if self.dest.exists() {
-            let old = sibling(&self.dest, &format!("old-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&old);
-            std::fs::rename(&self.dest, &old)
-                .with_context(|| format!("moving the previous {} aside", self.dest.display()))?;
-            std::fs::rename(&self.stage, &self.dest)
-                .with_context(|| format!("renaming into {}", self.dest.display()))?;
-            let _ = std::fs::remove_dir_all(&old);
+            if exchange(&self.stage, &self.dest).is_ok() {
+                // The staging path now holds the previous run.
+                let _ = std::fs::remove_dir_all(&self.stage);
+            } else {
+                let old = sibling(&self.dest, &format!("old-{}", std::process::id()));
+                let _ = std::fs::remove_dir_all(&old);
+                std::fs::rename(&self.dest, &old)
+                    .with_context(|| format!("moving the previous {} aside", self.dest.display()))?;
+                std::fs::rename(&self.stage, &self.dest)
+                    .with_context(|| format!("renaming into {}", self.dest.display()))?;
+                let _ = std::fs::remove_dir_all(&old);
+            }
         } else {
             std::fs::rename(&self.stage, &self.dest)
                 .with_context(|| format!("renaming into {}", self.dest.display()))?;
@@ -126,6 +134,29 @@ impl OutDir {
         self.committed = true;
         Ok(())
     }
+}
+
+/// Swaps two paths atomically (`renameat2` with `RENAME_EXCHANGE`).
+#[cfg(target_os = "linux")]
+fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| {
+        std::ffi::CString::new(p.as_os_str().as_bytes())
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
+    };
+    let (a, b) = (c(a)?, c(b)?);
+    // SAFETY: both are valid NUL-terminated paths that outlive the call.
+    let rc = unsafe { libc::renameat2(libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), libc::RENAME_EXCHANGE) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn exchange(_: &Path, _: &Path) -> std::io::Result<()> {
+    Err(std::io::Error::new(std::io::ErrorKind::Unsupported, "no atomic exchange of directories here"))
 }
 
 fn sync_tree(dir: &Path) -> anyhow::Result<()> {

@@ -1,4 +1,6 @@
-//! Byte sizes on the command line: `1K`, `16M`, `256M`, `1G`, or plain bytes.
+//! Byte sizes on the command line (`1K`, `16M`, `256M`, `1G`, or plain
+//! bytes), and the check of the memory a command needs against what the
+//! machine has.
 
 /// Parses a byte size: a whole number with an optional binary suffix
 /// `K`, `M`, `G` or `T` (powers of 1024, as nccl-tests reads them), in
@@ -38,6 +40,30 @@ pub fn format_bytes(bytes: u64) -> String {
         }
     }
     bytes.to_string()
+}
+
+/// Bytes of memory available to a new program (Linux's `MemAvailable`), if known.
+pub fn available_memory() -> Option<u128> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u128 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Refuses, before anything is allocated, a command (`what`) that needs
+/// more than nine tenths of the memory available; `hint` says what to make
+/// smaller. Where the available memory is unknown, nothing is refused.
+pub fn check_memory(needed: u128, what: &str, hint: &str) -> Result<(), String> {
+    let Some(available) = available_memory() else { return Ok(()) };
+    if needed <= available / 10 * 9 {
+        return Ok(());
+    }
+    let gib = |b: u128| b as f64 / (1u128 << 30) as f64;
+    let need = match gib(needed) {
+        g if g < 1e6 => format!("about {g:.1} GiB"),
+        _ => "more than a million GiB".to_string(),
+    };
+    Err(format!("{what} needs {need} of memory; {:.1} GiB are available ({hint})", gib(available)))
 }
 
 #[cfg(test)]

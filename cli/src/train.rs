@@ -66,7 +66,7 @@ pub struct TrainArgs {
     /// HSDP: replicate over this many groups (it must divide the world size).
     #[arg(long)]
     pub hsdp: Option<usize>,
-    /// Training steps (default 150 for gpt, 50 for mlp); with --resume, the step to stop before.
+    /// Training steps (default 300 for gpt, 20 for the gpt bench, 50 for mlp); with --resume, the step to stop before.
     #[arg(long)]
     pub steps: Option<u64>,
     /// Rows (mlp) or sequences (gpt) per rank per step.
@@ -147,12 +147,26 @@ pub struct TrainArgs {
     /// Where the results go (default out/train): replaced whole when the run succeeds.
     #[arg(long)]
     pub out_dir: Option<PathBuf>,
-    /// Benchmark FSDP on the mlp instead: step time and host overhead per group per step for world sizes 1, 2, 4, 8.
+    /// Benchmark instead of training: the mlp (default) at world sizes 1, 2, 4, 8 (step time, FSDP host
+    /// overhead per group per step, peak memory), or with --model gpt the transformer through the candle
+    /// adapter at --world-size ranks against plain single-process candle on the same global batch.
     #[arg(long)]
     pub bench: bool,
     /// With --bench: print one JSON object per row.
     #[arg(long)]
     pub json: bool,
+    /// With --bench --model gpt: run one side of the comparison in this process and print its JSON (internal).
+    #[arg(long, value_enum, hide = true)]
+    pub bench_part: Option<BenchPart>,
+}
+
+/// One side of `chorus train --bench --model gpt`, each run in a process of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchPart {
+    /// Plain single-process candle on the global batch.
+    Plain,
+    /// FSDP through the candle adapter on simulated ranks.
+    Fsdp,
 }
 
 fn parse_float_dtype(s: &str) -> Result<DType, String> {
@@ -169,16 +183,36 @@ fn usage(msg: impl Into<String>) -> anyhow::Error {
     UsageError(msg.into()).into()
 }
 
-/// Bytes of memory available to a new run (Linux's `MemAvailable`), if known.
-fn available_memory() -> Option<u128> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u128 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+/// A byte or element count for the memory check: saturating arithmetic, so
+/// no size a user gives overflows (the result is then "more than any machine").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Sat(u128);
+
+impl Sat {
+    fn of<T: TryInto<u128>>(n: T) -> Sat {
+        Sat(n.try_into().unwrap_or(u128::MAX))
+    }
 }
 
-fn gib(bytes: u128) -> f64 {
-    bytes as f64 / (1u128 << 30) as f64
+impl std::ops::Add for Sat {
+    type Output = Sat;
+    fn add(self, o: Sat) -> Sat {
+        Sat(self.0.saturating_add(o.0))
+    }
+}
+
+impl std::ops::Mul for Sat {
+    type Output = Sat;
+    fn mul(self, o: Sat) -> Sat {
+        Sat(self.0.saturating_mul(o.0))
+    }
+}
+
+impl std::ops::Div for Sat {
+    type Output = Sat;
+    fn div(self, o: Sat) -> Sat {
+        Sat(self.0.checked_div(o.0).unwrap_or(u128::MAX))
+    }
 }
 
 impl TrainArgs {
@@ -190,7 +224,8 @@ impl TrainArgs {
     }
     fn steps(&self) -> u64 {
         self.steps.unwrap_or(match self.model() {
-            ModelArg::Gpt => 150,
+            ModelArg::Gpt if self.bench => 20,
+            ModelArg::Gpt => 300,
             ModelArg::Mlp => 50,
         })
     }
@@ -221,14 +256,17 @@ impl TrainArgs {
             )));
         }
         if self.bench {
-            if model != ModelArg::Mlp {
-                return Err(usage("--bench measures FSDP on the mlp (--model mlp)"));
-            }
+            let mlp = model == ModelArg::Mlp;
             for (given, name) in [
-                (self.world_size.is_some(), "--world-size (it measures 1, 2, 4 and 8 ranks)"),
+                (mlp && self.world_size.is_some(), "--world-size with the mlp (it measures 1, 2, 4 and 8 ranks)"),
                 (self.init_dir.is_some(), "--init-dir"),
                 (self.out_dir.is_some(), "--out-dir (it writes nothing)"),
-                (self.hsdp.is_some(), "--hsdp"),
+                (mlp && self.hsdp.is_some(), "--hsdp with the mlp"),
+                (self.resume.is_some(), "--resume"),
+                (self.save_every.is_some(), "--save-every"),
+                (self.checkpoint_dir.is_some(), "--checkpoint-dir"),
+                (!mlp && self.param_dtype != DType::F32, "--param-dtype with --model gpt (plain candle trains in f32)"),
+                (!mlp && self.max_grad_norm.is_some(), "--max-grad-norm with --model gpt"),
             ] {
                 if given {
                     return Err(usage(format!("--bench does not use {name}")));
@@ -300,29 +338,29 @@ impl TrainArgs {
         if self.init_dir.is_some() && (self.dims.is_some() || self.layers.is_some()) {
             return Err(usage("--init-dir gives the model; --dims/--layers/--width do not apply"));
         }
-        // The memory the run needs, in u128 so no size overflows (the init
-        // dir's sizes are checked again once its headers are read).
-        let dims: Vec<u128> = match (&self.dims, self.layers, self.width) {
-            (Some(d), _, _) => d.iter().map(|v| *v as u128).collect(),
+        // The memory the run needs, saturating so no size overflows (the
+        // init dir's sizes are checked again once its headers are read).
+        let dims: Vec<Sat> = match (&self.dims, self.layers, self.width) {
+            (Some(d), _, _) => d.iter().map(|v| Sat::of(*v)).collect(),
             (None, Some(l), Some(w)) => {
                 if l as u128 > 1 << 20 {
                     return Err(usage(format!("--layers {l} is more than this tool trains (at most {})", 1 << 20)));
                 }
-                vec![w as u128; l + 1]
+                vec![Sat::of(w); l + 1]
             }
             _ if self.init_dir.is_some() => return Ok(()),
-            _ => vec![16, 64, 64, 4],
+            _ => [16, 64, 64, 4].map(Sat::of).to_vec(),
         };
-        let params: u128 = dims.windows(2).map(|w| w[0] * w[1] + w[1]).sum();
-        let widest = dims.iter().copied().max().unwrap_or(0);
-        let rows = world as u128 * self.batch as u128;
-        let batches = self.steps().clamp(1, 16) as u128;
-        let data = batches * rows * (dims[0] + dims[dims.len() - 1]) * 4;
-        let per_rank = 4
-            * (4 * params / world as u128 + 3 * params + 4 * self.batch as u128 * dims.iter().sum::<u128>())
-            + 16 * self.steps() as u128
-            + 8 * widest;
-        self.check_memory(data + world as u128 * per_rank + 2 * 4 * params)
+        let params = dims.windows(2).fold(Sat(0), |acc, w| acc + w[0] * w[1] + w[1]);
+        let widest = dims.iter().map(|d| d.0).max().map_or(Sat(0), Sat);
+        let (world_, batch, steps) = (Sat::of(world), Sat::of(self.batch), Sat::of(self.steps()));
+        let batches = Sat::of(self.steps().clamp(1, 16));
+        let data = batches * world_ * batch * (dims[0] + dims[dims.len() - 1]) * Sat(4);
+        let width_sum = dims.iter().fold(Sat(0), |a, d| a + *d);
+        let per_rank = Sat(4) * (Sat(4) * params / world_ + Sat(3) * params + Sat(4) * batch * width_sum)
+            + Sat(16) * steps
+            + Sat(8) * widest;
+        self.check_memory((data + world_ * per_rank + Sat(8) * params).0)
     }
 
     fn gpt_config(&self) -> GptConfig {
@@ -337,6 +375,12 @@ impl TrainArgs {
     }
 
     fn usage_gpt(&self, world: usize) -> anyhow::Result<()> {
+        if matches!(self.backend.name(), "nccl" | "rccl") {
+            return Err(usage(format!(
+                "--model gpt computes with candle on the CPU, so it runs on backends whose device holds host memory (sim, simnccl, ucx), not {}; use --model mlp (the candle-CUDA path is designed in docs/fsdp.md, not built)",
+                self.backend
+            )));
+        }
         for (given, name) in [
             (self.dims.is_some(), "--dims"),
             (self.width.is_some(), "--width"),
@@ -356,25 +400,19 @@ impl TrainArgs {
             return Err(usage("--save-every must be at least 1"));
         }
         let (v, d, l, f, t) =
-            (cfg.vocab as u128, cfg.d_model as u128, cfg.layers as u128, cfg.d_ff as u128, cfg.seq_len as u128);
-        let params = 2 * v * d + d + l * (4 * d * d + 2 * d * f + 2 * d);
-        let tokens = self.batch as u128 * t;
-        let heads = cfg.heads as u128;
-        let activations = 4 * tokens * (l + 2) * (8 * d + 2 * f + 3 * heads * t + 3 * v);
-        let per_rank = 4 * (4 * params / world as u128 + 4 * params) + activations + 16 * self.steps() as u128;
-        self.check_memory(world as u128 * per_rank + 4 * (1 << 20))
+            (Sat::of(cfg.vocab), Sat::of(cfg.d_model), Sat::of(cfg.layers), Sat::of(cfg.d_ff), Sat::of(cfg.seq_len));
+        let params = Sat(2) * v * d + d + l * (Sat(4) * d * d + Sat(2) * d * f + Sat(2) * d);
+        let tokens = Sat::of(self.batch) * t;
+        let heads = Sat::of(cfg.heads);
+        let activations = Sat(4) * tokens * (l + Sat(2)) * (Sat(8) * d + Sat(2) * f + Sat(3) * heads * t + Sat(3) * v);
+        let per_rank = Sat(4) * (Sat(4) * params / Sat::of(world) + Sat(4) * params)
+            + activations
+            + Sat(16) * Sat::of(self.steps());
+        self.check_memory((Sat::of(world) * per_rank + Sat(4 << 20)).0)
     }
 
     fn check_memory(&self, needed: u128) -> anyhow::Result<()> {
-        let Some(available) = available_memory() else { return Ok(()) };
-        if needed > available / 10 * 9 {
-            return Err(usage(format!(
-                "this run needs about {:.1} GiB of memory; {:.1} GiB are available (make the model, batch, world or --steps smaller)",
-                gib(needed),
-                gib(available)
-            )));
-        }
-        Ok(())
+        crate::size::check_memory(needed, "this run", "make the model, batch, world or --steps smaller").map_err(usage)
     }
 
     fn optimizer(&self) -> OptimizerKind {
@@ -539,6 +577,38 @@ impl RankJob for GptJob {
     {
         Ok(train_gpt(world, &self.0, on_step)?)
     }
+}
+
+/// Limits the threads candle's CPU kernels use to this rank's share of the
+/// machine's cores, unless the user set `RAYON_NUM_THREADS`.
+///
+/// candle's CPU backend takes its thread count from `RAYON_NUM_THREADS`
+/// (else the physical cores): its matmul splits each product into that many
+/// tasks, and its element-wise kernels run on one process-wide pool of that
+/// many threads, sized at its first use, behind one lock, whose workers
+/// spin at a barrier. Ranks sharing the cores, each computing with every
+/// core's worth of threads, oversubscribe them and queue on that lock
+/// (measured: 4 sim ranks on 2 cores step about 2× slower than with one
+/// thread each; `docs/benchmarks.md`). Ranks as threads of this process
+/// share its cores; ranks as processes share the node's with
+/// `LOCAL_WORLD_SIZE - 1` others. Called from the main thread before candle
+/// computes anything or any other thread starts (the environment is not
+/// written while another thread may read it).
+fn limit_candle_threads(backend: Backend, world: usize) {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        std::env::set_var("RAYON_NUM_THREADS", candle_threads(backend, world).to_string());
+    }
+}
+
+/// This rank's share of the machine's cores (at least one).
+fn candle_threads(backend: Backend, world: usize) -> usize {
+    let local = if backend.runs_as_processes() {
+        chorus_collectives::bootstrap::LaunchEnv::from_process_env().map_or(1, |env| env.local_world_size)
+    } else {
+        world
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / local.max(1)).max(1)
 }
 
 /// Whether this process writes the run's outputs: always when the ranks are
@@ -787,6 +857,8 @@ fn run_mlp(args: &TrainArgs) -> anyhow::Result<Outcome> {
 
 fn run_gpt(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let world = args.world();
+    // Before candle computes anything: it sizes its pools once per process.
+    limit_candle_threads(args.backend, world);
     let steps = args.steps();
     let cfg = args.gpt_config();
     let corpus = match &args.text {
@@ -929,8 +1001,197 @@ fn run_gpt(args: &TrainArgs) -> anyhow::Result<Outcome> {
     Ok(Outcome::Passed)
 }
 
-/// `chorus train --bench`: FSDP step time and host overhead for world sizes 1, 2, 4, 8.
+/// `chorus train --bench`: the mlp at several world sizes, or the transformer against plain candle.
 fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
+    match args.model() {
+        ModelArg::Mlp => bench_mlp(args),
+        ModelArg::Gpt => bench_gpt(args),
+    }
+}
+
+/// `chorus train --bench --model gpt`: the transformer through the candle
+/// adapter on `--world-size` simulated ranks against plain single-process
+/// candle on the same global batch (`world × batch` sequences): step times
+/// (median of the timed steps, after warm-up), FSDP's host overhead per
+/// group and step, the adapter's own host time, and the device memory per
+/// rank.
+///
+/// Each side runs in a fresh process of this binary (`--bench-part`), one
+/// after the other: candle sizes its thread pools once per process
+/// ([`limit_candle_threads`]), so plain candle gets candle's defaults (every
+/// core) and the ranks get their share of the cores each.
+fn bench_gpt(args: &TrainArgs) -> anyhow::Result<Outcome> {
+    if args.backend.name() != "sim" {
+        return Err(usage("--bench --model gpt runs on the sim backend (the ranks as threads beside plain candle)"));
+    }
+    if let Some(part) = args.bench_part {
+        let result = bench_gpt_part(args, part)?;
+        say(format_args!("{result}"))?;
+        return Ok(Outcome::Passed);
+    }
+    let exe = std::env::current_exe().context("finding this program to run the benchmark's parts")?;
+    let forwarded: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    let part = |name: &str, threads: Option<String>| -> anyhow::Result<serde_json::Value> {
+        let mut cmd = std::process::Command::new(&exe);
+        cmd.args(&forwarded).args(["--bench-part", name]).stdin(std::process::Stdio::null());
+        cmd.stderr(std::process::Stdio::inherit());
+        if let Some(t) = threads {
+            cmd.env("RAYON_NUM_THREADS", t);
+        }
+        let out = cmd.output().with_context(|| format!("running the {name} part of the benchmark"))?;
+        if !out.status.success() {
+            anyhow::bail!("the {name} part of the benchmark failed ({})", out.status);
+        }
+        serde_json::from_slice(&out.stdout).with_context(|| format!("reading the {name} part's result"))
+    };
+    let num = |v: &serde_json::Value, key: &str| v[key].as_f64().unwrap_or(f64::NAN);
+    // Plain candle at its best: candle's default threads and one thread, the faster (unless the user chose).
+    let user_threads = std::env::var("RAYON_NUM_THREADS").ok();
+    let mut plains = vec![part("plain", None)?];
+    if user_threads.is_none() {
+        plains.push(part("plain", Some("1".into()))?);
+    }
+    let plain = plains
+        .iter()
+        .min_by(|a, b| num(a, "median_step_time_s").total_cmp(&num(b, "median_step_time_s")))
+        .cloned()
+        .context("no plain run")?;
+    let fsdp =
+        part("fsdp", Some(user_threads.unwrap_or_else(|| candle_threads(args.backend, args.world()).to_string())))?;
+    let (plain_step, fsdp_step) = (num(&plain, "median_step_time_s"), num(&fsdp, "median_step_time_s"));
+    let ratio = fsdp_step / plain_step;
+    let cfg = args.gpt_config();
+    let world = args.world();
+    let params = cfg.num_params();
+    let state_per_param = match args.optimizer() {
+        OptimizerKind::AdamW { .. } => 16,
+        OptimizerKind::Sgd { .. } => 8,
+    };
+    let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|t| {
+        t.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|m| m.trim().to_string())
+    });
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    if args.json {
+        say(format_args!(
+            "{}",
+            json!({
+                "model": "gpt", "transformer": cfg, "parameters": params, "world_size": world, "hsdp": args.hsdp,
+                "batch_per_rank": args.batch, "global_batch": world * args.batch, "micro_batches": args.micro_batches,
+                "reshard_after_forward": args.reshard_after_forward.to_string(),
+                "optimizer": optimizer_json(args.optimizer()), "warmup_steps": GPT_BENCH_WARMUP, "timed_steps": args.steps(),
+                "plain": plain, "plain_runs": plains, "fsdp": fsdp, "ratio": ratio,
+                "plain_training_state_bytes": params * state_per_param,
+                "machine": { "cores": cores, "cpu": cpu },
+            })
+        ))?;
+        return Ok(Outcome::Passed);
+    }
+    say(format_args!(
+        "# chorus train --bench --model gpt: transformer d_model {} x {} layers ({params} parameters), global batch {} x {} tokens, {} timed steps after {GPT_BENCH_WARMUP}",
+        cfg.d_model,
+        cfg.layers,
+        world * args.batch,
+        cfg.seq_len,
+        args.steps()
+    ))?;
+    let runs: Vec<String> = plains
+        .iter()
+        .map(|p| {
+            format!(
+                "{} threads {:.2} ms",
+                p["candle_threads"].as_str().unwrap_or("?"),
+                num(p, "median_step_time_s") * 1e3
+            )
+        })
+        .collect();
+    say(format_args!(
+        "# each side in its own process; plain candle at its best of [{}]; each FSDP rank {} candle thread(s)",
+        runs.join(", "),
+        fsdp["candle_threads"].as_str().unwrap_or("?"),
+    ))?;
+    let row = |label: String, value: String| say(format_args!("{label:<46} {value:>10}"));
+    row("plain candle, 1 process: step ms (median)".into(), format!("{:.2}", plain_step * 1e3))?;
+    row(format!("FSDP, {world} sim ranks: step ms (median)"), format!("{:.2}", fsdp_step * 1e3))?;
+    row("ratio (goal <= 1.5)".into(), format!("{ratio:.2}x"))?;
+    row(
+        format!("FSDP host overhead, us/group/step ({} groups)", fsdp["groups"]),
+        format!("{:.1}", num(&fsdp, "host_overhead_per_group_per_step_s") * 1e6),
+    )?;
+    row(
+        "adapter host copies and waits, ms/step".into(),
+        format!("{:.2}", num(&fsdp, "adapter_transfer_per_step_s") * 1e3),
+    )?;
+    row(
+        "candle compute per rank incl. recompute, ms/step".into(),
+        format!("{:.2}", num(&fsdp, "candle_compute_per_step_s") * 1e3),
+    )?;
+    row(
+        "FSDP peak device memory, KiB/rank".into(),
+        format!("{:.1}", num(&fsdp, "peak_memory_bytes_per_rank") / 1024.0),
+    )?;
+    row(
+        "plain training state (params+grads+optim), KiB".into(),
+        format!("{:.1}", (params * state_per_param) as f64 / 1024.0),
+    )?;
+    Ok(Outcome::Passed)
+}
+
+const GPT_BENCH_WARMUP: u64 = 3;
+
+/// One side of [`bench_gpt`], in this process: its numbers as JSON.
+fn bench_gpt_part(args: &TrainArgs, part: BenchPart) -> anyhow::Result<serde_json::Value> {
+    let world = args.world();
+    let cfg = args.gpt_config();
+    let steps = args.steps();
+    let corpus = match &args.text {
+        Some(path) => std::fs::read_to_string(path).with_context(|| format!("--text {}", path.display()))?,
+        None => text::generate(200_000, args.seed),
+    };
+    let data = TextData::new(text::encode(&corpus), cfg.seq_len, args.seed)
+        .ok_or_else(|| usage(format!("the text is too short for --seq-len {}", cfg.seq_len)))?;
+    let spec = GptSpec {
+        config: cfg,
+        init: init_params(&cfg, args.seed)?,
+        data: Arc::new(data),
+        batch: args.batch,
+        steps: steps + GPT_BENCH_WARMUP,
+        optimizer: args.optimizer(),
+        fsdp: args.fsdp_config(),
+        replicate: args.hsdp,
+        max_grad_norm: None,
+        forward_prefetch: true,
+        micro_batches: args.micro_batches,
+        checkpoint_dir: None,
+        save_every: 0,
+        resume: None,
+        allow_nonfinite: false,
+    };
+    let timed = |times: &[f64]| median(&times[(GPT_BENCH_WARMUP as usize).min(times.len())..]);
+    let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into());
+    Ok(match part {
+        BenchPart::Plain => {
+            let plain = chorus_train::gpt_train::train_plain(&spec, world)?;
+            json!({ "median_step_time_s": timed(&plain.step_times_s), "candle_threads": threads })
+        }
+        BenchPart::Fsdp => {
+            let reports = run_sim(world, GptJob(spec), None)?;
+            let r = reports.first().context("no ranks")?;
+            let all_steps = r.step_times_s.len().max(1) as f64;
+            json!({
+                "median_step_time_s": timed(&r.step_times_s),
+                "groups": r.groups,
+                "host_overhead_per_group_per_step_s": r.overhead.total.as_secs_f64() / (r.groups.max(1) as f64 * all_steps),
+                "adapter_transfer_per_step_s": r.adapter.transfer.as_secs_f64() / all_steps,
+                "candle_compute_per_step_s": r.adapter.compute.as_secs_f64() / all_steps,
+                "peak_memory_bytes_per_rank": reports.iter().map(|r| r.peak_memory_bytes).max().unwrap_or(0),
+                "candle_threads": threads,
+            })
+        }
+    })
+}
+
+/// `chorus train --bench` on the mlp: FSDP step time and host overhead for world sizes 1, 2, 4, 8.
+fn bench_mlp(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let dims = match (&args.dims, args.layers, args.width) {
         (None, None, None) => vec![64; 65],
         _ => args.dims(),

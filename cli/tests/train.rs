@@ -146,6 +146,25 @@ fn the_transformer_learns_plots_checkpoints_and_resumes() {
     for (a, b) in r[20..].iter().zip(&losses[20..]) {
         assert!((a - b).abs() < 1e-4 * (1.0 + b.abs()), "{:?} vs {:?}", &r[20..], &losses[20..]);
     }
+    // The last checkpoint as plain safetensors: the trained model, tensor for tensor.
+    let consolidated = root.join("consolidated");
+    let o = run(&["consolidate", ckpt.to_str().unwrap(), consolidated.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(consolidated.join("model.safetensors.index.json")).unwrap()).unwrap();
+    let file = consolidated.join(index["weight_map"]["head.weight"].as_str().unwrap());
+    let bytes = std::fs::read(file).unwrap();
+    let (whole, model) =
+        (safetensors::SafeTensors::deserialize(&bytes).unwrap(), safetensors::SafeTensors::deserialize(&st).unwrap());
+    for (name, t) in model.tensors() {
+        assert_eq!(whole.tensor(&name).unwrap().data(), t.data(), "{name}");
+    }
+    let o = run(&["consolidate", ckpt.to_str().unwrap(), consolidated.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "never overwrites: {}", stderr(&o));
+    let o = run(&["consolidate", root.join("nothing").to_str().unwrap(), root.join("c2").to_str().unwrap()]);
+    no_panic(&o);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("nothing"), "{}", stderr(&o));
     // Resuming past the end is a usage error.
     let o = gpt(&["--steps", "40", "--resume", ckpt.to_str().unwrap(), "--out-dir", root.join("x").to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
@@ -193,6 +212,34 @@ fn bad_arguments_exit_2_before_anything_is_written() {
             ["train", "--model", "gpt", "--micro-batches", "3", "--out-dir", o].iter().map(|s| s.to_string()).collect(),
             "--micro-batches",
         ),
+        (mlp(&["--dims", "18446744073709551615,18446744073709551615,18446744073709551615"]), "memory"),
+        (mlp(&["--bench", "--init-dir", o]), "--bench does not use --init-dir"),
+        (gpt_args(o, &["--steps", "0"]), "--steps"),
+        (gpt_args(o, &["--world-size", "4", "--reshard-after-forward", "3"]), "--reshard-after-forward 3"),
+        (
+            gpt_args(o, &["--world-size", "4", "--hsdp", "2", "--reshard-after-forward", "4"]),
+            "--reshard-after-forward 4",
+        ),
+        (gpt_args(o, &["--lr", "nan"]), "--lr"),
+        (gpt_args(o, &["--lr", "inf"]), "--lr"),
+        (gpt_args(o, &["--max-grad-norm", "-1"]), "--max-grad-norm"),
+        (gpt_args(o, &["--max-grad-norm", "nan"]), "--max-grad-norm"),
+        (gpt_args(o, &["--layers", "18446744073709551615"]), "memory"),
+        (gpt_args(o, &["--d-model", "18446744073709551612"]), "memory"),
+        (gpt_args(o, &["--seq-len", "18446744073709551615"]), "memory"),
+        (gpt_args(o, &["--steps", "10000000000"]), "memory"),
+        (gpt_args(o, &["--batch", "100000000"]), "memory"),
+        (gpt_args(o, &["--world-size", "18446744073709551615"]), "--world-size"),
+        (gpt_args(o, &["--save-every", "0"]), "--save-every"),
+        (gpt_args(o, &["--init-dir", o]), "--model mlp"),
+        (["train", "--bench", "--model", "gpt", "--out-dir", o].iter().map(|s| s.to_string()).collect(), "--bench"),
+        (["train", "--bench", "--model", "gpt", "--resume", o].iter().map(|s| s.to_string()).collect(), "--bench"),
+        (
+            ["train", "--bench", "--model", "gpt", "--param-dtype", "bf16"].iter().map(|s| s.to_string()).collect(),
+            "--bench",
+        ),
+        (["bench", "--max-bytes", "1T"].iter().map(|s| s.to_string()).collect(), "memory"),
+        (["bench", "--max-bytes", "18446744073709551615"].iter().map(|s| s.to_string()).collect(), "memory"),
     ];
     for (args, why) in cases {
         let started = Instant::now();
@@ -205,6 +252,10 @@ fn bad_arguments_exit_2_before_anything_is_written() {
         assert_eq!(std::fs::read_dir(&root).unwrap().count(), 0, "{args:?} left files in {}", root.display());
     }
     std::fs::remove_dir_all(&root).ok();
+}
+
+fn gpt_args(out: &str, extra: &[&str]) -> Vec<String> {
+    ["train", "--model", "gpt", "--out-dir", out].iter().chain(extra).map(|s| s.to_string()).collect()
 }
 
 fn write_npy(path: &Path, shape: &[usize], values: &[f32]) {
@@ -388,11 +439,34 @@ fn stdout_errors_are_handled() {
         assert_eq!(o.status.code(), Some(1));
         assert!(stderr(&o).contains("No space left on device"), "{}", stderr(&o));
     }
-    // An out-dir that cannot be created is found before training.
+    // An out-dir that cannot be created is found before training, with
+    // generated data and with an --init-dir.
     let o = run(&["train", "--model", "mlp", "--out-dir", "/proc/version/out"]);
     no_panic(&o);
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("/proc/version"), "{}", stderr(&o));
+    let init = root.join("init");
+    init_dir(&init, 0.1);
+    let started = Instant::now();
+    let o = run(&[
+        "train",
+        "--model",
+        "mlp",
+        "--world-size",
+        "2",
+        "--batch",
+        "4",
+        "--steps",
+        "1000000",
+        "--init-dir",
+        init.to_str().unwrap(),
+        "--out-dir",
+        "/proc/version/out",
+    ]);
+    no_panic(&o);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("/proc/version"), "{}", stderr(&o));
+    assert!(started.elapsed() < Duration::from_secs(10), "found only after training: {:?}", started.elapsed());
     std::fs::remove_dir_all(&root).ok();
 }
 
@@ -474,4 +548,130 @@ fn a_save_killed_midway_leaves_the_previous_checkpoint_intact() {
         );
     }
     std::fs::remove_dir_all(&root).ok();
+}
+
+/// Ctrl-C in the middle of a run, and a write that fails (a file-size limit
+/// standing in for a full disk), leave the previous out-dir as it was; the
+/// failed write is an error naming the file; the next run clears what the
+/// interrupted one left.
+#[test]
+fn interrupted_runs_and_failed_writes_leave_the_out_dir_as_it_was() {
+    use std::os::unix::process::CommandExt;
+    let root = scratch("interrupt");
+    let out = root.join("out");
+    let o = gpt(&["--steps", "2", "--out-dir", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let before = listing(&out);
+
+    let mut child = chorus()
+        .args(SMALL_GPT)
+        .args(["--steps", "100000", "--out-dir", out.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let staging = root.join(format!(".out.partial-{}", child.id()));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !staging.exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(staging.exists(), "the run never started staging");
+    std::thread::sleep(Duration::from_millis(500));
+    // SAFETY: kill(2) on the child this test started.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    assert!(!child.wait().unwrap().success());
+    assert_eq!(listing(&out), before, "Ctrl-C changed the out-dir");
+
+    let mut limited = chorus();
+    limited.args(SMALL_GPT).args(["--steps", "2", "--out-dir", out.to_str().unwrap()]);
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        limited.pre_exec(|| {
+            // Past 16 KiB a write fails with EFBIG instead of killing the process.
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let limit = libc::rlimit { rlim_cur: 16 << 10, rlim_max: 16 << 10 };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let o = limited.stdin(Stdio::null()).output().unwrap();
+    no_panic(&o);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("model.safetensors") && e.contains("File too large"), "{e}");
+    assert_eq!(listing(&out), before, "a failed write changed the out-dir");
+
+    let o = gpt(&["--steps", "2", "--out-dir", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let left: Vec<String> =
+        std::fs::read_dir(&root).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(left, ["out"], "staging directories or locks left behind");
+    std::fs::remove_dir_all(&root).ok();
+}
+
+/// A transformer whose loss becomes NaN stops with an error and writes
+/// nothing; with --allow-nonfinite it runs to the end and says so (null).
+#[test]
+fn a_transformer_whose_loss_becomes_nan_stops() {
+    let root = scratch("gpt-nan");
+    let out = root.join("out");
+    let o = gpt(&["--steps", "5", "--optimizer", "sgd", "--lr", "1e30", "--out-dir", out.to_str().unwrap()]);
+    no_panic(&o);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("the loss became NaN"), "{}", stderr(&o));
+    assert!(!out.exists());
+    let o = gpt(&[
+        "--steps",
+        "5",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "1e30",
+        "--allow-nonfinite",
+        "--out-dir",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(summary(&out)["losses"].as_array().unwrap().iter().any(|l| l.is_null()));
+    std::fs::remove_dir_all(&root).ok();
+}
+
+/// `chorus train --bench --model gpt --json`: both sides measured, the
+/// ratio is theirs, and the ranks got their share of the cores.
+#[test]
+fn the_transformer_bench_reports_both_sides() {
+    let o = run(&[
+        "train",
+        "--bench",
+        "--model",
+        "gpt",
+        "--world-size",
+        "2",
+        "--batch",
+        "2",
+        "--d-model",
+        "16",
+        "--layers",
+        "1",
+        "--seq-len",
+        "8",
+        "--steps",
+        "2",
+        "--json",
+    ]);
+    no_panic(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let (plain, fsdp) =
+        (v["plain"]["median_step_time_s"].as_f64().unwrap(), v["fsdp"]["median_step_time_s"].as_f64().unwrap());
+    assert!(plain > 0.0 && fsdp > 0.0, "{v}");
+    assert!((v["ratio"].as_f64().unwrap() - fsdp / plain).abs() < 1e-9, "{v}");
+    assert_eq!(v["plain_runs"].as_array().unwrap().len(), 2, "candle's default threads and one thread");
+    assert_eq!(v["fsdp"]["groups"], 2, "the root and one block");
+    assert!(v["fsdp"]["peak_memory_bytes_per_rank"].as_u64().unwrap() > 0);
+    let cores = std::thread::available_parallelism().unwrap().get();
+    assert_eq!(v["fsdp"]["candle_threads"], (cores / 2).max(1).to_string(), "{v}");
+    assert_eq!(v["global_batch"], 4);
 }

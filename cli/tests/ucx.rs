@@ -111,6 +111,52 @@ fn fsdp_over_four_processes_equals_the_simulator() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The transformer through the candle adapter (`--model gpt`) with one rank
+/// per process over UCX ends where the simulator's ranks end.
+#[test]
+fn the_transformer_over_four_processes_equals_the_simulator() {
+    let _turn = turn();
+    let dir = scratch("gpt");
+    let (sim, ucx) = (dir.join("sim"), dir.join("ucx"));
+    let args = |out: &Path| -> Vec<String> {
+        ["train", "--model", "gpt", "--world-size", "4", "--batch", "2", "--d-model", "32", "--layers", "2"]
+            .iter()
+            .map(|s| s.to_string())
+            .chain(["--seq-len", "16", "--steps", "5", "--out-dir"].iter().map(|s| s.to_string()))
+            .chain([out.display().to_string()])
+            .collect()
+    };
+    let out = run(chorus().args(args(&sim)).args(["--backend", "sim"]), Duration::from_secs(120));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let mut launch = chorus();
+    launch.args(["launch", "--nproc-per-node", "4", "--", chorus_path()]).args(args(&ucx)).args(["--backend", "ucx"]);
+    let out = run(&mut launch, Duration::from_secs(180));
+    assert!(out.status.success(), "stdout: {}\nstderr: {}", text(&out.stdout), text(&out.stderr));
+    let losses = |d: &Path| -> Vec<f64> {
+        let s: serde_json::Value = serde_json::from_slice(&std::fs::read(d.join("summary.json")).unwrap()).unwrap();
+        serde_json::from_value(s["losses"].clone()).unwrap()
+    };
+    assert_eq!(losses(&sim).len(), 5);
+    for (a, b) in losses(&sim).iter().zip(losses(&ucx)) {
+        assert!((a - b).abs() <= 1e-6 * (1.0 + a.abs()), "losses {:?} vs {:?}", losses(&sim), losses(&ucx));
+    }
+    let (a, b) =
+        (std::fs::read(sim.join("model.safetensors")).unwrap(), std::fs::read(ucx.join("model.safetensors")).unwrap());
+    let (a, b) =
+        (safetensors::SafeTensors::deserialize(&a).unwrap(), safetensors::SafeTensors::deserialize(&b).unwrap());
+    assert_eq!(a.len(), 3 + 2 * 8, "root and two blocks");
+    for (name, t) in a.tensors() {
+        let u = b.tensor(&name).unwrap();
+        assert_eq!(t.shape(), u.shape(), "{name}");
+        let f = |bytes: &[u8]| -> Vec<f32> {
+            bytes.chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        };
+        let worst = f(t.data()).iter().zip(f(u.data())).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        assert!(worst <= 1e-6, "{name} differs by {worst}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn fsdp_under_torchrun_equals_the_simulator() {
     let _turn = turn();

@@ -254,13 +254,20 @@ where
         Ok(ShardedGpt { model, embed: embed_stage, blocks, head: head_stage })
     }
 
-    /// Logits of `ids` (`[batch, seq]`, u32), carrying candle's graph through every stage.
+    /// Logits of `ids` (`[batch, seq]`, u32), carrying candle's graph
+    /// through every stage: in the param dtype, or cast (differentiably) to
+    /// the mixed-precision policy's output dtype when it names one, as
+    /// FSDP2's root casts the model's outputs.
     pub fn forward(&self, ids: &Tensor) -> chorus_fsdp_candle::Result<Tensor> {
         let mut x = self.model.run(self.embed, ids)?;
         for b in &self.blocks {
             x = self.model.run(*b, &x)?;
         }
-        self.model.run(self.head, &x)
+        let logits = self.model.run(self.head, &x)?;
+        match self.model.with_fsdp(|f| f.mixed_precision().output_dtype)? {
+            Some(d) => Ok(logits.to_dtype(chorus_fsdp_candle::convert::candle_dtype(d)?)?),
+            None => Ok(logits),
+        }
     }
 }
 

@@ -11,7 +11,7 @@ use candle_core::{Device, Tensor, Var};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
 use chorus_collectives::{CommBackend, Communicator, Mesh};
 use chorus_devices::{ComputeBackend, Device as _};
-use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, HostOverhead, OptimizerKind, ShardedOptimizer};
+use chorus_fsdp::{CommCounts, DataParallel, Fsdp, FsdpConfig, HostOverhead, OptimizerKind, ShardedOptimizer};
 use chorus_fsdp_candle::checkpoint::{self, TrainingState};
 use chorus_fsdp_candle::{AdapterTimes, Error, Result};
 
@@ -72,6 +72,8 @@ pub struct GptReport {
     pub adapter: AdapterTimes,
     /// Number of param groups.
     pub groups: usize,
+    /// Collectives FSDP issued over the steps.
+    pub comm_counts: CommCounts,
     /// The final parameters, unsharded.
     pub params: Vec<(String, Vec<f32>)>,
     /// Checkpoints written.
@@ -136,6 +138,7 @@ where
         Ok(())
     })??;
     let overhead_before = gpt.model.with_fsdp(|f| f.host_overhead())?;
+    let counts_before = gpt.model.with_fsdp(|f| f.comm_counts())?;
     let adapter_before = gpt.model.times()?;
     let rank = world.rank();
     let seq = spec.data.seq_len();
@@ -184,6 +187,7 @@ where
     let after = gpt.model.with_fsdp(|f| f.host_overhead())?;
     let adapter_after = gpt.model.times()?;
     let groups = gpt.model.with_fsdp(|f| f.num_groups())?;
+    let counts = gpt.model.with_fsdp(|f| f.comm_counts())?;
     let params = gpt.model.with_fsdp(|f| f.full_parameters())??;
     Ok(GptReport {
         start_step: start,
@@ -198,6 +202,11 @@ where
             stage_calls: adapter_after.stage_calls - adapter_before.stage_calls,
         },
         groups,
+        comm_counts: CommCounts {
+            all_gathers: counts.all_gathers - counts_before.all_gathers,
+            reduce_scatters: counts.reduce_scatters - counts_before.reduce_scatters,
+            all_reduces: counts.all_reduces - counts_before.all_reduces,
+        },
         params,
         saved,
     })
@@ -216,7 +225,11 @@ pub struct PlainReport {
 
 /// The same training as plain single-process candle on the global batch of
 /// `ranks × batch` sequences, with candle-nn's own optimizers (`SGD` without
-/// momentum, `AdamW`) — an implementation independent of chorus's.
+/// momentum, `AdamW`) — an implementation independent of chorus's. With
+/// `spec.max_grad_norm`, the gradients are clipped here as
+/// `torch.nn.utils.clip_grad_norm_` does (scaled by `max / (norm + 1e-6)`
+/// when that is below one). The FSDP settings, micro-batches and prefetch do
+/// not apply: they must not change the result.
 pub fn train_plain(spec: &GptSpec, ranks: usize) -> Result<PlainReport> {
     let varmap = VarMap::new();
     {
@@ -249,9 +262,13 @@ pub fn train_plain(spec: &GptSpec, ranks: usize) -> Result<PlainReport> {
         let (x, y) = spec.data.rows(step, 0, rows);
         let l = loss(&gpt.forward(&u32_tensor(x, rows, seq)?)?, &u32_tensor(y, rows, seq)?)?;
         losses.push(l.to_scalar::<f32>()? as f64);
+        let mut grads = l.backward()?;
+        if let Some(max) = spec.max_grad_norm {
+            clip_grad_norm(&mut grads, &varmap.all_vars(), max)?;
+        }
         match &mut opt {
-            Opt::Sgd(o) => o.backward_step(&l)?,
-            Opt::AdamW(o) => o.backward_step(&l)?,
+            Opt::Sgd(o) => o.step(&grads)?,
+            Opt::AdamW(o) => o.step(&grads)?,
         }
         times.push(t0.elapsed().as_secs_f64());
     }
@@ -265,4 +282,25 @@ pub fn train_plain(spec: &GptSpec, ranks: usize) -> Result<PlainReport> {
         })
         .collect::<Result<_>>()?;
     Ok(PlainReport { losses, step_times_s: times, params })
+}
+
+/// Scales the gradients of `vars` in `grads` as `clip_grad_norm_` does: the
+/// global L2 norm (summed in f64), then `max / (norm + 1e-6)` if below one.
+fn clip_grad_norm(grads: &mut candle_core::backprop::GradStore, vars: &[Var], max: f64) -> Result<()> {
+    let mut total = 0.0f64;
+    for v in vars {
+        if let Some(g) = grads.get(v.as_tensor()) {
+            total += g.flatten_all()?.to_vec1::<f32>()?.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>();
+        }
+    }
+    let coef = max / (total.sqrt() + 1e-6);
+    if coef < 1.0 {
+        for v in vars {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                let scaled = (g * coef)?;
+                grads.insert(v.as_tensor(), scaled);
+            }
+        }
+    }
+    Ok(())
 }

@@ -353,6 +353,27 @@ fn measure(backend: Backend, g: Geometry, warmup: usize, iters: usize) -> anyhow
     )
 }
 
+/// Refuses sizes whose buffers the machine cannot hold, before anything is
+/// allocated: the ranks whose buffers live in this host's memory (all of
+/// them for sim and simnccl, this node's for ucx) each hold a send and a
+/// receive buffer of the largest size, and the memcpy reference as much
+/// again (budgeted as 3 × ranks × the largest size). GPU backends allocate
+/// on their devices and are not checked here.
+fn check_host_memory(args: &BenchArgs) -> anyhow::Result<()> {
+    let host_ranks: u128 = match args.backend.name() {
+        "sim" | "simnccl" => args.world_size as u128,
+        "ucx" => chorus_collectives::bootstrap::LaunchEnv::from_process_env().map_or(1, |e| e.local_world_size) as u128,
+        _ => return Ok(()),
+    };
+    let largest = sizes(args.min_bytes, args.max_bytes).last().copied().unwrap_or(0) as u128;
+    crate::size::check_memory(
+        host_ranks.saturating_mul(3).saturating_mul(largest),
+        &format!("--max-bytes {} on {host_ranks} ranks of this host", format_bytes(args.max_bytes)),
+        "lower --max-bytes or --world-size",
+    )
+    .map_err(|m| UsageError(m).into())
+}
+
 /// `chorus bench`.
 pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
     if args.min_bytes > args.max_bytes {
@@ -363,6 +384,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
         ))
         .into());
     }
+    check_host_memory(args)?;
     if args.backend.runs_as_processes() {
         #[cfg(feature = "ucx")]
         if args.backend == Backend::Ucx {

@@ -10,9 +10,14 @@
 //! design and its trade-offs are in `docs/fsdp.md`.
 //!
 //! The adapter runs on any chorus backend whose device holds host memory
-//! (the sim backend's `cpu` device): moving data between a candle CPU tensor
-//! and a device buffer is a host copy through the public
-//! [`Stream`](chorus_devices::Stream) API ([`convert`]).
+//! (the `cpu` device of the sim, simnccl and ucx backends): moving data
+//! between a candle CPU tensor and a device buffer is a host copy through
+//! the public [`Stream`](chorus_devices::Stream) API ([`convert`]). candle's
+//! CPU kernels take their parallelism from `RAYON_NUM_THREADS` (its
+//! element-wise pool is sized once per process); ranks that are threads of
+//! one process should each get their share of the cores (`chorus train`
+//! sets it to cores / ranks before candle computes anything), or they
+//! oversubscribe them.
 //!
 //! [`checkpoint`] saves and loads sharded safetensors checkpoints (PyTorch
 //! distributed checkpoint's layout for safetensors) that reshard on load to
