@@ -201,7 +201,7 @@ pub fn train_ucx<J: crate::train::RankJob>(
     };
     p.check_world_size(world)?;
     let timeout = RankProcess::ucx_timeout(Duration::from_secs(300));
-    // SAFETY: as for the sim backend's training (cli/src/train.rs): FSDP
+    // SAFETY: as for the sim backend's training (cli/src/train/ranks.rs): FSDP
     // orders every cross-stream access with events, which the conformance
     // suite checks with the sanitizer on.
     let config = unsafe {

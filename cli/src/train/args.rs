@@ -1,0 +1,437 @@
+//! The arguments of `chorus train` and every check made before anything is
+//! written: ranges, combinations, and the memory the run would need.
+
+use std::path::PathBuf;
+
+use chorus_devices::DType;
+use chorus_fsdp::{FsdpConfig, MixedPrecision, OptimizerKind, Reshard};
+use chorus_train::gpt::GptConfig;
+use chorus_train::text;
+
+use super::usage;
+use crate::backends::Backend;
+
+/// Optimizers `chorus train` offers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OptimizerArg {
+    /// SGD (PyTorch semantics; --momentum).
+    Sgd,
+    /// AdamW (PyTorch semantics; --weight-decay).
+    Adamw,
+}
+
+/// Models `chorus train` trains.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModelArg {
+    /// A decoder-only transformer (candle-nn) on generated text, through the candle adapter.
+    Gpt,
+    /// The reference MLP (device kernels), `.npy` in and out.
+    Mlp,
+}
+
+/// Arguments of `chorus train`.
+#[derive(Debug, clap::Args)]
+#[command(allow_negative_numbers = true)]
+pub struct TrainArgs {
+    /// The model (default gpt; --bench measures the mlp).
+    #[arg(long, value_enum)]
+    pub model: Option<ModelArg>,
+    /// The communication backend: sim, simnccl, or nccl/rccl (one rank per GPU, in builds with those features).
+    #[arg(long, default_value = "sim", value_parser = crate::backends::parse_backend)]
+    pub backend: Backend,
+    /// Number of ranks (default 4).
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    /// HSDP: replicate over this many groups (it must divide the world size).
+    #[arg(long)]
+    pub hsdp: Option<usize>,
+    /// Training steps (default 300 for gpt, 20 for the gpt bench, 50 for mlp); with --resume, the step to stop before.
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Rows (mlp) or sequences (gpt) per rank per step.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// The optimizer (default adamw for gpt, sgd for mlp).
+    #[arg(long, value_enum)]
+    pub optimizer: Option<OptimizerArg>,
+    /// Learning rate (default 0.05 for SGD; AdamW 3e-3 for gpt, 1e-3 for mlp).
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.0)]
+    pub momentum: f64,
+    /// Weight decay (default 0.01 for AdamW, 0 for SGD).
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
+    /// Dtype of all-gathers and compute.
+    #[arg(long, default_value = "f32", value_parser = parse_float_dtype)]
+    pub param_dtype: DType,
+    /// Dtype of gradient reduction (default: the param dtype).
+    #[arg(long, value_parser = parse_float_dtype)]
+    pub reduce_dtype: Option<DType>,
+    /// true, false, or a smaller world size that divides the shard world.
+    #[arg(long, default_value = "true")]
+    pub reshard_after_forward: Reshard,
+    /// mlp: layer widths, e.g. 37,64,33,5 (instead of --layers/--width; default 16,64,64,4).
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["layers", "width"])]
+    pub dims: Option<Vec<usize>>,
+    /// mlp: number of Linear layers (with --width); gpt: transformer blocks (default 2).
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// mlp: width of every layer (with --layers).
+    #[arg(long)]
+    pub width: Option<usize>,
+    /// gpt: width of the residual stream.
+    #[arg(long, default_value_t = 64)]
+    pub d_model: usize,
+    /// gpt: attention heads (they divide --d-model).
+    #[arg(long, default_value_t = 4)]
+    pub heads: usize,
+    /// gpt: width of the MLP's hidden layer (default 4 × --d-model).
+    #[arg(long)]
+    pub d_ff: Option<usize>,
+    /// gpt: context length.
+    #[arg(long, default_value_t = 32)]
+    pub seq_len: usize,
+    /// gpt: train on this text file (ASCII; other characters become spaces) instead of generated text.
+    #[arg(long)]
+    pub text: Option<PathBuf>,
+    /// gpt: micro-batches per step (gradient accumulation; they divide --batch).
+    #[arg(long, default_value_t = 1)]
+    pub micro_batches: usize,
+    /// gpt: save a sharded checkpoint every N steps (and at the end).
+    #[arg(long)]
+    pub save_every: Option<u64>,
+    /// gpt: where checkpoints go (default <out-dir>-checkpoints).
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// gpt: resume from a checkpoint directory (a step-* directory, or one with a `latest` file).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Keep training when the loss is NaN or infinite (default: stop with an error).
+    #[arg(long)]
+    pub allow_nonfinite: bool,
+    /// mlp: parameters with fewer elements than this are replicated, not sharded.
+    #[arg(long, default_value_t = 0)]
+    pub replicate_below: usize,
+    /// Clip the global gradient norm to this.
+    #[arg(long)]
+    pub max_grad_norm: Option<f64>,
+    /// Seed of the weights and data (mlp: when there is no --init-dir).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// mlp: directory with layers.{i}.weight.npy / layers.{i}.bias.npy and x.npy / y.npy (float32).
+    #[arg(long)]
+    pub init_dir: Option<PathBuf>,
+    /// Where the results go (default out/train): replaced whole when the run succeeds.
+    #[arg(long)]
+    pub out_dir: Option<PathBuf>,
+    /// Benchmark instead of training: the mlp (default) at world sizes 1, 2, 4, 8 (step time, FSDP host
+    /// overhead per group per step, peak memory), or with --model gpt the transformer through the candle
+    /// adapter at --world-size ranks against plain single-process candle on the same global batch.
+    #[arg(long)]
+    pub bench: bool,
+    /// With --bench: print one JSON object per row.
+    #[arg(long)]
+    pub json: bool,
+    /// With --bench --model gpt: run one side of the comparison in this process and print its JSON (internal).
+    #[arg(long, value_enum, hide = true)]
+    pub bench_part: Option<BenchPart>,
+}
+
+/// One side of `chorus train --bench --model gpt`, each run in a process of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchPart {
+    /// Plain single-process candle on the global batch.
+    Plain,
+    /// FSDP through the candle adapter on simulated ranks.
+    Fsdp,
+}
+
+fn parse_float_dtype(s: &str) -> Result<DType, String> {
+    match s.parse::<DType>()? {
+        d @ (DType::F32 | DType::BF16 | DType::F16) => Ok(d),
+        d => Err(format!("{d} is not a training dtype (f32, bf16 or f16)")),
+    }
+}
+
+/// Ranks the simulated backend runs (each rank is a handful of threads).
+const MAX_SIM_WORLD: usize = 512;
+
+/// A byte or element count for the memory check: saturating arithmetic, so
+/// no size a user gives overflows (the result is then "more than any machine").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Sat(u128);
+
+impl Sat {
+    fn of<T: TryInto<u128>>(n: T) -> Sat {
+        Sat(n.try_into().unwrap_or(u128::MAX))
+    }
+}
+
+impl std::ops::Add for Sat {
+    type Output = Sat;
+    fn add(self, o: Sat) -> Sat {
+        Sat(self.0.saturating_add(o.0))
+    }
+}
+
+impl std::ops::Mul for Sat {
+    type Output = Sat;
+    fn mul(self, o: Sat) -> Sat {
+        Sat(self.0.saturating_mul(o.0))
+    }
+}
+
+impl std::ops::Div for Sat {
+    type Output = Sat;
+    fn div(self, o: Sat) -> Sat {
+        Sat(self.0.checked_div(o.0).unwrap_or(u128::MAX))
+    }
+}
+
+impl TrainArgs {
+    pub(super) fn model(&self) -> ModelArg {
+        self.model.unwrap_or(if self.bench { ModelArg::Mlp } else { ModelArg::Gpt })
+    }
+    pub(super) fn world(&self) -> usize {
+        self.world_size.unwrap_or(4)
+    }
+    pub(super) fn steps(&self) -> u64 {
+        self.steps.unwrap_or(match self.model() {
+            ModelArg::Gpt if self.bench => 20,
+            ModelArg::Gpt => 300,
+            ModelArg::Mlp => 50,
+        })
+    }
+    pub(super) fn out_dir(&self) -> PathBuf {
+        self.out_dir.clone().unwrap_or_else(|| PathBuf::from("out/train"))
+    }
+    pub(super) fn optimizer_arg(&self) -> OptimizerArg {
+        self.optimizer.unwrap_or(match self.model() {
+            ModelArg::Gpt => OptimizerArg::Adamw,
+            ModelArg::Mlp => OptimizerArg::Sgd,
+        })
+    }
+
+    /// Every check that needs no file: ranges, combinations, the memory the run needs.
+    pub(super) fn usage(&self) -> anyhow::Result<()> {
+        let model = self.model();
+        let world = self.world();
+        if world == 0 || self.batch == 0 {
+            return Err(usage("--world-size and --batch must be at least 1"));
+        }
+        if self.steps() == 0 {
+            return Err(usage("--steps must be at least 1"));
+        }
+        if matches!(self.backend.name(), "sim" | "simnccl") && world > MAX_SIM_WORLD {
+            return Err(usage(format!(
+                "--world-size {world}: the {} backend runs every rank as threads of this process; at most {MAX_SIM_WORLD}",
+                self.backend
+            )));
+        }
+        if self.bench {
+            let mlp = model == ModelArg::Mlp;
+            for (given, name) in [
+                (mlp && self.world_size.is_some(), "--world-size with the mlp (it measures 1, 2, 4 and 8 ranks)"),
+                (self.init_dir.is_some(), "--init-dir"),
+                (self.out_dir.is_some(), "--out-dir (it writes nothing)"),
+                (mlp && self.hsdp.is_some(), "--hsdp with the mlp"),
+                (self.resume.is_some(), "--resume"),
+                (self.save_every.is_some(), "--save-every"),
+                (self.checkpoint_dir.is_some(), "--checkpoint-dir"),
+                (!mlp && self.param_dtype != DType::F32, "--param-dtype with --model gpt (plain candle trains in f32)"),
+                (!mlp && self.max_grad_norm.is_some(), "--max-grad-norm with --model gpt"),
+            ] {
+                if given {
+                    return Err(usage(format!("--bench does not use {name}")));
+                }
+            }
+        } else if self.json {
+            return Err(usage("--json goes with --bench"));
+        }
+        let shard_world = match self.hsdp {
+            Some(r) if r == 0 || world % r != 0 => {
+                return Err(usage(format!("--hsdp {r} must divide --world-size {world}")));
+            }
+            Some(r) => world / r,
+            None => world,
+        };
+        if let Reshard::To(k) = self.reshard_after_forward {
+            if k > shard_world || shard_world % k != 0 {
+                return Err(usage(format!(
+                    "--reshard-after-forward {k} must divide the shard world of {shard_world} ranks"
+                )));
+            }
+        }
+        let lr_ok = self.lr.is_none_or(|lr| lr.is_finite() && lr >= 0.0);
+        if !lr_ok {
+            return Err(usage(format!("--lr {} must be a finite number ≥ 0", self.lr.unwrap_or_default())));
+        }
+        if !(self.momentum.is_finite() && self.momentum >= 0.0) {
+            return Err(usage(format!("--momentum {} must be a finite number ≥ 0", self.momentum)));
+        }
+        if let Some(w) = self.weight_decay.filter(|w| !(w.is_finite() && *w >= 0.0)) {
+            return Err(usage(format!("--weight-decay {w} must be a finite number ≥ 0")));
+        }
+        if let Some(m) = self.max_grad_norm.filter(|m| !(m.is_finite() && *m > 0.0)) {
+            return Err(usage(format!("--max-grad-norm {m} must be a finite number > 0")));
+        }
+        if self.momentum != 0.0 && self.optimizer_arg() == OptimizerArg::Adamw {
+            return Err(usage("--momentum is for --optimizer sgd"));
+        }
+        match model {
+            ModelArg::Mlp => self.usage_mlp(world),
+            ModelArg::Gpt => self.usage_gpt(world),
+        }
+    }
+
+    pub(super) fn usage_mlp(&self, world: usize) -> anyhow::Result<()> {
+        for (given, name) in [
+            (self.text.is_some(), "--text"),
+            (self.d_ff.is_some(), "--d-ff"),
+            (self.save_every.is_some(), "--save-every"),
+            (self.checkpoint_dir.is_some(), "--checkpoint-dir"),
+            (self.resume.is_some(), "--resume"),
+            (self.micro_batches != 1, "--micro-batches"),
+        ] {
+            if given {
+                return Err(usage(format!("{name} is for --model gpt")));
+            }
+        }
+        if self.layers.is_some() != self.width.is_some() {
+            return Err(usage("--layers and --width go together"));
+        }
+        if let Some(d) = &self.dims {
+            if d.len() < 2 || d.contains(&0) {
+                return Err(usage("--dims needs at least two positive widths"));
+            }
+        }
+        if let (Some(0), _) | (_, Some(0)) = (self.layers, self.width) {
+            return Err(usage("--layers and --width must be positive"));
+        }
+        if self.init_dir.is_some() && (self.dims.is_some() || self.layers.is_some()) {
+            return Err(usage("--init-dir gives the model; --dims/--layers/--width do not apply"));
+        }
+        // The memory the run needs, saturating so no size overflows (the
+        // init dir's sizes are checked again once its headers are read).
+        let dims: Vec<Sat> = match (&self.dims, self.layers, self.width) {
+            (Some(d), _, _) => d.iter().map(|v| Sat::of(*v)).collect(),
+            (None, Some(l), Some(w)) => {
+                if l as u128 > 1 << 20 {
+                    return Err(usage(format!("--layers {l} is more than this tool trains (at most {})", 1 << 20)));
+                }
+                vec![Sat::of(w); l + 1]
+            }
+            _ if self.init_dir.is_some() => return Ok(()),
+            _ => [16, 64, 64, 4].map(Sat::of).to_vec(),
+        };
+        let params = dims.windows(2).fold(Sat(0), |acc, w| acc + w[0] * w[1] + w[1]);
+        let widest = dims.iter().map(|d| d.0).max().map_or(Sat(0), Sat);
+        let (world_, batch, steps) = (Sat::of(world), Sat::of(self.batch), Sat::of(self.steps()));
+        let batches = Sat::of(self.steps().clamp(1, 16));
+        let data = batches * world_ * batch * (dims[0] + dims[dims.len() - 1]) * Sat(4);
+        let width_sum = dims.iter().fold(Sat(0), |a, d| a + *d);
+        let per_rank = Sat(4) * (Sat(4) * params / world_ + Sat(3) * params + Sat(4) * batch * width_sum)
+            + Sat(16) * steps
+            + Sat(8) * widest;
+        self.check_memory((data + world_ * per_rank + Sat(8) * params).0)
+    }
+
+    pub(super) fn gpt_config(&self) -> GptConfig {
+        GptConfig {
+            vocab: text::vocab_size(),
+            d_model: self.d_model,
+            layers: self.layers.unwrap_or(2),
+            heads: self.heads,
+            d_ff: self.d_ff.unwrap_or(self.d_model.saturating_mul(4)),
+            seq_len: self.seq_len,
+        }
+    }
+
+    pub(super) fn usage_gpt(&self, world: usize) -> anyhow::Result<()> {
+        if matches!(self.backend.name(), "nccl" | "rccl") {
+            return Err(usage(format!(
+                "--model gpt computes with candle on the CPU, so it runs on backends whose device holds host memory (sim, simnccl, ucx), not {}; use --model mlp (the candle-CUDA path is designed in docs/fsdp.md, not built)",
+                self.backend
+            )));
+        }
+        for (given, name) in [
+            (self.dims.is_some(), "--dims"),
+            (self.width.is_some(), "--width"),
+            (self.init_dir.is_some(), "--init-dir"),
+            (self.replicate_below != 0, "--replicate-below"),
+        ] {
+            if given {
+                return Err(usage(format!("{name} is for --model mlp")));
+            }
+        }
+        let cfg = self.gpt_config();
+        cfg.validate().map_err(usage)?;
+        if self.micro_batches == 0 || self.batch % self.micro_batches != 0 {
+            return Err(usage(format!("--micro-batches {} must divide --batch {}", self.micro_batches, self.batch)));
+        }
+        if self.save_every == Some(0) {
+            return Err(usage("--save-every must be at least 1"));
+        }
+        let (v, d, l, f, t) =
+            (Sat::of(cfg.vocab), Sat::of(cfg.d_model), Sat::of(cfg.layers), Sat::of(cfg.d_ff), Sat::of(cfg.seq_len));
+        let params = Sat(2) * v * d + d + l * (Sat(4) * d * d + Sat(2) * d * f + Sat(2) * d);
+        let tokens = Sat::of(self.batch) * t;
+        let heads = Sat::of(cfg.heads);
+        let activations = Sat(4) * tokens * (l + Sat(2)) * (Sat(8) * d + Sat(2) * f + Sat(3) * heads * t + Sat(3) * v);
+        let per_rank = Sat(4) * (Sat(4) * params / Sat::of(world) + Sat(4) * params)
+            + activations
+            + Sat(16) * Sat::of(self.steps());
+        self.check_memory((Sat::of(world) * per_rank + Sat(4 << 20)).0)
+    }
+
+    pub(super) fn check_memory(&self, needed: u128) -> anyhow::Result<()> {
+        crate::size::check_memory(needed, "this run", "make the model, batch, world or --steps smaller").map_err(usage)
+    }
+
+    pub(super) fn optimizer(&self) -> OptimizerKind {
+        match self.optimizer_arg() {
+            OptimizerArg::Sgd => OptimizerKind::Sgd {
+                lr: self.lr.unwrap_or(0.05),
+                momentum: self.momentum,
+                dampening: 0.0,
+                weight_decay: self.weight_decay.unwrap_or(0.0),
+                nesterov: false,
+            },
+            OptimizerArg::Adamw => {
+                let default_lr = if self.model() == ModelArg::Gpt { 3e-3 } else { 1e-3 };
+                OptimizerKind::adamw(self.lr.unwrap_or(default_lr), self.weight_decay.unwrap_or(0.01))
+            }
+        }
+    }
+
+    pub(super) fn fsdp_config(&self) -> FsdpConfig {
+        FsdpConfig {
+            reshard_after_forward: self.reshard_after_forward,
+            mixed_precision: MixedPrecision {
+                param_dtype: Some(self.param_dtype),
+                reduce_dtype: self.reduce_dtype,
+                output_dtype: None,
+            },
+            replicate_below: self.replicate_below,
+            ..FsdpConfig::default()
+        }
+    }
+
+    pub(super) fn dims(&self) -> Vec<usize> {
+        match (&self.dims, self.layers, self.width) {
+            (Some(d), _, _) => d.clone(),
+            (None, Some(l), Some(w)) => vec![w; l + 1],
+            _ => vec![16, 64, 64, 4],
+        }
+    }
+
+    pub(super) fn checkpoint_dir(&self) -> PathBuf {
+        self.checkpoint_dir.clone().unwrap_or_else(|| {
+            let out = self.out_dir();
+            let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "train".into());
+            out.with_file_name(format!("{name}-checkpoints"))
+        })
+    }
+}

@@ -1,0 +1,196 @@
+//! `chorus train --bench --model gpt`: the transformer through the candle
+//! adapter against plain candle, each side in a process of its own.
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use chorus_fsdp::OptimizerKind;
+use chorus_train::gpt::init_params;
+use chorus_train::gpt_train::GptSpec;
+use chorus_train::text::{self, TextData};
+use serde_json::json;
+
+use super::ranks::{candle_threads, run_sim, GptJob};
+use super::{median, optimizer_json, say, usage, BenchPart, TrainArgs};
+use crate::Outcome;
+
+/// `chorus train --bench --model gpt`: the transformer through the candle
+/// adapter on `--world-size` simulated ranks against plain single-process
+/// candle on the same global batch (`world × batch` sequences): step times
+/// (median of the timed steps, after warm-up), FSDP's host overhead per
+/// group and step, the adapter's own host time, and the device memory per
+/// rank.
+///
+/// Each side runs in a fresh process of this binary (`--bench-part`), one
+/// after the other: candle sizes its thread pools once per process
+/// ((`ranks::limit_candle_threads`)), so plain candle gets candle's defaults (every
+/// core) and the ranks get their share of the cores each.
+pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
+    if args.backend.name() != "sim" {
+        return Err(usage("--bench --model gpt runs on the sim backend (the ranks as threads beside plain candle)"));
+    }
+    if let Some(part) = args.bench_part {
+        let result = bench_gpt_part(args, part)?;
+        say(format_args!("{result}"))?;
+        return Ok(Outcome::Passed);
+    }
+    let exe = std::env::current_exe().context("finding this program to run the benchmark's parts")?;
+    let forwarded: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    let part = |name: &str, threads: Option<String>| -> anyhow::Result<serde_json::Value> {
+        let mut cmd = std::process::Command::new(&exe);
+        cmd.args(&forwarded).args(["--bench-part", name]).stdin(std::process::Stdio::null());
+        cmd.stderr(std::process::Stdio::inherit());
+        if let Some(t) = threads {
+            cmd.env("RAYON_NUM_THREADS", t);
+        }
+        let out = cmd.output().with_context(|| format!("running the {name} part of the benchmark"))?;
+        if !out.status.success() {
+            anyhow::bail!("the {name} part of the benchmark failed ({})", out.status);
+        }
+        serde_json::from_slice(&out.stdout).with_context(|| format!("reading the {name} part's result"))
+    };
+    let num = |v: &serde_json::Value, key: &str| v[key].as_f64().unwrap_or(f64::NAN);
+    // Plain candle at its best: candle's default threads and one thread, the faster (unless the user chose).
+    let user_threads = std::env::var("RAYON_NUM_THREADS").ok();
+    let mut plains = vec![part("plain", None)?];
+    if user_threads.is_none() {
+        plains.push(part("plain", Some("1".into()))?);
+    }
+    let plain = plains
+        .iter()
+        .min_by(|a, b| num(a, "median_step_time_s").total_cmp(&num(b, "median_step_time_s")))
+        .cloned()
+        .context("no plain run")?;
+    let fsdp =
+        part("fsdp", Some(user_threads.unwrap_or_else(|| candle_threads(args.backend, args.world()).to_string())))?;
+    let (plain_step, fsdp_step) = (num(&plain, "median_step_time_s"), num(&fsdp, "median_step_time_s"));
+    let ratio = fsdp_step / plain_step;
+    let cfg = args.gpt_config();
+    let world = args.world();
+    let params = cfg.num_params();
+    let state_per_param = match args.optimizer() {
+        OptimizerKind::AdamW { .. } => 16,
+        OptimizerKind::Sgd { .. } => 8,
+    };
+    let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|t| {
+        t.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|m| m.trim().to_string())
+    });
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    if args.json {
+        say(format_args!(
+            "{}",
+            json!({
+                "model": "gpt", "transformer": cfg, "parameters": params, "world_size": world, "hsdp": args.hsdp,
+                "batch_per_rank": args.batch, "global_batch": world * args.batch, "micro_batches": args.micro_batches,
+                "reshard_after_forward": args.reshard_after_forward.to_string(),
+                "optimizer": optimizer_json(args.optimizer()), "warmup_steps": GPT_BENCH_WARMUP, "timed_steps": args.steps(),
+                "plain": plain, "plain_runs": plains, "fsdp": fsdp, "ratio": ratio,
+                "plain_training_state_bytes": params * state_per_param,
+                "machine": { "cores": cores, "cpu": cpu },
+            })
+        ))?;
+        return Ok(Outcome::Passed);
+    }
+    say(format_args!(
+        "# chorus train --bench --model gpt: transformer d_model {} x {} layers ({params} parameters), global batch {} x {} tokens, {} timed steps after {GPT_BENCH_WARMUP}",
+        cfg.d_model,
+        cfg.layers,
+        world * args.batch,
+        cfg.seq_len,
+        args.steps()
+    ))?;
+    let runs: Vec<String> = plains
+        .iter()
+        .map(|p| {
+            format!(
+                "{} threads {:.2} ms",
+                p["candle_threads"].as_str().unwrap_or("?"),
+                num(p, "median_step_time_s") * 1e3
+            )
+        })
+        .collect();
+    say(format_args!(
+        "# each side in its own process; plain candle at its best of [{}]; each FSDP rank {} candle thread(s)",
+        runs.join(", "),
+        fsdp["candle_threads"].as_str().unwrap_or("?"),
+    ))?;
+    let row = |label: String, value: String| say(format_args!("{label:<46} {value:>10}"));
+    row("plain candle, 1 process: step ms (median)".into(), format!("{:.2}", plain_step * 1e3))?;
+    row(format!("FSDP, {world} sim ranks: step ms (median)"), format!("{:.2}", fsdp_step * 1e3))?;
+    row("ratio (goal <= 1.5)".into(), format!("{ratio:.2}x"))?;
+    row(
+        format!("FSDP host overhead, us/group/step ({} groups)", fsdp["groups"]),
+        format!("{:.1}", num(&fsdp, "host_overhead_per_group_per_step_s") * 1e6),
+    )?;
+    row(
+        "adapter host copies and waits, ms/step".into(),
+        format!("{:.2}", num(&fsdp, "adapter_transfer_per_step_s") * 1e3),
+    )?;
+    row(
+        "candle compute per rank incl. recompute, ms/step".into(),
+        format!("{:.2}", num(&fsdp, "candle_compute_per_step_s") * 1e3),
+    )?;
+    row(
+        "FSDP peak device memory, KiB/rank".into(),
+        format!("{:.1}", num(&fsdp, "peak_memory_bytes_per_rank") / 1024.0),
+    )?;
+    row(
+        "plain training state (params+grads+optim), KiB".into(),
+        format!("{:.1}", (params * state_per_param) as f64 / 1024.0),
+    )?;
+    Ok(Outcome::Passed)
+}
+
+const GPT_BENCH_WARMUP: u64 = 3;
+
+/// One side of [`run`], in this process: its numbers as JSON.
+fn bench_gpt_part(args: &TrainArgs, part: BenchPart) -> anyhow::Result<serde_json::Value> {
+    let world = args.world();
+    let cfg = args.gpt_config();
+    let steps = args.steps();
+    let corpus = match &args.text {
+        Some(path) => std::fs::read_to_string(path).with_context(|| format!("--text {}", path.display()))?,
+        None => text::generate(200_000, args.seed),
+    };
+    let data = TextData::new(text::encode(&corpus), cfg.seq_len, args.seed)
+        .ok_or_else(|| usage(format!("the text is too short for --seq-len {}", cfg.seq_len)))?;
+    let spec = GptSpec {
+        config: cfg,
+        init: init_params(&cfg, args.seed)?,
+        data: Arc::new(data),
+        batch: args.batch,
+        steps: steps + GPT_BENCH_WARMUP,
+        optimizer: args.optimizer(),
+        fsdp: args.fsdp_config(),
+        replicate: args.hsdp,
+        max_grad_norm: None,
+        forward_prefetch: true,
+        micro_batches: args.micro_batches,
+        checkpoint_dir: None,
+        save_every: 0,
+        resume: None,
+        allow_nonfinite: false,
+    };
+    let timed = |times: &[f64]| median(&times[(GPT_BENCH_WARMUP as usize).min(times.len())..]);
+    let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into());
+    Ok(match part {
+        BenchPart::Plain => {
+            let plain = chorus_train::gpt_train::train_plain(&spec, world)?;
+            json!({ "median_step_time_s": timed(&plain.step_times_s), "candle_threads": threads })
+        }
+        BenchPart::Fsdp => {
+            let reports = run_sim(world, GptJob(spec), None)?;
+            let r = reports.first().context("no ranks")?;
+            let all_steps = r.step_times_s.len().max(1) as f64;
+            json!({
+                "median_step_time_s": timed(&r.step_times_s),
+                "groups": r.groups,
+                "host_overhead_per_group_per_step_s": r.overhead.total.as_secs_f64() / (r.groups.max(1) as f64 * all_steps),
+                "adapter_transfer_per_step_s": r.adapter.transfer.as_secs_f64() / all_steps,
+                "candle_compute_per_step_s": r.adapter.compute.as_secs_f64() / all_steps,
+                "peak_memory_bytes_per_rank": reports.iter().map(|r| r.peak_memory_bytes).max().unwrap_or(0),
+                "candle_threads": threads,
+            })
+        }
+    })
+}

@@ -1,0 +1,107 @@
+//! `chorus train`: a model under FSDP on simulated ranks (or a GPU backend):
+//! the transformer through the candle adapter (`--model gpt`, the default),
+//! or the reference MLP (`--model mlp`, with PyTorch-compatible `.npy` input
+//! and output, and `--bench` for FSDP's step time and host overhead).
+//!
+//! Nothing is written before the arguments are checked (bad ones exit 2,
+//! the memory a run needs included); the out-dir is locked against another
+//! run and replaced whole when the run has written everything
+//! ([`crate::outdir`]); a loss that stops being finite stops the run.
+//!
+//! `args.rs` holds the arguments and every check made before anything is
+//! written; `ranks.rs` runs a job on the ranks of any backend; `mlp.rs` and
+//! `gpt.rs` train each model and write its outputs; `gpt_bench.rs` measures
+//! the transformer against plain candle (the MLP's benchmark is in `mlp.rs`).
+
+mod args;
+mod gpt;
+mod gpt_bench;
+mod mlp;
+mod ranks;
+
+use std::io::Write;
+
+use anyhow::Context;
+use chorus_fsdp::OptimizerKind;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+
+pub use args::{BenchPart, ModelArg, TrainArgs};
+pub(crate) use ranks::{progress, RankJob};
+
+use crate::{Outcome, UsageError};
+
+/// Runs `chorus train`.
+pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
+    args.usage()?;
+    match (args.model(), args.bench) {
+        (ModelArg::Mlp, false) => mlp::run(args),
+        (ModelArg::Gpt, false) => gpt::run(args),
+        (ModelArg::Mlp, true) => mlp::bench(args),
+        (ModelArg::Gpt, true) => gpt_bench::run(args),
+    }
+}
+
+fn usage(msg: impl Into<String>) -> anyhow::Error {
+    UsageError(msg.into()).into()
+}
+
+/// The configuration as structured JSON (for `summary.json`).
+fn optimizer_json(kind: OptimizerKind) -> serde_json::Value {
+    match kind {
+        OptimizerKind::Sgd { lr, momentum, dampening, weight_decay, nesterov } => json!({
+            "kind": "sgd", "lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay, "nesterov": nesterov,
+        }),
+        OptimizerKind::AdamW { lr, beta1, beta2, eps, weight_decay } => json!({
+            "kind": "adamw", "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
+        }),
+    }
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+/// Writes a line to stdout; a closed pipe or a full disk is an error the
+/// caller returns (main ends a broken pipe quietly), never a panic.
+fn say(line: std::fmt::Arguments<'_>) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    out.write_fmt(line).and_then(|_| out.write_all(b"\n")).and_then(|_| out.flush()).context("writing to stdout")
+}
+
+/// The honest summary of a loss curve: the mean of the first and of the
+/// last `window` steps (a tenth of the run, at least one step).
+struct LossSummary {
+    window: usize,
+    start: f64,
+    end: f64,
+}
+
+fn summarize(losses: &[f64]) -> LossSummary {
+    let window = (losses.len() / 10).max(1);
+    LossSummary {
+        window,
+        start: mean(&losses[..window.min(losses.len())]),
+        end: mean(&losses[losses.len().saturating_sub(window)..]),
+    }
+}
+
+fn progress_bar(steps: u64) -> ProgressBar {
+    let bar = ProgressBar::new(steps);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg} ({elapsed})")
+            .map(|s| s.progress_chars("=> "))
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
+}

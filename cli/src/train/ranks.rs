@@ -1,0 +1,192 @@
+//! Running a job on the ranks of any backend: threads of this process for
+//! the simulated backends and the NCCL family without a launcher, one rank
+//! per process under a launcher (`crate::process`).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use chorus_collectives::sim::{SimConfig, SimWorld};
+use chorus_collectives::{CommBackend, Communicator};
+use chorus_devices::cpu::CpuConfig;
+use chorus_devices::ComputeBackend;
+use chorus_fsdp::Fsdp;
+use chorus_train::gpt_train::{train_gpt, GptReport, GptSpec};
+use chorus_train::train::{train, RankReport, TrainSpec};
+use indicatif::ProgressBar;
+
+use crate::backends::Backend;
+
+/// What every rank runs: the MLP or the transformer.
+pub(crate) trait RankJob: Send + Sync + 'static {
+    type Report: Send + 'static;
+    fn run<C: CommBackend + 'static>(
+        &self,
+        world: Arc<Communicator<C>>,
+        on_step: &mut dyn FnMut(u64, f64),
+    ) -> anyhow::Result<Self::Report>
+    where
+        C::B: ComputeBackend,
+        Fsdp<C>: Send;
+}
+
+pub(super) struct MlpJob(pub(super) TrainSpec);
+
+impl RankJob for MlpJob {
+    type Report = RankReport;
+    fn run<C: CommBackend + 'static>(
+        &self,
+        world: Arc<Communicator<C>>,
+        on_step: &mut dyn FnMut(u64, f64),
+    ) -> anyhow::Result<RankReport>
+    where
+        C::B: ComputeBackend,
+        Fsdp<C>: Send,
+    {
+        Ok(train(world, &self.0, &mut |s, l| on_step(s as u64, l))?)
+    }
+}
+
+pub(super) struct GptJob(pub(super) GptSpec);
+
+impl RankJob for GptJob {
+    type Report = GptReport;
+    fn run<C: CommBackend + 'static>(
+        &self,
+        world: Arc<Communicator<C>>,
+        on_step: &mut dyn FnMut(u64, f64),
+    ) -> anyhow::Result<GptReport>
+    where
+        C::B: ComputeBackend,
+        Fsdp<C>: Send,
+    {
+        Ok(train_gpt(world, &self.0, on_step)?)
+    }
+}
+
+/// Limits the threads candle's CPU kernels use to this rank's share of the
+/// machine's cores, unless the user set `RAYON_NUM_THREADS`.
+///
+/// candle's CPU backend takes its thread count from `RAYON_NUM_THREADS`
+/// (else the physical cores): its matmul splits each product into that many
+/// tasks, and its element-wise kernels run on one process-wide pool of that
+/// many threads, sized at its first use, behind one lock, whose workers
+/// spin at a barrier. Ranks sharing the cores, each computing with every
+/// core's worth of threads, oversubscribe them and queue on that lock
+/// (measured: 4 sim ranks on 2 cores step about 2× slower than with one
+/// thread each; `docs/benchmarks.md`). Ranks as threads of this process
+/// share its cores; ranks as processes share the node's with
+/// `LOCAL_WORLD_SIZE - 1` others. Called from the main thread before candle
+/// computes anything or any other thread starts (the environment is not
+/// written while another thread may read it).
+pub(super) fn limit_candle_threads(backend: Backend, world: usize) {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        std::env::set_var("RAYON_NUM_THREADS", candle_threads(backend, world).to_string());
+    }
+}
+
+/// This rank's share of the machine's cores (at least one).
+pub(super) fn candle_threads(backend: Backend, world: usize) -> usize {
+    let local = if backend.runs_as_processes() {
+        chorus_collectives::bootstrap::LaunchEnv::from_process_env().map_or(1, |env| env.local_world_size)
+    } else {
+        world
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / local.max(1)).max(1)
+}
+
+/// Whether this process writes the run's outputs: always when the ranks are
+/// its threads; under a launcher (one rank per process), only rank 0.
+pub(super) fn writes_outputs(backend: Backend) -> bool {
+    !backend.runs_as_processes()
+        || chorus_collectives::bootstrap::LaunchEnv::from_process_env().map_or(true, |env| env.rank == 0)
+}
+
+/// Runs `job` on `world` ranks of `backend` and returns every rank's report.
+pub(super) fn run_on<J: RankJob>(
+    backend: Backend,
+    world: usize,
+    job: J,
+    bar: Option<ProgressBar>,
+) -> anyhow::Result<Vec<J::Report>> {
+    // Under a launcher, the GPU backends run one rank per process (as ucx always does).
+    let process = if backend.runs_as_processes() { crate::process::RankProcess::detect()? } else { None };
+    crate::with_backend!(
+        backend,
+        sim => run_sim(world, job, bar),
+        ucx => crate::process::train_ucx(process, world, &job, bar),
+        vendor<L> => match process {
+            Some(p) => crate::process::train_vendor::<L, J>(p, world, &job, bar),
+            None => run_vendor::<L, J>(world, job, bar),
+        }
+    )
+}
+
+pub(crate) fn progress(rank: usize, bar: &Option<ProgressBar>, loss: f64) {
+    if let (0, Some(b)) = (rank, bar) {
+        b.set_message(format!("loss {loss:.4}"));
+        b.inc(1);
+    }
+}
+
+/// One rank per device of the NCCL family, as threads of this process,
+/// bootstrapped through an in-memory store.
+pub(super) fn run_vendor<L, J: RankJob>(
+    world: usize,
+    job: J,
+    bar: Option<ProgressBar>,
+) -> anyhow::Result<Vec<J::Report>>
+where
+    L: chorus_collectives::vendor::VendorLib,
+    L::B: chorus_conformance::vendor::HarnessDevice + chorus_devices::ComputeBackend,
+    Fsdp<chorus_collectives::vendor::VendorComm<L>>: Send,
+{
+    use chorus_collectives::bootstrap::MemStore;
+    use chorus_collectives::vendor::{VendorComm, VendorConfig};
+    use chorus_conformance::vendor::HarnessDevice;
+    let devices = L::B::count().map_err(anyhow::Error::msg)?;
+    if world > devices {
+        anyhow::bail!("{world} ranks need as many devices (one rank per device); {devices} visible");
+    }
+    let store = MemStore::new();
+    let results: Vec<anyhow::Result<J::Report>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let (store, job, bar) = (store.clone(), &job, bar.clone());
+                s.spawn(move || -> anyhow::Result<J::Report> {
+                    let device = L::B::make(rank, Duration::from_secs(300))?;
+                    let comm = VendorComm::<L>::init(&store, rank, world, device, VendorConfig::default())?;
+                    job.run(Arc::new(comm), &mut |_, loss| progress(rank, &bar, loss))
+                        .with_context(|| format!("rank {rank}"))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a rank panicked")))).collect()
+    });
+    results.into_iter().collect()
+}
+
+/// Runs `job` on `world` simulated ranks and returns every rank's report.
+pub(super) fn run_sim<J: RankJob>(world: usize, job: J, bar: Option<ProgressBar>) -> anyhow::Result<Vec<J::Report>> {
+    let job = Arc::new(job);
+    let config = SimConfig {
+        timeout: Duration::from_secs(300),
+        // SAFETY: FSDP orders every cross-stream access with events, and the
+        // conformance suite checks each of those orderings with the sanitizer
+        // on (conformance/src/fsdp); the model's own work is on one stream.
+        // Training runs without the sanitizer's per-operation bookkeeping.
+        device: unsafe { CpuConfig::default().without_sanitizer() },
+    };
+    let bar = Arc::new(Mutex::new(bar));
+    let results = SimWorld::run(world, config, move |comm| {
+        let rank = comm.rank();
+        let bar = bar.lock().map(|b| b.clone()).unwrap_or(None);
+        job.run(Arc::new(comm), &mut |_, loss| progress(rank, &bar, loss))
+    })?;
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(rank, r)| r.map_err(anyhow::Error::from).and_then(|v| v.with_context(|| format!("rank {rank}"))))
+        .collect()
+}
