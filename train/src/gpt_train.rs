@@ -53,6 +53,39 @@ pub struct GptSpec {
     pub allow_nonfinite: bool,
 }
 
+impl GptSpec {
+    /// `steps` steps of `batch` sequences per rank from `init` on `data`, with
+    /// the defaults of `chorus train`: FSDP's default settings, no HSDP, no
+    /// clipping, forward prefetch, one micro-batch, no checkpoints, and a stop
+    /// on a loss that is not finite. Change the rest with struct update syntax.
+    pub fn new(
+        config: GptConfig,
+        init: Vec<(String, Tensor)>,
+        data: Arc<TextData>,
+        batch: usize,
+        steps: u64,
+        optimizer: OptimizerKind,
+    ) -> GptSpec {
+        GptSpec {
+            config,
+            init,
+            data,
+            batch,
+            steps,
+            optimizer,
+            fsdp: FsdpConfig::default(),
+            replicate: None,
+            max_grad_norm: None,
+            forward_prefetch: true,
+            micro_batches: 1,
+            checkpoint_dir: None,
+            save_every: 0,
+            resume: None,
+            allow_nonfinite: false,
+        }
+    }
+}
+
 /// What one rank measured.
 #[derive(Clone, Debug)]
 pub struct GptReport {

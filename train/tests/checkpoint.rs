@@ -9,7 +9,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use chorus_collectives::sim::{SimConfig, SimWorld};
-use chorus_fsdp::{FsdpConfig, OptimizerKind};
+use chorus_fsdp::OptimizerKind;
 use chorus_fsdp_candle::checkpoint::{consolidate, read_training_state};
 use chorus_fsdp_candle::{CheckpointError, Error};
 use chorus_train::gpt::{init_params, Gpt, GptConfig};
@@ -22,22 +22,10 @@ fn config() -> GptConfig {
 
 fn spec(batch: usize, steps: u64) -> GptSpec {
     let cfg = config();
+    let data = Arc::new(TextData::new(encode(&generate(3000, 2)), cfg.seq_len, 5).unwrap());
     GptSpec {
-        config: cfg,
-        init: init_params(&cfg, 11).unwrap(),
-        data: Arc::new(TextData::new(encode(&generate(3000, 2)), cfg.seq_len, 5).unwrap()),
-        batch,
-        steps,
-        optimizer: OptimizerKind::adamw(1e-2, 0.01),
-        fsdp: FsdpConfig::default(),
-        replicate: None,
         max_grad_norm: Some(1.0),
-        forward_prefetch: true,
-        micro_batches: 1,
-        checkpoint_dir: None,
-        save_every: 0,
-        resume: None,
-        allow_nonfinite: false,
+        ..GptSpec::new(cfg, init_params(&cfg, 11).unwrap(), data, batch, steps, OptimizerKind::adamw(1e-2, 0.01))
     }
 }
 

@@ -23,23 +23,8 @@ fn config() -> GptConfig {
 
 fn spec(batch: usize, steps: u64, optimizer: OptimizerKind) -> GptSpec {
     let cfg = config();
-    GptSpec {
-        config: cfg,
-        init: init_params(&cfg, 3).unwrap(),
-        data: Arc::new(TextData::new(encode(&generate(4000, 1)), cfg.seq_len, 7).unwrap()),
-        batch,
-        steps,
-        optimizer,
-        fsdp: FsdpConfig::default(),
-        replicate: None,
-        max_grad_norm: None,
-        forward_prefetch: true,
-        micro_batches: 1,
-        checkpoint_dir: None,
-        save_every: 0,
-        resume: None,
-        allow_nonfinite: false,
-    }
+    let data = Arc::new(TextData::new(encode(&generate(4000, 1)), cfg.seq_len, 7).unwrap());
+    GptSpec::new(cfg, init_params(&cfg, 3).unwrap(), data, batch, steps, optimizer)
 }
 
 fn run(ranks: usize, spec: GptSpec) -> Vec<GptReport> {

@@ -94,23 +94,8 @@ fn config() -> GptConfig {
 
 fn spec() -> GptSpec {
     let cfg = config();
-    GptSpec {
-        config: cfg,
-        init: init_params(&cfg, 5).unwrap(),
-        data: Arc::new(TextData::new(encode(&generate(5000, 3)), cfg.seq_len, 9).unwrap()),
-        batch: BATCH,
-        steps: STEPS + 1,
-        optimizer: OptimizerKind::adamw(1e-3, 0.01),
-        fsdp: FsdpConfig::default(),
-        replicate: None,
-        max_grad_norm: None,
-        forward_prefetch: true,
-        micro_batches: 1,
-        checkpoint_dir: None,
-        save_every: 0,
-        resume: None,
-        allow_nonfinite: false,
-    }
+    let data = Arc::new(TextData::new(encode(&generate(5000, 3)), cfg.seq_len, 9).unwrap());
+    GptSpec::new(cfg, init_params(&cfg, 5).unwrap(), data, BATCH, STEPS + 1, OptimizerKind::adamw(1e-3, 0.01))
 }
 
 /// The model's sizes in elements, from its shapes (written out here, not

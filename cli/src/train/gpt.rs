@@ -22,18 +22,15 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     limit_candle_threads(args.backend, world);
     let steps = args.steps();
     let cfg = args.gpt_config();
-    let corpus = match &args.text {
-        Some(path) => std::fs::read_to_string(path).with_context(|| format!("--text {}", path.display()))?,
-        None => text::generate(200_000, args.seed),
+    let checkpoint_dir = (args.save_every.is_some() || args.checkpoint_dir.is_some()).then(|| args.checkpoint_dir());
+    let spec = GptSpec {
+        max_grad_norm: args.max_grad_norm,
+        checkpoint_dir: checkpoint_dir.clone(),
+        save_every: args.save_every.unwrap_or(0),
+        resume: args.resume.clone(),
+        allow_nonfinite: args.allow_nonfinite,
+        ..spec(args, steps)?
     };
-    let data = TextData::new(text::encode(&corpus), cfg.seq_len, args.seed).ok_or_else(|| {
-        usage(format!(
-            "the text has {} characters; --seq-len {} needs at least {}",
-            corpus.len(),
-            cfg.seq_len,
-            cfg.seq_len + 2
-        ))
-    })?;
     if let Some(dir) = &args.resume {
         let state = chorus_fsdp_candle::checkpoint::read_training_state(dir)?;
         if state.step >= steps {
@@ -45,24 +42,6 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         }
     }
     let out = if writes_outputs(args.backend) { Some(OutDir::acquire(&args.out_dir())?) } else { None };
-    let checkpoint_dir = (args.save_every.is_some() || args.checkpoint_dir.is_some()).then(|| args.checkpoint_dir());
-    let spec = GptSpec {
-        config: cfg,
-        init: init_params(&cfg, args.seed)?,
-        data: Arc::new(data),
-        batch: args.batch,
-        steps,
-        optimizer: args.optimizer(),
-        fsdp: args.fsdp_config(),
-        replicate: args.hsdp,
-        max_grad_norm: args.max_grad_norm,
-        forward_prefetch: true,
-        micro_batches: args.micro_batches,
-        checkpoint_dir: checkpoint_dir.clone(),
-        save_every: args.save_every.unwrap_or(0),
-        resume: args.resume.clone(),
-        allow_nonfinite: args.allow_nonfinite,
-    };
     let bar = progress_bar(steps);
     let reports = run_on(args.backend, world, GptJob(spec.clone()), Some(bar.clone()));
     bar.finish_and_clear();
@@ -160,4 +139,29 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     ))?;
     say(format_args!("sample: {sample:?}"))?;
     Ok(Outcome::Passed)
+}
+
+/// The run the arguments describe, for `steps` steps, on `--text` or on
+/// generated text, with the defaults of [`GptSpec::new`] where no argument
+/// applies (the benchmark and the training run share it).
+pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<GptSpec> {
+    let cfg = args.gpt_config();
+    let corpus = match &args.text {
+        Some(path) => std::fs::read_to_string(path).with_context(|| format!("--text {}", path.display()))?,
+        None => text::generate(200_000, args.seed),
+    };
+    let data = TextData::new(text::encode(&corpus), cfg.seq_len, args.seed).ok_or_else(|| {
+        usage(format!(
+            "the text has {} characters; --seq-len {} needs at least {}",
+            corpus.len(),
+            cfg.seq_len,
+            cfg.seq_len + 2
+        ))
+    })?;
+    Ok(GptSpec {
+        fsdp: args.fsdp_config(),
+        replicate: args.hsdp,
+        micro_batches: args.micro_batches,
+        ..GptSpec::new(cfg, init_params(&cfg, args.seed)?, Arc::new(data), args.batch, steps, args.optimizer())
+    })
 }

@@ -1,13 +1,8 @@
 //! `chorus train --bench --model gpt`: the transformer through the candle
 //! adapter against plain candle, each side in a process of its own.
 
-use std::sync::Arc;
-
 use anyhow::Context;
 use chorus_fsdp::OptimizerKind;
-use chorus_train::gpt::init_params;
-use chorus_train::gpt_train::GptSpec;
-use chorus_train::text::{self, TextData};
 use serde_json::json;
 
 use super::ranks::{candle_threads, run_sim, GptJob};
@@ -146,31 +141,8 @@ const GPT_BENCH_WARMUP: u64 = 3;
 /// One side of [`run`], in this process: its numbers as JSON.
 fn bench_gpt_part(args: &TrainArgs, part: BenchPart) -> anyhow::Result<serde_json::Value> {
     let world = args.world();
-    let cfg = args.gpt_config();
     let steps = args.steps();
-    let corpus = match &args.text {
-        Some(path) => std::fs::read_to_string(path).with_context(|| format!("--text {}", path.display()))?,
-        None => text::generate(200_000, args.seed),
-    };
-    let data = TextData::new(text::encode(&corpus), cfg.seq_len, args.seed)
-        .ok_or_else(|| usage(format!("the text is too short for --seq-len {}", cfg.seq_len)))?;
-    let spec = GptSpec {
-        config: cfg,
-        init: init_params(&cfg, args.seed)?,
-        data: Arc::new(data),
-        batch: args.batch,
-        steps: steps + GPT_BENCH_WARMUP,
-        optimizer: args.optimizer(),
-        fsdp: args.fsdp_config(),
-        replicate: args.hsdp,
-        max_grad_norm: None,
-        forward_prefetch: true,
-        micro_batches: args.micro_batches,
-        checkpoint_dir: None,
-        save_every: 0,
-        resume: None,
-        allow_nonfinite: false,
-    };
+    let spec = super::gpt::spec(args, steps + GPT_BENCH_WARMUP)?;
     let timed = |times: &[f64]| median(&times[(GPT_BENCH_WARMUP as usize).min(times.len())..]);
     let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into());
     Ok(match part {
