@@ -16,6 +16,21 @@ fn launch(args: &[&str], limit: Duration) -> Output {
 }
 
 /// The pids the ranks wrote, once all `n` files exist (bounded).
+/// Starts node `rank` of a two-node job on this host (node 0 hosts the store
+/// on `port`), with `nproc` ranks running `command`, its output captured.
+fn node(port: &str, rank: &str, nproc: &str, extra: &[&str], command: &[&str]) -> std::process::Child {
+    chorus()
+        .args(["launch", "--nproc-per-node", nproc, "--nnodes", "2", "--node-rank", rank, "--master-port", port])
+        .args(["--timeout", "20"])
+        .args(extra)
+        .arg("--")
+        .args(command)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 fn pids(dir: &Path, n: usize) -> Vec<u32> {
     let start = Instant::now();
     loop {
@@ -148,30 +163,8 @@ fn bad_arguments_exit_2_before_anything_starts() {
 #[test]
 fn two_nodes_on_one_host_form_one_job() {
     let port = free_port().to_string();
-    let node = |rank: &str| {
-        chorus()
-            .args([
-                "launch",
-                "--nproc-per-node",
-                "2",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                rank,
-                "--master-port",
-                &port,
-                "--timeout",
-                "20",
-                "--",
-                "sh",
-                "-c",
-                "echo rank $RANK of $WORLD_SIZE on node $GROUP_RANK",
-            ])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
-    };
+    let node =
+        |rank: &str| node(&port, rank, "2", &[], &["sh", "-c", "echo rank $RANK of $WORLD_SIZE on node $GROUP_RANK"]);
     let (n0, n1) = (node("0"), node("1"));
     let (o0, o1) = (wait_bounded(n0, Duration::from_secs(30)), wait_bounded(n1, Duration::from_secs(30)));
     assert!(o0.status.success() && o1.status.success(), "{} {}", text(&o0.stderr), text(&o1.stderr));
@@ -184,32 +177,7 @@ fn two_nodes_on_one_host_form_one_job() {
 fn a_failure_on_one_node_stops_the_other_node() {
     let port = free_port().to_string();
     let script = "if [ \"$RANK\" = 3 ]; then sleep 0.5; exit 7; fi; exec sleep 60";
-    let node = |rank: &str| {
-        chorus()
-            .args([
-                "launch",
-                "--nproc-per-node",
-                "2",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                rank,
-                "--master-port",
-                &port,
-                "--grace",
-                "1",
-                "--timeout",
-                "20",
-                "--",
-                "sh",
-                "-c",
-                script,
-            ])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
-    };
+    let node = |rank: &str| node(&port, rank, "2", &["--grace", "1"], &["sh", "-c", script]);
     let (n0, n1) = (node("0"), node("1"));
     let (o0, o1) = (wait_bounded(n0, Duration::from_secs(30)), wait_bounded(n1, Duration::from_secs(30)));
     assert_eq!((o0.status.code(), o1.status.code()), (Some(1), Some(1)));
@@ -223,29 +191,7 @@ fn a_failure_on_one_node_stops_the_other_node() {
 #[test]
 fn nodes_that_disagree_on_the_rank_count_start_nothing() {
     let port = free_port().to_string();
-    let node = |rank: &str, nproc: &str| {
-        chorus()
-            .args([
-                "launch",
-                "--nproc-per-node",
-                nproc,
-                "--nnodes",
-                "2",
-                "--node-rank",
-                rank,
-                "--master-port",
-                &port,
-                "--timeout",
-                "20",
-                "--",
-                "echo",
-                "started",
-            ])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
-    };
+    let node = |rank: &str, nproc: &str| node(&port, rank, nproc, &[], &["echo", "started"]);
     let (n0, n1) = (node("0", "2"), node("1", "3"));
     let (o0, o1) = (wait_bounded(n0, Duration::from_secs(30)), wait_bounded(n1, Duration::from_secs(30)));
     assert_eq!((o0.status.code(), o1.status.code()), (Some(1), Some(1)));

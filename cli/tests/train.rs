@@ -470,6 +470,23 @@ fn stdout_errors_are_handled() {
     std::fs::remove_dir_all(&root).ok();
 }
 
+/// The run the kill test stops mid-save and resumes: big enough that a save
+/// takes long enough to be caught.
+const KILLED_RUN: [&str; 13] = [
+    "train",
+    "--model",
+    "gpt",
+    "--world-size",
+    "4",
+    "--batch",
+    "1",
+    "--d-model",
+    "128",
+    "--layers",
+    "4",
+    "--seq-len",
+    "8",
+];
 /// Kills a run while it saves a checkpoint (its temporary directory
 /// exists) and shows the previous checkpoint intact: `latest` names a
 /// complete checkpoint whose every file passes its checksum on resume.
@@ -479,21 +496,7 @@ fn a_save_killed_midway_leaves_the_previous_checkpoint_intact() {
     let ckpt = root.join("ckpt");
     for attempt in 0..3 {
         let mut child = chorus()
-            .args([
-                "train",
-                "--model",
-                "gpt",
-                "--world-size",
-                "4",
-                "--batch",
-                "1",
-                "--d-model",
-                "128",
-                "--layers",
-                "4",
-                "--seq-len",
-                "8",
-            ])
+            .args(KILLED_RUN)
             .args(["--steps", "100000", "--save-every", "1", "--checkpoint-dir", ckpt.to_str().unwrap()])
             .args(["--out-dir", root.join("out").to_str().unwrap()])
             .stdout(Stdio::null())
@@ -519,27 +522,10 @@ fn a_save_killed_midway_leaves_the_previous_checkpoint_intact() {
         let latest = std::fs::read_to_string(ckpt.join("latest")).unwrap();
         let step: u64 = latest.trim().trim_start_matches("step-").parse().unwrap();
         // Resuming reads every shard and checks every checksum.
-        let o = run(&[
-            "train",
-            "--model",
-            "gpt",
-            "--world-size",
-            "4",
-            "--batch",
-            "1",
-            "--d-model",
-            "128",
-            "--layers",
-            "4",
-            "--seq-len",
-            "8",
-            "--steps",
-            &(step + 1).to_string(),
-            "--resume",
-            ckpt.to_str().unwrap(),
-            "--out-dir",
-            root.join(format!("resumed{attempt}")).to_str().unwrap(),
-        ]);
+        let (steps, out) = ((step + 1).to_string(), root.join(format!("resumed{attempt}")));
+        let mut resume = KILLED_RUN.to_vec();
+        resume.extend(["--steps", &steps, "--resume", ckpt.to_str().unwrap(), "--out-dir", out.to_str().unwrap()]);
+        let o = run(&resume);
         no_panic(&o);
         assert!(
             o.status.success(),
