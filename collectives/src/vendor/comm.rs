@@ -159,8 +159,11 @@ impl<L: VendorLib> VendorComm<L> {
                 message: "ncclCommInitRankConfig returned no communicator".into(),
             });
         }
+        let blocking = config.blocking;
         let shared = Self::shared(lib, raw, rank, size, device, config, version);
-        if status == Status::InProgress {
+        // Non-blocking: the handle's async error says when the initialization
+        // is complete, whatever the call returned.
+        if status == Status::InProgress || !blocking {
             let ready = shared.lock().and_then(|_guard| shared.wait_ready(raw, "ncclCommInitRankConfig", 0));
             if let Err(e) = ready {
                 shared.abort_with(CommError::Aborted { reason: format!("initialization failed: {e}") });
@@ -574,9 +577,14 @@ impl<L: VendorLib> CommBackend for VendorComm<L> {
                 return Err(e);
             }
         };
-        if status == Status::InProgress {
-            // The library writes the child into the slot from its own thread
-            // when the split completes: only then may it be read.
+        // On a non-blocking parent the library writes the child into the
+        // slot from its own thread when the split completes, and only then
+        // may the slot be read or freed. It reports completion through the
+        // parent's async error — not through the return value: NCCL 2.28
+        // returns ncclSuccess while the split is still running (seen on an
+        // H100: a slot read at once held null, and the late write into the
+        // freed slot corrupted the heap).
+        if status == Status::InProgress || !shared.config.blocking {
             if let Err(e) = shared.wait_ready(parent, "ncclCommSplit", 0) {
                 slot.abandon();
                 drop(guard);

@@ -43,9 +43,10 @@
 //!   their own deadlines or the library's remote-error detection. It never
 //!   waits behind a non-blocking call in progress;
 //! - **split**: `ncclCommSplit` writes the child handle when the split
-//!   completes — on a non-blocking parent after the call returned — so the
-//!   handle goes to a heap slot that lives until completion (and is leaked,
-//!   never freed under the library, if the split does not complete);
+//!   completes — on a non-blocking parent after the call returned, which
+//!   returns ncclSuccess all the same — so the handle goes to a heap slot
+//!   that lives until the parent's async error says the split is done (and
+//!   is leaked, never freed under the library, if it does not complete);
 //! - **drop**: `ncclCommFinalize` (polled, with the deadline), then
 //!   `ncclCommDestroy`; on failure `ncclCommAbort`. Errors are parked on
 //!   the device.

@@ -659,6 +659,9 @@ unsafe extern "C" fn recv(
     add("ncclRecv", comm, stream, OpKind::Recv, dtype, count, None, Some(peer), None, Some((buf, count)))
 }
 
+/// How long a simulated non-blocking split takes.
+const SPLIT_LATENCY: std::time::Duration = std::time::Duration::from_millis(5);
+
 unsafe extern "C" fn split(
     comm: ncclComm_t,
     color: c_int,
@@ -706,12 +709,18 @@ unsafe extern "C" fn split(
     parent.set_state(AsyncState::InProgress);
     let worker = parent.clone();
     match std::thread::Builder::new().name("simnccl-split".into()).spawn(move || {
+        // A split takes NCCL milliseconds (a bootstrap round); the delay
+        // makes a caller that reads or frees the slot early fail every time.
+        std::thread::sleep(SPLIT_LATENCY);
         let code = work();
         worker.set_state(if code == OK { AsyncState::Ready } else { AsyncState::Failed(code) });
     }) {
         Ok(j) => {
             parent.jobs.lock().unwrap_or_else(|p| p.into_inner()).push(j);
-            IN_PROGRESS
+            // As NCCL (2.18 to 2.28 at least): `ncclCommSplit` returns the
+            // child's setup result, ncclSuccess, while the split goes on; only
+            // the parent's async error says when it is done.
+            OK
         }
         Err(_) => {
             parent.set_state(AsyncState::Failed(INTERNAL));

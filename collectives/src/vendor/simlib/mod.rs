@@ -6,10 +6,12 @@
 //! It keeps NCCL's semantics that chorus depends on:
 //! - **non-blocking** communicators: `ncclGroupEnd` returns `ncclInProgress`
 //!   and the kernels are enqueued on the caller's stream later, from the
-//!   library's own thread; `ncclCommSplit` returns `ncclInProgress` and writes
-//!   the child handle into the caller's slot only when the split completes.
-//!   A caller that returns before the group is enqueued gets stale results;
-//!   one that reads the split's handle early reads null — as on NCCL;
+//!   library's own thread; `ncclCommSplit` returns `ncclSuccess` at once (as
+//!   NCCL 2.28 does; only the parent's async error says when the split is
+//!   done) and writes the child handle into the caller's slot when the split
+//!   completes, milliseconds later. A caller that returns before the group
+//!   is enqueued gets stale results; one that reads the split's handle early
+//!   reads null — as on NCCL;
 //! - **the data plane** is the sim backend's (rendezvous by call number,
 //!   every dtype and operator, rank-order reductions), on raw addresses;
 //! - **a known bug**: versions before 2.29.7 leave the elements past the
