@@ -182,7 +182,16 @@ impl CudaDevice {
             deferred: Deferred::default(),
         });
         let internal = StreamShared::create(&inner, Priority::Normal, "internal")?;
-        Ok(CudaDevice { inner, internal })
+        let device = CudaDevice { inner, internal };
+        // The kernels are loaded now, before any stream holds work: under
+        // CUDA's lazy module loading (the default since 12.2) loading a
+        // kernel waits for the context's running work, so a first launch
+        // behind a blocked stream (a host function, an NCCL kernel waiting
+        // for its peers) would stall until that work ends — seen on an H100
+        // as a 20 s stall of the device suite. A failure here (no NVRTC) is
+        // kept and reported by the first operation that needs a kernel.
+        let _ = device.kernels();
+        Ok(device)
     }
 
     /// The settings this device was made with.

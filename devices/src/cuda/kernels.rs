@@ -96,6 +96,20 @@ impl Kernels {
             // SAFETY: the module was loaded above.
             match unsafe { drv::module::get_function(module, cname) } {
                 Ok(f) => {
+                    // Loaded now rather than at its first launch (see
+                    // `CudaDevice::with_config`). `cuFuncLoad` is CUDA 12.4+;
+                    // an older driver has no lazy loading to undo, so a
+                    // missing entry point (cudarc panics) is not an error.
+                    // SAFETY: a function of the module just loaded.
+                    let loaded =
+                        super::loader::guarded("libcuda", || Ok(unsafe { cudarc::driver::sys::cuFuncLoad(f) }));
+                    if let Ok(r) = loaded {
+                        if let Err(e) = r.result() {
+                            // SAFETY: unloaded once, on this failure path.
+                            let _ = unsafe { drv::module::unload(module) };
+                            return Err(res::driver("cuFuncLoad", e, device, 0));
+                        }
+                    }
                     functions.insert(*name, f);
                 }
                 Err(e) => {

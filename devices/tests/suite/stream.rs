@@ -140,11 +140,18 @@ pub fn copy_to_host_completes_when_the_copy_has_run_in_stream_order<B: ComputeBa
     s.synchronize()?;
 
     let gate = Gate::close(&s)?;
+    let held = std::time::Instant::now();
     let readback = s.copy_to_host(buf.slice(1, 2)?)?;
     // Enqueued after the readback: must not be what the readback sees.
     s.fill(buf.view(), Scalar::Float(-1.0))?;
     assert_eq!((readback.dtype(), readback.len(), readback.is_empty()), (DType::F64, 2, false));
-    assert!(!readback.is_ready(), "the readback completed while its stream was held");
+    // Enqueueing must not wait for the stream: a call that did would outlast
+    // the gate's limit, and the gate would let the stream go.
+    assert!(
+        !readback.is_ready(),
+        "the readback completed while its stream was held (enqueueing the readback and the fill took {:?})",
+        held.elapsed()
+    );
     gate.open();
     assert_eq!(readback.wait_typed::<f64>()?, vec![2.5, 3.5]);
     assert_eq!(s.read_vec::<f64>(buf.view())?, vec![-1.0; 4]);
