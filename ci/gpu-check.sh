@@ -4,9 +4,10 @@
 # or 13 names), runs each check, and writes every output and a summary to
 # RESULTS_DIR. Exits 1 if any check failed; every check runs regardless.
 #
-#   bash ci/gpu-check.sh [BIN_DIR] [RESULTS_DIR]   # defaults: gpu-bin, gpu-results
+#   bash ci/gpu-check.sh [BIN_DIR] [RESULTS_DIR] [CHECK...]   # defaults: gpu-bin, gpu-results, all
 #
-# Checks:
+# Name checks to run only those (a device lease runs at most ten minutes a
+# command, so the whole list is usually run in two parts). Checks:
 #   info                 chorus info (libraries, versions, devices)
 #   devices-cuda         the device suite on the cuda device (every operation against host values)
 #   cuda-load            the cuda device's loading and smoke tests
@@ -15,12 +16,18 @@
 #   conformance-nccl-N   the conformance suite on NCCL, N = 1 and (if more) every GPU
 #   train-sim-vs-nccl    one init trained on sim and on NCCL; largest parameter difference
 #   bench-nccl           nccl-tests tables and the host overhead per call
-#   train-bench-nccl     FSDP step time and host overhead per group on NCCL
+#   train-bench-nccl     FSDP step time and host overhead per group on NCCL (64 x Linear(64), batch 8; 4 x Linear(256), batch 32)
+#   fsdp2-bench          PyTorch FSDP2 on the same two models (needs python3 with torch)
+#   launch-nccl          one rank per process under chorus launch: NCCL's unique id through the store
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 bin="${1:-gpu-bin}"
 results="${2:-gpu-results}"
+shift 2 2>/dev/null || shift $#
+wanted=" $* "
+# want NAME: whether NAME was asked for (every check when none was named).
+want() { [ "$wanted" = "  " ] || [[ "$wanted" == *" $1 "* ]]; }
 mkdir -p "$results"
 summary="$results/summary.txt"
 : >"$summary"
@@ -82,22 +89,23 @@ run() {
 }
 
 chorus="$bin/chorus"
-run info 60 "$chorus" info
-run devices-cuda 600 "$bin/test-chorus-devices-device_cuda" --test-threads=1
-run cuda-load 600 "$bin/test-chorus-devices-cuda_load" --test-threads=1
-run host-fn-cuda 120 "$bin/test-chorus-devices-host_fn" --test-threads=1
-run nccl-load 300 "$bin/test-chorus-collectives-nccl_load" --test-threads=1 --nocapture
-run conformance-nccl-1 1800 "$chorus" conformance --backend nccl --world-size 1
-if [ "$gpus" -gt 1 ]; then
-    run "conformance-nccl-$gpus" 1800 "$chorus" conformance --backend nccl --world-size "$gpus"
+want info && run info 60 "$chorus" info
+want devices-cuda && run devices-cuda 600 "$bin/test-chorus-devices-device_cuda" --test-threads=1
+want cuda-load && run cuda-load 600 "$bin/test-chorus-devices-cuda_load" --test-threads=1
+want host-fn-cuda && run host-fn-cuda 120 "$bin/test-chorus-devices-host_fn" --test-threads=1
+want nccl-load && run nccl-load 300 "$bin/test-chorus-collectives-nccl_load" --test-threads=1 --nocapture
+if want conformance-nccl; then
+    run conformance-nccl-1 1800 "$chorus" conformance --backend nccl --world-size 1
+    if [ "$gpus" -gt 1 ]; then
+        run "conformance-nccl-$gpus" 1800 "$chorus" conformance --backend nccl --world-size "$gpus"
+    fi
+    grep -E '^[0-9]+ passed' "$results"/conformance-nccl-*.log 2>/dev/null | sed 's/^/# /' | tee -a "$summary"
 fi
-grep -E '^[0-9]+ passed' "$results"/conformance-nccl-*.log 2>/dev/null | sed 's/^/# /' | tee -a "$summary"
 
 # One init, trained on sim and on NCCL: the parameters must agree within f32 tolerance.
-if run train-sim 300 "$chorus" train --model mlp --backend sim --world-size 1 --steps 50 --out-dir "$results/train-sim" \
-    && run train-nccl 300 "$chorus" train --model mlp --backend nccl --world-size 1 --steps 50 \
-        --init-dir "$results/train-sim/init" --out-dir "$results/train-nccl"; then
-    run train-sim-vs-nccl 60 python3 - "$results/train-sim" "$results/train-nccl" <<'PY'
+compare() {
+    # $1: name, $2: sim run dir, $3: nccl run dir
+    run "$1" 60 python3 - "$2" "$3" <<'PY'
 import glob, json, os, sys
 import numpy as np
 a, b = sys.argv[1], sys.argv[2]
@@ -111,13 +119,46 @@ dl = max(abs(p - q) for p, q in zip(la, lb))
 print(f"largest parameter difference sim vs nccl: {worst:.3e}; largest loss difference: {dl:.3e}")
 sys.exit(0 if worst <= 1e-5 and dl <= 1e-5 else 1)
 PY
-    sed 's/^/# /' "$results/train-sim-vs-nccl.log" | tee -a "$summary"
+    sed 's/^/# /' "$results/$1.log" | tee -a "$summary"
+}
+if want train-sim-vs-nccl; then
+    if run train-sim 300 "$chorus" train --model mlp --backend sim --world-size 1 --steps 50 --out-dir "$results/train-sim" \
+        && run train-nccl 300 "$chorus" train --model mlp --backend nccl --world-size 1 --steps 50 \
+            --init-dir "$results/train-sim/init" --out-dir "$results/train-nccl"; then
+        compare train-sim-vs-nccl "$results/train-sim" "$results/train-nccl"
+    fi
 fi
 
-run bench-nccl 900 "$chorus" bench --backend nccl --world-size "$gpus" --op all --min-bytes 1K --max-bytes 64M
-grep -E '^# nccl host overhead' "$results/bench-nccl.log" | tee -a "$summary"
-run train-bench-nccl 900 "$chorus" train --bench --backend nccl
-tail -n 6 "$results/train-bench-nccl.log" | sed 's/^/# /' | tee -a "$summary"
+if want bench-nccl; then
+    run bench-nccl 900 "$chorus" bench --backend nccl --world-size "$gpus" --op all --min-bytes 1K --max-bytes 64M
+    grep -E '^# nccl host overhead' "$results/bench-nccl.log" | tee -a "$summary"
+fi
+if want train-bench-nccl; then
+    run train-bench-nccl 900 "$chorus" train --bench --backend nccl --batch 8
+    tail -n 6 "$results/train-bench-nccl.log" | sed 's/^/# /' | tee -a "$summary"
+    run train-bench-nccl-4x256 900 "$chorus" train --bench --backend nccl --layers 4 --width 256 --batch 32
+    tail -n 6 "$results/train-bench-nccl-4x256.log" | sed 's/^/# /' | tee -a "$summary"
+fi
+if want fsdp2-bench; then
+    run fsdp2-bench-64x64 300 env MASTER_PORT=29533 python3 ci/fsdp2_bench.py --layers 64 --width 64 --batch 8
+    run fsdp2-bench-4x256 300 env MASTER_PORT=29534 python3 ci/fsdp2_bench.py --layers 4 --width 256 --batch 32
+    cat "$results"/fsdp2-bench-*.log | sed 's/^/# /' | tee -a "$summary"
+fi
+if want launch-nccl; then
+    # The per-process path: ranks started by chorus launch, the unique id through its store.
+    [ -d "$results/train-sim/init" ] || run train-sim 300 "$chorus" train --model mlp --backend sim --world-size 1 \
+        --steps 50 --out-dir "$results/train-sim"
+    if run launch-train-nccl 300 "$chorus" launch --nproc-per-node "$gpus" -- "$chorus" train --model mlp --backend nccl \
+        --world-size "$gpus" --steps 50 --init-dir "$results/train-sim/init" --out-dir "$results/launch-train-nccl" \
+        && [ "$gpus" -eq 1 ]; then
+        compare launch-train-sim-vs-nccl "$results/train-sim" "$results/launch-train-nccl"
+    fi
+    run launch-conformance-nccl 600 "$chorus" launch --nproc-per-node "$gpus" -- "$chorus" conformance --backend nccl \
+        --world-size "$gpus" --filter fsdp
+    grep -E '^[0-9]+ passed' "$results/launch-conformance-nccl.log" | sed 's/^/# /' | tee -a "$summary"
+    run launch-bench-nccl 300 "$chorus" launch --nproc-per-node "$gpus" -- "$chorus" bench --backend nccl \
+        --world-size "$gpus" --op all_reduce --min-bytes 1K --max-bytes 1M
+fi
 
 echo "# results in $results/" | tee -a "$summary"
 exit $failed
