@@ -14,7 +14,9 @@ pub struct ConformanceArgs {
     /// Number of ranks.
     #[arg(long, default_value_t = 4, value_parser = parse_world_size)]
     pub world_size: usize,
-    /// Run only the cases whose name contains this text.
+    /// Run only the cases whose name contains this text; comma-separated
+    /// terms run the cases matching any, and a term written `!text` leaves
+    /// out the cases containing `text` (`--filter '!fsdp'`).
     #[arg(long, value_name = "PATTERN")]
     pub filter: Option<String>,
     /// Print the names of the cases that would run, and run none.

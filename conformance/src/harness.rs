@@ -96,7 +96,28 @@ pub fn cases<H: Harness>(harness: &H, world_size: usize) -> Vec<Case<H::C>> {
 
 /// The cases of [`cases`] whose name contains `filter` (all when `None`).
 pub fn select<H: Harness>(harness: &H, world_size: usize, filter: Option<&str>) -> Vec<Case<H::C>> {
-    cases(harness, world_size).into_iter().filter(|c| filter.is_none_or(|f| c.name.contains(f))).collect()
+    cases(harness, world_size).into_iter().filter(|c| selected(&c.name, filter)).collect()
+}
+
+/// Whether the case `name` is selected by `filter`: comma-separated terms; a
+/// case is selected when its name contains a plain term (any name when there
+/// is none) and no term written `!text` (`fsdp/parity,!bf16`; `!fsdp` runs
+/// everything but FSDP, so a GPU run can take the collectives and FSDP apart).
+pub fn selected(name: &str, filter: Option<&str>) -> bool {
+    let Some(filter) = filter else { return true };
+    let terms = filter.split(',').map(str::trim).filter(|t| !t.is_empty());
+    let (mut any_plain, mut plain_hit) = (false, false);
+    for term in terms {
+        match term.strip_prefix('!') {
+            Some(excluded) if !excluded.is_empty() && name.contains(excluded) => return false,
+            Some(_) => {}
+            None => {
+                any_plain = true;
+                plain_hit |= name.contains(term);
+            }
+        }
+    }
+    plain_hit || !any_plain
 }
 
 /// The names of the cases `harness` runs at `world_size`, in run order.
@@ -117,7 +138,7 @@ pub fn list<H: Harness>(harness: &H, world_size: usize, filter: Option<&str>) ->
         .collect()
 }
 
-/// Runs the cases whose name contains `filter` (all when `None`) on a world
+/// Runs the cases `filter` selects (see [`selected`]; all when `None`) on a world
 /// of `world_size` ranks of `harness`, calling `on_outcome` after each case,
 /// and returns the counts.
 pub fn run<H: Harness>(
@@ -428,4 +449,23 @@ macro_rules! conformance_tests {
             }
         )+
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::selected;
+
+    #[test]
+    fn filter_terms_select_and_exclude() {
+        let f = Some("fsdp/parity,!bf16");
+        assert!(selected("fsdp/parity/sgd", f));
+        assert!(!selected("fsdp/parity/bf16-params/f32-reduce", f));
+        assert!(!selected("all_reduce/f32/sum", f));
+        assert!(selected("all_reduce/f32/sum", Some("!fsdp")));
+        assert!(!selected("fsdp/state-machine", Some("!fsdp")));
+        assert!(selected("split/even_and_odd_ranks", Some("split, all_gather")));
+        assert!(selected("anything", None));
+        assert!(selected("anything", Some("")));
+        assert!(selected("anything", Some("!")));
+    }
 }

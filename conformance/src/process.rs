@@ -236,7 +236,7 @@ fn decode(bytes: &[u8]) -> Status {
     }
 }
 
-/// Runs the cases whose name contains `filter` as rank `env.rank` of a job
+/// Runs the cases `filter` selects ([`selected`](crate::harness::selected)) as rank `env.rank` of a job
 /// of `env.size` processes, calling `on_outcome` after each case with the
 /// outcome every rank agreed on (print it on rank 0). Every rank of the job
 /// calls it with the same arguments; every rank returns rank 0's summary.

@@ -49,7 +49,9 @@
 //!   is leaked, never freed under the library, if it does not complete);
 //! - **drop**: `ncclCommFinalize` (polled, with the deadline), then
 //!   `ncclCommDestroy`; on failure `ncclCommAbort`. Errors are parked on
-//!   the device.
+//!   the device. Never on the watchdog's thread (it can hold the last
+//!   reference while it polls): there the teardown moves to a thread of its
+//!   own, since destroy blocks until the whole device is idle.
 
 pub mod abi;
 mod comm;

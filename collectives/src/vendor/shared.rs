@@ -14,7 +14,7 @@ use super::abi::{Status, Version};
 use super::comm::VendorConfig;
 use super::result::Lib;
 use super::sys::ncclComm_t;
-use super::watchdog::Watched;
+use super::watchdog::{self, Watched};
 use super::VendorLib;
 use crate::{CommError, Result};
 
@@ -245,47 +245,67 @@ impl<L: VendorLib> Drop for Shared<L> {
             return;
         }
         h.released = true;
-        let comm = h.raw as ncclComm_t;
-        if L::B::bind(&self.device).is_err() {
-            return;
+        let (lib, raw, device) = (self.lib, h.raw, self.device.clone());
+        let deadline = self.config.timeout.min(Duration::from_secs(60));
+        // The watchdog holds a communicator only while it polls it, but that
+        // can be the last reference. Finalize waits up to the deadline and
+        // destroy blocks (it joins the library's threads and frees device
+        // memory, which waits for the whole device): on the watchdog's thread
+        // every other communicator would go unwatched meanwhile.
+        if watchdog::on_watchdog_thread() {
+            let teardown = std::thread::Builder::new()
+                .name("chorus-comm-teardown".into())
+                .spawn(move || release::<L>(lib, raw, &device, deadline));
+            if teardown.is_ok() {
+                return;
+            }
         }
-        // Finalize flushes queued work and tears connections down collectively;
-        // if that fails or takes past the deadline, abort instead.
-        // SAFETY: the live handle; nobody else holds this communicator any more.
-        let finalized = unsafe { self.lib.finalize(comm) }.and_then(|s| match s {
-            Status::Done => Ok(()),
-            Status::InProgress => {
-                let backoff = Backoff::new();
-                let deadline = self.config.timeout.min(Duration::from_secs(60));
-                loop {
-                    // SAFETY: as above.
-                    match unsafe { self.lib.async_error(comm) } {
-                        Ok(Status::Done) => break Ok(()),
-                        Ok(Status::InProgress) if !backoff.expired(deadline) => backoff.pause(),
-                        Ok(Status::InProgress) => {
-                            break Err(CommError::Timeout {
-                                op: "ncclCommFinalize".into(),
-                                seq: 0,
-                                waited: deadline,
-                                missing: Vec::new(),
-                            })
-                        }
-                        Err(e) => break Err(e),
+        release::<L>(self.lib, raw, &self.device, deadline);
+    }
+}
+
+/// Finalizes and destroys a handle nobody holds any more (aborts it if
+/// finalizing fails or outlasts `deadline`); errors are parked on the device.
+fn release<L: VendorLib>(lib: Lib, raw: usize, device: &<L::B as Backend>::Device, deadline: Duration) {
+    let comm = raw as ncclComm_t;
+    if L::B::bind(device).is_err() {
+        return;
+    }
+    // Finalize flushes queued work and tears connections down collectively;
+    // if that fails or takes past the deadline, abort instead.
+    // SAFETY: the live handle; nobody else holds this communicator any more.
+    let finalized = unsafe { lib.finalize(comm) }.and_then(|s| match s {
+        Status::Done => Ok(()),
+        Status::InProgress => {
+            let backoff = Backoff::new();
+            loop {
+                // SAFETY: as above.
+                match unsafe { lib.async_error(comm) } {
+                    Ok(Status::Done) => break Ok(()),
+                    Ok(Status::InProgress) if !backoff.expired(deadline) => backoff.pause(),
+                    Ok(Status::InProgress) => {
+                        break Err(CommError::Timeout {
+                            op: "ncclCommFinalize".into(),
+                            seq: 0,
+                            waited: deadline,
+                            missing: Vec::new(),
+                        })
                     }
+                    Err(e) => break Err(e),
                 }
             }
-        });
-        let result = match finalized {
-            // SAFETY: finalized; destroyed once.
-            Ok(()) => unsafe { self.lib.destroy(comm) },
-            Err(e) => {
-                // SAFETY: released once (abort frees the handle).
-                let _ = unsafe { self.lib.abort(comm) };
-                Err(e)
-            }
-        };
-        if let Err(e) = result {
-            L::B::park(&self.device, op_failed("ncclCommFinalize", &self.device.name(), e));
         }
+    });
+    let result = match finalized {
+        // SAFETY: finalized; destroyed once.
+        Ok(()) => unsafe { lib.destroy(comm) },
+        Err(e) => {
+            // SAFETY: released once (abort frees the handle).
+            let _ = unsafe { lib.abort(comm) };
+            Err(e)
+        }
+    };
+    if let Err(e) = result {
+        L::B::park(device, op_failed("ncclCommFinalize", &device.name(), e));
     }
 }

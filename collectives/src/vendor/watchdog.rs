@@ -22,6 +22,15 @@ pub(crate) trait Watched: Send + Sync {
     fn poll(&self) -> bool;
 }
 
+/// The watchdog thread's name: the simulated library refuses a blocking
+/// teardown on it.
+pub(crate) const THREAD_NAME: &str = "chorus-watchdog";
+
+/// Whether the calling thread is the watchdog.
+pub(crate) fn on_watchdog_thread() -> bool {
+    std::thread::current().name() == Some(THREAD_NAME)
+}
+
 /// How often the watchdog polls while launches are pending: failures are
 /// found within this (deadlines are seconds; completed launches are cleared).
 const INTERVAL: Duration = Duration::from_millis(2);
@@ -38,7 +47,7 @@ fn watchdog() -> &'static Watchdog {
     STARTED.get_or_init(|| {
         // If the thread cannot start, watching degrades to the host waits'
         // own deadlines (every device wait has one); say so once.
-        if let Err(e) = std::thread::Builder::new().name("chorus-watchdog".into()).spawn(move || run(dog)) {
+        if let Err(e) = std::thread::Builder::new().name(THREAD_NAME.into()).spawn(move || run(dog)) {
             eprintln!(
                 "chorus: the communicator watchdog could not start ({e}); collectives rely on the device deadlines"
             );

@@ -191,7 +191,18 @@ unsafe extern "C" fn user_rank(comm: ncclComm_t, out: *mut c_int) -> ncclResult_
     }
 }
 
+/// NCCL's finalize waits and its destroy blocks (joins the library's
+/// threads, frees device memory — which waits for the whole device): on the
+/// watchdog's thread they would leave every other communicator unwatched.
+fn refuse_on_watchdog(op: &str) -> Option<ncclResult_t> {
+    crate::vendor::watchdog::on_watchdog_thread()
+        .then(|| violation(format!("{op} on the watchdog thread, which must never block in a teardown")))
+}
+
 unsafe extern "C" fn finalize(comm: ncclComm_t) -> ncclResult_t {
+    if let Some(code) = refuse_on_watchdog("ncclCommFinalize") {
+        return code;
+    }
     match enter(handle_of(comm), "ncclCommFinalize", false) {
         Ok(_) => OK,
         Err(code) => code,
@@ -199,6 +210,9 @@ unsafe extern "C" fn finalize(comm: ncclComm_t) -> ncclResult_t {
 }
 
 unsafe extern "C" fn destroy(comm: ncclComm_t) -> ncclResult_t {
+    if let Some(code) = refuse_on_watchdog("ncclCommDestroy") {
+        return code;
+    }
     let entered = match enter(handle_of(comm), "ncclCommDestroy", true) {
         Ok(e) => e,
         Err(code) => return code,

@@ -21,7 +21,8 @@
 //! - **the rules, checked**: a call on a handle that was aborted or
 //!   destroyed, two calls on one communicator at once, a call on a
 //!   communicator whose non-blocking operation is still in progress, a
-//!   reduce operator used after it was destroyed: each returns
+//!   reduce operator used after it was destroyed, a finalize or destroy on
+//!   the watchdog's thread (NCCL's destroy blocks): each returns
 //!   `ncclInvalidUsage` and is recorded ([`take_violations`]), where NCCL
 //!   would crash, hang or corrupt memory.
 //!
