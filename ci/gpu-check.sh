@@ -13,7 +13,9 @@
 #   cuda-load            the cuda device's loading and smoke tests
 #   host-fn-cuda         device API calls inside host functions refused
 #   nccl-load            NCCL: version, unique id, a one-rank world that runs
-#   conformance-nccl-N   the conformance suite on NCCL, N = 1 and (if more) every GPU
+#   conformance-nccl     FSDP on a split communicator alone (stacks if it hangs; eager module
+#                        loading; its model trained on the world), then the suite on NCCL at 1 rank
+#                        and (if more) every GPU, FSDP apart from the rest
 #   train-sim-vs-nccl    one init trained on sim and on NCCL; largest parameter difference
 #   bench-nccl           nccl-tests tables and the host overhead per call
 #   train-bench-nccl     FSDP step time and host overhead per group on NCCL (64 x Linear(64), batch 8; 4 x Linear(256), batch 32)
@@ -70,14 +72,49 @@ gpus="$(nvidia-smi --list-gpus 2>/dev/null | wc -l)"
 [ "$gpus" -ge 1 ] || gpus=1
 failed=0
 
-# run NAME TIMEOUT_S COMMAND...: output to RESULTS_DIR/NAME.log, a line in the summary.
+# stacks PID: every thread's stack of PID and of its children (a hung check
+# says where it hangs), with whatever debugger the node has.
+stacks() {
+    local p
+    for p in "$1" $(pgrep -P "$1" 2>/dev/null); do
+        echo "=== pid $p: $(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null)"
+        if command -v gdb >/dev/null; then
+            gdb -p "$p" -batch -ex "thread apply all bt" 2>&1
+        elif command -v cuda-gdb >/dev/null; then
+            cuda-gdb -p "$p" -batch -ex "thread apply all bt" 2>&1
+        elif command -v eu-stack >/dev/null; then
+            eu-stack -p "$p" 2>&1
+        else
+            for t in /proc/"$p"/task/*; do
+                echo "--- $(cat "$t/comm" 2>/dev/null) wchan=$(cat "$t/wchan" 2>/dev/null)"
+                cat "$t/stack" 2>/dev/null
+            done
+        fi
+    done
+}
+
+# run NAME TIMEOUT_S COMMAND...: output to RESULTS_DIR/NAME.log, a line in the
+# summary; past the limit, the stacks go to NAME.stacks before the kill.
 run() {
     local name="$1" limit="$2"
     shift 2
-    local start end rc
+    local start end rc pid
     start=$(date +%s)
-    timeout "$limit" "$@" >"$results/$name.log" 2>&1
-    rc=$?
+    "$@" >"$results/$name.log" 2>&1 &
+    pid=$!
+    while kill -0 "$pid" 2>/dev/null && [ $(($(date +%s) - start)) -lt "$limit" ]; do
+        sleep 1
+    done
+    if kill -0 "$pid" 2>/dev/null; then
+        stacks "$pid" >"$results/$name.stacks" 2>&1
+        pkill -KILL -P "$pid" 2>/dev/null
+        kill -KILL "$pid" 2>/dev/null
+        wait "$pid" 2>/dev/null
+        rc=124
+    else
+        wait "$pid"
+        rc=$?
+    fi
     end=$(date +%s)
     if [ $rc -eq 0 ]; then
         echo "ok      $name ($((end - start)) s)" | tee -a "$summary"
@@ -95,11 +132,27 @@ want cuda-load && run cuda-load 600 "$bin/test-chorus-devices-cuda_load" --test-
 want host-fn-cuda && run host-fn-cuda 120 "$bin/test-chorus-devices-host_fn" --test-threads=1
 want nccl-load && run nccl-load 300 "$bin/test-chorus-collectives-nccl_load" --test-threads=1 --nocapture
 if want conformance-nccl; then
-    run conformance-nccl-1 1800 "$chorus" conformance --backend nccl --world-size 1
+    # FSDP on a communicator split from the world hung on 2026-11-23 (the
+    # first FSDP case; training on the world itself worked). First that case
+    # alone, with NCCL's log, killed (stacks kept) before the 180 s case
+    # deadline; then with every module loaded eagerly (does lazy loading wait
+    # for work that never ends?); then the case's model and batch trained on
+    # the world itself (no split).
+    run fsdp-nccl-alone 150 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL,PROXY \
+        "$chorus" conformance --backend nccl --world-size 1 --filter fsdp/parity/sgd
+    run fsdp-nccl-alone-eager 150 env CUDA_MODULE_LOADING=EAGER \
+        "$chorus" conformance --backend nccl --world-size 1 --filter fsdp/parity/sgd
+    run train-nccl-case-shape 150 "$chorus" train --model mlp --backend nccl --world-size 1 --steps 4 \
+        --dims 37,64,33,5 --batch 3 --out-dir "$results/train-nccl-case-shape"
+    # The whole suite in two parts, so a hang in FSDP cannot hide the rest.
+    run conformance-nccl-1 540 "$chorus" conformance --backend nccl --world-size 1 --filter '!fsdp'
+    run conformance-nccl-1-fsdp 540 "$chorus" conformance --backend nccl --world-size 1 --filter fsdp
     if [ "$gpus" -gt 1 ]; then
-        run "conformance-nccl-$gpus" 1800 "$chorus" conformance --backend nccl --world-size "$gpus"
+        run "conformance-nccl-$gpus" 540 "$chorus" conformance --backend nccl --world-size "$gpus" --filter '!fsdp'
+        run "conformance-nccl-$gpus-fsdp" 540 "$chorus" conformance --backend nccl --world-size "$gpus" --filter fsdp
     fi
-    grep -E '^[0-9]+ passed' "$results"/conformance-nccl-*.log 2>/dev/null | sed 's/^/# /' | tee -a "$summary"
+    grep -E '^[0-9]+ passed' "$results"/conformance-nccl-*.log "$results"/fsdp-nccl-*.log 2>/dev/null | sed 's/^/# /' \
+        | tee -a "$summary"
 fi
 
 # One init, trained on sim and on NCCL: the parameters must agree within f32 tolerance.
