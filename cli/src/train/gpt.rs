@@ -5,13 +5,14 @@
 use std::sync::Arc;
 
 use anyhow::Context;
+use chorus_fsdp_candle::checkpoint::optimizer_json;
 use chorus_train::gpt::init_params;
 use chorus_train::gpt_train::GptSpec;
 use chorus_train::text::{self, TextData};
 use serde_json::json;
 
 use super::ranks::{limit_candle_threads, run_on, writes_outputs, GptJob};
-use super::{median, optimizer_json, progress_bar, say, summarize, usage, TrainArgs};
+use super::{median, progress_bar, say, summarize, usage, TrainArgs};
 use crate::outdir::{write_file, OutDir};
 use crate::Outcome;
 

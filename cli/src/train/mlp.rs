@@ -7,13 +7,14 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use chorus_fsdp::ParamInit;
+use chorus_fsdp_candle::checkpoint::optimizer_json;
 use chorus_train::mlp::init_layers;
 use chorus_train::npy;
 use chorus_train::train::{Dataset, TrainSpec};
 use serde_json::json;
 
 use super::ranks::{run_on, writes_outputs, MlpJob};
-use super::{median, optimizer_json, progress_bar, say, summarize, usage, TrainArgs};
+use super::{median, progress_bar, say, summarize, usage, TrainArgs};
 use crate::outdir::{write_file, OutDir};
 use crate::Outcome;
 

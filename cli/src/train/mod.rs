@@ -22,9 +22,7 @@ mod ranks;
 use std::io::Write;
 
 use anyhow::Context;
-use chorus_fsdp::OptimizerKind;
 use indicatif::{ProgressBar, ProgressStyle};
-use serde_json::json;
 
 pub use args::{BenchPart, ModelArg, TrainArgs};
 pub(crate) use ranks::{progress, RankJob};
@@ -44,18 +42,6 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
 
 fn usage(msg: impl Into<String>) -> anyhow::Error {
     UsageError(msg.into()).into()
-}
-
-/// The configuration as structured JSON (for `summary.json`).
-fn optimizer_json(kind: OptimizerKind) -> serde_json::Value {
-    match kind {
-        OptimizerKind::Sgd { lr, momentum, dampening, weight_decay, nesterov } => json!({
-            "kind": "sgd", "lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay, "nesterov": nesterov,
-        }),
-        OptimizerKind::AdamW { lr, beta1, beta2, eps, weight_decay } => json!({
-            "kind": "adamw", "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
-        }),
-    }
 }
 
 fn median(values: &[f64]) -> f64 {
