@@ -27,6 +27,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 pub use args::{BenchPart, ModelArg, TrainArgs};
 pub(crate) use ranks::{progress, RankJob};
 
+use crate::backends::Backend;
 use crate::{Outcome, UsageError};
 
 /// Runs `chorus train`.
@@ -82,12 +83,16 @@ fn summarize(losses: &[f64]) -> LossSummary {
     }
 }
 
-fn progress_bar(steps: u64) -> ProgressBar {
+/// Runs `job` on `world` ranks of `backend` ([`ranks::run_on`]) behind a
+/// progress bar of its `steps` steps, cleared when the ranks are done.
+fn run_with_progress<J: RankJob>(backend: Backend, world: usize, job: J, steps: u64) -> anyhow::Result<Vec<J::Report>> {
     let bar = ProgressBar::new(steps);
     bar.set_style(
         ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg} ({elapsed})")
             .map(|s| s.progress_chars("=> "))
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    bar
+    let reports = ranks::run_on(backend, world, job, Some(bar.clone()));
+    bar.finish_and_clear();
+    reports
 }
