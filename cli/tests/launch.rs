@@ -5,20 +5,23 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{assert_all_dead, chorus, free_port, scratch, text, wait_bounded};
 
-fn launch(args: &[&str], limit: Duration) -> Output {
-    let child = chorus().arg("launch").args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    wait_bounded(child, limit)
+/// Starts `chorus launch` with `args`, its output captured.
+fn spawn_launch(args: &[&str]) -> Child {
+    chorus().arg("launch").args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
 }
 
-/// The pids the ranks wrote, once all `n` files exist (bounded).
+fn launch(args: &[&str], limit: Duration) -> Output {
+    wait_bounded(spawn_launch(args), limit)
+}
+
 /// Starts node `rank` of a two-node job on this host (node 0 hosts the store
 /// on `port`), with `nproc` ranks running `command`, its output captured.
-fn node(port: &str, rank: &str, nproc: &str, extra: &[&str], command: &[&str]) -> std::process::Child {
+fn node(port: &str, rank: &str, nproc: &str, extra: &[&str], command: &[&str]) -> Child {
     chorus()
         .args(["launch", "--nproc-per-node", nproc, "--nnodes", "2", "--node-rank", rank, "--master-port", port])
         .args(["--timeout", "20"])
@@ -31,6 +34,7 @@ fn node(port: &str, rank: &str, nproc: &str, extra: &[&str], command: &[&str]) -
         .unwrap()
 }
 
+/// The pids the ranks wrote, once all `n` files exist (bounded).
 fn pids(dir: &Path, n: usize) -> Vec<u32> {
     let start = Instant::now();
     loop {
@@ -74,12 +78,7 @@ fn a_rank_exiting_non_zero_stops_the_others_and_is_named() {
         dir.display()
     );
     let start = Instant::now();
-    let child = chorus()
-        .args(["launch", "--nproc-per-node", "3", "--grace", "2", "--", "sh", "-c", &script])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = spawn_launch(&["--nproc-per-node", "3", "--grace", "2", "--", "sh", "-c", &script]);
     let out = wait_bounded(child, Duration::from_secs(30));
     assert_eq!(out.status.code(), Some(1));
     assert!(start.elapsed() < Duration::from_secs(15));
@@ -107,12 +106,7 @@ fn sigterm_to_the_launcher_stops_every_rank() {
     let dir = scratch("sigterm");
     // The ranks ignore SIGTERM, so the launcher must escalate to SIGKILL.
     let script = format!("trap '' TERM; echo $$ > {}/pid.$RANK; while true; do sleep 0.05; done", dir.display());
-    let child = chorus()
-        .args(["launch", "--nproc-per-node", "2", "--grace", "0.5", "--", "sh", "-c", &script])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = spawn_launch(&["--nproc-per-node", "2", "--grace", "0.5", "--", "sh", "-c", &script]);
     let pids = pids(&dir, 2);
     // SAFETY: kill(2) on the launcher's pid.
     unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
@@ -127,12 +121,7 @@ fn sigterm_to_the_launcher_stops_every_rank() {
 fn a_killed_launcher_takes_its_ranks_with_it() {
     let dir = scratch("sigkill");
     let script = format!("echo $$ > {}/pid.$RANK; exec sleep 60", dir.display());
-    let mut child = chorus()
-        .args(["launch", "--nproc-per-node", "2", "--", "sh", "-c", &script])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_launch(&["--nproc-per-node", "2", "--", "sh", "-c", &script]);
     let pids = pids(&dir, 2);
     child.kill().unwrap();
     child.wait().unwrap();

@@ -5,7 +5,7 @@
 //! checkpoints and resumes.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 fn chorus() -> Command {
@@ -33,26 +33,28 @@ fn no_panic(o: &Output) {
     assert!(o.status.code().is_some(), "killed by a signal: {e}");
 }
 
-/// A small transformer run (seconds in a debug build).
-const SMALL_GPT: &[&str] = &[
-    "train",
-    "--model",
-    "gpt",
-    "--world-size",
-    "2",
-    "--batch",
-    "4",
-    "--d-model",
-    "32",
-    "--layers",
-    "1",
-    "--seq-len",
-    "16",
-];
+/// A small transformer (seconds in a debug build): its checkpoints resume
+/// only into a model of these sizes.
+const SMALL_GPT_MODEL: &[&str] = &["train", "--model", "gpt", "--d-model", "32", "--layers", "1", "--seq-len", "16"];
+
+/// The arguments of a run of the small transformer on 2 ranks of 4
+/// sequences, then `extra`.
+fn small_gpt<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    [SMALL_GPT_MODEL, &["--world-size", "2", "--batch", "4"], extra].concat()
+}
 
 fn gpt(extra: &[&str]) -> Output {
-    let args: Vec<&str> = SMALL_GPT.iter().chain(extra).copied().collect();
-    run(&args)
+    run(&small_gpt(extra))
+}
+
+/// Starts chorus with `args` in the background, its output discarded.
+fn spawn_quiet(args: &[&str]) -> Child {
+    chorus().args(args).stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("start chorus")
+}
+
+/// A small transformer run into `out` that lasts until it is killed.
+fn spawn_endless_gpt(out: &Path) -> Child {
+    spawn_quiet(&small_gpt(&["--steps", "100000", "--out-dir", out.to_str().unwrap()]))
 }
 
 fn summary(dir: &Path) -> serde_json::Value {
@@ -116,28 +118,11 @@ fn the_transformer_learns_plots_checkpoints_and_resumes() {
     // Resume from step 20 to 40 at another world size: the losses continue.
     let resumed = root.join("resumed");
     let o = run(&[
-        "train",
-        "--model",
-        "gpt",
-        "--world-size",
-        "4",
-        "--batch",
-        "2",
-        "--d-model",
-        "32",
-        "--layers",
-        "1",
-        "--seq-len",
-        "16",
-        "--steps",
-        "40",
-        "--lr",
-        "1e-2",
-        "--resume",
-        ckpt.join("step-00000020").to_str().unwrap(),
-        "--out-dir",
-        resumed.to_str().unwrap(),
-    ]);
+        SMALL_GPT_MODEL,
+        &["--world-size", "4", "--batch", "2", "--steps", "40", "--lr", "1e-2"],
+        &["--resume", ckpt.join("step-00000020").to_str().unwrap(), "--out-dir", resumed.to_str().unwrap()],
+    ]
+    .concat());
     no_panic(&o);
     assert!(o.status.success(), "{}", stderr(&o));
     let r: Vec<f64> = serde_json::from_value(summary(&resumed)["losses"].clone()).unwrap();
@@ -176,9 +161,8 @@ fn bad_arguments_exit_2_before_anything_is_written() {
     let root = scratch("usage");
     let out = root.join("out");
     let o = out.to_str().unwrap();
-    let mlp = |extra: &[&str]| -> Vec<String> {
-        ["train", "--model", "mlp", "--out-dir", o].iter().chain(extra).map(|s| s.to_string()).collect()
-    };
+    let mlp = |extra: &[&str]| train_args("mlp", o, extra);
+    let gpt_args = |extra: &[&str]| train_args("gpt", o, extra);
     let cases: Vec<(Vec<String>, &str)> = vec![
         (mlp(&["--layers", "18446744073709551615", "--width", "4"]), "--layers"),
         (mlp(&["--world-size", "18446744073709551615"]), "--world-size"),
@@ -197,49 +181,34 @@ fn bad_arguments_exit_2_before_anything_is_written() {
         (mlp(&["--world-size", "4", "--reshard-after-forward", "3"]), "--reshard-after-forward 3"),
         (mlp(&["--world-size", "4", "--hsdp", "3"]), "--hsdp"),
         (mlp(&["--save-every", "5"]), "--model gpt"),
-        (["train", "--bench", "--world-size", "2"].iter().map(|s| s.to_string()).collect(), "--bench"),
-        (["train", "--bench", "--out-dir", o].iter().map(|s| s.to_string()).collect(), "--bench"),
-        (["train", "--model", "gpt", "--heads", "5", "--out-dir", o].iter().map(|s| s.to_string()).collect(), "heads"),
-        (
-            ["train", "--model", "gpt", "--d-model", "0", "--out-dir", o].iter().map(|s| s.to_string()).collect(),
-            "positive",
-        ),
-        (
-            ["train", "--model", "gpt", "--dims", "4,4", "--out-dir", o].iter().map(|s| s.to_string()).collect(),
-            "--model mlp",
-        ),
-        (
-            ["train", "--model", "gpt", "--micro-batches", "3", "--out-dir", o].iter().map(|s| s.to_string()).collect(),
-            "--micro-batches",
-        ),
+        (strings(&["train", "--bench", "--world-size", "2"]), "--bench"),
+        (strings(&["train", "--bench", "--out-dir", o]), "--bench"),
+        (gpt_args(&["--heads", "5"]), "heads"),
+        (gpt_args(&["--d-model", "0"]), "positive"),
+        (gpt_args(&["--dims", "4,4"]), "--model mlp"),
+        (gpt_args(&["--micro-batches", "3"]), "--micro-batches"),
         (mlp(&["--dims", "18446744073709551615,18446744073709551615,18446744073709551615"]), "memory"),
         (mlp(&["--bench", "--init-dir", o]), "--bench does not use --init-dir"),
-        (gpt_args(o, &["--steps", "0"]), "--steps"),
-        (gpt_args(o, &["--world-size", "4", "--reshard-after-forward", "3"]), "--reshard-after-forward 3"),
-        (
-            gpt_args(o, &["--world-size", "4", "--hsdp", "2", "--reshard-after-forward", "4"]),
-            "--reshard-after-forward 4",
-        ),
-        (gpt_args(o, &["--lr", "nan"]), "--lr"),
-        (gpt_args(o, &["--lr", "inf"]), "--lr"),
-        (gpt_args(o, &["--max-grad-norm", "-1"]), "--max-grad-norm"),
-        (gpt_args(o, &["--max-grad-norm", "nan"]), "--max-grad-norm"),
-        (gpt_args(o, &["--layers", "18446744073709551615"]), "memory"),
-        (gpt_args(o, &["--d-model", "18446744073709551612"]), "memory"),
-        (gpt_args(o, &["--seq-len", "18446744073709551615"]), "memory"),
-        (gpt_args(o, &["--steps", "10000000000"]), "memory"),
-        (gpt_args(o, &["--batch", "100000000"]), "memory"),
-        (gpt_args(o, &["--world-size", "18446744073709551615"]), "--world-size"),
-        (gpt_args(o, &["--save-every", "0"]), "--save-every"),
-        (gpt_args(o, &["--init-dir", o]), "--model mlp"),
-        (["train", "--bench", "--model", "gpt", "--out-dir", o].iter().map(|s| s.to_string()).collect(), "--bench"),
-        (["train", "--bench", "--model", "gpt", "--resume", o].iter().map(|s| s.to_string()).collect(), "--bench"),
-        (
-            ["train", "--bench", "--model", "gpt", "--param-dtype", "bf16"].iter().map(|s| s.to_string()).collect(),
-            "--bench",
-        ),
-        (["bench", "--max-bytes", "1T"].iter().map(|s| s.to_string()).collect(), "memory"),
-        (["bench", "--max-bytes", "18446744073709551615"].iter().map(|s| s.to_string()).collect(), "memory"),
+        (gpt_args(&["--steps", "0"]), "--steps"),
+        (gpt_args(&["--world-size", "4", "--reshard-after-forward", "3"]), "--reshard-after-forward 3"),
+        (gpt_args(&["--world-size", "4", "--hsdp", "2", "--reshard-after-forward", "4"]), "--reshard-after-forward 4"),
+        (gpt_args(&["--lr", "nan"]), "--lr"),
+        (gpt_args(&["--lr", "inf"]), "--lr"),
+        (gpt_args(&["--max-grad-norm", "-1"]), "--max-grad-norm"),
+        (gpt_args(&["--max-grad-norm", "nan"]), "--max-grad-norm"),
+        (gpt_args(&["--layers", "18446744073709551615"]), "memory"),
+        (gpt_args(&["--d-model", "18446744073709551612"]), "memory"),
+        (gpt_args(&["--seq-len", "18446744073709551615"]), "memory"),
+        (gpt_args(&["--steps", "10000000000"]), "memory"),
+        (gpt_args(&["--batch", "100000000"]), "memory"),
+        (gpt_args(&["--world-size", "18446744073709551615"]), "--world-size"),
+        (gpt_args(&["--save-every", "0"]), "--save-every"),
+        (gpt_args(&["--init-dir", o]), "--model mlp"),
+        (strings(&["train", "--bench", "--model", "gpt", "--out-dir", o]), "--bench"),
+        (strings(&["train", "--bench", "--model", "gpt", "--resume", o]), "--bench"),
+        (strings(&["train", "--bench", "--model", "gpt", "--param-dtype", "bf16"]), "--bench"),
+        (strings(&["bench", "--max-bytes", "1T"]), "memory"),
+        (strings(&["bench", "--max-bytes", "18446744073709551615"]), "memory"),
     ];
     for (args, why) in cases {
         let started = Instant::now();
@@ -254,8 +223,14 @@ fn bad_arguments_exit_2_before_anything_is_written() {
     std::fs::remove_dir_all(&root).ok();
 }
 
-fn gpt_args(out: &str, extra: &[&str]) -> Vec<String> {
-    ["train", "--model", "gpt", "--out-dir", out].iter().chain(extra).map(|s| s.to_string()).collect()
+/// `args` as owned strings, so that one table holds fixed and built argument lists.
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
+}
+
+/// `chorus train --model <model> --out-dir <out>`, then `extra`.
+fn train_args(model: &str, out: &str, extra: &[&str]) -> Vec<String> {
+    strings(&[&["train", "--model", model, "--out-dir", out][..], extra].concat())
 }
 
 fn write_npy(path: &Path, shape: &[usize], values: &[f32]) {
@@ -381,13 +356,7 @@ fn init_dirs_with_leftover_or_malformed_files_are_refused() {
 fn a_second_run_into_a_live_out_dir_is_refused() {
     let root = scratch("lock");
     let out = root.join("out");
-    let mut first = chorus()
-        .args(SMALL_GPT)
-        .args(["--steps", "100000", "--out-dir", out.to_str().unwrap()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut first = spawn_endless_gpt(&out);
     let lock = root.join(".out.lock");
     let deadline = Instant::now() + Duration::from_secs(60);
     while !lock.exists() && Instant::now() < deadline {
@@ -430,8 +399,7 @@ fn stdout_errors_are_handled() {
     if Path::new("/dev/full").exists() {
         let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
         let o = chorus()
-            .args(SMALL_GPT)
-            .args(["--steps", "2", "--out-dir", root.join("out").to_str().unwrap()])
+            .args(small_gpt(&["--steps", "2", "--out-dir", root.join("out").to_str().unwrap()]))
             .stdout(full)
             .output()
             .unwrap();
@@ -493,16 +461,15 @@ const KILLED_RUN: [&str; 13] = [
 #[test]
 fn a_save_killed_midway_leaves_the_previous_checkpoint_intact() {
     let root = scratch("kill");
-    let ckpt = root.join("ckpt");
+    let (ckpt, out) = (root.join("ckpt"), root.join("out"));
+    let saving_every_step = [
+        &KILLED_RUN[..],
+        &["--steps", "100000", "--save-every", "1", "--checkpoint-dir", ckpt.to_str().unwrap()],
+        &["--out-dir", out.to_str().unwrap()],
+    ]
+    .concat();
     for attempt in 0..3 {
-        let mut child = chorus()
-            .args(KILLED_RUN)
-            .args(["--steps", "100000", "--save-every", "1", "--checkpoint-dir", ckpt.to_str().unwrap()])
-            .args(["--out-dir", root.join("out").to_str().unwrap()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
+        let mut child = spawn_quiet(&saving_every_step);
         let deadline = Instant::now() + Duration::from_secs(120);
         let mut caught = false;
         while Instant::now() < deadline {
@@ -549,13 +516,7 @@ fn interrupted_runs_and_failed_writes_leave_the_out_dir_as_it_was() {
     assert!(o.status.success(), "{}", stderr(&o));
     let before = listing(&out);
 
-    let mut child = chorus()
-        .args(SMALL_GPT)
-        .args(["--steps", "100000", "--out-dir", out.to_str().unwrap()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_endless_gpt(&out);
     let staging = root.join(format!(".out.partial-{}", child.id()));
     let deadline = Instant::now() + Duration::from_secs(60);
     while !staging.exists() && Instant::now() < deadline {
@@ -569,7 +530,7 @@ fn interrupted_runs_and_failed_writes_leave_the_out_dir_as_it_was() {
     assert_eq!(listing(&out), before, "Ctrl-C changed the out-dir");
 
     let mut limited = chorus();
-    limited.args(SMALL_GPT).args(["--steps", "2", "--out-dir", out.to_str().unwrap()]);
+    limited.args(small_gpt(&["--steps", "2", "--out-dir", out.to_str().unwrap()]));
     // SAFETY: only async-signal-safe calls between fork and exec.
     unsafe {
         limited.pre_exec(|| {

@@ -287,6 +287,15 @@ impl<C: CommBackend> Fsdp<C> {
         self.groups.get_mut(g).ok_or_else(|| FsdpError::InvalidArgument(format!("no group {g}")))
     }
 
+    /// Group `g`, which `event` (a hook) requires to be in `state`.
+    fn group_in(&self, g: usize, state: TrainingState, event: &'static str) -> Result<&Group<C>> {
+        let grp = self.group(g)?;
+        if grp.training != state {
+            return Err(grp.state_error(event));
+        }
+        Ok(grp)
+    }
+
     /// The stream the model computes on.
     pub fn compute_stream(&self) -> &Strm<C> {
         &self.ctx.streams.compute
@@ -438,10 +447,7 @@ impl<C: CommBackend> Fsdp<C> {
     /// was issued) and prefetches the explicit forward targets.
     pub fn pre_forward(&mut self, g: usize) -> Result<()> {
         let t0 = Instant::now();
-        let grp = self.group(g)?;
-        if grp.training != TrainingState::Idle {
-            return Err(grp.state_error("pre_forward"));
-        }
+        self.group_in(g, TrainingState::Idle, "pre_forward")?;
         self.root_pre_forward()?;
         self.groups[g].pre_forward(&mut self.ctx)?;
         for t in self.groups[g].forward_prefetch.clone() {
@@ -455,10 +461,7 @@ impl<C: CommBackend> Fsdp<C> {
     /// post-forward order used for backward prefetch.
     pub fn post_forward(&mut self, g: usize) -> Result<()> {
         let t0 = Instant::now();
-        let grp = self.group(g)?;
-        if grp.training != TrainingState::Forward {
-            return Err(grp.state_error("post_forward"));
-        }
+        self.group_in(g, TrainingState::Forward, "post_forward")?;
         let index = self.post_forward_order.len();
         self.groups[g].post_forward(&self.ctx, index)?;
         self.post_forward_order.push(g);
@@ -490,10 +493,7 @@ impl<C: CommBackend> Fsdp<C> {
     /// reduce-scatters its gradients (or accumulates them when gradient sync is off).
     pub fn post_backward(&mut self, g: usize) -> Result<()> {
         let t0 = Instant::now();
-        let grp = self.group(g)?;
-        if grp.training != TrainingState::PreBackward {
-            return Err(grp.state_error("post_backward"));
-        }
+        let grp = self.group_in(g, TrainingState::PreBackward, "post_backward")?;
         let plan = ReducePlan::new(&self.ctx.dp, grp.mp.reduce(), self.config.force_sum, self.config.divide_factor);
         self.groups[g].post_backward(&mut self.ctx, plan)?;
         self.note_overhead(Hook::PostBackward, t0);

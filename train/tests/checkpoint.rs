@@ -3,18 +3,20 @@
 //! uninterrupted run; consolidate and load into plain candle and Python;
 //! every damaged checkpoint is a typed error naming the file and tensor.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use chorus_collectives::sim::{SimConfig, SimWorld};
 use chorus_fsdp::OptimizerKind;
 use chorus_fsdp_candle::checkpoint::{consolidate, read_training_state};
 use chorus_fsdp_candle::{CheckpointError, Error};
 use chorus_train::gpt::{init_params, Gpt, GptConfig};
 use chorus_train::gpt_train::{train_gpt, GptReport, GptSpec};
 use chorus_train::text::{encode, generate, vocab_size, TextData};
+use common::on_sim_ranks;
 
 fn config() -> GptConfig {
     GptConfig { vocab: vocab_size(), d_model: 16, layers: 2, heads: 2, d_ff: 24, seq_len: 10 }
@@ -31,11 +33,7 @@ fn spec(batch: usize, steps: u64) -> GptSpec {
 
 fn run(ranks: usize, spec: GptSpec) -> Vec<Result<GptReport, Error>> {
     let spec = Arc::new(spec);
-    SimWorld::run(ranks, SimConfig::default(), move |comm| train_gpt(Arc::new(comm), &spec, &mut |_, _| {}))
-        .expect("sim world")
-        .into_iter()
-        .map(|r| r.expect("rank finished"))
-        .collect()
+    on_sim_ranks(ranks, move |comm| train_gpt(comm, &spec, &mut |_, _| {}))
 }
 
 fn run_ok(ranks: usize, spec: GptSpec) -> GptReport {

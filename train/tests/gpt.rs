@@ -6,16 +6,18 @@
 //! against the same plain candle run, and mixed precision against a bf16
 //! data-parallel reference written directly in candle.
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
-use chorus_collectives::sim::{SimConfig, SimWorld};
 use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, MixedPrecision, OptimizerKind, Reshard};
 use chorus_train::gpt::{init_params, loss, Gpt, GptConfig, ShardedGpt};
 use chorus_train::gpt_train::{train_gpt, train_plain, GptReport, GptSpec};
 use chorus_train::text::{encode, generate, vocab_size, TextData};
+use common::on_sim_ranks;
 
 fn config() -> GptConfig {
     GptConfig { vocab: vocab_size(), d_model: 16, layers: 2, heads: 2, d_ff: 32, seq_len: 12 }
@@ -29,11 +31,10 @@ fn spec(batch: usize, steps: u64, optimizer: OptimizerKind) -> GptSpec {
 
 fn run(ranks: usize, spec: GptSpec) -> Vec<GptReport> {
     let spec = Arc::new(spec);
-    SimWorld::run(ranks, SimConfig::default(), move |comm| train_gpt(Arc::new(comm), &spec, &mut |_, _| {}))
-        .expect("sim world")
+    on_sim_ranks(ranks, move |comm| train_gpt(comm, &spec, &mut |_, _| {}))
         .into_iter()
         .enumerate()
-        .map(|(r, res)| res.expect("rank finished").unwrap_or_else(|e| panic!("rank {r}: {e}")))
+        .map(|(r, res)| res.unwrap_or_else(|e| panic!("rank {r}: {e}")))
         .collect()
 }
 
@@ -258,7 +259,7 @@ fn mixed_precision_through_the_adapter_matches_a_bf16_reference() {
 /// logits), differentiably, as FSDP2's root casts its outputs.
 #[test]
 fn the_output_dtype_casts_the_logits() {
-    let reports = SimWorld::run(1, SimConfig::default(), |comm| {
+    let dtypes = on_sim_ranks(1, |comm| {
         let cfg = config();
         let fsdp_config = FsdpConfig {
             mixed_precision: MixedPrecision {
@@ -268,13 +269,12 @@ fn the_output_dtype_casts_the_logits() {
             },
             ..FsdpConfig::default()
         };
-        let fsdp = Fsdp::new(DataParallel::fsdp(Arc::new(comm)), fsdp_config).unwrap();
+        let fsdp = Fsdp::new(DataParallel::fsdp(comm), fsdp_config).unwrap();
         let gpt = ShardedGpt::new(fsdp, cfg, init_params(&cfg, 3).unwrap(), true).unwrap();
         let ids = Tensor::from_vec(encode("the cat sees"), (1, 12), &Device::Cpu).unwrap();
         let logits = gpt.forward(&ids).unwrap();
         gpt.model.finish_without_backward().unwrap();
         logits.dtype()
-    })
-    .unwrap();
-    assert_eq!(reports[0].as_ref().unwrap(), &DType::F32);
+    });
+    assert_eq!(dtypes[0], DType::F32);
 }

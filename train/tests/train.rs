@@ -1,11 +1,13 @@
 //! The training loop on simulated ranks: what `chorus train` relies on.
 
+mod common;
+
 use std::sync::Arc;
 
-use chorus_collectives::sim::{SimConfig, SimWorld};
 use chorus_fsdp::{FsdpConfig, FsdpError, OptimizerKind};
 use chorus_train::mlp::init_layers;
 use chorus_train::train::{train, Dataset, RankReport, TrainSpec};
+use common::on_sim_ranks;
 
 fn spec(dims: &[usize], ranks: usize, replicate: Option<usize>) -> TrainSpec {
     TrainSpec {
@@ -23,11 +25,7 @@ fn spec(dims: &[usize], ranks: usize, replicate: Option<usize>) -> TrainSpec {
 
 fn run(ranks: usize, spec: TrainSpec) -> Vec<Result<RankReport, FsdpError>> {
     let spec = Arc::new(spec);
-    SimWorld::run(ranks, SimConfig::default(), move |comm| train(Arc::new(comm), &spec, &mut |_, _| {}))
-        .expect("sim world")
-        .into_iter()
-        .map(|r| r.expect("rank finished"))
-        .collect()
+    on_sim_ranks(ranks, move |comm| train(comm, &spec, &mut |_, _| {}))
 }
 
 #[test]

@@ -5,13 +5,14 @@
 use std::sync::Arc;
 
 use anyhow::Context;
+use chorus_fsdp_candle::checkpoint::optimizer_json;
 use chorus_train::gpt::init_params;
 use chorus_train::gpt_train::GptSpec;
 use chorus_train::text::{self, TextData};
 use serde_json::json;
 
-use super::ranks::{limit_candle_threads, run_on, writes_outputs, GptJob};
-use super::{median, optimizer_json, progress_bar, say, summarize, usage, TrainArgs};
+use super::ranks::{limit_candle_threads, writes_outputs, GptJob};
+use super::{median, run_with_progress, say, summarize, usage, TrainArgs};
 use crate::outdir::{write_file, OutDir};
 use crate::Outcome;
 
@@ -42,10 +43,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         }
     }
     let out = if writes_outputs(args.backend) { Some(OutDir::acquire(&args.out_dir())?) } else { None };
-    let bar = progress_bar(steps);
-    let reports = run_on(args.backend, world, GptJob(spec.clone()), Some(bar.clone()));
-    bar.finish_and_clear();
-    let reports = reports?;
+    let reports = run_with_progress(args.backend, world, GptJob(spec.clone()), steps)?;
     let Some(out) = out.filter(|_| !reports.is_empty()) else { return Ok(Outcome::Passed) };
     let first = reports.first().context("no ranks")?;
     let all_losses: Vec<f64> = first.earlier_losses.iter().chain(&first.losses).copied().collect();

@@ -3,10 +3,11 @@
 
 use anyhow::Context;
 use chorus_fsdp::OptimizerKind;
+use chorus_fsdp_candle::checkpoint::optimizer_json;
 use serde_json::json;
 
 use super::ranks::{candle_threads, run_sim, GptJob};
-use super::{median, optimizer_json, say, usage, BenchPart, TrainArgs};
+use super::{median, say, usage, BenchPart, TrainArgs};
 use crate::Outcome;
 
 /// `chorus train --bench --model gpt`: the transformer through the candle

@@ -7,13 +7,14 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use chorus_fsdp::ParamInit;
+use chorus_fsdp_candle::checkpoint::optimizer_json;
 use chorus_train::mlp::init_layers;
 use chorus_train::npy;
 use chorus_train::train::{Dataset, TrainSpec};
 use serde_json::json;
 
 use super::ranks::{run_on, writes_outputs, MlpJob};
-use super::{median, optimizer_json, progress_bar, say, summarize, usage, TrainArgs};
+use super::{median, run_with_progress, say, summarize, usage, TrainArgs};
 use crate::outdir::{write_file, OutDir};
 use crate::Outcome;
 
@@ -101,10 +102,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         max_grad_norm: args.max_grad_norm,
         stop_on_nonfinite: !args.allow_nonfinite,
     };
-    let bar = progress_bar(steps);
-    let reports = run_on(args.backend, world, MlpJob(spec.clone()), Some(bar.clone()));
-    bar.finish_and_clear();
-    let reports = reports?;
+    let reports = run_with_progress(args.backend, world, MlpJob(spec.clone()), steps)?;
     let Some(out) = out.filter(|_| !reports.is_empty()) else { return Ok(Outcome::Passed) };
     let first = reports.first().context("no ranks")?;
     for (name, values) in &first.params {

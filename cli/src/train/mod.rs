@@ -22,13 +22,12 @@ mod ranks;
 use std::io::Write;
 
 use anyhow::Context;
-use chorus_fsdp::OptimizerKind;
 use indicatif::{ProgressBar, ProgressStyle};
-use serde_json::json;
 
 pub use args::{BenchPart, ModelArg, TrainArgs};
 pub(crate) use ranks::{progress, RankJob};
 
+use crate::backends::Backend;
 use crate::{Outcome, UsageError};
 
 /// Runs `chorus train`.
@@ -44,18 +43,6 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
 
 fn usage(msg: impl Into<String>) -> anyhow::Error {
     UsageError(msg.into()).into()
-}
-
-/// The configuration as structured JSON (for `summary.json`).
-fn optimizer_json(kind: OptimizerKind) -> serde_json::Value {
-    match kind {
-        OptimizerKind::Sgd { lr, momentum, dampening, weight_decay, nesterov } => json!({
-            "kind": "sgd", "lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay, "nesterov": nesterov,
-        }),
-        OptimizerKind::AdamW { lr, beta1, beta2, eps, weight_decay } => json!({
-            "kind": "adamw", "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
-        }),
-    }
 }
 
 fn median(values: &[f64]) -> f64 {
@@ -96,12 +83,16 @@ fn summarize(losses: &[f64]) -> LossSummary {
     }
 }
 
-fn progress_bar(steps: u64) -> ProgressBar {
+/// Runs `job` on `world` ranks of `backend` ([`ranks::run_on`]) behind a
+/// progress bar of its `steps` steps, cleared when the ranks are done.
+fn run_with_progress<J: RankJob>(backend: Backend, world: usize, job: J, steps: u64) -> anyhow::Result<Vec<J::Report>> {
     let bar = ProgressBar::new(steps);
     bar.set_style(
         ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg} ({elapsed})")
             .map(|s| s.progress_chars("=> "))
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    bar
+    let reports = ranks::run_on(backend, world, job, Some(bar.clone()));
+    bar.finish_and_clear();
+    reports
 }

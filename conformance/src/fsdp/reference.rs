@@ -49,6 +49,29 @@ fn round_bf16(v: f64) -> f64 {
     bf16::from_f64(v).to_f64()
 }
 
+/// The `m × n` row-major product of `a` (`m × inner`) and `b` (`inner × n`),
+/// read through index functions so that one loop serves every transpose the
+/// backward pass needs; each element summed in `inner` order.
+fn matmul(
+    m: usize,
+    n: usize,
+    inner: usize,
+    a: impl Fn(usize, usize) -> f64,
+    b: impl Fn(usize, usize) -> f64,
+) -> Vec<f64> {
+    let mut out = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let mut acc = 0.0;
+            for t in 0..inner {
+                acc += a(i, t) * b(t, j);
+            }
+            out[i * n + j] = acc;
+        }
+    }
+    out
+}
+
 impl RefMlp {
     /// The model with the named initial parameters.
     pub fn new(dims: &[usize], params: &[(String, Vec<f32>)]) -> Self {
@@ -85,17 +108,11 @@ impl RefMlp {
         for l in 0..n_layers {
             let (din, dout) = (self.dims[l], self.dims[l + 1]);
             let h = &acts[l];
-            let mut z = vec![0.0; rows * dout];
-            for i in 0..rows {
-                for o in 0..dout {
-                    let mut acc = 0.0;
-                    for k in 0..din {
-                        acc += h[i * din + k] * w[l][o * din + k];
-                    }
-                    // f32 accumulation, then the bias, then one rounding.
-                    let v = rf32(rf32(acc) + b[l][o]);
-                    z[i * dout + o] = r(v);
-                }
+            // z = h · wᵀ
+            let mut z = matmul(rows, dout, din, |i, k| h[i * din + k], |k, o| w[l][o * din + k]);
+            for (idx, v) in z.iter_mut().enumerate() {
+                // f32 accumulation, then the bias, then one rounding.
+                *v = r(rf32(rf32(*v) + b[l][idx % dout]));
             }
             if l + 1 < n_layers {
                 z.iter_mut().for_each(|v| *v = v.max(0.0));
@@ -119,27 +136,13 @@ impl RefMlp {
                 }
             }
             let h = &acts[l];
-            let mut w_grad = vec![0.0; dout * din];
-            for o in 0..dout {
-                for k in 0..din {
-                    let mut acc = 0.0;
-                    for i in 0..rows {
-                        acc += grad[i * dout + o] * h[i * din + k];
-                    }
-                    w_grad[o * din + k] = r(rf32(acc));
-                }
-            }
+            // w_grad = gradᵀ · h
+            let mut w_grad = matmul(dout, din, rows, |o, i| grad[i * dout + o], |i, k| h[i * din + k]);
+            w_grad.iter_mut().for_each(|v| *v = r(rf32(*v)));
             let b_grad: Vec<f64> = (0..dout).map(|o| r(rf32((0..rows).map(|i| grad[i * dout + o]).sum()))).collect();
-            let mut next = vec![0.0; rows * din];
-            for i in 0..rows {
-                for k in 0..din {
-                    let mut acc = 0.0;
-                    for o in 0..dout {
-                        acc += grad[i * dout + o] * w[l][o * din + k];
-                    }
-                    next[i * din + k] = r(rf32(acc));
-                }
-            }
+            // next = grad · w
+            let mut next = matmul(rows, din, dout, |i, o| grad[i * dout + o], |o, k| w[l][o * din + k]);
+            next.iter_mut().for_each(|v| *v = r(rf32(*v)));
             gw[l] = w_grad;
             gb[l] = b_grad;
             grad = next;

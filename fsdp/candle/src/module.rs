@@ -57,6 +57,7 @@ pub struct AdapterTimes {
     pub stage_calls: usize,
 }
 
+#[derive(Default)]
 struct GroupInfo {
     stages: usize,
     forward_runs: usize,
@@ -268,8 +269,7 @@ where
 {
     /// Wraps `fsdp` (with no groups yet, or groups the model adds stages to).
     pub fn new(fsdp: Fsdp<C>) -> Result<Self> {
-        let groups =
-            (0..fsdp.num_groups()).map(|_| GroupInfo { stages: 0, forward_runs: 0, backward_pending: 0 }).collect();
+        let groups = (0..fsdp.num_groups()).map(|_| GroupInfo::default()).collect();
         let anchor = Var::zeros(1, candle_core::DType::F32, &CandleDevice::Cpu)?;
         Ok(FsdpModel {
             shared: Arc::new(Mutex::new(Shared { fsdp, groups, parked: None, times: AdapterTimes::default() })),
@@ -288,19 +288,25 @@ where
     /// same) under FSDP as one group (FSDP2's `fully_shard` on a module).
     /// `root` groups do not reshard after forward, as FSDP2's root.
     pub fn add_group(&mut self, name: &str, params: Vec<(String, Tensor)>, root: bool) -> Result<GroupId> {
-        let inits = to_inits(params)?;
-        let mut shared = self.lock()?;
-        let g = shared.fsdp.add_group(name, inits, root)?;
-        shared.groups.push(GroupInfo { stages: 0, forward_runs: 0, backward_pending: 0 });
-        Ok(GroupId(g))
+        self.push_group(params, |fsdp, inits| fsdp.add_group(name, inits, root))
     }
 
     /// Like [`FsdpModel::add_group`] with this group's own reshard-after-forward.
     pub fn add_group_with(&mut self, name: &str, params: Vec<(String, Tensor)>, reshard: Reshard) -> Result<GroupId> {
+        self.push_group(params, |fsdp, inits| fsdp.add_group_with(name, inits, reshard))
+    }
+
+    /// Adds a group of `params` to FSDP through `add` (one of [`Fsdp`]'s
+    /// group constructors), and the adapter's record of its stages.
+    fn push_group(
+        &mut self,
+        params: Vec<(String, Tensor)>,
+        add: impl FnOnce(&mut Fsdp<C>, Vec<ParamInit>) -> chorus_fsdp::Result<usize>,
+    ) -> Result<GroupId> {
         let inits = to_inits(params)?;
         let mut shared = self.lock()?;
-        let g = shared.fsdp.add_group_with(name, inits, reshard)?;
-        shared.groups.push(GroupInfo { stages: 0, forward_runs: 0, backward_pending: 0 });
+        let g = add(&mut shared.fsdp, inits)?;
+        shared.groups.push(GroupInfo::default());
         Ok(GroupId(g))
     }
 

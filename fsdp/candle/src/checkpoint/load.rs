@@ -1,0 +1,220 @@
+//! Loading: every rank computes the box its shard covers at the current
+//! world size and mesh and copies into it the parts of the saved boxes that
+//! intersect it; consolidating: the same copy into whole tensors.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use chorus_collectives::CommBackend;
+use chorus_devices::ComputeBackend;
+use chorus_fsdp::{Fsdp, ShardedOptimizer};
+use safetensors::tensor::Dtype;
+
+use super::files::{
+    consolidated_file, f32_bytes, fresh_dir, moment_names, safetensors_bytes, state_key, sync_dir, write_index,
+    write_synced, Opened, SavedBox, TensorEntry, INDEX, MANIFEST, TRAINING_STATE,
+};
+use super::geometry::{copy_box, padded_strides, strides, Region};
+use super::{optimizer_json, TrainingState};
+use crate::{CheckpointError, Error, Result};
+
+/// Fills `dst` (box `want` of `name`, a tensor of `full_shape`, with
+/// strides `dst_strides`) from the saved boxes of `name`, checking that they
+/// fit the tensor and cover all of `want`.
+fn read_into(
+    ck: &mut Opened,
+    boxes: &HashMap<String, Vec<SavedBox>>,
+    name: &str,
+    full_shape: &[usize],
+    want: &Region,
+    dst_strides: &[usize],
+    dst: &mut [f32],
+) -> Result<(), CheckpointError> {
+    let saved = boxes
+        .get(name)
+        .ok_or_else(|| CheckpointError::MissingTensor { path: ck.dir.join(INDEX), tensor: name.to_string() })?;
+    let mut covered = 0;
+    for b in saved {
+        let path = ck.dir.join(&b.file);
+        if b.dtype != Dtype::F32 {
+            return Err(CheckpointError::Mismatch {
+                path,
+                tensor: name.into(),
+                message: format!("dtype {:?}, expected F32", b.dtype),
+            });
+        }
+        let fits = b.region.offsets.len() == full_shape.len()
+            && (0..full_shape.len()).all(|d| b.region.offsets[d] + b.region.shape[d] <= full_shape[d]);
+        if !fits {
+            return Err(CheckpointError::Mismatch {
+                path,
+                tensor: name.into(),
+                message: format!(
+                    "a box of shape {:?} at {:?} does not fit the model's shape {full_shape:?}",
+                    b.region.shape, b.region.offsets
+                ),
+            });
+        }
+        let Some(part) = b.region.intersect(want) else { continue };
+        let map = ck.map(&b.file)?;
+        let bytes = map
+            .get(b.data_start..b.data_end)
+            .ok_or_else(|| CheckpointError::format(&path, format!("tensor `{name}`: data past the end")))?;
+        let src: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        covered += copy_box(&part, &b.region, &src, want, dst_strides, dst);
+    }
+    if covered != want.numel() {
+        return Err(CheckpointError::Coverage {
+            path: ck.dir.clone(),
+            tensor: name.into(),
+            covered,
+            needed: want.numel(),
+        });
+    }
+    Ok(())
+}
+
+/// Loads a checkpoint (`dir`: a `step-*` directory or a root with `latest`)
+/// into this rank's shards and optimizer state, at whatever world size and
+/// mesh `fsdp` has: each rank reads the parts of the saved boxes that
+/// intersect its own shards, from memory-mapped files. Call it between steps
+/// (every group idle and sharded); it does not communicate. Returns the
+/// training state to continue from.
+pub fn load<C: CommBackend>(fsdp: &mut Fsdp<C>, opt: &mut ShardedOptimizer<C>, dir: &Path) -> Result<TrainingState>
+where
+    C::B: ComputeBackend,
+{
+    let mut ck = Opened::open(dir)?;
+    let manifest_path = ck.dir.join(MANIFEST);
+    let saved_shapes: HashMap<&str, &TensorEntry> = ck.manifest.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    let rank = fsdp.data_parallel().shard.rank();
+    // Check the model against the manifest before reading any data.
+    let mut params = Vec::new();
+    for g in 0..fsdp.num_groups() {
+        for (i, (name, shape)) in fsdp.group_params(g)?.into_iter().enumerate() {
+            let entry = saved_shapes
+                .get(name.as_str())
+                .ok_or_else(|| CheckpointError::MissingTensor { path: manifest_path.clone(), tensor: name.clone() })?;
+            if entry.shape != shape || entry.dtype != "F32" {
+                return Err(CheckpointError::Mismatch {
+                    path: manifest_path.clone(),
+                    tensor: name,
+                    message: format!("saved as {} {:?}, the model has F32 {shape:?}", entry.dtype, entry.shape),
+                }
+                .into());
+            }
+            params.push((g, i, name, shape, fsdp.param_layout(g, i)?));
+        }
+    }
+    let names = moment_names(opt.kind());
+    let saved_kind = ck.manifest.optimizer.get("kind").and_then(|k| k.as_str()).unwrap_or("").to_string();
+    let this_kind = optimizer_json(opt.kind()).get("kind").and_then(|k| k.as_str()).unwrap_or("").to_string();
+    if saved_kind != this_kind {
+        return Err(CheckpointError::Mismatch {
+            path: manifest_path,
+            tensor: "optimizer".into(),
+            message: format!("saved with {saved_kind}, this run uses {this_kind}"),
+        }
+        .into());
+    }
+    let model_boxes = ck.boxes("model")?;
+    let optim_boxes = if names.is_empty() { HashMap::new() } else { ck.boxes("optim")? };
+    let has_state = ck.manifest.step > 0 && !names.is_empty();
+    let mut shards = Vec::new();
+    let mut states = Vec::new();
+    for (g, i, name, shape, layout) in &params {
+        let want = Region::of(shape, layout.as_ref(), rank);
+        let len = layout.as_ref().map_or(shape.iter().product(), |l| l.shard_numel);
+        let strides = padded_strides(&want, layout.as_ref());
+        let mut values = vec![0.0f32; len];
+        if want.numel() > 0 {
+            read_into(&mut ck, &model_boxes, name, shape, &want, &strides, &mut values)?;
+        }
+        shards.push((*g, *i, values));
+        if has_state && optim_boxes.keys().any(|k| k.starts_with(&format!("state.{name}."))) {
+            let mut moments = Vec::new();
+            for what in names {
+                let mut m = vec![0.0f32; len];
+                if want.numel() > 0 {
+                    read_into(&mut ck, &optim_boxes, &state_key(name, what), shape, &want, &strides, &mut m)?;
+                }
+                moments.push(m);
+            }
+            states.push((*g, *i, moments));
+        }
+    }
+    for (g, i, values) in shards {
+        fsdp.write_shard(g, i, &values)?;
+    }
+    opt.load_state(fsdp, ck.manifest.step, states)?;
+    let state = ck.training_state()?;
+    if state.step != ck.manifest.step {
+        return Err(CheckpointError::format(
+            ck.dir.join(TRAINING_STATE),
+            format!("step {} but the manifest says {}", state.step, ck.manifest.step),
+        )
+        .into());
+    }
+    Ok(state)
+}
+
+/// The training state of a checkpoint, without loading it.
+pub fn read_training_state(dir: &Path) -> Result<TrainingState, CheckpointError> {
+    Opened::open(dir)?.training_state()
+}
+
+/// Writes the checkpoint's parameters as plain full tensors:
+/// `out/model-0000i-of-0000N.safetensors` (a new file whenever one would pass
+/// `max_file_bytes`) and `out/model.safetensors.index.json`, the layout
+/// Hugging Face models ship in, which candle (`VarBuilder::from_mmaped_safetensors`)
+/// and Python's `safetensors` load. Written to a temporary directory and
+/// renamed; `out` must not exist. Returns the files written.
+pub fn consolidate(dir: &Path, out: &Path, max_file_bytes: usize) -> Result<Vec<PathBuf>> {
+    if out.exists() {
+        return Err(Error::InvalidArgument(format!("{} exists; consolidate writes a new directory", out.display())));
+    }
+    let mut ck = Opened::open(dir)?;
+    let boxes = ck.boxes("model")?;
+    let tensors = ck.manifest.tensors.clone();
+    // Group tensors into files of at most max_file_bytes (one tensor may exceed it alone).
+    let mut files: Vec<Vec<&TensorEntry>> = vec![Vec::new()];
+    let mut size = 0;
+    for t in &tensors {
+        let bytes = t.shape.iter().product::<usize>() * 4;
+        if size > 0 && size + bytes > max_file_bytes {
+            files.push(Vec::new());
+            size = 0;
+        }
+        size += bytes;
+        if let Some(last) = files.last_mut() {
+            last.push(t);
+        }
+    }
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let tmp = parent.join(format!(".tmp-{}", out.file_name().and_then(|n| n.to_str()).unwrap_or("consolidated")));
+    fresh_dir(&tmp)?;
+    let n = files.len();
+    let mut weight_map = BTreeMap::new();
+    let mut names = Vec::new();
+    let mut total = 0;
+    for (k, group) in files.iter().enumerate() {
+        let file = consolidated_file(k, n);
+        let mut data = Vec::new();
+        for t in group {
+            let full = Region::whole(&t.shape);
+            let mut values = vec![0.0f32; full.numel()];
+            read_into(&mut ck, &boxes, &t.name, &t.shape, &full, &strides(&t.shape), &mut values)?;
+            total += values.len() * 4;
+            data.push((t.name.clone(), t.shape.clone(), f32_bytes(&values)));
+            weight_map.insert(t.name.clone(), file.clone());
+        }
+        let path = tmp.join(&file);
+        write_synced(&path, &safetensors_bytes(&data, None, &path)?)?;
+        names.push(file);
+    }
+    write_index(&tmp, total, &weight_map)?;
+    sync_dir(&tmp)?;
+    std::fs::rename(&tmp, out).map_err(|e| CheckpointError::io(out, e))?;
+    sync_dir(parent)?;
+    Ok(names.into_iter().map(|f| out.join(f)).collect())
+}

@@ -1,0 +1,89 @@
+//! Sharded safetensors checkpoints that reshard on load, and their
+//! consolidation into plain safetensors files.
+//!
+//! # Layout (PyTorch distributed checkpoint's, for safetensors)
+//! [`save`] writes, under a root directory, one directory per checkpoint:
+//!
+//! ```text
+//! root/step-00000040/
+//!     shard-00000-model-00001-of-00001.safetensors   this shard rank's parameter boxes
+//!     shard-00000-optim-00001-of-00001.safetensors   its optimizer state (exp_avg, exp_avg_sq, step; momentum_buffer)
+//!     shard-00001-model-00001-of-00001.safetensors   ...one pair per shard rank
+//!     model.safetensors.index.json                   {"metadata": {"total_size"}, "weight_map": {name: file}}
+//!     training_state.json                            step, data seed and position
+//!     chorus_checkpoint.json                         manifest: tensors, world, optimizer, every file's size and CRC-32
+//! root/latest                                        "step-00000040": the last complete checkpoint
+//! ```
+//!
+//! Each shard file is a plain safetensors file holding, for every parameter
+//! of which this rank holds real rows, the unpadded box of the full tensor
+//! it holds; the file's `__metadata__` records where each box starts in the
+//! full tensor as PyTorch's Hugging Face storage writer does
+//! (`DCP_SHARDING_INFO`: `{name: {"saved_offsets": [...]}}`, with
+//! `DCP_VERSION` and `format: pt`). Replicated parameters are written whole
+//! by the first shard rank; with HSDP only the first replica writes.
+//!
+//! # Loading at any world size and mesh
+//! [`load`] lets every rank compute the box its *new* shard covers (FSDP's
+//! layout over the new shard world), memory-map the shard files, and copy
+//! the intersection of each saved box with its own: a checkpoint saved at 4
+//! ranks loads at 3, at 2 × 2 HSDP or at 1.
+//!
+//! # Nothing lost
+//! A save writes into a temporary directory beside the destination, syncs
+//! every file and the directory, renames it into place, and only then
+//! replaces `latest` (written to a temporary name, synced, renamed). A crash
+//! at any point leaves the previous checkpoint and `latest` intact. The
+//! manifest records each file's size and CRC-32, checked before a file is
+//! used; a missing, truncated, corrupt or mismatched (another model, shape or
+//! dtype) file is a [`CheckpointError`](crate::CheckpointError) naming the file
+//! and the tensor.
+//!
+//! # Files
+//! `geometry.rs`: which box of which tensor a rank holds, and copying the
+//! part two boxes share; `files.rs`: the file names, the manifest, writing
+//! durably and reading through checked memory maps; `save.rs`: every rank's
+//! shards, then the first rank's index, manifest and renames; `load.rs`:
+//! resuming at any world size, and consolidating into full tensors.
+
+use chorus_fsdp::OptimizerKind;
+use serde::{Deserialize, Serialize};
+
+mod files;
+mod geometry;
+mod load;
+mod save;
+
+pub use files::resolve;
+pub use load::{consolidate, load, read_training_state};
+pub use save::save;
+
+/// Version string of [`chorus_checkpoint.json`](self).
+pub const FORMAT: &str = "chorus-fsdp-checkpoint/1";
+
+/// What a training loop needs to continue where it stopped (`training_state.json`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainingState {
+    /// Steps completed: the next step to run.
+    pub step: u64,
+    /// The seed the data's windows are drawn from (the data RNG).
+    pub data_seed: u64,
+    /// The losses of the steps so far, as the loop reported them.
+    #[serde(default)]
+    pub losses: Vec<f64>,
+}
+
+/// The optimizer and its settings as JSON (`{"kind": "adamw", "lr": ...}`):
+/// the manifest's `optimizer`, which a load checks the run's against, and
+/// the same object `chorus train` reports in its summary.
+pub fn optimizer_json(kind: OptimizerKind) -> serde_json::Value {
+    match kind {
+        OptimizerKind::Sgd { lr, momentum, dampening, weight_decay, nesterov } => serde_json::json!({
+            "kind": "sgd", "lr": lr, "momentum": momentum, "dampening": dampening,
+            "weight_decay": weight_decay, "nesterov": nesterov,
+        }),
+        OptimizerKind::AdamW { lr, beta1, beta2, eps, weight_decay } => serde_json::json!({
+            "kind": "adamw", "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
+        }),
+    }
+}
