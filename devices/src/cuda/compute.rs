@@ -250,8 +250,8 @@ impl crate::ComputeStream for CudaStream {
         exp_avg_sq: View<'_, Cuda>,
     ) -> Result<()> {
         let op = "adamw_step";
-        checks::adamw_step(param, grad, exp_avg, exp_avg_sq)?;
         let views = [param, grad, exp_avg, exp_avg_sq];
+        checks::adamw_step(&views)?;
         // The scalars as torch computes them (f64 in Python), applied in f32.
         let sc = AdamWScalars::new(&params);
         let (mut decay, mut omb1, mut b2, mut omb2, mut bc2_sqrt, mut step_size, mut eps) = (

@@ -169,7 +169,7 @@ impl crate::ComputeStream for HipStream {
         exp_avg_sq: View<'_, Hip>,
     ) -> Result<()> {
         let op = "adamw_step";
-        checks::adamw_step(param, grad, exp_avg, exp_avg_sq)?;
+        checks::adamw_step(&[param, grad, exp_avg, exp_avg_sq])?;
         let (m, v) = (self.device_ptr(op, exp_avg)?, self.device_ptr(op, exp_avg_sq)?);
         let n = param.len();
         if n == 0 {
