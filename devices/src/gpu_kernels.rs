@@ -598,16 +598,9 @@ mod tests {
             [0xffff_ffff, f(1.5), (-2.0f64).to_bits(), 0xdead_beef, 7, f(0.5), f(2.0), f(0.25), f(1.0), 1, 1, 0, 1];
         assert_eq!(args.slots, expected);
         let adamw = AdamWParams { lr: 0.5, beta1: 0.5, beta2: 0.75, eps: 0.125, weight_decay: 1.0, step: 1 };
-        let sc = AdamWScalars::new(&adamw);
-        let fields = [
-            sc.decay,
-            sc.one_minus_beta1,
-            sc.beta2,
-            sc.one_minus_beta2,
-            sc.bias_correction2_sqrt,
-            sc.step_size,
-            sc.eps,
-        ];
-        assert_eq!(Args::default().adamw(&sc).slots, fields.map(f));
+        let s = AdamWScalars::new(&adamw);
+        let order =
+            [s.decay, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.bias_correction2_sqrt, s.step_size, s.eps];
+        assert_eq!(Args::default().adamw(&s).slots, order.map(f));
     }
 }
