@@ -60,10 +60,7 @@ impl StreamShared {
             state: StreamState::new(format!("{dev}/{label}{index}{suffix}")),
             blas: Mutex::new(None),
         });
-        if let Ok(mut list) = device.streams.lock() {
-            list.retain(|w| w.strong_count() > 0);
-            list.push(Arc::downgrade(&shared));
-        }
+        device.streams.add(&shared);
         Ok(shared)
     }
 

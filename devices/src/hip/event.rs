@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use super::device::{next_id, park, HipDevice};
+use super::device::{next_id, HipDevice};
 use super::sys::hipEvent_t;
 use super::{result, Hip};
 use crate::failure::StreamState;
@@ -116,7 +116,7 @@ impl Drop for HipEvent {
                 // SAFETY: destroyed once; HIP releases a pending event when its work completes.
                 unsafe { result::event_destroy(raw as hipEvent_t) }
             },
-            |e| park(&parked, e),
+            |e| parked.park(e),
         );
     }
 }

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::device::{park, DeferredDrops, HipBuffer, HipDevice, Parked};
+use super::device::{DeferredDrops, HipBuffer, HipDevice, Parked};
 use super::event::{poll_event, HipEvent};
 use super::kernels::{self, Args};
 use super::sys::{self, hipStream_t};
@@ -102,7 +102,7 @@ impl Drop for StreamInner {
                 // SAFETY: the last owner destroys the stream once.
                 unsafe { result::stream_destroy(raw as hipStream_t) }
             },
-            |e| park(&parked, e),
+            |e| parked.park(e),
         );
     }
 }
@@ -136,10 +136,7 @@ impl HipStream {
         };
         let inner =
             Arc::new(StreamInner::create(d.config.ordinal, name, priority, hip_priority, &d.parked, &d.deferred)?);
-        if let Ok(mut list) = d.streams.lock() {
-            list.retain(|w| w.strong_count() > 0);
-            list.push(Arc::downgrade(&inner));
-        }
+        d.streams.add(&inner);
         Ok(HipStream { inner, device: device.clone() })
     }
 
@@ -294,7 +291,7 @@ impl Drop for Scratch<'_> {
     fn drop(&mut self) {
         // SAFETY: allocated by hipMallocAsync on this stream; freed once, after the work that used it.
         if let Err(e) = unsafe { result::free_async(self.ptr as *mut c_void, self.stream.raw()) } {
-            park(&self.stream.device.inner.parked, e);
+            self.stream.device.inner.parked.park(e);
         }
     }
 }
