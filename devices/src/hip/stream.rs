@@ -281,6 +281,20 @@ impl HipStream {
     }
 }
 
+/// What host work enqueued at position `at` is told: the runtime's error
+/// (`hipStreamAddCallback` passes the stream's), else the stream's host-seen
+/// failure up to `at`. Runs in the host function, so it calls no HIP.
+fn host_outcome(outcome: Result<(), i32>, state: &StreamState, at: u64, before: &str) -> Result<()> {
+    match outcome {
+        Err(code) => Err(DeviceError::Backend {
+            library: result::LIBRARY,
+            code: code as i64,
+            message: format!("the stream failed before {before}"),
+        }),
+        Ok(()) => state.failure_at(at).map_or(Ok(()), |e| Err(poisoned(&e))),
+    }
+}
+
 /// Stream-ordered scratch memory: freed on its stream when dropped, after the work enqueued before.
 struct Scratch<'a> {
     ptr: usize,
@@ -453,18 +467,9 @@ impl crate::Stream for HipStream {
         }
         let state = self.inner.state.clone();
         self.host_work(Box::new(move |outcome| {
-            let result = match outcome {
-                Err(code) => Err(DeviceError::Backend {
-                    library: result::LIBRARY,
-                    code: code as i64,
-                    message: "the stream failed before the device-to-host copy completed".into(),
-                }),
-                Ok(()) => match state.failure_at(at) {
-                    Some(e) => Err(poisoned(&e)),
-                    // SAFETY: the copy into the block has completed (stream order).
-                    None => Ok(unsafe { std::slice::from_raw_parts(block.ptr(), bytes) }.to_vec()),
-                },
-            };
+            let result = host_outcome(outcome, &state, at, "the device-to-host copy completed")
+                // SAFETY: the copy into the block has completed (stream order).
+                .map(|()| unsafe { std::slice::from_raw_parts(block.ptr(), bytes) }.to_vec());
             pool.give(block);
             match result {
                 Ok(data) => filler.fill(data),
@@ -598,17 +603,7 @@ impl crate::Stream for HipStream {
         self.device.bind()?;
         let state = self.inner.state.clone();
         self.host_work(Box::new(move |outcome| {
-            let told = match outcome {
-                Err(code) => Err(DeviceError::Backend {
-                    library: result::LIBRARY,
-                    code: code as i64,
-                    message: "the stream failed before the host function".into(),
-                }),
-                Ok(()) => match state.failure_at(at) {
-                    Some(e) => Err(poisoned(&e)),
-                    None => Ok(()),
-                },
-            };
+            let told = host_outcome(outcome, &state, at, "the host function");
             if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || f(told))) {
                 let msg = panic.downcast_ref::<&str>().map(|s| s.to_string()).unwrap_or_default();
                 state.fail(at, DeviceError::invalid("launch_host_fn", format!("the host function panicked: {msg}")));
