@@ -540,9 +540,7 @@ impl crate::Stream for CudaStream {
         // SAFETY: live event and stream of the bound context.
         unsafe { drv::event::record(event.raw, self.shared.raw) }.drv("cuEventRecord", &self.device.label())?;
         let pos = self.shared.state.advance();
-        if let Ok(mut r) = event.recorded.lock() {
-            *r = Some((Arc::downgrade(&self.shared.state), pos));
-        }
+        event.recorded.set(&self.shared.state, pos);
         Ok(())
     }
 
@@ -554,7 +552,7 @@ impl crate::Stream for CudaStream {
         unsafe { drv::stream::wait_event(self.shared.raw, event.raw, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
             .drv("cuStreamWaitEvent", &self.device.label())?;
         let ours = self.shared.state.advance();
-        if let Some((stream, theirs)) = event.last_record() {
+        if let Some((stream, theirs)) = event.recorded.get() {
             if !Arc::ptr_eq(&stream, &self.shared.state) {
                 self.shared.state.add_upstream(&stream, theirs, ours);
             }

@@ -568,14 +568,14 @@ impl crate::Stream for HipStream {
         // SAFETY: live handles of one device.
         unsafe { result::event_record(event.raw(), self.raw()) }?;
         let position = self.inner.state.advance();
-        event.set_recorded(&self.inner.state, position);
+        event.recorded.set(&self.inner.state, position);
         Ok(())
     }
 
     fn wait(&self, event: &HipEvent) -> Result<()> {
         host_fn::check("wait")?;
         checks::same_device("wait", "an event", &self.device, &event.device)?;
-        let Some((state, theirs)) = event.recorded() else {
+        let Some((state, theirs)) = event.recorded.get() else {
             return Ok(());
         };
         self.device.bind()?;
