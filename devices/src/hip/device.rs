@@ -42,6 +42,23 @@ pub(crate) type Parked = Arc<crate::bookkeeping::Parked>;
 /// HIP work of drops that ran inside host functions (see `crate::deferred`).
 pub(crate) type DeferredDrops = Arc<Deferred<()>>;
 
+/// What every hip handle's drop does with its HIP calls (`work`): runs them
+/// now with device `ordinal` current or, inside a host function, at the
+/// device's next bind from another thread; their error is parked.
+pub(crate) fn defer_drop(
+    deferred: &DeferredDrops,
+    parked: &Parked,
+    ordinal: usize,
+    what: &'static str,
+    work: impl FnOnce() -> Result<()> + Send + 'static,
+) {
+    let work = move |_: &()| {
+        result::set_device(ordinal)?;
+        work()
+    };
+    deferred.run_or_defer(&(), what, work, |e| parked.park(e));
+}
+
 /// A page-locked host block for staging host↔device copies (so they are
 /// truly asynchronous). Raw: given back to its pool, never freed on drop.
 #[derive(Debug)]
@@ -301,8 +318,7 @@ impl HipBuffer {
 
 /// The stream-ordered free of a buffer: the home stream waits for every other
 /// stream that used it, then frees (`hipFreeAsync`).
-fn release(ordinal: usize, ptr: usize, home: &StreamInner, users: Vec<Arc<StreamInner>>) -> Result<()> {
-    result::set_device(ordinal)?;
+fn release(ptr: usize, home: &StreamInner, users: Vec<Arc<StreamInner>>) -> Result<()> {
     for user in users {
         // The free on the home stream comes after everything the user stream has queued so far.
         let event = result::event_create()?;
@@ -338,16 +354,12 @@ impl crate::Buffer for HipBuffer {
 impl Drop for HipBuffer {
     fn drop(&mut self) {
         if self.bytes > 0 {
-            let (ordinal, ptr) = (self.device.inner.config.ordinal, self.ptr);
+            let (inner, ptr) = (&self.device.inner, self.ptr);
             let (home, users) = self.users.take();
-            let parked = self.device.inner.parked.clone();
             // On failure the memory is leaked rather than freed while work may still use it.
-            self.device.inner.deferred.run_or_defer(
-                &(),
-                "hipFreeAsync",
-                move |_| release(ordinal, ptr, &home, users),
-                |e| parked.park(e),
-            );
+            defer_drop(&inner.deferred, &inner.parked, inner.config.ordinal, "hipFreeAsync", move || {
+                release(ptr, &home, users)
+            });
         }
         self.device.inner.counters.sub(self.bytes);
     }

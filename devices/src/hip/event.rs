@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use super::device::{next_id, HipDevice};
+use super::device::{defer_drop, next_id, HipDevice};
 use super::sys::hipEvent_t;
 use super::{result, Hip};
 use crate::failure::LastRecord;
@@ -92,18 +92,10 @@ impl crate::Event for HipEvent {
 
 impl Drop for HipEvent {
     fn drop(&mut self) {
-        let raw = self.raw;
-        let ordinal = self.device.inner.config.ordinal;
-        let parked = self.device.inner.parked.clone();
-        self.device.inner.deferred.run_or_defer(
-            &(),
-            "hipEventDestroy",
-            move |_| {
-                result::set_device(ordinal)?;
-                // SAFETY: destroyed once; HIP releases a pending event when its work completes.
-                unsafe { result::event_destroy(raw as hipEvent_t) }
-            },
-            |e| parked.park(e),
-        );
+        let (inner, raw) = (&self.device.inner, self.raw);
+        defer_drop(&inner.deferred, &inner.parked, inner.config.ordinal, "hipEventDestroy", move || {
+            // SAFETY: destroyed once; HIP releases a pending event when its work completes.
+            unsafe { result::event_destroy(raw as hipEvent_t) }
+        });
     }
 }

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::device::{DeferredDrops, HipBuffer, HipDevice, Parked};
+use super::device::{defer_drop, DeferredDrops, HipBuffer, HipDevice, Parked};
 use super::event::{poll_event, HipEvent};
 use super::kernels::{self, Args};
 use super::sys::{self, hipStream_t};
@@ -92,18 +92,11 @@ impl Drop for StreamInner {
     fn drop(&mut self) {
         // Returns at once; HIP finishes the queued work before releasing the
         // stream. Inside a host function, postponed to a thread that may call HIP.
-        let (raw, ordinal) = (self.raw, self.ordinal);
-        let parked = self.parked.clone();
-        self.deferred.run_or_defer(
-            &(),
-            "hipStreamDestroy",
-            move |_| {
-                result::set_device(ordinal)?;
-                // SAFETY: the last owner destroys the stream once.
-                unsafe { result::stream_destroy(raw as hipStream_t) }
-            },
-            |e| parked.park(e),
-        );
+        let raw = self.raw;
+        defer_drop(&self.deferred, &self.parked, self.ordinal, "hipStreamDestroy", move || {
+            // SAFETY: the last owner destroys the stream once.
+            unsafe { result::stream_destroy(raw as hipStream_t) }
+        });
     }
 }
 
