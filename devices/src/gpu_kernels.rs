@@ -28,7 +28,7 @@
 //! for f64) is what the hip device uses instead of a BLAS library; the cuda
 //! device uses cuBLAS and never launches it, but it compiles there too.
 //!
-//! The host test `devices/tests/gpu_kernels_host.rs` compiles this same source
+//! The host test `devices/tests/gpu_kernels_host/` compiles this same source
 //! with the host C++ compiler (the CUDA keywords defined away, a block's
 //! threads as OS threads) and checks every kernel against the cpu device and
 //! the conversions against `half`, all 65536 patterns of f16 and bf16.
