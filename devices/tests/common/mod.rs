@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context};
 use chorus_devices::cpu::{CpuConfig, CpuDevice};
-use chorus_devices::{Backend, DType, Device, Element, Priority, Stream, View};
+use chorus_devices::{with_element, Backend, DType, Device, Element, Priority, Stream, View};
 
 /// The deadline of test devices: long enough never to fire on a loaded
 /// machine, short enough that a broken wait fails the test instead of hanging CI.
@@ -141,28 +141,12 @@ pub fn same_value(a: f64, b: f64) -> bool {
     (a.is_nan() && b.is_nan()) || a.to_bits() == b.to_bits()
 }
 
-/// Evaluates `$body` with `$t` the [`Element`](chorus_devices::Element) type of `$dtype`.
-macro_rules! with_dtype {
-    ($dtype:expr, $t:ident => $body:expr) => {
-        with_dtype!(@table $dtype, $t => $body;
-            F32 f32, F64 f64, F16 chorus_devices::f16, BF16 chorus_devices::bf16, I32 i32, I64 i64, I8 i8, U8 u8)
-    };
-    (@table $dtype:expr, $t:ident => $body:expr; $($name:ident $ty:ty),*) => {
-        match $dtype {
-            $(chorus_devices::DType::$name => {
-                type $t = $ty;
-                $body
-            })*
-        }
-    };
-}
-
 /// Encodes values of a float or integer dtype, little-endian. Each value must
 /// be exactly representable (tests build inputs with [`round_to`]).
 pub fn encode(dtype: DType, values: &[f64]) -> anyhow::Result<Vec<u8>> {
     let mut out = Vec::with_capacity(values.len() * dtype.size());
     for &v in values {
-        let exact = with_dtype!(dtype, T => {
+        let exact = with_element!(dtype, T => {
             let e = T::from_f64(v);
             out.extend_from_slice(bytemuck::bytes_of(&e));
             e.to_f64()
@@ -174,7 +158,7 @@ pub fn encode(dtype: DType, values: &[f64]) -> anyhow::Result<Vec<u8>> {
 
 /// Decodes little-endian elements of `dtype` to f64 (exact for every dtype used here).
 pub fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
-    let element = |c: &[u8]| with_dtype!(dtype, T => bytemuck::pod_read_unaligned::<T>(c).to_f64());
+    let element = |c: &[u8]| with_element!(dtype, T => bytemuck::pod_read_unaligned::<T>(c).to_f64());
     bytes.chunks_exact(dtype.size()).map(element).collect()
 }
 

@@ -3,7 +3,7 @@
 //! case says otherwise.
 
 use chorus_devices::cpu::{Cpu, CpuBuffer, CpuDevice, CpuStream};
-use chorus_devices::{Buffer, DType, Device, Element, Priority, Stream, View};
+use chorus_devices::{with_element, Buffer, DType, Device, Element, Priority, Stream, View};
 
 use crate::host_build::HostKernels;
 use crate::lanes::Launch;
@@ -32,7 +32,7 @@ impl Data {
     }
     /// `values` converted to `dtype` as the cpu device converts (ints saturate).
     pub fn from_f64(dtype: DType, values: &[f64]) -> Data {
-        with_dtype!(dtype, T => Data::map(values, |v| T::from_f64(*v)))
+        with_element!(dtype, T => Data::map(values, |v| T::from_f64(*v)))
     }
     pub fn bytes(&self) -> &[u8] {
         &bytemuck::cast_slice(&self.words)[..self.len * self.dtype.size()]
@@ -45,7 +45,7 @@ impl Data {
     }
     pub fn get(&self, i: usize) -> f64 {
         let s = self.dtype.size();
-        with_dtype!(self.dtype, T => bytemuck::pod_read_unaligned::<T>(&self.bytes()[i * s..(i + 1) * s]).to_f64())
+        with_element!(self.dtype, T => bytemuck::pod_read_unaligned::<T>(&self.bytes()[i * s..(i + 1) * s]).to_f64())
     }
     pub fn bits(&self, i: usize) -> u64 {
         let s = self.dtype.size();

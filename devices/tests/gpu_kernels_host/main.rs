@@ -19,7 +19,6 @@
 //! `clang++`) every test prints why it was skipped.
 #![cfg(any(feature = "cuda", feature = "rocm"))]
 
-#[macro_use]
 #[path = "../common/mod.rs"]
 mod common;
 mod compare;
