@@ -208,6 +208,25 @@ pub(crate) fn sum_squares<B: Backend>(x: View<'_, B>, out: View<'_, B>) -> Resul
     scalar_out(op, &out)
 }
 
+/// Optimizer operands: f32, all as long as the first.
+fn f32_operands<B: Backend>(op: &'static str, operands: &[View<'_, B>]) -> Result<()> {
+    for v in operands {
+        need_dtype(op, DType::F32, v.dtype())?;
+        need_len(op, "every operand", operands[0].len(), v.len())?;
+    }
+    Ok(())
+}
+
+/// No two of `operands` overlap; `names` says which they are in the error.
+fn disjoint<B: Backend>(op: &'static str, operands: &[View<'_, B>], names: &str) -> Result<()> {
+    for (i, a) in operands.iter().enumerate() {
+        if operands[i + 1..].iter().any(|b| a.overlaps(b)) {
+            return Err(DeviceError::invalid(op, format!("{names} must not overlap")));
+        }
+    }
+    Ok(())
+}
+
 /// [`Stream::sgd_step`](crate::Stream::sgd_step): f32 operands of one length,
 /// a momentum buffer when momentum is on, no two operands overlapping.
 pub(crate) fn sgd_step<B: Backend>(
@@ -217,41 +236,20 @@ pub(crate) fn sgd_step<B: Backend>(
     momentum_buf: Option<View<'_, B>>,
 ) -> Result<()> {
     let op = "sgd_step";
-    for v in [Some(param), Some(grad), momentum_buf].into_iter().flatten() {
-        need_dtype(op, DType::F32, v.dtype())?;
-        need_len(op, "every operand", param.len(), v.len())?;
-    }
+    let operands: Vec<View<'_, B>> = [Some(param), Some(grad), momentum_buf].into_iter().flatten().collect();
+    f32_operands(op, &operands)?;
     if params.momentum != 0.0 && momentum_buf.is_none() {
         return Err(DeviceError::invalid(op, "momentum needs a momentum buffer"));
     }
-    if grad.overlaps(&param) || momentum_buf.is_some_and(|m| m.overlaps(&param) || m.overlaps(&grad)) {
-        return Err(DeviceError::invalid(op, "param, grad and momentum buffer must not overlap"));
-    }
-    Ok(())
+    disjoint(op, &operands, "param, grad and momentum buffer")
 }
 
 /// [`Stream::adamw_step`](crate::Stream::adamw_step): f32 operands of one
-/// length, no two overlapping.
-pub(crate) fn adamw_step<B: Backend>(
-    param: View<'_, B>,
-    grad: View<'_, B>,
-    exp_avg: View<'_, B>,
-    exp_avg_sq: View<'_, B>,
-) -> Result<()> {
+/// length (`param`, `grad`, `exp_avg`, `exp_avg_sq`), no two overlapping.
+pub(crate) fn adamw_step<B: Backend>(operands: &[View<'_, B>; 4]) -> Result<()> {
     let op = "adamw_step";
-    let views = [param, grad, exp_avg, exp_avg_sq];
-    for v in views {
-        need_dtype(op, DType::F32, v.dtype())?;
-        need_len(op, "every operand", param.len(), v.len())?;
-    }
-    for i in 0..4 {
-        for j in i + 1..4 {
-            if views[i].overlaps(&views[j]) {
-                return Err(DeviceError::invalid(op, "param, grad and the moments must not overlap"));
-            }
-        }
-    }
-    Ok(())
+    f32_operands(op, operands)?;
+    disjoint(op, operands, "param, grad and the moments")
 }
 
 #[cfg(test)]
@@ -292,8 +290,8 @@ mod tests {
         let other = dev.alloc(DType::F32, 8).unwrap();
         let (c, d) = (other.slice(0, 4).unwrap(), other.slice(4, 4).unwrap());
         assert!(sgd_step(&sgd, a, b, Some(c)).is_ok());
-        assert!(adamw_step(a, b, c, d).is_ok());
-        assert!(message(adamw_step(a, b, c, c)).contains("must not overlap"));
+        assert!(adamw_step(&[a, b, c, d]).is_ok());
+        assert!(message(adamw_step(&[a, b, c, c])).contains("must not overlap"));
     }
 
     #[test]

@@ -93,6 +93,31 @@ pub trait Element: bytemuck::Pod + Copy + Send + Sync + PartialEq + fmt::Debug +
     fn from_f64(v: f64) -> Self;
 }
 
+/// Evaluates `$body` with `$t` the [`Element`] type of `$dtype`, a [`DType`]
+/// known only at run time: the one table from dtypes to host types.
+///
+/// ```
+/// use chorus_devices::{with_element, DType, Element};
+/// let width = |d: DType| with_element!(d, T => std::mem::size_of::<T>());
+/// assert_eq!(width(DType::BF16), 2);
+/// assert_eq!(with_element!(DType::I8, T => T::from_f64(300.0).to_f64()), 127.0);
+/// ```
+#[macro_export]
+macro_rules! with_element {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        $crate::with_element!(@table $dtype, $t => $body;
+            F32 f32, F64 f64, F16 $crate::f16, BF16 $crate::bf16, I32 i32, I64 i64, I8 i8, U8 u8)
+    };
+    (@table $dtype:expr, $t:ident => $body:expr; $($name:ident $ty:ty),*) => {
+        match $dtype {
+            $($crate::DType::$name => {
+                type $t = $ty;
+                $body
+            })*
+        }
+    };
+}
+
 macro_rules! element {
     ($t:ty, $d:expr, |$s:ident| $to:expr, |$v:ident| $from:expr) => {
         impl Element for $t {

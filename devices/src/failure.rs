@@ -57,7 +57,7 @@ pub(crate) fn poisoned(e: &DeviceError) -> DeviceError {
 }
 
 #[cfg(any(feature = "cuda", feature = "rocm"))]
-pub(crate) use gpu::StreamState;
+pub(crate) use gpu::{LastRecord, StreamState};
 
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 mod gpu {
@@ -167,6 +167,28 @@ mod gpu {
         pub(crate) fn failure_handle(self: &Arc<StreamState>) -> FailureHandle {
             let state = self.clone();
             FailureHandle::new(self.name.clone(), Arc::new(move |at, e| state.fail(at, e)))
+        }
+    }
+
+    /// Where an event was last recorded: the recording stream (held weakly,
+    /// so an event does not keep a dropped stream's state) and the record's
+    /// position on it. What an event's waits and queries check for failures.
+    #[derive(Debug, Default)]
+    pub(crate) struct LastRecord(Mutex<Option<(Weak<StreamState>, u64)>>);
+
+    impl LastRecord {
+        /// The event was just recorded at `position` of `stream`.
+        pub(crate) fn set(&self, stream: &Arc<StreamState>, position: u64) {
+            if let Ok(mut r) = self.0.lock() {
+                *r = Some((Arc::downgrade(stream), position));
+            }
+        }
+
+        /// The stream and position of the latest record, if the stream lives.
+        pub(crate) fn get(&self) -> Option<(Arc<StreamState>, u64)> {
+            let r = self.0.lock().ok()?;
+            let (w, pos) = r.as_ref()?;
+            Some((w.upgrade()?, *pos))
         }
     }
 }

@@ -4,8 +4,8 @@
 //!
 //! What is per vendor stays in each backend: compiling, loading the module,
 //! launching. What both share is here: the source, the names of its kernels,
-//! the dtype codes they switch on, the block sizes and the scalars the
-//! optimizer kernels take.
+//! the dtype codes they switch on, the block sizes, the scalars the
+//! optimizer kernels take and how a launch's arguments are laid out (`Args`).
 //!
 //! The source is plain CUDA C++ that both compilers accept: no PTX assembly,
 //! no vendor header, no `half` types. f16 and bf16 are bit patterns converted
@@ -28,7 +28,7 @@
 //! for f64) is what the hip device uses instead of a BLAS library; the cuda
 //! device uses cuBLAS and never launches it, but it compiles there too.
 //!
-//! The host test `devices/tests/gpu_kernels_host.rs` compiles this same source
+//! The host test `devices/tests/gpu_kernels_host/` compiles this same source
 //! with the host C++ compiler (the CUDA keywords defined away, a block's
 //! threads as OS threads) and checks every kernel against the cpu device and
 //! the conversions against `half`, all 65536 patterns of f16 and bf16.
@@ -157,6 +157,69 @@ impl AdamWScalars {
             step_size: (params.lr / (1.0 - params.beta1.powi(step))) as f32,
             eps: params.eps as f32,
         }
+    }
+}
+
+/// A kernel's arguments in [`SOURCE`]'s parameter order, each in an 8-byte
+/// slot (a 4-byte argument is read from the slot's low half, which
+/// little-endian puts first): `cuLaunchKernel` and `hipModuleLaunchKernel`
+/// take them alike, as pointers to each value, and copy the values at the launch.
+#[derive(Debug, Default)]
+pub(crate) struct Args {
+    slots: Vec<u64>,
+}
+
+impl Args {
+    /// A device address.
+    pub(crate) fn ptr(mut self, p: u64) -> Self {
+        self.slots.push(p);
+        self
+    }
+    /// A `u64` (lengths).
+    pub(crate) fn u64(mut self, v: u64) -> Self {
+        self.slots.push(v);
+        self
+    }
+    /// A `double`.
+    pub(crate) fn f64(mut self, v: f64) -> Self {
+        self.slots.push(v.to_bits());
+        self
+    }
+    /// A `float`.
+    pub(crate) fn f32(mut self, v: f32) -> Self {
+        self.slots.push(v.to_bits() as u64);
+        self
+    }
+    /// An `int` (dtype codes, flags).
+    pub(crate) fn i32(mut self, v: i32) -> Self {
+        self.slots.push(v as u32 as u64);
+        self
+    }
+    /// `chorus_sgd`'s scalars, after its pointers and length.
+    pub(crate) fn sgd(self, sc: &SgdScalars) -> Self {
+        self.f32(sc.lr)
+            .f32(sc.weight_decay)
+            .f32(sc.momentum)
+            .f32(sc.one_minus_dampening)
+            .i32(sc.has_weight_decay)
+            .i32(sc.use_momentum)
+            .i32(sc.first_step)
+            .i32(sc.nesterov)
+    }
+    /// `chorus_adamw`'s scalars, after its pointers and length.
+    pub(crate) fn adamw(self, sc: &AdamWScalars) -> Self {
+        self.f32(sc.decay)
+            .f32(sc.one_minus_beta1)
+            .f32(sc.beta2)
+            .f32(sc.one_minus_beta2)
+            .f32(sc.bias_correction2_sqrt)
+            .f32(sc.step_size)
+            .f32(sc.eps)
+    }
+    /// The `kernelParams` array of a launch: a pointer to each slot, valid
+    /// while `self` is neither moved nor dropped.
+    pub(crate) fn pointers(&mut self) -> Vec<*mut std::ffi::c_void> {
+        self.slots.iter_mut().map(|s| s as *mut u64 as *mut std::ffi::c_void).collect()
     }
 }
 
@@ -518,3 +581,26 @@ extern "C" __global__ void __launch_bounds__(CHORUS_TILE * CHORUS_TILE) chorus_m
     }
 }
 "#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 4-byte argument sits in its slot's low half with the high half zero,
+    /// and the optimizer scalars follow the kernels' parameter order.
+    #[test]
+    fn arguments_fill_one_slot_each_in_parameter_order() {
+        let sgd =
+            SgdParams { lr: 0.5, momentum: 0.25, dampening: 0.0, weight_decay: 2.0, nesterov: true, first_step: false };
+        let args = Args::default().i32(-1).f32(1.5).f64(-2.0).ptr(0xdead_beef).u64(7).sgd(&SgdScalars::new(&sgd, true));
+        let f = |v: f32| v.to_bits() as u64;
+        let expected =
+            [0xffff_ffff, f(1.5), (-2.0f64).to_bits(), 0xdead_beef, 7, f(0.5), f(2.0), f(0.25), f(1.0), 1, 1, 0, 1];
+        assert_eq!(args.slots, expected);
+        let adamw = AdamWParams { lr: 0.5, beta1: 0.5, beta2: 0.75, eps: 0.125, weight_decay: 1.0, step: 1 };
+        let s = AdamWScalars::new(&adamw);
+        let order =
+            [s.decay, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.bias_correction2_sqrt, s.step_size, s.eps];
+        assert_eq!(Args::default().adamw(&s).slots, order.map(f));
+    }
+}

@@ -9,6 +9,7 @@
 #![warn(missing_docs)]
 
 pub mod api;
+mod bookkeeping;
 mod checks;
 pub mod cpu;
 #[cfg(feature = "cuda")]

@@ -1,8 +1,11 @@
 //! Memory accounting shared by every device: bytes in use, their peak and
 //! live allocations, as [`Device::memory_stats`](crate::Device::memory_stats)
-//! reports them.
+//! reports them; and, for the GPU devices, the streams a buffer's
+//! stream-ordered free must follow.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+use std::sync::{Arc, Mutex};
 
 use crate::MemoryStats;
 
@@ -40,6 +43,42 @@ impl MemCounters {
     pub(crate) fn sub(&self, bytes: usize) {
         self.in_use.fetch_sub(bytes, Ordering::AcqRel);
         self.live.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The streams a GPU buffer's stream-ordered free must follow: its home
+/// stream (which allocated it, and frees it) and every other stream that
+/// enqueued work on it.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+#[derive(Debug)]
+pub(crate) struct StreamUsers<S> {
+    home: Arc<S>,
+    others: Mutex<Vec<Arc<S>>>,
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+impl<S> StreamUsers<S> {
+    /// A buffer allocated on `home`, used by no other stream yet.
+    pub(crate) fn new(home: &Arc<S>) -> Self {
+        StreamUsers { home: home.clone(), others: Default::default() }
+    }
+
+    /// Notes that `stream` enqueued work on the buffer, so the free waits for it.
+    pub(crate) fn note(&self, stream: &Arc<S>) {
+        if Arc::ptr_eq(stream, &self.home) {
+            return;
+        }
+        if let Ok(mut others) = self.others.lock() {
+            if !others.iter().any(|u| Arc::ptr_eq(u, stream)) {
+                others.push(stream.clone());
+            }
+        }
+    }
+
+    /// The home stream and the others, for the free (the buffer's drop).
+    pub(crate) fn take(&self) -> (Arc<S>, Vec<Arc<S>>) {
+        let others = self.others.lock().map(|mut o| std::mem::take(&mut *o)).unwrap_or_default();
+        (self.home.clone(), others)
     }
 }
 

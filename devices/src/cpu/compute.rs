@@ -122,9 +122,10 @@ impl crate::ComputeStream for CpuStream {
         exp_avg_sq: View<'_, Cpu>,
     ) -> Result<()> {
         let op = "adamw_step";
-        checks::adamw_step(param, grad, exp_avg, exp_avg_sq)?;
+        let operands = [param, grad, exp_avg, exp_avg_sq];
+        checks::adamw_step(&operands)?;
         let mut raws = Vec::with_capacity(4);
-        for v in [param, grad, exp_avg, exp_avg_sq] {
+        for v in operands {
             raws.push(self.own(op, &v)?);
         }
         let accesses = [Access::read(grad), Access::write(param), Access::write(exp_avg), Access::write(exp_avg_sq)];

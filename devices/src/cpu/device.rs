@@ -1,7 +1,7 @@
 //! The cpu device and its buffers.
 
 use std::sync::atomic::AtomicUsize;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::event::CpuEvent;
@@ -9,6 +9,7 @@ use super::memory::{Memory, RawRange};
 use super::sanitizer::Sanitizer;
 use super::stream::{CpuStream, StreamShared};
 use super::Cpu;
+use crate::bookkeeping::{first_error, Parked, StreamList};
 use crate::memory::MemCounters;
 use crate::{host_fn, DType, DeviceError, MemoryStats, Priority, Result};
 
@@ -81,10 +82,10 @@ pub(crate) struct DeviceInner {
     /// not depend on how far the executors lag behind the host.
     pub(crate) counters: Arc<MemCounters>,
     pub(crate) sanitizer: Option<Mutex<Sanitizer>>,
-    pub(crate) streams: Mutex<Vec<Weak<StreamShared>>>,
+    pub(crate) streams: StreamList<StreamShared>,
     pub(crate) next_stream: AtomicUsize,
     /// Errors of drops, reported by the next `synchronize`.
-    pub(crate) parked: Mutex<Vec<DeviceError>>,
+    pub(crate) parked: Parked,
 }
 
 /// The host as a device. Cheap to clone; clones are the same device.
@@ -102,9 +103,9 @@ impl CpuDevice {
                 config,
                 counters: Arc::new(MemCounters::default()),
                 sanitizer,
-                streams: Mutex::new(Vec::new()),
+                streams: StreamList::default(),
                 next_stream: AtomicUsize::new(0),
-                parked: Mutex::new(Vec::new()),
+                parked: Parked::default(),
             }),
         }
     }
@@ -127,14 +128,12 @@ impl CpuDevice {
     /// Keeps an error that arose where no caller can take it (a drop inside
     /// a host function); the next [`Device::synchronize`](crate::Device::synchronize) reports it.
     pub fn park(&self, e: DeviceError) {
-        if let Ok(mut p) = self.inner.parked.lock() {
-            p.push(e);
-        }
+        self.inner.parked.park(e)
     }
 
     /// Errors parked by drops since the last call, oldest first.
     pub fn take_parked_errors(&self) -> Vec<DeviceError> {
-        self.inner.parked.lock().map(|mut p| std::mem::take(&mut *p)).unwrap_or_default()
+        self.inner.parked.take_all()
     }
 
     /// Reports a handle dropped inside a host function: harmless on the cpu,
@@ -200,23 +199,9 @@ impl crate::Device for CpuDevice {
     }
     fn synchronize(&self) -> Result<()> {
         host_fn::check("device synchronize")?;
-        let streams: Vec<_> = match self.inner.streams.lock() {
-            Ok(s) => s.iter().filter_map(Weak::upgrade).collect(),
-            Err(_) => Vec::new(),
-        };
-        let mut first = Ok(());
-        for s in streams {
-            let r = s.synchronize(self);
-            if first.is_ok() {
-                first = r;
-            }
-        }
-        if let Some(e) = self.take_parked_errors().into_iter().next() {
-            if first.is_ok() {
-                first = Err(e);
-            }
-        }
-        first
+        let streams = first_error(self.inner.streams.live().iter().map(|s| s.synchronize(self)));
+        let parked = self.take_parked_errors().into_iter().next().map_or(Ok(()), Err);
+        streams.and(parked)
     }
 }
 

@@ -162,10 +162,7 @@ impl CpuStream {
                 DeviceError::Backend { library: "std::thread", code: 0, message: e.to_string() }
             },
         )?;
-        if let Ok(mut list) = device.inner.streams.lock() {
-            list.retain(|w| w.strong_count() > 0);
-            list.push(Arc::downgrade(&shared));
-        }
+        device.inner.streams.add(&shared);
         Ok(CpuStream { shared, tx, device: device.clone(), id: next_id() })
     }
 

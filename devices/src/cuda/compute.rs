@@ -3,7 +3,7 @@
 //! the core operations a communicator needs (`stream.rs`).
 
 use super::blas::BlasHandle;
-use super::kernels::{arg, code, REDUCE_BLOCK};
+use super::kernels::{code, Args, REDUCE_BLOCK};
 use super::Cuda;
 use crate::checks;
 use crate::gpu_kernels::{AdamWScalars, SgdScalars};
@@ -53,18 +53,10 @@ impl crate::ComputeStream for CudaStream {
         checks::bias_add(x, bias)?;
         self.elementwise("bias_add", &[x, bias], x.len(), |k, s, label| {
             let (pb, _staged) = self.input_ptr(&bias, &x, true)?;
-            let (mut px, mut xt, mut b, mut bt, mut n, mut cols) =
-                (device_ptr(&x), code(x.dtype()), pb, code(bias.dtype()), x.len() as u64, bias.len() as u64);
+            let (xt, bt, n) = (code(x.dtype()), code(bias.dtype()), x.len() as u64);
+            let args = Args::default().ptr(device_ptr(&x)).i32(xt).ptr(pb).i32(bt).u64(n).u64(bias.len() as u64);
             // SAFETY: as in `cast`.
-            unsafe {
-                k.launch(
-                    "chorus_bias_add",
-                    n,
-                    s,
-                    &mut [arg(&mut px), arg(&mut xt), arg(&mut b), arg(&mut bt), arg(&mut n), arg(&mut cols)],
-                    label,
-                )
-            }
+            unsafe { k.launch("chorus_bias_add", n, s, args, label) }
         })
     }
 
@@ -72,9 +64,10 @@ impl crate::ComputeStream for CudaStream {
         checks::relu(x, y)?;
         self.elementwise("relu", &[x, y], y.len(), |k, s, label| {
             let (from, _staged) = self.input_ptr(&x, &y, false)?;
-            let (mut a, mut b, mut t, mut n) = (from, device_ptr(&y), code(x.dtype()), y.len() as u64);
+            let n = y.len() as u64;
+            let args = Args::default().ptr(from).ptr(device_ptr(&y)).i32(code(x.dtype())).u64(n);
             // SAFETY: as in `cast`.
-            unsafe { k.launch("chorus_relu", n, s, &mut [arg(&mut a), arg(&mut b), arg(&mut t), arg(&mut n)], label) }
+            unsafe { k.launch("chorus_relu", n, s, args, label) }
         })
     }
 
@@ -84,18 +77,10 @@ impl crate::ComputeStream for CudaStream {
         self.elementwise(op, &[grad_out, out, grad_in], grad_in.len(), |k, s, label| {
             let (g, _s1) = self.input_ptr(&grad_out, &grad_in, false)?;
             let (o, _s2) = self.input_ptr(&out, &grad_in, false)?;
-            let (mut a, mut b, mut c, mut t, mut n) =
-                (g, o, device_ptr(&grad_in), code(out.dtype()), grad_in.len() as u64);
+            let n = grad_in.len() as u64;
+            let args = Args::default().ptr(g).ptr(o).ptr(device_ptr(&grad_in)).i32(code(out.dtype())).u64(n);
             // SAFETY: as in `cast`.
-            unsafe {
-                k.launch(
-                    "chorus_relu_backward",
-                    n,
-                    s,
-                    &mut [arg(&mut a), arg(&mut b), arg(&mut c), arg(&mut t), arg(&mut n)],
-                    label,
-                )
-            }
+            unsafe { k.launch("chorus_relu_backward", n, s, args, label) }
         })
     }
 
@@ -107,28 +92,11 @@ impl crate::ComputeStream for CudaStream {
         self.run(op, &[pred, target, loss], |s| {
             let (p, _s1) = self.input_ptr(&pred, &loss, true)?;
             let (q, _s2) = self.input_ptr(&target, &loss, true)?;
-            let (mut a, mut at, mut b, mut bt, mut l, mut lt, mut n, mut sc) = (
-                p,
-                code(pred.dtype()),
-                q,
-                code(target.dtype()),
-                device_ptr(&loss),
-                code(loss.dtype()),
-                pred.len() as u64,
-                scale,
-            );
-            let mut args = [
-                arg(&mut a),
-                arg(&mut at),
-                arg(&mut b),
-                arg(&mut bt),
-                arg(&mut l),
-                arg(&mut lt),
-                arg(&mut n),
-                arg(&mut sc),
-            ];
+            let (pt, qt, lt) = (code(pred.dtype()), code(target.dtype()), code(loss.dtype()));
+            let n = pred.len() as u64;
+            let args = Args::default().ptr(p).i32(pt).ptr(q).i32(qt).ptr(device_ptr(&loss)).i32(lt).u64(n).f64(scale);
             // SAFETY: as in `cast`; one block of REDUCE_BLOCK threads.
-            unsafe { kernels.launch_grid("chorus_mse_loss", 1, REDUCE_BLOCK, s, &mut args, &label) }
+            unsafe { kernels.launch_grid("chorus_mse_loss", 1, REDUCE_BLOCK, s, args, &label) }
         })
     }
 
@@ -138,28 +106,11 @@ impl crate::ComputeStream for CudaStream {
         self.elementwise(op, &[pred, target, grad], grad.len(), |k, s, label| {
             let (p, _s1) = self.input_ptr(&pred, &grad, false)?;
             let (q, _s2) = self.input_ptr(&target, &grad, false)?;
-            let (mut a, mut at, mut b, mut bt, mut g, mut gt, mut n, mut sc) = (
-                p,
-                code(pred.dtype()),
-                q,
-                code(target.dtype()),
-                device_ptr(&grad),
-                code(grad.dtype()),
-                grad.len() as u64,
-                scale,
-            );
-            let mut args = [
-                arg(&mut a),
-                arg(&mut at),
-                arg(&mut b),
-                arg(&mut bt),
-                arg(&mut g),
-                arg(&mut gt),
-                arg(&mut n),
-                arg(&mut sc),
-            ];
+            let (pt, qt, gt) = (code(pred.dtype()), code(target.dtype()), code(grad.dtype()));
+            let n = grad.len() as u64;
+            let args = Args::default().ptr(p).i32(pt).ptr(q).i32(qt).ptr(device_ptr(&grad)).i32(gt).u64(n).f64(scale);
             // SAFETY: as in `cast`.
-            unsafe { k.launch("chorus_mse_grad", n, s, &mut args, label) }
+            unsafe { k.launch("chorus_mse_grad", n, s, args, label) }
         })
     }
 
@@ -169,19 +120,17 @@ impl crate::ComputeStream for CudaStream {
         let rows = if out.is_empty() { 0 } else { x.len() / out.len() };
         self.elementwise(op, &[x, out], out.len(), |k, s, label| {
             let (px, _staged) = self.input_ptr(&x, &out, true)?;
-            let (mut a, mut at, mut o, mut ot, mut r, mut c, mut acc) = (
-                px,
-                code(x.dtype()),
-                device_ptr(&out),
-                code(out.dtype()),
-                rows as u64,
-                out.len() as u64,
-                accumulate as i32,
-            );
-            let mut args =
-                [arg(&mut a), arg(&mut at), arg(&mut o), arg(&mut ot), arg(&mut r), arg(&mut c), arg(&mut acc)];
+            let (xt, ot, cols) = (code(x.dtype()), code(out.dtype()), out.len() as u64);
+            let args = Args::default()
+                .ptr(px)
+                .i32(xt)
+                .ptr(device_ptr(&out))
+                .i32(ot)
+                .u64(rows as u64)
+                .u64(cols)
+                .i32(accumulate as i32);
             // SAFETY: as in `cast`.
-            unsafe { k.launch("chorus_column_sums", c, s, &mut args, label) }
+            unsafe { k.launch("chorus_column_sums", cols, s, args, label) }
         })
     }
 
@@ -192,11 +141,10 @@ impl crate::ComputeStream for CudaStream {
         let label = self.device.label();
         self.run(op, &[x, out], |s| {
             let (px, _staged) = self.input_ptr(&x, &out, true)?;
-            let (mut a, mut at, mut o, mut ot, mut n, mut acc) =
-                (px, code(x.dtype()), device_ptr(&out), code(out.dtype()), x.len() as u64, accumulate as i32);
-            let mut args = [arg(&mut a), arg(&mut at), arg(&mut o), arg(&mut ot), arg(&mut n), arg(&mut acc)];
+            let (xt, ot, n) = (code(x.dtype()), code(out.dtype()), x.len() as u64);
+            let args = Args::default().ptr(px).i32(xt).ptr(device_ptr(&out)).i32(ot).u64(n).i32(accumulate as i32);
             // SAFETY: as in `cast`; one block.
-            unsafe { kernels.launch_grid("chorus_sum_squares", 1, REDUCE_BLOCK, s, &mut args, &label) }
+            unsafe { kernels.launch_grid("chorus_sum_squares", 1, REDUCE_BLOCK, s, args, &label) }
         })
     }
 
@@ -211,33 +159,13 @@ impl crate::ComputeStream for CudaStream {
         checks::sgd_step(&params, param, grad, momentum_buf)?;
         let mut views = vec![param, grad];
         views.extend(momentum_buf);
+        let sc = SgdScalars::new(&params, momentum_buf.is_some());
         self.elementwise(op, &views, param.len(), |k, s, label| {
-            let sc = SgdScalars::new(&params, momentum_buf.is_some());
-            let (mut w, mut g, mut b, mut n) = (
-                device_ptr(&param),
-                device_ptr(&grad),
-                momentum_buf.map(|m| device_ptr(&m)).unwrap_or(0),
-                param.len() as u64,
-            );
-            let (mut lr, mut wd, mut mom, mut damp) = (sc.lr, sc.weight_decay, sc.momentum, sc.one_minus_dampening);
-            let (mut has_wd, mut use_m, mut first, mut nesterov) =
-                (sc.has_weight_decay, sc.use_momentum, sc.first_step, sc.nesterov);
-            let mut args = [
-                arg(&mut w),
-                arg(&mut g),
-                arg(&mut b),
-                arg(&mut n),
-                arg(&mut lr),
-                arg(&mut wd),
-                arg(&mut mom),
-                arg(&mut damp),
-                arg(&mut has_wd),
-                arg(&mut use_m),
-                arg(&mut first),
-                arg(&mut nesterov),
-            ];
+            let buf = momentum_buf.map(|m| device_ptr(&m)).unwrap_or(0);
+            let n = param.len() as u64;
+            let args = Args::default().ptr(device_ptr(&param)).ptr(device_ptr(&grad)).ptr(buf).u64(n).sgd(&sc);
             // SAFETY: as in `cast`; disjoint f32 ranges.
-            unsafe { k.launch("chorus_sgd", n, s, &mut args, label) }
+            unsafe { k.launch("chorus_sgd", n, s, args, label) }
         })
     }
 
@@ -250,43 +178,16 @@ impl crate::ComputeStream for CudaStream {
         exp_avg_sq: View<'_, Cuda>,
     ) -> Result<()> {
         let op = "adamw_step";
-        checks::adamw_step(param, grad, exp_avg, exp_avg_sq)?;
         let views = [param, grad, exp_avg, exp_avg_sq];
+        checks::adamw_step(&views)?;
         // The scalars as torch computes them (f64 in Python), applied in f32.
         let sc = AdamWScalars::new(&params);
-        let (mut decay, mut omb1, mut b2, mut omb2, mut bc2_sqrt, mut step_size, mut eps) = (
-            sc.decay,
-            sc.one_minus_beta1,
-            sc.beta2,
-            sc.one_minus_beta2,
-            sc.bias_correction2_sqrt,
-            sc.step_size,
-            sc.eps,
-        );
         self.elementwise(op, &views, param.len(), |k, s, label| {
-            let (mut w, mut g, mut m, mut v, mut n) = (
-                device_ptr(&param),
-                device_ptr(&grad),
-                device_ptr(&exp_avg),
-                device_ptr(&exp_avg_sq),
-                param.len() as u64,
-            );
-            let mut args = [
-                arg(&mut w),
-                arg(&mut g),
-                arg(&mut m),
-                arg(&mut v),
-                arg(&mut n),
-                arg(&mut decay),
-                arg(&mut omb1),
-                arg(&mut b2),
-                arg(&mut omb2),
-                arg(&mut bc2_sqrt),
-                arg(&mut step_size),
-                arg(&mut eps),
-            ];
+            let [w, g, m, v] = views.map(|v| device_ptr(&v));
+            let n = param.len() as u64;
+            let args = Args::default().ptr(w).ptr(g).ptr(m).ptr(v).u64(n).adamw(&sc);
             // SAFETY: as in `cast`; disjoint f32 ranges.
-            unsafe { k.launch("chorus_adamw", n, s, &mut args, label) }
+            unsafe { k.launch("chorus_adamw", n, s, args, label) }
         })
     }
 }

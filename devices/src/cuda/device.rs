@@ -2,7 +2,7 @@
 //! kernels and its internal allocation stream.
 
 use std::sync::atomic::AtomicUsize;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use cudarc::driver::result as drv;
@@ -15,6 +15,7 @@ use super::memory::{CudaBuffer, StagingPool};
 use super::result::DriverResult;
 use super::stream::{CudaStream, StreamShared};
 use super::Cuda;
+use crate::bookkeeping::{first_error, Parked, StreamList};
 use crate::deferred::Deferred;
 use crate::memory::MemCounters;
 use crate::{host_fn, DType, DeviceError, MemoryStats, Priority, Result};
@@ -75,10 +76,10 @@ pub(crate) struct DeviceInner {
     pub(crate) priorities: (i32, i32),
     /// Updated when a buffer is made and when its free is enqueued.
     pub(crate) counters: MemCounters,
-    pub(crate) streams: Mutex<Vec<Weak<StreamShared>>>,
+    pub(crate) streams: StreamList<StreamShared>,
     pub(crate) next_stream: AtomicUsize,
     pub(crate) kernels: OnceLock<Result<Arc<Kernels>>>,
-    pub(crate) parked: Mutex<Vec<DeviceError>>,
+    pub(crate) parked: Parked,
     pub(crate) staging: Arc<StagingPool>,
     /// Driver work of drops that ran inside host functions.
     pub(crate) deferred: Deferred<DeviceInner>,
@@ -174,10 +175,10 @@ impl CudaDevice {
             compute_capability: cc,
             priorities,
             counters: MemCounters::default(),
-            streams: Mutex::new(Vec::new()),
+            streams: StreamList::default(),
             next_stream: AtomicUsize::new(0),
             kernels: OnceLock::new(),
-            parked: Mutex::new(Vec::new()),
+            parked: Parked::default(),
             staging: Arc::new(StagingPool::default()),
             deferred: Deferred::default(),
         });
@@ -224,14 +225,14 @@ impl CudaDevice {
     /// that had no caller to return them to; [`crate::Device::synchronize`]
     /// returns the first of them too.
     pub fn take_parked_errors(&self) -> Vec<DeviceError> {
-        self.inner.parked.lock().map(|mut p| std::mem::take(&mut *p)).unwrap_or_default()
+        self.inner.parked.take_all()
     }
 
     /// Parks an error that arose where no caller can take it (a `Drop` of a
     /// vendor object built on this device); [`crate::Device::synchronize`]
     /// and [`CudaDevice::take_parked_errors`] report it.
     pub fn park(&self, e: DeviceError) {
-        park(&self.inner, e)
+        self.inner.parked.park(e)
     }
 
     pub(crate) fn label(&self) -> String {
@@ -274,7 +275,7 @@ pub(crate) fn bind_ctx(inner: &DeviceInner) -> Result<()> {
     host_fn::check("cuCtxSetCurrent")?;
     // SAFETY: the device's retained primary context.
     unsafe { drv::ctx::set_current(inner.ctx) }.drv("cuCtxSetCurrent", &format!("cuda:{}", inner.config.ordinal))?;
-    inner.deferred.drain(inner, |e| park(inner, e));
+    inner.deferred.drain(inner, |e| inner.parked.park(e));
     Ok(())
 }
 
@@ -286,13 +287,7 @@ pub(crate) fn defer(
     what: &'static str,
     work: impl FnOnce(&DeviceInner) -> Result<()> + Send + 'static,
 ) {
-    inner.deferred.run_or_defer(inner, what, work, |e| park(inner, e));
-}
-
-pub(crate) fn park(inner: &DeviceInner, e: DeviceError) {
-    if let Ok(mut p) = inner.parked.lock() {
-        p.push(e);
-    }
+    inner.deferred.run_or_defer(inner, what, work, |e| inner.parked.park(e));
 }
 
 impl crate::Device for CudaDevice {
@@ -333,28 +328,14 @@ impl crate::Device for CudaDevice {
     }
     fn synchronize(&self) -> Result<()> {
         self.bind()?;
-        let streams: Vec<_> = match self.inner.streams.lock() {
-            Ok(s) => s.iter().filter_map(Weak::upgrade).collect(),
-            Err(_) => Vec::new(),
-        };
-        let mut first = Ok(());
-        for s in streams {
-            let r = s.host_wait(self);
-            if first.is_ok() {
-                first = r;
-            }
-        }
+        let streams = first_error(self.inner.streams.live().iter().map(|s| s.host_wait(self)));
         if self.bind().is_ok() {
             if let Err(e) = self.inner.staging.trim(true) {
                 self.park(e);
             }
         }
-        if let Some(e) = self.take_parked_errors().into_iter().next() {
-            if first.is_ok() {
-                first = Err(e);
-            }
-        }
-        first
+        let parked = self.take_parked_errors().into_iter().next().map_or(Ok(()), Err);
+        streams.and(parked)
     }
 }
 

@@ -2,15 +2,13 @@
 //! of the stream they were recorded on (a collective failed by its watchdog
 //! is a failure CUDA cannot see).
 
-use std::sync::{Arc, Mutex, Weak};
-
 use cudarc::driver::result as drv;
 use cudarc::driver::sys::{CUevent, CUevent_flags};
 
 use super::device::{defer, next_id, CudaDevice};
 use super::result::DriverResult;
 use super::Cuda;
-use crate::failure::StreamState;
+use crate::failure::LastRecord;
 use crate::{host_fn, wait, Result};
 
 /// An event of a cuda device.
@@ -19,8 +17,8 @@ pub struct CudaEvent {
     pub(crate) raw: CUevent,
     pub(crate) id: u64,
     pub(crate) device: CudaDevice,
-    /// The state of the stream of the most recent record and its position there.
-    pub(crate) recorded: Mutex<Option<(Weak<StreamState>, u64)>>,
+    /// The stream of the most recent record and its position there.
+    pub(crate) recorded: LastRecord,
 }
 
 // SAFETY: a driver handle usable from any thread once the context is bound.
@@ -31,7 +29,7 @@ impl CudaEvent {
     pub(crate) fn create(device: &CudaDevice) -> Result<CudaEvent> {
         device.bind()?;
         let raw = drv::event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING).drv("cuEventCreate", &device.label())?;
-        Ok(CudaEvent { raw, id: next_id(), device: device.clone(), recorded: Mutex::new(None) })
+        Ok(CudaEvent { raw, id: next_id(), device: device.clone(), recorded: LastRecord::default() })
     }
 
     /// A process-unique id of this event.
@@ -42,12 +40,6 @@ impl CudaEvent {
     /// The driver handle (for vendor libraries).
     pub fn raw(&self) -> CUevent {
         self.raw
-    }
-
-    pub(crate) fn last_record(&self) -> Option<(Arc<StreamState>, u64)> {
-        let r = self.recorded.lock().ok()?;
-        let (w, pos) = r.as_ref()?;
-        Some((w.upgrade()?, *pos))
     }
 }
 
@@ -63,7 +55,7 @@ impl crate::Event for CudaEvent {
     fn query(&self) -> Result<bool> {
         host_fn::check("event query")?;
         self.device.bind()?;
-        let record = self.last_record();
+        let record = self.recorded.get();
         if let Some((state, pos)) = &record {
             if let Some(e) = state.failure_at(*pos) {
                 return Err(e);

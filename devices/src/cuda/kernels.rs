@@ -14,7 +14,7 @@ use cudarc::nvrtc::result as nvrtc;
 
 use super::result::{self as res, DriverResult};
 use crate::gpu_kernels::{blocks_for, BLOCK, NAMES, SOURCE};
-pub(crate) use crate::gpu_kernels::{code, REDUCE_BLOCK};
+pub(crate) use crate::gpu_kernels::{code, Args, REDUCE_BLOCK};
 use crate::DeviceError;
 
 /// PTX by compute capability.
@@ -129,15 +129,15 @@ impl Kernels {
     /// Launches `name` over `threads` elements (grid-stride; the grid is capped).
     ///
     /// # Safety
-    /// `args` must point to values of exactly the kernel's parameter types,
-    /// and every device pointer among them must be valid for the launch's
-    /// accesses in `stream`'s order.
+    /// `args` must match the kernel's parameters in [`SOURCE`], and every
+    /// device pointer among them must be valid for the launch's accesses in
+    /// `stream`'s order.
     pub(crate) unsafe fn launch(
         &self,
         name: &'static str,
         threads: u64,
         stream: CUstream,
-        args: &mut [*mut c_void],
+        args: Args,
         device: &str,
     ) -> Result<(), DeviceError> {
         let blocks = blocks_for(threads);
@@ -155,12 +155,14 @@ impl Kernels {
         blocks: u32,
         threads: u32,
         stream: CUstream,
-        args: &mut [*mut c_void],
+        mut args: Args,
         device: &str,
     ) -> Result<(), DeviceError> {
         let f = self.function(name)?;
-        // SAFETY: per the caller's contract.
-        unsafe { drv::launch_kernel(f, (blocks, 1, 1), (threads, 1, 1), 0, stream, args) }.drv("cuLaunchKernel", device)
+        let mut params = args.pointers();
+        // SAFETY: per the caller's contract; the slots outlive the call (the driver copies the values).
+        unsafe { drv::launch_kernel(f, (blocks, 1, 1), (threads, 1, 1), 0, stream, &mut params) }
+            .drv("cuLaunchKernel", device)
     }
 
     /// Unloads the module (the context must be current).
@@ -168,11 +170,6 @@ impl Kernels {
         // SAFETY: the module is unloaded once, by the device's drop.
         unsafe { drv::module::unload(self.module) }.drv("cuModuleUnload", "")
     }
-}
-
-/// Raw pointer to a kernel argument.
-pub(crate) fn arg<T>(v: &mut T) -> *mut c_void {
-    v as *mut T as *mut c_void
 }
 
 #[cfg(test)]

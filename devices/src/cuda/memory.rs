@@ -10,6 +10,7 @@ use super::device::{bind_ctx, defer, CudaDevice};
 use super::result::DriverResult;
 use super::stream::StreamShared;
 use super::Cuda;
+use crate::memory::StreamUsers;
 use crate::{DType, DeviceError};
 
 /// A cuda buffer: device memory from the stream-ordered allocator
@@ -29,8 +30,8 @@ pub struct CudaBuffer {
     len: usize,
     id: u64,
     pub(crate) device: CudaDevice,
-    owner: Arc<StreamShared>,
-    users: Mutex<Vec<Arc<StreamShared>>>,
+    /// The owner stream and the others that used the buffer.
+    users: StreamUsers<StreamShared>,
 }
 
 impl CudaBuffer {
@@ -51,8 +52,7 @@ impl CudaBuffer {
             len,
             id: super::device::next_id(),
             device: device.clone(),
-            owner: owner.clone(),
-            users: Mutex::new(Vec::new()),
+            users: StreamUsers::new(owner),
         }
     }
 
@@ -68,14 +68,7 @@ impl CudaBuffer {
     /// Records that work enqueued on `stream` uses this buffer, so the
     /// stream-ordered free waits for it.
     pub(crate) fn note_use(&self, stream: &Arc<StreamShared>) {
-        if Arc::ptr_eq(stream, &self.owner) {
-            return;
-        }
-        if let Ok(mut users) = self.users.lock() {
-            if !users.iter().any(|u| Arc::ptr_eq(u, stream)) {
-                users.push(stream.clone());
-            }
-        }
+        self.users.note(stream)
     }
 }
 
@@ -132,8 +125,8 @@ impl crate::Buffer for CudaBuffer {
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
         if self.bytes > 0 {
-            let (ptr, owner, label) = (self.ptr, self.owner.clone(), self.device.label());
-            let users = self.users.lock().map(|mut u| std::mem::take(&mut *u)).unwrap_or_default();
+            let (ptr, label) = (self.ptr, self.device.label());
+            let (owner, users) = self.users.take();
             defer(&self.device.inner, "cuMemFreeAsync", move |inner| {
                 bind_ctx(inner)?;
                 release(ptr, &owner, users, &label)

@@ -11,7 +11,7 @@ use cudarc::driver::sys::{CUdeviceptr, CUevent_wait_flags, CUmemorytype, CUresul
 use super::blas::BlasHandle;
 use super::device::{bind_ctx, defer, next_id, CudaDevice, DeviceInner};
 use super::event::CudaEvent;
-use super::kernels::{arg, code};
+use super::kernels::{code, Args};
 use super::memory::CudaBuffer;
 use super::result::{self as res, DriverResult};
 use super::Cuda;
@@ -60,10 +60,7 @@ impl StreamShared {
             state: StreamState::new(format!("{dev}/{label}{index}{suffix}")),
             blas: Mutex::new(None),
         });
-        if let Ok(mut list) = device.streams.lock() {
-            list.retain(|w| w.strong_count() > 0);
-            list.push(Arc::downgrade(&shared));
-        }
+        device.streams.add(&shared);
         Ok(shared)
     }
 
@@ -471,15 +468,9 @@ impl crate::Stream for CudaStream {
                     _ => {
                         let mut word = [0u8; 8];
                         word.copy_from_slice(&pattern);
-                        let (mut p, mut width, mut count, mut w) = (ptr, 8i32, n as u64, u64::from_le_bytes(word));
+                        let args = Args::default().ptr(ptr).i32(8).u64(n as u64).u64(u64::from_le_bytes(word));
                         let k = kernels.as_ref().ok_or_else(|| DeviceError::invalid("fill", "no kernels"))?;
-                        k.launch(
-                            "chorus_fill",
-                            n as u64,
-                            s,
-                            &mut [arg(&mut p), arg(&mut width), arg(&mut count), arg(&mut w)],
-                            &label,
-                        )
+                        k.launch("chorus_fill", n as u64, s, args, &label)
                     }
                 }
             }
@@ -490,27 +481,21 @@ impl crate::Stream for CudaStream {
         checks::cast(src, dst)?;
         self.elementwise("cast", &[src, dst], dst.len(), |k, s, label| {
             let (from, _staged) = self.input_ptr(&src, &dst, false)?;
-            let (mut a, mut at, mut b, mut bt, mut n) =
-                (from, code(src.dtype()), device_ptr(&dst), code(dst.dtype()), dst.len() as u64);
-            // SAFETY: the kernel's parameter types; ranges valid in stream order.
-            unsafe {
-                k.launch(
-                    "chorus_cast",
-                    n,
-                    s,
-                    &mut [arg(&mut a), arg(&mut at), arg(&mut b), arg(&mut bt), arg(&mut n)],
-                    label,
-                )
-            }
+            let n = dst.len() as u64;
+            let args =
+                Args::default().ptr(from).i32(code(src.dtype())).ptr(device_ptr(&dst)).i32(code(dst.dtype())).u64(n);
+            // SAFETY: the kernel's parameters; ranges valid in stream order.
+            unsafe { k.launch("chorus_cast", n, s, args, label) }
         })
     }
 
     fn scale(&self, x: View<'_, Cuda>, alpha: f64) -> Result<()> {
         checks::scale(x)?;
         self.elementwise("scale", &[x], x.len(), |k, s, label| {
-            let (mut p, mut t, mut n, mut a) = (device_ptr(&x), code(x.dtype()), x.len() as u64, alpha);
+            let n = x.len() as u64;
+            let args = Args::default().ptr(device_ptr(&x)).i32(code(x.dtype())).u64(n).f64(alpha);
             // SAFETY: as in `cast`.
-            unsafe { k.launch("chorus_scale", n, s, &mut [arg(&mut p), arg(&mut t), arg(&mut n), arg(&mut a)], label) }
+            unsafe { k.launch("chorus_scale", n, s, args, label) }
         })
     }
 
@@ -520,29 +505,14 @@ impl crate::Stream for CudaStream {
         let float = sd.is_float() && dd.is_float();
         self.elementwise("accumulate", &[src, dst], dst.len(), |k, s, label| {
             let (from, _staged) = self.input_ptr(&src, &dst, false)?;
-            let (mut a, mut b, mut n) = (from, device_ptr(&dst), dst.len() as u64);
+            let (to, n) = (device_ptr(&dst), dst.len() as u64);
+            let (kernel, args) = if float {
+                ("chorus_accumulate", Args::default().ptr(from).i32(code(sd)).ptr(to).i32(code(dd)).u64(n))
+            } else {
+                ("chorus_accumulate_int", Args::default().ptr(from).ptr(to).i32(code(dd)).u64(n))
+            };
             // SAFETY: as in `cast`.
-            unsafe {
-                if float {
-                    let (mut at, mut bt) = (code(sd), code(dd));
-                    k.launch(
-                        "chorus_accumulate",
-                        n,
-                        s,
-                        &mut [arg(&mut a), arg(&mut at), arg(&mut b), arg(&mut bt), arg(&mut n)],
-                        label,
-                    )
-                } else {
-                    let mut t = code(dd);
-                    k.launch(
-                        "chorus_accumulate_int",
-                        n,
-                        s,
-                        &mut [arg(&mut a), arg(&mut b), arg(&mut t), arg(&mut n)],
-                        label,
-                    )
-                }
-            }
+            unsafe { k.launch(kernel, n, s, args, label) }
         })
     }
 
@@ -550,18 +520,16 @@ impl crate::Stream for CudaStream {
         checks::axpy(x, y)?;
         self.elementwise("axpy", &[x, y], y.len(), |k, s, label| {
             let (from, _staged) = self.input_ptr(&x, &y, false)?;
-            let (mut al, mut a, mut at, mut b, mut bt, mut n) =
-                (alpha, from, code(x.dtype()), device_ptr(&y), code(y.dtype()), y.len() as u64);
+            let n = y.len() as u64;
+            let args = Args::default()
+                .f64(alpha)
+                .ptr(from)
+                .i32(code(x.dtype()))
+                .ptr(device_ptr(&y))
+                .i32(code(y.dtype()))
+                .u64(n);
             // SAFETY: as in `cast`.
-            unsafe {
-                k.launch(
-                    "chorus_axpy",
-                    n,
-                    s,
-                    &mut [arg(&mut al), arg(&mut a), arg(&mut at), arg(&mut b), arg(&mut bt), arg(&mut n)],
-                    label,
-                )
-            }
+            unsafe { k.launch("chorus_axpy", n, s, args, label) }
         })
     }
 
@@ -572,9 +540,7 @@ impl crate::Stream for CudaStream {
         // SAFETY: live event and stream of the bound context.
         unsafe { drv::event::record(event.raw, self.shared.raw) }.drv("cuEventRecord", &self.device.label())?;
         let pos = self.shared.state.advance();
-        if let Ok(mut r) = event.recorded.lock() {
-            *r = Some((Arc::downgrade(&self.shared.state), pos));
-        }
+        event.recorded.set(&self.shared.state, pos);
         Ok(())
     }
 
@@ -586,7 +552,7 @@ impl crate::Stream for CudaStream {
         unsafe { drv::stream::wait_event(self.shared.raw, event.raw, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
             .drv("cuStreamWaitEvent", &self.device.label())?;
         let ours = self.shared.state.advance();
-        if let Some((stream, theirs)) = event.last_record() {
+        if let Some((stream, theirs)) = event.recorded.get() {
             if !Arc::ptr_eq(&stream, &self.shared.state) {
                 self.shared.state.add_upstream(&stream, theirs, ours);
             }

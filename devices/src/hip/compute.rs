@@ -144,19 +144,7 @@ impl crate::ComputeStream for HipStream {
         }
         let sc = SgdScalars::new(&params, momentum_buf.is_some());
         self.launch(op, "chorus_sgd", &[(grad, Reads::Whole)], param, Dims::linear(n), |p, d| {
-            Args::default()
-                .ptr(d)
-                .ptr(p[0])
-                .ptr(buf)
-                .u64(n as u64)
-                .f32(sc.lr)
-                .f32(sc.weight_decay)
-                .f32(sc.momentum)
-                .f32(sc.one_minus_dampening)
-                .i32(sc.has_weight_decay)
-                .i32(sc.use_momentum)
-                .i32(sc.first_step)
-                .i32(sc.nesterov)
+            Args::default().ptr(d).ptr(p[0]).ptr(buf).u64(n as u64).sgd(&sc)
         })
     }
 
@@ -169,7 +157,7 @@ impl crate::ComputeStream for HipStream {
         exp_avg_sq: View<'_, Hip>,
     ) -> Result<()> {
         let op = "adamw_step";
-        checks::adamw_step(param, grad, exp_avg, exp_avg_sq)?;
+        checks::adamw_step(&[param, grad, exp_avg, exp_avg_sq])?;
         let (m, v) = (self.device_ptr(op, exp_avg)?, self.device_ptr(op, exp_avg_sq)?);
         let n = param.len();
         if n == 0 {
@@ -178,19 +166,7 @@ impl crate::ComputeStream for HipStream {
         // The scalars exactly as the cpu device (and torch) computes them.
         let sc = AdamWScalars::new(&params);
         self.launch(op, "chorus_adamw", &[(grad, Reads::Whole)], param, Dims::linear(n), |p, d| {
-            Args::default()
-                .ptr(d)
-                .ptr(p[0])
-                .ptr(m)
-                .ptr(v)
-                .u64(n as u64)
-                .f32(sc.decay)
-                .f32(sc.one_minus_beta1)
-                .f32(sc.beta2)
-                .f32(sc.one_minus_beta2)
-                .f32(sc.bias_correction2_sqrt)
-                .f32(sc.step_size)
-                .f32(sc.eps)
+            Args::default().ptr(d).ptr(p[0]).ptr(m).ptr(v).u64(n as u64).adamw(&sc)
         })
     }
 }

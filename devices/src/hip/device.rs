@@ -1,7 +1,7 @@
 //! The hip device, its memory accounting and its buffers.
 
 use std::sync::atomic::AtomicUsize;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::event::HipEvent;
@@ -9,8 +9,9 @@ use super::kernels::KernelCache;
 use super::result;
 use super::stream::{HipStream, StreamInner};
 use super::Hip;
+use crate::bookkeeping::{first_error, StreamList};
 use crate::deferred::Deferred;
-use crate::memory::MemCounters;
+use crate::memory::{MemCounters, StreamUsers};
 use crate::{DType, DeviceError, MemoryStats, Priority, Result};
 
 pub(crate) use crate::id::next_id;
@@ -36,15 +37,26 @@ impl Default for HipConfig {
 }
 
 /// Errors from `Drop` implementations, returned by the next device synchronize.
-pub(crate) type Parked = Arc<Mutex<Vec<DeviceError>>>;
+pub(crate) type Parked = Arc<crate::bookkeeping::Parked>;
 
 /// HIP work of drops that ran inside host functions (see `crate::deferred`).
 pub(crate) type DeferredDrops = Arc<Deferred<()>>;
 
-pub(crate) fn park(parked: &Parked, e: DeviceError) {
-    if let Ok(mut p) = parked.lock() {
-        p.push(e);
-    }
+/// What every hip handle's drop does with its HIP calls (`work`): runs them
+/// now with device `ordinal` current or, inside a host function, at the
+/// device's next bind from another thread; their error is parked.
+pub(crate) fn defer_drop(
+    deferred: &DeferredDrops,
+    parked: &Parked,
+    ordinal: usize,
+    what: &'static str,
+    work: impl FnOnce() -> Result<()> + Send + 'static,
+) {
+    let work = move |_: &()| {
+        result::set_device(ordinal)?;
+        work()
+    };
+    deferred.run_or_defer(&(), what, work, |e| parked.park(e));
 }
 
 /// A page-locked host block for staging host↔device copies (so they are
@@ -99,7 +111,7 @@ pub(crate) struct DeviceInner {
     pub(crate) priorities: (i32, i32),
     /// Our own accounting of live buffers: counted when allocated, uncounted when dropped.
     counters: MemCounters,
-    pub(crate) streams: Mutex<Vec<Weak<StreamInner>>>,
+    pub(crate) streams: StreamList<StreamInner>,
     /// Allocations of `Device::alloc` and their frees run here.
     internal: Arc<StreamInner>,
     pub(crate) kernels: KernelCache,
@@ -172,7 +184,7 @@ impl HipDevice {
                 name,
                 priorities,
                 counters: MemCounters::default(),
-                streams: Mutex::new(Vec::new()),
+                streams: StreamList::default(),
                 internal,
                 kernels: KernelCache::default(),
                 pinned: Arc::default(),
@@ -199,14 +211,14 @@ impl HipDevice {
     pub fn bind(&self) -> Result<()> {
         result::set_device(self.inner.config.ordinal)?;
         let parked = &self.inner.parked;
-        self.inner.deferred.drain(&(), |e| park(parked, e));
+        self.inner.deferred.drain(&(), |e| parked.park(e));
         Ok(())
     }
 
     /// Keeps an error met where it cannot be returned (a `Drop` in another
     /// crate, a watchdog): the next [`Device::synchronize`](crate::Device::synchronize) returns it.
     pub fn park_error(&self, error: DeviceError) {
-        park(&self.inner.parked, error);
+        self.inner.parked.park(error);
     }
 
     pub(crate) fn label(&self) -> String {
@@ -226,25 +238,7 @@ impl HipDevice {
             unsafe { result::malloc_async(bytes, home.raw(), &self.label()) }? as usize
         };
         self.inner.counters.add(bytes);
-        Ok(HipBuffer {
-            ptr,
-            bytes,
-            dtype,
-            len,
-            id: next_id(),
-            device: self.clone(),
-            home: home.clone(),
-            users: Mutex::new(Vec::new()),
-        })
-    }
-
-    fn take_parked(&self) -> Option<DeviceError> {
-        let mut p = self.inner.parked.lock().ok()?;
-        if p.is_empty() {
-            None
-        } else {
-            Some(p.remove(0))
-        }
+        Ok(HipBuffer { ptr, bytes, dtype, len, id: next_id(), device: self.clone(), users: StreamUsers::new(home) })
     }
 }
 
@@ -285,19 +279,11 @@ impl crate::Device for HipDevice {
     }
     fn synchronize(&self) -> Result<()> {
         self.bind()?;
-        let streams: Vec<Arc<StreamInner>> = match self.inner.streams.lock() {
-            Ok(s) => s.iter().filter_map(Weak::upgrade).collect(),
-            Err(_) => Vec::new(),
-        };
+        let streams = self.inner.streams.live();
         let timeout = self.inner.config.timeout;
-        let mut first = self.inner.internal.synchronize(timeout);
-        for s in streams {
-            let r = s.synchronize(timeout);
-            if first.is_ok() {
-                first = r;
-            }
-        }
-        match self.take_parked() {
+        let internal = self.inner.internal.synchronize(timeout);
+        let first = internal.and(first_error(streams.iter().map(|s| s.synchronize(timeout))));
+        match self.inner.parked.take_oldest() {
             Some(e) => Err(e),
             None => first,
         }
@@ -313,10 +299,9 @@ pub struct HipBuffer {
     len: usize,
     id: u64,
     device: HipDevice,
-    /// The stream that allocated it, where it is freed.
-    home: Arc<StreamInner>,
-    /// Other streams that have used it: the free waits for them.
-    users: Mutex<Vec<Arc<StreamInner>>>,
+    /// The stream that allocated it, where it is freed, and the others that
+    /// have used it: the free waits for them.
+    users: StreamUsers<StreamInner>,
 }
 
 impl HipBuffer {
@@ -327,21 +312,13 @@ impl HipBuffer {
 
     /// Remembers that `stream` uses this buffer, so the free waits for it.
     pub(crate) fn note_use(&self, stream: &Arc<StreamInner>) {
-        if Arc::ptr_eq(stream, &self.home) {
-            return;
-        }
-        if let Ok(mut users) = self.users.lock() {
-            if !users.iter().any(|u| Arc::ptr_eq(u, stream)) {
-                users.push(stream.clone());
-            }
-        }
+        self.users.note(stream)
     }
 }
 
 /// The stream-ordered free of a buffer: the home stream waits for every other
 /// stream that used it, then frees (`hipFreeAsync`).
-fn release(ordinal: usize, ptr: usize, home: &StreamInner, users: Vec<Arc<StreamInner>>) -> Result<()> {
-    result::set_device(ordinal)?;
+fn release(ptr: usize, home: &StreamInner, users: Vec<Arc<StreamInner>>) -> Result<()> {
     for user in users {
         // The free on the home stream comes after everything the user stream has queued so far.
         let event = result::event_create()?;
@@ -377,16 +354,12 @@ impl crate::Buffer for HipBuffer {
 impl Drop for HipBuffer {
     fn drop(&mut self) {
         if self.bytes > 0 {
-            let (ordinal, ptr, home) = (self.device.inner.config.ordinal, self.ptr, self.home.clone());
-            let users = self.users.lock().map(|mut u| std::mem::take(&mut *u)).unwrap_or_default();
-            let parked = self.device.inner.parked.clone();
+            let (inner, ptr) = (&self.device.inner, self.ptr);
+            let (home, users) = self.users.take();
             // On failure the memory is leaked rather than freed while work may still use it.
-            self.device.inner.deferred.run_or_defer(
-                &(),
-                "hipFreeAsync",
-                move |_| release(ordinal, ptr, &home, users),
-                |e| park(&parked, e),
-            );
+            defer_drop(&inner.deferred, &inner.parked, inner.config.ordinal, "hipFreeAsync", move || {
+                release(ptr, &home, users)
+            });
         }
         self.device.inner.counters.sub(self.bytes);
     }

@@ -1,12 +1,11 @@
 //! Events of the hip device, and the host-side polling every host wait uses.
 
-use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use super::device::{next_id, park, HipDevice};
+use super::device::{defer_drop, next_id, HipDevice};
 use super::sys::hipEvent_t;
 use super::{result, Hip};
-use crate::failure::StreamState;
+use crate::failure::LastRecord;
 use crate::wait::Backoff;
 use crate::{host_fn, DeviceError, Result};
 
@@ -35,15 +34,15 @@ pub struct HipEvent {
     raw: usize,
     id: u64,
     pub(crate) device: HipDevice,
-    /// The state of the stream of the most recent record, and its position there.
-    recorded: Mutex<Option<(Weak<StreamState>, u64)>>,
+    /// The stream of the most recent record, and its position there.
+    pub(crate) recorded: LastRecord,
 }
 
 impl HipEvent {
     pub(crate) fn create(device: &HipDevice) -> Result<HipEvent> {
         device.bind()?;
         let raw = result::event_create()? as usize;
-        Ok(HipEvent { raw, id: next_id(), device: device.clone(), recorded: Mutex::new(None) })
+        Ok(HipEvent { raw, id: next_id(), device: device.clone(), recorded: LastRecord::default() })
     }
 
     /// The `hipEvent_t`.
@@ -55,18 +54,6 @@ impl HipEvent {
     pub fn id(&self) -> u64 {
         self.id
     }
-
-    pub(crate) fn set_recorded(&self, state: &Arc<StreamState>, position: u64) {
-        if let Ok(mut cur) = self.recorded.lock() {
-            *cur = Some((Arc::downgrade(state), position));
-        }
-    }
-
-    pub(crate) fn recorded(&self) -> Option<(Arc<StreamState>, u64)> {
-        let r = self.recorded.lock().ok()?;
-        let (w, pos) = r.as_ref()?;
-        Some((w.upgrade()?, *pos))
-    }
 }
 
 impl crate::Event for HipEvent {
@@ -74,7 +61,7 @@ impl crate::Event for HipEvent {
 
     fn synchronize(&self) -> Result<()> {
         host_fn::check("event synchronize")?;
-        let Some((state, position)) = self.recorded() else {
+        let Some((state, position)) = self.recorded.get() else {
             return Ok(());
         };
         self.device.bind()?;
@@ -91,7 +78,7 @@ impl crate::Event for HipEvent {
 
     fn query(&self) -> Result<bool> {
         host_fn::check("event query")?;
-        let Some((state, position)) = self.recorded() else {
+        let Some((state, position)) = self.recorded.get() else {
             return Ok(true);
         };
         if let Some(e) = state.failure_at(position) {
@@ -105,18 +92,10 @@ impl crate::Event for HipEvent {
 
 impl Drop for HipEvent {
     fn drop(&mut self) {
-        let raw = self.raw;
-        let ordinal = self.device.inner.config.ordinal;
-        let parked = self.device.inner.parked.clone();
-        self.device.inner.deferred.run_or_defer(
-            &(),
-            "hipEventDestroy",
-            move |_| {
-                result::set_device(ordinal)?;
-                // SAFETY: destroyed once; HIP releases a pending event when its work completes.
-                unsafe { result::event_destroy(raw as hipEvent_t) }
-            },
-            |e| park(&parked, e),
-        );
+        let (inner, raw) = (&self.device.inner, self.raw);
+        defer_drop(&inner.deferred, &inner.parked, inner.config.ordinal, "hipEventDestroy", move || {
+            // SAFETY: destroyed once; HIP releases a pending event when its work completes.
+            unsafe { result::event_destroy(raw as hipEvent_t) }
+        });
     }
 }

@@ -16,11 +16,11 @@
 //! [`HipConfig::arch`]: super::HipConfig::arch
 
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use super::result;
 use super::sys::{hipFunction_t, hipModule_t, hipStream_t};
+pub(crate) use crate::gpu_kernels::Args;
 pub use crate::gpu_kernels::{NAMES, SOURCE};
 use crate::DeviceError;
 
@@ -113,36 +113,6 @@ impl KernelCache {
     }
 }
 
-/// Kernel arguments, each stored in an 8-byte slot (a 4-byte argument is
-/// read from the slot's low half, which little-endian puts first).
-#[derive(Default)]
-pub(crate) struct Args {
-    slots: Vec<u64>,
-}
-
-impl Args {
-    pub(crate) fn ptr(mut self, p: u64) -> Self {
-        self.slots.push(p);
-        self
-    }
-    pub(crate) fn u64(mut self, v: u64) -> Self {
-        self.slots.push(v);
-        self
-    }
-    pub(crate) fn f64(mut self, v: f64) -> Self {
-        self.slots.push(v.to_bits());
-        self
-    }
-    pub(crate) fn f32(mut self, v: f32) -> Self {
-        self.slots.push(v.to_bits() as u64);
-        self
-    }
-    pub(crate) fn i32(mut self, v: i32) -> Self {
-        self.slots.push(v as u32 as u64);
-        self
-    }
-}
-
 /// Launches kernel `name` of `kernels` on `stream` with a `grid` of `block`s.
 ///
 /// # Safety
@@ -158,7 +128,7 @@ pub(crate) unsafe fn launch(
     mut args: Args,
 ) -> Result<(), DeviceError> {
     let function = kernels.function(name)?;
-    let mut params: Vec<*mut c_void> = args.slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
+    let mut params = args.pointers();
     // SAFETY: per the caller's contract; the slots outlive the call (HIP copies the values).
     unsafe { result::launch_kernel(function, grid, block, 0, stream, &mut params) }
 }

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::device::{park, DeferredDrops, HipBuffer, HipDevice, Parked};
+use super::device::{defer_drop, DeferredDrops, HipBuffer, HipDevice, Parked};
 use super::event::{poll_event, HipEvent};
 use super::kernels::{self, Args};
 use super::sys::{self, hipStream_t};
@@ -92,18 +92,11 @@ impl Drop for StreamInner {
     fn drop(&mut self) {
         // Returns at once; HIP finishes the queued work before releasing the
         // stream. Inside a host function, postponed to a thread that may call HIP.
-        let (raw, ordinal) = (self.raw, self.ordinal);
-        let parked = self.parked.clone();
-        self.deferred.run_or_defer(
-            &(),
-            "hipStreamDestroy",
-            move |_| {
-                result::set_device(ordinal)?;
-                // SAFETY: the last owner destroys the stream once.
-                unsafe { result::stream_destroy(raw as hipStream_t) }
-            },
-            |e| park(&parked, e),
-        );
+        let raw = self.raw;
+        defer_drop(&self.deferred, &self.parked, self.ordinal, "hipStreamDestroy", move || {
+            // SAFETY: the last owner destroys the stream once.
+            unsafe { result::stream_destroy(raw as hipStream_t) }
+        });
     }
 }
 
@@ -136,10 +129,7 @@ impl HipStream {
         };
         let inner =
             Arc::new(StreamInner::create(d.config.ordinal, name, priority, hip_priority, &d.parked, &d.deferred)?);
-        if let Ok(mut list) = d.streams.lock() {
-            list.retain(|w| w.strong_count() > 0);
-            list.push(Arc::downgrade(&inner));
-        }
+        d.streams.add(&inner);
         Ok(HipStream { inner, device: device.clone() })
     }
 
@@ -284,6 +274,20 @@ impl HipStream {
     }
 }
 
+/// What host work enqueued at position `at` is told: the runtime's error
+/// (`hipStreamAddCallback` passes the stream's), else the stream's host-seen
+/// failure up to `at`. Runs in the host function, so it calls no HIP.
+fn host_outcome(outcome: Result<(), i32>, state: &StreamState, at: u64, before: &str) -> Result<()> {
+    match outcome {
+        Err(code) => Err(DeviceError::Backend {
+            library: result::LIBRARY,
+            code: code as i64,
+            message: format!("the stream failed before {before}"),
+        }),
+        Ok(()) => state.failure_at(at).map_or(Ok(()), |e| Err(poisoned(&e))),
+    }
+}
+
 /// Stream-ordered scratch memory: freed on its stream when dropped, after the work enqueued before.
 struct Scratch<'a> {
     ptr: usize,
@@ -294,7 +298,7 @@ impl Drop for Scratch<'_> {
     fn drop(&mut self) {
         // SAFETY: allocated by hipMallocAsync on this stream; freed once, after the work that used it.
         if let Err(e) = unsafe { result::free_async(self.ptr as *mut c_void, self.stream.raw()) } {
-            park(&self.stream.device.inner.parked, e);
+            self.stream.device.inner.parked.park(e);
         }
     }
 }
@@ -456,18 +460,9 @@ impl crate::Stream for HipStream {
         }
         let state = self.inner.state.clone();
         self.host_work(Box::new(move |outcome| {
-            let result = match outcome {
-                Err(code) => Err(DeviceError::Backend {
-                    library: result::LIBRARY,
-                    code: code as i64,
-                    message: "the stream failed before the device-to-host copy completed".into(),
-                }),
-                Ok(()) => match state.failure_at(at) {
-                    Some(e) => Err(poisoned(&e)),
-                    // SAFETY: the copy into the block has completed (stream order).
-                    None => Ok(unsafe { std::slice::from_raw_parts(block.ptr(), bytes) }.to_vec()),
-                },
-            };
+            let result = host_outcome(outcome, &state, at, "the device-to-host copy completed")
+                // SAFETY: the copy into the block has completed (stream order).
+                .map(|()| unsafe { std::slice::from_raw_parts(block.ptr(), bytes) }.to_vec());
             pool.give(block);
             match result {
                 Ok(data) => filler.fill(data),
@@ -566,14 +561,14 @@ impl crate::Stream for HipStream {
         // SAFETY: live handles of one device.
         unsafe { result::event_record(event.raw(), self.raw()) }?;
         let position = self.inner.state.advance();
-        event.set_recorded(&self.inner.state, position);
+        event.recorded.set(&self.inner.state, position);
         Ok(())
     }
 
     fn wait(&self, event: &HipEvent) -> Result<()> {
         host_fn::check("wait")?;
         checks::same_device("wait", "an event", &self.device, &event.device)?;
-        let Some((state, theirs)) = event.recorded() else {
+        let Some((state, theirs)) = event.recorded.get() else {
             return Ok(());
         };
         self.device.bind()?;
@@ -601,17 +596,7 @@ impl crate::Stream for HipStream {
         self.device.bind()?;
         let state = self.inner.state.clone();
         self.host_work(Box::new(move |outcome| {
-            let told = match outcome {
-                Err(code) => Err(DeviceError::Backend {
-                    library: result::LIBRARY,
-                    code: code as i64,
-                    message: "the stream failed before the host function".into(),
-                }),
-                Ok(()) => match state.failure_at(at) {
-                    Some(e) => Err(poisoned(&e)),
-                    None => Ok(()),
-                },
-            };
+            let told = host_outcome(outcome, &state, at, "the host function");
             if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || f(told))) {
                 let msg = panic.downcast_ref::<&str>().map(|s| s.to_string()).unwrap_or_default();
                 state.fail(at, DeviceError::invalid("launch_host_fn", format!("the host function panicked: {msg}")));

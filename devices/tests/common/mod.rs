@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context};
 use chorus_devices::cpu::{CpuConfig, CpuDevice};
-use chorus_devices::{bf16, f16, Backend, DType, Device, Priority, Stream, View};
+use chorus_devices::{with_element, Backend, DType, Device, Element, Priority, Stream, View};
 
 /// The deadline of test devices: long enough never to fire on a loaded
 /// machine, short enough that a broken wait fails the test instead of hanging CI.
@@ -146,42 +146,11 @@ pub fn same_value(a: f64, b: f64) -> bool {
 pub fn encode(dtype: DType, values: &[f64]) -> anyhow::Result<Vec<u8>> {
     let mut out = Vec::with_capacity(values.len() * dtype.size());
     for &v in values {
-        let exact = match dtype {
-            DType::F32 => {
-                out.extend_from_slice(&(v as f32).to_le_bytes());
-                (v as f32) as f64
-            }
-            DType::F64 => {
-                out.extend_from_slice(&v.to_le_bytes());
-                v
-            }
-            DType::F16 => {
-                let h = f16::from_f32(v as f32);
-                out.extend_from_slice(&h.to_le_bytes());
-                h.to_f64()
-            }
-            DType::BF16 => {
-                let h = bf16::from_f32(v as f32);
-                out.extend_from_slice(&h.to_le_bytes());
-                h.to_f64()
-            }
-            DType::I32 => {
-                out.extend_from_slice(&(v as i32).to_le_bytes());
-                (v as i32) as f64
-            }
-            DType::I64 => {
-                out.extend_from_slice(&(v as i64).to_le_bytes());
-                (v as i64) as f64
-            }
-            DType::I8 => {
-                out.extend_from_slice(&(v as i8).to_le_bytes());
-                (v as i8) as f64
-            }
-            DType::U8 => {
-                out.extend_from_slice(&(v as u8).to_le_bytes());
-                (v as u8) as f64
-            }
-        };
+        let exact = with_element!(dtype, T => {
+            let e = T::from_f64(v);
+            out.extend_from_slice(bytemuck::bytes_of(&e));
+            e.to_f64()
+        });
         ensure!(same_value(exact, v), "{v} is not exactly representable in {dtype}");
     }
     Ok(out)
@@ -189,19 +158,8 @@ pub fn encode(dtype: DType, values: &[f64]) -> anyhow::Result<Vec<u8>> {
 
 /// Decodes little-endian elements of `dtype` to f64 (exact for every dtype used here).
 pub fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
-    bytes
-        .chunks_exact(dtype.size())
-        .map(|c| match dtype {
-            DType::F32 => f32::from_le_bytes(c.try_into().expect("4 bytes")) as f64,
-            DType::F64 => f64::from_le_bytes(c.try_into().expect("8 bytes")),
-            DType::F16 => f16::from_le_bytes(c.try_into().expect("2 bytes")).to_f64(),
-            DType::BF16 => bf16::from_le_bytes(c.try_into().expect("2 bytes")).to_f64(),
-            DType::I32 => i32::from_le_bytes(c.try_into().expect("4 bytes")) as f64,
-            DType::I64 => i64::from_le_bytes(c.try_into().expect("8 bytes")) as f64,
-            DType::I8 => c[0] as i8 as f64,
-            DType::U8 => c[0] as f64,
-        })
-        .collect()
+    let element = |c: &[u8]| with_element!(dtype, T => bytemuck::pod_read_unaligned::<T>(c).to_f64());
+    bytes.chunks_exact(dtype.size()).map(element).collect()
 }
 
 /// Uploads exactly representable values into `dst` (any dtype).

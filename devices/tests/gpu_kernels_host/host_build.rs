@@ -1,0 +1,126 @@
+//! The shared kernel source compiled by the host's C++ compiler into a
+//! shared library: a prelude defines the CUDA keywords away, an epilogue
+//! exports the conversion helpers.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Mutex, OnceLock};
+
+use chorus_devices::gpu_kernels::SOURCE;
+
+/// What the kernel source needs from CUDA, for the host compiler.
+const PRELUDE: &str = r#"
+#include <math.h>
+#include <string.h>
+#include <condition_variable>
+#include <mutex>
+
+struct chorus_dim3 { unsigned x, y, z; };
+static chorus_dim3 gridDim = {1, 1, 1};
+static chorus_dim3 blockDim = {1, 1, 1};
+static thread_local chorus_dim3 blockIdx = {0, 0, 0};
+static thread_local chorus_dim3 threadIdx = {0, 0, 0};
+
+static std::mutex chorus_barrier_mutex;
+static std::condition_variable chorus_barrier_cv;
+static unsigned chorus_barrier_waiting = 0;
+static unsigned chorus_barrier_generation = 0;
+
+// Every thread of the block waits for the others.
+static void __syncthreads() {
+    std::unique_lock<std::mutex> lock(chorus_barrier_mutex);
+    unsigned generation = chorus_barrier_generation;
+    if (++chorus_barrier_waiting == blockDim.x * blockDim.y) {
+        chorus_barrier_waiting = 0;
+        chorus_barrier_generation++;
+        chorus_barrier_cv.notify_all();
+    } else {
+        chorus_barrier_cv.wait(lock, [&] { return chorus_barrier_generation != generation; });
+    }
+}
+
+static unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, sizeof u); return u; }
+static float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, sizeof f); return f; }
+
+#define __device__
+#define __global__
+#define __shared__ static
+#define __launch_bounds__(threads)
+
+extern "C" void chorus_host_dims(unsigned gx, unsigned gy, unsigned bx, unsigned by) {
+    gridDim = {gx, gy, 1};
+    blockDim = {bx, by, 1};
+}
+extern "C" void chorus_host_enter(unsigned bx, unsigned by, unsigned tx, unsigned ty) {
+    blockIdx = {bx, by, 0};
+    threadIdx = {tx, ty, 0};
+}
+"#;
+
+/// The source's conversion helpers, exported as bit patterns (a float
+/// passed through a register stays as it is; converting it would quiet a
+/// signaling NaN and hide what the helper did).
+const EPILOGUE: &str = r#"
+extern "C" unsigned chorus_host_h2f(unsigned short h) { return f32_bits(h2f(h)); }
+extern "C" unsigned short chorus_host_f2h(unsigned f) { return f2h(bits_f32(f)); }
+extern "C" unsigned chorus_host_b2f(unsigned short b) { return f32_bits(b2f(b)); }
+extern "C" unsigned short chorus_host_f2b(unsigned f) { return f2b(bits_f32(f)); }
+"#;
+
+/// The kernel source built as a shared library, and a lock so one launch at a time owns its block state.
+pub struct HostKernels {
+    lib: libloading::Library,
+    pub(crate) launch_lock: Mutex<()>,
+}
+
+fn compiler() -> Option<String> {
+    let candidates = std::env::var("CXX").into_iter().chain(["c++", "g++", "clang++"].map(String::from));
+    candidates.into_iter().find(|c| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()))
+}
+
+fn build() -> Result<HostKernels, String> {
+    let cxx = compiler().ok_or("no C++ compiler (CXX, c++, g++, clang++)")?;
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("gpu_kernels_host-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let (src, lib) = (dir.join("kernels.cpp"), dir.join("libchorus_kernels_host.so"));
+    std::fs::write(&src, format!("{PRELUDE}\n#line 1 \"gpu_kernels.rs SOURCE\"\n{SOURCE}\n{EPILOGUE}"))
+        .map_err(|e| format!("{}: {e}", src.display()))?;
+    // As the GPU compilers are told: no contraction into multiply-adds.
+    let out = Command::new(&cxx)
+        .args(["-std=c++17", "-O2", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-Wall", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .output()
+        .map_err(|e| format!("{cxx}: {e}"))?;
+    let log = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        panic!("{cxx} rejected the kernel source:\n{log}");
+    }
+    if !log.trim().is_empty() {
+        println!("{cxx} warned about the kernel source:\n{log}");
+    }
+    // SAFETY: our own library; its initializers only set the statics above.
+    let loaded = unsafe { libloading::Library::new(&lib) }.map_err(|e| format!("loading {}: {e}", lib.display()));
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(HostKernels { lib: loaded?, launch_lock: Mutex::new(()) })
+}
+
+/// The host build of the kernels, or `None` (and a printed reason) when there is no compiler.
+pub fn kernels() -> Option<&'static HostKernels> {
+    static BUILT: OnceLock<Result<HostKernels, String>> = OnceLock::new();
+    match BUILT.get_or_init(build) {
+        Ok(k) => Some(k),
+        Err(why) => {
+            println!("skipped: {why}");
+            None
+        }
+    }
+}
+
+impl HostKernels {
+    /// The kernel `name` as a function of type `F`.
+    pub fn get<F: Copy>(&self, name: &str) -> F {
+        // SAFETY: `F` is the kernel's signature in SOURCE (each caller names it).
+        unsafe { *self.lib.get::<F>(name.as_bytes()).unwrap_or_else(|e| panic!("{name}: {e}")) }
+    }
+}
