@@ -1,5 +1,5 @@
 # Sourced by ci/test.sh: a host C++ compiler for the host test of the shared
-# GPU kernel source (devices/tests/gpu_kernels_host.rs compiles it with `c++`
+# GPU kernel source (devices/tests/gpu_kernels_host/ compiles it with `c++`
 # and runs every kernel on the CPU). Idempotent: when one is installed this
 # is one `command -v`. Never fails the caller: without a compiler that test
 # prints why it skipped.
