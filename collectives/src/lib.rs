@@ -43,6 +43,13 @@ pub use mesh::Mesh;
 pub use reduce::ReduceOp;
 pub use vendor::abi as nccl_abi;
 
+/// What this crate's exported macros name, reachable through `$crate`
+/// whatever the caller calls the devices crate.
+#[doc(hidden)]
+pub mod __private {
+    pub use chorus_devices::Backend;
+}
+
 /// `Ok` outside host functions; inside one, the device's `InHostFunction`
 /// for `op` (a communicator call there would call the driver).
 pub(crate) fn host_fn_check(op: &str) -> Result<()> {
