@@ -118,22 +118,8 @@ pub(crate) fn finish<T: Reducible>(acc: &mut [T], op: ReduceOp, n: usize) {
     }
 }
 
-/// Calls `$body` with `$t` bound to the host type of `$dtype`.
-macro_rules! with_dtype {
-    ($dtype:expr, $t:ident => $body:expr) => {
-        $crate::arith::with_dtype!(@each $dtype, $t => $body; F32 f32, F64 f64, F16 chorus_devices::f16,
-            BF16 chorus_devices::bf16, I32 i32, I64 i64, I8 i8, U8 u8)
-    };
-    (@each $dtype:expr, $t:ident => $body:expr; $($variant:ident $host:ty),*) => {
-        match $dtype {
-            $(chorus_devices::DType::$variant => {
-                type $t = $host;
-                $body
-            })*
-        }
-    };
-}
-pub(crate) use with_dtype;
+// Exported for the bench; the kernels find it here with the rest of the arithmetic.
+pub(crate) use crate::with_dtype;
 
 /// The operator that combines two partial results (already scaled and not
 /// yet divided): a sum for `Avg` and `PreMulSum`, the operator itself otherwise.

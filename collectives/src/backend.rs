@@ -291,3 +291,29 @@ pub trait CommBackend: Send + Sync + Sized + 'static {
     /// The asynchronous error that has made this communicator unusable, if any.
     fn async_error(&self) -> Option<crate::CommError>;
 }
+
+/// Writes the [`CommBackend`] methods that a wrapping backend passes on
+/// unchanged to its field `$inner`: `rank`, `size`, `device`, `abort` and
+/// `async_error`. For use inside `impl CommBackend for Wrapper<C>` with
+/// `type B = C::B`; the wrapper writes `capabilities`, `launch` and `split`,
+/// the methods a wrapper exists to change.
+#[macro_export]
+macro_rules! forward_to_inner {
+    ($inner:ident) => {
+        fn rank(&self) -> usize {
+            $crate::CommBackend::rank(&self.$inner)
+        }
+        fn size(&self) -> usize {
+            $crate::CommBackend::size(&self.$inner)
+        }
+        fn device(&self) -> &<Self::B as $crate::__private::Backend>::Device {
+            $crate::CommBackend::device(&self.$inner)
+        }
+        fn abort(&self, reason: &str) {
+            $crate::CommBackend::abort(&self.$inner, reason)
+        }
+        fn async_error(&self) -> Option<$crate::CommError> {
+            $crate::CommBackend::async_error(&self.$inner)
+        }
+    };
+}

@@ -234,15 +234,8 @@ where
     type B = C::B;
     const NAME: &'static str = C::NAME;
 
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn size(&self) -> usize {
-        self.inner.size()
-    }
-    fn device(&self) -> &<C::B as Backend>::Device {
-        self.inner.device()
-    }
+    crate::forward_to_inner!(inner);
+
     fn capabilities(&self) -> Capabilities {
         let enabled = self.enabled();
         let mut caps = self.inner.capabilities();
@@ -270,13 +263,5 @@ where
             let prefix = format!("{}/split{n}/color{}", self.prefix, color.unwrap_or(u32::MAX));
             Checked::with_switch(c, self.store.clone(), prefix, self.timeout, self.enabled.clone())
         }))
-    }
-
-    fn abort(&self, reason: &str) {
-        self.inner.abort(reason)
-    }
-
-    fn async_error(&self) -> Option<CommError> {
-        self.inner.async_error()
     }
 }

@@ -16,11 +16,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context};
 use chorus_collectives::{CommBackend, ReduceOp};
-use chorus_devices::{Buffer, DType, Stream};
+use chorus_devices::{Buffer, DType, Stream, View};
 
 use crate::expected::{self, check, check_untouched, repeat, table, OpSpec, Pattern};
 use crate::util::{part, read, seed, sentinel, upload};
-use crate::{Case, Failure, RankCtx, Requirements};
+use crate::{Buf, Case, Failure, RankCtx, Requirements, Strm};
 
 /// The counts every operation is run with.
 pub const COUNTS: [usize; 5] = [0, 1, 7, 1023, (1 << 20) + 3];
@@ -161,46 +161,91 @@ pub fn cases<C: CommBackend>(n: usize) -> Vec<Case<C>> {
 
 type Body<C> = fn(&RankCtx<'_, C>, Spec) -> Result<(), Failure>;
 
+/// Runs an out-of-place `call` from `send` (which holds `mine`) into a new
+/// [`SENTINEL`](crate::expected::SENTINEL) buffer of `len` elements, checks
+/// that `send` was left alone, and reads the output back.
+fn out_of_place<C: CommBackend>(
+    s: &Strm<C>,
+    dtype: DType,
+    send: &Buf<C>,
+    mine: &[u8],
+    len: usize,
+    call: impl FnOnce(View<'_, C::B>) -> chorus_collectives::Result<()>,
+) -> Result<Vec<u8>, Failure> {
+    let recv = sentinel::<C>(s, dtype, len)?;
+    call(recv.view())?;
+    check("the send buffer (must be left alone)", dtype, &read::<C>(s, send.view())?, mine, 0)?;
+    read::<C>(s, recv.view())
+}
+
+/// Checks a gathered output: chunk `j` (`len` elements) of `got` must hold
+/// rank `j`'s table from element `first`, for each of the `n` ranks.
+fn check_chunks(
+    what: impl Fn(usize) -> String,
+    dtype: DType,
+    got: &[u8],
+    pattern: &Pattern,
+    n: usize,
+    len: usize,
+    first: usize,
+) -> Result<(), Failure> {
+    let bytes = len * dtype.size();
+    for j in 0..n {
+        check(&what(j), dtype, &got[j * bytes..(j + 1) * bytes], &table(dtype, pattern, j), first)?;
+    }
+    Ok(())
+}
+
+/// One rank's side of a reducing case: its stream, the case's pattern, the
+/// rank's table of it, and a send buffer repeating that table.
+struct ReduceInputs<C: CommBackend> {
+    s: Strm<C>,
+    pattern: Pattern,
+    mine: Vec<u8>,
+    send: Buf<C>,
+}
+
+impl<C: CommBackend> ReduceInputs<C> {
+    /// The inputs with a send buffer of `len` elements.
+    fn new(ctx: &RankCtx<'_, C>, sp: Spec, len: usize) -> Result<Self, Failure> {
+        let s = ctx.stream()?;
+        let pattern = Pattern::for_op(sp.op, ctx.size(), sp.seed);
+        let mine = table(sp.dtype, &pattern, ctx.rank());
+        let send = upload::<C>(&s, sp.dtype, &repeat(sp.dtype, &mine, 0, len))?;
+        Ok(ReduceInputs { s, pattern, mine, send })
+    }
+}
+
+/// `pattern`'s table reduced over all `n` ranks with the case's operators.
+fn reduced(sp: Spec, pattern: &Pattern, n: usize) -> Vec<u8> {
+    let ids: Vec<usize> = (0..n).collect();
+    expected::reduced(sp.dtype, pattern, &ids, &sp.op.ops(&ids))
+}
+
 fn all_reduce<C: CommBackend>(ctx: &RankCtx<'_, C>, sp: Spec) -> Result<(), Failure> {
     let (r, n, dtype, count) = (ctx.rank(), ctx.size(), sp.dtype, sp.count);
-    let s = ctx.stream()?;
-    let ids: Vec<usize> = (0..n).collect();
-    let pattern = Pattern::for_op(sp.op, n, sp.seed);
-    let mine = table(dtype, &pattern, r);
-    let send = upload::<C>(&s, dtype, &repeat(dtype, &mine, 0, count))?;
+    let ReduceInputs { s, pattern, mine, send } = ReduceInputs::new(ctx, sp, count)?;
     let op = sp.op.for_rank(r);
     let got = if sp.in_place {
         ctx.comm.all_reduce_in_place(send.view(), op, &s)?;
         read::<C>(&s, send.view())?
     } else {
-        let recv = sentinel::<C>(&s, dtype, count)?;
-        ctx.comm.all_reduce(send.view(), recv.view(), op, &s)?;
-        check("the send buffer (must be left alone)", dtype, &read::<C>(&s, send.view())?, &mine, 0)?;
-        read::<C>(&s, recv.view())?
+        out_of_place::<C>(&s, dtype, &send, &mine, count, |recv| ctx.comm.all_reduce(send.view(), recv, op, &s))?
     };
-    let want = expected::reduced(dtype, &pattern, &ids, &sp.op.ops(&ids));
-    check("the result", dtype, &got, &want, 0)
+    check("the result", dtype, &got, &reduced(sp, &pattern, n), 0)
 }
 
 fn reduce_scatter<C: CommBackend>(ctx: &RankCtx<'_, C>, sp: Spec) -> Result<(), Failure> {
     let (r, n, dtype, c) = (ctx.rank(), ctx.size(), sp.dtype, sp.count);
-    let s = ctx.stream()?;
-    let ids: Vec<usize> = (0..n).collect();
-    let pattern = Pattern::for_op(sp.op, n, sp.seed);
-    let mine = table(dtype, &pattern, r);
-    let send = upload::<C>(&s, dtype, &repeat(dtype, &mine, 0, n * c))?;
+    let ReduceInputs { s, pattern, mine, send } = ReduceInputs::new(ctx, sp, n * c)?;
     let op = sp.op.for_rank(r);
     let got = if sp.in_place {
         ctx.comm.reduce_scatter_in_place(send.view(), op, &s)?;
         read::<C>(&s, part::<C::B>(&send, r * c, c)?)?
     } else {
-        let recv = sentinel::<C>(&s, dtype, c)?;
-        ctx.comm.reduce_scatter(send.view(), recv.view(), op, &s)?;
-        check("the send buffer (must be left alone)", dtype, &read::<C>(&s, send.view())?, &mine, 0)?;
-        read::<C>(&s, recv.view())?
+        out_of_place::<C>(&s, dtype, &send, &mine, c, |recv| ctx.comm.reduce_scatter(send.view(), recv, op, &s))?
     };
-    let want = expected::reduced(dtype, &pattern, &ids, &sp.op.ops(&ids));
-    check(&format!("the result (reduced chunk {r})"), dtype, &got, &want, r * c)
+    check(&format!("the result (reduced chunk {r})"), dtype, &got, &reduced(sp, &pattern, n), r * c)
 }
 
 fn all_gather<C: CommBackend>(ctx: &RankCtx<'_, C>, sp: Spec) -> Result<(), Failure> {
@@ -216,17 +261,9 @@ fn all_gather<C: CommBackend>(ctx: &RankCtx<'_, C>, sp: Spec) -> Result<(), Fail
         read::<C>(&s, buf.view())?
     } else {
         let send = upload::<C>(&s, dtype, &input)?;
-        let recv = sentinel::<C>(&s, dtype, n * c)?;
-        ctx.comm.all_gather(send.view(), recv.view(), &s)?;
-        check("the send buffer (must be left alone)", dtype, &read::<C>(&s, send.view())?, &mine, 0)?;
-        read::<C>(&s, recv.view())?
+        out_of_place::<C>(&s, dtype, &send, &mine, n * c, |recv| ctx.comm.all_gather(send.view(), recv, &s))?
     };
-    let bytes = c * dtype.size();
-    for j in 0..n {
-        let want = table(dtype, &pattern, j);
-        check(&format!("chunk {j} (rank {j}'s input)"), dtype, &got[j * bytes..(j + 1) * bytes], &want, 0)?;
-    }
-    Ok(())
+    check_chunks(|j| format!("chunk {j} (rank {j}'s input)"), dtype, &got, &pattern, n, c, 0)
 }
 
 fn broadcast<C: CommBackend>(ctx: &RankCtx<'_, C>, sp: Spec) -> Result<(), Failure> {
@@ -245,23 +282,16 @@ fn broadcast<C: CommBackend>(ctx: &RankCtx<'_, C>, sp: Spec) -> Result<(), Failu
     } else {
         // Every rank passes a send buffer with its own data; only the root's may be read.
         let send = upload::<C>(&s, dtype, &repeat(dtype, &mine, 0, count))?;
-        let recv = sentinel::<C>(&s, dtype, count)?;
-        ctx.comm.broadcast(send.view(), recv.view(), root, &s)?;
-        check("the send buffer (must be left alone)", dtype, &read::<C>(&s, send.view())?, &mine, 0)?;
-        read::<C>(&s, recv.view())?
+        out_of_place::<C>(&s, dtype, &send, &mine, count, |recv| ctx.comm.broadcast(send.view(), recv, root, &s))?
     };
     check(&format!("the result (root {root}'s data)"), dtype, &got, &table(dtype, &pattern, root), 0)
 }
 
 fn reduce<C: CommBackend>(ctx: &RankCtx<'_, C>, sp: Spec) -> Result<(), Failure> {
     let (r, n, dtype, count, root) = (ctx.rank(), ctx.size(), sp.dtype, sp.count, sp.root);
-    let s = ctx.stream()?;
-    let ids: Vec<usize> = (0..n).collect();
-    let pattern = Pattern::for_op(sp.op, n, sp.seed);
-    let mine = table(dtype, &pattern, r);
-    let send = upload::<C>(&s, dtype, &repeat(dtype, &mine, 0, count))?;
+    let ReduceInputs { s, pattern, mine, send } = ReduceInputs::new(ctx, sp, count)?;
     let op = sp.op.for_rank(r);
-    let want = || expected::reduced(dtype, &pattern, &ids, &sp.op.ops(&ids));
+    let want = || reduced(sp, &pattern, n);
     if sp.in_place {
         ctx.comm.reduce_in_place(send.view(), op, root, &s)?;
         let got = read::<C>(&s, send.view())?;
@@ -271,10 +301,8 @@ fn reduce<C: CommBackend>(ctx: &RankCtx<'_, C>, sp: Spec) -> Result<(), Failure>
             check("a non-root's buffer (must be left alone)", dtype, &got, &mine, 0)
         }
     } else {
-        let recv = sentinel::<C>(&s, dtype, count)?;
-        ctx.comm.reduce(send.view(), recv.view(), op, root, &s)?;
-        check("the send buffer (must be left alone)", dtype, &read::<C>(&s, send.view())?, &mine, 0)?;
-        let got = read::<C>(&s, recv.view())?;
+        let got =
+            out_of_place::<C>(&s, dtype, &send, &mine, count, |recv| ctx.comm.reduce(send.view(), recv, op, root, &s))?;
         if r == root {
             check("the result at the root", dtype, &got, &want(), 0)
         } else {
@@ -289,16 +317,8 @@ fn all_to_all<C: CommBackend>(ctx: &RankCtx<'_, C>, sp: Spec) -> Result<(), Fail
     let pattern = Pattern::additive(sp.seed);
     let mine = table(dtype, &pattern, r);
     let send = upload::<C>(&s, dtype, &repeat(dtype, &mine, 0, n * c))?;
-    let recv = sentinel::<C>(&s, dtype, n * c)?;
-    ctx.comm.all_to_all(send.view(), recv.view(), &s)?;
-    check("the send buffer (must be left alone)", dtype, &read::<C>(&s, send.view())?, &mine, 0)?;
-    let got = read::<C>(&s, recv.view())?;
-    let bytes = c * dtype.size();
-    for j in 0..n {
-        let want = table(dtype, &pattern, j);
-        check(&format!("chunk {j} (chunk {r} of rank {j})"), dtype, &got[j * bytes..(j + 1) * bytes], &want, r * c)?;
-    }
-    Ok(())
+    let got = out_of_place::<C>(&s, dtype, &send, &mine, n * c, |recv| ctx.comm.all_to_all(send.view(), recv, &s))?;
+    check_chunks(|j| format!("chunk {j} (chunk {r} of rank {j})"), dtype, &got, &pattern, n, c, r * c)
 }
 
 /// Each rank sends to the next and receives from the previous, in one group.
@@ -309,19 +329,13 @@ fn ring<C: CommBackend>(ctx: &RankCtx<'_, C>, sp: Spec) -> Result<(), Failure> {
     let pattern = Pattern::additive(sp.seed);
     let mine = table(dtype, &pattern, r);
     let send = upload::<C>(&s, dtype, &repeat(dtype, &mine, 0, count))?;
-    let recv = sentinel::<C>(&s, dtype, count)?;
-    ctx.comm.group(&s, |g| {
-        g.send(send.view(), next)?;
-        g.recv(recv.view(), prev)
+    let got = out_of_place::<C>(&s, dtype, &send, &mine, count, |recv| {
+        ctx.comm.group(&s, |g| {
+            g.send(send.view(), next)?;
+            g.recv(recv, prev)
+        })
     })?;
-    check("the send buffer (must be left alone)", dtype, &read::<C>(&s, send.view())?, &mine, 0)?;
-    check(
-        &format!("the data received from rank {prev}"),
-        dtype,
-        &read::<C>(&s, recv.view())?,
-        &table(dtype, &pattern, prev),
-        0,
-    )
+    check(&format!("the data received from rank {prev}"), dtype, &got, &table(dtype, &pattern, prev), 0)
 }
 
 /// Ranks 2k and 2k+1 exchange buffers, in one group or as blocking calls in
@@ -441,15 +455,7 @@ fn group_of_everything<C: CommBackend>(ctx: &RankCtx<'_, C>) -> Result<(), Failu
     let want = expected::reduced(DType::F32, &ar, &ids, &sum.ops(&ids));
     check("all_reduce in the group", DType::F32, &read::<C>(&s, ar_recv.view())?, &want, 0)?;
     let got = read::<C>(&s, ag_recv.view())?;
-    for j in 0..n {
-        check(
-            &format!("all_gather chunk {j} in the group"),
-            DType::I32,
-            &got[j * 28..(j + 1) * 28],
-            &t(&ag, DType::I32, j),
-            0,
-        )?;
-    }
+    check_chunks(|j| format!("all_gather chunk {j} in the group"), DType::I32, &got, &ag, n, 7, 0)?;
     let want = expected::reduced(DType::BF16, &rs, &ids, &max.ops(&ids));
     check("reduce_scatter in the group", DType::BF16, &read::<C>(&s, rs_recv.view())?, &want, 33 * r)?;
     check("broadcast in the group", DType::U8, &read::<C>(&s, bc_recv.view())?, &t(&bc, DType::U8, root), 0)?;
@@ -461,15 +467,7 @@ fn group_of_everything<C: CommBackend>(ctx: &RankCtx<'_, C>) -> Result<(), Failu
         check_untouched("reduce in the group (non-root recv)", DType::I64, &got)?;
     }
     let got = read::<C>(&s, a2a_recv.view())?;
-    for j in 0..n {
-        check(
-            &format!("all_to_all chunk {j} in the group"),
-            DType::F16,
-            &got[j * 10..(j + 1) * 10],
-            &t(&a2a, DType::F16, j),
-            5 * r,
-        )?;
-    }
+    check_chunks(|j| format!("all_to_all chunk {j} in the group"), DType::F16, &got, &a2a, n, 5, 5 * r)?;
     check("recv in the group", DType::F64, &read::<C>(&s, p2p_recv.view())?, &t(&p2p, DType::F64, prev), 0)
 }
 

@@ -501,22 +501,6 @@ impl Table {
     }
 }
 
-/// Evaluates `$body` with `$t` the element type of `$dtype`.
-macro_rules! with_element {
-    ($dtype:expr, $t:ident => $body:expr) => {
-        with_element!(@each $dtype, $t => $body; F32 f32, F64 f64, F16 chorus_devices::f16, BF16 chorus_devices::bf16, I32 i32, I64 i64, I8 i8, U8 u8)
-    };
-    (@each $dtype:expr, $t:ident => $body:expr; $($variant:ident $host:ty),*) => {
-        match $dtype {
-            $(chorus_devices::DType::$variant => {
-                type $t = $host;
-                $body
-            })*
-        }
-    };
-}
-pub(crate) use with_element;
-
 /// Elements per host staging piece when filling inputs and checking outputs:
 /// whole-buffer host copies would double the memory of the largest sizes.
 const PIECE: usize = 1 << 22;

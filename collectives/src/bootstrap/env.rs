@@ -140,14 +140,6 @@ const RELEVANT: [&str; 14] = [
     "PMI_",
 ];
 
-/// A process's place, as a launcher's four numbers give it.
-struct Ranks {
-    rank: usize,
-    world_size: usize,
-    local_rank: usize,
-    local_world_size: usize,
-}
-
 struct Vars<'a> {
     vars: &'a HashMap<String, String>,
     launcher: Launcher,
@@ -185,8 +177,13 @@ impl<'a> Vars<'a> {
         if self.missing.is_empty() {
             Ok(())
         } else {
-            Err(EnvError::Missing { launcher: self.launcher, missing: self.missing.clone(), found: self.found() })
+            Err(self.missing_error())
         }
+    }
+
+    /// The error naming every variable noted missing.
+    fn missing_error(&self) -> EnvError {
+        EnvError::Missing { launcher: self.launcher, missing: self.missing.clone(), found: self.found() }
     }
 
     fn inconsistent(&self, reason: String) -> EnvError {
@@ -260,7 +257,7 @@ impl LaunchEnv {
             LaunchEnv::torchrun(Vars { vars, launcher, missing: Vec::new() })?
         } else if has("OMPI_COMM_WORLD_RANK") {
             LaunchEnv::mpi(
-                Vars { vars, launcher: Launcher::OpenMpi, missing: Vec::new() },
+                &mut Vars { vars, launcher: Launcher::OpenMpi, missing: Vec::new() },
                 [
                     "OMPI_COMM_WORLD_RANK",
                     "OMPI_COMM_WORLD_SIZE",
@@ -270,7 +267,7 @@ impl LaunchEnv {
             )?
         } else if has("PMI_RANK") {
             LaunchEnv::mpi(
-                Vars { vars, launcher: Launcher::Pmi, missing: Vec::new() },
+                &mut Vars { vars, launcher: Launcher::Pmi, missing: Vec::new() },
                 ["PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"],
             )?
         } else if has("SLURM_PROCID") {
@@ -282,10 +279,14 @@ impl LaunchEnv {
         Ok(env)
     }
 
-    /// Reads the rank, world size, local rank and local world size from the
-    /// variables `names` (in that order) and the store's address from
-    /// `MASTER_ADDR`/`MASTER_PORT`; names every missing one at once.
-    fn ranks_and_store(v: &mut Vars<'_>, names: [&str; 4]) -> Result<(Ranks, String, u16), EnvError> {
+    /// The job as an MPI launcher describes it: the rank, world size, local
+    /// rank and local world size from the variables `names` (in that order),
+    /// and the store's address from `MASTER_ADDR`/`MASTER_PORT` (MPI
+    /// launchers name no store: the job says where rank 0 hosts it); names
+    /// every missing one at once. Nodes are filled in blocks (MPI does not
+    /// export the node index); no restarts, run id or agent store. torchrun
+    /// reads the same variables and adds its own.
+    fn mpi(v: &mut Vars<'_>, names: [&str; 4]) -> Result<LaunchEnv, EnvError> {
         let rank = v.number(&[names[0]])?;
         let world_size = v.number(&[names[1]])?;
         let local_rank = v.number(&[names[2]])?;
@@ -298,54 +299,40 @@ impl LaunchEnv {
         v.finish_missing()?;
         match (rank, world_size, local_rank, local_world_size, master_addr, master_port) {
             (Some(rank), Some(world_size), Some(local_rank), Some(local_world_size), Some(addr), Some(port)) => {
-                Ok((Ranks { rank, world_size, local_rank, local_world_size }, addr, port))
+                Ok(LaunchEnv {
+                    launcher: v.launcher,
+                    rank,
+                    world_size,
+                    local_rank,
+                    local_world_size,
+                    node_rank: rank / local_world_size.max(1),
+                    master_addr: addr,
+                    master_port: port,
+                    restart_count: 0,
+                    run_id: None,
+                    use_agent_store: false,
+                })
             }
-            _ => Err(EnvError::Missing { launcher: v.launcher, missing: v.missing.clone(), found: v.found() }),
+            _ => Err(v.missing_error()),
         }
     }
 
     fn torchrun(mut v: Vars<'_>) -> Result<LaunchEnv, EnvError> {
-        let (r, master_addr, master_port) =
-            Self::ranks_and_store(&mut v, ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"])?;
+        let env = Self::mpi(&mut v, ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"])?;
         let node_rank = match v.raw("GROUP_RANK") {
             Some(g) => parse_number("GROUP_RANK", g)?,
-            None => r.rank / r.local_world_size.max(1),
+            None => env.node_rank,
         };
         let restart_count = match v.raw("TORCHELASTIC_RESTART_COUNT") {
             Some(c) => parse_number("TORCHELASTIC_RESTART_COUNT", c)? as u32,
             None => 0,
         };
         Ok(LaunchEnv {
-            launcher: v.launcher,
-            rank: r.rank,
-            world_size: r.world_size,
-            local_rank: r.local_rank,
-            local_world_size: r.local_world_size,
             node_rank,
-            master_addr,
-            master_port,
             restart_count,
             run_id: v.raw("TORCHELASTIC_RUN_ID").map(str::to_string),
             use_agent_store: v.raw("TORCHELASTIC_USE_AGENT_STORE") == Some("True"),
-        })
-    }
-
-    /// MPI launchers do not name a store: the job says where rank 0 hosts it.
-    fn mpi(mut v: Vars<'_>, names: [&str; 4]) -> Result<LaunchEnv, EnvError> {
-        let (r, master_addr, master_port) = Self::ranks_and_store(&mut v, names)?;
-        Ok(LaunchEnv {
-            launcher: v.launcher,
-            rank: r.rank,
-            world_size: r.world_size,
-            local_rank: r.local_rank,
-            local_world_size: r.local_world_size,
-            // MPI does not export the node index; ranks fill nodes in blocks by default.
-            node_rank: r.rank / r.local_world_size.max(1),
-            master_addr,
-            master_port,
-            restart_count: 0,
-            run_id: None,
-            use_agent_store: false,
+            ..env
         })
     }
 
@@ -372,7 +359,7 @@ impl LaunchEnv {
             Some(master_addr),
         ) = (rank, world_size, local_rank, node_rank, per_node, master_addr)
         else {
-            return Err(EnvError::Missing { launcher: v.launcher, missing: v.missing.clone(), found: v.found() });
+            return Err(v.missing_error());
         };
         let local_world_size = tasks_on_node(&per_node_var, per_node, node_rank)?.ok_or_else(|| {
             v.inconsistent(format!("{per_node_var}={per_node} has no entry for SLURM_NODEID={node_rank}"))

@@ -362,15 +362,28 @@ impl<'a> Exec<'a> {
             reqs.push(self.send(to, Kind::Data, Region::scratch(&own, 0, bytes)?)?);
         }
         self.wait(reqs)?;
-        copy_raw(own.ptr(), Region::scratch(&slots, me * bytes, bytes)?.ptr(), bytes);
-        self.reduce_slots(c, &slots, n, bytes, recv.ptr());
-        self.core.give_back(own);
-        self.core.give_back(slots);
-        Ok(())
+        self.reduce_slots(c, own, 0, slots, bytes, recv.ptr())
     }
 
-    /// Reduces `n` scaled vectors of `bytes` in rank order into `out`.
-    fn reduce_slots(&self, c: &Prepared, slots: &Scratch, n: usize, bytes: usize, out: *mut u8) {
+    /// Puts this rank's scaled vector (`bytes` from `own_offset` of `own`)
+    /// into its slot of `slots`, where the other ranks' have arrived,
+    /// reduces every rank's slot in rank order into `out`, and returns both
+    /// scratches to the pool.
+    fn reduce_slots(
+        &self,
+        c: &Prepared,
+        own: Arc<Scratch>,
+        own_offset: usize,
+        slots: Arc<Scratch>,
+        bytes: usize,
+        out: *mut u8,
+    ) -> Result<()> {
+        let (n, me) = (self.n(), self.me());
+        copy_raw(
+            Region::scratch(&own, own_offset, bytes)?.ptr(),
+            Region::scratch(&slots, me * bytes, bytes)?.ptr(),
+            bytes,
+        );
         let len = bytes / c.dtype.size().max(1);
         let acc = slots.ptr();
         for j in 1..n {
@@ -379,6 +392,9 @@ impl<'a> Exec<'a> {
         }
         finish_raw(c.dtype, acc, len, c.reduce, n);
         copy_raw(acc, out, bytes);
+        self.core.give_back(own);
+        self.core.give_back(slots);
+        Ok(())
     }
 
     /// Chunk `j` (scaled) to rank `j`; each reduces its chunk in rank order.
@@ -394,15 +410,7 @@ impl<'a> Exec<'a> {
             reqs.push(self.send(to, Kind::Data, Region::scratch(&own, to * bytes, bytes)?)?);
         }
         self.wait(reqs)?;
-        copy_raw(
-            Region::scratch(&own, me * bytes, bytes)?.ptr(),
-            Region::scratch(&slots, me * bytes, bytes)?.ptr(),
-            bytes,
-        );
-        self.reduce_slots(c, &slots, n, bytes, recv.ptr());
-        self.core.give_back(own);
-        self.core.give_back(slots);
-        Ok(())
+        self.reduce_slots(c, own, me * bytes, slots, bytes, recv.ptr())
     }
 
     /// The ring reduce-scatter over `chunks` (element ranges of the input):
@@ -551,11 +559,7 @@ impl<'a> Exec<'a> {
             .map(|j| self.recv(j, Kind::Data, Region::scratch(&slots, j * bytes, bytes)?))
             .collect::<Result<Vec<_>>>()?;
         self.wait(reqs)?;
-        copy_raw(own.ptr(), Region::scratch(&slots, me * bytes, bytes)?.ptr(), bytes);
-        self.reduce_slots(c, &slots, n, bytes, recv.ptr());
-        self.core.give_back(own);
-        self.core.give_back(slots);
-        Ok(())
+        self.reduce_slots(c, own, 0, slots, bytes, recv.ptr())
     }
 
     /// The ring reduce-scatter, then every rank sends its reduced chunk to the root.

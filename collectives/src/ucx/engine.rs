@@ -442,23 +442,31 @@ impl Worker {
         Ok(())
     }
 
+    /// Counts a request in flight and boxes what its callback gets as user
+    /// data: the completion, and `region` kept alive until the request ends.
+    /// The parameters name that box; the caller sets the callback, makes the
+    /// `*_nbx` call and hands its outcome and the box to `settle`.
+    fn start_request(&self, region: Region, done: Arc<Completion>) -> (*mut InFlight, sys::ucp_request_param_t) {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        let flight = Box::into_raw(Box::new(InFlight { done, _region: Some(region), count: self.in_flight.clone() }));
+        // SAFETY: a zeroed parameter struct is a valid "no field set" value.
+        let mut p: sys::ucp_request_param_t = unsafe { MaybeUninit::zeroed().assume_init() };
+        p.op_attr_mask = sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_CALLBACK | sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_USER_DATA;
+        p.user_data = flight as *mut c_void;
+        (flight, p)
+    }
+
     fn send(&mut self, peer: usize, tag: u64, region: Region, done: Arc<Completion>) {
         let Some(Some(ep)) = self.endpoints.get(peer).copied() else {
             done.complete(Err(sys::ucs_status_t_UCS_ERR_UNREACHABLE));
             return;
         };
         let (ptr, len) = (region.ptr as *const c_void, region.len);
-        self.in_flight.fetch_add(1, Ordering::Relaxed);
-        let count = self.in_flight.clone();
-        let flight = Box::into_raw(Box::new(InFlight { done: done.clone(), _region: Some(region), count }));
+        let (flight, mut p) = self.start_request(region, done.clone());
+        p.cb.send = Some(on_send);
         // SAFETY: the region stays alive in `flight` until the callback (or
         // the immediate outcome below) releases it.
         unsafe {
-            let mut p: sys::ucp_request_param_t = MaybeUninit::zeroed().assume_init();
-            p.op_attr_mask =
-                sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_CALLBACK | sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_USER_DATA;
-            p.cb.send = Some(on_send);
-            p.user_data = flight as *mut c_void;
             let r = sys::ucp_tag_send_nbx(ep, ptr, len, tag, &p);
             settle(r, flight, len);
         }
@@ -466,16 +474,10 @@ impl Worker {
 
     fn recv(&mut self, tag: u64, mask: u64, region: Region, done: Arc<Completion>) {
         let (ptr, len) = (region.ptr as *mut c_void, region.len);
-        self.in_flight.fetch_add(1, Ordering::Relaxed);
-        let count = self.in_flight.clone();
-        let flight = Box::into_raw(Box::new(InFlight { done, _region: Some(region), count }));
+        let (flight, mut p) = self.start_request(region, done);
+        p.cb.recv = Some(on_recv);
         // SAFETY: as in `send`.
         unsafe {
-            let mut p: sys::ucp_request_param_t = MaybeUninit::zeroed().assume_init();
-            p.op_attr_mask =
-                sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_CALLBACK | sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_USER_DATA;
-            p.cb.recv = Some(on_recv);
-            p.user_data = flight as *mut c_void;
             // A receive that completes in place reports its length here.
             let mut info: sys::ucp_tag_recv_info_t = MaybeUninit::zeroed().assume_init();
             p.op_attr_mask |= sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_RECV_INFO;
@@ -512,17 +514,8 @@ impl Worker {
                 let scratch = Scratch::new(info.length);
                 let done = Completion::new();
                 let region = Region { ptr: scratch.ptr(), len: info.length, _keep: Keep::Scratch(scratch.clone()) };
-                self.in_flight.fetch_add(1, Ordering::Relaxed);
-                let flight = Box::into_raw(Box::new(InFlight {
-                    done: done.clone(),
-                    _region: Some(region),
-                    count: self.in_flight.clone(),
-                }));
-                let mut p: sys::ucp_request_param_t = MaybeUninit::zeroed().assume_init();
-                p.op_attr_mask =
-                    sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_CALLBACK | sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_USER_DATA;
+                let (flight, mut p) = self.start_request(region, done.clone());
                 p.cb.recv = Some(on_recv);
-                p.user_data = flight as *mut c_void;
                 let r = sys::ucp_tag_msg_recv_nbx(self.worker, scratch.ptr() as *mut c_void, info.length, msg, &p);
                 settle(r, flight, info.length);
                 while done.outcome().is_none() && Instant::now() < deadline {

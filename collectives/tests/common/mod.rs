@@ -68,25 +68,34 @@ pub fn get_waits_for_another_rank(h: &Handles) {
     assert_eq!(t.join().unwrap().unwrap(), b"here");
 }
 
+/// Runs `body(rank, store)` on `ranks` threads, each with a handle of its
+/// own, released together so that they race; the results in rank order.
+fn race<T: Send + 'static>(
+    h: &Handles,
+    ranks: usize,
+    body: impl Fn(usize, &dyn Store) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let start = Arc::new(Barrier::new(ranks));
+    let body = Arc::new(body);
+    let threads: Vec<_> = (0..ranks)
+        .map(|r| {
+            let (s, start, body) = (h(), start.clone(), body.clone());
+            thread::spawn(move || {
+                start.wait();
+                body(r, &*s)
+            })
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
 pub fn add_counts_atomically(h: &Handles) {
     let s = h();
     assert_eq!(s.add("c", 5).unwrap(), 5);
     assert_eq!(s.add("c", -2).unwrap(), 3);
     assert_eq!(s.get("c", LONG).unwrap(), b"3");
     let (threads, per) = (4, 40);
-    let start = Arc::new(Barrier::new(threads));
-    let results: Vec<Vec<i64>> = (0..threads)
-        .map(|_| {
-            let (s, start) = (h(), start.clone());
-            thread::spawn(move || {
-                start.wait();
-                (0..per).map(|_| s.add("n", 1).unwrap()).collect::<Vec<_>>()
-            })
-        })
-        .collect::<Vec<_>>()
-        .into_iter()
-        .map(|t| t.join().unwrap())
-        .collect();
+    let results = race(h, threads, move |_, s| (0..per).map(|_| s.add("n", 1).unwrap()).collect::<Vec<_>>());
     let all: BTreeSet<i64> = results.into_iter().flatten().collect();
     assert_eq!(all, (1..=(threads * per) as i64).collect::<BTreeSet<_>>(), "every add saw a distinct count");
     s.set("text", b"not a number").unwrap();
@@ -104,20 +113,8 @@ pub fn compare_set_has_pytorch_semantics(h: &Handles) {
     assert_eq!(s.compare_set("missing", b"x", b"y").unwrap(), b"x");
     assert!(!s.check(&["missing"]).unwrap());
     // Ranks racing to claim a key: exactly one wins, all see the winner.
-    let ranks = 4;
-    let start = Arc::new(Barrier::new(ranks));
-    let seen: BTreeSet<Vec<u8>> = (0..ranks)
-        .map(|r| {
-            let (s, start) = (h(), start.clone());
-            thread::spawn(move || {
-                start.wait();
-                s.compare_set("leader", b"", format!("rank {r}").as_bytes()).unwrap()
-            })
-        })
-        .collect::<Vec<_>>()
-        .into_iter()
-        .map(|t| t.join().unwrap())
-        .collect();
+    let seen: BTreeSet<Vec<u8>> =
+        race(h, 4, |r, s| s.compare_set("leader", b"", format!("rank {r}").as_bytes()).unwrap()).into_iter().collect();
     assert_eq!(seen.len(), 1, "{seen:?}");
     assert_eq!(s.get("leader", LONG).unwrap(), *seen.iter().next().unwrap());
 }
@@ -208,67 +205,44 @@ pub fn prefix_store_namespaces_keys(h: &Handles) {
 /// One case of the suite.
 pub type Case = fn(&Handles);
 
-/// Every case, by name, for harnesses that run them in sequence.
-pub const CASES: [(&str, Case); 10] = [
-    ("set_get_overwrite_and_binary", set_get_overwrite_and_binary),
-    ("get_times_out_on_a_missing_key", get_times_out_on_a_missing_key),
-    ("get_waits_for_another_rank", get_waits_for_another_rank),
-    ("add_counts_atomically", add_counts_atomically),
-    ("compare_set_has_pytorch_semantics", compare_set_has_pytorch_semantics),
-    ("wait_and_check", wait_and_check),
-    ("delete_and_num_keys", delete_and_num_keys),
-    ("multi_get_and_multi_set", multi_get_and_multi_set),
-    ("unusual_keys", unusual_keys),
-    ("prefix_store_namespaces_keys", prefix_store_namespaces_keys),
-];
-
 /// Every case as a `#[test]` in a module `$name`; `$fresh` is an expression
 /// returning [`Handles`] to a new, empty store.
 #[macro_export]
 macro_rules! store_suite {
     ($name:ident, $fresh:expr) => {
+        $crate::store_suite!(@each tests $name, $fresh);
+    };
+    // The one list of cases, handed to the rule `$rule` after its arguments,
+    // so that the tests and `CASES` cannot drift apart.
+    (@each $rule:ident $($arg:tt)*) => {
+        $crate::store_suite!(@$rule $($arg)*;
+            set_get_overwrite_and_binary,
+            get_times_out_on_a_missing_key,
+            get_waits_for_another_rank,
+            add_counts_atomically,
+            compare_set_has_pytorch_semantics,
+            wait_and_check,
+            delete_and_num_keys,
+            multi_get_and_multi_set,
+            unusual_keys,
+            prefix_store_namespaces_keys
+        );
+    };
+    (@tests $name:ident, $fresh:expr; $($case:ident),*) => {
         mod $name {
             use super::*;
-            #[test]
-            fn set_get_overwrite_and_binary() {
-                common::set_get_overwrite_and_binary(&$fresh);
-            }
-            #[test]
-            fn get_times_out_on_a_missing_key() {
-                common::get_times_out_on_a_missing_key(&$fresh);
-            }
-            #[test]
-            fn get_waits_for_another_rank() {
-                common::get_waits_for_another_rank(&$fresh);
-            }
-            #[test]
-            fn add_counts_atomically() {
-                common::add_counts_atomically(&$fresh);
-            }
-            #[test]
-            fn compare_set_has_pytorch_semantics() {
-                common::compare_set_has_pytorch_semantics(&$fresh);
-            }
-            #[test]
-            fn wait_and_check() {
-                common::wait_and_check(&$fresh);
-            }
-            #[test]
-            fn delete_and_num_keys() {
-                common::delete_and_num_keys(&$fresh);
-            }
-            #[test]
-            fn multi_get_and_multi_set() {
-                common::multi_get_and_multi_set(&$fresh);
-            }
-            #[test]
-            fn unusual_keys() {
-                common::unusual_keys(&$fresh);
-            }
-            #[test]
-            fn prefix_store_namespaces_keys() {
-                common::prefix_store_namespaces_keys(&$fresh);
-            }
+            $(
+                #[test]
+                fn $case() {
+                    common::$case(&$fresh);
+                }
+            )*
         }
     };
+    (@table; $($case:ident),*) => {
+        /// Every case, by name, for harnesses that run them in sequence.
+        pub const CASES: &[(&str, Case)] = &[$((stringify!($case), $case)),*];
+    };
 }
+
+store_suite!(@each table);

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use chorus_collectives::backend::{Call, Capabilities, CommBackend, OpKind};
-use chorus_collectives::{CommError, Result};
+use chorus_collectives::Result;
 use chorus_devices::Backend;
 
 /// Counts shared by a wrapped communicator and everything split from it.
@@ -46,15 +46,7 @@ impl<C> Counting<C> {
 impl<C: CommBackend> CommBackend for Counting<C> {
     type B = C::B;
     const NAME: &'static str = C::NAME;
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn size(&self) -> usize {
-        self.inner.size()
-    }
-    fn device(&self) -> &<C::B as Backend>::Device {
-        self.inner.device()
-    }
+    chorus_collectives::forward_to_inner!(inner);
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()
     }
@@ -66,11 +58,5 @@ impl<C: CommBackend> CommBackend for Counting<C> {
     }
     fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Self>> {
         Ok(self.inner.split(color, key)?.map(|inner| Counting { inner, counts: self.counts.clone() }))
-    }
-    fn abort(&self, reason: &str) {
-        self.inner.abort(reason)
-    }
-    fn async_error(&self) -> Option<CommError> {
-        self.inner.async_error()
     }
 }

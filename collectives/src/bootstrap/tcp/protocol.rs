@@ -99,14 +99,42 @@ pub enum QueryType {
 }
 
 impl QueryType {
+    /// Every query type with PyTorch's name for it, in code order: the
+    /// decoder's byte lookup and the names in logs both read this one table.
+    const ALL: [(QueryType, &'static str); 19] = {
+        use QueryType::*;
+        [
+            (Validate, "VALIDATE"),
+            (Set, "SET"),
+            (CompareSet, "COMPARE_SET"),
+            (Get, "GET"),
+            (Add, "ADD"),
+            (Check, "CHECK"),
+            (Wait, "WAIT"),
+            (GetNumKeys, "GETNUMKEYS"),
+            (DeleteKey, "DELETE_KEY"),
+            (Append, "APPEND"),
+            (MultiGet, "MULTI_GET"),
+            (MultiSet, "MULTI_SET"),
+            (CancelWait, "CANCEL_WAIT"),
+            (Ping, "PING"),
+            (QueuePush, "QUEUE_PUSH"),
+            (QueuePop, "QUEUE_POP"),
+            (QueueLen, "QUEUE_LEN"),
+            (ListKeys, "LIST_KEYS"),
+            (Barrier, "BARRIER"),
+        ]
+    };
+
     /// The query type of a request's first byte, if it is one.
     pub fn from_byte(b: u8) -> Option<QueryType> {
-        use QueryType::*;
-        const ALL: [QueryType; 19] = [
-            Validate, Set, CompareSet, Get, Add, Check, Wait, GetNumKeys, DeleteKey, Append, MultiGet, MultiSet,
-            CancelWait, Ping, QueuePush, QueuePop, QueueLen, ListKeys, Barrier,
-        ];
-        ALL.get(usize::from(b)).copied()
+        QueryType::ALL.get(usize::from(b)).map(|&(query, _)| query)
+    }
+
+    /// PyTorch's name of the request (`SET`, `COMPARE_SET`, ...), for logs and errors.
+    pub fn name(self) -> &'static str {
+        // Every discriminant indexes the table (a test checks the order).
+        QueryType::ALL[self as usize].1
     }
 }
 
@@ -238,6 +266,33 @@ pub enum Request {
         /// How many arrivals release it.
         world_size: i64,
     },
+}
+
+impl Request {
+    /// The request's code, its first byte on the wire.
+    pub fn query_type(&self) -> QueryType {
+        match self {
+            Request::Validate { .. } => QueryType::Validate,
+            Request::Set { .. } => QueryType::Set,
+            Request::CompareSet { .. } => QueryType::CompareSet,
+            Request::Get { .. } => QueryType::Get,
+            Request::Add { .. } => QueryType::Add,
+            Request::Check { .. } => QueryType::Check,
+            Request::Wait { .. } => QueryType::Wait,
+            Request::GetNumKeys => QueryType::GetNumKeys,
+            Request::DeleteKey { .. } => QueryType::DeleteKey,
+            Request::Append { .. } => QueryType::Append,
+            Request::MultiGet { .. } => QueryType::MultiGet,
+            Request::MultiSet { .. } => QueryType::MultiSet,
+            Request::CancelWait => QueryType::CancelWait,
+            Request::Ping { .. } => QueryType::Ping,
+            Request::QueuePush { .. } => QueryType::QueuePush,
+            Request::QueuePop { .. } => QueryType::QueuePop,
+            Request::QueueLen { .. } => QueryType::QueueLen,
+            Request::ListKeys => QueryType::ListKeys,
+            Request::Barrier { .. } => QueryType::Barrier,
+        }
+    }
 }
 
 /// Why bytes are not a request. The server closes the connection that sent them.
@@ -461,84 +516,34 @@ fn put_keys(out: &mut Vec<u8>, keys: &[Vec<u8>]) {
 
 /// Appends the bytes of `request`, exactly as PyTorch's client writes it.
 pub fn encode_request(request: &Request, out: &mut Vec<u8>) {
+    out.push(request.query_type() as u8);
+    // Requests are grouped by the layout of their fields.
     match request {
-        Request::Validate { magic } => {
-            out.push(QueryType::Validate as u8);
-            out.extend_from_slice(&magic.to_le_bytes());
+        Request::GetNumKeys | Request::CancelWait | Request::ListKeys => {}
+        Request::Validate { magic: n } | Request::Ping { nonce: n } => out.extend_from_slice(&n.to_le_bytes()),
+        Request::Get { key } | Request::DeleteKey { key } | Request::QueuePop { key } | Request::QueueLen { key } => {
+            put_bytes(out, key)
         }
-        Request::Set { key, value } => {
-            out.push(QueryType::Set as u8);
+        Request::Set { key, value } | Request::Append { key, value } | Request::QueuePush { key, value } => {
             put_bytes(out, key);
             put_bytes(out, value);
         }
         Request::CompareSet { key, expected, desired } => {
-            out.push(QueryType::CompareSet as u8);
             put_bytes(out, key);
             put_bytes(out, expected);
             put_bytes(out, desired);
         }
-        Request::Get { key } => {
-            out.push(QueryType::Get as u8);
+        Request::Add { key, delta: n } | Request::Barrier { key, world_size: n } => {
             put_bytes(out, key);
+            out.extend_from_slice(&n.to_le_bytes());
         }
-        Request::Add { key, delta } => {
-            out.push(QueryType::Add as u8);
-            put_bytes(out, key);
-            out.extend_from_slice(&delta.to_le_bytes());
-        }
-        Request::Check { keys } => {
-            out.push(QueryType::Check as u8);
-            put_keys(out, keys);
-        }
-        Request::Wait { keys } => {
-            out.push(QueryType::Wait as u8);
-            put_keys(out, keys);
-        }
-        Request::GetNumKeys => out.push(QueryType::GetNumKeys as u8),
-        Request::DeleteKey { key } => {
-            out.push(QueryType::DeleteKey as u8);
-            put_bytes(out, key);
-        }
-        Request::Append { key, value } => {
-            out.push(QueryType::Append as u8);
-            put_bytes(out, key);
-            put_bytes(out, value);
-        }
-        Request::MultiGet { keys } => {
-            out.push(QueryType::MultiGet as u8);
-            put_keys(out, keys);
-        }
+        Request::Check { keys } | Request::Wait { keys } | Request::MultiGet { keys } => put_keys(out, keys),
         Request::MultiSet { entries } => {
-            out.push(QueryType::MultiSet as u8);
             out.extend_from_slice(&(entries.len() as u64).to_le_bytes());
             for (k, v) in entries {
                 put_bytes(out, k);
                 put_bytes(out, v);
             }
-        }
-        Request::CancelWait => out.push(QueryType::CancelWait as u8),
-        Request::Ping { nonce } => {
-            out.push(QueryType::Ping as u8);
-            out.extend_from_slice(&nonce.to_le_bytes());
-        }
-        Request::QueuePush { key, value } => {
-            out.push(QueryType::QueuePush as u8);
-            put_bytes(out, key);
-            put_bytes(out, value);
-        }
-        Request::QueuePop { key } => {
-            out.push(QueryType::QueuePop as u8);
-            put_bytes(out, key);
-        }
-        Request::QueueLen { key } => {
-            out.push(QueryType::QueueLen as u8);
-            put_bytes(out, key);
-        }
-        Request::ListKeys => out.push(QueryType::ListKeys as u8),
-        Request::Barrier { key, world_size } => {
-            out.push(QueryType::Barrier as u8);
-            put_bytes(out, key);
-            out.extend_from_slice(&world_size.to_le_bytes());
         }
     }
 }
@@ -570,6 +575,13 @@ mod tests {
             Request::ListKeys,
             Request::Barrier { key: k("/b"), world_size: 4 },
         ]
+    }
+
+    #[test]
+    fn the_query_table_is_in_code_order() {
+        for (i, (query, _)) in QueryType::ALL.iter().enumerate() {
+            assert_eq!(*query as usize, i, "{query:?}");
+        }
     }
 
     #[test]

@@ -517,7 +517,7 @@ impl EventLoop {
                 Request::Validate { magic } => {
                     Err(format!("bad validation number {magic:#x} (expected {VALIDATION_MAGIC:#x})"))
                 }
-                other => Err(format!("the first request must be VALIDATE, not {}", request_name(&other))),
+                other => Err(format!("the first request must be VALIDATE, not {}", other.query_type().name())),
             };
         }
         let mut out = Vec::new();
@@ -669,29 +669,5 @@ impl EventLoop {
                 }
             }
         }
-    }
-}
-
-fn request_name(request: &Request) -> &'static str {
-    match request {
-        Request::Validate { .. } => "VALIDATE",
-        Request::Set { .. } => "SET",
-        Request::CompareSet { .. } => "COMPARE_SET",
-        Request::Get { .. } => "GET",
-        Request::Add { .. } => "ADD",
-        Request::Check { .. } => "CHECK",
-        Request::Wait { .. } => "WAIT",
-        Request::GetNumKeys => "GETNUMKEYS",
-        Request::DeleteKey { .. } => "DELETE_KEY",
-        Request::Append { .. } => "APPEND",
-        Request::MultiGet { .. } => "MULTI_GET",
-        Request::MultiSet { .. } => "MULTI_SET",
-        Request::CancelWait => "CANCEL_WAIT",
-        Request::Ping { .. } => "PING",
-        Request::QueuePush { .. } => "QUEUE_PUSH",
-        Request::QueuePop { .. } => "QUEUE_POP",
-        Request::QueueLen { .. } => "QUEUE_LEN",
-        Request::ListKeys => "LIST_KEYS",
-        Request::Barrier { .. } => "BARRIER",
     }
 }
