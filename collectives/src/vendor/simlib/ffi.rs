@@ -213,10 +213,19 @@ unsafe extern "C" fn destroy(comm: ncclComm_t) -> ncclResult_t {
     if let Some(code) = refuse_on_watchdog("ncclCommDestroy") {
         return code;
     }
-    let entered = match enter(handle_of(comm), "ncclCommDestroy", true) {
+    let entered = match enter(handle_of(comm), "ncclCommDestroy", false) {
         Ok(e) => e,
         Err(code) => return code,
     };
+    // NCCL 2.28's destroy returns early from a communicator that is not
+    // ready, inside the group it opened: every later split, finalize, destroy
+    // or abort on the calling thread is queued and never runs.
+    if let AsyncState::Failed(code) = entered.comm.state() {
+        return violation(format!(
+            "ncclCommDestroy on communicator {:#x}, which failed ({code}): finalize to completion first, or abort",
+            entered.comm.handle
+        ));
+    }
     release(entered.comm.handle);
     entered.comm.join_jobs();
     OK

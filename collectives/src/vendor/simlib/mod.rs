@@ -22,7 +22,9 @@
 //!   destroyed, two calls on one communicator at once, a call on a
 //!   communicator whose non-blocking operation is still in progress, a
 //!   reduce operator used after it was destroyed, a finalize or destroy on
-//!   the watchdog's thread (NCCL's destroy blocks): each returns
+//!   the watchdog's thread (NCCL's destroy blocks), a destroy of a
+//!   communicator that is not ready (NCCL 2.28 returns early from it inside
+//!   an open group, so the thread's later calls never run): each returns
 //!   `ncclInvalidUsage` and is recorded ([`take_violations`]), where NCCL
 //!   would crash, hang or corrupt memory.
 //!
