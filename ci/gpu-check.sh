@@ -7,15 +7,17 @@
 #   bash ci/gpu-check.sh [BIN_DIR] [RESULTS_DIR] [CHECK...]   # defaults: gpu-bin, gpu-results, all
 #
 # Name checks to run only those (a device lease runs at most ten minutes a
-# command, so the whole list is usually run in two parts). Checks:
+# command: docs/hardware.md gives groups that fit). Checks:
 #   info                 chorus info (libraries, versions, devices)
 #   devices-cuda         the device suite on the cuda device (every operation against host values)
 #   cuda-load            the cuda device's loading and smoke tests
 #   host-fn-cuda         device API calls inside host functions refused
 #   nccl-load            NCCL: version, unique id, a one-rank world that runs
-#   conformance-nccl     FSDP on a split communicator alone (stacks if it hangs; eager module
-#                        loading; its model trained on the world), then the suite on NCCL at 1 rank
-#                        and (if more) every GPU, FSDP apart from the rest
+#   fsdp-hang            the FSDP case that hung on 2026-11-23, alone (NCCL's log; eager module
+#                        loading; stacks if it hangs) and its model trained on the world
+#   conformance-nccl     the conformance suite on NCCL at 1 rank and (if more) every GPU, FSDP
+#                        apart from the rest
+#   conformance-nccl-whole  the whole suite in one process at 1 rank (the run that hung)
 #   train-sim-vs-nccl    one init trained on sim and on NCCL; largest parameter difference
 #   bench-nccl           nccl-tests tables and the host overhead per call
 #   train-bench-nccl     FSDP step time and host overhead per group on NCCL (64 x Linear(64), batch 8; 4 x Linear(256), batch 32)
@@ -127,32 +129,41 @@ run() {
 
 chorus="$bin/chorus"
 want info && run info 60 "$chorus" info
-want devices-cuda && run devices-cuda 600 "$bin/test-chorus-devices-device_cuda" --test-threads=1
-want cuda-load && run cuda-load 600 "$bin/test-chorus-devices-cuda_load" --test-threads=1
+want devices-cuda && run devices-cuda 120 "$bin/test-chorus-devices-device_cuda" --test-threads=1
+want cuda-load && run cuda-load 120 "$bin/test-chorus-devices-cuda_load" --test-threads=1
 want host-fn-cuda && run host-fn-cuda 120 "$bin/test-chorus-devices-host_fn" --test-threads=1
-want nccl-load && run nccl-load 300 "$bin/test-chorus-collectives-nccl_load" --test-threads=1 --nocapture
-if want conformance-nccl; then
+want nccl-load && run nccl-load 120 "$bin/test-chorus-collectives-nccl_load" --test-threads=1 --nocapture
+if want fsdp-hang; then
     # FSDP on a communicator split from the world hung on 2026-11-23 (the
-    # first FSDP case; training on the world itself worked). First that case
-    # alone, with NCCL's log, killed (stacks kept) before the 180 s case
-    # deadline; then with every module loaded eagerly (does lazy loading wait
-    # for work that never ends?); then the case's model and batch trained on
-    # the world itself (no split).
-    run fsdp-nccl-alone 150 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL,PROXY \
+    # first FSDP case; training on the world itself worked). That case alone,
+    # with NCCL's log, killed (stacks kept) before the 180 s case deadline;
+    # then with every module loaded eagerly (does lazy loading wait for work
+    # that never ends?); then the case's model and batch trained on the world
+    # itself (no split). Under five minutes even when all three hang.
+    run fsdp-nccl-alone 90 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL,PROXY \
         "$chorus" conformance --backend nccl --world-size 1 --filter fsdp/parity/sgd
-    run fsdp-nccl-alone-eager 150 env CUDA_MODULE_LOADING=EAGER \
+    run fsdp-nccl-alone-eager 90 env CUDA_MODULE_LOADING=EAGER \
         "$chorus" conformance --backend nccl --world-size 1 --filter fsdp/parity/sgd
-    run train-nccl-case-shape 150 "$chorus" train --model mlp --backend nccl --world-size 1 --steps 4 \
+    run train-nccl-case-shape 90 "$chorus" train --model mlp --backend nccl --world-size 1 --steps 4 \
         --dims 37,64,33,5 --batch 3 --out-dir "$results/train-nccl-case-shape"
-    # The whole suite in two parts, so a hang in FSDP cannot hide the rest.
-    run conformance-nccl-1 540 "$chorus" conformance --backend nccl --world-size 1 --filter '!fsdp'
-    run conformance-nccl-1-fsdp 540 "$chorus" conformance --backend nccl --world-size 1 --filter fsdp
+fi
+if want conformance-nccl; then
+    # The suite in two parts, so a hang in FSDP cannot hide the rest.
+    run conformance-nccl-1 280 "$chorus" conformance --backend nccl --world-size 1 --filter '!fsdp'
+    run conformance-nccl-1-fsdp 280 "$chorus" conformance --backend nccl --world-size 1 --filter fsdp
     if [ "$gpus" -gt 1 ]; then
-        run "conformance-nccl-$gpus" 540 "$chorus" conformance --backend nccl --world-size "$gpus" --filter '!fsdp'
-        run "conformance-nccl-$gpus-fsdp" 540 "$chorus" conformance --backend nccl --world-size "$gpus" --filter fsdp
+        run "conformance-nccl-$gpus" 280 "$chorus" conformance --backend nccl --world-size "$gpus" --filter '!fsdp'
+        run "conformance-nccl-$gpus-fsdp" 280 "$chorus" conformance --backend nccl --world-size "$gpus" --filter fsdp
     fi
-    grep -E '^[0-9]+ passed' "$results"/conformance-nccl-*.log "$results"/fsdp-nccl-*.log 2>/dev/null | sed 's/^/# /' \
-        | tee -a "$summary"
+    grep -E '^[0-9]+ passed' "$results"/conformance-nccl-*.log 2>/dev/null | sed 's/^/# /' | tee -a "$summary"
+fi
+if want conformance-nccl-whole; then
+    # The whole suite in one process, as when FSDP hung after the other
+    # cases: if the hang needs what earlier cases left behind (work that never
+    # ends, met by the first wait for the whole device), it shows here, with
+    # the stacks kept at the limit.
+    run conformance-nccl-1-whole 560 "$chorus" conformance --backend nccl --world-size 1
+    grep -E '^[0-9]+ passed' "$results"/conformance-nccl-1-whole.log 2>/dev/null | sed 's/^/# /' | tee -a "$summary"
 fi
 
 # One init, trained on sim and on NCCL: the parameters must agree within f32 tolerance.
@@ -175,41 +186,41 @@ PY
     sed 's/^/# /' "$results/$1.log" | tee -a "$summary"
 }
 if want train-sim-vs-nccl; then
-    if run train-sim 300 "$chorus" train --model mlp --backend sim --world-size 1 --steps 50 --out-dir "$results/train-sim" \
-        && run train-nccl 300 "$chorus" train --model mlp --backend nccl --world-size 1 --steps 50 \
+    if run train-sim 120 "$chorus" train --model mlp --backend sim --world-size 1 --steps 50 --out-dir "$results/train-sim" \
+        && run train-nccl 120 "$chorus" train --model mlp --backend nccl --world-size 1 --steps 50 \
             --init-dir "$results/train-sim/init" --out-dir "$results/train-nccl"; then
         compare train-sim-vs-nccl "$results/train-sim" "$results/train-nccl"
     fi
 fi
 
 if want bench-nccl; then
-    run bench-nccl 900 "$chorus" bench --backend nccl --world-size "$gpus" --op all --min-bytes 1K --max-bytes 64M
+    run bench-nccl 240 "$chorus" bench --backend nccl --world-size "$gpus" --op all --min-bytes 1K --max-bytes 64M
     grep -E '^# nccl host overhead' "$results/bench-nccl.log" | tee -a "$summary"
 fi
 if want train-bench-nccl; then
-    run train-bench-nccl 900 "$chorus" train --bench --backend nccl --batch 8
+    run train-bench-nccl 200 "$chorus" train --bench --backend nccl --batch 8
     tail -n 6 "$results/train-bench-nccl.log" | sed 's/^/# /' | tee -a "$summary"
-    run train-bench-nccl-4x256 900 "$chorus" train --bench --backend nccl --layers 4 --width 256 --batch 32
+    run train-bench-nccl-4x256 120 "$chorus" train --bench --backend nccl --layers 4 --width 256 --batch 32
     tail -n 6 "$results/train-bench-nccl-4x256.log" | sed 's/^/# /' | tee -a "$summary"
 fi
 if want fsdp2-bench; then
-    run fsdp2-bench-64x64 300 env MASTER_PORT=29533 python3 ci/fsdp2_bench.py --layers 64 --width 64 --batch 8
-    run fsdp2-bench-4x256 300 env MASTER_PORT=29534 python3 ci/fsdp2_bench.py --layers 4 --width 256 --batch 32
+    run fsdp2-bench-64x64 120 env MASTER_PORT=29533 python3 ci/fsdp2_bench.py --layers 64 --width 64 --batch 8
+    run fsdp2-bench-4x256 90 env MASTER_PORT=29534 python3 ci/fsdp2_bench.py --layers 4 --width 256 --batch 32
     cat "$results"/fsdp2-bench-*.log | sed 's/^/# /' | tee -a "$summary"
 fi
 if want launch-nccl; then
     # The per-process path: ranks started by chorus launch, the unique id through its store.
-    [ -d "$results/train-sim/init" ] || run train-sim 300 "$chorus" train --model mlp --backend sim --world-size 1 \
+    [ -d "$results/train-sim/init" ] || run train-sim 120 "$chorus" train --model mlp --backend sim --world-size 1 \
         --steps 50 --out-dir "$results/train-sim"
-    if run launch-train-nccl 300 "$chorus" launch --nproc-per-node "$gpus" -- "$chorus" train --model mlp --backend nccl \
+    if run launch-train-nccl 120 "$chorus" launch --nproc-per-node "$gpus" -- "$chorus" train --model mlp --backend nccl \
         --world-size "$gpus" --steps 50 --init-dir "$results/train-sim/init" --out-dir "$results/launch-train-nccl" \
         && [ "$gpus" -eq 1 ]; then
         compare launch-train-sim-vs-nccl "$results/train-sim" "$results/launch-train-nccl"
     fi
-    run launch-conformance-nccl 600 "$chorus" launch --nproc-per-node "$gpus" -- "$chorus" conformance --backend nccl \
+    run launch-conformance-nccl 280 "$chorus" launch --nproc-per-node "$gpus" -- "$chorus" conformance --backend nccl \
         --world-size "$gpus" --filter fsdp
     grep -E '^[0-9]+ passed' "$results/launch-conformance-nccl.log" | sed 's/^/# /' | tee -a "$summary"
-    run launch-bench-nccl 300 "$chorus" launch --nproc-per-node "$gpus" -- "$chorus" bench --backend nccl \
+    run launch-bench-nccl 120 "$chorus" launch --nproc-per-node "$gpus" -- "$chorus" bench --backend nccl \
         --world-size "$gpus" --op all_reduce --min-bytes 1K --max-bytes 1M
 fi
 
