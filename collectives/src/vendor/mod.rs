@@ -49,9 +49,12 @@
 //!   is leaked, never freed under the library, if it does not complete);
 //! - **drop**: `ncclCommFinalize` (polled, with the deadline), then
 //!   `ncclCommDestroy`; on failure `ncclCommAbort`. Errors are parked on
-//!   the device. Never on the watchdog's thread (it can hold the last
-//!   reference while it polls): there the teardown moves to a thread of its
-//!   own, since destroy blocks until the whole device is idle.
+//!   the device. The teardown runs on a thread of its own, and the drop
+//!   waits for it at most twice the deadline (destroy blocks until the whole
+//!   device is idle, so device work that never ends would hang the dropping
+//!   thread; past the deadline a `Timeout` is parked and the handle leaked).
+//!   The watchdog's thread, which can hold the last reference while it
+//!   polls, does not wait at all.
 
 pub mod abi;
 mod comm;

@@ -4,6 +4,7 @@
 //! finalizes it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -247,20 +248,38 @@ impl<L: VendorLib> Drop for Shared<L> {
         h.released = true;
         let (lib, raw, device) = (self.lib, h.raw, self.device.clone());
         let deadline = self.config.timeout.min(Duration::from_secs(60));
-        // The watchdog holds a communicator only while it polls it, but that
-        // can be the last reference. Finalize waits up to the deadline and
-        // destroy blocks (it joins the library's threads and frees device
-        // memory, which waits for the whole device): on the watchdog's thread
-        // every other communicator would go unwatched meanwhile.
-        if watchdog::on_watchdog_thread() {
-            let teardown = std::thread::Builder::new()
-                .name("chorus-comm-teardown".into())
-                .spawn(move || release::<L>(lib, raw, &device, deadline));
-            if teardown.is_ok() {
-                return;
-            }
+        // The teardown runs on a thread of its own and the drop waits for it
+        // with a deadline: destroy blocks in the library (it joins its threads
+        // and frees device memory, which waits for the whole device), and
+        // device work that never ends would hang the dropping thread for
+        // good. The watchdog does not wait at all: it can hold the last
+        // reference while it polls, and every other communicator would go
+        // unwatched meanwhile.
+        let (done, finished) = std::sync::mpsc::channel();
+        let teardown = std::thread::Builder::new().name("chorus-comm-teardown".into()).spawn(move || {
+            release::<L>(lib, raw, &device, deadline);
+            let _ = done.send(());
+        });
+        if teardown.is_err() {
+            release::<L>(self.lib, raw, &self.device, deadline);
+            return;
         }
-        release::<L>(self.lib, raw, &self.device, deadline);
+        if watchdog::on_watchdog_thread() {
+            return;
+        }
+        let waited = deadline * 2;
+        let error = match finished.recv_timeout(waited) {
+            Ok(()) => return,
+            Err(RecvTimeoutError::Timeout) => {
+                CommError::Timeout { op: "ncclCommDestroy".into(), seq: 0, waited, missing: Vec::new() }
+            }
+            Err(RecvTimeoutError::Disconnected) => CommError::Backend {
+                library: L::NAME,
+                code: -1,
+                message: "the communicator's teardown thread panicked".into(),
+            },
+        };
+        L::B::park(&self.device, op_failed("ncclCommDestroy", &self.device.name(), error));
     }
 }
 

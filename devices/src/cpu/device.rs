@@ -157,6 +157,16 @@ impl CpuDevice {
         Some(f(&mut guard))
     }
 
+    /// Waits until every live stream has run the work enqueued on it, each
+    /// up to the device's deadline, as a vendor library's free waits for the
+    /// whole device (the simulated NCCL's destroy does this). Reports
+    /// nothing: stream failures and parked errors stay for a synchronize.
+    pub fn wait_idle(&self) {
+        for s in self.inner.streams.live() {
+            let _ = s.synchronize(self);
+        }
+    }
+
     pub(crate) fn alloc_memory(&self, dtype: DType, len: usize) -> Result<CpuBuffer> {
         let bytes = len
             .checked_mul(dtype.size())

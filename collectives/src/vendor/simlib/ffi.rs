@@ -228,6 +228,13 @@ unsafe extern "C" fn destroy(comm: ncclComm_t) -> ncclResult_t {
     }
     release(entered.comm.handle);
     entered.comm.join_jobs();
+    // NCCL frees the communicator's device memory, and a free waits for all
+    // of the device's work: destroy does not return while any stream of the
+    // device has work left (here within the device's own deadline).
+    let device = entered.comm.device.lock().unwrap_or_else(|p| p.into_inner()).take();
+    if let Some(device) = device {
+        device.wait_idle();
+    }
     OK
 }
 
@@ -420,6 +427,10 @@ fn launch(calls: Vec<Queued>) -> ncclResult_t {
 unsafe fn enqueue(stream: usize, comm: &Arc<SimComm>, calls: Vec<Queued>) -> Result<(), ncclResult_t> {
     // SAFETY: per this function's contract.
     let stream = unsafe { &*(stream as *const CpuStream) };
+    comm.device
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get_or_insert_with(|| chorus_devices::Stream::device(stream).clone());
     let (world, me, version) = (comm.world.clone(), comm.rank, comm.version);
     let buggy = version < 22907 && comm.size() == 1;
     let (prepared, scaled): (Vec<Prepared>, Vec<_>) = calls.into_iter().map(|q| (q.call, q.scaled)).unzip();

@@ -12,6 +12,9 @@
 //!   completes, milliseconds later. A caller that returns before the group
 //!   is enqueued gets stale results; one that reads the split's handle early
 //!   reads null — as on NCCL;
+//! - **a destroy waits for the whole device** to be idle, as NCCL's does
+//!   (it frees device memory, and a free waits for every stream): work that
+//!   never ends holds it up, here within the device's deadline;
 //! - **the data plane** is the sim backend's (rendezvous by call number,
 //!   every dtype and operator, rank-order reductions), on raw addresses;
 //! - **a known bug**: versions before 2.29.7 leave the elements past the

@@ -7,7 +7,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use chorus_devices::cpu::RawRange;
+use chorus_devices::cpu::{CpuDevice, RawRange};
 
 use crate::sim::world::{AbortState, WorldShared};
 use crate::sim::Prepared;
@@ -115,6 +115,9 @@ pub(crate) struct SimComm {
     pub(crate) ops: Mutex<HashMap<i32, f64>>,
     /// The library's threads working for this communicator (joined by abort and destroy).
     pub(crate) jobs: Mutex<Vec<JoinHandle<()>>>,
+    /// The device its work was enqueued on (the first stream's), which
+    /// destroy waits to be idle, as NCCL's frees wait for the whole device.
+    pub(crate) device: Mutex<Option<CpuDevice>>,
 }
 
 impl SimComm {
@@ -142,6 +145,7 @@ impl SimComm {
             next_split: AtomicU64::new(0),
             ops: Mutex::new(HashMap::new()),
             jobs: Mutex::new(Vec::new()),
+            device: Mutex::new(None),
         });
         registry().insert(handle, c.clone());
         c
