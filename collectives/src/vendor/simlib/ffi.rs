@@ -694,7 +694,7 @@ unsafe extern "C" fn recv(
 }
 
 /// How long a simulated non-blocking split takes.
-const SPLIT_LATENCY: std::time::Duration = std::time::Duration::from_millis(5);
+const SPLIT_LATENCY: Duration = Duration::from_millis(5);
 
 unsafe extern "C" fn split(
     comm: ncclComm_t,
