@@ -118,8 +118,8 @@ pub(crate) fn finish<T: Reducible>(acc: &mut [T], op: ReduceOp, n: usize) {
     }
 }
 
-// Exported for the bench; the kernels find it here with the rest of the arithmetic.
-pub(crate) use crate::with_dtype;
+// The dtype table; the kernels find it here with the rest of the arithmetic.
+pub(crate) use chorus_devices::with_element;
 
 /// The operator that combines two partial results (already scaled and not
 /// yet divided): a sum for `Avg` and `PreMulSum`, the operator itself otherwise.

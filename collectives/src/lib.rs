@@ -47,27 +47,7 @@ pub use vendor::abi as nccl_abi;
 /// whatever the caller calls the devices crate.
 #[doc(hidden)]
 pub mod __private {
-    pub use chorus_devices::{bf16, f16, Backend, DType};
-}
-
-/// Evaluates `$body` with `$t` bound to the host type of the
-/// [`DType`](chorus_devices::DType) `$dtype` (`f32` for `F32`, `half`'s
-/// `f16` for `F16`, ...), so code generic over the element type is written
-/// once for every dtype: `with_dtype!(dtype, T => run::<T>(...))`.
-#[macro_export]
-macro_rules! with_dtype {
-    ($dtype:expr, $t:ident => $body:expr) => {
-        $crate::with_dtype!(@each $dtype, $t => $body; F32 f32, F64 f64, F16 $crate::__private::f16,
-            BF16 $crate::__private::bf16, I32 i32, I64 i64, I8 i8, U8 u8)
-    };
-    (@each $dtype:expr, $t:ident => $body:expr; $($variant:ident $host:ty),*) => {
-        match $dtype {
-            $($crate::__private::DType::$variant => {
-                type $t = $host;
-                $body
-            })*
-        }
-    };
+    pub use chorus_devices::Backend;
 }
 
 /// `Ok` outside host functions; inside one, the device's `InHostFunction`

@@ -13,7 +13,8 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use chorus_collectives::{with_dtype, CommBackend, CommError, Communicator};
+use chorus_collectives::{CommBackend, CommError, Communicator};
+use chorus_devices::with_element;
 use chorus_devices::{Device, Priority, Stream};
 
 use super::timing::IterBarrier;
@@ -139,7 +140,7 @@ fn run_with<C: CommBackend>(args: &BenchArgs, p: &RankProcess, comm: Communicato
                 (true, bytes) if bytes > 0 => memcpy::measure(n, usize::try_from(bytes)?, warmup, iters)?,
                 _ => 0.0,
             };
-            let measured = with_dtype!(g.dtype, T => measure_rank::<C, T>(&comm, g, &barrier, warmup, iters));
+            let measured = with_element!(g.dtype, T => measure_rank::<C, T>(&comm, g, &barrier, warmup, iters));
             let (spans, wrong) = measured.with_context(|| format!("rank {rank}: {} of {} bytes", op.name(), g.size))?;
             let times: Vec<f64> = spans.iter().map(|(s, e)| e.saturating_duration_since(*s).as_secs_f64()).collect();
             let key = |r: usize| format!("{prefix}/{}/{}/r{r}", op.name(), g.size);

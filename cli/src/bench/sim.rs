@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use chorus_collectives::sim::{SimComm, SimConfig, SimWorld};
-use chorus_collectives::with_dtype;
 use chorus_devices::cpu::CpuConfig;
+use chorus_devices::with_element;
 
 use super::measure_rank;
 use super::timing::{median_window, HostBarrier};
@@ -36,7 +36,7 @@ fn config() -> SimConfig {
 pub fn measure(g: Geometry, warmup: usize, iters: usize) -> anyhow::Result<Measured> {
     let barrier = Arc::new(HostBarrier::new(g.n, DEADLINE));
     let results = SimWorld::run(g.n, config(), move |comm| {
-        let out = with_dtype!(g.dtype, T => measure_rank::<SimComm, T>(&comm, g, &barrier, warmup, iters));
+        let out = with_element!(g.dtype, T => measure_rank::<SimComm, T>(&comm, g, &barrier, warmup, iters));
         if let Err(e) = &out {
             // Peers may wait for this rank at the barrier or in a collective.
             barrier.cancel();

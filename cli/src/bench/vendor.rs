@@ -28,8 +28,9 @@ use chorus_collectives::bootstrap::MemStore;
 use chorus_collectives::checked::Checked;
 use chorus_collectives::nccl_abi::{DataType, RedOp, ResultCode};
 use chorus_collectives::vendor::{VendorComm, VendorConfig, VendorLib};
-use chorus_collectives::{with_dtype, CommError, Communicator, ReduceOp};
+use chorus_collectives::{CommError, Communicator, ReduceOp};
 use chorus_conformance::vendor::HarnessDevice;
+use chorus_devices::with_element;
 use chorus_devices::{Backend, Buffer, Device, Element, ForeignBackend, Priority, Stream};
 
 use super::measure_rank;
@@ -101,7 +102,7 @@ where
     let prefix = format!("bench/checked/{}/{}", g.op.name(), g.size);
     let comm = Checked::wrap(comm, side, &prefix, DEADLINE);
     comm.backend().set_enabled(false);
-    let out = with_dtype!(g.dtype, T => run::<L, T>(&comm, g, barrier, warmup, iters));
+    let out = with_element!(g.dtype, T => run::<L, T>(&comm, g, barrier, warmup, iters));
     if let Err(e) = &out {
         comm.abort(&format!("{e:#}"));
     }

@@ -10,7 +10,7 @@
 use chorus_devices::cpu::RawRange;
 use chorus_devices::DType;
 
-use super::reduce::{combine, finish, share, start, with_dtype, Reducible};
+use super::reduce::{combine, finish, share, start, with_element, Reducible};
 use crate::{CommError, ReduceOp, Result};
 
 /// Elements per step of a reduction: the accumulator (and the slices read)
@@ -116,7 +116,7 @@ impl Work<'_> {
     pub(crate) fn all_reduce(&self) -> Result<()> {
         let (sends, recvs) = (self.all_sends()?, self.all_recvs()?);
         let (lo, hi) = share(self.count, self.n, self.me);
-        with_dtype!(self.dtype, T => self.reduce_into::<T>(&sends, &recvs, lo, lo, hi - lo));
+        with_element!(self.dtype, T => self.reduce_into::<T>(&sends, &recvs, lo, lo, hi - lo));
         Ok(())
     }
 
@@ -125,7 +125,7 @@ impl Work<'_> {
         let sends = self.all_sends()?;
         let out = self.recv_of(self.me)?;
         let off = self.me * self.count;
-        with_dtype!(self.dtype, T => self.reduce_into::<T>(&sends, &[out], off, 0, self.count));
+        with_element!(self.dtype, T => self.reduce_into::<T>(&sends, &[out], off, 0, self.count));
         Ok(())
     }
 
@@ -134,7 +134,7 @@ impl Work<'_> {
         let sends = self.all_sends()?;
         let out = self.recv_of(root)?;
         let (lo, hi) = share(self.count, self.n, self.me);
-        with_dtype!(self.dtype, T => self.reduce_into::<T>(&sends, &[out], lo, lo, hi - lo));
+        with_element!(self.dtype, T => self.reduce_into::<T>(&sends, &[out], lo, lo, hi - lo));
         Ok(())
     }
 

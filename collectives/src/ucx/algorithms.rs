@@ -35,7 +35,7 @@ use chorus_devices::DType;
 use super::engine::{Completion, Region, Scratch};
 use super::wire::{tag, Kind};
 use super::{result, Core};
-use crate::arith::{combine, finish, partial_op, share, start, with_dtype};
+use crate::arith::{combine, finish, partial_op, share, start, with_element};
 use crate::backend::OpKind;
 use crate::{CommError, ReduceOp, Result};
 
@@ -108,24 +108,24 @@ fn scalar_of(op: ReduceOp) -> f64 {
 /// `acc = own contribution` (`x`, scaled for a pre-multiplied sum).
 fn start_raw(dtype: DType, acc: *mut u8, x: *const u8, len: usize, op: ReduceOp) {
     // SAFETY: callers pass disjoint, live, aligned ranges of `len` elements.
-    with_dtype!(dtype, T => unsafe { start::<T>(slice_mut(acc, len), slice(x, len), op, scalar_of(op)) });
+    with_element!(dtype, T => unsafe { start::<T>(slice_mut(acc, len), slice(x, len), op, scalar_of(op)) });
 }
 
 /// `acc = acc ⊕ x` where `x` is this rank's own input.
 fn combine_own(dtype: DType, acc: *mut u8, x: *const u8, len: usize, op: ReduceOp) {
     // SAFETY: as in `start_raw`.
-    with_dtype!(dtype, T => unsafe { combine::<T>(slice_mut(acc, len), slice(x, len), op, scalar_of(op)) });
+    with_element!(dtype, T => unsafe { combine::<T>(slice_mut(acc, len), slice(x, len), op, scalar_of(op)) });
 }
 
 /// `acc = acc ⊕ partial` where `partial` is already scaled.
 fn combine_partial(dtype: DType, acc: *mut u8, partial: *const u8, len: usize, op: ReduceOp) {
     // SAFETY: as in `start_raw`.
-    with_dtype!(dtype, T => unsafe { combine::<T>(slice_mut(acc, len), slice(partial, len), partial_op(op), 1.0) });
+    with_element!(dtype, T => unsafe { combine::<T>(slice_mut(acc, len), slice(partial, len), partial_op(op), 1.0) });
 }
 
 fn finish_raw(dtype: DType, acc: *mut u8, len: usize, op: ReduceOp, n: usize) {
     // SAFETY: as in `start_raw`.
-    with_dtype!(dtype, T => unsafe { finish::<T>(slice_mut(acc, len), op, n) });
+    with_element!(dtype, T => unsafe { finish::<T>(slice_mut(acc, len), op, n) });
 }
 
 fn copy_raw(src: *const u8, dst: *mut u8, bytes: usize) {
