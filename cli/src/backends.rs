@@ -141,6 +141,44 @@ impl std::fmt::Display for Backend {
     }
 }
 
+/// Most ranks a command runs as threads of one process: each rank is a
+/// handful of threads (its stream executors, its collectives), and one
+/// process's threads are bounded (a hundred thousand ranks aborted while
+/// setting up their stacks). Larger worlds run one rank per process under a
+/// launcher.
+pub const MAX_THREAD_RANKS: usize = 512;
+
+/// Refuses a `--world-size` above [`MAX_THREAD_RANKS`] for a command that
+/// runs its ranks as threads of this process on `backend`.
+pub fn check_thread_world(backend: Backend, world: usize) -> Result<(), String> {
+    if world <= MAX_THREAD_RANKS {
+        return Ok(());
+    }
+    Err(format!(
+        "--world-size {world}: the {backend} backend runs every rank as threads of this process here; at most \
+         {MAX_THREAD_RANKS} (more ranks run one per process under a launcher, e.g. with --backend ucx)"
+    ))
+}
+
+/// Refuses a backend that runs every rank as threads of this process when a
+/// launcher (`chorus launch`, torchrun, srun, mpirun) started this process
+/// as one rank of several: each process would run a whole world of its own
+/// (and all of them would write the same outputs).
+pub fn check_not_one_of_many(backend: Backend) -> Result<(), String> {
+    if backend.runs_as_processes() {
+        return Ok(());
+    }
+    match chorus_collectives::bootstrap::LaunchEnv::from_process_env() {
+        Ok(env) if env.world_size > 1 => Err(format!(
+            "the {backend} backend runs every rank as threads of one process, but this process is rank {} of \
+             {} that a launcher started ({}'s variables): under a launcher use --backend ucx (or nccl/rccl), \
+             one rank per process",
+            env.rank, env.world_size, env.launcher
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Parses `--backend`: one of the compiled backends, or an error that lists them.
 pub fn parse_backend(text: &str) -> Result<Backend, String> {
     let compiled = Backend::compiled();
@@ -196,6 +234,17 @@ fn sim_row() -> InfoRow {
         name: "sim",
         role: "collectives",
         library: "none (ranks are threads of this process, each on a cpu device)",
+        availability: Availability::Available("always".into()),
+    }
+}
+
+#[cfg(feature = "sim")]
+fn simnccl_row() -> InfoRow {
+    InfoRow {
+        name: "simnccl",
+        role: "collectives",
+        library: "none (the NCCL family's communicator over a simulated NCCL 2.28.3 ABI; ranks are threads of this \
+                  process, each on a cpu device)",
         availability: Availability::Available("always".into()),
     }
 }
@@ -320,6 +369,8 @@ pub fn rows() -> Vec<InfoRow> {
         rocm_row(),
         #[cfg(feature = "sim")]
         sim_row(),
+        #[cfg(feature = "sim")]
+        simnccl_row(),
         #[cfg(feature = "nccl")]
         nccl_row(),
         #[cfg(feature = "rccl")]
@@ -369,5 +420,22 @@ mod tests {
         assert_eq!(parse_backend("sim"), Ok(Backend::Sim));
         let sim = rows().into_iter().find(|r| r.name == "sim").expect("sim row");
         assert!(matches!(sim.availability, Availability::Available(_)));
+    }
+
+    #[test]
+    fn info_has_a_row_for_every_backend_that_backend_accepts() {
+        let rows = rows();
+        for b in Backend::compiled() {
+            assert_eq!(parse_backend(b.name()), Ok(b));
+            assert!(rows.iter().any(|r| r.name == b.name()), "`chorus info` has no row for {b}");
+        }
+    }
+
+    #[cfg(feature = "sim")]
+    #[test]
+    fn worlds_of_threads_are_bounded() {
+        assert_eq!(check_thread_world(Backend::Sim, MAX_THREAD_RANKS), Ok(()));
+        let e = check_thread_world(Backend::SimNccl, 100_000).unwrap_err();
+        assert!(e.contains("--world-size 100000") && e.contains(&format!("at most {MAX_THREAD_RANKS}")), "{e}");
     }
 }

@@ -8,7 +8,8 @@ use crate::Outcome;
 /// Arguments of `chorus conformance`.
 #[derive(Debug, Args)]
 pub struct ConformanceArgs {
-    /// The communication backend to test.
+    /// The communication backend to test: sim or simnccl (ranks as threads of this process), ucx (one rank per
+    /// process under a launcher), nccl or rccl (one rank per GPU); ucx, nccl and rccl in builds with those features.
     #[arg(long, default_value = "sim", value_parser = parse_backend)]
     pub backend: Backend,
     /// Number of ranks.
@@ -125,6 +126,9 @@ fn run_harness<H: chorus_conformance::harness::Harness>(
     use crate::UsageError;
     use std::io::Write;
 
+    if !args.list {
+        crate::backends::check_thread_world(args.backend, args.world_size).map_err(UsageError)?;
+    }
     let listed = chorus_conformance::harness::list(harness, args.world_size, args.filter.as_deref());
     if listed.is_empty() {
         let what = args.filter.as_deref().unwrap_or("");

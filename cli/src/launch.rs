@@ -3,12 +3,21 @@
 //! prefixes their output with `[rank R]`, and stops every rank when one
 //! fails or the launcher is told to stop.
 //!
-//! No rank outlives the launcher: each rank is started with
-//! `PR_SET_PDEATHSIG = SIGKILL` (it dies if the launcher dies, even by
-//! SIGKILL) in its own process group (so stopping a rank stops what it
-//! started, and a Ctrl-C reaches the launcher, which stops the ranks in
-//! order: SIGTERM, then SIGKILL after the grace period). When the job ends,
-//! whatever is left in a rank's process group is killed.
+//! Nothing a rank starts outlives the launcher: each rank runs in its own
+//! process group (stopping a rank stops what it started, and a Ctrl-C
+//! reaches the launcher, which stops the ranks in order: SIGTERM, then
+//! SIGKILL after the grace period). A rank dies with the launcher through
+//! `PR_SET_PDEATHSIG = SIGKILL`, and its whole group through the
+//! [`guardian`], even when the launcher is killed by SIGKILL. When a rank
+//! exits, whatever is left in its process group is killed at once (while
+//! the exited rank still holds the group's id, which no other process can
+//! then have).
+//!
+//! Start-up takes time linear in the rank count: one thread forwards every
+//! rank's output ([`forward`]), exited ranks are reaped as they exit, and a
+//! stop signal or a failed rank ends the start-up. The rank count is bounded
+//! by what node 0's store serves (one connection per rank and per launcher)
+//! and by the files the launcher may open.
 //!
 //! Nodes agree through the store, under `chorus/launch/<run id>/`: each
 //! launcher registers its node rank and `--nproc-per-node` (a second
@@ -17,15 +26,17 @@
 //! publishes it and the others stop their ranks and name it; node 0 keeps
 //! the store up until every node has finished.
 
+mod forward;
+mod guardian;
+
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
+use std::os::fd::OwnedFd;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -37,7 +48,8 @@ use crate::{Outcome, UsageError};
 /// Arguments of `chorus launch`.
 #[derive(Debug, Args)]
 pub struct LaunchArgs {
-    /// Ranks (processes) to start on this node.
+    /// Ranks (processes) to start on this node; the job's ranks and launchers together at most the
+    /// connections node 0's store serves (1024: 1023 ranks on one node).
     #[arg(long, value_name = "N")]
     pub nproc_per_node: usize,
     /// Nodes in the job; every node runs `chorus launch` with the same arguments but --node-rank.
@@ -94,8 +106,10 @@ fn stop_requested() -> Option<i32> {
 /// `chorus launch`.
 pub fn run(args: &LaunchArgs) -> anyhow::Result<Outcome> {
     let plan = Plan::from_args(args)?;
+    let open_files = raise_open_file_limit(&plan)?;
     install_signal_handlers();
     let mut job = Job::rendezvous(&plan)?;
+    job.open_files = open_files;
     let outcome = job.run_ranks(&plan);
     job.finish(&plan);
     outcome
@@ -129,6 +143,26 @@ impl Plan {
         }
         if a.nnodes == 0 {
             return Err(usage("--nnodes must be at least 1".into()));
+        }
+        // Every rank of a job (chorus's commands, PyTorch's) holds a connection
+        // to node 0's store, and so does every launcher: more ranks than the
+        // store serves would fail one by one as they start.
+        let connections = ServerOptions::default().max_connections;
+        let per_node = connections.saturating_sub(a.nnodes) / a.nnodes;
+        if per_node == 0 {
+            return Err(usage(format!(
+                "--nnodes {}: node 0's store serves {connections} connections, one per launcher and one per rank; \
+                 at most {} nodes",
+                a.nnodes,
+                connections / 2
+            )));
+        }
+        if a.nproc_per_node > per_node {
+            return Err(usage(format!(
+                "--nproc-per-node {}: at most {per_node} ranks per node on {} node(s) (node 0's store serves \
+                 {connections} connections, one per rank and one per launcher)",
+                a.nproc_per_node, a.nnodes
+            )));
         }
         if a.node_rank >= a.nnodes {
             return Err(usage(format!("--node-rank {} must be below --nnodes {}", a.node_rank, a.nnodes)));
@@ -173,10 +207,49 @@ impl Plan {
         self.nproc * self.nnodes
     }
 
+    /// Files the launcher holds open at most: two pipes per rank of this
+    /// node, on node 0 the store's connection of every rank and launcher of
+    /// the job, and a reserve for its own (the store's socket, the guardian's
+    /// pipe, the epoll set, the standard streams, the ranks' start-up).
+    fn open_files_needed(&self) -> u64 {
+        let store = if self.node_rank == 0 { self.world_size() + self.nnodes } else { 0 };
+        (2 * self.nproc + store + 64) as u64
+    }
+
     /// The store keys of this job.
     fn key(&self, rest: &str) -> String {
         format!("chorus/launch/{}/{rest}", self.run_id)
     }
+}
+
+/// Raises the launcher's open-file limit to `needed` where it is lower (up
+/// to the hard limit); returns the limit it had, which the ranks get back.
+/// A hard limit below `needed` is a usage error, before anything starts.
+fn raise_open_file_limit(plan: &Plan) -> anyhow::Result<Option<libc::rlimit>> {
+    let needed = plan.open_files_needed();
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit fills the struct.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("reading the open-file limit");
+    }
+    let infinite = |v: libc::rlim_t| v == libc::RLIM_INFINITY;
+    if infinite(limit.rlim_cur) || limit.rlim_cur >= needed {
+        return Ok(None);
+    }
+    if !infinite(limit.rlim_max) && limit.rlim_max < needed {
+        return Err(UsageError(format!(
+            "--nproc-per-node {} needs about {needed} open files in the launcher (two pipes per rank, and on \
+             node 0 the store's connection of every rank); the limit is {} (`ulimit -Hn`)",
+            plan.nproc, limit.rlim_max
+        ))
+        .into());
+    }
+    let raised = libc::rlimit { rlim_cur: needed, rlim_max: limit.rlim_max };
+    // SAFETY: setrlimit reads the struct.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+        return Err(std::io::Error::last_os_error()).context(format!("raising the open-file limit to {needed}"));
+    }
+    Ok(Some(limit))
 }
 
 /// Whether `program` names an executable file, directly or on `PATH`.
@@ -194,20 +267,27 @@ fn is_runnable(program: &str) -> bool {
 struct Rank {
     rank: usize,
     local_rank: usize,
-    child: Child,
-    pid: u32,
+    pid: libc::pid_t,
     status: Option<ExitStatus>,
     /// When the launcher sent it a signal (it was stopped, not failed).
     stopped: bool,
 }
 
-/// The store, the ranks and their output threads.
+/// The store, the ranks, the guardian and the output thread.
 struct Job {
     server: Option<TcpStoreServer>,
     store: Arc<TcpStore>,
     address: String,
+    /// The ranks started so far, in local-rank order.
     ranks: Vec<Rank>,
-    output: Vec<JoinHandle<()>>,
+    /// Index in `ranks` of each rank's pid.
+    by_pid: HashMap<libc::pid_t, usize>,
+    /// Ranks started and not yet reaped.
+    running: usize,
+    guardian: Option<guardian::Guardian>,
+    output: Option<forward::Forwarder>,
+    /// The open-file limit to give back to the ranks, where the launcher raised its own.
+    open_files: Option<libc::rlimit>,
 }
 
 /// Where node 0 listens: loopback stays loopback; any other address listens
@@ -259,18 +339,28 @@ impl Job {
                 );
             }
         }
-        Ok(Job { server, store, address, ranks: Vec::new(), output: Vec::new() })
+        Ok(Job {
+            server,
+            store,
+            address,
+            ranks: Vec::new(),
+            by_pid: HashMap::new(),
+            running: 0,
+            guardian: None,
+            output: None,
+            open_files: None,
+        })
     }
 
     /// Starts the ranks and watches them until all have exited; the outcome
-    /// of the job as seen from this node.
+    /// of the job as seen from this node. A stop signal, a failed rank or a
+    /// failure on another node ends the start-up at once.
     fn run_ranks(&mut self, plan: &Plan) -> anyhow::Result<Outcome> {
-        for local_rank in 0..plan.nproc {
-            if let Err(e) = self.spawn(plan, local_rank) {
-                self.stop(plan.grace);
-                return Err(e);
-            }
-        }
+        self.output = Some(forward::Forwarder::start().context("starting the thread that forwards the ranks' output")?);
+        self.guardian = Some(
+            guardian::Guardian::start(plan.nproc)
+                .context("starting the guardian that kills the ranks if the launcher dies")?,
+        );
         let mut failure: Option<String> = None;
         let mut last_remote_check = Instant::now();
         loop {
@@ -282,29 +372,28 @@ impl Job {
                     self.stop(plan.grace);
                 }
             }
-            for r in self.ranks.iter_mut().filter(|r| r.status.is_none()) {
-                if let Ok(Some(status)) = r.child.try_wait() {
-                    r.status = Some(status);
-                    if failure.is_none() && !status.success() {
-                        let what = format!(
-                            "rank {} (node {}, local rank {}, pid {}) {}",
-                            r.rank,
-                            plan.node_rank,
-                            r.local_rank,
-                            r.pid,
-                            describe(status)
-                        );
-                        eprintln!("chorus launch: {what}; stopping the other ranks");
-                        // Tell the other nodes; if the store is gone they find out themselves.
-                        let _ = self.store.set(&plan.key("failed"), what.as_bytes());
-                        failure = Some(what);
-                    }
+            for i in self.reap() {
+                let (r, status) = (&self.ranks[i], self.ranks[i].status);
+                if let Some(status) = status.filter(|s| failure.is_none() && !s.success()) {
+                    let what = format!(
+                        "rank {} (node {}, local rank {}, pid {}) {}",
+                        r.rank,
+                        plan.node_rank,
+                        r.local_rank,
+                        r.pid,
+                        describe(status)
+                    );
+                    eprintln!("chorus launch: {what}; stopping the other ranks");
+                    // Tell the other nodes; if the store is gone they find out themselves.
+                    let _ = self.store.set(&plan.key("failed"), what.as_bytes());
+                    failure = Some(what);
                 }
             }
-            if failure.is_some() && self.ranks.iter().any(|r| r.status.is_none()) {
+            if failure.is_some() && self.running > 0 {
                 self.stop(plan.grace);
             }
-            if self.ranks.iter().all(|r| r.status.is_some()) {
+            let starting = failure.is_none() && self.ranks.len() < plan.nproc;
+            if !starting && self.running == 0 {
                 break;
             }
             if plan.nnodes > 1 && failure.is_none() && last_remote_check.elapsed() >= Duration::from_millis(250) {
@@ -321,12 +410,22 @@ impl Job {
                     eprintln!("chorus launch: {what}; stopping the ranks of node {}", plan.node_rank);
                     failure = Some(what);
                     self.stop(plan.grace);
+                    continue;
                 }
             }
-            std::thread::sleep(Duration::from_millis(20));
+            if starting {
+                if let Err(e) = self.spawn(plan, self.ranks.len()) {
+                    self.stop(plan.grace);
+                    self.kill_unreaped_groups();
+                    self.finish_output();
+                    return Err(e);
+                }
+            } else {
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
-        self.reap_process_groups();
-        self.join_output();
+        self.kill_unreaped_groups();
+        self.finish_output();
         match failure {
             None => Ok(Outcome::Passed),
             Some(what) => {
@@ -335,6 +434,16 @@ impl Job {
                     let status = r.status.map_or_else(|| "still running".to_string(), describe);
                     let how = if r.stopped { format!("stopped by the launcher ({status})") } else { status };
                     eprintln!("  rank {} (local rank {}, pid {}): {how}", r.rank, r.local_rank, r.pid);
+                }
+                let started = self.ranks.len();
+                if started < plan.nproc {
+                    let first = plan.node_rank * plan.nproc;
+                    eprintln!(
+                        "  ranks {}..={} (local ranks {started}..={}): not started",
+                        first + started,
+                        first + plan.nproc - 1,
+                        plan.nproc - 1
+                    );
                 }
                 Ok(Outcome::Failed)
             }
@@ -374,10 +483,18 @@ impl Job {
             .stderr(Stdio::piped())
             .process_group(0);
         let launcher = std::process::id() as libc::pid_t;
+        let open_files = self.open_files;
         // SAFETY: the closure runs in the forked child before exec and calls
-        // only async-signal-safe functions (prctl, getppid), allocating nothing.
+        // only async-signal-safe functions (setrlimit, prctl, getppid),
+        // allocating nothing.
         unsafe {
             command.pre_exec(move || {
+                // The rank gets the open-file limit the launcher was given.
+                if let Some(limit) = open_files {
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
                 // The death signal follows the thread that forked: ranks are
                 // spawned from the main thread, which lives as long as the launcher.
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
@@ -391,15 +508,68 @@ impl Job {
             });
         }
         let mut child = command.spawn().with_context(|| format!("starting rank {rank}: {}", plan.program))?;
-        let pid = child.id();
-        if let Some(out) = child.stdout.take() {
-            self.output.push(forward_lines(out, rank, false));
+        // Reaped by `reap` (waitid on any child), not through `child`.
+        let pid = child.id() as libc::pid_t;
+        if let Some(g) = self.guardian.as_mut() {
+            g.record(local_rank, pid);
         }
-        if let Some(err) = child.stderr.take() {
-            self.output.push(forward_lines(err, rank, true));
+        self.by_pid.insert(pid, self.ranks.len());
+        self.ranks.push(Rank { rank, local_rank, pid, status: None, stopped: false });
+        self.running += 1;
+        let pipes = [
+            child.stdout.take().map(|p| (OwnedFd::from(p), false)),
+            child.stderr.take().map(|p| (OwnedFd::from(p), true)),
+        ];
+        if let Some(output) = &self.output {
+            for (pipe, stderr) in pipes.into_iter().flatten() {
+                output.add(pipe, rank, stderr).with_context(|| format!("forwarding the output of rank {rank}"))?;
+            }
         }
-        self.ranks.push(Rank { rank, local_rank, child, pid, status: None, stopped: false });
         Ok(())
+    }
+
+    /// Reaps every child that has exited; returns the indices of the ranks
+    /// among them. Before a rank is reaped, whatever is left in its process
+    /// group is killed and the guardian forgets the group: while the exited
+    /// rank is unreaped its pid is taken, so the group id names no other group.
+    fn reap(&mut self) -> Vec<usize> {
+        let mut exited = Vec::new();
+        loop {
+            // SAFETY: waitid fills `info`; WNOWAIT leaves the child unreaped.
+            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+            let found =
+                unsafe { libc::waitid(libc::P_ALL, 0, &mut info, libc::WEXITED | libc::WNOHANG | libc::WNOWAIT) };
+            // SAFETY: waitid filled `info` for an exited child (si_pid 0: none).
+            let pid = unsafe { info.si_pid() };
+            if found != 0 || pid == 0 {
+                // ECHILD (no children), EINTR (tried again at the next call) or nothing exited.
+                return exited;
+            }
+            let index = self.by_pid.get(&pid).copied();
+            if let Some(i) = index {
+                signal_group(pid, libc::SIGKILL);
+                if let Some(g) = self.guardian.as_mut() {
+                    g.withdraw(self.ranks[i].local_rank);
+                }
+            }
+            let mut raw = 0;
+            // SAFETY: waitpid reaps the child found above.
+            if unsafe { libc::waitpid(pid, &mut raw, libc::WNOHANG) } != pid {
+                return exited;
+            }
+            match index {
+                Some(i) => {
+                    self.ranks[i].status = Some(ExitStatus::from_raw(raw));
+                    self.running -= 1;
+                    exited.push(i);
+                }
+                None => {
+                    if let Some(g) = self.guardian.as_mut().filter(|g| g.pid() == pid) {
+                        g.exited();
+                    }
+                }
+            }
+        }
     }
 
     /// SIGTERM to every running rank's process group, SIGKILL after `grace`.
@@ -409,50 +579,35 @@ impl Job {
             signal_group(r.pid, libc::SIGTERM);
         }
         let deadline = Instant::now() + grace;
-        loop {
-            for r in self.ranks.iter_mut().filter(|r| r.status.is_none()) {
-                if let Ok(Some(status)) = r.child.try_wait() {
-                    r.status = Some(status);
-                }
-            }
-            if self.ranks.iter().all(|r| r.status.is_some()) || Instant::now() >= deadline {
-                break;
-            }
+        while self.running > 0 && Instant::now() < deadline {
+            self.reap();
             std::thread::sleep(Duration::from_millis(10));
         }
-        for r in self.ranks.iter().filter(|r| r.status.is_none()) {
-            signal_group(r.pid, libc::SIGKILL);
-        }
+        self.kill_unreaped_groups();
         // SIGKILL cannot be caught; a process stuck in the kernel may still take a moment.
         let deadline = Instant::now() + Duration::from_secs(5);
-        while self.ranks.iter().any(|r| r.status.is_none()) && Instant::now() < deadline {
-            for r in self.ranks.iter_mut().filter(|r| r.status.is_none()) {
-                if let Ok(Some(status)) = r.child.try_wait() {
-                    r.status = Some(status);
-                }
+        loop {
+            self.reap();
+            if self.running == 0 || Instant::now() >= deadline {
+                break;
             }
             std::thread::sleep(Duration::from_millis(10));
         }
     }
 
-    /// Kills what the ranks left behind in their process groups.
-    fn reap_process_groups(&self) {
-        for r in &self.ranks {
+    /// SIGKILL to the process group of every rank not reaped yet (each
+    /// reaped rank's group was killed when it was reaped).
+    fn kill_unreaped_groups(&self) {
+        for r in self.ranks.iter().filter(|r| r.status.is_none()) {
             signal_group(r.pid, libc::SIGKILL);
         }
     }
 
     /// Waits (at most a second) for the last output lines; a process that
     /// left the rank's group may hold a pipe open, and is not waited for.
-    fn join_output(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(1);
-        while self.output.iter().any(|t| !t.is_finished()) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        for t in self.output.drain(..) {
-            if t.is_finished() {
-                let _ = t.join();
-            }
+    fn finish_output(&mut self) {
+        if let Some(mut output) = self.output.take() {
+            output.finish(Duration::from_secs(1));
         }
     }
 
@@ -496,11 +651,11 @@ fn wait_interruptibly(store: &dyn Store, keys: &[&str], timeout: Duration) -> an
     }
 }
 
-fn signal_group(pid: u32, signal: libc::c_int) {
+fn signal_group(pid: libc::pid_t, signal: libc::c_int) {
     // SAFETY: kill(2) with a negative pid signals a process group; no memory is involved.
     // Each rank leads its own group (pgid = pid); ESRCH (already gone) is fine.
     unsafe {
-        libc::kill(-(pid as libc::pid_t), signal);
+        libc::kill(-pid, signal);
     }
 }
 
@@ -533,39 +688,6 @@ fn signal_name(signal: i32) -> String {
     .into_iter()
     .collect();
     names.get(&signal).map_or_else(|| format!("signal {signal}"), |n| n.to_string())
-}
-
-/// Copies a rank's stdout or stderr to the launcher's, each line prefixed
-/// with `[rank R] `. A line longer than 64 KiB is cut into several.
-fn forward_lines(pipe: impl Read + Send + 'static, rank: usize, stderr: bool) -> JoinHandle<()> {
-    std::thread::spawn(move || {
-        let mut reader = BufReader::new(pipe);
-        let mut line = Vec::new();
-        let prefix = format!("[rank {rank}] ");
-        loop {
-            line.clear();
-            match reader.by_ref().take(64 * 1024).read_until(b'\n', &mut line) {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {
-                    if !line.ends_with(b"\n") {
-                        line.push(b'\n');
-                    }
-                    // A closed launcher stdout (`| head`) is not the rank's problem.
-                    let _ = if stderr {
-                        write_line(&mut std::io::stderr().lock(), &prefix, &line)
-                    } else {
-                        write_line(&mut std::io::stdout().lock(), &prefix, &line)
-                    };
-                }
-            }
-        }
-    })
-}
-
-fn write_line(out: &mut impl Write, prefix: &str, line: &[u8]) -> std::io::Result<()> {
-    out.write_all(prefix.as_bytes())?;
-    out.write_all(line)?;
-    out.flush()
 }
 
 #[cfg(test)]

@@ -139,4 +139,24 @@ mod tests {
     fn the_command_line_is_consistent() {
         Cli::command().debug_assert();
     }
+
+    /// Every backend name `--backend` can accept (in some build) is in the
+    /// help of every subcommand's `--backend`.
+    #[test]
+    fn backend_help_names_every_backend() {
+        let mut cli = Cli::command();
+        cli.build();
+        let subcommands: &[&str] =
+            if cfg!(feature = "sim") { &["train", "bench", "conformance"] } else { &["bench", "conformance"] };
+        for sub in subcommands {
+            let cmd = cli.find_subcommand(sub).unwrap_or_else(|| panic!("no `{sub}`"));
+            let arg =
+                cmd.get_arguments().find(|a| a.get_id() == "backend").unwrap_or_else(|| panic!("{sub}: no --backend"));
+            let help = arg.get_help().map(ToString::to_string).unwrap_or_default();
+            let words: Vec<&str> = help.split(|c: char| !c.is_ascii_alphanumeric()).collect();
+            for name in ["sim", "simnccl", "ucx", "nccl", "rccl"] {
+                assert!(words.contains(&name), "`{sub} --backend` help omits {name}: {help}");
+            }
+        }
+    }
 }

@@ -36,10 +36,15 @@ fn node(port: &str, rank: &str, nproc: &str, extra: &[&str], command: &[&str]) -
 
 /// The pids the ranks wrote, once all `n` files exist (bounded).
 fn pids(dir: &Path, n: usize) -> Vec<u32> {
+    pids_in(dir, "pid", n)
+}
+
+/// The pids in the files `<name>.<rank>` of `dir`, once all `n` exist (bounded).
+fn pids_in(dir: &Path, name: &str, n: usize) -> Vec<u32> {
     let start = Instant::now();
     loop {
         let found: Vec<u32> = (0..n)
-            .filter_map(|r| std::fs::read_to_string(dir.join(format!("pid.{r}"))).ok()?.trim().parse().ok())
+            .filter_map(|r| std::fs::read_to_string(dir.join(format!("{name}.{r}"))).ok()?.trim().parse().ok())
             .collect();
         if found.len() == n {
             return found;
@@ -126,6 +131,173 @@ fn a_killed_launcher_takes_its_ranks_with_it() {
     child.kill().unwrap();
     child.wait().unwrap();
     assert_all_dead(&pids);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The children of `pid` (from /proc; empty once it is gone).
+fn children(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("children")).ok())
+        .flat_map(|c| c.split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<u32>>())
+        .collect()
+}
+
+/// The pids the launcher's failure summary names (`rank R (local rank L, pid P): ...`).
+fn summary_pids(stderr: &str) -> Vec<u32> {
+    stderr.lines().filter_map(|l| l.split_once(", pid ")?.1.split_once(')')?.0.parse().ok()).collect()
+}
+
+#[test]
+fn a_killed_launcher_takes_what_its_ranks_started_with_it() {
+    let dir = scratch("sigkill-tree");
+    // Each rank starts a grandchild in its process group and waits for it.
+    let script = format!("sleep 1000 & echo $! > {d}/child.$RANK; echo $$ > {d}/pid.$RANK; wait", d = dir.display());
+    let mut child = spawn_launch(&["--nproc-per-node", "2", "--", "sh", "-c", &script]);
+    let ranks = pids(&dir, 2);
+    let grandchildren = pids_in(&dir, "child", 2);
+    assert!(grandchildren.iter().all(|&p| common::alive(p)), "the grandchildren did not start");
+    // The launcher's children: the ranks and its guardian.
+    let guardian: Vec<u32> = children(child.id()).into_iter().filter(|p| !ranks.contains(p)).collect();
+    assert_eq!(guardian.len(), 1, "one guardian besides the ranks: {guardian:?}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_all_dead(&ranks);
+    assert_all_dead(&grandchildren);
+    // Its work done, the guardian is gone too.
+    assert_all_dead(&guardian);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn too_many_ranks_exit_2_before_anything_starts() {
+    let dir = scratch("too-many");
+    let marker = format!("touch {}/started", dir.display());
+    for args in [
+        vec!["--nproc-per-node", "100000", "--", "sh", "-c", &marker],
+        // 1024 ranks and their launcher are one connection more than the store serves.
+        vec!["--nproc-per-node", "1024", "--", "sh", "-c", &marker],
+        vec!["--nproc-per-node", "600", "--nnodes", "2", "--", "sh", "-c", &marker],
+        vec!["--nproc-per-node", "1", "--nnodes", "100000", "--", "sh", "-c", &marker],
+    ] {
+        let out = launch(&args, Duration::from_secs(10));
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out.stderr));
+        assert!(text(&out.stderr).contains("store serves"), "{args:?}: {}", text(&out.stderr));
+    }
+    let out = launch(&["--nproc-per-node", "100000", "--", "true"], Duration::from_secs(10));
+    assert!(text(&out.stderr).contains("at most 1023 ranks per node"), "{}", text(&out.stderr));
+    assert!(!dir.join("started").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Starts `chorus launch` with the open-file limit set to `soft`/`hard`.
+fn launch_with_open_files(soft: u64, hard: u64, args: &[&str]) -> Output {
+    use std::os::unix::process::CommandExt;
+    let mut command = chorus();
+    command.arg("launch").args(args);
+    // SAFETY: setrlimit is async-signal-safe and reads a local struct.
+    unsafe {
+        command.pre_exec(move || {
+            let limit = libc::rlimit { rlim_cur: soft, rlim_max: hard };
+            match libc::setrlimit(libc::RLIMIT_NOFILE, &limit) {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            }
+        });
+    }
+    common::run_bounded(&mut command, Duration::from_secs(60))
+}
+
+#[test]
+fn the_launcher_raises_its_open_file_limit_and_the_ranks_get_theirs() {
+    // 200 ranks hold 400 pipes in the launcher: more than 256 files.
+    let out = launch_with_open_files(256, 4096, &["--nproc-per-node", "200", "--", "sh", "-c", "ulimit -n"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    for r in 0..200 {
+        assert!(stdout.contains(&format!("[rank {r}] 256\n")), "rank {r}: {stdout}");
+    }
+    // A hard limit too low for them is refused before anything starts.
+    let out = launch_with_open_files(256, 256, &["--nproc-per-node", "200", "--", "sh", "-c", "echo started"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("ulimit -Hn") && !text(&out.stdout).contains("started"));
+}
+
+#[test]
+fn a_thousand_ranks_start_and_every_line_is_forwarded() {
+    let out = common::run_bounded(
+        chorus().args(["launch", "--nproc-per-node", "1000", "--", "sh", "-c", "echo rank $RANK"]),
+        Duration::from_secs(120),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert_eq!(stdout.lines().count(), 1000);
+    for r in 0..1000 {
+        assert!(stdout.contains(&format!("[rank {r}] rank {r}\n")), "rank {r} missing");
+    }
+}
+
+/// Runs 400 ranks whose rank 0 runs `first` and the others sleep; returns
+/// the launcher's output once it has stopped every rank (bounded), after
+/// checking that the start-up ended early and every started rank is gone.
+fn start_up_ended_by(first: &str) -> Output {
+    let script = format!("if [ \"$RANK\" = 0 ]; then {first}; fi; exec sleep 60");
+    let out = common::run_bounded(
+        chorus().args(["launch", "--nproc-per-node", "400", "--grace", "1", "--", "sh", "-c", &script]),
+        Duration::from_secs(120),
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let stderr = text(&out.stderr);
+    // Rank 0 acts within milliseconds; starting 400 ranks takes far longer.
+    assert!(stderr.contains("..=399 (local ranks ") && stderr.contains("not started"), "{stderr}");
+    let started = summary_pids(&stderr);
+    assert!(!started.is_empty() && started.len() < 400, "{} ranks started", started.len());
+    assert_all_dead(&started);
+    out
+}
+
+#[test]
+fn a_stop_signal_ends_the_start_up() {
+    // The rank's parent is the launcher.
+    let out = start_up_ended_by("kill -TERM $PPID");
+    assert!(text(&out.stderr).contains("received SIGTERM"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn a_rank_failing_during_the_start_up_ends_it() {
+    let out = start_up_ended_by("exit 3");
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("failed: rank 0 (node 0, local rank 0") && stderr.contains("exited with code 3"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_simulated_backend_under_a_launcher_says_to_use_one_rank_per_process() {
+    let dir = scratch("sim-under-launch");
+    let out_dir = dir.join("out");
+    let out = launch(
+        &[
+            "--nproc-per-node",
+            "2",
+            "--",
+            common::chorus_path(),
+            "train",
+            "--backend",
+            "sim",
+            "--steps",
+            "1",
+            "--out-dir",
+            out_dir.to_str().unwrap(),
+        ],
+        Duration::from_secs(60),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("exited with code 2"), "{stderr}");
+    assert!(stderr.contains("rank 0 of 2") && stderr.contains("use --backend ucx"), "{stderr}");
+    assert!(!out_dir.exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -39,7 +39,8 @@ use crate::{Outcome, UsageError};
 /// Arguments of `chorus bench`.
 #[derive(Debug, Args)]
 pub struct BenchArgs {
-    /// The communication backend to measure.
+    /// The communication backend to measure: sim or simnccl (ranks as threads of this process), ucx (one rank per
+    /// process under a launcher), nccl or rccl (one rank per GPU); ucx, nccl and rccl in builds with those features.
     #[arg(long, default_value = "sim", value_parser = parse_backend)]
     pub backend: Backend,
     /// The collective, or `all` for every one in turn.
@@ -342,6 +343,64 @@ pub fn sizes(min: u64, max: u64) -> Vec<u64> {
     out
 }
 
+/// Bytes of the smallest buffer `op` can measure: one element, or one per
+/// rank where the op splits its buffer into `n` chunks.
+fn smallest_size(op: Op, n: usize, dtype: DType) -> u64 {
+    let chunked = matches!(op, Op::AllGather | Op::ReduceScatter | Op::AllToAll);
+    (dtype.size() as u64).saturating_mul(if chunked { n as u64 } else { 1 })
+}
+
+/// Refuses a `--min-bytes` that holds no whole element (one per rank where
+/// the op splits its buffer): such a size would time an empty collective.
+fn check_sizes(args: &BenchArgs) -> Result<(), UsageError> {
+    for op in args.op.ops() {
+        let smallest = smallest_size(op, args.world_size, args.dtype);
+        if args.min_bytes < smallest {
+            let per_rank = if smallest > args.dtype.size() as u64 { " per rank" } else { "" };
+            return Err(UsageError(format!(
+                "--min-bytes {}: {} on {} ranks measures whole {} elements ({} bytes each){per_rank}; give at least {smallest}",
+                format_bytes(args.min_bytes),
+                op.name(),
+                args.world_size,
+                args.dtype,
+                args.dtype.size()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// What the output says when a requested size is not what was measured:
+/// sizes are rounded down to whole elements, and to a multiple of the
+/// world size where the op splits its buffer (as nccl-tests does).
+fn rounding_note(args: &BenchArgs) -> Option<String> {
+    let rounded = args.op.ops().into_iter().any(|op| {
+        sizes(args.min_bytes, args.max_bytes)
+            .into_iter()
+            .any(|s| Geometry::new(op, args.world_size, args.dtype, s).size != s)
+    });
+    rounded.then(|| {
+        format!(
+            "# sizes are rounded down to whole {} elements ({} bytes; for all_gather, reduce_scatter and all_to_all \
+             to a multiple of {} elements): the size column is the size measured",
+            args.dtype,
+            args.dtype.size(),
+            args.world_size
+        )
+    })
+}
+
+/// Prints the [`rounding_note`], if any: a header line of the table, or a
+/// line on stderr next to JSON rows.
+pub(crate) fn print_rounding_note(args: &BenchArgs, out: &mut dyn Write) -> anyhow::Result<()> {
+    match rounding_note(args) {
+        Some(note) if args.json => eprintln!("{}", note.trim_start_matches("# ")),
+        Some(note) => writeln!(out, "{note}")?,
+        None => {}
+    }
+    Ok(())
+}
+
 // Without a backend feature the enum is empty and the arguments go unused.
 #[cfg_attr(not(feature = "sim"), allow(unused_variables))]
 fn measure(backend: Backend, g: Geometry, warmup: usize, iters: usize) -> anyhow::Result<Measured> {
@@ -384,6 +443,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
         ))
         .into());
     }
+    check_sizes(args)?;
     check_host_memory(args)?;
     if args.backend.runs_as_processes() {
         #[cfg(feature = "ucx")]
@@ -411,6 +471,7 @@ fn unreachable_backend() -> anyhow::Result<Outcome> {
 
 /// `chorus bench` with the ranks as threads of this process.
 fn run_threads(args: &BenchArgs) -> anyhow::Result<Outcome> {
+    crate::backends::check_thread_world(args.backend, args.world_size).map_err(UsageError)?;
     let (n, warmup, iters) = (args.world_size, args.warmup as usize, args.iters as usize);
     let mut out = std::io::stdout();
     if !args.json {
@@ -426,6 +487,7 @@ fn run_threads(args: &BenchArgs) -> anyhow::Result<Outcome> {
         writeln!(out, "# memcpy = {n} threads each copying `size` bytes between private buffers (read+write rate);")?;
         writeln!(out, "# efficiency = (bytes the collective must read+write, all ranks) / time / memcpy rate — docs/benchmarks.md")?;
     }
+    print_rounding_note(args, &mut out)?;
     let mut table = Table::new(args.json);
     for op in args.op.ops() {
         table.op_head(&mut out, op)?;
@@ -597,6 +659,49 @@ mod tests {
         assert_eq!(Op::AllReduce.required_bytes(100, 4), 800.0);
         assert_eq!(Op::ReduceScatter.required_bytes(100, 4), 500.0);
         assert_eq!(Op::Broadcast.required_bytes(100, 4), 600.0);
+    }
+
+    fn args(op: OpArg, world_size: usize, min_bytes: u64, max_bytes: u64, dtype: DType) -> BenchArgs {
+        BenchArgs {
+            backend: crate::backends::Backend::compiled()[0],
+            op,
+            world_size,
+            min_bytes,
+            max_bytes,
+            dtype,
+            iters: 1,
+            warmup: 0,
+            json: false,
+        }
+    }
+
+    #[test]
+    fn sizes_below_one_element_are_refused() {
+        // The issue's case: 3, 6 and 12 bytes of f64 were timed as 0, 0 and 8 bytes.
+        let e = check_sizes(&args(OpArg::AllReduce, 8, 3, 13, DType::F64)).unwrap_err().0;
+        assert!(e.contains("--min-bytes 3") && e.contains("at least 8"), "{e}");
+        assert!(check_sizes(&args(OpArg::AllReduce, 8, 8, 13, DType::F64)).is_ok());
+        // Chunked ops need one element per rank: 8 ranks of f32 is 32 bytes.
+        let e = check_sizes(&args(OpArg::All, 8, 16, 1024, DType::F32)).unwrap_err().0;
+        assert!(e.contains("all_gather") && e.contains("per rank") && e.contains("at least 32"), "{e}");
+        assert!(check_sizes(&args(OpArg::All, 8, 32, 1024, DType::F32)).is_ok());
+        // No size that passes the check measures an empty buffer.
+        for (op, n, min) in [(Op::AllReduce, 8, 8u64), (Op::AllToAll, 3, 24), (Op::ReduceScatter, 5, 41)] {
+            for s in sizes(min, 1 << 12) {
+                assert!(Geometry::new(op, n, DType::F64, s).count > 0, "{op:?} {n} {s}");
+            }
+        }
+    }
+
+    #[test]
+    fn rounded_sizes_are_announced() {
+        assert_eq!(rounding_note(&args(OpArg::All, 8, 1024, 1 << 20, DType::F32)), None);
+        let note = rounding_note(&args(OpArg::AllReduce, 8, 9, 40, DType::F64)).expect("9 bytes is not whole f64s");
+        assert!(note.contains("rounded down to whole f64 elements"), "{note}");
+        assert!(
+            rounding_note(&args(OpArg::AllGather, 3, 1024, 1024, DType::F32)).is_some(),
+            "256 is not a multiple of 3"
+        );
     }
 
     #[test]

@@ -128,6 +128,9 @@ fn run_with<C: CommBackend>(args: &BenchArgs, p: &RankProcess, comm: Communicato
         )?;
         writeln!(out, "# efficiency = (bytes the collective must read+write, all ranks) / time / memcpy rate — docs/benchmarks.md")?;
     }
+    if leader {
+        super::print_rounding_note(args, &mut out)?;
+    }
     let barrier = CommBarrier { comm: &comm, stream: comm.device().create_stream(Priority::Normal)? };
     let mut table = Table::new(args.json);
     for op in args.op.ops() {

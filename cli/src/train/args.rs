@@ -36,7 +36,8 @@ pub struct TrainArgs {
     /// The model (default gpt; --bench measures the mlp).
     #[arg(long, value_enum)]
     pub model: Option<ModelArg>,
-    /// The communication backend: sim, simnccl, or nccl/rccl (one rank per GPU, in builds with those features).
+    /// The communication backend: sim or simnccl (ranks as threads of this process), ucx (one rank per process
+    /// under a launcher), nccl or rccl (one rank per GPU); ucx, nccl and rccl in builds with those features.
     #[arg(long, default_value = "sim", value_parser = crate::backends::parse_backend)]
     pub backend: Backend,
     /// Number of ranks (default 4).
@@ -155,9 +156,6 @@ fn parse_float_dtype(s: &str) -> Result<DType, String> {
     }
 }
 
-/// Ranks the simulated backend runs (each rank is a handful of threads).
-const MAX_SIM_WORLD: usize = 512;
-
 /// A byte or element count for the memory check: saturating arithmetic, so
 /// no size a user gives overflows (the result is then "more than any machine").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -224,12 +222,10 @@ impl TrainArgs {
         if self.steps() == 0 {
             return Err(usage("--steps must be at least 1"));
         }
-        if matches!(self.backend.name(), "sim" | "simnccl") && world > MAX_SIM_WORLD {
-            return Err(usage(format!(
-                "--world-size {world}: the {} backend runs every rank as threads of this process; at most {MAX_SIM_WORLD}",
-                self.backend
-            )));
+        if !self.backend.runs_as_processes() {
+            crate::backends::check_thread_world(self.backend, world).map_err(usage)?;
         }
+        crate::backends::check_not_one_of_many(self.backend).map_err(usage)?;
         if self.bench {
             let mlp = model == ModelArg::Mlp;
             for (given, name) in [
