@@ -159,12 +159,12 @@ fn a_killed_launcher_takes_what_its_ranks_started_with_it() {
     assert!(grandchildren.iter().all(|&p| common::alive(p)), "the grandchildren did not start");
     // The launcher's children: the ranks and its guardian.
     let guardian: Vec<u32> = children(child.id()).into_iter().filter(|p| !ranks.contains(p)).collect();
-    assert_eq!(guardian.len(), 1, "one guardian besides the ranks: {guardian:?}");
     child.kill().unwrap();
     child.wait().unwrap();
     assert_all_dead(&ranks);
     assert_all_dead(&grandchildren);
     // Its work done, the guardian is gone too.
+    assert_eq!(guardian.len(), 1, "one guardian besides the ranks: {guardian:?}");
     assert_all_dead(&guardian);
     let _ = std::fs::remove_dir_all(&dir);
 }
