@@ -356,9 +356,9 @@ fn check_sizes(args: &BenchArgs) -> Result<(), UsageError> {
     for op in args.op.ops() {
         let smallest = smallest_size(op, args.world_size, args.dtype);
         if args.min_bytes < smallest {
-            let per_rank = if smallest > args.dtype.size() as u64 { " per rank" } else { "" };
+            let per_rank = if smallest > args.dtype.size() as u64 { ", at least one per rank" } else { "" };
             return Err(UsageError(format!(
-                "--min-bytes {}: {} on {} ranks measures whole {} elements ({} bytes each){per_rank}; give at least {smallest}",
+                "--min-bytes {}: {} on {} ranks measures whole {} elements ({} bytes){per_rank}: give at least {smallest}",
                 format_bytes(args.min_bytes),
                 op.name(),
                 args.world_size,

@@ -42,14 +42,16 @@ impl Guardian {
         }
         // SAFETY: both descriptors were just created and are owned here only.
         let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-        // Room for every message of the job (two per rank) even while the
-        // guardian is not reading; the launcher's writes never block.
-        let wanted = (slots.saturating_mul(2 * MESSAGE)).clamp(64 << 10, 1 << 20);
-        // SAFETY: fcntl on a descriptor owned here; a failure leaves the default size.
+        // The launcher never blocks on the guardian: a pipe holds 64 KiB, the
+        // two messages of each of 4096 ranks (a job has at most 1023 per
+        // node), and a guardian that stops reading makes a write fail, which
+        // is reported, rather than wait.
+        // SAFETY: fcntl on a descriptor owned here.
         unsafe {
-            libc::fcntl(write.as_raw_fd(), libc::F_SETPIPE_SZ, wanted as libc::c_int);
             let flags = libc::fcntl(write.as_raw_fd(), libc::F_GETFL);
-            libc::fcntl(write.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK);
+            if flags < 0 || libc::fcntl(write.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) < 0 {
+                return Err(io::Error::last_os_error());
+            }
         }
         // Everything the child uses is allocated before the fork.
         let mut table: Vec<libc::pid_t> = vec![0; slots];
