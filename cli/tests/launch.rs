@@ -211,7 +211,19 @@ fn launch_with_open_files(soft: u64, hard: u64, args: &[&str]) -> Output {
 #[test]
 fn the_launcher_raises_its_open_file_limit_and_the_ranks_get_theirs() {
     // 200 ranks hold 400 pipes in the launcher: more than 256 files.
-    let out = launch_with_open_files(256, 4096, &["--nproc-per-node", "200", "--", "sh", "-c", "ulimit -n"]);
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit fills the struct.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) }, 0);
+    assert!(
+        limit.rlim_max >= 1024,
+        "this test needs a hard open-file limit of 1024 (`ulimit -Hn`: {})",
+        limit.rlim_max
+    );
+    let out = launch_with_open_files(
+        256,
+        limit.rlim_max.min(4096),
+        &["--nproc-per-node", "200", "--", "sh", "-c", "ulimit -n"],
+    );
     assert!(out.status.success(), "{}", text(&out.stderr));
     let stdout = text(&out.stdout);
     for r in 0..200 {
