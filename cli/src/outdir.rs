@@ -244,13 +244,13 @@ impl OutDir {
                 )));
             }
         }
-        let parent = dest.parent().unwrap_or(Path::new("/"));
-        std::fs::create_dir_all(parent)
+        let parent = dest.parent().unwrap_or(Path::new("/")).to_path_buf();
+        std::fs::create_dir_all(&parent)
             .map_err(|e| usage(format!("--out-dir {}: cannot create {}: {e}", given.display(), parent.display())))?;
         let lock = RunLock::acquire(&sibling(&dest, "lock"), &dest)?;
         let (pid, start) = me();
         let out = OutDir { stage: sibling(&dest, &format!("partial-{pid}-{start}")), dest, committed: false, _lock: lock };
-        out.remove_dead_partials(parent);
+        out.remove_dead_partials(&parent);
         let made = (|| {
             if out.stage.exists() {
                 std::fs::remove_dir_all(&out.stage)?;
