@@ -165,9 +165,10 @@ pub fn resolved(path: &Path) -> PathBuf {
         if let Ok(c) = std::fs::canonicalize(existing) {
             break c;
         }
-        match (existing.parent(), existing.file_name()) {
-            (Some(parent), Some(name)) => {
-                rest.push(name.to_os_string());
+        // The last component, `..` included (which `file_name` does not give).
+        match (existing.parent(), existing.components().next_back()) {
+            (Some(parent), Some(last)) => {
+                rest.push(last.as_os_str().to_os_string());
                 existing = parent;
             }
             _ => break existing.to_path_buf(),
