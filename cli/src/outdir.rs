@@ -141,7 +141,9 @@ impl RunLock {
                             .with_context(|| format!("removing the stale lock {}", path.display()))?,
                     }
                 }
-                Err(e) => return Err(usage(format!("{}: cannot take the lock {}: {e}", what.display(), path.display()))),
+                Err(e) => {
+                    return Err(usage(format!("{}: cannot take the lock {}: {e}", what.display(), path.display())))
+                }
             }
         }
         anyhow::bail!("{}: another run took the lock {} at the same time", what.display(), path.display())
@@ -250,7 +252,8 @@ impl OutDir {
             .map_err(|e| usage(format!("--out-dir {}: cannot create {}: {e}", given.display(), parent.display())))?;
         let lock = RunLock::acquire(&sibling(&dest, "lock"), &dest)?;
         let (pid, start) = me();
-        let out = OutDir { stage: sibling(&dest, &format!("partial-{pid}-{start}")), dest, committed: false, _lock: lock };
+        let out =
+            OutDir { stage: sibling(&dest, &format!("partial-{pid}-{start}")), dest, committed: false, _lock: lock };
         out.remove_dead_partials(&parent);
         let made = (|| {
             if out.stage.exists() {

@@ -578,7 +578,8 @@ fn interrupted_runs_and_failed_writes_leave_the_out_dir_as_it_was() {
 
     let mut child = spawn_endless_gpt(&out);
     let prefix = format!(".out.partial-{}-", child.id());
-    let staging = || std::fs::read_dir(&root).unwrap().flatten().any(|e| e.file_name().to_string_lossy().starts_with(&prefix));
+    let staging =
+        || std::fs::read_dir(&root).unwrap().flatten().any(|e| e.file_name().to_string_lossy().starts_with(&prefix));
     let deadline = Instant::now() + Duration::from_secs(60);
     while !staging() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
@@ -841,7 +842,11 @@ fn resume_refuses_another_model_or_optimizer() {
     let root = scratch("resume-config");
     let ckpt = root.join("ckpt");
     let out = root.join("out");
-    let o = chorus().args(two_layer(&["--layers", "2", "--steps", "2", "--checkpoint-dir", s(&ckpt)])).args(["--out-dir", s(&out)]).output().unwrap();
+    let o = chorus()
+        .args(two_layer(&["--layers", "2", "--steps", "2", "--checkpoint-dir", s(&ckpt)]))
+        .args(["--out-dir", s(&out)])
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
     let r = root.join("r");
     let resume = |extra: &[&str]| {
@@ -936,7 +941,10 @@ fn keep_last_prunes_old_checkpoints() {
         v.sort();
         v
     };
-    let o = gpt_into(&root.join("a"), &["--steps", "5", "--save-every", "1", "--keep-last", "2", "--checkpoint-dir", s(&ckpt)]);
+    let o = gpt_into(
+        &root.join("a"),
+        &["--steps", "5", "--save-every", "1", "--keep-last", "2", "--checkpoint-dir", s(&ckpt)],
+    );
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(steps(&ckpt), ["step-00000004", "step-00000005"]);
     let from = ckpt.join("step-00000004");

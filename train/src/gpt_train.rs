@@ -229,8 +229,10 @@ where
     let mut saved = Vec::new();
     let mut stopped = None;
     // The checkpoint resumed from is never pruned.
-    let save_options =
-        SaveOptions { keep_last: spec.keep_last, keep: spec.resume.iter().filter_map(|d| checkpoint::resolve(d).ok()).collect() };
+    let save_options = SaveOptions {
+        keep_last: spec.keep_last,
+        keep: spec.resume.iter().filter_map(|d| checkpoint::resolve(d).ok()).collect(),
+    };
     let model_config = serde_json::to_value(spec.config).map_err(|e| Error::InvalidArgument(e.to_string()))?;
     for step in start..spec.steps {
         let t0 = Instant::now();

@@ -65,7 +65,9 @@ pub enum CheckpointError {
     },
     /// A file of the checkpoint was written by another save than its
     /// manifest (two runs sharing a directory; files copied between checkpoints).
-    #[error("{path}: written by save {found}, but the checkpoint's manifest by save {expected} (files of two saves mixed)")]
+    #[error(
+        "{path}: written by save {found}, but the checkpoint's manifest by save {expected} (files of two saves mixed)"
+    )]
     Mixed {
         /// The file.
         path: PathBuf,

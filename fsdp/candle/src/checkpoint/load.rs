@@ -117,7 +117,9 @@ pub fn optimizer_changes(saved: &serde_json::Value, now: OptimizerKind) -> Resul
     let now_json = optimizer_json(now);
     let (saved_kind, this_kind) = (saved["kind"].as_str().unwrap_or("?"), now_json["kind"].as_str().unwrap_or("?"));
     if saved_kind != this_kind {
-        return Err(format!("saved with the {saved_kind} optimizer; this run uses {this_kind} (its state cannot continue)"));
+        return Err(format!(
+            "saved with the {saved_kind} optimizer; this run uses {this_kind} (its state cannot continue)"
+        ));
     }
     let moments = |momentum: f64| if momentum != 0.0 { "with" } else { "without" };
     if let (Some(a), OptimizerKind::Sgd { momentum: b, .. }) = (saved["momentum"].as_f64(), now) {
@@ -183,13 +185,8 @@ where
         }
     }
     // Every saved tensor is used: one the model lacks means another model.
-    let unused: Vec<&str> = ck
-        .manifest
-        .tensors
-        .iter()
-        .map(|t| t.name.as_str())
-        .filter(|n| !params.iter().any(|p| p.2 == *n))
-        .collect();
+    let unused: Vec<&str> =
+        ck.manifest.tensors.iter().map(|t| t.name.as_str()).filter(|n| !params.iter().any(|p| p.2 == *n)).collect();
     if !unused.is_empty() {
         let mut names = unused.iter().take(4).copied().collect::<Vec<_>>().join(", ");
         if unused.len() > 4 {
@@ -231,7 +228,9 @@ where
         shards.push((*g, *i, values));
         if has_state {
             if with_step && !optim_boxes.contains_key(&state_key(name, "step")) {
-                return Err(CheckpointError::MissingTensor { path: ck.dir.clone(), tensor: state_key(name, "step") }.into());
+                return Err(
+                    CheckpointError::MissingTensor { path: ck.dir.clone(), tensor: state_key(name, "step") }.into()
+                );
             }
             let mut moments = Vec::new();
             for what in names {
