@@ -306,7 +306,7 @@ fn prune(root: &Path, keep_last: usize, latest: &str, keep: &[PathBuf], save_id:
         .filter_map(|n| step_of(&n).map(|s| (s, n)))
         .filter(|(_, n)| root.join(n).join(MANIFEST).is_file())
         .collect();
-    steps.sort_by(|a, b| b.0.cmp(&a.0));
+    steps.sort_by_key(|s| std::cmp::Reverse(s.0));
     for (_, n) in steps.into_iter().skip(keep_last) {
         let dir = root.join(&n);
         if n == latest || canonical(&dir).is_some_and(|c| kept.contains(&c)) {
