@@ -442,3 +442,47 @@ fn crc32(bytes: &[u8]) -> u32 {
     }
     !c
 }
+
+/// The Python that has PyTorch: `CHORUS_PYTHON` (set by
+/// `ci/python-env.sh`), else `python3`.
+fn torch_python() -> String {
+    std::env::var("CHORUS_PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+/// PyTorch's own distributed-checkpoint reader (`HuggingFaceStorageReader`
+/// and `dcp.load`) loads a checkpoint's shard files into full tensors: the
+/// parameters are the trained ones, and each replicated `step` is one chunk.
+#[test]
+#[ignore = "needs python with torch: run with --ignored after `source ci/python-env.sh` (CHORUS_PYTHON)"]
+fn torch_dcp_loads_the_shard_files() {
+    let (dir, report) = saved_checkpoint("torch-dcp");
+    let script = r#"
+import json, sys, warnings
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+warnings.simplefilter("ignore")
+path = sys.argv[1]
+md = HuggingFaceStorageReader(path).read_metadata()
+sd = {k: torch.zeros(tuple(m.size), dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()}
+dcp.load(sd, storage_reader=HuggingFaceStorageReader(path), no_dist=True)
+print(json.dumps({k: [list(v.shape), len(md.state_dict_metadata[k].chunks), float(v.double().sum())]
+                  for k, v in sd.items()}))
+"#;
+    let step = dir.join("step-00000002");
+    let o = std::process::Command::new(torch_python()).args(["-c", script, step.to_str().unwrap()]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let loaded: std::collections::HashMap<String, (Vec<usize>, usize, f64)> =
+        serde_json::from_slice(&o.stdout).unwrap();
+    for (name, values) in &report.params {
+        let (shape, _, sum) = &loaded[name];
+        assert_eq!(shape.iter().product::<usize>(), values.len(), "{name}");
+        let ours: f64 = values.iter().map(|v| *v as f64).sum();
+        assert!((sum - ours).abs() <= 1e-6 * (1.0 + ours.abs()), "{name}: torch {sum} vs {ours}");
+        let (step_shape, chunks, value) = &loaded[&format!("state.{name}.step")];
+        assert!(step_shape.is_empty() && *chunks == 1 && *value == 2.0, "{name}: step {step_shape:?} {chunks} {value}");
+        let (moment_shape, _, _) = &loaded[&format!("state.{name}.exp_avg")];
+        assert_eq!(moment_shape, shape, "{name}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
