@@ -150,6 +150,7 @@ fn the_transformer_learns_plots_checkpoints_and_resumes() {
     );
     assert!(end < start - 0.3, "the loss did not fall visibly: {start} -> {end}");
     assert_eq!(s["config"]["optimizer"]["kind"], "adamw", "structured configuration");
+    assert_eq!(s["status"], "completed");
     assert_eq!(s["config"]["transformer"]["d_model"], 32);
     let svg = std::fs::read_to_string(out.join("loss.svg")).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("polyline") || svg.contains("<path"), "loss.svg");

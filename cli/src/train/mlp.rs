@@ -148,6 +148,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         .collect();
     let summary = json!({
         "model": "mlp",
+        "status": "completed",
         "losses": first.losses,
         "loss_window": s.window,
         "loss_start_mean": s.start,
