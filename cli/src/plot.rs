@@ -22,7 +22,8 @@ pub fn smooth(values: &[f64], window: usize) -> Vec<f64> {
 
 /// Draws `losses` (per step, starting at `first_step`) and their moving
 /// average into an SVG at `path`.
-/// Non-finite losses are left out; finite ones are clamped to +-1e30 so the
+/// Non-finite losses are left out of the lines and marked by red crosses
+/// along the top of the plot; finite ones are clamped to +-1e30 so the
 /// axis range and its padding stay finite (plotters loops forever on an
 /// infinite range).
 pub fn loss_curve(path: &Path, title: &str, first_step: u64, losses: &[f64], window: usize) -> anyhow::Result<()> {
@@ -64,6 +65,18 @@ pub fn loss_curve(path: &Path, title: &str, first_step: u64, losses: &[f64], win
             .draw_series(LineSeries::new(points(&smooth(losses, window)), BLUE.stroke_width(2)))?
             .label(format!("moving average ({window} steps)"))
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
+        let nonfinite: Vec<(f64, f64)> = losses
+            .iter()
+            .enumerate()
+            .filter(|(_, y)| !y.is_finite())
+            .map(|(i, _)| ((first_step + i as u64) as f64, hi + pad * 0.5))
+            .collect();
+        if !nonfinite.is_empty() {
+            chart
+                .draw_series(nonfinite.into_iter().map(|p| Cross::new(p, 5, RED.stroke_width(2))))?
+                .label("loss NaN or infinite")
+                .legend(|(x, y)| Cross::new((x + 10, y), 5, RED.stroke_width(2)));
+        }
         chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
         root.present()?;
         Ok(())

@@ -91,8 +91,11 @@ where
 
     /// Restores the optimizer as a checkpoint left it: `steps` taken, and for
     /// each `(g, i, moments)` the state of that parameter in the layout of
-    /// [`ShardedOptimizer::read_state`] on this rank (an empty `moments`
-    /// leaves the parameter without state). Uploads on the compute stream.
+    /// [`ShardedOptimizer::read_state`] on this rank. After a step
+    /// (`steps > 0`) an optimizer with state (momentum, AdamW) needs the
+    /// state of every parameter: one left out is an error, since starting
+    /// it from zero at step `steps` would skip AdamW's bias correction of
+    /// the first update. Uploads on the compute stream.
     pub fn load_state(&mut self, fsdp: &Fsdp<C>, steps: u64, states: Vec<(usize, usize, Vec<Vec<f32>>)>) -> Result<()> {
         let stream = &fsdp.ctx.streams.compute;
         let expected = match self.kind {
@@ -126,6 +129,16 @@ where
                 *slot = Some(stream.buffer_from(m)?);
             }
             state[g][i] = Some(bufs);
+        }
+        if steps > 0 && expected > 0 {
+            for (grp, per_param) in fsdp.groups.iter().zip(&state) {
+                if let Some((p, _)) = grp.params.iter().zip(per_param).find(|(_, s)| s.is_none()) {
+                    return Err(FsdpError::InvalidArgument(format!(
+                        "{}: no optimizer state after {steps} steps ({:?} keeps {expected} buffer(s) per parameter)",
+                        p.name, self.kind
+                    )));
+                }
+            }
         }
         self.state = state;
         self.step = steps;

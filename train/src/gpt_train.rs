@@ -12,7 +12,7 @@ use candle_nn::{Optimizer, VarBuilder, VarMap};
 use chorus_collectives::{CommBackend, Communicator, Mesh};
 use chorus_devices::{ComputeBackend, Device as _};
 use chorus_fsdp::{CommCounts, DataParallel, Fsdp, FsdpConfig, HostOverhead, OptimizerKind, ShardedOptimizer};
-use chorus_fsdp_candle::checkpoint::{self, TrainingState};
+use chorus_fsdp_candle::checkpoint::{self, LoadOptions, SaveOptions, TrainingState};
 use chorus_fsdp_candle::{AdapterTimes, Error, Result};
 
 use crate::gpt::{loss, Gpt, GptConfig, ShardedGpt};
@@ -47,8 +47,13 @@ pub struct GptSpec {
     pub checkpoint_dir: Option<PathBuf>,
     /// Steps between checkpoints (0: only at the end, when a directory is given).
     pub save_every: u64,
+    /// Keep only this many checkpoints under `checkpoint_dir` (the newest;
+    /// never the one `latest` names nor the one resumed from); `None` keeps all.
+    pub keep_last: Option<usize>,
     /// Resume from this checkpoint (a `step-*` directory, or a directory with a `latest` pointer).
     pub resume: Option<PathBuf>,
+    /// Resume with other optimizer settings than the checkpoint's (same kind).
+    pub allow_optimizer_change: bool,
     /// Keep going when the loss is not finite (default: stop with an error).
     pub allow_nonfinite: bool,
 }
@@ -80,7 +85,9 @@ impl GptSpec {
             micro_batches: 1,
             checkpoint_dir: None,
             save_every: 0,
+            keep_last: None,
             resume: None,
+            allow_optimizer_change: false,
             allow_nonfinite: false,
         }
     }
@@ -111,6 +118,38 @@ pub struct GptReport {
     pub params: Vec<(String, Vec<f32>)>,
     /// Checkpoints written.
     pub saved: Vec<PathBuf>,
+    /// Where the run stopped early because the loss stopped being finite
+    /// (without `allow_nonfinite`): that step's loss is the last of `losses`,
+    /// and its update was not applied.
+    pub stopped: Option<NonFinite>,
+}
+
+/// A step whose global loss was NaN or infinite.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NonFinite {
+    /// The step.
+    pub step: u64,
+    /// Its loss.
+    pub loss: f64,
+}
+
+impl NonFinite {
+    /// The error a run stopped here reports.
+    pub fn error(self) -> Error {
+        Error::NonFinite { step: self.step, loss: self.loss }
+    }
+}
+
+/// How the transformer `config` differs from the one a checkpoint recorded
+/// (`saved`, its training state's `model`): each differing size as
+/// `"heads 4 -> 2"`; empty when they agree or none was recorded.
+pub fn config_changes(saved: &serde_json::Value, config: &GptConfig) -> Vec<String> {
+    let now = serde_json::to_value(config).unwrap_or_default();
+    let (Some(saved), Some(now)) = (saved.as_object(), now.as_object()) else { return Vec::new() };
+    now.iter()
+        .filter(|(k, v)| saved.get(*k) != Some(v))
+        .map(|(k, v)| format!("{k} {} -> {v}", saved.get(k).map_or_else(|| "unset".into(), |s| s.to_string())))
+        .collect()
 }
 
 fn u32_tensor(v: Vec<u32>, rows: usize, seq: usize) -> Result<Tensor> {
@@ -153,7 +192,16 @@ where
     let mut start = 0;
     let mut earlier_losses = Vec::new();
     if let Some(dir) = &spec.resume {
-        let state = gpt.model.with_fsdp(|f| checkpoint::load(f, &mut opt, dir))??;
+        let options = LoadOptions { allow_optimizer_change: spec.allow_optimizer_change };
+        let state = gpt.model.with_fsdp(|f| checkpoint::load(f, &mut opt, dir, &options))??;
+        let changes = config_changes(&state.model, &spec.config);
+        if !changes.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "{}: saved from another transformer ({}); resume with the sizes it was saved with",
+                dir.display(),
+                changes.join(", ")
+            )));
+        }
         if state.data_seed != spec.data.seed() {
             return Err(Error::InvalidArgument(format!(
                 "{}: saved with data seed {}, this run's is {}",
@@ -179,6 +227,13 @@ where
     let mut losses = Vec::new();
     let mut times = Vec::new();
     let mut saved = Vec::new();
+    let mut stopped = None;
+    // The checkpoint resumed from is never pruned.
+    let save_options = SaveOptions {
+        keep_last: spec.keep_last,
+        keep: spec.resume.iter().filter_map(|d| checkpoint::resolve(d).ok()).collect(),
+    };
+    let model_config = serde_json::to_value(spec.config).map_err(|e| Error::InvalidArgument(e.to_string()))?;
     for step in start..spec.steps {
         let t0 = Instant::now();
         let mut local = 0.0f64;
@@ -198,7 +253,11 @@ where
             Ok(f.mean_over_ranks(chorus_devices::Buffer::view(&buf))?)
         })??;
         if !mean.is_finite() && !spec.allow_nonfinite {
-            return Err(Error::NonFinite { step, loss: mean });
+            // Every rank sees the same global loss, so all stop here together.
+            losses.push(mean);
+            times.push(t0.elapsed().as_secs_f64());
+            stopped = Some(NonFinite { step, loss: mean });
+            break;
         }
         if let Some(max) = spec.max_grad_norm {
             gpt.model.clip_grad_norm(max)?;
@@ -212,8 +271,8 @@ where
         let due = spec.save_every > 0 && done % spec.save_every == 0 || done == spec.steps;
         if let (Some(dir), true) = (&spec.checkpoint_dir, due) {
             let losses = earlier_losses.iter().chain(&losses).copied().collect();
-            let state = TrainingState { step: done, data_seed: spec.data.seed(), losses };
-            saved.push(gpt.model.with_fsdp(|f| checkpoint::save(f, &opt, dir, &state))??);
+            let state = TrainingState { step: done, data_seed: spec.data.seed(), losses, model: model_config.clone() };
+            saved.push(gpt.model.with_fsdp(|f| checkpoint::save(f, &opt, dir, &state, &save_options))??);
         }
     }
     let stats = gpt.model.with_fsdp(|f| f.device().memory_stats())?;
@@ -242,6 +301,7 @@ where
         },
         params,
         saved,
+        stopped,
     })
 }
 

@@ -117,7 +117,8 @@ pub struct TrainSpec {
     pub replicate: Option<usize>,
     /// Clip the global gradient norm to this.
     pub max_grad_norm: Option<f64>,
-    /// Stop with an error when the global loss is NaN or infinite.
+    /// Stop when the global loss is NaN or infinite (the report says where:
+    /// [`RankReport::stopped`]).
     pub stop_on_nonfinite: bool,
 }
 
@@ -172,6 +173,10 @@ pub struct RankReport {
     pub groups: usize,
     /// The final unsharded parameters.
     pub params: Vec<(String, Vec<f32>)>,
+    /// The step (and its loss) at which the run stopped because the loss was
+    /// not finite, with `stop_on_nonfinite`: the last of `losses`, its update
+    /// not applied.
+    pub stopped: Option<(usize, f64)>,
 }
 
 /// Trains on this rank of `world`; every rank calls it with the same spec.
@@ -221,6 +226,7 @@ where
     let mut losses = Vec::new();
     let mut times = Vec::new();
     let mut stages = Vec::with_capacity(spec.steps.min(1 << 16));
+    let mut stopped = None;
     for step in 0..spec.steps {
         let t0 = Instant::now();
         let mut marks = [0.0; STAGES.len()];
@@ -239,9 +245,13 @@ where
         let mean = fsdp.mean_over_ranks(loss.view())?;
         mark(3);
         if spec.stop_on_nonfinite && !mean.is_finite() {
-            return Err(FsdpError::InvalidArgument(format!(
-                "the loss became {mean} at step {step}: stopping (a NaN or infinity in the data, the weights or the learning rate)"
-            )));
+            // Every rank sees the same global loss, so all stop here together.
+            fsdp.zero_grad();
+            fsdp.synchronize()?;
+            times.push(t0.elapsed().as_secs_f64());
+            losses.push(mean);
+            stopped = Some((step, mean));
+            break;
         }
         if let Some(max) = spec.max_grad_norm {
             fsdp.clip_grad_norm(max)?;
@@ -269,5 +279,6 @@ where
         stage_times_s: column_medians(&stages),
         groups: fsdp.num_groups(),
         params,
+        stopped,
     })
 }

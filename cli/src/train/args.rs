@@ -94,7 +94,7 @@ pub struct TrainArgs {
     /// gpt: context length.
     #[arg(long, default_value_t = 32)]
     pub seq_len: usize,
-    /// gpt: train on this text file (ASCII; other characters become spaces) instead of generated text.
+    /// gpt: train on this text file instead of generated text (UTF-8, or else read as Latin-1; characters other than a-z, A-Z, space, '.' and newline become spaces).
     #[arg(long)]
     pub text: Option<PathBuf>,
     /// gpt: micro-batches per step (gradient accumulation; they divide --batch).
@@ -106,9 +106,15 @@ pub struct TrainArgs {
     /// gpt: where checkpoints go (default <out-dir>-checkpoints).
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
+    /// gpt: keep only the newest N checkpoints (never the one `latest` names nor the one resumed from).
+    #[arg(long)]
+    pub keep_last: Option<usize>,
     /// gpt: resume from a checkpoint directory (a step-* directory, or one with a `latest` file).
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// gpt: with --resume, continue with other optimizer settings (--lr, --momentum, --weight-decay) than the checkpoint's; the changes are reported.
+    #[arg(long)]
+    pub allow_optimizer_change: bool,
     /// Keep training when the loss is NaN or infinite (default: stop with an error).
     #[arg(long)]
     pub allow_nonfinite: bool,
@@ -150,9 +156,10 @@ pub enum BenchPart {
 }
 
 fn parse_float_dtype(s: &str) -> Result<DType, String> {
-    match s.parse::<DType>()? {
-        d @ (DType::F32 | DType::BF16 | DType::F16) => Ok(d),
-        d => Err(format!("{d} is not a training dtype (f32, bf16 or f16)")),
+    match s.parse::<DType>() {
+        Ok(d @ (DType::F32 | DType::BF16 | DType::F16)) => Ok(d),
+        // Only the dtypes training takes: the parser's own list has integer and f64 ones too.
+        _ => Err(format!("`{s}` is not a training dtype: f32, bf16 or f16")),
     }
 }
 
@@ -236,6 +243,8 @@ impl TrainArgs {
                 (self.resume.is_some(), "--resume"),
                 (self.save_every.is_some(), "--save-every"),
                 (self.checkpoint_dir.is_some(), "--checkpoint-dir"),
+                (self.keep_last.is_some(), "--keep-last"),
+                (self.allow_optimizer_change, "--allow-optimizer-change"),
                 (!mlp && self.param_dtype != DType::F32, "--param-dtype with --model gpt (plain candle trains in f32)"),
                 (!mlp && self.max_grad_norm.is_some(), "--max-grad-norm with --model gpt"),
             ] {
@@ -289,6 +298,8 @@ impl TrainArgs {
             (self.save_every.is_some(), "--save-every"),
             (self.checkpoint_dir.is_some(), "--checkpoint-dir"),
             (self.resume.is_some(), "--resume"),
+            (self.keep_last.is_some(), "--keep-last"),
+            (self.allow_optimizer_change, "--allow-optimizer-change"),
             (self.micro_batches != 1, "--micro-batches"),
         ] {
             if given {
@@ -369,6 +380,16 @@ impl TrainArgs {
         }
         if self.save_every == Some(0) {
             return Err(usage("--save-every must be at least 1"));
+        }
+        match self.keep_last {
+            Some(0) => return Err(usage("--keep-last must be at least 1")),
+            Some(_) if self.save_every.is_none() && self.checkpoint_dir.is_none() => {
+                return Err(usage("--keep-last goes with --save-every or --checkpoint-dir"))
+            }
+            _ => {}
+        }
+        if self.allow_optimizer_change && self.resume.is_none() {
+            return Err(usage("--allow-optimizer-change goes with --resume"));
         }
         let (v, d, l, f, t) =
             (Sat::of(cfg.vocab), Sat::of(cfg.d_model), Sat::of(cfg.layers), Sat::of(cfg.d_ff), Sat::of(cfg.seq_len));

@@ -14,7 +14,7 @@ use chorus_train::train::{Dataset, TrainSpec};
 use serde_json::json;
 
 use super::ranks::{run_on, writes_outputs, MlpJob};
-use super::{median, run_with_progress, say, summarize, usage, TrainArgs};
+use super::{median, run_with_progress, say, span, summarize, usage, TrainArgs};
 use crate::outdir::{write_file, OutDir};
 use crate::Outcome;
 
@@ -87,7 +87,12 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         }
     };
     // One rank per process: rank 0 writes the outputs.
-    let out = if writes_outputs(args.backend) { Some(OutDir::acquire(&args.out_dir())?) } else { None };
+    let out = if writes_outputs(args.backend) {
+        let inside: Vec<(&str, &Path)> = args.init_dir.iter().map(|p| ("--init-dir", p.as_path())).collect();
+        Some(OutDir::acquire(&args.out_dir(), &inside)?)
+    } else {
+        None
+    };
     if let (Some(out), None) = (&out, &args.init_dir) {
         save_init(&out.stage().join("init"), &layers, &data)?;
     }
@@ -103,8 +108,34 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         stop_on_nonfinite: !args.allow_nonfinite,
     };
     let reports = run_with_progress(args.backend, world, MlpJob(spec.clone()), steps)?;
-    let Some(out) = out.filter(|_| !reports.is_empty()) else { return Ok(Outcome::Passed) };
+    let stopped = reports.first().and_then(|r| r.stopped);
+    let Some(out) = out.filter(|_| !reports.is_empty()) else {
+        return match stopped {
+            Some((step, loss)) => Err(nonfinite(step, loss)),
+            None => Ok(Outcome::Passed),
+        };
+    };
     let first = reports.first().context("no ranks")?;
+    if let Some((step, loss)) = stopped {
+        // The losses until the divergence are kept: the summary, marked
+        // failed, and the curve with the non-finite steps marked; no model.
+        let summary = json!({
+            "model": "mlp",
+            "status": "failed",
+            "error": nonfinite(step, loss).to_string(),
+            "stopped_at_step": step,
+            "losses": first.losses,
+            "step_times_s": first.step_times_s,
+        });
+        write_file(&out.stage().join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
+        let title = format!("chorus train --model mlp: stopped, loss {loss} at step {step}");
+        let window = summarize(&first.losses).window;
+        crate::plot::loss_curve(&out.stage().join("loss.svg"), &title, 0, &first.losses, window)?;
+        let dest = out.dest().to_path_buf();
+        out.commit()?;
+        return Err(nonfinite(step, loss)
+            .context(format!("the run failed; its summary (marked failed) and loss curve are in {}", dest.display())));
+    }
     for (name, values) in &first.params {
         let shape = spec.layers.iter().flatten().find(|p| &p.name == name).map(|p| p.shape.clone()).unwrap_or_default();
         write_npy(&out.stage().join(format!("{name}.npy")), &shape, values)?;
@@ -117,6 +148,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         .collect();
     let summary = json!({
         "model": "mlp",
+        "status": "completed",
         "losses": first.losses,
         "loss_window": s.window,
         "loss_start_mean": s.start,
@@ -152,16 +184,22 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     out.commit()?;
     let peak = reports.iter().map(|r| r.peak_memory_bytes).max().unwrap_or(0);
     say(format_args!(
-        "trained the mlp on {world} ranks x {steps} steps: loss {:.6} (mean of the first {w}) -> {:.6} (mean of the last {w}), median step {:.2} ms, peak memory {:.1} KiB/rank, FSDP overhead {:.1} us/group/step, wrote {}",
+        "trained the mlp on {world} ranks x {steps} steps: loss {:.6} (mean of {}) -> {:.6} (mean of {}), median step {:.2} ms, peak memory {:.1} KiB/rank, FSDP overhead {:.1} us/group/step, wrote {}",
         s.start,
+        span(0, s.window),
         s.end,
+        span(steps - s.window as u64, s.window),
         median_step * 1e3,
         peak as f64 / 1024.0,
         overhead_per_group_step * 1e6,
         dest.display(),
-        w = s.window,
     ))?;
     Ok(Outcome::Passed)
+}
+
+/// The error of a run stopped by a loss that is not finite.
+fn nonfinite(step: usize, loss: f64) -> anyhow::Error {
+    chorus_fsdp_candle::Error::NonFinite { step: step as u64, loss }.into()
 }
 
 /// `chorus train --bench` on the mlp: FSDP step time and host overhead for world sizes 1, 2, 4, 8.

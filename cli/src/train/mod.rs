@@ -4,9 +4,11 @@
 //! and output, and `--bench` for FSDP's step time and host overhead).
 //!
 //! Nothing is written before the arguments are checked (bad ones exit 2,
-//! the memory a run needs included); the out-dir is locked against another
-//! run and replaced whole when the run has written everything
-//! ([`crate::outdir`]); a loss that stops being finite stops the run.
+//! the memory a run needs and the paths included); the out-dir (and the
+//! checkpoint directory) is locked against another run, and the out-dir is
+//! replaced whole when the run has written everything, only if a chorus run
+//! wrote it ([`crate::outdir`]); a loss that stops being finite stops the
+//! run, which then writes its summary marked failed.
 //!
 //! `args.rs` holds the arguments and every check made before anything is
 //! written; `ranks.rs` runs a job on the ranks of any backend; `mlp.rs` and
@@ -72,6 +74,14 @@ struct LossSummary {
     window: usize,
     start: f64,
     end: f64,
+}
+
+/// `n` steps from `first`, as a closing line names them: "step 7" or "steps 7-9".
+fn span(first: u64, n: usize) -> String {
+    match n {
+        0 | 1 => format!("step {first}"),
+        n => format!("steps {first}-{}", first + n as u64 - 1),
+    }
 }
 
 fn summarize(losses: &[f64]) -> LossSummary {

@@ -34,13 +34,66 @@ pub enum Error {
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     /// The operating system refused (missing file, permissions, full disk).
-    #[error("{path}: {source}")]
+    /// The OS error is part of the message, not a separate source, so a
+    /// chain of causes prints it once.
+    #[error("{path}: {error}")]
     Io {
         /// The file or directory.
         path: PathBuf,
         /// The operating system's error.
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
+    },
+    /// The checkpoint directory given does not exist.
+    #[error("{path}: no such checkpoint directory")]
+    NotFound {
+        /// The directory.
+        path: PathBuf,
+    },
+    /// The directory exists but holds neither a checkpoint nor a `latest` pointer.
+    #[error("{path}: not a checkpoint (no chorus_checkpoint.json, and no `latest` naming one)")]
+    NotACheckpoint {
+        /// The directory.
+        path: PathBuf,
+    },
+    /// `latest` names a checkpoint that is not there (or is incomplete).
+    #[error("{latest}: names `{target}`, which is not a complete checkpoint (no chorus_checkpoint.json in it)")]
+    DanglingLatest {
+        /// The `latest` file.
+        latest: PathBuf,
+        /// The name it holds.
+        target: String,
+    },
+    /// A file of the checkpoint was written by another save than its
+    /// manifest (two runs sharing a directory; files copied between checkpoints).
+    #[error(
+        "{path}: written by save {found}, but the checkpoint's manifest by save {expected} (files of two saves mixed)"
+    )]
+    Mixed {
+        /// The file.
+        path: PathBuf,
+        /// The save identity the file records (or "none").
+        found: String,
+        /// The manifest's.
+        expected: String,
+    },
+    /// The checkpoint holds tensors the model does not have: it was saved
+    /// from another model configuration, and loading would drop them.
+    #[error("{path}: the checkpoint holds {count} tensor(s) this model lacks ({names}): it was saved from another model configuration")]
+    UnusedTensors {
+        /// The manifest.
+        path: PathBuf,
+        /// How many.
+        count: usize,
+        /// The first few names.
+        names: String,
+    },
+    /// The run's optimizer differs from the one the checkpoint was saved with.
+    #[error("{path}: {message}")]
+    Optimizer {
+        /// The manifest.
+        path: PathBuf,
+        /// What differs.
+        message: String,
     },
     /// A file listed in the manifest is not there.
     #[error("{path}: missing (the checkpoint lists it)")]
@@ -110,8 +163,8 @@ pub enum CheckpointError {
 
 impl CheckpointError {
     /// An I/O error on `path`.
-    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        CheckpointError::Io { path: path.into(), source }
+    pub fn io(path: impl Into<PathBuf>, error: std::io::Error) -> Self {
+        CheckpointError::Io { path: path.into(), error }
     }
     /// A format error in `path`.
     pub fn format(path: impl Into<PathBuf>, message: impl std::fmt::Display) -> Self {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use chorus_collectives::CommBackend;
 use chorus_devices::ComputeBackend;
-use chorus_fsdp::{Fsdp, ShardedOptimizer};
+use chorus_fsdp::{Fsdp, OptimizerKind, ShardedOptimizer};
 use safetensors::tensor::Dtype;
 
 use super::files::{
@@ -74,18 +74,96 @@ fn read_into(
     Ok(())
 }
 
+/// What a load accepts beyond an exact match.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LoadOptions {
+    /// Continue with other optimizer settings (learning rate, momentum,
+    /// betas, ε, weight decay) than the checkpoint was saved with; the kind
+    /// (SGD, AdamW) and the state it keeps must stay the same.
+    pub allow_optimizer_change: bool,
+}
+
+/// What a checkpoint holds, read without loading its tensors.
+#[derive(Clone, Debug)]
+pub struct Inspected {
+    /// The `step-*` directory the path named.
+    pub dir: PathBuf,
+    /// Its training state.
+    pub state: TrainingState,
+    /// The optimizer it was saved with, as [`optimizer_json`] writes it.
+    pub optimizer: serde_json::Value,
+    /// Its tensors' names.
+    pub tensors: Vec<String>,
+}
+
+/// The checkpoint `dir` names (a `step-*` directory or a root with
+/// `latest`): its training state (checksum checked), optimizer and tensors.
+pub fn inspect(dir: &Path) -> Result<Inspected, CheckpointError> {
+    let mut ck = Opened::open(dir)?;
+    let state = ck.training_state()?;
+    Ok(Inspected {
+        dir: ck.dir.clone(),
+        state,
+        optimizer: ck.manifest.optimizer.clone(),
+        tensors: ck.manifest.tensors.iter().map(|t| t.name.clone()).collect(),
+    })
+}
+
+/// How the optimizer `now` differs from `saved` (a manifest's `optimizer`):
+/// `Err` when it cannot continue from that state at all (another kind, or
+/// momentum turned on or off, which adds or drops the momentum buffers);
+/// else each changed setting as `"lr 0.003 -> 0.01"` (empty when the same).
+pub fn optimizer_changes(saved: &serde_json::Value, now: OptimizerKind) -> Result<Vec<String>, String> {
+    let now_json = optimizer_json(now);
+    let (saved_kind, this_kind) = (saved["kind"].as_str().unwrap_or("?"), now_json["kind"].as_str().unwrap_or("?"));
+    if saved_kind != this_kind {
+        return Err(format!(
+            "saved with the {saved_kind} optimizer; this run uses {this_kind} (its state cannot continue)"
+        ));
+    }
+    let moments = |momentum: f64| if momentum != 0.0 { "with" } else { "without" };
+    if let (Some(a), OptimizerKind::Sgd { momentum: b, .. }) = (saved["momentum"].as_f64(), now) {
+        if (a != 0.0) != (b != 0.0) {
+            return Err(format!(
+                "saved with SGD momentum {a}, this run uses {b}: the checkpoint has {} momentum buffers, the run needs them {}",
+                moments(a),
+                moments(b)
+            ));
+        }
+    }
+    let mut changes = Vec::new();
+    if let Some(fields) = now_json.as_object() {
+        for (key, value) in fields.iter().filter(|(k, _)| k.as_str() != "kind") {
+            if saved.get(key) != Some(value) {
+                let before = saved.get(key).map_or_else(|| "unset".to_string(), |v| v.to_string());
+                changes.push(format!("{key} {before} -> {value}"));
+            }
+        }
+    }
+    Ok(changes)
+}
+
 /// Loads a checkpoint (`dir`: a `step-*` directory or a root with `latest`)
 /// into this rank's shards and optimizer state, at whatever world size and
 /// mesh `fsdp` has: each rank reads the parts of the saved boxes that
-/// intersect its own shards, from memory-mapped files. Call it between steps
-/// (every group idle and sharded); it does not communicate. Returns the
-/// training state to continue from.
-pub fn load<C: CommBackend>(fsdp: &mut Fsdp<C>, opt: &mut ShardedOptimizer<C>, dir: &Path) -> Result<TrainingState>
+/// intersect its own shards, from memory-mapped files. Every saved tensor
+/// must be a tensor of the model; the optimizer must be the one saved
+/// (its settings too, unless `options` allow a change) and its state
+/// complete. Call it between steps (every group idle and sharded); it does
+/// not communicate. Returns the training state to continue from.
+pub fn load<C: CommBackend>(
+    fsdp: &mut Fsdp<C>,
+    opt: &mut ShardedOptimizer<C>,
+    dir: &Path,
+    options: &LoadOptions,
+) -> Result<TrainingState>
 where
     C::B: ComputeBackend,
 {
     let mut ck = Opened::open(dir)?;
     let manifest_path = ck.dir.join(MANIFEST);
+    // The index is not read for the data, but it is of the checkpoint: checked like the rest.
+    ck.map(INDEX)?;
     let saved_shapes: HashMap<&str, &TensorEntry> = ck.manifest.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
     let rank = fsdp.data_parallel().shard.rank();
     // Check the model against the manifest before reading any data.
@@ -106,20 +184,37 @@ where
             params.push((g, i, name, shape, fsdp.param_layout(g, i)?));
         }
     }
-    let names = moment_names(opt.kind());
-    let saved_kind = ck.manifest.optimizer.get("kind").and_then(|k| k.as_str()).unwrap_or("").to_string();
-    let this_kind = optimizer_json(opt.kind()).get("kind").and_then(|k| k.as_str()).unwrap_or("").to_string();
-    if saved_kind != this_kind {
-        return Err(CheckpointError::Mismatch {
-            path: manifest_path,
-            tensor: "optimizer".into(),
-            message: format!("saved with {saved_kind}, this run uses {this_kind}"),
+    // Every saved tensor is used: one the model lacks means another model.
+    let unused: Vec<&str> =
+        ck.manifest.tensors.iter().map(|t| t.name.as_str()).filter(|n| !params.iter().any(|p| p.2 == *n)).collect();
+    if !unused.is_empty() {
+        let mut names = unused.iter().take(4).copied().collect::<Vec<_>>().join(", ");
+        if unused.len() > 4 {
+            names.push_str(", ...");
         }
-        .into());
+        return Err(CheckpointError::UnusedTensors { path: manifest_path, count: unused.len(), names }.into());
+    }
+    let names = moment_names(opt.kind());
+    match optimizer_changes(&ck.manifest.optimizer, opt.kind()) {
+        Err(message) => return Err(CheckpointError::Optimizer { path: manifest_path, message }.into()),
+        Ok(changes) if !changes.is_empty() && !options.allow_optimizer_change => {
+            return Err(CheckpointError::Optimizer {
+                path: manifest_path,
+                message: format!(
+                    "saved with other optimizer settings ({}); continuing with them needs an explicit allowance (chorus train --allow-optimizer-change)",
+                    changes.join(", ")
+                ),
+            }
+            .into())
+        }
+        Ok(_) => {}
     }
     let model_boxes = ck.boxes("model")?;
     let optim_boxes = if names.is_empty() { HashMap::new() } else { ck.boxes("optim")? };
+    // After a step every parameter has its full state: a missing moment
+    // (or AdamW's step) is an error, never a silent restart from zero.
     let has_state = ck.manifest.step > 0 && !names.is_empty();
+    let with_step = matches!(opt.kind(), OptimizerKind::AdamW { .. });
     let mut shards = Vec::new();
     let mut states = Vec::new();
     for (g, i, name, shape, layout) in &params {
@@ -131,7 +226,12 @@ where
             read_into(&mut ck, &model_boxes, name, shape, &want, &strides, &mut values)?;
         }
         shards.push((*g, *i, values));
-        if has_state && optim_boxes.keys().any(|k| k.starts_with(&format!("state.{name}."))) {
+        if has_state {
+            if with_step && !optim_boxes.contains_key(&state_key(name, "step")) {
+                return Err(
+                    CheckpointError::MissingTensor { path: ck.dir.clone(), tensor: state_key(name, "step") }.into()
+                );
+            }
             let mut moments = Vec::new();
             for what in names {
                 let mut m = vec![0.0f32; len];
@@ -141,6 +241,17 @@ where
                 moments.push(m);
             }
             states.push((*g, *i, moments));
+        }
+    }
+    // Every rank needs every moment, even where it holds only padding.
+    if has_state {
+        for (_, _, name, _, _) in &params {
+            for what in names {
+                let key = state_key(name, what);
+                if !optim_boxes.contains_key(&key) {
+                    return Err(CheckpointError::MissingTensor { path: ck.dir.clone(), tensor: key }.into());
+                }
+            }
         }
     }
     for (g, i, values) in shards {
@@ -209,10 +320,10 @@ pub fn consolidate(dir: &Path, out: &Path, max_file_bytes: usize) -> Result<Vec<
             weight_map.insert(t.name.clone(), file.clone());
         }
         let path = tmp.join(&file);
-        write_synced(&path, &safetensors_bytes(&data, None, &path)?)?;
+        write_synced(&path, &safetensors_bytes(&data, None, None, &path)?)?;
         names.push(file);
     }
-    write_index(&tmp, total, &weight_map)?;
+    write_index(&tmp, total, &weight_map, None)?;
     sync_dir(&tmp)?;
     std::fs::rename(&tmp, out).map_err(|e| CheckpointError::io(out, e))?;
     sync_dir(parent)?;

@@ -10,10 +10,16 @@
 //!     shard-00000-optim-00001-of-00001.safetensors   its optimizer state (exp_avg, exp_avg_sq, step; momentum_buffer)
 //!     shard-00001-model-00001-of-00001.safetensors   ...one pair per shard rank
 //!     model.safetensors.index.json                   {"metadata": {"total_size"}, "weight_map": {name: file}}
-//!     training_state.json                            step, data seed and position
+//!     training_state.json                            step, data seed, losses, the model's configuration
 //!     chorus_checkpoint.json                         manifest: tensors, world, optimizer, every file's size and CRC-32
 //! root/latest                                        "step-00000040": the last complete checkpoint
 //! ```
+//!
+//! Every file records the identity of the save that wrote it
+//! (`chorus_save_id`: a random 64-bit id the first rank draws and every rank
+//! receives), in a safetensors file's `__metadata__`, the index's `metadata`
+//! and the JSON files; a load refuses a checkpoint whose files come from two
+//! saves ([`CheckpointError::Mixed`](crate::CheckpointError::Mixed)).
 //!
 //! Each shard file is a plain safetensors file holding, for every parameter
 //! of which this rank holds real rows, the unpadded box of the full tensor
@@ -29,15 +35,31 @@
 //! the intersection of each saved box with its own: a checkpoint saved at 4
 //! ranks loads at 3, at 2 × 2 HSDP or at 1.
 //!
+//! A load uses every saved tensor: a checkpoint with tensors the model lacks
+//! (saved with more layers) is refused, as is one saved with another
+//! optimizer, or with other optimizer settings unless
+//! [`LoadOptions::allow_optimizer_change`]; the optimizer's state must be
+//! complete (every moment of every parameter).
+//!
 //! # Nothing lost
-//! A save writes into a temporary directory beside the destination, syncs
-//! every file and the directory, renames it into place, and only then
-//! replaces `latest` (written to a temporary name, synced, renamed). A crash
-//! at any point leaves the previous checkpoint and `latest` intact. The
-//! manifest records each file's size and CRC-32, checked before a file is
-//! used; a missing, truncated, corrupt or mismatched (another model, shape or
-//! dtype) file is a [`CheckpointError`](crate::CheckpointError) naming the file
-//! and the tensor.
+//! A save writes into a temporary directory beside the destination named
+//! after the save's identity (`.tmp-step-00000040-<id>`, so two writers never
+//! share one), syncs every file and the directory, moves it into place, and
+//! only then replaces `latest` (written to a temporary name, synced,
+//! renamed). A checkpoint of the same step already there is exchanged with
+//! the new one in one step (`renameat2(RENAME_EXCHANGE)`), so `latest` never
+//! names a missing directory. A crash at any point leaves the previous
+//! checkpoint and `latest` intact. With [`SaveOptions::keep_last`], older
+//! `step-*` checkpoints are then removed (each renamed away first, so none is
+//! ever seen half-deleted), never the one `latest` names nor those in
+//! [`SaveOptions::keep`]. The manifest records each file's size and CRC-32,
+//! checked before a file is used; a missing, truncated, corrupt, mixed or
+//! mismatched (another model, shape or dtype) file is a
+//! [`CheckpointError`](crate::CheckpointError) naming the file and the tensor.
+//!
+//! One writer per checkpoint root: the save does not lock the root (`chorus
+//! train` does, as it locks its out-dir); two writers into one root each
+//! write complete checkpoints, the last rename of each step wins.
 //!
 //! # Files
 //! `geometry.rs`: which box of which tensor a rank holds, and copying the
@@ -54,9 +76,9 @@ mod geometry;
 mod load;
 mod save;
 
-pub use files::resolve;
-pub use load::{consolidate, load, read_training_state};
-pub use save::save;
+pub use files::{exchange, resolve};
+pub use load::{consolidate, inspect, load, optimizer_changes, read_training_state, Inspected, LoadOptions};
+pub use save::{save, SaveOptions};
 
 /// Version string of [`chorus_checkpoint.json`](self).
 pub const FORMAT: &str = "chorus-fsdp-checkpoint/1";
@@ -71,6 +93,12 @@ pub struct TrainingState {
     /// The losses of the steps so far, as the loop reported them.
     #[serde(default)]
     pub losses: Vec<f64>,
+    /// The model's configuration as the training loop describes it (for the
+    /// transformer, its sizes), which a resume checks: some settings (the
+    /// number of attention heads) change the model without changing any
+    /// tensor's shape. `null` where none was recorded.
+    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+    pub model: serde_json::Value,
 }
 
 /// The optimizer and its settings as JSON (`{"kind": "adamw", "lr": ...}`):

@@ -1,7 +1,10 @@
-//! Saving: every rank writes its shard files into a temporary directory;
-//! the first rank then writes the index, the training state and the
-//! manifest, and renames the directory into place. The ranks agree after
-//! each stage, so a failure on any rank fails the save on all of them.
+//! Saving: the first rank draws the save's identity and every rank receives
+//! it; every rank writes its shard files into a temporary directory named
+//! after it; the first rank then checks that every file is of this save,
+//! writes the index, the training state and the manifest, moves the
+//! directory into place, points `latest` at it and prunes older checkpoints.
+//! The ranks agree after each stage, so a failure on any rank fails the save
+//! on all of them.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -11,28 +14,61 @@ use chorus_devices::{Buffer, ComputeBackend, StreamExt};
 use chorus_fsdp::{Fsdp, ShardedOptimizer};
 
 use super::files::{
-    f32_bytes, fresh_dir, moment_names, safetensors_bytes, shard_file, state_key, sync_dir, write_index, write_json,
-    write_synced, FileEntry, Manifest, TensorEntry, INDEX, LATEST, MANIFEST, TRAINING_STATE,
+    f32_bytes, fresh_dir, moment_names, new_save_id, recorded_save_id, replace_dir, safetensors_bytes, save_id_text,
+    shard_file, state_key, sync_dir, write_index, write_json, write_synced, FileEntry, Manifest, StoredState,
+    TensorEntry, INDEX, LATEST, MANIFEST, TRAINING_STATE,
 };
 use super::geometry::{unpad, Region};
 use super::{optimizer_json, TrainingState, FORMAT};
 use crate::crc32::crc32;
 use crate::{CheckpointError, Error, Result};
 
-/// Every rank's success or failure, agreed on by all (a collective; blocks).
-fn agree<C: CommBackend>(fsdp: &Fsdp<C>, ok: bool) -> Result<bool>
+/// How [`save`] treats the checkpoints already under its root.
+#[derive(Clone, Debug, Default)]
+pub struct SaveOptions {
+    /// Keep only this many `step-*` checkpoints (the newest, by step) after
+    /// each save; `None` keeps all. The one `latest` names and those in
+    /// [`keep`](Self::keep) are never removed.
+    pub keep_last: Option<usize>,
+    /// Checkpoints never pruned (e.g. the one the run resumed from).
+    pub keep: Vec<PathBuf>,
+}
+
+/// The element-wise sum of `values` over every rank (both mesh dimensions;
+/// a collective; blocks).
+fn sum_over_ranks<C: CommBackend>(fsdp: &Fsdp<C>, values: &[f32]) -> Result<Vec<f32>>
 where
     C::B: ComputeBackend,
 {
     let s = fsdp.compute_stream();
-    let buf = s.buffer_from(&[if ok { 0.0f32 } else { 1.0 }]).map_err(chorus_fsdp::FsdpError::from)?;
+    let buf = s.buffer_from(values).map_err(chorus_fsdp::FsdpError::from)?;
     let dp = fsdp.data_parallel();
     dp.shard.all_reduce_in_place(buf.view(), ReduceOp::Sum, s).map_err(chorus_fsdp::FsdpError::from)?;
     if let Some(r) = &dp.replicate {
         r.all_reduce_in_place(buf.view(), ReduceOp::Sum, s).map_err(chorus_fsdp::FsdpError::from)?;
     }
-    let v = s.read_vec::<f32>(buf.view()).map_err(chorus_fsdp::FsdpError::from)?;
+    Ok(s.read_vec::<f32>(buf.view()).map_err(chorus_fsdp::FsdpError::from)?)
+}
+
+/// Every rank's success or failure, agreed on by all (a collective; blocks).
+fn agree<C: CommBackend>(fsdp: &Fsdp<C>, ok: bool) -> Result<bool>
+where
+    C::B: ComputeBackend,
+{
+    let v = sum_over_ranks(fsdp, &[if ok { 0.0f32 } else { 1.0 }])?;
     Ok(v.first().is_some_and(|x| *x == 0.0))
+}
+
+/// The save's identity, drawn by the first rank and received by all: four
+/// 16-bit pieces, each exact in f32, summed with zeros from the other ranks.
+fn shared_save_id<C: CommBackend>(fsdp: &Fsdp<C>, first: bool) -> Result<u64>
+where
+    C::B: ComputeBackend,
+{
+    let id = if first { new_save_id() } else { 0 };
+    let pieces: Vec<f32> = (0..4).map(|k| ((id >> (16 * k)) & 0xFFFF) as f32).collect();
+    let summed = sum_over_ranks(fsdp, &pieces)?;
+    Ok(summed.iter().enumerate().fold(0u64, |acc, (k, v)| acc | ((*v as u64 & 0xFFFF) << (16 * k))))
 }
 
 /// Ends a stage of the save on every rank ([`agree`]): `Ok` when it
@@ -67,30 +103,34 @@ fn is_global_first<C: CommBackend>(fsdp: &Fsdp<C>) -> bool {
 
 /// Saves this rank's shards and optimizer state, and (on the first rank)
 /// the index, the training state and the manifest, as
-/// `root/step-{state.step:08}`, then points `root/latest` at it. Every rank
-/// must call it (it synchronizes the ranks); returns the checkpoint's
-/// directory. See the module docs for the layout and the crash safety.
+/// `root/step-{state.step:08}`, then points `root/latest` at it and prunes
+/// as `options` say. Every rank must call it with the same arguments (it
+/// synchronizes the ranks); returns the checkpoint's directory. See the
+/// module docs for the layout and the crash safety.
 pub fn save<C: CommBackend>(
     fsdp: &Fsdp<C>,
     opt: &ShardedOptimizer<C>,
     root: &Path,
     state: &TrainingState,
+    options: &SaveOptions,
 ) -> Result<PathBuf>
 where
     C::B: ComputeBackend,
 {
     let name = format!("step-{:08}", state.step);
     let dest = root.join(&name);
-    let tmp = root.join(format!(".tmp-{name}"));
     let first = is_global_first(fsdp);
+    let save_id = save_id_text(shared_save_id(fsdp, first)?);
+    let tmp = root.join(format!(".tmp-{name}-{save_id}"));
     // The first rank prepares the temporary directory; the others wait for it.
     let prepared = if first { fresh_dir(&tmp).map_err(Error::from) } else { Ok(()) };
     end_stage(fsdp, prepared, None, || format!("{}: another rank could not prepare the checkpoint", tmp.display()))?;
     // From here a failed stage leaves a partial directory, which the first rank removes.
     let discard = first.then_some(tmp.as_path());
-    let written = write_rank_files(fsdp, opt, &tmp);
+    let written = write_rank_files(fsdp, opt, &tmp, &save_id);
     end_stage(fsdp, written, discard, || format!("{}: another rank failed to write its shards", tmp.display()))?;
-    let finished = if first { finish_save(fsdp, opt, root, &tmp, &dest, &name, state) } else { Ok(()) };
+    let target = Target { root, tmp: &tmp, dest: &dest, name: &name, save_id: &save_id };
+    let finished = if first { finish_save(fsdp, opt, &target, state, options) } else { Ok(()) };
     end_stage(fsdp, finished, discard, || {
         format!("{}: the first rank failed to complete the checkpoint", dest.display())
     })?;
@@ -98,7 +138,7 @@ where
 }
 
 /// Writes this rank's shard files into `tmp` (nothing if it is not the first replica).
-fn write_rank_files<C: CommBackend>(fsdp: &Fsdp<C>, opt: &ShardedOptimizer<C>, tmp: &Path) -> Result<()>
+fn write_rank_files<C: CommBackend>(fsdp: &Fsdp<C>, opt: &ShardedOptimizer<C>, tmp: &Path, save_id: &str) -> Result<()>
 where
     C::B: ComputeBackend,
 {
@@ -116,6 +156,16 @@ where
             if layout.is_none() && !first {
                 continue; // replicated: the first shard rank writes it whole
             }
+            let moments = opt.read_state(fsdp, g, i)?;
+            let has_state = moments.len() == names.len() && !moments.is_empty();
+            if has_state && first {
+                // The optimizer's step is the same on every rank (a replicated
+                // scalar): written once, by the first shard rank, as PyTorch's
+                // saver writes a replicated tensor.
+                let key = state_key(&name, "step");
+                optim.push((key.clone(), vec![], f32_bytes(&[opt.steps() as f32])));
+                optim_offsets.insert(key, vec![]);
+            }
             let region = Region::of(&shape, layout.as_ref(), rank);
             if region.numel() == 0 {
                 continue; // trailing ranks may hold only padding
@@ -126,41 +176,46 @@ where
             };
             model.push((name.clone(), region.shape.clone(), f32_bytes(&cut(fsdp.read_shard(g, i)?))));
             model_offsets.insert(name.clone(), region.offsets.clone());
-            let moments = opt.read_state(fsdp, g, i)?;
-            if moments.len() == names.len() && !moments.is_empty() {
+            if has_state {
                 for (m, what) in moments.into_iter().zip(names) {
                     let key = state_key(&name, what);
                     optim.push((key.clone(), region.shape.clone(), f32_bytes(&cut(m))));
                     optim_offsets.insert(key, region.offsets.clone());
                 }
-                let key = state_key(&name, "step");
-                optim.push((key.clone(), vec![], f32_bytes(&[opt.steps() as f32])));
-                optim_offsets.insert(key, vec![]);
             }
         }
     }
     for (what, tensors, offsets) in [("model", model, model_offsets), ("optim", optim, optim_offsets)] {
         let path = tmp.join(shard_file(rank, what));
-        let bytes = safetensors_bytes(&tensors, Some(&offsets), &path)?;
+        let bytes = safetensors_bytes(&tensors, Some(&offsets), Some(save_id), &path)?;
         write_synced(&path, &bytes)?;
     }
     Ok(())
 }
 
-/// The first rank's part: index, training state, manifest with checksums,
-/// then the renames.
+/// Where the first rank completes a save.
+struct Target<'a> {
+    root: &'a Path,
+    tmp: &'a Path,
+    dest: &'a Path,
+    name: &'a str,
+    save_id: &'a str,
+}
+
+/// The first rank's part: checks every shard file is of this save, writes
+/// the index, training state and manifest with checksums, moves the
+/// checkpoint into place, points `latest` at it, prunes.
 fn finish_save<C: CommBackend>(
     fsdp: &Fsdp<C>,
     opt: &ShardedOptimizer<C>,
-    root: &Path,
-    tmp: &Path,
-    dest: &Path,
-    name: &str,
+    t: &Target<'_>,
     state: &TrainingState,
+    options: &SaveOptions,
 ) -> Result<()>
 where
     C::B: ComputeBackend,
 {
+    let (root, tmp, dest, name) = (t.root, t.tmp, t.dest, t.name);
     let mut tensors = Vec::new();
     for g in 0..fsdp.num_groups() {
         for (n, shape) in fsdp.group_params(g)? {
@@ -174,18 +229,31 @@ where
         .filter_map(|e| e.ok().and_then(|e| e.file_name().into_string().ok()))
         .collect();
     entries.sort();
-    for file in entries.iter().filter(|f| f.contains("-model-")) {
+    for file in &entries {
         let path = tmp.join(file);
         let bytes = std::fs::read(&path).map_err(|e| CheckpointError::io(&path, e))?;
-        let (_, meta) =
-            safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| CheckpointError::format(&path, e))?;
-        for t in meta.tensors().keys() {
-            weight_map.entry(t.clone()).or_insert_with(|| file.clone());
+        // Only this save's ranks write here (the directory is named after
+        // it); a file of another writer is refused, never recorded.
+        let recorded = recorded_save_id(file, &bytes, &path)?;
+        if recorded.as_deref() != Some(t.save_id) {
+            return Err(CheckpointError::Mixed {
+                path,
+                found: recorded.unwrap_or_else(|| "none".into()),
+                expected: t.save_id.to_string(),
+            }
+            .into());
+        }
+        if file.contains("-model-") {
+            let (_, meta) =
+                safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| CheckpointError::format(&path, e))?;
+            for n in meta.tensors().keys() {
+                weight_map.entry(n.clone()).or_insert_with(|| file.clone());
+            }
         }
     }
     let total: usize = tensors.iter().map(|t| t.shape.iter().product::<usize>() * 4).sum();
-    write_index(tmp, total, &weight_map)?;
-    write_json(&tmp.join(TRAINING_STATE), state)?;
+    write_index(tmp, total, &weight_map, Some(t.save_id))?;
+    write_json(&tmp.join(TRAINING_STATE), &StoredState { state: state.clone(), save_id: Some(t.save_id.to_string()) })?;
     entries.push(INDEX.to_string());
     entries.push(TRAINING_STATE.to_string());
     let mut files = BTreeMap::new();
@@ -203,23 +271,64 @@ where
         optimizer: optimizer_json(opt.kind()),
         tensors,
         files,
+        save_id: Some(t.save_id.to_string()),
     };
     write_json(&tmp.join(MANIFEST), &manifest)?;
     sync_dir(tmp)?;
-    // Replace an earlier checkpoint of the same step only once the new one is complete.
-    if dest.exists() {
-        let old = root.join(format!(".old-{name}"));
-        let _ = std::fs::remove_dir_all(&old);
-        std::fs::rename(dest, &old).map_err(|e| CheckpointError::io(dest, e))?;
-        std::fs::rename(tmp, dest).map_err(|e| CheckpointError::io(dest, e))?;
-        let _ = std::fs::remove_dir_all(&old);
-    } else {
-        std::fs::rename(tmp, dest).map_err(|e| CheckpointError::io(dest, e))?;
-    }
+    // An earlier checkpoint of the same step is exchanged with the new one in one step.
+    replace_dir(tmp, dest, &root.join(format!(".old-{name}-{}", t.save_id)))?;
     sync_dir(root)?;
-    let latest_tmp = root.join(".latest.tmp");
+    let latest_tmp = root.join(format!(".latest.tmp-{}", t.save_id));
     write_synced(&latest_tmp, format!("{name}\n").as_bytes())?;
     std::fs::rename(&latest_tmp, root.join(LATEST)).map_err(|e| CheckpointError::io(root.join(LATEST), e))?;
     sync_dir(root)?;
+    if let Some(keep_last) = options.keep_last {
+        prune(root, keep_last, name, &options.keep, t.save_id)?;
+    }
     Ok(())
+}
+
+/// The step of a checkpoint directory's name (`step-00000040` → 40).
+fn step_of(name: &str) -> Option<u64> {
+    name.strip_prefix("step-").filter(|d| d.len() == 8 && d.bytes().all(|b| b.is_ascii_digit()))?.parse().ok()
+}
+
+/// Removes the `step-*` checkpoints of `root` beyond the `keep_last` newest,
+/// never `latest` (the checkpoint just written) nor any of `keep`. Each is
+/// renamed away before it is deleted, so a crash never leaves a
+/// half-deleted directory that looks like a checkpoint.
+fn prune(root: &Path, keep_last: usize, latest: &str, keep: &[PathBuf], save_id: &str) -> Result<()> {
+    let canonical = |p: &Path| std::fs::canonicalize(p).ok();
+    let kept: Vec<PathBuf> = keep.iter().filter_map(|p| canonical(p)).collect();
+    let mut steps: Vec<(u64, String)> = std::fs::read_dir(root)
+        .map_err(|e| CheckpointError::io(root, e))?
+        .filter_map(|e| e.ok().and_then(|e| e.file_name().into_string().ok()))
+        .filter_map(|n| step_of(&n).map(|s| (s, n)))
+        .filter(|(_, n)| root.join(n).join(MANIFEST).is_file())
+        .collect();
+    steps.sort_by_key(|s| std::cmp::Reverse(s.0));
+    for (_, n) in steps.into_iter().skip(keep_last) {
+        let dir = root.join(&n);
+        if n == latest || canonical(&dir).is_some_and(|c| kept.contains(&c)) {
+            continue;
+        }
+        let doomed = root.join(format!(".pruned-{n}-{save_id}"));
+        std::fs::rename(&dir, &doomed).map_err(|e| CheckpointError::io(&dir, e))?;
+        std::fs::remove_dir_all(&doomed).map_err(|e| CheckpointError::io(&doomed, e))?;
+    }
+    sync_dir(root)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::step_of;
+
+    #[test]
+    fn only_checkpoint_names_have_a_step() {
+        assert_eq!(step_of("step-00000040"), Some(40));
+        for name in ["step-40", "step-0000004x", ".tmp-step-00000040", "step-00000040-old", "latest"] {
+            assert_eq!(step_of(name), None, "{name}");
+        }
+    }
 }
