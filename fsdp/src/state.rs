@@ -265,6 +265,10 @@ impl<C: CommBackend> Fsdp<C> {
                 None
             };
             out.push(Param::new(p, layout_index, rank, stream)?);
+            // The upload stages its values until the stream runs it: waiting
+            // here keeps one parameter's slice staged at a time, so a rank's
+            // peak while loading is its shards plus one slice, not twice its shards.
+            stream.synchronize()?;
         }
         let mp = self.config.mixed_precision;
         self.groups.push(Group::new(name, out, layout, post_forward, reshard, mp));
