@@ -26,7 +26,7 @@ use std::io::Write;
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 
-pub use args::{BenchPart, LlamaArgs, ModelArg, SaveDtypeArg, TrainArgs};
+pub use args::{BenchPart, ModelArg, SaveDtypeArg, TrainArgs};
 pub(crate) use llama::CHECKPOINT_CONFIG as LLAMA_CHECKPOINT_CONFIG;
 pub(crate) use ranks::{progress, RankJob};
 
