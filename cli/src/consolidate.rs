@@ -70,7 +70,9 @@ fn consolidate_llama(args: &ConsolidateArgs, config: &Path, max: usize) -> anyho
     let stage = parent.join(format!(".{name}.stage"));
     for d in [&scratch, &stage] {
         if d.exists() {
-            return Err(UsageError(format!("{} exists (left by an earlier consolidate?); remove it", d.display())).into());
+            return Err(
+                UsageError(format!("{} exists (left by an earlier consolidate?); remove it", d.display())).into()
+            );
         }
     }
     let result = (|| -> anyhow::Result<usize> {

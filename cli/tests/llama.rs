@@ -95,14 +95,14 @@ fn a_run_its_consolidated_checkpoint_and_a_run_from_its_output_agree() {
     npy(&dir.join("data.npy"), "<i8", &[24, 9], &ids_i64(24, 9, 50));
     let data = p("data.npy");
     let common = ["--data", &data, "--batch", "2", "--vocab", "64"];
-    let r = train(&[&common[..], &["--steps", "3", "--save-every", "2", "--max-file-bytes", "40K", "--out-dir", &p("a")]].concat());
+    let r = train(
+        &[&common[..], &["--steps", "3", "--save-every", "2", "--max-file-bytes", "40K", "--out-dir", &p("a")]]
+            .concat(),
+    );
     assert!(r.status.success(), "{}", text(&r.stderr));
     let model = dir.join("a/model");
     assert!(model.join("model.safetensors.index.json").exists(), "split by --max-file-bytes");
-    let r = run_bounded(
-        chorus().args(["consolidate", &p("a-checkpoints"), &p("c")]),
-        Duration::from_secs(120),
-    );
+    let r = run_bounded(chorus().args(["consolidate", &p("a-checkpoints"), &p("c")]), Duration::from_secs(120));
     assert!(r.status.success(), "{}", text(&r.stderr));
     let (run, consolidated) = (tensors(&model), tensors(&dir.join("c")));
     assert_eq!(run.len(), 2 + 9 * 2 + 1, "every parameter of 2 layers and an untied head");
@@ -116,7 +116,18 @@ fn a_run_its_consolidated_checkpoint_and_a_run_from_its_output_agree() {
     let half = tensors(&dir.join("c16"));
     assert!(half.iter().zip(&run).all(|(h, f)| h.0 == f.0 && 2 * h.1.len() == f.1.len()));
     // The output is a model directory chorus starts from (the sizes come from its config.json).
-    let r = train(&["--init-from", &model.display().to_string(), "--data", &p("data.npy"), "--batch", "2", "--steps", "1", "--out-dir", &p("b")]);
+    let r = train(&[
+        "--init-from",
+        &model.display().to_string(),
+        "--data",
+        &p("data.npy"),
+        "--batch",
+        "2",
+        "--steps",
+        "1",
+        "--out-dir",
+        &p("b"),
+    ]);
     assert!(r.status.success(), "{}", text(&r.stderr));
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -53,7 +53,12 @@ fn torch<S: AsRef<std::ffi::OsStr> + std::fmt::Debug>(args: &[S]) -> String {
 
 fn losses(path: &Path) -> Vec<f64> {
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    v["losses"].as_array().unwrap_or_else(|| panic!("{}: no losses", path.display())).iter().map(|x| x.as_f64().unwrap()).collect()
+    v["losses"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{}: no losses", path.display()))
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
 }
 
 fn equal_to_pytorch(tied: bool) {

@@ -118,7 +118,8 @@ pub fn materialize(params: &[DeferredParam]) -> candle_core::Result<Vec<(String,
         .iter()
         .map(|p| {
             let rows = p.shape.first().copied().unwrap_or(1);
-            let values = p.source.read_rows(0, 0..rows).map_err(|e| candle_core::Error::msg(format!("{}: {e}", p.name)))?;
+            let values =
+                p.source.read_rows(0, 0..rows).map_err(|e| candle_core::Error::msg(format!("{}: {e}", p.name)))?;
             Ok((p.name.clone(), Tensor::from_vec(values, p.shape.as_slice(), &Device::Cpu)?))
         })
         .collect()
@@ -325,7 +326,10 @@ where
             layers.push(model.add_stage(g, move |vb, x| DecoderLayer::new(c.clone(), vb.pp(&prefix))?.forward(x))?);
         }
         if let Some(p) = params.first() {
-            return Err(chorus_fsdp_candle::Error::InvalidArgument(format!("parameter `{}` belongs to no group", p.name)));
+            return Err(chorus_fsdp_candle::Error::InvalidArgument(format!(
+                "parameter `{}` belongs to no group",
+                p.name
+            )));
         }
         let c = cfg.clone();
         let head_stage = model.add_stage(root, move |vb, x| head(&c, vb, x))?;

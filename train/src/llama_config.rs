@@ -136,7 +136,9 @@ impl LlamaConfig {
             tie_word_embeddings: match o.get("tie_word_embeddings") {
                 None | Some(Value::Null) => false,
                 Some(Value::Bool(b)) => *b,
-                Some(_) => return Err(ConfigError::Invalid { field: "tie_word_embeddings", why: "is not a bool".into() }),
+                Some(_) => {
+                    return Err(ConfigError::Invalid { field: "tie_word_embeddings", why: "is not a bool".into() })
+                }
             },
             pad_token_id: usize_field(o, "pad_token_id")?,
             bos_token_id: usize_field(o, "bos_token_id")?,
@@ -166,7 +168,10 @@ impl LlamaConfig {
         if self.num_attention_heads % self.num_key_value_heads != 0 {
             return Err(ConfigError::Invalid {
                 field: "num_key_value_heads",
-                why: format!("{} does not divide num_attention_heads {}", self.num_key_value_heads, self.num_attention_heads),
+                why: format!(
+                    "{} does not divide num_attention_heads {}",
+                    self.num_key_value_heads, self.num_attention_heads
+                ),
             });
         }
         if self.head_dim % 2 != 0 {
@@ -337,13 +342,17 @@ fn usize_field(o: &Map<String, Value>, field: &'static str) -> Result<Option<usi
 fn f64_field(o: &Map<String, Value>, field: &'static str) -> Result<Option<f64>, ConfigError> {
     match o.get(field) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v.as_f64().map(Some).ok_or_else(|| ConfigError::Invalid { field, why: format!("is {v}, not a number") }),
+        Some(v) => {
+            v.as_f64().map(Some).ok_or_else(|| ConfigError::Invalid { field, why: format!("is {v}, not a number") })
+        }
     }
 }
 
 fn f64_in(v: &Value, key: &str, field: &'static str) -> Result<Option<f64>, ConfigError> {
     match v.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(x) => x.as_f64().map(Some).ok_or_else(|| ConfigError::Invalid { field, why: format!("is {x}, not a number") }),
+        Some(x) => {
+            x.as_f64().map(Some).ok_or_else(|| ConfigError::Invalid { field, why: format!("is {x}, not a number") })
+        }
     }
 }

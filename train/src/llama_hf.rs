@@ -112,8 +112,12 @@ impl ShardSource for MappedTensor {
                 .ok_or_else(|| format!("{}: the tensor runs past the end of the file", self.path.display()))?;
             match self.dtype {
                 Dtype::F32 => out.extend(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
-                Dtype::BF16 => out.extend(bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())),
-                Dtype::F16 => out.extend(bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())),
+                Dtype::BF16 => {
+                    out.extend(bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()))
+                }
+                Dtype::F16 => {
+                    out.extend(bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()))
+                }
                 d => return Err(format!("dtype {d:?} is not f32, bf16 or f16")),
             }
         }
@@ -134,10 +138,12 @@ pub fn open(dir: &Path) -> Result<HfModel, HfError> {
     let files: Vec<PathBuf> = if index.exists() {
         let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| weights_err(&index, e))?;
-        let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| weights_err(&index, "no weight_map"))?;
+        let map =
+            v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| weights_err(&index, "no weight_map"))?;
         let mut names: Vec<String> = Vec::new();
         for (tensor, file) in map {
-            let file = file.as_str().ok_or_else(|| weights_err(&index, format!("{tensor}: the file is not a string")))?;
+            let file =
+                file.as_str().ok_or_else(|| weights_err(&index, format!("{tensor}: the file is not a string")))?;
             if file.contains('/') || file.contains('\\') || file.starts_with('.') {
                 return Err(weights_err(&index, format!("{tensor}: file name {file:?} leaves the directory")));
             }
@@ -164,7 +170,13 @@ pub fn open(dir: &Path) -> Result<HfModel, HfError> {
                 return Err(weights_err(path, format!("{name} is in more than one file")));
             }
             let start = 8 + header + info.data_offsets.0;
-            let t = MappedTensor { map: map.clone(), path: path.clone(), start, dtype: info.dtype, shape: info.shape.clone() };
+            let t = MappedTensor {
+                map: map.clone(),
+                path: path.clone(),
+                start,
+                dtype: info.dtype,
+                shape: info.shape.clone(),
+            };
             found.insert(name, t);
         }
     }

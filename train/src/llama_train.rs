@@ -52,9 +52,10 @@ impl TokenRows {
                 i % tokens.cols
             ));
         }
-        let hash = tokens.ids.iter().fold(0xcbf2_9ce4_8422_2325u64 ^ tokens.cols as u64, |h, t| {
-            (h ^ *t as u64).wrapping_mul(0x100_0000_01b3)
-        });
+        let hash = tokens
+            .ids
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64 ^ tokens.cols as u64, |h, t| (h ^ *t as u64).wrapping_mul(0x100_0000_01b3));
         Ok(TokenRows { tokens, global_batch, hash })
     }
 }

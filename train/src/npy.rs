@@ -124,7 +124,8 @@ fn parse_tokens(bytes: &[u8]) -> std::result::Result<Tokens, String> {
                 4 => i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64,
                 _ => i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]),
             };
-            u32::try_from(v).map_err(|_| format!("token id {v} at row {}, column {} is not a valid id", i / cols, i % cols))
+            u32::try_from(v)
+                .map_err(|_| format!("token id {v} at row {}, column {} is not a valid id", i / cols, i % cols))
         })
         .collect::<std::result::Result<Vec<u32>, String>>()?;
     Ok(Tokens { rows, cols, ids })

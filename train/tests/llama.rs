@@ -97,10 +97,18 @@ fn fsdp_matches_plain_candle_at_1_2_4_ranks_and_hsdp() {
                     assert_eq!(r.losses, first.losses);
                 }
                 for (a, b) in first.losses.iter().zip(&plain.losses) {
-                    assert!((a - b).abs() < 1e-5, "tied {tied}, {ranks} ranks: losses {:?} vs {:?}", first.losses, plain.losses);
+                    assert!(
+                        (a - b).abs() < 1e-5,
+                        "tied {tied}, {ranks} ranks: losses {:?} vs {:?}",
+                        first.losses,
+                        plain.losses
+                    );
                 }
                 let d = max_diff(&first.params, &plain.params);
-                assert!(d < 2e-5, "tied {tied}, {optimizer:?}, {ranks} ranks {replicate:?} {reshard}: params differ by {d}");
+                assert!(
+                    d < 2e-5,
+                    "tied {tied}, {optimizer:?}, {ranks} ranks {replicate:?} {reshard}: params differ by {d}"
+                );
             }
         }
     }

@@ -51,8 +51,11 @@ fn make_dir(dir: &Path, cfg_json: &str, tensors: &[(String, Vec<usize>, Vec<f32>
     std::fs::write(dir.join("config.json"), cfg_json).unwrap();
     let mut weight_map = serde_json::Map::new();
     for f in 0..files {
-        let name =
-            if files == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{files:05}.safetensors", f + 1) };
+        let name = if files == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{files:05}.safetensors", f + 1)
+        };
         let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
             .iter()
             .enumerate()

@@ -11,13 +11,13 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use chorus_collectives::sim::{SimComm, SimConfig, SimWorld};
+use chorus_collectives::Communicator;
+use chorus_devices::cpu::CpuConfig;
 use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, ParamInit};
 use chorus_train::llama::{materialize, ShardedLlama, ROOT_PREFIXES};
 use chorus_train::llama_config::LlamaConfig;
 use chorus_train::llama_hf;
-use chorus_collectives::sim::{SimComm, SimConfig, SimWorld};
-use chorus_collectives::Communicator;
-use chorus_devices::cpu::CpuConfig;
 
 struct Counting;
 
