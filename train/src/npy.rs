@@ -298,6 +298,23 @@ mod tests {
         std::fs::remove_dir_all(&dir).ok();
     }
 
+    #[test]
+    fn token_ids_in_every_integer_dtype() {
+        let h = |d: &str| format!("{{'descr': '{d}', 'fortran_order': False, 'shape': (2, 3), }}");
+        let i4: Vec<u8> = [0i32, 1, 2, 70000, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let i8: Vec<u8> = [0i64, 1, 2, 70000, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let u2: Vec<u8> = [0u16, 1, 2, 65535, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let want = |x: u32| Tokens { rows: 2, cols: 3, ids: vec![0, 1, 2, x, 4, 5] };
+        assert_eq!(parse_tokens(&file_with_header(&h("<i4"), &i4)).unwrap(), want(70000));
+        assert_eq!(parse_tokens(&file_with_header(&h("<i8"), &i8)).unwrap(), want(70000));
+        assert_eq!(parse_tokens(&file_with_header(&h("<u2"), &u2)).unwrap(), want(65535));
+        let neg: Vec<u8> = [0i64, 1, 2, -1, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let err = parse_tokens(&file_with_header(&h("<i8"), &neg)).unwrap_err();
+        assert!(err.contains("token id -1 at row 1, column 0"), "{err}");
+        assert!(parse_tokens(&file_with_header(&h(">i8"), &i8)).unwrap_err().contains("int32, int64 or uint16"));
+        assert!(parse_tokens(&file_with_header(&h("<i8"), &i8[..40])).unwrap_err().contains("data bytes"));
+    }
+
     fn file_with_header(h: &str, data: &[u8]) -> Vec<u8> {
         let mut f = b"\x93NUMPY\x01\x00".to_vec();
         f.extend_from_slice(&(h.len() as u16).to_le_bytes());

@@ -46,7 +46,8 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         }
     }
     let out = if writes_outputs(args.backend) { Some(OutDir::acquire(&args.out_dir())?) } else { None };
-    if let Some(dir) = &spec.checkpoint_dir {
+    // One process records it (under a launcher, the one writing the outputs).
+    if let (Some(dir), true) = (&spec.checkpoint_dir, out.is_some()) {
         record_config(dir, &cfg)?;
     }
     let reports = run_with_progress(args.backend, world, LlamaJob(spec.clone()), steps)?;
