@@ -9,7 +9,8 @@ mod common;
 
 use std::sync::Arc;
 
-use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, OptimizerKind, Reshard};
+use chorus_devices::DType;
+use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, MixedPrecision, OptimizerKind, Reshard};
 use chorus_train::gpt_train::GptReport;
 use chorus_train::llama::{init_params, materialize, ShardedLlama};
 use chorus_train::llama_config::LlamaConfig;
@@ -177,4 +178,56 @@ fn token_rows_follow_the_global_batch_formula_and_reject_bad_data() {
     assert!(TokenRows::new(tokens.clone(), 14, 4).unwrap_err().contains("token id 14 at row 4, column 2"));
     assert!(TokenRows::new(tokens.clone(), 15, 6).unwrap_err().contains("fewer than one global batch"));
     assert!(TokenRows::new(Tokens { rows: 5, cols: 1, ids: (0..5).collect() }, 15, 4).is_err());
+}
+
+/// A run saved at 4 ranks and resumed at 2 (the same global batch) and at
+/// HSDP 2 × 2 ends where an uninterrupted run ends.
+#[test]
+fn checkpoints_reshard_on_resume() {
+    let global = 8;
+    let adamw = OptimizerKind::adamw(3e-3, 0.01);
+    let whole = run(4, spec(false, global, 4, 4, adamw));
+    let dir = std::env::temp_dir().join(format!("chorus-llama-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut first = spec(false, global, 4, 2, adamw);
+    first.checkpoint_dir = Some(dir.clone());
+    let saved = run(4, first);
+    assert_eq!(saved[0].saved.len(), 1);
+    for (ranks, replicate) in [(2, None), (4, Some(2))] {
+        let mut rest = spec(false, global, ranks, 4, adamw);
+        rest.resume = Some(saved[0].saved[0].clone());
+        rest.replicate = replicate;
+        let resumed = run(ranks, rest);
+        assert_eq!(resumed[0].start_step, 2);
+        let losses: Vec<f64> = resumed[0].earlier_losses.iter().chain(&resumed[0].losses).copied().collect();
+        for (a, b) in losses.iter().zip(&whole[0].losses) {
+            assert!((a - b).abs() < 1e-5, "{losses:?} vs {:?}", whole[0].losses);
+        }
+        let d = max_diff(&resumed[0].params, &whole[0].params);
+        assert!(d < 2e-5, "resumed at {ranks} ranks {replicate:?}: params differ by {d}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// bf16 parameters with f32 reduction (FSDP2's MixedPrecisionPolicy) train
+/// the Llama close to the f32 run: the bf16 rounding of the weights and
+/// activations, no more.
+#[test]
+fn mixed_precision_trains_close_to_f32() {
+    let global = 8;
+    let adamw = OptimizerKind::adamw(3e-3, 0.01);
+    let f32_run = run(2, spec(false, global, 2, 3, adamw));
+    let mut s = spec(false, global, 2, 3, adamw);
+    s.fsdp.mixed_precision = MixedPrecision {
+        param_dtype: Some(DType::BF16),
+        reduce_dtype: Some(DType::F32),
+        output_dtype: Some(DType::F32),
+    };
+    let bf16_run = run(2, s);
+    for (a, b) in bf16_run[0].losses.iter().zip(&f32_run[0].losses) {
+        assert!((a - b).abs() < 2e-2, "bf16 {:?} vs f32 {:?}", bf16_run[0].losses, f32_run[0].losses);
+    }
+    assert_ne!(bf16_run[0].losses, f32_run[0].losses, "bf16 compute changes the losses");
+    let d = max_diff(&bf16_run[0].params, &f32_run[0].params);
+    assert!(d < 1e-2, "params differ by {d}");
 }
