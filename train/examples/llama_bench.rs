@@ -77,14 +77,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let loads = SimWorld::run(WORLD, sim(), move |comm| -> Result<(f64, usize), String> {
                 let t0 = Instant::now();
                 let hf = llama_hf::open(&d).map_err(|e| e.to_string())?;
-                let fsdp = Fsdp::new(DataParallel::fsdp(Arc::new(comm)), FsdpConfig::default()).map_err(|e| e.to_string())?;
+                let fsdp =
+                    Fsdp::new(DataParallel::fsdp(Arc::new(comm)), FsdpConfig::default()).map_err(|e| e.to_string())?;
                 let m = ShardedLlama::new(fsdp, Arc::new(hf.config), hf.params, true).map_err(|e| e.to_string())?;
                 let secs = t0.elapsed().as_secs_f64();
                 let peak = m.model.with_fsdp(|f| f.device().memory_stats().peak_bytes).map_err(|e| e.to_string())?;
                 Ok((secs, peak))
             })?;
-            let loads: Vec<(f64, usize)> =
-                loads.into_iter().map(|r| r.map_err(|e| e.to_string()).and_then(|x| x)).collect::<Result<_, String>>()?;
+            let loads: Vec<(f64, usize)> = loads
+                .into_iter()
+                .map(|r| r.map_err(|e| e.to_string()).and_then(|x| x))
+                .collect::<Result<_, String>>()?;
             let hf = llama_hf::open(&dir)?;
             let spec = Arc::new(LlamaSpec::new(
                 Arc::new(hf.config),
@@ -97,8 +100,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let reports = SimWorld::run(WORLD, sim(), move |comm| {
                 train_llama(Arc::new(comm), &spec, &mut |_, _| {}).map_err(|e| e.to_string())
             })?;
-            let reports: Vec<_> =
-                reports.into_iter().map(|r| r.map_err(|e| e.to_string()).and_then(|x| x)).collect::<Result<_, String>>()?;
+            let reports: Vec<_> = reports
+                .into_iter()
+                .map(|r| r.map_err(|e| e.to_string()).and_then(|x| x))
+                .collect::<Result<_, String>>()?;
             let r = &reports[0];
             println!(
                 "{}",
