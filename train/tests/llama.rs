@@ -125,10 +125,20 @@ fn init_is_the_same_at_every_world_size() {
         .into_iter()
         .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
         .collect();
-    for ranks in [1, 2, 3, 4] {
+    // Sharded on dim 0, and on the last dim (a source asked for columns), with 64-element tensors replicated.
+    for (ranks, last_dim) in [(1, false), (2, false), (3, false), (4, false), (3, true)] {
         let c = cfg.clone();
         let got = on_sim_ranks(ranks, move |comm| {
-            let fsdp = Fsdp::new(DataParallel::fsdp(comm), FsdpConfig::default()).unwrap();
+            let config = if last_dim {
+                FsdpConfig {
+                    shard_placement: Some(Arc::new(|_: &str, _: &[usize]| -1)),
+                    replicate_below: 65,
+                    ..FsdpConfig::default()
+                }
+            } else {
+                FsdpConfig::default()
+            };
+            let fsdp = Fsdp::new(DataParallel::fsdp(comm), config).unwrap();
             let m = ShardedLlama::new(fsdp, c.clone(), init_params(&c, 11), false).unwrap();
             m.model.with_fsdp(|f| f.full_parameters()).unwrap().unwrap()
         });
@@ -137,7 +147,7 @@ fn init_is_the_same_at_every_world_size() {
             g.sort_by(|a, b| a.0.cmp(&b.0));
             let mut w = whole.clone();
             w.sort_by(|a, b| a.0.cmp(&b.0));
-            assert_eq!(g, w, "{ranks} ranks");
+            assert_eq!(g, w, "{ranks} ranks, last dim {last_dim}");
         }
     }
     // transformers' distribution: normal(0, 0.02) weights, norms at one; another seed differs.

@@ -83,11 +83,15 @@ fn hf_json(cfg: &LlamaConfig) -> String {
 }
 
 /// Loads `dir` under FSDP at `ranks` ranks and returns every rank's all-gathered parameters.
-fn load_sharded(dir: &Path, ranks: usize) -> Vec<Vec<(String, Vec<f32>)>> {
+/// With `last_dim`, every parameter is sharded on its last dimension (the
+/// sources are asked for columns).
+fn load_sharded(dir: &Path, ranks: usize, last_dim: bool) -> Vec<Vec<(String, Vec<f32>)>> {
     let dir = dir.to_path_buf();
     on_sim_ranks(ranks, move |comm| {
         let hf = llama_hf::open(&dir).unwrap();
-        let fsdp = Fsdp::new(DataParallel::fsdp(comm), FsdpConfig::default()).unwrap();
+        let placement: chorus_fsdp::ShardPlacement = Arc::new(|_: &str, _: &[usize]| -1);
+        let config = FsdpConfig { shard_placement: last_dim.then_some(placement), ..FsdpConfig::default() };
+        let fsdp = Fsdp::new(DataParallel::fsdp(comm), config).unwrap();
         let m = ShardedLlama::new(fsdp, Arc::new(hf.config), hf.params, false).unwrap();
         m.model.with_fsdp(|f| f.full_parameters()).unwrap().unwrap()
     })
@@ -117,9 +121,13 @@ fn sharded_dirs_in_f32_bf16_f16_load_shard_by_shard() {
     for (dtype, files) in [(Dtype::F32, 1), (Dtype::F32, 3), (Dtype::BF16, 2), (Dtype::F16, 4)] {
         let dir = tempdir(&format!("{dtype:?}-{files}"));
         make_dir(&dir, &hf_json(&cfg), &tensors, dtype, files);
-        for ranks in [1, 2, 3] {
-            for got in load_sharded(&dir, ranks) {
-                assert_eq!(sorted(got), expected(&tensors), "{dtype:?} in {files} file(s) at {ranks} ranks");
+        for (ranks, last_dim) in [(1, false), (2, false), (3, false), (3, true)] {
+            for got in load_sharded(&dir, ranks, last_dim) {
+                assert_eq!(
+                    sorted(got),
+                    expected(&tensors),
+                    "{dtype:?} in {files} file(s) at {ranks} ranks, {last_dim}"
+                );
             }
         }
         std::fs::remove_dir_all(&dir).unwrap();
