@@ -69,6 +69,19 @@ fn bad_data_and_configs_are_usage_errors_before_anything_is_written() {
     assert_eq!(r.status.code(), Some(2), "{}", text(&r.stderr));
     assert!(text(&r.stderr).contains("`rope_scaling`"), "{}", text(&r.stderr));
     assert!(!out.exists());
+    // Flags that belong to another model, or that --init-from's config.json decides.
+    for (args, want) in [
+        (vec!["train", "--model", "gpt", "--data", "x.npy"], "--data is for --model llama"),
+        (vec!["train", "--model", "mlp", "--save-dtype", "bf16"], "--save-dtype is for --model llama"),
+        (vec!["train", "--model", "llama", "--init-from", &m, "--layers", "3"], "the sizes come from --init-from"),
+        (vec!["train", "--model", "llama", "--kv-heads", "3"], "num_key_value_heads"),
+        (vec!["train", "--model", "llama", "--vocab", "20"], "smaller than the byte-level text"),
+    ] {
+        let r = run_bounded(chorus().args(&args).args(["--out-dir", &o]), Duration::from_secs(60));
+        assert_eq!(r.status.code(), Some(2), "{args:?}: {}", text(&r.stderr));
+        assert!(text(&r.stderr).contains(want), "{args:?}: {}", text(&r.stderr));
+        assert!(!out.exists());
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
