@@ -2,8 +2,12 @@
 //! as plain full-tensor safetensors files (`model-0000i-of-0000N.safetensors`
 //! and `model.safetensors.index.json`), which candle and Python's
 //! `safetensors` load; see `chorus_fsdp_candle::checkpoint::consolidate`.
+//! A checkpoint of `chorus train --model llama` (its directory records the
+//! model's config) becomes a Hugging Face model directory instead:
+//! `config.json` and the weights in `--save-dtype`, which
+//! `LlamaForCausalLM.from_pretrained` loads.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 
@@ -20,6 +24,9 @@ pub struct ConsolidateArgs {
     /// Start a new file when one would pass this size (K/M/G = 1024-based, or plain bytes).
     #[arg(long, default_value = "2G", value_parser = parse_nonzero_bytes)]
     pub max_file_bytes: u64,
+    /// Llama checkpoints: dtype of the Hugging Face model written (f32 or bf16).
+    #[arg(long, value_enum, default_value = "f32")]
+    pub save_dtype: crate::train::SaveDtypeArg,
 }
 
 /// Runs `chorus consolidate`.
@@ -29,8 +36,71 @@ pub fn run(args: &ConsolidateArgs) -> anyhow::Result<Outcome> {
     }
     let max = usize::try_from(args.max_file_bytes)
         .map_err(|_| UsageError(format!("--max-file-bytes {} is too large", format_bytes(args.max_file_bytes))))?;
+    if let Some(config) = llama_config(&args.checkpoint) {
+        return consolidate_llama(args, &config, max);
+    }
+    if args.save_dtype != crate::train::SaveDtypeArg::F32 {
+        return Err(UsageError("--save-dtype is for checkpoints of --model llama".into()).into());
+    }
     let files = chorus_fsdp_candle::checkpoint::consolidate(&args.checkpoint, &args.out, max)
         .with_context(|| format!("consolidating {}", args.checkpoint.display()))?;
     println!("wrote {} file(s) and model.safetensors.index.json to {}", files.len(), args.out.display());
+    Ok(Outcome::Passed)
+}
+
+/// The Llama config a checkpoint directory (or a `step-*` directory's
+/// parent) records, if it is a checkpoint of `--model llama`.
+fn llama_config(checkpoint: &Path) -> Option<PathBuf> {
+    let name = crate::train::LLAMA_CHECKPOINT_CONFIG;
+    [Some(checkpoint), checkpoint.parent()].into_iter().flatten().map(|d| d.join(name)).find(|p| p.is_file())
+}
+
+/// A Llama checkpoint as a Hugging Face model directory: the full f32
+/// tensors consolidated into a scratch directory beside `out`, read back
+/// through the Hugging Face loader (which checks every name and shape
+/// against the config), and written in the asked dtype to a staging
+/// directory renamed to `out` when complete.
+fn consolidate_llama(args: &ConsolidateArgs, config: &Path, max: usize) -> anyhow::Result<Outcome> {
+    let text = std::fs::read_to_string(config).with_context(|| format!("reading {}", config.display()))?;
+    let cfg = chorus_train::llama_config::LlamaConfig::from_json(&text)
+        .with_context(|| format!("reading {}", config.display()))?;
+    let parent = args.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = args.out.file_name().and_then(|n| n.to_str()).unwrap_or("consolidated").to_string();
+    let scratch = parent.join(format!(".{name}.full"));
+    let stage = parent.join(format!(".{name}.stage"));
+    for d in [&scratch, &stage] {
+        if d.exists() {
+            return Err(
+                UsageError(format!("{} exists (left by an earlier consolidate?); remove it", d.display())).into()
+            );
+        }
+    }
+    let result = (|| -> anyhow::Result<usize> {
+        chorus_fsdp_candle::checkpoint::consolidate(&args.checkpoint, &scratch, usize::MAX)
+            .with_context(|| format!("consolidating {}", args.checkpoint.display()))?;
+        std::fs::write(scratch.join("config.json"), serde_json::to_string(&cfg.to_hf_json("float32"))?)?;
+        let hf = chorus_train::llama_hf::open(&scratch)?;
+        let params = hf
+            .params
+            .iter()
+            .map(|p| {
+                let rows = p.shape.first().copied().unwrap_or(1);
+                let v = p.source.read_rows(0, 0..rows).map_err(|e| anyhow::anyhow!("{}: {e}", p.name))?;
+                Ok((p.name.clone(), v))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        std::fs::create_dir(&stage).with_context(|| format!("creating {}", stage.display()))?;
+        let files = chorus_train::llama_hf::write(&stage, &cfg, &params, args.save_dtype.dtype(), max)?;
+        std::fs::rename(&stage, &args.out)
+            .with_context(|| format!("renaming {} to {}", stage.display(), args.out.display()))?;
+        Ok(files.len())
+    })();
+    // Only what this command created goes.
+    let _ = std::fs::remove_dir_all(&scratch);
+    if result.is_err() && stage.exists() {
+        let _ = std::fs::remove_dir_all(&stage);
+    }
+    let files = result?;
+    println!("wrote a Hugging Face Llama directory ({files} files) to {}", args.out.display());
     Ok(Outcome::Passed)
 }

@@ -37,7 +37,7 @@ use chorus_devices::Backend;
 pub use config::{DataParallel, FsdpConfig, MixedPrecision, Reshard, ShardPlacement};
 pub use error::{FsdpError, Result};
 pub use optim::{OptimizerKind, ShardedOptimizer};
-pub use param::ParamInit;
+pub use param::{rows_of, DeferredParam, ParamInit, ShardSource};
 pub use param_group::{ShardedState, TrainingState};
 pub use state::{CommCounts, Fsdp, Hook, HookTime, HostOverhead, UnshardHandle};
 

@@ -14,7 +14,7 @@ use chorus_devices::{Backend, Buffer, DType, Device, Priority, Stream, StreamExt
 use crate::collectives::{self, ReducePlan};
 use crate::config::{DataParallel, FsdpConfig, MixedPrecision, Reshard};
 use crate::layout::{normalize_dim, GroupLayout};
-use crate::param::{Param, ParamInit};
+use crate::param::{DeferredParam, Param, ParamInit};
 use crate::param_group::{CommContext, Group, ShardedState, Streams, TrainingState};
 use crate::{FsdpError, Result, Strm, B};
 
@@ -197,11 +197,6 @@ impl<C: CommBackend> Fsdp<C> {
 
     /// Like [`Fsdp::add_group`] with this group's own reshard-after-forward.
     pub fn add_group_with(&mut self, name: &str, params: Vec<ParamInit>, reshard: Reshard) -> Result<usize> {
-        let t0 = Instant::now();
-        let world = self.ctx.dp.shard.size();
-        let rank = self.ctx.dp.shard.rank();
-        let mut sharded_specs = Vec::new();
-        let mut is_sharded = Vec::new();
         for p in &params {
             let numel: usize = p.shape.iter().product();
             if p.values.len() != numel {
@@ -212,6 +207,32 @@ impl<C: CommBackend> Fsdp<C> {
                     p.shape
                 )));
             }
+        }
+        self.add_group_deferred_with(name, params.into_iter().map(DeferredParam::from).collect(), reshard)
+    }
+
+    /// Like [`Fsdp::add_group`], with each parameter given by its shape and
+    /// a source of its values: this rank reads only the rows of its own
+    /// shards (deferred initialisation; no rank holds the whole group).
+    pub fn add_group_deferred(&mut self, name: &str, params: Vec<DeferredParam>, is_root: bool) -> Result<usize> {
+        let reshard = if is_root { Reshard::No } else { self.config.reshard_after_forward };
+        self.add_group_deferred_with(name, params, reshard)
+    }
+
+    /// Like [`Fsdp::add_group_deferred`] with this group's own reshard-after-forward.
+    pub fn add_group_deferred_with(
+        &mut self,
+        name: &str,
+        params: Vec<DeferredParam>,
+        reshard: Reshard,
+    ) -> Result<usize> {
+        let t0 = Instant::now();
+        let world = self.ctx.dp.shard.size();
+        let rank = self.ctx.dp.shard.rank();
+        let mut sharded_specs = Vec::new();
+        let mut is_sharded = Vec::new();
+        for p in &params {
+            let numel: usize = p.shape.iter().product();
             let shard = numel >= self.config.replicate_below && !p.shape.is_empty();
             is_sharded.push(shard);
             if shard {
@@ -244,6 +265,10 @@ impl<C: CommBackend> Fsdp<C> {
                 None
             };
             out.push(Param::new(p, layout_index, rank, stream)?);
+            // The upload stages its values until the stream runs it: waiting
+            // here keeps one parameter's slice staged at a time, so a rank's
+            // peak while loading is its shards plus one slice, not twice its shards.
+            stream.synchronize()?;
         }
         let mp = self.config.mixed_precision;
         self.groups.push(Group::new(name, out, layout, post_forward, reshard, mp));

@@ -152,7 +152,7 @@ pub fn config_changes(saved: &serde_json::Value, config: &GptConfig) -> Vec<Stri
         .collect()
 }
 
-fn u32_tensor(v: Vec<u32>, rows: usize, seq: usize) -> Result<Tensor> {
+pub(crate) fn u32_tensor(v: Vec<u32>, rows: usize, seq: usize) -> Result<Tensor> {
     Ok(Tensor::from_vec(v, (rows, seq), &Device::Cpu)?)
 }
 
@@ -379,7 +379,7 @@ pub fn train_plain(spec: &GptSpec, ranks: usize) -> Result<PlainReport> {
 
 /// Scales the gradients of `vars` in `grads` as `clip_grad_norm_` does: the
 /// global L2 norm (summed in f64), then `max / (norm + 1e-6)` if below one.
-fn clip_grad_norm(grads: &mut candle_core::backprop::GradStore, vars: &[Var], max: f64) -> Result<()> {
+pub(crate) fn clip_grad_norm(grads: &mut candle_core::backprop::GradStore, vars: &[Var], max: f64) -> Result<()> {
     let mut total = 0.0f64;
     for v in vars {
         if let Some(g) = grads.get(v.as_tensor()) {

@@ -9,6 +9,12 @@
 //! - [`gpt`]: a small decoder-only transformer written with candle-nn, as a
 //!   plain candle model and sharded through the candle adapter
 //!   (`chorus-fsdp-candle`), trained on [`text`] generated from a grammar.
+//! - [`llama`]: the Llama architecture exactly as transformers'
+//!   `LlamaForCausalLM` computes it, plain and under FSDP (one group per
+//!   decoder layer plus the root), with [`llama_config`] (`config.json` in
+//!   both transformers spellings), [`llama_hf`] (Hugging Face model
+//!   directories in, memory-mapped and read shard by shard, and out) and
+//!   [`llama_train`] (the loop on `.npy` token ids or text).
 //! - [`npy`]: float32 `.npy` files, the interchange with PyTorch and NumPy
 //!   users for initial weights, data and trained parameters.
 //!
@@ -19,6 +25,10 @@
 
 pub mod gpt;
 pub mod gpt_train;
+pub mod llama;
+pub mod llama_config;
+pub mod llama_hf;
+pub mod llama_train;
 pub mod mlp;
 pub mod npy;
 pub mod text;

@@ -27,6 +27,25 @@ pub fn read(path: &Path) -> Result<Array> {
 }
 
 fn parse(bytes: &[u8]) -> std::result::Result<Array, String> {
+    let (descr, shape, data) = split(bytes)?;
+    if !["<f4", "|f4", "=f4"].contains(&descr.as_str()) {
+        return Err(format!("only little-endian float32 ('<f4') is supported, found '{descr}'"));
+    }
+    let count = numel(&shape)?;
+    let needed = count.checked_mul(4).ok_or(format!("shape {shape:?} has too many elements"))?;
+    if data.len() != needed {
+        return Err(format!("shape {shape:?} needs {needed} data bytes, found {}", data.len()));
+    }
+    let values = data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    Ok(Array { shape, values })
+}
+
+fn numel(shape: &[usize]) -> std::result::Result<usize, String> {
+    shape.iter().try_fold(1usize, |a, d| a.checked_mul(*d)).ok_or(format!("shape {shape:?} has too many elements"))
+}
+
+/// A C-order `.npy` file's dtype descriptor, shape and data bytes.
+fn split(bytes: &[u8]) -> std::result::Result<(String, Vec<usize>, &[u8]), String> {
     if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
         return Err("not an .npy file".into());
     }
@@ -44,10 +63,10 @@ fn parse(bytes: &[u8]) -> std::result::Result<Array, String> {
     let dict = header_dict(header)?;
     let get =
         |key: &str| dict.iter().find(|(k, _)| k == key).map(|(_, v)| v).ok_or(format!("the header has no '{key}'"));
-    match get("descr")? {
-        Value::Str(d) if d == "<f4" || d == "|f4" || d == "=f4" => {}
-        other => return Err(format!("only little-endian float32 ('<f4') is supported, found {other}")),
-    }
+    let descr = match get("descr")? {
+        Value::Str(d) => d.clone(),
+        other => return Err(format!("descr must be a string, found {other}")),
+    };
     match get("fortran_order")? {
         Value::Bool(false) => {}
         Value::Bool(true) => return Err("Fortran-order arrays are not supported".into()),
@@ -57,17 +76,59 @@ fn parse(bytes: &[u8]) -> std::result::Result<Array, String> {
         Value::Tuple(dims) => dims.clone(),
         other => return Err(format!("shape must be a tuple of integers, found {other}")),
     };
-    let count = shape
-        .iter()
-        .try_fold(1usize, |a, d| a.checked_mul(*d))
-        .ok_or(format!("shape {shape:?} has too many elements"))?;
-    let data = &bytes[end..];
-    let needed = count.checked_mul(4).ok_or(format!("shape {shape:?} has too many elements"))?;
+    Ok((descr, shape, &bytes[end..]))
+}
+
+/// Token ids: a 2-d integer array `[rows, cols]`, row-major.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tokens {
+    /// Rows (sequences).
+    pub rows: usize,
+    /// Columns (tokens per sequence).
+    pub cols: usize,
+    /// Row-major ids.
+    pub ids: Vec<u32>,
+}
+
+/// Reads a 2-d little-endian C-order `.npy` array of token ids: int32,
+/// int64 or uint16 (what tokenizers and `numpy.save` produce). A negative
+/// id, or one beyond `u32`, is an error naming its position.
+pub fn read_tokens(path: &Path) -> Result<Tokens> {
+    let mut bytes = Vec::new();
+    std::fs::File::open(path).and_then(|mut f| f.read_to_end(&mut bytes)).map_err(|e| bad(path, e))?;
+    parse_tokens(&bytes).map_err(|e| bad(path, e))
+}
+
+fn parse_tokens(bytes: &[u8]) -> std::result::Result<Tokens, String> {
+    let (descr, shape, data) = split(bytes)?;
+    let [rows, cols] = shape[..] else {
+        return Err(format!("token ids must be a 2-d array [sequences, seq_len + 1], found shape {shape:?}"));
+    };
+    let width = match descr.as_str() {
+        "<i4" | "=i4" => 4,
+        "<i8" | "=i8" => 8,
+        "<u2" | "=u2" | "|u2" => 2,
+        d => return Err(format!("token ids must be int32, int64 or uint16 ('<i4', '<i8', '<u2'), found '{d}'")),
+    };
+    let count = numel(&shape)?;
+    let needed = count.checked_mul(width).ok_or(format!("shape {shape:?} has too many elements"))?;
     if data.len() != needed {
         return Err(format!("shape {shape:?} needs {needed} data bytes, found {}", data.len()));
     }
-    let values = data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-    Ok(Array { shape, values })
+    let ids = data
+        .chunks_exact(width)
+        .enumerate()
+        .map(|(i, c)| {
+            let v: i64 = match width {
+                2 => u16::from_le_bytes([c[0], c[1]]) as i64,
+                4 => i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64,
+                _ => i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]),
+            };
+            u32::try_from(v)
+                .map_err(|_| format!("token id {v} at row {}, column {} is not a valid id", i / cols, i % cols))
+        })
+        .collect::<std::result::Result<Vec<u32>, String>>()?;
+    Ok(Tokens { rows, cols, ids })
 }
 
 /// A value of the header's Python dict literal.
@@ -235,6 +296,23 @@ mod tests {
         assert!(parse(&f64_file).unwrap_err().contains("float32"));
         assert!(parse(b"garbage").is_err());
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn token_ids_in_every_integer_dtype() {
+        let h = |d: &str| format!("{{'descr': '{d}', 'fortran_order': False, 'shape': (2, 3), }}");
+        let i4: Vec<u8> = [0i32, 1, 2, 70000, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let i8: Vec<u8> = [0i64, 1, 2, 70000, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let u2: Vec<u8> = [0u16, 1, 2, 65535, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let want = |x: u32| Tokens { rows: 2, cols: 3, ids: vec![0, 1, 2, x, 4, 5] };
+        assert_eq!(parse_tokens(&file_with_header(&h("<i4"), &i4)).unwrap(), want(70000));
+        assert_eq!(parse_tokens(&file_with_header(&h("<i8"), &i8)).unwrap(), want(70000));
+        assert_eq!(parse_tokens(&file_with_header(&h("<u2"), &u2)).unwrap(), want(65535));
+        let neg: Vec<u8> = [0i64, 1, 2, -1, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let err = parse_tokens(&file_with_header(&h("<i8"), &neg)).unwrap_err();
+        assert!(err.contains("token id -1 at row 1, column 0"), "{err}");
+        assert!(parse_tokens(&file_with_header(&h(">i8"), &i8)).unwrap_err().contains("int32, int64 or uint16"));
+        assert!(parse_tokens(&file_with_header(&h("<i8"), &i8[..40])).unwrap_err().contains("data bytes"));
     }
 
     fn file_with_header(h: &str, data: &[u8]) -> Vec<u8> {

@@ -27,6 +27,8 @@ pub enum ModelArg {
     Gpt,
     /// The reference MLP (device kernels), `.npy` in and out.
     Mlp,
+    /// A Hugging Face Llama (LlamaForCausalLM) through the candle adapter, HF weights in and out.
+    Llama,
 }
 
 /// Arguments of `chorus train`.
@@ -144,6 +146,60 @@ pub struct TrainArgs {
     /// With --bench --model gpt: run one side of the comparison in this process and print its JSON (internal).
     #[arg(long, value_enum, hide = true)]
     pub bench_part: Option<BenchPart>,
+    #[command(flatten)]
+    pub llama: LlamaArgs,
+}
+
+/// The arguments of `chorus train --model llama` (the shared ones, --layers,
+/// --heads, --seq-len, --text, --batch, ..., are [`TrainArgs`]').
+#[derive(Debug, Default, clap::Args)]
+pub struct LlamaArgs {
+    /// llama: start from this Hugging Face model directory (config.json and model.safetensors, or
+    /// model-0000i-of-0000N.safetensors with model.safetensors.index.json; f32, bf16 or f16), each rank
+    /// reading only its shards; the sizes come from its config.json.
+    #[arg(long)]
+    pub init_from: Option<PathBuf>,
+    /// llama: token ids as .npy [N, seq_len + 1] (int32, int64 or uint16); at step s the global batch is
+    /// rows (s·W·B + k) mod N, rank r taking rows [r·B, (r+1)·B) of it.
+    #[arg(long, conflicts_with = "text")]
+    pub data: Option<PathBuf>,
+    /// llama: dtype of the Hugging Face model written at the end (f32 or bf16).
+    #[arg(long, value_enum, default_value = "f32")]
+    pub save_dtype: SaveDtypeArg,
+    /// llama: start a new safetensors file when one would pass this size (K/M/G = 1024-based, or plain bytes).
+    #[arg(long, default_value = "2G", value_parser = crate::size::parse_nonzero_bytes)]
+    pub max_file_bytes: u64,
+    /// llama without --init-from: width of the residual stream.
+    #[arg(long, default_value_t = 64)]
+    pub hidden: usize,
+    /// llama without --init-from: key/value heads (they divide --heads; default 2).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    /// llama without --init-from: width of the SwiGLU MLP (default 2 × --hidden).
+    #[arg(long)]
+    pub intermediate: Option<usize>,
+    /// llama without --init-from: vocabulary size (default 256 with --data, else the byte-level text's).
+    #[arg(long)]
+    pub vocab: Option<usize>,
+}
+
+/// Dtypes `chorus train --model llama` writes the model in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum SaveDtypeArg {
+    /// float32.
+    #[default]
+    F32,
+    /// bfloat16.
+    Bf16,
+}
+
+impl SaveDtypeArg {
+    pub(crate) fn dtype(self) -> chorus_train::llama_hf::SaveDtype {
+        match self {
+            SaveDtypeArg::F32 => chorus_train::llama_hf::SaveDtype::F32,
+            SaveDtypeArg::Bf16 => chorus_train::llama_hf::SaveDtype::BF16,
+        }
+    }
 }
 
 /// One side of `chorus train --bench --model gpt`, each run in a process of its own.
@@ -205,7 +261,7 @@ impl TrainArgs {
     pub(super) fn steps(&self) -> u64 {
         self.steps.unwrap_or(match self.model() {
             ModelArg::Gpt if self.bench => 20,
-            ModelArg::Gpt => 300,
+            ModelArg::Gpt | ModelArg::Llama => 300,
             ModelArg::Mlp => 50,
         })
     }
@@ -214,7 +270,7 @@ impl TrainArgs {
     }
     pub(super) fn optimizer_arg(&self) -> OptimizerArg {
         self.optimizer.unwrap_or(match self.model() {
-            ModelArg::Gpt => OptimizerArg::Adamw,
+            ModelArg::Gpt | ModelArg::Llama => OptimizerArg::Adamw,
             ModelArg::Mlp => OptimizerArg::Sgd,
         })
     }
@@ -285,9 +341,23 @@ impl TrainArgs {
         if self.momentum != 0.0 && self.optimizer_arg() == OptimizerArg::Adamw {
             return Err(usage("--momentum is for --optimizer sgd"));
         }
+        let llama_only = [
+            (self.llama.init_from.is_some(), "--init-from"),
+            (self.llama.data.is_some(), "--data"),
+            (self.llama.save_dtype != SaveDtypeArg::F32, "--save-dtype"),
+            (self.llama.kv_heads.is_some(), "--kv-heads"),
+            (self.llama.intermediate.is_some(), "--intermediate"),
+            (self.llama.vocab.is_some(), "--vocab"),
+        ];
+        if model != ModelArg::Llama {
+            if let Some((_, name)) = llama_only.iter().find(|(given, _)| *given) {
+                return Err(usage(format!("{name} is for --model llama")));
+            }
+        }
         match model {
             ModelArg::Mlp => self.usage_mlp(world),
             ModelArg::Gpt => self.usage_gpt(world),
+            ModelArg::Llama => self.usage_llama(world),
         }
     }
 
@@ -354,6 +424,107 @@ impl TrainArgs {
             d_ff: self.d_ff.unwrap_or(self.d_model.saturating_mul(4)),
             seq_len: self.seq_len,
         }
+    }
+
+    /// The Llama's sizes from the flags (without --init-from).
+    pub(super) fn llama_config(&self) -> chorus_train::llama_config::LlamaConfig {
+        let l = &self.llama;
+        let vocab = l.vocab.unwrap_or(if l.data.is_some() { 256 } else { text::vocab_size() });
+        chorus_train::llama_config::LlamaConfig::new(
+            vocab,
+            l.hidden,
+            l.intermediate.unwrap_or(l.hidden.saturating_mul(2)),
+            self.layers.unwrap_or(2),
+            self.heads,
+            l.kv_heads.unwrap_or(2.min(self.heads)),
+        )
+    }
+
+    /// The checks of `--model llama` that need no file (the model directory
+    /// and the data are checked once read, before anything is written).
+    pub(super) fn usage_llama(&self, world: usize) -> anyhow::Result<()> {
+        self.usage_candle_model("llama")?;
+        if self.bench {
+            return Err(usage("--bench is for --model gpt and mlp"));
+        }
+        if self.llama.init_from.is_none() {
+            let cfg = self.llama_config();
+            cfg.validate().map_err(|e| usage(format!("the Llama's sizes: {e}")))?;
+            if self.llama.data.is_none() && cfg.vocab_size < text::vocab_size() {
+                return Err(usage(format!(
+                    "--vocab {} is smaller than the byte-level text's {} tokens",
+                    cfg.vocab_size,
+                    text::vocab_size()
+                )));
+            }
+            let seq = if self.llama.data.is_some() { 1 } else { self.seq_len };
+            self.check_llama_memory(&cfg, world, seq)?;
+        } else {
+            for (given, name) in [
+                (self.layers.is_some(), "--layers"),
+                (self.llama.kv_heads.is_some(), "--kv-heads"),
+                (self.llama.intermediate.is_some(), "--intermediate"),
+                (self.llama.vocab.is_some(), "--vocab"),
+            ] {
+                if given {
+                    return Err(usage(format!("{name}: the sizes come from --init-from's config.json")));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The memory a Llama run needs (every rank's share of the model, its
+    /// optimizer state, the gathered groups and the activations), checked
+    /// against the machine's.
+    pub(super) fn check_llama_memory(
+        &self,
+        cfg: &chorus_train::llama_config::LlamaConfig,
+        world: usize,
+        seq_len: usize,
+    ) -> anyhow::Result<()> {
+        let params = Sat::of(cfg.num_params());
+        let (v, h, l, f) = (
+            Sat::of(cfg.vocab_size),
+            Sat::of(cfg.hidden_size),
+            Sat::of(cfg.num_hidden_layers),
+            Sat::of(cfg.intermediate_size),
+        );
+        let tokens = Sat::of(self.batch) * Sat::of(seq_len);
+        let heads = Sat::of(cfg.num_attention_heads);
+        let t = Sat::of(seq_len);
+        let activations = Sat(4) * tokens * (l + Sat(2)) * (Sat(10) * h + Sat(4) * f + Sat(3) * heads * t + Sat(3) * v);
+        let per_rank = Sat(4) * (Sat(4) * params / Sat::of(world) + Sat(3) * params)
+            + activations
+            + Sat(16) * Sat::of(self.steps());
+        self.check_memory((Sat::of(world) * per_rank + Sat(4 << 20)).0)
+    }
+
+    /// What --model gpt and --model llama (both candle through the adapter) share.
+    fn usage_candle_model(&self, model: &str) -> anyhow::Result<()> {
+        if matches!(self.backend.name(), "nccl" | "rccl") {
+            return Err(usage(format!(
+                "--model {model} computes with candle on the CPU, so it runs on backends whose device holds host memory (sim, simnccl, ucx), not {}; use --model mlp (the candle-CUDA path is designed in docs/fsdp.md, not built)",
+                self.backend
+            )));
+        }
+        for (given, name) in [
+            (self.dims.is_some(), "--dims"),
+            (self.width.is_some(), "--width"),
+            (self.init_dir.is_some(), "--init-dir"),
+            (self.replicate_below != 0, "--replicate-below"),
+        ] {
+            if given {
+                return Err(usage(format!("{name} is for --model mlp")));
+            }
+        }
+        if self.micro_batches == 0 || self.batch % self.micro_batches != 0 {
+            return Err(usage(format!("--micro-batches {} must divide --batch {}", self.micro_batches, self.batch)));
+        }
+        if self.save_every == Some(0) {
+            return Err(usage("--save-every must be at least 1"));
+        }
+        Ok(())
     }
 
     pub(super) fn usage_gpt(&self, world: usize) -> anyhow::Result<()> {

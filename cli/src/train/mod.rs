@@ -1,5 +1,6 @@
 //! `chorus train`: a model under FSDP on simulated ranks (or a GPU backend):
 //! the transformer through the candle adapter (`--model gpt`, the default),
+//! a Hugging Face Llama, HF weights in and out (`--model llama`),
 //! or the reference MLP (`--model mlp`, with PyTorch-compatible `.npy` input
 //! and output, and `--bench` for FSDP's step time and host overhead).
 //!
@@ -11,13 +12,14 @@
 //! run, which then writes its summary marked failed.
 //!
 //! `args.rs` holds the arguments and every check made before anything is
-//! written; `ranks.rs` runs a job on the ranks of any backend; `mlp.rs` and
-//! `gpt.rs` train each model and write its outputs; `gpt_bench.rs` measures
+//! written; `ranks.rs` runs a job on the ranks of any backend; `mlp.rs`,
+//! `gpt.rs` and `llama.rs` train each model and write its outputs; `gpt_bench.rs` measures
 //! the transformer against plain candle (the MLP's benchmark is in `mlp.rs`).
 
 mod args;
 mod gpt;
 mod gpt_bench;
+mod llama;
 mod mlp;
 mod ranks;
 
@@ -26,7 +28,8 @@ use std::io::Write;
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 
-pub use args::{BenchPart, ModelArg, TrainArgs};
+pub use args::{BenchPart, ModelArg, SaveDtypeArg, TrainArgs};
+pub(crate) use llama::CHECKPOINT_CONFIG as LLAMA_CHECKPOINT_CONFIG;
 pub(crate) use ranks::{progress, RankJob};
 
 use crate::backends::Backend;
@@ -40,6 +43,7 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         (ModelArg::Gpt, false) => gpt::run(args),
         (ModelArg::Mlp, true) => mlp::bench(args),
         (ModelArg::Gpt, true) => gpt_bench::run(args),
+        (ModelArg::Llama, _) => llama::run(args),
     }
 }
 

@@ -12,12 +12,13 @@ use chorus_devices::cpu::CpuConfig;
 use chorus_devices::ComputeBackend;
 use chorus_fsdp::Fsdp;
 use chorus_train::gpt_train::{train_gpt, GptReport, GptSpec};
+use chorus_train::llama_train::{train_llama, LlamaSpec};
 use chorus_train::train::{train, RankReport, TrainSpec};
 use indicatif::ProgressBar;
 
 use crate::backends::Backend;
 
-/// What every rank runs: the MLP or the transformer.
+/// What every rank runs: the MLP, the transformer or the Llama.
 pub(crate) trait RankJob: Send + Sync + 'static {
     type Report: Send + 'static;
     fn run<C: CommBackend + 'static>(
@@ -61,6 +62,23 @@ impl RankJob for GptJob {
         Fsdp<C>: Send,
     {
         Ok(train_gpt(world, &self.0, on_step)?)
+    }
+}
+
+pub(super) struct LlamaJob(pub(super) LlamaSpec);
+
+impl RankJob for LlamaJob {
+    type Report = GptReport;
+    fn run<C: CommBackend + 'static>(
+        &self,
+        world: Arc<Communicator<C>>,
+        on_step: &mut dyn FnMut(u64, f64),
+    ) -> anyhow::Result<GptReport>
+    where
+        C::B: ComputeBackend,
+        Fsdp<C>: Send,
+    {
+        Ok(train_llama(world, &self.0, on_step)?)
     }
 }
 

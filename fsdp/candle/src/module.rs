@@ -26,7 +26,7 @@ use candle_core::{CpuStorage, CustomOp2, Device as CandleDevice, Layout, Shape, 
 use candle_nn::VarBuilder;
 use chorus_collectives::CommBackend;
 use chorus_devices::{Buffer, ComputeBackend, Stream};
-use chorus_fsdp::{Fsdp, FsdpError, ParamInit, Reshard, ShardedOptimizer};
+use chorus_fsdp::{DeferredParam, Fsdp, FsdpError, ParamInit, Reshard, ShardedOptimizer};
 
 use crate::convert::{candle_dtype, start_readback, storage_of, tensor_from_readback, tensor_from_storage, to_f32_vec};
 use crate::{Error, Result};
@@ -294,6 +294,15 @@ where
     /// Like [`FsdpModel::add_group`] with this group's own reshard-after-forward.
     pub fn add_group_with(&mut self, name: &str, params: Vec<(String, Tensor)>, reshard: Reshard) -> Result<GroupId> {
         self.push_group(params, |fsdp, inits| fsdp.add_group_with(name, inits, reshard))
+    }
+
+    /// Like [`FsdpModel::add_group`] with each parameter given by a source of
+    /// its shards (deferred initialisation: this rank reads only its rows).
+    pub fn add_group_deferred(&mut self, name: &str, params: Vec<DeferredParam>, root: bool) -> Result<GroupId> {
+        let mut shared = self.lock()?;
+        let g = shared.fsdp.add_group_deferred(name, params, root)?;
+        shared.groups.push(GroupInfo::default());
+        Ok(GroupId(g))
     }
 
     /// Adds a group of `params` to FSDP through `add` (one of [`Fsdp`]'s

@@ -1,0 +1,206 @@
+//! `chorus train --model llama`: a Hugging Face Llama (`--init-from DIR`,
+//! or transformers' initialisation at the sizes the flags give) trained
+//! under FSDP on `.npy` token ids (`--data`) or byte-level text, written
+//! back as a Hugging Face model directory (`<out-dir>/model`) that
+//! `LlamaForCausalLM.from_pretrained` loads, with the summary and the loss
+//! curve; checkpoints and resume as for the transformer.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::Context;
+use chorus_fsdp_candle::checkpoint::optimizer_json;
+use chorus_train::llama::init_params;
+use chorus_train::llama_config::LlamaConfig;
+use chorus_train::llama_hf;
+use chorus_train::llama_train::{LlamaData, LlamaSpec, TokenRows};
+use chorus_train::text::{self, TextData};
+use serde_json::json;
+
+use super::ranks::{limit_candle_threads, writes_outputs, LlamaJob};
+use super::{median, run_with_progress, say, summarize, usage, TrainArgs};
+use crate::outdir::{write_file, OutDir};
+use crate::Outcome;
+
+/// The file in a checkpoint directory that records the Llama's config, so
+/// `chorus consolidate` writes a Hugging Face directory from it.
+pub(crate) const CHECKPOINT_CONFIG: &str = "llama-config.json";
+
+/// `chorus train --model llama`.
+pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
+    let world = args.world();
+    limit_candle_threads(args.backend, world);
+    let steps = args.steps();
+    let spec = spec(args, steps)?;
+    let cfg = spec.config.clone();
+    let max_file_bytes = usize::try_from(args.llama.max_file_bytes)
+        .map_err(|_| usage(format!("--max-file-bytes {} is too large", args.llama.max_file_bytes)))?;
+    if let Some(dir) = &args.resume {
+        let state = chorus_fsdp_candle::checkpoint::read_training_state(dir)?;
+        if state.step >= steps {
+            return Err(usage(format!(
+                "{} is at step {}; --steps {steps} leaves nothing to train",
+                dir.display(),
+                state.step
+            )));
+        }
+    }
+    let out = if writes_outputs(args.backend) { Some(OutDir::acquire(&args.out_dir())?) } else { None };
+    // One process records it (under a launcher, the one writing the outputs).
+    if let (Some(dir), true) = (&spec.checkpoint_dir, out.is_some()) {
+        record_config(dir, &cfg)?;
+    }
+    let reports = run_with_progress(args.backend, world, LlamaJob(spec.clone()), steps)?;
+    let Some(out) = out.filter(|_| !reports.is_empty()) else { return Ok(Outcome::Passed) };
+    let first = reports.first().context("no ranks")?;
+    let model_dir = out.stage().join("model");
+    std::fs::create_dir(&model_dir).with_context(|| format!("creating {}", model_dir.display()))?;
+    llama_hf::write(&model_dir, &cfg, &first.params, args.llama.save_dtype.dtype(), max_file_bytes)?;
+    let all_losses: Vec<f64> = first.earlier_losses.iter().chain(&first.losses).copied().collect();
+    let s = summarize(&all_losses);
+    let median_step = median(&first.step_times_s);
+    let ran = first.losses.len().max(1) as f64;
+    let first_step = first.start_step - first.earlier_losses.len() as u64;
+    let summary = json!({
+        "model": "llama",
+        "first_step": first_step,
+        "losses": all_losses,
+        "loss_window": s.window,
+        "loss_start_mean": s.start,
+        "loss_end_mean": s.end,
+        "loss_smoothed": crate::plot::smooth(&all_losses, s.window),
+        "step_times_s": first.step_times_s,
+        "median_step_time_s": median_step,
+        "peak_memory_bytes": reports.iter().map(|r| r.peak_memory_bytes).collect::<Vec<_>>(),
+        "fsdp_host_overhead_per_group_per_step_s":
+            first.overhead.total.as_secs_f64() / (first.groups.max(1) as f64 * ran),
+        "adapter_transfer_per_step_s": first.adapter.transfer.as_secs_f64() / ran,
+        "candle_compute_per_step_s": first.adapter.compute.as_secs_f64() / ran,
+        "checkpoints": first.saved.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+        "hf_model_dir": "model",
+        "config": {
+            "model": "llama",
+            "backend": args.backend.name(),
+            "world_size": world,
+            "hsdp": args.hsdp,
+            "steps": steps,
+            "batch": args.batch,
+            "micro_batches": args.micro_batches,
+            "optimizer": optimizer_json(spec.optimizer),
+            "param_dtype": args.param_dtype.name(),
+            "reduce_dtype": args.reduce_dtype.unwrap_or(args.param_dtype).name(),
+            "reshard_after_forward": args.reshard_after_forward.to_string(),
+            "llama": &*cfg,
+            "parameters": cfg.num_params(),
+            "seq_len": spec.data.seq_len(),
+            "max_grad_norm": args.max_grad_norm,
+            "seed": args.seed,
+            "init_from": args.llama.init_from.as_ref().map(|p| p.display().to_string()),
+            "data": args.llama.data.as_ref().map(|p| p.display().to_string()),
+            "text": args.text.as_ref().map(|p| p.display().to_string()),
+            "save_dtype": args.llama.save_dtype.dtype().torch_name(),
+            "resume": args.resume.as_ref().map(|p| p.display().to_string()),
+            "start_step": first.start_step,
+            "save_every": args.save_every,
+            "checkpoint_dir": spec.checkpoint_dir.as_ref().map(|p| p.display().to_string()),
+        },
+    });
+    write_file(&out.stage().join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
+    crate::plot::loss_curve(
+        &out.stage().join("loss.svg"),
+        "chorus train --model llama",
+        first_step,
+        &all_losses,
+        s.window,
+    )?;
+    let dest = out.dest().to_path_buf();
+    out.commit()?;
+    let peak = reports.iter().map(|r| r.peak_memory_bytes).max().unwrap_or(0);
+    say(format_args!(
+        "trained the Llama ({} parameters) on {world} ranks, steps {}..{steps}: loss {:.4} (mean of the first {w} steps) -> {:.4} (mean of the last {w}), median step {:.1} ms, peak FSDP memory {:.1} KiB/rank, wrote {} (Hugging Face model in {})",
+        cfg.num_params(),
+        first.start_step,
+        s.start,
+        s.end,
+        median_step * 1e3,
+        peak as f64 / 1024.0,
+        dest.display(),
+        dest.join("model").display(),
+        w = s.window,
+    ))?;
+    Ok(Outcome::Passed)
+}
+
+/// The run the arguments describe: the model (from `--init-from`, whose
+/// config and weights are checked here, or initialised shard by shard), the
+/// data (checked against the vocabulary and the global batch) and the
+/// memory they need, all before anything is written.
+fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<LlamaSpec> {
+    let world = args.world();
+    let (cfg, init) = match &args.llama.init_from {
+        Some(dir) => {
+            let hf = llama_hf::open(dir).map_err(|e| usage(format!("--init-from: {e}")))?;
+            (hf.config, hf.params)
+        }
+        None => {
+            let cfg = args.llama_config();
+            let init = init_params(&cfg, args.seed);
+            (cfg, init)
+        }
+    };
+    let global = world * args.batch;
+    let data = match &args.llama.data {
+        Some(path) => {
+            let tokens = chorus_train::npy::read_tokens(path).map_err(|e| usage(format!("--data: {e}")))?;
+            LlamaData::Tokens(
+                TokenRows::new(tokens, cfg.vocab_size, global)
+                    .map_err(|e| usage(format!("--data {}: {e}", path.display())))?,
+            )
+        }
+        None => {
+            if cfg.vocab_size < text::vocab_size() {
+                return Err(usage(format!(
+                    "the model's vocabulary of {} is smaller than the byte-level text's {} tokens; give --data",
+                    cfg.vocab_size,
+                    text::vocab_size()
+                )));
+            }
+            let corpus = match &args.text {
+                Some(path) => std::fs::read_to_string(path).with_context(|| format!("--text {}", path.display()))?,
+                None => text::generate(200_000, args.seed),
+            };
+            LlamaData::Text(TextData::new(text::encode(&corpus), args.seq_len, args.seed).ok_or_else(|| {
+                usage(format!(
+                    "the text has {} characters; --seq-len {} needs at least {}",
+                    corpus.len(),
+                    args.seq_len,
+                    args.seq_len + 2
+                ))
+            })?)
+        }
+    };
+    args.check_llama_memory(&cfg, world, data.seq_len())?;
+    let checkpoint_dir = (args.save_every.is_some() || args.checkpoint_dir.is_some()).then(|| args.checkpoint_dir());
+    Ok(LlamaSpec {
+        fsdp: args.fsdp_config(),
+        replicate: args.hsdp,
+        micro_batches: args.micro_batches,
+        max_grad_norm: args.max_grad_norm,
+        checkpoint_dir,
+        save_every: args.save_every.unwrap_or(0),
+        resume: args.resume.clone(),
+        allow_nonfinite: args.allow_nonfinite,
+        ..LlamaSpec::new(Arc::new(cfg), init, Arc::new(data), args.batch, steps, args.optimizer())
+    })
+}
+
+/// Writes the Llama's config into the checkpoint directory (once, before
+/// the first checkpoint; replaced atomically), so the checkpoints can be
+/// consolidated into a Hugging Face directory.
+fn record_config(dir: &Path, cfg: &LlamaConfig) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join(CHECKPOINT_CONFIG);
+    let tmp = dir.join(format!(".{CHECKPOINT_CONFIG}.tmp"));
+    write_file(&tmp, serde_json::to_string_pretty(&cfg.to_hf_json("float32"))?.as_bytes())?;
+    std::fs::rename(&tmp, &path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+}

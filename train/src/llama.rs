@@ -1,0 +1,361 @@
+//! The Llama architecture for training, exactly as transformers'
+//! `LlamaForCausalLM` computes it, written with candle-nn: token embedding;
+//! per decoder layer RMSNorm → causal self-attention with RoPE (rotate-half)
+//! and grouped-query attention → residual → RMSNorm → SwiGLU MLP
+//! `down(silu(gate(x)) · up(x))` → residual; final RMSNorm; LM head, tied to
+//! the embedding or not. Parameters carry transformers' names.
+//!
+//! As a plain candle model ([`Llama`]) and under FSDP through the candle
+//! adapter ([`ShardedLlama`]), wrapped as FSDP2 wraps a Llama: one param
+//! group per decoder layer plus the root (embedding, final norm, head).
+//! [`init_params`] is transformers' initialisation as per-shard sources
+//! (deferred init): deterministic from the seed, independent of the world
+//! size.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
+use chorus_collectives::CommBackend;
+use chorus_devices::ComputeBackend;
+use chorus_fsdp::{DeferredParam, Fsdp, ShardSource};
+use chorus_fsdp_candle::{FsdpModel, StageId};
+
+use crate::llama_config::LlamaConfig;
+
+/// The prefixes of the root group's parameters (FSDP2's root: whatever the
+/// decoder layers do not hold).
+pub const ROOT_PREFIXES: [&str; 3] = ["model.embed_tokens.", "model.norm.", "lm_head."];
+
+/// One of transformers' initial values: normal(0, `std`) per element, from a
+/// counter-based generator keyed by the seed and the parameter's name, so
+/// any rank computes any element alone; or ones (the norms).
+struct InitSource {
+    shape: Vec<usize>,
+    /// `None`: every element is one.
+    normal: Option<Normal>,
+}
+
+struct Normal {
+    key: u64,
+    std: f64,
+    /// A row left at zero (the embedding's `padding_idx`).
+    zero_row: Option<usize>,
+}
+
+/// SplitMix64's finaliser: a bijective mix of a 64-bit counter.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A standard normal for element `i` of the tensor keyed `key` (Box–Muller
+/// on two uniforms drawn from the counter `2i`, `2i + 1`).
+fn normal_at(key: u64, i: u64) -> f64 {
+    let u = |c: u64| ((mix(key ^ mix(c)) >> 11) as f64 + 0.5) * (1.0 / (1u64 << 53) as f64);
+    let (u1, u2) = (u(2 * i), u(2 * i + 1));
+    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+}
+
+/// FNV-1a of a name: the tensor's part of its generator key.
+fn name_hash(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+impl ShardSource for InitSource {
+    fn read_rows(&self, dim: usize, rows: Range<usize>) -> Result<Vec<f32>, String> {
+        let n = *self.shape.get(dim).ok_or(format!("dim {dim} is out of range for {:?}", self.shape))?;
+        if rows.end > n || rows.start > rows.end {
+            return Err(format!("rows {rows:?} are out of range for {:?}", self.shape));
+        }
+        let outer: usize = self.shape[..dim].iter().product();
+        let inner: usize = self.shape[dim + 1..].iter().product();
+        let row_len = self.shape[1..].iter().product::<usize>();
+        let mut out = Vec::with_capacity(outer * rows.len() * inner);
+        for o in 0..outer {
+            for r in rows.clone() {
+                for k in 0..inner {
+                    let flat = (o * n + r) * inner + k;
+                    out.push(match &self.normal {
+                        None => 1.0,
+                        Some(nm) if nm.zero_row == Some(flat / row_len.max(1)) => 0.0,
+                        Some(nm) => (nm.std * normal_at(nm.key, flat as u64)) as f32,
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// transformers' initialisation of `cfg` (`LlamaPreTrainedModel._init_weights`:
+/// Linear and Embedding weights normal(0, `initializer_range`), the
+/// embedding's `pad_token_id` row zero, RMSNorm weights one), as sources
+/// each rank reads its shards from: element `i` of a tensor is a function
+/// of `seed`, the tensor's name and `i` alone, so the model is the same at
+/// every world size and nobody computes more than its shards.
+pub fn init_params(cfg: &LlamaConfig, seed: u64) -> Vec<DeferredParam> {
+    cfg.param_shapes()
+        .into_iter()
+        .map(|(name, shape)| {
+            let normal = (!name.ends_with("norm.weight")).then(|| Normal {
+                key: mix(seed ^ mix(name_hash(&name))),
+                std: cfg.initializer_range,
+                zero_row: if name == "model.embed_tokens.weight" { cfg.pad_token_id } else { None },
+            });
+            DeferredParam { source: Arc::new(InitSource { shape: shape.clone(), normal }), name, shape }
+        })
+        .collect()
+}
+
+/// The whole of each parameter, read from its source (for plain candle,
+/// which holds the whole model).
+pub fn materialize(params: &[DeferredParam]) -> candle_core::Result<Vec<(String, Tensor)>> {
+    params
+        .iter()
+        .map(|p| {
+            let rows = p.shape.first().copied().unwrap_or(1);
+            let values =
+                p.source.read_rows(0, 0..rows).map_err(|e| candle_core::Error::msg(format!("{}: {e}", p.name)))?;
+            Ok((p.name.clone(), Tensor::from_vec(values, p.shape.as_slice(), &Device::Cpu)?))
+        })
+        .collect()
+}
+
+/// RoPE's cosines and sines for positions `0..t`, `[t, head_dim]` each, as
+/// transformers' `LlamaRotaryEmbedding` computes them in float32
+/// (`inv_freq = 1 / theta^(2j / head_dim)`, the frequencies repeated twice).
+fn rope_tables(cfg: &LlamaConfig, t: usize) -> candle_core::Result<(Tensor, Tensor)> {
+    let hd = cfg.head_dim;
+    let inv: Vec<f32> =
+        (0..hd / 2).map(|j| 1.0f32 / (cfg.rope_theta as f32).powf((2 * j) as f32 / hd as f32)).collect();
+    let mut cos = Vec::with_capacity(t * hd);
+    let mut sin = Vec::with_capacity(t * hd);
+    for p in 0..t {
+        for k in 0..hd {
+            let angle = p as f32 * inv[k % (hd / 2)];
+            cos.push((angle as f64).cos() as f32);
+            sin.push((angle as f64).sin() as f32);
+        }
+    }
+    Ok((Tensor::from_vec(cos, (t, hd), &Device::Cpu)?, Tensor::from_vec(sin, (t, hd), &Device::Cpu)?))
+}
+
+/// `x · cos + rotate_half(x) · sin` on `[batch, heads, t, head_dim]`, with
+/// `rotate_half(x) = cat(−x[.., d/2..], x[.., ..d/2])`.
+fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    x.broadcast_mul(&cos.to_dtype(x.dtype())?)? + rotated.broadcast_mul(&sin.to_dtype(x.dtype())?)?
+}
+
+/// `[t, t]`: 0 on and below the diagonal, −∞ above.
+fn causal_mask(t: usize, dtype: DType) -> candle_core::Result<Tensor> {
+    let m: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+    Tensor::from_vec(m, (t, t), &Device::Cpu)?.to_dtype(dtype)
+}
+
+/// RMSNorm with candle's differentiable path (`forward_diff`).
+fn rms_norm(cfg: &LlamaConfig, vb: VarBuilder) -> candle_core::Result<RmsNorm> {
+    candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb)
+}
+
+/// One `LlamaDecoderLayer`.
+pub struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    post_attention_layernorm: RmsNorm,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+    cfg: Arc<LlamaConfig>,
+}
+
+impl DecoderLayer {
+    /// The layer whose parameters are under `vb` (`model.layers.{i}`).
+    pub fn new(cfg: Arc<LlamaConfig>, vb: VarBuilder) -> candle_core::Result<DecoderLayer> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let (q, kv) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim);
+        let a = vb.pp("self_attn");
+        let m = vb.pp("mlp");
+        Ok(DecoderLayer {
+            input_layernorm: rms_norm(&cfg, vb.pp("input_layernorm"))?,
+            q: candle_nn::linear_no_bias(h, q, a.pp("q_proj"))?,
+            k: candle_nn::linear_no_bias(h, kv, a.pp("k_proj"))?,
+            v: candle_nn::linear_no_bias(h, kv, a.pp("v_proj"))?,
+            o: candle_nn::linear_no_bias(q, h, a.pp("o_proj"))?,
+            post_attention_layernorm: rms_norm(&cfg, vb.pp("post_attention_layernorm"))?,
+            gate: candle_nn::linear_no_bias(h, i, m.pp("gate_proj"))?,
+            up: candle_nn::linear_no_bias(h, i, m.pp("up_proj"))?,
+            down: candle_nn::linear_no_bias(i, h, m.pp("down_proj"))?,
+            cfg,
+        })
+    }
+
+    /// Causal self-attention with RoPE and grouped-query attention (each
+    /// key/value head serves `heads / kv_heads` consecutive query heads, as
+    /// transformers' `repeat_kv`).
+    fn attention(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (nh, nkv, hd) = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim);
+        let heads = |y: Tensor, n: usize| -> candle_core::Result<Tensor> {
+            y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()
+        };
+        let (cos, sin) = rope_tables(&self.cfg, t)?;
+        let q = apply_rope(&heads(self.q.forward(x)?, nh)?, &cos, &sin)?;
+        let k = apply_rope(&heads(self.k.forward(x)?, nkv)?, &cos, &sin)?;
+        let v = heads(self.v.forward(x)?, nkv)?;
+        let repeat = |y: Tensor| -> candle_core::Result<Tensor> {
+            if nh == nkv {
+                return Ok(y);
+            }
+            y.unsqueeze(2)?.broadcast_as((b, nkv, nh / nkv, t, hd))?.contiguous()?.reshape((b, nh, t, hd))
+        };
+        let (k, v) = (repeat(k)?, repeat(v)?);
+        let scores = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (hd as f64).sqrt()))?;
+        let scores = scores.broadcast_add(&causal_mask(t, scores.dtype())?)?;
+        let probs = candle_nn::ops::softmax(&scores.to_dtype(DType::F32)?, D::Minus1)?.to_dtype(q.dtype())?;
+        let out = probs.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, nh * hd))?;
+        self.o.forward(&out)
+    }
+
+    /// `x + attn(norm(x))`, then `+ down(silu(gate(·)) · up(·))` of its norm;
+    /// `x` is `[batch, seq, hidden]`.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let x = (x + self.attention(&self.input_layernorm.forward_diff(x)?)?)?;
+        let h = self.post_attention_layernorm.forward_diff(&x)?;
+        let mlp = self.down.forward(&(self.gate.forward(&h)?.silu()? * self.up.forward(&h)?)?)?;
+        x + mlp
+    }
+}
+
+/// The token embedding of `ids` (`[batch, seq]`, u32).
+pub fn embed(cfg: &LlamaConfig, vb: VarBuilder, ids: &Tensor) -> candle_core::Result<Tensor> {
+    let w = vb.get((cfg.vocab_size, cfg.hidden_size), "model.embed_tokens.weight")?;
+    Embedding::new(w, cfg.hidden_size).forward(ids)
+}
+
+/// The final norm and the LM head (the embedding's matrix when tied): logits `[batch, seq, vocab]`.
+pub fn head(cfg: &LlamaConfig, vb: VarBuilder, x: &Tensor) -> candle_core::Result<Tensor> {
+    let norm = rms_norm(cfg, vb.pp("model.norm"))?;
+    let name = if cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
+    let w = vb.get((cfg.vocab_size, cfg.hidden_size), name)?;
+    Linear::new(w, None).forward(&norm.forward_diff(x)?)
+}
+
+/// The Llama as a plain candle model.
+pub struct Llama {
+    cfg: Arc<LlamaConfig>,
+    vb: VarBuilder<'static>,
+    layers: Vec<DecoderLayer>,
+}
+
+impl Llama {
+    /// The model whose parameters are in `vb` (a `VarMap` for training, or
+    /// safetensors files).
+    pub fn new(cfg: Arc<LlamaConfig>, vb: VarBuilder<'static>) -> candle_core::Result<Llama> {
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderLayer::new(cfg.clone(), vb.pp(format!("model.layers.{i}"))))
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Llama { cfg, vb, layers })
+    }
+
+    /// Logits of `ids` (`[batch, seq]`, u32).
+    pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let mut x = embed(&self.cfg, self.vb.clone(), ids)?;
+        for l in &self.layers {
+            x = l.forward(&x)?;
+        }
+        head(&self.cfg, self.vb.clone(), &x)
+    }
+}
+
+/// The Llama under FSDP through the candle adapter: the root group
+/// (embedding, final norm, head; not resharded after forward) with the
+/// embedding and head stages, and one group per decoder layer.
+pub struct ShardedLlama<C: CommBackend> {
+    /// The adapter (and the [`Fsdp`] inside it).
+    pub model: FsdpModel<C>,
+    embed: StageId,
+    layers: Vec<StageId>,
+    head: StageId,
+}
+
+/// Removes and returns the parameters whose names start with one of `prefixes`.
+fn take(params: &mut Vec<DeferredParam>, prefixes: &[&str]) -> Vec<DeferredParam> {
+    let (taken, kept): (Vec<_>, Vec<_>) =
+        std::mem::take(params).into_iter().partition(|p| prefixes.iter().any(|x| p.name.starts_with(x)));
+    *params = kept;
+    taken
+}
+
+impl<C: CommBackend + 'static> ShardedLlama<C>
+where
+    C::B: ComputeBackend,
+    Fsdp<C>: Send,
+{
+    /// Shards `params` (from [`init_params`], or Hugging Face weights) with
+    /// `fsdp`, each rank reading only its shards from the sources. With
+    /// `forward_prefetch`, each group's pre-forward also all-gathers the
+    /// next group.
+    pub fn new(
+        fsdp: Fsdp<C>,
+        cfg: Arc<LlamaConfig>,
+        mut params: Vec<DeferredParam>,
+        forward_prefetch: bool,
+    ) -> chorus_fsdp_candle::Result<Self> {
+        let mut model = FsdpModel::new(fsdp)?;
+        let root = model.add_group_deferred("root", take(&mut params, &ROOT_PREFIXES), true)?;
+        let c = cfg.clone();
+        let embed_stage = model.add_stage(root, move |vb, ids| embed(&c, vb, ids))?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        let mut groups = vec![root.0];
+        for i in 0..cfg.num_hidden_layers {
+            let prefix = format!("model.layers.{i}");
+            let g = model.add_group_deferred(&prefix, take(&mut params, &[&format!("{prefix}.")]), false)?;
+            groups.push(g.0);
+            let c = cfg.clone();
+            layers.push(model.add_stage(g, move |vb, x| DecoderLayer::new(c.clone(), vb.pp(&prefix))?.forward(x))?);
+        }
+        if let Some(p) = params.first() {
+            return Err(chorus_fsdp_candle::Error::InvalidArgument(format!(
+                "parameter `{}` belongs to no group",
+                p.name
+            )));
+        }
+        let c = cfg.clone();
+        let head_stage = model.add_stage(root, move |vb, x| head(&c, vb, x))?;
+        if forward_prefetch {
+            model.with_fsdp(|f| -> chorus_fsdp::Result<()> {
+                for w in groups.windows(2) {
+                    f.set_forward_prefetch(w[0], vec![w[1]])?;
+                }
+                Ok(())
+            })??;
+        }
+        Ok(ShardedLlama { model, embed: embed_stage, layers, head: head_stage })
+    }
+
+    /// Logits of `ids` (`[batch, seq]`, u32), carrying candle's graph
+    /// through every stage (cast to the mixed-precision policy's output
+    /// dtype when it names one).
+    pub fn forward(&self, ids: &Tensor) -> chorus_fsdp_candle::Result<Tensor> {
+        let mut x = self.model.run(self.embed, ids)?;
+        for l in &self.layers {
+            x = self.model.run(*l, &x)?;
+        }
+        let logits = self.model.run(self.head, &x)?;
+        match self.model.with_fsdp(|f| f.mixed_precision().output_dtype)? {
+            Some(d) => Ok(logits.to_dtype(chorus_fsdp_candle::convert::candle_dtype(d)?)?),
+            None => Ok(logits),
+        }
+    }
+}
