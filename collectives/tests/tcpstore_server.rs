@@ -313,8 +313,7 @@ fn hostile_unfinished_requests_are_cut_within_the_memory_budget_while_a_good_cli
         })
     };
     // 16 connections × 7 MiB unfinished = 112 MiB asked for, over twice the budget.
-    let hostile: Vec<_> =
-        (0..16).map(|i| std::thread::spawn(move || unfinished_multi_set(port, i, 7 << 20))).collect();
+    let hostile: Vec<_> = (0..16).map(|i| std::thread::spawn(move || unfinished_multi_set(port, i, 7 << 20))).collect();
     for h in hostile {
         h.join().unwrap();
     }

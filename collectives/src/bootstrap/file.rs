@@ -36,7 +36,7 @@
 //! section then overlaps the next owner's), and a fresh lock taken in the
 //! microseconds between a wrong rename and its undoing.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::{ErrorKind, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -291,7 +291,12 @@ impl Owner {
             return None;
         }
         let mut field = |name: &str| lines.next()?.strip_prefix(name)?.strip_prefix('=').map(str::to_string);
-        Some(Owner { host: field("host")?, pid: field("pid")?.parse().ok()?, start: field("start")?, token: field("token")? })
+        Some(Owner {
+            host: field("host")?,
+            pid: field("pid")?.parse().ok()?,
+            start: field("start")?,
+            token: field("token")?,
+        })
     }
 
     fn is_this_host(&self) -> bool {
@@ -454,7 +459,12 @@ mod tests {
             .with_stale_lock_after(Duration::from_millis(10));
         let me = std::process::id();
         fs::write(d.join(LOCK_NAME), owner(&host_identity(), me, &start_time(me).unwrap())).unwrap();
-        File::options().write(true).open(d.join(LOCK_NAME)).unwrap().set_modified(SystemTime::now() - Duration::from_secs(3600)).unwrap();
+        File::options()
+            .write(true)
+            .open(d.join(LOCK_NAME))
+            .unwrap()
+            .set_modified(SystemTime::now() - Duration::from_secs(3600))
+            .unwrap();
         let e = store.set("k", b"v").unwrap_err();
         assert!(matches!(e, CommError::Timeout { ref op, .. } if op == "file store lock for set"), "{e}");
         assert!(d.join(LOCK_NAME).exists());
@@ -485,11 +495,13 @@ mod tests {
         let d = dir("foreign");
         let stale = Duration::from_millis(400);
         let foreign = owner("elsewhere/boot/pid:[1]", 1, "5");
+        let quick =
+            FileStore::open(&d).unwrap().with_lock_timeout(Duration::from_millis(200)).with_stale_lock_after(stale);
         fs::write(d.join(LOCK_NAME), &foreign).unwrap();
-        let quick = FileStore::open(&d).unwrap().with_lock_timeout(Duration::from_millis(200)).with_stale_lock_after(stale);
         assert!(matches!(quick.set("k", b"v"), Err(CommError::Timeout { .. })));
         assert_eq!(fs::read(d.join(LOCK_NAME)).unwrap(), foreign, "broken before the stale time");
-        let patient = FileStore::open(&d).unwrap().with_lock_timeout(Duration::from_secs(5)).with_stale_lock_after(stale);
+        let patient =
+            FileStore::open(&d).unwrap().with_lock_timeout(Duration::from_secs(5)).with_stale_lock_after(stale);
         let t = Instant::now();
         patient.set("k", b"v").unwrap();
         assert!(t.elapsed() >= stale, "{:?}", t.elapsed());

@@ -323,14 +323,14 @@ impl UcxComm {
         // Creating an endpoint attaches the peer's shared memory: no rank may
         // tear its worker down before every rank has connected to it, so
         // `init` returns only once all have.
-        StoreBarrier::new(format!("{}/connected", config.prefix), size)?.arrive_and_wait(&*store, config.timeout).map_err(
-            |e| match e {
+        StoreBarrier::new(format!("{}/connected", config.prefix), size)?
+            .arrive_and_wait(&*store, config.timeout)
+            .map_err(|e| match e {
                 CommError::Timeout { op, waited, .. } => {
                     CommError::Timeout { op: format!("ucx init: {op}"), seq: 0, waited, missing: vec![] }
                 }
                 other => other,
-            },
-        )?;
+            })?;
         let job =
             Arc::new(Job { engine, world_rank: rank, world_size: size, store, timeout, config: config.clone(), abort });
         let core =
@@ -599,7 +599,11 @@ mod tests {
 
     /// Rank `rank` of 2 joins, after `delay`, with the default config;
     /// how long its `init` took.
-    fn join(store: &Arc<dyn Store>, rank: usize, delay: Duration) -> std::thread::JoinHandle<(Communicator<UcxComm>, Duration)> {
+    fn join(
+        store: &Arc<dyn Store>,
+        rank: usize,
+        delay: Duration,
+    ) -> std::thread::JoinHandle<(Communicator<UcxComm>, Duration)> {
         let store = store.clone();
         std::thread::spawn(move || {
             std::thread::sleep(delay);

@@ -611,10 +611,12 @@ impl EventLoop {
     fn make_room(&mut self, requester: u64, extra: usize) -> std::result::Result<(), String> {
         let budget = self.options.max_memory_bytes;
         while self.used().saturating_add(extra) > budget {
-            let largest =
-                self.conns.iter().filter(|(_, c)| c.accounted > 0).max_by_key(|(_, c)| c.accounted).map(|(&id, c)| {
-                    (id, c.accounted)
-                });
+            let largest = self
+                .conns
+                .iter()
+                .filter(|(_, c)| c.accounted > 0)
+                .max_by_key(|(_, c)| c.accounted)
+                .map(|(&id, c)| (id, c.accounted));
             let over = format!(
                 "the memory budget is full ({} bytes held, {extra} more needed; the limit is {budget})",
                 self.used()
