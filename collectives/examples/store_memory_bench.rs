@@ -74,7 +74,10 @@ fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = |name: &str| -> anyhow::Result<usize> {
-            args.next().with_context(|| format!("{name} needs a value"))?.parse().with_context(|| format!("{name}"))
+            args.next()
+                .with_context(|| format!("{name} needs a value"))?
+                .parse()
+                .with_context(|| format!("{name} takes a number"))
         };
         match a.as_str() {
             "--hostile" => hostile_count = value("--hostile")?,

@@ -610,6 +610,17 @@ impl EventLoop {
     /// fills the budget): the requester must then be closed.
     fn make_room(&mut self, requester: u64, extra: usize) -> std::result::Result<(), String> {
         let budget = self.options.max_memory_bytes;
+        // What cutting every other connection could make room for at most:
+        // when that is not enough, cut nobody else.
+        let own = self.conns.get(&requester).map_or(0, |c| c.accounted);
+        if self.state.bytes.saturating_add(own).saturating_add(extra) > budget {
+            return Err(format!(
+                "the memory budget is full ({} bytes held, {extra} more needed; the limit is {budget}): \
+                 {} bytes of stored data and this connection's {own} leave no room",
+                self.used(),
+                self.state.bytes
+            ));
+        }
         while self.used().saturating_add(extra) > budget {
             let largest = self
                 .conns
