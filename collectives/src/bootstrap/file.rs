@@ -50,6 +50,9 @@ use crate::{CommError, Result, StoreFailure};
 const MAX_HEX_KEY: usize = 100;
 const LOCK_NAME: &str = ".lock";
 const TMP_PREFIX: &str = ".tmp-";
+/// Numbers the temporary files of this process, across every `FileStore`
+/// of it (threads opening the same directory must not share a name).
+static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 /// The first line of a lock file (the format of its owner record).
 const LOCK_FORMAT: &str = "chorus file store lock v1";
 
@@ -60,7 +63,6 @@ pub struct FileStore {
     dir: PathBuf,
     lock_timeout: Duration,
     stale_lock_after: Duration,
-    tmp_counter: AtomicU64,
 }
 
 impl FileStore {
@@ -73,7 +75,6 @@ impl FileStore {
             dir,
             lock_timeout: Duration::from_secs(60),
             stale_lock_after: Duration::from_secs(30),
-            tmp_counter: AtomicU64::new(0),
         })
     }
 
@@ -138,7 +139,7 @@ impl FileStore {
 
     /// Writes `value` under `key` atomically (temporary file, then rename).
     fn write(&self, key: &str, value: &[u8]) -> Result<()> {
-        let n = self.tmp_counter.fetch_add(1, Ordering::Relaxed);
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
         let tmp = self.dir.join(format!("{TMP_PREFIX}{}-{n}", std::process::id()));
         let mut content = Vec::with_capacity(8 + key.len() + value.len());
         content.extend_from_slice(&(key.len() as u64).to_le_bytes());
@@ -169,7 +170,7 @@ impl FileStore {
     /// a stale one, until the lock timeout.
     fn lock(&self, op: &str) -> Result<LockGuard> {
         let path = self.dir.join(LOCK_NAME);
-        let n = self.tmp_counter.fetch_add(1, Ordering::Relaxed);
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
         let record = Owner::this_process(n).record();
         let tmp = self.dir.join(format!("{TMP_PREFIX}lock-{}-{n}", std::process::id()));
         fs::write(&tmp, &record).map_err(|e| io_error(&tmp, "write the lock record", &e))?;
@@ -210,7 +211,7 @@ impl FileStore {
         }
         // Rename it aside first: if another rank broke it and took the lock
         // meanwhile, what was renamed is that rank's fresh lock, put back.
-        let n = self.tmp_counter.fetch_add(1, Ordering::Relaxed);
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
         let aside = self.dir.join(format!("{TMP_PREFIX}stale-{}-{n}", std::process::id()));
         if fs::rename(path, &aside).is_err() {
             return;
