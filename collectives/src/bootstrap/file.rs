@@ -71,11 +71,7 @@ impl FileStore {
     pub fn open(dir: impl Into<PathBuf>) -> Result<FileStore> {
         let dir = dir.into();
         fs::create_dir_all(&dir).map_err(|e| io_error(&dir, "create the directory", &e))?;
-        Ok(FileStore {
-            dir,
-            lock_timeout: Duration::from_secs(60),
-            stale_lock_after: Duration::from_secs(30),
-        })
+        Ok(FileStore { dir, lock_timeout: Duration::from_secs(60), stale_lock_after: Duration::from_secs(30) })
     }
 
     /// How long a change waits for the lock before failing with
