@@ -250,6 +250,10 @@ impl UcxComm {
     /// a rank that joined with another size makes the others fail with
     /// `Mismatch` naming both sizes, and a rank that never joins makes them
     /// fail with `Timeout`. Blocks the host until every rank has connected.
+    /// The keys go under `{config.prefix}/world{w}`, `w` counting the
+    /// worlds made under the prefix (every rank makes the same worlds in
+    /// the same order); a rank whose earlier `init` failed after counting
+    /// itself in puts later worlds out of step, which ends in `Timeout`.
     pub fn init(
         store: Arc<dyn Store>,
         rank: usize,

@@ -56,7 +56,7 @@ const READ_PER_TURN: usize = 1 << 20;
 /// One read from a socket.
 const READ_CHUNK: usize = 64 * 1024;
 /// Most bytes a connection may buffer before it has sent `VALIDATE` (5
-/// bytes; PyTorch's client follows it with an 5-byte `PING`).
+/// bytes; PyTorch's client follows it with a 5-byte `PING`).
 pub const UNVALIDATED_INPUT: usize = 4096;
 /// What a stored key, queue element or awaited key costs beyond its bytes
 /// (map entry, vector header), in the budget.
