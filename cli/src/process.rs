@@ -7,10 +7,12 @@
 //! otherwise); the simulated backends always run their ranks as threads.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context;
-use chorus_collectives::bootstrap::{connect_from_env, ConnectOptions, EnvError, LaunchEnv, Rendezvous, Store};
+use chorus_collectives::bootstrap::{
+    connect_from_env, ConnectOptions, EnvError, LaunchEnv, Rendezvous, Store, StoreBarrier,
+};
 
 use crate::UsageError;
 
@@ -30,7 +32,7 @@ pub struct RankProcess {
 /// are numbered by world size, and ranks that disagree on it would
 /// otherwise wait for each other under different keys until they time out.
 fn check_world_sizes(env: &LaunchEnv, store: &dyn Store, timeout: Duration) -> anyhow::Result<()> {
-    let prefix = format!("chorus/world-size/{}/{}", env.run_id.as_deref().unwrap_or("run"), env.restart_count);
+    let prefix = format!("chorus/world-size/{}", env.key_scope());
     store.set(&format!("{prefix}/{}", env.rank), env.world_size.to_string().as_bytes())?;
     let peers: Vec<usize> = if env.rank == 0 { (1..env.world_size).collect() } else { vec![0] };
     for r in peers {
@@ -60,7 +62,7 @@ impl RankProcess {
                 // Every rank of a command counts itself in before any rank can
                 // finish it (`finish` waits for all), so the count tells the
                 // commands of one job apart and their keys never mix.
-                let key = format!("chorus/commands/{}/{}", env.run_id.as_deref().unwrap_or("run"), env.restart_count);
+                let key = format!("chorus/commands/{}", env.key_scope());
                 let n = rendezvous.store().add(&key, 1)?;
                 let run = (n - 1) / env.world_size.max(1) as i64;
                 Ok(Some(RankProcess { env, rendezvous, run }))
@@ -87,8 +89,7 @@ impl RankProcess {
 
     /// A store prefix for `what` that is unique per job, restart and command.
     pub fn prefix(&self, what: &str) -> String {
-        let run = self.env.run_id.as_deref().unwrap_or("run");
-        format!("chorus/{what}/{run}/{}/{}", self.env.restart_count, self.run)
+        format!("chorus/{what}/{}/{}", self.env.key_scope(), self.run)
     }
 
     /// The deadline of the UCX backend's waits, and of the world-size check
@@ -130,33 +131,24 @@ impl RankProcess {
 
     /// Every rank waits here until all have arrived (bounded by `timeout`),
     /// and rank 0, which may host the store, until every other rank has
-    /// made its last store request: it leaves last.
+    /// made its last store request: it leaves last. Both are barriers
+    /// waited for on the store's side ([`StoreBarrier`]); the second one's
+    /// parties are the other ranks, and rank 0 only waits for it.
     pub fn finish(&self, what: &str, timeout: Duration) -> anyhow::Result<()> {
         let store = self.store();
         let n = self.env.world_size;
-        let arrived = format!("{}/finished", self.prefix(what));
-        let released = format!("{}/released", self.prefix(what));
-        store.add(&arrived, 1)?;
-        let deadline = Instant::now() + timeout;
-        let count = |key: &str| -> anyhow::Result<usize> {
-            Ok(String::from_utf8_lossy(&store.get(key, timeout)?).trim().parse().unwrap_or(0))
-        };
-        while count(&arrived)? < n {
-            if Instant::now() >= deadline {
-                anyhow::bail!("only some of the {n} ranks finished within {timeout:?}");
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        if self.env.rank != 0 {
-            store.add(&released, 1)?;
+        StoreBarrier::new(format!("{}/finished", self.prefix(what)), n)?
+            .arrive_and_wait(&*store, timeout)
+            .with_context(|| format!("waiting for the {n} ranks to finish"))?;
+        if n == 1 {
             return Ok(());
         }
-        while n > 1 && count(&released).unwrap_or(0) < n - 1 {
-            if Instant::now() >= deadline {
-                anyhow::bail!("not every rank left within {timeout:?}");
-            }
-            std::thread::sleep(Duration::from_millis(5));
+        let released = StoreBarrier::new(format!("{}/released", self.prefix(what)), n - 1)?;
+        if self.env.rank != 0 {
+            released.arrive(&*store)?;
+            return Ok(());
         }
+        released.wait(&*store, timeout).with_context(|| format!("waiting for the other {} ranks to leave", n - 1))?;
         Ok(())
     }
 }

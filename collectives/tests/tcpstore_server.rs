@@ -4,13 +4,14 @@
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chorus_collectives::bootstrap::tcp::protocol::{
     encode_request, put_bytes, Limits, QueryType, Request, VALIDATION_MAGIC,
 };
-use chorus_collectives::bootstrap::{ClientOptions, ServerOptions, Store, TcpStore, TcpStoreServer};
+use chorus_collectives::bootstrap::{ClientOptions, ServerOptions, Store, StoreBarrier, TcpStore, TcpStoreServer};
 use chorus_collectives::{CommError, StoreFailure};
 
 /// A server on a free loopback port whose log lines are collected.
@@ -173,12 +174,13 @@ fn the_connection_limit_refuses_extra_clients_and_frees_slots_on_close() {
 }
 
 #[test]
-fn store_byte_budget_and_bad_counters_close_the_offending_connection() {
-    let (server, log) = server_with(ServerOptions { max_store_bytes: 1000, ..ServerOptions::default() });
+fn memory_budget_and_bad_counters_close_the_offending_connection() {
+    let (server, log) = server_with(ServerOptions { max_memory_bytes: 1000, ..ServerOptions::default() });
     let c = TcpStore::connect("127.0.0.1", server.port(), ClientOptions::default()).unwrap();
     let e = c.set("huge", &[0u8; 2000]).unwrap_err();
     assert!(matches!(e, CommError::Store { failure: StoreFailure::Protocol, .. }), "{e}");
     wait_for_log(&log, "the limit is 1000");
+    assert!(server.stats().peak_memory_bytes <= 1000, "{:?}", server.stats());
     c.set("word", b"abc").unwrap();
     let e = c.add("word", 1).unwrap_err();
     assert!(
@@ -262,4 +264,120 @@ fn a_waiting_client_that_disconnects_leaves_no_trace() {
     let c = TcpStore::connect("127.0.0.1", server.port(), ClientOptions::default()).unwrap();
     c.set("w", b"1").unwrap();
     assert_serving(server.port());
+}
+
+/// VALIDATE, then the start of a multi-set whose one 8 MiB value never
+/// finishes: `bytes` of it are sent (or fewer, when the server cuts the
+/// connection first).
+fn unfinished_multi_set(port: u16, tag: usize, bytes: usize) {
+    let mut s = validated(port);
+    s.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut head = vec![QueryType::MultiSet as u8];
+    head.extend_from_slice(&1u64.to_le_bytes());
+    put_bytes(&mut head, format!("/hostile{tag}").as_bytes());
+    head.extend_from_slice(&(8u64 << 20).to_le_bytes());
+    if s.write_all(&head).is_err() {
+        return;
+    }
+    let piece = vec![0x55u8; 256 * 1024];
+    let mut sent = 0;
+    while sent < bytes && s.write_all(&piece).is_ok() {
+        sent += piece.len();
+    }
+    // Hold the connection open (the request unfinished) until the server cuts it.
+    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let _ = s.read(&mut [0u8; 1]);
+}
+
+#[test]
+fn hostile_unfinished_requests_are_cut_within_the_memory_budget_while_a_good_client_is_served() {
+    let budget = 48 << 20;
+    let (server, log) = server_with(ServerOptions { max_memory_bytes: budget, ..ServerOptions::default() });
+    let port = server.port();
+    let stop = Arc::new(AtomicBool::new(false));
+    let good = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let c = TcpStore::connect("127.0.0.1", port, ClientOptions::default()).unwrap();
+            let mut rounds = 0u64;
+            while !stop.load(Ordering::Acquire) || rounds < 5 {
+                let key = format!("good/{}", rounds % 16);
+                let value = rounds.to_string().into_bytes();
+                c.set(&key, &value).unwrap();
+                assert_eq!(c.get(&key, Duration::from_secs(10)).unwrap(), value);
+                c.wait(&[&key], Duration::from_secs(10)).unwrap();
+                assert_eq!(c.add("good/count", 1).unwrap(), rounds as i64 + 1);
+                rounds += 1;
+            }
+            rounds
+        })
+    };
+    // 16 connections × 7 MiB unfinished = 112 MiB asked for, over twice the budget.
+    let hostile: Vec<_> = (0..16).map(|i| std::thread::spawn(move || unfinished_multi_set(port, i, 7 << 20))).collect();
+    for h in hostile {
+        h.join().unwrap();
+    }
+    stop.store(true, Ordering::Release);
+    let rounds = good.join().expect("the good client failed while hostile connections were open");
+    assert!(rounds >= 5);
+    wait_for_log(&log, "the memory budget is full");
+    let stats = server.stats();
+    assert!(stats.peak_memory_bytes <= budget, "{stats:?}");
+    assert!(stats.cut_over_budget >= 1, "{stats:?}");
+    assert_serving(port);
+}
+
+#[test]
+fn before_validating_a_connection_buffers_a_few_kilobytes_at_most() {
+    let (server, log) = server_with(ServerOptions::default());
+    let port = server.port();
+    // A request that is not VALIDATE is refused at its first byte, before its 4 MiB are buffered.
+    let mut set = Vec::new();
+    encode_request(&Request::Set { key: b"/k".to_vec(), value: vec![1u8; 4 << 20] }, &mut set);
+    let senders: Vec<_> = (0..8)
+        .map(|_| {
+            let set = set.clone();
+            std::thread::spawn(move || {
+                let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+                s.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
+                let _ = s.write_all(&set);
+            })
+        })
+        .collect();
+    for s in senders {
+        s.join().unwrap();
+    }
+    wait_for_log(&log, "the first request must be VALIDATE, not SET");
+    let stats = server.stats();
+    assert!(stats.peak_memory_bytes <= 8 * 64 * 1024, "{stats:?}");
+    assert_serving(port);
+}
+
+#[test]
+fn a_store_barrier_is_waited_for_on_the_server_not_polled() {
+    let (server, _log) = server_with(ServerOptions::default());
+    let port = server.port();
+    let parties = 4;
+    let clients: Vec<TcpStore> =
+        (0..parties).map(|_| TcpStore::connect("127.0.0.1", port, ClientOptions::default()).unwrap()).collect();
+    let before = server.stats().requests;
+    let start = Instant::now();
+    let threads: Vec<_> = clients
+        .into_iter()
+        .enumerate()
+        .map(|(r, c)| {
+            std::thread::spawn(move || {
+                // The last party comes 400 ms after the first: a 5 ms poll would ask ~80 times.
+                std::thread::sleep(Duration::from_millis(100 * r as u64 + 100));
+                StoreBarrier::new("job/finished", parties).unwrap().arrive_and_wait(&c, Duration::from_secs(20))
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap().unwrap();
+    }
+    assert!(start.elapsed() >= Duration::from_millis(400));
+    let requests = server.stats().requests - before;
+    // add + ping-confirmed set (the last party) + wait + get each: at most 6 per party.
+    assert!(requests <= 6 * parties as u64, "{requests} requests for a barrier of {parties}");
 }

@@ -26,9 +26,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use anyhow::bail;
-use chorus_collectives::bootstrap::Store;
-use chorus_collectives::{CommBackend, Communicator};
+use chorus_collectives::bootstrap::{RoundBarrier, Store};
+use chorus_collectives::{CommBackend, CommError, Communicator};
 
 use crate::harness::{select, Harness, CASES_PER_WORLD};
 use crate::{Case, CaseFn, CaseOutcome, Failure, Faults, Hooks, Isolation, RankCtx, Status, Summary, Support};
@@ -61,59 +60,33 @@ pub struct RankEnv {
 /// Extra time beyond a case's deadline for the ranks' results and the verdict to go through the store.
 const REPORT_SLACK: Duration = Duration::from_secs(30);
 
-/// A host barrier through the store, with a cancel key: a rank that fails
-/// sets it and the others' waits fail at once instead of at the deadline.
-struct StoreBarrier {
-    store: Arc<dyn Store>,
-    prefix: String,
-    size: usize,
+/// The case's host barrier: rounds of a [`RoundBarrier`] through the job's
+/// store, waited for on the store's side; a rank that fails cancels it, and
+/// the others' waits fail at once instead of at the deadline.
+struct CaseBarrier {
+    rounds: RoundBarrier,
     timeout: Duration,
-    round: std::sync::Mutex<u64>,
 }
 
-impl StoreBarrier {
-    fn cancel_key(&self) -> String {
-        format!("{}/cancel", self.prefix)
-    }
-
+impl CaseBarrier {
     fn wait(&self) -> Result<(), Failure> {
-        let round = match self.round.lock() {
-            Ok(mut r) => {
-                *r += 1;
-                *r
+        self.rounds.wait(self.timeout).map_err(|e| match e {
+            CommError::Aborted { .. } => anyhow::anyhow!("host barrier cancelled: another rank failed ({e})"),
+            CommError::Timeout { .. } => {
+                anyhow::anyhow!("host barrier: not every rank arrived within {:?} ({e})", self.timeout)
             }
-            Err(_) => bail!("host barrier poisoned"),
-        };
-        let key = format!("{}/b{round}", self.prefix);
-        let go = format!("{key}/go");
-        if self.store.add(&key, 1)? == self.size as i64 {
-            self.store.set(&go, b"1")?;
-        }
-        let deadline = Instant::now() + self.timeout;
-        let cancel = self.cancel_key();
-        let mut pause = Duration::from_micros(200);
-        loop {
-            if self.store.check(&[&go])? {
-                return Ok(());
-            }
-            if self.store.check(&[&cancel])? {
-                bail!("host barrier cancelled: another rank failed");
-            }
-            if Instant::now() >= deadline {
-                bail!("host barrier: not every rank arrived within {:?}", self.timeout);
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(5));
-        }
+            other => anyhow::Error::new(other).context("host barrier"),
+        })
     }
 
-    fn cancel(&self) {
-        let _ = self.store.set(&self.cancel_key(), b"1");
+    fn cancel(&self, reason: &str) {
+        // Best effort: a store that cannot be reached fails the others' waits anyway.
+        let _ = self.rounds.cancel(reason);
     }
 }
 
 struct ProcessHooks<C: CommBackend> {
-    barrier: StoreBarrier,
+    barrier: CaseBarrier,
     comm: Arc<Communicator<C>>,
 }
 
@@ -129,7 +102,7 @@ impl<C: CommBackend> Hooks for ProcessHooks<C> {
 impl<C: CommBackend> ProcessHooks<C> {
     fn fail(&self, reason: &str) {
         self.comm.abort(reason);
-        self.barrier.cancel();
+        self.barrier.cancel(reason);
     }
 }
 
@@ -290,17 +263,12 @@ pub fn run_rank<H: RankHarness>(
         let case_prefix = format!("{}/case{index}", env.prefix);
         let local = match world {
             Ok(w) => {
-                let hooks = Arc::new(ProcessHooks {
-                    barrier: StoreBarrier {
-                        store: env.store.clone(),
-                        prefix: format!("{case_prefix}/barrier"),
-                        size: n,
-                        timeout: deadline,
-                        round: std::sync::Mutex::new(0),
-                    },
-                    comm: w.comm.clone(),
+                let rounds = RoundBarrier::new(env.store.clone(), format!("{case_prefix}/barrier"), n);
+                let ran = rounds.map_err(|e| format!("host barrier: {e}")).and_then(|rounds| {
+                    let barrier = CaseBarrier { rounds, timeout: deadline };
+                    w.run(&case, Arc::new(ProcessHooks { barrier, comm: w.comm.clone() }), deadline)
                 });
-                match (w.run(&case, hooks, deadline), harness.after_case()) {
+                match (ran, harness.after_case()) {
                     (Ok(()), after) => after,
                     (Err(e), Ok(())) => Err(e),
                     (Err(e), Err(a)) => Err(format!("{e}; {a}")),

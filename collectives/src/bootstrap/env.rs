@@ -238,12 +238,40 @@ fn tasks_on_node(var: &str, value: &str, node: usize) -> Result<Option<usize>, E
     Ok(None)
 }
 
+/// The part of store keys that tells jobs and their restarts apart,
+/// `{run id}/{restart}` — what `chorus`'s commands put in their keys, and
+/// the library's default prefixes (UCX's `chorus/ucx/{scope}`) too, so a
+/// job never reads what an earlier job or attempt left in a shared store.
+/// The run id is `TORCHELASTIC_RUN_ID` (torchrun, `chorus launch`) or
+/// `SLURM_JOB_ID`, else `run`; the restart is `TORCHELASTIC_RESTART_COUNT`
+/// or `SLURM_RESTART_COUNT`, else 0. Read from `vars`, so that it needs no
+/// launcher and is tested without the process environment.
+pub fn key_scope(vars: &HashMap<String, String>) -> String {
+    let get = |names: &[&str]| names.iter().find_map(|n| vars.get(*n).map(|v| v.trim()).filter(|v| !v.is_empty()));
+    let run = get(&["TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"]).unwrap_or("run");
+    let restart = get(&["TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"]).unwrap_or("0");
+    format!("{run}/{restart}")
+}
+
+/// [`key_scope`] of this process's environment.
+pub fn process_key_scope() -> String {
+    key_scope(&process_vars())
+}
+
+/// The process environment's variables that are valid UTF-8.
+fn process_vars() -> HashMap<String, String> {
+    std::env::vars_os().filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?))).collect()
+}
+
 impl LaunchEnv {
+    /// The scope of this job's store keys, `{run id}/{restart}` (see [`key_scope`]).
+    pub fn key_scope(&self) -> String {
+        format!("{}/{}", self.run_id.as_deref().unwrap_or("run"), self.restart_count)
+    }
+
     /// Detects the launcher from this process's environment.
     pub fn from_process_env() -> Result<LaunchEnv, EnvError> {
-        let vars: HashMap<String, String> =
-            std::env::vars_os().filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?))).collect();
-        LaunchEnv::detect(&vars)
+        LaunchEnv::detect(&process_vars())
     }
 
     /// Detects the launcher from `vars` (name → value); see the module doc
@@ -468,6 +496,25 @@ mod tests {
         ]))
         .unwrap();
         assert_eq!((plain.launcher, plain.use_agent_store, plain.node_rank), (Launcher::Env, false, 0));
+    }
+
+    #[test]
+    fn key_scopes_tell_runs_and_restarts_apart() {
+        assert_eq!(key_scope(&vars(&[])), "run/0");
+        assert_eq!(key_scope(&vars(&[("TORCHELASTIC_RUN_ID", "job7"), ("TORCHELASTIC_RESTART_COUNT", "2")])), "job7/2");
+        assert_eq!(key_scope(&vars(&[("SLURM_JOB_ID", "123"), ("SLURM_RESTART_COUNT", "1")])), "123/1");
+        let env = LaunchEnv::detect(&vars(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("LOCAL_RANK", "0"),
+            ("LOCAL_WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1"),
+            ("TORCHELASTIC_RUN_ID", "job7"),
+            ("TORCHELASTIC_RESTART_COUNT", "3"),
+        ]))
+        .unwrap();
+        assert_eq!(env.key_scope(), "job7/3");
     }
 
     #[test]

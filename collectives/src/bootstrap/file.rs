@@ -6,22 +6,41 @@
 //! collision is detected, not served). A write goes to a temporary file that
 //! is then renamed over the entry, so a reader sees the old value or the new
 //! one, never half of one. Every change (set, add, compare-set, delete,
-//! multi-set) holds the directory's lock file, created with `O_EXCL`
-//! (`create_new`), which is atomic on local filesystems and on NFSv3+; that
-//! makes read-modify-write operations atomic across processes and hosts.
-//! Waiting operations poll (1 ms doubling to 20 ms) until their deadline.
+//! multi-set) holds the directory's lock file; that makes read-modify-write
+//! operations atomic across processes and hosts. Waiting operations poll
+//! (1 ms doubling to 20 ms) until their deadline. On NFS, a new entry
+//! becomes visible to other hosts when their attribute cache expires
+//! (`actimeo`), so waits there take up to that long.
 //!
-//! A rank that dies holding the lock leaves the lock file behind; a lock
-//! file older than [`FileStore::with_stale_lock_after`] (10 s by default;
-//! a critical section lasts microseconds) is removed with a message on
-//! stderr. On NFS, a new entry becomes visible to other hosts when their
-//! attribute cache expires (`actimeo`), so waits there take up to that long.
+//! **The lock.** Its file names its owner — host, process id, the
+//! process's start time, and a token unique to this acquisition — and is
+//! made whole before it appears: the record is written to a temporary file
+//! that is then hard-linked to `.lock`, which fails if `.lock` exists (atomic
+//! on local filesystems and on NFS, the classic NFS-safe lock). Only its
+//! owner removes it, and only while it still holds the owner's token. A
+//! rank that dies holding it leaves it behind; another rank takes it to be
+//! stale:
+//! - at once when the owner ran on this host (same host name, boot id and
+//!   pid namespace) and that process is gone (no such pid, or a pid reused
+//!   by a process started later);
+//! - when the owner ran elsewhere (or the file names no owner), only after
+//!   this rank has seen the same owner hold it for
+//!   [`FileStore::with_stale_lock_after`] (30 s by default; a critical
+//!   section lasts milliseconds) — measured on this rank's own clock, so
+//!   clock skew between hosts does not matter.
+//!
+//! A stale lock is renamed aside, then removed if it still names the
+//! owner judged dead; when two ranks break it at once, the one that renamed
+//! a fresh lock puts it back. What this does not cover: a host that stops
+//! for longer than the stale time while holding the lock (its critical
+//! section then overlaps the next owner's), and a fresh lock taken in the
+//! microseconds between a wrong rename and its undoing.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::{ErrorKind, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::store::{add_outcome, compare_set_outcome, deadline_after, poll_until, timeout_error, wait_op, Store};
 use crate::{CommError, Result, StoreFailure};
@@ -31,6 +50,11 @@ use crate::{CommError, Result, StoreFailure};
 const MAX_HEX_KEY: usize = 100;
 const LOCK_NAME: &str = ".lock";
 const TMP_PREFIX: &str = ".tmp-";
+/// Numbers the temporary files of this process, across every `FileStore`
+/// of it (threads opening the same directory must not share a name).
+static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+/// The first line of a lock file (the format of its owner record).
+const LOCK_FORMAT: &str = "chorus file store lock v1";
 
 /// A store in a shared directory; see the module documentation for the
 /// layout and the atomicity argument.
@@ -39,7 +63,6 @@ pub struct FileStore {
     dir: PathBuf,
     lock_timeout: Duration,
     stale_lock_after: Duration,
-    tmp_counter: AtomicU64,
 }
 
 impl FileStore {
@@ -48,12 +71,7 @@ impl FileStore {
     pub fn open(dir: impl Into<PathBuf>) -> Result<FileStore> {
         let dir = dir.into();
         fs::create_dir_all(&dir).map_err(|e| io_error(&dir, "create the directory", &e))?;
-        Ok(FileStore {
-            dir,
-            lock_timeout: Duration::from_secs(60),
-            stale_lock_after: Duration::from_secs(10),
-            tmp_counter: AtomicU64::new(0),
-        })
+        Ok(FileStore { dir, lock_timeout: Duration::from_secs(60), stale_lock_after: Duration::from_secs(30) })
     }
 
     /// How long a change waits for the lock before failing with
@@ -63,7 +81,10 @@ impl FileStore {
         self
     }
 
-    /// After how long a lock file is taken to be left by a dead rank and removed.
+    /// After how long of waiting behind the same owner of another host a
+    /// lock is taken to be left by a dead rank and removed (30 s by
+    /// default; an owner on this host is checked directly, see the module
+    /// documentation).
     pub fn with_stale_lock_after(mut self, age: Duration) -> FileStore {
         self.stale_lock_after = age;
         self
@@ -114,7 +135,7 @@ impl FileStore {
 
     /// Writes `value` under `key` atomically (temporary file, then rename).
     fn write(&self, key: &str, value: &[u8]) -> Result<()> {
-        let n = self.tmp_counter.fetch_add(1, Ordering::Relaxed);
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
         let tmp = self.dir.join(format!("{TMP_PREFIX}{}-{n}", std::process::id()));
         let mut content = Vec::with_capacity(8 + key.len() + value.len());
         content.extend_from_slice(&(key.len() as u64).to_le_bytes());
@@ -141,37 +162,65 @@ impl FileStore {
         }
     }
 
-    /// Takes the directory's lock (exclusive creation of the lock file),
-    /// removing a stale one, until the lock timeout.
+    /// Takes the directory's lock (see the module documentation), breaking
+    /// a stale one, until the lock timeout.
     fn lock(&self, op: &str) -> Result<LockGuard> {
         let path = self.dir.join(LOCK_NAME);
-        let acquired = poll_until(deadline_after(self.lock_timeout), || {
-            match OpenOptions::new().write(true).create_new(true).open(&path) {
-                Ok(_) => Ok(true),
-                Err(e) if e.kind() == ErrorKind::AlreadyExists => {
-                    self.break_stale_lock(&path);
-                    Ok(false)
-                }
-                Err(e) => Err(io_error(&path, "create the lock file", &e)),
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let record = Owner::this_process(n).record();
+        let tmp = self.dir.join(format!("{TMP_PREFIX}lock-{}-{n}", std::process::id()));
+        fs::write(&tmp, &record).map_err(|e| io_error(&tmp, "write the lock record", &e))?;
+        // The owner seen holding the lock, and since when (on this rank's clock).
+        let mut seen: Option<(Vec<u8>, Instant)> = None;
+        let acquired = poll_until(deadline_after(self.lock_timeout), || match fs::hard_link(&tmp, &path) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => {
+                self.break_if_stale(&path, &mut seen);
+                Ok(false)
             }
-        })?;
-        if acquired {
-            Ok(LockGuard { path })
+            Err(e) => Err(io_error(&path, "create the lock file", &e)),
+        });
+        let _ = fs::remove_file(&tmp);
+        if acquired? {
+            Ok(LockGuard { path, record })
         } else {
             Err(timeout_error(format!("file store lock for {op}"), self.lock_timeout))
         }
     }
 
-    fn break_stale_lock(&self, path: &Path) {
-        let age =
-            fs::metadata(path).and_then(|m| m.modified()).ok().and_then(|t| SystemTime::now().duration_since(t).ok());
-        if age.is_some_and(|a| a > self.stale_lock_after) && fs::remove_file(path).is_ok() {
-            eprintln!(
-                "chorus file store {}: removed a lock file older than {:?} (left by a dead rank)",
-                self.dir.display(),
-                self.stale_lock_after
-            );
+    /// Removes the lock at `path` if its owner is dead (this host) or has
+    /// held it for the stale time while this rank waited (another host).
+    fn break_if_stale(&self, path: &Path, seen: &mut Option<(Vec<u8>, Instant)>) {
+        let Ok(held) = fs::read(path) else { return };
+        let stale = match Owner::parse(&held) {
+            Some(owner) if owner.is_this_host() => !owner.is_alive(),
+            _ => match seen {
+                Some((record, since)) if *record == held => since.elapsed() >= self.stale_lock_after,
+                _ => {
+                    *seen = Some((held.clone(), Instant::now()));
+                    false
+                }
+            },
+        };
+        if !stale {
+            return;
         }
+        // Rename it aside first: if another rank broke it and took the lock
+        // meanwhile, what was renamed is that rank's fresh lock, put back.
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let aside = self.dir.join(format!("{TMP_PREFIX}stale-{}-{n}", std::process::id()));
+        if fs::rename(path, &aside).is_err() {
+            return;
+        }
+        if fs::read(&aside).is_ok_and(|v| v == held) {
+            let _ = fs::remove_file(&aside);
+            let who = Owner::parse(&held).map_or_else(|| "no owner recorded".to_string(), |o| o.describe());
+            eprintln!("chorus file store {}: removed a lock left by a dead rank ({who})", self.dir.display());
+        } else {
+            let _ = fs::hard_link(&aside, path);
+            let _ = fs::remove_file(&aside);
+        }
+        *seen = None;
     }
 
     fn all_present(&self, keys: &[&str]) -> Result<bool> {
@@ -192,16 +241,106 @@ impl FileStore {
     }
 }
 
-/// Removes the lock file when the critical section ends.
+/// Removes the lock file when the critical section ends, if it is still
+/// this acquisition's (a lock judged stale and taken over is not removed).
 struct LockGuard {
     path: PathBuf,
+    record: Vec<u8>,
 }
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
         // A failure leaves a lock that goes stale; nothing better to do in Drop.
-        let _ = fs::remove_file(&self.path);
+        if fs::read(&self.path).is_ok_and(|held| held == self.record) {
+            let _ = fs::remove_file(&self.path);
+        }
     }
+}
+
+/// Who holds a lock: enough to tell, on the owner's host, whether the
+/// owner still runs, and a token that tells one acquisition from another.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Owner {
+    /// Host name, boot id and pid namespace: equal only on the same host and namespace.
+    host: String,
+    pid: u32,
+    /// The process's start time (clock ticks since boot), telling a reused pid apart.
+    start: String,
+    token: String,
+}
+
+impl Owner {
+    fn this_process(n: u64) -> Owner {
+        let pid = std::process::id();
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        Owner { host: host_identity(), pid, start: start_time(pid).unwrap_or_default(), token: format!("{nanos}-{n}") }
+    }
+
+    fn record(&self) -> Vec<u8> {
+        format!("{LOCK_FORMAT}\nhost={}\npid={}\nstart={}\ntoken={}\n", self.host, self.pid, self.start, self.token)
+            .into_bytes()
+    }
+
+    fn parse(bytes: &[u8]) -> Option<Owner> {
+        let text = std::str::from_utf8(bytes).ok()?;
+        let mut lines = text.lines();
+        if lines.next()? != LOCK_FORMAT {
+            return None;
+        }
+        let mut field = |name: &str| lines.next()?.strip_prefix(name)?.strip_prefix('=').map(str::to_string);
+        Some(Owner {
+            host: field("host")?,
+            pid: field("pid")?.parse().ok()?,
+            start: field("start")?,
+            token: field("token")?,
+        })
+    }
+
+    fn is_this_host(&self) -> bool {
+        self.host == host_identity()
+    }
+
+    /// Whether the owner (of this host) still runs: its pid exists and was
+    /// started when the owner was.
+    fn is_alive(&self) -> bool {
+        match start_time(self.pid) {
+            Some(start) => start == self.start || self.start.is_empty(),
+            // No /proc entry: gone (or no /proc: ask the kernel).
+            None if Path::new("/proc/self/stat").exists() => false,
+            // SAFETY: kill with signal 0 only checks that the process exists.
+            None => unsafe { libc::kill(self.pid as libc::pid_t, 0) == 0 },
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!("pid {} on {}", self.pid, self.host)
+    }
+}
+
+/// This host as a lock owner names it: the host name, the boot id and the
+/// pid namespace (containers may share a host name, and a pid means
+/// something only in its namespace).
+fn host_identity() -> String {
+    let mut name = [0u8; 256];
+    // SAFETY: gethostname writes at most `len` bytes into the buffer.
+    let ok = unsafe { libc::gethostname(name.as_mut_ptr() as *mut libc::c_char, name.len()) } == 0;
+    let host = if ok {
+        let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+        String::from_utf8_lossy(&name[..end]).into_owned()
+    } else {
+        "?".into()
+    };
+    let boot = fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let pidns = fs::read_link("/proc/self/ns/pid").map(|p| p.display().to_string()).unwrap_or_default();
+    format!("{host}/{}/{pidns}", boot.trim())
+}
+
+/// A process's start time from `/proc/<pid>/stat` (field 22), if it runs.
+fn start_time(pid: u32) -> Option<String> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses: count from the last ')'.
+    let after = &stat[stat.rfind(')')? + 1..];
+    after.split_whitespace().nth(19).map(str::to_string)
 }
 
 fn io_error(path: &Path, what: &str, e: &std::io::Error) -> CommError {
@@ -296,6 +435,7 @@ impl Store for FileStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Instant;
 
     fn dir(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("chorus-filestore-unit-{name}-{}", std::process::id()));
@@ -303,18 +443,87 @@ mod tests {
         d
     }
 
+    fn owner(host: &str, pid: u32, start: &str) -> Vec<u8> {
+        Owner { host: host.into(), pid, start: start.into(), token: "t".into() }.record()
+    }
+
     #[test]
-    fn a_held_lock_times_out_and_a_stale_one_is_broken() {
-        let d = dir("lock");
-        let store = FileStore::open(&d).unwrap().with_lock_timeout(Duration::from_millis(100));
-        let lock = File::create(d.join(LOCK_NAME)).unwrap();
+    fn a_lock_of_a_live_process_here_is_never_broken_however_old() {
+        let d = dir("live");
+        let store = FileStore::open(&d)
+            .unwrap()
+            .with_lock_timeout(Duration::from_millis(300))
+            .with_stale_lock_after(Duration::from_millis(10));
+        let me = std::process::id();
+        fs::write(d.join(LOCK_NAME), owner(&host_identity(), me, &start_time(me).unwrap())).unwrap();
+        File::options()
+            .write(true)
+            .open(d.join(LOCK_NAME))
+            .unwrap()
+            .set_modified(SystemTime::now() - Duration::from_secs(3600))
+            .unwrap();
         let e = store.set("k", b"v").unwrap_err();
         assert!(matches!(e, CommError::Timeout { ref op, .. } if op == "file store lock for set"), "{e}");
-        lock.set_modified(SystemTime::now() - Duration::from_secs(60)).unwrap();
+        assert!(d.join(LOCK_NAME).exists());
+        let _ = fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_lock_of_a_dead_process_here_is_broken_at_once() {
+        let d = dir("dead");
+        let store = FileStore::open(&d).unwrap().with_lock_timeout(Duration::from_secs(5));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let (pid, start) = (child.id(), start_time(child.id()).unwrap_or_else(|| "1".into()));
+        child.wait().unwrap();
+        fs::write(d.join(LOCK_NAME), owner(&host_identity(), pid, &start)).unwrap();
+        let t = Instant::now();
         store.set("k", b"v").unwrap();
-        assert_eq!(store.get("k", Duration::from_secs(1)).unwrap(), b"v");
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        // A pid reused by a later process is dead too: this process with another start time.
+        fs::write(d.join(LOCK_NAME), owner(&host_identity(), std::process::id(), "0")).unwrap();
+        store.set("k", b"w").unwrap();
+        assert_eq!(store.get("k", Duration::from_secs(1)).unwrap(), b"w");
         assert!(!d.join(LOCK_NAME).exists(), "the lock is released after the change");
         let _ = fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_lock_of_another_host_is_broken_only_after_being_seen_held_for_the_stale_time() {
+        let d = dir("foreign");
+        let stale = Duration::from_millis(400);
+        let foreign = owner("elsewhere/boot/pid:[1]", 1, "5");
+        let quick =
+            FileStore::open(&d).unwrap().with_lock_timeout(Duration::from_millis(200)).with_stale_lock_after(stale);
+        fs::write(d.join(LOCK_NAME), &foreign).unwrap();
+        assert!(matches!(quick.set("k", b"v"), Err(CommError::Timeout { .. })));
+        assert_eq!(fs::read(d.join(LOCK_NAME)).unwrap(), foreign, "broken before the stale time");
+        let patient =
+            FileStore::open(&d).unwrap().with_lock_timeout(Duration::from_secs(5)).with_stale_lock_after(stale);
+        let t = Instant::now();
+        patient.set("k", b"v").unwrap();
+        assert!(t.elapsed() >= stale, "{:?}", t.elapsed());
+        let _ = fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn only_the_owner_removes_its_lock() {
+        let d = dir("owner");
+        let store = FileStore::open(&d).unwrap();
+        let guard = store.lock("test").unwrap();
+        // Another rank judged it stale and took it over: dropping ours must leave theirs.
+        let theirs = owner("elsewhere/boot/pid:[1]", 2, "5");
+        fs::write(d.join(LOCK_NAME), &theirs).unwrap();
+        drop(guard);
+        assert_eq!(fs::read(d.join(LOCK_NAME)).unwrap(), theirs);
+        let _ = fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn owner_records_round_trip() {
+        let o = Owner::this_process(3);
+        assert_eq!(Owner::parse(&o.record()), Some(o.clone()));
+        assert!(o.is_this_host() && o.is_alive());
+        assert_eq!(Owner::parse(b""), None);
     }
 
     #[test]

@@ -7,6 +7,9 @@
 //! - [`Store`] (`store.rs`): the key-value operations, with PyTorch's
 //!   semantics and a deadline on everything that waits; [`PrefixStore`]
 //!   namespaces keys as PyTorch's `PrefixStore` does.
+//! - [`StoreBarrier`], [`RoundBarrier`] (`barrier.rs`): barriers waited for
+//!   on the store's side (an `add`, then a wait for the key the last party
+//!   sets), on every store.
 //! - [`MemStore`] (`mem.rs`): ranks that are threads of one process.
 //! - [`FileStore`] (`file.rs`): a directory on a filesystem every rank sees.
 //! - [`tcp`]: PyTorch's TCPStore protocol — [`TcpStore`] (client),
@@ -19,6 +22,7 @@
 //!   torchrun's (or `chorus launch`'s) agent store, or else a server on rank
 //!   0 at `MASTER_ADDR:MASTER_PORT` that every rank connects to.
 
+mod barrier;
 mod env;
 mod file;
 mod mem;
@@ -30,11 +34,12 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use env::{EnvError, LaunchEnv, Launcher};
+pub use barrier::{RoundBarrier, StoreBarrier};
+pub use env::{key_scope, process_key_scope, EnvError, LaunchEnv, Launcher};
 pub use file::FileStore;
 pub use mem::MemStore;
 pub use store::{PrefixStore, Store};
-pub use tcp::{ClientOptions, ServerOptions, TcpStore, TcpStoreServer};
+pub use tcp::{ClientOptions, ServerOptions, ServerStats, TcpStore, TcpStoreServer};
 
 use crate::{CommError, Result, StoreFailure};
 

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use chorus_devices::cpu::RawRange;
 use chorus_devices::DType;
 
-use super::engine::{Completion, Region, Scratch};
+use super::engine::{Completion, Engine, Region, Scratch, CANCEL_GRACE};
 use super::wire::{tag, Kind};
 use super::{result, Core};
 use crate::arith::{combine, finish, partial_op, share, start, with_element};
@@ -63,11 +63,26 @@ pub(crate) struct Prepared {
 }
 
 /// One request in flight, and what it was for (for error messages).
-struct Req {
+/// Dropped before it has ended (a call that fails, or returns early through
+/// `?` with requests still posted), it is cancelled and waited for, within
+/// [`CANCEL_GRACE`]: a call never returns while UCX may still write into
+/// (or read from) its buffers.
+struct Req<'a> {
     done: Arc<Completion>,
     peer: usize,
     /// A receive: the bytes it must get.
     expect: Option<usize>,
+    engine: &'a Engine,
+    /// How long a cancel is waited for.
+    grace: Duration,
+}
+
+impl Drop for Req<'_> {
+    fn drop(&mut self) {
+        if self.done.outcome().is_none() {
+            self.engine.cancel_and_wait(&self.done, self.grace);
+        }
+    }
 }
 
 /// One call being run by one rank.
@@ -148,20 +163,25 @@ impl<'a> Exec<'a> {
         self.core.rank
     }
 
-    fn send(&self, peer: usize, kind: Kind, region: Region) -> Result<Req> {
-        let world_peer = self.core.world_rank(peer)?;
-        let t = tag(kind, self.core.id, self.seq, self.core.world_rank(self.me())?);
-        Ok(Req { done: self.core.job.engine.send(world_peer, t, region)?, peer, expect: None })
+    fn req(&self, done: Arc<Completion>, peer: usize, expect: Option<usize>) -> Req<'a> {
+        let grace = CANCEL_GRACE.min(self.core.job.timeout);
+        Req { done, peer, expect, engine: &self.core.job.engine, grace }
     }
 
-    fn recv(&self, peer: usize, kind: Kind, region: Region) -> Result<Req> {
+    fn send(&self, peer: usize, kind: Kind, region: Region) -> Result<Req<'a>> {
+        let world_peer = self.core.world_rank(peer)?;
+        let t = tag(kind, self.core.id, self.seq, self.core.world_rank(self.me())?);
+        Ok(self.req(self.core.job.engine.send(world_peer, t, region)?, peer, None))
+    }
+
+    fn recv(&self, peer: usize, kind: Kind, region: Region) -> Result<Req<'a>> {
         let t = tag(kind, self.core.id, self.seq, self.core.world_rank(peer)?);
         let expect = Some(region.len());
-        Ok(Req { done: self.core.job.engine.recv(t, u64::MAX, region)?, peer, expect })
+        Ok(self.req(self.core.job.engine.recv(t, u64::MAX, region)?, peer, expect))
     }
 
     /// A receive whose length may be shorter than the region (a small message).
-    fn recv_upto(&self, peer: usize, kind: Kind, region: Region) -> Result<Req> {
+    fn recv_upto(&self, peer: usize, kind: Kind, region: Region) -> Result<Req<'a>> {
         let mut r = self.recv(peer, kind, region)?;
         r.expect = None;
         Ok(r)
@@ -169,17 +189,19 @@ impl<'a> Exec<'a> {
 
     /// Waits for every request. A request that ends in error, the job's
     /// abort, or no request ending for a whole deadline fails the call; the
-    /// requests still pending are then cancelled (their memory stays alive
-    /// until UCX lets go of it).
-    fn wait(&self, mut reqs: Vec<Req>) -> Result<Vec<usize>> {
+    /// requests still pending are then cancelled, and waited for as they
+    /// are dropped (see [`Req`]).
+    fn wait(&self, mut reqs: Vec<Req<'a>>) -> Result<Vec<usize>> {
         let mut lens = vec![0; reqs.len()];
         let mut pending: Vec<usize> = (0..reqs.len()).collect();
         let timeout = self.core.job.timeout;
         let mut deadline = Instant::now() + timeout;
-        let fail = |reqs: &mut Vec<Req>, e: CommError| {
+        // Every pending request is cancelled at once; dropping them waits for each.
+        let fail = |reqs: &mut Vec<Req<'a>>, e: CommError| {
             for r in reqs.iter() {
                 self.core.job.engine.cancel(&r.done);
             }
+            reqs.clear();
             Err(e)
         };
         while let Some(&i) = pending.first() {
@@ -623,14 +645,14 @@ fn p2p_header(c: &Prepared) -> String {
 
 /// A send of a group, posted before the group's other calls: its header
 /// and data are on their way; [`finish_send`] waits for the receiver's answer.
-pub(crate) struct PostedSend {
-    reqs: Vec<Req>,
+pub(crate) struct PostedSend<'a> {
+    reqs: Vec<Req<'a>>,
     ack: Arc<Scratch>,
     seq: u64,
     peer: usize,
 }
 
-pub(crate) fn post_send(core: &Core, c: &Prepared) -> Result<PostedSend> {
+pub(crate) fn post_send<'a>(core: &'a Core, c: &Prepared) -> Result<PostedSend<'a>> {
     let x = Exec::new(core, c.p2p_no, "send");
     let data = c.send.as_ref().ok_or_else(|| missing("send"))?;
     let ack = Scratch::new(1024);
@@ -642,7 +664,7 @@ pub(crate) fn post_send(core: &Core, c: &Prepared) -> Result<PostedSend> {
     Ok(PostedSend { reqs, ack, seq: c.p2p_no, peer: c.root })
 }
 
-pub(crate) fn finish_send(core: &Core, p: PostedSend) -> Result<()> {
+pub(crate) fn finish_send(core: &Core, p: PostedSend<'_>) -> Result<()> {
     let x = Exec::new(core, p.seq, "send");
     let lens = x.wait(p.reqs)?;
     // SAFETY: the ack receive has completed.
@@ -669,4 +691,64 @@ pub(crate) fn receive(core: &Core, c: &Prepared) -> Result<()> {
     }
     x.wait(vec![x.recv(c.root, Kind::P2pData, Region::user(buf, 0, buf.bytes())?)?])?;
     x.wait(vec![x.send(c.root, Kind::P2pAck, Region::bytes(b"ok".to_vec()))?]).map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::bootstrap::MemStore;
+    use crate::ucx::engine::{ControlTag, Engine};
+    use crate::ucx::{wire, AbortState, Job, UcxConfig};
+
+    /// Rank 0 of two, with a worker of its own and no endpoint: a send to
+    /// rank 1 fails at once, the way a call fails mid-receive.
+    fn lonely_rank() -> Core {
+        let (tag, mask) = wire::control_match();
+        let engine = Engine::start("test", ControlTag { tag, mask }, Arc::new(|_| {})).unwrap();
+        let timeout = Duration::from_secs(20);
+        let job = Arc::new(Job {
+            engine,
+            world_rank: 0,
+            world_size: 2,
+            store: Arc::new(MemStore::new()),
+            config: UcxConfig { timeout, ..UcxConfig::default() },
+            timeout,
+            abort: Arc::new(AbortState::default()),
+        });
+        Core { job, id: 0, rank: 0, size: 2, members: vec![0, 1], pool: Mutex::new(Vec::new()) }
+    }
+
+    #[test]
+    fn a_failed_call_returns_only_once_its_receive_has_ended() {
+        let core = lonely_rank();
+        // Cancels reach UCX 300 ms late: a call that does not wait for them returns first.
+        core.job.engine.delay_cancels(Duration::from_millis(300));
+        let x = Exec::new(&core, 1, "test");
+        let inbox = Scratch::new(64);
+        let recv = x.recv(1, Kind::Data, Region::scratch(&inbox, 0, 64).unwrap()).unwrap();
+        let received = recv.done.clone();
+        let send = x.send(1, Kind::Data, Region::bytes(vec![1; 8])).unwrap();
+        let e = x.wait(vec![send, recv]).unwrap_err();
+        assert!(matches!(e, CommError::Backend { .. }), "{e}");
+        assert_eq!(
+            received.outcome(),
+            Some(Err(ucx_rs::sys::ucs_status_t_UCS_ERR_CANCELED)),
+            "the call returned while its receive could still write into its buffer"
+        );
+    }
+
+    #[test]
+    fn a_request_dropped_before_it_ended_is_cancelled_and_waited_for() {
+        let core = lonely_rank();
+        core.job.engine.delay_cancels(Duration::from_millis(300));
+        let x = Exec::new(&core, 2, "test");
+        let inbox = Scratch::new(64);
+        // What an early return (`?`) does to the receives a call has posted.
+        let recv = x.recv(1, Kind::Data, Region::scratch(&inbox, 0, 64).unwrap()).unwrap();
+        let received = recv.done.clone();
+        drop(recv);
+        assert_eq!(received.outcome(), Some(Err(ucx_rs::sys::ucs_status_t_UCS_ERR_CANCELED)));
+    }
 }

@@ -11,10 +11,15 @@
 //!
 //! Memory safety of in-flight transfers: every request carries a keep-alive
 //! of the memory it reads or writes ([`Region`]), dropped only when UCX
-//! reports the request complete (or cancelled). A waiter that gives up (a
-//! deadline, an abort) cancels its requests and returns; the memory stays
-//! allocated until UCX is done with it, so nothing is ever written into
-//! freed memory.
+//! reports the request complete (or cancelled), so nothing is ever written
+//! into freed memory. A waiter that gives up (a deadline, an abort, a failed
+//! peer) cancels its requests and waits, at most [`CANCEL_GRACE`], for UCX to
+//! end them ([`Engine::cancel_and_wait`]) before its call returns: a matched
+//! receive may be writing into the caller's buffer until then, and the
+//! caller may reuse the buffer as soon as the call has failed. A request UCX
+//! does not end within the grace (a rendezvous whose sender died without
+//! peer-failure handling) is left to the job's teardown; its memory stays
+//! alive until then.
 
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -181,6 +186,11 @@ pub(crate) struct ControlTag {
     pub(crate) mask: u64,
 }
 
+/// How long a failed call waits, at most, for UCX to end its cancelled
+/// requests (an unmatched receive ends at the next progress; a matched one
+/// when its data or its endpoint's failure arrives).
+pub(crate) const CANCEL_GRACE: Duration = Duration::from_secs(5);
+
 /// How long the progress thread polls without progress before it sleeps,
 /// while transfers are in flight.
 const SPIN: Duration = Duration::from_millis(2);
@@ -194,6 +204,10 @@ struct Shared {
     sleeping: AtomicBool,
     wake_fd: libc::c_int,
     stopped: AtomicBool,
+    /// Tests: how long the progress thread sleeps before each cancel, so
+    /// that a caller that does not wait for its cancels is caught.
+    #[cfg(test)]
+    cancel_delay: Mutex<Duration>,
 }
 
 impl Drop for Shared {
@@ -255,6 +269,8 @@ impl Engine {
             sleeping: AtomicBool::new(false),
             wake_fd,
             stopped: AtomicBool::new(false),
+            #[cfg(test)]
+            cancel_delay: Mutex::new(Duration::ZERO),
         });
         let (tx, rx) = std::sync::mpsc::channel();
         let thread_shared = shared.clone();
@@ -324,6 +340,31 @@ impl Engine {
     pub(crate) fn cancel(&self, c: &Arc<Completion>) {
         if c.outcome().is_none() {
             let _ = self.command(Command::Cancel(c.clone()));
+        }
+    }
+
+    /// Cancels `c` and waits, at most `grace`, until UCX has ended it (so
+    /// it no longer touches its memory); whether it has.
+    pub(crate) fn cancel_and_wait(&self, c: &Arc<Completion>, grace: Duration) -> bool {
+        self.cancel(c);
+        let deadline = Instant::now() + grace;
+        loop {
+            if c.outcome().is_some() {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline || self.shared.stopped.load(Ordering::Acquire) {
+                return c.outcome().is_some();
+            }
+            c.wait_for((deadline - now).min(Duration::from_millis(10)));
+        }
+    }
+
+    /// Tests: delays every cancel by `delay` on the progress thread.
+    #[cfg(test)]
+    pub(crate) fn delay_cancels(&self, delay: Duration) {
+        if let Ok(mut d) = self.shared.cancel_delay.lock() {
+            *d = delay;
         }
     }
 }
@@ -632,7 +673,11 @@ fn progress_loop(mut w: Worker, shared: Arc<Shared>, control: ControlTag, on_eve
                 }
                 Command::Send { peer, tag, region, done } => w.send(peer, tag, region, done),
                 Command::Recv { tag, mask, region, done } => w.recv(tag, mask, region, done),
-                Command::Cancel(done) => w.cancel(&done),
+                Command::Cancel(done) => {
+                    #[cfg(test)]
+                    std::thread::sleep(shared.cancel_delay.lock().map_or(Duration::ZERO, |d| *d));
+                    w.cancel(&done)
+                }
                 Command::Stop => stop = true,
             }
         }

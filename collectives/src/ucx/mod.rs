@@ -62,7 +62,7 @@ use algorithms::{Exec, Prepared};
 use engine::{ControlTag, Engine, Event, Scratch};
 
 use crate::backend::{Call, CallKind, Capabilities, CommBackend, OpKind};
-use crate::bootstrap::Store;
+use crate::bootstrap::{process_key_scope, Store, StoreBarrier};
 use crate::{CommError, Communicator, Result};
 
 /// Settings of a UCX communicator.
@@ -74,6 +74,11 @@ pub struct UcxConfig {
     /// message, on every rank).
     pub timeout: Duration,
     /// The store prefix of this job's keys (unique per job in the store).
+    /// The default, `chorus/ucx/{run id}/{restart}` ([`process_key_scope`]),
+    /// tells jobs and restarts apart as `chorus`'s commands do; and every
+    /// [`UcxComm::init`] under one prefix counts itself in, so a second
+    /// world made in the same store (a re-init) gets keys of its own
+    /// instead of reading the first one's.
     pub prefix: String,
     /// Calls whose per-rank buffer is at most this many bytes take the
     /// one-round direct algorithms (rank-order reductions); larger ones
@@ -93,7 +98,7 @@ impl Default for UcxConfig {
     fn default() -> Self {
         UcxConfig {
             timeout: Duration::from_secs(300),
-            prefix: "chorus/ucx".into(),
+            prefix: format!("chorus/ucx/{}", process_key_scope()),
             small_bytes: DEFAULT_SMALL_BYTES,
             peer_failure: false,
         }
@@ -245,6 +250,10 @@ impl UcxComm {
     /// a rank that joined with another size makes the others fail with
     /// `Mismatch` naming both sizes, and a rank that never joins makes them
     /// fail with `Timeout`. Blocks the host until every rank has connected.
+    /// The keys go under `{config.prefix}/world{w}`, `w` counting the
+    /// worlds made under the prefix (every rank makes the same worlds in
+    /// the same order); a rank whose earlier `init` failed after counting
+    /// itself in puts later worlds out of step, which ends in `Timeout`.
     pub fn init(
         store: Arc<dyn Store>,
         rank: usize,
@@ -273,6 +282,12 @@ impl UcxComm {
                 abort.set(e);
             })
         };
+        // The worlds made under this prefix so far: every rank of a world
+        // counts itself in before any can finish `init` (it waits for all at
+        // the end), so the count numbers the worlds and their keys never mix.
+        let joined = store.add(&format!("{}/joined", config.prefix), 1)?;
+        let world = (joined - 1).max(0) / size as i64;
+        let config = UcxConfig { prefix: format!("{}/world{world}", config.prefix), ..config };
         let (ctag, cmask) = wire::control_match();
         let engine = Engine::start(&format!("rank {rank}"), ControlTag { tag: ctag, mask: cmask }, on_event)?;
         let mut mine = (size as u64).to_le_bytes().to_vec();
@@ -312,27 +327,14 @@ impl UcxComm {
         // Creating an endpoint attaches the peer's shared memory: no rank may
         // tear its worker down before every rank has connected to it, so
         // `init` returns only once all have.
-        let connected = format!("{}/connected", config.prefix);
-        store.add(&connected, 1)?;
-        let deadline = Instant::now() + config.timeout;
-        let mut pause = Duration::from_micros(100);
-        loop {
-            let count =
-                String::from_utf8_lossy(&store.get(&connected, config.timeout)?).trim().parse::<usize>().unwrap_or(0);
-            if count >= size {
-                break;
-            }
-            if Instant::now() >= deadline {
-                return Err(CommError::Timeout {
-                    op: format!("ucx init: {count} of {size} ranks connected"),
-                    seq: 0,
-                    waited: config.timeout,
-                    missing: vec![],
-                });
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(5));
-        }
+        StoreBarrier::new(format!("{}/connected", config.prefix), size)?
+            .arrive_and_wait(&*store, config.timeout)
+            .map_err(|e| match e {
+                CommError::Timeout { op, waited, .. } => {
+                    CommError::Timeout { op: format!("ucx init: {op}"), seq: 0, waited, missing: vec![] }
+                }
+                other => other,
+            })?;
         let job =
             Arc::new(Job { engine, world_rank: rank, world_size: size, store, timeout, config: config.clone(), abort });
         let core =
@@ -588,4 +590,45 @@ pub fn probe() -> Result<String> {
     let (ctag, cmask) = wire::control_match();
     let engine = Engine::start("probe", ControlTag { tag: ctag, mask: cmask }, Arc::new(|_| {}))?;
     Ok(format!("UCX {} (bundled), worker address {} bytes", ucx_rs::VENDORED_UCX_VERSION, engine.address().len()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use chorus_devices::cpu::{CpuConfig, CpuDevice};
+
+    use super::*;
+    use crate::bootstrap::MemStore;
+
+    /// Rank `rank` of 2 joins, after `delay`, with the default config;
+    /// how long its `init` took.
+    fn join(
+        store: &Arc<dyn Store>,
+        rank: usize,
+        delay: Duration,
+    ) -> std::thread::JoinHandle<(Communicator<UcxComm>, Duration)> {
+        let store = store.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(delay);
+            let device = CpuDevice::new(CpuConfig::default().with_ordinal(rank));
+            let start = Instant::now();
+            let config = UcxConfig { timeout: Duration::from_secs(20), ..UcxConfig::default() };
+            let comm = UcxComm::init(store, rank, 2, device, config).unwrap();
+            (comm, start.elapsed())
+        })
+    }
+
+    #[test]
+    fn a_second_world_in_the_same_store_waits_for_its_own_ranks() {
+        let store: Arc<dyn Store> = Arc::new(MemStore::new());
+        let first = [join(&store, 0, Duration::ZERO), join(&store, 1, Duration::ZERO)];
+        drop(first.map(|t| t.join().unwrap()));
+        // The second world's rank 1 comes late: rank 0 must wait for it, not
+        // take the first world's address and count of connected ranks.
+        let late = Duration::from_millis(400);
+        let second = [join(&store, 0, Duration::ZERO), join(&store, 1, late)];
+        let [(_c0, took), (_c1, _)] = second.map(|t| t.join().unwrap());
+        assert!(took >= late - Duration::from_millis(50), "rank 0 joined in {took:?}, before rank 1 came");
+    }
 }

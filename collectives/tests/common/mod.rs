@@ -11,7 +11,7 @@ use std::sync::{Arc, Barrier};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use chorus_collectives::bootstrap::{PrefixStore, Store};
+use chorus_collectives::bootstrap::{PrefixStore, RoundBarrier, Store, StoreBarrier};
 use chorus_collectives::CommError;
 
 /// New handles to one fresh store.
@@ -202,6 +202,56 @@ pub fn prefix_store_namespaces_keys(h: &Handles) {
     assert_eq!(p.num_keys().unwrap(), s.num_keys().unwrap());
 }
 
+pub fn barriers_release_together_time_out_and_cancel(h: &Handles) {
+    // Four parties, three rounds: nobody leaves a round before the last arrives.
+    let arrivals = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = arrivals.clone();
+    let handles = h.clone();
+    let counts = race(h, 4, move |r, _| {
+        let barrier = RoundBarrier::new(handles(), "rounds", 4).unwrap();
+        let mut before = Vec::new();
+        for round in 0..3 {
+            if r == round {
+                thread::sleep(Duration::from_millis(30));
+            }
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            barrier.wait(LONG).unwrap();
+            before.push(seen.load(std::sync::atomic::Ordering::SeqCst));
+        }
+        before
+    });
+    for (r, c) in counts.iter().enumerate() {
+        for (round, n) in c.iter().enumerate() {
+            assert!(*n >= 4 * (round + 1), "rank {r} left round {round} after {n} arrivals");
+        }
+    }
+    assert_eq!(arrivals.load(std::sync::atomic::Ordering::SeqCst), 12);
+
+    // A party that never comes: a timeout that says how many arrived.
+    let lonely = StoreBarrier::new("lonely", 2).unwrap();
+    let s = h();
+    match lonely.arrive_and_wait(&*s, SHORT) {
+        Err(CommError::Timeout { op, .. }) => assert!(op.contains("1 of 2 parties arrived"), "{op}"),
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    // A cancel fails a waiter at once, long before its deadline.
+    let waiting = h();
+    let start = Instant::now();
+    let t = thread::spawn(move || StoreBarrier::new("cancelled", 3).unwrap().arrive_and_wait(&*waiting, LONG));
+    thread::sleep(Duration::from_millis(30));
+    StoreBarrier::new("cancelled", 3).unwrap().cancel(&*h(), "rank 2 failed").unwrap();
+    match t.join().unwrap() {
+        Err(CommError::Aborted { reason }) => assert!(reason.contains("rank 2 failed"), "{reason}"),
+        other => panic!("expected the cancel, got {other:?}"),
+    }
+    assert!(start.elapsed() < LONG / 2);
+    // A cancel after the release changes nothing.
+    let done = StoreBarrier::new("released", 1).unwrap();
+    done.arrive_and_wait(&*s, LONG).unwrap();
+    done.cancel(&*s, "late").unwrap();
+    done.wait(&*s, LONG).unwrap();
+}
+
 /// One case of the suite.
 pub type Case = fn(&Handles);
 
@@ -225,7 +275,8 @@ macro_rules! store_suite {
             delete_and_num_keys,
             multi_get_and_multi_set,
             unusual_keys,
-            prefix_store_namespaces_keys
+            prefix_store_namespaces_keys,
+            barriers_release_together_time_out_and_cancel
         );
     };
     (@tests $name:ident, $fresh:expr; $($case:ident),*) => {

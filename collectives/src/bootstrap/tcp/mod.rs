@@ -7,4 +7,4 @@ pub mod protocol;
 mod server;
 
 pub use client::{ClientOptions, TcpStore};
-pub use server::{LogFn, ServerOptions, TcpStoreServer};
+pub use server::{LogFn, ServerOptions, ServerStats, TcpStoreServer, ENTRY_OVERHEAD, UNVALIDATED_INPUT};
