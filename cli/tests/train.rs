@@ -259,6 +259,9 @@ fn bad_arguments_exit_2_before_anything_is_written() {
         (gpt_args(&["--allow-optimizer-change"]), "--allow-optimizer-change goes with --resume"),
         (gpt_args(&["--text", "/nonexistent/corpus.txt"]), "--text /nonexistent/corpus.txt"),
         (gpt_args(&["--resume", "/nonexistent/ckpt"]), "no such checkpoint directory"),
+        (gpt_args(&["--layers", "2", "--recompute", "root,blocks.2"]), "blocks.2"),
+        (gpt_args(&["--recompute", "root,,blocks.0"]), "--recompute"),
+        (mlp(&["--recompute", "false"]), "--recompute is for --model gpt"),
         (gpt_args(&["--init-dir", o]), "--model mlp"),
         (strings(&["train", "--bench", "--model", "gpt", "--out-dir", o]), "--bench"),
         (strings(&["train", "--bench", "--model", "gpt", "--resume", o]), "--bench"),
@@ -679,11 +682,14 @@ fn the_transformer_bench_reports_both_sides() {
         "8",
         "--steps",
         "2",
+        "--recompute",
+        "false",
         "--json",
     ]);
     no_panic(&o);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["recompute"], "false");
     let (plain, fsdp) =
         (v["plain"]["median_step_time_s"].as_f64().unwrap(), v["fsdp"]["median_step_time_s"].as_f64().unwrap());
     assert!(plain > 0.0 && fsdp > 0.0, "{v}");

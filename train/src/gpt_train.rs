@@ -13,7 +13,7 @@ use chorus_collectives::{CommBackend, Communicator, Mesh};
 use chorus_devices::{ComputeBackend, Device as _};
 use chorus_fsdp::{CommCounts, DataParallel, Fsdp, FsdpConfig, HostOverhead, OptimizerKind, ShardedOptimizer};
 use chorus_fsdp_candle::checkpoint::{self, LoadOptions, SaveOptions, TrainingState};
-use chorus_fsdp_candle::{AdapterTimes, Error, Result};
+use chorus_fsdp_candle::{AdapterTimes, Error, Recompute, Result};
 
 use crate::gpt::{loss, Gpt, GptConfig, ShardedGpt};
 use crate::text::TextData;
@@ -41,6 +41,9 @@ pub struct GptSpec {
     pub max_grad_norm: Option<f64>,
     /// Each group's pre-forward also all-gathers the next group.
     pub forward_prefetch: bool,
+    /// Which groups (`root`, `blocks.{i}`) recompute their stages in backward
+    /// (activation checkpointing) and which keep their forward graphs.
+    pub recompute: Recompute,
     /// Micro-batches per step (gradient accumulation without sync on all but the last).
     pub micro_batches: usize,
     /// Save a checkpoint under this directory every `save_every` steps (and at the end).
@@ -61,7 +64,7 @@ pub struct GptSpec {
 impl GptSpec {
     /// `steps` steps of `batch` sequences per rank from `init` on `data`, with
     /// the defaults of `chorus train`: FSDP's default settings, no HSDP, no
-    /// clipping, forward prefetch, one micro-batch, no checkpoints, and a stop
+    /// clipping, forward prefetch, every group recomputed, one micro-batch, no checkpoints, and a stop
     /// on a loss that is not finite. Change the rest with struct update syntax.
     pub fn new(
         config: GptConfig,
@@ -82,6 +85,7 @@ impl GptSpec {
             replicate: None,
             max_grad_norm: None,
             forward_prefetch: true,
+            recompute: Recompute::All,
             micro_batches: 1,
             checkpoint_dir: None,
             save_every: 0,
@@ -188,6 +192,7 @@ where
     };
     let fsdp = Fsdp::new(dp, spec.fsdp.clone())?;
     let gpt = ShardedGpt::new(fsdp, spec.config, spec.init.clone(), spec.forward_prefetch)?;
+    gpt.model.apply_recompute(&spec.recompute)?;
     let mut opt = ShardedOptimizer::new(spec.optimizer);
     let mut start = 0;
     let mut earlier_losses = Vec::new();
@@ -292,6 +297,7 @@ where
             transfer: adapter_after.transfer - adapter_before.transfer,
             compute: adapter_after.compute - adapter_before.compute,
             stage_calls: adapter_after.stage_calls - adapter_before.stage_calls,
+            recomputed: adapter_after.recomputed - adapter_before.recomputed,
         },
         groups,
         comm_counts: CommCounts {

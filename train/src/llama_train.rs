@@ -209,7 +209,7 @@ where
     let mut start = 0;
     let mut earlier_losses = Vec::new();
     if let Some(dir) = &spec.resume {
-        let state = llama.model.with_fsdp(|f| checkpoint::load(f, &mut opt, dir))??;
+        let state = llama.model.with_fsdp(|f| checkpoint::load(f, &mut opt, dir, &checkpoint::LoadOptions::default()))??;
         if state.data_seed != spec.data.seed() {
             return Err(Error::InvalidArgument(format!(
                 "{}: saved with data {:#x}, this run's is {:#x}",
@@ -266,8 +266,8 @@ where
         let due = spec.save_every > 0 && done % spec.save_every == 0 || done == spec.steps;
         if let (Some(dir), true) = (&spec.checkpoint_dir, due) {
             let losses = earlier_losses.iter().chain(&losses).copied().collect();
-            let state = TrainingState { step: done, data_seed: spec.data.seed(), losses };
-            saved.push(llama.model.with_fsdp(|f| checkpoint::save(f, &opt, dir, &state))??);
+            let state = TrainingState { step: done, data_seed: spec.data.seed(), losses, model: serde_json::Value::Null };
+            saved.push(llama.model.with_fsdp(|f| checkpoint::save(f, &opt, dir, &state, &checkpoint::SaveOptions::default()))??);
         }
     }
     let stats = llama.model.with_fsdp(|f| f.device().memory_stats())?;
@@ -287,6 +287,7 @@ where
             transfer: adapter_after.transfer - adapter_before.transfer,
             compute: adapter_after.compute - adapter_before.compute,
             stage_calls: adapter_after.stage_calls - adapter_before.stage_calls,
+            recomputed: adapter_after.recomputed - adapter_before.recomputed,
         },
         groups,
         comm_counts: CommCounts {
@@ -296,6 +297,7 @@ where
         },
         params,
         saved,
+        stopped: None,
     })
 }
 

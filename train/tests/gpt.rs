@@ -14,6 +14,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
 use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, MixedPrecision, OptimizerKind, Reshard};
+use chorus_fsdp_candle::Recompute;
 use chorus_train::gpt::{init_params, loss, Gpt, GptConfig, ShardedGpt};
 use chorus_train::gpt_train::{train_gpt, train_plain, GptReport, GptSpec};
 use chorus_train::text::{encode, generate, vocab_size, TextData};
@@ -57,33 +58,53 @@ fn max_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
     worst
 }
 
+/// With every group recomputing in backward, none, or some (the root and
+/// one block keep their graphs).
 #[test]
 fn fsdp_matches_plain_candle_at_1_2_4_ranks_and_hsdp() {
     let global = 8;
+    let some = Recompute::Groups(vec!["blocks.0".into()]);
     for (optimizer, tol) in [(OptimizerKind::sgd(0.5, 0.0), 1e-6f32), (OptimizerKind::adamw(3e-3, 0.01), 1e-6)] {
         let plain = train_plain(&spec(global, 4, optimizer), 1).unwrap();
-        for (ranks, replicate, reshard) in [
-            (1, None, Reshard::Yes),
-            (2, None, Reshard::Yes),
-            (4, None, Reshard::Yes),
-            (4, Some(2), Reshard::Yes),
-            (4, None, Reshard::No),
-            (4, None, Reshard::To(2)),
+        for (ranks, replicate, reshard, recompute) in [
+            (1, None, Reshard::Yes, Recompute::All),
+            (1, None, Reshard::Yes, Recompute::Nothing),
+            (1, None, Reshard::No, Recompute::Nothing),
+            (2, None, Reshard::Yes, Recompute::All),
+            (2, None, Reshard::Yes, Recompute::Nothing),
+            (4, None, Reshard::Yes, Recompute::All),
+            (4, None, Reshard::Yes, Recompute::Nothing),
+            (4, None, Reshard::Yes, some.clone()),
+            (4, Some(2), Reshard::Yes, Recompute::All),
+            (4, Some(2), Reshard::Yes, Recompute::Nothing),
+            (4, None, Reshard::No, Recompute::All),
+            (4, None, Reshard::No, Recompute::Nothing),
+            (4, None, Reshard::To(2), Recompute::All),
+            (4, None, Reshard::To(2), Recompute::Nothing),
         ] {
             let mut s = spec(global / ranks, 4, optimizer);
             s.replicate = replicate;
             s.fsdp.reshard_after_forward = reshard;
+            s.recompute = recompute.clone();
             let reports = run(ranks, s);
             let first = &reports[0];
             for r in &reports[1..] {
                 assert_eq!(r.params, first.params, "ranks disagree");
                 assert_eq!(r.losses, first.losses);
             }
+            // Stages recomputed per step: the embedding, the blocks, the head, of the groups that recompute.
+            let stages = |g: &str| if g == "root" { 2 } else { 1 };
+            let groups = ["root".to_string(), "blocks.0".into(), "blocks.1".into()];
+            let per_step: usize = groups.iter().filter(|g| recompute.applies_to(g)).map(|g| stages(g)).sum();
+            assert_eq!(first.adapter.recomputed, 4 * per_step, "recompute {recompute}: stages recomputed");
             let d = max_diff(&first.params, &plain.params);
-            eprintln!("{ranks} {replicate:?} {reshard}: max rel diff {d:e}, losses {:?}", first.losses);
+            eprintln!(
+                "{ranks} {replicate:?} {reshard} recompute {recompute}: max rel diff {d:e}, losses {:?}",
+                first.losses
+            );
             assert!(
                 d <= tol,
-                "{optimizer:?} {ranks} ranks hsdp {replicate:?} reshard {reshard}: parameters differ by {d}"
+                "{optimizer:?} {ranks} ranks hsdp {replicate:?} reshard {reshard} recompute {recompute}: parameters differ by {d}"
             );
             for (a, b) in first.losses.iter().zip(&plain.losses) {
                 assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "losses {:?} vs {:?}", first.losses, plain.losses);
@@ -138,6 +159,20 @@ fn every_fsdp_policy_through_the_adapter_matches_plain_candle() {
         ("norm weights replicated (replicate_below)", 4, |s| s.fsdp.replicate_below = 17),
         ("sharded on dim 1", 4, |s| s.fsdp.shard_placement = Some(Arc::new(|_, shape| (shape.len() - 1) as isize))),
         ("reduce by sums, divide after", 4, |s| s.fsdp.force_sum = true),
+        ("2 micro-batches, no recompute", 4, |s| {
+            s.micro_batches = 2;
+            s.recompute = Recompute::Nothing;
+        }),
+        ("2 micro-batches, HSDP 2x2, no recompute, reshard to 2", 4, |s| {
+            s.micro_batches = 2;
+            s.replicate = Some(2);
+            s.recompute = Recompute::Nothing;
+            s.fsdp.reshard_after_forward = Reshard::To(2);
+        }),
+        ("no forward prefetch, only the root recomputes", 4, |s| {
+            s.forward_prefetch = false;
+            s.recompute = Recompute::Groups(vec!["root".into()]);
+        }),
     ];
     for (name, ranks, policy) in policies {
         let mut s = spec(global / ranks, 4, optimizer);
@@ -237,9 +272,14 @@ fn mixed_precision_through_the_adapter_matches_a_bf16_reference() {
     let (lr, ranks, global) = (0.5, 2, 8);
     let optimizer = OptimizerKind::sgd(lr, 0.0);
     let f32_run = train_plain(&spec(global, 4, optimizer), 1).unwrap();
-    for (reduce, output) in [(DType::F32, Some(chorus_devices::DType::F32)), (DType::BF16, None)] {
+    for (reduce, output, recompute) in [
+        (DType::F32, Some(chorus_devices::DType::F32), Recompute::All),
+        (DType::BF16, None, Recompute::All),
+        (DType::BF16, None, Recompute::Nothing),
+    ] {
         let reduce_bf16 = reduce == DType::BF16;
         let mut s = spec(global / ranks, 4, optimizer);
+        s.recompute = recompute;
         s.fsdp.mixed_precision = MixedPrecision {
             param_dtype: Some(chorus_devices::DType::BF16),
             reduce_dtype: Some(if reduce_bf16 { chorus_devices::DType::BF16 } else { chorus_devices::DType::F32 }),
@@ -277,4 +317,15 @@ fn the_output_dtype_casts_the_logits() {
         logits.dtype()
     });
     assert_eq!(dtypes[0], DType::F32);
+}
+
+/// A recompute list that names no group is refused before training.
+#[test]
+fn recomputing_a_group_that_does_not_exist_is_an_error() {
+    let mut s = spec(4, 1, OptimizerKind::sgd(0.5, 0.0));
+    s.recompute = Recompute::Groups(vec!["blocks.0".into(), "blocks.7".into()]);
+    let s = Arc::new(s);
+    let errors = on_sim_ranks(1, move |comm| train_gpt(comm, &s, &mut |_, _| {}).err().map(|e| e.to_string()));
+    let e = errors[0].clone().expect("an error");
+    assert!(e.contains("blocks.7") && e.contains("no group"), "{e}");
 }

@@ -13,8 +13,10 @@
 //!
 //! The bounds: at most three block groups (the one computing, the one
 //! prefetched, the one whose buffers are being released) and the root group
-//! are unsharded at once; candle holds the stage-boundary activations of
-//! the step and one stage's recomputation at a time.
+//! are unsharded at once. With recompute (the default) candle holds the
+//! stage-boundary activations of the step and one stage's recomputation at a
+//! time; without, it holds every stage's forward graph (its intermediates
+//! and its group's parameters) from forward until that stage's backward.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -25,6 +27,7 @@ use chorus_collectives::sim::{SimConfig, SimWorld};
 use chorus_devices::cpu::CpuConfig;
 use chorus_devices::Device as _;
 use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, OptimizerKind, Reshard, ShardedOptimizer};
+use chorus_fsdp_candle::Recompute;
 use chorus_train::gpt::{init_params, loss, GptConfig, ShardedGpt};
 use chorus_train::gpt_train::{train_plain, GptSpec};
 use chorus_train::text::{encode, generate, vocab_size, TextData};
@@ -152,20 +155,29 @@ fn device_bound(s: &Sizes, layers: usize, world: usize) -> usize {
         + 4096 // the loss's scalars
 }
 
-/// Bytes candle and the adapter hold on one rank during a step: the
-/// activations at stage boundaries (kept by candle's graph until backward),
-/// the loss's, and one stage at a time: the adapter's copies of its group's
-/// parameters (read from the device, as variables, their gradients, the
-/// upload's bytes) and the recomputed block's intermediates and their
-/// gradients.
-fn candle_bound(cfg: &GptConfig, s: &Sizes, batch: usize) -> usize {
+/// Bytes candle and the adapter hold on one rank during a step.
+///
+/// With recompute: the activations at stage boundaries (kept by candle's
+/// graph until backward), the loss's, and one stage at a time: the adapter's
+/// copies of its group's parameters (as variables, their gradients) and the
+/// recomputed block's intermediates and their gradients.
+///
+/// Without: every stage keeps its graph from forward to its backward — its
+/// input's copy, its intermediates and its output (also returned to candle)
+/// — and every group's parameters as variables; in backward one block's
+/// gradients at a time.
+fn candle_bound(cfg: &GptConfig, s: &Sizes, batch: usize, recompute: bool) -> usize {
     let (d, f, v, h, t, l) = (cfg.d_model, cfg.d_ff, cfg.vocab, cfg.heads, cfg.seq_len, cfg.layers);
     let btd = batch * t * d;
     let boundaries = (l + 1) * btd + 6 * batch * t * v;
     let group = s.block.max(s.root);
     let copies = 4 * group + 3 * s.largest;
     let block_intermediates = 25 * btd + 5 * batch * t * f + 6 * batch * h * t * t;
-    4 * (boundaries + copies + 3 * block_intermediates)
+    if recompute {
+        4 * (boundaries + copies + 3 * block_intermediates)
+    } else {
+        4 * (3 * boundaries + s.total + copies + (l + 3) * block_intermediates)
+    }
 }
 
 struct RankMemory {
@@ -179,6 +191,7 @@ struct RankMemory {
 fn rank(
     comm: chorus_collectives::Communicator<chorus_collectives::sim::SimComm>,
     reshard: Reshard,
+    recompute: &Recompute,
     heap: &[AtomicUsize; 2],
 ) -> RankMemory {
     let spec = spec();
@@ -188,6 +201,7 @@ fn rank(
     let fsdp_config = FsdpConfig { reshard_after_forward: reshard, ..FsdpConfig::default() };
     let fsdp = Fsdp::new(DataParallel::fsdp(world.clone()), fsdp_config).unwrap();
     let gpt = ShardedGpt::new(fsdp, cfg, spec.init.clone(), true).unwrap();
+    gpt.model.apply_recompute(recompute).unwrap();
     drop(spec.init);
     let mut opt = ShardedOptimizer::new(spec.optimizer);
     let seq = cfg.seq_len;
@@ -233,7 +247,7 @@ fn rank(
     RankMemory { device_idle, device_peak }
 }
 
-fn measure(reshard: Reshard) -> (Vec<RankMemory>, usize, usize) {
+fn measure(reshard: Reshard, recompute: Recompute) -> (Vec<RankMemory>, usize, usize) {
     let heap = Arc::new([AtomicUsize::new(0), AtomicUsize::new(0)]);
     let h = heap.clone();
     let config = SimConfig {
@@ -243,7 +257,7 @@ fn measure(reshard: Reshard) -> (Vec<RankMemory>, usize, usize) {
         device: unsafe { CpuConfig::default().without_sanitizer() },
         ..SimConfig::default()
     };
-    let ranks = SimWorld::run(WORLD, config, move |comm| rank(comm, reshard, &h))
+    let ranks = SimWorld::run(WORLD, config, move |comm| rank(comm, reshard, &recompute, &h))
         .unwrap()
         .into_iter()
         .map(|r| r.unwrap())
@@ -257,11 +271,9 @@ fn per_rank_memory_is_the_sharded_state_plus_what_prefetch_allows_plus_activatio
     let s = sizes(&cfg, WORLD);
     let idle = device_idle(&s, cfg.layers);
     let bound = device_bound(&s, cfg.layers, WORLD);
-    let candle = candle_bound(&cfg, &s, BATCH);
     let unsharded_state = 4 * 4 * s.total; // parameters, gradients and AdamW's moments in f32
 
-    let (ranks, heap_idle, heap_peak) = measure(Reshard::Yes);
-    let (no_reshard, _, _) = measure(Reshard::No);
+    let (no_reshard, _, _) = measure(Reshard::No, Recompute::All);
     // The unsharded model trained by plain candle on the same global batch:
     // what one step adds to the heap.
     let mut plain_spec = spec();
@@ -269,36 +281,62 @@ fn per_rank_memory_is_the_sharded_state_plus_what_prefetch_allows_plus_activatio
     let plain_start = reset_peak();
     train_plain(&plain_spec, WORLD).unwrap();
     let plain_step = PEAK.load(Ordering::SeqCst) - plain_start;
-
-    let peak = ranks.iter().map(|r| r.device_peak).max().unwrap();
-    let heap_growth = heap_peak - heap_idle;
-    let per_rank_heap = heap_peak / WORLD;
     let kib = |b: usize| b as f64 / 1024.0;
     eprintln!("transformer: {} parameters ({:.0} KiB f32), {WORLD} ranks x batch {BATCH}", s.total, kib(4 * s.total));
-    eprintln!("device per rank: idle {:.0} KiB (formula {:.0}), peak {:.0} KiB (bound {:.0}), reshard-after-forward false {:.0} KiB",
-        kib(ranks[0].device_idle), kib(idle), kib(peak), kib(bound), kib(no_reshard[0].device_peak));
     eprintln!("unsharded training state (16 B/parameter) {:.0} KiB", kib(unsharded_state));
-    eprintln!("process heap ({WORLD} ranks): between steps {:.0} KiB, step peak {:.0} KiB, growth {:.0} KiB (bound {:.0}); per rank {:.0} KiB",
-        kib(heap_idle), kib(heap_peak), kib(heap_growth), kib(WORLD * (bound - idle + candle)), kib(per_rank_heap));
     eprintln!("plain candle, one step on the global batch: heap growth {:.0} KiB", kib(plain_step));
 
-    for r in &ranks {
-        assert_eq!(r.device_idle, idle, "between steps a rank holds exactly its shards and their AdamW moments");
-        assert!(r.device_peak <= bound, "device peak {} over the bound {bound}", r.device_peak);
-        // Not vacuous: a block's parameters and gradients and the root's are unsharded at some point.
-        assert!(r.device_peak >= idle + 4 * 2 * (s.block + s.root));
+    let mut growths = Vec::new();
+    for recompute in [true, false] {
+        let candle = candle_bound(&cfg, &s, BATCH, recompute);
+        let choice = if recompute { Recompute::All } else { Recompute::Nothing };
+        let (ranks, heap_idle, heap_peak) = measure(Reshard::Yes, choice);
+        let peak = ranks.iter().map(|r| r.device_peak).max().unwrap();
+        let heap_growth = heap_peak - heap_idle;
+        let per_rank_heap = heap_peak / WORLD;
+        eprintln!("recompute {recompute}: device per rank: idle {:.0} KiB (formula {:.0}), peak {:.0} KiB (bound {:.0}), reshard-after-forward false {:.0} KiB",
+            kib(ranks[0].device_idle), kib(idle), kib(peak), kib(bound), kib(no_reshard[0].device_peak));
+        eprintln!("recompute {recompute}: process heap ({WORLD} ranks): between steps {:.0} KiB, step peak {:.0} KiB, growth {:.0} KiB (bound {:.0}); per rank {:.0} KiB",
+            kib(heap_idle), kib(heap_peak), kib(heap_growth), kib(WORLD * (bound - idle + candle)), kib(per_rank_heap));
+
+        for r in &ranks {
+            assert_eq!(r.device_idle, idle, "between steps a rank holds exactly its shards and their AdamW moments");
+            assert!(
+                r.device_peak <= bound,
+                "recompute {recompute}: device peak {} over the bound {bound}",
+                r.device_peak
+            );
+            // Not vacuous: a block's parameters and gradients and the root's are unsharded at some point.
+            assert!(r.device_peak >= idle + 4 * 2 * (s.block + s.root));
+        }
+        assert!(
+            peak < unsharded_state / 2,
+            "a rank's FSDP memory {peak} is not well below the unsharded state {unsharded_state}"
+        );
+        // Everything the ranks allocate during a step: FSDP's buffers, candle's
+        // activations and the adapter's copies.
+        assert!(heap_growth <= WORLD * (bound - idle + candle), "recompute {recompute}: heap growth {heap_growth}");
+        if recompute {
+            // Without resharding every block's parameters are unsharded at the end of forward.
+            for r in &no_reshard {
+                assert!(r.device_peak >= idle + 4 * cfg.layers * s.block, "reshard false: {}", r.device_peak);
+                assert!(r.device_peak > peak, "resharding after forward saves nothing: {} vs {peak}", r.device_peak);
+            }
+            assert!(
+                per_rank_heap * 2 < plain_step,
+                "a rank's whole heap {per_rank_heap} vs plain candle's step {plain_step}"
+            );
+        } else {
+            // A quarter of plain's batch with the whole model's graph: below plain's step.
+            assert!(
+                per_rank_heap < plain_step,
+                "a rank's whole heap {per_rank_heap} vs plain candle's step {plain_step}"
+            );
+        }
+        growths.push(heap_growth);
     }
-    // Without resharding every block's parameters are unsharded at the end of forward.
-    for r in &no_reshard {
-        assert!(r.device_peak >= idle + 4 * cfg.layers * s.block, "reshard false: {}", r.device_peak);
-        assert!(r.device_peak > peak, "resharding after forward saves nothing: {} vs {peak}", r.device_peak);
-    }
-    assert!(
-        peak < unsharded_state / 2,
-        "a rank's FSDP memory {peak} is not well below the unsharded state {unsharded_state}"
-    );
-    // Everything the ranks allocate during a step: FSDP's buffers, candle's
-    // activations and the adapter's copies.
-    assert!(heap_growth <= WORLD * (bound - idle + candle), "heap growth {heap_growth}");
-    assert!(per_rank_heap * 2 < plain_step, "a rank's whole heap {per_rank_heap} vs plain candle's step {plain_step}");
+    // Keeping the graphs holds every block's intermediates and parameters
+    // until backward; recomputing holds about one block's at a time.
+    let kept = 4 * (cfg.layers - 2) * s.block;
+    assert!(growths[1] >= growths[0] + WORLD * kept, "kept graphs {} vs recomputed {}", growths[1], growths[0]);
 }

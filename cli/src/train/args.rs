@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use chorus_devices::DType;
 use chorus_fsdp::{FsdpConfig, MixedPrecision, OptimizerKind, Reshard};
+use chorus_fsdp_candle::Recompute;
 use chorus_train::gpt::GptConfig;
 use chorus_train::text;
 
@@ -99,6 +100,11 @@ pub struct TrainArgs {
     /// gpt: train on this text file instead of generated text (UTF-8, or else read as Latin-1; characters other than a-z, A-Z, space, '.' and newline become spaces).
     #[arg(long)]
     pub text: Option<PathBuf>,
+    /// gpt: which groups recompute their blocks in backward (activation checkpointing): true, false, or a
+    /// comma-separated list of the groups that do (root, blocks.0, ...); the others keep their forward
+    /// graphs (a forward less per group and step, their activations and parameters held until backward).
+    #[arg(long, default_value = "true")]
+    pub recompute: Recompute,
     /// gpt: micro-batches per step (gradient accumulation; they divide --batch).
     #[arg(long, default_value_t = 1)]
     pub micro_batches: usize,
@@ -371,6 +377,7 @@ impl TrainArgs {
             (self.keep_last.is_some(), "--keep-last"),
             (self.allow_optimizer_change, "--allow-optimizer-change"),
             (self.micro_batches != 1, "--micro-batches"),
+            (self.recompute != Recompute::All, "--recompute"),
         ] {
             if given {
                 return Err(usage(format!("{name} is for --model gpt")));
@@ -562,13 +569,28 @@ impl TrainArgs {
         if self.allow_optimizer_change && self.resume.is_none() {
             return Err(usage("--allow-optimizer-change goes with --resume"));
         }
+        if let Recompute::Groups(names) = &self.recompute {
+            let known = |n: &str| {
+                n == "root"
+                    || n.strip_prefix("blocks.").and_then(|i| i.parse::<usize>().ok()).is_some_and(|i| i < cfg.layers)
+            };
+            if let Some(n) = names.iter().find(|n| !known(n)) {
+                return Err(usage(format!(
+                    "--recompute names `{n}`, which is no group (root, blocks.0 .. blocks.{})",
+                    cfg.layers - 1
+                )));
+            }
+        }
         let (v, d, l, f, t) =
             (Sat::of(cfg.vocab), Sat::of(cfg.d_model), Sat::of(cfg.layers), Sat::of(cfg.d_ff), Sat::of(cfg.seq_len));
         let params = Sat(2) * v * d + d + l * (Sat(4) * d * d + Sat(2) * d * f + Sat(2) * d);
         let tokens = Sat::of(self.batch) * t;
         let heads = Sat::of(cfg.heads);
         let activations = Sat(4) * tokens * (l + Sat(2)) * (Sat(8) * d + Sat(2) * f + Sat(3) * heads * t + Sat(3) * v);
+        // Groups that keep their graphs hold candle's copy of their parameters until backward.
+        let kept = if self.recompute == Recompute::All { Sat(0) } else { Sat(4) * params };
         let per_rank = Sat(4) * (Sat(4) * params / Sat::of(world) + Sat(4) * params)
+            + kept
             + activations
             + Sat(16) * Sat::of(self.steps());
         self.check_memory((Sat::of(world) * per_rank + Sat(4 << 20)).0)

@@ -235,6 +235,7 @@ fn config_json(
         "param_dtype": args.param_dtype.name(),
         "reduce_dtype": args.reduce_dtype.unwrap_or(args.param_dtype).name(),
         "reshard_after_forward": args.reshard_after_forward.to_string(),
+        "recompute": args.recompute.to_string(),
         "transformer": spec.config,
         "parameters": spec.config.num_params(),
         "max_grad_norm": args.max_grad_norm,
@@ -277,6 +278,7 @@ pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<GptSpec> {
         fsdp: args.fsdp_config(),
         replicate: args.hsdp,
         micro_batches: args.micro_batches,
+        recompute: args.recompute.clone(),
         ..GptSpec::new(cfg, init_params(&cfg, args.seed)?, Arc::new(data), args.batch, steps, args.optimizer())
     })
 }

@@ -79,6 +79,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
                 "model": "gpt", "transformer": cfg, "parameters": params, "world_size": world, "hsdp": args.hsdp,
                 "batch_per_rank": args.batch, "global_batch": world * args.batch, "micro_batches": args.micro_batches,
                 "reshard_after_forward": args.reshard_after_forward.to_string(),
+                "recompute": args.recompute.to_string(),
                 "optimizer": optimizer_json(args.optimizer()), "warmup_steps": GPT_BENCH_WARMUP, "timed_steps": args.steps(),
                 "plain": plain, "plain_runs": plains, "fsdp": fsdp, "ratio": ratio,
                 "plain_training_state_bytes": params * state_per_param,
@@ -106,9 +107,11 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         })
         .collect();
     say(format_args!(
-        "# each side in its own process; plain candle at its best of [{}]; each FSDP rank {} candle thread(s)",
+        "# each side in its own process; plain candle at its best of [{}]; each FSDP rank {} candle thread(s); reshard-after-forward {}, recompute {}",
         runs.join(", "),
         fsdp["candle_threads"].as_str().unwrap_or("?"),
+        args.reshard_after_forward,
+        args.recompute,
     ))?;
     let row = |label: String, value: String| say(format_args!("{label:<46} {value:>10}"));
     row("plain candle, 1 process: step ms (median)".into(), format!("{:.2}", plain_step * 1e3))?;
@@ -123,7 +126,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         format!("{:.2}", num(&fsdp, "adapter_transfer_per_step_s") * 1e3),
     )?;
     row(
-        "candle compute per rank incl. recompute, ms/step".into(),
+        "candle compute per rank (incl. recompute), ms/step".into(),
         format!("{:.2}", num(&fsdp, "candle_compute_per_step_s") * 1e3),
     )?;
     row(
@@ -159,6 +162,10 @@ fn bench_gpt_part(args: &TrainArgs, part: BenchPart) -> anyhow::Result<serde_jso
                 "median_step_time_s": timed(&r.step_times_s),
                 "groups": r.groups,
                 "host_overhead_per_group_per_step_s": r.overhead.total.as_secs_f64() / (r.groups.max(1) as f64 * all_steps),
+                "host_overhead_by_hook_us_per_step": chorus_fsdp::Hook::ALL
+                    .iter()
+                    .map(|h| (h.name().to_string(), json!(r.overhead.hook(*h).total.as_secs_f64() * 1e6 / all_steps)))
+                    .collect::<serde_json::Map<_, _>>(),
                 "adapter_transfer_per_step_s": r.adapter.transfer.as_secs_f64() / all_steps,
                 "candle_compute_per_step_s": r.adapter.compute.as_secs_f64() / all_steps,
                 "peak_memory_bytes_per_rank": reports.iter().map(|r| r.peak_memory_bytes).max().unwrap_or(0),

@@ -45,7 +45,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
             )));
         }
     }
-    let out = if writes_outputs(args.backend) { Some(OutDir::acquire(&args.out_dir())?) } else { None };
+    let out = if writes_outputs(args.backend) { Some(OutDir::acquire(&args.out_dir(), &[])?) } else { None };
     // One process records it (under a launcher, the one writing the outputs).
     if let (Some(dir), true) = (&spec.checkpoint_dir, out.is_some()) {
         record_config(dir, &cfg)?;

@@ -362,8 +362,15 @@ impl crate::Stream for CpuStream {
     fn fill(&self, dst: View<'_, Cpu>, value: Scalar) -> Result<()> {
         let pattern = checks::fill(dst, value)?;
         self.map_job("fill", [], dst, move |[], d| {
-            for chunk in d.chunks_exact_mut(pattern.len()) {
-                chunk.copy_from_slice(&pattern);
+            // One element, then the filled prefix doubled: a few large copies
+            // instead of one small copy per element.
+            let Some(first) = d.get_mut(..pattern.len()) else { return };
+            first.copy_from_slice(&pattern);
+            let mut filled = pattern.len();
+            while filled < d.len() {
+                let n = filled.min(d.len() - filled);
+                d.copy_within(..n, filled);
+                filled += n;
             }
         })
     }

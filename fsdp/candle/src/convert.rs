@@ -1,12 +1,21 @@
 //! Moving tensors between candle's CPU tensors and chorus device buffers.
 //!
 //! The devices the adapter runs on hold host memory (the sim backend's `cpu`
-//! device), so a move is a host copy, done through the public [`Stream`]
-//! API: [`Stream::copy_to_host`] (a readback the host waits on, ordered after
-//! everything earlier on the stream) and [`Stream::copy_from_host`] (enqueued).
+//! device), so a move is a host copy. Where a buffer is host memory
+//! ([`host_memory`]: the `cpu` device's buffers), the adapter reads and
+//! writes it directly once the stream that orders it has been synchronized:
+//! a parameter is one copy into a candle variable ([`var_from_host`]), a
+//! gradient is added straight from candle's storage into FSDP's buffer
+//! ([`add_into_host`]). On other devices it goes through the public
+//! [`Stream`] API: [`Stream::copy_to_host`] (a readback the host waits on,
+//! ordered after everything earlier on the stream) and
+//! [`Stream::copy_from_host`] (enqueued).
 
-use candle_core::{CpuStorage, Device as CandleDevice, Layout, Tensor};
-use chorus_devices::{DType, Readback, Stream, View};
+use std::any::Any;
+
+use candle_core::{CpuStorage, Device as CandleDevice, Layout, Storage, Tensor, Var};
+use chorus_devices::cpu::{Cpu, CpuBuffer, RawRange};
+use chorus_devices::{bf16, f16, Backend, DType, Element, Readback, Stream, View};
 
 use crate::{Error, Result};
 
@@ -49,6 +58,20 @@ pub fn tensor_from_readback(readback: Readback, shape: &[usize]) -> Result<Tenso
     Ok(Tensor::from_raw_buffer(&bytes, dtype, shape, &CandleDevice::Cpu)?)
 }
 
+/// Waits for `readback` and makes a candle variable of `shape` from its bytes.
+pub fn var_from_readback(readback: Readback, shape: &[usize]) -> Result<Var> {
+    let dev = &CandleDevice::Cpu;
+    let dtype = readback.dtype();
+    let r = readback;
+    Ok(match dtype {
+        DType::F32 => Var::from_vec(r.wait_typed::<f32>().map_err(chorus_fsdp::FsdpError::from)?, shape, dev)?,
+        DType::BF16 => Var::from_vec(r.wait_typed::<bf16>().map_err(chorus_fsdp::FsdpError::from)?, shape, dev)?,
+        DType::F16 => Var::from_vec(r.wait_typed::<f16>().map_err(chorus_fsdp::FsdpError::from)?, shape, dev)?,
+        DType::F64 => Var::from_vec(r.wait_typed::<f64>().map_err(chorus_fsdp::FsdpError::from)?, shape, dev)?,
+        d => return Err(Error::InvalidArgument(format!("{d} has no candle counterpart the adapter uses"))),
+    })
+}
+
 /// Enqueues a host→device copy of `t` (whose dtype must be `dst`'s) into `dst`.
 pub fn upload_tensor<S: Stream>(stream: &S, t: &Tensor, dst: View<'_, S::B>) -> Result<()> {
     let expected = candle_dtype(dst.dtype())?;
@@ -65,22 +88,108 @@ pub fn upload_tensor<S: Stream>(stream: &S, t: &Tensor, dst: View<'_, S::B>) -> 
     Ok(())
 }
 
+/// The host memory behind `view` when its device's buffers are host memory
+/// (the `cpu` device of the sim, simnccl and ucx backends); `None` on other
+/// devices. The caller may touch the bytes only in stream order: after
+/// synchronizing every stream that wrote them, and before enqueueing any
+/// later access.
+pub fn host_memory<B: Backend>(view: View<'_, B>) -> Option<RawRange> {
+    let buffer = (view.buffer() as &dyn Any).downcast_ref::<CpuBuffer>()?;
+    let cpu_view = View::<Cpu>::whole(buffer).slice(view.offset(), view.len()).ok()?;
+    Some(chorus_devices::cpu::raw(cpu_view))
+}
+
+/// A candle variable of `shape` with a copy of the elements of `src`, the
+/// one copy of a parameter from FSDP's unsharded buffer into candle.
+///
+/// # Safety
+/// No operation may write `src` while this runs (the stream that wrote it
+/// has been synchronized and nothing later is enqueued yet).
+pub unsafe fn var_from_host(src: &RawRange, shape: &[usize]) -> Result<Var> {
+    let dev = &CandleDevice::Cpu;
+    // SAFETY (each arm): the caller's contract; the dtype is the range's.
+    Ok(match src.dtype() {
+        DType::F32 => Var::from_slice(unsafe { src.as_slice::<f32>() }, shape, dev)?,
+        DType::BF16 => Var::from_slice(unsafe { src.as_slice::<bf16>() }, shape, dev)?,
+        DType::F16 => Var::from_slice(unsafe { src.as_slice::<f16>() }, shape, dev)?,
+        DType::F64 => Var::from_slice(unsafe { src.as_slice::<f64>() }, shape, dev)?,
+        d => return Err(Error::InvalidArgument(format!("{d} has no candle counterpart the adapter uses"))),
+    })
+}
+
+/// Adds the elements of `src` (a candle CPU tensor of `dst`'s dtype and
+/// length) into `dst` in place, straight from candle's storage: each sum is
+/// computed exactly and rounded once to the dtype, as the devices'
+/// `accumulate` does.
+///
+/// # Safety
+/// No other access to `dst` may happen while this runs (the stream that
+/// last touched it has been synchronized and nothing later is enqueued yet).
+pub unsafe fn add_into_host(src: &Tensor, dst: &RawRange) -> Result<()> {
+    let expected = candle_dtype(dst.dtype())?;
+    if src.dtype() != expected || src.elem_count() != dst.elements() {
+        return Err(Error::InvalidArgument(format!(
+            "cannot add a {:?} tensor of {} elements into {} elements of {}",
+            src.dtype(),
+            src.elem_count(),
+            dst.elements(),
+            dst.dtype()
+        )));
+    }
+    let src = src.contiguous()?;
+    let (storage, layout) = src.storage_and_layout();
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        return Err(Error::InvalidArgument("a contiguous tensor without contiguous offsets".into()));
+    };
+    fn add<T: Element>(src: &[T], dst: &RawRange) {
+        // SAFETY: the caller's contract; the dtype was checked above.
+        let dst = unsafe { dst.as_mut_slice::<T>() };
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = T::from_f64(d.to_f64() + s.to_f64());
+        }
+    }
+    match &*storage {
+        Storage::Cpu(CpuStorage::F32(v)) => {
+            // f32 sums are exact in f64 and rounded once: the same as adding in f32.
+            // SAFETY: the caller's contract; the dtype was checked above.
+            let dst = unsafe { dst.as_mut_slice::<f32>() };
+            dst.iter_mut().zip(&v[start..end]).for_each(|(d, s)| *d += *s);
+        }
+        Storage::Cpu(CpuStorage::BF16(v)) => add(&v[start..end], dst),
+        Storage::Cpu(CpuStorage::F16(v)) => add(&v[start..end], dst),
+        Storage::Cpu(CpuStorage::F64(v)) => add(&v[start..end], dst),
+        _ => return Err(Error::InvalidArgument("the adapter adds float CPU tensors only".into())),
+    }
+    Ok(())
+}
+
 /// A tensor with the elements of a contiguous CPU storage (what a custom
-/// op's forward receives).
-pub fn tensor_from_storage(storage: &CpuStorage, layout: &Layout) -> candle_core::Result<Tensor> {
+/// op's forward receives); a candle variable when `variable` (a float input
+/// whose gradient a kept graph will give).
+pub fn tensor_from_storage(storage: &CpuStorage, layout: &Layout, variable: bool) -> candle_core::Result<Tensor> {
     let Some((start, end)) = layout.contiguous_offsets() else {
         candle_core::bail!("the adapter's custom op takes contiguous inputs")
     };
     let shape = layout.shape().clone();
     let dev = &CandleDevice::Cpu;
+    fn make<T: candle_core::WithDType>(
+        v: &[T],
+        shape: candle_core::Shape,
+        variable: bool,
+    ) -> candle_core::Result<Tensor> {
+        match variable {
+            true => Ok(Var::from_slice(v, shape, &CandleDevice::Cpu)?.into_inner()),
+            false => Tensor::from_slice(v, shape, &CandleDevice::Cpu),
+        }
+    }
     match storage {
         CpuStorage::U8(v) => Tensor::from_slice(&v[start..end], shape, dev),
         CpuStorage::U32(v) => Tensor::from_slice(&v[start..end], shape, dev),
         CpuStorage::I64(v) => Tensor::from_slice(&v[start..end], shape, dev),
-        CpuStorage::BF16(v) => Tensor::from_slice(&v[start..end], shape, dev),
-        CpuStorage::F16(v) => Tensor::from_slice(&v[start..end], shape, dev),
-        CpuStorage::F32(v) => Tensor::from_slice(&v[start..end], shape, dev),
-        CpuStorage::F64(v) => Tensor::from_slice(&v[start..end], shape, dev),
+        CpuStorage::BF16(v) => make(&v[start..end], shape, variable),
+        CpuStorage::F16(v) => make(&v[start..end], shape, variable),
+        CpuStorage::F32(v) => make(&v[start..end], shape, variable),
+        CpuStorage::F64(v) => make(&v[start..end], shape, variable),
         _ => candle_core::bail!("the adapter's custom op takes u8, u32, i64 or float inputs"),
     }
 }

@@ -3,11 +3,12 @@
 //! candle has no module hooks and differentiates the whole graph at once, so
 //! the adapter maps FSDP's per-group hooks onto candle custom ops
 //! ([`FsdpModel`]): a model is split into *stages*, each using one param
-//! group's parameters; a stage's forward all-gathers its group, computes
-//! without keeping a graph, and reshards; its backward all-gathers again,
-//! recomputes the stage (activation checkpointing), runs candle's backward
-//! on it, and hands the parameter gradients to FSDP's reduce-scatter. The
-//! design and its trade-offs are in `docs/fsdp.md`.
+//! group's parameters; a stage's forward all-gathers its group, computes,
+//! and reshards; its backward all-gathers again, recomputes the stage
+//! (activation checkpointing; or, per group, uses the graph kept from
+//! forward: [`Recompute`]), runs candle's backward on it, and hands the
+//! parameter gradients to FSDP's reduce-scatter. The design and its
+//! trade-offs are in `docs/fsdp.md`.
 //!
 //! The adapter runs on any chorus backend whose device holds host memory
 //! (the `cpu` device of the sim, simnccl and ucx backends): moving data
@@ -32,4 +33,4 @@ mod error;
 mod module;
 
 pub use error::{CheckpointError, Error, Result};
-pub use module::{named_tensors, take_params, AdapterTimes, FsdpModel, GroupId, StageFn, StageId};
+pub use module::{named_tensors, take_params, AdapterTimes, FsdpModel, GroupId, Recompute, StageFn, StageId};

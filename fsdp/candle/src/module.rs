@@ -6,17 +6,23 @@
 //! under their full names) and an input tensor. [`FsdpModel::run`] applies a
 //! stage as a candle [`CustomOp2`] on the input and a one-element anchor
 //! variable (so candle records the op even when the input, token ids, has no
-//! graph). Its forward runs FSDP's pre-forward (all-gather), copies the
-//! unsharded parameters into candle tensors, runs the stage without a graph,
-//! and runs FSDP's post-forward (reshard) once the group's last stage has
-//! run. Its backward runs FSDP's pre-backward (all-gather again; the
-//! prefetch of the next group), recomputes the stage with the parameters and
-//! the input as candle variables (activation checkpointing), runs candle's
-//! backward on it with the incoming gradient, adds the parameter gradients
-//! into FSDP's unsharded gradients, runs post-backward (reduce-scatter) once
-//! the group's last stage has been differentiated, and returns the input's
-//! gradient to candle's backward. The design and its trade-offs are in
-//! `docs/fsdp.md`.
+//! graph). Its forward runs FSDP's pre-forward (all-gather) at the group's
+//! first stage, reads the group's unsharded parameters into candle variables
+//! once for the phase, runs the stage, and runs FSDP's post-forward
+//! (reshard) once the group's last stage has run, dropping the candle copies
+//! with the device's. Its backward runs FSDP's pre-backward (all-gather
+//! again; the prefetch of the next group) and then, per group:
+//! - with **recompute** (activation checkpointing, the default): the stage
+//!   ran without a graph in forward; it is recomputed with the parameters
+//!   (read once for the backward phase) and the input as candle variables;
+//! - without: the stage ran with its graph in forward, and that graph (its
+//!   intermediates and the parameters it used) was kept for backward.
+//!
+//! candle's backward of `sum(out · grad_out)` then gives the parameter
+//! gradients, which are added straight from candle's storage into FSDP's
+//! unsharded gradients; post-backward (reduce-scatter) runs once the group's
+//! last stage has been differentiated, and the input's gradient goes back to
+//! candle's backward. The design and its trade-offs are in `docs/fsdp.md`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -26,15 +32,19 @@ use candle_core::{CpuStorage, CustomOp2, Device as CandleDevice, Layout, Shape, 
 use candle_nn::VarBuilder;
 use chorus_collectives::CommBackend;
 use chorus_devices::{Buffer, ComputeBackend, Stream};
-use chorus_fsdp::{DeferredParam, Fsdp, FsdpError, ParamInit, Reshard, ShardedOptimizer};
+use chorus_fsdp::{DeferredParam, Fsdp, FsdpError, ParamInit, Reshard, ShardedOptimizer, ShardedState};
 
-use crate::convert::{candle_dtype, start_readback, storage_of, tensor_from_readback, tensor_from_storage, to_f32_vec};
+use crate::convert::{
+    add_into_host, candle_dtype, host_memory, start_readback, storage_of, tensor_from_storage, to_f32_vec,
+    upload_tensor, var_from_host, var_from_readback,
+};
 use crate::{Error, Result};
 
 /// What a stage computes: builds its layers from the [`VarBuilder`] (the
 /// group's unsharded parameters under their full names, in the param dtype)
-/// and applies them to the input. It runs twice per step (forward, and the
-/// recomputation in backward), so it must be a pure function of its inputs.
+/// and applies them to the input. In a group that recomputes it runs twice
+/// per step (forward, and the recomputation in backward), so it must be a
+/// pure function of its inputs.
 pub type StageFn = dyn Fn(VarBuilder, &Tensor) -> candle_core::Result<Tensor> + Send + Sync;
 
 /// A param group of an [`FsdpModel`] (the index of its FSDP group).
@@ -51,22 +61,119 @@ pub struct AdapterTimes {
     /// Waiting for and copying unsharded parameters out of FSDP, and
     /// gradients into it (the host copies between candle and the device).
     pub transfer: Duration,
-    /// Running stages (forward and recomputation with backward), in candle.
+    /// Running stages (forward, recomputation, backward), in candle.
     pub compute: Duration,
     /// Stage applications (forward) and differentiations (backward).
     pub stage_calls: usize,
+    /// Stages recomputed in backward (those of groups that recompute).
+    pub recomputed: usize,
 }
 
-#[derive(Default)]
+/// Which groups recompute their stages in backward (activation
+/// checkpointing) and which keep their forward graphs (FSDP2 recomputes
+/// only the blocks the user wraps in checkpointing). Written `true`, `false`
+/// or a comma-separated list of the groups that recompute (`blocks.0,blocks.1`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Recompute {
+    /// Every group recomputes (the least memory).
+    #[default]
+    All,
+    /// No group recomputes (the least compute).
+    Nothing,
+    /// The named groups recompute; the others keep their graphs.
+    Groups(Vec<String>),
+}
+
+impl Recompute {
+    /// Whether the group named `group` recomputes.
+    pub fn applies_to(&self, group: &str) -> bool {
+        match self {
+            Recompute::All => true,
+            Recompute::Nothing => false,
+            Recompute::Groups(names) => names.iter().any(|n| n == group),
+        }
+    }
+}
+
+impl std::str::FromStr for Recompute {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "true" => Ok(Recompute::All),
+            "false" => Ok(Recompute::Nothing),
+            list => {
+                let names: Vec<String> = list.split(',').map(|n| n.trim().to_string()).collect();
+                if names.iter().any(|n| n.is_empty()) {
+                    return Err(format!("`{list}`: expected true, false or a comma-separated list of group names"));
+                }
+                Ok(Recompute::Groups(names))
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Recompute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Recompute::All => f.write_str("true"),
+            Recompute::Nothing => f.write_str("false"),
+            Recompute::Groups(names) => f.write_str(&names.join(",")),
+        }
+    }
+}
+
+/// A group's unsharded parameters as candle variables, read once per phase
+/// (forward, backward) and shared by the phase's stages.
+struct PhaseParams {
+    /// In the group's parameter order (FSDP's index `i`).
+    vars: Arc<Vec<Var>>,
+    /// The variables under their names: stages that build a graph.
+    tracked: VarBuilder<'static>,
+    /// The same storage without a graph: forward stages that will be recomputed.
+    detached: VarBuilder<'static>,
+}
+
+impl PhaseParams {
+    fn new(names: Vec<String>, vars: Vec<Var>, dtype: candle_core::DType) -> Self {
+        let dev = &CandleDevice::Cpu;
+        let tracked = names.iter().cloned().zip(vars.iter().map(|v| v.as_tensor().clone())).collect::<HashMap<_, _>>();
+        let detached = names.into_iter().zip(vars.iter().map(|v| v.as_detached_tensor())).collect::<HashMap<_, _>>();
+        PhaseParams {
+            vars: Arc::new(vars),
+            tracked: VarBuilder::from_tensors(tracked, dtype, dev),
+            detached: VarBuilder::from_tensors(detached, dtype, dev),
+        }
+    }
+}
+
+/// What a stage of a group without recompute keeps from forward for its
+/// backward: its output with candle's graph, the variable of its input (for
+/// float inputs), and the parameters the graph refers to.
+struct SavedGraph {
+    out: Tensor,
+    input: Option<Var>,
+    vars: Arc<Vec<Var>>,
+}
+
 struct GroupInfo {
     stages: usize,
     forward_runs: usize,
     backward_pending: usize,
+    recompute: bool,
+    params: Option<PhaseParams>,
+}
+
+impl Default for GroupInfo {
+    fn default() -> Self {
+        GroupInfo { stages: 0, forward_runs: 0, backward_pending: 0, recompute: true, params: None }
+    }
 }
 
 struct Shared<C: CommBackend> {
     fsdp: Fsdp<C>,
     groups: Vec<GroupInfo>,
+    /// Per stage: the graph kept from forward (groups without recompute).
+    saved: Vec<Option<SavedGraph>>,
     /// The FSDP error behind the last failed op: candle's error type cannot
     /// carry it, so [`FsdpModel`] takes it back from here.
     parked: Option<FsdpError>,
@@ -77,38 +184,91 @@ impl<C: CommBackend> Shared<C>
 where
     C::B: ComputeBackend,
 {
-    /// Group `g`'s unsharded parameters as candle tensors (names, tensors).
-    fn read_params(&mut self, g: usize) -> Result<Vec<(String, Tensor)>> {
-        let t0 = Instant::now();
-        let specs = self.fsdp.group_params(g)?;
-        let s = self.fsdp.compute_stream();
-        let mut pending = Vec::with_capacity(specs.len());
-        for (i, (name, shape)) in specs.into_iter().enumerate() {
-            pending.push((name, shape, start_readback(s, self.fsdp.param(g, i)?)?));
+    fn group_info(&self, g: usize) -> Result<&GroupInfo> {
+        self.groups.get(g).ok_or_else(|| Error::InvalidArgument(format!("no group {g}")))
+    }
+
+    /// Group `g`'s unsharded parameters as candle variables, read from FSDP
+    /// once per phase: one copy each where the device's memory is the
+    /// host's (after synchronizing the compute stream, which orders every
+    /// write to them), else a readback each.
+    fn phase_params(&mut self, g: usize) -> Result<&PhaseParams> {
+        if self.groups[g].params.is_none() {
+            let t0 = Instant::now();
+            let specs = self.fsdp.group_params(g)?;
+            let dtype = self.param_dtype()?;
+            let s = self.fsdp.compute_stream();
+            let mut names = Vec::with_capacity(specs.len());
+            let mut vars = Vec::with_capacity(specs.len());
+            if specs.is_empty() || host_memory(self.fsdp.param(g, 0)?).is_some() {
+                s.synchronize().map_err(FsdpError::from)?;
+                for (i, (name, shape)) in specs.into_iter().enumerate() {
+                    let src = host_memory(self.fsdp.param(g, i)?)
+                        .ok_or_else(|| Error::InvalidArgument("a group's parameters on two kinds of device".into()))?;
+                    // SAFETY: the compute stream, the only writer of the
+                    // unsharded parameters, is synchronized, and nothing is
+                    // enqueued until the copy is made.
+                    vars.push(unsafe { var_from_host(&src, &shape) }?);
+                    names.push(name);
+                }
+            } else {
+                let mut pending = Vec::with_capacity(specs.len());
+                for (i, (name, shape)) in specs.into_iter().enumerate() {
+                    pending.push((name, shape, start_readback(s, self.fsdp.param(g, i)?)?));
+                }
+                for (name, shape, rb) in pending {
+                    vars.push(var_from_readback(rb, &shape)?);
+                    names.push(name);
+                }
+            }
+            self.groups[g].params = Some(PhaseParams::new(names, vars, dtype));
+            self.times.transfer += t0.elapsed();
         }
-        let out = pending
-            .into_iter()
-            .map(|(name, shape, rb)| Ok((name, tensor_from_readback(rb, &shape)?)))
-            .collect::<Result<Vec<_>>>();
-        self.times.transfer += t0.elapsed();
-        out
+        self.groups[g].params.as_ref().ok_or_else(|| Error::InvalidArgument(format!("group {g} has no parameters")))
     }
 
     fn param_dtype(&self) -> Result<candle_core::DType> {
         candle_dtype(self.fsdp.mixed_precision().param())
     }
 
-    fn forward_stage(&mut self, g: usize, f: &StageFn, x: &Tensor) -> Result<Tensor> {
-        let info = self.groups.get(g).ok_or_else(|| Error::InvalidArgument(format!("no group {g}")))?;
-        if info.forward_runs == 0 {
+    fn forward_stage(&mut self, stage: usize, g: usize, f: &StageFn, x: &Tensor) -> Result<Tensor> {
+        let info = self.group_info(g)?;
+        let (recompute, first) = (info.recompute, info.forward_runs == 0);
+        if !recompute && self.saved.get(stage).is_some_and(|s| s.is_some()) {
+            return Err(Error::InvalidArgument(format!(
+                "stage {stage} ran forward again before its backward; a group that keeps its graph runs each stage once per backward"
+            )));
+        }
+        if first {
             self.fsdp.pre_forward(g)?;
         }
-        let params = self.read_params(g)?;
         let dtype = self.param_dtype()?;
+        let params = self.phase_params(g)?;
+        let (vb, vars) = match recompute {
+            true => (params.detached.clone(), None),
+            false => (params.tracked.clone(), Some(params.vars.clone())),
+        };
         let t0 = Instant::now();
-        let vb = VarBuilder::from_tensors(params.into_iter().collect::<HashMap<_, _>>(), dtype, &CandleDevice::Cpu);
-        let x = if x.dtype().is_float() { x.to_dtype(dtype)? } else { x.clone() };
-        let out = f(vb, &x)?;
+        let out = match vars {
+            None => {
+                let x = if x.dtype().is_float() { x.to_dtype(dtype)? } else { x.clone() };
+                f(vb, &x)?
+            }
+            Some(vars) => {
+                // The op's input is already a variable (`tensor_from_storage`): no copy.
+                let input = if x.dtype().is_float() { Some(Var::from_tensor(x)?) } else { None };
+                let xin = match &input {
+                    Some(v) => v.as_tensor().to_dtype(dtype)?,
+                    None => x.clone(),
+                };
+                let out = f(vb, &xin)?;
+                if self.saved.len() <= stage {
+                    self.saved.resize_with(stage + 1, || None);
+                }
+                self.saved[stage] = Some(SavedGraph { out: out.clone(), input, vars });
+                out
+            }
+        };
         self.times.compute += t0.elapsed();
         self.times.stage_calls += 1;
         let info = &mut self.groups[g];
@@ -117,51 +277,84 @@ where
             info.forward_runs = 0;
             info.backward_pending = info.stages;
             self.fsdp.post_forward(g)?;
+            // The candle copies go with the device's; a group that stays
+            // unsharded (the root) keeps them for its backward.
+            if self.fsdp.sharded_state(g)? != ShardedState::Unsharded {
+                self.groups[g].params = None;
+            }
         }
         Ok(out)
     }
 
-    fn backward_stage(&mut self, g: usize, f: &StageFn, input: &Tensor, grad_out: &Tensor) -> Result<Option<Tensor>> {
-        if g >= self.groups.len() {
-            return Err(Error::InvalidArgument(format!("no group {g}")));
-        }
+    fn backward_stage(
+        &mut self,
+        stage: usize,
+        g: usize,
+        f: &StageFn,
+        input: &Tensor,
+        grad_out: &Tensor,
+    ) -> Result<Option<Tensor>> {
+        let recompute = self.group_info(g)?.recompute;
         self.fsdp.pre_backward(g)?;
-        let params = self.read_params(g)?;
         let dtype = self.param_dtype()?;
-        let t0 = Instant::now();
-        let vars = params
-            .into_iter()
-            .map(|(name, t)| Ok((name, Var::from_tensor(&t)?)))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let vb = VarBuilder::from_tensors(
-            vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect(),
-            dtype,
-            &CandleDevice::Cpu,
-        );
-        let x_var = if input.dtype().is_float() { Some(Var::from_tensor(&input.detach())?) } else { None };
-        let x = match &x_var {
-            Some(v) => v.as_tensor().to_dtype(dtype)?,
-            None => input.detach(),
+        let (grads, vars, x_var) = if recompute {
+            let params = self.phase_params(g)?;
+            let (vb, vars) = (params.tracked.clone(), params.vars.clone());
+            let t0 = Instant::now();
+            let x_var = if input.dtype().is_float() { Some(Var::from_tensor(&input.detach())?) } else { None };
+            let x = match &x_var {
+                Some(v) => v.as_tensor().to_dtype(dtype)?,
+                None => input.detach(),
+            };
+            let out = f(vb, &x)?;
+            // d(sum(out · grad_out))/dθ is exactly the vector-Jacobian product candle's backward wants.
+            let grads = (out * grad_out.detach())?.sum_all()?.backward()?;
+            self.times.compute += t0.elapsed();
+            self.times.recomputed += 1;
+            (grads, vars, x_var)
+        } else {
+            let saved =
+                self.saved.get_mut(stage).and_then(Option::take).ok_or_else(|| {
+                    Error::InvalidArgument(format!("stage {stage} has no graph kept from its forward"))
+                })?;
+            let t0 = Instant::now();
+            let grads = (saved.out * grad_out.detach())?.sum_all()?.backward()?;
+            self.times.compute += t0.elapsed();
+            (grads, saved.vars, saved.input)
         };
-        let out = f(vb, &x)?;
-        // d(sum(out · grad_out))/dθ is exactly the vector-Jacobian product candle's backward wants.
-        let grads = (out * grad_out.detach())?.sum_all()?.backward()?;
-        self.times.compute += t0.elapsed();
         self.times.stage_calls += 1;
         let t1 = Instant::now();
         let s = self.fsdp.compute_stream();
-        for (i, (_, var)) in vars.iter().enumerate() {
-            if let Some(grad) = grads.get(var.as_tensor()) {
-                let dst = self.fsdp.grad(g, i)?;
-                let staged = s.alloc(dst.dtype(), dst.len()).map_err(FsdpError::from)?;
-                crate::convert::upload_tensor(s, &grad.to_dtype(dtype)?, staged.view())?;
-                s.accumulate(staged.view(), dst).map_err(FsdpError::from)?;
+        // Host memory is written directly: the compute stream (zeroed
+        // gradients, earlier accumulations) must have run first.
+        let mut synchronized = false;
+        for (i, var) in vars.iter().enumerate() {
+            let Some(grad) = grads.get(var.as_tensor()) else { continue };
+            let grad = grad.to_dtype(dtype)?;
+            let dst = self.fsdp.grad(g, i)?;
+            match host_memory(dst) {
+                Some(dst) => {
+                    if !synchronized {
+                        s.synchronize().map_err(FsdpError::from)?;
+                        synchronized = true;
+                    }
+                    // SAFETY: the compute stream, the only user of the
+                    // unsharded gradients until post-backward, is
+                    // synchronized and nothing is enqueued during the add.
+                    unsafe { add_into_host(&grad, &dst) }?;
+                }
+                None => {
+                    let staged = s.alloc(dst.dtype(), dst.len()).map_err(FsdpError::from)?;
+                    upload_tensor(s, &grad, staged.view())?;
+                    s.accumulate(staged.view(), dst).map_err(FsdpError::from)?;
+                }
             }
         }
         self.times.transfer += t1.elapsed();
         let info = &mut self.groups[g];
         info.backward_pending = info.backward_pending.saturating_sub(1);
         if info.backward_pending == 0 {
+            info.params = None;
             self.fsdp.post_backward(g)?;
         }
         Ok(match &x_var {
@@ -172,11 +365,22 @@ where
             None => None,
         })
     }
+
+    /// Forgets every phase's parameters and kept graph: the step is over.
+    fn end_step(&mut self) {
+        self.groups.iter_mut().for_each(|g| {
+            g.forward_runs = 0;
+            g.backward_pending = 0;
+            g.params = None;
+        });
+        self.saved.iter_mut().for_each(|s| *s = None);
+    }
 }
 
 /// One stage as a candle custom op (see the module docs).
 struct StageOp<C: CommBackend> {
     shared: Arc<Mutex<Shared<C>>>,
+    stage: usize,
     group: usize,
     f: Arc<StageFn>,
 }
@@ -215,9 +419,12 @@ where
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let x = tensor_from_storage(s1, l1)?;
         let mut shared = lock(&self.shared)?;
-        let out = shared.forward_stage(self.group, self.f.as_ref(), &x).map_err(|e| park(&mut shared, e))?;
+        // A stage that keeps its graph differentiates by its input: make it a variable (no second copy).
+        let keeps_graph = shared.groups.get(self.group).is_some_and(|g| !g.recompute);
+        let x = tensor_from_storage(s1, l1, keeps_graph)?;
+        let out =
+            shared.forward_stage(self.stage, self.group, self.f.as_ref(), &x).map_err(|e| park(&mut shared, e))?;
         Ok((storage_of(&out)?, out.shape().clone()))
     }
 
@@ -229,8 +436,9 @@ where
         grad_res: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let mut shared = lock(&self.shared)?;
-        let gx =
-            shared.backward_stage(self.group, self.f.as_ref(), arg1, grad_res).map_err(|e| park(&mut shared, e))?;
+        let gx = shared
+            .backward_stage(self.stage, self.group, self.f.as_ref(), arg1, grad_res)
+            .map_err(|e| park(&mut shared, e))?;
         Ok((gx, None))
     }
 }
@@ -272,7 +480,13 @@ where
         let groups = (0..fsdp.num_groups()).map(|_| GroupInfo::default()).collect();
         let anchor = Var::zeros(1, candle_core::DType::F32, &CandleDevice::Cpu)?;
         Ok(FsdpModel {
-            shared: Arc::new(Mutex::new(Shared { fsdp, groups, parked: None, times: AdapterTimes::default() })),
+            shared: Arc::new(Mutex::new(Shared {
+                fsdp,
+                groups,
+                saved: Vec::new(),
+                parked: None,
+                times: AdapterTimes::default(),
+            })),
             anchor,
             stages: Vec::new(),
         })
@@ -331,9 +545,49 @@ where
             shared.groups.get_mut(group.0).ok_or_else(|| Error::InvalidArgument(format!("no group {}", group.0)))?;
         info.stages += 1;
         drop(shared);
-        let op = StageOp { shared: self.shared.clone(), group: group.0, f: Arc::new(f) };
+        let stage = self.stages.len();
+        let op = StageOp { shared: self.shared.clone(), stage, group: group.0, f: Arc::new(f) };
         self.stages.push((group.0, Arc::new(Box::new(op))));
         Ok(StageId(self.stages.len() - 1))
+    }
+
+    /// Whether `group` recomputes its stages in backward (activation
+    /// checkpointing; the default) or keeps their graphs from forward:
+    /// faster by a forward per stage, at the memory of the group's candle
+    /// parameters and intermediates from forward until backward (the bounds
+    /// are in `docs/fsdp.md`). Set between steps.
+    pub fn set_recompute(&self, group: GroupId, recompute: bool) -> Result<()> {
+        let mut shared = self.lock()?;
+        let info =
+            shared.groups.get_mut(group.0).ok_or_else(|| Error::InvalidArgument(format!("no group {}", group.0)))?;
+        if info.forward_runs != 0 || info.backward_pending != 0 {
+            return Err(Error::InvalidArgument(format!("group {} is in a step; set recompute between steps", group.0)));
+        }
+        info.recompute = recompute;
+        Ok(())
+    }
+
+    /// Sets every group's recompute choice from `recompute` by the groups'
+    /// names; a name that is no group is an error (nothing is changed).
+    pub fn apply_recompute(&self, recompute: &Recompute) -> Result<()> {
+        let names = {
+            let shared = self.lock()?;
+            (0..shared.fsdp.num_groups())
+                .map(|g| Ok(shared.fsdp.group_name(g)?.to_string()))
+                .collect::<Result<Vec<_>>>()?
+        };
+        if let Recompute::Groups(listed) = recompute {
+            if let Some(unknown) = listed.iter().find(|n| !names.contains(n)) {
+                return Err(Error::InvalidArgument(format!(
+                    "recompute names `{unknown}`, which is no group (the groups: {})",
+                    names.join(", ")
+                )));
+            }
+        }
+        for (g, name) in names.iter().enumerate() {
+            self.set_recompute(GroupId(g), recompute.applies_to(name))?;
+        }
+        Ok(())
     }
 
     /// Applies `stage` to `x`: the output carries candle's graph, so the
@@ -358,8 +612,13 @@ where
     /// reduction). The sharded gradients are then ready for clipping and the
     /// optimizer.
     pub fn backward(&self, loss: &Tensor) -> Result<()> {
-        self.unpark(loss.backward().map(|_| ()))?;
-        self.lock()?.fsdp.finalize_backward()?;
+        let result = self.unpark(loss.backward().map(|_| ()));
+        let mut shared = self.lock()?;
+        // Whatever candle's backward reached, nothing of this step's phases
+        // may outlive it (a stage off the loss's path is never differentiated).
+        shared.end_step();
+        result?;
+        shared.fsdp.finalize_backward()?;
         Ok(())
     }
 
@@ -367,10 +626,7 @@ where
     /// groups return to idle.
     pub fn finish_without_backward(&self) -> Result<()> {
         let mut shared = self.lock()?;
-        shared.groups.iter_mut().for_each(|g| {
-            g.forward_runs = 0;
-            g.backward_pending = 0
-        });
+        shared.end_step();
         shared.fsdp.finalize_backward()?;
         Ok(())
     }
