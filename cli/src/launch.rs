@@ -33,6 +33,15 @@
 //! failed: the first launcher to see it publishes it and every node stops
 //! its ranks, so a dead or hung host ends the job within seconds instead of
 //! `--timeout`.
+//!
+//! UCX takes two processes with the same boot id and IPC namespace for one
+//! machine and joins them by shared memory, whose wake-ups (abstract Unix
+//! sockets) do not cross network namespaces: nodes that are containers
+//! sharing a machine's IPC namespace but not its network stall about 100 ms
+//! per message. Each launcher publishes what UCX compares ([`MachineView`]);
+//! where two nodes would be joined that way, the ranks get
+//! `UCX_TLS=^sm` (no shared memory) unless `UCX_TLS` is set, and the
+//! launcher says so.
 
 mod forward;
 mod guardian;
@@ -318,6 +327,60 @@ struct Job {
     /// This node's heartbeat and its watch on the others' (several nodes only).
     heartbeat: Option<Heartbeat>,
     watch: Option<NodeWatch>,
+    /// Variables every rank gets besides torchrun's (the shared-memory workaround).
+    rank_env: Vec<(String, String)>,
+    /// Node 0's store did not answer: nothing more is sent to it (each try would wait --node-timeout).
+    store_lost: bool,
+}
+
+/// What UCX compares to decide whether two processes are on one machine
+/// (and may use shared memory): the kernel's boot id and the IPC namespace;
+/// and the network namespace, which UCX does not compare but its
+/// shared-memory wake-ups need.
+#[derive(Debug, PartialEq)]
+struct MachineView {
+    boot_id: String,
+    ipc: String,
+    net: String,
+}
+
+impl MachineView {
+    fn of_this_process() -> MachineView {
+        let read = |path: &str| std::fs::read_to_string(path).map(|s| s.trim().to_string()).unwrap_or_default();
+        let link = |path: &str| std::fs::read_link(path).map(|p| p.display().to_string()).unwrap_or_default();
+        MachineView {
+            boot_id: read("/proc/sys/kernel/random/boot_id"),
+            ipc: link("/proc/self/ns/ipc"),
+            net: link("/proc/self/ns/net"),
+        }
+    }
+
+    fn encode(&self) -> String {
+        format!("{} {} {}", self.boot_id, self.ipc, self.net)
+    }
+
+    fn decode(s: &str) -> Option<MachineView> {
+        let mut parts = s.split(' ');
+        let (boot_id, ipc, net) = (parts.next()?, parts.next()?, parts.next()?);
+        Some(MachineView { boot_id: boot_id.into(), ipc: ipc.into(), net: net.into() })
+    }
+
+    /// The first two nodes (of their encoded views) that UCX would take for
+    /// one machine although their network namespaces differ. A view that
+    /// could not be read (an empty field) matches nothing.
+    fn shared_memory_across_networks(views: &[String]) -> Option<(usize, usize)> {
+        let views: Vec<Option<MachineView>> = views.iter().map(|v| MachineView::decode(v)).collect();
+        for (a, va) in views.iter().enumerate() {
+            for (b, vb) in views.iter().enumerate().skip(a + 1) {
+                let (Some(va), Some(vb)) = (va, vb) else { continue };
+                let known = [&va.boot_id, &va.ipc, &va.net].iter().all(|f| !f.is_empty());
+                if known && va.boot_id == vb.boot_id && va.ipc == vb.ipc && va.net != vb.net {
+                    return Some((a, b));
+                }
+            }
+        }
+        None
+    }
 }
 
 /// Bumps this node's heartbeat key every [`HEARTBEAT`] on a thread of its
@@ -432,6 +495,7 @@ impl Job {
             // Before this node counts as joined: every node's key exists once all have.
             store.add(&beat, 1)?;
         }
+        store.set(&plan.key(&format!("view/{}", plan.node_rank)), MachineView::of_this_process().encode().as_bytes())?;
         store.set(&plan.key(&format!("node/{}", plan.node_rank)), plan.nproc.to_string().as_bytes())?;
         let node_keys: Vec<String> = (0..plan.nnodes).map(|n| plan.key(&format!("node/{n}"))).collect();
         let node_keys: Vec<&str> = node_keys.iter().map(String::as_str).collect();
@@ -446,6 +510,28 @@ impl Job {
                     plan.node_rank,
                     plan.nproc
                 );
+            }
+        }
+        let view_keys: Vec<String> = (0..plan.nnodes).map(|n| plan.key(&format!("view/{n}"))).collect();
+        let view_keys: Vec<&str> = view_keys.iter().map(String::as_str).collect();
+        let views: Vec<String> =
+            store.multi_get(&view_keys, plan.timeout)?.iter().map(|v| String::from_utf8_lossy(v).into_owned()).collect();
+        let mut rank_env = Vec::new();
+        if let Some((a, b)) = MachineView::shared_memory_across_networks(&views) {
+            let why = format!(
+                "nodes {a} and {b} share this machine's boot id and IPC namespace but not its network namespace: UCX \
+                 would join their ranks by shared memory, whose wake-ups do not cross network namespaces (each \
+                 message stalls ~100 ms)"
+            );
+            match std::env::var_os("UCX_TLS") {
+                None => {
+                    eprintln!("chorus launch: {why}; the ranks get UCX_TLS=^sm (no shared-memory transports)");
+                    rank_env.push(("UCX_TLS".to_string(), "^sm".to_string()));
+                }
+                Some(tls) => eprintln!(
+                    "chorus launch: warning: {why}; UCX_TLS is set ({}), so it is left as it is (^sm avoids it)",
+                    tls.to_string_lossy()
+                ),
             }
         }
         let (mut store, mut heartbeat, mut watch) = (store, None, None);
@@ -476,6 +562,8 @@ impl Job {
             open_files: None,
             heartbeat,
             watch,
+            rank_env,
+            store_lost: false,
         })
     }
 
@@ -531,7 +619,10 @@ impl Job {
                         Ok(v) => String::from_utf8_lossy(&v).into_owned(),
                         Err(e) => format!("another node failed (its report is unreadable: {e})"),
                     }),
-                    Err(e) => Some(format!("lost the job's store at {}: {e}", self.address)),
+                    Err(e) => {
+                        self.store_lost = true;
+                        Some(format!("lost the job's store at {}: {e}", self.address))
+                    }
                 };
                 let remote = remote.or_else(|| match self.watch.as_mut()?.silent(&self.store, plan, 0..plan.nnodes) {
                     Ok(None) => None,
@@ -540,7 +631,10 @@ impl Job {
                         let _ = self.store.set(&plan.key("failed"), what.as_bytes());
                         Some(what)
                     }
-                    Err(e) => Some(format!("lost the job's store at {}: {e}", self.address)),
+                    Err(e) => {
+                        self.store_lost = true;
+                        Some(format!("lost the job's store at {}: {e}", self.address))
+                    }
                 });
                 if let Some(what) = remote {
                     eprintln!("chorus launch: {what}; stopping the ranks of node {}", plan.node_rank);
@@ -614,6 +708,7 @@ impl Job {
         command
             .args(&plan.args)
             .envs(vars)
+            .envs(self.rank_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -750,6 +845,9 @@ impl Job {
     /// Reports this node finished; node 0 keeps the store up until every
     /// node has finished or gone silent.
     fn finish(&mut self, plan: &Plan) {
+        if self.store_lost {
+            return;
+        }
         let _ = self.store.set(&plan.key(&format!("finished/{}", plan.node_rank)), b"1");
         if self.server.is_none() || plan.nnodes == 1 {
             self.heartbeat = None;
@@ -841,6 +939,27 @@ fn signal_name(signal: i32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nodes_sharing_memory_but_not_the_network_are_found() {
+        let view = |boot: &str, ipc: &str, net: &str| {
+            MachineView { boot_id: boot.into(), ipc: ipc.into(), net: net.into() }.encode()
+        };
+        let find = MachineView::shared_memory_across_networks;
+        // Containers on one machine sharing its IPC namespace, each its own network.
+        assert_eq!(find(&[view("b", "ipc:[1]", "net:[7]"), view("b", "ipc:[1]", "net:[8]")]), Some((0, 1)));
+        // Each its own IPC namespace (UCX uses TCP between them), or another machine, or one network.
+        assert_eq!(find(&[view("b", "ipc:[1]", "net:[7]"), view("b", "ipc:[2]", "net:[8]")]), None);
+        assert_eq!(find(&[view("b", "ipc:[1]", "net:[7]"), view("c", "ipc:[1]", "net:[8]")]), None);
+        assert_eq!(find(&[view("b", "ipc:[1]", "net:[7]"), view("b", "ipc:[1]", "net:[7]")]), None);
+        // The third node pairs with the first; unreadable views match nothing.
+        let three = [view("b", "ipc:[1]", "net:[7]"), view("c", "ipc:[1]", "net:[8]"), view("b", "ipc:[1]", "net:[9]")];
+        assert_eq!(find(&three), Some((0, 2)));
+        assert_eq!(find(&[view("", "", ""), view("", "", "net:[8]")]), None);
+        assert_eq!(find(&["garbage".to_string(), view("b", "ipc:[1]", "net:[8]")]), None);
+        let here = MachineView::of_this_process();
+        assert_eq!(MachineView::decode(&here.encode()), Some(here));
+    }
 
     #[test]
     fn statuses_are_described_with_code_or_signal() {
