@@ -439,9 +439,7 @@ impl NodeWatch {
             if *last != beat {
                 *last = beat;
                 *since = Instant::now();
-            } else if since.elapsed() >= plan.node_timeout
-                && !store.check(&[&plan.key(&format!("finished/{node}"))])?
-            {
+            } else if since.elapsed() >= plan.node_timeout && !store.check(&[&plan.key(&format!("finished/{node}"))])? {
                 return Ok(Some((node, since.elapsed())));
             }
         }
@@ -495,7 +493,8 @@ impl Job {
             // Before this node counts as joined: every node's key exists once all have.
             store.add(&beat, 1)?;
         }
-        store.set(&plan.key(&format!("view/{}", plan.node_rank)), MachineView::of_this_process().encode().as_bytes())?;
+        store
+            .set(&plan.key(&format!("view/{}", plan.node_rank)), MachineView::of_this_process().encode().as_bytes())?;
         store.set(&plan.key(&format!("node/{}", plan.node_rank)), plan.nproc.to_string().as_bytes())?;
         let node_keys: Vec<String> = (0..plan.nnodes).map(|n| plan.key(&format!("node/{n}"))).collect();
         let node_keys: Vec<&str> = node_keys.iter().map(String::as_str).collect();
@@ -514,8 +513,11 @@ impl Job {
         }
         let view_keys: Vec<String> = (0..plan.nnodes).map(|n| plan.key(&format!("view/{n}"))).collect();
         let view_keys: Vec<&str> = view_keys.iter().map(String::as_str).collect();
-        let views: Vec<String> =
-            store.multi_get(&view_keys, plan.timeout)?.iter().map(|v| String::from_utf8_lossy(v).into_owned()).collect();
+        let views: Vec<String> = store
+            .multi_get(&view_keys, plan.timeout)?
+            .iter()
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .collect();
         let mut rank_env = Vec::new();
         if let Some((a, b)) = MachineView::shared_memory_across_networks(&views) {
             let why = format!(
