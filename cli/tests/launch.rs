@@ -372,7 +372,7 @@ fn a_lost_node_ends_the_job(victim: usize, signal: libc::c_int, says: &[&str]) {
     let port = free_port().to_string();
     let script = format!("echo $$ > {}/pid.$RANK; exec sleep 60", dir.display());
     let node = |rank: &str| node(&port, rank, "2", &["--grace", "1"], &["sh", "-c", &script]);
-    let mut nodes = vec![Some(node("0")), Some(node("1"))];
+    let mut nodes = [Some(node("0")), Some(node("1"))];
     let ranks = pids(&dir, 4);
     let lost = nodes[victim].take().unwrap();
     let mut targets = vec![lost.id()];
