@@ -7,10 +7,11 @@
 #   2. FSDP training across the hosts ends with the simulator's parameters;
 #   3. faults during a collective: every process of one host killed
 #      (SIGKILL), or stopped (SIGSTOP: a hung host), for the host that runs
-#      the store and for the other: the surviving launcher exits non-zero
-#      within 10 s, naming the failure; no process is left on any host.
+#      the store and for the other, and one host's link set down (a
+#      partition): the surviving launchers exit non-zero within 10 s, naming
+#      the failure; no process is left on any host;
 #   4. hosts sharing the machine's hostname and IPC namespace: no stalls.
-# Prints the time each fault took to detect. About 1.5 minutes on 2 cores.
+# Prints the time each fault took to detect. About 1.7 minutes on 2 cores.
 #
 #   ci/multihost-test.sh [path/to/chorus]   (default: target/debug/chorus, built with --features ucx)
 set -euo pipefail
@@ -132,7 +133,8 @@ EOF
 echo "multihost: FSDP took $(since "$start") s"
 
 # fault VICTIM SIGNAL: both hosts in a long all_gather; every process of host
-# VICTIM gets SIGNAL; the other launcher must exit non-zero within DETECT_LIMIT s.
+# VICTIM gets SIGNAL (PARTITION: its link is set down instead); the other
+# launcher (for a partition: both) must exit non-zero within DETECT_LIMIT s.
 fault() {
     local victim=$1 signal=$2 survivor=$((1 - $1))
     launch_on 0 "$WORK/f0.log" bench --backend ucx --world-size 4 --op all_gather --min-bytes 1M --max-bytes 1M \
@@ -146,11 +148,23 @@ fault() {
         sleep 0.05
     done
     sleep 3
-    local t0=$EPOCHREALTIME rc=0
-    host_signal "$victim" "$signal"
-    wait_launcher "$survivor" 30 || rc=$?
+    local t0=$EPOCHREALTIME rc=0 rc_victim=0
+    if [[ "$signal" == PARTITION ]]; then
+        host_link "$victim" down
+        wait_launcher "$survivor" 30 || rc=$?
+        wait_launcher "$victim" 30 || rc_victim=$?
+        host_link "$victim" up
+    else
+        host_signal "$victim" "$signal"
+        wait_launcher "$survivor" 30 || rc=$?
+    fi
     local took
     took=$(since "$t0")
+    if [[ "$signal" == PARTITION ]]; then
+        echo "multihost: fault: host $victim cut off: its launcher exited $rc_victim, both within $took s"
+        grep -E 'chorus launch: failed' "$WORK/f$victim.log" | sed 's/^/    /'
+        ((rc_victim != 0 && rc_victim != 124)) || fail "fault: the cut-off launcher exited $rc_victim"
+    fi
     echo "multihost: fault: host $victim ${signal}: host $survivor's launcher exited $rc after $took s"
     grep -E 'chorus launch: failed|not been heard|lost the job|rank [0-9].*(error|aborted|timed out|reset)' \
         "$WORK/f$survivor.log" | head -n 6 | sed 's/^/    /'
@@ -158,6 +172,11 @@ fault() {
     awk -v t="$took" -v l="$DETECT_LIMIT" 'BEGIN { exit !(t < l) }' ||
         fail "fault: host $victim $signal took $took s to end the job (limit $DETECT_LIMIT s)"
     grep -q 'chorus launch: failed' "$WORK/f$survivor.log" || fail "fault: no failure summary"
+    # A killed peer resets the connections: a surviving rank reports the typed error before it is stopped.
+    if [[ "$signal" == KILL ]]; then
+        grep -qE '^\[rank [0-9]+\] error: .*(communicator aborted|timed out)' "$WORK/f$survivor.log" ||
+            fail "fault: no surviving rank reported a typed error"
+    fi
     # The survivor left nothing behind.
     tries=0
     until [[ -z "$(host_pids "$survivor")" ]]; do
@@ -175,6 +194,7 @@ fault 1 KILL
 fault 1 STOP
 fault 0 KILL
 fault 0 STOP
+fault 1 PARTITION
 
 step "hosts sharing the machine's hostname and IPC namespace: no 100 ms stalls (UCX's shared memory across network namespaces)"
 cluster_down

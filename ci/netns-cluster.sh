@@ -19,7 +19,7 @@
 # cluster down on exit, also after a failure or a signal. Needs root.
 #
 # Sourced (`source ci/netns-cluster.sh`), it defines the functions
-# cluster_up, cluster_down, host_exec, host_pids and host_signal for scripts
+# cluster_up, cluster_down, host_exec, host_pids, host_signal and host_link for scripts
 # such as ci/multihost-test.sh, and runs nothing.
 
 NETNS_NET=198.18.0
@@ -149,6 +149,10 @@ host_signal() {
     kill "-$2" $pids 2>/dev/null || true
 }
 
+# host_link I up|down: sets host I's link (the bridge side of its veth) up
+# or down; down cuts the host off the others (a partition).
+host_link() { ip link set "${NETNS_PREFIX}v$1" "$2"; }
+
 # cluster_down: kills every process of every host, then removes the
 # namespaces (their veths go with them) and the bridge.
 cluster_down() {
@@ -162,6 +166,9 @@ cluster_down() {
         ns=$(host_ns "$i")
         local tries=0
         while [[ -n "$(ip netns pids "$ns" 2>/dev/null)" ]] && ((tries++ < 100)); do sleep 0.05; done
+        # The veth now, not when the kernel frees the namespace (later, while
+        # sockets of a cut-off host linger): a new cluster may reuse its name.
+        ip link del "${NETNS_PREFIX}v$i" 2>/dev/null || true
         ip netns del "$ns" 2>/dev/null || true
     done
     ip link del "${NETNS_PREFIX}b" 2>/dev/null || true
