@@ -324,8 +324,9 @@ struct Job {
     output: Option<forward::Forwarder>,
     /// The open-file limit to give back to the ranks, where the launcher raised its own.
     open_files: Option<libc::rlimit>,
-    /// This node's heartbeat and its watch on the others' (several nodes only).
-    heartbeat: Option<Heartbeat>,
+    /// This node's heartbeat (beating until the launcher exits) and its
+    /// watch on the others' (several nodes only).
+    _heartbeat: Option<Heartbeat>,
     watch: Option<NodeWatch>,
     /// Variables every rank gets besides torchrun's (the shared-memory workaround).
     rank_env: Vec<(String, String)>,
@@ -562,7 +563,7 @@ impl Job {
             guardian: None,
             output: None,
             open_files: None,
-            heartbeat,
+            _heartbeat: heartbeat,
             watch,
             rank_env,
             store_lost: false,
@@ -852,7 +853,6 @@ impl Job {
         }
         let _ = self.store.set(&plan.key(&format!("finished/{}", plan.node_rank)), b"1");
         if self.server.is_none() || plan.nnodes == 1 {
-            self.heartbeat = None;
             return;
         }
         // After a stop signal only the grace period is left to wait.

@@ -323,6 +323,8 @@ fn bad_arguments_exit_2_before_anything_starts() {
         vec!["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "2", "--", "sh", "-c", &marker],
         vec!["--nproc-per-node", "1", "--nnodes", "2", "--master-port", "0", "--", "sh", "-c", &marker],
         vec!["--nproc-per-node", "1", "--timeout", "-1", "--", "sh", "-c", &marker],
+        vec!["--nproc-per-node", "1", "--node-timeout", "0.5", "--", "sh", "-c", &marker],
+        vec!["--nproc-per-node", "1", "--node-timeout", "nan", "--", "sh", "-c", &marker],
         vec!["--nproc-per-node", "1", "--", "/no/such/program"],
         vec!["--nproc-per-node", "1"],
         vec!["--nproc-per-node", "two", "--", "true"],
