@@ -25,6 +25,23 @@
 //! are errors before any rank starts); the first node whose rank fails
 //! publishes it and the others stop their ranks and name it; node 0 keeps
 //! the store up until every node has finished.
+//!
+//! A node that dies or hangs cannot publish anything: every launcher of a
+//! multi-node job bumps its heartbeat key every [`HEARTBEAT`] from a thread
+//! of its own, and watches the others'. A node not heard from for
+//! `--node-timeout` (the store not answering within it, for node 0) has
+//! failed: the first launcher to see it publishes it and every node stops
+//! its ranks, so a dead or hung host ends the job within seconds instead of
+//! `--timeout`.
+//!
+//! UCX takes two processes with the same boot id and IPC namespace for one
+//! machine and joins them by shared memory, whose wake-ups (abstract Unix
+//! sockets) do not cross network namespaces: nodes that are containers
+//! sharing a machine's IPC namespace but not its network stall about 100 ms
+//! per message. Each launcher publishes what UCX compares ([`MachineView`]);
+//! where two nodes would be joined that way, the ranks get
+//! `UCX_TLS=^sm` (no shared memory) unless `UCX_TLS` is set, and the
+//! launcher says so.
 
 mod forward;
 mod guardian;
@@ -35,7 +52,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
 use std::process::{Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -67,6 +84,12 @@ pub struct LaunchArgs {
     /// Seconds to wait for the store and for the other nodes to join.
     #[arg(long, default_value_t = 300.0, value_name = "S")]
     pub timeout: f64,
+    /// Seconds without a heartbeat from another node's launcher (or an answer from node 0's store)
+    /// after which that node counts as dead or hung and the job is stopped; several nodes only.
+    /// Shorter detects a dead host sooner; too short stops a job whose launcher was merely starved
+    /// of CPU for that long.
+    #[arg(long, default_value_t = 5.0, value_name = "S")]
+    pub node_timeout: f64,
     /// Seconds a rank gets between SIGTERM and SIGKILL when ranks are stopped.
     #[arg(long, default_value_t = 5.0, value_name = "S")]
     pub grace: f64,
@@ -77,6 +100,9 @@ pub struct LaunchArgs {
     #[arg(required = true, last = true, value_name = "PROGRAM ARGS")]
     pub command: Vec<String>,
 }
+
+/// How often each launcher of a multi-node job bumps its heartbeat key.
+const HEARTBEAT: Duration = Duration::from_millis(500);
 
 /// The last signal that asked the launcher to stop (0: none).
 static STOP_SIGNAL: AtomicI32 = AtomicI32::new(0);
@@ -123,6 +149,7 @@ struct Plan {
     master_addr: String,
     master_port: u16,
     timeout: Duration,
+    node_timeout: Duration,
     grace: Duration,
     run_id: String,
     program: String,
@@ -180,6 +207,14 @@ impl Plan {
         if timeout.is_zero() {
             return Err(usage("--timeout must be positive".into()));
         }
+        let node_timeout = seconds("--node-timeout", a.node_timeout)?;
+        if node_timeout < 2 * HEARTBEAT {
+            return Err(usage(format!(
+                "--node-timeout {}: at least {} s (two heartbeats)",
+                a.node_timeout,
+                (2 * HEARTBEAT).as_secs_f64()
+            )));
+        }
         let grace = seconds("--grace", a.grace)?;
         if a.run_id.is_empty() || a.run_id.contains('/') {
             return Err(usage(format!("--run-id {:?} must be a non-empty name without '/'", a.run_id)));
@@ -196,6 +231,7 @@ impl Plan {
             master_addr: a.master_addr.trim().to_string(),
             master_port,
             timeout,
+            node_timeout,
             grace,
             run_id: a.run_id.clone(),
             program: program.clone(),
@@ -288,6 +324,136 @@ struct Job {
     output: Option<forward::Forwarder>,
     /// The open-file limit to give back to the ranks, where the launcher raised its own.
     open_files: Option<libc::rlimit>,
+    /// This node's heartbeat (beating until the launcher exits) and its
+    /// watch on the others' (several nodes only).
+    _heartbeat: Option<Heartbeat>,
+    watch: Option<NodeWatch>,
+    /// Variables every rank gets besides torchrun's (the shared-memory workaround).
+    rank_env: Vec<(String, String)>,
+    /// Node 0's store did not answer: nothing more is sent to it (each try would wait --node-timeout).
+    store_lost: bool,
+}
+
+/// What UCX compares to decide whether two processes are on one machine
+/// (and may use shared memory): the kernel's boot id and the IPC namespace;
+/// and the network namespace, which UCX does not compare but its
+/// shared-memory wake-ups need.
+#[derive(Debug, PartialEq)]
+struct MachineView {
+    boot_id: String,
+    ipc: String,
+    net: String,
+}
+
+impl MachineView {
+    fn of_this_process() -> MachineView {
+        let read = |path: &str| std::fs::read_to_string(path).map(|s| s.trim().to_string()).unwrap_or_default();
+        let link = |path: &str| std::fs::read_link(path).map(|p| p.display().to_string()).unwrap_or_default();
+        MachineView {
+            boot_id: read("/proc/sys/kernel/random/boot_id"),
+            ipc: link("/proc/self/ns/ipc"),
+            net: link("/proc/self/ns/net"),
+        }
+    }
+
+    fn encode(&self) -> String {
+        format!("{} {} {}", self.boot_id, self.ipc, self.net)
+    }
+
+    fn decode(s: &str) -> Option<MachineView> {
+        let mut parts = s.split(' ');
+        let (boot_id, ipc, net) = (parts.next()?, parts.next()?, parts.next()?);
+        Some(MachineView { boot_id: boot_id.into(), ipc: ipc.into(), net: net.into() })
+    }
+
+    /// The first two nodes (of their encoded views) that UCX would take for
+    /// one machine although their network namespaces differ. A view that
+    /// could not be read (an empty field) matches nothing.
+    fn shared_memory_across_networks(views: &[String]) -> Option<(usize, usize)> {
+        let views: Vec<Option<MachineView>> = views.iter().map(|v| MachineView::decode(v)).collect();
+        for (a, va) in views.iter().enumerate() {
+            for (b, vb) in views.iter().enumerate().skip(a + 1) {
+                let (Some(va), Some(vb)) = (va, vb) else { continue };
+                let known = [&va.boot_id, &va.ipc, &va.net].iter().all(|f| !f.is_empty());
+                if known && va.boot_id == vb.boot_id && va.ipc == vb.ipc && va.net != vb.net {
+                    return Some((a, b));
+                }
+            }
+        }
+        None
+    }
+}
+
+/// Bumps this node's heartbeat key every [`HEARTBEAT`] on a thread of its
+/// own, so a launcher busy stopping its ranks still counts as alive; stops
+/// when dropped.
+struct Heartbeat {
+    stop: Arc<AtomicBool>,
+}
+
+impl Heartbeat {
+    fn start(store: Arc<TcpStore>, key: String) -> anyhow::Result<Heartbeat> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        std::thread::Builder::new()
+            .name("heartbeat".into())
+            .spawn(move || {
+                while !stopped.load(Ordering::Relaxed) {
+                    // A store that does not answer is noticed by the main thread.
+                    let _ = store.add(&key, 1);
+                    std::thread::sleep(HEARTBEAT);
+                }
+            })
+            .context("starting the heartbeat thread")?;
+        Ok(Heartbeat { stop })
+    }
+}
+
+impl Drop for Heartbeat {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// The other nodes' heartbeats as last read, and when each last changed.
+struct NodeWatch {
+    heard: Vec<(Vec<u8>, Instant)>,
+}
+
+impl NodeWatch {
+    fn new(nnodes: usize) -> NodeWatch {
+        NodeWatch { heard: vec![(Vec::new(), Instant::now()); nnodes] }
+    }
+
+    /// The first node among `nodes` (not this one) whose heartbeat has not
+    /// changed for `--node-timeout` and that has not reported finishing
+    /// (a finished launcher stops beating), with how long it has been silent.
+    fn silent(
+        &mut self,
+        store: &TcpStore,
+        plan: &Plan,
+        nodes: impl Iterator<Item = usize>,
+    ) -> Result<Option<(usize, Duration)>, chorus_collectives::CommError> {
+        for node in nodes.filter(|&n| n != plan.node_rank) {
+            let beat = store.get(&plan.key(&format!("alive/{node}")), plan.node_timeout)?;
+            let (last, since) = &mut self.heard[node];
+            if *last != beat {
+                *last = beat;
+                *since = Instant::now();
+            } else if since.elapsed() >= plan.node_timeout && !store.check(&[&plan.key(&format!("finished/{node}"))])? {
+                return Ok(Some((node, since.elapsed())));
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// "node 1 has not been heard from for 5.2 s (its launcher is dead, hung or cut off)".
+fn describe_silence(node: usize, silent: Duration) -> String {
+    format!(
+        "node {node} has not been heard from for {:.1} s (its launcher is dead, hung or cut off)",
+        silent.as_secs_f64()
+    )
 }
 
 /// Where node 0 listens: loopback stays loopback; any other address listens
@@ -323,6 +489,13 @@ impl Job {
         if joined > 1 {
             bail!("another launcher already joined run {:?} as node {} at {address}", plan.run_id, plan.node_rank);
         }
+        let beat = plan.key(&format!("alive/{}", plan.node_rank));
+        if plan.nnodes > 1 {
+            // Before this node counts as joined: every node's key exists once all have.
+            store.add(&beat, 1)?;
+        }
+        store
+            .set(&plan.key(&format!("view/{}", plan.node_rank)), MachineView::of_this_process().encode().as_bytes())?;
         store.set(&plan.key(&format!("node/{}", plan.node_rank)), plan.nproc.to_string().as_bytes())?;
         let node_keys: Vec<String> = (0..plan.nnodes).map(|n| plan.key(&format!("node/{n}"))).collect();
         let node_keys: Vec<&str> = node_keys.iter().map(String::as_str).collect();
@@ -339,6 +512,47 @@ impl Job {
                 );
             }
         }
+        let view_keys: Vec<String> = (0..plan.nnodes).map(|n| plan.key(&format!("view/{n}"))).collect();
+        let view_keys: Vec<&str> = view_keys.iter().map(String::as_str).collect();
+        let views: Vec<String> = store
+            .multi_get(&view_keys, plan.timeout)?
+            .iter()
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .collect();
+        let mut rank_env = Vec::new();
+        if let Some((a, b)) = MachineView::shared_memory_across_networks(&views) {
+            let why = format!(
+                "nodes {a} and {b} share this machine's boot id and IPC namespace but not its network namespace: UCX \
+                 would join their ranks by shared memory, whose wake-ups do not cross network namespaces (each \
+                 message stalls ~100 ms)"
+            );
+            match std::env::var_os("UCX_TLS") {
+                None => {
+                    eprintln!("chorus launch: {why}; the ranks get UCX_TLS=^sm (no shared-memory transports)");
+                    rank_env.push(("UCX_TLS".to_string(), "^sm".to_string()));
+                }
+                Some(tls) => eprintln!(
+                    "chorus launch: warning: {why}; UCX_TLS is set ({}), so it is left as it is (^sm avoids it)",
+                    tls.to_string_lossy()
+                ),
+            }
+        }
+        let (mut store, mut heartbeat, mut watch) = (store, None, None);
+        if plan.nnodes > 1 {
+            // From here on a store that does not answer within --node-timeout
+            // means node 0 is dead or hung, not that the job is still gathering.
+            let options = ClientOptions {
+                connect_timeout: plan.node_timeout,
+                io_timeout: plan.node_timeout,
+                ..ClientOptions::default()
+            };
+            store = Arc::new(
+                TcpStore::connect(&plan.master_addr, port, options)
+                    .with_context(|| format!("joining the job's store at {address}"))?,
+            );
+            heartbeat = Some(Heartbeat::start(store.clone(), beat)?);
+            watch = Some(NodeWatch::new(plan.nnodes));
+        }
         Ok(Job {
             server,
             store,
@@ -349,6 +563,10 @@ impl Job {
             guardian: None,
             output: None,
             open_files: None,
+            _heartbeat: heartbeat,
+            watch,
+            rank_env,
+            store_lost: false,
         })
     }
 
@@ -404,8 +622,23 @@ impl Job {
                         Ok(v) => String::from_utf8_lossy(&v).into_owned(),
                         Err(e) => format!("another node failed (its report is unreadable: {e})"),
                     }),
-                    Err(e) => Some(format!("lost the job's store at {}: {e}", self.address)),
+                    Err(e) => {
+                        self.store_lost = true;
+                        Some(format!("lost the job's store at {}: {e}", self.address))
+                    }
                 };
+                let remote = remote.or_else(|| match self.watch.as_mut()?.silent(&self.store, plan, 0..plan.nnodes) {
+                    Ok(None) => None,
+                    Ok(Some((node, silent))) => {
+                        let what = describe_silence(node, silent);
+                        let _ = self.store.set(&plan.key("failed"), what.as_bytes());
+                        Some(what)
+                    }
+                    Err(e) => {
+                        self.store_lost = true;
+                        Some(format!("lost the job's store at {}: {e}", self.address))
+                    }
+                });
                 if let Some(what) = remote {
                     eprintln!("chorus launch: {what}; stopping the ranks of node {}", plan.node_rank);
                     failure = Some(what);
@@ -478,6 +711,7 @@ impl Job {
         command
             .args(&plan.args)
             .envs(vars)
+            .envs(self.rank_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -611,9 +845,13 @@ impl Job {
         }
     }
 
-    /// Reports this node finished; node 0 keeps the store up until every node has.
+    /// Reports this node finished; node 0 keeps the store up until every
+    /// node has finished or gone silent.
     fn finish(&mut self, plan: &Plan) {
-        let _ = self.store.add(&plan.key("finished"), 1);
+        if self.store_lost {
+            return;
+        }
+        let _ = self.store.set(&plan.key(&format!("finished/{}", plan.node_rank)), b"1");
         if self.server.is_none() || plan.nnodes == 1 {
             return;
         }
@@ -621,11 +859,21 @@ impl Job {
         let limit = if stop_requested().is_some() { plan.grace + Duration::from_secs(2) } else { plan.timeout };
         let deadline = Instant::now() + limit;
         while Instant::now() < deadline {
-            match self.store.get(&plan.key("finished"), Duration::from_secs(1)) {
-                Ok(v) if v == plan.nnodes.to_string().as_bytes() => return,
-                Ok(_) => std::thread::sleep(Duration::from_millis(50)),
-                Err(_) => return,
+            let finished = |n: &usize| self.store.check(&[&plan.key(&format!("finished/{n}"))]).unwrap_or(true);
+            let pending: Vec<usize> = (0..plan.nnodes).filter(|n| !finished(n)).collect();
+            if pending.is_empty() {
+                return;
             }
+            if let Some(watch) = self.watch.as_mut() {
+                if let Ok(Some((node, silent))) = watch.silent(&self.store, plan, pending.into_iter()) {
+                    eprintln!(
+                        "chorus launch: {} and did not report finishing; stopping the store",
+                        describe_silence(node, silent)
+                    );
+                    return;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
         }
         eprintln!("chorus launch: not every node reported finishing within {limit:?}; stopping the store");
     }
@@ -693,6 +941,27 @@ fn signal_name(signal: i32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nodes_sharing_memory_but_not_the_network_are_found() {
+        let view = |boot: &str, ipc: &str, net: &str| {
+            MachineView { boot_id: boot.into(), ipc: ipc.into(), net: net.into() }.encode()
+        };
+        let find = MachineView::shared_memory_across_networks;
+        // Containers on one machine sharing its IPC namespace, each its own network.
+        assert_eq!(find(&[view("b", "ipc:[1]", "net:[7]"), view("b", "ipc:[1]", "net:[8]")]), Some((0, 1)));
+        // Each its own IPC namespace (UCX uses TCP between them), or another machine, or one network.
+        assert_eq!(find(&[view("b", "ipc:[1]", "net:[7]"), view("b", "ipc:[2]", "net:[8]")]), None);
+        assert_eq!(find(&[view("b", "ipc:[1]", "net:[7]"), view("c", "ipc:[1]", "net:[8]")]), None);
+        assert_eq!(find(&[view("b", "ipc:[1]", "net:[7]"), view("b", "ipc:[1]", "net:[7]")]), None);
+        // The third node pairs with the first; unreadable views match nothing.
+        let three = [view("b", "ipc:[1]", "net:[7]"), view("c", "ipc:[1]", "net:[8]"), view("b", "ipc:[1]", "net:[9]")];
+        assert_eq!(find(&three), Some((0, 2)));
+        assert_eq!(find(&[view("", "", ""), view("", "", "net:[8]")]), None);
+        assert_eq!(find(&["garbage".to_string(), view("b", "ipc:[1]", "net:[8]")]), None);
+        let here = MachineView::of_this_process();
+        assert_eq!(MachineView::decode(&here.encode()), Some(here));
+    }
 
     #[test]
     fn statuses_are_described_with_code_or_signal() {

@@ -323,6 +323,8 @@ fn bad_arguments_exit_2_before_anything_starts() {
         vec!["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "2", "--", "sh", "-c", &marker],
         vec!["--nproc-per-node", "1", "--nnodes", "2", "--master-port", "0", "--", "sh", "-c", &marker],
         vec!["--nproc-per-node", "1", "--timeout", "-1", "--", "sh", "-c", &marker],
+        vec!["--nproc-per-node", "1", "--node-timeout", "0.5", "--", "sh", "-c", &marker],
+        vec!["--nproc-per-node", "1", "--node-timeout", "nan", "--", "sh", "-c", &marker],
         vec!["--nproc-per-node", "1", "--", "/no/such/program"],
         vec!["--nproc-per-node", "1"],
         vec!["--nproc-per-node", "two", "--", "true"],
@@ -360,6 +362,63 @@ fn a_failure_on_one_node_stops_the_other_node() {
         "{}",
         text(&o0.stderr)
     );
+}
+
+/// Two nodes whose ranks sleep; `victim`'s launcher and ranks get `signal`
+/// (a dead host: SIGKILL; a hung one: SIGSTOP). The other launcher must
+/// exit non-zero within 10 s, naming what it lost, and leave no rank
+/// behind. Before the launchers watched each other, the survivor waited for
+/// its ranks (60 s) and then, on node 0, for the dead node's report.
+fn a_lost_node_ends_the_job(victim: usize, signal: libc::c_int, says: &[&str]) {
+    let dir = scratch(&format!("lost-node-{victim}-{signal}"));
+    let port = free_port().to_string();
+    let script = format!("echo $$ > {}/pid.$RANK; exec sleep 60", dir.display());
+    let node = |rank: &str| node(&port, rank, "2", &["--grace", "1"], &["sh", "-c", &script]);
+    let mut nodes = [Some(node("0")), Some(node("1"))];
+    let ranks = pids(&dir, 4);
+    let lost = nodes[victim].take().unwrap();
+    let mut targets = vec![lost.id()];
+    targets.extend(&ranks[2 * victim..2 * victim + 2]);
+    let hit_at = Instant::now();
+    for &pid in &targets {
+        // SAFETY: kill(2) on processes this test started.
+        unsafe { libc::kill(pid as libc::pid_t, signal) };
+    }
+    let survivor = nodes[1 - victim].take().unwrap();
+    let out = wait_bounded(survivor, Duration::from_secs(30));
+    let took = hit_at.elapsed();
+    for &pid in &targets {
+        // SAFETY: as above; a stopped process dies of SIGKILL too.
+        unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+    }
+    let _ = wait_bounded(lost, Duration::from_secs(10));
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(says.iter().any(|s| err.contains(s)), "the survivor should say one of {says:?}: {err}");
+    assert!(took < Duration::from_secs(10), "the survivor took {took:?}: {err}");
+    assert_all_dead(&ranks);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_killed_node_ends_the_job_within_seconds() {
+    a_lost_node_ends_the_job(1, libc::SIGKILL, &["node 1 has not been heard from"]);
+}
+
+#[test]
+fn a_hung_node_ends_the_job_within_seconds() {
+    a_lost_node_ends_the_job(1, libc::SIGSTOP, &["node 1 has not been heard from"]);
+}
+
+#[test]
+fn a_killed_store_node_ends_the_job_within_seconds() {
+    a_lost_node_ends_the_job(0, libc::SIGKILL, &["lost the job's store"]);
+}
+
+#[test]
+fn a_hung_store_node_ends_the_job_within_seconds() {
+    // The store does not answer, or its heartbeat stops: whichever comes first.
+    a_lost_node_ends_the_job(0, libc::SIGSTOP, &["lost the job's store", "node 0 has not been heard from"]);
 }
 
 #[test]
