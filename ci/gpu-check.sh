@@ -129,7 +129,7 @@ run() {
 
 chorus="$bin/chorus"
 want info && run info 60 "$chorus" info
-want devices-cuda && run devices-cuda 120 "$bin/test-chorus-devices-device_cuda" --test-threads=1
+want devices-cuda && run devices-cuda 120 "$bin/test-chorus-devices-device_cuda" --include-ignored --test-threads=1
 want cuda-load && run cuda-load 120 "$bin/test-chorus-devices-cuda_load" --test-threads=1
 want host-fn-cuda && run host-fn-cuda 120 "$bin/test-chorus-devices-host_fn" --test-threads=1
 want nccl-load && run nccl-load 120 "$bin/test-chorus-collectives-nccl_load" --test-threads=1 --nocapture
