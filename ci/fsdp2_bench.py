@@ -8,8 +8,10 @@ forward, backward, optimizer step and the loss read back to the host (chorus
 reads it back too), timed by the host clock; the median over the timed steps
 is reported.
 
-    python3 ci/fsdp2_bench.py --layers 64 --width 64 --batch 8
-    python3 ci/fsdp2_bench.py --layers 4 --width 256 --batch 32 --json
+    $CHORUS_PYTHON ci/fsdp2_bench.py --layers 64 --width 64 --batch 8
+    $CHORUS_PYTHON ci/fsdp2_bench.py --layers 4 --width 256 --batch 32 --json
+
+($CHORUS_PYTHON: the venv's python, from `source ci/python-env.sh`.)
 
 One process, world size 1 (NCCL), so it needs no launcher.
 """

@@ -4,7 +4,9 @@ this host, with nccl-tests' size conventions and bus factors (size = the
 largest buffer a rank holds; median of the timed iterations, each timed
 from a barrier to the slowest rank's end).
 
-    python3 ci/gloo_bench.py [world=4] [iters=10]
+    $CHORUS_PYTHON ci/gloo_bench.py [world=4] [iters=10]
+
+($CHORUS_PYTHON: the venv's python, from `source ci/python-env.sh`.)
 """
 import os
 import sys

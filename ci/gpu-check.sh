@@ -21,7 +21,7 @@
 #   train-sim-vs-nccl    one init trained on sim and on NCCL; largest parameter difference
 #   bench-nccl           nccl-tests tables and the host overhead per call
 #   train-bench-nccl     FSDP step time and host overhead per group on NCCL (64 x Linear(64), batch 8; 4 x Linear(256), batch 32)
-#   fsdp2-bench          PyTorch FSDP2 on the same two models (needs python3 with torch)
+#   fsdp2-bench          PyTorch FSDP2 on the same two models ($CHORUS_PYTHON, else ci/python-env.sh's venv)
 #   launch-nccl          one rank per process under chorus launch: NCCL's unique id through the store
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -129,7 +129,7 @@ run() {
 
 chorus="$bin/chorus"
 want info && run info 60 "$chorus" info
-want devices-cuda && run devices-cuda 120 "$bin/test-chorus-devices-device_cuda" --test-threads=1
+want devices-cuda && run devices-cuda 120 "$bin/test-chorus-devices-device_cuda" --include-ignored --test-threads=1
 want cuda-load && run cuda-load 120 "$bin/test-chorus-devices-cuda_load" --test-threads=1
 want host-fn-cuda && run host-fn-cuda 120 "$bin/test-chorus-devices-host_fn" --test-threads=1
 want nccl-load && run nccl-load 120 "$bin/test-chorus-collectives-nccl_load" --test-threads=1 --nocapture
@@ -204,9 +204,17 @@ if want train-bench-nccl; then
     tail -n 6 "$results/train-bench-nccl-4x256.log" | sed 's/^/# /' | tee -a "$summary"
 fi
 if want fsdp2-bench; then
-    run fsdp2-bench-64x64 120 env MASTER_PORT=29533 python3 ci/fsdp2_bench.py --layers 64 --width 64 --batch 8
-    run fsdp2-bench-4x256 90 env MASTER_PORT=29534 python3 ci/fsdp2_bench.py --layers 4 --width 256 --batch 32
-    cat "$results"/fsdp2-bench-*.log | sed 's/^/# /' | tee -a "$summary"
+    # PyTorch from $CHORUS_PYTHON when set (a node's own torch), else the
+    # project's venv (ci/python-env.sh; it needs the network the first time).
+    torch_python="${CHORUS_PYTHON:-}"
+    if [ -z "$torch_python" ] && run python-env 300 bash ci/python-env.sh; then
+        torch_python="$(tail -n 1 "$results/python-env.log")"
+    fi
+    if [ -n "$torch_python" ]; then
+        run fsdp2-bench-64x64 120 env MASTER_PORT=29533 "$torch_python" ci/fsdp2_bench.py --layers 64 --width 64 --batch 8
+        run fsdp2-bench-4x256 90 env MASTER_PORT=29534 "$torch_python" ci/fsdp2_bench.py --layers 4 --width 256 --batch 32
+        cat "$results"/fsdp2-bench-*.log | sed 's/^/# /' | tee -a "$summary"
+    fi
 fi
 if want launch-nccl; then
     # The per-process path: ranks started by chorus launch, the unique id through its store.

@@ -15,6 +15,12 @@ if [ -f ci/vendor-ucx.sh ]; then source ci/vendor-ucx.sh; fi
 if [ -f ci/vendor-cxx.sh ]; then source ci/vendor-cxx.sh; fi
 # ------------------------------------------------------------------------------
 
+# The venv of the tests checked against PyTorch (numpy, torch, transformers,
+# safetensors; about 5 GB and 2 minutes the first time, then cached): exports
+# CHORUS_PYTHON. Those tests are #[ignore]d in a plain `cargo test` and run
+# below with --ignored, so here they run, or fail.
+source ci/python-env.sh
+
 # One target directory for fmt, clippy and the tests, so nothing builds twice
 # more than it must (clippy's check builds and the test builds still differ).
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
@@ -47,17 +53,21 @@ cargo clippy --workspace --all-targets --all-features -- -D warnings
 step "cargo test --workspace"
 cargo test --workspace
 
-step "ucx backend: unit tests, the suite with every rank in one process (2 and 4 ranks), and one rank per process: the suite over 4 processes, FSDP equal to sim (chorus launch and torchrun), killed rank, world-size disagreement (about 3 minutes with UCX's build)"
+step "ucx backend: unit tests, the suite with every rank in one process (2 and 4 ranks), and one rank per process: the suite over 4 processes, FSDP equal to sim (chorus launch, and torchrun from the venv), killed rank, world-size disagreement (about 3 minutes with UCX's build)"
 cargo test -p chorus-collectives --features ucx --lib ucx
 cargo test -p chorus-conformance --features ucx --test ucx
 cargo test -p chorus --features ucx --test ucx
+cargo test -p chorus --features ucx --test ucx -- --ignored --exact fsdp_under_torchrun_equals_the_simulator
+
+step "against PyTorch (the venv's CHORUS_PYTHON): TCPStore both ways, torchrun's agent store, PyTorch ranks under chorus launch, Python reading consolidated checkpoints"
+cargo test -p chorus-collectives --test tcpstore_torch -- --ignored
+cargo test -p chorus-collectives --test bootstrap_env -- --ignored --exact rust_ranks_join_torchruns_agent_store
+cargo test -p chorus --test launch -- --ignored --exact pytorch_ranks_rendezvous_through_the_launchers_store
+cargo test -p chorus-train --test checkpoint -- --ignored --exact consolidated_checkpoints_load_in_python
 
 step "chorus train against an independent NumPy implementation (init written by numpy.save)"
-if ! python3 -c "import numpy" >/dev/null 2>&1; then
-    python3 -m pip install --quiet --disable-pip-version-check numpy
-fi
 cargo build -p chorus
-python3 ci/train_vs_numpy.py "$CARGO_TARGET_DIR/debug/chorus" "$(mktemp -d)"
+"$CHORUS_PYTHON" ci/train_vs_numpy.py "$CARGO_TARGET_DIR/debug/chorus" "$(mktemp -d)"
 
 step "GPU backends: loading without a GPU (NCCL, NVRTC; CUDA driver absent)"
 cargo test -p chorus-devices --features cuda --lib cuda

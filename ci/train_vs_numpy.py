@@ -3,7 +3,8 @@ implementation of the same training with PyTorch's semantics: the init
 directory is written by numpy.save as a PyTorch user would, chorus trains on
 simulated ranks, and the losses and final parameters must agree.
 
-Usage: python3 ci/train_vs_numpy.py <path to the chorus binary> <scratch dir>
+Usage: $CHORUS_PYTHON ci/train_vs_numpy.py <path to the chorus binary> <scratch dir>
+(any Python with numpy; ci/test.sh runs the venv's, from ci/python-env.sh)
 """
 
 import json

@@ -3,9 +3,11 @@
 //! killed and the test fails).
 
 mod common;
+#[path = "../../ci/torch_python.rs"]
+mod torch_python;
 
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{assert_all_dead, chorus, free_port, scratch, text, wait_bounded};
@@ -460,22 +462,11 @@ fn an_unreachable_node_zero_is_an_error_after_the_timeout() {
 
 /// PyTorch ranks under `chorus launch`: they join the launcher's store as
 /// torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) and all-reduce
-/// with gloo. Skipped, with the reason, where `import torch` fails.
+/// with gloo (the venv's `$CHORUS_PYTHON`).
 #[test]
+#[ignore = "needs PyTorch (ci/python-env.sh)"]
 fn pytorch_ranks_rendezvous_through_the_launchers_store() {
-    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    let has_torch = Command::new(&python)
-        .args(["-c", "import torch.distributed"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !has_torch {
-        eprintln!(
-            "SKIPPED pytorch_ranks_rendezvous_through_the_launchers_store: `{python} -c \"import torch\"` failed"
-        );
-        return;
-    }
+    let python = torch_python::torch_python("torch.distributed");
     let program = "import torch, torch.distributed as dist\n\
                    dist.init_process_group('gloo')\n\
                    t = torch.tensor([float(dist.get_rank() + 1)])\n\

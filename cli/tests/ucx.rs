@@ -1,10 +1,12 @@
 //! The UCX backend with one rank per process, end to end: the real binary
-//! under `chorus launch` (and torchrun where it is installed), real
+//! under `chorus launch` (and torchrun: the venv's, run with `--ignored`), real
 //! processes on loopback. Every run is bounded (a process still running
 //! after its limit is killed and the test fails).
 #![cfg(feature = "ucx")]
 
 mod common;
+#[path = "../../ci/torch_python.rs"]
+mod torch_python;
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -158,13 +160,10 @@ fn the_transformer_over_four_processes_equals_the_simulator() {
 }
 
 #[test]
+#[ignore = "needs PyTorch (ci/python-env.sh)"]
 fn fsdp_under_torchrun_equals_the_simulator() {
+    let python = torch_python::torch_python("torch.distributed.run");
     let _turn = turn();
-    let torchrun = Command::new("python3").args(["-c", "import torch.distributed.run"]).output();
-    if !torchrun.is_ok_and(|o| o.status.success()) {
-        println!("skipped: PyTorch (torch.distributed.run) is not installed here");
-        return;
-    }
     let dir = scratch("torchrun");
     let (sim, ucx) = (dir.join("sim"), dir.join("ucx"));
     let (sim_s, ucx_s) = (sim.to_str().unwrap(), ucx.to_str().unwrap());
@@ -172,7 +171,7 @@ fn fsdp_under_torchrun_equals_the_simulator() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     let init = sim.join("init");
     let port = free_port().to_string();
-    let mut cmd = Command::new("python3");
+    let mut cmd = Command::new(&python);
     cmd.args(["-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1"])
         .args(["--master-port", &port, "--no-python", chorus_path()])
         .args(train_args(ucx_s, Some(init.to_str().unwrap())))

@@ -1,6 +1,9 @@
 //! `connect_from_env`: ranks described only by their launcher variables
 //! find each other (threads standing in for processes).
 
+#[path = "../../ci/torch_python.rs"]
+mod torch_python;
+
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -186,23 +189,13 @@ fn ranks_as_processes_find_each_other() {
     }
 }
 
-/// Real torchrun (`python3 -m torch.distributed.run --no-python`) starts
-/// this test binary as its ranks: they join torchrun's agent store as
-/// clients. Skipped, with the reason, where `import torch` fails.
+/// Real torchrun (`python -m torch.distributed.run --no-python`, the venv's
+/// `$CHORUS_PYTHON`) starts this test binary as its ranks: they join
+/// torchrun's agent store as clients.
 #[test]
+#[ignore = "needs PyTorch (ci/python-env.sh)"]
 fn rust_ranks_join_torchruns_agent_store() {
-    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    let torch = std::process::Command::new(&python)
-        .args(["-c", "import torch.distributed.run"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status();
-    if !torch.is_ok_and(|s| s.success()) {
-        eprintln!(
-            "SKIPPED rust_ranks_join_torchruns_agent_store: `{python} -c \"import torch.distributed.run\"` failed"
-        );
-        return;
-    }
+    let python = torch_python::torch_python("torch.distributed.run");
     let exe = std::env::current_exe().unwrap();
     let port = free_port().to_string();
     let mut child = std::process::Command::new(&python)

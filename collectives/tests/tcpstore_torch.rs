@@ -1,5 +1,5 @@
-//! chorus's TCPStore against real PyTorch, when `import torch` works here
-//! (otherwise each test prints `SKIPPED` with the reason and passes).
+//! chorus's TCPStore against real PyTorch (`$CHORUS_PYTHON`; ignored unless
+//! run with `--ignored`, as `ci/test.sh` does after `source ci/python-env.sh`).
 //!
 //! - A `torch.distributed.TCPStore` client runs every PyTorch store
 //!   operation against chorus's server (`data/tcpstore/torch_client.py`).
@@ -7,6 +7,8 @@
 //!   hosted by PyTorch (`data/tcpstore/torch_server.py`).
 
 mod common;
+#[path = "../../ci/torch_python.rs"]
+mod torch_python;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -16,22 +18,15 @@ use std::time::{Duration, Instant};
 use chorus_collectives::bootstrap::{ClientOptions, PrefixStore, Store, TcpStore, TcpStoreServer};
 use common::Handles;
 
+/// The venv's python, with `torch.distributed` available.
 fn python() -> String {
-    std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
-}
-
-/// Why PyTorch cannot be used here, or `None` when it can.
-fn torch_missing() -> Option<String> {
-    match Command::new(python())
+    let python = torch_python::torch_python("torch.distributed");
+    let probe = Command::new(&python)
         .args(["-c", "import torch.distributed as d; assert d.is_available()"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-    {
-        Ok(s) if s.success() => None,
-        Ok(s) => Some(format!("`{} -c \"import torch\"` failed ({s})", python())),
-        Err(e) => Some(format!("cannot run {}: {e}", python())),
-    }
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {python}: {e}"));
+    assert!(probe.status.success(), "{python}: torch.distributed is not available in this build of torch");
+    python
 }
 
 fn script(name: &str) -> String {
@@ -49,15 +44,13 @@ impl Drop for Reap {
 }
 
 #[test]
+#[ignore = "needs PyTorch (ci/python-env.sh)"]
 fn a_pytorch_client_uses_a_chorus_server() {
-    if let Some(why) = torch_missing() {
-        eprintln!("SKIPPED a_pytorch_client_uses_a_chorus_server: {why}");
-        return;
-    }
+    let python = python();
     let server = TcpStoreServer::bind_loopback(0).unwrap();
     let chorus = TcpStore::connect("127.0.0.1", server.port(), ClientOptions::default()).unwrap();
     chorus.set("from_chorus", b"hello from chorus").unwrap();
-    let out = Command::new(python()).arg(script("torch_client.py")).arg(server.port().to_string()).output().unwrap();
+    let out = Command::new(&python).arg(script("torch_client.py")).arg(server.port().to_string()).output().unwrap();
     assert!(
         out.status.success(),
         "torch client failed: {}\n{}",
@@ -69,12 +62,10 @@ fn a_pytorch_client_uses_a_chorus_server() {
 }
 
 #[test]
+#[ignore = "needs PyTorch (ci/python-env.sh)"]
 fn chorus_clients_pass_the_store_suite_against_a_pytorch_server() {
-    if let Some(why) = torch_missing() {
-        eprintln!("SKIPPED chorus_clients_pass_the_store_suite_against_a_pytorch_server: {why}");
-        return;
-    }
-    let mut child = Reap(Command::new(python()).arg(script("torch_server.py")).stdout(Stdio::piped()).spawn().unwrap());
+    let python = python();
+    let mut child = Reap(Command::new(&python).arg(script("torch_server.py")).stdout(Stdio::piped()).spawn().unwrap());
     let mut lines = BufReader::new(child.0.stdout.take().unwrap()).lines();
     let port: u16 = lines.next().expect("the torch server printed nothing").unwrap().trim().parse().unwrap();
     let options = ClientOptions { connect_timeout: Duration::from_secs(30), ..ClientOptions::default() };

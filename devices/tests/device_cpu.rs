@@ -7,7 +7,7 @@ use anyhow::Result;
 use chorus_devices::cpu::{Cpu, CpuDevice};
 use chorus_devices::{Buffer, DType, Device, Priority, Stream};
 
-device_suite!(Cpu, || Ok(common::device()), None);
+device_suite!(Cpu, || Ok(common::device()));
 
 #[test]
 fn devices_streams_and_buffers_describe_themselves() -> Result<()> {

@@ -1,9 +1,12 @@
 //! Sharded safetensors checkpoints of the transformer: save at 4 ranks,
 //! resume at 4 (bitwise), 3, 2 × 2 HSDP and 1 (f32 tolerance) against an
-//! uninterrupted run; consolidate and load into plain candle and Python;
+//! uninterrupted run; consolidate and load into plain candle and Python
+//! (the venv's, with `--ignored`);
 //! every damaged checkpoint is a typed error naming the file and tensor.
 
 mod common;
+#[path = "../../ci/torch_python.rs"]
+mod torch_python;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -111,7 +114,7 @@ fn saved_checkpoint(name: &str) -> (PathBuf, GptReport) {
 }
 
 #[test]
-fn consolidated_checkpoints_load_in_plain_candle_and_python() {
+fn consolidated_checkpoints_load_in_plain_candle() {
     let (dir, report) = saved_checkpoint("consolidate");
     let out = dir.join("consolidated");
     // A small file limit to get several files.
@@ -143,18 +146,22 @@ fn consolidated_checkpoints_load_in_plain_candle_and_python() {
     let ids = Tensor::from_vec(encode("the cat sees the moon."), (2, 11), &Device::Cpu).unwrap();
     let (a, b) = (from_files.forward(&ids).unwrap(), from_report.forward(&ids).unwrap());
     assert_eq!(a.flatten_all().unwrap().to_vec1::<f32>().unwrap(), b.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-    python_reads(&out, &report);
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// Python's `safetensors` reads the consolidated files (skipped, with the
-/// reason, where it is not installed: `pip install safetensors numpy`).
-fn python_reads(out: &Path, report: &GptReport) {
-    let probe = std::process::Command::new("python3").args(["-c", "import safetensors, numpy"]).output();
-    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
-        eprintln!("skipped: python3 with safetensors and numpy is not available (pip install safetensors numpy)");
-        return;
-    }
+#[test]
+#[ignore = "needs the venv's safetensors (ci/python-env.sh)"]
+fn consolidated_checkpoints_load_in_python() {
+    let python = torch_python::torch_python("safetensors, numpy");
+    let (dir, report) = saved_checkpoint("consolidate-python");
+    let out = dir.join("consolidated");
+    consolidate(&dir.join("step-00000002"), &out, 8 * 1024).unwrap();
+    python_reads(&python, &out, &report);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Python's `safetensors` (the venv's `python`) reads the consolidated files.
+fn python_reads(python: &str, out: &Path, report: &GptReport) {
     let script = r#"
 import json, sys, os
 from safetensors.numpy import load_file
@@ -167,7 +174,7 @@ for f in sorted(set(index["weight_map"].values())):
         sums[name] = [list(a.shape), float(a.astype("float64").sum())]
 print(json.dumps(sums))
 "#;
-    let o = std::process::Command::new("python3").args(["-c", script, out.to_str().unwrap()]).output().unwrap();
+    let o = std::process::Command::new(python).args(["-c", script, out.to_str().unwrap()]).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let sums: std::collections::HashMap<String, (Vec<usize>, f64)> = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(sums.len(), report.params.len());

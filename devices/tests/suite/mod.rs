@@ -1,20 +1,21 @@
 //! The device test suite, written once and generic over the backend: every
 //! device runs it — the cpu device in CI, the cuda and hip devices on their
-//! GPUs (`device_cuda.rs`, `device_hip.rs`, skipped with the reason where no
-//! GPU is visible). Expected values are computed on the host.
+//! GPUs (`device_cuda.rs`, `device_hip.rs`, `#[ignore]`d: `ci/gpu-check.sh`
+//! runs them with `--include-ignored`). Expected values are computed on the host.
 #![allow(dead_code)]
 
 pub mod compute;
 pub mod stream;
 
 /// Emits one `#[test]` per case of the suite, each making its devices with
-/// `$make` (a `Fn() -> anyhow::Result<Device>`); `$skip` says why the suite
-/// cannot run here (`Some(reason)`), in which case each test prints the
-/// reason and passes.
+/// `$make` (a `Fn() -> anyhow::Result<Device>`) and carrying the attributes
+/// given first (`#[ignore = "needs a GPU"]` where the device is not always
+/// there: the runner then reports the case as ignored, and a run with
+/// `--ignored` without the device fails).
 #[macro_export]
 macro_rules! device_suite {
-    ($backend:ty, $make:expr, $skip:expr) => {
-        $crate::device_suite!(@cases $backend, $make, $skip;
+    ($(#[$attr:meta])* $backend:ty, $make:expr) => {
+        $crate::device_suite!(@cases [$(#[$attr])*] $backend, $make;
         copy_of_whole_buffers_and_sub_views_for_every_dtype => stream::copy_of_whole_buffers_and_sub_views_for_every_dtype,
         copy_between_overlapping_ranges_of_one_buffer_reads_the_source_first => stream::copy_between_overlapping_ranges_of_one_buffer_reads_the_source_first,
         copy_from_host_captures_the_host_bytes_before_returning => stream::copy_from_host_captures_the_host_bytes_before_returning,
@@ -49,17 +50,16 @@ macro_rules! device_suite {
         adamw_step_matches_pytorch_over_several_steps => compute::adamw_step_matches_pytorch_over_several_steps,
         );
     };
-    (@cases $backend:ty, $make:expr, $skip:expr; $($name:ident => $module:ident :: $case:ident,)*) => {
+    (@cases $attrs:tt $backend:ty, $make:expr; $($name:ident => $module:ident :: $case:ident,)*) => {
         $(
-            #[test]
-            fn $name() -> anyhow::Result<()> {
-                let skip: Option<String> = $skip;
-                if let Some(reason) = skip {
-                    println!("skipped: {reason}");
-                    return Ok(());
-                }
-                suite::$module::$case::<$backend>(&$make)
-            }
+            $crate::device_suite!(@case $attrs $backend, $make, $name, $module::$case);
         )*
+    };
+    (@case [$($attr:tt)*] $backend:ty, $make:expr, $name:ident, $module:ident :: $case:ident) => {
+        #[test]
+        $($attr)*
+        fn $name() -> anyhow::Result<()> {
+            suite::$module::$case::<$backend>(&$make)
+        }
     };
 }
