@@ -8,10 +8,12 @@
 //! which loads chorus's output with `from_pretrained`) must agree.
 //!
 //! Needs the project's Python environment (`ci/python-env.sh`): the
-//! interpreter comes from `CHORUS_PYTHON`, the script from
+//! interpreter comes from `CHORUS_PYTHON` (checked by `ci/torch_python.rs`), the script from
 //! `CHORUS_LLAMA_TORCH` (default `ci/llama_torch.py` in this workspace).
 
 mod common;
+#[path = "../../ci/torch_python.rs"]
+mod torch_python;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -22,16 +24,6 @@ use common::{chorus, run_bounded, scratch, text};
 const STEPS: usize = 6;
 const GLOBAL_BATCH: usize = 8;
 
-fn python() -> PathBuf {
-    match std::env::var_os("CHORUS_PYTHON") {
-        Some(p) => PathBuf::from(p),
-        None => panic!(
-            "CHORUS_PYTHON is not set: run ci/python-env.sh (it creates the venv with torch and transformers) and \
-             set CHORUS_PYTHON to the python it prints"
-        ),
-    }
-}
-
 fn script() -> PathBuf {
     std::env::var_os("CHORUS_LLAMA_TORCH")
         .map(PathBuf::from)
@@ -40,7 +32,7 @@ fn script() -> PathBuf {
 
 /// Runs `llama_torch.py` with `args` and returns its stdout; fails with its output otherwise.
 fn torch<S: AsRef<std::ffi::OsStr> + std::fmt::Debug>(args: &[S]) -> String {
-    let out = run_bounded(Command::new(python()).arg(script()).args(args), Duration::from_secs(600));
+    let out = run_bounded(Command::new(torch_python::torch_python("torch, transformers")).arg(script()).args(args), Duration::from_secs(600));
     assert!(
         out.status.success(),
         "llama_torch.py {args:?} failed: {}\nstdout: {}\nstderr: {}",

@@ -450,17 +450,11 @@ fn crc32(bytes: &[u8]) -> u32 {
     !c
 }
 
-/// The Python that has PyTorch: `CHORUS_PYTHON` (set by
-/// `ci/python-env.sh`), else `python3`.
-fn torch_python() -> String {
-    std::env::var("CHORUS_PYTHON").unwrap_or_else(|_| "python3".into())
-}
-
 /// PyTorch's own distributed-checkpoint reader (`HuggingFaceStorageReader`
 /// and `dcp.load`) loads a checkpoint's shard files into full tensors: the
 /// parameters are the trained ones, and each replicated `step` is one chunk.
 #[test]
-#[ignore = "needs python with torch: run with --ignored after `source ci/python-env.sh` (CHORUS_PYTHON)"]
+#[ignore = "needs PyTorch (ci/python-env.sh)"]
 fn torch_dcp_loads_the_shard_files() {
     let (dir, report) = saved_checkpoint("torch-dcp");
     let script = r#"
@@ -477,7 +471,7 @@ print(json.dumps({k: [list(v.shape), len(md.state_dict_metadata[k].chunks), floa
                   for k, v in sd.items()}))
 "#;
     let step = dir.join("step-00000002");
-    let o = std::process::Command::new(torch_python()).args(["-c", script, step.to_str().unwrap()]).output().unwrap();
+    let o = std::process::Command::new(torch_python::torch_python("torch")).args(["-c", script, step.to_str().unwrap()]).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let loaded: std::collections::HashMap<String, (Vec<usize>, usize, f64)> =
         serde_json::from_slice(&o.stdout).unwrap();
