@@ -93,28 +93,28 @@ pub struct TrainArgs {
     /// gpt: width of the MLP's hidden layer (default 4 × --d-model).
     #[arg(long)]
     pub d_ff: Option<usize>,
-    /// gpt: context length.
-    #[arg(long, default_value_t = 32)]
-    pub seq_len: usize,
+    /// gpt, llama: context length (default 32; with --data the file's rows give it).
+    #[arg(long)]
+    pub seq_len: Option<usize>,
     /// gpt: train on this text file instead of generated text (UTF-8, or else read as Latin-1; characters other than a-z, A-Z, space, '.' and newline become spaces).
     #[arg(long)]
     pub text: Option<PathBuf>,
     /// gpt: micro-batches per step (gradient accumulation; they divide --batch).
     #[arg(long, default_value_t = 1)]
     pub micro_batches: usize,
-    /// gpt: save a sharded checkpoint every N steps (and at the end).
+    /// gpt, llama: save a sharded checkpoint every N steps (and at the end).
     #[arg(long)]
     pub save_every: Option<u64>,
-    /// gpt: where checkpoints go (default <out-dir>-checkpoints).
+    /// gpt, llama: where checkpoints go (default <out-dir>-checkpoints).
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
-    /// gpt: keep only the newest N checkpoints (never the one `latest` names nor the one resumed from).
+    /// gpt, llama: keep only the newest N checkpoints (never the one `latest` names nor the one resumed from).
     #[arg(long)]
     pub keep_last: Option<usize>,
-    /// gpt: resume from a checkpoint directory (a step-* directory, or one with a `latest` file).
+    /// gpt, llama: resume from a checkpoint directory (a step-* directory, or one with a `latest` file).
     #[arg(long)]
     pub resume: Option<PathBuf>,
-    /// gpt: with --resume, continue with other optimizer settings (--lr, --momentum, --weight-decay) than the checkpoint's; the changes are reported.
+    /// gpt, llama: with --resume, continue with other optimizer settings (--lr, --momentum, --weight-decay) than the checkpoint's; the changes are reported.
     #[arg(long)]
     pub allow_optimizer_change: bool,
     /// Keep training when the loss is NaN or infinite (default: stop with an error).
@@ -415,6 +415,11 @@ impl TrainArgs {
         self.check_memory((data + world_ * per_rank + Sat(8) * params).0)
     }
 
+    /// The context length: `--seq-len`, or 32.
+    pub(super) fn seq_len(&self) -> usize {
+        self.seq_len.unwrap_or(32)
+    }
+
     pub(super) fn gpt_config(&self) -> GptConfig {
         GptConfig {
             vocab: text::vocab_size(),
@@ -422,7 +427,7 @@ impl TrainArgs {
             layers: self.layers.unwrap_or(2),
             heads: self.heads,
             d_ff: self.d_ff.unwrap_or(self.d_model.saturating_mul(4)),
-            seq_len: self.seq_len,
+            seq_len: self.seq_len(),
         }
     }
 
@@ -457,7 +462,7 @@ impl TrainArgs {
                     text::vocab_size()
                 )));
             }
-            let seq = if self.llama.data.is_some() { 1 } else { self.seq_len };
+            let seq = if self.llama.data.is_some() { 1 } else { self.seq_len() };
             self.check_llama_memory(&cfg, world, seq)?;
         } else {
             for (given, name) in [
@@ -524,34 +529,6 @@ impl TrainArgs {
         if self.save_every == Some(0) {
             return Err(usage("--save-every must be at least 1"));
         }
-        Ok(())
-    }
-
-    pub(super) fn usage_gpt(&self, world: usize) -> anyhow::Result<()> {
-        if matches!(self.backend.name(), "nccl" | "rccl") {
-            return Err(usage(format!(
-                "--model gpt computes with candle on the CPU, so it runs on backends whose device holds host memory (sim, simnccl, ucx), not {}; use --model mlp (the candle-CUDA path is designed in docs/fsdp.md, not built)",
-                self.backend
-            )));
-        }
-        for (given, name) in [
-            (self.dims.is_some(), "--dims"),
-            (self.width.is_some(), "--width"),
-            (self.init_dir.is_some(), "--init-dir"),
-            (self.replicate_below != 0, "--replicate-below"),
-        ] {
-            if given {
-                return Err(usage(format!("{name} is for --model mlp")));
-            }
-        }
-        let cfg = self.gpt_config();
-        cfg.validate().map_err(usage)?;
-        if self.micro_batches == 0 || self.batch % self.micro_batches != 0 {
-            return Err(usage(format!("--micro-batches {} must divide --batch {}", self.micro_batches, self.batch)));
-        }
-        if self.save_every == Some(0) {
-            return Err(usage("--save-every must be at least 1"));
-        }
         match self.keep_last {
             Some(0) => return Err(usage("--keep-last must be at least 1")),
             Some(_) if self.save_every.is_none() && self.checkpoint_dir.is_none() => {
@@ -562,6 +539,13 @@ impl TrainArgs {
         if self.allow_optimizer_change && self.resume.is_none() {
             return Err(usage("--allow-optimizer-change goes with --resume"));
         }
+        Ok(())
+    }
+
+    pub(super) fn usage_gpt(&self, world: usize) -> anyhow::Result<()> {
+        self.usage_candle_model("gpt")?;
+        let cfg = self.gpt_config();
+        cfg.validate().map_err(usage)?;
         let (v, d, l, f, t) =
             (Sat::of(cfg.vocab), Sat::of(cfg.d_model), Sat::of(cfg.layers), Sat::of(cfg.d_ff), Sat::of(cfg.seq_len));
         let params = Sat(2) * v * d + d + l * (Sat(4) * d * d + Sat(2) * d * f + Sat(2) * d);
