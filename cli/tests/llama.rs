@@ -194,7 +194,8 @@ fn paths_inside_the_out_dir_and_a_seq_len_against_the_data_are_refused() {
     assert_eq!(r.status.code(), Some(2), "{}", text(&r.stderr));
     assert!(text(&r.stderr).contains("--seq-len 16: --data") && text(&r.stderr).contains("sequences of 8"));
     // The length the rows give is accepted.
-    let r = train(&["--data", &data, "--vocab", "64", "--seq-len", "8", "--batch", "2", "--steps", "1", "--out-dir", &o]);
+    let r =
+        train(&["--data", &data, "--vocab", "64", "--seq-len", "8", "--batch", "2", "--steps", "1", "--out-dir", &o]);
     assert!(r.status.success(), "{}", text(&r.stderr));
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -269,8 +270,7 @@ fn keep_last_prunes_and_resume_refuses_another_configuration() {
     assert_eq!(s["config"]["start_step"], 3);
     // Another configuration into the same checkpoint directory (no resume) is refused.
     let r = train(
-        &[&two_heads[..], &["--data", &data, "--steps", "1", "--checkpoint-dir", &ckpt, "--out-dir", &p("c")]]
-            .concat(),
+        &[&two_heads[..], &["--data", &data, "--steps", "1", "--checkpoint-dir", &ckpt, "--out-dir", &p("c")]].concat(),
     );
     assert_eq!(r.status.code(), Some(2), "{}", text(&r.stderr));
     assert!(text(&r.stderr).contains("holds checkpoints of another Llama configuration"), "{}", text(&r.stderr));
@@ -298,7 +298,9 @@ fn a_nan_loss_stops_the_run_with_a_failed_summary() {
     norm.2[..4].copy_from_slice(&f32::NAN.to_le_bytes());
     let views: Vec<_> = tensors
         .iter()
-        .map(|(n, s, b)| (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap()))
+        .map(|(n, s, b)| {
+            (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())
+        })
         .collect();
     std::fs::write(&file, safetensors::tensor::serialize(views, None).unwrap()).unwrap();
     let model = dir.join("a/model").display().to_string();

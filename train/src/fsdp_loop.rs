@@ -38,7 +38,9 @@ pub(crate) fn u32_tensor(v: Vec<u32>, rows: usize, seq: usize) -> Result<Tensor>
 pub(crate) fn micro_batches(batch: usize, micro_batches: usize) -> Result<usize> {
     let micro = micro_batches.max(1);
     if batch == 0 || batch % micro != 0 {
-        return Err(Error::InvalidArgument(format!("batch {batch} must be a positive multiple of {micro} micro-batches")));
+        return Err(Error::InvalidArgument(format!(
+            "batch {batch} must be a positive multiple of {micro} micro-batches"
+        )));
     }
     Ok(micro)
 }
