@@ -398,7 +398,9 @@ impl CheckpointDir {
             let leftover = [".tmp-step-", ".old-step-", ".pruned-step-"].iter().any(|p| name.starts_with(p));
             if leftover {
                 let _ = std::fs::remove_dir_all(entry.path());
-            } else if name.starts_with(".latest.tmp") {
+            } else if name.starts_with(".latest.tmp")
+                || name == format!(".{}.tmp", crate::train::LLAMA_CHECKPOINT_CONFIG)
+            {
                 let _ = std::fs::remove_file(entry.path());
             }
         }

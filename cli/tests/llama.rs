@@ -144,3 +144,173 @@ fn a_run_its_consolidated_checkpoint_and_a_run_from_its_output_agree() {
     assert!(r.status.success(), "{}", text(&r.stderr));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Inputs, checkpoints and resumes inside the out-dir are refused before
+/// anything runs (the out-dir is replaced whole when the run ends), as is a
+/// `--seq-len` that disagrees with `--data`'s rows.
+#[test]
+fn paths_inside_the_out_dir_and_a_seq_len_against_the_data_are_refused() {
+    let dir = scratch("llama-inside");
+    let out = dir.join("out");
+    let o = out.display().to_string();
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join(".chorus-out"), b"").unwrap();
+    npy(&out.join("data.npy"), "<i8", &[16, 9], &ids_i64(16, 9, 50));
+    // A real model directory inside the out-dir: a run's output, copied.
+    npy(&dir.join("data.npy"), "<i8", &[16, 9], &ids_i64(16, 9, 50));
+    let data = dir.join("data.npy").display().to_string();
+    let src = dir.join("src").display().to_string();
+    let r = train(&["--data", &data, "--vocab", "64", "--batch", "2", "--steps", "1", "--out-dir", &src]);
+    assert!(r.status.success(), "{}", text(&r.stderr));
+    std::fs::create_dir(out.join("model")).unwrap();
+    for e in std::fs::read_dir(dir.join("src/model")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), out.join("model").join(e.file_name())).unwrap();
+    }
+    let inner = out.join("data.npy").display().to_string();
+    let model = out.join("model").display().to_string();
+    let ckpt = out.join("ckpt").display().to_string();
+    for (args, flag) in [
+        (vec!["--data", &inner], "--data"),
+        (vec!["--init-from", &model], "--init-from"),
+        (vec!["--checkpoint-dir", &ckpt], "--checkpoint-dir"),
+    ] {
+        let before: Vec<_> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name()).collect();
+        let mut args = args.clone();
+        if flag != "--data" {
+            args.extend(["--data", &data]);
+        }
+        if flag != "--init-from" {
+            args.extend(["--vocab", "64"]);
+        }
+        let r = train(&[&args[..], &["--batch", "2", "--steps", "1", "--out-dir", &o]].concat());
+        assert_eq!(r.status.code(), Some(2), "{flag}: {}", text(&r.stderr));
+        let err = text(&r.stderr);
+        assert!(err.contains(&format!("{flag} ")) && err.contains("inside --out-dir"), "{err}");
+        let after: Vec<_> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(before, after, "{flag}: the out-dir changed");
+    }
+    let r = train(&["--data", &data, "--seq-len", "16", "--batch", "2", "--steps", "1", "--out-dir", &o]);
+    assert_eq!(r.status.code(), Some(2), "{}", text(&r.stderr));
+    assert!(text(&r.stderr).contains("--seq-len 16: --data") && text(&r.stderr).contains("sequences of 8"));
+    // The length the rows give is accepted.
+    let r =
+        train(&["--data", &data, "--vocab", "64", "--seq-len", "8", "--batch", "2", "--steps", "1", "--out-dir", &o]);
+    assert!(r.status.success(), "{}", text(&r.stderr));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn summary(dir: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(dir.join("summary.json")).unwrap()).unwrap()
+}
+
+fn steps_in(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    v.sort();
+    v
+}
+
+/// `--keep-last` prunes the Llama's checkpoints (never the one resumed
+/// from; `llama-config.json` stays), and a resume refuses another
+/// configuration (4 heads → 2: no tensor changes shape), other optimizer
+/// settings without `--allow-optimizer-change`, and other data.
+#[test]
+fn keep_last_prunes_and_resume_refuses_another_configuration() {
+    let dir = scratch("llama-resume");
+    let p = |n: &str| dir.join(n).display().to_string();
+    npy(&dir.join("data.npy"), "<i8", &[16, 9], &ids_i64(16, 9, 50));
+    npy(&dir.join("other.npy"), "<i8", &[16, 9], &ids_i64(16, 9, 49));
+    let (data, ckpt) = (p("data.npy"), p("ckpt"));
+    let model = ["--vocab", "64", "--heads", "4", "--kv-heads", "4", "--batch", "2", "--lr", "0.01"];
+    let r = train(
+        &[&model[..], &["--data", &data, "--steps", "3", "--save-every", "1", "--keep-last", "2"]]
+            .concat()
+            .iter()
+            .copied()
+            .chain(["--checkpoint-dir", &ckpt, "--out-dir", &p("a")])
+            .collect::<Vec<_>>(),
+    );
+    assert!(r.status.success(), "{}", text(&r.stderr));
+    assert_eq!(steps_in(&dir.join("ckpt")), ["step-00000002", "step-00000003"]);
+    assert!(dir.join("ckpt/llama-config.json").is_file());
+    assert!(text(&r.stdout).contains("mean of steps") || text(&r.stdout).contains("mean of step"));
+    let refused = |extra: &[&str], want: &str| {
+        let out = p("refused");
+        let mut args: Vec<&str> = extra.to_vec();
+        args.extend(["--resume", &ckpt, "--steps", "5", "--out-dir", &out]);
+        let r = train(&args);
+        assert_eq!(r.status.code(), Some(2), "{extra:?}: {}", text(&r.stderr));
+        assert!(text(&r.stderr).contains(want), "{extra:?}: {}", text(&r.stderr));
+        assert!(!dir.join("refused").exists());
+    };
+    let two_heads = ["--vocab", "64", "--heads", "2", "--kv-heads", "2", "--batch", "2", "--lr", "0.01"];
+    refused(&[&two_heads[..], &["--data", &data]].concat(), "num_attention_heads 4 -> 2");
+    let other_lr = ["--vocab", "64", "--heads", "4", "--kv-heads", "4", "--batch", "2", "--lr", "0.02"];
+    refused(&[&other_lr[..], &["--data", &data]].concat(), "--allow-optimizer-change");
+    refused(&[&model[..], &["--data", &p("other.npy")]].concat(), "saved with other data");
+    // The same run resumes, saves into the same directory (its
+    // llama-config.json is this run's), and keeps the checkpoint it resumed from.
+    let r = train(
+        &[&model[..], &["--data", &data, "--steps", "5", "--save-every", "1", "--keep-last", "1"]]
+            .concat()
+            .iter()
+            .copied()
+            .chain(["--resume", &ckpt, "--checkpoint-dir", &ckpt, "--out-dir", &p("b")])
+            .collect::<Vec<_>>(),
+    );
+    assert!(r.status.success(), "{}", text(&r.stderr));
+    assert_eq!(steps_in(&dir.join("ckpt")), ["step-00000003", "step-00000005"]);
+    let s = summary(&dir.join("b"));
+    assert_eq!(s["status"], "completed");
+    assert_eq!(s["losses"].as_array().unwrap().len(), 5);
+    assert_eq!(s["config"]["start_step"], 3);
+    // Another configuration into the same checkpoint directory (no resume) is refused.
+    let r = train(
+        &[&two_heads[..], &["--data", &data, "--steps", "1", "--checkpoint-dir", &ckpt, "--out-dir", &p("c")]].concat(),
+    );
+    assert_eq!(r.status.code(), Some(2), "{}", text(&r.stderr));
+    assert!(text(&r.stderr).contains("holds checkpoints of another Llama configuration"), "{}", text(&r.stderr));
+    assert_eq!(steps_in(&dir.join("ckpt")), ["step-00000003", "step-00000005"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A Llama whose loss becomes NaN (a NaN weight) stops with an error and
+/// writes its summary marked failed and the loss curve, no model.
+#[test]
+fn a_nan_loss_stops_the_run_with_a_failed_summary() {
+    let dir = scratch("llama-nan");
+    let p = |n: &str| dir.join(n).display().to_string();
+    npy(&dir.join("data.npy"), "<i8", &[16, 9], &ids_i64(16, 9, 50));
+    let data = p("data.npy");
+    let r = train(&["--data", &data, "--vocab", "64", "--batch", "2", "--steps", "1", "--out-dir", &p("a")]);
+    assert!(r.status.success(), "{}", text(&r.stderr));
+    // The trained model with a NaN in the final norm's weight.
+    let file = dir.join("a/model/model.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> =
+        st.tensors().into_iter().map(|(n, v)| (n, v.shape().to_vec(), v.data().to_vec())).collect();
+    let norm = tensors.iter_mut().find(|t| t.0 == "model.norm.weight").expect("model.norm.weight");
+    norm.2[..4].copy_from_slice(&f32::NAN.to_le_bytes());
+    let views: Vec<_> = tensors
+        .iter()
+        .map(|(n, s, b)| {
+            (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())
+        })
+        .collect();
+    std::fs::write(&file, safetensors::tensor::serialize(views, None).unwrap()).unwrap();
+    let model = dir.join("a/model").display().to_string();
+    let r = train(&["--init-from", &model, "--data", &data, "--batch", "2", "--steps", "3", "--out-dir", &p("b")]);
+    assert_eq!(r.status.code(), Some(1), "{}", text(&r.stderr));
+    assert!(text(&r.stderr).contains("the loss became NaN"), "{}", text(&r.stderr));
+    let s = summary(&dir.join("b"));
+    assert_eq!(s["status"], "failed", "{s}");
+    assert_eq!(s["stopped_at_step"], 0);
+    assert!(dir.join("b/loss.svg").is_file());
+    assert!(!dir.join("b/model").exists(), "no model from a failed run");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -32,7 +32,10 @@ fn script() -> PathBuf {
 
 /// Runs `llama_torch.py` with `args` and returns its stdout; fails with its output otherwise.
 fn torch<S: AsRef<std::ffi::OsStr> + std::fmt::Debug>(args: &[S]) -> String {
-    let out = run_bounded(Command::new(torch_python::torch_python("torch, transformers")).arg(script()).args(args), Duration::from_secs(600));
+    let out = run_bounded(
+        Command::new(torch_python::torch_python("torch, transformers")).arg(script()).args(args),
+        Duration::from_secs(600),
+    );
     assert!(
         out.status.success(),
         "llama_torch.py {args:?} failed: {}\nstdout: {}\nstderr: {}",

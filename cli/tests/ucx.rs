@@ -159,6 +159,62 @@ fn the_transformer_over_four_processes_equals_the_simulator() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The Llama (`--model llama`, started from a Hugging Face directory an
+/// earlier run wrote) with one rank per process over UCX ends where the
+/// simulator's ranks end: the same losses and the same written model.
+#[test]
+fn the_llama_over_four_processes_equals_the_simulator() {
+    let _turn = turn();
+    let dir = scratch("llama");
+    let (init, sim, ucx) = (dir.join("init"), dir.join("sim"), dir.join("ucx"));
+    let sizes = ["train", "--model", "llama", "--world-size", "4", "--batch", "2", "--seq-len", "16"];
+    let mut make_init = chorus();
+    make_init.args(sizes).args(["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2"]);
+    make_init.args(["--steps", "1", "--backend", "sim", "--out-dir"]).arg(&init);
+    let out = run(&mut make_init, Duration::from_secs(120));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let model = init.join("model");
+    let args = |out: &Path| -> Vec<String> {
+        sizes
+            .iter()
+            .map(|s| s.to_string())
+            .chain(["--optimizer", "adamw", "--steps", "4", "--init-from"].iter().map(|s| s.to_string()))
+            .chain([model.display().to_string(), "--out-dir".into(), out.display().to_string()])
+            .collect()
+    };
+    let out = run(chorus().args(args(&sim)).args(["--backend", "sim"]), Duration::from_secs(120));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let mut launch = chorus();
+    launch.args(["launch", "--nproc-per-node", "4", "--", chorus_path()]).args(args(&ucx)).args(["--backend", "ucx"]);
+    let out = run(&mut launch, Duration::from_secs(180));
+    assert!(out.status.success(), "stdout: {}\nstderr: {}", text(&out.stdout), text(&out.stderr));
+    let losses = |d: &Path| -> Vec<f64> {
+        let s: serde_json::Value = serde_json::from_slice(&std::fs::read(d.join("summary.json")).unwrap()).unwrap();
+        assert_eq!(s["config"]["backend"], if d == sim.as_path() { "sim" } else { "ucx" });
+        serde_json::from_value(s["losses"].clone()).unwrap()
+    };
+    assert_eq!(losses(&sim).len(), 4);
+    for (a, b) in losses(&sim).iter().zip(losses(&ucx)) {
+        assert!((a - b).abs() <= 1e-6 * (1.0 + a.abs()), "losses {:?} vs {:?}", losses(&sim), losses(&ucx));
+    }
+    let read = |d: &Path| std::fs::read(d.join("model/model.safetensors")).unwrap();
+    let (a, b) = (read(&sim), read(&ucx));
+    let (a, b) =
+        (safetensors::SafeTensors::deserialize(&a).unwrap(), safetensors::SafeTensors::deserialize(&b).unwrap());
+    assert_eq!(a.len(), 2 + 9 * 2 + 1, "embedding, norm, head and two decoder layers");
+    assert_eq!(a.len(), b.len());
+    for (name, t) in a.tensors() {
+        let u = b.tensor(&name).unwrap();
+        assert_eq!(t.shape(), u.shape(), "{name}");
+        let f = |bytes: &[u8]| -> Vec<f32> {
+            bytes.chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        };
+        let worst = f(t.data()).iter().zip(f(u.data())).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        assert!(worst <= 1e-6, "{name} differs by {worst}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 #[ignore = "needs PyTorch (ci/python-env.sh)"]
 fn fsdp_under_torchrun_equals_the_simulator() {

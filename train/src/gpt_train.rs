@@ -8,13 +8,16 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{Device, Tensor, Var};
-use candle_nn::{Optimizer, VarBuilder, VarMap};
-use chorus_collectives::{CommBackend, Communicator, Mesh};
+use candle_nn::{VarBuilder, VarMap};
+use chorus_collectives::{CommBackend, Communicator};
 use chorus_devices::{ComputeBackend, Device as _};
-use chorus_fsdp::{CommCounts, DataParallel, Fsdp, FsdpConfig, HostOverhead, OptimizerKind, ShardedOptimizer};
-use chorus_fsdp_candle::checkpoint::{self, LoadOptions, SaveOptions, TrainingState};
+use chorus_fsdp::{CommCounts, Fsdp, FsdpConfig, HostOverhead, OptimizerKind, ShardedOptimizer};
+use chorus_fsdp_candle::checkpoint::{self, LoadOptions, TrainingState};
 use chorus_fsdp_candle::{AdapterTimes, Error, Recompute, Result};
 
+use crate::fsdp_loop::{
+    clip_grad_norm, data_parallel, global_mean, micro_batches, save_options, u32_tensor, Counters, PlainOptimizer,
+};
 use crate::gpt::{loss, Gpt, GptConfig, ShardedGpt};
 use crate::text::TextData;
 
@@ -145,20 +148,8 @@ impl NonFinite {
 }
 
 /// How the transformer `config` differs from the one a checkpoint recorded
-/// (`saved`, its training state's `model`): each differing size as
-/// `"heads 4 -> 2"`; empty when they agree or none was recorded.
-pub fn config_changes(saved: &serde_json::Value, config: &GptConfig) -> Vec<String> {
-    let now = serde_json::to_value(config).unwrap_or_default();
-    let (Some(saved), Some(now)) = (saved.as_object(), now.as_object()) else { return Vec::new() };
-    now.iter()
-        .filter(|(k, v)| saved.get(*k) != Some(v))
-        .map(|(k, v)| format!("{k} {} -> {v}", saved.get(k).map_or_else(|| "unset".into(), |s| s.to_string())))
-        .collect()
-}
-
-pub(crate) fn u32_tensor(v: Vec<u32>, rows: usize, seq: usize) -> Result<Tensor> {
-    Ok(Tensor::from_vec(v, (rows, seq), &Device::Cpu)?)
-}
+/// (the model-independent [`fsdp_loop::config_changes`](crate::fsdp_loop::config_changes)).
+pub use crate::fsdp_loop::config_changes;
 
 /// Trains on this rank of `world`; every rank calls it with the same spec.
 /// `on_step(step, loss)` is called after each step.
@@ -171,26 +162,8 @@ where
     C::B: ComputeBackend,
     Fsdp<C>: Send,
 {
-    let n = world.size();
-    let micro = spec.micro_batches.max(1);
-    if spec.batch == 0 || spec.batch % micro != 0 {
-        return Err(Error::InvalidArgument(format!(
-            "batch {} must be a positive multiple of {micro} micro-batches",
-            spec.batch
-        )));
-    }
-    let dp = match spec.replicate {
-        Some(r) if r > 1 => {
-            if n % r != 0 {
-                return Err(Error::InvalidArgument(format!("--hsdp {r} does not divide {n} ranks")));
-            }
-            DataParallel::hsdp(
-                &Mesh::new(&world, &[("replicate", r), ("shard", n / r)]).map_err(chorus_fsdp::FsdpError::from)?,
-            )?
-        }
-        _ => DataParallel::fsdp(world.clone()),
-    };
-    let fsdp = Fsdp::new(dp, spec.fsdp.clone())?;
+    let micro = micro_batches(spec.batch, spec.micro_batches)?;
+    let fsdp = Fsdp::new(data_parallel(&world, spec.replicate)?, spec.fsdp.clone())?;
     let gpt = ShardedGpt::new(fsdp, spec.config, spec.init.clone(), spec.forward_prefetch)?;
     gpt.model.apply_recompute(&spec.recompute)?;
     let mut opt = ShardedOptimizer::new(spec.optimizer);
@@ -223,9 +196,7 @@ where
         f.device().reset_peak_memory();
         Ok(())
     })??;
-    let overhead_before = gpt.model.with_fsdp(|f| f.host_overhead())?;
-    let counts_before = gpt.model.with_fsdp(|f| f.comm_counts())?;
-    let adapter_before = gpt.model.times()?;
+    let before = Counters::of(&gpt.model)?;
     let rank = world.rank();
     let seq = spec.data.seq_len();
     let rows = spec.batch / micro;
@@ -234,10 +205,7 @@ where
     let mut saved = Vec::new();
     let mut stopped = None;
     // The checkpoint resumed from is never pruned.
-    let save_options = SaveOptions {
-        keep_last: spec.keep_last,
-        keep: spec.resume.iter().filter_map(|d| checkpoint::resolve(d).ok()).collect(),
-    };
+    let save_options = save_options(spec.keep_last, spec.resume.as_ref());
     let model_config = serde_json::to_value(spec.config).map_err(|e| Error::InvalidArgument(e.to_string()))?;
     for step in start..spec.steps {
         let t0 = Instant::now();
@@ -251,12 +219,7 @@ where
             local += l.to_scalar::<f32>()? as f64;
             gpt.model.backward(&l)?;
         }
-        let mean = gpt.model.with_fsdp(|f| -> Result<f64> {
-            let s = f.compute_stream();
-            let buf =
-                chorus_devices::StreamExt::buffer_from(s, &[local as f32]).map_err(chorus_fsdp::FsdpError::from)?;
-            Ok(f.mean_over_ranks(chorus_devices::Buffer::view(&buf))?)
-        })??;
+        let mean = global_mean(&gpt.model, local)?;
         if !mean.is_finite() && !spec.allow_nonfinite {
             // Every rank sees the same global loss, so all stop here together.
             losses.push(mean);
@@ -281,10 +244,8 @@ where
         }
     }
     let stats = gpt.model.with_fsdp(|f| f.device().memory_stats())?;
-    let after = gpt.model.with_fsdp(|f| f.host_overhead())?;
-    let adapter_after = gpt.model.times()?;
+    let counted = Counters::of(&gpt.model)?.since(&before);
     let groups = gpt.model.with_fsdp(|f| f.num_groups())?;
-    let counts = gpt.model.with_fsdp(|f| f.comm_counts())?;
     let params = gpt.model.with_fsdp(|f| f.full_parameters())??;
     Ok(GptReport {
         start_step: start,
@@ -292,19 +253,10 @@ where
         losses,
         step_times_s: times,
         peak_memory_bytes: stats.peak_bytes,
-        overhead: after.since(&overhead_before),
-        adapter: AdapterTimes {
-            transfer: adapter_after.transfer - adapter_before.transfer,
-            compute: adapter_after.compute - adapter_before.compute,
-            stage_calls: adapter_after.stage_calls - adapter_before.stage_calls,
-            recomputed: adapter_after.recomputed - adapter_before.recomputed,
-        },
+        overhead: counted.overhead,
+        adapter: counted.adapter,
         groups,
-        comm_counts: CommCounts {
-            all_gathers: counts.all_gathers - counts_before.all_gathers,
-            reduce_scatters: counts.reduce_scatters - counts_before.reduce_scatters,
-            all_reduces: counts.all_reduces - counts_before.all_reduces,
-        },
+        comm_counts: counted.comm,
         params,
         saved,
         stopped,
@@ -339,20 +291,7 @@ pub fn train_plain(spec: &GptSpec, ranks: usize) -> Result<PlainReport> {
     }
     let vb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &Device::Cpu);
     let gpt = Gpt::new(spec.config, vb)?;
-    let vars = varmap.all_vars();
-    enum Opt {
-        Sgd(candle_nn::SGD),
-        AdamW(candle_nn::AdamW),
-    }
-    let mut opt = match spec.optimizer {
-        OptimizerKind::Sgd { lr, momentum, weight_decay, .. } if momentum == 0.0 && weight_decay == 0.0 => {
-            Opt::Sgd(candle_nn::SGD::new(vars, lr)?)
-        }
-        OptimizerKind::AdamW { lr, beta1, beta2, eps, weight_decay } => {
-            Opt::AdamW(candle_nn::AdamW::new(vars, candle_nn::ParamsAdamW { lr, beta1, beta2, eps, weight_decay })?)
-        }
-        k => return Err(Error::InvalidArgument(format!("candle-nn has no optimizer matching {k:?}"))),
-    };
+    let mut opt = PlainOptimizer::new(spec.optimizer, varmap.all_vars())?;
     let rows = ranks * spec.batch;
     let seq = spec.data.seq_len();
     let (mut losses, mut times) = (Vec::new(), Vec::new());
@@ -365,10 +304,7 @@ pub fn train_plain(spec: &GptSpec, ranks: usize) -> Result<PlainReport> {
         if let Some(max) = spec.max_grad_norm {
             clip_grad_norm(&mut grads, &varmap.all_vars(), max)?;
         }
-        match &mut opt {
-            Opt::Sgd(o) => o.step(&grads)?,
-            Opt::AdamW(o) => o.step(&grads)?,
-        }
+        opt.step(&grads)?;
         times.push(t0.elapsed().as_secs_f64());
     }
     let params = spec
@@ -381,25 +317,4 @@ pub fn train_plain(spec: &GptSpec, ranks: usize) -> Result<PlainReport> {
         })
         .collect::<Result<_>>()?;
     Ok(PlainReport { losses, step_times_s: times, params })
-}
-
-/// Scales the gradients of `vars` in `grads` as `clip_grad_norm_` does: the
-/// global L2 norm (summed in f64), then `max / (norm + 1e-6)` if below one.
-pub(crate) fn clip_grad_norm(grads: &mut candle_core::backprop::GradStore, vars: &[Var], max: f64) -> Result<()> {
-    let mut total = 0.0f64;
-    for v in vars {
-        if let Some(g) = grads.get(v.as_tensor()) {
-            total += g.flatten_all()?.to_vec1::<f32>()?.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>();
-        }
-    }
-    let coef = max / (total.sqrt() + 1e-6);
-    if coef < 1.0 {
-        for v in vars {
-            if let Some(g) = grads.get(v.as_tensor()) {
-                let scaled = (g * coef)?;
-                grads.insert(v.as_tensor(), scaled);
-            }
-        }
-    }
-    Ok(())
 }

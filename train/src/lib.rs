@@ -15,6 +15,7 @@
 //!   both transformers spellings), [`llama_hf`] (Hugging Face model
 //!   directories in, memory-mapped and read shard by shard, and out) and
 //!   [`llama_train`] (the loop on `.npy` token ids or text).
+//! - [`fsdp_loop`]: what those loops share that does not depend on the model.
 //! - [`npy`]: float32 `.npy` files, the interchange with PyTorch and NumPy
 //!   users for initial weights, data and trained parameters.
 //!
@@ -23,6 +24,7 @@
 //! type for a training step.
 #![warn(missing_docs)]
 
+pub mod fsdp_loop;
 pub mod gpt;
 pub mod gpt_train;
 pub mod llama;

@@ -9,15 +9,19 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{Device, Var};
-use candle_nn::{Optimizer, VarBuilder, VarMap};
-use chorus_collectives::{CommBackend, Communicator, Mesh};
+use candle_nn::{VarBuilder, VarMap};
+use chorus_collectives::{CommBackend, Communicator};
 use chorus_devices::{ComputeBackend, Device as _};
-use chorus_fsdp::{CommCounts, DataParallel, DeferredParam, Fsdp, FsdpConfig, OptimizerKind, ShardedOptimizer};
-use chorus_fsdp_candle::checkpoint::{self, TrainingState};
-use chorus_fsdp_candle::{AdapterTimes, Error, Result};
+use chorus_fsdp::{DeferredParam, Fsdp, FsdpConfig, OptimizerKind, ShardedOptimizer};
+use chorus_fsdp_candle::checkpoint::{self, LoadOptions, TrainingState};
+use chorus_fsdp_candle::{Error, Recompute, Result};
 
+use crate::fsdp_loop::{
+    clip_grad_norm, config_changes, data_parallel, global_mean, micro_batches, save_options, u32_tensor, Counters,
+    PlainOptimizer,
+};
 use crate::gpt::loss;
-use crate::gpt_train::{clip_grad_norm, u32_tensor, GptReport, PlainReport};
+use crate::gpt_train::{GptReport, NonFinite, PlainReport};
 use crate::llama::{materialize, Llama, ShardedLlama};
 use crate::llama_config::LlamaConfig;
 use crate::npy::Tokens;
@@ -135,10 +139,18 @@ pub struct LlamaSpec {
     pub checkpoint_dir: Option<PathBuf>,
     /// Steps between checkpoints (0: only at the end, when a directory is given).
     pub save_every: u64,
+    /// Keep only this many checkpoints under `checkpoint_dir` (as
+    /// [`GptSpec::keep_last`](crate::gpt_train::GptSpec::keep_last)); `None` keeps all.
+    pub keep_last: Option<usize>,
     /// Resume from this checkpoint.
     pub resume: Option<PathBuf>,
-    /// Keep going when the loss is not finite.
+    /// Resume with other optimizer settings than the checkpoint's (same kind).
+    pub allow_optimizer_change: bool,
+    /// Keep going when the loss is not finite (default: stop, see [`GptReport::stopped`]).
     pub allow_nonfinite: bool,
+    /// Which groups (`root`, `model.layers.{i}`) recompute their stages in
+    /// backward (activation checkpointing); the others keep their graphs.
+    pub recompute: Recompute,
 }
 
 impl LlamaSpec {
@@ -166,8 +178,11 @@ impl LlamaSpec {
             micro_batches: 1,
             checkpoint_dir: None,
             save_every: 0,
+            keep_last: None,
             resume: None,
+            allow_optimizer_change: false,
             allow_nonfinite: false,
+            recompute: Recompute::All,
         }
     }
 }
@@ -184,32 +199,24 @@ where
     C::B: ComputeBackend,
     Fsdp<C>: Send,
 {
-    let n = world.size();
-    let micro = spec.micro_batches.max(1);
-    if spec.batch == 0 || spec.batch % micro != 0 {
-        return Err(Error::InvalidArgument(format!(
-            "batch {} must be a positive multiple of {micro} micro-batches",
-            spec.batch
-        )));
-    }
-    let dp = match spec.replicate {
-        Some(r) if r > 1 => {
-            if n % r != 0 {
-                return Err(Error::InvalidArgument(format!("--hsdp {r} does not divide {n} ranks")));
-            }
-            DataParallel::hsdp(
-                &Mesh::new(&world, &[("replicate", r), ("shard", n / r)]).map_err(chorus_fsdp::FsdpError::from)?,
-            )?
-        }
-        _ => DataParallel::fsdp(world.clone()),
-    };
-    let fsdp = Fsdp::new(dp, spec.fsdp.clone())?;
+    let micro = micro_batches(spec.batch, spec.micro_batches)?;
+    let fsdp = Fsdp::new(data_parallel(&world, spec.replicate)?, spec.fsdp.clone())?;
     let llama = ShardedLlama::new(fsdp, spec.config.clone(), spec.init.clone(), spec.forward_prefetch)?;
+    llama.model.apply_recompute(&spec.recompute)?;
     let mut opt = ShardedOptimizer::new(spec.optimizer);
     let mut start = 0;
     let mut earlier_losses = Vec::new();
     if let Some(dir) = &spec.resume {
-        let state = llama.model.with_fsdp(|f| checkpoint::load(f, &mut opt, dir, &checkpoint::LoadOptions::default()))??;
+        let options = LoadOptions { allow_optimizer_change: spec.allow_optimizer_change };
+        let state = llama.model.with_fsdp(|f| checkpoint::load(f, &mut opt, dir, &options))??;
+        let changes = config_changes(&state.model, &*spec.config);
+        if !changes.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "{}: saved from another Llama configuration ({}); resume with the one it was saved with",
+                dir.display(),
+                changes.join(", ")
+            )));
+        }
         if state.data_seed != spec.data.seed() {
             return Err(Error::InvalidArgument(format!(
                 "{}: saved with data {:#x}, this run's is {:#x}",
@@ -226,13 +233,14 @@ where
         f.device().reset_peak_memory();
         Ok(())
     })??;
-    let overhead_before = llama.model.with_fsdp(|f| f.host_overhead())?;
-    let counts_before = llama.model.with_fsdp(|f| f.comm_counts())?;
-    let adapter_before = llama.model.times()?;
+    let before = Counters::of(&llama.model)?;
     let rank = world.rank();
     let seq = spec.data.seq_len();
     let rows = spec.batch / micro;
     let (mut losses, mut times, mut saved) = (Vec::new(), Vec::new(), Vec::new());
+    let mut stopped = None;
+    let save_options = save_options(spec.keep_last, spec.resume.as_ref());
+    let model_config = serde_json::to_value(&*spec.config).map_err(|e| Error::InvalidArgument(e.to_string()))?;
     for step in start..spec.steps {
         let t0 = Instant::now();
         let mut local = 0.0f64;
@@ -245,14 +253,13 @@ where
             local += l.to_scalar::<f32>()? as f64;
             llama.model.backward(&l)?;
         }
-        let mean = llama.model.with_fsdp(|f| -> Result<f64> {
-            let s = f.compute_stream();
-            let buf =
-                chorus_devices::StreamExt::buffer_from(s, &[local as f32]).map_err(chorus_fsdp::FsdpError::from)?;
-            Ok(f.mean_over_ranks(chorus_devices::Buffer::view(&buf))?)
-        })??;
+        let mean = global_mean(&llama.model, local)?;
         if !mean.is_finite() && !spec.allow_nonfinite {
-            return Err(Error::NonFinite { step, loss: mean });
+            // Every rank sees the same global loss, so all stop here together.
+            losses.push(mean);
+            times.push(t0.elapsed().as_secs_f64());
+            stopped = Some(NonFinite { step, loss: mean });
+            break;
         }
         if let Some(max) = spec.max_grad_norm {
             llama.model.clip_grad_norm(max)?;
@@ -266,15 +273,13 @@ where
         let due = spec.save_every > 0 && done % spec.save_every == 0 || done == spec.steps;
         if let (Some(dir), true) = (&spec.checkpoint_dir, due) {
             let losses = earlier_losses.iter().chain(&losses).copied().collect();
-            let state = TrainingState { step: done, data_seed: spec.data.seed(), losses, model: serde_json::Value::Null };
-            saved.push(llama.model.with_fsdp(|f| checkpoint::save(f, &opt, dir, &state, &checkpoint::SaveOptions::default()))??);
+            let state = TrainingState { step: done, data_seed: spec.data.seed(), losses, model: model_config.clone() };
+            saved.push(llama.model.with_fsdp(|f| checkpoint::save(f, &opt, dir, &state, &save_options))??);
         }
     }
     let stats = llama.model.with_fsdp(|f| f.device().memory_stats())?;
-    let after = llama.model.with_fsdp(|f| f.host_overhead())?;
-    let adapter_after = llama.model.times()?;
+    let counted = Counters::of(&llama.model)?.since(&before);
     let groups = llama.model.with_fsdp(|f| f.num_groups())?;
-    let counts = llama.model.with_fsdp(|f| f.comm_counts())?;
     let params = llama.model.with_fsdp(|f| f.full_parameters())??;
     Ok(GptReport {
         start_step: start,
@@ -282,22 +287,13 @@ where
         losses,
         step_times_s: times,
         peak_memory_bytes: stats.peak_bytes,
-        overhead: after.since(&overhead_before),
-        adapter: AdapterTimes {
-            transfer: adapter_after.transfer - adapter_before.transfer,
-            compute: adapter_after.compute - adapter_before.compute,
-            stage_calls: adapter_after.stage_calls - adapter_before.stage_calls,
-            recomputed: adapter_after.recomputed - adapter_before.recomputed,
-        },
+        overhead: counted.overhead,
+        adapter: counted.adapter,
         groups,
-        comm_counts: CommCounts {
-            all_gathers: counts.all_gathers - counts_before.all_gathers,
-            reduce_scatters: counts.reduce_scatters - counts_before.reduce_scatters,
-            all_reduces: counts.all_reduces - counts_before.all_reduces,
-        },
+        comm_counts: counted.comm,
         params,
         saved,
-        stopped: None,
+        stopped,
     })
 }
 
@@ -316,20 +312,7 @@ pub fn train_plain(spec: &LlamaSpec, ranks: usize) -> Result<PlainReport> {
     }
     let vb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &Device::Cpu);
     let llama = Llama::new(spec.config.clone(), vb)?;
-    let vars = varmap.all_vars();
-    enum Opt {
-        Sgd(candle_nn::SGD),
-        AdamW(candle_nn::AdamW),
-    }
-    let mut opt = match spec.optimizer {
-        OptimizerKind::Sgd { lr, momentum, weight_decay, .. } if momentum == 0.0 && weight_decay == 0.0 => {
-            Opt::Sgd(candle_nn::SGD::new(vars, lr)?)
-        }
-        OptimizerKind::AdamW { lr, beta1, beta2, eps, weight_decay } => {
-            Opt::AdamW(candle_nn::AdamW::new(vars, candle_nn::ParamsAdamW { lr, beta1, beta2, eps, weight_decay })?)
-        }
-        k => return Err(Error::InvalidArgument(format!("candle-nn has no optimizer matching {k:?}"))),
-    };
+    let mut opt = PlainOptimizer::new(spec.optimizer, varmap.all_vars())?;
     let rows = ranks * spec.batch;
     let seq = spec.data.seq_len();
     let (mut losses, mut times) = (Vec::new(), Vec::new());
@@ -342,10 +325,7 @@ pub fn train_plain(spec: &LlamaSpec, ranks: usize) -> Result<PlainReport> {
         if let Some(max) = spec.max_grad_norm {
             clip_grad_norm(&mut grads, &varmap.all_vars(), max)?;
         }
-        match &mut opt {
-            Opt::Sgd(o) => o.step(&grads)?,
-            Opt::AdamW(o) => o.step(&grads)?,
-        }
+        opt.step(&grads)?;
         times.push(t0.elapsed().as_secs_f64());
     }
     let data = varmap.data().lock().map_err(|_| Error::InvalidArgument("VarMap lock poisoned".into()))?;

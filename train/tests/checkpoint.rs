@@ -471,7 +471,10 @@ print(json.dumps({k: [list(v.shape), len(md.state_dict_metadata[k].chunks), floa
                   for k, v in sd.items()}))
 "#;
     let step = dir.join("step-00000002");
-    let o = std::process::Command::new(torch_python::torch_python("torch")).args(["-c", script, step.to_str().unwrap()]).output().unwrap();
+    let o = std::process::Command::new(torch_python::torch_python("torch"))
+        .args(["-c", script, step.to_str().unwrap()])
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let loaded: std::collections::HashMap<String, (Vec<usize>, usize, f64)> =
         serde_json::from_slice(&o.stdout).unwrap();

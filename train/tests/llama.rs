@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use chorus_devices::DType;
 use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, MixedPrecision, OptimizerKind, Reshard};
+use chorus_fsdp_candle::Recompute;
 use chorus_train::gpt_train::GptReport;
 use chorus_train::llama::{init_params, materialize, ShardedLlama};
 use chorus_train::llama_config::LlamaConfig;
@@ -77,22 +78,34 @@ fn fsdp_matches_plain_candle_at_1_2_4_ranks_and_hsdp() {
             let plain = train_plain(&plain_spec, 1).unwrap();
             assert!(plain.losses.iter().all(|l| l.is_finite()));
             assert!(plain.losses[3] < plain.losses[0], "training lowers the loss: {:?}", plain.losses);
-            for (ranks, replicate, reshard, micro) in [
-                (1, None, Reshard::Yes, 1),
-                (2, None, Reshard::Yes, 1),
-                (4, None, Reshard::Yes, 1),
-                (4, Some(2), Reshard::Yes, 1),
-                (4, None, Reshard::No, 2),
-                (4, None, Reshard::To(2), 1),
+            let one_layer = || Recompute::Groups(vec!["model.layers.1".into()]);
+            for (ranks, replicate, reshard, micro, recompute) in [
+                (1, None, Reshard::Yes, 1, Recompute::All),
+                (2, None, Reshard::Yes, 1, Recompute::All),
+                (4, None, Reshard::Yes, 1, Recompute::All),
+                (4, Some(2), Reshard::Yes, 1, Recompute::All),
+                (4, None, Reshard::No, 2, Recompute::All),
+                (4, None, Reshard::To(2), 1, Recompute::All),
+                (1, None, Reshard::Yes, 1, Recompute::Nothing),
+                (2, None, Reshard::No, 2, Recompute::Nothing),
+                (4, Some(2), Reshard::Yes, 1, one_layer()),
             ] {
                 let mut s = spec(tied, global, ranks, 4, optimizer);
                 s.replicate = replicate;
                 s.fsdp.reshard_after_forward = reshard;
                 s.micro_batches = micro;
                 s.max_grad_norm = Some(0.5);
+                s.recompute = recompute.clone();
                 let reports = run(ranks, s);
                 let first = &reports[0];
                 assert_eq!(first.groups, 3, "the root and one group per decoder layer");
+                // Stages per step: the root's two (embedding, head) and one per layer.
+                let stages_recomputed = match &recompute {
+                    Recompute::All => 4,
+                    Recompute::Nothing => 0,
+                    Recompute::Groups(_) => 1,
+                };
+                assert_eq!(first.adapter.recomputed, stages_recomputed * 4 * micro, "{recompute}: stages recomputed");
                 for r in &reports[1..] {
                     assert_eq!(r.params, first.params, "ranks disagree");
                     assert_eq!(r.losses, first.losses);

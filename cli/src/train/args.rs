@@ -94,33 +94,33 @@ pub struct TrainArgs {
     /// gpt: width of the MLP's hidden layer (default 4 × --d-model).
     #[arg(long)]
     pub d_ff: Option<usize>,
-    /// gpt: context length.
-    #[arg(long, default_value_t = 32)]
-    pub seq_len: usize,
+    /// gpt, llama: context length (default 32; with --data the file's rows give it).
+    #[arg(long)]
+    pub seq_len: Option<usize>,
     /// gpt: train on this text file instead of generated text (UTF-8, or else read as Latin-1; characters other than a-z, A-Z, space, '.' and newline become spaces).
     #[arg(long)]
     pub text: Option<PathBuf>,
-    /// gpt: which groups recompute their blocks in backward (activation checkpointing): true, false, or a
-    /// comma-separated list of the groups that do (root, blocks.0, ...); the others keep their forward
+    /// gpt and llama: which groups recompute their blocks in backward (activation checkpointing): true, false, or a
+    /// comma-separated list of the groups that do (gpt: root, blocks.0, ...; llama: root, model.layers.0, ...); the others keep their forward
     /// graphs (a forward less per group and step, their activations and parameters held until backward).
     #[arg(long, default_value = "true")]
     pub recompute: Recompute,
     /// gpt: micro-batches per step (gradient accumulation; they divide --batch).
     #[arg(long, default_value_t = 1)]
     pub micro_batches: usize,
-    /// gpt: save a sharded checkpoint every N steps (and at the end).
+    /// gpt, llama: save a sharded checkpoint every N steps (and at the end).
     #[arg(long)]
     pub save_every: Option<u64>,
-    /// gpt: where checkpoints go (default <out-dir>-checkpoints).
+    /// gpt, llama: where checkpoints go (default <out-dir>-checkpoints).
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
-    /// gpt: keep only the newest N checkpoints (never the one `latest` names nor the one resumed from).
+    /// gpt, llama: keep only the newest N checkpoints (never the one `latest` names nor the one resumed from).
     #[arg(long)]
     pub keep_last: Option<usize>,
-    /// gpt: resume from a checkpoint directory (a step-* directory, or one with a `latest` file).
+    /// gpt, llama: resume from a checkpoint directory (a step-* directory, or one with a `latest` file).
     #[arg(long)]
     pub resume: Option<PathBuf>,
-    /// gpt: with --resume, continue with other optimizer settings (--lr, --momentum, --weight-decay) than the checkpoint's; the changes are reported.
+    /// gpt, llama: with --resume, continue with other optimizer settings (--lr, --momentum, --weight-decay) than the checkpoint's; the changes are reported.
     #[arg(long)]
     pub allow_optimizer_change: bool,
     /// Keep training when the loss is NaN or infinite (default: stop with an error).
@@ -422,6 +422,11 @@ impl TrainArgs {
         self.check_memory((data + world_ * per_rank + Sat(8) * params).0)
     }
 
+    /// The context length: `--seq-len`, or 32.
+    pub(super) fn seq_len(&self) -> usize {
+        self.seq_len.unwrap_or(32)
+    }
+
     pub(super) fn gpt_config(&self) -> GptConfig {
         GptConfig {
             vocab: text::vocab_size(),
@@ -429,7 +434,7 @@ impl TrainArgs {
             layers: self.layers.unwrap_or(2),
             heads: self.heads,
             d_ff: self.d_ff.unwrap_or(self.d_model.saturating_mul(4)),
-            seq_len: self.seq_len,
+            seq_len: self.seq_len(),
         }
     }
 
@@ -464,7 +469,7 @@ impl TrainArgs {
                     text::vocab_size()
                 )));
             }
-            let seq = if self.llama.data.is_some() { 1 } else { self.seq_len };
+            let seq = if self.llama.data.is_some() { 1 } else { self.seq_len() };
             self.check_llama_memory(&cfg, world, seq)?;
         } else {
             for (given, name) in [
@@ -508,6 +513,17 @@ impl TrainArgs {
     }
 
     /// What --model gpt and --model llama (both candle through the adapter) share.
+    /// `--recompute`'s names are among the model's `groups` (in order).
+    pub(super) fn check_recompute(&self, groups: &[String]) -> anyhow::Result<()> {
+        if let Recompute::Groups(names) = &self.recompute {
+            if let Some(n) = names.iter().find(|n| !groups.contains(n)) {
+                let (first, last) = (groups.first().map_or("", |s| s), groups.last().map_or("", |s| s));
+                return Err(usage(format!("--recompute names `{n}`, which is no group ({first} .. {last})")));
+            }
+        }
+        Ok(())
+    }
+
     fn usage_candle_model(&self, model: &str) -> anyhow::Result<()> {
         if matches!(self.backend.name(), "nccl" | "rccl") {
             return Err(usage(format!(
@@ -531,34 +547,6 @@ impl TrainArgs {
         if self.save_every == Some(0) {
             return Err(usage("--save-every must be at least 1"));
         }
-        Ok(())
-    }
-
-    pub(super) fn usage_gpt(&self, world: usize) -> anyhow::Result<()> {
-        if matches!(self.backend.name(), "nccl" | "rccl") {
-            return Err(usage(format!(
-                "--model gpt computes with candle on the CPU, so it runs on backends whose device holds host memory (sim, simnccl, ucx), not {}; use --model mlp (the candle-CUDA path is designed in docs/fsdp.md, not built)",
-                self.backend
-            )));
-        }
-        for (given, name) in [
-            (self.dims.is_some(), "--dims"),
-            (self.width.is_some(), "--width"),
-            (self.init_dir.is_some(), "--init-dir"),
-            (self.replicate_below != 0, "--replicate-below"),
-        ] {
-            if given {
-                return Err(usage(format!("{name} is for --model mlp")));
-            }
-        }
-        let cfg = self.gpt_config();
-        cfg.validate().map_err(usage)?;
-        if self.micro_batches == 0 || self.batch % self.micro_batches != 0 {
-            return Err(usage(format!("--micro-batches {} must divide --batch {}", self.micro_batches, self.batch)));
-        }
-        if self.save_every == Some(0) {
-            return Err(usage("--save-every must be at least 1"));
-        }
         match self.keep_last {
             Some(0) => return Err(usage("--keep-last must be at least 1")),
             Some(_) if self.save_every.is_none() && self.checkpoint_dir.is_none() => {
@@ -569,18 +557,15 @@ impl TrainArgs {
         if self.allow_optimizer_change && self.resume.is_none() {
             return Err(usage("--allow-optimizer-change goes with --resume"));
         }
-        if let Recompute::Groups(names) = &self.recompute {
-            let known = |n: &str| {
-                n == "root"
-                    || n.strip_prefix("blocks.").and_then(|i| i.parse::<usize>().ok()).is_some_and(|i| i < cfg.layers)
-            };
-            if let Some(n) = names.iter().find(|n| !known(n)) {
-                return Err(usage(format!(
-                    "--recompute names `{n}`, which is no group (root, blocks.0 .. blocks.{})",
-                    cfg.layers - 1
-                )));
-            }
-        }
+        Ok(())
+    }
+
+    pub(super) fn usage_gpt(&self, world: usize) -> anyhow::Result<()> {
+        self.usage_candle_model("gpt")?;
+        let cfg = self.gpt_config();
+        cfg.validate().map_err(usage)?;
+        let blocks = (0..cfg.layers).map(|i| format!("blocks.{i}"));
+        self.check_recompute(&std::iter::once("root".to_string()).chain(blocks).collect::<Vec<_>>())?;
         let (v, d, l, f, t) =
             (Sat::of(cfg.vocab), Sat::of(cfg.d_model), Sat::of(cfg.layers), Sat::of(cfg.d_ff), Sat::of(cfg.seq_len));
         let params = Sat(2) * v * d + d + l * (Sat(4) * d * d + Sat(2) * d * f + Sat(2) * d);

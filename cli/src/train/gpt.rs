@@ -7,63 +7,17 @@ use std::sync::Arc;
 use std::path::Path;
 
 use anyhow::Context;
-use chorus_fsdp_candle::checkpoint::{self, optimizer_json};
-use chorus_fsdp_candle::CheckpointError;
+use chorus_fsdp_candle::checkpoint::optimizer_json;
 use chorus_train::gpt::init_params;
 use chorus_train::gpt_train::{config_changes, GptSpec};
 use chorus_train::text::{self, TextData};
 use serde_json::json;
 
 use super::ranks::{limit_candle_threads, writes_outputs, GptJob};
+use super::resume::{check_resume, Resuming};
 use super::{median, run_with_progress, say, span, summarize, usage, TrainArgs};
 use crate::outdir::{write_file, CheckpointDir, OutDir};
 use crate::Outcome;
-
-/// Checks `--resume DIR` against this run before anything is written: the
-/// checkpoint is there, of this transformer, data and optimizer (other
-/// optimizer settings only with --allow-optimizer-change), and leaves steps
-/// to train. Returns the optimizer settings that change (reported).
-fn check_resume(args: &TrainArgs, dir: &Path, spec: &GptSpec) -> anyhow::Result<Vec<String>> {
-    let saved = match checkpoint::inspect(dir) {
-        Ok(saved) => saved,
-        Err(
-            e @ (CheckpointError::NotFound { .. }
-            | CheckpointError::NotACheckpoint { .. }
-            | CheckpointError::DanglingLatest { .. }),
-        ) => return Err(usage(format!("--resume: {e}"))),
-        Err(e) => return Err(e).with_context(|| format!("--resume {}", dir.display())),
-    };
-    let at = saved.dir.display();
-    let changes = config_changes(&saved.state.model, &spec.config);
-    if !changes.is_empty() {
-        return Err(usage(format!(
-            "--resume {at}: saved from another transformer ({}); give the sizes it was saved with",
-            changes.join(", ")
-        )));
-    }
-    if saved.state.data_seed != spec.data.seed() {
-        return Err(usage(format!(
-            "--resume {at}: saved with --seed {}, this run's is {}",
-            saved.state.data_seed,
-            spec.data.seed()
-        )));
-    }
-    let optimizer = checkpoint::optimizer_changes(&saved.optimizer, spec.optimizer)
-        .map_err(|e| usage(format!("--resume {at}: {e}")))?;
-    if !optimizer.is_empty() && !args.allow_optimizer_change {
-        return Err(usage(format!(
-            "--resume {at}: saved with other optimizer settings ({}); give the same, or --allow-optimizer-change to continue with these",
-            optimizer.join(", ")
-        )));
-    }
-    if saved.state.step >= spec.steps {
-        return Err(usage(format!(
-            "{at} is at step {}; --steps {} leaves nothing to train",
-            saved.state.step, spec.steps
-        )));
-    }
-    Ok(optimizer)
-}
 
 /// `chorus train --model gpt`.
 pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
@@ -84,7 +38,18 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         ..spec(args, steps)?
     };
     let optimizer_changes = match &args.resume {
-        Some(dir) => check_resume(args, dir, &spec)?,
+        Some(dir) => check_resume(
+            args,
+            dir,
+            &Resuming {
+                model: "transformer",
+                config_changes: &|saved| config_changes(saved, &spec.config),
+                data_seed: spec.data.seed(),
+                data_mismatch: &|saved, now| format!("saved with --seed {saved}, this run's is {now}"),
+                optimizer: spec.optimizer,
+                steps: spec.steps,
+            },
+        )?,
         None => Vec::new(),
     };
     let (out, _checkpoint_lock) = if writes_outputs(args.backend) {

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use chorus_fsdp_candle::checkpoint::optimizer_json;
+use chorus_train::fsdp_loop::config_changes;
 use chorus_train::llama::init_params;
 use chorus_train::llama_config::LlamaConfig;
 use chorus_train::llama_hf;
@@ -18,8 +19,9 @@ use chorus_train::text::{self, TextData};
 use serde_json::json;
 
 use super::ranks::{limit_candle_threads, writes_outputs, LlamaJob};
-use super::{median, run_with_progress, say, summarize, usage, TrainArgs};
-use crate::outdir::{write_file, OutDir};
+use super::resume::{check_resume, Resuming};
+use super::{median, run_with_progress, say, span, summarize, usage, TrainArgs};
+use crate::outdir::{write_file, CheckpointDir, OutDir};
 use crate::Outcome;
 
 /// The file in a checkpoint directory that records the Llama's config, so
@@ -33,36 +35,97 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let steps = args.steps();
     let spec = spec(args, steps)?;
     let cfg = spec.config.clone();
+    let layers = (0..cfg.num_hidden_layers).map(|i| format!("model.layers.{i}"));
+    args.check_recompute(&std::iter::once("root".to_string()).chain(layers).collect::<Vec<_>>())?;
     let max_file_bytes = usize::try_from(args.llama.max_file_bytes)
         .map_err(|_| usage(format!("--max-file-bytes {} is too large", args.llama.max_file_bytes)))?;
-    if let Some(dir) = &args.resume {
-        let state = chorus_fsdp_candle::checkpoint::read_training_state(dir)?;
-        if state.step >= steps {
-            return Err(usage(format!(
-                "{} is at step {}; --steps {steps} leaves nothing to train",
-                dir.display(),
-                state.step
-            )));
+    let optimizer_changes = match &args.resume {
+        Some(dir) => check_resume(
+            args,
+            dir,
+            &Resuming {
+                model: "Llama configuration",
+                config_changes: &|saved| config_changes(saved, &*cfg),
+                data_seed: spec.data.seed(),
+                data_mismatch: &|saved, now| {
+                    format!("saved with other data (--data, --text or --seed: {saved:#x}), this run's is {now:#x}")
+                },
+                optimizer: spec.optimizer,
+                steps,
+            },
+        )?,
+        None => Vec::new(),
+    };
+    let (out, _checkpoint_lock) = if writes_outputs(args.backend) {
+        let mut inside: Vec<(&str, &Path)> = Vec::new();
+        for (flag, path) in [
+            ("--init-from", &args.llama.init_from),
+            ("--data", &args.llama.data),
+            ("--text", &args.text),
+            ("--checkpoint-dir", &spec.checkpoint_dir),
+            ("--resume", &args.resume),
+        ] {
+            if let Some(p) = path {
+                inside.push((flag, p));
+            }
         }
-    }
-    let out = if writes_outputs(args.backend) { Some(OutDir::acquire(&args.out_dir(), &[])?) } else { None };
-    // One process records it (under a launcher, the one writing the outputs).
-    if let (Some(dir), true) = (&spec.checkpoint_dir, out.is_some()) {
-        record_config(dir, &cfg)?;
+        let out = OutDir::acquire(&args.out_dir(), &inside)?;
+        let lock = spec.checkpoint_dir.as_deref().map(CheckpointDir::acquire).transpose()?;
+        // One process records it (under a launcher, the one writing the outputs), holding the lock.
+        if let Some(dir) = &spec.checkpoint_dir {
+            record_config(dir, &cfg)?;
+        }
+        (Some(out), lock)
+    } else {
+        (None, None)
+    };
+    if !optimizer_changes.is_empty() {
+        eprintln!("resuming with changed optimizer settings: {}", optimizer_changes.join(", "));
     }
     let reports = run_with_progress(args.backend, world, LlamaJob(spec.clone()), steps)?;
-    let Some(out) = out.filter(|_| !reports.is_empty()) else { return Ok(Outcome::Passed) };
+    let Some(out) = out.filter(|_| !reports.is_empty()) else {
+        return match reports.first().and_then(|r| r.stopped) {
+            Some(stop) => Err(stop.error().into()),
+            None => Ok(Outcome::Passed),
+        };
+    };
     let first = reports.first().context("no ranks")?;
-    let model_dir = out.stage().join("model");
-    std::fs::create_dir(&model_dir).with_context(|| format!("creating {}", model_dir.display()))?;
-    llama_hf::write(&model_dir, &cfg, &first.params, args.llama.save_dtype.dtype(), max_file_bytes)?;
     let all_losses: Vec<f64> = first.earlier_losses.iter().chain(&first.losses).copied().collect();
     let s = summarize(&all_losses);
     let median_step = median(&first.step_times_s);
     let ran = first.losses.len().max(1) as f64;
     let first_step = first.start_step - first.earlier_losses.len() as u64;
+    let config = config_json(args, &spec, first.start_step, &optimizer_changes);
+    let checkpoints: Vec<String> = first.saved.iter().map(|p| p.display().to_string()).collect();
+    if let Some(stop) = first.stopped {
+        // The losses until the divergence are kept: the summary, marked
+        // failed, and the curve; no model.
+        let summary = json!({
+            "model": "llama",
+            "status": "failed",
+            "error": stop.error().to_string(),
+            "stopped_at_step": stop.step,
+            "first_step": first_step,
+            "losses": all_losses,
+            "loss_window": s.window,
+            "step_times_s": first.step_times_s,
+            "checkpoints": checkpoints,
+            "config": config,
+        });
+        write_file(&out.stage().join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
+        let title = format!("chorus train --model llama: stopped, loss {} at step {}", stop.loss, stop.step);
+        crate::plot::loss_curve(&out.stage().join("loss.svg"), &title, first_step, &all_losses, s.window)?;
+        let dest = out.dest().to_path_buf();
+        out.commit()?;
+        return Err(anyhow::Error::from(stop.error())
+            .context(format!("the run failed; its summary (marked failed) and loss curve are in {}", dest.display())));
+    }
+    let model_dir = out.stage().join("model");
+    std::fs::create_dir(&model_dir).with_context(|| format!("creating {}", model_dir.display()))?;
+    llama_hf::write(&model_dir, &cfg, &first.params, args.llama.save_dtype.dtype(), max_file_bytes)?;
     let summary = json!({
         "model": "llama",
+        "status": "completed",
         "first_step": first_step,
         "losses": all_losses,
         "loss_window": s.window,
@@ -76,34 +139,9 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
             first.overhead.total.as_secs_f64() / (first.groups.max(1) as f64 * ran),
         "adapter_transfer_per_step_s": first.adapter.transfer.as_secs_f64() / ran,
         "candle_compute_per_step_s": first.adapter.compute.as_secs_f64() / ran,
-        "checkpoints": first.saved.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+        "checkpoints": checkpoints,
         "hf_model_dir": "model",
-        "config": {
-            "model": "llama",
-            "backend": args.backend.name(),
-            "world_size": world,
-            "hsdp": args.hsdp,
-            "steps": steps,
-            "batch": args.batch,
-            "micro_batches": args.micro_batches,
-            "optimizer": optimizer_json(spec.optimizer),
-            "param_dtype": args.param_dtype.name(),
-            "reduce_dtype": args.reduce_dtype.unwrap_or(args.param_dtype).name(),
-            "reshard_after_forward": args.reshard_after_forward.to_string(),
-            "llama": &*cfg,
-            "parameters": cfg.num_params(),
-            "seq_len": spec.data.seq_len(),
-            "max_grad_norm": args.max_grad_norm,
-            "seed": args.seed,
-            "init_from": args.llama.init_from.as_ref().map(|p| p.display().to_string()),
-            "data": args.llama.data.as_ref().map(|p| p.display().to_string()),
-            "text": args.text.as_ref().map(|p| p.display().to_string()),
-            "save_dtype": args.llama.save_dtype.dtype().torch_name(),
-            "resume": args.resume.as_ref().map(|p| p.display().to_string()),
-            "start_step": first.start_step,
-            "save_every": args.save_every,
-            "checkpoint_dir": spec.checkpoint_dir.as_ref().map(|p| p.display().to_string()),
-        },
+        "config": config,
     });
     write_file(&out.stage().join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
     crate::plot::loss_curve(
@@ -116,19 +154,55 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let dest = out.dest().to_path_buf();
     out.commit()?;
     let peak = reports.iter().map(|r| r.peak_memory_bytes).max().unwrap_or(0);
+    // The closing line is about this run's steps (a resumed run's earlier ones are in the summary).
+    let this = summarize(&first.losses);
+    let last_start = first.start_step + (first.losses.len() - this.window) as u64;
     say(format_args!(
-        "trained the Llama ({} parameters) on {world} ranks, steps {}..{steps}: loss {:.4} (mean of the first {w} steps) -> {:.4} (mean of the last {w}), median step {:.1} ms, peak FSDP memory {:.1} KiB/rank, wrote {} (Hugging Face model in {})",
+        "trained the Llama ({} parameters) on {world} ranks, steps {}..{steps}: loss {:.4} (mean of {}) -> {:.4} (mean of {}), median step {:.1} ms, peak FSDP memory {:.1} KiB/rank, wrote {} (Hugging Face model in {})",
         cfg.num_params(),
         first.start_step,
-        s.start,
-        s.end,
+        this.start,
+        span(first.start_step, this.window),
+        this.end,
+        span(last_start, this.window),
         median_step * 1e3,
         peak as f64 / 1024.0,
         dest.display(),
         dest.join("model").display(),
-        w = s.window,
     ))?;
     Ok(Outcome::Passed)
+}
+
+/// The run's configuration as the summary records it.
+fn config_json(args: &TrainArgs, spec: &LlamaSpec, start_step: u64, optimizer_changes: &[String]) -> serde_json::Value {
+    json!({
+        "model": "llama",
+        "backend": args.backend.name(),
+        "world_size": args.world(),
+        "hsdp": args.hsdp,
+        "steps": spec.steps,
+        "batch": args.batch,
+        "micro_batches": args.micro_batches,
+        "optimizer": optimizer_json(spec.optimizer),
+        "optimizer_changes": optimizer_changes,
+        "param_dtype": args.param_dtype.name(),
+        "reduce_dtype": args.reduce_dtype.unwrap_or(args.param_dtype).name(),
+        "reshard_after_forward": args.reshard_after_forward.to_string(),
+        "llama": &*spec.config,
+        "parameters": spec.config.num_params(),
+        "seq_len": spec.data.seq_len(),
+        "max_grad_norm": args.max_grad_norm,
+        "seed": args.seed,
+        "init_from": args.llama.init_from.as_ref().map(|p| p.display().to_string()),
+        "data": args.llama.data.as_ref().map(|p| p.display().to_string()),
+        "text": args.text.as_ref().map(|p| p.display().to_string()),
+        "save_dtype": args.llama.save_dtype.dtype().torch_name(),
+        "resume": args.resume.as_ref().map(|p| p.display().to_string()),
+        "start_step": start_step,
+        "save_every": args.save_every,
+        "keep_last": args.keep_last,
+        "checkpoint_dir": spec.checkpoint_dir.as_ref().map(|p| p.display().to_string()),
+    })
 }
 
 /// The run the arguments describe: the model (from `--init-from`, whose
@@ -152,6 +226,15 @@ fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<LlamaSpec> {
     let data = match &args.llama.data {
         Some(path) => {
             let tokens = chorus_train::npy::read_tokens(path).map_err(|e| usage(format!("--data: {e}")))?;
+            // The rows give the length; a --seq-len that disagrees is a mistake, not a setting.
+            if let Some(seq) = args.seq_len.filter(|s| *s + 1 != tokens.cols) {
+                return Err(usage(format!(
+                    "--seq-len {seq}: --data {} has rows of {} tokens, i.e. sequences of {} (give that, or leave --seq-len out)",
+                    path.display(),
+                    tokens.cols,
+                    tokens.cols.saturating_sub(1)
+                )));
+            }
             LlamaData::Tokens(
                 TokenRows::new(tokens, cfg.vocab_size, global)
                     .map_err(|e| usage(format!("--data {}: {e}", path.display())))?,
@@ -169,12 +252,12 @@ fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<LlamaSpec> {
                 Some(path) => std::fs::read_to_string(path).with_context(|| format!("--text {}", path.display()))?,
                 None => text::generate(200_000, args.seed),
             };
-            LlamaData::Text(TextData::new(text::encode(&corpus), args.seq_len, args.seed).ok_or_else(|| {
+            let seq_len = args.seq_len();
+            LlamaData::Text(TextData::new(text::encode(&corpus), seq_len, args.seed).ok_or_else(|| {
                 usage(format!(
-                    "the text has {} characters; --seq-len {} needs at least {}",
+                    "the text has {} characters; --seq-len {seq_len} needs at least {}",
                     corpus.len(),
-                    args.seq_len,
-                    args.seq_len + 2
+                    seq_len + 2
                 ))
             })?)
         }
@@ -188,8 +271,11 @@ fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<LlamaSpec> {
         max_grad_norm: args.max_grad_norm,
         checkpoint_dir,
         save_every: args.save_every.unwrap_or(0),
+        keep_last: args.keep_last,
         resume: args.resume.clone(),
+        allow_optimizer_change: args.allow_optimizer_change,
         allow_nonfinite: args.allow_nonfinite,
+        recompute: args.recompute.clone(),
         ..LlamaSpec::new(Arc::new(cfg), init, Arc::new(data), args.batch, steps, args.optimizer())
     })
 }
@@ -200,6 +286,20 @@ fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<LlamaSpec> {
 fn record_config(dir: &Path, cfg: &LlamaConfig) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let path = dir.join(CHECKPOINT_CONFIG);
+    // The checkpoints there are of the recorded configuration: another one
+    // would make `chorus consolidate` read them as this run's model.
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        let recorded = LlamaConfig::from_json(&text).ok();
+        if recorded.as_ref() != Some(cfg) {
+            let changes = recorded.map(|r| config_changes(&serde_json::to_value(&r).unwrap_or_default(), cfg));
+            return Err(usage(format!(
+                "--checkpoint-dir {} holds checkpoints of another Llama configuration ({}); choose another directory",
+                dir.display(),
+                changes.map_or_else(|| format!("{CHECKPOINT_CONFIG} unreadable"), |c| c.join(", "))
+            )));
+        }
+        return Ok(());
+    }
     let tmp = dir.join(format!(".{CHECKPOINT_CONFIG}.tmp"));
     write_file(&tmp, serde_json::to_string_pretty(&cfg.to_hf_json("float32"))?.as_bytes())?;
     std::fs::rename(&tmp, &path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))

@@ -12,7 +12,8 @@
 //! run, which then writes its summary marked failed.
 //!
 //! `args.rs` holds the arguments and every check made before anything is
-//! written; `ranks.rs` runs a job on the ranks of any backend; `mlp.rs`,
+//! written; `ranks.rs` runs a job on the ranks of any backend; `resume.rs` checks a
+//! `--resume` checkpoint against the run; `mlp.rs`,
 //! `gpt.rs` and `llama.rs` train each model and write its outputs; `gpt_bench.rs` measures
 //! the transformer against plain candle (the MLP's benchmark is in `mlp.rs`).
 
@@ -22,6 +23,7 @@ mod gpt_bench;
 mod llama;
 mod mlp;
 mod ranks;
+mod resume;
 
 use std::io::Write;
 
