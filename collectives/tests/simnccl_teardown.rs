@@ -13,8 +13,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use chorus_collectives::bootstrap::MemStore;
-use chorus_collectives::vendor::simlib::{take_violations, SimNccl228};
-use chorus_collectives::vendor::{VendorComm, VendorConfig};
+use chorus_collectives::nccl_family::simlib::{take_violations, SimNccl228};
+use chorus_collectives::nccl_family::{VendorComm, VendorConfig};
 use chorus_collectives::ReduceOp;
 use chorus_devices::cpu::{CpuConfig, CpuDevice};
 use chorus_devices::{Buffer, DType, Device, Priority, Stream};

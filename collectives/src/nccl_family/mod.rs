@@ -58,11 +58,14 @@
 
 pub mod abi;
 mod comm;
+mod issue;
+mod launches;
 pub mod result;
 mod shared;
 #[cfg(feature = "sim")]
 pub mod simlib;
 pub mod sys;
+mod translate;
 mod watchdog;
 
 pub use comm::{VendorComm, VendorConfig};
