@@ -3,12 +3,12 @@
 //! when the stream reaches it, and an expired deadline or an asynchronous
 //! error of the communicator aborts it (see [`super::watchdog`]).
 
-use std::sync::Arc;
+use std::sync::{Arc, TryLockError};
 use std::time::Instant;
 
-use chorus_devices::{Backend, Event, FailureHandle, ForeignBackend, Stream};
+use chorus_devices::{Backend, Device, Event, FailureHandle, ForeignBackend, Stream};
 
-use super::shared::Shared;
+use super::shared::{op_failed, Shared};
 use super::sys::ncclComm_t;
 use super::watchdog::{self, Watched};
 use super::VendorLib;
@@ -60,28 +60,58 @@ impl<L: VendorLib> Shared<L> {
     }
 }
 
+impl<L: VendorLib> Shared<L> {
+    /// An abort decided by the watchdog: the part that never blocks (the
+    /// pending launches' streams fail with `reason`) runs here; the release
+    /// of the handle, which waits for its lock and for the library, runs on
+    /// a thread of its own, so a communicator whose lock is held (a blocking
+    /// call in progress, a stuck `ncclCommAbort`) leaves every other one
+    /// watched.
+    fn abort_from_watchdog(self: Arc<Self>, reason: CommError) {
+        self.begin_abort(reason);
+        let releasing = self.clone();
+        let spawned =
+            std::thread::Builder::new().name("chorus-comm-abort".into()).spawn(move || releasing.release_aborted());
+        if let Err(e) = spawned {
+            // The handle is released by the drop instead (finalize fails on
+            // an aborted communicator, and the drop aborts it then).
+            let message = format!("the thread that aborts the communicator could not start: {e}");
+            L::B::park(
+                &self.device,
+                op_failed("ncclCommAbort", &self.device.name(), CommError::invalid("abort", message)),
+            );
+        }
+    }
+}
+
 impl<L: VendorLib> Watched for Shared<L> {
-    fn poll(&self) -> bool {
+    fn poll(self: Arc<Self>) -> bool {
         let mut expired = None;
         let mut done = Vec::new();
         let still_pending = {
-            let Ok(mut p) = self.pending.lock() else { return false };
+            // Never wait: a launch being registered or an abort taking the
+            // list holds it for a moment; look again at the next poll.
+            let mut p = match self.pending.try_lock() {
+                Ok(p) => p,
+                Err(TryLockError::WouldBlock) => return true,
+                Err(TryLockError::Poisoned(_)) => return false,
+            };
             let now = Instant::now();
             let timeout = self.config.timeout;
             let mut i = 0;
             while i < p.launches.len() {
                 let l = &mut p.launches[i];
-                // A failed query means the stream failed at or before the
-                // launch: reported there already, nothing left to watch.
-                let mut finished = false;
-                if l.reached.is_none() {
+                // The end event first: a finished launch needs no other
+                // query. A failed query means the stream failed at or before
+                // the launch: reported there already, nothing left to watch.
+                let mut finished = l.end.query().unwrap_or(true);
+                if !finished && l.reached.is_none() {
                     match l.start.query() {
                         Ok(true) => l.reached = Some(now),
                         Ok(false) => {}
                         Err(_) => finished = true,
                     }
                 }
-                finished = finished || l.end.query().unwrap_or(true);
                 if finished {
                     let l = p.launches.swap_remove(i);
                     done.push(l);
@@ -101,18 +131,19 @@ impl<L: VendorLib> Watched for Shared<L> {
         self.give_events(done.into_iter().flat_map(|l| [l.start, l.end]));
         if let Some(e) = expired {
             // The pending launches (the expired one first) report the timeout.
-            self.abort_with(e);
+            self.abort_from_watchdog(e);
             return false;
         }
         if still_pending {
-            // An asynchronous error (a peer that died, a network failure).
+            // An asynchronous error (a peer that died, a network failure);
+            // a handle in use is looked at in the next poll.
             let async_error = match self.handle.try_lock() {
                 // SAFETY: the live handle under its lock.
                 Ok(h) if !h.released => unsafe { self.lib.async_error(h.raw as ncclComm_t) }.err(),
                 _ => None,
             };
             if let Some(e) = async_error {
-                self.abort_with(e);
+                self.abort_from_watchdog(e);
                 return false;
             }
         }
