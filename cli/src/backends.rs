@@ -31,7 +31,7 @@ pub enum Backend {
     Ucx,
 }
 
-/// Calls `$body` with `$L` bound to the [`VendorLib`](chorus_collectives::vendor::VendorLib)
+/// Calls `$body` with `$L` bound to the [`VendorLib`](chorus_collectives::nccl_family::VendorLib)
 /// of a vendor-family backend, or evaluates `$sim` / `$ucx` for those
 /// backends: how the subcommands dispatch once to code written generically
 /// over the family.
@@ -45,7 +45,7 @@ macro_rules! with_backend {
             $crate::backends::Backend::Ucx => $ucx,
             #[cfg(feature = "sim")]
             $crate::backends::Backend::SimNccl => {
-                type $L = chorus_collectives::vendor::simlib::SimNccl228;
+                type $L = chorus_collectives::nccl_family::simlib::SimNccl228;
                 $body
             }
             #[cfg(feature = "nccl")]

@@ -217,11 +217,11 @@ pub fn train_vendor<L, J: crate::train::RankJob>(
     bar: Option<indicatif::ProgressBar>,
 ) -> anyhow::Result<Vec<J::Report>>
 where
-    L: chorus_collectives::vendor::VendorLib,
+    L: chorus_collectives::nccl_family::VendorLib,
     L::B: chorus_conformance::vendor::HarnessDevice + chorus_devices::ComputeBackend,
-    chorus_fsdp::Fsdp<chorus_collectives::vendor::VendorComm<L>>: Send,
+    chorus_fsdp::Fsdp<chorus_collectives::nccl_family::VendorComm<L>>: Send,
 {
-    use chorus_collectives::vendor::{VendorComm, VendorConfig};
+    use chorus_collectives::nccl_family::{VendorComm, VendorConfig};
     use chorus_conformance::vendor::HarnessDevice;
     p.check_world_size(world)?;
     let device = L::B::make(p.env.local_rank, Duration::from_secs(300))?;

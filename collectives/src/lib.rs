@@ -8,7 +8,7 @@
 //!   (in memory, on a shared filesystem, over TCP in PyTorch's TCPStore
 //!   protocol) and the launcher environments (torchrun, Slurm, Open MPI, PMI).
 //! - Backends: [`sim`] (feature `sim`, default) runs ranks as threads of one
-//!   process on cpu devices; the NCCL family ([`vendor`]: `nccl` on cuda
+//!   process on cpu devices; the NCCL family ([`nccl_family`]: `nccl` on cuda
 //!   devices, `rccl` on hip devices, and a simulated NCCL ABI on cpu
 //!   devices that checks the library's usage rules in CI); [`ucx`] (feature
 //!   `ucx`) runs one rank per process (or host) over UCX's tagged messages on
@@ -27,6 +27,7 @@ mod host_call;
 mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod nccl_family;
 #[cfg(feature = "rccl")]
 pub mod rccl;
 mod reduce;
@@ -34,14 +35,13 @@ mod reduce;
 pub mod sim;
 #[cfg(feature = "ucx")]
 pub mod ucx;
-pub mod vendor;
 
 pub use backend::{Capabilities, CommBackend, OpKind};
 pub use comm::{Communicator, Group};
 pub use error::{CommError, Result, StoreFailure};
 pub use mesh::Mesh;
+pub use nccl_family::abi as nccl_abi;
 pub use reduce::ReduceOp;
-pub use vendor::abi as nccl_abi;
 
 /// What this crate's exported macros name, reachable through `$crate`
 /// whatever the caller calls the devices crate.

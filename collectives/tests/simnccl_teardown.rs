@@ -13,8 +13,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use chorus_collectives::bootstrap::MemStore;
-use chorus_collectives::vendor::simlib::{take_violations, SimNccl228};
-use chorus_collectives::vendor::{VendorComm, VendorConfig};
+use chorus_collectives::nccl_family::simlib::{take_violations, SimNccl228};
+use chorus_collectives::nccl_family::{VendorComm, VendorConfig};
 use chorus_collectives::ReduceOp;
 use chorus_devices::cpu::{CpuConfig, CpuDevice};
 use chorus_devices::{Buffer, DType, Device, Priority, Stream};
@@ -49,9 +49,9 @@ fn a_destroy_held_up_by_the_device_does_not_hang_the_drop() -> anyhow::Result<()
     let buf = device.alloc(DType::F32, 4)?;
     comm.all_reduce(buf.view(), buf.view(), ReduceOp::Sum, &stream)?;
     stream.synchronize()?;
-    // Past the watchdog's last poll of the finished launch, so this thread
+    // Past the watchdog's next poll (every 100 ms) of the finished launch, so this thread
     // holds the last reference.
-    std::thread::sleep(Duration::from_millis(100));
+    std::thread::sleep(Duration::from_millis(300));
     // Work that does not end until the test says so.
     let (release, released) = mpsc::channel::<()>();
     stream.launch_host_fn(Box::new(move |_| {

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::bail;
 use chorus_collectives::bootstrap::MemStore;
-use chorus_collectives::vendor::{VendorComm, VendorConfig, VendorLib};
+use chorus_collectives::nccl_family::{VendorComm, VendorConfig, VendorLib};
 use chorus_collectives::{Capabilities, Communicator};
 use chorus_devices::{Backend, ComputeBackend, ForeignBackend};
 
@@ -152,10 +152,10 @@ where
 
     #[cfg(feature = "sim")]
     fn after_case(&self) -> Result<(), String> {
-        if L::NAME != chorus_collectives::vendor::simlib::SimNccl228::NAME {
+        if L::NAME != chorus_collectives::nccl_family::simlib::SimNccl228::NAME {
             return Ok(());
         }
-        let v = chorus_collectives::vendor::simlib::take_violations();
+        let v = chorus_collectives::nccl_family::simlib::take_violations();
         if v.is_empty() {
             Ok(())
         } else {

@@ -2,7 +2,7 @@
 //! checked wrapper: the mismatch and missing-rank cases, which the library
 //! alone cannot see, now run and pass.
 
-use chorus_collectives::vendor::simlib::SimNccl228;
+use chorus_collectives::nccl_family::simlib::SimNccl228;
 use chorus_conformance::checked::CheckedHarness;
 use chorus_conformance::vendor::VendorHarness;
 

@@ -66,10 +66,10 @@ pub fn run_ucx(args: &BenchArgs, p: RankProcess) -> anyhow::Result<Outcome> {
 /// `chorus bench --backend nccl|rccl` under a launcher: `LOCAL_RANK` picks the GPU.
 pub fn run_vendor<L>(args: &BenchArgs, p: RankProcess) -> anyhow::Result<Outcome>
 where
-    L: chorus_collectives::vendor::VendorLib,
+    L: chorus_collectives::nccl_family::VendorLib,
     L::B: chorus_conformance::vendor::HarnessDevice,
 {
-    use chorus_collectives::vendor::{VendorComm, VendorConfig};
+    use chorus_collectives::nccl_family::{VendorComm, VendorConfig};
     use chorus_conformance::vendor::HarnessDevice;
     p.check_world_size(args.world_size)?;
     let device = L::B::make(p.env.local_rank, DEADLINE)?;

@@ -27,7 +27,7 @@ use anyhow::Context;
 use chorus_collectives::bootstrap::MemStore;
 use chorus_collectives::checked::Checked;
 use chorus_collectives::nccl_abi::{DataType, RedOp, ResultCode};
-use chorus_collectives::vendor::{VendorComm, VendorConfig, VendorLib};
+use chorus_collectives::nccl_family::{VendorComm, VendorConfig, VendorLib};
 use chorus_collectives::{CommError, Communicator, ReduceOp};
 use chorus_conformance::vendor::HarnessDevice;
 use chorus_devices::with_element;

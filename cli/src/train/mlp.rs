@@ -230,7 +230,7 @@ pub(super) fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let max_world = crate::with_backend!(args.backend, sim => usize::MAX, ucx => {
         anyhow::bail!("train --bench runs worlds of 1, 2, 4 and 8 ranks in this process; ucx runs one rank per process (use chorus bench under chorus launch)")
     }, vendor<L> => {
-        <<L as chorus_collectives::vendor::VendorLib>::B as chorus_conformance::vendor::HarnessDevice>::count()
+        <<L as chorus_collectives::nccl_family::VendorLib>::B as chorus_conformance::vendor::HarnessDevice>::count()
             .map_err(anyhow::Error::msg)?
     });
     for world in [1, 2, 4, 8].into_iter().filter(|w| *w <= max_world) {

@@ -156,12 +156,12 @@ pub(super) fn run_vendor<L, J: RankJob>(
     bar: Option<ProgressBar>,
 ) -> anyhow::Result<Vec<J::Report>>
 where
-    L: chorus_collectives::vendor::VendorLib,
+    L: chorus_collectives::nccl_family::VendorLib,
     L::B: chorus_conformance::vendor::HarnessDevice + chorus_devices::ComputeBackend,
-    Fsdp<chorus_collectives::vendor::VendorComm<L>>: Send,
+    Fsdp<chorus_collectives::nccl_family::VendorComm<L>>: Send,
 {
     use chorus_collectives::bootstrap::MemStore;
-    use chorus_collectives::vendor::{VendorComm, VendorConfig};
+    use chorus_collectives::nccl_family::{VendorComm, VendorConfig};
     use chorus_conformance::vendor::HarnessDevice;
     let devices = L::B::count().map_err(anyhow::Error::msg)?;
     if world > devices {

@@ -1,7 +1,7 @@
 //! The `nccl` backend: NVIDIA's NCCL on `cuda` devices (feature `nccl`).
 //!
 //! The communicator is the NCCL family's [`VendorComm`] (see
-//! [`crate::vendor`] for how the contract maps onto the library); this
+//! [`crate::nccl_family`] for how the contract maps onto the library); this
 //! module is only where NCCL comes from and its quirks:
 //! - **loading**: `$CHORUS_NCCL_LIB` (a full path), then `libnccl.so.2` (the
 //!   only name pip's `nvidia-nccl-cu12` ships), `libnccl.so`, then cudarc's
@@ -17,10 +17,10 @@ use chorus_devices::loader::open_first;
 use chorus_devices::DeviceError;
 
 use crate::bootstrap::Store;
-use crate::vendor::abi::Version;
-use crate::vendor::result::Lib;
-use crate::vendor::sys::Api;
-use crate::vendor::{VendorComm, VendorConfig, VendorLib};
+use crate::nccl_family::abi::Version;
+use crate::nccl_family::result::Lib;
+use crate::nccl_family::sys::Api;
+use crate::nccl_family::{VendorComm, VendorConfig, VendorLib};
 use crate::{CommError, Communicator, Result};
 
 /// The variable that may name the library by full path.
@@ -70,7 +70,7 @@ impl VendorLib for Nccl {
     }
 
     fn one_rank_scaling_broken(version: Version) -> bool {
-        crate::vendor::abi::nccl_one_rank_scaling_broken(version)
+        crate::nccl_family::abi::nccl_one_rank_scaling_broken(version)
     }
 }
 

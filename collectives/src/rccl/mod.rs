@@ -1,7 +1,7 @@
 //! The `rccl` backend: AMD GPUs through RCCL, on the `hip` device (feature `rccl`).
 //!
 //! RCCL is a port of NCCL and keeps its C ABI, so the communicator is the
-//! NCCL family's [`VendorComm`] (see [`crate::vendor`] for how the contract
+//! NCCL family's [`VendorComm`] (see [`crate::nccl_family`] for how the contract
 //! maps onto the library); this module is only where RCCL comes from and
 //! its quirks:
 //! - **loading**: `$CHORUS_RCCL_LIB` (a full path), then `librccl.so`,
@@ -21,10 +21,10 @@ use chorus_devices::hip::Hip;
 use chorus_devices::loader::open_first;
 use chorus_devices::DeviceError;
 
-use crate::vendor::abi::{UniqueId, Version};
-use crate::vendor::result::Lib;
-use crate::vendor::sys::Api;
-use crate::vendor::{VendorComm, VendorConfig, VendorLib};
+use crate::nccl_family::abi::{UniqueId, Version};
+use crate::nccl_family::result::Lib;
+use crate::nccl_family::sys::Api;
+use crate::nccl_family::{VendorComm, VendorConfig, VendorLib};
 use crate::{CommError, Result};
 
 /// The variable that points to RCCL.

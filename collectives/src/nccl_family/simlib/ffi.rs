@@ -10,9 +10,9 @@ use chorus_devices::{DType, DeviceError};
 
 use super::state::{self, enter, release, violation, AsyncState, Queued, SimComm, GROUP};
 use crate::backend::{Fingerprint, OpKind};
+use crate::nccl_family::abi::{CommConfig, DataType, ResultCode, UniqueId, Version, UNIQUE_ID_BYTES};
+use crate::nccl_family::sys::{ncclComm_t, ncclResult_t, Api, ApiFns, Stream};
 use crate::sim::{run_group, Prepared};
-use crate::vendor::abi::{CommConfig, DataType, ResultCode, UniqueId, Version, UNIQUE_ID_BYTES};
-use crate::vendor::sys::{ncclComm_t, ncclResult_t, Api, ApiFns, Stream};
 use crate::{CommError, ReduceOp};
 
 const OK: ncclResult_t = ResultCode::SUCCESS.0;
@@ -195,7 +195,7 @@ unsafe extern "C" fn user_rank(comm: ncclComm_t, out: *mut c_int) -> ncclResult_
 /// threads, frees device memory — which waits for the whole device): on the
 /// watchdog's thread they would leave every other communicator unwatched.
 fn refuse_on_watchdog(op: &str) -> Option<ncclResult_t> {
-    crate::vendor::watchdog::on_watchdog_thread()
+    crate::nccl_family::watchdog::on_watchdog_thread()
         .then(|| violation(format!("{op} on the watchdog thread, which must never block in a teardown")))
 }
 

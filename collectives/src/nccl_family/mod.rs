@@ -38,7 +38,10 @@
 //!   error or an expired deadline aborts the communicator and fails the
 //!   launch's stream with the [`CommError`](crate::CommError) inside
 //!   `DeviceError::OpFailed`. Host waits and host functions never poll a
-//!   communicator;
+//!   communicator. The watchdog never blocks (one thread watches them all):
+//!   it only tries a handle's lock, and the abort it decides releases the
+//!   handle on a thread of its own; it polls every 100 ms (the trade-off is
+//!   written at `watchdog::INTERVAL`);
 //! - **abort** (`ncclCommAbort`) is local: peers see the failure through
 //!   their own deadlines or the library's remote-error detection. It never
 //!   waits behind a non-blocking call in progress;
@@ -58,11 +61,14 @@
 
 pub mod abi;
 mod comm;
+mod issue;
+mod launches;
 pub mod result;
 mod shared;
 #[cfg(feature = "sim")]
 pub mod simlib;
 pub mod sys;
+mod translate;
 mod watchdog;
 
 pub use comm::{VendorComm, VendorConfig};

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use chorus_devices::cpu::{CpuDevice, RawRange};
 
+use crate::nccl_family::abi::{ResultCode, UNIQUE_ID_BYTES};
 use crate::sim::world::{AbortState, WorldShared};
 use crate::sim::Prepared;
-use crate::vendor::abi::{ResultCode, UNIQUE_ID_BYTES};
 
 /// How long the library's own rendezvous wait: beyond any test's deadline,
 /// so the caller's deadline (its watchdog) is what ends a wait on a dead

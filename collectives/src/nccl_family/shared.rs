@@ -6,16 +6,17 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use chorus_devices::wait::Backoff;
-use chorus_devices::{Backend, Device, DeviceError, Event, FailureHandle, ForeignBackend};
+use chorus_devices::{Backend, Device, DeviceError, ForeignBackend};
 
 use super::abi::{Status, Version};
 use super::comm::VendorConfig;
+use super::launches::PendingList;
 use super::result::Lib;
 use super::sys::ncclComm_t;
-use super::watchdog::{self, Watched};
+use super::watchdog;
 use super::VendorLib;
 use crate::{CommError, Result};
 
@@ -24,24 +25,6 @@ pub(super) struct Handle {
     pub(super) raw: usize,
     /// Aborted or destroyed: the handle must never be passed to the library again.
     pub(super) released: bool,
-}
-
-/// A launch the watchdog follows until its end event completes.
-pub(super) struct Pending<B: Backend> {
-    pub(super) start: B::Event,
-    pub(super) end: B::Event,
-    /// When the stream reached the launch (the start event completed).
-    pub(super) reached: Option<Instant>,
-    pub(super) failure: FailureHandle,
-    pub(super) position: u64,
-    pub(super) op: &'static str,
-    pub(super) seq: u64,
-}
-
-pub(super) struct PendingList<B: Backend> {
-    pub(super) launches: Vec<Pending<B>>,
-    /// Whether the watchdog is following this communicator.
-    pub(super) watched: bool,
 }
 
 /// The handle and the state every user of it shares (the communicator, its
@@ -119,12 +102,23 @@ impl<L: VendorLib> Shared<L> {
         }
     }
 
-    /// Aborts with `reason` (the first reason wins): releases the handle
-    /// (`ncclCommAbort`, which makes queued kernels return) and fails the
-    /// stream of every launch still pending. Never waits behind a call in
-    /// progress on a non-blocking communicator: such a call polls, sees the
-    /// request and gives the lock up.
+    /// Aborts with `reason` (the first reason wins): fails the stream of
+    /// every launch still pending ([`Shared::begin_abort`]), then releases
+    /// the handle ([`Shared::release_aborted`]). Waits for the handle's lock,
+    /// but never behind a call in progress on a non-blocking communicator:
+    /// such a call polls, sees the request and gives the lock up. The
+    /// watchdog, which must not wait at all, releases on another thread.
     pub(super) fn abort_with(&self, reason: CommError) {
+        self.begin_abort(reason);
+        self.release_aborted();
+    }
+
+    /// The part of an abort that never blocks: records `reason` (the first
+    /// wins), raises the request every holder of the lock polls, and fails
+    /// the stream of every launch still pending, so every host wait on them
+    /// ends with the reason. The locks it takes are held by others only for
+    /// a push or a take, never across a call into the library.
+    pub(super) fn begin_abort(&self, reason: CommError) {
         if let Ok(mut e) = self.error.lock() {
             e.get_or_insert(reason);
         }
@@ -136,6 +130,12 @@ impl<L: VendorLib> Shared<L> {
         for p in launches {
             p.failure.fail(p.position, op_failed(p.op, p.failure.stream_name(), error.clone()));
         }
+    }
+
+    /// Releases the handle of an aborted communicator (`ncclCommAbort`,
+    /// which makes its queued kernels return), once. Waits for the lock, and
+    /// for the library: NCCL's abort joins its own threads.
+    pub(super) fn release_aborted(&self) {
         if let Ok(mut h) = self.handle.lock() {
             if !h.released {
                 h.released = true;
@@ -176,66 +176,6 @@ impl<L: VendorLib> Shared<L> {
         if let Ok(mut s) = self.spare_events.lock() {
             s.extend(events);
         }
-    }
-}
-
-impl<L: VendorLib> Watched for Shared<L> {
-    fn poll(&self) -> bool {
-        let mut expired = None;
-        let mut done = Vec::new();
-        let still_pending = {
-            let Ok(mut p) = self.pending.lock() else { return false };
-            let now = Instant::now();
-            let timeout = self.config.timeout;
-            let mut i = 0;
-            while i < p.launches.len() {
-                let l = &mut p.launches[i];
-                // A failed query means the stream failed at or before the
-                // launch: reported there already, nothing left to watch.
-                let mut finished = false;
-                if l.reached.is_none() {
-                    match l.start.query() {
-                        Ok(true) => l.reached = Some(now),
-                        Ok(false) => {}
-                        Err(_) => finished = true,
-                    }
-                }
-                finished = finished || l.end.query().unwrap_or(true);
-                if finished {
-                    let l = p.launches.swap_remove(i);
-                    done.push(l);
-                    continue;
-                }
-                if l.reached.is_some_and(|t| now.duration_since(t) >= timeout) && expired.is_none() {
-                    expired =
-                        Some(CommError::Timeout { op: l.op.to_string(), seq: l.seq, waited: timeout, missing: vec![] });
-                }
-                i += 1;
-            }
-            if p.launches.is_empty() {
-                p.watched = false;
-            }
-            !p.launches.is_empty()
-        };
-        self.give_events(done.into_iter().flat_map(|l| [l.start, l.end]));
-        if let Some(e) = expired {
-            // The pending launches (the expired one first) report the timeout.
-            self.abort_with(e);
-            return false;
-        }
-        if still_pending {
-            // An asynchronous error (a peer that died, a network failure).
-            let async_error = match self.handle.try_lock() {
-                // SAFETY: the live handle under its lock.
-                Ok(h) if !h.released => unsafe { self.lib.async_error(h.raw as ncclComm_t) }.err(),
-                _ => None,
-            };
-            if let Some(e) = async_error {
-                self.abort_with(e);
-                return false;
-            }
-        }
-        still_pending
     }
 }
 

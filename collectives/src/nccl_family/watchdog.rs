@@ -11,6 +11,12 @@
 //! expired deadline aborts the communicator — which makes its kernels return
 //! — and fails the launch's stream from the launch on, so every host wait on
 //! that stream ends with the error instead of hanging.
+//!
+//! The watchdog never blocks: one thread watches every communicator of the
+//! process, so a poll that waited for one communicator's lock (held by a
+//! blocking call, or by an abort stuck in the library) would leave all the
+//! others unwatched. A poll only tries the locks that calls into the library
+//! hold, and the abort it decides releases the handle on a thread of its own.
 
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::Duration;
@@ -18,8 +24,10 @@ use std::time::Duration;
 /// Something the watchdog follows: a communicator with launches in flight.
 pub(crate) trait Watched: Send + Sync {
     /// Checks the launches and the communicator once; `true` while anything
-    /// is still pending (the watchdog keeps polling it).
-    fn poll(&self) -> bool;
+    /// is still pending (the watchdog keeps polling it). Must never block:
+    /// every other communicator waits for it. Work that may block (releasing
+    /// an aborted handle) goes to another thread, which the `Arc` is for.
+    fn poll(self: Arc<Self>) -> bool;
 }
 
 /// The watchdog thread's name: the simulated library refuses a blocking
@@ -31,9 +39,19 @@ pub(crate) fn on_watchdog_thread() -> bool {
     std::thread::current().name() == Some(THREAD_NAME)
 }
 
-/// How often the watchdog polls while launches are pending: failures are
-/// found within this (deadlines are seconds; completed launches are cleared).
-const INTERVAL: Duration = Duration::from_millis(2);
+/// How often the watchdog polls while launches are pending. The trade-off:
+/// a launch's deadline starts at the first poll that sees its stream reach
+/// it, and its expiry is seen at the first poll after, so a timeout is
+/// reported between the deadline and the deadline plus two intervals; the
+/// events of finished launches go back to the pool only at a poll (so about
+/// one interval's worth of launches holds two events each); and each poll
+/// costs one event query per pending launch (two until its stream reaches
+/// it) and one `ncclCommGetAsyncError` per communicator with launches
+/// pending. Deadlines are seconds to minutes (300 s by default), so 100 ms
+/// (PyTorch's NCCL watchdog sleeps as long between its checks) delays no
+/// failure by anything a caller can tell, where the earlier 2 ms made fifty
+/// times the driver calls for nothing.
+const INTERVAL: Duration = Duration::from_millis(100);
 
 struct Watchdog {
     entries: Mutex<Vec<Weak<dyn Watched>>>,
@@ -72,6 +90,9 @@ fn run(dog: &'static Watchdog) {
         };
         let mut still = Vec::with_capacity(entries.len());
         for weak in entries {
+            // The strong reference lives for the poll alone: a communicator
+            // dropped meanwhile is torn down on another thread (see
+            // `Shared`'s drop), never waited for here.
             if let Some(w) = weak.upgrade() {
                 if w.poll() {
                     still.push(weak);
