@@ -28,7 +28,10 @@ pub struct VendorConfig {
     /// watchdog's). A peer that has not arrived by then is treated as dead:
     /// the communicator is aborted and the waiting rank gets `Timeout`.
     pub timeout: Duration,
-    /// The store key rank 0 publishes the unique id under.
+    /// The store key rank 0 publishes the unique id under. The default is
+    /// scoped by the job's run id and restart (`chorus/nccl/{run}/{restart}/unique_id`,
+    /// [`process_key_scope`](crate::bootstrap::process_key_scope)), so a
+    /// restarted job never reads the id an earlier attempt left in the store.
     pub store_key: String,
     /// Use the library's blocking mode: calls block inside the library until
     /// peers arrive, so no deadline applies to them and an abort waits for
@@ -39,7 +42,11 @@ pub struct VendorConfig {
 
 impl Default for VendorConfig {
     fn default() -> Self {
-        VendorConfig { timeout: Duration::from_secs(300), store_key: "chorus/nccl/unique_id".into(), blocking: false }
+        VendorConfig {
+            timeout: Duration::from_secs(300),
+            store_key: format!("chorus/nccl/{}/unique_id", crate::bootstrap::process_key_scope()),
+            blocking: false,
+        }
     }
 }
 
