@@ -57,8 +57,22 @@ pub fn scratch(name: &str) -> PathBuf {
     dir
 }
 
+/// A loopback port that is free now, for a store a test's launcher will
+/// host. Drawn below Linux's ephemeral range (32768 and up), where the
+/// kernel's own choice (`bind :0`) would land: every outgoing connection of
+/// every test running at the same time takes its port from that range, so a
+/// port chosen there is often taken again before the launcher listens.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    use std::hash::{BuildHasher, Hasher};
+    for _ in 0..1000 {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        let port = 20000 + (h.finish() % 12000) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port between 20000 and 32000");
 }
 
 /// Whether a process runs (a zombie does not: it has exited).
