@@ -389,6 +389,24 @@ impl<B: Backend> monitor::Watched for Ring<B> {
     }
 }
 
+impl<B: Backend> Drop for Ring<B> {
+    fn drop(&mut self) {
+        use monitor::Watched;
+        if let Some(dir) = self.dir.clone() {
+            let trigger = self.poll();
+            let record = self.record();
+            monitor::retire(monitor::Retired { dir, owner: self.owner(), record, trigger });
+        }
+    }
+}
+
+/// Writes now the dumps that failures seen so far call for (what the
+/// recorder's thread does at its next poll, and at process exit): for a
+/// program that is about to end on an error it has just seen.
+pub fn flush() {
+    monitor::flush()
+}
+
 /// Polls `ring` and returns its record now (states as of this call).
 pub(crate) fn snapshot<B: Backend>(ring: &Ring<B>) -> CommRecord {
     use monitor::Watched;

@@ -22,9 +22,23 @@ pub(super) trait Watched: Send + Sync {
     fn owner(&self) -> (usize, usize);
 }
 
+/// The last record of a dropped ring that had a dump directory: a rank that
+/// drops its communicator on the error it just saw still has it dumped.
+pub(super) struct Retired {
+    pub(super) dir: PathBuf,
+    pub(super) owner: (usize, usize),
+    pub(super) record: CommRecord,
+    /// Its reason to dump, when its last poll found one.
+    pub(super) trigger: Option<String>,
+}
+
+/// Entries kept in retired records at most (the oldest records go first).
+const RETIRED_ENTRIES: usize = 1 << 16;
+
 struct Registry {
     /// Every live ring, in creation order (a rank's root before its splits).
     rings: Mutex<Vec<Weak<dyn Watched>>>,
+    retired: Mutex<std::collections::VecDeque<Retired>>,
     /// Directories already dumped for a failure (a signal dumps again).
     dumped: Mutex<HashSet<PathBuf>>,
 }
@@ -32,8 +46,18 @@ struct Registry {
 fn registry() -> &'static Registry {
     static REGISTRY: OnceLock<Registry> = OnceLock::new();
     static STARTED: OnceLock<()> = OnceLock::new();
-    let reg = REGISTRY.get_or_init(|| Registry { rings: Mutex::new(Vec::new()), dumped: Mutex::new(HashSet::new()) });
+    let reg = REGISTRY.get_or_init(|| Registry {
+        rings: Mutex::new(Vec::new()),
+        retired: Mutex::new(Default::default()),
+        dumped: Mutex::new(HashSet::new()),
+    });
     STARTED.get_or_init(|| {
+        // A rank that exits on the error it just saw (before the thread's
+        // next poll) still writes its dump.
+        // SAFETY: `at_exit` is an `extern "C"` function that does not unwind.
+        unsafe {
+            libc::atexit(at_exit);
+        }
         if let Err(e) = std::thread::Builder::new().name("chorus-recorder".into()).spawn(move || run(reg)) {
             eprintln!("chorus: the flight recorder's thread could not start ({e}); launches are recorded, not dumped");
         }
@@ -53,6 +77,18 @@ pub(super) fn register(ring: Weak<dyn Watched>, signals: bool) {
     }
 }
 
+/// Keeps the last record of a ring being dropped.
+pub(super) fn retire(r: Retired) {
+    let reg = registry();
+    if let Ok(mut retired) = reg.retired.lock() {
+        retired.push_back(r);
+        let mut total: usize = retired.iter().map(|r| r.record.entries.len()).sum();
+        while total > RETIRED_ENTRIES && retired.len() > 1 {
+            total -= retired.pop_front().map_or(0, |r| r.record.entries.len());
+        }
+    }
+}
+
 fn live(reg: &Registry) -> Vec<std::sync::Arc<dyn Watched>> {
     match reg.rings.lock() {
         Ok(mut rings) => {
@@ -63,21 +99,79 @@ fn live(reg: &Registry) -> Vec<std::sync::Arc<dyn Watched>> {
     }
 }
 
+/// Held while polling and writing: a flush at exit waits for the thread's
+/// write in progress instead of cutting it short.
+static WRITING: Mutex<()> = Mutex::new(());
+
+/// The rings' (and retired rings') reasons to dump, one per directory.
+fn poll_all(reg: &Registry, rings: &[std::sync::Arc<dyn Watched>]) -> Vec<(PathBuf, String)> {
+    let mut triggers: Vec<(PathBuf, String)> = Vec::new();
+    let mut add = |dir: &Path, reason: String| {
+        if !triggers.iter().any(|(d, _)| d == dir) {
+            triggers.push((dir.to_path_buf(), reason));
+        }
+    };
+    if let Ok(mut retired) = reg.retired.lock() {
+        for r in retired.iter_mut() {
+            if let Some(reason) = r.trigger.take() {
+                add(&r.dir, reason);
+            }
+        }
+    }
+    for ring in rings {
+        if let (Some(reason), Some(dir)) = (ring.poll(), ring.dir()) {
+            add(dir, reason);
+        }
+    }
+    triggers
+}
+
+/// Writes the first dump of each directory in `triggers` not dumped yet.
+fn write_first(reg: &Registry, rings: &[std::sync::Arc<dyn Watched>], triggers: Vec<(PathBuf, String)>) {
+    for (dir, reason) in triggers {
+        let first = reg.dumped.lock().map(|mut d| d.insert(dir.clone())).unwrap_or(false);
+        if first {
+            write_dir(rings, &dir, &reason);
+        }
+    }
+}
+
+/// Polls every ring now and writes the dumps a failure calls for (what the
+/// thread would do at its next poll); waits at most 2 s for a write in progress.
+pub(super) fn flush() {
+    let reg = registry();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    let _guard = loop {
+        match WRITING.try_lock() {
+            Ok(g) => break g,
+            Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(1))
+            }
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        }
+    };
+    let rings = live(reg);
+    let triggers = poll_all(reg, &rings);
+    write_first(reg, &rings, triggers);
+}
+
+extern "C" fn at_exit() {
+    flush();
+}
+
 fn run(reg: &'static Registry) {
     loop {
         std::thread::sleep(POLL_INTERVAL);
+        let guard = WRITING.lock().unwrap_or_else(|p| p.into_inner());
         let rings = live(reg);
-        let mut triggers: Vec<(PathBuf, String)> = Vec::new();
-        for ring in &rings {
-            if let (Some(reason), Some(dir)) = (ring.poll(), ring.dir()) {
-                if !triggers.iter().any(|(d, _)| d == dir) {
-                    triggers.push((dir.to_path_buf(), reason));
-                }
-            }
-        }
+        let triggers = poll_all(reg, &rings);
         let signal = PENDING_SIGNAL.swap(0, Ordering::SeqCst);
         if signal != 0 {
             let mut dirs: Vec<PathBuf> = rings.iter().filter_map(|r| r.dir().map(Path::to_path_buf)).collect();
+            if let Ok(retired) = reg.retired.lock() {
+                dirs.extend(retired.iter().map(|r| r.dir.clone()));
+            }
             dirs.sort();
             dirs.dedup();
             let reason = format!("signal {}", signal_name(signal));
@@ -85,6 +179,7 @@ fn run(reg: &'static Registry) {
                 write_dir(&rings, &dir, &reason);
             }
             drop(rings);
+            drop(guard);
             if signal != libc::SIGUSR1 {
                 // SAFETY: signal(2) and raise(3) with the default action: the
                 // process ends as the signal would have ended it.
@@ -95,12 +190,7 @@ fn run(reg: &'static Registry) {
             }
             continue;
         }
-        for (dir, reason) in triggers {
-            let first = reg.dumped.lock().map(|mut d| d.insert(dir.clone())).unwrap_or(false);
-            if first {
-                write_dir(&rings, &dir, &reason);
-            }
-        }
+        write_first(reg, &rings, triggers);
     }
 }
 
@@ -108,6 +198,9 @@ fn run(reg: &'static Registry) {
 /// on stderr (nobody else can take them).
 fn write_dir(rings: &[std::sync::Arc<dyn Watched>], dir: &Path, reason: &str) {
     let mut owners: Vec<usize> = rings.iter().filter(|r| r.dir() == Some(dir)).map(|r| r.owner().0).collect();
+    if let Ok(retired) = registry().retired.lock() {
+        owners.extend(retired.iter().filter(|r| r.dir == dir).map(|r| r.owner.0));
+    }
     owners.sort_unstable();
     owners.dedup();
     for owner in owners {
@@ -132,11 +225,17 @@ fn write_owner(
     owner: usize,
     reason: &str,
 ) -> std::io::Result<PathBuf> {
-    let mine: Vec<_> = rings.iter().filter(|r| r.dir() == Some(dir) && r.owner().0 == owner).collect();
-    let world_size = mine.first().map_or(0, |r| r.owner().1);
-    let mut communicators: Vec<CommRecord> = Vec::with_capacity(mine.len());
-    for r in mine {
-        let mut c = r.record();
+    let mine = rings.iter().filter(|r| r.dir() == Some(dir) && r.owner().0 == owner);
+    let mut records: Vec<((usize, usize), CommRecord)> = mine.map(|r| (r.owner(), r.record())).collect();
+    if let Ok(retired) = registry().retired.lock() {
+        let gone = retired.iter().filter(|r| r.dir == dir && r.owner.0 == owner);
+        records.extend(gone.map(|r| (r.owner, r.record.clone())));
+    }
+    // The root first (a retired root was made before the live splits).
+    records.sort_by_key(|(_, c)| c.id.contains('/'));
+    let world_size = records.first().map_or(0, |(o, _)| o.1);
+    let mut communicators: Vec<CommRecord> = Vec::with_capacity(records.len());
+    for (_, mut c) in records {
         // Two live roots of one rank (a communicator wrapped again, say) keep apart.
         let same = communicators.iter().filter(|o| o.id == c.id || o.id.starts_with(&format!("{}#", c.id))).count();
         if same > 0 {
