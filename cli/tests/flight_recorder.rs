@@ -126,7 +126,7 @@ fn trace_names_the_culprit(dir: &Path, case: Case) {
 fn sim_case(case: Case) {
     let dir = scratch(&format!("recorder-sim-{}", case.name())).join("trace");
     let world = SimWorld::new(3, SimConfig { timeout: Duration::from_secs(1), ..SimConfig::default() }).unwrap();
-    let options = RecorderOptions { entries: 64, dump_dir: Some(dir.clone()) };
+    let options = RecorderOptions { entries: 64, dump_dir: Some(dir.clone()), track_starts: case == Case::Stalled };
     let handles: Vec<_> = (0..3)
         .map(|r| {
             let comm = Communicator::with_recorder(world.communicator(r).unwrap().into_backend(), &options);
@@ -222,6 +222,9 @@ mod ucx {
             .args(["--exact", "ucx::ucx_rank", "--ignored", "--nocapture", "--test-threads", "1"])
             .env("CHORUS_TRACE_DIR", &trace)
             .env("CHORUS_RECORDER_CASE", case.name());
+        if case == Case::Stalled {
+            launch.env("CHORUS_FLIGHT_RECORDER_STARTS", "1");
+        }
         let out = run_bounded(&mut launch, Duration::from_secs(120));
         let err = text(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{err}");

@@ -233,8 +233,9 @@ fn analyse_comm(id: &str, members: &[Member<'_>]) -> CommReport {
         break;
     }
 
+    // Only rings that record starts can tell a stalled stream from a blocked rank.
     let mut not_started = None;
-    for &seq in &seqs {
+    for &seq in seqs.iter().filter(|_| members.iter().all(|m| m.record.tracks_starts)) {
         let states: Vec<(u64, CallState)> =
             members.iter().filter_map(|m| m.by_seq.get(&seq).map(|a| (m.rank, a.entry.state))).collect();
         if states.iter().all(|(_, s)| *s == CallState::Completed) {
@@ -407,6 +408,7 @@ mod tests {
                 backend: "sim".into(),
                 device: "cpu".into(),
                 capacity: 16,
+                tracks_starts: true,
                 launches: entries.len() as u64,
                 aborted: None,
                 entries,
@@ -490,6 +492,12 @@ mod tests {
             r.verdict
         );
         assert!(r.communicators[0].missing.is_none() && r.communicators[0].mismatch.is_none());
+        // Rings that do not track starts cannot tell a stalled stream from a blocked rank.
+        let mut dumps = dumps;
+        for d in &mut dumps {
+            d.communicators[0].tracks_starts = false;
+        }
+        assert!(analyse(&dumps).communicators[0].not_started.is_none());
     }
 
     #[test]

@@ -12,10 +12,12 @@ pub const FORMAT_VERSION: u32 = 1;
 /// for `sim`, `ucx` and the simulated NCCL ABI; CUDA/HIP events for `nccl`
 /// and `rccl`):
 /// - `Enqueued`: the host issued the call (the backend accepted it), and the
-///   stream has not reached it yet — work enqueued before it is still running;
+///   stream has not reached it yet — work enqueued before it is still running
+///   (when the ring does not track starts, [`CommRecord::tracks_starts`]:
+///   issued and not finished, whether or not the stream has reached it);
 /// - `Started`: the stream reached the call (the event recorded just before it
 ///   completed) and it has not finished: the rank is inside the collective,
-///   typically waiting for its peers;
+///   typically waiting for its peers (only when starts are tracked);
 /// - `Completed`: the event recorded just after it completed without error;
 /// - `Failed`: that event reports the stream's error (a mismatch, a timeout,
 ///   an abort, a backend error), or the stream failed before the call.
@@ -131,6 +133,9 @@ pub struct CommRecord {
     pub device: String,
     /// The ring's capacity (launches kept).
     pub capacity: u64,
+    /// Whether `started` is tracked (an event before each launch); without,
+    /// an unfinished launch is `enqueued` whether or not its stream reached it.
+    pub tracks_starts: bool,
     /// Launches recorded so far, including those dropped from the ring.
     pub launches: u64,
     /// Why the communicator was aborted, when it was.

@@ -53,6 +53,8 @@ pub const DEFAULT_ENTRIES: usize = 1024;
 pub const MAX_ENTRIES: usize = 1 << 20;
 /// The variable that sets [`RecorderOptions::entries`] (0 turns recording off).
 pub const ENTRIES_VAR: &str = "CHORUS_FLIGHT_RECORDER_ENTRIES";
+/// The variable that turns on [`RecorderOptions::track_starts`] (`1`).
+pub const STARTS_VAR: &str = "CHORUS_FLIGHT_RECORDER_STARTS";
 /// The variable that sets [`RecorderOptions::dump_dir`].
 pub const DIR_VAR: &str = "CHORUS_TRACE_DIR";
 /// How often the recorder's thread reads the events of unfinished launches.
@@ -66,18 +68,26 @@ pub struct RecorderOptions {
     /// Where dumps are written (created when the first dump is); `None`:
     /// the ring is kept but never written.
     pub dump_dir: Option<PathBuf>,
+    /// Also record an event just before each launch, so the ring tells
+    /// `enqueued` (the stream has not reached the call) from `started`.
+    /// Off by default: on a device whose stream is idle that event wakes
+    /// the stream's executor once more per call (on the cpu device, tens
+    /// of microseconds on a loaded machine; `docs/benchmarks.md`). Without
+    /// it an unfinished launch stays `enqueued`, whether or not its stream
+    /// has reached it, and `chorus trace` cannot name a stalled stream.
+    pub track_starts: bool,
 }
 
 impl Default for RecorderOptions {
     fn default() -> Self {
-        RecorderOptions { entries: DEFAULT_ENTRIES, dump_dir: None }
+        RecorderOptions { entries: DEFAULT_ENTRIES, dump_dir: None, track_starts: false }
     }
 }
 
 impl RecorderOptions {
     /// Records nothing.
     pub fn off() -> Self {
-        RecorderOptions { entries: 0, dump_dir: None }
+        RecorderOptions { entries: 0, dump_dir: None, track_starts: false }
     }
 
     /// Parses a ring size: a count in `0..=MAX_ENTRIES`.
@@ -90,7 +100,8 @@ impl RecorderOptions {
     }
 
     /// The options the process environment gives: [`ENTRIES_VAR`] (default
-    /// [`DEFAULT_ENTRIES`]) and [`DIR_VAR`] (default: no dumps). A value
+    /// [`DEFAULT_ENTRIES`]), [`DIR_VAR`] (default: no dumps) and
+    /// [`STARTS_VAR`] (default: off). A value
     /// that does not parse is reported once on stderr and the default kept:
     /// a communicator is made without a way to return the error.
     pub fn from_env() -> Self {
@@ -105,7 +116,8 @@ impl RecorderOptions {
                     Err(_) => DEFAULT_ENTRIES,
                 };
                 let dump_dir = std::env::var_os(DIR_VAR).filter(|d| !d.is_empty()).map(PathBuf::from);
-                RecorderOptions { entries, dump_dir }
+                let track_starts = std::env::var(STARTS_VAR).is_ok_and(|v| v == "1");
+                RecorderOptions { entries, dump_dir, track_starts }
             })
             .clone()
     }
@@ -254,6 +266,7 @@ pub(crate) struct Ring<B: Backend> {
     info: RingInfo,
     capacity: usize,
     dir: Option<PathBuf>,
+    track_starts: bool,
     state: Mutex<RingState<B>>,
 }
 
@@ -272,6 +285,7 @@ impl<B: Backend> Ring<B> {
             info,
             capacity,
             dir: options.dump_dir.clone(),
+            track_starts: options.track_starts,
             state: Mutex::new(RingState {
                 slots: VecDeque::with_capacity(capacity.min(DEFAULT_ENTRIES)),
                 spare: Vec::new(),
@@ -289,7 +303,9 @@ impl<B: Backend> Ring<B> {
     pub(crate) fn child(&self, n: u64, color: u32, rank: usize, size: usize, device: String) -> Option<Arc<Ring<B>>> {
         let info =
             RingInfo { id: format!("{}/split{n}:color{color}", self.info.id), rank, size, device, ..self.info.clone() };
-        Ring::start(info, &RecorderOptions { entries: self.capacity, dump_dir: self.dir.clone() })
+        let options =
+            RecorderOptions { entries: self.capacity, dump_dir: self.dir.clone(), track_starts: self.track_starts };
+        Ring::start(info, &options)
     }
 
     fn event(&self, stream: &B::Stream) -> Option<B::Event> {
@@ -305,6 +321,9 @@ impl<B: Backend> Ring<B> {
     /// Records the event that tells when `stream` reaches the launch; call
     /// just before handing the calls to the backend.
     pub(crate) fn before_launch(&self, stream: &B::Stream) -> Option<B::Event> {
+        if !self.track_starts {
+            return None;
+        }
         self.event(stream)
     }
 
@@ -374,6 +393,7 @@ impl<B: Backend> monitor::Watched for Ring<B> {
             backend: self.info.backend.to_string(),
             device: self.info.device.clone(),
             capacity: self.capacity as u64,
+            tracks_starts: self.track_starts,
             launches,
             aborted,
             entries,

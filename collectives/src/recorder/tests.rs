@@ -31,7 +31,7 @@ mod sim {
     fn world(n: usize, entries: usize, dir: Option<PathBuf>) -> Vec<Communicator<SimComm>> {
         let config = SimConfig { timeout: Duration::from_secs(2), ..SimConfig::default() };
         let world = SimWorld::new(n, config).unwrap();
-        let options = RecorderOptions { entries, dump_dir: dir };
+        let options = RecorderOptions { entries, dump_dir: dir, track_starts: true };
         (0..n).map(|r| Communicator::with_recorder(world.communicator(r).unwrap().into_backend(), &options)).collect()
     }
 
