@@ -47,10 +47,6 @@ pub fn outcome_line(o: &chorus_conformance::CaseOutcome) -> String {
 /// `chorus conformance`.
 pub fn run(args: &ConformanceArgs) -> anyhow::Result<Outcome> {
     use chorus_conformance::vendor::VendorHarness;
-    // The suite's mismatches, timeouts and aborts are deliberate: its ranks
-    // keep their flight recorders but write no dumps (the variable is read
-    // when the first communicator is made, after this, on this thread).
-    std::env::remove_var(chorus_collectives::recorder::DIR_VAR);
     // Under a launcher, a backend that can runs one rank per process.
     let process = match args.backend.runs_as_processes() && !args.list {
         true => crate::process::RankProcess::detect()?,
