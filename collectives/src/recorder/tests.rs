@@ -207,4 +207,22 @@ mod sim {
         assert!(d1.communicators[0].entries.is_empty());
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    #[test]
+    fn an_abort_dumps_with_its_reason() {
+        let dir = std::env::temp_dir().join(format!("chorus-recorder-abort-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let comms = world(1, 8, Some(dir.clone()));
+        comms[0].abort("the test gives up");
+        let path = dir.join(RankDump::file_name(0, &monitor::host_name()));
+        let start = Instant::now();
+        while !path.exists() {
+            assert!(start.elapsed() < Duration::from_secs(10), "no dump in {}", dir.display());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let dump: RankDump = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!(dump.reason, "abort of communicator root: the test gives up");
+        assert_eq!(dump.communicators[0].aborted.as_deref(), Some("the test gives up"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
