@@ -102,13 +102,19 @@ run() {
     shift 2
     local start end rc pid
     start=$(date +%s)
-    "$@" >"$results/$name.log" 2>&1 &
+    # The flight recorder: every rank's last calls, dumped on a failure or on
+    # SIGUSR1, with start events so a stalled stream is named.
+    CHORUS_TRACE_DIR="$results/$name.trace" CHORUS_FLIGHT_RECORDER_STARTS=1 "$@" >"$results/$name.log" 2>&1 &
     pid=$!
     while kill -0 "$pid" 2>/dev/null && [ $(($(date +%s) - start)) -lt "$limit" ]; do
         sleep 1
     done
     if kill -0 "$pid" 2>/dev/null; then
         stacks "$pid" >"$results/$name.stacks" 2>&1
+        kill -USR1 "$pid" 2>/dev/null
+        pkill -USR1 -P "$pid" 2>/dev/null
+        sleep 1
+        "$chorus" trace "$results/$name.trace" >"$results/$name.trace.txt" 2>&1
         pkill -KILL -P "$pid" 2>/dev/null
         kill -KILL "$pid" 2>/dev/null
         wait "$pid" 2>/dev/null

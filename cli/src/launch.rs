@@ -154,6 +154,25 @@ struct Plan {
     run_id: String,
     program: String,
     args: Vec<String>,
+    /// Where the ranks' flight recorders write their dumps (CHORUS_TRACE_DIR).
+    trace_dir: std::path::PathBuf,
+}
+
+/// The ranks' dump directory: the launcher's own `CHORUS_TRACE_DIR`, else
+/// `./chorus-trace/<run id>` (a run id of `none` is replaced by the time and pid).
+fn trace_dir(run_id: &str) -> anyhow::Result<std::path::PathBuf> {
+    use chorus_collectives::recorder::DIR_VAR;
+    if let Some(dir) = std::env::var_os(DIR_VAR).filter(|d| !d.is_empty()) {
+        return Ok(dir.into());
+    }
+    let name = if run_id == "none" {
+        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs();
+        format!("{secs}-{}", std::process::id())
+    } else {
+        run_id.to_string()
+    };
+    let cwd = std::env::current_dir().context("reading the current directory (for ./chorus-trace)")?;
+    Ok(cwd.join("chorus-trace").join(name))
 }
 
 fn seconds(name: &str, value: f64) -> anyhow::Result<Duration> {
@@ -236,6 +255,7 @@ impl Plan {
             run_id: a.run_id.clone(),
             program: program.clone(),
             args: args.to_vec(),
+            trace_dir: trace_dir(&a.run_id)?,
         })
     }
 
@@ -678,6 +698,14 @@ impl Job {
                         plan.nproc - 1
                     );
                 }
+                let dumps = std::fs::read_dir(&plan.trace_dir).map_or(0, |d| d.count());
+                if dumps > 0 {
+                    eprintln!(
+                        "chorus launch: the ranks' flight-recorder dumps are in {} (read them with `chorus trace {}`)",
+                        plan.trace_dir.display(),
+                        plan.trace_dir.display()
+                    );
+                }
                 Ok(Outcome::Failed)
             }
         }
@@ -712,6 +740,7 @@ impl Job {
             .args(&plan.args)
             .envs(vars)
             .envs(self.rank_env.iter().map(|(k, v)| (k, v)))
+            .env(chorus_collectives::recorder::DIR_VAR, &plan.trace_dir)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

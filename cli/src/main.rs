@@ -9,7 +9,9 @@
 //!   an efficiency ratio against a memcpy reference measured in the same run;
 //! - `chorus conformance`: the conformance suite on one backend;
 //! - `chorus launch`: torchrun's role — start the ranks of a job on this
-//!   node with torchrun's variables and the job's store.
+//!   node with torchrun's variables and the job's store;
+//! - `chorus trace`: read the ranks' flight-recorder dumps and name the rank
+//!   and call that diverged.
 //!
 //! Exit status: 0 on success, 1 when a run fails (a wrong value, a failed
 //! case, a backend error), 2 for bad arguments.
@@ -29,6 +31,7 @@ mod outdir;
 mod plot;
 mod process;
 mod size;
+mod trace;
 #[cfg(feature = "sim")]
 mod train;
 
@@ -59,6 +62,8 @@ enum Command {
     Train(Box<train::TrainArgs>),
     /// Write a sharded checkpoint of `train --model gpt` as plain safetensors files (candle and Python load them).
     Consolidate(consolidate::ConsolidateArgs),
+    /// Read every rank's flight-recorder dump in DIR and say which rank and call diverged (or --json).
+    Trace(trace::TraceArgs),
 }
 
 /// A problem with the arguments that clap's parser cannot see (a world size
@@ -94,6 +99,7 @@ fn main() -> ExitCode {
         #[cfg(feature = "sim")]
         Command::Train(_) => "train",
         Command::Consolidate(_) => "consolidate",
+        Command::Trace(_) => "trace",
     };
     let result = match cli.command {
         Command::Info => backends::info(),
@@ -103,6 +109,7 @@ fn main() -> ExitCode {
         #[cfg(feature = "sim")]
         Command::Train(args) => train::run(&args),
         Command::Consolidate(args) => consolidate::run(&args),
+        Command::Trace(args) => trace::run(&args),
     };
     match result {
         Ok(Outcome::Passed) => ExitCode::SUCCESS,

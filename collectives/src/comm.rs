@@ -1,10 +1,12 @@
 //! The user-facing communicator: validation once, then the backend.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use chorus_devices::{Backend, Buffer, Device, Stream, View};
 
 use crate::backend::{Call, CallKind, Capabilities, CommBackend, Fingerprint, OpKind};
+use crate::recorder::{self, CallMeta, CommRecord, RecorderOptions, Ring, RingInfo};
 use crate::{CommError, ReduceOp, Result};
 
 /// One rank's handle on a group of ranks that communicate.
@@ -28,9 +30,13 @@ use crate::{CommError, ReduceOp, Result};
 /// - Failures while running (mismatch, timeout, abort) are asynchronous: they
 ///   fail the stream, and `CommError::from(stream.synchronize().unwrap_err())`
 ///   recovers them.
+/// - Every launch is kept in the communicator's flight recorder (see
+///   [`recorder`](crate::recorder)), on by default.
 pub struct Communicator<C: CommBackend> {
     backend: C,
     seq: Mutex<u64>,
+    recorder: Option<Arc<Ring<C::B>>>,
+    splits: AtomicU64,
 }
 
 impl<C: CommBackend> std::fmt::Debug for Communicator<C> {
@@ -43,9 +49,43 @@ type V<'a, C> = View<'a, <C as CommBackend>::B>;
 type S<C> = <<C as CommBackend>::B as Backend>::Stream;
 
 impl<C: CommBackend> Communicator<C> {
-    /// Wraps a backend endpoint.
+    /// Wraps a backend endpoint, with the flight recorder the environment
+    /// asks for ([`RecorderOptions::from_env`]).
     pub fn new(backend: C) -> Self {
-        Communicator { backend, seq: Mutex::new(0) }
+        Communicator::with_recorder(backend, &RecorderOptions::from_env())
+    }
+
+    /// Wraps a backend endpoint, with a flight recorder per `options`; the
+    /// communicator is named `root` in the dumps.
+    pub fn with_recorder(backend: C, options: &RecorderOptions) -> Self {
+        let info = RingInfo {
+            id: "root".into(),
+            owner_rank: backend.rank(),
+            world_size: backend.size(),
+            rank: backend.rank(),
+            size: backend.size(),
+            backend: C::NAME,
+            device: backend.device().name(),
+        };
+        let recorder = Ring::start(info, options);
+        Communicator { backend, seq: Mutex::new(0), recorder, splits: AtomicU64::new(0) }
+    }
+
+    /// The flight recorder's ring of this communicator as it stands now
+    /// (the states read from the devices' events at this call); `None` when
+    /// recording is off.
+    pub fn flight_record(&self) -> Option<CommRecord> {
+        self.recorder.as_deref().map(recorder::snapshot)
+    }
+
+    /// Writes this rank's flight-recorder dump now (every communicator of the
+    /// rank with the same dump directory), saying `reason`; the file, or
+    /// `None` when recording is off or there is no dump directory.
+    pub fn dump_flight_record(&self, reason: &str) -> std::io::Result<Option<std::path::PathBuf>> {
+        match self.recorder.as_deref() {
+            Some(ring) => recorder::dump_now(ring, reason),
+            None => Ok(None),
+        }
     }
     /// This rank, in `0..size`.
     pub fn rank(&self) -> usize {
@@ -98,7 +138,15 @@ impl<C: CommBackend> Communicator<C> {
                 Call { seq: s, fingerprint: p.fingerprint, kind: p.kind }
             })
             .collect();
+        let Some(ring) = self.recorder.as_deref() else {
+            self.backend.launch(calls, stream)?;
+            *seq = next;
+            return Ok(());
+        };
+        let metas: Vec<CallMeta> = calls.iter().map(CallMeta::of).collect();
+        let start = ring.before_launch(stream);
         self.backend.launch(calls, stream)?;
+        ring.launched(metas, start, stream);
         *seq = next;
         Ok(())
     }
@@ -186,12 +234,23 @@ impl<C: CommBackend> Communicator<C> {
 
     /// Splits into sub-communicators by `color` (ranks ordered by `key`, then
     /// rank); `None` takes no part and gets `None`. Every rank must call it.
+    /// Its flight recorder is named after this one's (`root/split0:color1`).
     pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator<C>>> {
-        Ok(self.backend.split(color, key)?.map(Communicator::new))
+        let n = self.splits.fetch_add(1, Ordering::Relaxed);
+        Ok(self.backend.split(color, key)?.map(|backend| {
+            let recorder = self.recorder.as_ref().and_then(|r| {
+                r.child(n, color.unwrap_or(u32::MAX), backend.rank(), backend.size(), backend.device().name())
+            });
+            Communicator { backend, seq: Mutex::new(0), recorder, splits: AtomicU64::new(0) }
+        }))
     }
 
-    /// Aborts the communicator; see [`CommBackend::abort`].
+    /// Aborts the communicator; see [`CommBackend::abort`]. The flight
+    /// recorder dumps (when it has a directory).
     pub fn abort(&self, reason: &str) {
+        if let Some(ring) = &self.recorder {
+            ring.aborted(reason);
+        }
         self.backend.abort(reason)
     }
 

@@ -3,6 +3,9 @@
 //! - [`Communicator`] is what users call: validation, sequence numbers and
 //!   fingerprints, groups, splits; it hands validated [`backend::Call`]s to a
 //!   [`CommBackend`].
+//! - [`recorder`]: the flight recorder every communicator keeps (its last
+//!   launches and their states), dumped on a failure or a signal and read by
+//!   `chorus trace`.
 //! - [`Mesh`] builds named dimensions (HSDP's replicate × shard) from splits.
 //! - [`bootstrap`]: how ranks find each other — the rendezvous [`bootstrap::Store`]
 //!   (in memory, on a shared filesystem, over TCP in PyTorch's TCPStore
@@ -30,6 +33,7 @@ pub mod nccl;
 pub mod nccl_family;
 #[cfg(feature = "rccl")]
 pub mod rccl;
+pub mod recorder;
 mod reduce;
 #[cfg(feature = "sim")]
 pub mod sim;

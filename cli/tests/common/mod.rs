@@ -10,8 +10,12 @@ pub fn chorus_path() -> &'static str {
     env!("CARGO_BIN_EXE_chorus")
 }
 
+/// The binary, its flight-recorder dumps (of ranks that fail or are
+/// stopped) going to a scratch directory instead of the current one.
 pub fn chorus() -> Command {
-    Command::new(chorus_path())
+    let mut cmd = Command::new(chorus_path());
+    cmd.env("CHORUS_TRACE_DIR", std::env::temp_dir().join(format!("chorus-cli-trace-{}", std::process::id())));
+    cmd
 }
 
 pub fn text(bytes: &[u8]) -> String {

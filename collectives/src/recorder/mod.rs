@@ -1,0 +1,445 @@
+//! The flight recorder: every communicator's last launches, dumped when
+//! something goes wrong, so that a hang explains itself.
+//!
+//! Each [`Communicator`](crate::Communicator) keeps a ring of its last N
+//! launches (N = [`RecorderOptions::entries`], on by default): the calls with
+//! their sequence numbers, operations, dtypes, counts and bytes, reduce
+//! operators, roots and peers; the communicator (its name, rank and size);
+//! the launch's [`CallState`] and timestamps. It is written once, in the
+//! backend-neutral layer: every backend's launches pass through
+//! `Communicator::launch`, which records an event on the caller's stream
+//! just before handing the calls to the backend and one just after. The
+//! states are read from those events (see [`CallState`]), so they mean the
+//! same on `sim`, `simnccl`, `ucx`, `nccl` and `rccl`: the device, not the
+//! host, says when the stream reached a call and when it finished.
+//!
+//! One process-wide thread (`monitor.rs`) polls the events of unfinished
+//! launches (every [`POLL_INTERVAL`]; a launch's started and finished times
+//! are when it saw them) and writes the dumps:
+//! - the first time a launch fails (a timeout, a mismatch, an abort, any
+//!   backend error) or a communicator is aborted, every ring that shares
+//!   that communicator's dump directory is written, one JSON file per rank
+//!   ([`RankDump`], named by rank and host), once per directory;
+//! - on SIGTERM, SIGINT or SIGUSR1 (when the process had left them at their
+//!   default action), every ring is written again; the handler only stores
+//!   the signal's number, the thread does the writing, then lets SIGTERM and
+//!   SIGINT end the process as they would have.
+//!
+//! Dumps go to [`RecorderOptions::dump_dir`] (`CHORUS_TRACE_DIR`); without
+//! one the ring is kept (and readable through
+//! [`Communicator::flight_record`](crate::Communicator::flight_record)) but
+//! nothing is written. `chorus launch` gives its ranks a directory, and
+//! `chorus trace DIR` reads every rank's dump and names the rank and call
+//! that diverged.
+
+mod dump;
+mod monitor;
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use chorus_devices::{Backend, Device, Event, Stream};
+
+pub use dump::{CallRecord, CallState, CommRecord, EntryRecord, RankDump, FORMAT_VERSION};
+
+use crate::backend::{Call, Fingerprint, OpKind};
+use crate::CommError;
+
+/// Launches a ring keeps unless told otherwise.
+pub const DEFAULT_ENTRIES: usize = 1024;
+/// The most launches a ring may keep (about 200 bytes each).
+pub const MAX_ENTRIES: usize = 1 << 20;
+/// The variable that sets [`RecorderOptions::entries`] (0 turns recording off).
+pub const ENTRIES_VAR: &str = "CHORUS_FLIGHT_RECORDER_ENTRIES";
+/// The variable that turns on [`RecorderOptions::track_starts`] (`1`).
+pub const STARTS_VAR: &str = "CHORUS_FLIGHT_RECORDER_STARTS";
+/// The variable that sets [`RecorderOptions::dump_dir`].
+pub const DIR_VAR: &str = "CHORUS_TRACE_DIR";
+/// How often the recorder's thread reads the events of unfinished launches.
+pub const POLL_INTERVAL: Duration = Duration::from_millis(10);
+
+/// How a communicator records its launches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecorderOptions {
+    /// Launches kept (the oldest is dropped first); 0 records nothing.
+    pub entries: usize,
+    /// Where dumps are written (created when the first dump is); `None`:
+    /// the ring is kept but never written.
+    pub dump_dir: Option<PathBuf>,
+    /// Also record an event just before each launch, so the ring tells
+    /// `enqueued` (the stream has not reached the call) from `started`.
+    /// Off by default: on a device whose stream is idle that event wakes
+    /// the stream's executor once more per call (on the cpu device, tens
+    /// of microseconds on a loaded machine; `docs/benchmarks.md`). Without
+    /// it an unfinished launch stays `enqueued`, whether or not its stream
+    /// has reached it, and `chorus trace` cannot name a stalled stream.
+    pub track_starts: bool,
+}
+
+impl Default for RecorderOptions {
+    fn default() -> Self {
+        RecorderOptions { entries: DEFAULT_ENTRIES, dump_dir: None, track_starts: false }
+    }
+}
+
+impl RecorderOptions {
+    /// Records nothing.
+    pub fn off() -> Self {
+        RecorderOptions { entries: 0, dump_dir: None, track_starts: false }
+    }
+
+    /// Parses a ring size: a count in `0..=MAX_ENTRIES`.
+    pub fn parse_entries(text: &str) -> Result<usize, String> {
+        match text.trim().parse::<usize>() {
+            Ok(n) if n <= MAX_ENTRIES => Ok(n),
+            Ok(n) => Err(format!("{ENTRIES_VAR}={n}: at most {MAX_ENTRIES} entries")),
+            Err(_) => Err(format!("{ENTRIES_VAR}={text:?} is not a count of entries")),
+        }
+    }
+
+    /// The options the process environment gives: [`ENTRIES_VAR`] (default
+    /// [`DEFAULT_ENTRIES`]), [`DIR_VAR`] (default: no dumps) and
+    /// [`STARTS_VAR`] (default: off). A value
+    /// that does not parse is reported once on stderr and the default kept:
+    /// a communicator is made without a way to return the error.
+    pub fn from_env() -> Self {
+        static FROM_ENV: OnceLock<RecorderOptions> = OnceLock::new();
+        FROM_ENV
+            .get_or_init(|| {
+                let entries = match std::env::var(ENTRIES_VAR) {
+                    Ok(text) => RecorderOptions::parse_entries(&text).unwrap_or_else(|e| {
+                        eprintln!("chorus: {e}; the flight recorder keeps {DEFAULT_ENTRIES} launches");
+                        DEFAULT_ENTRIES
+                    }),
+                    Err(_) => DEFAULT_ENTRIES,
+                };
+                let dump_dir = std::env::var_os(DIR_VAR).filter(|d| !d.is_empty()).map(PathBuf::from);
+                let track_starts = std::env::var(STARTS_VAR).is_ok_and(|v| v == "1");
+                RecorderOptions { entries, dump_dir, track_starts }
+            })
+            .clone()
+    }
+}
+
+/// Microseconds since the Unix epoch of an `Instant` (one base per process,
+/// so every ring of a process agrees).
+fn epoch_us(t: Instant) -> u64 {
+    static BASE: OnceLock<(Instant, u64)> = OnceLock::new();
+    let (base, base_us) = *BASE.get_or_init(|| {
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        (Instant::now(), now.as_micros() as u64)
+    });
+    match t.checked_duration_since(base) {
+        Some(d) => base_us.saturating_add(d.as_micros() as u64),
+        None => base_us.saturating_sub(base.duration_since(t).as_micros() as u64),
+    }
+}
+
+/// One call of a launch, as the ring keeps it (converted to a
+/// [`CallRecord`] only when dumped, so recording allocates little); taken
+/// before the backend consumes the call.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CallMeta {
+    seq: Option<u64>,
+    fingerprint: Fingerprint,
+}
+
+impl CallMeta {
+    pub(crate) fn of<B: Backend>(call: &Call<'_, B>) -> CallMeta {
+        let p2p = matches!(call.fingerprint.op, OpKind::Send | OpKind::Recv);
+        CallMeta { seq: (!p2p).then_some(call.seq), fingerprint: call.fingerprint }
+    }
+
+    fn record(&self) -> CallRecord {
+        let f = &self.fingerprint;
+        let p2p = matches!(f.op, OpKind::Send | OpKind::Recv);
+        CallRecord {
+            op: f.op.name().to_string(),
+            seq: self.seq,
+            dtype: f.dtype.name().to_string(),
+            count: f.count as u64,
+            bytes: (f.count as u64).saturating_mul(f.dtype.size() as u64),
+            reduce: f.reduce.map(str::to_string),
+            root: if p2p { None } else { f.root.map(|r| r as u64) },
+            peer: if p2p { f.root.map(|r| r as u64) } else { None },
+        }
+    }
+}
+
+struct Slot<B: Backend> {
+    id: u64,
+    calls: Vec<CallMeta>,
+    state: CallState,
+    enqueued: Instant,
+    started: Option<Instant>,
+    finished: Option<Instant>,
+    error: Option<String>,
+    start: Option<B::Event>,
+    end: Option<B::Event>,
+}
+
+impl<B: Backend> Slot<B> {
+    /// Reads the slot's events; returns the error when it has just failed.
+    fn poll(&mut self, now: Instant) -> Option<String> {
+        let fail = |slot: &mut Slot<B>, e: chorus_devices::DeviceError| {
+            let error = CommError::from(e).to_string();
+            slot.state = CallState::Failed;
+            slot.finished = Some(now);
+            slot.error = Some(error.clone());
+            Some(error)
+        };
+        if self.state == CallState::Enqueued {
+            match self.start.as_ref().map(Event::query) {
+                Some(Ok(true)) => {
+                    self.state = CallState::Started;
+                    self.started = Some(now);
+                }
+                Some(Ok(false)) => return None,
+                Some(Err(e)) => return fail(self, e),
+                // No start event (it could not be made): only the end tells.
+                None => {}
+            }
+        }
+        if matches!(self.state, CallState::Enqueued | CallState::Started) {
+            match self.end.as_ref().map(Event::query) {
+                Some(Ok(true)) => {
+                    self.state = CallState::Completed;
+                    self.finished = Some(now);
+                }
+                Some(Ok(false)) | None => {}
+                Some(Err(e)) => return fail(self, e),
+            }
+        }
+        None
+    }
+
+    fn record(&self) -> EntryRecord {
+        EntryRecord {
+            id: self.id,
+            calls: self.calls.iter().map(CallMeta::record).collect(),
+            state: self.state,
+            enqueued_us: epoch_us(self.enqueued),
+            started_us: self.started.map(epoch_us),
+            finished_us: self.finished.map(epoch_us),
+            error: self.error.clone(),
+        }
+    }
+
+    fn op(&self) -> String {
+        match self.calls.as_slice() {
+            [c] => match c.seq {
+                Some(s) => format!("{} #{s}", c.fingerprint.op.name()),
+                None => c.fingerprint.op.name().to_string(),
+            },
+            calls => format!("group of {}", calls.len()),
+        }
+    }
+}
+
+struct RingState<B: Backend> {
+    slots: VecDeque<Slot<B>>,
+    /// Events of dropped slots, recorded again by later launches.
+    spare: Vec<B::Event>,
+    launches: u64,
+    aborted: Option<String>,
+    /// A reason to dump not yet taken by the monitor (an abort).
+    trigger: Option<String>,
+}
+
+/// Who a ring belongs to: the communicator's name and place.
+#[derive(Clone, Debug)]
+pub(crate) struct RingInfo {
+    pub(crate) id: String,
+    /// Rank in the root communicator (the dump's file is per root rank).
+    pub(crate) owner_rank: usize,
+    pub(crate) world_size: usize,
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    pub(crate) backend: &'static str,
+    pub(crate) device: String,
+}
+
+/// One communicator's ring of launches.
+pub(crate) struct Ring<B: Backend> {
+    info: RingInfo,
+    capacity: usize,
+    dir: Option<PathBuf>,
+    track_starts: bool,
+    state: Mutex<RingState<B>>,
+}
+
+/// Spare events kept per ring (more are dropped).
+const SPARE_EVENTS: usize = 64;
+
+impl<B: Backend> Ring<B> {
+    /// A ring per `options`, followed by the recorder's thread; `None` when
+    /// recording is off.
+    pub(crate) fn start(info: RingInfo, options: &RecorderOptions) -> Option<Arc<Ring<B>>> {
+        if options.entries == 0 {
+            return None;
+        }
+        let capacity = options.entries.min(MAX_ENTRIES);
+        let ring = Arc::new(Ring {
+            info,
+            capacity,
+            dir: options.dump_dir.clone(),
+            track_starts: options.track_starts,
+            state: Mutex::new(RingState {
+                slots: VecDeque::with_capacity(capacity.min(DEFAULT_ENTRIES)),
+                spare: Vec::new(),
+                launches: 0,
+                aborted: None,
+                trigger: None,
+            }),
+        });
+        let watched: Arc<dyn monitor::Watched> = ring.clone();
+        monitor::register(Arc::downgrade(&watched), ring.dir.is_some());
+        Some(ring)
+    }
+
+    /// A ring for a communicator split from this one (`n`-th split, `color`).
+    pub(crate) fn child(&self, n: u64, color: u32, rank: usize, size: usize, device: String) -> Option<Arc<Ring<B>>> {
+        let info =
+            RingInfo { id: format!("{}/split{n}:color{color}", self.info.id), rank, size, device, ..self.info.clone() };
+        let options =
+            RecorderOptions { entries: self.capacity, dump_dir: self.dir.clone(), track_starts: self.track_starts };
+        Ring::start(info, &options)
+    }
+
+    fn event(&self, stream: &B::Stream) -> Option<B::Event> {
+        let spare = self.state.lock().ok().and_then(|mut s| s.spare.pop());
+        let event = match spare {
+            Some(e) => e,
+            None => stream.device().create_event().ok()?,
+        };
+        stream.record(&event).ok()?;
+        Some(event)
+    }
+
+    /// Records the event that tells when `stream` reaches the launch; call
+    /// just before handing the calls to the backend.
+    pub(crate) fn before_launch(&self, stream: &B::Stream) -> Option<B::Event> {
+        if !self.track_starts {
+            return None;
+        }
+        self.event(stream)
+    }
+
+    /// Records a launch the backend accepted, with the event that tells
+    /// when it has finished.
+    pub(crate) fn launched(&self, calls: Vec<CallMeta>, start: Option<B::Event>, stream: &B::Stream) {
+        let end = self.event(stream);
+        let enqueued = Instant::now();
+        let Ok(mut s) = self.state.lock() else { return };
+        let slot = Slot {
+            id: s.launches,
+            calls,
+            state: CallState::Enqueued,
+            enqueued,
+            started: None,
+            finished: None,
+            error: None,
+            start,
+            end,
+        };
+        s.launches += 1;
+        if s.slots.len() == self.capacity {
+            if let Some(old) = s.slots.pop_front() {
+                for e in [old.start, old.end].into_iter().flatten() {
+                    if s.spare.len() < SPARE_EVENTS {
+                        s.spare.push(e);
+                    }
+                }
+            }
+        }
+        s.slots.push_back(slot);
+    }
+
+    /// Notes that the communicator was aborted; the monitor dumps.
+    pub(crate) fn aborted(&self, reason: &str) {
+        if let Ok(mut s) = self.state.lock() {
+            if s.aborted.is_none() {
+                s.aborted = Some(reason.to_string());
+                s.trigger = Some(format!("abort of communicator {}: {reason}", self.info.id));
+            }
+        }
+    }
+}
+
+impl<B: Backend> monitor::Watched for Ring<B> {
+    fn poll(&self) -> Option<String> {
+        let now = Instant::now();
+        let Ok(mut s) = self.state.lock() else { return None };
+        let mut reason = s.trigger.take();
+        for slot in s.slots.iter_mut().filter(|s| matches!(s.state, CallState::Enqueued | CallState::Started)) {
+            if let Some(error) = slot.poll(now) {
+                reason.get_or_insert_with(|| format!("{} of communicator {} failed: {error}", slot.op(), self.info.id));
+            }
+        }
+        reason
+    }
+
+    fn record(&self) -> CommRecord {
+        let (entries, launches, aborted) = match self.state.lock() {
+            Ok(s) => (s.slots.iter().map(Slot::record).collect(), s.launches, s.aborted.clone()),
+            Err(_) => (Vec::new(), 0, Some("the ring's lock was poisoned".into())),
+        };
+        CommRecord {
+            id: self.info.id.clone(),
+            rank: self.info.rank as u64,
+            size: self.info.size as u64,
+            backend: self.info.backend.to_string(),
+            device: self.info.device.clone(),
+            capacity: self.capacity as u64,
+            tracks_starts: self.track_starts,
+            launches,
+            aborted,
+            entries,
+        }
+    }
+
+    fn dir(&self) -> Option<&std::path::Path> {
+        self.dir.as_deref()
+    }
+
+    fn owner(&self) -> (usize, usize) {
+        (self.info.owner_rank, self.info.world_size)
+    }
+}
+
+impl<B: Backend> Drop for Ring<B> {
+    fn drop(&mut self) {
+        use monitor::Watched;
+        if let Some(dir) = self.dir.clone() {
+            let trigger = self.poll();
+            let record = self.record();
+            monitor::retire(monitor::Retired { dir, owner: self.owner(), record, trigger });
+        }
+    }
+}
+
+/// Writes now the dumps that failures seen so far call for (what the
+/// recorder's thread does at its next poll, and at process exit): for a
+/// program that is about to end on an error it has just seen.
+pub fn flush() {
+    monitor::flush()
+}
+
+/// Polls `ring` and returns its record now (states as of this call).
+pub(crate) fn snapshot<B: Backend>(ring: &Ring<B>) -> CommRecord {
+    use monitor::Watched;
+    let _ = ring.poll();
+    ring.record()
+}
+
+/// Writes the dump of `ring`'s rank now (every ring of that rank with the
+/// same dump directory); the file, or `None` without a directory.
+pub(crate) fn dump_now<B: Backend>(ring: &Ring<B>, reason: &str) -> std::io::Result<Option<PathBuf>> {
+    let Some(dir) = ring.dir.clone() else { return Ok(None) };
+    monitor::write_rank(&dir, ring.info.owner_rank, reason).map(Some)
+}
+
+#[cfg(test)]
+mod tests;
