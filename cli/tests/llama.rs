@@ -76,6 +76,10 @@ fn bad_data_and_configs_are_usage_errors_before_anything_is_written() {
         (vec!["train", "--model", "llama", "--init-from", &m, "--layers", "3"], "the sizes come from --init-from"),
         (vec!["train", "--model", "llama", "--kv-heads", "3"], "num_key_value_heads"),
         (vec!["train", "--model", "llama", "--vocab", "20"], "smaller than the byte-level text"),
+        (
+            vec!["train", "--model", "llama", "--recompute", "root,blocks.0"],
+            "`blocks.0`, which is no group (root, model.layers.0",
+        ),
     ] {
         let r = run_bounded(chorus().args(&args).args(["--out-dir", &o]), Duration::from_secs(60));
         assert_eq!(r.status.code(), Some(2), "{args:?}: {}", text(&r.stderr));

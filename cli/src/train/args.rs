@@ -513,12 +513,19 @@ impl TrainArgs {
     }
 
     /// What --model gpt and --model llama (both candle through the adapter) share.
-    /// `--recompute`'s names are among the model's `groups` (in order).
-    pub(super) fn check_recompute(&self, groups: &[String]) -> anyhow::Result<()> {
+    /// `--recompute`'s names are among the model's groups: `root` and
+    /// `{layer}{i}` for `i < layers` (checked by parsing, so a huge
+    /// `--layers` lists nothing).
+    pub(super) fn check_recompute(&self, layer: &str, layers: usize) -> anyhow::Result<()> {
         if let Recompute::Groups(names) = &self.recompute {
-            if let Some(n) = names.iter().find(|n| !groups.contains(n)) {
-                let (first, last) = (groups.first().map_or("", |s| s), groups.last().map_or("", |s| s));
-                return Err(usage(format!("--recompute names `{n}`, which is no group ({first} .. {last})")));
+            let known = |n: &str| {
+                n == "root" || n.strip_prefix(layer).and_then(|i| i.parse::<usize>().ok()).is_some_and(|i| i < layers)
+            };
+            if let Some(n) = names.iter().find(|n| !known(n)) {
+                return Err(usage(format!(
+                    "--recompute names `{n}`, which is no group (root, {layer}0 .. {layer}{})",
+                    layers.saturating_sub(1)
+                )));
             }
         }
         Ok(())
@@ -564,8 +571,7 @@ impl TrainArgs {
         self.usage_candle_model("gpt")?;
         let cfg = self.gpt_config();
         cfg.validate().map_err(usage)?;
-        let blocks = (0..cfg.layers).map(|i| format!("blocks.{i}"));
-        self.check_recompute(&std::iter::once("root".to_string()).chain(blocks).collect::<Vec<_>>())?;
+        self.check_recompute("blocks.", cfg.layers)?;
         let (v, d, l, f, t) =
             (Sat::of(cfg.vocab), Sat::of(cfg.d_model), Sat::of(cfg.layers), Sat::of(cfg.d_ff), Sat::of(cfg.seq_len));
         let params = Sat(2) * v * d + d + l * (Sat(4) * d * d + Sat(2) * d * f + Sat(2) * d);

@@ -35,8 +35,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let steps = args.steps();
     let spec = spec(args, steps)?;
     let cfg = spec.config.clone();
-    let layers = (0..cfg.num_hidden_layers).map(|i| format!("model.layers.{i}"));
-    args.check_recompute(&std::iter::once("root".to_string()).chain(layers).collect::<Vec<_>>())?;
+    args.check_recompute("model.layers.", cfg.num_hidden_layers)?;
     let max_file_bytes = usize::try_from(args.llama.max_file_bytes)
         .map_err(|_| usage(format!("--max-file-bytes {} is too large", args.llama.max_file_bytes)))?;
     let optimizer_changes = match &args.resume {
