@@ -14,7 +14,7 @@ use chorus_collectives::{CommBackend, Communicator, Mesh};
 use chorus_devices::ComputeBackend;
 use chorus_fsdp::{CommCounts, DataParallel, Fsdp, HostOverhead, OptimizerKind};
 use chorus_fsdp_candle::checkpoint::{self, SaveOptions};
-use chorus_fsdp_candle::{AdapterTimes, Error, FsdpModel, Result};
+use chorus_fsdp_candle::{AdapterTimes, Error, FsdpModel, Result, StageId};
 use serde::Serialize;
 
 /// How the model `config` differs from the one a checkpoint recorded
@@ -78,6 +78,49 @@ where
         let buf = chorus_devices::StreamExt::buffer_from(s, &[local as f32]).map_err(chorus_fsdp::FsdpError::from)?;
         Ok(f.mean_over_ranks(chorus_devices::Buffer::view(&buf))?)
     })?
+}
+
+/// Each group's pre-forward also all-gathers the next one (`groups` in
+/// forward order), as FSDP2's explicit forward prefetch.
+pub(crate) fn chain_forward_prefetch<C: CommBackend + 'static>(model: &FsdpModel<C>, groups: &[usize]) -> Result<()>
+where
+    C::B: ComputeBackend,
+    Fsdp<C>: Send,
+{
+    model.with_fsdp(|f| -> chorus_fsdp::Result<()> {
+        for w in groups.windows(2) {
+            f.set_forward_prefetch(w[0], vec![w[1]])?;
+        }
+        Ok(())
+    })??;
+    Ok(())
+}
+
+/// Logits of `ids` (`[batch, seq]`, u32) through a decoder stack's stages
+/// (embedding, each layer, head), carrying candle's graph through every
+/// stage: in the param dtype, or cast (differentiably) to the
+/// mixed-precision policy's output dtype when it names one, as FSDP2's root
+/// casts the model's outputs.
+pub(crate) fn forward_stages<C: CommBackend + 'static>(
+    model: &FsdpModel<C>,
+    embed: StageId,
+    layers: &[StageId],
+    head: StageId,
+    ids: &Tensor,
+) -> Result<Tensor>
+where
+    C::B: ComputeBackend,
+    Fsdp<C>: Send,
+{
+    let mut x = model.run(embed, ids)?;
+    for l in layers {
+        x = model.run(*l, &x)?;
+    }
+    let logits = model.run(head, &x)?;
+    match model.with_fsdp(|f| f.mixed_precision().output_dtype)? {
+        Some(d) => Ok(logits.to_dtype(chorus_fsdp_candle::convert::candle_dtype(d)?)?),
+        None => Ok(logits),
+    }
 }
 
 /// How a run's saves prune: `keep_last`, never the checkpoint resumed from.

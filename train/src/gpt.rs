@@ -244,12 +244,7 @@ where
         }
         let head_stage = model.add_stage(root, move |vb, x| head(&cfg, vb, x))?;
         if forward_prefetch {
-            model.with_fsdp(|f| -> chorus_fsdp::Result<()> {
-                for w in groups.windows(2) {
-                    f.set_forward_prefetch(w[0], vec![w[1]])?;
-                }
-                Ok(())
-            })??;
+            crate::fsdp_loop::chain_forward_prefetch(&model, &groups)?;
         }
         Ok(ShardedGpt { model, embed: embed_stage, blocks, head: head_stage })
     }
@@ -259,15 +254,7 @@ where
     /// the mixed-precision policy's output dtype when it names one, as
     /// FSDP2's root casts the model's outputs.
     pub fn forward(&self, ids: &Tensor) -> chorus_fsdp_candle::Result<Tensor> {
-        let mut x = self.model.run(self.embed, ids)?;
-        for b in &self.blocks {
-            x = self.model.run(*b, &x)?;
-        }
-        let logits = self.model.run(self.head, &x)?;
-        match self.model.with_fsdp(|f| f.mixed_precision().output_dtype)? {
-            Some(d) => Ok(logits.to_dtype(chorus_fsdp_candle::convert::candle_dtype(d)?)?),
-            None => Ok(logits),
-        }
+        crate::fsdp_loop::forward_stages(&self.model, self.embed, &self.blocks, self.head, ids)
     }
 }
 

@@ -334,12 +334,7 @@ where
         let c = cfg.clone();
         let head_stage = model.add_stage(root, move |vb, x| head(&c, vb, x))?;
         if forward_prefetch {
-            model.with_fsdp(|f| -> chorus_fsdp::Result<()> {
-                for w in groups.windows(2) {
-                    f.set_forward_prefetch(w[0], vec![w[1]])?;
-                }
-                Ok(())
-            })??;
+            crate::fsdp_loop::chain_forward_prefetch(&model, &groups)?;
         }
         Ok(ShardedLlama { model, embed: embed_stage, layers, head: head_stage })
     }
@@ -348,14 +343,6 @@ where
     /// through every stage (cast to the mixed-precision policy's output
     /// dtype when it names one).
     pub fn forward(&self, ids: &Tensor) -> chorus_fsdp_candle::Result<Tensor> {
-        let mut x = self.model.run(self.embed, ids)?;
-        for l in &self.layers {
-            x = self.model.run(*l, &x)?;
-        }
-        let logits = self.model.run(self.head, &x)?;
-        match self.model.with_fsdp(|f| f.mixed_precision().output_dtype)? {
-            Some(d) => Ok(logits.to_dtype(chorus_fsdp_candle::convert::candle_dtype(d)?)?),
-            None => Ok(logits),
-        }
+        crate::fsdp_loop::forward_stages(&self.model, self.embed, &self.layers, self.head, ids)
     }
 }
