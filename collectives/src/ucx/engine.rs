@@ -232,12 +232,32 @@ impl Clone for Engine {
     }
 }
 
-/// Stops the progress thread when the last engine handle goes.
-struct Stopper(Arc<Shared>);
+/// Stops the progress thread when the last engine handle goes, and waits
+/// (bounded) until it has released the worker and the context: a process
+/// that exits while the thread still tears UCX down runs UCX's global
+/// destructors under it (seen as a SIGSEGV at exit of a rank).
+struct Stopper {
+    shared: Arc<Shared>,
+    /// Disconnects when the progress thread ends (it holds the sender).
+    finished: Mutex<std::sync::mpsc::Receiver<()>>,
+    thread: std::thread::ThreadId,
+}
+
+/// How long a drop waits for the progress thread's shutdown (which flushes
+/// the endpoints for at most a second).
+const STOP_WAIT: Duration = Duration::from_secs(5);
 
 impl Drop for Stopper {
     fn drop(&mut self) {
-        push(&self.0, Command::Stop);
+        push(&self.shared, Command::Stop);
+        // The last handle can go on the progress thread itself (an event
+        // handler's): it cannot wait for itself.
+        if std::thread::current().id() == self.thread {
+            return;
+        }
+        if let Ok(rx) = self.finished.lock() {
+            let _ = rx.recv_timeout(STOP_WAIT);
+        }
     }
 }
 
@@ -273,26 +293,32 @@ impl Engine {
             cancel_delay: Mutex::new(Duration::ZERO),
         });
         let (tx, rx) = std::sync::mpsc::channel();
+        let (finished_tx, finished_rx) = std::sync::mpsc::channel::<()>();
         let thread_shared = shared.clone();
-        std::thread::Builder::new()
+        let handle = std::thread::Builder::new()
             .name(format!("ucx-progress {name}"))
-            .spawn(move || match Worker::new() {
-                Ok(worker) => {
-                    let _ = tx.send(worker.address());
-                    progress_loop(worker, thread_shared, control, on_event);
-                }
-                Err(e) => {
-                    thread_shared.stopped.store(true, Ordering::Release);
-                    let _ = tx.send(Err(e));
+            .spawn(move || {
+                // Dropped when the thread ends, after the worker and context are released.
+                let _finished = finished_tx;
+                match Worker::new() {
+                    Ok(worker) => {
+                        let _ = tx.send(worker.address());
+                        progress_loop(worker, thread_shared, control, on_event);
+                    }
+                    Err(e) => {
+                        thread_shared.stopped.store(true, Ordering::Release);
+                        let _ = tx.send(Err(e));
+                    }
                 }
             })
             .map_err(|e| CommError::Backend { library: "ucx", code: -1, message: format!("spawning: {e}") })?;
+        let thread = handle.thread().id();
         let address = rx.recv_timeout(Duration::from_secs(60)).map_err(|_| CommError::Backend {
             library: "ucx",
             code: -1,
             message: "the progress thread did not start".into(),
         })??;
-        let stopper = Arc::new(Stopper(shared.clone()));
+        let stopper = Arc::new(Stopper { shared: shared.clone(), finished: Mutex::new(finished_rx), thread });
         Ok(Engine { shared, address, _stopper: stopper })
     }
 
@@ -818,6 +844,25 @@ impl Drop for Worker {
             for arg in self.handler_args.drain(..) {
                 drop(Box::from_raw(arg));
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Dropping the last handle returns only once the progress thread has
+    /// released the worker and the context (it holds the last other `Arc`
+    /// of the shared state until it ends): a process may exit right after.
+    #[test]
+    fn the_last_drop_waits_for_the_progress_thread() {
+        let (tag, mask) = crate::ucx::wire::control_match();
+        for _ in 0..3 {
+            let engine = Engine::start("drop", ControlTag { tag, mask }, Arc::new(|_| {})).unwrap();
+            let shared = engine.shared.clone();
+            drop(engine);
+            assert_eq!(Arc::strong_count(&shared), 1, "the progress thread still runs after the last drop");
         }
     }
 }
