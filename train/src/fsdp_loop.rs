@@ -1,21 +1,261 @@
 //! What the candle models' training loops ([`gpt_train`](crate::gpt_train),
 //! [`llama_train`](crate::llama_train)) share and that does not depend on
-//! the model: the data-parallel layout, the batch checks, the global loss,
-//! the checkpoint options and configuration check of a resume, the
-//! counters a report gives as differences, and the plain candle
-//! reference's optimizer and clipping.
+//! the model: the FSDP step loop itself ([`train_sharded`]: micro-batches,
+//! the global loss, clipping, the sharded optimizer, checkpoints and their
+//! resume), the decoder stack's forward through its stages, the
+//! data-parallel layout, the counters a report gives as differences, and the
+//! plain candle reference's optimizer and clipping.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Instant;
 
 use candle_core::{Device, Tensor, Var};
 use candle_nn::Optimizer;
 use chorus_collectives::{CommBackend, Communicator, Mesh};
-use chorus_devices::ComputeBackend;
-use chorus_fsdp::{CommCounts, DataParallel, Fsdp, HostOverhead, OptimizerKind};
-use chorus_fsdp_candle::checkpoint::{self, SaveOptions};
-use chorus_fsdp_candle::{AdapterTimes, Error, FsdpModel, Result, StageId};
+use chorus_devices::{ComputeBackend, Device as _};
+use chorus_fsdp::{CommCounts, DataParallel, Fsdp, FsdpConfig, HostOverhead, OptimizerKind, ShardedOptimizer};
+use chorus_fsdp_candle::checkpoint::{self, LoadOptions, SaveOptions, TrainingState};
+use chorus_fsdp_candle::{AdapterTimes, Error, FsdpModel, Recompute, Result, StageId};
 use serde::Serialize;
+
+use crate::gpt::loss;
+use crate::gpt_train::{GptReport, NonFinite};
+
+/// The token batches a training loop draws from.
+pub(crate) trait Batches {
+    /// Tokens per sequence.
+    fn seq_len(&self) -> usize;
+    /// What identifies the data in a checkpoint (a resumed run must train on the same).
+    fn seed(&self) -> u64;
+    /// Inputs and targets (each `n × seq_len` ids, row-major) of rows
+    /// `first .. first + n` of the global batch at `step`.
+    fn rows(&self, step: u64, first: usize, n: usize) -> (Vec<u32>, Vec<u32>);
+}
+
+impl Batches for crate::text::TextData {
+    fn seq_len(&self) -> usize {
+        self.seq_len()
+    }
+    fn seed(&self) -> u64 {
+        self.seed()
+    }
+    fn rows(&self, step: u64, first: usize, n: usize) -> (Vec<u32>, Vec<u32>) {
+        self.rows(step, first, n)
+    }
+}
+
+impl Batches for crate::llama_train::LlamaData {
+    fn seq_len(&self) -> usize {
+        self.seq_len()
+    }
+    fn seed(&self) -> u64 {
+        self.seed()
+    }
+    fn rows(&self, step: u64, first: usize, n: usize) -> (Vec<u32>, Vec<u32>) {
+        self.rows(step, first, n)
+    }
+}
+
+/// A decoder under FSDP, as the step loop drives it.
+pub(crate) trait ShardedDecoder<C: CommBackend> {
+    /// The adapter (and the [`Fsdp`] inside it).
+    fn fsdp_model(&self) -> &FsdpModel<C>;
+    /// Logits of `ids` (`[batch, seq]`, u32), carrying candle's graph.
+    fn forward(&self, ids: &Tensor) -> Result<Tensor>;
+}
+
+impl<C: CommBackend + 'static> ShardedDecoder<C> for crate::gpt::ShardedGpt<C>
+where
+    C::B: ComputeBackend,
+    Fsdp<C>: Send,
+{
+    fn fsdp_model(&self) -> &FsdpModel<C> {
+        &self.model
+    }
+    fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        self.forward(ids)
+    }
+}
+
+impl<C: CommBackend + 'static> ShardedDecoder<C> for crate::llama::ShardedLlama<C>
+where
+    C::B: ComputeBackend,
+    Fsdp<C>: Send,
+{
+    fn fsdp_model(&self) -> &FsdpModel<C> {
+        &self.model
+    }
+    fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        self.forward(ids)
+    }
+}
+
+/// What [`train_sharded`] needs of a model's training spec.
+pub(crate) struct LoopSpec<'a> {
+    /// What the model is called in a refused resume's message ("transformer").
+    pub(crate) what: &'static str,
+    /// The model's configuration, recorded in every checkpoint and compared on resume.
+    pub(crate) config: serde_json::Value,
+    pub(crate) data: &'a dyn Batches,
+    /// Sequences per rank per step.
+    pub(crate) batch: usize,
+    pub(crate) micro_batches: usize,
+    /// The step to stop before.
+    pub(crate) steps: u64,
+    pub(crate) optimizer: OptimizerKind,
+    pub(crate) fsdp: &'a FsdpConfig,
+    pub(crate) replicate: Option<usize>,
+    pub(crate) recompute: &'a Recompute,
+    pub(crate) max_grad_norm: Option<f64>,
+    pub(crate) checkpoint_dir: Option<&'a Path>,
+    pub(crate) save_every: u64,
+    pub(crate) keep_last: Option<usize>,
+    pub(crate) resume: Option<&'a PathBuf>,
+    pub(crate) allow_optimizer_change: bool,
+    pub(crate) allow_nonfinite: bool,
+}
+
+/// The [`LoopSpec`] of a model's spec (`GptSpec`, `LlamaSpec`: the same
+/// field names), with its name and configuration.
+macro_rules! loop_spec {
+    ($spec:expr, $what:expr, $config:expr) => {
+        $crate::fsdp_loop::LoopSpec {
+            what: $what,
+            config: $config,
+            data: &*$spec.data,
+            batch: $spec.batch,
+            micro_batches: $spec.micro_batches,
+            steps: $spec.steps,
+            optimizer: $spec.optimizer,
+            fsdp: &$spec.fsdp,
+            replicate: $spec.replicate,
+            recompute: &$spec.recompute,
+            max_grad_norm: $spec.max_grad_norm,
+            checkpoint_dir: $spec.checkpoint_dir.as_deref(),
+            save_every: $spec.save_every,
+            keep_last: $spec.keep_last,
+            resume: $spec.resume.as_ref(),
+            allow_optimizer_change: $spec.allow_optimizer_change,
+            allow_nonfinite: $spec.allow_nonfinite,
+        }
+    };
+}
+pub(crate) use loop_spec;
+
+/// Trains on this rank of `world` the model `build` makes under FSDP (every
+/// rank calls it with the same spec); `on_step(step, loss)` is called after
+/// each step. A resumed run starts at its checkpoint's step, after checking
+/// that the checkpoint holds the same model configuration and data.
+pub(crate) fn train_sharded<C, M>(
+    world: &Arc<Communicator<C>>,
+    spec: LoopSpec<'_>,
+    build: impl FnOnce(Fsdp<C>) -> Result<M>,
+    on_step: &mut dyn FnMut(u64, f64),
+) -> Result<GptReport>
+where
+    C: CommBackend + 'static,
+    C::B: ComputeBackend,
+    Fsdp<C>: Send,
+    M: ShardedDecoder<C>,
+{
+    let micro = micro_batches(spec.batch, spec.micro_batches)?;
+    let fsdp = Fsdp::new(data_parallel(world, spec.replicate)?, spec.fsdp.clone())?;
+    let sharded = build(fsdp)?;
+    let model = sharded.fsdp_model();
+    model.apply_recompute(spec.recompute)?;
+    let mut opt = ShardedOptimizer::new(spec.optimizer);
+    let mut start = 0;
+    let mut earlier_losses = Vec::new();
+    if let Some(dir) = spec.resume {
+        let options = LoadOptions { allow_optimizer_change: spec.allow_optimizer_change };
+        let state = model.with_fsdp(|f| checkpoint::load(f, &mut opt, dir, &options))??;
+        let changes = config_changes(&state.model, &spec.config);
+        if !changes.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "{}: saved from another {} ({}); resume with the configuration it was saved with",
+                dir.display(),
+                spec.what,
+                changes.join(", ")
+            )));
+        }
+        if state.data_seed != spec.data.seed() {
+            return Err(Error::InvalidArgument(format!(
+                "{}: saved with data {:#x}, this run's is {:#x}",
+                dir.display(),
+                state.data_seed,
+                spec.data.seed()
+            )));
+        }
+        start = state.step;
+        earlier_losses = state.losses;
+    }
+    model.with_fsdp(|f| -> Result<()> {
+        f.synchronize()?;
+        f.device().reset_peak_memory();
+        Ok(())
+    })??;
+    let before = Counters::of(model)?;
+    let rank = world.rank();
+    let seq = spec.data.seq_len();
+    let rows = spec.batch / micro;
+    let (mut losses, mut times, mut saved) = (Vec::new(), Vec::new(), Vec::new());
+    let mut stopped = None;
+    // The checkpoint resumed from is never pruned.
+    let save_options = save_options(spec.keep_last, spec.resume);
+    for step in start..spec.steps {
+        let t0 = Instant::now();
+        let mut local = 0.0f64;
+        for m in 0..micro {
+            model.with_fsdp(|f| f.set_requires_gradient_sync(m + 1 == micro))?;
+            let (x, y) = spec.data.rows(step, rank * spec.batch + m * rows, rows);
+            let logits = sharded.forward(&u32_tensor(x, rows, seq)?)?;
+            let l = loss(&logits, &u32_tensor(y, rows, seq)?)?;
+            let l = if micro > 1 { (l / micro as f64)? } else { l };
+            local += l.to_scalar::<f32>()? as f64;
+            model.backward(&l)?;
+        }
+        let mean = global_mean(model, local)?;
+        if !mean.is_finite() && !spec.allow_nonfinite {
+            // Every rank sees the same global loss, so all stop here together.
+            losses.push(mean);
+            times.push(t0.elapsed().as_secs_f64());
+            stopped = Some(NonFinite { step, loss: mean });
+            break;
+        }
+        if let Some(max) = spec.max_grad_norm {
+            model.clip_grad_norm(max)?;
+        }
+        model.optimizer_step(&mut opt)?;
+        model.with_fsdp(|f| f.synchronize())??;
+        times.push(t0.elapsed().as_secs_f64());
+        losses.push(mean);
+        on_step(step, mean);
+        let done = step + 1;
+        let due = spec.save_every > 0 && done % spec.save_every == 0 || done == spec.steps;
+        if let (Some(dir), true) = (spec.checkpoint_dir, due) {
+            let losses = earlier_losses.iter().chain(&losses).copied().collect();
+            let state = TrainingState { step: done, data_seed: spec.data.seed(), losses, model: spec.config.clone() };
+            saved.push(model.with_fsdp(|f| checkpoint::save(f, &opt, dir, &state, &save_options))??);
+        }
+    }
+    let stats = model.with_fsdp(|f| f.device().memory_stats())?;
+    let counted = Counters::of(model)?.since(&before);
+    Ok(GptReport {
+        start_step: start,
+        earlier_losses,
+        losses,
+        step_times_s: times,
+        peak_memory_bytes: stats.peak_bytes,
+        overhead: counted.overhead,
+        adapter: counted.adapter,
+        groups: model.with_fsdp(|f| f.num_groups())?,
+        comm_counts: counted.comm,
+        params: model.with_fsdp(|f| f.full_parameters())??,
+        saved,
+        stopped,
+    })
+}
 
 /// How the model `config` differs from the one a checkpoint recorded
 /// (`saved`, its training state's `model`): each differing field as

@@ -10,14 +10,11 @@ use std::time::Instant;
 use candle_core::{Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use chorus_collectives::{CommBackend, Communicator};
-use chorus_devices::{ComputeBackend, Device as _};
-use chorus_fsdp::{CommCounts, Fsdp, FsdpConfig, HostOverhead, OptimizerKind, ShardedOptimizer};
-use chorus_fsdp_candle::checkpoint::{self, LoadOptions, TrainingState};
+use chorus_devices::ComputeBackend;
+use chorus_fsdp::{CommCounts, Fsdp, FsdpConfig, HostOverhead, OptimizerKind};
 use chorus_fsdp_candle::{AdapterTimes, Error, Recompute, Result};
 
-use crate::fsdp_loop::{
-    clip_grad_norm, data_parallel, global_mean, micro_batches, save_options, u32_tensor, Counters, PlainOptimizer,
-};
+use crate::fsdp_loop::{clip_grad_norm, loop_spec, train_sharded, u32_tensor, PlainOptimizer};
 use crate::gpt::{loss, Gpt, GptConfig, ShardedGpt};
 use crate::text::TextData;
 
@@ -162,105 +159,10 @@ where
     C::B: ComputeBackend,
     Fsdp<C>: Send,
 {
-    let micro = micro_batches(spec.batch, spec.micro_batches)?;
-    let fsdp = Fsdp::new(data_parallel(&world, spec.replicate)?, spec.fsdp.clone())?;
-    let gpt = ShardedGpt::new(fsdp, spec.config, spec.init.clone(), spec.forward_prefetch)?;
-    gpt.model.apply_recompute(&spec.recompute)?;
-    let mut opt = ShardedOptimizer::new(spec.optimizer);
-    let mut start = 0;
-    let mut earlier_losses = Vec::new();
-    if let Some(dir) = &spec.resume {
-        let options = LoadOptions { allow_optimizer_change: spec.allow_optimizer_change };
-        let state = gpt.model.with_fsdp(|f| checkpoint::load(f, &mut opt, dir, &options))??;
-        let changes = config_changes(&state.model, &spec.config);
-        if !changes.is_empty() {
-            return Err(Error::InvalidArgument(format!(
-                "{}: saved from another transformer ({}); resume with the sizes it was saved with",
-                dir.display(),
-                changes.join(", ")
-            )));
-        }
-        if state.data_seed != spec.data.seed() {
-            return Err(Error::InvalidArgument(format!(
-                "{}: saved with data seed {}, this run's is {}",
-                dir.display(),
-                state.data_seed,
-                spec.data.seed()
-            )));
-        }
-        start = state.step;
-        earlier_losses = state.losses;
-    }
-    gpt.model.with_fsdp(|f| -> Result<()> {
-        f.synchronize()?;
-        f.device().reset_peak_memory();
-        Ok(())
-    })??;
-    let before = Counters::of(&gpt.model)?;
-    let rank = world.rank();
-    let seq = spec.data.seq_len();
-    let rows = spec.batch / micro;
-    let mut losses = Vec::new();
-    let mut times = Vec::new();
-    let mut saved = Vec::new();
-    let mut stopped = None;
-    // The checkpoint resumed from is never pruned.
-    let save_options = save_options(spec.keep_last, spec.resume.as_ref());
-    let model_config = serde_json::to_value(spec.config).map_err(|e| Error::InvalidArgument(e.to_string()))?;
-    for step in start..spec.steps {
-        let t0 = Instant::now();
-        let mut local = 0.0f64;
-        for m in 0..micro {
-            gpt.model.with_fsdp(|f| f.set_requires_gradient_sync(m + 1 == micro))?;
-            let (x, y) = spec.data.rows(step, rank * spec.batch + m * rows, rows);
-            let logits = gpt.forward(&u32_tensor(x, rows, seq)?)?;
-            let l = loss(&logits, &u32_tensor(y, rows, seq)?)?;
-            let l = if micro > 1 { (l / micro as f64)? } else { l };
-            local += l.to_scalar::<f32>()? as f64;
-            gpt.model.backward(&l)?;
-        }
-        let mean = global_mean(&gpt.model, local)?;
-        if !mean.is_finite() && !spec.allow_nonfinite {
-            // Every rank sees the same global loss, so all stop here together.
-            losses.push(mean);
-            times.push(t0.elapsed().as_secs_f64());
-            stopped = Some(NonFinite { step, loss: mean });
-            break;
-        }
-        if let Some(max) = spec.max_grad_norm {
-            gpt.model.clip_grad_norm(max)?;
-        }
-        gpt.model.optimizer_step(&mut opt)?;
-        gpt.model.with_fsdp(|f| f.synchronize())??;
-        times.push(t0.elapsed().as_secs_f64());
-        losses.push(mean);
-        on_step(step, mean);
-        let done = step + 1;
-        let due = spec.save_every > 0 && done % spec.save_every == 0 || done == spec.steps;
-        if let (Some(dir), true) = (&spec.checkpoint_dir, due) {
-            let losses = earlier_losses.iter().chain(&losses).copied().collect();
-            let state = TrainingState { step: done, data_seed: spec.data.seed(), losses, model: model_config.clone() };
-            saved.push(gpt.model.with_fsdp(|f| checkpoint::save(f, &opt, dir, &state, &save_options))??);
-        }
-    }
-    let stats = gpt.model.with_fsdp(|f| f.device().memory_stats())?;
-    let counted = Counters::of(&gpt.model)?.since(&before);
-    let groups = gpt.model.with_fsdp(|f| f.num_groups())?;
-    let params = gpt.model.with_fsdp(|f| f.full_parameters())??;
-    Ok(GptReport {
-        start_step: start,
-        earlier_losses,
-        losses,
-        step_times_s: times,
-        peak_memory_bytes: stats.peak_bytes,
-        overhead: counted.overhead,
-        adapter: counted.adapter,
-        groups,
-        comm_counts: counted.comm,
-        params,
-        saved,
-        stopped,
-    })
+    let spec_config = serde_json::to_value(spec.config).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+    let loop_spec = loop_spec!(spec, "transformer", spec_config);
+    let build = |fsdp| ShardedGpt::new(fsdp, spec.config, spec.init.clone(), spec.forward_prefetch);
+    train_sharded(&world, loop_spec, build, on_step)
 }
 
 /// What the plain candle run measured.
