@@ -6,17 +6,17 @@ use std::sync::Arc;
 
 use std::path::Path;
 
-use anyhow::Context;
 use chorus_fsdp_candle::checkpoint::optimizer_json;
 use chorus_train::gpt::init_params;
 use chorus_train::gpt_train::{config_changes, GptSpec};
 use chorus_train::text::{self, TextData};
 use serde_json::json;
 
-use super::ranks::{limit_candle_threads, writes_outputs, GptJob};
+use super::outputs::{self, Finished};
+use super::ranks::{limit_candle_threads, GptJob};
 use super::resume::{check_resume, Resuming};
-use super::{median, run_with_progress, say, span, summarize, usage, TrainArgs};
-use crate::outdir::{write_file, CheckpointDir, OutDir};
+use super::{run_with_progress, say, usage, TrainArgs};
+use crate::outdir::write_file;
 use crate::Outcome;
 
 /// `chorus train --model gpt`.
@@ -52,22 +52,15 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         )?,
         None => Vec::new(),
     };
-    let (out, _checkpoint_lock) = if writes_outputs(args.backend) {
-        let mut inside: Vec<(&str, &Path)> = Vec::new();
-        if let Some(p) = &args.text {
-            inside.push(("--text", p));
-        }
-        if let Some(p) = &checkpoint_dir {
-            inside.push(("--checkpoint-dir", p));
-        }
-        if let Some(p) = &args.resume {
-            inside.push(("--resume", p));
-        }
-        let out = OutDir::acquire(&args.out_dir(), &inside)?;
-        (Some(out), checkpoint_dir.as_deref().map(CheckpointDir::acquire).transpose()?)
-    } else {
-        (None, None)
-    };
+    let (out, _checkpoint_lock) = outputs::acquire(
+        args,
+        &[
+            ("--text", args.text.as_deref()),
+            ("--checkpoint-dir", checkpoint_dir.as_deref()),
+            ("--resume", args.resume.as_deref()),
+        ],
+        checkpoint_dir.as_deref(),
+    )?;
     if !optimizer_changes.is_empty() {
         eprintln!("resuming with changed optimizer settings: {}", optimizer_changes.join(", "));
     }
@@ -78,35 +71,11 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
             None => Ok(Outcome::Passed),
         };
     };
-    let first = reports.first().context("no ranks")?;
-    let all_losses: Vec<f64> = first.earlier_losses.iter().chain(&first.losses).copied().collect();
-    let s = summarize(&all_losses);
-    let median_step = median(&first.step_times_s);
-    let ran = first.losses.len().max(1) as f64;
-    let overhead_per_group_step = first.overhead.total.as_secs_f64() / (first.groups.max(1) as f64 * ran);
-    let first_step = first.start_step - first.earlier_losses.len() as u64;
+    let run = Finished::of(&reports)?;
+    let first = run.first();
+    let config = config_json(args, &spec, checkpoint_dir.as_deref(), first.start_step, &optimizer_changes);
     if let Some(stop) = first.stopped {
-        // The losses until the divergence are kept: the summary, marked
-        // failed, and the curve with the non-finite steps marked; no model.
-        let summary = json!({
-            "model": "gpt",
-            "status": "failed",
-            "error": stop.error().to_string(),
-            "stopped_at_step": stop.step,
-            "first_step": first_step,
-            "losses": all_losses,
-            "loss_window": s.window,
-            "step_times_s": first.step_times_s,
-            "checkpoints": first.saved.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
-            "config": config_json(args, &spec, checkpoint_dir.as_deref(), first.start_step, &optimizer_changes),
-        });
-        write_file(&out.stage().join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
-        let title = format!("chorus train --model gpt: stopped, loss {} at step {}", stop.loss, stop.step);
-        crate::plot::loss_curve(&out.stage().join("loss.svg"), &title, first_step, &all_losses, s.window)?;
-        let dest = out.dest().to_path_buf();
-        out.commit()?;
-        return Err(anyhow::Error::from(stop.error())
-            .context(format!("the run failed; its summary (marked failed) and loss curve are in {}", dest.display())));
+        return run.fail(out, "gpt", stop, config);
     }
     // The trained model, unsharded, as candle and Python load it.
     let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = first
@@ -130,51 +99,10 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
     write_file(&out.stage().join("model.safetensors"), &safetensors::tensor::serialize(views, None)?)?;
     let sample = chorus_train::gpt::sample(&cfg, &first.params, "the cat ", 60)?;
-    let summary = json!({
-        "model": "gpt",
-        "first_step": first.start_step - first.earlier_losses.len() as u64,
-        "losses": all_losses,
-        "loss_window": s.window,
-        "loss_start_mean": s.start,
-        "loss_end_mean": s.end,
-        "loss_smoothed": crate::plot::smooth(&all_losses, s.window),
-        "step_times_s": first.step_times_s,
-        "median_step_time_s": median_step,
-        "peak_memory_bytes": reports.iter().map(|r| r.peak_memory_bytes).collect::<Vec<_>>(),
-        "fsdp_host_overhead_per_group_per_step_s": overhead_per_group_step,
-        "adapter_transfer_per_step_s": first.adapter.transfer.as_secs_f64() / ran,
-        "candle_compute_per_step_s": first.adapter.compute.as_secs_f64() / ran,
-        "sample": sample,
-        "checkpoints": first.saved.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
-        "status": "completed",
-        "config": config_json(args, &spec, checkpoint_dir.as_deref(), first.start_step, &optimizer_changes),
-    });
-    write_file(&out.stage().join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
-    crate::plot::loss_curve(
-        &out.stage().join("loss.svg"),
-        "chorus train --model gpt",
-        first_step,
-        &all_losses,
-        s.window,
-    )?;
-    let dest = out.dest().to_path_buf();
-    out.commit()?;
-    let peak = reports.iter().map(|r| r.peak_memory_bytes).max().unwrap_or(0);
-    // The closing line is about this run's steps (a resumed run's earlier ones are in the summary).
-    let this = summarize(&first.losses);
-    let last_start = first.start_step + (first.losses.len() - this.window) as u64;
-    say(format_args!(
-        "trained the transformer ({} parameters) on {world} ranks, steps {}..{steps}: loss {:.3} (mean of {}) -> {:.3} (mean of {}), median step {:.1} ms, peak FSDP memory {:.1} KiB/rank, wrote {}",
-        cfg.num_params(),
-        first.start_step,
-        this.start,
-        span(first.start_step, this.window),
-        this.end,
-        span(last_start, this.window),
-        median_step * 1e3,
-        peak as f64 / 1024.0,
-        dest.display(),
-    ))?;
+    let mut summary = run.summary("gpt", config);
+    summary.insert("sample".into(), sample.clone().into());
+    let dest = run.commit(out, "gpt", summary)?;
+    say(format_args!("{}", run.closing("transformer", cfg.num_params(), world, steps, 3, &dest)))?;
     say(format_args!("sample: {sample:?}"))?;
     Ok(Outcome::Passed)
 }

@@ -18,10 +18,11 @@ use chorus_train::llama_train::{LlamaData, LlamaSpec, TokenRows};
 use chorus_train::text::{self, TextData};
 use serde_json::json;
 
-use super::ranks::{limit_candle_threads, writes_outputs, LlamaJob};
+use super::outputs::{self, Finished};
+use super::ranks::{limit_candle_threads, LlamaJob};
 use super::resume::{check_resume, Resuming};
-use super::{median, run_with_progress, say, span, summarize, usage, TrainArgs};
-use crate::outdir::{write_file, CheckpointDir, OutDir};
+use super::{run_with_progress, say, usage, TrainArgs};
+use crate::outdir::write_file;
 use crate::Outcome;
 
 /// The file in a checkpoint directory that records the Llama's config, so
@@ -55,29 +56,21 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         )?,
         None => Vec::new(),
     };
-    let (out, _checkpoint_lock) = if writes_outputs(args.backend) {
-        let mut inside: Vec<(&str, &Path)> = Vec::new();
-        for (flag, path) in [
-            ("--init-from", &args.llama.init_from),
-            ("--data", &args.llama.data),
-            ("--text", &args.text),
-            ("--checkpoint-dir", &spec.checkpoint_dir),
-            ("--resume", &args.resume),
-        ] {
-            if let Some(p) = path {
-                inside.push((flag, p));
-            }
-        }
-        let out = OutDir::acquire(&args.out_dir(), &inside)?;
-        let lock = spec.checkpoint_dir.as_deref().map(CheckpointDir::acquire).transpose()?;
-        // One process records it (under a launcher, the one writing the outputs), holding the lock.
-        if let Some(dir) = &spec.checkpoint_dir {
-            record_config(dir, &cfg)?;
-        }
-        (Some(out), lock)
-    } else {
-        (None, None)
-    };
+    let (out, _checkpoint_lock) = outputs::acquire(
+        args,
+        &[
+            ("--init-from", args.llama.init_from.as_deref()),
+            ("--data", args.llama.data.as_deref()),
+            ("--text", args.text.as_deref()),
+            ("--checkpoint-dir", spec.checkpoint_dir.as_deref()),
+            ("--resume", args.resume.as_deref()),
+        ],
+        spec.checkpoint_dir.as_deref(),
+    )?;
+    // One process records it (under a launcher, the one writing the outputs), holding the lock.
+    if let (Some(dir), Some(_)) = (&spec.checkpoint_dir, &out) {
+        record_config(dir, &cfg)?;
+    }
     if !optimizer_changes.is_empty() {
         eprintln!("resuming with changed optimizer settings: {}", optimizer_changes.join(", "));
     }
@@ -88,87 +81,20 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
             None => Ok(Outcome::Passed),
         };
     };
-    let first = reports.first().context("no ranks")?;
-    let all_losses: Vec<f64> = first.earlier_losses.iter().chain(&first.losses).copied().collect();
-    let s = summarize(&all_losses);
-    let median_step = median(&first.step_times_s);
-    let ran = first.losses.len().max(1) as f64;
-    let first_step = first.start_step - first.earlier_losses.len() as u64;
+    let run = Finished::of(&reports)?;
+    let first = run.first();
     let config = config_json(args, &spec, first.start_step, &optimizer_changes);
-    let checkpoints: Vec<String> = first.saved.iter().map(|p| p.display().to_string()).collect();
     if let Some(stop) = first.stopped {
-        // The losses until the divergence are kept: the summary, marked
-        // failed, and the curve; no model.
-        let summary = json!({
-            "model": "llama",
-            "status": "failed",
-            "error": stop.error().to_string(),
-            "stopped_at_step": stop.step,
-            "first_step": first_step,
-            "losses": all_losses,
-            "loss_window": s.window,
-            "step_times_s": first.step_times_s,
-            "checkpoints": checkpoints,
-            "config": config,
-        });
-        write_file(&out.stage().join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
-        let title = format!("chorus train --model llama: stopped, loss {} at step {}", stop.loss, stop.step);
-        crate::plot::loss_curve(&out.stage().join("loss.svg"), &title, first_step, &all_losses, s.window)?;
-        let dest = out.dest().to_path_buf();
-        out.commit()?;
-        return Err(anyhow::Error::from(stop.error())
-            .context(format!("the run failed; its summary (marked failed) and loss curve are in {}", dest.display())));
+        return run.fail(out, "llama", stop, config);
     }
     let model_dir = out.stage().join("model");
     std::fs::create_dir(&model_dir).with_context(|| format!("creating {}", model_dir.display()))?;
     llama_hf::write(&model_dir, &cfg, &first.params, args.llama.save_dtype.dtype(), max_file_bytes)?;
-    let summary = json!({
-        "model": "llama",
-        "status": "completed",
-        "first_step": first_step,
-        "losses": all_losses,
-        "loss_window": s.window,
-        "loss_start_mean": s.start,
-        "loss_end_mean": s.end,
-        "loss_smoothed": crate::plot::smooth(&all_losses, s.window),
-        "step_times_s": first.step_times_s,
-        "median_step_time_s": median_step,
-        "peak_memory_bytes": reports.iter().map(|r| r.peak_memory_bytes).collect::<Vec<_>>(),
-        "fsdp_host_overhead_per_group_per_step_s":
-            first.overhead.total.as_secs_f64() / (first.groups.max(1) as f64 * ran),
-        "adapter_transfer_per_step_s": first.adapter.transfer.as_secs_f64() / ran,
-        "candle_compute_per_step_s": first.adapter.compute.as_secs_f64() / ran,
-        "checkpoints": checkpoints,
-        "hf_model_dir": "model",
-        "config": config,
-    });
-    write_file(&out.stage().join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
-    crate::plot::loss_curve(
-        &out.stage().join("loss.svg"),
-        "chorus train --model llama",
-        first_step,
-        &all_losses,
-        s.window,
-    )?;
-    let dest = out.dest().to_path_buf();
-    out.commit()?;
-    let peak = reports.iter().map(|r| r.peak_memory_bytes).max().unwrap_or(0);
-    // The closing line is about this run's steps (a resumed run's earlier ones are in the summary).
-    let this = summarize(&first.losses);
-    let last_start = first.start_step + (first.losses.len() - this.window) as u64;
-    say(format_args!(
-        "trained the Llama ({} parameters) on {world} ranks, steps {}..{steps}: loss {:.4} (mean of {}) -> {:.4} (mean of {}), median step {:.1} ms, peak FSDP memory {:.1} KiB/rank, wrote {} (Hugging Face model in {})",
-        cfg.num_params(),
-        first.start_step,
-        this.start,
-        span(first.start_step, this.window),
-        this.end,
-        span(last_start, this.window),
-        median_step * 1e3,
-        peak as f64 / 1024.0,
-        dest.display(),
-        dest.join("model").display(),
-    ))?;
+    let mut summary = run.summary("llama", config);
+    summary.insert("hf_model_dir".into(), "model".into());
+    let dest = run.commit(out, "llama", summary)?;
+    let line = run.closing("Llama", cfg.num_params(), world, steps, 4, &dest);
+    say(format_args!("{line} (Hugging Face model in {})", dest.join("model").display()))?;
     Ok(Outcome::Passed)
 }
 

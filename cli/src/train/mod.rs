@@ -22,6 +22,7 @@ mod gpt;
 mod gpt_bench;
 mod llama;
 mod mlp;
+mod outputs;
 mod ranks;
 mod resume;
 

@@ -1,0 +1,180 @@
+//! What the candle models' runs (`--model gpt`, `--model llama`) write and
+//! say alike: the locked out-dir and checkpoint directory, the summary's
+//! common part, a failed run's summary and curve, and the closing line.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use chorus_train::gpt_train::{GptReport, NonFinite};
+use serde_json::json;
+
+use super::ranks::writes_outputs;
+use super::{median, span, summarize, LossSummary, TrainArgs};
+use crate::outdir::{write_file, CheckpointDir, OutDir};
+use crate::Outcome;
+
+/// Locks the out-dir (refusing the `inside` paths that are given within
+/// it) and `checkpoint_dir`, before any work; nothing where this process
+/// writes no outputs (a rank other than 0 under a launcher).
+pub(super) fn acquire(
+    args: &TrainArgs,
+    inside: &[(&str, Option<&Path>)],
+    checkpoint_dir: Option<&Path>,
+) -> anyhow::Result<(Option<OutDir>, Option<CheckpointDir>)> {
+    if !writes_outputs(args.backend) {
+        return Ok((None, None));
+    }
+    let inside: Vec<(&str, &Path)> = inside.iter().filter_map(|(flag, p)| p.map(|p| (*flag, p))).collect();
+    let out = OutDir::acquire(&args.out_dir(), &inside)?;
+    Ok((Some(out), checkpoint_dir.map(CheckpointDir::acquire).transpose()?))
+}
+
+/// A finished run as rank 0 reported it, with every rank's report.
+pub(super) struct Finished<'a> {
+    reports: &'a [GptReport],
+    first: &'a GptReport,
+    /// The losses of the whole run, a resumed run's earlier steps included.
+    all_losses: Vec<f64>,
+    summary: LossSummary,
+    /// The step `all_losses` starts at.
+    first_step: u64,
+}
+
+impl<'a> Finished<'a> {
+    pub(super) fn of(reports: &'a [GptReport]) -> anyhow::Result<Finished<'a>> {
+        let first = reports.first().context("no ranks")?;
+        let all_losses: Vec<f64> = first.earlier_losses.iter().chain(&first.losses).copied().collect();
+        let summary = summarize(&all_losses);
+        let first_step = first.start_step - first.earlier_losses.len() as u64;
+        Ok(Finished { reports, first, all_losses, summary, first_step })
+    }
+
+    /// Rank 0's report.
+    pub(super) fn first(&self) -> &GptReport {
+        self.first
+    }
+
+    fn checkpoints(&self) -> Vec<String> {
+        self.first.saved.iter().map(|p| p.display().to_string()).collect()
+    }
+
+    /// Where the run stopped on a non-finite loss: the losses until the
+    /// divergence are kept (the summary, marked failed, and the curve with
+    /// the non-finite steps marked; no model), and the error says where.
+    pub(super) fn fail(
+        &self,
+        out: OutDir,
+        model: &str,
+        stop: NonFinite,
+        config: serde_json::Value,
+    ) -> anyhow::Result<Outcome> {
+        let summary = json!({
+            "model": model,
+            "status": "failed",
+            "error": stop.error().to_string(),
+            "stopped_at_step": stop.step,
+            "first_step": self.first_step,
+            "losses": self.all_losses,
+            "loss_window": self.summary.window,
+            "step_times_s": self.first.step_times_s,
+            "checkpoints": self.checkpoints(),
+            "config": config,
+        });
+        write_file(&out.stage().join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
+        let title = format!("chorus train --model {model}: stopped, loss {} at step {}", stop.loss, stop.step);
+        crate::plot::loss_curve(
+            &out.stage().join("loss.svg"),
+            &title,
+            self.first_step,
+            &self.all_losses,
+            self.summary.window,
+        )?;
+        let dest = out.dest().to_path_buf();
+        out.commit()?;
+        Err(anyhow::Error::from(stop.error())
+            .context(format!("the run failed; its summary (marked failed) and loss curve are in {}", dest.display())))
+    }
+
+    /// The summary of a completed run: what both models report; the caller
+    /// adds its own keys before [`Finished::commit`].
+    pub(super) fn summary(&self, model: &str, config: serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
+        let ran = self.first.losses.len().max(1) as f64;
+        let summary = json!({
+            "model": model,
+            "status": "completed",
+            "first_step": self.first_step,
+            "losses": self.all_losses,
+            "loss_window": self.summary.window,
+            "loss_start_mean": self.summary.start,
+            "loss_end_mean": self.summary.end,
+            "loss_smoothed": crate::plot::smooth(&self.all_losses, self.summary.window),
+            "step_times_s": self.first.step_times_s,
+            "median_step_time_s": median(&self.first.step_times_s),
+            "peak_memory_bytes": self.reports.iter().map(|r| r.peak_memory_bytes).collect::<Vec<_>>(),
+            "fsdp_host_overhead_per_group_per_step_s":
+                self.first.overhead.total.as_secs_f64() / (self.first.groups.max(1) as f64 * ran),
+            "adapter_transfer_per_step_s": self.first.adapter.transfer.as_secs_f64() / ran,
+            "candle_compute_per_step_s": self.first.adapter.compute.as_secs_f64() / ran,
+            "checkpoints": self.checkpoints(),
+            "config": config,
+        });
+        match summary {
+            serde_json::Value::Object(map) => map,
+            _ => serde_json::Map::new(),
+        }
+    }
+
+    /// Writes `summary` and the loss curve into `out`'s staging directory
+    /// (beside what the caller wrote there) and puts the out-dir in place;
+    /// where it now is.
+    pub(super) fn commit(
+        &self,
+        out: OutDir,
+        model: &str,
+        summary: serde_json::Map<String, serde_json::Value>,
+    ) -> anyhow::Result<PathBuf> {
+        let summary = serde_json::Value::Object(summary);
+        write_file(&out.stage().join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
+        let title = format!("chorus train --model {model}");
+        crate::plot::loss_curve(
+            &out.stage().join("loss.svg"),
+            &title,
+            self.first_step,
+            &self.all_losses,
+            self.summary.window,
+        )?;
+        let dest = out.dest().to_path_buf();
+        out.commit()?;
+        Ok(dest)
+    }
+
+    /// The closing line's account of this run's steps (a resumed run's
+    /// earlier ones are in the summary): `trained the {what} ({n}
+    /// parameters) on {world} ranks, steps ...: loss ... -> ..., median
+    /// step, peak FSDP memory, wrote {dest}`, losses to `decimals` places.
+    pub(super) fn closing(
+        &self,
+        what: &str,
+        parameters: usize,
+        world: usize,
+        steps: u64,
+        decimals: usize,
+        dest: &Path,
+    ) -> String {
+        let first = self.first;
+        let peak = self.reports.iter().map(|r| r.peak_memory_bytes).max().unwrap_or(0);
+        let this = summarize(&first.losses);
+        let last_start = first.start_step + (first.losses.len() - this.window) as u64;
+        format!(
+            "trained the {what} ({parameters} parameters) on {world} ranks, steps {}..{steps}: loss {:.decimals$} (mean of {}) -> {:.decimals$} (mean of {}), median step {:.1} ms, peak FSDP memory {:.1} KiB/rank, wrote {}",
+            first.start_step,
+            this.start,
+            span(first.start_step, this.window),
+            this.end,
+            span(last_start, this.window),
+            median(&first.step_times_s) * 1e3,
+            peak as f64 / 1024.0,
+            dest.display(),
+        )
+    }
+}
