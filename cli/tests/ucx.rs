@@ -113,40 +113,32 @@ fn fsdp_over_four_processes_equals_the_simulator() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The transformer through the candle adapter (`--model gpt`) with one rank
-/// per process over UCX ends where the simulator's ranks end.
-#[test]
-fn the_transformer_over_four_processes_equals_the_simulator() {
-    let _turn = turn();
-    let dir = scratch("gpt");
-    let (sim, ucx) = (dir.join("sim"), dir.join("ucx"));
-    let args = |out: &Path| -> Vec<String> {
-        ["train", "--model", "gpt", "--world-size", "4", "--batch", "2", "--d-model", "32", "--layers", "2"]
-            .iter()
-            .map(|s| s.to_string())
-            .chain(["--seq-len", "16", "--steps", "5", "--out-dir"].iter().map(|s| s.to_string()))
-            .chain([out.display().to_string()])
-            .collect()
-    };
-    let out = run(chorus().args(args(&sim)).args(["--backend", "sim"]), Duration::from_secs(120));
+/// Runs `chorus train` with `args(out-dir)` on simulated ranks into `sim`
+/// and one rank per process over UCX under `chorus launch` into `ucx`,
+/// checks that both runs' losses and every tensor of the model each wrote
+/// (`model`, a safetensors file under the out-dir) agree within 1e-6, and
+/// returns the losses and how many tensors the model has.
+fn sim_and_ucx_agree(args: &dyn Fn(&Path) -> Vec<String>, sim: &Path, ucx: &Path, model: &str) -> (Vec<f64>, usize) {
+    let out = run(chorus().args(args(sim)).args(["--backend", "sim"]), Duration::from_secs(120));
     assert!(out.status.success(), "{}", text(&out.stderr));
     let mut launch = chorus();
-    launch.args(["launch", "--nproc-per-node", "4", "--", chorus_path()]).args(args(&ucx)).args(["--backend", "ucx"]);
+    launch.args(["launch", "--nproc-per-node", "4", "--", chorus_path()]).args(args(ucx)).args(["--backend", "ucx"]);
     let out = run(&mut launch, Duration::from_secs(180));
     assert!(out.status.success(), "stdout: {}\nstderr: {}", text(&out.stdout), text(&out.stderr));
-    let losses = |d: &Path| -> Vec<f64> {
+    let losses = |d: &Path, backend: &str| -> Vec<f64> {
         let s: serde_json::Value = serde_json::from_slice(&std::fs::read(d.join("summary.json")).unwrap()).unwrap();
+        assert_eq!(s["config"]["backend"], backend);
         serde_json::from_value(s["losses"].clone()).unwrap()
     };
-    assert_eq!(losses(&sim).len(), 5);
-    for (a, b) in losses(&sim).iter().zip(losses(&ucx)) {
-        assert!((a - b).abs() <= 1e-6 * (1.0 + a.abs()), "losses {:?} vs {:?}", losses(&sim), losses(&ucx));
+    let (on_sim, on_ucx) = (losses(sim, "sim"), losses(ucx, "ucx"));
+    assert_eq!(on_sim.len(), on_ucx.len());
+    for (a, b) in on_sim.iter().zip(&on_ucx) {
+        assert!((a - b).abs() <= 1e-6 * (1.0 + a.abs()), "losses {on_sim:?} vs {on_ucx:?}");
     }
-    let (a, b) =
-        (std::fs::read(sim.join("model.safetensors")).unwrap(), std::fs::read(ucx.join("model.safetensors")).unwrap());
+    let (a, b) = (std::fs::read(sim.join(model)).unwrap(), std::fs::read(ucx.join(model)).unwrap());
     let (a, b) =
         (safetensors::SafeTensors::deserialize(&a).unwrap(), safetensors::SafeTensors::deserialize(&b).unwrap());
-    assert_eq!(a.len(), 3 + 2 * 8, "root and two blocks");
+    assert_eq!(a.len(), b.len());
     for (name, t) in a.tensors() {
         let u = b.tensor(&name).unwrap();
         assert_eq!(t.shape(), u.shape(), "{name}");
@@ -156,6 +148,26 @@ fn the_transformer_over_four_processes_equals_the_simulator() {
         let worst = f(t.data()).iter().zip(f(u.data())).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
         assert!(worst <= 1e-6, "{name} differs by {worst}");
     }
+    (on_sim, a.len())
+}
+
+/// The transformer through the candle adapter (`--model gpt`) with one rank
+/// per process over UCX ends where the simulator's ranks end.
+#[test]
+fn the_transformer_over_four_processes_equals_the_simulator() {
+    let _turn = turn();
+    let dir = scratch("gpt");
+    let args = |out: &Path| -> Vec<String> {
+        ["train", "--model", "gpt", "--world-size", "4", "--batch", "2", "--d-model", "32", "--layers", "2"]
+            .iter()
+            .map(|s| s.to_string())
+            .chain(["--seq-len", "16", "--steps", "5", "--out-dir"].iter().map(|s| s.to_string()))
+            .chain([out.display().to_string()])
+            .collect()
+    };
+    let (losses, tensors) = sim_and_ucx_agree(&args, &dir.join("sim"), &dir.join("ucx"), "model.safetensors");
+    assert_eq!(losses.len(), 5);
+    assert_eq!(tensors, 3 + 2 * 8, "root and two blocks");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -166,7 +178,7 @@ fn the_transformer_over_four_processes_equals_the_simulator() {
 fn the_llama_over_four_processes_equals_the_simulator() {
     let _turn = turn();
     let dir = scratch("llama");
-    let (init, sim, ucx) = (dir.join("init"), dir.join("sim"), dir.join("ucx"));
+    let init = dir.join("init");
     let sizes = ["train", "--model", "llama", "--world-size", "4", "--batch", "2", "--seq-len", "16"];
     let mut make_init = chorus();
     make_init.args(sizes).args(["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2"]);
@@ -182,36 +194,9 @@ fn the_llama_over_four_processes_equals_the_simulator() {
             .chain([model.display().to_string(), "--out-dir".into(), out.display().to_string()])
             .collect()
     };
-    let out = run(chorus().args(args(&sim)).args(["--backend", "sim"]), Duration::from_secs(120));
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let mut launch = chorus();
-    launch.args(["launch", "--nproc-per-node", "4", "--", chorus_path()]).args(args(&ucx)).args(["--backend", "ucx"]);
-    let out = run(&mut launch, Duration::from_secs(180));
-    assert!(out.status.success(), "stdout: {}\nstderr: {}", text(&out.stdout), text(&out.stderr));
-    let losses = |d: &Path| -> Vec<f64> {
-        let s: serde_json::Value = serde_json::from_slice(&std::fs::read(d.join("summary.json")).unwrap()).unwrap();
-        assert_eq!(s["config"]["backend"], if d == sim.as_path() { "sim" } else { "ucx" });
-        serde_json::from_value(s["losses"].clone()).unwrap()
-    };
-    assert_eq!(losses(&sim).len(), 4);
-    for (a, b) in losses(&sim).iter().zip(losses(&ucx)) {
-        assert!((a - b).abs() <= 1e-6 * (1.0 + a.abs()), "losses {:?} vs {:?}", losses(&sim), losses(&ucx));
-    }
-    let read = |d: &Path| std::fs::read(d.join("model/model.safetensors")).unwrap();
-    let (a, b) = (read(&sim), read(&ucx));
-    let (a, b) =
-        (safetensors::SafeTensors::deserialize(&a).unwrap(), safetensors::SafeTensors::deserialize(&b).unwrap());
-    assert_eq!(a.len(), 2 + 9 * 2 + 1, "embedding, norm, head and two decoder layers");
-    assert_eq!(a.len(), b.len());
-    for (name, t) in a.tensors() {
-        let u = b.tensor(&name).unwrap();
-        assert_eq!(t.shape(), u.shape(), "{name}");
-        let f = |bytes: &[u8]| -> Vec<f32> {
-            bytes.chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-        };
-        let worst = f(t.data()).iter().zip(f(u.data())).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-        assert!(worst <= 1e-6, "{name} differs by {worst}");
-    }
+    let (losses, tensors) = sim_and_ucx_agree(&args, &dir.join("sim"), &dir.join("ucx"), "model/model.safetensors");
+    assert_eq!(losses.len(), 4);
+    assert_eq!(tensors, 2 + 9 * 2 + 1, "embedding, norm, head and two decoder layers");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
