@@ -18,7 +18,7 @@ use chorus_fsdp_candle::Recompute;
 use chorus_train::gpt::{init_params, loss, Gpt, GptConfig, ShardedGpt};
 use chorus_train::gpt_train::{train_gpt, train_plain, GptReport, GptSpec};
 use chorus_train::text::{encode, generate, vocab_size, TextData};
-use common::on_sim_ranks;
+use common::{max_diff, on_sim_ranks, unwrap_ranks};
 
 fn config() -> GptConfig {
     GptConfig { vocab: vocab_size(), d_model: 16, layers: 2, heads: 2, d_ff: 32, seq_len: 12 }
@@ -32,30 +32,7 @@ fn spec(batch: usize, steps: u64, optimizer: OptimizerKind) -> GptSpec {
 
 fn run(ranks: usize, spec: GptSpec) -> Vec<GptReport> {
     let spec = Arc::new(spec);
-    on_sim_ranks(ranks, move |comm| train_gpt(comm, &spec, &mut |_, _| {}))
-        .into_iter()
-        .enumerate()
-        .map(|(r, res)| res.unwrap_or_else(|e| panic!("rank {r}: {e}")))
-        .collect()
-}
-
-fn max_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
-    let sorted = |v: &[(String, Vec<f32>)]| {
-        let mut v = v.to_vec();
-        v.sort_by(|x, y| x.0.cmp(&y.0));
-        v
-    };
-    let (a, b) = (sorted(a), sorted(b));
-    assert_eq!(a.len(), b.len());
-    let mut worst = 0.0f32;
-    for (x, y) in a.iter().zip(&b) {
-        assert_eq!(x.0, y.0);
-        assert_eq!(x.1.len(), y.1.len());
-        for (u, v) in x.1.iter().zip(&y.1) {
-            worst = worst.max((u - v).abs() / (1.0 + v.abs()));
-        }
-    }
-    worst
+    unwrap_ranks(on_sim_ranks(ranks, move |comm| train_gpt(comm, &spec, &mut |_, _| {})))
 }
 
 /// With every group recomputing in backward, none, or some (the root and

@@ -17,7 +17,7 @@ use chorus_train::llama::{init_params, materialize, ShardedLlama};
 use chorus_train::llama_config::LlamaConfig;
 use chorus_train::llama_train::{train_llama, train_plain, LlamaData, LlamaSpec, TokenRows};
 use chorus_train::npy::Tokens;
-use common::on_sim_ranks;
+use common::{max_diff, on_sim_ranks, unwrap_ranks};
 
 fn config(tied: bool) -> LlamaConfig {
     LlamaConfig {
@@ -43,29 +43,7 @@ fn spec(tied: bool, global: usize, ranks: usize, steps: u64, optimizer: Optimize
 
 fn run(ranks: usize, spec: LlamaSpec) -> Vec<GptReport> {
     let spec = Arc::new(spec);
-    on_sim_ranks(ranks, move |comm| train_llama(comm, &spec, &mut |_, _| {}))
-        .into_iter()
-        .enumerate()
-        .map(|(r, res)| res.unwrap_or_else(|e| panic!("rank {r}: {e}")))
-        .collect()
-}
-
-fn max_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
-    let sorted = |v: &[(String, Vec<f32>)]| {
-        let mut v = v.to_vec();
-        v.sort_by(|x, y| x.0.cmp(&y.0));
-        v
-    };
-    let (a, b) = (sorted(a), sorted(b));
-    assert_eq!(a.iter().map(|p| &p.0).collect::<Vec<_>>(), b.iter().map(|p| &p.0).collect::<Vec<_>>());
-    let mut worst = 0.0f32;
-    for (x, y) in a.iter().zip(&b) {
-        assert_eq!(x.1.len(), y.1.len());
-        for (u, v) in x.1.iter().zip(&y.1) {
-            worst = worst.max((u - v).abs() / (1.0 + v.abs()));
-        }
-    }
-    worst
+    unwrap_ranks(on_sim_ranks(ranks, move |comm| train_llama(comm, &spec, &mut |_, _| {})))
 }
 
 #[test]
