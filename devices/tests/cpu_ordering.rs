@@ -142,6 +142,33 @@ fn event_query_becomes_true_without_a_host_wait() -> Result<()> {
     Ok(())
 }
 
+/// A record behind finished work costs no executor round trip: the flight
+/// recorder records after every collective, so this is on every call's path.
+#[test]
+fn a_record_on_an_idle_stream_is_complete_when_it_returns() -> Result<()> {
+    let dev = device();
+    let s = stream(&dev)?;
+    let flag = Arc::new(AtomicBool::new(false));
+    slow_flag(&s, &flag)?;
+    s.synchronize()?;
+    let event = dev.create_event()?;
+    s.record(&event)?;
+    assert!(event.query()?, "a record on an idle stream waited for the executor");
+    // Behind a job it still completes only after the job.
+    let gate = Gate::close(&s)?;
+    s.record(&event)?;
+    assert!(!event.query()?);
+    gate.open();
+    event.synchronize()?;
+    // On a failed idle stream the record carries the failure, as before.
+    inject_failure(&s, 7)?;
+    assert!(s.synchronize().is_err());
+    s.record(&event)?;
+    let e = event.synchronize().expect_err("an event recorded on a failed stream succeeded");
+    assert_injected(&e, 7);
+    Ok(())
+}
+
 #[test]
 fn a_later_record_replaces_the_earlier_one() -> Result<()> {
     let dev = device_with(Duration::from_secs(10));

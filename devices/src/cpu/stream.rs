@@ -1,5 +1,6 @@
 //! Streams of the cpu device: an executor thread per stream.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
@@ -28,7 +29,6 @@ type JobFn = Box<dyn FnOnce(JobInput<'_>) -> Result<()> + Send>;
 
 enum Job {
     Run { op: &'static str, f: JobFn },
-    Record(Arc<Completion>),
     Wait(Arc<Completion>, u64),
     Stop,
 }
@@ -38,6 +38,24 @@ struct Progress {
     submitted: u64,
     completed: u64,
     error: Option<DeviceError>,
+    /// Recorded events behind queued jobs: each completes when `completed`
+    /// reaches its count. A record is not a job of its own, so it never costs
+    /// the executor a wake-up (the flight recorder records after every call).
+    markers: VecDeque<(u64, Arc<Completion>)>,
+}
+
+impl Progress {
+    /// Completes the markers whose jobs have all run.
+    fn complete_markers(&mut self) {
+        while let Some((at, _)) = self.markers.front() {
+            if *at > self.completed {
+                break;
+            }
+            if let Some((_, c)) = self.markers.pop_front() {
+                c.complete(self.error.as_ref().map(poisoned));
+            }
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -64,8 +82,20 @@ impl StreamShared {
     fn finish_one(&self) {
         if let Ok(mut p) = self.progress.lock() {
             p.completed += 1;
+            p.complete_markers();
         }
         self.done.notify_all();
+    }
+
+    /// Records `c` after every job submitted so far: at once, on the
+    /// caller's thread, when the stream is idle; otherwise when the executor
+    /// finishes the last of them.
+    fn record(&self, c: Arc<Completion>) -> Result<()> {
+        let mut p = self.progress.lock().map_err(|_| DeviceError::invalid("record", "stream state poisoned"))?;
+        let at = p.submitted;
+        p.markers.push_back((at, c));
+        p.complete_markers();
+        Ok(())
     }
 
     pub(crate) fn synchronize(&self, device: &CpuDevice) -> Result<()> {
@@ -111,7 +141,6 @@ fn run_executor(rx: Receiver<Job>, shared: Arc<StreamShared>, device: CpuDevice)
                     Err(msg) => shared.fail(DeviceError::invalid(op, format!("the operation panicked: {msg}"))),
                 },
             },
-            Job::Record(c) => c.complete(shared.error().map(|e| poisoned(&e))),
             Job::Wait(c, event) => {
                 if shared.error().is_none() {
                     if let Err(e) = c.wait(timeout, &format!("event #{event} on {}", shared.name)) {
@@ -429,9 +458,9 @@ impl crate::Stream for CpuStream {
             Some(s) => {
                 let mut s = s.lock().map_err(|_| DeviceError::invalid("record", "sanitizer poisoned"))?;
                 s.record_event(event.id, self.shared.slot);
-                self.send(Job::Record(completion))
+                self.shared.record(completion)
             }
-            None => self.send(Job::Record(completion)),
+            None => self.shared.record(completion),
         }
     }
 
