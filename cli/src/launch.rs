@@ -43,6 +43,7 @@
 //! `UCX_TLS=^sm` (no shared memory) unless `UCX_TLS` is set, and the
 //! launcher says so.
 
+mod dumps;
 mod forward;
 mod guardian;
 
@@ -352,6 +353,8 @@ struct Job {
     rank_env: Vec<(String, String)>,
     /// Node 0's store did not answer: nothing more is sent to it (each try would wait --node-timeout).
     store_lost: bool,
+    /// Nodes found silent (dead, hung or cut off): not waited for again.
+    silent_nodes: Vec<usize>,
 }
 
 /// What UCX compares to decide whether two processes are on one machine
@@ -587,6 +590,7 @@ impl Job {
             watch,
             rank_env,
             store_lost: false,
+            silent_nodes: Vec::new(),
         })
     }
 
@@ -650,6 +654,7 @@ impl Job {
                 let remote = remote.or_else(|| match self.watch.as_mut()?.silent(&self.store, plan, 0..plan.nnodes) {
                     Ok(None) => None,
                     Ok(Some((node, silent))) => {
+                        self.silent_nodes.push(node);
                         let what = describe_silence(node, silent);
                         let _ = self.store.set(&plan.key("failed"), what.as_bytes());
                         Some(what)
@@ -698,6 +703,7 @@ impl Job {
                         plan.nproc - 1
                     );
                 }
+                self.gather_dumps(plan);
                 let dumps = std::fs::read_dir(&plan.trace_dir).map_or(0, |d| d.count());
                 if dumps > 0 {
                     eprintln!(
@@ -868,6 +874,36 @@ impl Job {
 
     /// Waits (at most a second) for the last output lines; a process that
     /// left the rank's group may hold a pipe open, and is not waited for.
+    /// Brings the other nodes' flight-recorder dumps into this node's dump
+    /// directory (several nodes, store still up), saying what is missing.
+    fn gather_dumps(&self, plan: &Plan) {
+        if plan.nnodes == 1 || self.store_lost {
+            return;
+        }
+        let ranks = self.ranks.iter().map(|r| r.rank).collect();
+        let key = |rest: &str| plan.key(&format!("dumps/{rest}"));
+        let got = dumps::exchange(
+            &*self.store,
+            key,
+            &plan.trace_dir,
+            plan.node_rank,
+            plan.nnodes,
+            &ranks,
+            &self.silent_nodes,
+        );
+        if got.fetched > 0 {
+            eprintln!("chorus launch: fetched {} flight-recorder dumps of the other nodes", got.fetched);
+        }
+        if !got.missing.is_empty() {
+            eprintln!(
+                "chorus launch: no flight-recorder dumps from node(s) {:?} within {:?} (dead or cut off; their ranks' \
+                 dumps, if any, stay on their hosts)",
+                got.missing,
+                dumps::WAIT
+            );
+        }
+    }
+
     fn finish_output(&mut self) {
         if let Some(mut output) = self.output.take() {
             output.finish(Duration::from_secs(1));

@@ -46,9 +46,11 @@ impl Case {
             Case::Stalled => "stalled",
         }
     }
-    /// The line `chorus trace` must print.
-    fn verdict(self) -> &'static str {
-        match self {
+    /// The line `chorus trace` must print for a job of `world` ranks.
+    fn verdict(self, world: usize) -> String {
+        // The ranks other than the culprit (1), as `chorus trace` writes them.
+        let others = if world == 3 { "ranks 0,2" } else { "ranks 0,2-3" };
+        let line = match self {
             Case::Mismatch => {
                 "MISMATCH at #3: rank 1 called all_reduce(4 x f32, sum); ranks 0,2 called all_reduce(8 x f32, sum)"
             }
@@ -60,7 +62,8 @@ impl Case {
                 "STALLED: rank 1 issued #3 all_reduce(8 x f32, sum) but its stream never reached it (stalled by \
                  earlier work)"
             }
-        }
+        };
+        line.replace("ranks 0,2", others)
     }
 }
 
@@ -112,15 +115,16 @@ fn wait_for_dumps(dir: &Path, n: usize) {
 
 /// `chorus trace DIR`'s text, checked to contain the case's verdict; and
 /// its JSON, checked to parse and to carry the same verdict.
-fn trace_names_the_culprit(dir: &Path, case: Case) {
+fn trace_names_the_culprit(dir: &Path, case: Case, world: usize) {
+    let expected = case.verdict(world);
     let out = run_bounded(chorus().arg("trace").arg(dir), Duration::from_secs(60));
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
-    assert!(stdout.contains(case.verdict()), "{case:?}: {stdout}");
+    assert!(stdout.contains(&expected), "{case:?}: {stdout}");
     let out = run_bounded(chorus().arg("trace").arg("--json").arg(dir), Duration::from_secs(60));
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let verdict: Vec<String> = serde_json::from_value(json["verdict"].clone()).unwrap();
-    assert!(verdict.iter().any(|l| l.starts_with(case.verdict())), "{case:?}: {verdict:?}");
+    assert!(verdict.iter().any(|l| l.starts_with(&expected)), "{case:?}: {verdict:?}");
 }
 
 fn sim_case(case: Case) {
@@ -151,7 +155,7 @@ fn sim_case(case: Case) {
         h.join().unwrap();
     }
     wait_for_dumps(&dir, 3);
-    trace_names_the_culprit(&dir, case);
+    trace_names_the_culprit(&dir, case, 3);
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
 
@@ -188,9 +192,11 @@ fn trace_refuses_what_is_not_a_directory_of_dumps() {
 #[cfg(feature = "ucx")]
 mod ucx {
     use super::*;
+    use crate::common::{free_port, wait_bounded};
     use chorus_collectives::bootstrap::{connect_from_env, ConnectOptions, LaunchEnv};
     use chorus_collectives::ucx::{UcxComm, UcxConfig};
     use chorus_devices::cpu::{CpuConfig, CpuDevice};
+    use std::process::Stdio;
 
     /// One rank of a UCX case, under `chorus launch` (which gives it
     /// `CHORUS_TRACE_DIR`); the case is `CHORUS_RECORDER_CASE`.
@@ -230,7 +236,7 @@ mod ucx {
         assert_eq!(out.status.code(), Some(1), "{err}");
         assert!(err.contains(&format!("flight-recorder dumps are in {}", trace.display())), "{err}");
         wait_for_dumps(&trace, 3);
-        trace_names_the_culprit(&trace, case);
+        trace_names_the_culprit(&trace, case, 3);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -247,5 +253,43 @@ mod ucx {
     #[test]
     fn ucx_a_stalled_rank_is_named() {
         ucx_case(Case::Stalled);
+    }
+
+    /// Two nodes (launchers on loopback), each with its own dump directory,
+    /// as on two hosts: each launcher fetches the other node's dumps, so
+    /// `chorus trace` on either directory names the culprit (rank 1, node 0).
+    #[test]
+    fn ucx_each_node_gathers_every_nodes_dumps() {
+        let dir = scratch("recorder-ucx-two-nodes");
+        let exe = std::env::current_exe().unwrap();
+        let port = free_port().to_string();
+        let node = |n: usize| {
+            let mut launch = chorus();
+            launch
+                .args(["launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", &n.to_string()])
+                .args(["--master-port", &port, "--grace", "20", "--timeout", "60", "--", exe.to_str().unwrap()])
+                .args(["--exact", "ucx::ucx_rank", "--ignored", "--nocapture", "--test-threads", "1"])
+                .env("CHORUS_TRACE_DIR", dir.join(format!("trace{n}")))
+                .env("CHORUS_RECORDER_CASE", Case::Mismatch.name())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            launch.spawn().unwrap()
+        };
+        let (n0, n1) = (node(0), node(1));
+        let (o0, o1) = (wait_bounded(n0, Duration::from_secs(120)), wait_bounded(n1, Duration::from_secs(120)));
+        for (n, out) in [(0, &o0), (1, &o1)] {
+            let err = text(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "node {n}: {err}");
+            assert!(err.contains("fetched 2 flight-recorder dumps of the other nodes"), "node {n}: {err}");
+            let trace = dir.join(format!("trace{n}"));
+            let names: Vec<String> = std::fs::read_dir(&trace)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .filter(|n| n.ends_with(".json"))
+                .collect();
+            assert_eq!(names.len(), 4, "node {n}: {names:?}");
+            trace_names_the_culprit(&trace, Case::Mismatch, 4);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -1,0 +1,197 @@
+//! Gathering the ranks' flight-recorder dumps of every node after a failed
+//! job, so `chorus trace DIR` on any one host reads the whole job.
+//!
+//! Each launcher publishes the dumps of its own ranks through the job's
+//! store (a file per key, then the list of names: the list marks the
+//! node's publication complete), then fetches the other nodes' into its own
+//! dump directory. A node that is dead or cut off publishes nothing; the
+//! fetch waits for it at most [`WAIT`], so a lost node delays the
+//! launcher's exit by that much at worst. Nodes that share a file system
+//! already see each other's files, which are kept as they are.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use chorus_collectives::bootstrap::Store;
+
+/// How long a launcher waits for the other nodes' dumps in all.
+pub(super) const WAIT: Duration = Duration::from_secs(2);
+
+/// Largest dump published (the store's value limit is 8 MiB; a ring of
+/// 1024 calls takes a few hundred KiB).
+const MAX_DUMP: u64 = 4 * 1024 * 1024;
+
+/// What one launcher's gathering did.
+#[derive(Debug, Default, PartialEq)]
+pub(super) struct Gathered {
+    /// Dumps of this node's ranks published.
+    pub published: usize,
+    /// Dumps fetched from other nodes and written here.
+    pub fetched: usize,
+    /// Nodes whose dumps did not arrive in time.
+    pub missing: Vec<usize>,
+}
+
+/// Publishes this node's dumps under `key(node)`, then fetches the other
+/// nodes' (except `skip`: nodes already known to be gone) into `dir`.
+/// Store errors end the exchange quietly: a failed job's report must not
+/// fail for want of its diagnostics.
+pub(super) fn exchange(
+    store: &dyn Store,
+    key: impl Fn(&str) -> String,
+    dir: &Path,
+    node: usize,
+    nnodes: usize,
+    ranks: &HashSet<usize>,
+    skip: &[usize],
+) -> Gathered {
+    let mut done = Gathered::default();
+    let own = own_dumps(dir, ranks);
+    let mut names = Vec::new();
+    for (name, bytes) in &own {
+        if store.set(&key(&format!("{node}/{name}")), bytes).is_ok() {
+            names.push(name.as_str());
+        }
+    }
+    done.published = names.len();
+    if store.set(&key(&node.to_string()), names.join("\n").as_bytes()).is_err() {
+        return done;
+    }
+    let deadline = Instant::now() + WAIT;
+    for other in (0..nnodes).filter(|n| *n != node && !skip.contains(n)) {
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        let Ok(list) = store.get(&key(&other.to_string()), left) else {
+            done.missing.push(other);
+            continue;
+        };
+        for name in String::from_utf8_lossy(&list).lines().filter(|n| is_dump_name(n)) {
+            let path = dir.join(name);
+            if path.exists() {
+                continue;
+            }
+            let Ok(bytes) = store.get(&key(&format!("{other}/{name}")), Duration::from_millis(500)) else {
+                continue;
+            };
+            if write_new(&path, &bytes).is_ok() {
+                done.fetched += 1;
+            }
+        }
+    }
+    done.missing.extend(skip.iter().copied().filter(|n| *n != node && *n < nnodes));
+    done.missing.sort_unstable();
+    done
+}
+
+/// The recorder's name of a rank's dump, `rank<digits>-<host>.json`, with
+/// nothing that could leave the directory (names come over the network).
+pub(super) fn is_dump_name(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("rank").and_then(|r| r.strip_suffix(".json")) else {
+        return false;
+    };
+    let Some((digits, host)) = rest.split_once('-') else {
+        return false;
+    };
+    !digits.is_empty()
+        && digits.bytes().all(|b| b.is_ascii_digit())
+        && !host.is_empty()
+        && host.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
+        && !name.contains("..")
+}
+
+/// The dumps in `dir` of the ranks in `ranks`, with their bytes.
+fn own_dumps(dir: &Path, ranks: &HashSet<usize>) -> Vec<(String, Vec<u8>)> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut own: Vec<(String, Vec<u8>)> = entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let rank: usize = name.strip_prefix("rank")?.split('-').next()?.parse().ok()?;
+            let small = e.metadata().ok().is_some_and(|m| m.is_file() && m.len() <= MAX_DUMP);
+            (is_dump_name(&name) && ranks.contains(&rank) && small).then_some(name)
+        })
+        .filter_map(|name| Some((name.clone(), std::fs::read(dir.join(&name)).ok()?)))
+        .collect();
+    own.sort();
+    own
+}
+
+/// Writes `bytes` to `path` whole or not at all, never over a file that is
+/// already there.
+fn write_new(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("dump");
+    let tmp = path.with_file_name(format!(".{name}.{}.part", std::process::id()));
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&tmp, bytes)?;
+    // A hard link fails if the name exists: no dump is ever replaced.
+    let linked = std::fs::hard_link(&tmp, path);
+    let _ = std::fs::remove_file(&tmp);
+    linked
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chorus_collectives::bootstrap::MemStore;
+
+    /// A fresh directory of this test, removed on drop.
+    struct Scratch(std::path::PathBuf);
+    impl Scratch {
+        fn new(name: &str) -> Scratch {
+            let dir = std::env::temp_dir().join(format!("chorus-dumps-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            Scratch(dir)
+        }
+        fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn only_the_recorders_names_are_accepted() {
+        assert!(is_dump_name("rank00003-node-1.example.json"));
+        assert!(is_dump_name("rank12-a_b_c.json"));
+        for bad in
+            ["rank-x.json", "rankx-h.json", "rank1-.json", "rank1-../x.json", "rank1-a/b.json", "x.json", "rank1-h"]
+        {
+            assert!(!is_dump_name(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn two_nodes_end_with_every_dump_and_a_silent_one_is_named() {
+        let store = MemStore::new();
+        let key = |k: &str| format!("t/dumps/{k}");
+        let (a, b) = (Scratch::new("a"), Scratch::new("b"));
+        std::fs::write(a.path().join("rank00000-ha.json"), b"{\"r\":0}").unwrap();
+        std::fs::write(a.path().join("rank00001-ha.json"), b"{\"r\":1}").unwrap();
+        // Another node's file in a shared directory is not published as this node's.
+        std::fs::write(a.path().join("rank00002-hb.json"), b"{\"old\":2}").unwrap();
+        std::fs::write(b.path().join("rank00002-hb.json"), b"{\"r\":2}").unwrap();
+        let ranks_a: HashSet<usize> = [0, 1].into();
+        let ranks_b: HashSet<usize> = [2, 3].into();
+        let got_b = exchange(&store, key, b.path(), 1, 3, &ranks_b, &[2]);
+        assert_eq!(got_b, Gathered { published: 1, fetched: 0, missing: vec![0, 2] });
+        let got_a = exchange(&store, key, a.path(), 0, 3, &ranks_a, &[]);
+        assert_eq!(got_a.published, 2);
+        assert_eq!(got_a.fetched, 0, "a file already there is kept");
+        assert_eq!(got_a.missing, vec![2]);
+        assert_eq!(std::fs::read(a.path().join("rank00002-hb.json")).unwrap(), b"{\"old\":2}");
+        // Node 1 again, once node 0 has published: it fetches both of node 0's dumps.
+        let got_b = exchange(&store, key, b.path(), 1, 2, &ranks_b, &[]);
+        assert_eq!(got_b.fetched, 2);
+        assert_eq!(std::fs::read(b.path().join("rank00001-ha.json")).unwrap(), b"{\"r\":1}");
+        let left: Vec<_> = std::fs::read_dir(b.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left.len(), 3, "no temporary file is left: {left:?}");
+    }
+}
