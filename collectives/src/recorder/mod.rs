@@ -70,9 +70,9 @@ pub struct RecorderOptions {
     pub dump_dir: Option<PathBuf>,
     /// Also record an event just before each launch, so the ring tells
     /// `enqueued` (the stream has not reached the call) from `started`.
-    /// Off by default: on a device whose stream is idle that event wakes
-    /// the stream's executor once more per call (on the cpu device, tens
-    /// of microseconds on a loaded machine; `docs/benchmarks.md`). Without
+    /// Off by default: a second event per call (on the cpu device a few
+    /// microseconds more per small call, `examples/recorder_cost.rs` and
+    /// `docs/benchmarks.md`). Without
     /// it an unfinished launch stays `enqueued`, whether or not its stream
     /// has reached it, and `chorus trace` cannot name a stalled stream.
     pub track_starts: bool,

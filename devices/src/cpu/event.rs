@@ -17,7 +17,9 @@ const FAILED: u8 = 2;
 pub(crate) struct Completion {
     state: AtomicU8,
     error: Mutex<Option<DeviceError>>,
-    lock: Mutex<()>,
+    /// Host threads waiting on `cv`: a completion nobody waits for makes no
+    /// wake-up system call (most are only queried, by the flight recorder).
+    waiters: Mutex<usize>,
     cv: Condvar,
 }
 
@@ -26,7 +28,7 @@ impl Completion {
         Arc::new(Completion {
             state: AtomicU8::new(PENDING),
             error: Mutex::new(None),
-            lock: Mutex::new(()),
+            waiters: Mutex::new(0),
             cv: Condvar::new(),
         })
     }
@@ -43,9 +45,11 @@ impl Completion {
         };
         // Release: everything the executor did before the marker is visible
         // to whoever observes the flag with acquire.
-        let _guard = self.lock.lock();
+        let waiters = self.waiters.lock();
         self.state.store(state, Ordering::Release);
-        self.cv.notify_all();
+        if waiters.map_or(true, |w| *w > 0) {
+            self.cv.notify_all();
+        }
     }
 
     fn error(&self) -> DeviceError {
@@ -66,7 +70,7 @@ impl Completion {
 
     pub(crate) fn wait(&self, timeout: Duration, what: &str) -> Result<()> {
         let deadline = Instant::now() + timeout;
-        let mut guard = self.lock.lock().map_err(|_| DeviceError::invalid("event", "lock poisoned"))?;
+        let mut guard = self.waiters.lock().map_err(|_| DeviceError::invalid("event", "lock poisoned"))?;
         loop {
             if self.query()? {
                 return Ok(());
@@ -75,11 +79,15 @@ impl Completion {
             if now >= deadline {
                 return Err(DeviceError::Timeout { what: what.to_string(), waited: timeout });
             }
+            // Counted under the lock `complete` takes: it either sees this
+            // waiter or stored its state before the query above.
+            *guard += 1;
             guard = self
                 .cv
                 .wait_timeout(guard, deadline - now)
                 .map_err(|_| DeviceError::invalid("event", "lock poisoned"))?
                 .0;
+            *guard -= 1;
         }
     }
 }
