@@ -53,10 +53,11 @@ cargo clippy --workspace --all-targets --all-features -- -D warnings
 step "cargo test --workspace"
 cargo test --workspace
 
-step "ucx backend: unit tests, the suite with every rank in one process (2 and 4 ranks), and one rank per process: the suite over 4 processes, FSDP equal to sim (chorus launch, and torchrun from the venv), killed rank, world-size disagreement (about 3 minutes with UCX's build)"
+step "ucx backend: unit tests, the suite with every rank in one process (2 and 4 ranks), and one rank per process: the suite over 4 processes, FSDP equal to sim (chorus launch, and torchrun from the venv), killed rank, world-size disagreement, the flight recorder naming the culprit and every node's dumps gathered (about 3 minutes with UCX's build)"
 cargo test -p chorus-collectives --features ucx --lib ucx
 cargo test -p chorus-conformance --features ucx --test ucx
 cargo test -p chorus --features ucx --test ucx
+cargo test -p chorus --features ucx --test flight_recorder
 cargo test -p chorus --features ucx --test ucx -- --ignored --exact fsdp_under_torchrun_equals_the_simulator
 
 step "several hosts made of network namespaces (2 hosts x 2 ranks, UCX, 1 Gbit/s links): the suite, FSDP equal to sim, dead, hung and partitioned hosts ending the job within 10 s, hosts sharing a hostname (about 2 minutes)"
