@@ -355,6 +355,8 @@ struct Job {
     store_lost: bool,
     /// Nodes found silent (dead, hung or cut off): not waited for again.
     silent_nodes: Vec<usize>,
+    /// Each node's host name, as its launcher published it.
+    hosts: Vec<String>,
 }
 
 /// What UCX compares to decide whether two processes are on one machine
@@ -471,12 +473,18 @@ impl NodeWatch {
     }
 }
 
-/// "node 1 has not been heard from for 5.2 s (its launcher is dead, hung or cut off)".
-fn describe_silence(node: usize, silent: Duration) -> String {
-    format!(
-        "node {node} has not been heard from for {:.1} s (its launcher is dead, hung or cut off)",
-        silent.as_secs_f64()
-    )
+/// "node 1 on host h1": a node and the host its launcher runs on (as it
+/// published it when joining).
+fn node_name(hosts: &[String], node: usize) -> String {
+    match hosts.get(node) {
+        Some(host) => format!("node {node} on host {host}"),
+        None => format!("node {node}"),
+    }
+}
+
+/// "node 1 on host h1 has not been heard from for 5.2 s (its launcher is dead, hung or cut off)".
+fn describe_silence(node: &str, silent: Duration) -> String {
+    format!("{node} has not been heard from for {:.1} s (its launcher is dead, hung or cut off)", silent.as_secs_f64())
 }
 
 /// Where node 0 listens: loopback stays loopback; any other address listens
@@ -519,6 +527,8 @@ impl Job {
         }
         store
             .set(&plan.key(&format!("view/{}", plan.node_rank)), MachineView::of_this_process().encode().as_bytes())?;
+        // Before the node key too: every host name exists once all nodes have joined.
+        store.set(&plan.key(&format!("host/{}", plan.node_rank)), crate::outdir::host().as_bytes())?;
         store.set(&plan.key(&format!("node/{}", plan.node_rank)), plan.nproc.to_string().as_bytes())?;
         let node_keys: Vec<String> = (0..plan.nnodes).map(|n| plan.key(&format!("node/{n}"))).collect();
         let node_keys: Vec<&str> = node_keys.iter().map(String::as_str).collect();
@@ -539,6 +549,13 @@ impl Job {
         let view_keys: Vec<&str> = view_keys.iter().map(String::as_str).collect();
         let views: Vec<String> = store
             .multi_get(&view_keys, plan.timeout)?
+            .iter()
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .collect();
+        let host_keys: Vec<String> = (0..plan.nnodes).map(|n| plan.key(&format!("host/{n}"))).collect();
+        let host_keys: Vec<&str> = host_keys.iter().map(String::as_str).collect();
+        let hosts: Vec<String> = store
+            .multi_get(&host_keys, plan.timeout)?
             .iter()
             .map(|v| String::from_utf8_lossy(v).into_owned())
             .collect();
@@ -591,6 +608,7 @@ impl Job {
             rank_env,
             store_lost: false,
             silent_nodes: Vec::new(),
+            hosts,
         })
     }
 
@@ -618,9 +636,9 @@ impl Job {
                 let (r, status) = (&self.ranks[i], self.ranks[i].status);
                 if let Some(status) = status.filter(|s| failure.is_none() && !s.success()) {
                     let what = format!(
-                        "rank {} (node {}, local rank {}, pid {}) {}",
+                        "rank {} ({}, local rank {}, pid {}) {}",
                         r.rank,
-                        plan.node_rank,
+                        node_name(&self.hosts, plan.node_rank),
                         r.local_rank,
                         r.pid,
                         describe(status)
@@ -648,20 +666,20 @@ impl Job {
                     }),
                     Err(e) => {
                         self.store_lost = true;
-                        Some(format!("lost the job's store at {}: {e}", self.address))
+                        Some(format!("lost the job's store at {} ({}): {e}", self.address, node_name(&self.hosts, 0)))
                     }
                 };
                 let remote = remote.or_else(|| match self.watch.as_mut()?.silent(&self.store, plan, 0..plan.nnodes) {
                     Ok(None) => None,
                     Ok(Some((node, silent))) => {
                         self.silent_nodes.push(node);
-                        let what = describe_silence(node, silent);
+                        let what = describe_silence(&node_name(&self.hosts, node), silent);
                         let _ = self.store.set(&plan.key("failed"), what.as_bytes());
                         Some(what)
                     }
                     Err(e) => {
                         self.store_lost = true;
-                        Some(format!("lost the job's store at {}: {e}", self.address))
+                        Some(format!("lost the job's store at {} ({}): {e}", self.address, node_name(&self.hosts, 0)))
                     }
                 });
                 if let Some(what) = remote {
@@ -894,11 +912,11 @@ impl Job {
         if got.fetched > 0 {
             eprintln!("chorus launch: fetched {} flight-recorder dumps of the other nodes", got.fetched);
         }
-        if !got.missing.is_empty() {
+        for node in got.missing {
             eprintln!(
-                "chorus launch: no flight-recorder dumps from node(s) {:?} within {:?} (dead or cut off; their ranks' \
-                 dumps, if any, stay on their hosts)",
-                got.missing,
+                "chorus launch: {} did not answer after the failure within {:?} (dead, hung or cut off); its \
+                 ranks' flight-recorder dumps, if any, stay there",
+                node_name(&self.hosts, node),
                 dumps::WAIT
             );
         }
@@ -933,7 +951,7 @@ impl Job {
                 if let Ok(Some((node, silent))) = watch.silent(&self.store, plan, pending.into_iter()) {
                     eprintln!(
                         "chorus launch: {} and did not report finishing; stopping the store",
-                        describe_silence(node, silent)
+                        describe_silence(&node_name(&self.hosts, node), silent)
                     );
                     return;
                 }

@@ -12,6 +12,12 @@ use std::time::{Duration, Instant};
 
 use common::{assert_all_dead, chorus, free_port, scratch, text, wait_bounded};
 
+/// This machine's host name, which the launchers publish and their failure
+/// summaries name (every node of these tests runs here).
+fn this_host() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap().trim().to_string()
+}
+
 /// Starts `chorus launch` with `args`, its output captured.
 fn spawn_launch(args: &[&str]) -> Child {
     chorus().arg("launch").args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
@@ -91,7 +97,8 @@ fn a_rank_exiting_non_zero_stops_the_others_and_is_named() {
     assert!(start.elapsed() < Duration::from_secs(15));
     let stderr = text(&out.stderr);
     assert!(
-        stderr.contains("failed: rank 1 (node 0, local rank 1") && stderr.contains("exited with code 3"),
+        stderr.contains(&format!("failed: rank 1 (node 0 on host {}, local rank 1", this_host()))
+            && stderr.contains("exited with code 3"),
         "{stderr}"
     );
     assert!(stderr.contains("rank 0 (local rank 0") && stderr.contains("stopped by the launcher"), "{stderr}");
@@ -282,7 +289,8 @@ fn a_rank_failing_during_the_start_up_ends_it() {
     let out = start_up_ended_by("exit 3");
     let stderr = text(&out.stderr);
     assert!(
-        stderr.contains("failed: rank 0 (node 0, local rank 0") && stderr.contains("exited with code 3"),
+        stderr.contains(&format!("failed: rank 0 (node 0 on host {}, local rank 0", this_host()))
+            && stderr.contains("exited with code 3"),
         "{stderr}"
     );
 }
@@ -360,7 +368,8 @@ fn a_failure_on_one_node_stops_the_other_node() {
     let (o0, o1) = (wait_bounded(n0, Duration::from_secs(30)), wait_bounded(n1, Duration::from_secs(30)));
     assert_eq!((o0.status.code(), o1.status.code()), (Some(1), Some(1)));
     assert!(
-        text(&o0.stderr).contains("rank 3 (node 1, local rank 1") && text(&o0.stderr).contains("exited with code 7"),
+        text(&o0.stderr).contains(&format!("rank 3 (node 1 on host {}, local rank 1", this_host()))
+            && text(&o0.stderr).contains("exited with code 7"),
         "{}",
         text(&o0.stderr)
     );
@@ -371,9 +380,11 @@ fn a_failure_on_one_node_stops_the_other_node() {
 /// exit non-zero within 10 s, naming what it lost, and leave no rank
 /// behind. Before the launchers watched each other, the survivor waited for
 /// its ranks (60 s) and then, on node 0, for the dead node's report.
+/// `{host}` in `says` stands for this machine's host name, `{port}` for the store's port.
 fn a_lost_node_ends_the_job(victim: usize, signal: libc::c_int, says: &[&str]) {
     let dir = scratch(&format!("lost-node-{victim}-{signal}"));
     let port = free_port().to_string();
+    let says: Vec<String> = says.iter().map(|s| s.replace("{host}", &this_host()).replace("{port}", &port)).collect();
     let script = format!("echo $$ > {}/pid.$RANK; exec sleep 60", dir.display());
     let node = |rank: &str| node(&port, rank, "2", &["--grace", "1"], &["sh", "-c", &script]);
     let mut nodes = [Some(node("0")), Some(node("1"))];
@@ -404,23 +415,30 @@ fn a_lost_node_ends_the_job(victim: usize, signal: libc::c_int, says: &[&str]) {
 
 #[test]
 fn a_killed_node_ends_the_job_within_seconds() {
-    a_lost_node_ends_the_job(1, libc::SIGKILL, &["node 1 has not been heard from"]);
+    a_lost_node_ends_the_job(1, libc::SIGKILL, &["node 1 on host {host} has not been heard from"]);
 }
 
 #[test]
 fn a_hung_node_ends_the_job_within_seconds() {
-    a_lost_node_ends_the_job(1, libc::SIGSTOP, &["node 1 has not been heard from"]);
+    a_lost_node_ends_the_job(1, libc::SIGSTOP, &["node 1 on host {host} has not been heard from"]);
 }
 
 #[test]
 fn a_killed_store_node_ends_the_job_within_seconds() {
-    a_lost_node_ends_the_job(0, libc::SIGKILL, &["lost the job's store"]);
+    a_lost_node_ends_the_job(0, libc::SIGKILL, &["lost the job's store at 127.0.0.1:{port} (node 0 on host {host})"]);
 }
 
 #[test]
 fn a_hung_store_node_ends_the_job_within_seconds() {
     // The store does not answer, or its heartbeat stops: whichever comes first.
-    a_lost_node_ends_the_job(0, libc::SIGSTOP, &["lost the job's store", "node 0 has not been heard from"]);
+    a_lost_node_ends_the_job(
+        0,
+        libc::SIGSTOP,
+        &[
+            "lost the job's store at 127.0.0.1:{port} (node 0 on host {host})",
+            "node 0 on host {host} has not been heard from",
+        ],
+    );
 }
 
 #[test]
