@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 use chorus_devices::cpu::RawRange;
 use ucx_rs::sys;
 
+use super::pool::ScratchCounters;
 use super::result::{status_error, status_ptr};
 use crate::{CommError, Result};
 
@@ -94,6 +95,16 @@ impl Region {
 pub(crate) struct Scratch {
     words: Box<[std::cell::UnsafeCell<u64>]>,
     bytes: usize,
+    /// The communicator's count this buffer is in (see `pool.rs`).
+    counters: Option<Arc<ScratchCounters>>,
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if let Some(c) = &self.counters {
+            c.sub(self.bytes);
+        }
+    }
 }
 
 // SAFETY: accesses are ordered by completions (one writer at a time).
@@ -103,7 +114,13 @@ unsafe impl Sync for Scratch {}
 impl Scratch {
     pub(crate) fn new(bytes: usize) -> Arc<Scratch> {
         let words = (0..bytes.div_ceil(8).max(1)).map(|_| std::cell::UnsafeCell::new(0u64)).collect();
-        Arc::new(Scratch { words, bytes })
+        Arc::new(Scratch { words, bytes, counters: None })
+    }
+    /// A buffer counted in `counters` until it is dropped.
+    pub(crate) fn counted(bytes: usize, counters: Arc<ScratchCounters>) -> Arc<Scratch> {
+        let words = (0..bytes.div_ceil(8).max(1)).map(|_| std::cell::UnsafeCell::new(0u64)).collect();
+        counters.add(bytes);
+        Arc::new(Scratch { words, bytes, counters: Some(counters) })
     }
     pub(crate) fn ptr(&self) -> *mut u8 {
         self.words.as_ptr() as *mut u8
@@ -395,8 +412,9 @@ impl Engine {
     }
 }
 
-/// The UCP objects, used only on the progress thread.
-struct Worker {
+/// The UCP objects, used only on the progress thread (or, for the raw
+/// round trip of `raw.rs`, on the one thread that made them).
+pub(crate) struct Worker {
     context: sys::ucp_context_h,
     worker: sys::ucp_worker_h,
     efd: libc::c_int,
@@ -427,7 +445,7 @@ impl Drop for InFlight {
 }
 
 impl Worker {
-    fn new() -> Result<Worker> {
+    pub(crate) fn new() -> Result<Worker> {
         // SAFETY: zeroed parameter structs are valid "no field set" values;
         // every handle is checked before use and released in Drop.
         unsafe {
@@ -465,7 +483,7 @@ impl Worker {
         }
     }
 
-    fn address(&self) -> Result<Vec<u8>> {
+    pub(crate) fn address(&self) -> Result<Vec<u8>> {
         let mut addr: *mut sys::ucp_address_t = std::ptr::null_mut();
         let mut len = 0usize;
         // SAFETY: live worker; the address is copied, then released.
@@ -477,7 +495,12 @@ impl Worker {
         }
     }
 
-    fn connect(&mut self, addresses: &[Option<Vec<u8>>], peer_failure: bool, on_event: &EventHandler) -> Result<()> {
+    pub(crate) fn connect(
+        &mut self,
+        addresses: &[Option<Vec<u8>>],
+        peer_failure: bool,
+        on_event: &EventHandler,
+    ) -> Result<()> {
         self.endpoints.resize(addresses.len().max(self.endpoints.len()), None);
         for (rank, addr) in addresses.iter().enumerate() {
             let Some(addr) = addr else { continue };
@@ -594,9 +617,14 @@ impl Worker {
         }
     }
 
-    fn progress(&mut self) -> bool {
+    pub(crate) fn progress(&mut self) -> bool {
         // SAFETY: live worker, on its owner thread.
         unsafe { sys::ucp_worker_progress(self.worker) != 0 }
+    }
+
+    /// The UCP worker and the endpoint to world rank `peer` (for `raw.rs`).
+    pub(crate) fn raw(&self, peer: usize) -> (sys::ucp_worker_h, Option<sys::ucp_ep_h>) {
+        (self.worker, self.endpoints.get(peer).copied().flatten())
     }
 
     /// Arms the worker's event fd; false when there are events to progress first.

@@ -24,9 +24,9 @@
 //!   order); pairwise all-to-all; dissemination barrier. The switch is
 //!   [`UcxConfig::small_bytes`] (per rank's buffer), measured in
 //!   `docs/benchmarks.md`.
-//! - **Mismatch.** Every collective opens with its sequence number and
-//!   fingerprint sent to the next rank and checked against the previous
-//!   rank's; a send carries its dtype and count and waits for the
+//! - **Mismatch.** Every collective sends its sequence number and
+//!   fingerprint to every other rank alongside its first data messages, and
+//!   checks theirs before it uses any data; a send carries its dtype and count and waits for the
 //!   receiver's answer. A mismatch is `CommError::Mismatch` naming both
 //!   calls, on every rank.
 //! - **Failures** reach every rank: a rank whose call fails (a mismatch, a
@@ -48,6 +48,8 @@
 
 mod algorithms;
 mod engine;
+mod pool;
+mod raw;
 mod result;
 mod wire;
 
@@ -59,7 +61,11 @@ use chorus_devices::cpu::{Access, Cpu, CpuDevice, CpuStream, JobInput};
 use chorus_devices::{DeviceError, Stream};
 
 use algorithms::{Exec, Prepared};
+use chorus_devices::MemoryStats;
 use engine::{ControlTag, Engine, Event, Scratch};
+use pool::ScratchPool;
+
+pub use raw::raw_round_trips;
 
 use crate::backend::{Call, CallKind, Capabilities, CommBackend, OpKind};
 use crate::bootstrap::{process_key_scope, Store, StoreBarrier};
@@ -92,6 +98,13 @@ pub struct UcxConfig {
     /// host use shared memory and cross-memory attach, and a dead peer is
     /// found by the deadline ([`UcxConfig::timeout`]).
     pub peer_failure: bool,
+    /// At most this many free scratch buffers are kept for later calls, per
+    /// communicator ([`UcxComm::scratch_memory`] counts them).
+    pub scratch_pool_buffers: usize,
+    /// At most this many bytes of free scratch buffers are kept, per
+    /// communicator (a large ring all-reduce uses three buffers of a
+    /// `1/n` share of its input: 48 MiB at 64 MiB on four ranks).
+    pub scratch_pool_bytes: usize,
 }
 
 impl Default for UcxConfig {
@@ -101,6 +114,8 @@ impl Default for UcxConfig {
             prefix: format!("chorus/ucx/{}", process_key_scope()),
             small_bytes: DEFAULT_SMALL_BYTES,
             peer_failure: false,
+            scratch_pool_buffers: 6,
+            scratch_pool_bytes: 256 << 20,
         }
     }
 }
@@ -182,37 +197,27 @@ pub(crate) struct Core {
     /// World rank of each rank of this communicator.
     members: Vec<usize>,
     /// Scratch buffers no transfer uses any more, for the next call.
-    pool: Mutex<Vec<Arc<Scratch>>>,
+    pool: ScratchPool,
 }
 
 impl Core {
+    fn new(job: Arc<Job>, id: u16, rank: usize, members: Vec<usize>) -> Core {
+        let pool = ScratchPool::new(job.config.scratch_pool_buffers, job.config.scratch_pool_bytes);
+        Core { job, id, rank, size: members.len(), members, pool }
+    }
+
     fn world_rank(&self, rank: usize) -> Result<usize> {
         self.members.get(rank).copied().ok_or_else(|| CommError::invalid("ucx", format!("rank {rank} is not a member")))
     }
 
     /// A scratch buffer of at least `bytes` (reused when one is free).
     fn scratch(&self, bytes: usize) -> Arc<Scratch> {
-        if let Ok(mut pool) = self.pool.lock() {
-            if let Some(i) = pool.iter().position(|s| s.bytes() >= bytes && Arc::strong_count(s) == 1) {
-                return pool.swap_remove(i);
-            }
-        }
-        Scratch::new(bytes.next_power_of_two().max(4096))
+        self.pool.take(bytes)
     }
 
     /// Returns a scratch buffer to the pool (when no transfer holds it).
     fn give_back(&self, s: Arc<Scratch>) {
-        if Arc::strong_count(&s) != 1 {
-            return;
-        }
-        if let Ok(mut pool) = self.pool.lock() {
-            pool.push(s);
-            if pool.len() > 6 {
-                // Keep the largest ones.
-                pool.sort_by_key(|s| std::cmp::Reverse(s.bytes()));
-                pool.truncate(6);
-            }
-        }
+        self.pool.give_back(s)
     }
 }
 
@@ -337,8 +342,7 @@ impl UcxComm {
             })?;
         let job =
             Arc::new(Job { engine, world_rank: rank, world_size: size, store, timeout, config: config.clone(), abort });
-        let core =
-            Arc::new(Core { job, id: 0, rank, size, members: (0..size).collect(), pool: Mutex::new(Vec::new()) });
+        let core = Arc::new(Core::new(job, 0, rank, (0..size).collect()));
         Ok(Communicator::new(UcxComm::with_core(core, device, config.prefix)))
     }
 
@@ -365,6 +369,21 @@ impl UcxComm {
             detects_mismatch: true,
             names_missing_ranks: false,
         }
+    }
+
+    /// The scratch memory of this communicator (partial results, received
+    /// slots): every buffer alive, whether a call or a transfer uses it or
+    /// it waits in the pool for the next call, its peak, and their number.
+    /// The pool is bounded ([`UcxConfig::scratch_pool_buffers`],
+    /// [`UcxConfig::scratch_pool_bytes`]); [`UcxComm::release_scratch`] empties it.
+    pub fn scratch_memory(&self) -> MemoryStats {
+        self.core.pool.stats()
+    }
+
+    /// Frees the scratch buffers kept for later calls (a call in flight
+    /// keeps its own); the bytes freed. Later calls allocate again.
+    pub fn release_scratch(&self) -> usize {
+        self.core.pool.release()
     }
 
     /// This rank's rank in the job's world (the communicator it was split from).
@@ -562,14 +581,7 @@ impl CommBackend for UcxComm {
             ));
         }
         let world: Vec<usize> = members.iter().map(|(_, r)| self.core.members[*r]).collect();
-        let core = Arc::new(Core {
-            job: self.core.job.clone(),
-            id: id as u16,
-            rank: my_index,
-            size: members.len(),
-            members: world,
-            pool: Mutex::new(Vec::new()),
-        });
+        let core = Arc::new(Core::new(self.core.job.clone(), id as u16, my_index, world));
         Ok(Some(UcxComm::with_core(core, self.device.clone(), child_prefix)))
     }
 
