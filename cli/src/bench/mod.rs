@@ -67,6 +67,11 @@ pub struct BenchArgs {
     /// Print one JSON object per row instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// With `--backend ucx`: first time a raw UCX tag round trip of each size between ranks 0 and 1 of the
+    /// same processes (a worker of their own, progressed on the calling thread): the floor the backend's own
+    /// cost is measured against (docs/benchmarks.md).
+    #[arg(long)]
+    pub raw_ucx: bool,
 }
 
 fn parse_dtype(text: &str) -> Result<DType, String> {
@@ -445,6 +450,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
     }
     check_sizes(args)?;
     check_host_memory(args)?;
+    if args.raw_ucx && args.backend != Backend::Ucx {
+        return Err(
+            UsageError(format!("--raw-ucx measures UCX itself: it needs --backend ucx, not {}", args.backend)).into()
+        );
+    }
     if args.backend.runs_as_processes() {
         #[cfg(feature = "ucx")]
         if args.backend == Backend::Ucx {

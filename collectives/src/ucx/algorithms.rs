@@ -234,7 +234,8 @@ impl<'a> Exec<'a> {
 
     fn wait_reqs(&self, mut reqs: Vec<Req<'a>>) -> Result<Vec<usize>> {
         let mut lens = vec![0; reqs.len()];
-        let mut pending: Vec<usize> = (0..reqs.len()).collect();
+        // The requests end in the order they are waited for: the next one's index.
+        let mut next = 0;
         let timeout = self.core.job.timeout;
         let mut deadline = Instant::now() + timeout;
         // Every pending request is cancelled at once; dropping them waits for each.
@@ -245,7 +246,8 @@ impl<'a> Exec<'a> {
             reqs.clear();
             Err(e)
         };
-        while let Some(&i) = pending.first() {
+        while next < reqs.len() {
+            let i = next;
             match reqs[i].done.wait_for(SLICE) {
                 Some(Ok(len)) => {
                     if let Some(expect) = reqs[i].expect {
@@ -264,7 +266,7 @@ impl<'a> Exec<'a> {
                         }
                     }
                     lens[i] = len;
-                    pending.remove(0);
+                    next += 1;
                     deadline = Instant::now() + timeout;
                 }
                 Some(Err(status)) => {
@@ -327,8 +329,10 @@ impl<'a> Exec<'a> {
         for (i, peer) in from.iter().enumerate() {
             reqs.push(self.recv_upto(*peer, Kind::Hello, Region::scratch(&inbox, i * HELLO_BYTES, HELLO_BYTES)?)?);
         }
+        // One copy of the fingerprint for every send.
+        let message = Region::bytes(mine.clone().into_bytes());
         for peer in &to {
-            reqs.push(self.send(*peer, Kind::Hello, Region::bytes(mine.clone().into_bytes()))?);
+            reqs.push(self.send(*peer, Kind::Hello, message.clone())?);
         }
         *self.hello.borrow_mut() = Some(Hello { reqs, peers: from, inbox, mine });
         if all_pairs {
@@ -783,7 +787,7 @@ mod tests {
     /// rank 1 fails at once, the way a call fails mid-receive.
     fn lonely_rank() -> Core {
         let (tag, mask) = wire::control_match();
-        let engine = Engine::start("test", ControlTag { tag, mask }, Arc::new(|_| {})).unwrap();
+        let engine = Engine::start("test", ControlTag { tag, mask }, Arc::new(|_| {}), Duration::ZERO).unwrap();
         let timeout = Duration::from_secs(20);
         let job = Arc::new(Job {
             engine,

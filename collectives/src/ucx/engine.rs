@@ -134,44 +134,89 @@ impl Scratch {
 pub(crate) type Outcome = std::result::Result<usize, sys::ucs_status_t>;
 
 /// The completion of one request, waited on by the thread that issued it.
+///
+/// It is also what UCX's callback gets (an `Arc` reference as the request's
+/// user data) and what keeps the request's memory alive until it ends: one
+/// allocation per message.
 pub(crate) struct Completion {
     state: Mutex<Option<Outcome>>,
+    /// Set with the outcome: a waiter checks it without the lock.
+    ended: AtomicBool,
     cv: Condvar,
+    /// Threads waiting on `cv` (counted under `state`'s lock): an end that
+    /// nobody waits for wakes nobody (no system call).
+    waiters: AtomicUsize,
     /// The live UCX request (engine thread only): what a cancel cancels.
     request: AtomicPtr<c_void>,
+    /// The memory the request reads or writes and the worker's count of
+    /// requests in flight, from the request's start to its end.
+    flight: Mutex<Option<(Region, Arc<AtomicUsize>)>>,
 }
+
+/// How many times a waiter looks (yielding the core in between) before it
+/// sleeps on the condition variable: most small messages end within that.
+const WAIT_SPINS: u32 = 32;
 
 impl Completion {
     fn new() -> Arc<Completion> {
         Arc::new(Completion {
             state: Mutex::new(None),
+            ended: AtomicBool::new(false),
             cv: Condvar::new(),
+            waiters: AtomicUsize::new(0),
             request: AtomicPtr::new(std::ptr::null_mut()),
+            flight: Mutex::new(None),
         })
     }
 
     fn complete(&self, outcome: Outcome) {
         if let Ok(mut s) = self.state.lock() {
             s.get_or_insert(outcome);
+            self.ended.store(true, Ordering::Release);
         }
-        self.cv.notify_all();
+        // A waiter counts itself under the lock before it checks the state,
+        // so one that saw no outcome is counted by now.
+        if self.waiters.load(Ordering::Acquire) > 0 {
+            self.cv.notify_all();
+        }
+    }
+
+    /// Releases the request's memory and uncounts it (on its end); its length.
+    fn end_flight(&self) -> usize {
+        let flight = self.flight.lock().ok().and_then(|mut f| f.take());
+        flight.map_or(0, |(region, count)| {
+            count.fetch_sub(1, Ordering::Relaxed);
+            region.len()
+        })
     }
 
     /// The outcome, if the request has ended.
     pub(crate) fn outcome(&self) -> Option<Outcome> {
+        if !self.ended.load(Ordering::Acquire) {
+            return None;
+        }
         self.state.lock().ok().and_then(|s| *s)
     }
 
     /// Waits at most `slice` for the request to end.
     pub(crate) fn wait_for(&self, slice: Duration) -> Option<Outcome> {
+        for _ in 0..WAIT_SPINS {
+            if self.ended.load(Ordering::Acquire) {
+                return self.outcome();
+            }
+            std::thread::yield_now();
+        }
         let Ok(guard) = self.state.lock() else { return Some(Err(sys::ucs_status_t_UCS_ERR_NO_MESSAGE)) };
         if let Some(o) = *guard {
             return Some(o);
         }
-        match self.cv.wait_timeout_while(guard, slice, |s| s.is_none()) {
+        self.waiters.fetch_add(1, Ordering::AcqRel);
+        let r = match self.cv.wait_timeout_while(guard, slice, |s| s.is_none()) {
             Ok((g, _)) => *g,
             Err(_) => Some(Err(sys::ucs_status_t_UCS_ERR_NO_MESSAGE)),
-        }
+        };
+        self.waiters.fetch_sub(1, Ordering::AcqRel);
+        r
     }
 }
 
@@ -209,8 +254,9 @@ pub(crate) struct ControlTag {
 pub(crate) const CANCEL_GRACE: Duration = Duration::from_secs(5);
 
 /// How long the progress thread polls without progress before it sleeps,
-/// while transfers are in flight.
-const SPIN: Duration = Duration::from_millis(2);
+/// while transfers are in flight, unless the job says otherwise
+/// ([`UcxConfig::progress_spin`](super::UcxConfig)).
+pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(200);
 
 /// Largest control message.
 pub(crate) const CONTROL_BYTES: usize = 8192;
@@ -291,7 +337,7 @@ fn push(shared: &Shared, cmd: Command) {
 
 impl Engine {
     /// Starts a progress thread with a new UCP context and worker.
-    pub(crate) fn start(name: &str, control: ControlTag, on_event: EventHandler) -> Result<Engine> {
+    pub(crate) fn start(name: &str, control: ControlTag, on_event: EventHandler, spin: Duration) -> Result<Engine> {
         // SAFETY: plain eventfd creation.
         let wake_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
         if wake_fd < 0 {
@@ -320,7 +366,7 @@ impl Engine {
                 match Worker::new() {
                     Ok(worker) => {
                         let _ = tx.send(worker.address());
-                        progress_loop(worker, thread_shared, control, on_event);
+                        progress_loop(worker, thread_shared, control, on_event, spin);
                     }
                     Err(e) => {
                         thread_shared.stopped.store(true, Ordering::Release);
@@ -430,20 +476,6 @@ struct ErrArg {
     on_event: EventHandler,
 }
 
-/// What a request's callback receives: the completion and the memory to keep alive.
-struct InFlight {
-    done: Arc<Completion>,
-    _region: Option<Region>,
-    /// The worker's count of requests in flight, decremented when this one ends.
-    count: Arc<AtomicUsize>,
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.count.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
 impl Worker {
     pub(crate) fn new() -> Result<Worker> {
         // SAFETY: zeroed parameter structs are valid "no field set" values;
@@ -532,13 +564,17 @@ impl Worker {
         Ok(())
     }
 
-    /// Counts a request in flight and boxes what its callback gets as user
-    /// data: the completion, and `region` kept alive until the request ends.
-    /// The parameters name that box; the caller sets the callback, makes the
-    /// `*_nbx` call and hands its outcome and the box to `settle`.
-    fn start_request(&self, region: Region, done: Arc<Completion>) -> (*mut InFlight, sys::ucp_request_param_t) {
+    /// Counts a request in flight and makes what its callback gets as user
+    /// data: a reference to the completion, which keeps `region` alive until
+    /// the request ends. The parameters name it; the caller sets the
+    /// callback, makes the `*_nbx` call and hands its outcome and the
+    /// reference to `settle`.
+    fn start_request(&self, region: Region, done: Arc<Completion>) -> (*const Completion, sys::ucp_request_param_t) {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
-        let flight = Box::into_raw(Box::new(InFlight { done, _region: Some(region), count: self.in_flight.clone() }));
+        if let Ok(mut f) = done.flight.lock() {
+            *f = Some((region, self.in_flight.clone()));
+        }
+        let flight = Arc::into_raw(done);
         // SAFETY: a zeroed parameter struct is a valid "no field set" value.
         let mut p: sys::ucp_request_param_t = unsafe { MaybeUninit::zeroed().assume_init() };
         p.op_attr_mask = sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_CALLBACK | sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_USER_DATA;
@@ -552,7 +588,7 @@ impl Worker {
             return;
         };
         let (ptr, len) = (region.ptr as *const c_void, region.len);
-        let (flight, mut p) = self.start_request(region, done.clone());
+        let (flight, mut p) = self.start_request(region, done);
         p.cb.send = Some(on_send);
         // SAFETY: the region stays alive in `flight` until the callback (or
         // the immediate outcome below) releases it.
@@ -637,36 +673,36 @@ impl Worker {
 /// Records the immediate outcome of a `*_nbx` call, or the request to wait for.
 ///
 /// # Safety
-/// `flight` is the `Box` passed as the call's user data.
-unsafe fn settle(r: sys::ucs_status_ptr_t, flight: *mut InFlight, len: usize) {
+/// `flight` is the reference made by `start_request` for the call.
+unsafe fn settle(r: sys::ucs_status_ptr_t, flight: *const Completion, len: usize) {
     match status_ptr(r) {
         Ok(None) => {
-            // SAFETY: completed in place: the callback will not run; we own the box.
-            let mut f = unsafe { Box::from_raw(flight) };
-            drop(f._region.take());
-            f.done.complete(Ok(len));
+            // SAFETY: completed in place: the callback will not run; the reference is ours.
+            let c = unsafe { Arc::from_raw(flight) };
+            c.end_flight();
+            c.complete(Ok(len));
         }
         Ok(Some(req)) => {
-            // SAFETY: the box lives until the callback.
-            let f = unsafe { &*flight };
-            f.done.request.store(req, Ordering::Release);
+            // SAFETY: the reference lives until the callback.
+            let c = unsafe { &*flight };
+            c.request.store(req, Ordering::Release);
         }
         Err(st) => {
-            // SAFETY: failed in place: no callback; we own the box.
-            let f = unsafe { Box::from_raw(flight) };
-            f.done.complete(Err(st));
+            // SAFETY: failed in place: no callback; the reference is ours.
+            let c = unsafe { Arc::from_raw(flight) };
+            c.end_flight();
+            c.complete(Err(st));
         }
     }
 }
 
 unsafe extern "C" fn on_send(request: *mut c_void, status: sys::ucs_status_t, user_data: *mut c_void) {
-    // SAFETY: user_data is the InFlight box of this request; the callback runs once.
-    let mut f = unsafe { Box::from_raw(user_data as *mut InFlight) };
-    f.done.request.store(std::ptr::null_mut(), Ordering::Release);
-    let len = f._region.as_ref().map_or(0, Region::len);
+    // SAFETY: user_data is the completion reference of this request; the callback runs once.
+    let c = unsafe { Arc::from_raw(user_data as *const Completion) };
+    c.request.store(std::ptr::null_mut(), Ordering::Release);
     // The memory is let go before the waiter wakes, so it can reuse it.
-    drop(f._region.take());
-    f.done.complete(if status == sys::ucs_status_t_UCS_OK { Ok(len) } else { Err(status) });
+    let len = c.end_flight();
+    c.complete(if status == sys::ucs_status_t_UCS_OK { Ok(len) } else { Err(status) });
     // SAFETY: the request has completed and is released exactly once.
     unsafe { sys::ucp_request_free(request) };
 }
@@ -678,9 +714,9 @@ unsafe extern "C" fn on_recv(
     user_data: *mut c_void,
 ) {
     // SAFETY: as in `on_send`; `info` is valid during the callback when the status is OK.
-    let mut f = unsafe { Box::from_raw(user_data as *mut InFlight) };
-    f.done.request.store(std::ptr::null_mut(), Ordering::Release);
-    drop(f._region.take());
+    let c = unsafe { Arc::from_raw(user_data as *const Completion) };
+    c.request.store(std::ptr::null_mut(), Ordering::Release);
+    c.end_flight();
     let outcome = if status == sys::ucs_status_t_UCS_OK && !info.is_null() {
         Ok(unsafe { (*info).length })
     } else if status == sys::ucs_status_t_UCS_OK {
@@ -688,7 +724,7 @@ unsafe extern "C" fn on_recv(
     } else {
         Err(status)
     };
-    f.done.complete(outcome);
+    c.complete(outcome);
     // SAFETY: released exactly once.
     unsafe { sys::ucp_request_free(request) };
 }
@@ -713,14 +749,18 @@ fn post_control(w: &mut Worker, control: ControlTag) -> ControlRecv {
     ControlRecv { done, buffer }
 }
 
-fn progress_loop(mut w: Worker, shared: Arc<Shared>, control: ControlTag, on_event: EventHandler) {
+fn progress_loop(mut w: Worker, shared: Arc<Shared>, control: ControlTag, on_event: EventHandler, spin: Duration) {
     let mut control_recv = post_control(&mut w, control);
     let mut last_progress = Instant::now();
+    // Reused from round to round: taking the commands allocates nothing.
+    let mut commands: Vec<Command> = Vec::new();
     loop {
-        let commands: Vec<Command> = shared.queue.lock().map(|mut q| q.drain(..).collect()).unwrap_or_default();
+        if let Ok(mut q) = shared.queue.lock() {
+            commands.extend(q.drain(..));
+        }
         let mut stop = false;
         let busy = !commands.is_empty();
-        for cmd in commands {
+        for cmd in commands.drain(..) {
             match cmd {
                 Command::Connect { addresses, peer_failure, done } => {
                     let _ = done.send(w.connect(&addresses, peer_failure, &on_event));
@@ -765,7 +805,7 @@ fn progress_loop(mut w: Worker, shared: Arc<Shared>, control: ControlTag, on_eve
         // Transfers in flight (beyond the control receive): poll, yielding
         // the core, for a while before sleeping — a wake-up per fragment
         // costs more than the fragment.
-        if w.in_flight.load(Ordering::Relaxed) > 1 && last_progress.elapsed() < SPIN {
+        if w.in_flight.load(Ordering::Relaxed) > 1 && last_progress.elapsed() < spin {
             std::thread::yield_now();
             continue;
         }
@@ -887,7 +927,7 @@ mod tests {
     fn the_last_drop_waits_for_the_progress_thread() {
         let (tag, mask) = crate::ucx::wire::control_match();
         for _ in 0..3 {
-            let engine = Engine::start("drop", ControlTag { tag, mask }, Arc::new(|_| {})).unwrap();
+            let engine = Engine::start("drop", ControlTag { tag, mask }, Arc::new(|_| {}), DEFAULT_SPIN).unwrap();
             let shared = engine.shared.clone();
             drop(engine);
             assert_eq!(Arc::strong_count(&shared), 1, "the progress thread still runs after the last drop");

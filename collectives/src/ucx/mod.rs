@@ -105,6 +105,11 @@ pub struct UcxConfig {
     /// communicator (a large ring all-reduce uses three buffers of a
     /// `1/n` share of its input: 48 MiB at 64 MiB on four ranks).
     pub scratch_pool_bytes: usize,
+    /// How long the progress thread keeps polling UCX, yielding the core,
+    /// while transfers are in flight and nothing progresses, before it
+    /// sleeps until UCX's event fd wakes it (a wake-up per fragment costs
+    /// more than the fragment; a long spin takes a core from the ranks).
+    pub progress_spin: Duration,
 }
 
 impl Default for UcxConfig {
@@ -116,6 +121,7 @@ impl Default for UcxConfig {
             peer_failure: false,
             scratch_pool_buffers: 6,
             scratch_pool_bytes: 256 << 20,
+            progress_spin: engine::DEFAULT_SPIN,
         }
     }
 }
@@ -294,7 +300,12 @@ impl UcxComm {
         let world = (joined - 1).max(0) / size as i64;
         let config = UcxConfig { prefix: format!("{}/world{world}", config.prefix), ..config };
         let (ctag, cmask) = wire::control_match();
-        let engine = Engine::start(&format!("rank {rank}"), ControlTag { tag: ctag, mask: cmask }, on_event)?;
+        let engine = Engine::start(
+            &format!("rank {rank}"),
+            ControlTag { tag: ctag, mask: cmask },
+            on_event,
+            config.progress_spin,
+        )?;
         let mut mine = (size as u64).to_le_bytes().to_vec();
         mine.extend_from_slice(engine.address());
         store.set(&world_key(&config.prefix, rank), &mine)?;
@@ -600,7 +611,7 @@ impl CommBackend for UcxComm {
 /// this process, and what it is (for `chorus info`).
 pub fn probe() -> Result<String> {
     let (ctag, cmask) = wire::control_match();
-    let engine = Engine::start("probe", ControlTag { tag: ctag, mask: cmask }, Arc::new(|_| {}))?;
+    let engine = Engine::start("probe", ControlTag { tag: ctag, mask: cmask }, Arc::new(|_| {}), engine::DEFAULT_SPIN)?;
     Ok(format!("UCX {} (bundled), worker address {} bytes", ucx_rs::VENDORED_UCX_VERSION, engine.address().len()))
 }
 
