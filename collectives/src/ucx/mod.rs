@@ -642,6 +642,48 @@ mod tests {
         })
     }
 
+    /// The scratch a ring all-reduce uses is counted while it lives (in the
+    /// pool between calls), reused by the next call, and freed on release.
+    #[test]
+    fn scratch_memory_is_counted_reused_and_released() {
+        use chorus_devices::{Buffer, Device, Priority, StreamExt};
+        const COUNT: usize = 256 * 1024; // 1 MiB of f32: over small_bytes, so the ring
+        let store: Arc<dyn Store> = Arc::new(MemStore::new());
+        let ranks = [join(&store, 0, Duration::ZERO), join(&store, 1, Duration::ZERO)];
+        let results: Vec<_> = ranks
+            .map(|t| {
+                std::thread::spawn(move || {
+                    let (comm, _) = t.join().unwrap();
+                    let s = comm.device().create_stream(Priority::Normal).unwrap();
+                    let buf = s.buffer_from(&vec![1.0f32; COUNT]).unwrap();
+                    let mut seen = Vec::new();
+                    for want in [2.0f32, 4.0] {
+                        comm.all_reduce_in_place(buf.view(), crate::ReduceOp::Sum, &s).unwrap();
+                        let out = s.read_vec::<f32>(buf.view()).unwrap();
+                        assert!(out.iter().all(|v| *v == want));
+                        seen.push(comm.backend().scratch_memory());
+                    }
+                    let released = comm.backend().release_scratch();
+                    (seen, released, comm.backend().scratch_memory())
+                })
+            })
+            .into_iter()
+            .collect();
+        // Each rank: its reduced half (512 KiB) and two ring buffers of a half
+        // each, and the hello's inbox (one 512-byte slot, the 4 KiB minimum).
+        let expected = 3 * 512 * 1024 + 4096;
+        for r in results {
+            let (seen, released, after) = r.join().unwrap();
+            for stats in &seen {
+                assert_eq!(stats.bytes_in_use, expected, "{seen:?}");
+                assert_eq!(stats.live_allocations, 4, "{seen:?}");
+            }
+            assert_eq!(seen[1].peak_bytes, expected, "the second call reused the first one's buffers");
+            assert_eq!(released, expected);
+            assert_eq!((after.bytes_in_use, after.live_allocations), (0, 0));
+        }
+    }
+
     #[test]
     fn a_second_world_in_the_same_store_waits_for_its_own_ranks() {
         let store: Arc<dyn Store> = Arc::new(MemStore::new());
