@@ -755,6 +755,29 @@ fn progress_loop(mut w: Worker, shared: Arc<Shared>, control: ControlTag, on_eve
     // Reused from round to round: taking the commands allocates nothing.
     let mut commands: Vec<Command> = Vec::new();
     loop {
+        // UCX first, then the commands: a failure a peer reported before
+        // these commands were queued is known (the job's abort set) before
+        // their receives can match that peer's stale messages.
+        let mut progressed = false;
+        while w.progress() {
+            progressed = true;
+        }
+        if let Some(outcome) = control_recv.done.outcome() {
+            match outcome {
+                Ok(len) => {
+                    let len = len.min(CONTROL_BYTES);
+                    // SAFETY: the receive has completed: nothing writes the buffer.
+                    let bytes = unsafe { std::slice::from_raw_parts(control_recv.buffer.ptr(), len) }.to_vec();
+                    on_event(Event::Control(bytes));
+                }
+                Err(st) if st == sys::ucs_status_t_UCS_ERR_CANCELED => {}
+                Err(st) => on_event(Event::Control(
+                    format!("a control message could not be received: {}", ucx_rs::status_string(st)).into_bytes(),
+                )),
+            }
+            control_recv = post_control(&mut w, control);
+            progressed = true;
+        }
         if let Ok(mut q) = shared.queue.lock() {
             commands.extend(q.drain(..));
         }
@@ -778,34 +801,16 @@ fn progress_loop(mut w: Worker, shared: Arc<Shared>, control: ControlTag, on_eve
         if stop {
             break;
         }
-        let mut progressed = false;
-        while w.progress() {
-            progressed = true;
-        }
-        if let Some(outcome) = control_recv.done.outcome() {
-            match outcome {
-                Ok(len) => {
-                    let len = len.min(CONTROL_BYTES);
-                    // SAFETY: the receive has completed: nothing writes the buffer.
-                    let bytes = unsafe { std::slice::from_raw_parts(control_recv.buffer.ptr(), len) }.to_vec();
-                    on_event(Event::Control(bytes));
-                }
-                Err(st) if st == sys::ucs_status_t_UCS_ERR_CANCELED => {}
-                Err(st) => on_event(Event::Control(
-                    format!("a control message could not be received: {}", ucx_rs::status_string(st)).into_bytes(),
-                )),
-            }
-            control_recv = post_control(&mut w, control);
-            progressed = true;
-        }
         if busy || progressed {
             last_progress = Instant::now();
             continue;
         }
-        // Transfers in flight (beyond the control receive): poll, yielding
-        // the core, for a while before sleeping — a wake-up per fragment
-        // costs more than the fragment.
-        if w.in_flight.load(Ordering::Relaxed) > 1 && last_progress.elapsed() < spin {
+        // Poll, yielding the core, for a while after the last progress
+        // before sleeping: a wake-up per fragment costs more than the
+        // fragment, and the next call of a busy job comes within it (a
+        // command to a sleeping thread costs an eventfd write and a
+        // wake-up). An idle job sleeps after `spin`.
+        if last_progress.elapsed() < spin {
             std::thread::yield_now();
             continue;
         }

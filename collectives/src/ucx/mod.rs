@@ -470,7 +470,15 @@ fn run_group(core: &Core, calls: &[Prepared]) -> Result<()> {
     for p in posted {
         algorithms::finish_send(core, p)?;
     }
-    Ok(())
+    // A peer that failed (and said so) before this launch was posted may
+    // have left messages that this launch's receives took as its own: the
+    // launch fails with the job. (The progress thread sets the job's
+    // error before it posts the receives of commands queued after the
+    // report arrived.)
+    match core.job.abort_error() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 impl CommBackend for UcxComm {
