@@ -682,6 +682,7 @@ mod tests {
             iters: 1,
             warmup: 0,
             json: false,
+            raw_ucx: false,
         }
     }
 
@@ -715,6 +716,16 @@ mod tests {
     }
 
     #[test]
+    fn raw_ucx_without_the_ucx_backend_is_a_usage_error() {
+        let mut a = args(OpArg::AllReduce, 2, 4096, 4096, DType::F32);
+        a.backend = crate::backends::Backend::Sim;
+        a.raw_ucx = true;
+        let e = run(&a).unwrap_err();
+        let usage = e.downcast_ref::<UsageError>().unwrap_or_else(|| panic!("not a usage error: {e}"));
+        assert!(usage.0.contains("--raw-ucx"), "{usage}");
+    }
+
+    #[test]
     fn rows_compute_bandwidths_and_efficiency() {
         let args = BenchArgs {
             backend: crate::backends::Backend::compiled()[0],
@@ -726,6 +737,7 @@ mod tests {
             iters: 1,
             warmup: 0,
             json: true,
+            raw_ucx: false,
         };
         let g = Geometry::new(Op::AllReduce, 4, DType::F32, 1_000_000);
         let m = Measured { time: Duration::from_millis(1), wrong: 0 };
