@@ -105,13 +105,17 @@ impl RankProcess {
 
     /// The UCX settings of a process-mode command: its store prefix and
     /// deadline, `CHORUS_UCX_PEER_FAILURE=1` for UCX's peer-failure
-    /// handling, `CHORUS_UCX_SMALL_BYTES` for the algorithm switch.
+    /// handling, `CHORUS_UCX_SMALL_BYTES` for the algorithm switch,
+    /// `CHORUS_UCX_PROGRESS_SPIN_US` for the progress thread's spin.
     #[cfg(feature = "ucx")]
     pub fn ucx_config(&self, what: &str, timeout: Duration) -> chorus_collectives::ucx::UcxConfig {
         let mut c = chorus_collectives::ucx::UcxConfig { timeout, prefix: self.prefix(what), ..Default::default() };
         c.peer_failure = std::env::var("CHORUS_UCX_PEER_FAILURE").is_ok_and(|v| v == "1");
         if let Some(bytes) = std::env::var("CHORUS_UCX_SMALL_BYTES").ok().and_then(|v| v.parse().ok()) {
             c.small_bytes = bytes;
+        }
+        if let Some(us) = std::env::var("CHORUS_UCX_PROGRESS_SPIN_US").ok().and_then(|v| v.parse().ok()) {
+            c.progress_spin = Duration::from_micros(us);
         }
         c
     }

@@ -67,6 +67,11 @@ pub struct BenchArgs {
     /// Print one JSON object per row instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// With `--backend ucx`: first time a raw UCX tag round trip of each size between ranks 0 and 1 of the
+    /// same processes (a worker of their own, progressed on the calling thread): the floor the backend's own
+    /// cost is measured against (docs/benchmarks.md).
+    #[arg(long)]
+    pub raw_ucx: bool,
 }
 
 fn parse_dtype(text: &str) -> Result<DType, String> {
@@ -445,6 +450,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
     }
     check_sizes(args)?;
     check_host_memory(args)?;
+    if args.raw_ucx && args.backend != Backend::Ucx {
+        return Err(
+            UsageError(format!("--raw-ucx measures UCX itself: it needs --backend ucx, not {}", args.backend)).into()
+        );
+    }
     if args.backend.runs_as_processes() {
         #[cfg(feature = "ucx")]
         if args.backend == Backend::Ucx {
@@ -672,6 +682,7 @@ mod tests {
             iters: 1,
             warmup: 0,
             json: false,
+            raw_ucx: false,
         }
     }
 
@@ -705,6 +716,16 @@ mod tests {
     }
 
     #[test]
+    fn raw_ucx_without_the_ucx_backend_is_a_usage_error() {
+        let mut a = args(OpArg::AllReduce, 2, 4096, 4096, DType::F32);
+        a.backend = crate::backends::Backend::Sim;
+        a.raw_ucx = true;
+        let e = run(&a).unwrap_err();
+        let usage = e.downcast_ref::<UsageError>().unwrap_or_else(|| panic!("not a usage error: {e}"));
+        assert!(usage.0.contains("--raw-ucx"), "{usage}");
+    }
+
+    #[test]
     fn rows_compute_bandwidths_and_efficiency() {
         let args = BenchArgs {
             backend: crate::backends::Backend::compiled()[0],
@@ -716,6 +737,7 @@ mod tests {
             iters: 1,
             warmup: 0,
             json: true,
+            raw_ucx: false,
         };
         let g = Geometry::new(Op::AllReduce, 4, DType::F32, 1_000_000);
         let m = Measured { time: Duration::from_millis(1), wrong: 0 };

@@ -60,7 +60,51 @@ pub fn run_ucx(args: &BenchArgs, p: RankProcess) -> anyhow::Result<Outcome> {
     });
     let config = p.ucx_config("bench/ucx", timeout);
     let comm = UcxComm::init(p.store(), p.env.rank, p.env.world_size, device, config)?;
+    if args.raw_ucx {
+        raw_ucx(args, &p)?;
+    }
     run_with(args, &p, comm)
+}
+
+/// `--raw-ucx`: the raw UCX tag round trip of each size between ranks 0 and
+/// 1 (median over `--iters`), printed by rank 0 before the table.
+#[cfg(feature = "ucx")]
+fn raw_ucx(args: &BenchArgs, p: &RankProcess) -> anyhow::Result<()> {
+    use std::io::Write;
+    let store = p.store();
+    let mut out = std::io::stdout();
+    let leader = p.env.rank == 0;
+    if leader && !args.json {
+        writeln!(
+            out,
+            "# raw UCX tag round trip, rank 0 -> rank 1 -> rank 0, the same processes, a UCP worker of their own progressed on the calling thread without pause; median of {} after {}",
+            args.iters, args.warmup
+        )?;
+        writeln!(out, "{:>12} {:>14}", "size", "round trip")?;
+    }
+    for bytes in sizes(args.min_bytes, args.max_bytes) {
+        let prefix = format!("{}/{bytes}", p.prefix("bench/raw-ucx"));
+        let times = chorus_collectives::ucx::raw_round_trips(
+            &*store,
+            &prefix,
+            p.env.rank,
+            p.env.world_size,
+            usize::try_from(bytes)?,
+            args.warmup as usize,
+            args.iters as usize,
+            DEADLINE,
+        )
+        .with_context(|| format!("rank {}: raw UCX round trip of {bytes} bytes", p.env.rank))?;
+        let Some(mut times) = times else { continue };
+        times.sort();
+        let median = times[times.len() / 2];
+        if args.json {
+            writeln!(out, "{{\"raw_ucx_round_trip\":true,\"size\":{bytes},\"time_s\":{:.9}}}", median.as_secs_f64())?;
+        } else {
+            writeln!(out, "{:>12} {:>11.1} us", format_bytes(bytes), median.as_secs_f64() * 1e6)?;
+        }
+    }
+    Ok(())
 }
 
 /// `chorus bench --backend nccl|rccl` under a launcher: `LOCAL_RANK` picks the GPU.

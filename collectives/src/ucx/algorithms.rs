@@ -19,12 +19,16 @@
 //!   from `rank − k`); a barrier is a dissemination barrier (⌈log2 n⌉
 //!   rounds of empty messages).
 //!
-//! Every collective opens with a **hello**: each rank sends the call's
-//! sequence number and fingerprint to the next rank and compares the one it
-//! receives from the previous rank with its own before any data moves. If
-//! every rank agrees with its neighbour, all agree; a rank that sees a
-//! difference fails with `Mismatch` naming both calls, and reports it to
-//! every rank of the job, so all fail with it instead of hanging.
+//! Every collective carries a **hello**: each rank sends the call's
+//! sequence number and fingerprint to every other rank, posted with the
+//! call's first data messages (no round trip of its own), and its first
+//! wait checks every other rank's before it looks at any data. A rank that
+//! sees a difference fails with `Mismatch` naming both calls (before a
+//! differently sized message can be mistaken for data), and reports it to
+//! every rank of the job; as every rank sees every call, all find it
+//! themselves, none completes the call. Data may have moved by then; a
+//! failed call's outputs are unspecified anyway. Worlds over
+//! [`ALL_PAIRS_HELLO`] ranks check round the ring, before any data moves.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -90,7 +94,33 @@ pub(crate) struct Exec<'a> {
     core: &'a Core,
     seq: u64,
     op: &'static str,
+    /// The call's hello, posted and not yet checked (the first wait checks it).
+    hello: std::cell::RefCell<Option<Hello<'a>>>,
 }
+
+/// A posted hello: this rank's fingerprint on its way to its peers, and
+/// the receives of theirs.
+struct Hello<'a> {
+    /// The receive from each peer (in `peers`' order), then the sends.
+    reqs: Vec<Req<'a>>,
+    /// The ranks heard from; slot `i` of `inbox` is `peers[i]`'s.
+    peers: Vec<usize>,
+    inbox: Arc<Scratch>,
+    mine: String,
+}
+
+/// Worlds up to this size exchange hellos between every pair of ranks,
+/// posted with the data (one round, 2(n−1) small messages per rank): every
+/// rank sees every other rank's call, so every rank finds a mismatch
+/// itself, even one whose own part of the call needs nothing from the odd
+/// rank. Larger worlds send one hello round the ring and wait for it
+/// before any data moves (a round trip, cheaper there than 2(n−1)
+/// messages): a rank that sees a difference then withholds its data, so
+/// nobody completes the call before the report reaches it.
+const ALL_PAIRS_HELLO: usize = 16;
+
+/// Largest hello (a fingerprint is far shorter).
+const HELLO_BYTES: usize = 512;
 
 fn missing(what: &str) -> CommError {
     CommError::invalid("ucx", format!("the call has no {what} buffer"))
@@ -153,7 +183,7 @@ fn copy_raw(src: *const u8, dst: *mut u8, bytes: usize) {
 
 impl<'a> Exec<'a> {
     pub(crate) fn new(core: &'a Core, seq: u64, op: &'static str) -> Exec<'a> {
-        Exec { core, seq, op }
+        Exec { core, seq, op, hello: std::cell::RefCell::new(None) }
     }
 
     fn n(&self) -> usize {
@@ -191,9 +221,21 @@ impl<'a> Exec<'a> {
     /// abort, or no request ending for a whole deadline fails the call; the
     /// requests still pending are then cancelled, and waited for as they
     /// are dropped (see [`Req`]).
-    fn wait(&self, mut reqs: Vec<Req<'a>>) -> Result<Vec<usize>> {
+    fn wait(&self, reqs: Vec<Req<'a>>) -> Result<Vec<usize>> {
+        // The hello first: a mismatch is reported as one, whatever the data did.
+        if let Err(e) = self.check_hello() {
+            for r in &reqs {
+                self.core.job.engine.cancel(&r.done);
+            }
+            return Err(e);
+        }
+        self.wait_reqs(reqs)
+    }
+
+    fn wait_reqs(&self, mut reqs: Vec<Req<'a>>) -> Result<Vec<usize>> {
         let mut lens = vec![0; reqs.len()];
-        let mut pending: Vec<usize> = (0..reqs.len()).collect();
+        // The requests end in the order they are waited for: the next one's index.
+        let mut next = 0;
         let timeout = self.core.job.timeout;
         let mut deadline = Instant::now() + timeout;
         // Every pending request is cancelled at once; dropping them waits for each.
@@ -204,7 +246,8 @@ impl<'a> Exec<'a> {
             reqs.clear();
             Err(e)
         };
-        while let Some(&i) = pending.first() {
+        while next < reqs.len() {
+            let i = next;
             match reqs[i].done.wait_for(SLICE) {
                 Some(Ok(len)) => {
                     if let Some(expect) = reqs[i].expect {
@@ -223,7 +266,7 @@ impl<'a> Exec<'a> {
                         }
                     }
                     lens[i] = len;
-                    pending.remove(0);
+                    next += 1;
                     deadline = Instant::now() + timeout;
                 }
                 Some(Err(status)) => {
@@ -264,29 +307,63 @@ impl<'a> Exec<'a> {
         Ok(lens)
     }
 
-    /// The opening exchange: compares the previous rank's call with this one's.
-    pub(crate) fn hello(&self, fingerprint: &str) -> Result<()> {
-        let n = self.n();
+    /// Posts the call's hello: this rank's sequence number and fingerprint
+    /// to its peers (every rank, or the next one in worlds over
+    /// [`ALL_PAIRS_HELLO`]), and the receives of theirs. In small worlds the
+    /// first [`wait`](Exec::wait) (or [`check_hello`](Exec::check_hello))
+    /// compares them; in larger ones this does, before any data is posted.
+    pub(crate) fn post_hello(&self, fingerprint: &str) -> Result<()> {
+        let (n, me) = (self.n(), self.me());
         if n == 1 {
             return Ok(());
         }
-        let (me, next, prev) = (self.me(), (self.me() + 1) % n, (self.me() + n - 1) % n);
+        let all_pairs = n <= ALL_PAIRS_HELLO;
+        let (to, from): (Vec<usize>, Vec<usize>) = if all_pairs {
+            ((1..n).map(|k| (me + k) % n).collect(), (1..n).map(|k| (me + n - k) % n).collect())
+        } else {
+            (vec![(me + 1) % n], vec![(me + n - 1) % n])
+        };
         let mine = format!("#{} {fingerprint}", self.seq);
-        let inbox = Scratch::new(512);
-        let reqs = vec![
-            self.recv_upto(prev, Kind::Hello, Region::scratch(&inbox, 0, 512)?)?,
-            self.send(next, Kind::Hello, Region::bytes(mine.clone().into_bytes()))?,
-        ];
-        let lens = self.wait(reqs)?;
-        // SAFETY: the receive has completed; nothing else writes the inbox.
-        let theirs = String::from_utf8_lossy(unsafe { slice::<u8>(inbox.ptr(), lens[0].min(512)) }).into_owned();
-        if theirs != mine {
-            return Err(CommError::Mismatch {
-                seq: self.seq,
-                details: format!("rank {prev} called {theirs}; rank {me} called {mine}"),
-            });
+        let inbox = self.core.scratch(from.len() * HELLO_BYTES);
+        let mut reqs = Vec::with_capacity(to.len() + from.len());
+        for (i, peer) in from.iter().enumerate() {
+            reqs.push(self.recv_upto(*peer, Kind::Hello, Region::scratch(&inbox, i * HELLO_BYTES, HELLO_BYTES)?)?);
         }
-        Ok(())
+        // One copy of the fingerprint for every send.
+        let message = Region::bytes(mine.clone().into_bytes());
+        for peer in &to {
+            reqs.push(self.send(*peer, Kind::Hello, message.clone())?);
+        }
+        *self.hello.borrow_mut() = Some(Hello { reqs, peers: from, inbox, mine });
+        if all_pairs {
+            Ok(())
+        } else {
+            self.check_hello()
+        }
+    }
+
+    /// Waits for the posted hello (if any is unchecked) and compares every
+    /// peer's call with this one's.
+    pub(crate) fn check_hello(&self) -> Result<()> {
+        let Some(h) = self.hello.borrow_mut().take() else { return Ok(()) };
+        let lens = self.wait_reqs(h.reqs)?;
+        let mut odd = None;
+        for (i, peer) in h.peers.iter().enumerate() {
+            // SAFETY: the receive has completed; nothing else writes its slot.
+            let bytes = unsafe { slice::<u8>(h.inbox.ptr().add(i * HELLO_BYTES), lens[i].min(HELLO_BYTES)) };
+            if bytes != h.mine.as_bytes() {
+                odd = Some((*peer, String::from_utf8_lossy(bytes).into_owned()));
+                break;
+            }
+        }
+        self.core.give_back(h.inbox);
+        match odd {
+            None => Ok(()),
+            Some((peer, theirs)) => Err(CommError::Mismatch {
+                seq: self.seq,
+                details: format!("rank {peer} called {theirs}; rank {} called {}", self.me(), h.mine),
+            }),
+        }
     }
 
     fn small(&self, bytes: usize) -> bool {
@@ -294,7 +371,13 @@ impl<'a> Exec<'a> {
     }
 
     pub(crate) fn run(&self, c: &Prepared) -> Result<()> {
-        self.hello(&c.fingerprint)?;
+        self.post_hello(&c.fingerprint)?;
+        self.run_algorithm(c)?;
+        // A call whose algorithm never waited still checks its hello.
+        self.check_hello()
+    }
+
+    fn run_algorithm(&self, c: &Prepared) -> Result<()> {
         let es = c.dtype.size();
         match c.op {
             OpKind::AllReduce => {
@@ -695,8 +778,6 @@ pub(crate) fn receive(core: &Core, c: &Prepared) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
-
     use super::*;
     use crate::bootstrap::MemStore;
     use crate::ucx::engine::{ControlTag, Engine};
@@ -706,7 +787,7 @@ mod tests {
     /// rank 1 fails at once, the way a call fails mid-receive.
     fn lonely_rank() -> Core {
         let (tag, mask) = wire::control_match();
-        let engine = Engine::start("test", ControlTag { tag, mask }, Arc::new(|_| {})).unwrap();
+        let engine = Engine::start("test", ControlTag { tag, mask }, Arc::new(|_| {}), Duration::ZERO).unwrap();
         let timeout = Duration::from_secs(20);
         let job = Arc::new(Job {
             engine,
@@ -717,7 +798,7 @@ mod tests {
             timeout,
             abort: Arc::new(AbortState::default()),
         });
-        Core { job, id: 0, rank: 0, size: 2, members: vec![0, 1], pool: Mutex::new(Vec::new()) }
+        Core::new(job, 0, 0, vec![0, 1])
     }
 
     #[test]

@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 use chorus_devices::cpu::RawRange;
 use ucx_rs::sys;
 
+use super::pool::ScratchCounters;
 use super::result::{status_error, status_ptr};
 use crate::{CommError, Result};
 
@@ -94,6 +95,16 @@ impl Region {
 pub(crate) struct Scratch {
     words: Box<[std::cell::UnsafeCell<u64>]>,
     bytes: usize,
+    /// The communicator's count this buffer is in (see `pool.rs`).
+    counters: Option<Arc<ScratchCounters>>,
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if let Some(c) = &self.counters {
+            c.sub(self.bytes);
+        }
+    }
 }
 
 // SAFETY: accesses are ordered by completions (one writer at a time).
@@ -103,7 +114,13 @@ unsafe impl Sync for Scratch {}
 impl Scratch {
     pub(crate) fn new(bytes: usize) -> Arc<Scratch> {
         let words = (0..bytes.div_ceil(8).max(1)).map(|_| std::cell::UnsafeCell::new(0u64)).collect();
-        Arc::new(Scratch { words, bytes })
+        Arc::new(Scratch { words, bytes, counters: None })
+    }
+    /// A buffer counted in `counters` until it is dropped.
+    pub(crate) fn counted(bytes: usize, counters: Arc<ScratchCounters>) -> Arc<Scratch> {
+        let words = (0..bytes.div_ceil(8).max(1)).map(|_| std::cell::UnsafeCell::new(0u64)).collect();
+        counters.add(bytes);
+        Arc::new(Scratch { words, bytes, counters: Some(counters) })
     }
     pub(crate) fn ptr(&self) -> *mut u8 {
         self.words.as_ptr() as *mut u8
@@ -117,44 +134,89 @@ impl Scratch {
 pub(crate) type Outcome = std::result::Result<usize, sys::ucs_status_t>;
 
 /// The completion of one request, waited on by the thread that issued it.
+///
+/// It is also what UCX's callback gets (an `Arc` reference as the request's
+/// user data) and what keeps the request's memory alive until it ends: one
+/// allocation per message.
 pub(crate) struct Completion {
     state: Mutex<Option<Outcome>>,
+    /// Set with the outcome: a waiter checks it without the lock.
+    ended: AtomicBool,
     cv: Condvar,
+    /// Threads waiting on `cv` (counted under `state`'s lock): an end that
+    /// nobody waits for wakes nobody (no system call).
+    waiters: AtomicUsize,
     /// The live UCX request (engine thread only): what a cancel cancels.
     request: AtomicPtr<c_void>,
+    /// The memory the request reads or writes and the worker's count of
+    /// requests in flight, from the request's start to its end.
+    flight: Mutex<Option<(Region, Arc<AtomicUsize>)>>,
 }
+
+/// How many times a waiter looks (yielding the core in between) before it
+/// sleeps on the condition variable: most small messages end within that.
+const WAIT_SPINS: u32 = 32;
 
 impl Completion {
     fn new() -> Arc<Completion> {
         Arc::new(Completion {
             state: Mutex::new(None),
+            ended: AtomicBool::new(false),
             cv: Condvar::new(),
+            waiters: AtomicUsize::new(0),
             request: AtomicPtr::new(std::ptr::null_mut()),
+            flight: Mutex::new(None),
         })
     }
 
     fn complete(&self, outcome: Outcome) {
         if let Ok(mut s) = self.state.lock() {
             s.get_or_insert(outcome);
+            self.ended.store(true, Ordering::Release);
         }
-        self.cv.notify_all();
+        // A waiter counts itself under the lock before it checks the state,
+        // so one that saw no outcome is counted by now.
+        if self.waiters.load(Ordering::Acquire) > 0 {
+            self.cv.notify_all();
+        }
+    }
+
+    /// Releases the request's memory and uncounts it (on its end); its length.
+    fn end_flight(&self) -> usize {
+        let flight = self.flight.lock().ok().and_then(|mut f| f.take());
+        flight.map_or(0, |(region, count)| {
+            count.fetch_sub(1, Ordering::Relaxed);
+            region.len()
+        })
     }
 
     /// The outcome, if the request has ended.
     pub(crate) fn outcome(&self) -> Option<Outcome> {
+        if !self.ended.load(Ordering::Acquire) {
+            return None;
+        }
         self.state.lock().ok().and_then(|s| *s)
     }
 
     /// Waits at most `slice` for the request to end.
     pub(crate) fn wait_for(&self, slice: Duration) -> Option<Outcome> {
+        for _ in 0..WAIT_SPINS {
+            if self.ended.load(Ordering::Acquire) {
+                return self.outcome();
+            }
+            std::thread::yield_now();
+        }
         let Ok(guard) = self.state.lock() else { return Some(Err(sys::ucs_status_t_UCS_ERR_NO_MESSAGE)) };
         if let Some(o) = *guard {
             return Some(o);
         }
-        match self.cv.wait_timeout_while(guard, slice, |s| s.is_none()) {
+        self.waiters.fetch_add(1, Ordering::AcqRel);
+        let r = match self.cv.wait_timeout_while(guard, slice, |s| s.is_none()) {
             Ok((g, _)) => *g,
             Err(_) => Some(Err(sys::ucs_status_t_UCS_ERR_NO_MESSAGE)),
-        }
+        };
+        self.waiters.fetch_sub(1, Ordering::AcqRel);
+        r
     }
 }
 
@@ -192,8 +254,9 @@ pub(crate) struct ControlTag {
 pub(crate) const CANCEL_GRACE: Duration = Duration::from_secs(5);
 
 /// How long the progress thread polls without progress before it sleeps,
-/// while transfers are in flight.
-const SPIN: Duration = Duration::from_millis(2);
+/// while transfers are in flight, unless the job says otherwise
+/// ([`UcxConfig::progress_spin`](super::UcxConfig)).
+pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(200);
 
 /// Largest control message.
 pub(crate) const CONTROL_BYTES: usize = 8192;
@@ -274,7 +337,7 @@ fn push(shared: &Shared, cmd: Command) {
 
 impl Engine {
     /// Starts a progress thread with a new UCP context and worker.
-    pub(crate) fn start(name: &str, control: ControlTag, on_event: EventHandler) -> Result<Engine> {
+    pub(crate) fn start(name: &str, control: ControlTag, on_event: EventHandler, spin: Duration) -> Result<Engine> {
         // SAFETY: plain eventfd creation.
         let wake_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
         if wake_fd < 0 {
@@ -303,7 +366,7 @@ impl Engine {
                 match Worker::new() {
                     Ok(worker) => {
                         let _ = tx.send(worker.address());
-                        progress_loop(worker, thread_shared, control, on_event);
+                        progress_loop(worker, thread_shared, control, on_event, spin);
                     }
                     Err(e) => {
                         thread_shared.stopped.store(true, Ordering::Release);
@@ -395,8 +458,9 @@ impl Engine {
     }
 }
 
-/// The UCP objects, used only on the progress thread.
-struct Worker {
+/// The UCP objects, used only on the progress thread (or, for the raw
+/// round trip of `raw.rs`, on the one thread that made them).
+pub(crate) struct Worker {
     context: sys::ucp_context_h,
     worker: sys::ucp_worker_h,
     efd: libc::c_int,
@@ -412,22 +476,8 @@ struct ErrArg {
     on_event: EventHandler,
 }
 
-/// What a request's callback receives: the completion and the memory to keep alive.
-struct InFlight {
-    done: Arc<Completion>,
-    _region: Option<Region>,
-    /// The worker's count of requests in flight, decremented when this one ends.
-    count: Arc<AtomicUsize>,
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.count.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
 impl Worker {
-    fn new() -> Result<Worker> {
+    pub(crate) fn new() -> Result<Worker> {
         // SAFETY: zeroed parameter structs are valid "no field set" values;
         // every handle is checked before use and released in Drop.
         unsafe {
@@ -465,7 +515,7 @@ impl Worker {
         }
     }
 
-    fn address(&self) -> Result<Vec<u8>> {
+    pub(crate) fn address(&self) -> Result<Vec<u8>> {
         let mut addr: *mut sys::ucp_address_t = std::ptr::null_mut();
         let mut len = 0usize;
         // SAFETY: live worker; the address is copied, then released.
@@ -477,7 +527,12 @@ impl Worker {
         }
     }
 
-    fn connect(&mut self, addresses: &[Option<Vec<u8>>], peer_failure: bool, on_event: &EventHandler) -> Result<()> {
+    pub(crate) fn connect(
+        &mut self,
+        addresses: &[Option<Vec<u8>>],
+        peer_failure: bool,
+        on_event: &EventHandler,
+    ) -> Result<()> {
         self.endpoints.resize(addresses.len().max(self.endpoints.len()), None);
         for (rank, addr) in addresses.iter().enumerate() {
             let Some(addr) = addr else { continue };
@@ -509,13 +564,17 @@ impl Worker {
         Ok(())
     }
 
-    /// Counts a request in flight and boxes what its callback gets as user
-    /// data: the completion, and `region` kept alive until the request ends.
-    /// The parameters name that box; the caller sets the callback, makes the
-    /// `*_nbx` call and hands its outcome and the box to `settle`.
-    fn start_request(&self, region: Region, done: Arc<Completion>) -> (*mut InFlight, sys::ucp_request_param_t) {
+    /// Counts a request in flight and makes what its callback gets as user
+    /// data: a reference to the completion, which keeps `region` alive until
+    /// the request ends. The parameters name it; the caller sets the
+    /// callback, makes the `*_nbx` call and hands its outcome and the
+    /// reference to `settle`.
+    fn start_request(&self, region: Region, done: Arc<Completion>) -> (*const Completion, sys::ucp_request_param_t) {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
-        let flight = Box::into_raw(Box::new(InFlight { done, _region: Some(region), count: self.in_flight.clone() }));
+        if let Ok(mut f) = done.flight.lock() {
+            *f = Some((region, self.in_flight.clone()));
+        }
+        let flight = Arc::into_raw(done);
         // SAFETY: a zeroed parameter struct is a valid "no field set" value.
         let mut p: sys::ucp_request_param_t = unsafe { MaybeUninit::zeroed().assume_init() };
         p.op_attr_mask = sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_CALLBACK | sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_USER_DATA;
@@ -529,7 +588,7 @@ impl Worker {
             return;
         };
         let (ptr, len) = (region.ptr as *const c_void, region.len);
-        let (flight, mut p) = self.start_request(region, done.clone());
+        let (flight, mut p) = self.start_request(region, done);
         p.cb.send = Some(on_send);
         // SAFETY: the region stays alive in `flight` until the callback (or
         // the immediate outcome below) releases it.
@@ -594,9 +653,14 @@ impl Worker {
         }
     }
 
-    fn progress(&mut self) -> bool {
+    pub(crate) fn progress(&mut self) -> bool {
         // SAFETY: live worker, on its owner thread.
         unsafe { sys::ucp_worker_progress(self.worker) != 0 }
+    }
+
+    /// The UCP worker and the endpoint to world rank `peer` (for `raw.rs`).
+    pub(crate) fn raw(&self, peer: usize) -> (sys::ucp_worker_h, Option<sys::ucp_ep_h>) {
+        (self.worker, self.endpoints.get(peer).copied().flatten())
     }
 
     /// Arms the worker's event fd; false when there are events to progress first.
@@ -609,36 +673,36 @@ impl Worker {
 /// Records the immediate outcome of a `*_nbx` call, or the request to wait for.
 ///
 /// # Safety
-/// `flight` is the `Box` passed as the call's user data.
-unsafe fn settle(r: sys::ucs_status_ptr_t, flight: *mut InFlight, len: usize) {
+/// `flight` is the reference made by `start_request` for the call.
+unsafe fn settle(r: sys::ucs_status_ptr_t, flight: *const Completion, len: usize) {
     match status_ptr(r) {
         Ok(None) => {
-            // SAFETY: completed in place: the callback will not run; we own the box.
-            let mut f = unsafe { Box::from_raw(flight) };
-            drop(f._region.take());
-            f.done.complete(Ok(len));
+            // SAFETY: completed in place: the callback will not run; the reference is ours.
+            let c = unsafe { Arc::from_raw(flight) };
+            c.end_flight();
+            c.complete(Ok(len));
         }
         Ok(Some(req)) => {
-            // SAFETY: the box lives until the callback.
-            let f = unsafe { &*flight };
-            f.done.request.store(req, Ordering::Release);
+            // SAFETY: the reference lives until the callback.
+            let c = unsafe { &*flight };
+            c.request.store(req, Ordering::Release);
         }
         Err(st) => {
-            // SAFETY: failed in place: no callback; we own the box.
-            let f = unsafe { Box::from_raw(flight) };
-            f.done.complete(Err(st));
+            // SAFETY: failed in place: no callback; the reference is ours.
+            let c = unsafe { Arc::from_raw(flight) };
+            c.end_flight();
+            c.complete(Err(st));
         }
     }
 }
 
 unsafe extern "C" fn on_send(request: *mut c_void, status: sys::ucs_status_t, user_data: *mut c_void) {
-    // SAFETY: user_data is the InFlight box of this request; the callback runs once.
-    let mut f = unsafe { Box::from_raw(user_data as *mut InFlight) };
-    f.done.request.store(std::ptr::null_mut(), Ordering::Release);
-    let len = f._region.as_ref().map_or(0, Region::len);
+    // SAFETY: user_data is the completion reference of this request; the callback runs once.
+    let c = unsafe { Arc::from_raw(user_data as *const Completion) };
+    c.request.store(std::ptr::null_mut(), Ordering::Release);
     // The memory is let go before the waiter wakes, so it can reuse it.
-    drop(f._region.take());
-    f.done.complete(if status == sys::ucs_status_t_UCS_OK { Ok(len) } else { Err(status) });
+    let len = c.end_flight();
+    c.complete(if status == sys::ucs_status_t_UCS_OK { Ok(len) } else { Err(status) });
     // SAFETY: the request has completed and is released exactly once.
     unsafe { sys::ucp_request_free(request) };
 }
@@ -650,9 +714,9 @@ unsafe extern "C" fn on_recv(
     user_data: *mut c_void,
 ) {
     // SAFETY: as in `on_send`; `info` is valid during the callback when the status is OK.
-    let mut f = unsafe { Box::from_raw(user_data as *mut InFlight) };
-    f.done.request.store(std::ptr::null_mut(), Ordering::Release);
-    drop(f._region.take());
+    let c = unsafe { Arc::from_raw(user_data as *const Completion) };
+    c.request.store(std::ptr::null_mut(), Ordering::Release);
+    c.end_flight();
     let outcome = if status == sys::ucs_status_t_UCS_OK && !info.is_null() {
         Ok(unsafe { (*info).length })
     } else if status == sys::ucs_status_t_UCS_OK {
@@ -660,7 +724,7 @@ unsafe extern "C" fn on_recv(
     } else {
         Err(status)
     };
-    f.done.complete(outcome);
+    c.complete(outcome);
     // SAFETY: released exactly once.
     unsafe { sys::ucp_request_free(request) };
 }
@@ -685,31 +749,15 @@ fn post_control(w: &mut Worker, control: ControlTag) -> ControlRecv {
     ControlRecv { done, buffer }
 }
 
-fn progress_loop(mut w: Worker, shared: Arc<Shared>, control: ControlTag, on_event: EventHandler) {
+fn progress_loop(mut w: Worker, shared: Arc<Shared>, control: ControlTag, on_event: EventHandler, spin: Duration) {
     let mut control_recv = post_control(&mut w, control);
     let mut last_progress = Instant::now();
+    // Reused from round to round: taking the commands allocates nothing.
+    let mut commands: Vec<Command> = Vec::new();
     loop {
-        let commands: Vec<Command> = shared.queue.lock().map(|mut q| q.drain(..).collect()).unwrap_or_default();
-        let mut stop = false;
-        let busy = !commands.is_empty();
-        for cmd in commands {
-            match cmd {
-                Command::Connect { addresses, peer_failure, done } => {
-                    let _ = done.send(w.connect(&addresses, peer_failure, &on_event));
-                }
-                Command::Send { peer, tag, region, done } => w.send(peer, tag, region, done),
-                Command::Recv { tag, mask, region, done } => w.recv(tag, mask, region, done),
-                Command::Cancel(done) => {
-                    #[cfg(test)]
-                    std::thread::sleep(shared.cancel_delay.lock().map_or(Duration::ZERO, |d| *d));
-                    w.cancel(&done)
-                }
-                Command::Stop => stop = true,
-            }
-        }
-        if stop {
-            break;
-        }
+        // UCX first, then the commands: a failure a peer reported before
+        // these commands were queued is known (the job's abort set) before
+        // their receives can match that peer's stale messages.
         let mut progressed = false;
         while w.progress() {
             progressed = true;
@@ -730,14 +778,39 @@ fn progress_loop(mut w: Worker, shared: Arc<Shared>, control: ControlTag, on_eve
             control_recv = post_control(&mut w, control);
             progressed = true;
         }
+        if let Ok(mut q) = shared.queue.lock() {
+            commands.extend(q.drain(..));
+        }
+        let mut stop = false;
+        let busy = !commands.is_empty();
+        for cmd in commands.drain(..) {
+            match cmd {
+                Command::Connect { addresses, peer_failure, done } => {
+                    let _ = done.send(w.connect(&addresses, peer_failure, &on_event));
+                }
+                Command::Send { peer, tag, region, done } => w.send(peer, tag, region, done),
+                Command::Recv { tag, mask, region, done } => w.recv(tag, mask, region, done),
+                Command::Cancel(done) => {
+                    #[cfg(test)]
+                    std::thread::sleep(shared.cancel_delay.lock().map_or(Duration::ZERO, |d| *d));
+                    w.cancel(&done)
+                }
+                Command::Stop => stop = true,
+            }
+        }
+        if stop {
+            break;
+        }
         if busy || progressed {
             last_progress = Instant::now();
             continue;
         }
-        // Transfers in flight (beyond the control receive): poll, yielding
-        // the core, for a while before sleeping — a wake-up per fragment
-        // costs more than the fragment.
-        if w.in_flight.load(Ordering::Relaxed) > 1 && last_progress.elapsed() < SPIN {
+        // Poll, yielding the core, for a while after the last progress
+        // before sleeping: a wake-up per fragment costs more than the
+        // fragment, and the next call of a busy job comes within it (a
+        // command to a sleeping thread costs an eventfd write and a
+        // wake-up). An idle job sleeps after `spin`.
+        if last_progress.elapsed() < spin {
             std::thread::yield_now();
             continue;
         }
@@ -859,7 +932,7 @@ mod tests {
     fn the_last_drop_waits_for_the_progress_thread() {
         let (tag, mask) = crate::ucx::wire::control_match();
         for _ in 0..3 {
-            let engine = Engine::start("drop", ControlTag { tag, mask }, Arc::new(|_| {})).unwrap();
+            let engine = Engine::start("drop", ControlTag { tag, mask }, Arc::new(|_| {}), DEFAULT_SPIN).unwrap();
             let shared = engine.shared.clone();
             drop(engine);
             assert_eq!(Arc::strong_count(&shared), 1, "the progress thread still runs after the last drop");

@@ -24,9 +24,9 @@
 //!   order); pairwise all-to-all; dissemination barrier. The switch is
 //!   [`UcxConfig::small_bytes`] (per rank's buffer), measured in
 //!   `docs/benchmarks.md`.
-//! - **Mismatch.** Every collective opens with its sequence number and
-//!   fingerprint sent to the next rank and checked against the previous
-//!   rank's; a send carries its dtype and count and waits for the
+//! - **Mismatch.** Every collective sends its sequence number and
+//!   fingerprint to every other rank alongside its first data messages, and
+//!   checks theirs before it uses any data; a send carries its dtype and count and waits for the
 //!   receiver's answer. A mismatch is `CommError::Mismatch` naming both
 //!   calls, on every rank.
 //! - **Failures** reach every rank: a rank whose call fails (a mismatch, a
@@ -48,6 +48,8 @@
 
 mod algorithms;
 mod engine;
+mod pool;
+mod raw;
 mod result;
 mod wire;
 
@@ -59,7 +61,11 @@ use chorus_devices::cpu::{Access, Cpu, CpuDevice, CpuStream, JobInput};
 use chorus_devices::{DeviceError, Stream};
 
 use algorithms::{Exec, Prepared};
+use chorus_devices::MemoryStats;
 use engine::{ControlTag, Engine, Event, Scratch};
+use pool::ScratchPool;
+
+pub use raw::raw_round_trips;
 
 use crate::backend::{Call, CallKind, Capabilities, CommBackend, OpKind};
 use crate::bootstrap::{process_key_scope, Store, StoreBarrier};
@@ -92,6 +98,18 @@ pub struct UcxConfig {
     /// host use shared memory and cross-memory attach, and a dead peer is
     /// found by the deadline ([`UcxConfig::timeout`]).
     pub peer_failure: bool,
+    /// At most this many free scratch buffers are kept for later calls, per
+    /// communicator ([`UcxComm::scratch_memory`] counts them).
+    pub scratch_pool_buffers: usize,
+    /// At most this many bytes of free scratch buffers are kept, per
+    /// communicator (a large ring all-reduce uses three buffers of a
+    /// `1/n` share of its input: 48 MiB at 64 MiB on four ranks).
+    pub scratch_pool_bytes: usize,
+    /// How long the progress thread keeps polling UCX, yielding the core,
+    /// while transfers are in flight and nothing progresses, before it
+    /// sleeps until UCX's event fd wakes it (a wake-up per fragment costs
+    /// more than the fragment; a long spin takes a core from the ranks).
+    pub progress_spin: Duration,
 }
 
 impl Default for UcxConfig {
@@ -101,6 +119,9 @@ impl Default for UcxConfig {
             prefix: format!("chorus/ucx/{}", process_key_scope()),
             small_bytes: DEFAULT_SMALL_BYTES,
             peer_failure: false,
+            scratch_pool_buffers: 6,
+            scratch_pool_bytes: 256 << 20,
+            progress_spin: engine::DEFAULT_SPIN,
         }
     }
 }
@@ -182,37 +203,27 @@ pub(crate) struct Core {
     /// World rank of each rank of this communicator.
     members: Vec<usize>,
     /// Scratch buffers no transfer uses any more, for the next call.
-    pool: Mutex<Vec<Arc<Scratch>>>,
+    pool: ScratchPool,
 }
 
 impl Core {
+    fn new(job: Arc<Job>, id: u16, rank: usize, members: Vec<usize>) -> Core {
+        let pool = ScratchPool::new(job.config.scratch_pool_buffers, job.config.scratch_pool_bytes);
+        Core { job, id, rank, size: members.len(), members, pool }
+    }
+
     fn world_rank(&self, rank: usize) -> Result<usize> {
         self.members.get(rank).copied().ok_or_else(|| CommError::invalid("ucx", format!("rank {rank} is not a member")))
     }
 
     /// A scratch buffer of at least `bytes` (reused when one is free).
     fn scratch(&self, bytes: usize) -> Arc<Scratch> {
-        if let Ok(mut pool) = self.pool.lock() {
-            if let Some(i) = pool.iter().position(|s| s.bytes() >= bytes && Arc::strong_count(s) == 1) {
-                return pool.swap_remove(i);
-            }
-        }
-        Scratch::new(bytes.next_power_of_two().max(4096))
+        self.pool.take(bytes)
     }
 
     /// Returns a scratch buffer to the pool (when no transfer holds it).
     fn give_back(&self, s: Arc<Scratch>) {
-        if Arc::strong_count(&s) != 1 {
-            return;
-        }
-        if let Ok(mut pool) = self.pool.lock() {
-            pool.push(s);
-            if pool.len() > 6 {
-                // Keep the largest ones.
-                pool.sort_by_key(|s| std::cmp::Reverse(s.bytes()));
-                pool.truncate(6);
-            }
-        }
+        self.pool.give_back(s)
     }
 }
 
@@ -289,7 +300,12 @@ impl UcxComm {
         let world = (joined - 1).max(0) / size as i64;
         let config = UcxConfig { prefix: format!("{}/world{world}", config.prefix), ..config };
         let (ctag, cmask) = wire::control_match();
-        let engine = Engine::start(&format!("rank {rank}"), ControlTag { tag: ctag, mask: cmask }, on_event)?;
+        let engine = Engine::start(
+            &format!("rank {rank}"),
+            ControlTag { tag: ctag, mask: cmask },
+            on_event,
+            config.progress_spin,
+        )?;
         let mut mine = (size as u64).to_le_bytes().to_vec();
         mine.extend_from_slice(engine.address());
         store.set(&world_key(&config.prefix, rank), &mine)?;
@@ -337,8 +353,7 @@ impl UcxComm {
             })?;
         let job =
             Arc::new(Job { engine, world_rank: rank, world_size: size, store, timeout, config: config.clone(), abort });
-        let core =
-            Arc::new(Core { job, id: 0, rank, size, members: (0..size).collect(), pool: Mutex::new(Vec::new()) });
+        let core = Arc::new(Core::new(job, 0, rank, (0..size).collect()));
         Ok(Communicator::new(UcxComm::with_core(core, device, config.prefix)))
     }
 
@@ -365,6 +380,21 @@ impl UcxComm {
             detects_mismatch: true,
             names_missing_ranks: false,
         }
+    }
+
+    /// The scratch memory of this communicator (partial results, received
+    /// slots): every buffer alive, whether a call or a transfer uses it or
+    /// it waits in the pool for the next call, its peak, and their number.
+    /// The pool is bounded ([`UcxConfig::scratch_pool_buffers`],
+    /// [`UcxConfig::scratch_pool_bytes`]); [`UcxComm::release_scratch`] empties it.
+    pub fn scratch_memory(&self) -> MemoryStats {
+        self.core.pool.stats()
+    }
+
+    /// Frees the scratch buffers kept for later calls (a call in flight
+    /// keeps its own); the bytes freed. Later calls allocate again.
+    pub fn release_scratch(&self) -> usize {
+        self.core.pool.release()
     }
 
     /// This rank's rank in the job's world (the communicator it was split from).
@@ -440,7 +470,15 @@ fn run_group(core: &Core, calls: &[Prepared]) -> Result<()> {
     for p in posted {
         algorithms::finish_send(core, p)?;
     }
-    Ok(())
+    // A peer that failed (and said so) before this launch was posted may
+    // have left messages that this launch's receives took as its own: the
+    // launch fails with the job. (The progress thread sets the job's
+    // error before it posts the receives of commands queued after the
+    // report arrived.)
+    match core.job.abort_error() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 impl CommBackend for UcxComm {
@@ -562,14 +600,7 @@ impl CommBackend for UcxComm {
             ));
         }
         let world: Vec<usize> = members.iter().map(|(_, r)| self.core.members[*r]).collect();
-        let core = Arc::new(Core {
-            job: self.core.job.clone(),
-            id: id as u16,
-            rank: my_index,
-            size: members.len(),
-            members: world,
-            pool: Mutex::new(Vec::new()),
-        });
+        let core = Arc::new(Core::new(self.core.job.clone(), id as u16, my_index, world));
         Ok(Some(UcxComm::with_core(core, self.device.clone(), child_prefix)))
     }
 
@@ -588,7 +619,7 @@ impl CommBackend for UcxComm {
 /// this process, and what it is (for `chorus info`).
 pub fn probe() -> Result<String> {
     let (ctag, cmask) = wire::control_match();
-    let engine = Engine::start("probe", ControlTag { tag: ctag, mask: cmask }, Arc::new(|_| {}))?;
+    let engine = Engine::start("probe", ControlTag { tag: ctag, mask: cmask }, Arc::new(|_| {}), engine::DEFAULT_SPIN)?;
     Ok(format!("UCX {} (bundled), worker address {} bytes", ucx_rs::VENDORED_UCX_VERSION, engine.address().len()))
 }
 
@@ -617,6 +648,48 @@ mod tests {
             let comm = UcxComm::init(store, rank, 2, device, config).unwrap();
             (comm, start.elapsed())
         })
+    }
+
+    /// The scratch a ring all-reduce uses is counted while it lives (in the
+    /// pool between calls), reused by the next call, and freed on release.
+    #[test]
+    fn scratch_memory_is_counted_reused_and_released() {
+        use chorus_devices::{Buffer, Device, Priority, StreamExt};
+        const COUNT: usize = 256 * 1024; // 1 MiB of f32: over small_bytes, so the ring
+        let store: Arc<dyn Store> = Arc::new(MemStore::new());
+        let ranks = [join(&store, 0, Duration::ZERO), join(&store, 1, Duration::ZERO)];
+        let results: Vec<_> = ranks
+            .map(|t| {
+                std::thread::spawn(move || {
+                    let (comm, _) = t.join().unwrap();
+                    let s = comm.device().create_stream(Priority::Normal).unwrap();
+                    let buf = s.buffer_from(&vec![1.0f32; COUNT]).unwrap();
+                    let mut seen = Vec::new();
+                    for want in [2.0f32, 4.0] {
+                        comm.all_reduce_in_place(buf.view(), crate::ReduceOp::Sum, &s).unwrap();
+                        let out = s.read_vec::<f32>(buf.view()).unwrap();
+                        assert!(out.iter().all(|v| *v == want));
+                        seen.push(comm.backend().scratch_memory());
+                    }
+                    let released = comm.backend().release_scratch();
+                    (seen, released, comm.backend().scratch_memory())
+                })
+            })
+            .into_iter()
+            .collect();
+        // Each rank: its reduced half (512 KiB) and two ring buffers of a half
+        // each, and the hello's inbox (one 512-byte slot, the 4 KiB minimum).
+        let expected = 3 * 512 * 1024 + 4096;
+        for r in results {
+            let (seen, released, after) = r.join().unwrap();
+            for stats in &seen {
+                assert_eq!(stats.bytes_in_use, expected, "{seen:?}");
+                assert_eq!(stats.live_allocations, 4, "{seen:?}");
+            }
+            assert_eq!(seen[1].peak_bytes, expected, "the second call reused the first one's buffers");
+            assert_eq!(released, expected);
+            assert_eq!((after.bytes_in_use, after.live_allocations), (0, 0));
+        }
     }
 
     #[test]
