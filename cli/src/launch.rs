@@ -656,6 +656,13 @@ impl Job {
             if !starting && self.running == 0 {
                 break;
             }
+            if plan.nnodes > 1 && failure.is_some() && last_remote_check.elapsed() >= Duration::from_millis(250) {
+                // While the ranks stop, keep reading the others' heartbeats: a
+                // silence is timed from the last change seen, so a gap in
+                // watching would push a dead node's detection later.
+                last_remote_check = Instant::now();
+                self.watch_heartbeats(plan);
+            }
             if plan.nnodes > 1 && failure.is_none() && last_remote_check.elapsed() >= Duration::from_millis(250) {
                 last_remote_check = Instant::now();
                 let remote = match self.store.check(&[&plan.key("failed")]) {
@@ -892,30 +899,57 @@ impl Job {
 
     /// Waits (at most a second) for the last output lines; a process that
     /// left the rank's group may hold a pipe open, and is not waited for.
+    /// Reads the other nodes' heartbeats once, noting a node found silent.
+    fn watch_heartbeats(&mut self, plan: &Plan) {
+        if self.store_lost {
+            return;
+        }
+        let Some(watch) = self.watch.as_mut() else { return };
+        if let Ok(Some((node, _))) = watch.silent(&self.store, plan, 0..plan.nnodes) {
+            if !self.silent_nodes.contains(&node) {
+                self.silent_nodes.push(node);
+            }
+        }
+    }
+
     /// Brings the other nodes' flight-recorder dumps into this node's dump
     /// directory (several nodes, store still up), saying what is missing.
-    fn gather_dumps(&self, plan: &Plan) {
+    fn gather_dumps(&mut self, plan: &Plan) {
         if plan.nnodes == 1 || self.store_lost {
             return;
         }
         let ranks = self.ranks.iter().map(|r| r.rank).collect();
         let key = |rest: &str| plan.key(&format!("dumps/{rest}"));
-        let got = dumps::exchange(
-            &*self.store,
-            key,
-            &plan.trace_dir,
-            plan.node_rank,
-            plan.nnodes,
-            &ranks,
-            &self.silent_nodes,
-        );
+        // While waiting, the heartbeats are still read: a node that falls
+        // silent is not waited for, and the silence is timed from fresh reads.
+        let (store, watch, silent) = (&self.store, &mut self.watch, &mut self.silent_nodes);
+        let gone = || {
+            if let Some(Ok(Some((node, _)))) = watch.as_mut().map(|w| w.silent(store, plan, 0..plan.nnodes)) {
+                if !silent.contains(&node) {
+                    silent.push(node);
+                }
+            }
+            silent.clone()
+        };
+        let got = match dumps::exchange(&**store, key, &plan.trace_dir, plan.node_rank, plan.nnodes, &ranks, gone) {
+            Ok(got) => got,
+            Err(e) => {
+                eprintln!(
+                    "chorus launch: lost the job's store at {} ({}) while gathering the flight-recorder dumps: {e}",
+                    self.address,
+                    node_name(&self.hosts, 0)
+                );
+                self.store_lost = true;
+                return;
+            }
+        };
         if got.fetched > 0 {
             eprintln!("chorus launch: fetched {} flight-recorder dumps of the other nodes", got.fetched);
         }
         for node in got.missing {
             eprintln!(
-                "chorus launch: {} did not answer after the failure within {:?} (dead, hung or cut off); its \
-                 ranks' flight-recorder dumps, if any, stay there",
+                "chorus launch: no flight-recorder dumps from {} within {:?} of the failure (dead, hung or cut off; \
+                 any its ranks wrote stay on its host)",
                 node_name(&self.hosts, node),
                 dumps::WAIT
             );

@@ -24,7 +24,7 @@ pub enum CommError {
         details: String,
     },
     /// Some ranks did not arrive at a call before the deadline.
-    #[error("{op} #{seq} timed out after {waited:?}; ranks {missing:?} never arrived")]
+    #[error("{op} #{seq} timed out after {waited:?}{}", never_arrived(.missing))]
     Timeout {
         /// The operation.
         op: String,
@@ -149,3 +149,13 @@ impl From<DeviceError> for CommError {
 
 /// Result of communication calls.
 pub type Result<T, E = CommError> = std::result::Result<T, E>;
+
+/// "; ranks [1, 3] never arrived", or nothing when the backend cannot tell
+/// which ranks are missing (UCX and the vendor libraries).
+fn never_arrived(missing: &[usize]) -> String {
+    if missing.is_empty() {
+        String::new()
+    } else {
+        format!("; ranks {missing:?} never arrived")
+    }
+}

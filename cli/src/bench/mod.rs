@@ -450,7 +450,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
     }
     check_sizes(args)?;
     check_host_memory(args)?;
-    if args.raw_ucx && args.backend != Backend::Ucx {
+    if args.raw_ucx && args.backend.name() != "ucx" {
         return Err(
             UsageError(format!("--raw-ucx measures UCX itself: it needs --backend ucx, not {}", args.backend)).into()
         );

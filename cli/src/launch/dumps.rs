@@ -6,7 +6,8 @@
 //! node's publication complete), then fetches the other nodes' into its own
 //! dump directory. A node that is dead or cut off publishes nothing; the
 //! fetch waits for it at most [`WAIT`], so a lost node delays the
-//! launcher's exit by that much at worst. Nodes that share a file system
+//! launcher's exit by that much at worst (one found silent meanwhile is
+//! not waited for). Nodes that share a file system
 //! already see each other's files, which are kept as they are.
 
 use std::collections::HashSet;
@@ -14,9 +15,14 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use chorus_collectives::bootstrap::Store;
+use chorus_collectives::CommError;
 
 /// How long a launcher waits for the other nodes' dumps in all.
 pub(super) const WAIT: Duration = Duration::from_secs(2);
+/// How often it looks for them meanwhile.
+const POLL: Duration = Duration::from_millis(50);
+/// The bound of one fetch of a key known to exist.
+const FETCH: Duration = Duration::from_secs(2);
 
 /// Largest dump published (the store's value limit is 8 MiB; a ring of
 /// 1024 calls takes a few hundred KiB).
@@ -34,9 +40,10 @@ pub(super) struct Gathered {
 }
 
 /// Publishes this node's dumps under `key(node)`, then fetches the other
-/// nodes' (except `skip`: nodes already known to be gone) into `dir`.
-/// Store errors end the exchange quietly: a failed job's report must not
-/// fail for want of its diagnostics.
+/// nodes' into `dir`, polling for at most [`WAIT`]. `gone()` is asked in
+/// every round which nodes are known to be gone (found silent): they are
+/// not waited for. A store error ends the exchange with that error (the
+/// store is lost; the caller stops using it).
 pub(super) fn exchange(
     store: &dyn Store,
     key: impl Fn(&str) -> String,
@@ -44,43 +51,50 @@ pub(super) fn exchange(
     node: usize,
     nnodes: usize,
     ranks: &HashSet<usize>,
-    skip: &[usize],
-) -> Gathered {
+    mut gone: impl FnMut() -> Vec<usize>,
+) -> Result<Gathered, CommError> {
     let mut done = Gathered::default();
     let own = own_dumps(dir, ranks);
-    let mut names = Vec::new();
     for (name, bytes) in &own {
-        if store.set(&key(&format!("{node}/{name}")), bytes).is_ok() {
-            names.push(name.as_str());
-        }
+        store.set(&key(&format!("{node}/{name}")), bytes)?;
     }
-    done.published = names.len();
-    if store.set(&key(&node.to_string()), names.join("\n").as_bytes()).is_err() {
-        return done;
-    }
+    done.published = own.len();
+    let names: Vec<&str> = own.iter().map(|(n, _)| n.as_str()).collect();
+    store.set(&key(&node.to_string()), names.join("\n").as_bytes())?;
     let deadline = Instant::now() + WAIT;
-    for other in (0..nnodes).filter(|n| *n != node && !skip.contains(n)) {
-        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-        let Ok(list) = store.get(&key(&other.to_string()), left) else {
-            done.missing.push(other);
-            continue;
-        };
-        for name in String::from_utf8_lossy(&list).lines().filter(|n| is_dump_name(n)) {
-            let path = dir.join(name);
-            if path.exists() {
+    let mut pending: Vec<usize> = (0..nnodes).filter(|n| *n != node).collect();
+    let mut lost = Vec::new();
+    loop {
+        let now_gone = gone();
+        lost.extend(pending.iter().copied().filter(|n| now_gone.contains(n)));
+        pending.retain(|n| !now_gone.contains(n));
+        for other in pending.clone() {
+            let list_key = key(&other.to_string());
+            if !store.check(&[&list_key])? {
                 continue;
             }
-            let Ok(bytes) = store.get(&key(&format!("{other}/{name}")), Duration::from_millis(500)) else {
-                continue;
-            };
-            if write_new(&path, &bytes).is_ok() {
-                done.fetched += 1;
+            pending.retain(|n| *n != other);
+            let list = store.get(&list_key, FETCH)?;
+            for name in String::from_utf8_lossy(&list).lines().filter(|n| is_dump_name(n)) {
+                let path = dir.join(name);
+                if path.exists() {
+                    continue;
+                }
+                let bytes = store.get(&key(&format!("{other}/{name}")), FETCH)?;
+                if write_new(&path, &bytes).is_ok() {
+                    done.fetched += 1;
+                }
             }
         }
+        if pending.is_empty() || Instant::now() >= deadline {
+            break;
+        }
+        std::thread::sleep(POLL);
     }
-    done.missing.extend(skip.iter().copied().filter(|n| *n != node && *n < nnodes));
+    done.missing = lost;
+    done.missing.extend(pending);
     done.missing.sort_unstable();
-    done
+    Ok(done)
 }
 
 /// The recorder's name of a rank's dump, `rank<digits>-<host>.json`, with
@@ -180,15 +194,15 @@ mod tests {
         std::fs::write(b.path().join("rank00002-hb.json"), b"{\"r\":2}").unwrap();
         let ranks_a: HashSet<usize> = [0, 1].into();
         let ranks_b: HashSet<usize> = [2, 3].into();
-        let got_b = exchange(&store, key, b.path(), 1, 3, &ranks_b, &[2]);
+        let got_b = exchange(&store, key, b.path(), 1, 3, &ranks_b, || vec![2]).unwrap();
         assert_eq!(got_b, Gathered { published: 1, fetched: 0, missing: vec![0, 2] });
-        let got_a = exchange(&store, key, a.path(), 0, 3, &ranks_a, &[]);
+        let got_a = exchange(&store, key, a.path(), 0, 3, &ranks_a, || vec![2]).unwrap();
         assert_eq!(got_a.published, 2);
         assert_eq!(got_a.fetched, 0, "a file already there is kept");
         assert_eq!(got_a.missing, vec![2]);
         assert_eq!(std::fs::read(a.path().join("rank00002-hb.json")).unwrap(), b"{\"old\":2}");
         // Node 1 again, once node 0 has published: it fetches both of node 0's dumps.
-        let got_b = exchange(&store, key, b.path(), 1, 2, &ranks_b, &[]);
+        let got_b = exchange(&store, key, b.path(), 1, 2, &ranks_b, Vec::new).unwrap();
         assert_eq!(got_b.fetched, 2);
         assert_eq!(std::fs::read(b.path().join("rank00001-ha.json")).unwrap(), b"{\"r\":1}");
         let left: Vec<_> = std::fs::read_dir(b.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
