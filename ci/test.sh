@@ -60,7 +60,7 @@ cargo test -p chorus --features ucx --test ucx
 cargo test -p chorus --features ucx --test flight_recorder
 cargo test -p chorus --features ucx --test ucx -- --ignored --exact fsdp_under_torchrun_equals_the_simulator
 
-step "several hosts made of network namespaces (2 hosts x 2 ranks, UCX, 1 Gbit/s links): the suite, FSDP equal to sim, dead, hung and partitioned hosts ending the job within 10 s, hosts sharing a hostname (about 2 minutes)"
+step "several hosts made of network namespaces (2 hosts x 2 ranks, UCX, 1 Gbit/s links): the suite, FSDP and HSDP equal to sim, torchrun across hosts, checkpoints resumed on other topologies, dead, hung and partitioned hosts (during a collective and a save) ending the job within 10 s, a stalled rank named by chorus trace, hosts sharing a hostname (about 3 minutes)"
 cargo build -p chorus --features ucx
 bash ci/multihost-test.sh "$CARGO_TARGET_DIR/debug/chorus"
 
