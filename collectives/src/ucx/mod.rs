@@ -48,6 +48,7 @@
 
 mod algorithms;
 mod engine;
+mod hierarchy;
 mod result;
 mod wire;
 
@@ -92,6 +93,17 @@ pub struct UcxConfig {
     /// host use shared memory and cross-memory attach, and a dead peer is
     /// found by the deadline ([`UcxConfig::timeout`]).
     pub peer_failure: bool,
+    /// Whether the large all-reduce, reduce-scatter and all-gather of a
+    /// communicator that spans several hosts, with the same number (> 1)
+    /// of its ranks on each, take the hierarchical schedules (inside each
+    /// host, then across hosts; see `docs/architecture.md`). Off: the flat
+    /// rings, which send every byte across each host boundary.
+    pub hierarchical: bool,
+    /// This rank's host key: ranks with equal keys are on one host. `None`
+    /// (the default): the host name, the kernel's boot id and the network
+    /// namespace. Set it to make ranks of one machine look like several
+    /// hosts (tests) or to group ranks another way.
+    pub host_key: Option<String>,
 }
 
 impl Default for UcxConfig {
@@ -101,7 +113,24 @@ impl Default for UcxConfig {
             prefix: format!("chorus/ucx/{}", process_key_scope()),
             small_bytes: DEFAULT_SMALL_BYTES,
             peer_failure: false,
+            hierarchical: true,
+            host_key: None,
         }
+    }
+}
+
+impl UcxConfig {
+    /// `self` with the topology settings of the environment applied:
+    /// `CHORUS_UCX_FLAT=1` turns [`UcxConfig::hierarchical`] off, a
+    /// non-empty `CHORUS_UCX_HOST_KEY` sets [`UcxConfig::host_key`].
+    pub fn with_topology_from_env(mut self) -> UcxConfig {
+        if std::env::var("CHORUS_UCX_FLAT").is_ok_and(|v| v == "1") {
+            self.hierarchical = false;
+        }
+        if let Some(k) = std::env::var("CHORUS_UCX_HOST_KEY").ok().filter(|k| !k.is_empty()) {
+            self.host_key = Some(k);
+        }
+        self
     }
 }
 
@@ -119,6 +148,8 @@ pub(crate) struct Job {
     config: UcxConfig,
     timeout: Duration,
     abort: Arc<AbortState>,
+    /// The host key of each world rank (exchanged at `init`).
+    hosts: Vec<String>,
 }
 
 #[derive(Default)]
@@ -183,9 +214,18 @@ pub(crate) struct Core {
     members: Vec<usize>,
     /// Scratch buffers no transfer uses any more, for the next call.
     pool: Mutex<Vec<Arc<Scratch>>>,
+    /// How the members sit on hosts, when the hierarchical schedules apply.
+    layout: Option<hierarchy::Layout>,
 }
 
 impl Core {
+    /// Rank `rank` of the communicator `id` whose members are the world ranks `members`.
+    fn new(job: Arc<Job>, id: u16, rank: usize, members: Vec<usize>) -> Core {
+        let keys: Vec<&str> = members.iter().map(|w| job.hosts.get(*w).map_or("", String::as_str)).collect();
+        let layout = if job.config.hierarchical { hierarchy::Layout::of(&keys, rank) } else { None };
+        Core { job, id, rank, size: members.len(), members, pool: Mutex::new(Vec::new()), layout }
+    }
+
     fn world_rank(&self, rank: usize) -> Result<usize> {
         self.members.get(rank).copied().ok_or_else(|| CommError::invalid("ucx", format!("rank {rank} is not a member")))
     }
@@ -293,6 +333,8 @@ impl UcxComm {
         let mut mine = (size as u64).to_le_bytes().to_vec();
         mine.extend_from_slice(engine.address());
         store.set(&world_key(&config.prefix, rank), &mine)?;
+        let host = hierarchy::host_key(config.host_key.as_deref());
+        store.set(&format!("{}/host/{rank}", config.prefix), host.as_bytes())?;
         let mut addresses = vec![None; size];
         // An endpoint to itself too: a group may send to its own rank.
         addresses[rank] = Some(engine.address().to_vec());
@@ -335,10 +377,22 @@ impl UcxComm {
                 }
                 other => other,
             })?;
-        let job =
-            Arc::new(Job { engine, world_rank: rank, world_size: size, store, timeout, config: config.clone(), abort });
-        let core =
-            Arc::new(Core { job, id: 0, rank, size, members: (0..size).collect(), pool: Mutex::new(Vec::new()) });
+        // Every rank published its host key before connecting: all are there.
+        let host_keys: Vec<String> = (0..size).map(|r| format!("{}/host/{r}", config.prefix)).collect();
+        let refs: Vec<&str> = host_keys.iter().map(String::as_str).collect();
+        let hosts =
+            store.multi_get(&refs, config.timeout)?.iter().map(|v| String::from_utf8_lossy(v).into_owned()).collect();
+        let job = Arc::new(Job {
+            engine,
+            world_rank: rank,
+            world_size: size,
+            store,
+            timeout,
+            config: config.clone(),
+            abort,
+            hosts,
+        });
+        let core = Arc::new(Core::new(job, 0, rank, (0..size).collect()));
         Ok(Communicator::new(UcxComm::with_core(core, device, config.prefix)))
     }
 
@@ -562,14 +616,7 @@ impl CommBackend for UcxComm {
             ));
         }
         let world: Vec<usize> = members.iter().map(|(_, r)| self.core.members[*r]).collect();
-        let core = Arc::new(Core {
-            job: self.core.job.clone(),
-            id: id as u16,
-            rank: my_index,
-            size: members.len(),
-            members: world,
-            pool: Mutex::new(Vec::new()),
-        });
+        let core = Arc::new(Core::new(self.core.job.clone(), id as u16, my_index, world));
         Ok(Some(UcxComm::with_core(core, self.device.clone(), child_prefix)))
     }
 
