@@ -99,7 +99,7 @@ for rate in $RATES; do
         PORT=$((PORT + 1))
         if run_both "$WORK/g0.log" "$WORK/g1.log" GLOO_SOCKET_IFNAME=eth0 CHORUS_GLOO_SIZES=$SIZE OMP_NUM_THREADS=1 \
             "$PYTHON" -m torch.distributed.run --nnodes 2 --nproc-per-node 2 --node-rank "{i}" \
-            --master-addr "$(host_addr 0)" --master-port "$PORT" ci/gloo_bench.py "$ITERS"; then
+            --master-addr "$(host_addr 0)" --master-port "$PORT" "$PWD/ci/gloo_bench.py" "$ITERS"; then
             # Rows: "op bytes time us ...".
             awk -v rate="$rate" '$3 ~ /^[0-9.]+$/ && $4 == "us" {
                 printf "{\"rate\":\"%s\",\"op\":\"%s\",\"impl\":\"gloo\",\"time_us\":%s}\n", rate, $1, $3 }' \
