@@ -78,9 +78,7 @@ impl Harness for UcxHarness {
                 .map(|rank| {
                     let store = store.clone();
                     let config = self.config(rank, size, timeout, prefix.clone());
-                    s.spawn(move || {
-                        UcxComm::init(store, rank, size, device(rank, timeout), config)
-                    })
+                    s.spawn(move || UcxComm::init(store, rank, size, device(rank, timeout), config))
                 })
                 .collect();
             handles.into_iter().map(|h| h.join()).collect()

@@ -199,7 +199,8 @@ impl<'a> Exec<'a> {
     /// took 1.5x the link time; 1 MiB segments keep it busy).
     fn step(&self, to: usize, out: Region, from: usize, into: Region) -> Result<Vec<Req<'a>>> {
         let mut reqs = Vec::new();
-        let parts = |len: usize| (0..len.div_ceil(SEGMENT).max(1)).map(move |i| (i * SEGMENT, SEGMENT.min(len - i * SEGMENT)));
+        let parts =
+            |len: usize| (0..len.div_ceil(SEGMENT).max(1)).map(move |i| (i * SEGMENT, SEGMENT.min(len - i * SEGMENT)));
         for (off, len) in parts(into.len()) {
             reqs.push(self.recv(from, Kind::Data, into.part(off, len)?)?);
         }

@@ -158,13 +158,7 @@ pub(crate) fn all_reduce(x: &Exec<'_>, lay: &Layout, c: &Prepared, send: &RawRan
 }
 
 /// The hierarchical reduce-scatter of `c` (`c.count` elements per rank).
-pub(crate) fn reduce_scatter(
-    x: &Exec<'_>,
-    lay: &Layout,
-    c: &Prepared,
-    send: &RawRange,
-    recv: &RawRange,
-) -> Result<()> {
+pub(crate) fn reduce_scatter(x: &Exec<'_>, lay: &Layout, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
     let (es, count, n) = (c.dtype.size(), c.count, lay.local.len() * lay.cross.len());
     let bytes = count * es;
     // Block p: this host's partial of the chunk of host p's rank with this rank's local index.
