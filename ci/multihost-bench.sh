@@ -92,6 +92,9 @@ for rate in $RATES; do
                 netns_die "$op ($schedule) at $rate failed"
             time_us=$(grep -o '"time_us":[0-9.e+-]*' "$WORK/h0.log" | tail -n 1 | cut -d: -f2)
             [[ -n "$time_us" ]] || { cat "$WORK/h0.log" >&2; netns_die "$op ($schedule): no time in the output"; }
+            # The bench checks every rank's result: a wrong element fails the run.
+            wrong=$(grep -o '"wrong":[0-9]*' "$WORK/h0.log" | tail -n 1 | cut -d: -f2)
+            [[ "$wrong" == 0 ]] || netns_die "$op ($schedule) at $rate: ${wrong:-unknown} wrong elements"
             echo "{\"rate\":\"$rate\",\"op\":\"$op\",\"impl\":\"chorus-$schedule\",\"time_us\":$time_us}" >>"$ROWS"
         done
     done
