@@ -106,7 +106,9 @@ impl RankProcess {
     /// The UCX settings of a process-mode command: its store prefix and
     /// deadline, `CHORUS_UCX_PEER_FAILURE=1` for UCX's peer-failure
     /// handling, `CHORUS_UCX_SMALL_BYTES` for the algorithm switch,
-    /// `CHORUS_UCX_PROGRESS_SPIN_US` for the progress thread's spin.
+    /// `CHORUS_UCX_PROGRESS_SPIN_US` for the progress thread's spin,
+    /// `CHORUS_UCX_FLAT=1` for the flat rings across hosts and
+    /// `CHORUS_UCX_HOST_KEY` for this rank's host key (see `UcxConfig`).
     #[cfg(feature = "ucx")]
     pub fn ucx_config(&self, what: &str, timeout: Duration) -> chorus_collectives::ucx::UcxConfig {
         let mut c = chorus_collectives::ucx::UcxConfig { timeout, prefix: self.prefix(what), ..Default::default() };
@@ -117,7 +119,7 @@ impl RankProcess {
         if let Some(us) = std::env::var("CHORUS_UCX_PROGRESS_SPIN_US").ok().and_then(|v| v.parse().ok()) {
             c.progress_spin = Duration::from_micros(us);
         }
-        c
+        c.with_topology_from_env()
     }
 
     /// The process mode takes its world size from the launcher: a

@@ -26,6 +26,26 @@ use crate::{Case, Support};
 #[derive(Debug, Default)]
 pub struct UcxHarness {
     worlds: AtomicU64,
+    /// Hosts the ranks of a world pretend to be on (0: the real host keys).
+    fake_hosts: usize,
+}
+
+impl UcxHarness {
+    /// A harness whose worlds' ranks look like `hosts` hosts (ranks in
+    /// consecutive blocks, through [`UcxConfig::host_key`]) and take the
+    /// rings for every size, so the hierarchical schedules run on one machine.
+    pub fn fake_hosts(hosts: usize) -> UcxHarness {
+        UcxHarness { worlds: AtomicU64::new(0), fake_hosts: hosts }
+    }
+
+    fn config(&self, rank: usize, size: usize, timeout: Duration, prefix: String) -> UcxConfig {
+        let config = UcxConfig { timeout, prefix, ..UcxConfig::default() };
+        if self.fake_hosts == 0 {
+            return config;
+        }
+        let host = rank * self.fake_hosts / size.max(1);
+        UcxConfig { host_key: Some(format!("fake-host-{host}")), small_bytes: 0, ..config }
+    }
 }
 
 fn device(rank: usize, timeout: Duration) -> CpuDevice {
@@ -36,7 +56,10 @@ impl Harness for UcxHarness {
     type C = UcxComm;
 
     fn name(&self) -> String {
-        "ucx".into()
+        match self.fake_hosts {
+            0 => "ucx".into(),
+            h => format!("ucx ({h} fake hosts)"),
+        }
     }
 
     fn support(&self) -> Support {
@@ -53,11 +76,9 @@ impl Harness for UcxHarness {
         let results: Vec<_> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..size)
                 .map(|rank| {
-                    let (store, prefix) = (store.clone(), prefix.clone());
-                    s.spawn(move || {
-                        let config = UcxConfig { timeout, prefix, ..UcxConfig::default() };
-                        UcxComm::init(store, rank, size, device(rank, timeout), config)
-                    })
+                    let store = store.clone();
+                    let config = self.config(rank, size, timeout, prefix.clone());
+                    s.spawn(move || UcxComm::init(store, rank, size, device(rank, timeout), config))
                 })
                 .collect();
             handles.into_iter().map(|h| h.join()).collect()
@@ -88,7 +109,7 @@ impl Harness for UcxHarness {
 
 impl RankHarness for UcxHarness {
     fn join(&self, env: &RankEnv, prefix: &str, timeout: Duration) -> Result<Communicator<UcxComm>, crate::Failure> {
-        let config = UcxConfig { timeout, prefix: prefix.to_string(), ..UcxConfig::default() };
+        let config = self.config(env.rank, env.size, timeout, prefix.to_string()).with_topology_from_env();
         Ok(UcxComm::init(env.store.clone(), env.rank, env.size, device(env.rank, timeout), config)?)
     }
 }

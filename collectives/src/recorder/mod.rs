@@ -34,6 +34,8 @@
 
 mod dump;
 mod monitor;
+#[cfg_attr(not(feature = "ucx"), allow(unused_imports))]
+pub(crate) use monitor::host_name;
 
 use std::collections::VecDeque;
 use std::path::PathBuf;

@@ -272,7 +272,7 @@ fn write_owner(
 }
 
 /// This host's name (`gethostname`), `unknown-host` if it cannot be read.
-pub(super) fn host_name() -> String {
+pub(crate) fn host_name() -> String {
     static HOST: OnceLock<String> = OnceLock::new();
     HOST.get_or_init(|| {
         let mut buf = [0u8; 256];

@@ -85,6 +85,15 @@ impl Region {
     pub(crate) fn len(&self) -> usize {
         self.len
     }
+    /// `len` bytes from byte `offset` of this region, kept alive as it is.
+    pub(crate) fn part(&self, offset: usize, len: usize) -> Result<Region> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(CommError::invalid("ucx", format!("{len} bytes at {offset} of a {}-byte region", self.len)));
+        }
+        // SAFETY: in bounds (checked above).
+        let ptr = unsafe { self.ptr.add(offset) };
+        Ok(Region { ptr, len, _keep: self._keep.clone() })
+    }
     pub(crate) fn ptr(&self) -> *mut u8 {
         self.ptr
     }

@@ -48,6 +48,7 @@
 
 mod algorithms;
 mod engine;
+mod hierarchy;
 mod pool;
 mod raw;
 mod result;
@@ -110,6 +111,17 @@ pub struct UcxConfig {
     /// sleeps until UCX's event fd wakes it (a wake-up per fragment costs
     /// more than the fragment; a long spin takes a core from the ranks).
     pub progress_spin: Duration,
+    /// Whether the large all-reduce, reduce-scatter and all-gather of a
+    /// communicator that spans several hosts, with the same number (> 1)
+    /// of its ranks on each, take the hierarchical schedules (inside each
+    /// host, then across hosts; see `docs/architecture.md`). Off: the flat
+    /// rings, which send every byte across each host boundary.
+    pub hierarchical: bool,
+    /// This rank's host key: ranks with equal keys are on one host. `None`
+    /// (the default): the host name, the kernel's boot id and the network
+    /// namespace. Set it to make ranks of one machine look like several
+    /// hosts (tests) or to group ranks another way.
+    pub host_key: Option<String>,
 }
 
 impl Default for UcxConfig {
@@ -122,7 +134,24 @@ impl Default for UcxConfig {
             scratch_pool_buffers: 6,
             scratch_pool_bytes: 256 << 20,
             progress_spin: engine::DEFAULT_SPIN,
+            hierarchical: true,
+            host_key: None,
         }
+    }
+}
+
+impl UcxConfig {
+    /// `self` with the topology settings of the environment applied:
+    /// `CHORUS_UCX_FLAT=1` turns [`UcxConfig::hierarchical`] off, a
+    /// non-empty `CHORUS_UCX_HOST_KEY` sets [`UcxConfig::host_key`].
+    pub fn with_topology_from_env(mut self) -> UcxConfig {
+        if std::env::var("CHORUS_UCX_FLAT").is_ok_and(|v| v == "1") {
+            self.hierarchical = false;
+        }
+        if let Some(k) = std::env::var("CHORUS_UCX_HOST_KEY").ok().filter(|k| !k.is_empty()) {
+            self.host_key = Some(k);
+        }
+        self
     }
 }
 
@@ -140,6 +169,8 @@ pub(crate) struct Job {
     config: UcxConfig,
     timeout: Duration,
     abort: Arc<AbortState>,
+    /// The host key of each world rank (exchanged at `init`).
+    hosts: Vec<String>,
 }
 
 #[derive(Default)]
@@ -204,12 +235,17 @@ pub(crate) struct Core {
     members: Vec<usize>,
     /// Scratch buffers no transfer uses any more, for the next call.
     pool: ScratchPool,
+    /// How the members sit on hosts, when the hierarchical schedules apply.
+    layout: Option<hierarchy::Layout>,
 }
 
 impl Core {
+    /// Rank `rank` of the communicator `id` whose members are the world ranks `members`.
     fn new(job: Arc<Job>, id: u16, rank: usize, members: Vec<usize>) -> Core {
         let pool = ScratchPool::new(job.config.scratch_pool_buffers, job.config.scratch_pool_bytes);
-        Core { job, id, rank, size: members.len(), members, pool }
+        let keys: Vec<&str> = members.iter().map(|w| job.hosts.get(*w).map_or("", String::as_str)).collect();
+        let layout = if job.config.hierarchical { hierarchy::Layout::of(&keys, rank) } else { None };
+        Core { job, id, rank, size: members.len(), members, pool, layout }
     }
 
     fn world_rank(&self, rank: usize) -> Result<usize> {
@@ -309,6 +345,8 @@ impl UcxComm {
         let mut mine = (size as u64).to_le_bytes().to_vec();
         mine.extend_from_slice(engine.address());
         store.set(&world_key(&config.prefix, rank), &mine)?;
+        let host = hierarchy::host_key(config.host_key.as_deref());
+        store.set(&format!("{}/host/{rank}", config.prefix), host.as_bytes())?;
         let mut addresses = vec![None; size];
         // An endpoint to itself too: a group may send to its own rank.
         addresses[rank] = Some(engine.address().to_vec());
@@ -351,8 +389,21 @@ impl UcxComm {
                 }
                 other => other,
             })?;
-        let job =
-            Arc::new(Job { engine, world_rank: rank, world_size: size, store, timeout, config: config.clone(), abort });
+        // Every rank published its host key before connecting: all are there.
+        let host_keys: Vec<String> = (0..size).map(|r| format!("{}/host/{r}", config.prefix)).collect();
+        let refs: Vec<&str> = host_keys.iter().map(String::as_str).collect();
+        let hosts =
+            store.multi_get(&refs, config.timeout)?.iter().map(|v| String::from_utf8_lossy(v).into_owned()).collect();
+        let job = Arc::new(Job {
+            engine,
+            world_rank: rank,
+            world_size: size,
+            store,
+            timeout,
+            config: config.clone(),
+            abort,
+            hosts,
+        });
         let core = Arc::new(Core::new(job, 0, rank, (0..size).collect()));
         Ok(Communicator::new(UcxComm::with_core(core, device, config.prefix)))
     }
