@@ -53,9 +53,9 @@ cargo clippy --workspace --all-targets --all-features -- -D warnings
 step "cargo test --workspace"
 cargo test --workspace
 
-step "ucx backend: unit tests, the suite with every rank in one process (2 and 4 ranks), and one rank per process: the suite over 4 processes, FSDP equal to sim (chorus launch, and torchrun from the venv), killed rank, world-size disagreement, the flight recorder naming the culprit and every node's dumps gathered (about 3 minutes with UCX's build)"
+step "ucx backend: unit tests, the suite with every rank in one process (2 and 4 ranks, and 2 fake hosts x 2 ranks through the hierarchical schedule), and one rank per process: the suite over 4 processes, FSDP equal to sim (chorus launch, and torchrun from the venv), killed rank, world-size disagreement, the flight recorder naming the culprit and every node's dumps gathered (about 3 minutes with UCX's build)"
 cargo test -p chorus-collectives --features ucx --lib ucx
-cargo test -p chorus-conformance --features ucx --test ucx
+cargo test -p chorus-conformance --features ucx --test ucx --test ucx_hosts
 cargo test -p chorus --features ucx --test ucx
 cargo test -p chorus --features ucx --test flight_recorder
 cargo test -p chorus --features ucx --test ucx -- --ignored --exact fsdp_under_torchrun_equals_the_simulator
