@@ -931,7 +931,11 @@ impl Job {
             }
             silent.clone()
         };
-        let got = match dumps::exchange(&**store, key, &plan.trace_dir, plan.node_rank, plan.nnodes, &ranks, gone) {
+        // A node publishes once its ranks have ended: a rank that ignores SIGTERM
+        // (stopped, stuck) holds it for the grace period before SIGKILL.
+        let wait = plan.grace + dumps::WAIT;
+        let got = match dumps::exchange(&**store, key, &plan.trace_dir, plan.node_rank, plan.nnodes, &ranks, wait, gone)
+        {
             Ok(got) => got,
             Err(e) => {
                 eprintln!(
@@ -951,7 +955,7 @@ impl Job {
                 "chorus launch: no flight-recorder dumps from {} within {:?} of the failure (dead, hung or cut off; \
                  any its ranks wrote stay on its host)",
                 node_name(&self.hosts, node),
-                dumps::WAIT
+                wait
             );
         }
     }

@@ -4,10 +4,13 @@
 //! Each launcher publishes the dumps of its own ranks through the job's
 //! store (a file per key, then the list of names: the list marks the
 //! node's publication complete), then fetches the other nodes' into its own
-//! dump directory. A node that is dead or cut off publishes nothing; the
-//! fetch waits for it at most [`WAIT`], so a lost node delays the
-//! launcher's exit by that much at worst (one found silent meanwhile is
-//! not waited for). Nodes that share a file system
+//! dump directory. A node publishes only once its ranks have ended, which
+//! takes up to the launch's grace period when a rank ignores SIGTERM (a
+//! stopped or stuck one), so a node still heard from is waited for that
+//! long plus [`WAIT`]. A node that is dead or cut off publishes nothing; it
+//! is found silent within the node timeout and then no longer waited for,
+//! so a lost node delays the launcher's exit by at most the smaller of the
+//! two. Nodes that share a file system
 //! already see each other's files, which are kept as they are.
 
 use std::collections::HashSet;
@@ -17,7 +20,8 @@ use std::time::{Duration, Instant};
 use chorus_collectives::bootstrap::Store;
 use chorus_collectives::CommError;
 
-/// How long a launcher waits for the other nodes' dumps in all.
+/// How long a launcher waits for the other nodes' dumps beyond the grace
+/// period their ranks may take to stop.
 pub(super) const WAIT: Duration = Duration::from_secs(2);
 /// How often it looks for them meanwhile.
 const POLL: Duration = Duration::from_millis(50);
@@ -40,7 +44,7 @@ pub(super) struct Gathered {
 }
 
 /// Publishes this node's dumps under `key(node)`, then fetches the other
-/// nodes' into `dir`, polling for at most [`WAIT`]. `gone()` is asked in
+/// nodes' into `dir`, polling for at most `wait`. `gone()` is asked in
 /// every round which nodes are known to be gone (found silent): they are
 /// not waited for. A store error ends the exchange with that error (the
 /// store is lost; the caller stops using it).
@@ -51,6 +55,7 @@ pub(super) fn exchange(
     node: usize,
     nnodes: usize,
     ranks: &HashSet<usize>,
+    wait: Duration,
     mut gone: impl FnMut() -> Vec<usize>,
 ) -> Result<Gathered, CommError> {
     let mut done = Gathered::default();
@@ -61,7 +66,7 @@ pub(super) fn exchange(
     done.published = own.len();
     let names: Vec<&str> = own.iter().map(|(n, _)| n.as_str()).collect();
     store.set(&key(&node.to_string()), names.join("\n").as_bytes())?;
-    let deadline = Instant::now() + WAIT;
+    let deadline = Instant::now() + wait;
     let mut pending: Vec<usize> = (0..nnodes).filter(|n| *n != node).collect();
     let mut lost = Vec::new();
     loop {
@@ -194,18 +199,47 @@ mod tests {
         std::fs::write(b.path().join("rank00002-hb.json"), b"{\"r\":2}").unwrap();
         let ranks_a: HashSet<usize> = [0, 1].into();
         let ranks_b: HashSet<usize> = [2, 3].into();
-        let got_b = exchange(&store, key, b.path(), 1, 3, &ranks_b, || vec![2]).unwrap();
+        let got_b = exchange(&store, key, b.path(), 1, 3, &ranks_b, WAIT, || vec![2]).unwrap();
         assert_eq!(got_b, Gathered { published: 1, fetched: 0, missing: vec![0, 2] });
-        let got_a = exchange(&store, key, a.path(), 0, 3, &ranks_a, || vec![2]).unwrap();
+        let got_a = exchange(&store, key, a.path(), 0, 3, &ranks_a, WAIT, || vec![2]).unwrap();
         assert_eq!(got_a.published, 2);
         assert_eq!(got_a.fetched, 0, "a file already there is kept");
         assert_eq!(got_a.missing, vec![2]);
         assert_eq!(std::fs::read(a.path().join("rank00002-hb.json")).unwrap(), b"{\"old\":2}");
         // Node 1 again, once node 0 has published: it fetches both of node 0's dumps.
-        let got_b = exchange(&store, key, b.path(), 1, 2, &ranks_b, Vec::new).unwrap();
+        let got_b = exchange(&store, key, b.path(), 1, 2, &ranks_b, WAIT, Vec::new).unwrap();
         assert_eq!(got_b.fetched, 2);
         assert_eq!(std::fs::read(b.path().join("rank00001-ha.json")).unwrap(), b"{\"r\":1}");
         let left: Vec<_> = std::fs::read_dir(b.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(left.len(), 3, "no temporary file is left: {left:?}");
+    }
+
+    #[test]
+    fn a_node_still_stopping_its_ranks_is_waited_for_until_the_wait_ends() {
+        let store = MemStore::new();
+        let key = |k: &str| format!("t/dumps/{k}");
+        let (a, b) = (Scratch::new("late-a"), Scratch::new("late-b"));
+        std::fs::write(b.path().join("rank00002-hb.json"), b"{\"r\":2}").unwrap();
+        let ranks_a: HashSet<usize> = [0, 1].into();
+        let ranks_b: HashSet<usize> = [2, 3].into();
+        // Node 1 publishes 400 ms late (its stopped rank took the grace period).
+        let (got_a, got_b) = std::thread::scope(|s| {
+            let late = s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(400));
+                exchange(&store, key, b.path(), 1, 2, &ranks_b, Duration::ZERO, Vec::new).unwrap()
+            });
+            let got_a = exchange(&store, key, a.path(), 0, 2, &ranks_a, Duration::from_secs(10), Vec::new).unwrap();
+            (got_a, late.join().unwrap())
+        });
+        assert_eq!(got_b.published, 1);
+        assert_eq!(got_a, Gathered { published: 0, fetched: 1, missing: vec![] });
+        assert_eq!(std::fs::read(a.path().join("rank00002-hb.json")).unwrap(), b"{\"r\":2}");
+        // A wait shorter than the delay gives up on it, naming the node.
+        let c = Scratch::new("late-c");
+        let started = Instant::now();
+        let got_c =
+            exchange(&MemStore::new(), key, c.path(), 0, 2, &ranks_a, Duration::from_millis(100), Vec::new).unwrap();
+        assert_eq!(got_c.missing, vec![1]);
+        assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
     }
 }
