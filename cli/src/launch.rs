@@ -47,7 +47,7 @@ mod dumps;
 mod forward;
 mod guardian;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::os::fd::OwnedFd;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -918,7 +918,7 @@ impl Job {
         if plan.nnodes == 1 || self.store_lost {
             return;
         }
-        let ranks = self.ranks.iter().map(|r| r.rank).collect();
+        let ranks: HashSet<usize> = self.ranks.iter().map(|r| r.rank).collect();
         let key = |rest: &str| plan.key(&format!("dumps/{rest}"));
         // While waiting, the heartbeats are still read: a node that falls
         // silent is not waited for, and the silence is timed from fresh reads.
@@ -934,8 +934,8 @@ impl Job {
         // A node publishes once its ranks have ended: a rank that ignores SIGTERM
         // (stopped, stuck) holds it for the grace period before SIGKILL.
         let wait = plan.grace + dumps::WAIT;
-        let got = match dumps::exchange(&**store, key, &plan.trace_dir, plan.node_rank, plan.nnodes, &ranks, wait, gone)
-        {
+        let here = dumps::Node { index: plan.node_rank, count: plan.nnodes, ranks: &ranks, dir: &plan.trace_dir };
+        let got = match dumps::exchange(&**store, key, &here, wait, gone) {
             Ok(got) => got,
             Err(e) => {
                 eprintln!(

@@ -43,23 +43,33 @@ pub(super) struct Gathered {
     pub missing: Vec<usize>,
 }
 
+/// One node of the job as the exchange sees it.
+pub(super) struct Node<'a> {
+    /// This node's index.
+    pub index: usize,
+    /// Nodes in the job.
+    pub count: usize,
+    /// The global ranks this node ran.
+    pub ranks: &'a HashSet<usize>,
+    /// Its dump directory.
+    pub dir: &'a Path,
+}
+
 /// Publishes this node's dumps under `key(node)`, then fetches the other
-/// nodes' into `dir`, polling for at most `wait`. `gone()` is asked in
+/// nodes' into its directory, polling for at most `wait`. `gone()` is asked in
 /// every round which nodes are known to be gone (found silent): they are
 /// not waited for. A store error ends the exchange with that error (the
 /// store is lost; the caller stops using it).
 pub(super) fn exchange(
     store: &dyn Store,
     key: impl Fn(&str) -> String,
-    dir: &Path,
-    node: usize,
-    nnodes: usize,
-    ranks: &HashSet<usize>,
+    here: &Node,
     wait: Duration,
     mut gone: impl FnMut() -> Vec<usize>,
 ) -> Result<Gathered, CommError> {
+    let (dir, node, nnodes) = (here.dir, here.index, here.count);
     let mut done = Gathered::default();
-    let own = own_dumps(dir, ranks);
+    let own = own_dumps(dir, here.ranks);
     for (name, bytes) in &own {
         store.set(&key(&format!("{node}/{name}")), bytes)?;
     }
@@ -199,15 +209,20 @@ mod tests {
         std::fs::write(b.path().join("rank00002-hb.json"), b"{\"r\":2}").unwrap();
         let ranks_a: HashSet<usize> = [0, 1].into();
         let ranks_b: HashSet<usize> = [2, 3].into();
-        let got_b = exchange(&store, key, b.path(), 1, 3, &ranks_b, WAIT, || vec![2]).unwrap();
+        let got_b =
+            exchange(&store, key, &Node { index: 1, count: 3, ranks: &ranks_b, dir: b.path() }, WAIT, || vec![2])
+                .unwrap();
         assert_eq!(got_b, Gathered { published: 1, fetched: 0, missing: vec![0, 2] });
-        let got_a = exchange(&store, key, a.path(), 0, 3, &ranks_a, WAIT, || vec![2]).unwrap();
+        let got_a =
+            exchange(&store, key, &Node { index: 0, count: 3, ranks: &ranks_a, dir: a.path() }, WAIT, || vec![2])
+                .unwrap();
         assert_eq!(got_a.published, 2);
         assert_eq!(got_a.fetched, 0, "a file already there is kept");
         assert_eq!(got_a.missing, vec![2]);
         assert_eq!(std::fs::read(a.path().join("rank00002-hb.json")).unwrap(), b"{\"old\":2}");
         // Node 1 again, once node 0 has published: it fetches both of node 0's dumps.
-        let got_b = exchange(&store, key, b.path(), 1, 2, &ranks_b, WAIT, Vec::new).unwrap();
+        let got_b = exchange(&store, key, &Node { index: 1, count: 2, ranks: &ranks_b, dir: b.path() }, WAIT, Vec::new)
+            .unwrap();
         assert_eq!(got_b.fetched, 2);
         assert_eq!(std::fs::read(b.path().join("rank00001-ha.json")).unwrap(), b"{\"r\":1}");
         let left: Vec<_> = std::fs::read_dir(b.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
@@ -226,9 +241,23 @@ mod tests {
         let (got_a, got_b) = std::thread::scope(|s| {
             let late = s.spawn(|| {
                 std::thread::sleep(Duration::from_millis(400));
-                exchange(&store, key, b.path(), 1, 2, &ranks_b, Duration::ZERO, Vec::new).unwrap()
+                exchange(
+                    &store,
+                    key,
+                    &Node { index: 1, count: 2, ranks: &ranks_b, dir: b.path() },
+                    Duration::ZERO,
+                    Vec::new,
+                )
+                .unwrap()
             });
-            let got_a = exchange(&store, key, a.path(), 0, 2, &ranks_a, Duration::from_secs(10), Vec::new).unwrap();
+            let got_a = exchange(
+                &store,
+                key,
+                &Node { index: 0, count: 2, ranks: &ranks_a, dir: a.path() },
+                Duration::from_secs(10),
+                Vec::new,
+            )
+            .unwrap();
             (got_a, late.join().unwrap())
         });
         assert_eq!(got_b.published, 1);
@@ -237,8 +266,14 @@ mod tests {
         // A wait shorter than the delay gives up on it, naming the node.
         let c = Scratch::new("late-c");
         let started = Instant::now();
-        let got_c =
-            exchange(&MemStore::new(), key, c.path(), 0, 2, &ranks_a, Duration::from_millis(100), Vec::new).unwrap();
+        let got_c = exchange(
+            &MemStore::new(),
+            key,
+            &Node { index: 0, count: 2, ranks: &ranks_a, dir: c.path() },
+            Duration::from_millis(100),
+            Vec::new,
+        )
+        .unwrap();
         assert_eq!(got_c.missing, vec![1]);
         assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
     }
