@@ -627,7 +627,7 @@ impl Job {
             if let Some(signal) = stop_requested() {
                 if failure.is_none() {
                     let what = format!("the launcher of node {} received {}", plan.node_rank, signal_name(signal));
-                    let _ = self.store.set(&plan.key("failed"), what.as_bytes());
+                    self.tell_other_nodes(plan, &what);
                     failure = Some(what);
                     self.stop(plan.grace);
                 }
@@ -645,7 +645,7 @@ impl Job {
                     );
                     eprintln!("chorus launch: {what}; stopping the other ranks");
                     // Tell the other nodes; if the store is gone they find out themselves.
-                    let _ = self.store.set(&plan.key("failed"), what.as_bytes());
+                    self.tell_other_nodes(plan, &what);
                     failure = Some(what);
                 }
             }
@@ -681,6 +681,7 @@ impl Job {
                     Ok(Some((node, silent))) => {
                         self.silent_nodes.push(node);
                         let what = describe_silence(&node_name(&self.hosts, node), silent);
+                        // Best effort and bounded: the failure is this node's own finding.
                         let _ = self.store.set(&plan.key("failed"), what.as_bytes());
                         Some(what)
                     }
@@ -905,11 +906,37 @@ impl Job {
             return;
         }
         let Some(watch) = self.watch.as_mut() else { return };
-        if let Ok(Some((node, _))) = watch.silent(&self.store, plan, 0..plan.nnodes) {
-            if !self.silent_nodes.contains(&node) {
-                self.silent_nodes.push(node);
+        match watch.silent(&self.store, plan, 0..plan.nnodes) {
+            Ok(Some((node, _))) => {
+                if !self.silent_nodes.contains(&node) {
+                    self.silent_nodes.push(node);
+                }
             }
+            Ok(None) => {}
+            Err(e) => self.lose_store("reading the other nodes' heartbeats", &e),
         }
+    }
+
+    /// Publishes this node's failure for the other nodes, unless the store
+    /// is already known lost (each request to a lost store costs the
+    /// client's retry deadline).
+    fn tell_other_nodes(&mut self, plan: &Plan, what: &str) {
+        if self.store_lost {
+            return;
+        }
+        if let Err(e) = self.store.set(&plan.key("failed"), what.as_bytes()) {
+            self.lose_store("reporting the failure", &e);
+        }
+    }
+
+    /// Notes that the job's store no longer answers: no later step asks it again.
+    fn lose_store(&mut self, during: &str, e: &chorus_collectives::CommError) {
+        eprintln!(
+            "chorus launch: lost the job's store at {} ({}) while {during}: {e}",
+            self.address,
+            node_name(&self.hosts, 0)
+        );
+        self.store_lost = true;
     }
 
     /// Brings the other nodes' flight-recorder dumps into this node's dump
@@ -924,12 +951,12 @@ impl Job {
         // silent is not waited for, and the silence is timed from fresh reads.
         let (store, watch, silent) = (&self.store, &mut self.watch, &mut self.silent_nodes);
         let gone = || {
-            if let Some(Ok(Some((node, _)))) = watch.as_mut().map(|w| w.silent(store, plan, 0..plan.nnodes)) {
+            if let Some(Some((node, _))) = watch.as_mut().map(|w| w.silent(store, plan, 0..plan.nnodes)).transpose()? {
                 if !silent.contains(&node) {
                     silent.push(node);
                 }
             }
-            silent.clone()
+            Ok(silent.clone())
         };
         // A node publishes once its ranks have ended: a rank that ignores SIGTERM
         // (stopped, stuck) holds it for the grace period before SIGKILL.
@@ -938,12 +965,7 @@ impl Job {
         let got = match dumps::exchange(&**store, key, &here, wait, gone) {
             Ok(got) => got,
             Err(e) => {
-                eprintln!(
-                    "chorus launch: lost the job's store at {} ({}) while gathering the flight-recorder dumps: {e}",
-                    self.address,
-                    node_name(&self.hosts, 0)
-                );
-                self.store_lost = true;
+                self.lose_store("gathering the flight-recorder dumps", &e);
                 return;
             }
         };

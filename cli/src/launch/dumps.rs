@@ -58,14 +58,14 @@ pub(super) struct Node<'a> {
 /// Publishes this node's dumps under `key(node)`, then fetches the other
 /// nodes' into its directory, polling for at most `wait`. `gone()` is asked in
 /// every round which nodes are known to be gone (found silent): they are
-/// not waited for. A store error ends the exchange with that error (the
-/// store is lost; the caller stops using it).
+/// not waited for. A store error (here or in `gone()`) ends the exchange
+/// with that error (the store is lost; the caller stops using it).
 pub(super) fn exchange(
     store: &dyn Store,
     key: impl Fn(&str) -> String,
     here: &Node,
     wait: Duration,
-    mut gone: impl FnMut() -> Vec<usize>,
+    mut gone: impl FnMut() -> Result<Vec<usize>, CommError>,
 ) -> Result<Gathered, CommError> {
     let (dir, node, nnodes) = (here.dir, here.index, here.count);
     let mut done = Gathered::default();
@@ -80,7 +80,7 @@ pub(super) fn exchange(
     let mut pending: Vec<usize> = (0..nnodes).filter(|n| *n != node).collect();
     let mut lost = Vec::new();
     loop {
-        let now_gone = gone();
+        let now_gone = gone()?;
         lost.extend(pending.iter().copied().filter(|n| now_gone.contains(n)));
         pending.retain(|n| !now_gone.contains(n));
         for other in pending.clone() {
@@ -210,18 +210,25 @@ mod tests {
         let ranks_a: HashSet<usize> = [0, 1].into();
         let ranks_b: HashSet<usize> = [2, 3].into();
         let got_b =
-            exchange(&store, key, &Node { index: 1, count: 3, ranks: &ranks_b, dir: b.path() }, WAIT, || vec![2])
+            exchange(&store, key, &Node { index: 1, count: 3, ranks: &ranks_b, dir: b.path() }, WAIT, || Ok(vec![2]))
                 .unwrap();
         assert_eq!(got_b, Gathered { published: 1, fetched: 0, missing: vec![0, 2] });
         let got_a =
-            exchange(&store, key, &Node { index: 0, count: 3, ranks: &ranks_a, dir: a.path() }, WAIT, || vec![2])
+            exchange(&store, key, &Node { index: 0, count: 3, ranks: &ranks_a, dir: a.path() }, WAIT, || Ok(vec![2]))
                 .unwrap();
         assert_eq!(got_a.published, 2);
         assert_eq!(got_a.fetched, 0, "a file already there is kept");
         assert_eq!(got_a.missing, vec![2]);
         assert_eq!(std::fs::read(a.path().join("rank00002-hb.json")).unwrap(), b"{\"old\":2}");
         // Node 1 again, once node 0 has published: it fetches both of node 0's dumps.
-        let got_b = exchange(&store, key, &Node { index: 1, count: 2, ranks: &ranks_b, dir: b.path() }, WAIT, Vec::new)
+        let got_b =
+            exchange(
+                &store,
+                key,
+                &Node { index: 1, count: 2, ranks: &ranks_b, dir: b.path() },
+                WAIT,
+                || Ok(Vec::new()),
+            )
             .unwrap();
         assert_eq!(got_b.fetched, 2);
         assert_eq!(std::fs::read(b.path().join("rank00001-ha.json")).unwrap(), b"{\"r\":1}");
@@ -246,7 +253,7 @@ mod tests {
                     key,
                     &Node { index: 1, count: 2, ranks: &ranks_b, dir: b.path() },
                     Duration::ZERO,
-                    Vec::new,
+                    || Ok(Vec::new()),
                 )
                 .unwrap()
             });
@@ -255,7 +262,7 @@ mod tests {
                 key,
                 &Node { index: 0, count: 2, ranks: &ranks_a, dir: a.path() },
                 Duration::from_secs(10),
-                Vec::new,
+                || Ok(Vec::new()),
             )
             .unwrap();
             (got_a, late.join().unwrap())
@@ -271,10 +278,28 @@ mod tests {
             key,
             &Node { index: 0, count: 2, ranks: &ranks_a, dir: c.path() },
             Duration::from_millis(100),
-            Vec::new,
+            || Ok(Vec::new()),
         )
         .unwrap();
         assert_eq!(got_c.missing, vec![1]);
+        assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    }
+
+    #[test]
+    fn a_store_lost_while_watching_ends_the_exchange_at_once() {
+        let store = MemStore::new();
+        let a = Scratch::new("lost-a");
+        let ranks: HashSet<usize> = [0].into();
+        let started = Instant::now();
+        let here = Node { index: 0, count: 2, ranks: &ranks, dir: a.path() };
+        let got = exchange(
+            &store,
+            |k: &str| format!("t/{k}"),
+            &here,
+            Duration::from_secs(10),
+            || Err(CommError::Aborted { reason: "the store went away".into() }),
+        );
+        assert!(got.is_err(), "{got:?}");
         assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
     }
 }
