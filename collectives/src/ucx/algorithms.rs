@@ -605,6 +605,55 @@ impl<'a> Exec<'a> {
         Ok(())
     }
 
+    /// The ring reduce-scatter over `ring` of chunks of `len` elements whose
+    /// own contributions are made by `own(j)` (chunk `j`, unscaled: `op`
+    /// is a partial operator) when first needed: the first before the ring
+    /// starts, each later one while the step before it is in flight, so
+    /// making them (a reduction inside the host) overlaps the transfers.
+    /// The result, finished over `finish` ranks when given, goes to `out`;
+    /// the reductions are those of [`Exec::ring_reduce_scatter`], in its order.
+    #[allow(clippy::too_many_arguments)] // as ring_reduce_scatter, with a producer for its input
+    pub(crate) fn ring_reduce_scatter_produced(
+        &self,
+        c: &Prepared,
+        ring: &Ring,
+        op: ReduceOp,
+        finish: Option<usize>,
+        len: usize,
+        own: &mut dyn FnMut(usize) -> Result<Arc<Scratch>>,
+        out: &Arc<Scratch>,
+    ) -> Result<()> {
+        let (n, me, bytes) = (ring.len(), ring.pos, len * c.dtype.size());
+        let first = own((me + n - 1) % n)?;
+        let bufs = [self.core.scratch(bytes), self.core.scratch(bytes)];
+        let mut outgoing = Region::scratch(&first, 0, bytes)?;
+        for k in 0..n - 1 {
+            let incoming = (me + 2 * n - 2 - k) % n;
+            let buf = &bufs[k % 2];
+            let reqs = self.step(ring.next(), outgoing, ring.prev(), Region::scratch(buf, 0, bytes)?)?;
+            // On an error the step's requests are cancelled as they are dropped.
+            let mine = own(incoming)?;
+            self.wait(reqs)?;
+            combine_own(c.dtype, buf.ptr(), mine.ptr(), len, op);
+            self.core.give_back(mine);
+            outgoing = Region::scratch(buf, 0, bytes)?;
+        }
+        let last = &bufs[(n.max(2) - 2) % 2];
+        if n == 1 {
+            copy_raw(first.ptr(), last.ptr(), bytes);
+        }
+        if let Some(total) = finish {
+            finish_raw(c.dtype, last.ptr(), len, c.reduce, total);
+        }
+        copy_raw(last.ptr(), out.ptr(), bytes);
+        drop(outgoing);
+        let [a, b] = bufs;
+        self.core.give_back(a);
+        self.core.give_back(b);
+        self.core.give_back(first);
+        Ok(())
+    }
+
     /// The all-gather over `ring` in place over `chunks` of `recv`, one per
     /// ring position (the chunk of this rank's position already there).
     pub(crate) fn ring_all_gather(

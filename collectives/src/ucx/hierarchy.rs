@@ -10,10 +10,11 @@
 //!   host sends 2(H−1)/H of the buffer over its link (H hosts), the
 //!   bandwidth lower bound of any all-reduce between H hosts; the flat ring
 //!   sends 2(n−1)/n of it across each host boundary (n ranks).
-//! - **reduce-scatter**: for each host p, a ring reduce-scatter inside the
-//!   host of the chunks of host p's ranks (rank `i` of the host ends with
-//!   this host's partial of the chunk of host p's rank `i`), then a ring
-//!   reduce-scatter across hosts of those H partials.
+//! - **reduce-scatter**: a ring reduce-scatter across hosts of H partials,
+//!   where the partial of host p (made by a ring reduce-scatter inside the
+//!   host of the chunks of host p's ranks: rank `i` of the host ends with
+//!   this host's partial of the chunk of host p's rank `i`) is made when
+//!   the cross ring needs it, while the step before it is on the link.
 //! - **all-gather**: a ring all-gather across hosts among the ranks with the
 //!   same local index, then, for each host p, a ring all-gather inside the
 //!   host of host p's ranks' chunks.
@@ -161,20 +162,18 @@ pub(crate) fn all_reduce(x: &Exec<'_>, lay: &Layout, c: &Prepared, send: &RawRan
 pub(crate) fn reduce_scatter(x: &Exec<'_>, lay: &Layout, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
     let (es, count, n) = (c.dtype.size(), c.count, lay.local.len() * lay.cross.len());
     let bytes = count * es;
-    // Block p: this host's partial of the chunk of host p's rank with this rank's local index.
-    let partials = x.core().scratch(lay.cross.len() * bytes);
+    // This host's partial of the chunk of host p's rank with this rank's
+    // local index, made by the ring across hosts when it needs it: while the
+    // link carries one host's partial, the host reduces the next.
+    let mut partial = |p: usize| -> Result<Arc<Scratch>> {
+        let s = x.core().scratch(bytes);
+        x.ring_reduce_scatter(c, &lay.local, c.reduce, None, send, &lay.chunks_of_host(p, count), &s)?;
+        Ok(s)
+    };
     let out = x.core().scratch(bytes);
-    for p in 0..lay.cross.len() {
-        x.ring_reduce_scatter(c, &lay.local, c.reduce, None, send, &lay.chunks_of_host(p, count), &out)?;
-        copy_raw(out.ptr(), Region::scratch(&partials, p * bytes, 0)?.ptr(), bytes);
-    }
-    let range = as_range(c, &partials, lay.cross.len() * bytes);
-    let blocks: Vec<(usize, usize)> = (0..lay.cross.len()).map(|p| (p * count, (p + 1) * count)).collect();
-    x.ring_reduce_scatter(c, &lay.cross, partial_op(c.reduce), Some(n), &range, &blocks, &out)?;
+    x.ring_reduce_scatter_produced(c, &lay.cross, partial_op(c.reduce), Some(n), count, &mut partial, &out)?;
     copy_raw(out.ptr(), recv.ptr(), bytes);
-    drop(range);
     x.core().give_back(out);
-    x.core().give_back(partials);
     Ok(())
 }
 
