@@ -293,7 +293,9 @@ impl<'a> Exec<'a> {
                     deadline = Instant::now() + timeout;
                 }
                 Some(Err(status)) => {
-                    let e = self.core.job.abort_error().unwrap_or_else(|| {
+                    let peer = self.core.world_rank(reqs[i].peer).ok();
+                    let ended = || peer.and_then(|w| self.core.job.connection_error(w));
+                    let e = self.core.job.abort_error().or_else(ended).unwrap_or_else(|| {
                         if status == ucx_rs::sys::ucs_status_t_UCS_ERR_MESSAGE_TRUNCATED {
                             CommError::Mismatch {
                                 seq: self.seq,
@@ -874,7 +876,7 @@ mod tests {
     use super::*;
     use crate::bootstrap::MemStore;
     use crate::ucx::engine::{ControlTag, Engine};
-    use crate::ucx::{wire, AbortState, Job, UcxConfig};
+    use crate::ucx::{wire, AbortState, Job, UcxConfig, LEAVE_GRACE};
 
     /// Rank 0 of two, with a worker of its own and no endpoint: a send to
     /// rank 1 fails at once, the way a call fails mid-receive.
@@ -890,6 +892,7 @@ mod tests {
             config: UcxConfig { timeout, ..UcxConfig::default() },
             timeout,
             abort: Arc::new(AbortState::default()),
+            peers: Arc::default(),
             hosts: vec![],
         });
         Core::new(job, 0, 0, vec![0, 1])
@@ -925,5 +928,32 @@ mod tests {
         let received = recv.done.clone();
         drop(recv);
         assert_eq!(received.outcome(), Some(Err(ucx_rs::sys::ucs_status_t_UCS_ERR_CANCELED)));
+    }
+
+    #[test]
+    fn a_lost_connection_fails_the_job_unless_the_peer_said_it_was_leaving() {
+        use ucx_rs::sys::ucs_status_t_UCS_ERR_CONNECTION_RESET as RESET;
+        // A peer that finished and closed its endpoints: its notice may come
+        // before or just after the connection's end; neither fails the job.
+        let core = lonely_rank();
+        core.job.peers.left(1);
+        core.job.peers.failed(1, RESET);
+        let core2 = lonely_rank();
+        core2.job.peers.failed(1, RESET);
+        std::thread::sleep(LEAVE_GRACE / 4);
+        core2.job.peers.left(1);
+        std::thread::sleep(LEAVE_GRACE * 2);
+        assert!(core.job.abort_error().is_none(), "{:?}", core.job.abort_error());
+        assert!(core2.job.abort_error().is_none(), "{:?}", core2.job.abort_error());
+        // A peer that died: a call waiting for it fails soon after the grace, not at its deadline.
+        let core = lonely_rank();
+        core.job.peers.failed(1, RESET);
+        let started = Instant::now();
+        let x = Exec::new(&core, 3, "test");
+        let inbox = Scratch::new(8);
+        let recv = x.recv(1, Kind::Data, Region::scratch(&inbox, 0, 8).unwrap()).unwrap();
+        let e = x.wait(vec![recv]).unwrap_err();
+        assert!(e.to_string().contains("the connection to world rank 1 failed"), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(2), "{:?} (deadline 20 s)", started.elapsed());
     }
 }

@@ -907,6 +907,9 @@ fn shutdown(mut w: Worker, shared: &Shared, control: &Completion) {
             break;
         }
     }
+    // The peers' notices that they are leaving, come meanwhile (UCX warns
+    // of each message left unreceived when the worker goes).
+    w.drain_unexpected(Instant::now() + Duration::from_millis(100));
 }
 
 impl Drop for Worker {

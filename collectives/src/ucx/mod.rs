@@ -169,8 +169,81 @@ pub(crate) struct Job {
     config: UcxConfig,
     timeout: Duration,
     abort: Arc<AbortState>,
+    /// What became of the other ranks' connections (see [`Peers`]).
+    peers: Arc<Peers>,
     /// The host key of each world rank (exchanged at `init`).
     hosts: Vec<String>,
+}
+
+/// How long after a connection to a rank ends its notice that it is leaving
+/// may still arrive: it has left that rank before the endpoints close, but
+/// may travel on another of the pair's connections than the one that ends
+/// first. Short, as it delays the failure of every call waiting for a rank
+/// that died (a launcher that notices first stops the ranks before they
+/// can say why they failed).
+pub(crate) const LEAVE_GRACE: Duration = Duration::from_millis(50);
+
+/// The other ranks' connections: which ended, and which ranks said they
+/// were leaving. A rank that has finished sends the notice to every rank
+/// before it closes its endpoints (`Job`'s drop); to UCX its closing looks
+/// like a failure, and the ranks still in their own last call, needing
+/// nothing more from it, must not fail. A connection that ends without a
+/// notice within [`LEAVE_GRACE`] fails the job.
+#[derive(Default)]
+pub(crate) struct Peers {
+    any_failed: AtomicBool,
+    state: Mutex<PeersState>,
+}
+
+#[derive(Default)]
+struct PeersState {
+    failed: Vec<(usize, ucx_rs::sys::ucs_status_t, Instant)>,
+    left: Vec<usize>,
+}
+
+impl Peers {
+    /// The connection to world rank `r` ended with `status`.
+    pub(crate) fn failed(&self, r: usize, status: ucx_rs::sys::ucs_status_t) {
+        if let Ok(mut s) = self.state.lock() {
+            if !s.failed.iter().any(|(f, ..)| *f == r) {
+                s.failed.push((r, status, Instant::now()));
+            }
+        }
+        self.any_failed.store(true, Ordering::Release);
+    }
+
+    /// World rank `r` said it has finished and is leaving.
+    pub(crate) fn left(&self, r: usize) {
+        if let Ok(mut s) = self.state.lock() {
+            s.left.push(r);
+        }
+    }
+
+    /// The end of world rank `r`'s connection as an error, notice or not:
+    /// for a request to or from `r` that failed (the call needed it).
+    fn error_of(&self, r: usize) -> Option<CommError> {
+        if !self.any_failed.load(Ordering::Acquire) {
+            return None;
+        }
+        let s = self.state.lock().ok()?;
+        let (r, status, _) = s.failed.iter().find(|(f, ..)| *f == r)?;
+        Some(connection_failed(*r, *status))
+    }
+
+    /// A connection that ended at least [`LEAVE_GRACE`] ago without its
+    /// rank's notice, as the job's error.
+    fn unexplained(&self) -> Option<CommError> {
+        if !self.any_failed.load(Ordering::Acquire) {
+            return None;
+        }
+        let s = self.state.lock().ok()?;
+        let (r, status, _) = s.failed.iter().find(|(r, _, at)| at.elapsed() >= LEAVE_GRACE && !s.left.contains(r))?;
+        Some(connection_failed(*r, *status))
+    }
+}
+
+fn connection_failed(r: usize, status: ucx_rs::sys::ucs_status_t) -> CommError {
+    CommError::Aborted { reason: format!("the connection to world rank {r} failed: {}", ucx_rs::status_string(status)) }
 }
 
 #[derive(Default)]
@@ -199,8 +272,19 @@ impl AbortState {
 }
 
 impl Job {
+    /// The job's error: a failure reported by a rank, an abort, or a
+    /// connection that ended without its rank's notice (then the job's).
     fn abort_error(&self) -> Option<CommError> {
+        if let Some(e) = self.abort.get() {
+            return Some(e);
+        }
+        self.abort.set(self.peers.unexplained()?);
         self.abort.get()
+    }
+
+    /// Why a request to or from world rank `r` failed, when its connection ended.
+    fn connection_error(&self, r: usize) -> Option<CommError> {
+        self.peers.error_of(r)
     }
 
     /// Fails the job with `e` here and on every other rank (once: a later
@@ -209,12 +293,16 @@ impl Job {
         if !self.abort.set(e.clone()) {
             return;
         }
-        let msg = wire::encode_failure(self.world_rank, &e);
+        self.send_control(&wire::encode_failure(self.world_rank, &e));
+    }
+
+    /// Sends a control message to every other rank; waits up to a second for them to leave.
+    fn send_control(&self, msg: &[u8]) {
         let (ctag, _) = wire::control_match();
         let tag = ctag | (self.world_rank as u64 & 0xffff);
         let sent: Vec<_> = (0..self.world_size)
             .filter(|r| *r != self.world_rank)
-            .filter_map(|r| self.engine.send(r, tag, engine::Region::bytes(msg.clone())).ok())
+            .filter_map(|r| self.engine.send(r, tag, engine::Region::bytes(msg.to_vec())).ok())
             .collect();
         let deadline = Instant::now() + Duration::from_secs(1);
         for c in sent {
@@ -222,6 +310,19 @@ impl Job {
                 c.wait_for(Duration::from_millis(10));
             }
         }
+    }
+}
+
+impl Drop for Job {
+    /// Tells every other rank that this one is leaving (its calls are
+    /// done), before the engine closes the endpoints: the connections'
+    /// end is then not taken for a failure. Waits up to a second for the
+    /// notices to leave, as [`Job::fail`] does.
+    fn drop(&mut self) {
+        if self.abort.get().is_some() {
+            return;
+        }
+        self.send_control(&wire::encode_leaving(self.world_rank));
     }
 }
 
@@ -316,17 +417,18 @@ impl UcxComm {
         }
         crate::host_fn_check("ucx init")?;
         let abort = Arc::new(AbortState::default());
+        let peers = Arc::new(Peers::default());
         let timeout = config.timeout;
         let on_event: engine::EventHandler = {
-            let abort = abort.clone();
-            Arc::new(move |event| {
-                let e = match event {
-                    Event::PeerFailed(r, status) => CommError::Aborted {
-                        reason: format!("the connection to world rank {r} failed: {}", ucx_rs::status_string(status)),
-                    },
-                    Event::Control(bytes) => wire::decode_failure(&bytes, timeout),
-                };
-                abort.set(e);
+            let (abort, peers) = (abort.clone(), peers.clone());
+            Arc::new(move |event| match event {
+                Event::PeerFailed(r, status) => peers.failed(r, status),
+                Event::Control(bytes) => match wire::decode_control(&bytes, timeout) {
+                    wire::Control::Leaving(r) => peers.left(r),
+                    wire::Control::Failure(e) => {
+                        abort.set(e);
+                    }
+                },
             })
         };
         // The worlds made under this prefix so far: every rank of a world
@@ -402,6 +504,7 @@ impl UcxComm {
             timeout,
             config: config.clone(),
             abort,
+            peers,
             hosts,
         });
         let core = Arc::new(Core::new(job, 0, rank, (0..size).collect()));

@@ -70,6 +70,34 @@ pub(crate) fn encode_failure(from: usize, e: &CommError) -> Vec<u8> {
     out
 }
 
+/// The notice of a rank that has finished and is about to close its
+/// endpoints (the failure header with code `L`, no text).
+pub(crate) fn encode_leaving(from: usize) -> Vec<u8> {
+    let mut out = vec![b'L'];
+    out.extend_from_slice(&0u64.to_le_bytes());
+    out.extend_from_slice(&(from as u32).to_le_bytes());
+    out
+}
+
+/// What a control message says.
+#[derive(Debug)]
+pub(crate) enum Control {
+    /// The job failed with this error.
+    Failure(CommError),
+    /// This world rank has finished and is leaving.
+    Leaving(usize),
+}
+
+/// A control message, read.
+pub(crate) fn decode_control(bytes: &[u8], timeout: std::time::Duration) -> Control {
+    if bytes.len() >= 13 && bytes[0] == b'L' {
+        let mut from = [0u8; 4];
+        from.copy_from_slice(&bytes[9..13]);
+        return Control::Leaving(u32::from_le_bytes(from) as usize);
+    }
+    Control::Failure(decode_failure(bytes, timeout))
+}
+
 /// The error a control message carries, as this rank reports it.
 pub(crate) fn decode_failure(bytes: &[u8], timeout: std::time::Duration) -> CommError {
     if bytes.len() < 13 {
@@ -125,6 +153,8 @@ mod tests {
         ));
         let a = CommError::Aborted { reason: "rank 0 called abort".into() };
         assert!(matches!(decode_failure(&encode_failure(0, &a), Duration::ZERO), CommError::Aborted { .. }));
+        assert!(matches!(decode_control(&encode_leaving(70_000), Duration::ZERO), Control::Leaving(70_000)));
+        assert!(matches!(decode_control(&encode_failure(2, &a), Duration::ZERO), Control::Failure(_)));
         assert!(matches!(decode_failure(b"x", Duration::ZERO), CommError::Aborted { .. }));
     }
 }
