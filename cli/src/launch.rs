@@ -473,6 +473,13 @@ impl NodeWatch {
     }
 }
 
+/// What every node published under `{name}/{node}`, in node order.
+fn per_node(store: &TcpStore, plan: &Plan, name: &str) -> Result<Vec<String>, chorus_collectives::CommError> {
+    let keys: Vec<String> = (0..plan.nnodes).map(|n| plan.key(&format!("{name}/{n}"))).collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    Ok(store.multi_get(&keys, plan.timeout)?.iter().map(|v| String::from_utf8_lossy(v).into_owned()).collect())
+}
+
 /// "node 1 on host h1": a node and the host its launcher runs on (as it
 /// published it when joining).
 fn node_name(hosts: &[String], node: usize) -> String {
@@ -545,20 +552,8 @@ impl Job {
                 );
             }
         }
-        let view_keys: Vec<String> = (0..plan.nnodes).map(|n| plan.key(&format!("view/{n}"))).collect();
-        let view_keys: Vec<&str> = view_keys.iter().map(String::as_str).collect();
-        let views: Vec<String> = store
-            .multi_get(&view_keys, plan.timeout)?
-            .iter()
-            .map(|v| String::from_utf8_lossy(v).into_owned())
-            .collect();
-        let host_keys: Vec<String> = (0..plan.nnodes).map(|n| plan.key(&format!("host/{n}"))).collect();
-        let host_keys: Vec<&str> = host_keys.iter().map(String::as_str).collect();
-        let hosts: Vec<String> = store
-            .multi_get(&host_keys, plan.timeout)?
-            .iter()
-            .map(|v| String::from_utf8_lossy(v).into_owned())
-            .collect();
+        let views = per_node(&store, plan, "view")?;
+        let hosts = per_node(&store, plan, "host")?;
         let mut rank_env = Vec::new();
         if let Some((a, b)) = MachineView::shared_memory_across_networks(&views) {
             let why = format!(

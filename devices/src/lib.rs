@@ -42,5 +42,6 @@ pub use error::{AccessKind, DeviceError, RaceAccess, RaceReport};
 pub use failure::FailureHandle;
 pub use foreign::ForeignBackend;
 pub use half::{bf16, f16};
+pub use memory::MemCounters;
 pub use readback::{Readback, ReadbackFiller};
 pub use view::View;

@@ -9,12 +9,13 @@ use std::sync::{Arc, Mutex};
 
 use crate::MemoryStats;
 
-/// A device's memory counters. The backend decides when a buffer counts: it
-/// calls [`MemCounters::add`] when the buffer is made and
-/// [`MemCounters::sub`] when it is released in its terms (each backend's
-/// `mod.rs` says when that is).
+/// Memory counters: bytes in use, their peak and live allocations, read as
+/// [`MemoryStats`]. The owner decides when a buffer counts: it calls
+/// [`MemCounters::add`] when the buffer is made and [`MemCounters::sub`]
+/// when it is released in its terms (each device backend's `mod.rs` says
+/// when that is; a UCX communicator counts its scratch buffers).
 #[derive(Debug, Default)]
-pub(crate) struct MemCounters {
+pub struct MemCounters {
     in_use: AtomicUsize,
     peak: AtomicUsize,
     live: AtomicUsize,
@@ -22,7 +23,7 @@ pub(crate) struct MemCounters {
 
 impl MemCounters {
     /// The counters now.
-    pub(crate) fn stats(&self) -> MemoryStats {
+    pub fn stats(&self) -> MemoryStats {
         MemoryStats {
             bytes_in_use: self.in_use.load(Ordering::Acquire),
             peak_bytes: self.peak.load(Ordering::Acquire),
@@ -30,17 +31,17 @@ impl MemCounters {
         }
     }
     /// Resets the peak to the bytes in use now.
-    pub(crate) fn reset_peak(&self) {
+    pub fn reset_peak(&self) {
         self.peak.store(self.in_use.load(Ordering::Acquire), Ordering::Release);
     }
     /// Counts a new allocation of `bytes`.
-    pub(crate) fn add(&self, bytes: usize) {
+    pub fn add(&self, bytes: usize) {
         let now = self.in_use.fetch_add(bytes, Ordering::AcqRel) + bytes;
         self.peak.fetch_max(now, Ordering::AcqRel);
         self.live.fetch_add(1, Ordering::AcqRel);
     }
     /// Stops counting an allocation of `bytes`.
-    pub(crate) fn sub(&self, bytes: usize) {
+    pub fn sub(&self, bytes: usize) {
         self.in_use.fetch_sub(bytes, Ordering::AcqRel);
         self.live.fetch_sub(1, Ordering::AcqRel);
     }

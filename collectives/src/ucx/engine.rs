@@ -31,9 +31,9 @@ use std::time::{Duration, Instant};
 use chorus_devices::cpu::RawRange;
 use ucx_rs::sys;
 
-use super::pool::ScratchCounters;
 use super::result::{status_error, status_ptr};
 use crate::{CommError, Result};
+use chorus_devices::MemCounters;
 
 /// Memory a transfer reads or writes, kept alive until UCX is done with it.
 #[derive(Clone)]
@@ -105,7 +105,7 @@ pub(crate) struct Scratch {
     words: Box<[std::cell::UnsafeCell<u64>]>,
     bytes: usize,
     /// The communicator's count this buffer is in (see `pool.rs`).
-    counters: Option<Arc<ScratchCounters>>,
+    counters: Option<Arc<MemCounters>>,
 }
 
 impl Drop for Scratch {
@@ -126,7 +126,7 @@ impl Scratch {
         Arc::new(Scratch { words, bytes, counters: None })
     }
     /// A buffer counted in `counters` until it is dropped.
-    pub(crate) fn counted(bytes: usize, counters: Arc<ScratchCounters>) -> Arc<Scratch> {
+    pub(crate) fn counted(bytes: usize, counters: Arc<MemCounters>) -> Arc<Scratch> {
         let words = (0..bytes.div_ceil(8).max(1)).map(|_| std::cell::UnsafeCell::new(0u64)).collect();
         counters.add(bytes);
         Arc::new(Scratch { words, bytes, counters: Some(counters) })

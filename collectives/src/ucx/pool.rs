@@ -9,46 +9,18 @@
 //! buffers and [`UcxConfig::scratch_pool_bytes`](super::UcxConfig) bytes (the
 //! largest that fit), and [`ScratchPool::release`] empties it.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use chorus_devices::MemoryStats;
+use chorus_devices::{MemCounters, MemoryStats};
 
 use super::engine::Scratch;
-
-/// Bytes of live scratch buffers, their peak, and their number.
-#[derive(Debug, Default)]
-pub(crate) struct ScratchCounters {
-    in_use: AtomicUsize,
-    peak: AtomicUsize,
-    live: AtomicUsize,
-}
-
-impl ScratchCounters {
-    pub(crate) fn add(&self, bytes: usize) {
-        let now = self.in_use.fetch_add(bytes, Ordering::AcqRel) + bytes;
-        self.peak.fetch_max(now, Ordering::AcqRel);
-        self.live.fetch_add(1, Ordering::AcqRel);
-    }
-    pub(crate) fn sub(&self, bytes: usize) {
-        self.in_use.fetch_sub(bytes, Ordering::AcqRel);
-        self.live.fetch_sub(1, Ordering::AcqRel);
-    }
-    fn stats(&self) -> MemoryStats {
-        MemoryStats {
-            bytes_in_use: self.in_use.load(Ordering::Acquire),
-            peak_bytes: self.peak.load(Ordering::Acquire),
-            live_allocations: self.live.load(Ordering::Acquire),
-        }
-    }
-}
 
 /// The free scratch buffers of one communicator, and the count of all it made.
 pub(crate) struct ScratchPool {
     free: Mutex<Vec<Arc<Scratch>>>,
     max_buffers: usize,
     max_bytes: usize,
-    counters: Arc<ScratchCounters>,
+    counters: Arc<MemCounters>,
 }
 
 /// The smallest buffer made (so that small calls of different sizes share one).
