@@ -471,6 +471,22 @@ impl NodeWatch {
         }
         Ok(None)
     }
+
+    /// Reads every other node's heartbeat once; a node found silent is added
+    /// to `silent` (once).
+    fn note_silent(
+        &mut self,
+        store: &TcpStore,
+        plan: &Plan,
+        silent: &mut Vec<usize>,
+    ) -> Result<(), chorus_collectives::CommError> {
+        if let Some((node, _)) = self.silent(store, plan, 0..plan.nnodes)? {
+            if !silent.contains(&node) {
+                silent.push(node);
+            }
+        }
+        Ok(())
+    }
 }
 
 /// What every node published under `{name}/{node}`, in node order.
@@ -535,7 +551,9 @@ impl Job {
         store
             .set(&plan.key(&format!("view/{}", plan.node_rank)), MachineView::of_this_process().encode().as_bytes())?;
         // Before the node key too: every host name exists once all nodes have joined.
-        store.set(&plan.key(&format!("host/{}", plan.node_rank)), crate::outdir::host().as_bytes())?;
+        // The name the flight recorder gives this host's dumps, so summaries and `chorus trace` agree.
+        let host = chorus_collectives::recorder::host_name();
+        store.set(&plan.key(&format!("host/{}", plan.node_rank)), host.as_bytes())?;
         store.set(&plan.key(&format!("node/{}", plan.node_rank)), plan.nproc.to_string().as_bytes())?;
         let node_keys: Vec<String> = (0..plan.nnodes).map(|n| plan.key(&format!("node/{n}"))).collect();
         let node_keys: Vec<&str> = node_keys.iter().map(String::as_str).collect();
@@ -893,22 +911,14 @@ impl Job {
         }
     }
 
-    /// Waits (at most a second) for the last output lines; a process that
-    /// left the rank's group may hold a pipe open, and is not waited for.
     /// Reads the other nodes' heartbeats once, noting a node found silent.
     fn watch_heartbeats(&mut self, plan: &Plan) {
         if self.store_lost {
             return;
         }
         let Some(watch) = self.watch.as_mut() else { return };
-        match watch.silent(&self.store, plan, 0..plan.nnodes) {
-            Ok(Some((node, _))) => {
-                if !self.silent_nodes.contains(&node) {
-                    self.silent_nodes.push(node);
-                }
-            }
-            Ok(None) => {}
-            Err(e) => self.lose_store("reading the other nodes' heartbeats", &e),
+        if let Err(e) = watch.note_silent(&self.store, plan, &mut self.silent_nodes) {
+            self.lose_store("reading the other nodes' heartbeats", &e);
         }
     }
 
@@ -946,10 +956,8 @@ impl Job {
         // silent is not waited for, and the silence is timed from fresh reads.
         let (store, watch, silent) = (&self.store, &mut self.watch, &mut self.silent_nodes);
         let gone = || {
-            if let Some(Some((node, _))) = watch.as_mut().map(|w| w.silent(store, plan, 0..plan.nnodes)).transpose()? {
-                if !silent.contains(&node) {
-                    silent.push(node);
-                }
+            if let Some(w) = watch.as_mut() {
+                w.note_silent(store, plan, silent)?;
             }
             Ok(silent.clone())
         };
@@ -977,6 +985,8 @@ impl Job {
         }
     }
 
+    /// Waits (at most a second) for the last output lines; a process that
+    /// left the rank's group may hold a pipe open, and is not waited for.
     fn finish_output(&mut self) {
         if let Some(mut output) = self.output.take() {
             output.finish(Duration::from_secs(1));

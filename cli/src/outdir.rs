@@ -38,7 +38,7 @@ fn usage(msg: String) -> anyhow::Error {
 }
 
 /// This host's name, as the kernel reports it.
-pub(crate) fn host() -> String {
+fn host() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default()
 }
 

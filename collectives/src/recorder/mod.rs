@@ -34,8 +34,7 @@
 
 mod dump;
 mod monitor;
-#[cfg_attr(not(feature = "ucx"), allow(unused_imports))]
-pub(crate) use monitor::host_name;
+pub use monitor::host_name;
 
 use std::collections::VecDeque;
 use std::path::PathBuf;

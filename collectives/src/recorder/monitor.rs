@@ -271,8 +271,9 @@ fn write_owner(
     result.map(|()| path)
 }
 
-/// This host's name (`gethostname`), `unknown-host` if it cannot be read.
-pub(crate) fn host_name() -> String {
+/// This host's name (`gethostname`), `unknown-host` if it cannot be read:
+/// the name in the dumps' file names (and in `chorus launch`'s summaries).
+pub fn host_name() -> String {
     static HOST: OnceLock<String> = OnceLock::new();
     HOST.get_or_init(|| {
         let mut buf = [0u8; 256];
