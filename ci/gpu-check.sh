@@ -145,12 +145,12 @@ if want fsdp-hang; then
     # with NCCL's log, killed (stacks kept) before the 180 s case deadline;
     # then with every module loaded eagerly (does lazy loading wait for work
     # that never ends?); then the case's model and batch trained on the world
-    # itself (no split). Under five minutes even when all three hang.
-    run fsdp-nccl-alone 90 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL,PROXY \
+    # itself (no split). Under three minutes even when all three hang.
+    run fsdp-nccl-alone 60 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL,PROXY \
         "$chorus" conformance --backend nccl --world-size 1 --filter fsdp/parity/sgd
-    run fsdp-nccl-alone-eager 90 env CUDA_MODULE_LOADING=EAGER \
+    run fsdp-nccl-alone-eager 45 env CUDA_MODULE_LOADING=EAGER \
         "$chorus" conformance --backend nccl --world-size 1 --filter fsdp/parity/sgd
-    run train-nccl-case-shape 90 "$chorus" train --model mlp --backend nccl --world-size 1 --steps 4 \
+    run train-nccl-case-shape 45 "$chorus" train --model mlp --backend nccl --world-size 1 --steps 4 \
         --dims 37,64,33,5 --batch 3 --out-dir "$results/train-nccl-case-shape"
 fi
 if want conformance-nccl; then
