@@ -61,7 +61,8 @@ pub(crate) use gpu::{LastRecord, StreamState};
 
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 mod gpu {
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex, Weak};
 
     use super::{poisoned, FailureHandle};
@@ -70,8 +71,11 @@ mod gpu {
     /// How many waited-on streams a stream remembers; older ones are dropped
     /// first (their failures are then no longer propagated).
     const MAX_UPSTREAM: usize = 256;
-    /// How deep failure propagation follows chains of waits.
-    const MAX_DEPTH: usize = 16;
+
+    /// Streams of this process that have ever failed. While none has, no
+    /// stream can inherit a failure and the search through waits is skipped:
+    /// the common case costs one atomic load.
+    static FAILED_STREAMS: AtomicUsize = AtomicUsize::new(0);
 
     /// One GPU stream's host-side progress and failure.
     #[derive(Debug)]
@@ -112,9 +116,20 @@ mod gpu {
             if let Ok(mut f) = self.failure.lock() {
                 match &*f {
                     Some((p, _)) if *p <= at => {}
-                    _ => *f = Some((at, e)),
+                    _ => {
+                        if f.is_none() {
+                            FAILED_STREAMS.fetch_add(1, Ordering::AcqRel);
+                        }
+                        *f = Some((at, e))
+                    }
                 }
             }
+        }
+
+        /// This stream's own failure if it applies to work up to `upto`.
+        fn own_failure_upto(&self, upto: u64) -> Option<DeviceError> {
+            let f = self.failure.lock().ok()?;
+            f.as_ref().filter(|(p, _)| *p <= upto).map(|(_, e)| e.clone())
         }
 
         /// This stream's own failure, whatever its position.
@@ -123,28 +138,66 @@ mod gpu {
         }
 
         /// The failure that affects work up to position `upto`: this stream's
-        /// own, or (as `Poisoned`) one of a stream it waited for before `upto`.
+        /// own, or (as `Poisoned`) one of a stream it waited for before `upto`,
+        /// directly or through other streams' waits.
         pub(crate) fn failure_at(&self, upto: u64) -> Option<DeviceError> {
-            self.failure_depth(upto, 0)
+            self.search_failure(upto).0
         }
 
-        fn failure_depth(&self, upto: u64, depth: usize) -> Option<DeviceError> {
-            if let Some((p, e)) = self.failure.lock().ok().and_then(|f| f.clone()) {
-                if p <= upto {
-                    return Some(e);
+        /// [`failure_at`](Self::failure_at) and how many waits it followed.
+        ///
+        /// The waits form a graph with cycles (FSDP's streams wait on one
+        /// another every step), and a stream keeps up to [`MAX_UPSTREAM`]
+        /// of them, so following every path is exponential: on an H100 a host
+        /// function doing so stalled FSDP's streams for minutes (2026-11-25).
+        /// A stream's waits up to a position include those up to any smaller
+        /// one, so each stream is searched once per larger bound, and each wait
+        /// followed at most once: linear in the waits held.
+        pub(super) fn search_failure(&self, upto: u64) -> (Option<DeviceError>, usize) {
+            if let Some(e) = self.own_failure_upto(upto) {
+                return (Some(e), 0);
+            }
+            if FAILED_STREAMS.load(Ordering::Acquire) == 0 {
+                return (None, 0);
+            }
+            // The largest bound each stream's waits were followed to.
+            let mut searched: HashMap<*const StreamState, u64> = HashMap::new();
+            searched.insert(self as *const StreamState, upto);
+            let mut todo: Vec<(Arc<StreamState>, u64)> = Vec::new();
+            let mut followed = 0;
+            self.push_waits(upto, None, &mut todo, &mut followed);
+            while let Some((s, bound)) = todo.pop() {
+                if let Some(e) = s.own_failure_upto(bound) {
+                    return (Some(poisoned(&e)), followed);
+                }
+                let before = searched.get(&Arc::as_ptr(&s)).copied();
+                if before.is_some_and(|b| b >= bound) {
+                    continue;
+                }
+                searched.insert(Arc::as_ptr(&s), bound);
+                s.push_waits(bound, before, &mut todo, &mut followed);
+            }
+            (None, followed)
+        }
+
+        /// Pushes the streams this one waited for at positions in `(after, upto]`.
+        fn push_waits(
+            &self,
+            upto: u64,
+            after: Option<u64>,
+            todo: &mut Vec<(Arc<StreamState>, u64)>,
+            followed: &mut usize,
+        ) {
+            if let Ok(u) = self.upstream.lock() {
+                for (w, their, at) in u.iter() {
+                    if *at <= upto && after.is_none_or(|a| *at > a) {
+                        if let Some(s) = w.upgrade() {
+                            *followed += 1;
+                            todo.push((s, *their));
+                        }
+                    }
                 }
             }
-            if depth >= MAX_DEPTH {
-                return None;
-            }
-            let entries: Vec<_> = match self.upstream.lock() {
-                Ok(u) => u.iter().filter(|(_, _, at)| *at <= upto).cloned().collect(),
-                Err(_) => Vec::new(),
-            };
-            entries.into_iter().find_map(|(w, their, _)| {
-                let s = w.upgrade()?;
-                s.failure_depth(their, depth + 1).map(|e| poisoned(&e))
-            })
         }
 
         /// Records that operation `ours` of this stream waited for `stream` up to `their`.
@@ -190,5 +243,79 @@ mod gpu {
             let (w, pos) = r.as_ref()?;
             Some((w.upgrade()?, *pos))
         }
+    }
+}
+
+#[cfg(all(test, any(feature = "cuda", feature = "rocm")))]
+mod tests {
+    use std::sync::Arc;
+
+    use super::gpu::StreamState;
+    use crate::DeviceError;
+
+    /// FSDP's four streams, each waiting on every other one at every step:
+    /// the wait graph of the H100 run that stalled (every path of it is
+    /// astronomically many; the waits held are 4 · 3 · steps at most).
+    fn fsdp_like(steps: u64) -> Vec<Arc<StreamState>> {
+        let streams: Vec<_> = (0..4).map(|i| StreamState::new(format!("s{i}"))).collect();
+        for _ in 0..steps {
+            for (i, s) in streams.iter().enumerate() {
+                for (j, t) in streams.iter().enumerate() {
+                    if i != j {
+                        let theirs = t.advance();
+                        let ours = s.advance();
+                        s.add_upstream(t, theirs, ours);
+                    }
+                }
+            }
+        }
+        streams
+    }
+
+    #[test]
+    fn a_dense_wait_graph_is_searched_once_per_wait() {
+        let streams = fsdp_like(100);
+        let held: usize = 4 * 3 * 100;
+        // Another stream's failure (not this one) forces the full search.
+        let unrelated = StreamState::new("unrelated".into());
+        unrelated.fail(1, DeviceError::invalid("test", "unrelated"));
+        let (found, followed) = streams[0].search_failure(streams[0].position());
+        assert!(found.is_none());
+        assert!(followed <= held, "followed {followed} waits, {held} held");
+    }
+
+    #[test]
+    fn a_failure_reaches_through_a_long_chain_of_waits() {
+        // A chain longer than the old depth limit of 16.
+        let chain: Vec<_> = (0..40).map(|i| StreamState::new(format!("c{i}"))).collect();
+        let first = chain[0].advance();
+        chain[0].fail(first, DeviceError::invalid("test", "the first"));
+        for k in 1..chain.len() {
+            let theirs = chain[k - 1].position();
+            let ours = chain[k].advance();
+            chain[k].add_upstream(&chain[k - 1], theirs, ours);
+        }
+        let last = chain.last().unwrap();
+        match last.failure_at(last.position()) {
+            Some(DeviceError::Poisoned { cause }) => assert!(cause.to_string().contains("the first")),
+            other => panic!("expected Poisoned, got {other:?}"),
+        }
+        // Work before the wait is not affected.
+        assert!(last.failure_at(0).is_none());
+    }
+
+    #[test]
+    fn a_failure_after_the_waited_position_does_not_propagate() {
+        let streams = fsdp_like(3);
+        let (a, b) = (&streams[0], &streams[1]);
+        // b fails at a position later than any a waited for.
+        let later = b.advance();
+        b.fail(later, DeviceError::invalid("test", "late"));
+        assert!(a.failure_at(a.position()).is_none());
+        // a waits for it now: from that wait on, a is poisoned.
+        let ours = a.advance();
+        a.add_upstream(b, later, ours);
+        assert!(a.failure_at(ours - 1).is_none());
+        assert!(matches!(a.failure_at(ours), Some(DeviceError::Poisoned { .. })));
     }
 }
