@@ -353,9 +353,8 @@ impl<B: Backend> Ring<B> {
         let error = error.to_string();
         if let Some(slot) = self.push(calls, CallState::Failed, Some(error.clone()), start, None) {
             if let Ok(mut s) = self.state.lock() {
-                s.trigger.get_or_insert_with(|| {
-                    format!("{slot} of communicator {} failed at issue: {error}", self.info.id)
-                });
+                s.trigger
+                    .get_or_insert_with(|| format!("{slot} of communicator {} failed at issue: {error}", self.info.id));
             }
         }
     }
@@ -439,6 +438,12 @@ impl<B: Backend> monitor::Watched for Ring<B> {
     fn owner(&self) -> (usize, usize) {
         (self.info.owner_rank, self.info.world_size)
     }
+
+    fn requeue(&self, reason: String) {
+        if let Ok(mut s) = self.state.lock() {
+            s.trigger.get_or_insert(reason);
+        }
+    }
 }
 
 impl<B: Backend> Drop for Ring<B> {
@@ -462,7 +467,8 @@ pub fn flush() {
 /// Polls `ring` and returns its record now (states as of this call).
 pub(crate) fn snapshot<B: Backend>(ring: &Ring<B>) -> CommRecord {
     use monitor::Watched;
-    let _ = ring.poll();
+    // A failure seen here first is still dumped by the monitor.
+    monitor::poll_aside(ring);
     ring.record()
 }
 

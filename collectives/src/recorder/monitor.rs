@@ -19,6 +19,16 @@ pub(super) trait Watched: Send + Sync {
     fn dir(&self) -> Option<&Path>;
     /// Rank in the root communicator and the root's size.
     fn owner(&self) -> (usize, usize);
+    /// Gives back a reason to dump that `poll` returned to someone other
+    /// than the monitor (a snapshot), so the monitor still dumps for it.
+    fn requeue(&self, reason: String);
+}
+
+/// Polls `ring` outside the monitor: a reason to dump found is left for it.
+pub(super) fn poll_aside(ring: &dyn Watched) {
+    if let Some(reason) = ring.poll() {
+        ring.requeue(reason);
+    }
 }
 
 /// The last record of a dropped ring that had a dump directory: a rank that
@@ -222,7 +232,7 @@ fn write_dir(rings: &[std::sync::Arc<dyn Watched>], dir: &Path, reason: &str) {
 pub(super) fn write_rank(dir: &Path, owner: usize, reason: &str) -> std::io::Result<PathBuf> {
     let rings = live(registry());
     for ring in rings.iter().filter(|r| r.dir() == Some(dir) && r.owner().0 == owner) {
-        let _ = ring.poll();
+        poll_aside(&**ring);
     }
     write_owner(&rings, dir, owner, reason)
 }
@@ -260,8 +270,8 @@ fn write_owner(
         pid: std::process::id(),
         reason: reason.to_string(),
         dumped_us: epoch_us(std::time::Instant::now()),
-        run_id: run().0,
-        run_started_us: run().1,
+        run_id: run_identity().0,
+        run_started_us: run_identity().1,
         communicators,
     };
     std::fs::create_dir_all(dir)?;
@@ -283,7 +293,7 @@ fn write_owner(
 
 /// The job's name and start, as the process environment gives them
 /// (`TORCHELASTIC_RUN_ID`, [`RUN_STARTED_VAR`]; read once).
-fn run() -> (Option<String>, Option<u64>) {
+fn run_identity() -> (Option<String>, Option<u64>) {
     static RUN: OnceLock<(Option<String>, Option<u64>)> = OnceLock::new();
     RUN.get_or_init(|| {
         let id = std::env::var("TORCHELASTIC_RUN_ID").ok().filter(|v| !v.is_empty());

@@ -36,13 +36,16 @@ extern "C" fn on_signal(signal: libc::c_int) {
 /// dump directory), each once, and starts the thread that answers them.
 pub(super) fn install(dumps: bool) {
     static THREAD: OnceLock<bool> = OnceLock::new();
-    let running = *THREAD.get_or_init(|| match std::thread::Builder::new().name("chorus-signals".into()).spawn(answer) {
-        Ok(_) => true,
-        Err(e) => {
-            eprintln!("chorus: the flight recorder's signal thread could not start ({e}); signals keep their actions");
-            false
-        }
-    });
+    let running =
+        *THREAD.get_or_init(|| match std::thread::Builder::new().name("chorus-signals".into()).spawn(answer) {
+            Ok(_) => true,
+            Err(e) => {
+                eprintln!(
+                    "chorus: the flight recorder's signal thread could not start ({e}); signals keep their actions"
+                );
+                false
+            }
+        });
     if !running {
         return;
     }

@@ -186,7 +186,12 @@ mod sim {
         c.all_reduce_in_place(buf.view(), ReduceOp::Sum, &s).unwrap();
         assert!(s.synchronize().is_err());
         let start = Instant::now();
-        let files = |d: &std::path::Path| std::fs::read_dir(d).map(|r| r.count()).unwrap_or(0);
+        // Finished dumps only (one being written is a dot-file until renamed).
+        let files = |d: &std::path::Path| {
+            std::fs::read_dir(d).map_or(0, |r| {
+                r.filter(|e| e.as_ref().is_ok_and(|e| !e.file_name().to_string_lossy().starts_with('.'))).count()
+            })
+        };
         while files(&dir) < 2 {
             assert!(start.elapsed() < Duration::from_secs(10), "no dumps in {}", dir.display());
             std::thread::sleep(Duration::from_millis(10));

@@ -6,7 +6,6 @@ use std::collections::{HashMap, VecDeque};
 
 use super::ENTRY_OVERHEAD;
 
-
 /// The capacity `v` gets to take `n` more bytes: its own when they fit,
 /// else doubled (amortised growth, at most to `soft_max` unless the bytes
 /// need more), so a buffer or value that grows by pieces is copied O(log n)
@@ -200,7 +199,6 @@ impl State {
         }
     }
 }
-
 
 #[cfg(test)]
 mod tests {

@@ -11,9 +11,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::budget::{extend_to, grown_capacity, State};
 use super::super::protocol::QueryType;
-use super::{LogFn, ServerOptions, StatsCell, KEEP_BUFFER, OUTPUT_HIGH_WATER, READ_CHUNK, READ_PER_TURN, UNVALIDATED_INPUT};
+use super::budget::{extend_to, grown_capacity, State};
+use super::{
+    LogFn, ServerOptions, StatsCell, KEEP_BUFFER, OUTPUT_HIGH_WATER, READ_CHUNK, READ_PER_TURN, UNVALIDATED_INPUT,
+};
 
 /// One client connection.
 pub(super) struct Conn {
@@ -313,7 +315,6 @@ impl EventLoop {
             self.sync(id);
         }
     }
-
 
     pub(super) fn flush_all(&mut self) {
         let ids: Vec<u64> = self.conns.keys().copied().collect();

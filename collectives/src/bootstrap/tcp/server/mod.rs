@@ -28,29 +28,24 @@
 //! (an endless multi-set, answers it never reads) loses its connection and
 //! the well-behaved ones, whose buffers are small, keep being served.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::io::{ErrorKind, Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::collections::BTreeMap;
+use std::io::{ErrorKind, Write};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
-
-mod budget;
-mod connections;
-mod requests;
+use std::time::Duration;
 
 use budget::State;
 use connections::EventLoop;
 
-use super::protocol::{
-    decode_request, put_bytes, Decoded, Limits, QueryType, Request, CHECK_NOT_READY, CHECK_READY, STOP_WAITING,
-    VALIDATION_MAGIC, WAIT_CANCELED,
-};
-use crate::bootstrap::store::{add_outcome, compare_set_outcome, parse_counter};
+use super::protocol::Limits;
 use crate::{CommError, Result, StoreFailure};
+
+mod budget;
+mod connections;
+mod requests;
 
 /// Where the server reports why it closed a connection (one line each).
 pub type LogFn = Arc<dyn Fn(&str) + Send + Sync>;

@@ -1,15 +1,20 @@
 //! The server's requests: each decoded from a connection's input, applied
 //! to the stored state within the budget, and answered.
 
-use super::budget::{extend_to, grown_capacity};
-use super::connections::EventLoop;
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+
 use super::super::protocol::{
-    decode_request, put_bytes, Decoded, QueryType, Request, CHECK_NOT_READY, CHECK_READY, STOP_WAITING,
-    VALIDATION_MAGIC, WAIT_CANCELED,
+    decode_request, put_bytes, Decoded, Request, CHECK_NOT_READY, CHECK_READY, STOP_WAITING, VALIDATION_MAGIC,
+    WAIT_CANCELED,
 };
+use super::budget::{extend_to, grown_capacity, wait_cost};
+use super::connections::{refused_first_byte, EventLoop};
+use super::KEEP_BUFFER;
 use crate::bootstrap::store::{add_outcome, compare_set_outcome, parse_counter};
 
 impl EventLoop {
+    pub(super) fn process_all(&mut self) {
         let ids: Vec<u64> = self.conns.keys().copied().collect();
         for id in ids {
             self.process(id);
@@ -93,7 +98,12 @@ impl EventLoop {
     }
 
     /// Applies one request; the answer's bytes, or why the connection must close.
-    pub(super) fn handle(&mut self, id: u64, request: Request, woken: &mut Vec<u64>) -> std::result::Result<Vec<u8>, String> {
+    pub(super) fn handle(
+        &mut self,
+        id: u64,
+        request: Request,
+        woken: &mut Vec<u64>,
+    ) -> std::result::Result<Vec<u8>, String> {
         let Some(conn) = self.conns.get_mut(&id) else { return Ok(Vec::new()) };
         if !conn.validated {
             return match request {
