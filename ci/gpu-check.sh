@@ -139,7 +139,7 @@ want info && run info 60 "$chorus" info
 want devices-cuda && run devices-cuda 120 "$bin/test-chorus-devices-device_cuda" --include-ignored --test-threads=1
 want cuda-load && run cuda-load 120 "$bin/test-chorus-devices-cuda_load" --test-threads=1
 want host-fn-cuda && run host-fn-cuda 120 "$bin/test-chorus-devices-host_fn" --test-threads=1
-want nccl-load && run nccl-load 120 "$bin/test-chorus-collectives-nccl_load" --test-threads=1 --nocapture
+want nccl-load && run nccl-load 120 "$bin/test-chorus-collectives-nccl_load" --include-ignored --skip without_a_cuda_driver --test-threads=1 --nocapture
 if want fsdp-hang; then
     # The first FSDP case stalled on 2026-11-23; the stacks of 2026-11-25 showed
     # the host functions of FSDP's streams deep in StreamState::failure_depth

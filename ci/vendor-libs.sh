@@ -1,7 +1,8 @@
 # Sourced by ci/test.sh: installs the NVIDIA libraries that load without a GPU
 # and exports the variables that point chorus at them. Idempotent: when the
-# wheels are installed this is one python call. Never fails the caller: when a
-# library cannot be installed its tests report a skip instead.
+# wheels are installed this is one python call. Fails the caller (returns 1)
+# when a library cannot be provided: the tests that need it run there with
+# --include-ignored and must not pass without checking it.
 #
 #   nvidia-nccl-cu12       -> CHORUS_NCCL_LIB  (ncclGetVersion / ncclGetUniqueId tests)
 #   nvidia-cuda-nvrtc-cu12 -> CHORUS_NVRTC_LIB (the cuda kernels compile under NVRTC)
@@ -24,19 +25,38 @@ PY
 )" || found=""
     if [ -z "$found" ] && command -v python3 >/dev/null 2>&1; then
         echo "vendor-libs: installing $3" >&2
-        python3 -m pip install --quiet --disable-pip-version-check "$3" >&2 || echo "vendor-libs: could not install $3; its tests will skip" >&2
+        python3 -m pip install --quiet --disable-pip-version-check "$3" >&2 || echo "vendor-libs: could not install $3" >&2
         found="$(python3 -c "import nvidia.$1 as m, os; p = os.path.join(list(m.__path__)[0], 'lib', '$2'); print(p if os.path.exists(p) else '')" 2>/dev/null || true)"
     fi
     printf '%s' "$found"
 }
 
+_chorus_vendor_ok=1
 if command -v python3 >/dev/null 2>&1; then
     _chorus_nccl="$(chorus_vendor_lib nccl libnccl.so.2 nvidia-nccl-cu12)"
-    if [ -n "$_chorus_nccl" ]; then export CHORUS_NCCL_LIB="$_chorus_nccl"; echo "vendor-libs: CHORUS_NCCL_LIB=$CHORUS_NCCL_LIB" >&2; fi
+    if [ -n "$_chorus_nccl" ]; then
+        export CHORUS_NCCL_LIB="$_chorus_nccl"
+        echo "vendor-libs: CHORUS_NCCL_LIB=$CHORUS_NCCL_LIB" >&2
+    else
+        echo "vendor-libs: NCCL (nvidia-nccl-cu12) could not be provided; the NCCL loading tests cannot run" >&2
+        _chorus_vendor_ok=0
+    fi
     _chorus_nvrtc="$(chorus_vendor_lib cuda_nvrtc libnvrtc.so.12 nvidia-cuda-nvrtc-cu12)"
-    if [ -n "$_chorus_nvrtc" ]; then export CHORUS_NVRTC_LIB="$_chorus_nvrtc"; echo "vendor-libs: CHORUS_NVRTC_LIB=$CHORUS_NVRTC_LIB" >&2; fi
+    if [ -n "$_chorus_nvrtc" ]; then
+        export CHORUS_NVRTC_LIB="$_chorus_nvrtc"
+        echo "vendor-libs: CHORUS_NVRTC_LIB=$CHORUS_NVRTC_LIB" >&2
+    else
+        echo "vendor-libs: NVRTC (nvidia-cuda-nvrtc-cu12) could not be provided; the NVRTC tests cannot run" >&2
+        _chorus_vendor_ok=0
+    fi
     unset _chorus_nccl _chorus_nvrtc
 else
-    echo "vendor-libs: no python3; NCCL and NVRTC loading tests will skip" >&2
+    echo "vendor-libs: no python3: NCCL and NVRTC cannot be installed, and their loading tests cannot run" >&2
+    _chorus_vendor_ok=0
 fi
 unset -f chorus_vendor_lib
+if [ "$_chorus_vendor_ok" = 0 ]; then
+    unset _chorus_vendor_ok
+    return 1 2>/dev/null || exit 1
+fi
+unset _chorus_vendor_ok

@@ -8,7 +8,7 @@ mod analysis;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use chorus_collectives::recorder::{RankDump, FORMAT_VERSION};
+use chorus_collectives::recorder::{RankDump, FORMAT_VERSION, MAX_WORLD_SIZE};
 use clap::Args;
 
 use crate::{Outcome, UsageError};
@@ -48,25 +48,86 @@ fn dump_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// Reads and checks every dump: one per rank, of this format's version.
-pub fn read_dumps(dir: &Path) -> anyhow::Result<Vec<RankDump>> {
-    let mut dumps: Vec<(PathBuf, RankDump)> = Vec::new();
+/// The dumps of one run, and the files of other runs left out.
+pub struct Dumps {
+    /// The latest run's dumps, one per rank.
+    pub dumps: Vec<RankDump>,
+    /// The runs left out (older ones in the same directory), each with its files.
+    pub other_runs: Vec<(String, Vec<PathBuf>)>,
+}
+
+/// Which run a dump is of: its run id and start (`chorus launch` sets both;
+/// a process started otherwise has at most the run id).
+fn run_key(d: &RankDump) -> (Option<u64>, Option<String>) {
+    (d.run_started_us, d.run_id.clone())
+}
+
+/// "run "job1" started 2026-11-25 18:58:20 UTC".
+fn describe_run(key: &(Option<u64>, Option<String>)) -> String {
+    let id = key.1.as_deref().map_or_else(|| "a run without a run id".to_string(), |id| format!("run {id:?}"));
+    match key.0 {
+        Some(us) => format!("{id} started at {} (Unix time, s)", us / 1_000_000),
+        None => format!("{id} (start unknown)"),
+    }
+}
+
+/// Reads and checks one dump: of this format's version, its sizes bounded.
+fn read_dump(path: &Path) -> anyhow::Result<RankDump> {
+    let len = path.metadata().with_context(|| format!("reading {}", path.display()))?.len();
+    if len > MAX_DUMP_BYTES {
+        anyhow::bail!("{}: {len} bytes, more than a dump can be ({MAX_DUMP_BYTES})", path.display());
+    }
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let dump: RankDump = serde_json::from_slice(&bytes)
+        .with_context(|| format!("{} is not a chorus flight-recorder dump", path.display()))?;
+    if dump.version != FORMAT_VERSION {
+        anyhow::bail!(
+            "{}: dump format version {}, this chorus reads version {FORMAT_VERSION}",
+            path.display(),
+            dump.version
+        );
+    }
+    if dump.world_size == 0 || dump.world_size > MAX_WORLD_SIZE {
+        anyhow::bail!(
+            "{}: world_size {} is not a world chorus runs (1 to {MAX_WORLD_SIZE} ranks)",
+            path.display(),
+            dump.world_size
+        );
+    }
+    if dump.rank >= dump.world_size {
+        anyhow::bail!("{}: rank {} in a world of {} ranks", path.display(), dump.rank, dump.world_size);
+    }
+    Ok(dump)
+}
+
+/// Reads and checks every dump of `dir`: the latest run's, one per rank, of
+/// this format's version. Dumps of older runs (a directory used again, a
+/// run id given again) are left out and named, not mixed in.
+pub fn read_dumps(dir: &Path) -> anyhow::Result<Dumps> {
+    let mut all: Vec<(PathBuf, RankDump)> = Vec::new();
     for path in dump_files(dir)? {
-        let len = path.metadata().with_context(|| format!("reading {}", path.display()))?.len();
-        if len > MAX_DUMP_BYTES {
-            anyhow::bail!("{}: {len} bytes, more than a dump can be ({MAX_DUMP_BYTES})", path.display());
+        let dump = read_dump(&path)?;
+        all.push((path, dump));
+    }
+    // The latest run: the latest start, then the latest dump.
+    let latest =
+        all.iter().max_by_key(|(_, d)| (d.run_started_us, d.dumped_us)).map(|(_, d)| run_key(d)).unwrap_or_default();
+    let mut other_runs: Vec<(String, Vec<PathBuf>)> = Vec::new();
+    let mut dumps: Vec<(PathBuf, RankDump)> = Vec::new();
+    for (path, dump) in all {
+        let key = run_key(&dump);
+        if key == latest {
+            dumps.push((path, dump));
+            continue;
         }
-        let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
-        let dump: RankDump = serde_json::from_slice(&bytes)
-            .with_context(|| format!("{} is not a chorus flight-recorder dump", path.display()))?;
-        if dump.version != FORMAT_VERSION {
-            anyhow::bail!(
-                "{}: dump format version {}, this chorus reads version {FORMAT_VERSION}",
-                path.display(),
-                dump.version
-            );
+        let run = describe_run(&key);
+        match other_runs.iter_mut().find(|(r, _)| *r == run) {
+            Some((_, files)) => files.push(path),
+            None => other_runs.push((run, vec![path])),
         }
-        if let Some((other, _)) = dumps.iter().find(|(_, d)| d.rank == dump.rank) {
+    }
+    for (i, (path, dump)) in dumps.iter().enumerate() {
+        if let Some((other, _)) = dumps[..i].iter().find(|(_, d)| d.rank == dump.rank) {
             anyhow::bail!(
                 "two dumps of rank {}: {} and {} (dumps of different jobs? give each job its own directory)",
                 dump.rank,
@@ -74,19 +135,28 @@ pub fn read_dumps(dir: &Path) -> anyhow::Result<Vec<RankDump>> {
                 path.display()
             );
         }
-        dumps.push((path, dump));
     }
     let sizes: std::collections::BTreeSet<u64> = dumps.iter().map(|(_, d)| d.world_size).collect();
     if sizes.len() > 1 {
         anyhow::bail!("the dumps in {} are of worlds of different sizes {sizes:?}: of different jobs", dir.display());
     }
-    Ok(dumps.into_iter().map(|(_, d)| d).collect())
+    Ok(Dumps { dumps: dumps.into_iter().map(|(_, d)| d).collect(), other_runs })
 }
 
 /// `chorus trace`.
 pub fn run(args: &TraceArgs) -> anyhow::Result<Outcome> {
-    let dumps = read_dumps(&args.dir)?;
-    let report = analysis::analyse(&dumps);
+    let Dumps { dumps, other_runs } = read_dumps(&args.dir)?;
+    let mut report = analysis::analyse(&dumps);
+    for (run, files) in &other_runs {
+        let names: Vec<String> = files
+            .iter()
+            .map(|f| f.file_name().map_or_else(|| f.display().to_string(), |n| n.to_string_lossy().into()))
+            .collect();
+        report.other_runs.push(format!("{} dump(s) of {run} left out: {}", files.len(), names.join(", ")));
+    }
+    if let Some(d) = dumps.first().filter(|d| d.run_id.is_some() || d.run_started_us.is_some()) {
+        report.run = Some(describe_run(&run_key(d)));
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -98,10 +168,14 @@ pub fn run(args: &TraceArgs) -> anyhow::Result<Outcome> {
 /// The report as text: the verdict first, then the evidence, in one screen.
 fn render(r: &Report) -> String {
     let mut out = String::new();
+    for line in &r.other_runs {
+        out.push_str(&format!("note: {line} (this analysis reads only the latest run's dumps)\n"));
+    }
     let hosts: std::collections::BTreeSet<&str> = r.dumps.iter().map(|d| d.host.as_str()).collect();
     let ranks: Vec<u64> = r.dumps.iter().map(|d| d.rank).collect();
+    let run = r.run.as_deref().map(|run| format!(" of {run}")).unwrap_or_default();
     out.push_str(&format!(
-        "{} dump(s) of a world of {} ranks: ranks {} on {}\n",
+        "{} dump(s){run} of a world of {} ranks: ranks {} on {}\n",
         r.dumps.len(),
         r.world_size,
         ranks_text(&ranks),

@@ -189,6 +189,209 @@ fn trace_refuses_what_is_not_a_directory_of_dumps() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A dump file of the fields `chorus trace` checks (no communicators).
+fn dump_json(rank: u64, world_size: u64, host: &str, run: Option<(&str, u64)>) -> Vec<u8> {
+    let mut d = serde_json::json!({
+        "version": 1, "rank": rank, "world_size": world_size, "host": host, "pid": 1,
+        "reason": "test", "dumped_us": 5, "communicators": []
+    });
+    if let Some((id, started)) = run {
+        d["run_id"] = id.into();
+        d["run_started_us"] = started.into();
+    }
+    serde_json::to_vec(&d).unwrap()
+}
+
+#[test]
+fn trace_refuses_sizes_a_dump_cannot_have() {
+    let dir = scratch("recorder-sizes");
+    let cases = [
+        (dump_json(0, 4_000_000_000, "h", None), "world_size 4000000000 is not a world chorus runs"),
+        (dump_json(0, 0, "h", None), "world_size 0 is not a world chorus runs"),
+        (dump_json(99, 4, "h", None), "rank 99 in a world of 4 ranks"),
+    ];
+    for (bytes, expected) in cases {
+        std::fs::write(dir.join("rank00000-h.json"), bytes).unwrap();
+        let out = run_bounded(chorus().arg("trace").arg(&dir), Duration::from_secs(30));
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+        assert!(text(&out.stderr).contains(expected), "{expected}: {}", text(&out.stderr));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn trace_reads_the_latest_run_and_names_the_dumps_of_others() {
+    let dir = scratch("recorder-runs");
+    // Run A (started at 1000 s) left rank 0's dump from host a; run B, under the
+    // same run id, has both ranks on host b.
+    std::fs::write(dir.join("rank00000-a.json"), dump_json(0, 2, "a", Some(("job", 1_000_000_000)))).unwrap();
+    std::fs::write(dir.join("rank00000-b.json"), dump_json(0, 2, "b", Some(("job", 2_000_000_000)))).unwrap();
+    std::fs::write(dir.join("rank00001-b.json"), dump_json(1, 2, "b", Some(("job", 2_000_000_000)))).unwrap();
+    let out = run_bounded(chorus().arg("trace").arg(&dir), Duration::from_secs(30));
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    assert!(
+        stdout.contains("note: 1 dump(s) of run \"job\" started at 1000 (Unix time, s) left out: rank00000-a.json"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("2 dump(s) of run \"job\" started at 2000 (Unix time, s) of a world of 2 ranks"),
+        "{stdout}"
+    );
+    let out = run_bounded(chorus().arg("trace").arg("--json").arg(&dir), Duration::from_secs(30));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["dumps"].as_array().map(Vec::len), Some(2));
+    assert_eq!(json["other_runs"].as_array().map(Vec::len), Some(1));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A process whose two sim ranks are healthy but not done: rank 0 waits in
+/// an all-reduce that rank 1 has not issued yet (the world's timeout is two
+/// minutes). What the signal tests interrupt; prints `READY` when waiting.
+#[test]
+#[ignore = "started by the signal tests, in a child process"]
+fn signal_child() {
+    let world = SimWorld::new(2, SimConfig { timeout: Duration::from_secs(120), ..SimConfig::default() }).unwrap();
+    let comms: Vec<_> = (0..2).map(|r| Communicator::new(world.communicator(r).unwrap().into_backend())).collect();
+    let c = &comms[0];
+    let s = c.device().create_stream(Priority::Normal).unwrap();
+    let buf = c.device().alloc(DType::F32, 8).unwrap();
+    c.all_reduce_in_place(buf.view(), ReduceOp::Sum, &s).unwrap();
+    println!("READY");
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+/// Starts [`signal_child`] with the dump signals at their defaults and
+/// `CHORUS_TRACE_DIR` set to `dir` (or unset); returns it and its pid once it
+/// is waiting, with its stderr lines as they come.
+fn start_signal_child(dir: Option<&Path>) -> (std::process::Child, mpsc::Receiver<String>) {
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", "signal_child", "--ignored", "--nocapture", "--test-threads", "1"])
+        .env_remove("CHORUS_TRACE_DIR")
+        .env_remove("TORCHELASTIC_RUN_ID")
+        .env_remove("CHORUS_RUN_STARTED_US")
+        .env_remove("CHORUS_FLIGHT_RECORDER_ENTRIES")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    if let Some(dir) = dir {
+        cmd.env("CHORUS_TRACE_DIR", dir);
+    }
+    // SAFETY: signal(2) is async-signal-safe and touches no memory.
+    unsafe {
+        cmd.pre_exec(|| {
+            for s in [libc::SIGTERM, libc::SIGINT, libc::SIGUSR1] {
+                libc::signal(s, libc::SIG_DFL);
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
+    let (out, err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let (ready_tx, ready) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            if line.contains("READY") {
+                let _ = ready_tx.send(());
+            }
+        }
+    });
+    let (lines_tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+            let _ = lines_tx.send(line);
+        }
+    });
+    if ready.recv_timeout(Duration::from_secs(60)).is_err() {
+        let _ = child.kill();
+        panic!("the signal child never got ready");
+    }
+    (child, lines)
+}
+
+/// Waits at most `limit` for `child` to end; how it ended and when.
+fn ended_within(child: &mut std::process::Child, limit: Duration) -> (std::process::ExitStatus, Duration) {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return (status, start.elapsed());
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("still running {limit:?} after the signal");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn sigterm_dumps_a_snapshot_and_ends_the_process_by_sigterm() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = scratch("recorder-sigterm").join("trace");
+    let (mut child, _) = start_signal_child(Some(&dir));
+    // SAFETY: kill(2) on the child's pid.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let (status, took) = ended_within(&mut child, Duration::from_secs(20));
+    assert_eq!(status.signal(), Some(libc::SIGTERM), "{status:?}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    wait_for_dumps(&dir, 2);
+    let out = run_bounded(chorus().arg("trace").arg(&dir), Duration::from_secs(30));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("SNAPSHOT: every dump was taken on a signal (signal SIGTERM)"), "{stdout}");
+    assert!(stdout.contains("NOT YET REACHED: rank 1 had not issued #0 all_reduce(8 x f32, sum)"), "{stdout}");
+    assert!(!stdout.contains("NEVER REACHED"), "{stdout}");
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}
+
+#[test]
+fn sigterm_ends_the_process_within_seconds_when_the_dump_hangs() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = scratch("recorder-sigterm-hung").join("trace");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (mut child, lines) = start_signal_child(Some(&dir));
+    // The dumps' temporary files are FIFOs nobody reads: writing them blocks
+    // as on a hung file system.
+    let host = chorus_collectives::recorder::host_name();
+    for rank in 0..2 {
+        let name = format!(".rank{rank:05}-{host}.json.{}.tmp", child.id());
+        let path = std::ffi::CString::new(dir.join(name).into_os_string().into_encoded_bytes()).unwrap();
+        // SAFETY: mkfifo reads a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0, "{}", std::io::Error::last_os_error());
+    }
+    // SAFETY: kill(2) on the child's pid.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let (status, took) = ended_within(&mut child, Duration::from_secs(30));
+    assert_eq!(status.signal(), Some(libc::SIGTERM), "{status:?}");
+    let wait = chorus_collectives::recorder::DUMP_WAIT;
+    assert!(took >= wait && took < wait + Duration::from_secs(3), "{took:?}");
+    // The child is gone: its stderr ends, and the reader with it.
+    let mut said = Vec::new();
+    while let Ok(line) = lines.recv_timeout(Duration::from_secs(10)) {
+        said.push(line);
+    }
+    assert!(said.iter().any(|l| l.contains("did not finish within 3 s")), "{said:?}");
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}
+
+#[test]
+fn sigusr1_without_a_dump_directory_says_so_and_the_run_goes_on() {
+    use std::os::unix::process::ExitStatusExt;
+    let (mut child, lines) = start_signal_child(None);
+    // SAFETY: kill(2) on the child's pid.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGUSR1) };
+    let line = lines.recv_timeout(Duration::from_secs(20)).expect("a line on stderr");
+    assert!(line.contains("SIGUSR1: no flight-recorder dump written (CHORUS_TRACE_DIR is not set)"), "{line}");
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(child.try_wait().unwrap().is_none(), "SIGUSR1 ended the process");
+    // Without a dump directory SIGTERM keeps its default action.
+    // SAFETY: kill(2) on the child's pid.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let (status, _) = ended_within(&mut child, Duration::from_secs(20));
+    assert_eq!(status.signal(), Some(libc::SIGTERM), "{status:?}");
+}
+
 #[cfg(feature = "ucx")]
 mod ucx {
     use super::*;

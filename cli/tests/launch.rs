@@ -187,6 +187,10 @@ fn too_many_ranks_exit_2_before_anything_starts() {
         // 1024 ranks and their launcher are one connection more than the store serves.
         vec!["--nproc-per-node", "1024", "--", "sh", "-c", &marker],
         vec!["--nproc-per-node", "600", "--nnodes", "2", "--", "sh", "-c", &marker],
+        // Two nodes: 2 x 511 ranks and each launcher's two connections (main
+        // loop and heartbeat thread) are two more than the store serves.
+        vec!["--nproc-per-node", "511", "--nnodes", "2", "--", "sh", "-c", &marker],
+        vec!["--nproc-per-node", "1", "--nnodes", "342", "--", "sh", "-c", &marker],
         vec!["--nproc-per-node", "1", "--nnodes", "100000", "--", "sh", "-c", &marker],
     ] {
         let out = launch(&args, Duration::from_secs(10));
@@ -195,6 +199,9 @@ fn too_many_ranks_exit_2_before_anything_starts() {
     }
     let out = launch(&["--nproc-per-node", "100000", "--", "true"], Duration::from_secs(10));
     assert!(text(&out.stderr).contains("at most 1023 ranks per node"), "{}", text(&out.stderr));
+    let out = launch(&["--nproc-per-node", "600", "--nnodes", "2", "--", "true"], Duration::from_secs(10));
+    assert!(text(&out.stderr).contains("at most 510 ranks per node on 2 node(s)"), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("two per launcher"), "{}", text(&out.stderr));
     assert!(!dir.join("started").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -341,6 +348,17 @@ fn bad_arguments_exit_2_before_anything_starts() {
     ] {
         let out = launch(&args, Duration::from_secs(10));
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out.stderr));
+    }
+    assert!(!dir.join("started").exists());
+    // A negative count is named as one, not taken for a flag.
+    for flag in ["--nproc-per-node", "--nnodes", "--node-rank"] {
+        let mut args = if flag == "--nproc-per-node" { vec![] } else { vec!["--nproc-per-node", "1"] };
+        args.extend([flag, "-1", "--", "sh", "-c", &marker]);
+        let out = launch(&args, Duration::from_secs(10));
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag}: {err}");
+        assert!(err.contains("-1 is negative; give a whole number"), "{flag}: {err}");
+        assert!(!err.contains("'-- -1'"), "{flag}: {err}");
     }
     assert!(!dir.join("started").exists());
     let _ = std::fs::remove_dir_all(&dir);

@@ -145,7 +145,12 @@ impl<C: CommBackend> Communicator<C> {
         };
         let metas: Vec<CallMeta> = calls.iter().map(CallMeta::of).collect();
         let start = ring.before_launch(stream);
-        self.backend.launch(calls, stream)?;
+        if let Err(e) = self.backend.launch(calls, stream) {
+            // A backend error at issue is recorded (and dumped) like one
+            // the stream reports later.
+            ring.refused(metas, start, &e);
+            return Err(e);
+        }
         ring.launched(metas, start, stream);
         *seq = next;
         Ok(())

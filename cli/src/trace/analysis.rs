@@ -24,8 +24,16 @@ pub struct Report {
     pub missing_dumps: Vec<u64>,
     /// Each communicator's findings, the root first.
     pub communicators: Vec<CommReport>,
+    /// Every dump was taken on a signal (SIGTERM, SIGINT, SIGUSR1), none for
+    /// a failure: a snapshot of a run that may have been healthy, whose
+    /// unfinished calls were in flight, not necessarily stuck.
+    pub snapshot: bool,
     /// The findings in one line each, the most telling first.
     pub verdict: Vec<String>,
+    /// The run analysed (its id and start), where the dumps say.
+    pub run: Option<String>,
+    /// Dumps of other runs in the directory, left out (one line per run).
+    pub other_runs: Vec<String>,
 }
 
 /// One dump read.
@@ -302,15 +310,29 @@ pub fn analyse(dumps: &[RankDump]) -> Report {
         members.sort_by_key(|m| m.record.rank);
         communicators.push(analyse_comm(id, &members));
     }
-    let verdict = verdict(&communicators, &missing_dumps);
+    let snapshot = !dumps.is_empty() && dumps.iter().all(RankDump::is_snapshot);
+    let mut verdict = verdict(&communicators, &missing_dumps, snapshot);
+    if snapshot {
+        let mut signals: Vec<&str> = dumps.iter().map(|d| d.reason.as_str()).collect();
+        signals.sort_unstable();
+        signals.dedup();
+        verdict.insert(
+            0,
+            format!(
+                "SNAPSHOT: every dump was taken on a signal ({}), none for a failure: the calls below were in \
+                 flight at that moment, not necessarily stuck",
+                signals.join(", ")
+            ),
+        );
+    }
     let dumps = sorted
         .iter()
         .map(|d| DumpSummary { rank: d.rank, host: d.host.clone(), pid: d.pid, reason: d.reason.clone() })
         .collect();
-    Report { world_size, dumps, missing_dumps, communicators, verdict }
+    Report { world_size, dumps, missing_dumps, communicators, snapshot, verdict, run: None, other_runs: Vec::new() }
 }
 
-fn verdict(comms: &[CommReport], missing_dumps: &[u64]) -> Vec<String> {
+fn verdict(comms: &[CommReport], missing_dumps: &[u64], snapshot: bool) -> Vec<String> {
     let mut lines = Vec::new();
     for c in comms {
         let on = if c.id == "root" { String::new() } else { format!(" of communicator {}", c.id) };
@@ -325,15 +347,13 @@ fn verdict(comms: &[CommReport], missing_dumps: &[u64]) -> Vec<String> {
                 .iter()
                 .map(|a| format!("rank {}'s last call: {}", a.rank, a.last.as_deref().unwrap_or("none")))
                 .collect();
-            lines.push(format!(
-                "NEVER REACHED: {} never issued #{} {}{on}, which {} {} blocked in ({})",
-                who(&absent),
-                m.seq,
-                m.call,
-                who(&m.blocked),
-                if m.blocked.len() == 1 { "is" } else { "are" },
-                lasts.join("; ")
-            ));
+            let are = if m.blocked.len() == 1 { "is" } else { "are" };
+            let (absent, seq, call, blocked, lasts) = (who(&absent), m.seq, &m.call, who(&m.blocked), lasts.join("; "));
+            lines.push(if snapshot {
+                format!("NOT YET REACHED: {absent} had not issued #{seq} {call}{on}, which {blocked} {are} in ({lasts})")
+            } else {
+                format!("NEVER REACHED: {absent} never issued #{seq} {call}{on}, which {blocked} {are} blocked in ({lasts})")
+            });
         }
         if let Some(n) = &c.not_started {
             lines.push(format!(
@@ -401,6 +421,8 @@ mod tests {
             pid: 1,
             reason: "test".into(),
             dumped_us: 2,
+            run_id: None,
+            run_started_us: None,
             communicators: vec![CommRecord {
                 id: "root".into(),
                 rank,
@@ -507,5 +529,27 @@ mod tests {
         assert_eq!(r.verdict, ["NO DUMP from rank 1 (killed, stopped, or never got to write one)"]);
         let r = analyse(&[dump(0, 2, done()), dump(1, 2, done())]);
         assert_eq!(r.verdict, ["no divergence: every recorded call completed on every rank"]);
+    }
+
+    #[test]
+    fn dumps_taken_on_a_signal_are_a_snapshot_not_a_hang() {
+        let mut dumps =
+            vec![dump(0, 2, with(done(), entry(3, call("all_reduce", 3, 8), CallState::Started))), dump(1, 2, done())];
+        for d in &mut dumps {
+            d.reason = "signal SIGTERM".into();
+        }
+        let r = analyse(&dumps);
+        assert!(r.snapshot);
+        assert!(
+            r.verdict[0].starts_with("SNAPSHOT: every dump was taken on a signal (signal SIGTERM)"),
+            "{:?}",
+            r.verdict
+        );
+        assert!(r.verdict[1].starts_with("NOT YET REACHED: rank 1 had not issued #3"), "{:?}", r.verdict);
+        assert!(!r.verdict.iter().any(|l| l.contains("NEVER REACHED")), "{:?}", r.verdict);
+        // One dump taken for a failure: not a snapshot, the hang is named as such.
+        dumps[0].reason = "all_reduce #3 of communicator root failed: timed out".into();
+        let r = analyse(&dumps);
+        assert!(!r.snapshot && r.verdict[0].starts_with("NEVER REACHED: rank 1 never issued #3"), "{:?}", r.verdict);
     }
 }

@@ -2,8 +2,18 @@
 
 use serde::{Deserialize, Serialize};
 
-/// The version of the format written here; a reader refuses any other.
+/// The version of the format written here; a reader refuses any other
+/// (fields added since are optional, so older dumps of this version read).
 pub const FORMAT_VERSION: u32 = 1;
+
+/// The variable in which `chorus launch` gives every rank of a job the
+/// job's start (microseconds since the Unix epoch, the same on every node),
+/// written into each dump as [`RankDump::run_started_us`].
+pub const RUN_STARTED_VAR: &str = "CHORUS_RUN_STARTED_US";
+
+/// Most ranks a dump may claim for its world (a reader bounds what it
+/// allocates by it): the largest world a communicator can have.
+pub const MAX_WORLD_SIZE: u64 = 1 << 20;
 
 /// Where a recorded launch stands, as the host last observed it.
 ///
@@ -144,6 +154,9 @@ pub struct CommRecord {
     pub entries: Vec<EntryRecord>,
 }
 
+/// How the reason of a dump taken on a signal begins (`signal SIGTERM`).
+pub const SIGNAL_REASON: &str = "signal ";
+
 /// One rank's dump: every communicator of the rank (the root and its splits).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RankDump {
@@ -161,11 +174,27 @@ pub struct RankDump {
     pub reason: String,
     /// When the dump was written (microseconds since the Unix epoch).
     pub dumped_us: u64,
+    /// The job's name (`TORCHELASTIC_RUN_ID`, which `chorus launch --run-id`
+    /// sets), when the process had one.
+    #[serde(default)]
+    pub run_id: Option<String>,
+    /// When the run started (microseconds since the Unix epoch): the time
+    /// `chorus launch` gave every rank of the job ([`RUN_STARTED_VAR`]),
+    /// else this process's start. Two runs under one run id differ here.
+    #[serde(default)]
+    pub run_started_us: Option<u64>,
     /// The communicators, the root first.
     pub communicators: Vec<CommRecord>,
 }
 
 impl RankDump {
+    /// Whether the dump was taken on a signal (`SIGTERM`, `SIGINT`,
+    /// `SIGUSR1`) rather than for a failure: a snapshot of a run that may
+    /// have been healthy, whose unfinished calls were merely in flight.
+    pub fn is_snapshot(&self) -> bool {
+        self.reason.starts_with(SIGNAL_REASON)
+    }
+
     /// The file a rank's dump is written to: its rank and host in the name.
     pub fn file_name(rank: u64, host: &str) -> String {
         let host: String =

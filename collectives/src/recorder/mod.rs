@@ -21,9 +21,15 @@
 //!   that communicator's dump directory is written, one JSON file per rank
 //!   ([`RankDump`], named by rank and host), once per directory;
 //! - on SIGTERM, SIGINT or SIGUSR1 (when the process had left them at their
-//!   default action), every ring is written again; the handler only stores
-//!   the signal's number, the thread does the writing, then lets SIGTERM and
-//!   SIGINT end the process as they would have.
+//!   default action), every ring is written again (`signals.rs`): the
+//!   handler only notes the signal, a thread writes the dumps, waiting at
+//!   most [`DUMP_WAIT`], then lets SIGTERM and SIGINT end the process as
+//!   they would have. SIGUSR1 without a dump directory says that nothing
+//!   was written; the process goes on.
+//!
+//! Every dump names its run: the run id (`TORCHELASTIC_RUN_ID`) and the
+//! run's start, which `chorus launch` gives every rank ([`RUN_STARTED_VAR`]),
+//! so `chorus trace` can tell two runs' dumps in one directory apart.
 //!
 //! Dumps go to [`RecorderOptions::dump_dir`] (`CHORUS_TRACE_DIR`); without
 //! one the ring is kept (and readable through
@@ -34,7 +40,9 @@
 
 mod dump;
 mod monitor;
+mod signals;
 pub use monitor::host_name;
+pub use signals::DUMP_WAIT;
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
@@ -43,7 +51,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use chorus_devices::{Backend, Device, Event, Stream};
 
-pub use dump::{CallRecord, CallState, CommRecord, EntryRecord, RankDump, FORMAT_VERSION};
+pub use dump::{
+    CallRecord, CallState, CommRecord, EntryRecord, RankDump, FORMAT_VERSION, MAX_WORLD_SIZE, RUN_STARTED_VAR,
+    SIGNAL_REASON,
+};
 
 use crate::backend::{Call, Fingerprint, OpKind};
 use crate::CommError;
@@ -332,19 +343,37 @@ impl<B: Backend> Ring<B> {
     /// when it has finished.
     pub(crate) fn launched(&self, calls: Vec<CallMeta>, start: Option<B::Event>, stream: &B::Stream) {
         let end = self.event(stream);
-        let enqueued = Instant::now();
-        let Ok(mut s) = self.state.lock() else { return };
-        let slot = Slot {
-            id: s.launches,
-            calls,
-            state: CallState::Enqueued,
-            enqueued,
-            started: None,
-            finished: None,
-            error: None,
-            start,
-            end,
-        };
+        self.push(calls, CallState::Enqueued, None, start, end);
+    }
+
+    /// Records a launch the backend refused at issue (the error went back
+    /// to the caller, nothing was enqueued) as failed; like any backend
+    /// error, it makes the monitor dump.
+    pub(crate) fn refused(&self, calls: Vec<CallMeta>, start: Option<B::Event>, error: &CommError) {
+        let error = error.to_string();
+        if let Some(slot) = self.push(calls, CallState::Failed, Some(error.clone()), start, None) {
+            if let Ok(mut s) = self.state.lock() {
+                s.trigger
+                    .get_or_insert_with(|| format!("{slot} of communicator {} failed at issue: {error}", self.info.id));
+            }
+        }
+    }
+
+    /// Adds a launch to the ring (dropping the oldest when full); the
+    /// launch's description (`all_reduce #3`).
+    fn push(
+        &self,
+        calls: Vec<CallMeta>,
+        state: CallState,
+        error: Option<String>,
+        start: Option<B::Event>,
+        end: Option<B::Event>,
+    ) -> Option<String> {
+        let now = Instant::now();
+        let finished = (state == CallState::Failed).then_some(now);
+        let Ok(mut s) = self.state.lock() else { return None };
+        let slot = Slot { id: s.launches, calls, state, enqueued: now, started: None, finished, error, start, end };
+        let op = slot.op();
         s.launches += 1;
         if s.slots.len() == self.capacity {
             if let Some(old) = s.slots.pop_front() {
@@ -356,6 +385,7 @@ impl<B: Backend> Ring<B> {
             }
         }
         s.slots.push_back(slot);
+        Some(op)
     }
 
     /// Notes that the communicator was aborted; the monitor dumps.
@@ -408,6 +438,12 @@ impl<B: Backend> monitor::Watched for Ring<B> {
     fn owner(&self) -> (usize, usize) {
         (self.info.owner_rank, self.info.world_size)
     }
+
+    fn requeue(&self, reason: String) {
+        if let Ok(mut s) = self.state.lock() {
+            s.trigger.get_or_insert(reason);
+        }
+    }
 }
 
 impl<B: Backend> Drop for Ring<B> {
@@ -431,7 +467,8 @@ pub fn flush() {
 /// Polls `ring` and returns its record now (states as of this call).
 pub(crate) fn snapshot<B: Backend>(ring: &Ring<B>) -> CommRecord {
     use monitor::Watched;
-    let _ = ring.poll();
+    // A failure seen here first is still dumped by the monitor.
+    monitor::poll_aside(ring);
     ring.record()
 }
 

@@ -4,10 +4,9 @@
 use std::collections::HashSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Mutex, OnceLock, Weak};
 
-use super::{dump, epoch_us, CommRecord, RankDump, POLL_INTERVAL};
+use super::{dump, epoch_us, CommRecord, RankDump, POLL_INTERVAL, RUN_STARTED_VAR};
 
 /// A ring, as the thread sees it (whatever its device backend).
 pub(super) trait Watched: Send + Sync {
@@ -20,6 +19,16 @@ pub(super) trait Watched: Send + Sync {
     fn dir(&self) -> Option<&Path>;
     /// Rank in the root communicator and the root's size.
     fn owner(&self) -> (usize, usize);
+    /// Gives back a reason to dump that `poll` returned to someone other
+    /// than the monitor (a snapshot), so the monitor still dumps for it.
+    fn requeue(&self, reason: String);
+}
+
+/// Polls `ring` outside the monitor: a reason to dump found is left for it.
+pub(super) fn poll_aside(ring: &dyn Watched) {
+    if let Some(reason) = ring.poll() {
+        ring.requeue(reason);
+    }
 }
 
 /// The last record of a dropped ring that had a dump directory: a rank that
@@ -45,35 +54,49 @@ struct Registry {
 
 fn registry() -> &'static Registry {
     static REGISTRY: OnceLock<Registry> = OnceLock::new();
-    static STARTED: OnceLock<()> = OnceLock::new();
     let reg = REGISTRY.get_or_init(|| Registry {
         rings: Mutex::new(Vec::new()),
         retired: Mutex::new(Default::default()),
         dumped: Mutex::new(HashSet::new()),
     });
-    STARTED.get_or_init(|| {
+    thread_started(reg);
+    reg
+}
+
+/// Starts the recorder's thread once; whether it runs.
+fn thread_started(reg: &'static Registry) -> bool {
+    static STARTED: OnceLock<bool> = OnceLock::new();
+    *STARTED.get_or_init(|| {
         // A rank that exits on the error it just saw (before the thread's
         // next poll) still writes its dump.
         // SAFETY: `at_exit` is an `extern "C"` function that does not unwind.
         unsafe {
             libc::atexit(at_exit);
         }
-        if let Err(e) = std::thread::Builder::new().name("chorus-recorder".into()).spawn(move || run(reg)) {
-            eprintln!("chorus: the flight recorder's thread could not start ({e}); launches are recorded, not dumped");
+        match std::thread::Builder::new().name("chorus-recorder".into()).spawn(move || run(reg)) {
+            Ok(_) => true,
+            Err(e) => {
+                eprintln!(
+                    "chorus: the flight recorder's thread could not start ({e}); launches are recorded, not dumped"
+                );
+                false
+            }
         }
-    });
-    reg
+    })
 }
 
-/// Follows `ring` from now on; `signals`: it has a dump directory, so the
-/// dump signals are answered from now on.
-pub(super) fn register(ring: Weak<dyn Watched>, signals: bool) {
+/// Follows `ring` from now on; `dumps`: it has a dump directory, so the
+/// dump signals are answered from now on (SIGUSR1 is answered either way:
+/// without a directory, by saying that nothing was written).
+pub(super) fn register(ring: Weak<dyn Watched>, dumps: bool) {
     let reg = registry();
     if let Ok(mut rings) = reg.rings.lock() {
         rings.push(ring);
     }
-    if signals {
-        install_signal_handlers();
+    // Without the thread nobody would answer them: the signals keep their
+    // default actions.
+    if thread_started(reg) {
+        super::signals::install(dumps);
     }
 }
 
@@ -163,35 +186,30 @@ extern "C" fn at_exit() {
 fn run(reg: &'static Registry) {
     loop {
         std::thread::sleep(POLL_INTERVAL);
-        let guard = WRITING.lock().unwrap_or_else(|p| p.into_inner());
+        let _guard = WRITING.lock().unwrap_or_else(|p| p.into_inner());
         let rings = live(reg);
         let triggers = poll_all(reg, &rings);
-        let signal = PENDING_SIGNAL.swap(0, Ordering::SeqCst);
-        if signal != 0 {
-            let mut dirs: Vec<PathBuf> = rings.iter().filter_map(|r| r.dir().map(Path::to_path_buf)).collect();
-            if let Ok(retired) = reg.retired.lock() {
-                dirs.extend(retired.iter().map(|r| r.dir.clone()));
-            }
-            dirs.sort();
-            dirs.dedup();
-            let reason = format!("signal {}", signal_name(signal));
-            for dir in dirs {
-                write_dir(&rings, &dir, &reason);
-            }
-            drop(rings);
-            drop(guard);
-            if signal != libc::SIGUSR1 {
-                // SAFETY: signal(2) and raise(3) with the default action: the
-                // process ends as the signal would have ended it.
-                unsafe {
-                    libc::signal(signal, libc::SIG_DFL);
-                    libc::raise(signal);
-                }
-            }
-            continue;
-        }
         write_first(reg, &rings, triggers);
     }
+}
+
+/// Writes every rank's dump of every directory (live and retired rings) now,
+/// for a signal; returns how many directories there were. Waits for a write
+/// in progress: the caller bounds the wait.
+pub(super) fn write_all(reason: &str) -> usize {
+    let reg = registry();
+    let _guard = WRITING.lock().unwrap_or_else(|p| p.into_inner());
+    let rings = live(reg);
+    let mut dirs: Vec<PathBuf> = rings.iter().filter_map(|r| r.dir().map(Path::to_path_buf)).collect();
+    if let Ok(retired) = reg.retired.lock() {
+        dirs.extend(retired.iter().map(|r| r.dir.clone()));
+    }
+    dirs.sort();
+    dirs.dedup();
+    for dir in &dirs {
+        write_dir(&rings, dir, reason);
+    }
+    dirs.len()
 }
 
 /// Writes every rank's dump of the rings in `dir`; failures are reported
@@ -214,7 +232,7 @@ fn write_dir(rings: &[std::sync::Arc<dyn Watched>], dir: &Path, reason: &str) {
 pub(super) fn write_rank(dir: &Path, owner: usize, reason: &str) -> std::io::Result<PathBuf> {
     let rings = live(registry());
     for ring in rings.iter().filter(|r| r.dir() == Some(dir) && r.owner().0 == owner) {
-        let _ = ring.poll();
+        poll_aside(&**ring);
     }
     write_owner(&rings, dir, owner, reason)
 }
@@ -252,6 +270,8 @@ fn write_owner(
         pid: std::process::id(),
         reason: reason.to_string(),
         dumped_us: epoch_us(std::time::Instant::now()),
+        run_id: run_identity().0,
+        run_started_us: run_identity().1,
         communicators,
     };
     std::fs::create_dir_all(dir)?;
@@ -271,6 +291,18 @@ fn write_owner(
     result.map(|()| path)
 }
 
+/// The job's name and start, as the process environment gives them
+/// (`TORCHELASTIC_RUN_ID`, [`RUN_STARTED_VAR`]; read once).
+fn run_identity() -> (Option<String>, Option<u64>) {
+    static RUN: OnceLock<(Option<String>, Option<u64>)> = OnceLock::new();
+    RUN.get_or_init(|| {
+        let id = std::env::var("TORCHELASTIC_RUN_ID").ok().filter(|v| !v.is_empty());
+        let started = std::env::var(RUN_STARTED_VAR).ok().and_then(|v| v.trim().parse().ok());
+        (id, started)
+    })
+    .clone()
+}
+
 /// This host's name (`gethostname`), `unknown-host` if it cannot be read:
 /// the name in the dumps' file names (and in `chorus launch`'s summaries).
 pub fn host_name() -> String {
@@ -286,48 +318,4 @@ pub fn host_name() -> String {
         }
     })
     .clone()
-}
-
-/// The last dump signal received and not yet answered (0: none).
-static PENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
-
-extern "C" fn on_dump_signal(signal: libc::c_int) {
-    // Only an atomic store: no allocation, no lock (async-signal-safe).
-    PENDING_SIGNAL.store(signal, Ordering::SeqCst);
-}
-
-/// The signals that make every rank of the process dump.
-const DUMP_SIGNALS: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGUSR1];
-
-/// Installs the dump handler for each of [`DUMP_SIGNALS`] that is at its
-/// default action (a program's own handler is left alone), once.
-fn install_signal_handlers() {
-    static INSTALLED: OnceLock<()> = OnceLock::new();
-    INSTALLED.get_or_init(|| {
-        for signal in DUMP_SIGNALS {
-            // SAFETY: sigaction reads the current action into `old`
-            // (a null new action changes nothing); the handler installed
-            // only stores to an atomic.
-            unsafe {
-                let mut old: libc::sigaction = std::mem::zeroed();
-                if libc::sigaction(signal, std::ptr::null(), &mut old) != 0 || old.sa_sigaction != libc::SIG_DFL {
-                    continue;
-                }
-                let mut new: libc::sigaction = std::mem::zeroed();
-                new.sa_sigaction = on_dump_signal as *const () as libc::sighandler_t;
-                new.sa_flags = libc::SA_RESTART;
-                libc::sigemptyset(&mut new.sa_mask);
-                libc::sigaction(signal, &new, std::ptr::null_mut());
-            }
-        }
-    });
-}
-
-fn signal_name(signal: i32) -> String {
-    match signal {
-        libc::SIGTERM => "SIGTERM".into(),
-        libc::SIGINT => "SIGINT".into(),
-        libc::SIGUSR1 => "SIGUSR1".into(),
-        s => format!("{s}"),
-    }
 }

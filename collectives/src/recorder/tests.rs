@@ -19,7 +19,7 @@ fn dump_files_name_rank_and_host() {
 
 #[cfg(feature = "sim")]
 mod sim {
-    use std::sync::mpsc;
+    use std::sync::{mpsc, Arc};
     use std::time::{Duration, Instant};
 
     use chorus_devices::{Buffer, DType, Device, Priority, Stream};
@@ -186,7 +186,12 @@ mod sim {
         c.all_reduce_in_place(buf.view(), ReduceOp::Sum, &s).unwrap();
         assert!(s.synchronize().is_err());
         let start = Instant::now();
-        let files = |d: &std::path::Path| std::fs::read_dir(d).map(|r| r.count()).unwrap_or(0);
+        // Finished dumps only (one being written is a dot-file until renamed).
+        let files = |d: &std::path::Path| {
+            std::fs::read_dir(d).map_or(0, |r| {
+                r.filter(|e| e.as_ref().is_ok_and(|e| !e.file_name().to_string_lossy().starts_with('.'))).count()
+            })
+        };
         while files(&dir) < 2 {
             assert!(start.elapsed() < Duration::from_secs(10), "no dumps in {}", dir.display());
             std::thread::sleep(Duration::from_millis(10));
@@ -223,6 +228,51 @@ mod sim {
         let dump: RankDump = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
         assert_eq!(dump.reason, "abort of communicator root: the test gives up");
         assert_eq!(dump.communicators[0].aborted.as_deref(), Some("the test gives up"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_launch_refused_at_issue_is_recorded_and_dumped() {
+        let dir = std::env::temp_dir().join(format!("chorus-recorder-refused-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let comm = Arc::new(world(1, 8, Some(dir.clone())).remove(0));
+        let (s, t) = (
+            comm.device().create_stream(Priority::Normal).unwrap(),
+            comm.device().create_stream(Priority::Normal).unwrap(),
+        );
+        let buf = comm.device().alloc(DType::F32, 8).unwrap();
+        // A collective issued from inside a host function: the cpu stream
+        // refuses it at issue, before anything is enqueued.
+        let (tx, rx) = mpsc::channel();
+        let c = comm.clone();
+        s.launch_host_fn(Box::new(move |_| {
+            let _ = tx.send(c.all_reduce_in_place(buf.view(), ReduceOp::Sum, &t).map_err(|e| e.to_string()));
+        }))
+        .unwrap();
+        let error = rx.recv_timeout(Duration::from_secs(10)).unwrap().unwrap_err();
+        let record = comm.flight_record().unwrap();
+        assert_eq!(record.launches, 1);
+        let entry = &record.entries[0];
+        assert_eq!((entry.state, entry.calls[0].op.as_str(), entry.seq()), (CallState::Failed, "all_reduce", Some(0)));
+        assert_eq!(entry.error.as_deref(), Some(error.as_str()));
+        assert!(entry.finished_us.is_some());
+        // Like any backend error, it makes the rank dump.
+        let path = dir.join(RankDump::file_name(0, &monitor::host_name()));
+        let start = Instant::now();
+        while !path.exists() {
+            assert!(start.elapsed() < Duration::from_secs(10), "no dump in {}", dir.display());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let dump: RankDump = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert!(dump.reason.starts_with("all_reduce #0 of communicator root failed at issue: "), "{}", dump.reason);
+        assert_eq!(dump.communicators[0].entries[0].state, CallState::Failed);
+        // The next call takes the same sequence number: the refused one took no part.
+        s.synchronize().unwrap();
+        let buf = comm.device().alloc(DType::F32, 8).unwrap();
+        comm.all_reduce_in_place(buf.view(), ReduceOp::Sum, &s).unwrap();
+        s.synchronize().unwrap();
+        let last = wait_for(&comm, |e| e.state == CallState::Completed);
+        assert_eq!(last.seq(), Some(0));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
