@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use chorus_devices::{MemCounters, MemoryStats};
 
-use super::engine::Scratch;
+use super::region::Scratch;
 
 /// The free scratch buffers of one communicator, and the count of all it made.
 pub(crate) struct ScratchPool {
