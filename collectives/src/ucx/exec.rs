@@ -273,8 +273,12 @@ impl<'a> Exec<'a> {
         pending.iter().filter(|r| r.done.outcome().is_none()).find_map(|r| {
             let w = self.core.world_rank(r.peer).ok()?;
             let at = job.peers.left_at(w)?;
-            let what = format!("{} #{} on world rank {} still waited for it", self.op, self.seq, job.world_rank);
-            (at.max(since).elapsed() >= LEFT_GRACE).then(|| left_error(w, &what))
+            (at.max(since).elapsed() >= LEFT_GRACE).then(|| {
+                left_error(
+                    w,
+                    &format!("{} #{} on world rank {} still waited for it", self.op, self.seq, job.world_rank),
+                )
+            })
         })
     }
 
