@@ -18,379 +18,69 @@
 //! - all-to-all is pairwise (round `k` sends to `rank + k` and receives
 //!   from `rank − k`); a barrier is a dissemination barrier (⌈log2 n⌉
 //!   rounds of empty messages).
-//!
-//! Every collective carries a **hello**: each rank sends the call's
-//! sequence number and fingerprint to every other rank, posted with the
-//! call's first data messages (no round trip of its own), and its first
-//! wait checks every other rank's before it looks at any data. A rank that
-//! sees a difference fails with `Mismatch` naming both calls (before a
-//! differently sized message can be mistaken for data), and reports it to
-//! every rank of the job; as every rank sees every call, all find it
-//! themselves, none completes the call. Data may have moved by then; a
-//! failed call's outputs are unspecified anyway. Worlds over
-//! [`ALL_PAIRS_HELLO`] ranks check round the ring, before any data moves.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use chorus_devices::cpu::RawRange;
-use chorus_devices::DType;
 
-use super::engine::{Completion, Engine, Region, Scratch, CANCEL_GRACE};
+use super::exec::{missing, Exec, Prepared, SEGMENT};
 use super::hierarchy::{self, Ring};
-use super::wire::{tag, Kind};
-use super::{result, Core};
-use crate::arith::{combine, finish, partial_op, share, start, with_element};
+use super::region::{self, Region, Scratch};
+use super::wire::Kind;
+use crate::arith::share;
 use crate::backend::OpKind;
 use crate::{CommError, ReduceOp, Result};
 
-/// How long a waiter sleeps between checks of the job's abort flag.
-const SLICE: Duration = Duration::from_millis(10);
-
-/// Segment of the pipelined broadcast chain.
-const SEGMENT: usize = 1 << 20;
-
-/// A call with its buffers resolved to raw memory.
-pub(crate) struct Prepared {
-    pub(crate) seq: u64,
-    pub(crate) fingerprint: String,
-    pub(crate) op: OpKind,
-    pub(crate) dtype: DType,
-    /// Elements per rank (the fingerprint's count).
-    pub(crate) count: usize,
-    pub(crate) reduce: ReduceOp,
-    /// Root of broadcast/reduce, peer of send/recv (communicator ranks).
-    pub(crate) root: usize,
-    pub(crate) send: Option<RawRange>,
-    pub(crate) recv: Option<RawRange>,
-    /// The position of a send or receive among this pair's.
-    pub(crate) p2p_no: u64,
+/// Where a ring reduce-scatter's own contribution to each chunk comes from.
+pub(crate) enum Own<'s> {
+    /// Chunk `j` is the element range `chunks[j]` of this rank's input
+    /// `send` (combined with the ring's operator, scaled for a
+    /// pre-multiplied sum).
+    Input { send: &'s Region, chunks: &'s [(usize, usize)] },
+    /// Chunk `j` (`len` elements, a partial result) is made by `make(j)`
+    /// when the ring first needs it: the first before the ring starts, each
+    /// later one while the step before it is in flight.
+    Produced { len: usize, make: &'s mut dyn FnMut(usize) -> Result<Arc<Scratch>> },
 }
 
-/// One request in flight, and what it was for (for error messages).
-/// Dropped before it has ended (a call that fails, or returns early through
-/// `?` with requests still posted), it is cancelled and waited for, within
-/// [`CANCEL_GRACE`]: a call never returns while UCX may still write into
-/// (or read from) its buffers.
-struct Req<'a> {
-    done: Arc<Completion>,
-    peer: usize,
-    /// A receive: the bytes it must get.
-    expect: Option<usize>,
-    engine: &'a Engine,
-    /// How long a cancel is waited for.
-    grace: Duration,
+/// One own chunk, and the scratch it was made in (returned to the pool after use).
+struct OwnChunk {
+    region: Region,
+    made: Option<Arc<Scratch>>,
 }
 
-impl Drop for Req<'_> {
-    fn drop(&mut self) {
-        if self.done.outcome().is_none() {
-            self.engine.cancel_and_wait(&self.done, self.grace);
+impl Own<'_> {
+    fn elements(&self, j: usize) -> usize {
+        match self {
+            Own::Input { chunks, .. } => chunks.get(j).map_or(0, |(lo, hi)| hi - lo),
+            Own::Produced { len, .. } => *len,
         }
     }
-}
 
-/// One call being run by one rank.
-pub(crate) struct Exec<'a> {
-    core: &'a Core,
-    seq: u64,
-    op: &'static str,
-    /// The call's hello, posted and not yet checked (the first wait checks it).
-    hello: std::cell::RefCell<Option<Hello<'a>>>,
-}
-
-/// A posted hello: this rank's fingerprint on its way to its peers, and
-/// the receives of theirs.
-struct Hello<'a> {
-    /// The receive from each peer (in `peers`' order), then the sends.
-    reqs: Vec<Req<'a>>,
-    /// The ranks heard from; slot `i` of `inbox` is `peers[i]`'s.
-    peers: Vec<usize>,
-    inbox: Arc<Scratch>,
-    mine: String,
-}
-
-/// Worlds up to this size exchange hellos between every pair of ranks,
-/// posted with the data (one round, 2(n−1) small messages per rank): every
-/// rank sees every other rank's call, so every rank finds a mismatch
-/// itself, even one whose own part of the call needs nothing from the odd
-/// rank. Larger worlds send one hello round the ring and wait for it
-/// before any data moves (a round trip, cheaper there than 2(n−1)
-/// messages): a rank that sees a difference then withholds its data, so
-/// nobody completes the call before the report reaches it.
-const ALL_PAIRS_HELLO: usize = 16;
-
-/// Largest hello (a fingerprint is far shorter).
-const HELLO_BYTES: usize = 512;
-
-fn missing(what: &str) -> CommError {
-    CommError::invalid("ucx", format!("the call has no {what} buffer"))
-}
-
-/// Elements as typed slices of raw memory.
-///
-/// # Safety
-/// `ptr` is valid and aligned for `len` elements of `T`, and nothing else
-/// accesses them while the slice lives.
-unsafe fn slice_mut<'s, T>(ptr: *mut u8, len: usize) -> &'s mut [T] {
-    // SAFETY: per the caller.
-    unsafe { std::slice::from_raw_parts_mut(ptr as *mut T, len) }
-}
-
-/// # Safety
-/// As [`slice_mut`], with readers only.
-unsafe fn slice<'s, T>(ptr: *const u8, len: usize) -> &'s [T] {
-    // SAFETY: per the caller.
-    unsafe { std::slice::from_raw_parts(ptr as *const T, len) }
-}
-
-fn scalar_of(op: ReduceOp) -> f64 {
-    match op {
-        ReduceOp::PreMulSum(s) => s,
-        _ => 1.0,
+    fn max_elements(&self) -> usize {
+        match self {
+            Own::Input { chunks, .. } => chunks.iter().map(|(lo, hi)| hi - lo).max().unwrap_or(0),
+            Own::Produced { len, .. } => *len,
+        }
     }
-}
 
-/// `acc = own contribution` (`x`, scaled for a pre-multiplied sum).
-fn start_raw(dtype: DType, acc: *mut u8, x: *const u8, len: usize, op: ReduceOp) {
-    // SAFETY: callers pass disjoint, live, aligned ranges of `len` elements.
-    with_element!(dtype, T => unsafe { start::<T>(slice_mut(acc, len), slice(x, len), op, scalar_of(op)) });
-}
-
-/// `acc = acc ⊕ x` where `x` is this rank's own input.
-fn combine_own(dtype: DType, acc: *mut u8, x: *const u8, len: usize, op: ReduceOp) {
-    // SAFETY: as in `start_raw`.
-    with_element!(dtype, T => unsafe { combine::<T>(slice_mut(acc, len), slice(x, len), op, scalar_of(op)) });
-}
-
-/// `acc = acc ⊕ partial` where `partial` is already scaled.
-fn combine_partial(dtype: DType, acc: *mut u8, partial: *const u8, len: usize, op: ReduceOp) {
-    // SAFETY: as in `start_raw`.
-    with_element!(dtype, T => unsafe { combine::<T>(slice_mut(acc, len), slice(partial, len), partial_op(op), 1.0) });
-}
-
-fn finish_raw(dtype: DType, acc: *mut u8, len: usize, op: ReduceOp, n: usize) {
-    // SAFETY: as in `start_raw`.
-    with_element!(dtype, T => unsafe { finish::<T>(slice_mut(acc, len), op, n) });
-}
-
-pub(crate) fn copy_raw(src: *const u8, dst: *mut u8, bytes: usize) {
-    if bytes == 0 || std::ptr::eq(src, dst) {
-        return;
+    fn get(&mut self, j: usize, es: usize) -> Result<OwnChunk> {
+        match self {
+            Own::Input { send, chunks } => {
+                let (lo, hi) = *chunks
+                    .get(j)
+                    .ok_or_else(|| CommError::invalid("ucx", format!("no chunk {j} of {}", chunks.len())))?;
+                Ok(OwnChunk { region: send.part(lo * es, (hi - lo) * es)?, made: None })
+            }
+            Own::Produced { len, make } => {
+                let s = make(j)?;
+                Ok(OwnChunk { region: Region::scratch(&s, 0, *len * es)?, made: Some(s) })
+            }
+        }
     }
-    // SAFETY: callers pass live ranges of `bytes` that are equal or disjoint.
-    unsafe { std::ptr::copy_nonoverlapping(src, dst, bytes) }
 }
 
 impl<'a> Exec<'a> {
-    pub(crate) fn new(core: &'a Core, seq: u64, op: &'static str) -> Exec<'a> {
-        Exec { core, seq, op, hello: std::cell::RefCell::new(None) }
-    }
-
-    pub(crate) fn core(&self) -> &'a Core {
-        self.core
-    }
-
-    fn n(&self) -> usize {
-        self.core.size
-    }
-    fn me(&self) -> usize {
-        self.core.rank
-    }
-
-    fn req(&self, done: Arc<Completion>, peer: usize, expect: Option<usize>) -> Req<'a> {
-        let grace = CANCEL_GRACE.min(self.core.job.timeout);
-        Req { done, peer, expect, engine: &self.core.job.engine, grace }
-    }
-
-    fn send(&self, peer: usize, kind: Kind, region: Region) -> Result<Req<'a>> {
-        let world_peer = self.core.world_rank(peer)?;
-        let t = tag(kind, self.core.id, self.seq, self.core.world_rank(self.me())?);
-        Ok(self.req(self.core.job.engine.send(world_peer, t, region)?, peer, None))
-    }
-
-    fn recv(&self, peer: usize, kind: Kind, region: Region) -> Result<Req<'a>> {
-        let t = tag(kind, self.core.id, self.seq, self.core.world_rank(peer)?);
-        let expect = Some(region.len());
-        Ok(self.req(self.core.job.engine.recv(t, u64::MAX, region)?, peer, expect))
-    }
-
-    /// A receive whose length may be shorter than the region (a small message).
-    fn recv_upto(&self, peer: usize, kind: Kind, region: Region) -> Result<Req<'a>> {
-        let mut r = self.recv(peer, kind, region)?;
-        r.expect = None;
-        Ok(r)
-    }
-
-    /// One ring step: `out` to `to` and `into` from `from`, each in
-    /// segments of at most [`SEGMENT`] bytes posted at once (one message
-    /// when empty). Whole chunks as single messages leave a rate-limited
-    /// link idle part of the time (32 MiB messages over TCP at 1 Gbit/s
-    /// took 1.5x the link time; 1 MiB segments keep it busy).
-    fn step(&self, to: usize, out: Region, from: usize, into: Region) -> Result<Vec<Req<'a>>> {
-        let mut reqs = Vec::new();
-        let parts =
-            |len: usize| (0..len.div_ceil(SEGMENT).max(1)).map(move |i| (i * SEGMENT, SEGMENT.min(len - i * SEGMENT)));
-        for (off, len) in parts(into.len()) {
-            reqs.push(self.recv(from, Kind::Data, into.part(off, len)?)?);
-        }
-        for (off, len) in parts(out.len()) {
-            reqs.push(self.send(to, Kind::Data, out.part(off, len)?)?);
-        }
-        Ok(reqs)
-    }
-
-    /// Waits for every request. A request that ends in error, the job's
-    /// abort, or no request ending for a whole deadline fails the call; the
-    /// requests still pending are then cancelled, and waited for as they
-    /// are dropped (see [`Req`]).
-    fn wait(&self, reqs: Vec<Req<'a>>) -> Result<Vec<usize>> {
-        // The hello first: a mismatch is reported as one, whatever the data did.
-        if let Err(e) = self.check_hello() {
-            for r in &reqs {
-                self.core.job.engine.cancel(&r.done);
-            }
-            return Err(e);
-        }
-        self.wait_reqs(reqs)
-    }
-
-    fn wait_reqs(&self, mut reqs: Vec<Req<'a>>) -> Result<Vec<usize>> {
-        let mut lens = vec![0; reqs.len()];
-        // The requests end in the order they are waited for: the next one's index.
-        let mut next = 0;
-        let timeout = self.core.job.timeout;
-        let mut deadline = Instant::now() + timeout;
-        // Every pending request is cancelled at once; dropping them waits for each.
-        let fail = |reqs: &mut Vec<Req<'a>>, e: CommError| {
-            for r in reqs.iter() {
-                self.core.job.engine.cancel(&r.done);
-            }
-            reqs.clear();
-            Err(e)
-        };
-        while next < reqs.len() {
-            let i = next;
-            match reqs[i].done.wait_for(SLICE) {
-                Some(Ok(len)) => {
-                    if let Some(expect) = reqs[i].expect {
-                        if len != expect {
-                            let e = CommError::Mismatch {
-                                seq: self.seq,
-                                details: format!(
-                                    "{} #{}: rank {} sent {len} bytes where rank {} expected {expect}",
-                                    self.op,
-                                    self.seq,
-                                    reqs[i].peer,
-                                    self.me()
-                                ),
-                            };
-                            return fail(&mut reqs, e);
-                        }
-                    }
-                    lens[i] = len;
-                    next += 1;
-                    deadline = Instant::now() + timeout;
-                }
-                Some(Err(status)) => {
-                    let peer = self.core.world_rank(reqs[i].peer).ok();
-                    let ended = || peer.and_then(|w| self.core.job.connection_error(w));
-                    let e = self.core.job.abort_error().or_else(ended).unwrap_or_else(|| {
-                        if status == ucx_rs::sys::ucs_status_t_UCS_ERR_MESSAGE_TRUNCATED {
-                            CommError::Mismatch {
-                                seq: self.seq,
-                                details: format!(
-                                    "{} #{}: rank {} sent more bytes than rank {} expected",
-                                    self.op,
-                                    self.seq,
-                                    reqs[i].peer,
-                                    self.me()
-                                ),
-                            }
-                        } else {
-                            result::error(status, &format!("{} #{} with rank {}", self.op, self.seq, reqs[i].peer))
-                        }
-                    });
-                    return fail(&mut reqs, e);
-                }
-                None => {
-                    if let Some(e) = self.core.job.abort_error() {
-                        return fail(&mut reqs, e);
-                    }
-                    if Instant::now() >= deadline {
-                        let e = CommError::Timeout {
-                            op: format!("{} (rank {} waiting for rank {})", self.op, self.me(), reqs[i].peer),
-                            seq: self.seq,
-                            waited: timeout,
-                            missing: vec![],
-                        };
-                        return fail(&mut reqs, e);
-                    }
-                }
-            }
-        }
-        Ok(lens)
-    }
-
-    /// Posts the call's hello: this rank's sequence number and fingerprint
-    /// to its peers (every rank, or the next one in worlds over
-    /// [`ALL_PAIRS_HELLO`]), and the receives of theirs. In small worlds the
-    /// first [`wait`](Exec::wait) (or [`check_hello`](Exec::check_hello))
-    /// compares them; in larger ones this does, before any data is posted.
-    pub(crate) fn post_hello(&self, fingerprint: &str) -> Result<()> {
-        let (n, me) = (self.n(), self.me());
-        if n == 1 {
-            return Ok(());
-        }
-        let all_pairs = n <= ALL_PAIRS_HELLO;
-        let (to, from): (Vec<usize>, Vec<usize>) = if all_pairs {
-            ((1..n).map(|k| (me + k) % n).collect(), (1..n).map(|k| (me + n - k) % n).collect())
-        } else {
-            (vec![(me + 1) % n], vec![(me + n - 1) % n])
-        };
-        let mine = format!("#{} {fingerprint}", self.seq);
-        let inbox = self.core.scratch(from.len() * HELLO_BYTES);
-        let mut reqs = Vec::with_capacity(to.len() + from.len());
-        for (i, peer) in from.iter().enumerate() {
-            reqs.push(self.recv_upto(*peer, Kind::Hello, Region::scratch(&inbox, i * HELLO_BYTES, HELLO_BYTES)?)?);
-        }
-        // One copy of the fingerprint for every send.
-        let message = Region::bytes(mine.clone().into_bytes());
-        for peer in &to {
-            reqs.push(self.send(*peer, Kind::Hello, message.clone())?);
-        }
-        *self.hello.borrow_mut() = Some(Hello { reqs, peers: from, inbox, mine });
-        if all_pairs {
-            Ok(())
-        } else {
-            self.check_hello()
-        }
-    }
-
-    /// Waits for the posted hello (if any is unchecked) and compares every
-    /// peer's call with this one's.
-    pub(crate) fn check_hello(&self) -> Result<()> {
-        let Some(h) = self.hello.borrow_mut().take() else { return Ok(()) };
-        let lens = self.wait_reqs(h.reqs)?;
-        let mut odd = None;
-        for (i, peer) in h.peers.iter().enumerate() {
-            // SAFETY: the receive has completed; nothing else writes its slot.
-            let bytes = unsafe { slice::<u8>(h.inbox.ptr().add(i * HELLO_BYTES), lens[i].min(HELLO_BYTES)) };
-            if bytes != h.mine.as_bytes() {
-                odd = Some((*peer, String::from_utf8_lossy(bytes).into_owned()));
-                break;
-            }
-        }
-        self.core.give_back(h.inbox);
-        match odd {
-            None => Ok(()),
-            Some((peer, theirs)) => Err(CommError::Mismatch {
-                seq: self.seq,
-                details: format!("rank {peer} called {theirs}; rank {} called {}", self.me(), h.mine),
-            }),
-        }
-    }
-
     fn small(&self, bytes: usize) -> bool {
         bytes <= self.core.job.config.small_bytes
     }
@@ -404,10 +94,12 @@ impl<'a> Exec<'a> {
 
     fn run_algorithm(&self, c: &Prepared) -> Result<()> {
         let es = c.dtype.size();
+        let both = || -> Result<(&RawRange, &RawRange)> {
+            Ok((c.send.as_ref().ok_or_else(|| missing("send"))?, c.recv.as_ref().ok_or_else(|| missing("recv"))?))
+        };
         match c.op {
             OpKind::AllReduce => {
-                let (send, recv) =
-                    (c.send.as_ref().ok_or_else(|| missing("send"))?, c.recv.as_ref().ok_or_else(|| missing("recv"))?);
+                let (send, recv) = both()?;
                 if self.small(c.count * es) {
                     self.all_reduce_direct(c, send, recv)
                 } else if let Some(lay) = &self.core.layout {
@@ -417,43 +109,46 @@ impl<'a> Exec<'a> {
                 }
             }
             OpKind::ReduceScatter => {
-                let (send, recv) =
-                    (c.send.as_ref().ok_or_else(|| missing("send"))?, c.recv.as_ref().ok_or_else(|| missing("recv"))?);
+                let (send, recv) = both()?;
                 let chunks: Vec<(usize, usize)> = (0..self.n()).map(|j| (j * c.count, (j + 1) * c.count)).collect();
                 if self.small(c.count * self.n() * es) {
                     self.reduce_scatter_direct(c, send, recv)
                 } else if let Some(lay) = &self.core.layout {
                     hierarchy::reduce_scatter(self, lay, c, send, recv)
                 } else {
-                    let out = self.core.scratch(c.count * es);
+                    let bytes = c.count * es;
+                    let out = self.core.scratch(bytes);
+                    let out_region = Region::scratch(&out, 0, bytes)?;
+                    let own = Own::Input { send: &Region::user_all(send), chunks: &chunks };
                     let ring = Ring::all(self.n(), self.me());
-                    self.ring_reduce_scatter(c, &ring, c.reduce, Some(self.n()), send, &chunks, &out)?;
-                    copy_raw(out.ptr(), recv.ptr(), c.count * es);
+                    self.ring_reduce_scatter(c, &ring, c.reduce, Some(self.n()), own, &out_region)?;
+                    region::copy(&out_region, &Region::user(recv, 0, bytes)?)?;
+                    drop(out_region);
                     self.core.give_back(out);
                     Ok(())
                 }
             }
             OpKind::AllGather => {
-                let (send, recv) =
-                    (c.send.as_ref().ok_or_else(|| missing("send"))?, c.recv.as_ref().ok_or_else(|| missing("recv"))?);
+                let (send, recv) = both()?;
                 let chunks: Vec<(usize, usize)> = (0..self.n()).map(|j| (j * c.count, (j + 1) * c.count)).collect();
-                let own = chunks[self.me()];
-                copy_raw(send.ptr(), Region::user(recv, own.0 * es, (own.1 - own.0) * es)?.ptr(), (own.1 - own.0) * es);
+                let own = c.count * es;
+                region::copy(&Region::user(send, 0, own)?, &Region::user(recv, self.me() * own, own)?)?;
                 if self.small(c.count * self.n() * es) {
                     self.all_gather_direct(c, recv, &chunks)
                 } else if let Some(lay) = &self.core.layout {
                     hierarchy::all_gather(self, lay, c, recv)
                 } else {
-                    self.ring_all_gather(c, &Ring::all(self.n(), self.me()), recv, &chunks)
+                    self.ring_all_gather(c, &Ring::all(self.n(), self.me()), &Region::user_all(recv), &chunks)
                 }
             }
             OpKind::Broadcast => {
                 let recv = c.recv.as_ref().ok_or_else(|| missing("recv"))?;
+                let bytes = c.count * es;
                 if self.me() == c.root {
                     let send = c.send.as_ref().ok_or_else(|| missing("send"))?;
-                    copy_raw(send.ptr(), recv.ptr(), c.count * es);
+                    region::copy(&Region::user(send, 0, bytes)?, &Region::user(recv, 0, bytes)?)?;
                 }
-                if self.small(c.count * es) {
+                if self.small(bytes) {
                     self.broadcast_direct(c, recv)
                 } else {
                     self.broadcast_chain(c, recv)
@@ -468,8 +163,7 @@ impl<'a> Exec<'a> {
                 }
             }
             OpKind::AllToAll => {
-                let (send, recv) =
-                    (c.send.as_ref().ok_or_else(|| missing("send"))?, c.recv.as_ref().ok_or_else(|| missing("recv"))?);
+                let (send, recv) = both()?;
                 self.all_to_all_pairwise(c, send, recv)
             }
             OpKind::Barrier => self.barrier(),
@@ -477,20 +171,18 @@ impl<'a> Exec<'a> {
         }
     }
 
-    /// This rank's contribution, scaled for a pre-multiplied sum, in scratch.
-    fn own_contribution(&self, c: &Prepared, send: &RawRange, offset: usize, len: usize) -> Arc<Scratch> {
-        let es = c.dtype.size();
-        let s = self.core.scratch(len * es);
-        // SAFETY (inside): offset + len is within the validated send buffer.
-        start_raw(c.dtype, s.ptr(), unsafe { send.ptr().add(offset * es) }, len, c.reduce);
-        s
+    /// This rank's contribution `x` (a region of its input), scaled for a
+    /// pre-multiplied sum, in a scratch of its size.
+    fn own_contribution(&self, c: &Prepared, x: &Region) -> Result<Arc<Scratch>> {
+        let s = self.core.scratch(x.len());
+        region::start(c.dtype, &Region::scratch(&s, 0, x.len())?, x, c.reduce)?;
+        Ok(s)
     }
 
     /// Every rank's (scaled) vector to every rank; each reduces in rank order.
     fn all_reduce_direct(&self, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
-        let (n, me, es, len) = (self.n(), self.me(), c.dtype.size(), c.count);
-        let bytes = len * es;
-        let own = self.own_contribution(c, send, 0, len);
+        let (n, me, bytes) = (self.n(), self.me(), c.count * c.dtype.size());
+        let own = self.own_contribution(c, &Region::user(send, 0, bytes)?)?;
         let slots = self.core.scratch(n * bytes);
         let mut reqs = Vec::new();
         for k in 1..n {
@@ -499,7 +191,7 @@ impl<'a> Exec<'a> {
             reqs.push(self.send(to, Kind::Data, Region::scratch(&own, 0, bytes)?)?);
         }
         self.wait(reqs)?;
-        self.reduce_slots(c, own, 0, slots, bytes, recv.ptr())
+        self.reduce_slots(c, own, 0, slots, bytes, &Region::user(recv, 0, bytes)?)
     }
 
     /// Puts this rank's scaled vector (`bytes` from `own_offset` of `own`)
@@ -513,22 +205,17 @@ impl<'a> Exec<'a> {
         own_offset: usize,
         slots: Arc<Scratch>,
         bytes: usize,
-        out: *mut u8,
+        out: &Region,
     ) -> Result<()> {
         let (n, me) = (self.n(), self.me());
-        copy_raw(
-            Region::scratch(&own, own_offset, bytes)?.ptr(),
-            Region::scratch(&slots, me * bytes, bytes)?.ptr(),
-            bytes,
-        );
-        let len = bytes / c.dtype.size().max(1);
-        let acc = slots.ptr();
+        region::copy(&Region::scratch(&own, own_offset, bytes)?, &Region::scratch(&slots, me * bytes, bytes)?)?;
+        let acc = Region::scratch(&slots, 0, bytes)?;
         for j in 1..n {
-            // SAFETY: slot j is inside the scratch (n × bytes).
-            combine_partial(c.dtype, acc, unsafe { slots.ptr().add(j * bytes) }, len, c.reduce);
+            region::combine_partial(c.dtype, &acc, &Region::scratch(&slots, j * bytes, bytes)?, c.reduce)?;
         }
-        finish_raw(c.dtype, acc, len, c.reduce, n);
-        copy_raw(acc, out, bytes);
+        region::finish(c.dtype, &acc, c.reduce, n)?;
+        region::copy(&acc, out)?;
+        drop(acc);
         self.core.give_back(own);
         self.core.give_back(slots);
         Ok(())
@@ -536,9 +223,8 @@ impl<'a> Exec<'a> {
 
     /// Chunk `j` (scaled) to rank `j`; each reduces its chunk in rank order.
     fn reduce_scatter_direct(&self, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
-        let (n, me, es, len) = (self.n(), self.me(), c.dtype.size(), c.count);
-        let bytes = len * es;
-        let own = self.own_contribution(c, send, 0, n * len);
+        let (n, me, bytes) = (self.n(), self.me(), c.count * c.dtype.size());
+        let own = self.own_contribution(c, &Region::user(send, 0, n * bytes)?)?;
         let slots = self.core.scratch(n * bytes);
         let mut reqs = Vec::new();
         for k in 1..n {
@@ -547,127 +233,95 @@ impl<'a> Exec<'a> {
             reqs.push(self.send(to, Kind::Data, Region::scratch(&own, to * bytes, bytes)?)?);
         }
         self.wait(reqs)?;
-        self.reduce_slots(c, own, me * bytes, slots, bytes, recv.ptr())
+        self.reduce_slots(c, own, me * bytes, slots, bytes, &Region::user(recv, 0, bytes)?)
     }
 
-    /// The reduce-scatter over `ring` of `chunks` (element ranges of the
-    /// input, one per ring position): the chunk of this rank's position,
-    /// combined with `op` (`c.reduce` for own inputs, its partial operator
-    /// for inputs that are partial results already), lands in `out`,
-    /// finished (`Avg` divided) over `finish` ranks when given.
-    #[allow(clippy::too_many_arguments)] // the ring, its operator and its finish are what the schedules vary
+    /// The reduce-scatter over `ring`: chunk `j` (one per ring position) is
+    /// reduced starting at position j+1 and going round to position j, each
+    /// rank combining its own contribution (`own`) with `op` (`c.reduce`
+    /// for own inputs, its partial operator for partial results); the
+    /// chunk of this rank's position lands in `out` (its size), finished
+    /// (`Avg` divided) over `finish` ranks when given.
     pub(crate) fn ring_reduce_scatter(
         &self,
         c: &Prepared,
         ring: &Ring,
         op: ReduceOp,
         finish: Option<usize>,
-        send: &RawRange,
-        chunks: &[(usize, usize)],
-        out: &Arc<Scratch>,
+        mut own: Own<'_>,
+        out: &Region,
     ) -> Result<()> {
         let (n, me, es) = (ring.len(), ring.pos, c.dtype.size());
-        let (next, prev) = (ring.next(), ring.prev());
-        let len_of = |j: usize| chunks[j].1 - chunks[j].0;
-        let own_ptr = |j: usize| unsafe { send.ptr().add(chunks[j].0 * es) } as *const u8;
+        let first = own.get((me + n - 1) % n, es)?;
         if n == 1 {
-            start_raw(c.dtype, out.ptr(), own_ptr(0), len_of(0), op);
+            region::start(c.dtype, out, &first.region, op)?;
             if let Some(total) = finish {
-                finish_raw(c.dtype, out.ptr(), len_of(0), c.reduce, total);
+                region::finish(c.dtype, out, c.reduce, total)?;
             }
+            self.give_back_own(first);
             return Ok(());
         }
-        let cmax = chunks.iter().map(|(lo, hi)| hi - lo).max().unwrap_or(0) * es;
+        let cmax = own.max_elements() * es;
         let bufs = [self.core.scratch(cmax), self.core.scratch(cmax)];
         // Step 0 sends this rank's own chunk `me − 1` (scaled: from scratch).
-        let first = (me + n - 1) % n;
-        let mut outgoing = if matches!(op, ReduceOp::PreMulSum(_)) {
-            let s = self.own_contribution(c, send, chunks[first].0, len_of(first));
-            Region::scratch(&s, 0, len_of(first) * es)?
-        } else {
-            Region::user(send, chunks[first].0 * es, len_of(first) * es)?
+        let scaled = match op {
+            ReduceOp::PreMulSum(_) => Some(self.own_contribution(c, &first.region)?),
+            _ => None,
+        };
+        let mut outgoing = match &scaled {
+            Some(s) => Region::scratch(s, 0, first.region.len())?,
+            None => first.region.clone(),
         };
         for k in 0..n - 1 {
             let incoming = (me + 2 * n - 2 - k) % n;
-            let buf = &bufs[k % 2];
-            let bytes = len_of(incoming) * es;
-            self.wait(self.step(next, outgoing, prev, Region::scratch(buf, 0, bytes)?)?)?;
-            combine_own(c.dtype, buf.ptr(), own_ptr(incoming), len_of(incoming), op);
-            outgoing = Region::scratch(buf, 0, bytes)?;
-        }
-        let last = &bufs[(n - 2) % 2];
-        if let Some(total) = finish {
-            finish_raw(c.dtype, last.ptr(), len_of(me), c.reduce, total);
-        }
-        copy_raw(last.ptr(), out.ptr(), len_of(me) * es);
-        drop(outgoing);
-        let [a, b] = bufs;
-        self.core.give_back(a);
-        self.core.give_back(b);
-        Ok(())
-    }
-
-    /// The ring reduce-scatter over `ring` of chunks of `len` elements whose
-    /// own contributions are made by `own(j)` (chunk `j`, unscaled: `op`
-    /// is a partial operator) when first needed: the first before the ring
-    /// starts, each later one while the step before it is in flight, so
-    /// making them (a reduction inside the host) overlaps the transfers.
-    /// The result, finished over `finish` ranks when given, goes to `out`;
-    /// the reductions are those of [`Exec::ring_reduce_scatter`], in its order.
-    #[allow(clippy::too_many_arguments)] // as ring_reduce_scatter, with a producer for its input
-    pub(crate) fn ring_reduce_scatter_produced(
-        &self,
-        c: &Prepared,
-        ring: &Ring,
-        op: ReduceOp,
-        finish: Option<usize>,
-        len: usize,
-        own: &mut dyn FnMut(usize) -> Result<Arc<Scratch>>,
-        out: &Arc<Scratch>,
-    ) -> Result<()> {
-        let (n, me, bytes) = (ring.len(), ring.pos, len * c.dtype.size());
-        let first = own((me + n - 1) % n)?;
-        let bufs = [self.core.scratch(bytes), self.core.scratch(bytes)];
-        let mut outgoing = Region::scratch(&first, 0, bytes)?;
-        for k in 0..n - 1 {
-            let incoming = (me + 2 * n - 2 - k) % n;
-            let buf = &bufs[k % 2];
-            let reqs = self.step(ring.next(), outgoing, ring.prev(), Region::scratch(buf, 0, bytes)?)?;
-            // On an error the step's requests are cancelled as they are dropped.
-            let mine = own(incoming)?;
+            let into = Region::scratch(&bufs[k % 2], 0, own.elements(incoming) * es)?;
+            let reqs = self.step(ring.next(), outgoing, ring.prev(), into.clone())?;
+            // While the step is in flight (a produced chunk is a reduction
+            // of its own); on an error its requests are cancelled as they
+            // are dropped.
+            let mine = own.get(incoming, es)?;
             self.wait(reqs)?;
-            combine_own(c.dtype, buf.ptr(), mine.ptr(), len, op);
-            self.core.give_back(mine);
-            outgoing = Region::scratch(buf, 0, bytes)?;
+            region::combine_own(c.dtype, &into, &mine.region, op)?;
+            self.give_back_own(mine);
+            outgoing = into;
         }
-        let last = &bufs[(n.max(2) - 2) % 2];
-        if n == 1 {
-            copy_raw(first.ptr(), last.ptr(), bytes);
-        }
+        // The last step's incoming chunk is this rank's own.
+        let last = Region::scratch(&bufs[(n - 2) % 2], 0, own.elements(me) * es)?;
         if let Some(total) = finish {
-            finish_raw(c.dtype, last.ptr(), len, c.reduce, total);
+            region::finish(c.dtype, &last, c.reduce, total)?;
         }
-        copy_raw(last.ptr(), out.ptr(), bytes);
-        drop(outgoing);
+        region::copy(&last, out)?;
+        drop((outgoing, last));
+        self.give_back_own(first);
+        if let Some(s) = scaled {
+            self.core.give_back(s);
+        }
         let [a, b] = bufs;
         self.core.give_back(a);
         self.core.give_back(b);
-        self.core.give_back(first);
         Ok(())
     }
 
-    /// The all-gather over `ring` in place over `chunks` of `recv`, one per
-    /// ring position (the chunk of this rank's position already there).
+    fn give_back_own(&self, chunk: OwnChunk) {
+        drop(chunk.region);
+        if let Some(s) = chunk.made {
+            self.core.give_back(s);
+        }
+    }
+
+    /// The all-gather over `ring` in place over `chunks` (element ranges)
+    /// of `recv`, one per ring position (the chunk of this rank's position
+    /// already there).
     pub(crate) fn ring_all_gather(
         &self,
         c: &Prepared,
         ring: &Ring,
-        recv: &RawRange,
+        recv: &Region,
         chunks: &[(usize, usize)],
     ) -> Result<()> {
         let (n, me, es) = (ring.len(), ring.pos, c.dtype.size());
         let (next, prev) = (ring.next(), ring.prev());
-        let region = |j: usize| Region::user(recv, chunks[j].0 * es, (chunks[j].1 - chunks[j].0) * es);
+        let region = |j: usize| recv.part(chunks[j].0 * es, (chunks[j].1 - chunks[j].0) * es);
         for k in 0..n.saturating_sub(1) {
             let (out, inc) = ((me + n - k) % n, (me + 2 * n - k - 1) % n);
             self.wait(self.step(next, region(out)?, prev, region(inc)?)?)?;
@@ -687,16 +341,26 @@ impl<'a> Exec<'a> {
         self.wait(reqs).map(|_| ())
     }
 
+    /// This rank's share of a ring reduce-scatter of all of `send` over
+    /// every rank (chunks of `count/n`), in scratch (the caller returns it).
+    fn reduced_share(&self, c: &Prepared, send: &RawRange, chunks: &[(usize, usize)]) -> Result<Arc<Scratch>> {
+        let (n, me, es) = (self.n(), self.me(), c.dtype.size());
+        let bytes = (chunks[me].1 - chunks[me].0) * es;
+        let out = self.core.scratch(bytes);
+        let own = Own::Input { send: &Region::user_all(send), chunks };
+        self.ring_reduce_scatter(c, &Ring::all(n, me), c.reduce, Some(n), own, &Region::scratch(&out, 0, bytes)?)?;
+        Ok(out)
+    }
+
     fn all_reduce_ring(&self, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
         let (n, me, es) = (self.n(), self.me(), c.dtype.size());
         let chunks: Vec<(usize, usize)> = (0..n).map(|j| share(c.count, n, j)).collect();
-        let out = self.core.scratch((chunks[me].1 - chunks[me].0) * es);
-        let ring = Ring::all(n, me);
-        self.ring_reduce_scatter(c, &ring, c.reduce, Some(n), send, &chunks, &out)?;
+        let out = self.reduced_share(c, send, &chunks)?;
         // Every input chunk has been read (all steps waited): the in-place output can be written.
-        copy_raw(out.ptr(), Region::user(recv, chunks[me].0 * es, 0)?.ptr(), (chunks[me].1 - chunks[me].0) * es);
+        let bytes = (chunks[me].1 - chunks[me].0) * es;
+        region::copy(&Region::scratch(&out, 0, bytes)?, &Region::user(recv, chunks[me].0 * es, bytes)?)?;
         self.core.give_back(out);
-        self.ring_all_gather(c, &ring, recv, &chunks)
+        self.ring_all_gather(c, &Ring::all(n, me), &Region::user_all(recv), &chunks)
     }
 
     fn broadcast_direct(&self, c: &Prepared, recv: &RawRange) -> Result<()> {
@@ -744,9 +408,8 @@ impl<'a> Exec<'a> {
     }
 
     fn reduce_direct(&self, c: &Prepared, send: &RawRange) -> Result<()> {
-        let (n, me, es, len) = (self.n(), self.me(), c.dtype.size(), c.count);
-        let bytes = len * es;
-        let own = self.own_contribution(c, send, 0, len);
+        let (n, me, bytes) = (self.n(), self.me(), c.count * c.dtype.size());
+        let own = self.own_contribution(c, &Region::user(send, 0, bytes)?)?;
         if me != c.root {
             self.wait(vec![self.send(c.root, Kind::Data, Region::scratch(&own, 0, bytes)?)?])?;
             self.core.give_back(own);
@@ -759,7 +422,7 @@ impl<'a> Exec<'a> {
             .map(|j| self.recv(j, Kind::Data, Region::scratch(&slots, j * bytes, bytes)?))
             .collect::<Result<Vec<_>>>()?;
         self.wait(reqs)?;
-        self.reduce_slots(c, own, 0, slots, bytes, recv.ptr())
+        self.reduce_slots(c, own, 0, slots, bytes, &Region::user(recv, 0, bytes)?)
     }
 
     /// The ring reduce-scatter, then every rank sends its reduced chunk to the root.
@@ -767,8 +430,7 @@ impl<'a> Exec<'a> {
         let (n, me, es) = (self.n(), self.me(), c.dtype.size());
         let chunks: Vec<(usize, usize)> = (0..n).map(|j| share(c.count, n, j)).collect();
         let mine = (chunks[me].1 - chunks[me].0) * es;
-        let out = self.core.scratch(mine);
-        self.ring_reduce_scatter(c, &Ring::all(n, me), c.reduce, Some(n), send, &chunks, &out)?;
+        let out = self.reduced_share(c, send, &chunks)?;
         if me != c.root {
             self.wait(vec![self.send(c.root, Kind::Data, Region::scratch(&out, 0, mine)?)?])?;
             self.core.give_back(out);
@@ -780,7 +442,7 @@ impl<'a> Exec<'a> {
             .map(|j| self.recv(j, Kind::Data, Region::user(recv, chunks[j].0 * es, (chunks[j].1 - chunks[j].0) * es)?))
             .collect::<Result<Vec<_>>>()?;
         self.wait(reqs)?;
-        copy_raw(out.ptr(), Region::user(recv, chunks[me].0 * es, 0)?.ptr(), mine);
+        region::copy(&Region::scratch(&out, 0, mine)?, &Region::user(recv, chunks[me].0 * es, mine)?)?;
         self.core.give_back(out);
         Ok(())
     }
@@ -788,7 +450,7 @@ impl<'a> Exec<'a> {
     fn all_to_all_pairwise(&self, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
         let (n, me) = (self.n(), self.me());
         let bytes = c.count / n * c.dtype.size();
-        copy_raw(Region::user(send, me * bytes, bytes)?.ptr(), Region::user(recv, me * bytes, bytes)?.ptr(), bytes);
+        region::copy(&Region::user(send, me * bytes, bytes)?, &Region::user(recv, me * bytes, bytes)?)?;
         for k in 1..n {
             let (to, from) = ((me + k) % n, (me + n - k) % n);
             let reqs = vec![
@@ -813,147 +475,5 @@ impl<'a> Exec<'a> {
             d *= 2;
         }
         Ok(())
-    }
-}
-
-/// A send's header as the receiver compares it.
-fn p2p_header(c: &Prepared) -> String {
-    format!("{} x {}", c.count, c.dtype)
-}
-
-/// A send of a group, posted before the group's other calls: its header
-/// and data are on their way; [`finish_send`] waits for the receiver's answer.
-pub(crate) struct PostedSend<'a> {
-    reqs: Vec<Req<'a>>,
-    ack: Arc<Scratch>,
-    seq: u64,
-    peer: usize,
-}
-
-pub(crate) fn post_send<'a>(core: &'a Core, c: &Prepared) -> Result<PostedSend<'a>> {
-    let x = Exec::new(core, c.p2p_no, "send");
-    let data = c.send.as_ref().ok_or_else(|| missing("send"))?;
-    let ack = Scratch::new(1024);
-    let reqs = vec![
-        x.send(c.root, Kind::P2pHeader, Region::bytes(p2p_header(c).into_bytes()))?,
-        x.send(c.root, Kind::P2pData, Region::user(data, 0, data.bytes())?)?,
-        x.recv_upto(c.root, Kind::P2pAck, Region::scratch(&ack, 0, 1024)?)?,
-    ];
-    Ok(PostedSend { reqs, ack, seq: c.p2p_no, peer: c.root })
-}
-
-pub(crate) fn finish_send(core: &Core, p: PostedSend<'_>) -> Result<()> {
-    let x = Exec::new(core, p.seq, "send");
-    let lens = x.wait(p.reqs)?;
-    // SAFETY: the ack receive has completed.
-    let answer = String::from_utf8_lossy(unsafe { slice::<u8>(p.ack.ptr(), lens[2].min(1024)) }).into_owned();
-    if answer == "ok" {
-        Ok(())
-    } else {
-        Err(CommError::Mismatch { seq: 0, details: format!("{answer} (send #{} to rank {})", p.seq, p.peer) })
-    }
-}
-
-pub(crate) fn receive(core: &Core, c: &Prepared) -> Result<()> {
-    let x = Exec::new(core, c.p2p_no, "recv");
-    let buf = c.recv.as_ref().ok_or_else(|| missing("recv"))?;
-    let header = Scratch::new(256);
-    let lens = x.wait(vec![x.recv_upto(c.root, Kind::P2pHeader, Region::scratch(&header, 0, 256)?)?])?;
-    // SAFETY: the header receive has completed.
-    let theirs = String::from_utf8_lossy(unsafe { slice::<u8>(header.ptr(), lens[0].min(256)) }).into_owned();
-    let mine = p2p_header(c);
-    if theirs != mine {
-        let details = format!("rank {} sent {theirs} to rank {}, which posted a recv of {mine}", c.root, core.rank);
-        x.wait(vec![x.send(c.root, Kind::P2pAck, Region::bytes(details.clone().into_bytes()))?])?;
-        return Err(CommError::Mismatch { seq: 0, details });
-    }
-    x.wait(vec![x.recv(c.root, Kind::P2pData, Region::user(buf, 0, buf.bytes())?)?])?;
-    x.wait(vec![x.send(c.root, Kind::P2pAck, Region::bytes(b"ok".to_vec()))?]).map(|_| ())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::bootstrap::MemStore;
-    use crate::ucx::engine::{ControlTag, Engine};
-    use crate::ucx::{wire, AbortState, Job, UcxConfig, LEAVE_GRACE};
-
-    /// Rank 0 of two, with a worker of its own and no endpoint: a send to
-    /// rank 1 fails at once, the way a call fails mid-receive.
-    fn lonely_rank() -> Core {
-        let (tag, mask) = wire::control_match();
-        let engine = Engine::start("test", ControlTag { tag, mask }, Arc::new(|_| {}), Duration::ZERO).unwrap();
-        let timeout = Duration::from_secs(20);
-        let job = Arc::new(Job {
-            engine,
-            world_rank: 0,
-            world_size: 2,
-            store: Arc::new(MemStore::new()),
-            config: UcxConfig { timeout, ..UcxConfig::default() },
-            timeout,
-            abort: Arc::new(AbortState::default()),
-            peers: Arc::default(),
-            hosts: vec![],
-        });
-        Core::new(job, 0, 0, vec![0, 1])
-    }
-
-    #[test]
-    fn a_failed_call_returns_only_once_its_receive_has_ended() {
-        let core = lonely_rank();
-        // Cancels reach UCX 300 ms late: a call that does not wait for them returns first.
-        core.job.engine.delay_cancels(Duration::from_millis(300));
-        let x = Exec::new(&core, 1, "test");
-        let inbox = Scratch::new(64);
-        let recv = x.recv(1, Kind::Data, Region::scratch(&inbox, 0, 64).unwrap()).unwrap();
-        let received = recv.done.clone();
-        let send = x.send(1, Kind::Data, Region::bytes(vec![1; 8])).unwrap();
-        let e = x.wait(vec![send, recv]).unwrap_err();
-        assert!(matches!(e, CommError::Backend { .. }), "{e}");
-        assert_eq!(
-            received.outcome(),
-            Some(Err(ucx_rs::sys::ucs_status_t_UCS_ERR_CANCELED)),
-            "the call returned while its receive could still write into its buffer"
-        );
-    }
-
-    #[test]
-    fn a_request_dropped_before_it_ended_is_cancelled_and_waited_for() {
-        let core = lonely_rank();
-        core.job.engine.delay_cancels(Duration::from_millis(300));
-        let x = Exec::new(&core, 2, "test");
-        let inbox = Scratch::new(64);
-        // What an early return (`?`) does to the receives a call has posted.
-        let recv = x.recv(1, Kind::Data, Region::scratch(&inbox, 0, 64).unwrap()).unwrap();
-        let received = recv.done.clone();
-        drop(recv);
-        assert_eq!(received.outcome(), Some(Err(ucx_rs::sys::ucs_status_t_UCS_ERR_CANCELED)));
-    }
-
-    #[test]
-    fn a_lost_connection_fails_the_job_unless_the_peer_said_it_was_leaving() {
-        use ucx_rs::sys::ucs_status_t_UCS_ERR_CONNECTION_RESET as RESET;
-        // A peer that finished and closed its endpoints: its notice may come
-        // before or just after the connection's end; neither fails the job.
-        let core = lonely_rank();
-        core.job.peers.left(1);
-        core.job.peers.failed(1, RESET);
-        let core2 = lonely_rank();
-        core2.job.peers.failed(1, RESET);
-        std::thread::sleep(LEAVE_GRACE / 4);
-        core2.job.peers.left(1);
-        std::thread::sleep(LEAVE_GRACE * 2);
-        assert!(core.job.abort_error().is_none(), "{:?}", core.job.abort_error());
-        assert!(core2.job.abort_error().is_none(), "{:?}", core2.job.abort_error());
-        // A peer that died: a call waiting for it fails soon after the grace, not at its deadline.
-        let core = lonely_rank();
-        core.job.peers.failed(1, RESET);
-        let started = Instant::now();
-        let x = Exec::new(&core, 3, "test");
-        let inbox = Scratch::new(8);
-        let recv = x.recv(1, Kind::Data, Region::scratch(&inbox, 0, 8).unwrap()).unwrap();
-        let e = x.wait(vec![recv]).unwrap_err();
-        assert!(e.to_string().contains("the connection to world rank 1 failed"), "{e}");
-        assert!(started.elapsed() < Duration::from_secs(2), "{:?} (deadline 20 s)", started.elapsed());
     }
 }

@@ -33,8 +33,9 @@ use std::sync::Arc;
 
 use chorus_devices::cpu::RawRange;
 
-use super::algorithms::{copy_raw, Exec, Prepared};
-use super::engine::{Region, Scratch};
+use super::algorithms::Own;
+use super::exec::{Exec, Prepared};
+use super::region::{self, Region, Scratch};
 use crate::arith::{partial_op, share};
 use crate::Result;
 
@@ -126,14 +127,6 @@ pub(crate) fn host_key(configured: Option<&str>) -> String {
     format!("{}/{}/{}", crate::recorder::host_name(), boot.trim(), net)
 }
 
-/// A scratch buffer seen as a range of `bytes` bytes of `c`'s dtype.
-fn as_range(c: &Prepared, s: &Arc<Scratch>, bytes: usize) -> RawRange {
-    // SAFETY: the scratch holds at least `bytes` (callers ask for them), is
-    // aligned for every dtype and outlives every use of the range (the
-    // caller keeps it until its transfers have ended).
-    unsafe { RawRange::borrowed(s.ptr(), bytes, c.dtype) }
-}
-
 /// The hierarchical all-reduce of `c` (see the module documentation).
 pub(crate) fn all_reduce(x: &Exec<'_>, lay: &Layout, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
     let (es, n) = (c.dtype.size(), lay.local.len() * lay.cross.len());
@@ -142,46 +135,56 @@ pub(crate) fn all_reduce(x: &Exec<'_>, lay: &Layout, c: &Prepared, send: &RawRan
     let len = hi - lo;
     // This host's partial of share `pos`, then the job's reduction of it.
     let shard = x.core().scratch(len * es);
-    x.ring_reduce_scatter(c, &lay.local, c.reduce, None, send, &local, &shard)?;
-    let shard_range = as_range(c, &shard, len * es);
+    let shard_region = Region::scratch(&shard, 0, len * es)?;
+    let own = Own::Input { send: &Region::user_all(send), chunks: &local };
+    x.ring_reduce_scatter(c, &lay.local, c.reduce, None, own, &shard_region)?;
     let across: Vec<(usize, usize)> = (0..lay.cross.len()).map(|p| share(len, lay.cross.len(), p)).collect();
     let (clo, chi) = across[lay.cross.pos];
     let out = x.core().scratch((chi - clo) * es);
-    x.ring_reduce_scatter(c, &lay.cross, partial_op(c.reduce), Some(n), &shard_range, &across, &out)?;
-    copy_raw(out.ptr(), Region::scratch(&shard, clo * es, 0)?.ptr(), (chi - clo) * es);
+    let out_region = Region::scratch(&out, 0, (chi - clo) * es)?;
+    let own = Own::Input { send: &shard_region, chunks: &across };
+    x.ring_reduce_scatter(c, &lay.cross, partial_op(c.reduce), Some(n), own, &out_region)?;
+    region::copy(&out_region, &shard_region.part(clo * es, (chi - clo) * es)?)?;
+    drop(out_region);
     x.core().give_back(out);
-    x.ring_all_gather(c, &lay.cross, &shard_range, &across)?;
+    x.ring_all_gather(c, &lay.cross, &shard_region, &across)?;
     // Every input chunk has been read (all steps waited): the in-place output can be written.
-    copy_raw(shard.ptr(), Region::user(recv, lo * es, 0)?.ptr(), len * es);
-    drop(shard_range);
+    region::copy(&shard_region, &Region::user(recv, lo * es, len * es)?)?;
+    drop(shard_region);
     x.core().give_back(shard);
-    x.ring_all_gather(c, &lay.local, recv, &local)
+    x.ring_all_gather(c, &lay.local, &Region::user_all(recv), &local)
 }
 
 /// The hierarchical reduce-scatter of `c` (`c.count` elements per rank).
 pub(crate) fn reduce_scatter(x: &Exec<'_>, lay: &Layout, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
     let (es, count, n) = (c.dtype.size(), c.count, lay.local.len() * lay.cross.len());
     let bytes = count * es;
+    let input = Region::user_all(send);
     // This host's partial of the chunk of host p's rank with this rank's
     // local index, made by the ring across hosts when it needs it: while the
     // link carries one host's partial, the host reduces the next.
     let mut partial = |p: usize| -> Result<Arc<Scratch>> {
         let s = x.core().scratch(bytes);
-        x.ring_reduce_scatter(c, &lay.local, c.reduce, None, send, &lay.chunks_of_host(p, count), &s)?;
+        let own = Own::Input { send: &input, chunks: &lay.chunks_of_host(p, count) };
+        x.ring_reduce_scatter(c, &lay.local, c.reduce, None, own, &Region::scratch(&s, 0, bytes)?)?;
         Ok(s)
     };
     let out = x.core().scratch(bytes);
-    x.ring_reduce_scatter_produced(c, &lay.cross, partial_op(c.reduce), Some(n), count, &mut partial, &out)?;
-    copy_raw(out.ptr(), recv.ptr(), bytes);
+    let out_region = Region::scratch(&out, 0, bytes)?;
+    let own = Own::Produced { len: count, make: &mut partial };
+    x.ring_reduce_scatter(c, &lay.cross, partial_op(c.reduce), Some(n), own, &out_region)?;
+    region::copy(&out_region, &Region::user(recv, 0, bytes)?)?;
+    drop(out_region);
     x.core().give_back(out);
     Ok(())
 }
 
 /// The hierarchical all-gather of `c` in place in `recv` (this rank's chunk already there).
 pub(crate) fn all_gather(x: &Exec<'_>, lay: &Layout, c: &Prepared, recv: &RawRange) -> Result<()> {
-    x.ring_all_gather(c, &lay.cross, recv, &lay.chunks_across(c.count))?;
+    let recv = Region::user_all(recv);
+    x.ring_all_gather(c, &lay.cross, &recv, &lay.chunks_across(c.count))?;
     for p in 0..lay.cross.len() {
-        x.ring_all_gather(c, &lay.local, recv, &lay.chunks_of_host(p, c.count))?;
+        x.ring_all_gather(c, &lay.local, &recv, &lay.chunks_of_host(p, c.count))?;
     }
     Ok(())
 }

@@ -13,8 +13,9 @@
 //! - **Stream-ordered.** A launch (one call, or a group) is one job on the
 //!   caller's cpu stream, declaring its reads and writes to the stream
 //!   sanitizer; the host returns at once. When the stream reaches it, the
-//!   job runs the algorithm (`algorithms.rs`) on the executor thread:
-//!   it hands sends and receives to the progress thread and waits for them.
+//!   job runs the algorithm (`algorithms.rs`) on the executor thread
+//!   (`exec.rs`): it hands sends and receives to the progress thread and
+//!   waits for them.
 //! - **Tags** (`wire.rs`): kind, communicator id, sequence number and
 //!   sender; so concurrent calls on different streams (FSDP's all-gather
 //!   and reduce-scatter streams) never take each other's messages.
@@ -37,9 +38,15 @@
 //!   [`UcxConfig::timeout`], counted from the last progress of the call: a
 //!   dead peer is found by it, or sooner when UCX reports the peer's
 //!   connection failed (which aborts the job too; see
-//!   [`UcxConfig::peer_failure`]).
+//!   [`UcxConfig::peer_failure`]). A rank whose communicator goes tells the
+//!   others how it leaves (`job.rs`): as a failure when its thread panics
+//!   (they fail at once), else as a rank that left, and a call still
+//!   waiting for it a few seconds later fails instead of waiting out the
+//!   deadline.
 //! - **Memory.** A transfer keeps the memory it uses alive until UCX has
-//!   finished with it (a cancelled receive cannot write into freed memory).
+//!   finished with it (a cancelled receive cannot write into freed memory);
+//!   the algorithms read and write memory only through bounds-checked
+//!   regions (`region.rs`).
 //!
 //! Capabilities: native `Avg` and `PreMulSum`, world-wide abort, mismatch
 //! detection. A `Timeout` says which peer a rank waited for but cannot know
@@ -48,23 +55,30 @@
 
 mod algorithms;
 mod engine;
+mod exec;
 mod hierarchy;
+mod job;
+mod p2p;
 mod pool;
 mod raw;
+mod region;
 mod result;
 mod wire;
+mod worker;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use chorus_devices::cpu::{Access, Cpu, CpuDevice, CpuStream, JobInput};
 use chorus_devices::{DeviceError, Stream};
 
-use algorithms::{Exec, Prepared};
 use chorus_devices::MemoryStats;
-use engine::{ControlTag, Engine, Event, Scratch};
+use engine::{ControlTag, Engine, Event};
+use exec::{Exec, Prepared};
+use job::{AbortState, Job, Peers};
 use pool::ScratchPool;
+use region::Scratch;
 
 pub use raw::raw_round_trips;
 
@@ -159,173 +173,6 @@ impl UcxConfig {
 /// `docs/benchmarks.md` for the measurement it comes from).
 pub const DEFAULT_SMALL_BYTES: usize = 128 * 1024;
 
-/// The state one process's ranks share: the progress thread and the
-/// job-wide abort (the world and every communicator split from it).
-pub(crate) struct Job {
-    engine: Engine,
-    world_rank: usize,
-    world_size: usize,
-    store: Arc<dyn Store>,
-    config: UcxConfig,
-    timeout: Duration,
-    abort: Arc<AbortState>,
-    /// What became of the other ranks' connections (see [`Peers`]).
-    peers: Arc<Peers>,
-    /// The host key of each world rank (exchanged at `init`).
-    hosts: Vec<String>,
-}
-
-/// How long after a connection to a rank ends its notice that it is leaving
-/// may still arrive: it has left that rank before the endpoints close, but
-/// may travel on another of the pair's connections than the one that ends
-/// first. Short, as it delays the failure of every call waiting for a rank
-/// that died (a launcher that notices first stops the ranks before they
-/// can say why they failed).
-pub(crate) const LEAVE_GRACE: Duration = Duration::from_millis(50);
-
-/// The other ranks' connections: which ended, and which ranks said they
-/// were leaving. A rank that has finished sends the notice to every rank
-/// before it closes its endpoints (`Job`'s drop); to UCX its closing looks
-/// like a failure, and the ranks still in their own last call, needing
-/// nothing more from it, must not fail. A connection that ends without a
-/// notice within [`LEAVE_GRACE`] fails the job.
-#[derive(Default)]
-pub(crate) struct Peers {
-    any_failed: AtomicBool,
-    state: Mutex<PeersState>,
-}
-
-#[derive(Default)]
-struct PeersState {
-    failed: Vec<(usize, ucx_rs::sys::ucs_status_t, Instant)>,
-    left: Vec<usize>,
-}
-
-impl Peers {
-    /// The connection to world rank `r` ended with `status`.
-    pub(crate) fn failed(&self, r: usize, status: ucx_rs::sys::ucs_status_t) {
-        if let Ok(mut s) = self.state.lock() {
-            if !s.failed.iter().any(|(f, ..)| *f == r) {
-                s.failed.push((r, status, Instant::now()));
-            }
-        }
-        self.any_failed.store(true, Ordering::Release);
-    }
-
-    /// World rank `r` said it has finished and is leaving.
-    pub(crate) fn left(&self, r: usize) {
-        if let Ok(mut s) = self.state.lock() {
-            s.left.push(r);
-        }
-    }
-
-    /// The end of world rank `r`'s connection as an error, notice or not:
-    /// for a request to or from `r` that failed (the call needed it).
-    fn error_of(&self, r: usize) -> Option<CommError> {
-        if !self.any_failed.load(Ordering::Acquire) {
-            return None;
-        }
-        let s = self.state.lock().ok()?;
-        let (r, status, _) = s.failed.iter().find(|(f, ..)| *f == r)?;
-        Some(connection_failed(*r, *status))
-    }
-
-    /// A connection that ended at least [`LEAVE_GRACE`] ago without its
-    /// rank's notice, as the job's error.
-    fn unexplained(&self) -> Option<CommError> {
-        if !self.any_failed.load(Ordering::Acquire) {
-            return None;
-        }
-        let s = self.state.lock().ok()?;
-        let (r, status, _) = s.failed.iter().find(|(r, _, at)| at.elapsed() >= LEAVE_GRACE && !s.left.contains(r))?;
-        Some(connection_failed(*r, *status))
-    }
-}
-
-fn connection_failed(r: usize, status: ucx_rs::sys::ucs_status_t) -> CommError {
-    CommError::Aborted { reason: format!("the connection to world rank {r} failed: {}", ucx_rs::status_string(status)) }
-}
-
-#[derive(Default)]
-struct AbortState {
-    flag: AtomicBool,
-    error: Mutex<Option<CommError>>,
-}
-
-impl AbortState {
-    /// Records `e` (the first wins); whether it was the first.
-    fn set(&self, e: CommError) -> bool {
-        let Ok(mut slot) = self.error.lock() else { return false };
-        if slot.is_some() {
-            return false;
-        }
-        *slot = Some(e);
-        self.flag.store(true, Ordering::Release);
-        true
-    }
-    fn get(&self) -> Option<CommError> {
-        if !self.flag.load(Ordering::Acquire) {
-            return None;
-        }
-        self.error.lock().ok().and_then(|e| e.clone())
-    }
-}
-
-impl Job {
-    /// The job's error: a failure reported by a rank, an abort, or a
-    /// connection that ended without its rank's notice (then the job's).
-    fn abort_error(&self) -> Option<CommError> {
-        if let Some(e) = self.abort.get() {
-            return Some(e);
-        }
-        self.abort.set(self.peers.unexplained()?);
-        self.abort.get()
-    }
-
-    /// Why a request to or from world rank `r` failed, when its connection ended.
-    fn connection_error(&self, r: usize) -> Option<CommError> {
-        self.peers.error_of(r)
-    }
-
-    /// Fails the job with `e` here and on every other rank (once: a later
-    /// failure is not sent). Waits up to a second for the messages to leave.
-    fn fail(&self, e: CommError) {
-        if !self.abort.set(e.clone()) {
-            return;
-        }
-        self.send_control(&wire::encode_failure(self.world_rank, &e));
-    }
-
-    /// Sends a control message to every other rank; waits up to a second for them to leave.
-    fn send_control(&self, msg: &[u8]) {
-        let (ctag, _) = wire::control_match();
-        let tag = ctag | (self.world_rank as u64 & 0xffff);
-        let sent: Vec<_> = (0..self.world_size)
-            .filter(|r| *r != self.world_rank)
-            .filter_map(|r| self.engine.send(r, tag, engine::Region::bytes(msg.to_vec())).ok())
-            .collect();
-        let deadline = Instant::now() + Duration::from_secs(1);
-        for c in sent {
-            while c.outcome().is_none() && Instant::now() < deadline {
-                c.wait_for(Duration::from_millis(10));
-            }
-        }
-    }
-}
-
-impl Drop for Job {
-    /// Tells every other rank that this one is leaving (its calls are
-    /// done), before the engine closes the endpoints: the connections'
-    /// end is then not taken for a failure. Waits up to a second for the
-    /// notices to leave, as [`Job::fail`] does.
-    fn drop(&mut self) {
-        if self.abort.get().is_some() {
-            return;
-        }
-        self.send_control(&wire::encode_leaving(self.world_rank));
-    }
-}
-
 /// What a call runs against: the job and this communicator's place in it.
 pub(crate) struct Core {
     job: Arc<Job>,
@@ -383,6 +230,15 @@ impl std::fmt::Debug for UcxComm {
             "UcxComm(rank {}/{}, id {}, world rank {})",
             self.core.rank, self.core.size, self.core.id, self.core.job.world_rank
         )
+    }
+}
+
+impl Drop for UcxComm {
+    /// A communicator dropped while its thread panics fails the job on
+    /// every rank at once (see `job.rs`): its owner failed outside it, and
+    /// the other ranks must not wait for it.
+    fn drop(&mut self) {
+        self.core.job.fail_if_panicking();
     }
 }
 
@@ -613,16 +469,16 @@ fn run_group(core: &Core, calls: &[Prepared]) -> Result<()> {
     }
     let mut posted = Vec::new();
     for c in calls.iter().filter(|c| c.op == OpKind::Send) {
-        posted.push(algorithms::post_send(core, c)?);
+        posted.push(p2p::post_send(core, c)?);
     }
     for c in calls.iter().filter(|c| !matches!(c.op, OpKind::Send | OpKind::Recv)) {
         Exec::new(core, c.seq, c.op.name()).run(c)?;
     }
     for c in calls.iter().filter(|c| c.op == OpKind::Recv) {
-        algorithms::receive(core, c)?;
+        p2p::receive(core, c)?;
     }
     for p in posted {
-        algorithms::finish_send(core, p)?;
+        p2p::finish_send(core, p)?;
     }
     // A peer that failed (and said so) before this launch was posted may
     // have left messages that this launch's receives took as its own: the
@@ -778,84 +634,4 @@ pub fn probe() -> Result<String> {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::time::{Duration, Instant};
-
-    use chorus_devices::cpu::{CpuConfig, CpuDevice};
-
-    use super::*;
-    use crate::bootstrap::MemStore;
-
-    /// Rank `rank` of 2 joins, after `delay`, with the default config;
-    /// how long its `init` took.
-    fn join(
-        store: &Arc<dyn Store>,
-        rank: usize,
-        delay: Duration,
-    ) -> std::thread::JoinHandle<(Communicator<UcxComm>, Duration)> {
-        let store = store.clone();
-        std::thread::spawn(move || {
-            std::thread::sleep(delay);
-            let device = CpuDevice::new(CpuConfig::default().with_ordinal(rank));
-            let start = Instant::now();
-            let config = UcxConfig { timeout: Duration::from_secs(20), ..UcxConfig::default() };
-            let comm = UcxComm::init(store, rank, 2, device, config).unwrap();
-            (comm, start.elapsed())
-        })
-    }
-
-    /// The scratch a ring all-reduce uses is counted while it lives (in the
-    /// pool between calls), reused by the next call, and freed on release.
-    #[test]
-    fn scratch_memory_is_counted_reused_and_released() {
-        use chorus_devices::{Buffer, Device, Priority, StreamExt};
-        const COUNT: usize = 256 * 1024; // 1 MiB of f32: over small_bytes, so the ring
-        let store: Arc<dyn Store> = Arc::new(MemStore::new());
-        let ranks = [join(&store, 0, Duration::ZERO), join(&store, 1, Duration::ZERO)];
-        let results: Vec<_> = ranks
-            .map(|t| {
-                std::thread::spawn(move || {
-                    let (comm, _) = t.join().unwrap();
-                    let s = comm.device().create_stream(Priority::Normal).unwrap();
-                    let buf = s.buffer_from(&vec![1.0f32; COUNT]).unwrap();
-                    let mut seen = Vec::new();
-                    for want in [2.0f32, 4.0] {
-                        comm.all_reduce_in_place(buf.view(), crate::ReduceOp::Sum, &s).unwrap();
-                        let out = s.read_vec::<f32>(buf.view()).unwrap();
-                        assert!(out.iter().all(|v| *v == want));
-                        seen.push(comm.backend().scratch_memory());
-                    }
-                    let released = comm.backend().release_scratch();
-                    (seen, released, comm.backend().scratch_memory())
-                })
-            })
-            .into_iter()
-            .collect();
-        // Each rank: its reduced half (512 KiB) and two ring buffers of a half
-        // each, and the hello's inbox (one 512-byte slot, the 4 KiB minimum).
-        let expected = 3 * 512 * 1024 + 4096;
-        for r in results {
-            let (seen, released, after) = r.join().unwrap();
-            for stats in &seen {
-                assert_eq!(stats.bytes_in_use, expected, "{seen:?}");
-                assert_eq!(stats.live_allocations, 4, "{seen:?}");
-            }
-            assert_eq!(seen[1].peak_bytes, expected, "the second call reused the first one's buffers");
-            assert_eq!(released, expected);
-            assert_eq!((after.bytes_in_use, after.live_allocations), (0, 0));
-        }
-    }
-
-    #[test]
-    fn a_second_world_in_the_same_store_waits_for_its_own_ranks() {
-        let store: Arc<dyn Store> = Arc::new(MemStore::new());
-        let first = [join(&store, 0, Duration::ZERO), join(&store, 1, Duration::ZERO)];
-        drop(first.map(|t| t.join().unwrap()));
-        // The second world's rank 1 comes late: rank 0 must wait for it, not
-        // take the first world's address and count of connected ranks.
-        let late = Duration::from_millis(400);
-        let second = [join(&store, 0, Duration::ZERO), join(&store, 1, late)];
-        let [(_c0, took), (_c1, _)] = second.map(|t| t.join().unwrap());
-        assert!(took >= late - Duration::from_millis(50), "rank 0 joined in {took:?}, before rank 1 came");
-    }
-}
+mod tests;

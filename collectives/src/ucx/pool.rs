@@ -8,12 +8,16 @@
 //! The pool keeps at most [`UcxConfig::scratch_pool_buffers`](super::UcxConfig)
 //! buffers and [`UcxConfig::scratch_pool_bytes`](super::UcxConfig) bytes (the
 //! largest that fit), and [`ScratchPool::release`] empties it.
+//!
+//! A new buffer is rounded up to its size class ([`class_of`]): eight
+//! classes per doubling, so it is at most 1/8 larger than asked (at least
+//! [`MIN_BYTES`]), and calls of nearly the same size share buffers.
 
 use std::sync::{Arc, Mutex};
 
 use chorus_devices::{MemCounters, MemoryStats};
 
-use super::engine::Scratch;
+use super::region::Scratch;
 
 /// The free scratch buffers of one communicator, and the count of all it made.
 pub(crate) struct ScratchPool {
@@ -25,6 +29,22 @@ pub(crate) struct ScratchPool {
 
 /// The smallest buffer made (so that small calls of different sizes share one).
 const MIN_BYTES: usize = 4096;
+
+/// Size classes per doubling: a buffer is at most `1/CLASSES_PER_DOUBLING`
+/// larger than asked.
+const CLASSES_PER_DOUBLING: usize = 8;
+
+/// The size of the buffer made for `bytes`: [`MIN_BYTES`] for small ones,
+/// else `bytes` rounded up to a multiple of `2^k / CLASSES_PER_DOUBLING`,
+/// where `2^k <= bytes < 2^(k+1)` (less than `bytes / 8` more).
+pub(crate) fn class_of(bytes: usize) -> usize {
+    if bytes <= MIN_BYTES {
+        return MIN_BYTES;
+    }
+    let power = 1usize << (usize::BITS - 1 - bytes.leading_zeros());
+    let step = power / CLASSES_PER_DOUBLING;
+    bytes.div_ceil(step).checked_mul(step).unwrap_or(bytes)
+}
 
 impl ScratchPool {
     pub(crate) fn new(max_buffers: usize, max_bytes: usize) -> ScratchPool {
@@ -44,7 +64,7 @@ impl ScratchPool {
                 return free.swap_remove(i);
             }
         }
-        Scratch::counted(bytes.next_power_of_two().max(MIN_BYTES), self.counters.clone())
+        Scratch::counted(class_of(bytes), self.counters.clone())
     }
 
     /// Keeps `s` for a later call when no transfer holds it and it fits the
@@ -111,6 +131,34 @@ mod tests {
         assert_eq!(pool.stats().bytes_in_use, 100 * KIB, "the dropped buffers are no longer counted");
         assert_eq!(pool.stats().live_allocations, 3);
         assert_eq!(pool.stats().peak_bytes, made);
+    }
+
+    /// The rounding wastes less than an eighth of a large buffer (a power
+    /// of two wasted up to all of it: 64 MiB + 1 byte took 128 MiB).
+    #[test]
+    fn a_new_buffer_is_at_most_an_eighth_larger_than_asked() {
+        const MIB: usize = 1024 * KIB;
+        assert_eq!(class_of(1), MIN_BYTES);
+        assert_eq!(class_of(MIN_BYTES), MIN_BYTES);
+        assert_eq!(class_of(64 * MIB), 64 * MIB);
+        assert_eq!(class_of(64 * MIB + 1), 72 * MIB);
+        assert_eq!(class_of(usize::MAX), usize::MAX);
+        let mut sizes: Vec<usize> = (0..usize::BITS - 1).flat_map(|k| [(1 << k) - 1, 1 << k, (1 << k) + 1]).collect();
+        sizes.extend((1..2000).map(|i| i * 7919 + i * i * 31));
+        for b in sizes {
+            let c = class_of(b);
+            assert!(c >= b, "{b} -> {c}");
+            assert!(c <= MIN_BYTES.max(b + b / CLASSES_PER_DOUBLING), "{b} -> {c}: over 1/8 more");
+            assert_eq!(class_of(c), c, "a class is its own class");
+        }
+        // What the pool allocates, and counts, is the class.
+        let pool = ScratchPool::new(6, usize::MAX);
+        let asked = [5 * KIB + 1, 100 * KIB, 300 * KIB + 3, 1025 * KIB];
+        let made: Vec<_> = asked.iter().map(|b| pool.take(*b)).collect();
+        let total: usize = made.iter().map(|s| s.bytes()).sum();
+        assert_eq!(total, asked.iter().map(|b| class_of(*b)).sum::<usize>());
+        assert_eq!(pool.stats().bytes_in_use, total);
+        assert!(total * 8 <= asked.iter().sum::<usize>() * 9, "{total} bytes for {asked:?}");
     }
 
     #[test]
