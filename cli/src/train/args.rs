@@ -532,9 +532,13 @@ impl TrainArgs {
     }
 
     fn usage_candle_model(&self, model: &str) -> anyhow::Result<()> {
-        if matches!(self.backend.name(), "nccl" | "rccl") {
+        // On nccl the stages compute on candle's CUDA device (feature
+        // `candle-cuda`); without it, or on rccl, candle would compute on the
+        // CPU with every group crossing PCIe twice a step.
+        let on_gpu = matches!(self.backend.name(), "nccl" | "rccl");
+        if on_gpu && !(cfg!(feature = "candle-cuda") && self.backend.name() == "nccl") {
             return Err(usage(format!(
-                "--model {model} computes with candle on the CPU, so it runs on backends whose device holds host memory (sim, simnccl, ucx), not {}; use --model mlp (the candle-CUDA path is designed in docs/fsdp.md, not built)",
+                "--model {model} computes with candle on the CPU in this build, so it runs on backends whose device holds host memory (sim, simnccl, ucx), not {}; use --model mlp, or (nccl) a build with the candle-cuda feature (README, \"candle on CUDA\")",
                 self.backend
             )));
         }

@@ -29,6 +29,9 @@
 pub mod checkpoint;
 pub mod convert;
 mod crc32;
+mod device;
+#[cfg(feature = "candle-cuda")]
+mod cuda;
 mod error;
 mod module;
 
