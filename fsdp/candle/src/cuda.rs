@@ -52,14 +52,24 @@ fn driver_error(what: &str) -> impl Fn(DriverError) -> Error + '_ {
 /// error, never cudarc's panic.
 pub(crate) fn candle_device<B: Backend>(device: &B::Device) -> Result<Option<CandleDevice>> {
     let Some(device) = (device as &dyn Any).downcast_ref::<CudaDevice>() else { return Ok(None) };
-    for probe in [chorus_devices::cuda::driver_library, chorus_devices::cuda::cublas_library, chorus_devices::cuda::curand_library] {
+    Ok(Some(cuda_device(device.config().ordinal)?))
+}
+
+/// candle's CUDA device on GPU `ordinal` (with a stream of its own), the
+/// libraries it opens probed first: a missing one is a typed error, never
+/// cudarc's panic. What plain candle runs on beside the adapter.
+pub fn cuda_device(ordinal: usize) -> Result<CandleDevice> {
+    for probe in [
+        chorus_devices::cuda::driver_library,
+        chorus_devices::cuda::cublas_library,
+        chorus_devices::cuda::curand_library,
+    ] {
         probe().map_err(FsdpError::from)?;
     }
-    let ordinal = device.config().ordinal;
     // The probes make cudarc's panic on a missing library unreachable; this is the second line of defence.
     let made = std::panic::catch_unwind(AssertUnwindSafe(|| CandleCuda::new_with_stream(ordinal)))
         .map_err(|_| device_error("candle's CUDA device", "cudarc panicked while loading a CUDA library"))?;
-    Ok(Some(CandleDevice::Cuda(made?)))
+    Ok(CandleDevice::Cuda(made?))
 }
 
 fn chorus_stream<S: Stream>(stream: &S) -> Result<&CudaStream> {
@@ -90,8 +100,10 @@ fn candle_waits_for(compute: &CudaStream, dev: &CandleCuda) -> Result<()> {
     stream.context().bind_to_thread().map_err(driver_error("binding candle's context"))?;
     // SAFETY: both handles are alive; a wait enqueued before the event's
     // destruction (when `event` drops) still waits for its record.
-    unsafe { driver::result::stream::wait_event(stream.cu_stream(), event.raw(), CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-        .map_err(driver_error("cuStreamWaitEvent (candle after chorus)"))
+    unsafe {
+        driver::result::stream::wait_event(stream.cu_stream(), event.raw(), CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+    }
+    .map_err(driver_error("cuStreamWaitEvent (candle after chorus)"))
 }
 
 /// `compute` waits (on the device) for everything enqueued on candle's stream
@@ -105,8 +117,14 @@ fn compute_waits_for(compute: &CudaStream, dev: &CandleCuda, accesses: &[(View<'
     let raw_event = event.cu_event();
     Cuda::enqueue_foreign(compute, "candle", accesses, &mut |raw| {
         // SAFETY: `raw` is the compute stream's handle, `raw_event` is alive until `event` drops below.
-        unsafe { driver::result::stream::wait_event(raw as CUstream, raw_event, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-            .map_err(|e| DeviceError::Backend { library: "libcuda", code: e.0 as i64, message: format!("cuStreamWaitEvent (chorus after candle): {e}") })
+        unsafe {
+            driver::result::stream::wait_event(raw as CUstream, raw_event, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+        }
+        .map_err(|e| DeviceError::Backend {
+            library: "libcuda",
+            code: e.0 as i64,
+            message: format!("cuStreamWaitEvent (chorus after candle): {e}"),
+        })
     })
     .map_err(FsdpError::from)?;
     Ok(())
@@ -240,7 +258,11 @@ pub(crate) fn add_grads_on_device<B: Backend, S: Stream<B = B>>(
 
 /// A tensor with a copy of the elements `layout` selects in `storage` (what
 /// the stage op's `cuda_fwd` receives); a candle variable when `variable`.
-pub(crate) fn tensor_from_storage(storage: &CudaStorage, layout: &Layout, variable: bool) -> candle_core::Result<Tensor> {
+pub(crate) fn tensor_from_storage(
+    storage: &CudaStorage,
+    layout: &Layout,
+    variable: bool,
+) -> candle_core::Result<Tensor> {
     let shape = layout.shape().clone();
     let dev = storage.device();
     // SAFETY: `copy_strided_src` writes every element before any read.
@@ -253,7 +275,9 @@ pub(crate) fn tensor_from_storage(storage: &CudaStorage, layout: &Layout, variab
 /// A contiguous copy of `t`'s elements as a CUDA storage (what `cuda_fwd` returns).
 pub(crate) fn storage_of(t: &Tensor) -> candle_core::Result<CudaStorage> {
     let (storage, layout) = t.storage_and_layout();
-    let Storage::Cuda(storage) = &*storage else { candle_core::bail!("a stage on the CUDA device returned a tensor of another device") };
+    let Storage::Cuda(storage) = &*storage else {
+        candle_core::bail!("a stage on the CUDA device returned a tensor of another device")
+    };
     // SAFETY: `copy_strided_src` writes every element before any read.
     let mut copy = unsafe { storage.device().alloc_uninit(layout.shape(), storage.dtype()) }?;
     storage.copy_strided_src(&mut copy, 0, layout)?;
