@@ -47,8 +47,14 @@ rustc --version
 step "cargo fmt --all -- --check"
 cargo fmt --all -- --check
 
-step "cargo clippy --workspace --all-targets --all-features -- -D warnings"
-cargo clippy --workspace --all-targets --all-features -- -D warnings
+# --all-features includes candle-cuda (candle's CUDA device): its build needs
+# nvcc and candle patched at build time. ci/candle-cuda.sh installs nvcc 13.0
+# from PyPI into ~/.cache/chorus (once; then reused in under a second) and a
+# patched copy of the locked crates under the target directory, and exports
+# the cargo configuration that builds from it (README, "candle on CUDA").
+source ci/candle-cuda.sh
+step "cargo clippy --workspace --all-targets --all-features -- -D warnings (candle-cuda: nvcc 13.0 from PyPI, candle patched)"
+cargo clippy --workspace --all-targets --all-features --config "$CHORUS_CANDLE_CUDA_CONFIG" -- -D warnings
 
 step "cargo test --workspace"
 cargo test --workspace
