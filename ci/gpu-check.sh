@@ -303,7 +303,11 @@ PY
         --out-dir "$results/candle-cuda-llama-110m-bf16"
     run candle-cuda-llama-110m-bf16-mfu 30 python3 - "$results/candle-cuda-llama-110m-bf16/summary.json" "$gpus" <<'PY'
 import json, sys
-s = json.load(open(sys.argv[1]))
+try:
+    s = json.load(open(sys.argv[1]))
+except OSError as e:
+    print(f"no summary of the bf16 run ({e}): the run failed, see candle-cuda-llama-110m-bf16.log")
+    sys.exit(1)
 gpus = int(sys.argv[2])
 t = sorted(s["step_times_s"][3:] or s["step_times_s"])[len(s["step_times_s"][3:] or s["step_times_s"]) // 2]
 V, H, L, I, T, B = 16000, 768, 12, 2048, 256, 8

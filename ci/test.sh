@@ -81,10 +81,12 @@ step "chorus train against an independent NumPy implementation (init written by 
 cargo build -p chorus
 "$CHORUS_PYTHON" ci/train_vs_numpy.py "$CARGO_TARGET_DIR/debug/chorus" "$(mktemp -d)"
 
-step "GPU backends: loading without a GPU (NCCL, NVRTC; CUDA driver absent)"
+step "GPU backends: loading without a GPU (NCCL, NVRTC, candle's CUDA device; CUDA driver absent)"
 cargo test -p chorus-devices --features cuda --lib cuda -- --include-ignored
 cargo test -p chorus-devices --features cuda --test cuda_load
 cargo test -p chorus-collectives --features nccl --test nccl_load
+# candle's CUDA device (candle-cuda, built through ci/candle-cuda.sh above): a typed error, never cudarc's panic.
+cargo test -p chorus-fsdp-candle --features candle-cuda --config "$CHORUS_CANDLE_CUDA_CONFIG" --test candle_cuda_load
 
 step "GPU backends: loading without a GPU (HIP from Debian's libamdhip64-5, hipRTC; RCCL absent); the shared kernel source run on the host (c++) against half and the cpu device"
 cargo test -p chorus-devices --features rocm --test hip_load --test gpu_kernels_host
