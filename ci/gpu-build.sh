@@ -11,13 +11,18 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 out="${1:-gpu-bin}"
-features="cuda,nccl,rocm,rccl"
+# candle-cuda: the candle models on candle's CUDA device (nvcc from PyPI and
+# candle patched at build time by ci/candle-cuda.sh; its kernels are PTX for
+# sm_90a, the H100's, unless CUDA_COMPUTE_CAP says otherwise).
+features="cuda,nccl,rocm,rccl,candle-cuda"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
 mkdir -p "$out"
+source ci/candle-cuda.sh
+config=(--config "$CHORUS_CANDLE_CUDA_CONFIG")
 
 # Debug info is stripped: with it the binaries are ~200 MB, more than a device
 # lease carries (64 MiB); symbols stay, so backtraces still name functions.
-cargo build --release -p chorus --features "$features"
+cargo build --release -p chorus --features "$features" "${config[@]}"
 strip --strip-debug -o "$out/chorus" "$CARGO_TARGET_DIR/release/chorus"
 
 # The test binaries that prove the GPU paths, by their names in `cargo test`.
@@ -26,7 +31,7 @@ copy_tests() {
     local package="$1" feats="$2"
     shift 2
     local json
-    json="$(cargo test --release -p "$package" --features "$feats" --no-run --message-format=json 2>/dev/null)"
+    json="$(cargo test --release -p "$package" --features "$feats" "${config[@]}" --no-run --message-format=json 2>/dev/null)"
     for name in "$@"; do
         local path
         path="$(printf '%s\n' "$json" | python3 -c '
@@ -54,3 +59,10 @@ copy_tests chorus-collectives nccl nccl_load
 copy_tests chorus-collectives rccl rccl_load
 echo "gpu-build: binaries in $out/:"
 ls -l "$out"
+# A device lease carries at most 64 MiB: say so here, not on the node.
+total="$(du -cb "$out"/* | tail -n 1 | cut -f1)"
+echo "gpu-build: $((total / 1048576)) MiB in all"
+if [ "$total" -gt $((64 * 1048576)) ]; then
+    echo "gpu-build: more than a device lease carries (64 MiB)" >&2
+    exit 1
+fi

@@ -24,6 +24,12 @@
 #   train-bench-nccl     FSDP step time and host overhead per group on NCCL (64 x Linear(64), batch 8; 4 x Linear(256), batch 32)
 #   fsdp2-bench          PyTorch FSDP2 on the same two models ($CHORUS_PYTHON, else ci/python-env.sh's venv)
 #   launch-nccl          one rank per process under chorus launch: NCCL's unique id through the store
+#   candle-cuda          the candle models on candle's CUDA device (binary built with candle-cuda):
+#                        the Llama (4-layer shape of the PyTorch parity test; 110M) and the
+#                        transformer, FSDP on nccl against plain candle-CUDA from the same init and
+#                        batches (f32, TF32 off: losses within 1e-4; step-time ratio), device
+#                        memory per rank (nvidia-smi's peak); the 110M Llama in bf16 on every GPU:
+#                        tokens/s and MFU (989 TFLOP/s dense bf16 per H100 SXM)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -62,6 +68,8 @@ find_lib() {
 find_lib CHORUS_NCCL_LIB libnccl.so.2
 find_lib CHORUS_NVRTC_LIB libnvrtc.so.13 libnvrtc.so.12
 find_lib CHORUS_CUBLAS_LIB libcublas.so.13 libcublas.so.12
+# cuRAND: candle's CUDA device opens it (candle-cuda checks).
+find_lib CHORUS_CURAND_LIB libcurand.so.10
 {
     echo "# chorus GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
     echo "# host: $(hostname)"
@@ -69,6 +77,7 @@ find_lib CHORUS_CUBLAS_LIB libcublas.so.13 libcublas.so.12
     echo "# CHORUS_NCCL_LIB=${CHORUS_NCCL_LIB:-}"
     echo "# CHORUS_NVRTC_LIB=${CHORUS_NVRTC_LIB:-}"
     echo "# CHORUS_CUBLAS_LIB=${CHORUS_CUBLAS_LIB:-}"
+    echo "# CHORUS_CURAND_LIB=${CHORUS_CURAND_LIB:-}"
 } | tee -a "$summary"
 
 gpus="$(nvidia-smi --list-gpus 2>/dev/null | wc -l)"
@@ -228,6 +237,80 @@ if want launch-nccl; then
     grep -E '^[0-9]+ passed' "$results/launch-conformance-nccl.log" | sed 's/^/# /' | tee -a "$summary"
     run launch-bench-nccl 120 "$chorus" launch --nproc-per-node "$gpus" -- "$chorus" bench --backend nccl \
         --world-size "$gpus" --op all_reduce --min-bytes 1K --max-bytes 1M
+fi
+
+if want candle-cuda; then
+    # peak_gpu_memory NAME COMMAND...: runs the check, sampling nvidia-smi's used
+    # memory of every GPU twice a second; the largest goes to the summary.
+    peak_gpu_memory() {
+        local name="$1"
+        shift
+        local samples="$results/$name.gpu-memory"
+        : >"$samples"
+        (while :; do
+            nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits >>"$samples" 2>/dev/null || exit 0
+            sleep 0.5
+        done) &
+        local sampler=$!
+        "$@"
+        local rc=$?
+        kill "$sampler" 2>/dev/null
+        wait "$sampler" 2>/dev/null
+        local peak
+        peak="$(sort -n "$samples" | tail -n 1)"
+        echo "# $name: peak device memory per GPU (nvidia-smi) ${peak:-unknown} MiB" | tee -a "$summary"
+        return $rc
+    }
+    # judge NAME JSON_LOG: the bench's JSON line; fails past 1e-4 loss difference.
+    judge() {
+        run "$1-judge" 30 python3 - "$2" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+if not rows:
+    print("no JSON row in " + sys.argv[1] + " (the bench failed: see its log)")
+    sys.exit(1)
+r = rows[-1]
+d = r["max_loss_difference"]
+print(f"{r['what']}: largest loss difference {d:.3e} (limit 1e-4); step time FSDP {r['fsdp']['median_step_time_s']*1e3:.2f} ms vs plain {r['plain']['median_step_time_s']*1e3:.2f} ms: ratio {r['ratio']:.3f} (goal <= 1.1)")
+sys.exit(0 if d == d and d <= 1e-4 else 1)
+PY
+        sed 's/^/# /' "$results/$1-judge.log" | tee -a "$summary"
+    }
+    llama_4l=(--model llama --layers 4 --heads 4 --kv-heads 2 --hidden 32 --intermediate 64 --seq-len 16)
+    # 109.5M parameters: vocab 16000, hidden 768, 12 layers, 12 heads (MHA), SwiGLU 2048, untied head.
+    llama_110m=(--model llama --layers 12 --heads 12 --kv-heads 12 --hidden 768 --intermediate 2048 --vocab 16000
+        --seq-len 256)
+    for spec in "llama-4l:${llama_4l[*]} --batch 4 --steps 10" \
+        "llama-110m:${llama_110m[*]} --batch 4 --steps 5" \
+        "gpt:--model gpt --batch 8 --steps 10"; do
+        name="candle-cuda-${spec%%:*}"
+        read -r -a flags <<<"${spec#*:}"
+        peak_gpu_memory "$name" run "$name" 180 "$chorus" train --bench --json --backend nccl --world-size 1 \
+            "${flags[@]}"
+        judge "$name" "$results/$name.log"
+    done
+    # bf16 on every GPU: tokens/s and MFU from the run's step times.
+    peak_gpu_memory candle-cuda-llama-110m-bf16 run candle-cuda-llama-110m-bf16 240 "$chorus" train \
+        "${llama_110m[@]}" --backend nccl --world-size "$gpus" --param-dtype bf16 --batch 8 --steps 20 \
+        --out-dir "$results/candle-cuda-llama-110m-bf16"
+    run candle-cuda-llama-110m-bf16-mfu 30 python3 - "$results/candle-cuda-llama-110m-bf16/summary.json" "$gpus" <<'PY'
+import json, sys
+try:
+    s = json.load(open(sys.argv[1]))
+except OSError as e:
+    print(f"no summary of the bf16 run ({e}): the run failed, see candle-cuda-llama-110m-bf16.log")
+    sys.exit(1)
+gpus = int(sys.argv[2])
+t = sorted(s["step_times_s"][3:] or s["step_times_s"])[len(s["step_times_s"][3:] or s["step_times_s"]) // 2]
+V, H, L, I, T, B = 16000, 768, 12, 2048, 256, 8
+params = 2 * V * H + L * (4 * H * H + 3 * H * I + 2 * H) + H
+tokens = B * gpus * T
+flops = 6 * params * tokens + 12 * L * H * T * tokens  # the matmuls, and attention's scores and mix
+tps = tokens / t
+mfu = flops / t / (989e12 * gpus)
+print(f"110M Llama bf16 ({params} parameters), {gpus} GPU(s), {tokens} tokens/step: median step {t*1e3:.1f} ms, {tps:,.0f} tokens/s, MFU {mfu*100:.1f}% of 989 TFLOP/s per GPU; peak chorus device memory per rank {max(s['peak_memory_bytes'])/2**20:.0f} MiB")
+PY
+    sed 's/^/# /' "$results/candle-cuda-llama-110m-bf16-mfu.log" | tee -a "$summary"
 fi
 
 echo "# results in $results/" | tee -a "$summary"

@@ -47,8 +47,14 @@ rustc --version
 step "cargo fmt --all -- --check"
 cargo fmt --all -- --check
 
-step "cargo clippy --workspace --all-targets --all-features -- -D warnings"
-cargo clippy --workspace --all-targets --all-features -- -D warnings
+# --all-features includes candle-cuda (candle's CUDA device): its build needs
+# nvcc and candle patched at build time. ci/candle-cuda.sh installs nvcc 13.0
+# from PyPI into ~/.cache/chorus (once; then reused in under a second) and a
+# patched copy of the locked crates under the target directory, and exports
+# the cargo configuration that builds from it (README, "candle on CUDA").
+source ci/candle-cuda.sh
+step "cargo clippy --workspace --all-targets --all-features -- -D warnings (candle-cuda: nvcc 13.0 from PyPI, candle patched)"
+cargo clippy --workspace --all-targets --all-features --config "$CHORUS_CANDLE_CUDA_CONFIG" -- -D warnings
 
 step "cargo test --workspace"
 cargo test --workspace
@@ -75,13 +81,15 @@ step "chorus train against an independent NumPy implementation (init written by 
 cargo build -p chorus
 "$CHORUS_PYTHON" ci/train_vs_numpy.py "$CARGO_TARGET_DIR/debug/chorus" "$(mktemp -d)"
 
-step "GPU backends: loading without a GPU (NCCL, NVRTC; CUDA driver absent)"
+step "GPU backends: loading without a GPU (NCCL, NVRTC, candle's CUDA device; CUDA driver absent)"
 cargo test -p chorus-devices --features cuda --lib cuda -- --include-ignored
 cargo test -p chorus-devices --features cuda --test cuda_load
 # The loading tests are #[ignore]d where a plain `cargo test` cannot know
 # their prerequisites; this script provides them (vendor-libs.sh fails if it
 # cannot), so they run here, and fail if NCCL does not load after all.
 cargo test -p chorus-collectives --features nccl --test nccl_load -- --include-ignored --skip on_a_gpu
+# candle's CUDA device (candle-cuda, built through ci/candle-cuda.sh above): a typed error, never cudarc's panic.
+cargo test -p chorus-fsdp-candle --features candle-cuda --config "$CHORUS_CANDLE_CUDA_CONFIG" --test candle_cuda_load
 
 step "GPU backends: loading without a GPU (HIP from Debian's libamdhip64-5, hipRTC; RCCL absent); the shared kernel source run on the host (c++) against half and the cpu device"
 cargo test -p chorus-devices --features rocm --test hip_load -- --include-ignored

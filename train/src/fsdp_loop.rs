@@ -210,7 +210,8 @@ where
             model.with_fsdp(|f| f.set_requires_gradient_sync(m + 1 == micro))?;
             let (x, y) = spec.data.rows(step, rank * spec.batch + m * rows, rows);
             let logits = sharded.forward(&u32_tensor(x, rows, seq)?)?;
-            let l = loss(&logits, &u32_tensor(y, rows, seq)?)?;
+            // The targets go where the model computes (candle's CUDA device with `candle-cuda`).
+            let l = loss(&logits, &u32_tensor(y, rows, seq)?.to_device(logits.device())?)?;
             let l = if micro > 1 { (l / micro as f64)? } else { l };
             local += l.to_scalar::<f32>()? as f64;
             model.backward(&l)?;

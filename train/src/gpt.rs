@@ -141,7 +141,7 @@ impl Block {
         };
         let (q, k, v) = (split(self.q.forward(&h)?)?, split(self.k.forward(&h)?)?, split(self.v.forward(&h)?)?);
         let scores = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (hd as f64).sqrt()))?;
-        let scores = scores.broadcast_add(&causal_mask(t, scores.dtype())?)?;
+        let scores = scores.broadcast_add(&causal_mask(t, scores.dtype(), scores.device())?)?;
         let attn = candle_nn::ops::softmax(&scores, D::Minus1)?.matmul(&v)?;
         let attn = attn.transpose(1, 2)?.contiguous()?.reshape((b, t, d))?;
         let x = (x + self.o.forward(&attn)?)?;
@@ -152,9 +152,9 @@ impl Block {
 }
 
 /// `[t, t]`: 0 on and below the diagonal, −∞ above (no attending to later tokens).
-fn causal_mask(t: usize, dtype: DType) -> candle_core::Result<Tensor> {
+fn causal_mask(t: usize, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
     let m: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
-    Tensor::from_vec(m, (t, t), &Device::Cpu)?.to_dtype(dtype)
+    Tensor::from_vec(m, (t, t), device)?.to_dtype(dtype)
 }
 
 /// The token embedding of `ids` (`[batch, seq]`, u32).

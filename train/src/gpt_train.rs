@@ -184,14 +184,20 @@ pub struct PlainReport {
 /// when that is below one). The FSDP settings, micro-batches and prefetch do
 /// not apply: they must not change the result.
 pub fn train_plain(spec: &GptSpec, ranks: usize) -> Result<PlainReport> {
+    train_plain_on(spec, ranks, &Device::Cpu)
+}
+
+/// [`train_plain`] with the model on `device` (candle's CUDA device for the
+/// comparison on a GPU).
+pub fn train_plain_on(spec: &GptSpec, ranks: usize, device: &Device) -> Result<PlainReport> {
     let varmap = VarMap::new();
     {
         let mut data = varmap.data().lock().map_err(|_| Error::InvalidArgument("VarMap lock poisoned".into()))?;
         for (name, t) in &spec.init {
-            data.insert(name.clone(), Var::from_tensor(t)?);
+            data.insert(name.clone(), Var::from_tensor(&t.to_device(device)?)?);
         }
     }
-    let vb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &Device::Cpu);
+    let vb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, device);
     let gpt = Gpt::new(spec.config, vb)?;
     let mut opt = PlainOptimizer::new(spec.optimizer, varmap.all_vars())?;
     let rows = ranks * spec.batch;
@@ -200,7 +206,8 @@ pub fn train_plain(spec: &GptSpec, ranks: usize) -> Result<PlainReport> {
     for step in 0..spec.steps {
         let t0 = Instant::now();
         let (x, y) = spec.data.rows(step, 0, rows);
-        let l = loss(&gpt.forward(&u32_tensor(x, rows, seq)?)?, &u32_tensor(y, rows, seq)?)?;
+        let (x, y) = (u32_tensor(x, rows, seq)?.to_device(device)?, u32_tensor(y, rows, seq)?.to_device(device)?);
+        let l = loss(&gpt.forward(&x)?, &y)?;
         losses.push(l.to_scalar::<f32>()? as f64);
         let mut grads = l.backward()?;
         if let Some(max) = spec.max_grad_norm {

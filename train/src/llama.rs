@@ -128,7 +128,7 @@ pub fn materialize(params: &[DeferredParam]) -> candle_core::Result<Vec<(String,
 /// RoPE's cosines and sines for positions `0..t`, `[t, head_dim]` each, as
 /// transformers' `LlamaRotaryEmbedding` computes them in float32
 /// (`inv_freq = 1 / theta^(2j / head_dim)`, the frequencies repeated twice).
-fn rope_tables(cfg: &LlamaConfig, t: usize) -> candle_core::Result<(Tensor, Tensor)> {
+fn rope_tables(cfg: &LlamaConfig, t: usize, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
     let hd = cfg.head_dim;
     let inv: Vec<f32> =
         (0..hd / 2).map(|j| 1.0f32 / (cfg.rope_theta as f32).powf((2 * j) as f32 / hd as f32)).collect();
@@ -141,7 +141,7 @@ fn rope_tables(cfg: &LlamaConfig, t: usize) -> candle_core::Result<(Tensor, Tens
             sin.push((angle as f64).sin() as f32);
         }
     }
-    Ok((Tensor::from_vec(cos, (t, hd), &Device::Cpu)?, Tensor::from_vec(sin, (t, hd), &Device::Cpu)?))
+    Ok((Tensor::from_vec(cos, (t, hd), device)?, Tensor::from_vec(sin, (t, hd), device)?))
 }
 
 /// `x · cos + rotate_half(x) · sin` on `[batch, heads, t, head_dim]`, with
@@ -155,9 +155,9 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Ten
 }
 
 /// `[t, t]`: 0 on and below the diagonal, −∞ above.
-fn causal_mask(t: usize, dtype: DType) -> candle_core::Result<Tensor> {
+fn causal_mask(t: usize, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
     let m: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
-    Tensor::from_vec(m, (t, t), &Device::Cpu)?.to_dtype(dtype)
+    Tensor::from_vec(m, (t, t), device)?.to_dtype(dtype)
 }
 
 /// RMSNorm with candle's differentiable path (`forward_diff`).
@@ -209,7 +209,7 @@ impl DecoderLayer {
         let heads = |y: Tensor, n: usize| -> candle_core::Result<Tensor> {
             y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()
         };
-        let (cos, sin) = rope_tables(&self.cfg, t)?;
+        let (cos, sin) = rope_tables(&self.cfg, t, x.device())?;
         let q = apply_rope(&heads(self.q.forward(x)?, nh)?, &cos, &sin)?;
         let k = apply_rope(&heads(self.k.forward(x)?, nkv)?, &cos, &sin)?;
         let v = heads(self.v.forward(x)?, nkv)?;
@@ -221,7 +221,7 @@ impl DecoderLayer {
         };
         let (k, v) = (repeat(k)?, repeat(v)?);
         let scores = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (hd as f64).sqrt()))?;
-        let scores = scores.broadcast_add(&causal_mask(t, scores.dtype())?)?;
+        let scores = scores.broadcast_add(&causal_mask(t, scores.dtype(), scores.device())?)?;
         let probs = candle_nn::ops::softmax(&scores.to_dtype(DType::F32)?, D::Minus1)?.to_dtype(q.dtype())?;
         let out = probs.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, nh * hd))?;
         self.o.forward(&out)

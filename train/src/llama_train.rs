@@ -206,15 +206,21 @@ where
 /// momentum, `AdamW`) and `clip_grad_norm_`'s clipping: an implementation
 /// independent of chorus's FSDP.
 pub fn train_plain(spec: &LlamaSpec, ranks: usize) -> Result<PlainReport> {
+    train_plain_on(spec, ranks, &Device::Cpu)
+}
+
+/// [`train_plain`] with the model on `device` (candle's CUDA device for the
+/// comparison on a GPU).
+pub fn train_plain_on(spec: &LlamaSpec, ranks: usize, device: &Device) -> Result<PlainReport> {
     let varmap = VarMap::new();
     let init = materialize(&spec.init)?;
     {
         let mut data = varmap.data().lock().map_err(|_| Error::InvalidArgument("VarMap lock poisoned".into()))?;
         for (name, t) in &init {
-            data.insert(name.clone(), Var::from_tensor(t)?);
+            data.insert(name.clone(), Var::from_tensor(&t.to_device(device)?)?);
         }
     }
-    let vb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &Device::Cpu);
+    let vb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, device);
     let llama = Llama::new(spec.config.clone(), vb)?;
     let mut opt = PlainOptimizer::new(spec.optimizer, varmap.all_vars())?;
     let rows = ranks * spec.batch;
@@ -223,7 +229,8 @@ pub fn train_plain(spec: &LlamaSpec, ranks: usize) -> Result<PlainReport> {
     for step in 0..spec.steps {
         let t0 = Instant::now();
         let (x, y) = spec.data.rows(step, 0, rows);
-        let l = loss(&llama.forward(&u32_tensor(x, rows, seq)?)?, &u32_tensor(y, rows, seq)?)?;
+        let (x, y) = (u32_tensor(x, rows, seq)?.to_device(device)?, u32_tensor(y, rows, seq)?.to_device(device)?);
+        let l = loss(&llama.forward(&x)?, &y)?;
         losses.push(l.to_scalar::<f32>()? as f64);
         let mut grads = l.backward()?;
         if let Some(max) = spec.max_grad_norm {

@@ -266,7 +266,7 @@ impl TrainArgs {
     }
     pub(super) fn steps(&self) -> u64 {
         self.steps.unwrap_or(match self.model() {
-            ModelArg::Gpt if self.bench => 20,
+            ModelArg::Gpt | ModelArg::Llama if self.bench => 20,
             ModelArg::Gpt | ModelArg::Llama => 300,
             ModelArg::Mlp => 50,
         })
@@ -307,8 +307,11 @@ impl TrainArgs {
                 (self.checkpoint_dir.is_some(), "--checkpoint-dir"),
                 (self.keep_last.is_some(), "--keep-last"),
                 (self.allow_optimizer_change, "--allow-optimizer-change"),
-                (!mlp && self.param_dtype != DType::F32, "--param-dtype with --model gpt (plain candle trains in f32)"),
-                (!mlp && self.max_grad_norm.is_some(), "--max-grad-norm with --model gpt"),
+                (
+                    !mlp && self.param_dtype != DType::F32,
+                    "--param-dtype with --model gpt|llama (plain candle trains in f32)",
+                ),
+                (!mlp && self.max_grad_norm.is_some(), "--max-grad-norm with --model gpt|llama"),
             ] {
                 if given {
                     return Err(usage(format!("--bench does not use {name}")));
@@ -456,9 +459,6 @@ impl TrainArgs {
     /// and the data are checked once read, before anything is written).
     pub(super) fn usage_llama(&self, world: usize) -> anyhow::Result<()> {
         self.usage_candle_model("llama")?;
-        if self.bench {
-            return Err(usage("--bench is for --model gpt and mlp"));
-        }
         if self.llama.init_from.is_none() {
             let cfg = self.llama_config();
             cfg.validate().map_err(|e| usage(format!("the Llama's sizes: {e}")))?;
@@ -532,9 +532,13 @@ impl TrainArgs {
     }
 
     fn usage_candle_model(&self, model: &str) -> anyhow::Result<()> {
-        if matches!(self.backend.name(), "nccl" | "rccl") {
+        // On nccl the stages compute on candle's CUDA device (feature
+        // `candle-cuda`); without it, or on rccl, candle would compute on the
+        // CPU with every group crossing PCIe twice a step.
+        let on_gpu = matches!(self.backend.name(), "nccl" | "rccl");
+        if on_gpu && !(cfg!(feature = "candle-cuda") && self.backend.name() == "nccl") {
             return Err(usage(format!(
-                "--model {model} computes with candle on the CPU, so it runs on backends whose device holds host memory (sim, simnccl, ucx), not {}; use --model mlp (the candle-CUDA path is designed in docs/fsdp.md, not built)",
+                "--model {model} computes with candle on the CPU in this build, so it runs on backends whose device holds host memory (sim, simnccl, ucx), not {}; use --model mlp, or (nccl) a build with the candle-cuda feature (README, \"candle on CUDA\")",
                 self.backend
             )));
         }

@@ -1,13 +1,15 @@
-//! `chorus train --bench --model gpt`: the transformer through the candle
-//! adapter against plain candle, each side in a process of its own.
+//! `chorus train --bench --model gpt|llama`: the transformer or the Llama
+//! through the candle adapter against plain candle, each side in a process
+//! of its own (on sim; on nccl with the `candle-cuda` feature, both on the
+//! GPU: FSDP on candle's CUDA device against plain candle-CUDA).
 
 use anyhow::Context;
 use chorus_fsdp::OptimizerKind;
 use chorus_fsdp_candle::checkpoint::optimizer_json;
 use serde_json::json;
 
-use super::ranks::{candle_threads, run_sim, GptJob};
-use super::{median, say, usage, BenchPart, TrainArgs};
+use super::ranks::{candle_threads, run_on, GptJob, LlamaJob};
+use super::{median, say, usage, BenchPart, ModelArg, TrainArgs};
 use crate::Outcome;
 
 /// `chorus train --bench --model gpt`: the transformer through the candle
@@ -22,8 +24,11 @@ use crate::Outcome;
 /// ((`ranks::limit_candle_threads`)), so plain candle gets candle's defaults (every
 /// core) and the ranks get their share of the cores each.
 pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
-    if args.backend.name() != "sim" {
-        return Err(usage("--bench --model gpt runs on the sim backend (the ranks as threads beside plain candle)"));
+    let on_gpu = cfg!(feature = "candle-cuda") && args.backend.name() == "nccl";
+    if args.backend.name() != "sim" && !on_gpu {
+        return Err(usage(
+            "--bench --model gpt|llama runs on the sim backend (the ranks as threads beside plain candle), or on nccl in a build with the candle-cuda feature",
+        ));
     }
     if let Some(part) = args.bench_part {
         let result = bench_gpt_part(args, part)?;
@@ -49,7 +54,8 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     // Plain candle at its best: candle's default threads and one thread, the faster (unless the user chose).
     let user_threads = std::env::var("RAYON_NUM_THREADS").ok();
     let mut plains = vec![part("plain", None)?];
-    if user_threads.is_none() {
+    // On the GPU candle's threads do not compute: one plain run.
+    if user_threads.is_none() && !on_gpu {
         plains.push(part("plain", Some("1".into()))?);
     }
     let plain = plains
@@ -61,9 +67,39 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         part("fsdp", Some(user_threads.unwrap_or_else(|| candle_threads(args.backend, args.world()).to_string())))?;
     let (plain_step, fsdp_step) = (num(&plain, "median_step_time_s"), num(&fsdp, "median_step_time_s"));
     let ratio = fsdp_step / plain_step;
-    let cfg = args.gpt_config();
+    // Both sides train the same init on the same batches: the losses must agree.
+    let losses = |v: &serde_json::Value| -> Vec<f64> {
+        v["losses"].as_array().map(|a| a.iter().map(|x| x.as_f64().unwrap_or(f64::NAN)).collect()).unwrap_or_default()
+    };
+    let (plain_losses, fsdp_losses) = (losses(&plain), losses(&fsdp));
+    let loss_difference = if plain_losses.is_empty() || plain_losses.len() != fsdp_losses.len() {
+        f64::NAN
+    } else {
+        plain_losses.iter().zip(&fsdp_losses).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max)
+    };
+    let (what, params) = match args.model() {
+        ModelArg::Llama => {
+            let c = args.llama_config();
+            (
+                format!(
+                    "Llama hidden {} x {} layers, {} heads / {} kv",
+                    c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
+                ),
+                c.num_params(),
+            )
+        }
+        _ => {
+            let c = args.gpt_config();
+            (format!("transformer d_model {} x {} layers", c.d_model, c.layers), c.num_params())
+        }
+    };
+    let seq_len = fsdp["seq_len"].as_u64().unwrap_or(0);
     let world = args.world();
-    let params = cfg.num_params();
+    let sides = if on_gpu {
+        format!("{world} nccl rank(s) on candle-CUDA vs plain candle-CUDA on GPU 0")
+    } else {
+        format!("{world} sim ranks")
+    };
     let state_per_param = match args.optimizer() {
         OptimizerKind::AdamW { .. } => 16,
         OptimizerKind::Sgd { .. } => 8,
@@ -76,7 +112,9 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         say(format_args!(
             "{}",
             json!({
-                "model": "gpt", "transformer": cfg, "parameters": params, "world_size": world, "hsdp": args.hsdp,
+                "model": format!("{:?}", args.model()).to_lowercase(), "what": what, "parameters": params,
+                "backend": args.backend.name(), "world_size": world, "hsdp": args.hsdp,
+                "max_loss_difference": loss_difference,
                 "batch_per_rank": args.batch, "global_batch": world * args.batch, "micro_batches": args.micro_batches,
                 "reshard_after_forward": args.reshard_after_forward.to_string(),
                 "recompute": args.recompute.to_string(),
@@ -89,11 +127,8 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         return Ok(Outcome::Passed);
     }
     say(format_args!(
-        "# chorus train --bench --model gpt: transformer d_model {} x {} layers ({params} parameters), global batch {} x {} tokens, {} timed steps after {GPT_BENCH_WARMUP}",
-        cfg.d_model,
-        cfg.layers,
+        "# chorus train --bench: {what} ({params} parameters), global batch {} x {seq_len} tokens, {} timed steps after {GPT_BENCH_WARMUP}; {sides}",
         world * args.batch,
-        cfg.seq_len,
         args.steps()
     ))?;
     let runs: Vec<String> = plains
@@ -115,8 +150,9 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     ))?;
     let row = |label: String, value: String| say(format_args!("{label:<46} {value:>10}"));
     row("plain candle, 1 process: step ms (median)".into(), format!("{:.2}", plain_step * 1e3))?;
-    row(format!("FSDP, {world} sim ranks: step ms (median)"), format!("{:.2}", fsdp_step * 1e3))?;
-    row("ratio (goal <= 1.5)".into(), format!("{ratio:.2}x"))?;
+    row(format!("FSDP, {world} ranks: step ms (median)"), format!("{:.2}", fsdp_step * 1e3))?;
+    row(format!("ratio (goal <= {})", if on_gpu { "1.1" } else { "1.5" }), format!("{ratio:.2}x"))?;
+    row("largest loss difference, FSDP vs plain".into(), format!("{loss_difference:.2e}"))?;
     row(
         format!("FSDP host overhead, us/group/step ({} groups)", fsdp["groups"]),
         format!("{:.1}", num(&fsdp, "host_overhead_per_group_per_step_s") * 1e6),
@@ -145,20 +181,41 @@ const GPT_BENCH_WARMUP: u64 = 3;
 /// One side of [`run`], in this process: its numbers as JSON.
 fn bench_gpt_part(args: &TrainArgs, part: BenchPart) -> anyhow::Result<serde_json::Value> {
     let world = args.world();
-    let steps = args.steps();
-    let spec = super::gpt::spec(args, steps + GPT_BENCH_WARMUP)?;
+    let steps = args.steps() + GPT_BENCH_WARMUP;
     let timed = |times: &[f64]| median(&times[(GPT_BENCH_WARMUP as usize).min(times.len())..]);
     let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into());
+    let (gpt, llama) = match args.model() {
+        ModelArg::Llama => (None, Some(super::llama::spec(args, steps)?)),
+        _ => (Some(super::gpt::spec(args, steps)?), None),
+    };
+    let seq_len = match (&gpt, &llama) {
+        (Some(s), _) => s.config.seq_len,
+        (_, Some(s)) => s.data.seq_len(),
+        _ => 0,
+    };
     Ok(match part {
         BenchPart::Plain => {
-            let plain = chorus_train::gpt_train::train_plain(&spec, world)?;
-            json!({ "median_step_time_s": timed(&plain.step_times_s), "candle_threads": threads })
+            let device = plain_device(args)?;
+            let plain = match (gpt, llama) {
+                (Some(spec), _) => chorus_train::gpt_train::train_plain_on(&spec, world, &device)?,
+                (_, Some(spec)) => chorus_train::llama_train::train_plain_on(&spec, world, &device)?,
+                _ => anyhow::bail!("no model"),
+            };
+            json!({
+                "median_step_time_s": timed(&plain.step_times_s), "candle_threads": threads,
+                "losses": plain.losses, "seq_len": seq_len,
+            })
         }
         BenchPart::Fsdp => {
-            let reports = run_sim(world, GptJob(spec), None)?;
+            let reports = match (gpt, llama) {
+                (Some(spec), _) => run_on(args.backend, world, GptJob(spec), None)?,
+                (_, Some(spec)) => run_on(args.backend, world, LlamaJob(spec), None)?,
+                _ => anyhow::bail!("no model"),
+            };
             let r = reports.first().context("no ranks")?;
             let all_steps = r.step_times_s.len().max(1) as f64;
             json!({
+                "losses": r.losses, "seq_len": seq_len,
                 "median_step_time_s": timed(&r.step_times_s),
                 "groups": r.groups,
                 "host_overhead_per_group_per_step_s": r.overhead.total.as_secs_f64() / (r.groups.max(1) as f64 * all_steps),
@@ -173,4 +230,15 @@ fn bench_gpt_part(args: &TrainArgs, part: BenchPart) -> anyhow::Result<serde_jso
             })
         }
     })
+}
+
+/// Where plain candle runs: GPU 0 through candle's CUDA device on nccl
+/// (feature `candle-cuda`), else the CPU.
+fn plain_device(args: &TrainArgs) -> anyhow::Result<candle_core::Device> {
+    #[cfg(feature = "candle-cuda")]
+    if args.backend.name() == "nccl" {
+        return Ok(chorus_fsdp_candle::cuda_device(0)?);
+    }
+    let _ = args;
+    Ok(candle_core::Device::Cpu)
 }

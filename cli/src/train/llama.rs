@@ -134,7 +134,7 @@ fn config_json(args: &TrainArgs, spec: &LlamaSpec, start_step: u64, optimizer_ch
 /// config and weights are checked here, or initialised shard by shard), the
 /// data (checked against the vocabulary and the global batch) and the
 /// memory they need, all before anything is written.
-fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<LlamaSpec> {
+pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<LlamaSpec> {
     let world = args.world();
     let (cfg, init) = match &args.llama.init_from {
         Some(dir) => {

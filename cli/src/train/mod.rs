@@ -46,7 +46,8 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         (ModelArg::Gpt, false) => gpt::run(args),
         (ModelArg::Mlp, true) => mlp::bench(args),
         (ModelArg::Gpt, true) => gpt_bench::run(args),
-        (ModelArg::Llama, _) => llama::run(args),
+        (ModelArg::Llama, false) => llama::run(args),
+        (ModelArg::Llama, true) => gpt_bench::run(args),
     }
 }
 

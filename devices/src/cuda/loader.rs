@@ -107,6 +107,23 @@ const CUBLAS: Spec = Spec {
     symbols: &["cublasCreate_v2", "cublasDestroy_v2", "cublasSetStream_v2", "cublasGemmEx", "cublasGetProperty"],
 };
 
+/// cuRAND: not chorus's own, but candle's CUDA device (feature
+/// `candle-cuda` of chorus-fsdp-candle) makes a generator when it is made.
+const CURAND: Spec = Spec {
+    library: "libcurand",
+    stem: "curand",
+    variable: "CHORUS_CURAND_LIB",
+    hint: "CHORUS_CURAND_LIB (full path to libcurand.so.10) or LD_LIBRARY_PATH",
+    symbols: &[
+        "curandCreateGenerator",
+        "curandDestroyGenerator",
+        "curandSetPseudoRandomGeneratorSeed",
+        "curandSetStream",
+        "curandGenerateUniform",
+        "curandGenerateNormal",
+    ],
+};
+
 /// Where a library was found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LibraryInfo {
@@ -196,6 +213,7 @@ fn cached(cell: &'static OnceLock<Result<Loaded, DeviceError>>, spec: &Spec) -> 
 static DRIVER_LIB: OnceLock<Result<Loaded, DeviceError>> = OnceLock::new();
 static NVRTC_LIB: OnceLock<Result<Loaded, DeviceError>> = OnceLock::new();
 static CUBLAS_LIB: OnceLock<Result<Loaded, DeviceError>> = OnceLock::new();
+static CURAND_LIB: OnceLock<Result<Loaded, DeviceError>> = OnceLock::new();
 
 /// Probes the CUDA driver library (`libcuda.so.1`). Cached: the first answer stays.
 pub fn driver_library() -> Result<LibraryInfo, DeviceError> {
@@ -210,6 +228,11 @@ pub fn nvrtc_library() -> Result<LibraryInfo, DeviceError> {
 /// Probes cuBLAS (`libcublas.so.12`), which runs `matmul`.
 pub fn cublas_library() -> Result<LibraryInfo, DeviceError> {
     cached(&CUBLAS_LIB, &CUBLAS)
+}
+
+/// Probes cuRAND (`libcurand.so.10`), which candle's CUDA device opens when it is made.
+pub fn curand_library() -> Result<LibraryInfo, DeviceError> {
+    cached(&CURAND_LIB, &CURAND)
 }
 
 /// Runs `f`, which calls into cudarc, turning a panic (cudarc's reaction to

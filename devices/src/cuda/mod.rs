@@ -69,7 +69,7 @@ mod stream;
 
 pub use device::{device_count, driver_version, CudaConfig, CudaDevice};
 pub use event::CudaEvent;
-pub use loader::{cublas_library, driver_library, nvrtc_library, LibraryInfo};
+pub use loader::{cublas_library, curand_library, driver_library, nvrtc_library, LibraryInfo};
 pub use memory::CudaBuffer;
 pub use stream::{device_ptr, CudaStream};
 

@@ -29,8 +29,13 @@
 pub mod checkpoint;
 pub mod convert;
 mod crc32;
+#[cfg(feature = "candle-cuda")]
+mod cuda;
+mod device;
 mod error;
 mod module;
 
+#[cfg(feature = "candle-cuda")]
+pub use cuda::cuda_device;
 pub use error::{CheckpointError, Error, Result};
 pub use module::{named_tensors, take_params, AdapterTimes, FsdpModel, GroupId, Recompute, StageFn, StageId};

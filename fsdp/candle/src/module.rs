@@ -134,8 +134,7 @@ struct PhaseParams {
 }
 
 impl PhaseParams {
-    fn new(names: Vec<String>, vars: Vec<Var>, dtype: candle_core::DType) -> Self {
-        let dev = &CandleDevice::Cpu;
+    fn new(names: Vec<String>, vars: Vec<Var>, dtype: candle_core::DType, dev: &CandleDevice) -> Self {
         let tracked = names.iter().cloned().zip(vars.iter().map(|v| v.as_tensor().clone())).collect::<HashMap<_, _>>();
         let detached = names.into_iter().zip(vars.iter().map(|v| v.as_detached_tensor())).collect::<HashMap<_, _>>();
         PhaseParams {
@@ -171,6 +170,8 @@ impl Default for GroupInfo {
 
 struct Shared<C: CommBackend> {
     fsdp: Fsdp<C>,
+    /// Where the stages compute ([`crate::device`]).
+    device: CandleDevice,
     groups: Vec<GroupInfo>,
     /// Per stage: the graph kept from forward (groups without recompute).
     saved: Vec<Option<SavedGraph>>,
@@ -200,7 +201,16 @@ where
             let s = self.fsdp.compute_stream();
             let mut names = Vec::with_capacity(specs.len());
             let mut vars = Vec::with_capacity(specs.len());
-            if specs.is_empty() || host_memory(self.fsdp.param(g, 0)?).is_some() {
+            let views = || {
+                let view = |(i, (_, shape)): (usize, &(String, Vec<usize>))| -> Result<_> {
+                    Ok((self.fsdp.param(g, i)?, shape.clone()))
+                };
+                specs.iter().enumerate().map(view)
+            };
+            if let Some(on_device) = crate::device::vars_on_device(s, &self.device, views)? {
+                vars = on_device;
+                names = specs.into_iter().map(|(name, _)| name).collect();
+            } else if specs.is_empty() || host_memory(self.fsdp.param(g, 0)?).is_some() {
                 s.synchronize().map_err(FsdpError::from)?;
                 for (i, (name, shape)) in specs.into_iter().enumerate() {
                     let src = host_memory(self.fsdp.param(g, i)?)
@@ -221,7 +231,7 @@ where
                     names.push(name);
                 }
             }
-            self.groups[g].params = Some(PhaseParams::new(names, vars, dtype));
+            self.groups[g].params = Some(PhaseParams::new(names, vars, dtype, &self.device));
             self.times.transfer += t0.elapsed();
         }
         self.groups[g].params.as_ref().ok_or_else(|| Error::InvalidArgument(format!("group {g} has no parameters")))
@@ -328,7 +338,13 @@ where
         // Host memory is written directly: the compute stream (zeroed
         // gradients, earlier accumulations) must have run first.
         let mut synchronized = false;
-        for (i, var) in vars.iter().enumerate() {
+        let on_device = crate::device::grads_on_device(s, &self.device, || {
+            let present = vars.iter().enumerate().filter_map(|(i, v)| Some((i, grads.get(v.as_tensor())?)));
+            present.map(|(i, grad)| Ok((grad.to_dtype(dtype)?, self.fsdp.grad(g, i)?))).collect()
+        })?;
+        // Gradients on candle's CUDA device went device to device; the others go here.
+        let host_side: &[Var] = if on_device { &[] } else { &vars };
+        for (i, var) in host_side.iter().enumerate() {
             let Some(grad) = grads.get(var.as_tensor()) else { continue };
             let grad = grad.to_dtype(dtype)?;
             let dst = self.fsdp.grad(g, i)?;
@@ -403,6 +419,22 @@ fn park<C: CommBackend>(shared: &mut Shared<C>, e: Error) -> candle_core::Error 
     }
 }
 
+impl<C: CommBackend + 'static> StageOp<C>
+where
+    C::B: ComputeBackend,
+    Fsdp<C>: Send,
+{
+    /// The stage's forward on what `input` makes of the op's input (a
+    /// variable when the stage keeps its graph: it differentiates by its
+    /// input, and no second copy is made).
+    fn forward(&self, input: impl FnOnce(bool) -> candle_core::Result<Tensor>) -> candle_core::Result<Tensor> {
+        let mut shared = lock(&self.shared)?;
+        let keeps_graph = shared.groups.get(self.group).is_some_and(|g| !g.recompute);
+        let x = input(keeps_graph)?;
+        shared.forward_stage(self.stage, self.group, self.f.as_ref(), &x).map_err(|e| park(&mut shared, e))
+    }
+}
+
 impl<C: CommBackend + 'static> CustomOp2 for StageOp<C>
 where
     C::B: ComputeBackend,
@@ -419,13 +451,20 @@ where
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let mut shared = lock(&self.shared)?;
-        // A stage that keeps its graph differentiates by its input: make it a variable (no second copy).
-        let keeps_graph = shared.groups.get(self.group).is_some_and(|g| !g.recompute);
-        let x = tensor_from_storage(s1, l1, keeps_graph)?;
-        let out =
-            shared.forward_stage(self.stage, self.group, self.f.as_ref(), &x).map_err(|e| park(&mut shared, e))?;
+        let out = self.forward(|keeps_graph| tensor_from_storage(s1, l1, keeps_graph))?;
         Ok((storage_of(&out)?, out.shape().clone()))
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let out = self.forward(|keeps_graph| crate::cuda::tensor_from_storage(s1, l1, keeps_graph))?;
+        Ok((crate::cuda::storage_of(&out)?, out.shape().clone()))
     }
 
     fn bwd(
@@ -467,6 +506,7 @@ where
 pub struct FsdpModel<C: CommBackend> {
     shared: Arc<Mutex<Shared<C>>>,
     anchor: Var,
+    device: CandleDevice,
     stages: Vec<(usize, Arc<Box<dyn CustomOp2 + Send + Sync>>)>,
 }
 
@@ -476,20 +516,32 @@ where
     Fsdp<C>: Send,
 {
     /// Wraps `fsdp` (with no groups yet, or groups the model adds stages to).
+    /// The stages compute on [`FsdpModel::device`].
     pub fn new(fsdp: Fsdp<C>) -> Result<Self> {
         let groups = (0..fsdp.num_groups()).map(|_| GroupInfo::default()).collect();
-        let anchor = Var::zeros(1, candle_core::DType::F32, &CandleDevice::Cpu)?;
+        let device = crate::device::candle_device::<C::B>(fsdp.device())?;
+        let anchor = Var::zeros(1, candle_core::DType::F32, &device)?;
         Ok(FsdpModel {
             shared: Arc::new(Mutex::new(Shared {
                 fsdp,
+                device: device.clone(),
                 groups,
                 saved: Vec::new(),
                 parked: None,
                 times: AdapterTimes::default(),
             })),
             anchor,
+            device,
             stages: Vec::new(),
         })
+    }
+
+    /// The candle device the stages compute on: candle's CUDA device on the
+    /// same GPU for the `cuda` device with the `candle-cuda` feature, else
+    /// candle's CPU. [`FsdpModel::run`] moves its input there; a loss's
+    /// targets belong there.
+    pub fn device(&self) -> &CandleDevice {
+        &self.device
     }
 
     fn lock(&self) -> Result<MutexGuard<'_, Shared<C>>> {
@@ -595,7 +647,7 @@ where
     pub fn run(&self, stage: StageId, x: &Tensor) -> Result<Tensor> {
         let (_, op) =
             self.stages.get(stage.0).ok_or_else(|| Error::InvalidArgument(format!("no stage {}", stage.0)))?;
-        let x = x.contiguous()?;
+        let x = x.to_device(&self.device)?.contiguous()?;
         let out = x.apply_op2_arc(self.anchor.as_tensor(), op.clone());
         self.unpark(out)
     }
