@@ -199,7 +199,7 @@ fn the_transformer_learns_plots_checkpoints_and_resumes() {
     assert_eq!(o.status.code(), Some(2), "never overwrites: {}", stderr(&o));
     let o = run(&["consolidate", root.join("nothing").to_str().unwrap(), root.join("c2").to_str().unwrap()]);
     no_panic(&o);
-    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(o.status.code(), Some(2), "a checkpoint that is not there is a usage error, as for --resume");
     assert!(stderr(&o).contains("nothing"), "{}", stderr(&o));
     // Resuming past the end is a usage error.
     let o = gpt(&["--steps", "40", "--resume", ckpt.to_str().unwrap(), "--out-dir", root.join("x").to_str().unwrap()]);
@@ -821,8 +821,8 @@ fn checkpoint_dirs_are_checked_and_locked_before_training() {
     no_panic(&o);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("another chorus run"), "{}", stderr(&o));
-    // The killed run's lock and staging are cleared by the next run.
-    let o = gpt_into(&root.join("b"), &["--steps", "2", "--checkpoint-dir", s(&ckpt)]);
+    // The killed run's lock and staging are cleared by the next run (which starts over).
+    let o = gpt_into(&root.join("b"), &["--steps", "2", "--checkpoint-dir", s(&ckpt), "--overwrite-checkpoints"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let left: Vec<String> = std::fs::read_dir(&ckpt)
         .unwrap()
