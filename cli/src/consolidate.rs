@@ -36,7 +36,9 @@ pub struct ConsolidateArgs {
 pub(crate) fn names_no_checkpoint(e: &CheckpointError) -> bool {
     matches!(
         e,
-        CheckpointError::NotFound { .. } | CheckpointError::NotACheckpoint { .. } | CheckpointError::DanglingLatest { .. }
+        CheckpointError::NotFound { .. }
+            | CheckpointError::NotACheckpoint { .. }
+            | CheckpointError::DanglingLatest { .. }
     )
 }
 

@@ -337,7 +337,10 @@ impl OutDir {
                 std::fs::rename(&self.stage, &unplaced)
                     .with_context(|| format!("{e:#}; keeping this run's outputs at {}", unplaced.display()))?;
                 self.committed = true;
-                anyhow::bail!("{e:#}; the files appeared during the run, so this run's outputs are at {}", unplaced.display());
+                anyhow::bail!(
+                    "{e:#}; the files appeared during the run, so this run's outputs are at {}",
+                    unplaced.display()
+                );
             }
         }
         let aside = sibling(&self.dest, &format!("old-{}", std::process::id()));
@@ -374,7 +377,10 @@ fn write_marker(stage: &Path) -> anyhow::Result<()> {
     let mut paths = Vec::new();
     walk(stage, "", &mut paths)?;
     paths.sort();
-    write_file(&stage.join(MARKER), format!("{MARKER_HEAD}{}", paths.iter().map(|p| format!("{p}\n")).collect::<String>()).as_bytes())
+    write_file(
+        &stage.join(MARKER),
+        format!("{MARKER_HEAD}{}", paths.iter().map(|p| format!("{p}\n")).collect::<String>()).as_bytes(),
+    )
 }
 
 /// The paths an out-dir's marker lists, or `None` where there is no

@@ -27,8 +27,7 @@ fn s(p: &Path) -> &str {
 
 /// A small transformer on 2 ranks (seconds in a debug build), then `extra`.
 fn gpt(extra: &[&str]) -> Output {
-    let base =
-        ["train", "--model", "gpt", "--d-model", "32", "--layers", "1", "--seq-len", "16", "--world-size", "2"];
+    let base = ["train", "--model", "gpt", "--d-model", "32", "--layers", "1", "--seq-len", "16", "--world-size", "2"];
     run(&[&base[..], &["--batch", "4"], extra].concat())
 }
 
@@ -148,7 +147,10 @@ fn size_flags_are_checked_and_named() {
         assert_eq!(o.status.code(), Some(2), "{args:?}: {}", text(&o.stderr));
         let err = text(&o.stderr);
         assert!(err.contains(want), "{args:?}: expected `{want}` in {err}");
-        assert!(!err.contains("config.json: `") || args.contains(&"--init-from"), "{args:?}: flags are not config.json: {err}");
+        assert!(
+            !err.contains("config.json: `") || args.contains(&"--init-from"),
+            "{args:?}: flags are not config.json: {err}"
+        );
     }
     assert!(!out.exists());
     std::fs::remove_dir_all(&root).ok();
@@ -202,8 +204,11 @@ fn resumes_name_the_model_and_consolidate_checks_its_paths() {
     assert!(text(&o.stderr).contains("a transformer checkpoint: use --model gpt"), "{}", text(&o.stderr));
     let step = gck.join("step-00000001");
     for (edit, want) in [
-        (Box::new(|v: &mut serde_json::Value| drop(v.as_object_mut().unwrap().remove("model")))
-            as Box<dyn FnOnce(&mut serde_json::Value)>, "is missing"),
+        (
+            Box::new(|v: &mut serde_json::Value| drop(v.as_object_mut().unwrap().remove("model")))
+                as Box<dyn FnOnce(&mut serde_json::Value)>,
+            "is missing",
+        ),
         (Box::new(|v: &mut serde_json::Value| v["model"] = "gpt".into()), "is \"gpt\""),
     ] {
         edit_state(&step, edit);

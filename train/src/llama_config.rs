@@ -279,7 +279,10 @@ impl LlamaConfig {
         }
         for (field, v) in [("rms_norm_eps", self.rms_norm_eps), ("rope_theta", self.rope_theta)] {
             if !(v.is_finite() && v > 0.0) {
-                return Err(ConfigError::Invalid { field, why: format!("{} {v} must be a finite number > 0", n(field)) });
+                return Err(ConfigError::Invalid {
+                    field,
+                    why: format!("{} {v} must be a finite number > 0", n(field)),
+                });
             }
         }
         if !(self.initializer_range.is_finite() && self.initializer_range >= 0.0) {
@@ -324,7 +327,8 @@ impl LlamaConfig {
         let (v, h, i) = (self.vocab_size, self.hidden_size, self.intermediate_size);
         let m = |a: usize, b: usize| a.saturating_mul(b);
         let (q, kv) = (m(self.num_attention_heads, self.head_dim), m(self.num_key_value_heads, self.head_dim));
-        let layer = [m(2, h), m(q, h), m(m(2, kv), h), m(h, q), m(m(3, i), h)].iter().fold(0usize, |a, b| a.saturating_add(*b));
+        let layer =
+            [m(2, h), m(q, h), m(m(2, kv), h), m(h, q), m(m(3, i), h)].iter().fold(0usize, |a, b| a.saturating_add(*b));
         let embeddings = if self.tie_word_embeddings { 1 } else { 2 };
         m(m(embeddings, v), h).saturating_add(m(self.num_hidden_layers, layer)).saturating_add(h)
     }
@@ -441,28 +445,29 @@ fn check_supported(o: &Map<String, Value>) -> Result<(), ConfigError> {
 fn usize_field(o: &Map<String, Value>, field: &'static str) -> Result<Option<usize>, ConfigError> {
     match o.get(field) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .and_then(|n| usize::try_from(n).ok())
-            .map(Some)
-            .ok_or_else(|| ConfigError::Invalid { field, why: format!("`{field}` is {v}, not a non-negative integer") }),
+        Some(v) => v.as_u64().and_then(|n| usize::try_from(n).ok()).map(Some).ok_or_else(|| ConfigError::Invalid {
+            field,
+            why: format!("`{field}` is {v}, not a non-negative integer"),
+        }),
     }
 }
 
 fn f64_field(o: &Map<String, Value>, field: &'static str) -> Result<Option<f64>, ConfigError> {
     match o.get(field) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => {
-            v.as_f64().map(Some).ok_or_else(|| ConfigError::Invalid { field, why: format!("`{field}` is {v}, not a number") })
-        }
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| ConfigError::Invalid { field, why: format!("`{field}` is {v}, not a number") }),
     }
 }
 
 fn f64_in(v: &Value, key: &str, field: &'static str) -> Result<Option<f64>, ConfigError> {
     match v.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(x) => {
-            x.as_f64().map(Some).ok_or_else(|| ConfigError::Invalid { field, why: format!("`{field}` is {x}, not a number") })
-        }
+        Some(x) => x
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| ConfigError::Invalid { field, why: format!("`{field}` is {x}, not a number") }),
     }
 }

@@ -37,7 +37,9 @@ impl CheckpointDir {
         let lock = RunLock::acquire(&dir.join(".lock"), dir)?;
         let out = CheckpointDir { dir: dir.to_path_buf(), created, _lock: lock };
         // Holding the lock, nothing else writes here: what staging left is of a run that died.
-        for note in chorus_fsdp_candle::checkpoint::recover(dir).with_context(|| format!("recovering {}", dir.display()))? {
+        for note in
+            chorus_fsdp_candle::checkpoint::recover(dir).with_context(|| format!("recovering {}", dir.display()))?
+        {
             eprintln!("{note}");
         }
         let config_tmp = dir.join(format!(".{}.tmp", crate::train::LLAMA_CHECKPOINT_CONFIG));
@@ -150,7 +152,10 @@ mod tests {
         std::fs::write(dir.join("latest"), "step-00000004\n").unwrap();
         std::fs::write(dir.join("notes.txt"), "mine").unwrap();
         let err = CheckpointDir::acquire(&dir, None, false).unwrap_err().to_string();
-        assert!(err.contains("step-00000002, step-00000004, latest") && err.contains("--overwrite-checkpoints"), "{err}");
+        assert!(
+            err.contains("step-00000002, step-00000004, latest") && err.contains("--overwrite-checkpoints"),
+            "{err}"
+        );
         assert!(dir.join("step-00000002").exists() && dir.join("latest").exists());
         // A resume from elsewhere mixes too; one from here continues.
         assert!(CheckpointDir::acquire(&dir, Some(&root.join("other")), false).is_err());
@@ -163,5 +168,4 @@ mod tests {
         assert_eq!(left, ["notes.txt"], "only the checkpoints are removed");
         std::fs::remove_dir_all(&root).ok();
     }
-
 }

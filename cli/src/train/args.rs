@@ -373,7 +373,8 @@ impl TrainArgs {
         let gpt_only = [(self.d_model.is_some(), "--d-model"), (self.d_ff.is_some(), "--d-ff")];
         if model != ModelArg::Gpt {
             if let Some((_, name)) = gpt_only.iter().find(|(given, _)| *given) {
-                let instead = if model == ModelArg::Llama { " (the Llama's are --hidden and --intermediate)" } else { "" };
+                let instead =
+                    if model == ModelArg::Llama { " (the Llama's are --hidden and --intermediate)" } else { "" };
                 return Err(usage(format!("{name} is for --model gpt{instead}")));
             }
         }

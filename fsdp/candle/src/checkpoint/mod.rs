@@ -83,8 +83,8 @@ mod place;
 mod save;
 
 pub use files::resolve;
-pub use place::{exchange, recover, recover_aside, replace_dir, Recovered};
 pub use load::{consolidate, inspect, load, optimizer_changes, read_training_state, Inspected, LoadOptions};
+pub use place::{exchange, recover, recover_aside, replace_dir, Recovered};
 pub use save::{save, SaveOptions};
 
 /// Version string of [`chorus_checkpoint.json`](self).

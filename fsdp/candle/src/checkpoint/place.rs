@@ -104,7 +104,11 @@ pub enum Recovered {
 /// aside copy, if `complete`, is renamed back; with `dest` complete, the
 /// aside copy is removed. Nothing else is removed: the only complete copy
 /// of a directory is never deleted.
-pub fn recover_aside(aside: &Path, dest: &Path, complete: &dyn Fn(&Path) -> bool) -> Result<Recovered, CheckpointError> {
+pub fn recover_aside(
+    aside: &Path,
+    dest: &Path,
+    complete: &dyn Fn(&Path) -> bool,
+) -> Result<Recovered, CheckpointError> {
     if complete(dest) {
         std::fs::remove_dir_all(aside).map_err(|e| CheckpointError::io(aside, e))?;
         return Ok(Recovered::Removed);
@@ -341,7 +345,7 @@ mod tests {
         let failing = |a: &Path, b: &Path| {
             calls.set(calls.get() + 1);
             if calls.get() == 2 {
-                return Err(std::io::Error::new(std::io::ErrorKind::Other, "rename failed (test)"));
+                return Err(std::io::Error::other("rename failed (test)"));
             }
             std::fs::rename(a, b)
         };
@@ -355,7 +359,7 @@ mod tests {
         let failing_twice = |a: &Path, b: &Path| {
             calls.set(calls.get() + 1);
             if calls.get() >= 2 {
-                return Err(std::io::Error::new(std::io::ErrorKind::Other, "rename failed (test)"));
+                return Err(std::io::Error::other("rename failed (test)"));
             }
             std::fs::rename(a, b)
         };
