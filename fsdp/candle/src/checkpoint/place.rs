@@ -311,7 +311,7 @@ mod tests {
         // A manifest cut short is no complete checkpoint.
         std::fs::create_dir_all(root.join(".tmp-step-00000007-78")).unwrap();
         std::fs::write(root.join(".tmp-step-00000007-78").join(MANIFEST), "{\"format\":").unwrap();
-        std::fs::create_dir_all(root.join(format!(".pruned-step-00000001-78"))).unwrap();
+        std::fs::create_dir_all(root.join(".pruned-step-00000001-78")).unwrap();
         std::fs::write(root.join(".latest.tmp-78"), "x").unwrap();
         std::fs::create_dir_all(root.join("notes")).unwrap();
         assert!(recover(&root).unwrap().is_empty());
