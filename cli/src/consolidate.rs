@@ -10,6 +10,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
+use chorus_fsdp_candle::CheckpointError;
 
 use crate::size::{format_bytes, parse_nonzero_bytes};
 use crate::{Outcome, UsageError};
@@ -29,10 +30,33 @@ pub struct ConsolidateArgs {
     pub save_dtype: crate::train::SaveDtypeArg,
 }
 
+/// Whether a checkpoint error says the path given names no checkpoint (a
+/// mistake in the arguments, exit status 2, alike for `chorus consolidate`
+/// and `chorus train --resume`) rather than a damaged one.
+pub(crate) fn names_no_checkpoint(e: &CheckpointError) -> bool {
+    matches!(
+        e,
+        CheckpointError::NotFound { .. }
+            | CheckpointError::NotACheckpoint { .. }
+            | CheckpointError::DanglingLatest { .. }
+    )
+}
+
 /// Runs `chorus consolidate`.
 pub fn run(args: &ConsolidateArgs) -> anyhow::Result<Outcome> {
-    if args.out.exists() {
-        return Err(UsageError(format!("{} exists; consolidate writes a new directory", args.out.display())).into());
+    // A link to nothing counts: writing through it would fail half-way.
+    if let Ok(m) = std::fs::symlink_metadata(&args.out) {
+        let what = if m.file_type().is_symlink() && !args.out.exists() { " (a symbolic link to nothing)" } else { "" };
+        return Err(UsageError(format!(
+            "{} exists{what}; consolidate writes a new directory: give a path that does not exist",
+            args.out.display()
+        ))
+        .into());
+    }
+    match chorus_fsdp_candle::checkpoint::resolve(&args.checkpoint) {
+        Err(e) if names_no_checkpoint(&e) => return Err(UsageError(e.to_string()).into()),
+        Err(e) => return Err(e).with_context(|| format!("consolidating {}", args.checkpoint.display())),
+        Ok(_) => {}
     }
     let max = usize::try_from(args.max_file_bytes)
         .map_err(|_| UsageError(format!("--max-file-bytes {} is too large", format_bytes(args.max_file_bytes))))?;

@@ -1,8 +1,10 @@
 //! `chorus`: the command line of the chorus workspace.
 //!
-//! - `chorus train`: a transformer (candle, through the FSDP adapter) or the
-//!   reference MLP under FSDP, with sharded checkpoints, and `--bench` for
-//!   FSDP's step time and host overhead;
+//! - `chorus train`: a transformer (candle, through the FSDP adapter), a
+//!   Hugging Face Llama or the reference MLP under FSDP, with sharded
+//!   checkpoints, and `--bench` for FSDP's step time and host overhead;
+//! - `chorus consolidate`: a sharded checkpoint as full tensors (plain
+//!   safetensors, or a Hugging Face directory for the Llama);
 //! - `chorus info`: the backends compiled into this binary and whether their
 //!   libraries are available here;
 //! - `chorus bench`: nccl-tests-style bandwidth tables, checked results, and
@@ -57,10 +59,12 @@ enum Command {
     Conformance(conformance::ConformanceArgs),
     /// Start N ranks of PROGRAM on this node with torchrun's variables; host or join the job's store.
     Launch(launch::LaunchArgs),
-    /// Train a transformer (candle, --model gpt) or the reference MLP under FSDP: summary.json, loss.svg, checkpoints; --bench measures FSDP.
+    /// Train a transformer (candle, --model gpt), a Hugging Face Llama (--model llama) or the reference MLP under FSDP:
+    /// summary.json, loss.svg, the trained model, checkpoints; --bench measures FSDP.
     #[cfg(feature = "sim")]
     Train(Box<train::TrainArgs>),
-    /// Write a sharded checkpoint of `train --model gpt` as plain safetensors files (candle and Python load them).
+    /// Write a sharded checkpoint of `chorus train` as full tensors: plain safetensors files for --model gpt (candle
+    /// and Python load them), a Hugging Face model directory for --model llama.
     Consolidate(consolidate::ConsolidateArgs),
     /// Read every rank's flight-recorder dump in DIR and say which rank and call diverged (or --json).
     Trace(trace::TraceArgs),

@@ -4,11 +4,19 @@
 //! A run writes into a staging directory beside its out-dir and swaps it
 //! into place only when everything is written, so an out-dir holds one
 //! complete run (the previous one until the new one is complete), never a
-//! mix. Only a directory an earlier chorus run wrote (it holds the marker
-//! file [`MARKER`]) or an empty one is replaced; any other is refused before
-//! anything runs, as are inputs and checkpoints inside the out-dir (the
-//! swap would delete them). An out-dir that is a symbolic link is written
-//! through: its target is replaced, the link stays.
+//! mix. The marker file [`MARKER`] in every out-dir a chorus run wrote
+//! lists what it wrote; a later run replaces such a directory only while
+//! it holds nothing else, and otherwise is refused before anything runs,
+//! naming the files it would lose (as is a non-empty directory without a
+//! marker, and inputs and checkpoints inside the out-dir). An out-dir that
+//! is a symbolic link is written through: its target is replaced, the link
+//! stays. The swap is [`chorus_fsdp_candle::checkpoint::replace_dir`], the
+//! checkpoints' own; a previous out-dir its fallback left aside (a crash
+//! between two renames) is put back by the next run.
+//!
+//! A checkpoint directory ([`CheckpointDir`]) is recovered the same way,
+//! and a run that is not resuming refuses one that holds another run's
+//! checkpoints unless told to start over (`--overwrite-checkpoints`).
 //!
 //! # Locks
 //! A lock file ([`RunLock`]) refuses a second live run into the same
@@ -28,6 +36,9 @@ use std::path::{Component, Path, PathBuf};
 use anyhow::Context;
 
 use crate::UsageError;
+
+mod checkpoints;
+pub use checkpoints::CheckpointDir;
 
 /// The file in every out-dir a chorus run wrote, by which a later run
 /// recognises one it may replace.
@@ -197,6 +208,8 @@ fn sibling(dir: &Path, suffix: &str) -> PathBuf {
 /// A locked out-dir and its staging directory.
 #[derive(Debug)]
 pub struct OutDir {
+    /// `--out-dir` as given, as errors name it.
+    given: PathBuf,
     dest: PathBuf,
     stage: PathBuf,
     committed: bool,
@@ -208,9 +221,9 @@ impl OutDir {
     /// (`inside`: flag and path), locks it against other runs and creates
     /// the staging directory, so that every problem is found before any
     /// work. Refused with a usage error: a `dest` that is not a directory,
-    /// is non-empty and was not written by chorus, is or holds the current
-    /// directory, is a link to nothing, or holds one of `inside`; one whose
-    /// parent or staging directory cannot be created.
+    /// is non-empty and holds anything no chorus run wrote there, is or
+    /// holds the current directory, is a link to nothing, or holds one of
+    /// `inside`; one whose parent or staging directory cannot be created.
     pub fn acquire(dest: &Path, inside: &[(&str, &Path)]) -> anyhow::Result<OutDir> {
         let given = dest;
         // A link is written through: its target is the out-dir.
@@ -231,12 +244,10 @@ impl OutDir {
                 )));
             }
         }
-        match std::fs::metadata(&dest) {
-            Ok(m) if !m.is_dir() => {
-                return Err(usage(format!("--out-dir {} exists and is not a directory", given.display())))
+        if let Ok(m) = std::fs::metadata(&dest) {
+            if !m.is_dir() {
+                return Err(usage(format!("--out-dir {} exists and is not a directory", given.display())));
             }
-            Ok(_) => refuse_foreign(given, &dest)?,
-            Err(_) => {}
         }
         for (flag, path) in inside {
             if resolved(path).starts_with(&dest) {
@@ -251,16 +262,26 @@ impl OutDir {
         std::fs::create_dir_all(&parent)
             .map_err(|e| usage(format!("--out-dir {}: cannot create {}: {e}", given.display(), parent.display())))?;
         let lock = RunLock::acquire(&sibling(&dest, "lock"), &dest)?;
+        // Holding the lock: a previous out-dir an interrupted swap left aside goes back first.
+        recover_out_dir(&dest)?;
+        if dest.is_dir() {
+            refuse_foreign(given, &dest)?;
+        }
         let (pid, start) = me();
-        let out =
-            OutDir { stage: sibling(&dest, &format!("partial-{pid}-{start}")), dest, committed: false, _lock: lock };
+        let out = OutDir {
+            given: given.to_path_buf(),
+            stage: sibling(&dest, &format!("partial-{pid}-{start}")),
+            dest,
+            committed: false,
+            _lock: lock,
+        };
         out.remove_dead_partials(&parent);
         let made = (|| {
             if out.stage.exists() {
                 std::fs::remove_dir_all(&out.stage)?;
             }
             std::fs::create_dir(&out.stage)?;
-            std::fs::write(out.stage.join(MARKER), b"written by chorus; replaced whole by the next run into it\n")
+            std::fs::write(out.stage.join(MARKER), MARKER_HEAD)
         })();
         made.map_err(|e| usage(format!("--out-dir {}: cannot create {}: {e}", given.display(), out.stage.display())))?;
         Ok(out)
@@ -298,32 +319,33 @@ impl OutDir {
         &self.dest
     }
 
-    /// Syncs the staged files and renames the staging directory to the
-    /// out-dir. A previous out-dir is swapped with the new one in one step
-    /// ([`chorus_fsdp_candle::checkpoint::exchange`]), so at every instant
-    /// the out-dir is one complete run; where the file system cannot
-    /// exchange, the previous one is moved aside first (a crash between the
-    /// two renames leaves it beside, as `.NAME.old-PID`). The previous run
-    /// is then removed.
+    /// Lists the staged files in the marker, syncs them and puts the
+    /// staging directory in place of the out-dir
+    /// ([`chorus_fsdp_candle::checkpoint::replace_dir`]: one exchange, so
+    /// at every instant the out-dir is one complete run; where the file
+    /// system cannot exchange, two renames, whose interruption the next run
+    /// recovers). Files added to the out-dir while the run went are never
+    /// deleted: then the previous out-dir stays, and this run's outputs are
+    /// moved beside it (`NAME.unplaced-PID`), as the error says.
     pub fn commit(mut self) -> anyhow::Result<()> {
+        write_marker(&self.stage)?;
         sync_tree(&self.stage)?;
-        if self.dest.exists() {
-            if chorus_fsdp_candle::checkpoint::exchange(&self.stage, &self.dest).is_ok() {
-                // The staging path now holds the previous run.
-                let _ = std::fs::remove_dir_all(&self.stage);
-            } else {
-                let old = sibling(&self.dest, &format!("old-{}", std::process::id()));
-                let _ = std::fs::remove_dir_all(&old);
-                std::fs::rename(&self.dest, &old)
-                    .with_context(|| format!("moving the previous {} aside", self.dest.display()))?;
-                std::fs::rename(&self.stage, &self.dest)
-                    .with_context(|| format!("renaming into {}", self.dest.display()))?;
-                let _ = std::fs::remove_dir_all(&old);
+        if self.dest.is_dir() {
+            if let Err(e) = refuse_foreign(&self.given, &self.dest) {
+                let name = self.dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                let unplaced = self.dest.with_file_name(format!("{name}.unplaced-{}", std::process::id()));
+                std::fs::rename(&self.stage, &unplaced)
+                    .with_context(|| format!("{e:#}; keeping this run's outputs at {}", unplaced.display()))?;
+                self.committed = true;
+                anyhow::bail!(
+                    "{e:#}; the files appeared during the run, so this run's outputs are at {}",
+                    unplaced.display()
+                );
             }
-        } else {
-            std::fs::rename(&self.stage, &self.dest)
-                .with_context(|| format!("renaming into {}", self.dest.display()))?;
         }
+        let aside = sibling(&self.dest, &format!("old-{}", std::process::id()));
+        chorus_fsdp_candle::checkpoint::replace_dir(&self.stage, &self.dest, &aside)
+            .with_context(|| format!("putting the run's outputs in place at {}", self.dest.display()))?;
         if let Some(parent) = self.dest.parent() {
             File::open(parent).and_then(|f| f.sync_all()).ok();
         }
@@ -332,26 +354,139 @@ impl OutDir {
     }
 }
 
-/// Refuses an existing non-empty out-dir that no chorus run wrote.
-fn refuse_foreign(given: &Path, dest: &Path) -> anyhow::Result<()> {
-    if dest.join(MARKER).is_file() {
-        return Ok(());
+/// The marker's first line; the paths the run wrote follow, one a line
+/// (directories with a trailing `/`).
+const MARKER_HEAD: &str =
+    "written by chorus: the next run into this directory replaces the files listed below, and refuses to while it holds any other\n";
+
+/// Writes the marker of the staged out-dir `stage`: every path in it.
+fn write_marker(stage: &Path) -> anyhow::Result<()> {
+    fn walk(dir: &Path, rel: &str, out: &mut Vec<String>) -> anyhow::Result<()> {
+        for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+            let entry = entry.with_context(|| format!("reading {}", dir.display()))?;
+            let path = format!("{rel}{}", entry.file_name().to_string_lossy());
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                walk(&entry.path(), &format!("{path}/"), out)?;
+                out.push(format!("{path}/"));
+            } else if path != MARKER {
+                out.push(path);
+            }
+        }
+        Ok(())
     }
-    let mut names: Vec<String> = std::fs::read_dir(dest)
+    let mut paths = Vec::new();
+    walk(stage, "", &mut paths)?;
+    paths.sort();
+    write_file(
+        &stage.join(MARKER),
+        format!("{MARKER_HEAD}{}", paths.iter().map(|p| format!("{p}\n")).collect::<String>()).as_bytes(),
+    )
+}
+
+/// The paths an out-dir's marker lists, or `None` where there is no
+/// marker, or one from a chorus that did not list them.
+fn listed(dest: &Path) -> Option<std::collections::BTreeSet<String>> {
+    let text = std::fs::read_to_string(dest.join(MARKER)).ok()?;
+    let rest = text.strip_prefix(MARKER_HEAD)?;
+    Some(rest.lines().map(str::to_string).collect())
+}
+
+/// The paths in the out-dir `dest` its marker does not list (a directory
+/// not listed counts as one path, `name/`).
+fn foreign(dest: &Path, listed: &std::collections::BTreeSet<String>) -> anyhow::Result<Vec<String>> {
+    fn walk(
+        dir: &Path,
+        rel: &str,
+        listed: &std::collections::BTreeSet<String>,
+        out: &mut Vec<String>,
+    ) -> anyhow::Result<()> {
+        for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+            let entry = entry.with_context(|| format!("reading {}", dir.display()))?;
+            let path = format!("{rel}{}", entry.file_name().to_string_lossy());
+            if rel.is_empty() && path == MARKER {
+                continue;
+            }
+            // A link is judged as the link, never followed.
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                let as_dir = format!("{path}/");
+                if listed.contains(&as_dir) {
+                    walk(&entry.path(), &as_dir, listed, out)?;
+                } else {
+                    out.push(as_dir);
+                }
+            } else if !listed.contains(&path) {
+                out.push(path);
+            }
+        }
+        Ok(())
+    }
+    let mut out = Vec::new();
+    walk(dest, "", listed, &mut out)?;
+    out.sort();
+    Ok(out)
+}
+
+/// Refuses an existing non-empty out-dir that holds anything no chorus
+/// run wrote there, naming it.
+fn refuse_foreign(given: &Path, dest: &Path) -> anyhow::Result<()> {
+    let names = |paths: &[String]| {
+        let shown = paths.iter().take(5).cloned().collect::<Vec<_>>().join(", ");
+        let more = if paths.len() > 5 { format!(" and {} more", paths.len() - 5) } else { String::new() };
+        format!("{shown}{more}")
+    };
+    if let Some(listed) = listed(dest) {
+        let extra = foreign(dest, &listed)?;
+        if extra.is_empty() {
+            return Ok(());
+        }
+        return Err(usage(format!(
+            "--out-dir {} holds files no chorus run wrote ({}); the run replaces what chorus wrote there and would lose them: move them out, or choose another out-dir",
+            given.display(),
+            names(&extra)
+        )));
+    }
+    let mut all: Vec<String> = std::fs::read_dir(dest)
         .map_err(|e| usage(format!("--out-dir {}: {e}", given.display())))?
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
-    if names.is_empty() {
+    if all.is_empty() {
         return Ok(());
     }
-    names.sort();
-    let shown = names.iter().take(3).cloned().collect::<Vec<_>>().join(", ");
-    let more = if names.len() > 3 { format!(" and {} more", names.len() - 3) } else { String::new() };
+    all.sort();
+    if dest.join(MARKER).is_file() {
+        return Err(usage(format!(
+            "--out-dir {} was written by an older chorus, whose {MARKER} does not list its files, so files added since cannot be told apart ({}): remove it, or choose another out-dir",
+            given.display(),
+            names(&all)
+        )));
+    }
     Err(usage(format!(
-        "--out-dir {} holds files no chorus run wrote ({shown}{more}); the out-dir is replaced whole, so choose an empty or new directory",
-        given.display()
+        "--out-dir {} holds files no chorus run wrote ({}); the out-dir is replaced when the run ends, so choose an empty or new directory",
+        given.display(),
+        names(&all)
     )))
+}
+
+/// Puts back a previous out-dir that an interrupted swap left aside
+/// (`.NAME.old-PID`: the out-dir is missing), or removes such a copy
+/// where the out-dir is in place.
+fn recover_out_dir(dest: &Path) -> anyhow::Result<()> {
+    let (Some(parent), Some(name)) = (dest.parent(), dest.file_name()) else { return Ok(()) };
+    let prefix = format!(".{}.old-", name.to_string_lossy());
+    let written = |d: &Path| d.join(MARKER).is_file();
+    for entry in std::fs::read_dir(parent).into_iter().flatten().flatten() {
+        if !entry.file_name().to_string_lossy().starts_with(&prefix) {
+            continue;
+        }
+        let aside = entry.path();
+        let done = chorus_fsdp_candle::checkpoint::recover_aside(&aside, dest, &written)
+            .with_context(|| format!("recovering {}", dest.display()))?;
+        if done == chorus_fsdp_candle::checkpoint::Recovered::Restored {
+            eprintln!("{}: restored from {}, left by an interrupted run", dest.display(), aside.display());
+        }
+    }
+    Ok(())
 }
 
 fn sync_tree(dir: &Path) -> anyhow::Result<()> {
@@ -371,40 +506,6 @@ impl Drop for OutDir {
         if !self.committed {
             let _ = std::fs::remove_dir_all(&self.stage);
         }
-    }
-}
-
-/// A checkpoint directory locked for this run: created (so an unusable one
-/// is found before training) and locked like an out-dir, with the staging
-/// leftovers of runs that died removed.
-#[derive(Debug)]
-pub struct CheckpointDir {
-    _lock: RunLock,
-}
-
-impl CheckpointDir {
-    /// Creates and locks `dir` (`--checkpoint-dir`); one that cannot be
-    /// created or written is a usage error.
-    pub fn acquire(dir: &Path) -> anyhow::Result<CheckpointDir> {
-        if dir.exists() && !dir.is_dir() {
-            return Err(usage(format!("--checkpoint-dir {} exists and is not a directory", dir.display())));
-        }
-        std::fs::create_dir_all(dir)
-            .map_err(|e| usage(format!("--checkpoint-dir {}: cannot create it: {e}", dir.display())))?;
-        let lock = RunLock::acquire(&dir.join(".lock"), dir)?;
-        // Holding the lock, nothing else writes here: what staging left is of a run that died.
-        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let leftover = [".tmp-step-", ".old-step-", ".pruned-step-"].iter().any(|p| name.starts_with(p));
-            if leftover {
-                let _ = std::fs::remove_dir_all(entry.path());
-            } else if name.starts_with(".latest.tmp")
-                || name == format!(".{}.tmp", crate::train::LLAMA_CHECKPOINT_CONFIG)
-            {
-                let _ = std::fs::remove_file(entry.path());
-            }
-        }
-        Ok(CheckpointDir { _lock: lock })
     }
 }
 
@@ -480,6 +581,112 @@ mod tests {
         std::fs::write(&path, format!("pid={pid} start={start} boot={boot} host=elsewhere\n")).unwrap();
         let err = RunLock::acquire(&path, &what).unwrap_err().to_string();
         assert!(err.contains("host elsewhere") && err.contains("remove"), "{err}");
+        std::fs::remove_dir_all(&root).ok();
+    }
+
+    /// The files the out-dir `dest` holds, sorted, the marker left out.
+    fn files(dest: &Path) -> Vec<String> {
+        let mut all = Vec::new();
+        fn walk(dir: &Path, rel: &str, all: &mut Vec<String>) {
+            for e in std::fs::read_dir(dir).unwrap().flatten() {
+                let path = format!("{rel}{}", e.file_name().to_string_lossy());
+                if e.file_type().unwrap().is_dir() {
+                    walk(&e.path(), &format!("{path}/"), all);
+                } else if path != MARKER {
+                    all.push(path);
+                }
+            }
+        }
+        walk(dest, "", &mut all);
+        all.sort();
+        all
+    }
+
+    fn run_into(dest: &Path, written: &[(&str, &str)]) -> anyhow::Result<()> {
+        let out = OutDir::acquire(dest, &[])?;
+        for (path, text) in written {
+            let path = out.stage().join(path);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            write_file(&path, text.as_bytes()).unwrap();
+        }
+        out.commit()
+    }
+
+    /// Issue 24: files the user added to a chorus out-dir (a tokenizer in
+    /// `model/`, notes, a directory) are never replaced: the next run is
+    /// refused before it starts, naming them, and every file stays; once
+    /// they are moved out, the run replaces what chorus wrote.
+    #[test]
+    fn files_the_user_added_are_named_and_never_lost() {
+        let root = root("user-files");
+        let dest = root.join("run");
+        run_into(&dest, &[("summary.json", "1"), ("model/config.json", "1")]).unwrap();
+        let marker = std::fs::read_to_string(dest.join(MARKER)).unwrap();
+        assert!(marker.ends_with("model/\nmodel/config.json\nsummary.json\n"), "{marker}");
+        std::fs::write(dest.join("model/tokenizer.json"), "mine").unwrap();
+        std::fs::write(dest.join("notes.txt"), "mine").unwrap();
+        std::fs::create_dir_all(dest.join("plots")).unwrap();
+        let err = run_into(&dest, &[("summary.json", "2")]).unwrap_err().to_string();
+        for name in ["model/tokenizer.json", "notes.txt", "plots/"] {
+            assert!(err.contains(name), "{name} not named: {err}");
+        }
+        assert!(!err.contains("summary.json"), "{err}");
+        assert_eq!(files(&dest), ["model/config.json", "model/tokenizer.json", "notes.txt", "summary.json"]);
+        assert_eq!(std::fs::read_to_string(dest.join("summary.json")).unwrap(), "1");
+        // Moved out, the next run replaces what chorus wrote (and only that is there).
+        std::fs::remove_file(dest.join("model/tokenizer.json")).unwrap();
+        std::fs::remove_file(dest.join("notes.txt")).unwrap();
+        std::fs::remove_dir(dest.join("plots")).unwrap();
+        run_into(&dest, &[("summary.json", "2")]).unwrap();
+        assert_eq!(files(&dest), ["summary.json"]);
+        // A marker of an older chorus lists nothing: refused, naming what is there.
+        std::fs::write(dest.join(MARKER), "written by chorus; replaced whole by the next run into it\n").unwrap();
+        let err = run_into(&dest, &[]).unwrap_err().to_string();
+        assert!(err.contains("older chorus") && err.contains("summary.json"), "{err}");
+        assert!(dest.join("summary.json").exists());
+        std::fs::remove_dir_all(&root).ok();
+    }
+
+    /// Issue 24: a file added to the out-dir while the run goes is kept:
+    /// the previous out-dir stays, this run's outputs go beside it.
+    #[test]
+    fn files_added_during_the_run_are_kept() {
+        let root = root("during");
+        let dest = root.join("run");
+        run_into(&dest, &[("summary.json", "1")]).unwrap();
+        let out = OutDir::acquire(&dest, &[]).unwrap();
+        write_file(&out.stage().join("summary.json"), b"2").unwrap();
+        std::fs::write(dest.join("notes.txt"), "mine").unwrap();
+        let err = format!("{:#}", out.commit().unwrap_err());
+        assert!(err.contains("notes.txt") && err.contains("unplaced"), "{err}");
+        assert_eq!(files(&dest), ["notes.txt", "summary.json"]);
+        assert_eq!(std::fs::read_to_string(dest.join("summary.json")).unwrap(), "1");
+        let unplaced = root.join(format!("run.unplaced-{}", std::process::id()));
+        assert_eq!(std::fs::read_to_string(unplaced.join("summary.json")).unwrap(), "2");
+        std::fs::remove_dir_all(&root).ok();
+    }
+
+    /// Issue 24: where the exchange is unavailable, a crash between the
+    /// fallback's two renames leaves the out-dir missing and the previous
+    /// one aside (the state `chorus_fsdp_candle`'s replace test produces):
+    /// the next run puts it back instead of losing it.
+    #[test]
+    fn an_out_dir_left_aside_is_restored() {
+        let root = root("aside");
+        let dest = root.join("run");
+        run_into(&dest, &[("summary.json", "1")]).unwrap();
+        let aside = sibling(&dest, "old-4242");
+        std::fs::rename(&dest, &aside).unwrap();
+        let out = OutDir::acquire(&dest, &[]).unwrap();
+        assert_eq!(std::fs::read_to_string(dest.join("summary.json")).unwrap(), "1", "restored");
+        assert!(!aside.exists());
+        drop(out);
+        // A stale aside copy beside a complete out-dir is removed; the out-dir kept.
+        let stale = sibling(&dest, "old-4243");
+        std::fs::create_dir_all(&stale).unwrap();
+        std::fs::write(stale.join(MARKER), MARKER_HEAD).unwrap();
+        drop(OutDir::acquire(&dest, &[]).unwrap());
+        assert!(!stale.exists() && dest.join("summary.json").exists());
         std::fs::remove_dir_all(&root).ok();
     }
 

@@ -24,6 +24,8 @@ fn worlds_of_threads_too_large_exit_2() {
         vec!["bench", "--backend", "simnccl", "--world-size", "100000", "--max-bytes", "1K"],
         vec!["conformance", "--world-size", "100000"],
         vec!["conformance", "--backend", "simnccl", "--world-size", "100000"],
+        // Issue 24: a list says what a run would do, and the run is refused.
+        vec!["conformance", "--world-size", "513", "--list"],
     ] {
         let out = run_bounded(chorus().args(&args), Duration::from_secs(30));
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out.stderr));

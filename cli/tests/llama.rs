@@ -74,7 +74,7 @@ fn bad_data_and_configs_are_usage_errors_before_anything_is_written() {
         (vec!["train", "--model", "gpt", "--data", "x.npy"], "--data is for --model llama"),
         (vec!["train", "--model", "mlp", "--save-dtype", "bf16"], "--save-dtype is for --model llama"),
         (vec!["train", "--model", "llama", "--init-from", &m, "--layers", "3"], "the sizes come from --init-from"),
-        (vec!["train", "--model", "llama", "--kv-heads", "3"], "num_key_value_heads"),
+        (vec!["train", "--model", "llama", "--kv-heads", "3"], "--kv-heads 3 does not divide --heads 4"),
         (vec!["train", "--model", "llama", "--vocab", "20"], "smaller than the byte-level text"),
         (
             vec!["train", "--model", "llama", "--recompute", "root,blocks.0"],
@@ -197,10 +197,15 @@ fn paths_inside_the_out_dir_and_a_seq_len_against_the_data_are_refused() {
     let r = train(&["--data", &data, "--seq-len", "16", "--batch", "2", "--steps", "1", "--out-dir", &o]);
     assert_eq!(r.status.code(), Some(2), "{}", text(&r.stderr));
     assert!(text(&r.stderr).contains("--seq-len 16: --data") && text(&r.stderr).contains("sequences of 8"));
-    // The length the rows give is accepted.
+    // The length the rows give is accepted (into another out-dir: this one
+    // holds files its marker does not list, which a run never replaces).
+    let ok = dir.join("ok").display().to_string();
     let r =
-        train(&["--data", &data, "--vocab", "64", "--seq-len", "8", "--batch", "2", "--steps", "1", "--out-dir", &o]);
+        train(&["--data", &data, "--vocab", "64", "--seq-len", "8", "--batch", "2", "--steps", "1", "--out-dir", &ok]);
     assert!(r.status.success(), "{}", text(&r.stderr));
+    let r = train(&["--data", &data, "--vocab", "64", "--batch", "2", "--steps", "1", "--out-dir", &o]);
+    assert_eq!(r.status.code(), Some(2), "{}", text(&r.stderr));
+    assert!(text(&r.stderr).contains("data.npy") && out.join("data.npy").is_file(), "{}", text(&r.stderr));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -277,7 +282,7 @@ fn keep_last_prunes_and_resume_refuses_another_configuration() {
         &[&two_heads[..], &["--data", &data, "--steps", "1", "--checkpoint-dir", &ckpt, "--out-dir", &p("c")]].concat(),
     );
     assert_eq!(r.status.code(), Some(2), "{}", text(&r.stderr));
-    assert!(text(&r.stderr).contains("holds checkpoints of another Llama configuration"), "{}", text(&r.stderr));
+    assert!(text(&r.stderr).contains("holds another run's checkpoints"), "{}", text(&r.stderr));
     assert_eq!(steps_in(&dir.join("ckpt")), ["step-00000003", "step-00000005"]);
     std::fs::remove_dir_all(&dir).unwrap();
 }

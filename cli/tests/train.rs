@@ -199,7 +199,7 @@ fn the_transformer_learns_plots_checkpoints_and_resumes() {
     assert_eq!(o.status.code(), Some(2), "never overwrites: {}", stderr(&o));
     let o = run(&["consolidate", root.join("nothing").to_str().unwrap(), root.join("c2").to_str().unwrap()]);
     no_panic(&o);
-    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(o.status.code(), Some(2), "a checkpoint that is not there is a usage error, as for --resume");
     assert!(stderr(&o).contains("nothing"), "{}", stderr(&o));
     // Resuming past the end is a usage error.
     let o = gpt(&["--steps", "40", "--resume", ckpt.to_str().unwrap(), "--out-dir", root.join("x").to_str().unwrap()]);
@@ -247,9 +247,9 @@ fn bad_arguments_exit_2_before_anything_is_written() {
         (gpt_args(&["--lr", "inf"]), "--lr"),
         (gpt_args(&["--max-grad-norm", "-1"]), "--max-grad-norm"),
         (gpt_args(&["--max-grad-norm", "nan"]), "--max-grad-norm"),
-        (gpt_args(&["--layers", "18446744073709551615"]), "memory"),
-        (gpt_args(&["--d-model", "18446744073709551612"]), "memory"),
-        (gpt_args(&["--seq-len", "18446744073709551615"]), "memory"),
+        (gpt_args(&["--layers", "18446744073709551615"]), "at most"),
+        (gpt_args(&["--d-model", "18446744073709551612"]), "at most"),
+        (gpt_args(&["--seq-len", "18446744073709551615"]), "at most"),
         (gpt_args(&["--steps", "10000000000"]), "memory"),
         (gpt_args(&["--batch", "100000000"]), "memory"),
         (gpt_args(&["--world-size", "18446744073709551615"]), "--world-size"),
@@ -821,8 +821,8 @@ fn checkpoint_dirs_are_checked_and_locked_before_training() {
     no_panic(&o);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("another chorus run"), "{}", stderr(&o));
-    // The killed run's lock and staging are cleared by the next run.
-    let o = gpt_into(&root.join("b"), &["--steps", "2", "--checkpoint-dir", s(&ckpt)]);
+    // The killed run's lock and staging are cleared by the next run (which starts over).
+    let o = gpt_into(&root.join("b"), &["--steps", "2", "--checkpoint-dir", s(&ckpt), "--overwrite-checkpoints"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let left: Vec<String> = std::fs::read_dir(&ckpt)
         .unwrap()

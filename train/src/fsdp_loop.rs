@@ -260,10 +260,14 @@ where
 
 /// How the model `config` differs from the one a checkpoint recorded
 /// (`saved`, its training state's `model`): each differing field as
-/// `"heads 4 -> 2"`; empty when they agree or none was recorded.
+/// `"heads 4 -> 2"`; empty when they agree. A checkpoint that records no
+/// configuration (or not an object) cannot be checked: that is a change.
 pub fn config_changes<T: Serialize>(saved: &serde_json::Value, config: &T) -> Vec<String> {
     let now = serde_json::to_value(config).unwrap_or_default();
-    let (Some(saved), Some(now)) = (saved.as_object(), now.as_object()) else { return Vec::new() };
+    let Some(saved) = saved.as_object() else {
+        return vec![format!("no readable model configuration recorded ({saved})")];
+    };
+    let Some(now) = now.as_object() else { return Vec::new() };
     now.iter()
         .filter(|(k, v)| saved.get(*k) != Some(v))
         .map(|(k, v)| format!("{k} {} -> {v}", saved.get(k).map_or_else(|| "unset".into(), |s| s.to_string())))

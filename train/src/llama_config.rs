@@ -2,29 +2,42 @@
 //! spellings (transformers 4: top-level `rope_theta` and `torch_dtype`;
 //! transformers 5: `rope_parameters {rope_theta, rope_type}` and `dtype`),
 //! and the config.json chorus writes back. A field whose setting the model
-//! does not implement is an error naming it, never ignored.
+//! does not implement is an error naming it, never ignored; every size is
+//! bounded (the `MAX_*` constants) before anything is computed from it.
 
 use serde_json::{json, Map, Value};
 
-/// What is wrong with a `config.json`.
+/// Most decoder layers a config may have (the largest released Llama has 126).
+pub const MAX_LAYERS: usize = 1 << 16;
+/// Widest a config's `hidden_size`, `intermediate_size` and heads × `head_dim` may be.
+pub const MAX_WIDTH: usize = 1 << 20;
+/// Most attention heads (query or key/value) a config may have.
+pub const MAX_HEADS: usize = 1 << 16;
+/// Largest vocabulary a config may have.
+pub const MAX_VOCAB: usize = 1 << 24;
+/// Longest `max_position_embeddings` a config may have.
+pub const MAX_POSITIONS: usize = 1 << 24;
+
+/// What is wrong with a Llama's configuration (a `config.json`, whose path
+/// the caller adds, or the sizes given as flags).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ConfigError {
     /// Not JSON, or not an object.
-    #[error("config.json is not a JSON object: {0}")]
+    #[error("not a JSON object: {0}")]
     Json(String),
     /// A required field is absent.
-    #[error("config.json has no `{0}`")]
+    #[error("has no `{0}`")]
     Missing(&'static str),
     /// A field has the wrong type or an impossible value.
-    #[error("config.json: `{field}` {why}")]
+    #[error("{why}")]
     Invalid {
         /// The field.
         field: &'static str,
-        /// What is wrong.
+        /// What is wrong, naming the field as the configuration's source does.
         why: String,
     },
     /// A field asks for something this Llama does not implement.
-    #[error("config.json: `{field}` = {value} is not supported by chorus's Llama ({why})")]
+    #[error("`{field}` = {value} is not supported by chorus's Llama ({why})")]
     Unsupported {
         /// The field.
         field: String,
@@ -33,6 +46,34 @@ pub enum ConfigError {
         /// What chorus implements instead.
         why: &'static str,
     },
+}
+
+/// How errors name a configuration's sizes: as `config.json`'s fields, or
+/// as `chorus train`'s flags that give them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Names {
+    /// `hidden_size`, `num_attention_heads`, ...
+    ConfigJson,
+    /// `--hidden`, `--heads`, ...
+    Flags,
+}
+
+impl Names {
+    fn of(self, field: &str) -> String {
+        let flag = match field {
+            "vocab_size" => "--vocab",
+            "hidden_size" => "--hidden",
+            "intermediate_size" => "--intermediate",
+            "num_hidden_layers" => "--layers",
+            "num_attention_heads" => "--heads",
+            "num_key_value_heads" => "--kv-heads",
+            _ => "",
+        };
+        match self {
+            Names::Flags if !flag.is_empty() => flag.to_string(),
+            _ => format!("`{field}`"),
+        }
+    }
 }
 
 /// A Llama's sizes and settings (transformers' `LlamaConfig`, the fields
@@ -116,7 +157,7 @@ impl LlamaConfig {
             (Some(a), Some(b)) if a != b => {
                 return Err(ConfigError::Invalid {
                     field: "rope_theta",
-                    why: format!("is {b} at the top level but {a} in rope_parameters"),
+                    why: format!("`rope_theta` is {b} at the top level but {a} in rope_parameters"),
                 })
             }
             (a, b) => a.or(b).unwrap_or(10000.0),
@@ -137,7 +178,10 @@ impl LlamaConfig {
                 None | Some(Value::Null) => false,
                 Some(Value::Bool(b)) => *b,
                 Some(_) => {
-                    return Err(ConfigError::Invalid { field: "tie_word_embeddings", why: "is not a bool".into() })
+                    return Err(ConfigError::Invalid {
+                        field: "tie_word_embeddings",
+                        why: "`tie_word_embeddings` is not a bool".into(),
+                    })
                 }
             },
             pad_token_id: usize_field(o, "pad_token_id")?,
@@ -148,8 +192,33 @@ impl LlamaConfig {
         Ok(cfg)
     }
 
-    /// Checks the sizes against each other.
+    /// Checks the sizes against their bounds and each other, naming them
+    /// as `config.json` does.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_as(Names::ConfigJson)
+    }
+
+    /// [`validate`](Self::validate), naming the sizes as `names` says.
+    pub fn validate_as(&self, names: Names) -> Result<(), ConfigError> {
+        let n = |f: &str| names.of(f);
+        let bounded = [
+            ("vocab_size", self.vocab_size, MAX_VOCAB),
+            ("hidden_size", self.hidden_size, MAX_WIDTH),
+            ("intermediate_size", self.intermediate_size, MAX_WIDTH),
+            ("num_hidden_layers", self.num_hidden_layers, MAX_LAYERS),
+            ("num_attention_heads", self.num_attention_heads, MAX_HEADS),
+            ("num_key_value_heads", self.num_key_value_heads, MAX_HEADS),
+            ("head_dim", self.head_dim, MAX_WIDTH),
+            ("max_position_embeddings", self.max_position_embeddings, MAX_POSITIONS),
+        ];
+        for (field, v, max) in bounded {
+            if v > max {
+                return Err(ConfigError::Invalid {
+                    field,
+                    why: format!("{} {v} is more than chorus's Llama takes (at most {max})", n(field)),
+                });
+            }
+        }
         let positive = [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -162,28 +231,65 @@ impl LlamaConfig {
         ];
         for (field, v) in positive {
             if v == 0 {
-                return Err(ConfigError::Invalid { field, why: "must be positive".into() });
+                return Err(ConfigError::Invalid { field, why: format!("{} must be positive", n(field)) });
             }
         }
         if self.num_attention_heads % self.num_key_value_heads != 0 {
             return Err(ConfigError::Invalid {
                 field: "num_key_value_heads",
                 why: format!(
-                    "{} does not divide num_attention_heads {}",
-                    self.num_key_value_heads, self.num_attention_heads
+                    "{} {} does not divide {} {}",
+                    n("num_key_value_heads"),
+                    self.num_key_value_heads,
+                    n("num_attention_heads"),
+                    self.num_attention_heads
+                ),
+            });
+        }
+        let q = self.num_attention_heads.saturating_mul(self.head_dim);
+        if q > MAX_WIDTH {
+            return Err(ConfigError::Invalid {
+                field: "head_dim",
+                why: format!(
+                    "{} {} × {} {} = {q} is wider than chorus's Llama takes (at most {MAX_WIDTH})",
+                    n("num_attention_heads"),
+                    self.num_attention_heads,
+                    n("head_dim"),
+                    self.head_dim
                 ),
             });
         }
         if self.head_dim % 2 != 0 {
-            return Err(ConfigError::Invalid { field: "head_dim", why: "must be even for RoPE".into() });
+            // Where it is the derived width, say from what.
+            let derived = if self.head_dim == self.hidden_size / self.num_attention_heads {
+                format!(
+                    " (= {} {} / {} {})",
+                    n("hidden_size"),
+                    self.hidden_size,
+                    n("num_attention_heads"),
+                    self.num_attention_heads
+                )
+            } else {
+                String::new()
+            };
+            return Err(ConfigError::Invalid {
+                field: "head_dim",
+                why: format!("{} {}{derived} must be even for RoPE", n("head_dim"), self.head_dim),
+            });
         }
         for (field, v) in [("rms_norm_eps", self.rms_norm_eps), ("rope_theta", self.rope_theta)] {
             if !(v.is_finite() && v > 0.0) {
-                return Err(ConfigError::Invalid { field, why: format!("{v} must be a finite number > 0") });
+                return Err(ConfigError::Invalid {
+                    field,
+                    why: format!("{} {v} must be a finite number > 0", n(field)),
+                });
             }
         }
         if !(self.initializer_range.is_finite() && self.initializer_range >= 0.0) {
-            return Err(ConfigError::Invalid { field: "initializer_range", why: "must be finite and ≥ 0".into() });
+            return Err(ConfigError::Invalid {
+                field: "initializer_range",
+                why: format!("{} must be finite and ≥ 0", n("initializer_range")),
+            });
         }
         Ok(())
     }
@@ -214,9 +320,17 @@ impl LlamaConfig {
         out
     }
 
-    /// Number of parameters.
+    /// Number of parameters ([`param_shapes`](Self::param_shapes)' sizes
+    /// summed), computed without listing them and saturating, so any
+    /// config's count is a number (`usize::MAX`: more than any machine).
     pub fn num_params(&self) -> usize {
-        self.param_shapes().iter().map(|(_, s)| s.iter().product::<usize>()).sum()
+        let (v, h, i) = (self.vocab_size, self.hidden_size, self.intermediate_size);
+        let m = |a: usize, b: usize| a.saturating_mul(b);
+        let (q, kv) = (m(self.num_attention_heads, self.head_dim), m(self.num_key_value_heads, self.head_dim));
+        let layer =
+            [m(2, h), m(q, h), m(m(2, kv), h), m(h, q), m(m(3, i), h)].iter().fold(0usize, |a, b| a.saturating_add(*b));
+        let embeddings = if self.tie_word_embeddings { 1 } else { 2 };
+        m(m(embeddings, v), h).saturating_add(m(self.num_hidden_layers, layer)).saturating_add(h)
     }
 
     /// The `config.json` chorus writes with a model in `dtype` (`"float32"`
@@ -331,28 +445,29 @@ fn check_supported(o: &Map<String, Value>) -> Result<(), ConfigError> {
 fn usize_field(o: &Map<String, Value>, field: &'static str) -> Result<Option<usize>, ConfigError> {
     match o.get(field) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .and_then(|n| usize::try_from(n).ok())
-            .map(Some)
-            .ok_or_else(|| ConfigError::Invalid { field, why: format!("is {v}, not a non-negative integer") }),
+        Some(v) => v.as_u64().and_then(|n| usize::try_from(n).ok()).map(Some).ok_or_else(|| ConfigError::Invalid {
+            field,
+            why: format!("`{field}` is {v}, not a non-negative integer"),
+        }),
     }
 }
 
 fn f64_field(o: &Map<String, Value>, field: &'static str) -> Result<Option<f64>, ConfigError> {
     match o.get(field) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => {
-            v.as_f64().map(Some).ok_or_else(|| ConfigError::Invalid { field, why: format!("is {v}, not a number") })
-        }
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| ConfigError::Invalid { field, why: format!("`{field}` is {v}, not a number") }),
     }
 }
 
 fn f64_in(v: &Value, key: &str, field: &'static str) -> Result<Option<f64>, ConfigError> {
     match v.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(x) => {
-            x.as_f64().map(Some).ok_or_else(|| ConfigError::Invalid { field, why: format!("is {x}, not a number") })
-        }
+        Some(x) => x
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| ConfigError::Invalid { field, why: format!("`{field}` is {x}, not a number") }),
     }
 }

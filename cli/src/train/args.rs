@@ -79,25 +79,27 @@ pub struct TrainArgs {
     /// mlp: layer widths, e.g. 37,64,33,5 (instead of --layers/--width; default 16,64,64,4).
     #[arg(long, value_delimiter = ',', conflicts_with_all = ["layers", "width"])]
     pub dims: Option<Vec<usize>>,
-    /// mlp: number of Linear layers (with --width); gpt: transformer blocks (default 2).
+    /// mlp: number of Linear layers (with --width); gpt: transformer blocks; llama without --init-from: decoder
+    /// layers (default 2).
     #[arg(long)]
     pub layers: Option<usize>,
     /// mlp: width of every layer (with --layers).
     #[arg(long)]
     pub width: Option<usize>,
-    /// gpt: width of the residual stream.
-    #[arg(long, default_value_t = 64)]
-    pub d_model: usize,
-    /// gpt: attention heads (they divide --d-model).
-    #[arg(long, default_value_t = 4)]
-    pub heads: usize,
+    /// gpt: width of the residual stream (default 64).
+    #[arg(long)]
+    pub d_model: Option<usize>,
+    /// gpt: attention heads (they divide --d-model); llama without --init-from: query heads (default 4).
+    #[arg(long)]
+    pub heads: Option<usize>,
     /// gpt: width of the MLP's hidden layer (default 4 × --d-model).
     #[arg(long)]
     pub d_ff: Option<usize>,
     /// gpt, llama: context length (default 32; with --data the file's rows give it).
     #[arg(long)]
     pub seq_len: Option<usize>,
-    /// gpt: train on this text file instead of generated text (UTF-8, or else read as Latin-1; characters other than a-z, A-Z, space, '.' and newline become spaces).
+    /// gpt, llama: train on this text file instead of generated text (UTF-8, or else read as Latin-1; characters
+    /// other than a-z, A-Z, space, '.' and newline become spaces).
     #[arg(long)]
     pub text: Option<PathBuf>,
     /// gpt and llama: which groups recompute their blocks in backward (activation checkpointing): true, false, or a
@@ -120,6 +122,10 @@ pub struct TrainArgs {
     /// gpt, llama: resume from a checkpoint directory (a step-* directory, or one with a `latest` file).
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// gpt, llama: start over in a --checkpoint-dir that holds another run's checkpoints, removing them (without
+    /// it, a run that does not --resume from there is refused).
+    #[arg(long)]
+    pub overwrite_checkpoints: bool,
     /// gpt, llama: with --resume, continue with other optimizer settings (--lr, --momentum, --weight-decay) than the checkpoint's; the changes are reported.
     #[arg(long)]
     pub allow_optimizer_change: bool,
@@ -138,7 +144,8 @@ pub struct TrainArgs {
     /// mlp: directory with layers.{i}.weight.npy / layers.{i}.bias.npy and x.npy / y.npy (float32).
     #[arg(long)]
     pub init_dir: Option<PathBuf>,
-    /// Where the results go (default out/train): replaced whole when the run succeeds.
+    /// Where the results go (default out/train): what an earlier run wrote there is replaced when the run
+    /// succeeds; a directory holding anything else is refused.
     #[arg(long)]
     pub out_dir: Option<PathBuf>,
     /// Benchmark instead of training: the mlp (default) at world sizes 1, 2, 4, 8 (step time, FSDP host
@@ -175,9 +182,9 @@ pub struct LlamaArgs {
     /// llama: start a new safetensors file when one would pass this size (K/M/G = 1024-based, or plain bytes).
     #[arg(long, default_value = "2G", value_parser = crate::size::parse_nonzero_bytes)]
     pub max_file_bytes: u64,
-    /// llama without --init-from: width of the residual stream.
-    #[arg(long, default_value_t = 64)]
-    pub hidden: usize,
+    /// llama without --init-from: width of the residual stream (default 64).
+    #[arg(long)]
+    pub hidden: Option<usize>,
     /// llama without --init-from: key/value heads (they divide --heads; default 2).
     #[arg(long)]
     pub kv_heads: Option<usize>,
@@ -306,6 +313,7 @@ impl TrainArgs {
                 (self.save_every.is_some(), "--save-every"),
                 (self.checkpoint_dir.is_some(), "--checkpoint-dir"),
                 (self.keep_last.is_some(), "--keep-last"),
+                (self.overwrite_checkpoints, "--overwrite-checkpoints"),
                 (self.allow_optimizer_change, "--allow-optimizer-change"),
                 (
                     !mlp && self.param_dtype != DType::F32,
@@ -351,6 +359,7 @@ impl TrainArgs {
             return Err(usage("--momentum is for --optimizer sgd"));
         }
         let llama_only = [
+            (self.llama.hidden.is_some(), "--hidden"),
             (self.llama.init_from.is_some(), "--init-from"),
             (self.llama.data.is_some(), "--data"),
             (self.llama.save_dtype != SaveDtypeArg::F32, "--save-dtype"),
@@ -363,6 +372,16 @@ impl TrainArgs {
                 return Err(usage(format!("{name} is for --model llama")));
             }
         }
+        // The other model's sizes would be ignored without a word.
+        let gpt_only = [(self.d_model.is_some(), "--d-model"), (self.d_ff.is_some(), "--d-ff")];
+        if model != ModelArg::Gpt {
+            if let Some((_, name)) = gpt_only.iter().find(|(given, _)| *given) {
+                let instead =
+                    if model == ModelArg::Llama { " (the Llama's are --hidden and --intermediate)" } else { "" };
+                return Err(usage(format!("{name} is for --model gpt{instead}")));
+            }
+        }
+        self.check_sizes()?;
         match model {
             ModelArg::Mlp => self.usage_mlp(world),
             ModelArg::Gpt => self.usage_gpt(world),
@@ -373,17 +392,19 @@ impl TrainArgs {
     pub(super) fn usage_mlp(&self, world: usize) -> anyhow::Result<()> {
         for (given, name) in [
             (self.text.is_some(), "--text"),
-            (self.d_ff.is_some(), "--d-ff"),
+            (self.heads.is_some(), "--heads"),
+            (self.seq_len.is_some(), "--seq-len"),
             (self.save_every.is_some(), "--save-every"),
             (self.checkpoint_dir.is_some(), "--checkpoint-dir"),
             (self.resume.is_some(), "--resume"),
             (self.keep_last.is_some(), "--keep-last"),
+            (self.overwrite_checkpoints, "--overwrite-checkpoints"),
             (self.allow_optimizer_change, "--allow-optimizer-change"),
             (self.micro_batches != 1, "--micro-batches"),
             (self.recompute != Recompute::All, "--recompute"),
         ] {
             if given {
-                return Err(usage(format!("{name} is for --model gpt")));
+                return Err(usage(format!("{name} is for --model gpt and llama")));
             }
         }
         if self.layers.is_some() != self.width.is_some() {
@@ -430,28 +451,60 @@ impl TrainArgs {
         self.seq_len.unwrap_or(32)
     }
 
+    /// Attention heads: `--heads`, or 4.
+    fn heads(&self) -> usize {
+        self.heads.unwrap_or(4)
+    }
+
     pub(super) fn gpt_config(&self) -> GptConfig {
+        let d_model = self.d_model.unwrap_or(64);
         GptConfig {
             vocab: text::vocab_size(),
-            d_model: self.d_model,
+            d_model,
             layers: self.layers.unwrap_or(2),
-            heads: self.heads,
-            d_ff: self.d_ff.unwrap_or(self.d_model.saturating_mul(4)),
+            heads: self.heads(),
+            d_ff: self.d_ff.unwrap_or(d_model.saturating_mul(4)),
             seq_len: self.seq_len(),
         }
+    }
+
+    /// Every model size a flag gives, bounded before anything is computed
+    /// or listed from it (a layer count lists names per layer; the memory
+    /// check comes after).
+    fn check_sizes(&self) -> anyhow::Result<()> {
+        use chorus_train::llama_config::{MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH};
+        let mlp = self.model() == ModelArg::Mlp;
+        let layers_max = if mlp { 1 << 20 } else { MAX_LAYERS };
+        for (value, flag, max) in [
+            (self.layers, "--layers", layers_max),
+            (self.d_model, "--d-model", MAX_WIDTH),
+            (self.d_ff, "--d-ff", MAX_WIDTH),
+            (self.heads, "--heads", MAX_HEADS),
+            (self.seq_len, "--seq-len", MAX_POSITIONS),
+            (self.llama.hidden, "--hidden", MAX_WIDTH),
+            (self.llama.intermediate, "--intermediate", MAX_WIDTH),
+            (self.llama.kv_heads, "--kv-heads", MAX_HEADS),
+            (self.llama.vocab, "--vocab", MAX_VOCAB),
+        ] {
+            if let Some(v) = value.filter(|v| *v > max) {
+                return Err(usage(format!("{flag} {v} is more than this tool trains (at most {max})")));
+            }
+        }
+        Ok(())
     }
 
     /// The Llama's sizes from the flags (without --init-from).
     pub(super) fn llama_config(&self) -> chorus_train::llama_config::LlamaConfig {
         let l = &self.llama;
         let vocab = l.vocab.unwrap_or(if l.data.is_some() { 256 } else { text::vocab_size() });
+        let hidden = l.hidden.unwrap_or(64);
         chorus_train::llama_config::LlamaConfig::new(
             vocab,
-            l.hidden,
-            l.intermediate.unwrap_or(l.hidden.saturating_mul(2)),
+            hidden,
+            l.intermediate.unwrap_or(hidden.saturating_mul(2)),
             self.layers.unwrap_or(2),
-            self.heads,
-            l.kv_heads.unwrap_or(2.min(self.heads)),
+            self.heads(),
+            l.kv_heads.unwrap_or(2.min(self.heads())),
         )
     }
 
@@ -461,7 +514,8 @@ impl TrainArgs {
         self.usage_candle_model("llama")?;
         if self.llama.init_from.is_none() {
             let cfg = self.llama_config();
-            cfg.validate().map_err(|e| usage(format!("the Llama's sizes: {e}")))?;
+            cfg.validate_as(chorus_train::llama_config::Names::Flags)
+                .map_err(|e| usage(format!("the Llama's sizes: {e}")))?;
             if self.llama.data.is_none() && cfg.vocab_size < text::vocab_size() {
                 return Err(usage(format!(
                     "--vocab {} is smaller than the byte-level text's {} tokens",
@@ -474,6 +528,8 @@ impl TrainArgs {
         } else {
             for (given, name) in [
                 (self.layers.is_some(), "--layers"),
+                (self.heads.is_some(), "--heads"),
+                (self.llama.hidden.is_some(), "--hidden"),
                 (self.llama.kv_heads.is_some(), "--kv-heads"),
                 (self.llama.intermediate.is_some(), "--intermediate"),
                 (self.llama.vocab.is_some(), "--vocab"),

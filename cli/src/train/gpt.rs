@@ -43,6 +43,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
             dir,
             &Resuming {
                 model: "transformer",
+                flag: super::ModelArg::Gpt,
                 config_changes: &|saved| config_changes(saved, &spec.config),
                 data_seed: spec.data.seed(),
                 data_mismatch: &|saved, now| format!("saved with --seed {saved}, this run's is {now}"),

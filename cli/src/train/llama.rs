@@ -45,6 +45,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
             dir,
             &Resuming {
                 model: "Llama configuration",
+                flag: super::ModelArg::Llama,
                 config_changes: &|saved| config_changes(saved, &*cfg),
                 data_seed: spec.data.seed(),
                 data_mismatch: &|saved, now| {

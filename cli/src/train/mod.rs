@@ -7,9 +7,11 @@
 //! Nothing is written before the arguments are checked (bad ones exit 2,
 //! the memory a run needs and the paths included); the out-dir (and the
 //! checkpoint directory) is locked against another run, and the out-dir is
-//! replaced whole when the run has written everything, only if a chorus run
-//! wrote it ([`crate::outdir`]); a loss that stops being finite stops the
-//! run, which then writes its summary marked failed.
+//! replaced when the run has written everything, only while it holds just
+//! what a chorus run wrote ([`crate::outdir`]); a checkpoint directory with
+//! another run's checkpoints is refused to a run not resuming from it; a
+//! loss that stops being finite stops the run, which then writes its
+//! summary marked failed.
 //!
 //! `args.rs` holds the arguments and every check made before anything is
 //! written; `ranks.rs` runs a job on the ranks of any backend; `resume.rs` checks a

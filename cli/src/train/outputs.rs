@@ -26,7 +26,10 @@ pub(super) fn acquire(
     }
     let inside: Vec<(&str, &Path)> = inside.iter().filter_map(|(flag, p)| p.map(|p| (*flag, p))).collect();
     let out = OutDir::acquire(&args.out_dir(), &inside)?;
-    Ok((Some(out), checkpoint_dir.map(CheckpointDir::acquire).transpose()?))
+    let checkpoints = checkpoint_dir
+        .map(|dir| CheckpointDir::acquire(dir, args.resume.as_deref(), args.overwrite_checkpoints))
+        .transpose()?;
+    Ok((Some(out), checkpoints))
 }
 
 /// A finished run as rank 0 reported it, with every rank's report.

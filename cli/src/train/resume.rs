@@ -1,21 +1,37 @@
 //! `--resume DIR` checked against the run before anything is written (the
 //! checks `gpt.rs` and `llama.rs` share): the checkpoint is there, of this
-//! model configuration, data and optimizer (other optimizer settings only
-//! with `--allow-optimizer-change`), and leaves steps to train.
+//! model (`--model`) and configuration, which it must record, data and
+//! optimizer (other optimizer settings only with `--allow-optimizer-change`),
+//! and leaves steps to train.
 
 use std::path::Path;
 
 use anyhow::Context;
 use chorus_fsdp::OptimizerKind;
 use chorus_fsdp_candle::checkpoint;
-use chorus_fsdp_candle::CheckpointError;
 
-use super::{usage, TrainArgs};
+use super::{usage, ModelArg, TrainArgs};
+
+/// The model whose configuration a checkpoint records, by its fields
+/// (`chorus train` records the transformer's `GptConfig` or the Llama's
+/// `LlamaConfig`).
+fn saved_model(config: &serde_json::Value) -> Option<ModelArg> {
+    let o = config.as_object()?;
+    if o.contains_key("num_hidden_layers") {
+        Some(ModelArg::Llama)
+    } else if o.contains_key("d_model") {
+        Some(ModelArg::Gpt)
+    } else {
+        None
+    }
+}
 
 /// What a run resumes with, as the checkpoint is checked against it.
 pub(super) struct Resuming<'a> {
     /// The model, as the error names it ("transformer", "Llama").
     pub(super) model: &'a str,
+    /// The model as `--model` names it.
+    pub(super) flag: ModelArg,
     /// How the saved model configuration differs from this run's (empty: the same).
     pub(super) config_changes: &'a dyn Fn(&serde_json::Value) -> Vec<String>,
     /// What identifies this run's data (the data seed, or the token file's hash).
@@ -32,14 +48,25 @@ pub(super) struct Resuming<'a> {
 pub(super) fn check_resume(args: &TrainArgs, dir: &Path, run: &Resuming<'_>) -> anyhow::Result<Vec<String>> {
     let saved = match checkpoint::inspect(dir) {
         Ok(saved) => saved,
-        Err(
-            e @ (CheckpointError::NotFound { .. }
-            | CheckpointError::NotACheckpoint { .. }
-            | CheckpointError::DanglingLatest { .. }),
-        ) => return Err(usage(format!("--resume: {e}"))),
+        Err(e) if crate::consolidate::names_no_checkpoint(&e) => return Err(usage(format!("--resume: {e}"))),
         Err(e) => return Err(e).with_context(|| format!("--resume {}", dir.display())),
     };
     let at = saved.dir.display();
+    match saved_model(&saved.state.model) {
+        None => {
+            return Err(usage(format!(
+                "--resume {at}: the checkpoint records no model configuration that chorus train can read (training_state.json's `model` is {}), so it cannot be checked against this run",
+                if saved.state.model.is_null() { "missing".to_string() } else { saved.state.model.to_string() }
+            )))
+        }
+        Some(ModelArg::Llama) if run.flag != ModelArg::Llama => {
+            return Err(usage(format!("--resume {at}: a Llama checkpoint: use --model llama")))
+        }
+        Some(ModelArg::Gpt) if run.flag != ModelArg::Gpt => {
+            return Err(usage(format!("--resume {at}: a transformer checkpoint: use --model gpt")))
+        }
+        Some(_) => {}
+    }
     let changes = (run.config_changes)(&saved.state.model);
     if !changes.is_empty() {
         return Err(usage(format!(

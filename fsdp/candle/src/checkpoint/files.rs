@@ -17,6 +17,8 @@ use super::{TrainingState, FORMAT};
 use crate::crc32::crc32;
 use crate::CheckpointError;
 
+pub(super) use super::place::replace_dir;
+
 pub(super) const MANIFEST: &str = "chorus_checkpoint.json";
 pub(super) const INDEX: &str = "model.safetensors.index.json";
 pub(super) const TRAINING_STATE: &str = "training_state.json";
@@ -191,53 +193,6 @@ pub(super) fn safetensors_bytes(
     safetensors::tensor::serialize(views, Some(meta)).map_err(|e| CheckpointError::format(path, e))
 }
 
-/// Swaps two paths in one step (Linux's `renameat2` with `RENAME_EXCHANGE`):
-/// at every instant each path names one of the two, never nothing. Both
-/// must exist. `chorus train`'s out-dir is replaced the same way.
-#[cfg(target_os = "linux")]
-pub fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = |p: &Path| {
-        std::ffi::CString::new(p.as_os_str().as_bytes())
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
-    };
-    let (a, b) = (c(a)?, c(b)?);
-    // SAFETY: both are valid NUL-terminated paths that outlive the call.
-    let rc = unsafe { libc::renameat2(libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), libc::RENAME_EXCHANGE) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
-/// Swaps two paths in one step: not available on this system.
-#[cfg(not(target_os = "linux"))]
-pub fn exchange(_: &Path, _: &Path) -> std::io::Result<()> {
-    Err(std::io::Error::new(std::io::ErrorKind::Unsupported, "no atomic exchange of directories here"))
-}
-
-/// Puts the complete directory `tmp` at `dest`. An existing `dest` is
-/// exchanged with it in one step ([`exchange`]) and then removed, so `dest`
-/// (and a `latest` naming it) never points nowhere; where the file system
-/// cannot exchange, the old one is moved aside to `aside` first (a crash
-/// between the two renames leaves it there, complete).
-pub(super) fn replace_dir(tmp: &Path, dest: &Path, aside: &Path) -> Result<(), CheckpointError> {
-    if !dest.exists() {
-        return std::fs::rename(tmp, dest).map_err(|e| CheckpointError::io(dest, e));
-    }
-    if exchange(tmp, dest).is_ok() {
-        // `tmp` now holds the replaced checkpoint.
-        let _ = std::fs::remove_dir_all(tmp);
-        return Ok(());
-    }
-    let _ = std::fs::remove_dir_all(aside);
-    std::fs::rename(dest, aside).map_err(|e| CheckpointError::io(dest, e))?;
-    std::fs::rename(tmp, dest).map_err(|e| CheckpointError::io(dest, e))?;
-    let _ = std::fs::remove_dir_all(aside);
-    Ok(())
-}
-
 // ---------------------------------------------------------------- reading
 
 /// The checkpoint directory `dir` names: `dir` itself if it holds a
@@ -409,47 +364,5 @@ impl Opened {
             }
         }
         Ok(out)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Re-saving a step replaces its directory without a moment in which
-    /// it is missing (a crash there would leave `latest` naming nothing):
-    /// a reader polling the manifest while the step is replaced 300 times
-    /// always finds it, and the old contents are gone after each.
-    #[test]
-    fn replacing_a_checkpoint_never_leaves_it_missing() {
-        let root = std::env::temp_dir().join(format!("chorus-replace-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
-        let dest = root.join("step-00000001");
-        std::fs::create_dir_all(&dest).unwrap();
-        std::fs::write(dest.join(MANIFEST), "0").unwrap();
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let watcher = {
-            let (stop, manifest) = (stop.clone(), dest.join(MANIFEST));
-            std::thread::spawn(move || {
-                let mut missing = 0;
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    if !manifest.exists() {
-                        missing += 1;
-                    }
-                }
-                missing
-            })
-        };
-        for i in 1..=300 {
-            let tmp = root.join(".tmp-step-00000001");
-            std::fs::create_dir_all(&tmp).unwrap();
-            std::fs::write(tmp.join(MANIFEST), i.to_string()).unwrap();
-            replace_dir(&tmp, &dest, &root.join(".old-step-00000001")).unwrap();
-            assert_eq!(std::fs::read_to_string(dest.join(MANIFEST)).unwrap(), i.to_string());
-            assert!(!tmp.exists());
-        }
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        assert_eq!(watcher.join().unwrap(), 0, "the checkpoint was missing while it was replaced");
-        std::fs::remove_dir_all(&root).ok();
     }
 }

@@ -48,8 +48,11 @@
 //! only then replaces `latest` (written to a temporary name, synced,
 //! renamed). A checkpoint of the same step already there is exchanged with
 //! the new one in one step (`renameat2(RENAME_EXCHANGE)`), so `latest` never
-//! names a missing directory. A crash at any point leaves the previous
-//! checkpoint and `latest` intact. With [`SaveOptions::keep_last`], older
+//! names a missing directory; where the file system cannot exchange, the old
+//! one is renamed aside first ([`replace_dir`]), and [`recover`], which the
+//! next writer runs holding the root's lock, puts a copy a crash left aside
+//! back (never deleting the only complete copy of a step). A crash at any
+//! point leaves the previous checkpoint and `latest` intact, or recoverable. With [`SaveOptions::keep_last`], older
 //! `step-*` checkpoints are then removed (each renamed away first, so none is
 //! ever seen half-deleted), never the one `latest` names nor those in
 //! [`SaveOptions::keep`]. The manifest records each file's size and CRC-32,
@@ -64,7 +67,9 @@
 //! # Files
 //! `geometry.rs`: which box of which tensor a rank holds, and copying the
 //! part two boxes share; `files.rs`: the file names, the manifest, writing
-//! durably and reading through checked memory maps; `save.rs`: every rank's
+//! durably and reading through checked memory maps; `place.rs`: putting a
+//! directory in place of another and recovering an interrupted replacement
+//! (`chorus train`'s out-dir uses it too); `save.rs`: every rank's
 //! shards, then the first rank's index, manifest and renames; `load.rs`:
 //! resuming at any world size, and consolidating into full tensors.
 
@@ -74,10 +79,12 @@ use serde::{Deserialize, Serialize};
 mod files;
 mod geometry;
 mod load;
+mod place;
 mod save;
 
-pub use files::{exchange, resolve};
+pub use files::resolve;
 pub use load::{consolidate, inspect, load, optimizer_changes, read_training_state, Inspected, LoadOptions};
+pub use place::{exchange, recover, recover_aside, replace_dir, Recovered};
 pub use save::{save, SaveOptions};
 
 /// Version string of [`chorus_checkpoint.json`](self).

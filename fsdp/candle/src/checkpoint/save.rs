@@ -131,6 +131,8 @@ where
     end_stage(fsdp, written, discard, || format!("{}: another rank failed to write its shards", tmp.display()))?;
     let target = Target { root, tmp: &tmp, dest: &dest, name: &name, save_id: &save_id };
     let finished = if first { finish_save(fsdp, opt, &target, state, options) } else { Ok(()) };
+    // A complete new copy whose step is not in place (its replacement failed) is kept for recovery.
+    let discard = discard.filter(|tmp| !super::place::is_checkpoint(tmp) || super::place::is_checkpoint(&dest));
     end_stage(fsdp, finished, discard, || {
         format!("{}: the first rank failed to complete the checkpoint", dest.display())
     })?;
