@@ -60,9 +60,9 @@ use anyhow::Context;
 use chorus_collectives::bootstrap::{ServerOptions, TcpStore, TcpStoreServer};
 use clap::Args;
 
+use crate::{Outcome, UsageError};
 use nodes::{Heartbeat, NodeWatch};
 use ranks::Rank;
-use crate::{Outcome, UsageError};
 
 /// Arguments of `chorus launch`.
 #[derive(Debug, Args)]
@@ -401,4 +401,3 @@ fn signal_name(signal: i32) -> String {
     .collect();
     names.get(&signal).map_or_else(|| format!("signal {signal}"), |n| n.to_string())
 }
-

@@ -81,7 +81,11 @@ fn read_dump(path: &Path) -> anyhow::Result<RankDump> {
     let dump: RankDump = serde_json::from_slice(&bytes)
         .with_context(|| format!("{} is not a chorus flight-recorder dump", path.display()))?;
     if dump.version != FORMAT_VERSION {
-        anyhow::bail!("{}: dump format version {}, this chorus reads version {FORMAT_VERSION}", path.display(), dump.version);
+        anyhow::bail!(
+            "{}: dump format version {}, this chorus reads version {FORMAT_VERSION}",
+            path.display(),
+            dump.version
+        );
     }
     if dump.world_size == 0 || dump.world_size > MAX_WORLD_SIZE {
         anyhow::bail!(
@@ -106,11 +110,8 @@ pub fn read_dumps(dir: &Path) -> anyhow::Result<Dumps> {
         all.push((path, dump));
     }
     // The latest run: the latest start, then the latest dump.
-    let latest = all
-        .iter()
-        .max_by_key(|(_, d)| (d.run_started_us, d.dumped_us))
-        .map(|(_, d)| run_key(d))
-        .unwrap_or_default();
+    let latest =
+        all.iter().max_by_key(|(_, d)| (d.run_started_us, d.dumped_us)).map(|(_, d)| run_key(d)).unwrap_or_default();
     let mut other_runs: Vec<(String, Vec<PathBuf>)> = Vec::new();
     let mut dumps: Vec<(PathBuf, RankDump)> = Vec::new();
     for (path, dump) in all {
@@ -147,8 +148,10 @@ pub fn run(args: &TraceArgs) -> anyhow::Result<Outcome> {
     let Dumps { dumps, other_runs } = read_dumps(&args.dir)?;
     let mut report = analysis::analyse(&dumps);
     for (run, files) in &other_runs {
-        let names: Vec<String> =
-            files.iter().map(|f| f.file_name().map_or_else(|| f.display().to_string(), |n| n.to_string_lossy().into())).collect();
+        let names: Vec<String> = files
+            .iter()
+            .map(|f| f.file_name().map_or_else(|| f.display().to_string(), |n| n.to_string_lossy().into()))
+            .collect();
         report.other_runs.push(format!("{} dump(s) of {run} left out: {}", files.len(), names.join(", ")));
     }
     if let Some(d) = dumps.first().filter(|d| d.run_id.is_some() || d.run_started_us.is_some()) {

@@ -234,7 +234,10 @@ fn trace_reads_the_latest_run_and_names_the_dumps_of_others() {
         stdout.contains("note: 1 dump(s) of run \"job\" started at 1000 (Unix time, s) left out: rank00000-a.json"),
         "{stdout}"
     );
-    assert!(stdout.contains("2 dump(s) of run \"job\" started at 2000 (Unix time, s) of a world of 2 ranks"), "{stdout}");
+    assert!(
+        stdout.contains("2 dump(s) of run \"job\" started at 2000 (Unix time, s) of a world of 2 ranks"),
+        "{stdout}"
+    );
     let out = run_bounded(chorus().arg("trace").arg("--json").arg(&dir), Duration::from_secs(30));
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(json["dumps"].as_array().map(Vec::len), Some(2));

@@ -5,6 +5,8 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
+use chorus_collectives::bootstrap::Store;
+
 use super::nodes::{describe_silence, node_name};
 use super::{dumps, stop_requested, Job, Plan};
 

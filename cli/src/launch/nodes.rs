@@ -89,7 +89,7 @@ impl Heartbeat {
 }
 
 impl Drop for Heartbeat {
-    pub(super) fn drop(&mut self) {
+    fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
     }
 }
@@ -144,7 +144,11 @@ impl NodeWatch {
 }
 
 /// What every node published under `{name}/{node}`, in node order.
-pub(super) fn per_node(store: &TcpStore, plan: &Plan, name: &str) -> Result<Vec<String>, chorus_collectives::CommError> {
+pub(super) fn per_node(
+    store: &TcpStore,
+    plan: &Plan,
+    name: &str,
+) -> Result<Vec<String>, chorus_collectives::CommError> {
     let keys: Vec<String> = (0..plan.nnodes).map(|n| plan.key(&format!("{name}/{n}"))).collect();
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
     Ok(store.multi_get(&keys, plan.timeout)?.iter().map(|v| String::from_utf8_lossy(v).into_owned()).collect())
@@ -235,9 +239,9 @@ impl Job {
             }
         }
         let started = store.get(&plan.key("started"), plan.timeout)?;
-        let run_started_us = String::from_utf8_lossy(&started).parse::<u64>().with_context(|| {
-            format!("node 0's start time {:?} is not a number", String::from_utf8_lossy(&started))
-        })?;
+        let run_started_us = String::from_utf8_lossy(&started)
+            .parse::<u64>()
+            .with_context(|| format!("node 0's start time {:?} is not a number", String::from_utf8_lossy(&started)))?;
         let views = per_node(&store, plan, "view")?;
         let hosts = per_node(&store, plan, "host")?;
         let mut rank_env = Vec::new();
@@ -326,7 +330,6 @@ impl Job {
         );
         self.store_lost = true;
     }
-
 }
 
 /// Waits for `keys` in slices, so a stop signal ends the wait.
@@ -348,7 +351,6 @@ pub(super) fn wait_interruptibly(store: &dyn Store, keys: &[&str], timeout: Dura
         }
     }
 }
-
 
 #[cfg(test)]
 mod tests {

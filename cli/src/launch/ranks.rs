@@ -2,14 +2,13 @@
 //! them as they exit, and stopping them (SIGTERM, then SIGKILL after the
 //! grace period).
 
-use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use chorus_collectives::bootstrap::TcpStoreServer;
+use chorus_collectives::bootstrap::{Store, TcpStoreServer};
 
 use super::nodes::{describe_silence, node_name};
 use super::{forward, guardian, signal_name, stop_requested, Job, Plan};
@@ -312,7 +311,6 @@ impl Job {
             signal_group(r.pid, libc::SIGKILL);
         }
     }
-
 }
 
 pub(super) fn signal_group(pid: libc::pid_t, signal: libc::c_int) {
@@ -331,7 +329,6 @@ pub(super) fn describe(status: ExitStatus) -> String {
         _ => format!("ended with status {status}"),
     }
 }
-
 
 #[cfg(test)]
 mod tests {

@@ -533,16 +533,18 @@ mod tests {
 
     #[test]
     fn dumps_taken_on_a_signal_are_a_snapshot_not_a_hang() {
-        let mut dumps = vec![
-            dump(0, 2, with(done(), entry(3, call("all_reduce", 3, 8), CallState::Started))),
-            dump(1, 2, done()),
-        ];
+        let mut dumps =
+            vec![dump(0, 2, with(done(), entry(3, call("all_reduce", 3, 8), CallState::Started))), dump(1, 2, done())];
         for d in &mut dumps {
             d.reason = "signal SIGTERM".into();
         }
         let r = analyse(&dumps);
         assert!(r.snapshot);
-        assert!(r.verdict[0].starts_with("SNAPSHOT: every dump was taken on a signal (signal SIGTERM)"), "{:?}", r.verdict);
+        assert!(
+            r.verdict[0].starts_with("SNAPSHOT: every dump was taken on a signal (signal SIGTERM)"),
+            "{:?}",
+            r.verdict
+        );
         assert!(r.verdict[1].starts_with("NOT YET REACHED: rank 1 had not issued #3"), "{:?}", r.verdict);
         assert!(!r.verdict.iter().any(|l| l.contains("NEVER REACHED")), "{:?}", r.verdict);
         // One dump taken for a failure: not a snapshot, the hang is named as such.
