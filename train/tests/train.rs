@@ -20,6 +20,8 @@ fn spec(dims: &[usize], ranks: usize, replicate: Option<usize>) -> TrainSpec {
         replicate,
         max_grad_norm: None,
         stop_on_nonfinite: true,
+        output: None,
+        collect_params: true,
     }
 }
 

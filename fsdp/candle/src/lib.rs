@@ -23,7 +23,8 @@
 //! [`checkpoint`] saves and loads sharded safetensors checkpoints (PyTorch
 //! distributed checkpoint's layout for safetensors) that reshard on load to
 //! any world size and mesh, and consolidates them into plain safetensors
-//! files that candle and Python load.
+//! files that candle and Python load. [`safetensors_io`] writes safetensors
+//! files tensor by tensor, header first, as the values arrive.
 #![warn(missing_docs)]
 
 pub mod checkpoint;
@@ -31,6 +32,7 @@ pub mod convert;
 mod crc32;
 mod error;
 mod module;
+pub mod safetensors_io;
 
 pub use error::{CheckpointError, Error, Result};
 pub use module::{named_tensors, take_params, AdapterTimes, FsdpModel, GroupId, Recompute, StageFn, StageId};
