@@ -71,9 +71,12 @@ fn consolidate_llama(args: &ConsolidateArgs, config: &Path, max: usize) -> anyho
     let name = args.out.file_name().and_then(|n| n.to_str()).unwrap_or("consolidated").to_string();
     let stage = parent.join(format!(".{name}.stage"));
     if stage.exists() {
-        return Err(UsageError(format!("{} exists (left by an earlier consolidate?); remove it", stage.display())).into());
+        return Err(
+            UsageError(format!("{} exists (left by an earlier consolidate?); remove it", stage.display())).into()
+        );
     }
-    let mut full = FullTensors::open(&args.checkpoint).with_context(|| format!("consolidating {}", args.checkpoint.display()))?;
+    let mut full =
+        FullTensors::open(&args.checkpoint).with_context(|| format!("consolidating {}", args.checkpoint.display()))?;
     // The checkpoint's tensors are the config's, by name and shape, before anything is written.
     let saved: BTreeMap<String, Vec<usize>> = full.tensors().into_iter().collect();
     let wanted: BTreeMap<String, Vec<usize>> = cfg.param_shapes().into_iter().collect();
@@ -82,7 +85,9 @@ fn consolidate_llama(args: &ConsolidateArgs, config: &Path, max: usize) -> anyho
             .iter()
             .find(|(n, s)| saved.get(*n) != Some(*s))
             .map(|(n, s)| format!("{n}: the config gives {s:?}, the checkpoint {:?}", saved.get(n)))
-            .or_else(|| saved.keys().find(|n| !wanted.contains_key(*n)).map(|n| format!("{n} is not a parameter of the config")))
+            .or_else(|| {
+                saved.keys().find(|n| !wanted.contains_key(*n)).map(|n| format!("{n} is not a parameter of the config"))
+            })
             .unwrap_or_default();
         return Err(UsageError(format!(
             "{}: the checkpoint is not of the Llama {} records ({differs})",

@@ -327,12 +327,7 @@ fn latin1_text_trains_and_fifos_are_refused() {
     let dir = scratch("llama-text");
     let out = dir.join("out");
     let o = out.display().to_string();
-    let latin1: Vec<u8> = b"caf\xe9 cr\xe8me br\xfbl\xe9e, "
-        .iter()
-        .cycle()
-        .take(2000)
-        .copied()
-        .collect();
+    let latin1: Vec<u8> = b"caf\xe9 cr\xe8me br\xfbl\xe9e, ".iter().cycle().take(2000).copied().collect();
     assert!(String::from_utf8(latin1.clone()).is_err());
     std::fs::write(dir.join("latin1.txt"), &latin1).unwrap();
     let t = dir.join("latin1.txt").display().to_string();

@@ -602,7 +602,10 @@ impl<C: CommBackend> Fsdp<C> {
 
     /// The group and index of the parameter named `name`.
     pub fn find_param(&self, name: &str) -> Option<(usize, usize)> {
-        self.groups.iter().enumerate().find_map(|(g, grp)| grp.params.iter().position(|p| p.name == name).map(|i| (g, i)))
+        self.groups
+            .iter()
+            .enumerate()
+            .find_map(|(g, grp)| grp.params.iter().position(|p| p.name == name).map(|i| (g, i)))
     }
 
     /// Every parameter's full f32 values, gathered one parameter at a time

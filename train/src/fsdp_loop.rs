@@ -20,8 +20,8 @@ use chorus_fsdp_candle::{AdapterTimes, Error, FsdpModel, Recompute, Result, Stag
 use serde::Serialize;
 
 use crate::gpt::loss;
-use crate::model_out::ModelOutput;
 use crate::gpt_train::{GptReport, NonFinite};
+use crate::model_out::ModelOutput;
 
 /// The token batches a training loop draws from.
 pub(crate) trait Batches {

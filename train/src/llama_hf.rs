@@ -383,8 +383,13 @@ impl HfWriter {
                     weight_map.insert(name.clone(), file_name(k, n));
                 }
             }
-            let total: usize =
-                self.layout.files.iter().flatten().map(|(_, s)| s.iter().product::<usize>() * self.layout.dtype.bytes()).sum();
+            let total: usize = self
+                .layout
+                .files
+                .iter()
+                .flatten()
+                .map(|(_, s)| s.iter().product::<usize>() * self.layout.dtype.bytes())
+                .sum();
             let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
             let path = self.dir.join(INDEX);
             write_synced(&path, serde_json::to_string_pretty(&index).map_err(|e| weights_err(&path, e))?.as_bytes())?;

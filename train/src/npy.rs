@@ -100,7 +100,11 @@ pub struct Tokens {
 enum Ids {
     Memory(std::sync::Arc<Vec<u32>>),
     /// The file mapped, where its data starts, and the bytes per id (2, 4, 8).
-    Mapped { map: std::sync::Arc<memmap2::Mmap>, start: usize, width: usize },
+    Mapped {
+        map: std::sync::Arc<memmap2::Mmap>,
+        start: usize,
+        width: usize,
+    },
 }
 
 impl std::fmt::Debug for Tokens {

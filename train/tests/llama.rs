@@ -78,7 +78,8 @@ fn fsdp_matches_plain_candle_at_1_2_4_ranks_and_hsdp() {
                 s.recompute = recompute.clone();
                 let reports = run(ranks, s);
                 let first = &reports[0];
-                assert_eq!(first.groups, 3, "the root and one group per decoder layer");
+                // Untied as torchtitan groups it: the embedding, each layer, norm + head; tied: the root and each layer.
+                assert_eq!(first.groups, if tied { 3 } else { 4 }, "tied {tied}: groups");
                 // Stages per step: the root's two (embedding, head) and one per layer.
                 let stages_recomputed = match &recompute {
                     Recompute::All => 4,

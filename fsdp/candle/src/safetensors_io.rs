@@ -161,7 +161,9 @@ impl StreamWriter {
             let mut scratch = std::mem::take(&mut self.scratch);
             scratch.clear();
             match dtype {
-                Dtype::BF16 => scratch.extend(values[..take].iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())),
+                Dtype::BF16 => {
+                    scratch.extend(values[..take].iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()))
+                }
                 _ => scratch.extend(values[..take].iter().flat_map(|x| x.to_le_bytes())),
             }
             let put = self.put(&scratch);
@@ -184,7 +186,10 @@ impl StreamWriter {
         let path = self.path.clone();
         let err = |source| WriteError { path: path.clone(), source };
         if !self.is_complete() {
-            return Err(err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "fewer values than the tensors hold")));
+            return Err(err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "fewer values than the tensors hold",
+            )));
         }
         self.out.flush().map_err(err)?;
         self.out.get_ref().sync_all().map_err(err)?;
@@ -208,10 +213,7 @@ pub fn header_problem(header: &[u8], file_len: u64) -> Option<String> {
         let &[s, e] = &offsets[..] else {
             return Some(format!("tensor {name}: data_offsets {offsets:?} are not [begin, end]"));
         };
-        let needed = shape
-            .iter()
-            .try_fold(dtype.bitsize() as u64, |a, d| a.checked_mul(*d))
-            .map(|bits| bits / 8);
+        let needed = shape.iter().try_fold(dtype.bitsize() as u64, |a, d| a.checked_mul(*d)).map(|bits| bits / 8);
         if e < s || needed != Some(e - s) {
             return Some(format!(
                 "tensor {name}: data_offsets [{s}, {e}] hold {} bytes; {dtype:?} {shape:?} needs {}",
@@ -315,7 +317,8 @@ mod tests {
         assert_eq!(got, values[..6]);
         let a = st.tensor("a").unwrap();
         assert_eq!(a.dtype(), Dtype::BF16);
-        let got: Vec<f32> = a.data().chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect();
+        let got: Vec<f32> =
+            a.data().chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect();
         assert_eq!(got, values[6..]);
         assert_eq!(st.tensor("empty").unwrap().shape(), &[0, 4]);
         let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();

@@ -299,21 +299,22 @@ impl FullTensors {
     /// The whole of the parameter `name` (row-major f32), checked to be
     /// covered by its saved boxes.
     pub fn read(&mut self, name: &str) -> Result<Vec<f32>, CheckpointError> {
-        let shape = self
-            .ck
-            .manifest
-            .tensors
-            .iter()
-            .find(|t| t.name == name)
-            .map(|t| t.shape.clone())
-            .ok_or_else(|| CheckpointError::MissingTensor { path: self.ck.dir.join(MANIFEST), tensor: name.into() })?;
+        let shape =
+            self.ck.manifest.tensors.iter().find(|t| t.name == name).map(|t| t.shape.clone()).ok_or_else(|| {
+                CheckpointError::MissingTensor { path: self.ck.dir.join(MANIFEST), tensor: name.into() }
+            })?;
         // The boxes' sizes are their files' (checked against the files'
         // lengths): a manifest shape they cannot fill is refused before
         // anything that size is allocated.
         let saved: usize = self.boxes.get(name).map_or(0, |b| b.iter().map(|b| b.region.numel()).sum());
         let needed = shape.iter().try_fold(1usize, |a, d| a.checked_mul(*d)).unwrap_or(usize::MAX);
         if needed > saved {
-            return Err(CheckpointError::Coverage { path: self.ck.dir.clone(), tensor: name.into(), covered: saved, needed });
+            return Err(CheckpointError::Coverage {
+                path: self.ck.dir.clone(),
+                tensor: name.into(),
+                covered: saved,
+                needed,
+            });
         }
         let full = Region::whole(&shape);
         let mut values = vec![0.0f32; full.numel()];

@@ -77,7 +77,9 @@ mod load;
 mod save;
 
 pub use files::{exchange, resolve};
-pub use load::{consolidate, inspect, FullTensors, load, optimizer_changes, read_training_state, Inspected, LoadOptions};
+pub use load::{
+    consolidate, inspect, load, optimizer_changes, read_training_state, FullTensors, Inspected, LoadOptions,
+};
 pub use save::{save, SaveOptions};
 
 /// Version string of [`chorus_checkpoint.json`](self).
