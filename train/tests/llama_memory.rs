@@ -8,7 +8,7 @@
 //! And a whole run — loading, training steps, the final checkpoint and the
 //! Hugging Face output — stays within `docs/fsdp.md`'s per-rank formula at
 //! 1, 2 and 4 ranks, while gathering the whole model on every rank (what
-//! a run's end did before it wrote tensor by tensor) does not.
+//! a run's end did before it wrote tensor by tensor) does not at 4.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashMap;
@@ -305,8 +305,10 @@ fn a_whole_run_with_its_outputs_stays_within_the_per_rank_formula() {
         };
         let peak = run(false);
         // Gathering the model whole on every rank at the end (what a run did
-        // before) breaks the formula at 2 and 4 ranks: the test can tell.
-        let gathered = (world > 1).then(|| run(true));
+        // before) breaks the formula at 4 ranks: the test can tell. (At 2 the
+        // whole model, 2·S, fits in what a step's two sharded gradients and
+        // working set free by then.)
+        let gathered = (world == 4).then(|| run(true));
         eprintln!(
             "{world} rank(s): process peak {:.2} MiB = {:.2} MiB/rank; formula {:.2} MiB/rank; model {:.2} MiB (f32); gathering it whole on each rank: {:?} MiB",
             mib(peak),
