@@ -131,8 +131,11 @@ fn loading_peaks_within_the_shards_plus_one_slice() {
     let one_at_a_time = Arc::new(Mutex::new(()));
     let (d, lock) = (dir.clone(), one_at_a_time.clone());
     let all_loaded = Arc::new(std::sync::Barrier::new(world));
+    let all_ready = Arc::new(std::sync::Barrier::new(world));
     let peaks = on_sim_ranks(world, move |comm| {
         let fsdp = Fsdp::new(DataParallel::fsdp(comm), FsdpConfig::default()).unwrap();
+        // No rank measures while another is still setting up (its allocations would count).
+        all_ready.wait();
         let _turn = lock.lock().unwrap();
         let (model, peak) = peak_of(|| {
             let hf = llama_hf::open(&d).unwrap();
