@@ -7,9 +7,11 @@
 //! `config.json` and the weights in `--save-dtype`, which
 //! `LlamaForCausalLM.from_pretrained` loads.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
+use chorus_fsdp_candle::checkpoint::FullTensors;
 use chorus_fsdp_candle::CheckpointError;
 
 use crate::size::{format_bytes, parse_nonzero_bytes};
@@ -79,49 +81,59 @@ fn llama_config(checkpoint: &Path) -> Option<PathBuf> {
     [Some(checkpoint), checkpoint.parent()].into_iter().flatten().map(|d| d.join(name)).find(|p| p.is_file())
 }
 
-/// A Llama checkpoint as a Hugging Face model directory: the full f32
-/// tensors consolidated into a scratch directory beside `out`, read back
-/// through the Hugging Face loader (which checks every name and shape
-/// against the config), and written in the asked dtype to a staging
-/// directory renamed to `out` when complete.
+/// A Llama checkpoint as a Hugging Face model directory: each parameter
+/// read whole from the shard files (checked against the config's names
+/// and shapes first) and streamed into the weights files in the asked
+/// dtype, one tensor at a time, in a staging directory renamed to `out`
+/// when complete.
 fn consolidate_llama(args: &ConsolidateArgs, config: &Path, max: usize) -> anyhow::Result<Outcome> {
+    chorus_train::npy::regular_file(config).with_context(|| format!("reading {}", config.display()))?;
     let text = std::fs::read_to_string(config).with_context(|| format!("reading {}", config.display()))?;
     let cfg = chorus_train::llama_config::LlamaConfig::from_json(&text)
         .with_context(|| format!("reading {}", config.display()))?;
     let parent = args.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = args.out.file_name().and_then(|n| n.to_str()).unwrap_or("consolidated").to_string();
-    let scratch = parent.join(format!(".{name}.full"));
     let stage = parent.join(format!(".{name}.stage"));
-    for d in [&scratch, &stage] {
-        if d.exists() {
-            return Err(
-                UsageError(format!("{} exists (left by an earlier consolidate?); remove it", d.display())).into()
-            );
-        }
+    if stage.exists() {
+        return Err(
+            UsageError(format!("{} exists (left by an earlier consolidate?); remove it", stage.display())).into()
+        );
     }
-    let result = (|| -> anyhow::Result<usize> {
-        chorus_fsdp_candle::checkpoint::consolidate(&args.checkpoint, &scratch, usize::MAX)
-            .with_context(|| format!("consolidating {}", args.checkpoint.display()))?;
-        std::fs::write(scratch.join("config.json"), serde_json::to_string(&cfg.to_hf_json("float32"))?)?;
-        let hf = chorus_train::llama_hf::open(&scratch)?;
-        let params = hf
-            .params
+    let mut full =
+        FullTensors::open(&args.checkpoint).with_context(|| format!("consolidating {}", args.checkpoint.display()))?;
+    // The checkpoint's tensors are the config's, by name and shape, before anything is written.
+    let saved: BTreeMap<String, Vec<usize>> = full.tensors().into_iter().collect();
+    let wanted: BTreeMap<String, Vec<usize>> = cfg.param_shapes().into_iter().collect();
+    if saved != wanted {
+        let differs = wanted
             .iter()
-            .map(|p| {
-                let rows = p.shape.first().copied().unwrap_or(1);
-                let v = p.source.read_rows(0, 0..rows).map_err(|e| anyhow::anyhow!("{}: {e}", p.name))?;
-                Ok((p.name.clone(), v))
+            .find(|(n, s)| saved.get(*n) != Some(*s))
+            .map(|(n, s)| format!("{n}: the config gives {s:?}, the checkpoint {:?}", saved.get(n)))
+            .or_else(|| {
+                saved.keys().find(|n| !wanted.contains_key(*n)).map(|n| format!("{n} is not a parameter of the config"))
             })
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        std::fs::create_dir(&stage).with_context(|| format!("creating {}", stage.display()))?;
-        let files = chorus_train::llama_hf::write(&stage, &cfg, &params, args.save_dtype.dtype(), max)?;
+            .unwrap_or_default();
+        return Err(UsageError(format!(
+            "{}: the checkpoint is not of the Llama {} records ({differs})",
+            args.checkpoint.display(),
+            config.display()
+        ))
+        .into());
+    }
+    std::fs::create_dir(&stage).with_context(|| format!("creating {}", stage.display()))?;
+    let result = (|| -> anyhow::Result<usize> {
+        let layout = chorus_train::llama_hf::HfLayout::new(&cfg, args.save_dtype.dtype(), max);
+        let mut w = chorus_train::llama_hf::HfWriter::create(&stage, &cfg, layout.clone())?;
+        for name in layout.order() {
+            w.write(&full.read(&name)?)?;
+        }
+        let files = w.finish()?;
         std::fs::rename(&stage, &args.out)
             .with_context(|| format!("renaming {} to {}", stage.display(), args.out.display()))?;
         Ok(files.len())
     })();
     // Only what this command created goes.
-    let _ = std::fs::remove_dir_all(&scratch);
-    if result.is_err() && stage.exists() {
+    if result.is_err() {
         let _ = std::fs::remove_dir_all(&stage);
     }
     let files = result?;

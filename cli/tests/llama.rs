@@ -323,3 +323,38 @@ fn a_nan_loss_stops_the_run_with_a_failed_summary() {
     assert!(!dir.join("b/model").exists(), "no model from a failed run");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--text` reads any file as the transformer does (Latin-1 where it is not
+/// UTF-8), and the Hugging Face output is complete; a FIFO given as
+/// `--data` or `--text` is a usage error at once, not a run blocked on it.
+#[test]
+fn latin1_text_trains_and_fifos_are_refused() {
+    let dir = scratch("llama-text");
+    let out = dir.join("out");
+    let o = out.display().to_string();
+    let latin1: Vec<u8> = b"caf\xe9 cr\xe8me br\xfbl\xe9e, ".iter().cycle().take(2000).copied().collect();
+    assert!(String::from_utf8(latin1.clone()).is_err());
+    std::fs::write(dir.join("latin1.txt"), &latin1).unwrap();
+    let t = dir.join("latin1.txt").display().to_string();
+    let sizes = ["--hidden", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--seq-len", "8"];
+    let r = train(&[&["--text", &t, "--batch", "1", "--steps", "2", "--out-dir", &o][..], &sizes[..]].concat());
+    assert!(r.status.success(), "{}", text(&r.stderr));
+    for f in ["config.json", "model.safetensors"] {
+        assert!(out.join("model").join(f).is_file(), "{f}");
+    }
+    let fifo = dir.join("fifo");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success());
+    let f = fifo.display().to_string();
+    let o2 = dir.join("out2").display().to_string();
+    for flag in ["--data", "--text"] {
+        let r = run_bounded(
+            chorus().args(["train", "--model", "llama", flag, &f, "--steps", "1", "--out-dir", &o2]).args(sizes),
+            Duration::from_secs(60),
+        );
+        assert_eq!(r.status.code(), Some(2), "{flag}: {}", text(&r.stderr));
+        assert!(text(&r.stderr).contains("not a regular file"), "{flag}: {}", text(&r.stderr));
+        assert!(!dir.join("out2").exists());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -11,7 +11,7 @@ use chorus_collectives::{CommBackend, Communicator, ReduceOp};
 use chorus_devices::{Backend, Buffer, DType, Device, Scalar, Stream, StreamExt, View};
 
 use crate::config::DataParallel;
-use crate::layout::GroupLayout;
+use crate::layout::{GroupLayout, ParamLayout};
 use crate::param::Param;
 use crate::param_group::CommContext;
 use crate::{Buf, Ev, FsdpError, Result, Strm};
@@ -297,46 +297,56 @@ pub(crate) fn reduce_gradients<C: CommBackend>(
     Ok(Reduced { post_reduce_event, outputs })
 }
 
-/// Every parameter of a group with its full f32 values (padding removed):
-/// the masters all-gathered over `comm` on `stream`, then copied out. Blocks.
-pub(crate) fn gather_full_parameters<C: CommBackend>(
-    stream: &Strm<C>,
+/// One parameter whole, all-gathered from its shards over `comm` (every rank
+/// of `comm` must call it for the same parameter, in the same order), handed
+/// to `sink` in row-major pieces of at most `piece` elements. A rank holds
+/// one gathered copy of this parameter (its padding included) and one piece
+/// at a time; nothing else of the model is unsharded. `layout` is `None`
+/// for a replicated parameter (`master` is then the whole of it).
+pub(crate) fn gather_param_pieces<C: CommBackend>(
+    s: &Strm<C>,
     comm: &Communicator<C>,
-    layout: &GroupLayout,
-    params: &[Param<C>],
-) -> Result<Vec<(String, Vec<f32>)>> {
-    let s = stream;
-    let n = layout.shard_numel;
-    let gathered = if layout.params.is_empty() {
-        None
-    } else {
-        let buf = s.alloc(DType::F32, comm.size() * n)?;
-        let own = buf.slice(comm.rank() * n, n)?;
-        for p in params {
-            if let Some(i) = p.layout {
-                let l = &layout.params[i];
-                s.copy(p.master.view(), own.slice(l.offset, l.shard_numel)?)?;
+    layout: Option<&ParamLayout>,
+    master: &Buf<C>,
+    piece: usize,
+    sink: &mut dyn FnMut(&[f32]) -> Result<()>,
+) -> Result<()> {
+    let piece = piece.max(1);
+    let Some(l) = layout else {
+        let mut at = 0;
+        while at < master.len() {
+            let n = piece.min(master.len() - at);
+            sink(&s.read_vec::<f32>(master.slice(at, n)?)?)?;
+            at += n;
+        }
+        return Ok(());
+    };
+    let sn = l.shard_numel;
+    let gathered = s.alloc(DType::F32, comm.size() * sn)?;
+    s.copy(master.view(), gathered.slice(comm.rank() * sn, sn)?)?;
+    comm.all_gather_in_place(gathered.view(), s)?;
+    // Row `o` of the full `[outer, rows, inner]` is each rank's real rows of
+    // its own row `o`, in rank order; pieces collect reads until full.
+    let mut out: Vec<f32> = Vec::with_capacity(piece.min(l.numel()));
+    for o in 0..l.outer {
+        for j in 0..comm.size() {
+            let mut at = j * sn + o * l.shard_rows * l.inner;
+            let mut left = l.real_rows(j) * l.inner;
+            while left > 0 {
+                let n = left.min(piece - out.len());
+                out.extend(s.read_vec::<f32>(gathered.slice(at, n)?)?);
+                (at, left) = (at + n, left - n);
+                if out.len() == piece {
+                    sink(&out)?;
+                    out.clear();
+                }
             }
         }
-        comm.all_gather_in_place(buf.view(), s)?;
-        Some(buf)
-    };
-    let mut out = Vec::with_capacity(params.len());
-    for p in params {
-        let values = match (p.layout, &gathered) {
-            (Some(i), Some(buf)) => {
-                let full = s.alloc(DType::F32, p.numel)?;
-                let l = &layout.params[i];
-                for j in 0..comm.size() {
-                    s.copy_2d(buf.view(), full.view(), l.chunk_to_full(j, n))?;
-                }
-                s.read_vec::<f32>(full.view())?
-            }
-            _ => s.read_vec::<f32>(p.master.view())?,
-        };
-        out.push((p.name.clone(), values));
     }
-    Ok(out)
+    if !out.is_empty() {
+        sink(&out)?;
+    }
+    Ok(())
 }
 
 /// A copy, or a cast where the dtypes differ.

@@ -77,6 +77,12 @@ where
         self.kind
     }
 
+    /// Whether parameter `i` of group `g` has optimizer state (moments) on
+    /// this rank: after the first step, unless the optimizer keeps none.
+    pub fn has_state(&self, g: usize, i: usize) -> bool {
+        matches!(self.state.get(g).and_then(|v| v.get(i)), Some(Some(m)) if m.iter().flatten().next().is_some())
+    }
+
     /// This rank's state of parameter `i` of group `g`, laid out like
     /// [`Fsdp::read_shard`]: SGD with momentum `[momentum_buffer]`; AdamW
     /// `[exp_avg, exp_avg_sq]`; empty before the first step or for plain SGD.

@@ -579,17 +579,50 @@ impl<C: CommBackend> Fsdp<C> {
         Ok(self.ctx.device.synchronize()?)
     }
 
-    /// Every parameter's full f32 values (padding removed), all-gathered from
-    /// the shards; every rank must call it. Blocks.
+    /// Parameter `i` of group `g` whole (f32, padding removed), all-gathered
+    /// from the shards and handed to `sink` in row-major pieces of at most
+    /// `piece` elements: how a run writes its full model tensor by tensor.
+    /// Every rank of the shard world must call it for the same parameter, in
+    /// the same order. A rank holds one gathered copy of this parameter and
+    /// one piece beside its shards; nothing else is unsharded. An error of
+    /// `sink` ends the gather on this rank only, so a sink that must not
+    /// stall its peers keeps its own error and returns `Ok`. Blocks.
+    pub fn gather_param(
+        &self,
+        g: usize,
+        i: usize,
+        piece: usize,
+        sink: &mut dyn FnMut(&[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let grp = self.group(g)?;
+        let p = self.param_ref(g, i)?;
+        let layout = p.layout.map(|l| &grp.layout.params[l]);
+        collectives::gather_param_pieces(&self.ctx.streams.compute, &self.ctx.dp.shard, layout, &p.master, piece, sink)
+    }
+
+    /// The group and index of the parameter named `name`.
+    pub fn find_param(&self, name: &str) -> Option<(usize, usize)> {
+        self.groups
+            .iter()
+            .enumerate()
+            .find_map(|(g, grp)| grp.params.iter().position(|p| p.name == name).map(|i| (g, i)))
+    }
+
+    /// Every parameter's full f32 values, gathered one parameter at a time
+    /// ([`Fsdp::gather_param`]); every rank must call it. This holds the
+    /// whole model on every rank: for tests and small models; a run's
+    /// outputs gather and write one tensor at a time instead. Blocks.
     pub fn full_parameters(&self) -> Result<Vec<(String, Vec<f32>)>> {
         let mut out = Vec::new();
-        for grp in &self.groups {
-            out.extend(collectives::gather_full_parameters(
-                &self.ctx.streams.compute,
-                &self.ctx.dp.shard,
-                &grp.layout,
-                &grp.params,
-            )?);
+        for (g, grp) in self.groups.iter().enumerate() {
+            for (i, p) in grp.params.iter().enumerate() {
+                let mut values = Vec::with_capacity(p.numel);
+                self.gather_param(g, i, 1 << 20, &mut |piece| {
+                    values.extend_from_slice(piece);
+                    Ok(())
+                })?;
+                out.push((p.name.clone(), values));
+            }
         }
         Ok(out)
     }

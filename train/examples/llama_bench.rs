@@ -13,7 +13,9 @@
 //! cargo run -p chorus-train --example llama_bench -- plain DIR
 //! ```
 //!
-//! (the workspace's dev profile is optimized). Prints one JSON object per side.
+//! (the workspace's dev profile is optimized). Prints one JSON object per
+//! side; the FSDP side's peak covers the steps and writing the trained
+//! model back as a Hugging Face directory (one gathered tensor at a time).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -42,7 +44,9 @@ fn data(vocab: usize) -> LlamaData {
     let rows = WORLD * BATCH * STEPS as usize;
     let cols = SEQ + 1;
     let ids = (0..rows * cols).map(|i| ((i as u64 * 2654435761) % vocab as u64) as u32).collect();
-    LlamaData::Tokens(TokenRows::new(Tokens { rows, cols, ids }, vocab, WORLD * BATCH).expect("data"))
+    LlamaData::Tokens(
+        TokenRows::new(Tokens::from_ids(rows, cols, ids).expect("ids"), vocab, WORLD * BATCH).expect("data"),
+    )
 }
 
 fn sim() -> SimConfig {
@@ -89,14 +93,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .map(|r| r.map_err(|e| e.to_string()).and_then(|x| x))
                 .collect::<Result<_, String>>()?;
             let hf = llama_hf::open(&dir)?;
-            let spec = Arc::new(LlamaSpec::new(
-                Arc::new(hf.config),
-                hf.params,
-                Arc::new(data(cfg.vocab_size)),
-                BATCH,
-                STEPS,
-                OptimizerKind::adamw(1e-4, 0.0),
-            ));
+            // The whole run: the steps, then the trained model written back as a
+            // Hugging Face directory (gathered one tensor at a time) beside DIR.
+            let out = dir.with_extension(format!("out-{}", std::process::id()));
+            let config = Arc::new(hf.config);
+            let output = llama_hf::HfOutput {
+                dir: Some(out.clone()),
+                config: config.clone(),
+                layout: llama_hf::HfLayout::new(&config, SaveDtype::BF16, 100 << 20),
+            };
+            let spec = Arc::new(LlamaSpec {
+                output: Some(Arc::new(output)),
+                ..LlamaSpec::new(
+                    config,
+                    hf.params,
+                    Arc::new(data(cfg.vocab_size)),
+                    BATCH,
+                    STEPS,
+                    OptimizerKind::adamw(1e-4, 0.0),
+                )
+            });
             let reports = SimWorld::run(WORLD, sim(), move |comm| {
                 train_llama(Arc::new(comm), &spec, &mut |_, _| {}).map_err(|e| e.to_string())
             })?;
@@ -105,6 +121,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .map(|r| r.map_err(|e| e.to_string()).and_then(|x| x))
                 .collect::<Result<_, String>>()?;
             let r = &reports[0];
+            let written = llama_hf::open(&out).map(|m| m.params.len());
+            let _ = std::fs::remove_dir_all(&out);
             println!(
                 "{}",
                 serde_json::json!({
@@ -114,6 +132,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     "load_peak_device_bytes": loads.iter().map(|l| l.1).collect::<Vec<_>>(),
                     "losses": r.losses, "step_times_s": r.step_times_s,
                     "train_peak_device_bytes": reports.iter().map(|r| r.peak_memory_bytes).collect::<Vec<_>>(),
+                    "hf_output_tensors": written?,
                     "fsdp_host_overhead_per_group_per_step_s":
                         r.overhead.total.as_secs_f64() / (r.groups as f64 * r.losses.len() as f64),
                 })

@@ -21,6 +21,7 @@ use serde::Serialize;
 
 use crate::gpt::loss;
 use crate::gpt_train::{GptReport, NonFinite};
+use crate::model_out::ModelOutput;
 
 /// The token batches a training loop draws from.
 pub(crate) trait Batches {
@@ -114,6 +115,13 @@ pub(crate) struct LoopSpec<'a> {
     pub(crate) resume: Option<&'a PathBuf>,
     pub(crate) allow_optimizer_change: bool,
     pub(crate) allow_nonfinite: bool,
+    /// Where the trained model is written at the end (tensor by tensor).
+    pub(crate) output: Option<&'a dyn ModelOutput>,
+    /// Also gather the whole model into the report (tests, small models).
+    pub(crate) collect_params: bool,
+    /// A greedy continuation of this prompt by this many byte-level tokens,
+    /// computed by the sharded model at the end (the transformer's sample).
+    pub(crate) sample: Option<(&'a str, usize)>,
 }
 
 /// The [`LoopSpec`] of a model's spec (`GptSpec`, `LlamaSpec`: the same
@@ -138,6 +146,9 @@ macro_rules! loop_spec {
             resume: $spec.resume.as_ref(),
             allow_optimizer_change: $spec.allow_optimizer_change,
             allow_nonfinite: $spec.allow_nonfinite,
+            output: $spec.output.as_deref(),
+            collect_params: $spec.collect_params,
+            sample: None,
         }
     };
 }
@@ -240,8 +251,21 @@ where
             saved.push(model.with_fsdp(|f| checkpoint::save(f, &opt, dir, &state, &save_options))??);
         }
     }
-    let stats = model.with_fsdp(|f| f.device().memory_stats())?;
     let counted = Counters::of(model)?.since(&before);
+    // A stopped run writes no model; a completed one writes it tensor by tensor.
+    if let (Some(output), None) = (spec.output, stopped) {
+        model.with_fsdp(|f| crate::model_out::write_model(f, rank == 0, output))???;
+    }
+    let params = match spec.collect_params {
+        true => model.with_fsdp(|f| f.full_parameters())??,
+        false => Vec::new(),
+    };
+    let sample = match (spec.sample, stopped) {
+        (Some((prompt, n)), None) => Some(sample_sharded(&sharded, seq, prompt, n)?),
+        _ => None,
+    };
+    // The peak of the run's whole life after loading: the steps, the saves and the output.
+    let stats = model.with_fsdp(|f| f.device().memory_stats())?;
     Ok(GptReport {
         start_step: start,
         earlier_losses,
@@ -252,10 +276,32 @@ where
         adapter: counted.adapter,
         groups: model.with_fsdp(|f| f.num_groups())?,
         comm_counts: counted.comm,
-        params: model.with_fsdp(|f| f.full_parameters())??,
+        params,
+        sample,
         saved,
         stopped,
     })
+}
+
+/// Continues `prompt` by `n` byte-level tokens with the sharded model
+/// (greedy decoding; every rank computes the same, each forward gathering
+/// one group at a time), the last `seq_len` tokens as context.
+fn sample_sharded<C, M>(sharded: &M, seq_len: usize, prompt: &str, n: usize) -> Result<String>
+where
+    C: CommBackend + 'static,
+    C::B: ComputeBackend,
+    Fsdp<C>: Send,
+    M: ShardedDecoder<C>,
+{
+    let mut tokens = crate::text::encode(prompt);
+    for _ in 0..if tokens.is_empty() { 0 } else { n } {
+        let ctx = &tokens[tokens.len().saturating_sub(seq_len.max(1))..];
+        let logits = sharded.forward(&u32_tensor(ctx.to_vec(), 1, ctx.len())?)?;
+        sharded.fsdp_model().finish_without_backward()?;
+        let last = logits.squeeze(0)?.get(ctx.len() - 1)?;
+        tokens.push(last.argmax(0)?.to_scalar::<u32>()?);
+    }
+    Ok(crate::text::decode(&tokens))
 }
 
 /// How the model `config` differs from the one a checkpoint recorded

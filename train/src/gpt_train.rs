@@ -14,8 +14,9 @@ use chorus_devices::ComputeBackend;
 use chorus_fsdp::{CommCounts, Fsdp, FsdpConfig, HostOverhead, OptimizerKind};
 use chorus_fsdp_candle::{AdapterTimes, Error, Recompute, Result};
 
-use crate::fsdp_loop::{clip_grad_norm, loop_spec, train_sharded, u32_tensor, PlainOptimizer};
+use crate::fsdp_loop::{clip_grad_norm, loop_spec, train_sharded, u32_tensor, LoopSpec, PlainOptimizer};
 use crate::gpt::{loss, Gpt, GptConfig, ShardedGpt};
+use crate::model_out::ModelOutput;
 use crate::text::TextData;
 
 /// What to train.
@@ -59,6 +60,15 @@ pub struct GptSpec {
     pub allow_optimizer_change: bool,
     /// Keep going when the loss is not finite (default: stop with an error).
     pub allow_nonfinite: bool,
+    /// Where the trained model is written at the end of a completed run,
+    /// one tensor at a time (e.g. [`SafetensorsOutput`](crate::model_out::SafetensorsOutput)).
+    pub output: Option<Arc<dyn ModelOutput>>,
+    /// Also gather the whole trained model into [`GptReport::params`] on
+    /// every rank (tests and small models; a run's outputs do not need it).
+    pub collect_params: bool,
+    /// A greedy continuation of this prompt by this many characters,
+    /// computed by the sharded model at the end ([`GptReport::sample`]).
+    pub sample: Option<(String, usize)>,
 }
 
 impl GptSpec {
@@ -93,6 +103,9 @@ impl GptSpec {
             resume: None,
             allow_optimizer_change: false,
             allow_nonfinite: false,
+            output: None,
+            collect_params: false,
+            sample: None,
         }
     }
 }
@@ -108,7 +121,8 @@ pub struct GptReport {
     pub losses: Vec<f64>,
     /// Wall time of each step, host-synchronized.
     pub step_times_s: Vec<f64>,
-    /// The most device bytes in use during the steps.
+    /// The most device bytes in use from the first step to the end: the
+    /// steps, the checkpoints and the written model.
     pub peak_memory_bytes: usize,
     /// Host time in FSDP's hooks over the steps.
     pub overhead: HostOverhead,
@@ -118,8 +132,11 @@ pub struct GptReport {
     pub groups: usize,
     /// Collectives FSDP issued over the steps.
     pub comm_counts: CommCounts,
-    /// The final parameters, unsharded.
+    /// The final parameters, unsharded, where the spec asked to collect
+    /// them (`collect_params`); empty otherwise.
     pub params: Vec<(String, Vec<f32>)>,
+    /// The sample the spec asked for, where the run completed.
+    pub sample: Option<String>,
     /// Checkpoints written.
     pub saved: Vec<PathBuf>,
     /// Where the run stopped early because the loss stopped being finite
@@ -160,7 +177,8 @@ where
     Fsdp<C>: Send,
 {
     let spec_config = serde_json::to_value(spec.config).map_err(|e| Error::InvalidArgument(e.to_string()))?;
-    let loop_spec = loop_spec!(spec, "transformer", spec_config);
+    let sample = spec.sample.as_ref().map(|(p, n)| (p.as_str(), *n));
+    let loop_spec = LoopSpec { sample, ..loop_spec!(spec, "transformer", spec_config) };
     let build = |fsdp| ShardedGpt::new(fsdp, spec.config, spec.init.clone(), spec.forward_prefetch);
     train_sharded(&world, loop_spec, build, on_step)
 }

@@ -16,6 +16,8 @@
 //!   directories in, memory-mapped and read shard by shard, and out) and
 //!   [`llama_train`] (the loop on `.npy` token ids or text).
 //! - [`fsdp_loop`]: what those loops share that does not depend on the model.
+//! - [`model_out`]: the trained model written at a run's end, one gathered
+//!   parameter at a time (no rank holds the whole model).
 //! - [`npy`]: float32 `.npy` files, the interchange with PyTorch and NumPy
 //!   users for initial weights, data and trained parameters.
 //!
@@ -32,6 +34,7 @@ pub mod llama_config;
 pub mod llama_hf;
 pub mod llama_train;
 pub mod mlp;
+pub mod model_out;
 pub mod npy;
 pub mod text;
 pub mod train;

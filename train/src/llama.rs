@@ -6,8 +6,10 @@
 //! the embedding or not. Parameters carry transformers' names.
 //!
 //! As a plain candle model ([`Llama`]) and under FSDP through the candle
-//! adapter ([`ShardedLlama`]), wrapped as FSDP2 wraps a Llama: one param
-//! group per decoder layer plus the root (embedding, final norm, head).
+//! adapter ([`ShardedLlama`]), wrapped as torchtitan wraps a Llama under
+//! FSDP2: the embedding, each decoder layer, and the final norm with the
+//! head are param groups of their own (tied embeddings: embedding, norm and
+//! head one group).
 //! [`init_params`] is transformers' initialisation as per-shard sources
 //! (deferred init): deterministic from the seed, independent of the world
 //! size.
@@ -24,9 +26,13 @@ use chorus_fsdp_candle::{FsdpModel, StageId};
 
 use crate::llama_config::LlamaConfig;
 
-/// The prefixes of the root group's parameters (FSDP2's root: whatever the
-/// decoder layers do not hold).
+/// The prefixes of the parameters the decoder layers do not hold: the
+/// embedding, then the final norm and the head.
 pub const ROOT_PREFIXES: [&str; 3] = ["model.embed_tokens.", "model.norm.", "lm_head."];
+
+/// The name of the embedding's own group (an untied model's; a tied one
+/// keeps it in `root` with the head that shares its matrix).
+pub const EMBED_GROUP: &str = "model.embed_tokens";
 
 /// One of transformers' initial values: normal(0, `std`) per element, from a
 /// counter-based generator keyed by the seed and the parameter's name, so
@@ -278,9 +284,10 @@ impl Llama {
     }
 }
 
-/// The Llama under FSDP through the candle adapter: the root group
-/// (embedding, final norm, head; not resharded after forward) with the
-/// embedding and head stages, and one group per decoder layer.
+/// The Llama under FSDP through the candle adapter, grouped as torchtitan
+/// groups it: the embedding ([`EMBED_GROUP`]), one group per decoder layer,
+/// and `root` (final norm and head; not resharded after forward); with tied
+/// embeddings, the embedding is in `root` too.
 pub struct ShardedLlama<C: CommBackend> {
     /// The adapter (and the [`Fsdp`] inside it).
     pub model: FsdpModel<C>,
@@ -313,11 +320,20 @@ where
         forward_prefetch: bool,
     ) -> chorus_fsdp_candle::Result<Self> {
         let mut model = FsdpModel::new(fsdp)?;
-        let root = model.add_group_deferred("root", take(&mut params, &ROOT_PREFIXES), true)?;
+        // As torchtitan wraps a Llama: the embedding its own group (resharded
+        // after forward, like a layer), the final norm and the head one group
+        // (not resharded after forward: its backward comes first), so only
+        // the group in use is unsharded. Tied embeddings make the head's
+        // matrix the embedding's: then the three are one group.
+        let tied = cfg.tie_word_embeddings;
+        let first = match tied {
+            true => model.add_group_deferred("root", take(&mut params, &ROOT_PREFIXES), true)?,
+            false => model.add_group_deferred(EMBED_GROUP, take(&mut params, &["model.embed_tokens."]), false)?,
+        };
         let c = cfg.clone();
-        let embed_stage = model.add_stage(root, move |vb, ids| embed(&c, vb, ids))?;
+        let embed_stage = model.add_stage(first, move |vb, ids| embed(&c, vb, ids))?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        let mut groups = vec![root.0];
+        let mut groups = vec![first.0];
         for i in 0..cfg.num_hidden_layers {
             let prefix = format!("model.layers.{i}");
             let g = model.add_group_deferred(&prefix, take(&mut params, &[&format!("{prefix}.")]), false)?;
@@ -325,6 +341,14 @@ where
             let c = cfg.clone();
             layers.push(model.add_stage(g, move |vb, x| DecoderLayer::new(c.clone(), vb.pp(&prefix))?.forward(x))?);
         }
+        let last = match tied {
+            true => first,
+            false => {
+                let g = model.add_group_deferred("root", take(&mut params, &ROOT_PREFIXES[1..]), true)?;
+                groups.push(g.0);
+                g
+            }
+        };
         if let Some(p) = params.first() {
             return Err(chorus_fsdp_candle::Error::InvalidArgument(format!(
                 "parameter `{}` belongs to no group",
@@ -332,7 +356,7 @@ where
             )));
         }
         let c = cfg.clone();
-        let head_stage = model.add_stage(root, move |vb, x| head(&c, vb, x))?;
+        let head_stage = model.add_stage(last, move |vb, x| head(&c, vb, x))?;
         if forward_prefetch {
             crate::fsdp_loop::chain_forward_prefetch(&model, &groups)?;
         }

@@ -20,6 +20,7 @@ use crate::gpt::loss;
 use crate::gpt_train::{GptReport, PlainReport};
 use crate::llama::{materialize, Llama, ShardedLlama};
 use crate::llama_config::LlamaConfig;
+use crate::model_out::ModelOutput;
 use crate::npy::Tokens;
 use crate::text::TextData;
 
@@ -44,18 +45,15 @@ impl TokenRows {
         if global_batch == 0 || tokens.rows < global_batch {
             return Err(format!("{} rows are fewer than one global batch of {global_batch}", tokens.rows));
         }
-        if let Some(i) = tokens.ids.iter().position(|t| *t as usize >= vocab_size) {
+        if let Some(i) = u32::try_from(vocab_size).ok().and_then(|v| tokens.first_at_least(v)) {
             return Err(format!(
                 "token id {} at row {}, column {} is not below vocab_size {vocab_size}",
-                tokens.ids[i],
+                tokens.id(i),
                 i / tokens.cols,
                 i % tokens.cols
             ));
         }
-        let hash = tokens
-            .ids
-            .iter()
-            .fold(0xcbf2_9ce4_8422_2325u64 ^ tokens.cols as u64, |h, t| (h ^ *t as u64).wrapping_mul(0x100_0000_01b3));
+        let hash = tokens.content_hash();
         Ok(TokenRows { tokens, global_batch, hash })
     }
 }
@@ -96,9 +94,10 @@ impl LlamaData {
                 let (mut x, mut y) = (Vec::with_capacity(n * (cols - 1)), Vec::with_capacity(n * (cols - 1)));
                 for k in first..first + n {
                     let row = ((step as u128 * t.global_batch as u128 + k as u128) % total as u128) as usize;
-                    let ids = &t.tokens.ids[row * cols..(row + 1) * cols];
-                    x.extend_from_slice(&ids[..cols - 1]);
-                    y.extend_from_slice(&ids[1..]);
+                    let before = x.len();
+                    t.tokens.extend_row(row, 0, &mut x);
+                    x.truncate(before + cols - 1);
+                    t.tokens.extend_row(row, 1, &mut y);
                 }
                 (x, y)
             }
@@ -147,6 +146,12 @@ pub struct LlamaSpec {
     /// Which groups (`root`, `model.layers.{i}`) recompute their stages in
     /// backward (activation checkpointing); the others keep their graphs.
     pub recompute: Recompute,
+    /// Where the trained model is written at the end of a completed run,
+    /// one tensor at a time (e.g. [`HfOutput`](crate::llama_hf::HfOutput)).
+    pub output: Option<Arc<dyn ModelOutput>>,
+    /// Also gather the whole trained model into the report's `params` on
+    /// every rank (tests and small models; a run's outputs do not need it).
+    pub collect_params: bool,
 }
 
 impl LlamaSpec {
@@ -179,6 +184,8 @@ impl LlamaSpec {
             allow_optimizer_change: false,
             allow_nonfinite: false,
             recompute: Recompute::All,
+            output: None,
+            collect_params: false,
         }
     }
 }

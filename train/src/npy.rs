@@ -21,6 +21,7 @@ fn bad(path: &Path, why: impl std::fmt::Display) -> FsdpError {
 
 /// Reads a little-endian float32, C-order `.npy` file.
 pub fn read(path: &Path) -> Result<Array> {
+    regular_file(path).map_err(|e| bad(path, e))?;
     let mut bytes = Vec::new();
     std::fs::File::open(path).and_then(|mut f| f.read_to_end(&mut bytes)).map_err(|e| bad(path, e))?;
     parse(&bytes).map_err(|e| bad(path, e))
@@ -79,27 +80,156 @@ fn split(bytes: &[u8]) -> std::result::Result<(String, Vec<usize>, &[u8]), Strin
     Ok((descr, shape, &bytes[end..]))
 }
 
-/// Token ids: a 2-d integer array `[rows, cols]`, row-major.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Token ids: a 2-d integer array `[rows, cols]`, row-major, memory-mapped
+/// from a `.npy` file ([`read_tokens`]: a rank reads only the rows it
+/// trains on) or held in memory ([`Tokens::from_ids`]).
+#[derive(Clone)]
 pub struct Tokens {
     /// Rows (sequences).
     pub rows: usize,
     /// Columns (tokens per sequence).
     pub cols: usize,
-    /// Row-major ids.
-    pub ids: Vec<u32>,
+    ids: Ids,
+    /// The largest id (0 when there are none).
+    max: u32,
+    /// What identifies the ids (FNV-1a over them, seeded with `cols`).
+    hash: u64,
+}
+
+#[derive(Clone)]
+enum Ids {
+    Memory(std::sync::Arc<Vec<u32>>),
+    /// The file mapped, where its data starts, and the bytes per id (2, 4, 8).
+    Mapped {
+        map: std::sync::Arc<memmap2::Mmap>,
+        start: usize,
+        width: usize,
+    },
+}
+
+impl std::fmt::Debug for Tokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.ids {
+            Ids::Memory(_) => "in memory",
+            Ids::Mapped { .. } => "mapped",
+        };
+        write!(f, "Tokens {{ rows: {}, cols: {}, {kind}, hash: {:#x} }}", self.rows, self.cols, self.hash)
+    }
+}
+
+/// FNV-1a over the ids, seeded with the row length (the data's identity
+/// that checkpoints record).
+struct IdHash(u64);
+
+impl IdHash {
+    fn new(cols: usize) -> IdHash {
+        IdHash(0xcbf2_9ce4_8422_2325u64 ^ cols as u64)
+    }
+    fn add(&mut self, id: u32) {
+        self.0 = (self.0 ^ id as u64).wrapping_mul(0x100_0000_01b3);
+    }
+}
+
+/// One id of `width` little-endian bytes, as the valid id it must be.
+fn decode_id(c: &[u8], width: usize) -> std::result::Result<u32, i64> {
+    let v: i64 = match width {
+        2 => u16::from_le_bytes([c[0], c[1]]) as i64,
+        4 => i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64,
+        _ => i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]),
+    };
+    u32::try_from(v).map_err(|_| v)
+}
+
+impl Tokens {
+    /// `rows × cols` ids held in memory (row-major).
+    pub fn from_ids(rows: usize, cols: usize, ids: Vec<u32>) -> std::result::Result<Tokens, String> {
+        if rows.checked_mul(cols) != Some(ids.len()) {
+            return Err(format!("{} ids are not {rows} rows of {cols}", ids.len()));
+        }
+        let mut hash = IdHash::new(cols);
+        ids.iter().for_each(|t| hash.add(*t));
+        let max = ids.iter().copied().max().unwrap_or(0);
+        Ok(Tokens { rows, cols, ids: Ids::Memory(std::sync::Arc::new(ids)), max, hash: hash.0 })
+    }
+
+    /// Id `i` (row-major); `i` must be below `rows × cols`.
+    pub fn id(&self, i: usize) -> u32 {
+        match &self.ids {
+            Ids::Memory(v) => v.get(i).copied().unwrap_or(0),
+            Ids::Mapped { map, start, width } => {
+                let at = start + i * width;
+                map.get(at..at + width).and_then(|c| decode_id(c, *width).ok()).unwrap_or(0)
+            }
+        }
+    }
+
+    /// Appends row `r`'s ids from column `from` on to `out`.
+    pub fn extend_row(&self, r: usize, from: usize, out: &mut Vec<u32>) {
+        let base = r * self.cols;
+        out.extend((base + from..base + self.cols).map(|i| self.id(i)));
+    }
+
+    /// The largest id (0 when there are none).
+    pub fn max_id(&self) -> u32 {
+        self.max
+    }
+
+    /// The position of the first id at least `v`, if any.
+    pub fn first_at_least(&self, v: u32) -> Option<usize> {
+        if self.max < v {
+            return None;
+        }
+        (0..self.rows * self.cols).find(|i| self.id(*i) >= v)
+    }
+
+    /// What identifies the ids (a resumed run must train on the same).
+    pub fn content_hash(&self) -> u64 {
+        self.hash
+    }
+}
+
+/// Refuses what is not a regular file (a FIFO or a device would block a
+/// read forever, a directory cannot be read): `path` as the error names it.
+pub fn regular_file(path: &Path) -> std::io::Result<()> {
+    let m = std::fs::metadata(path)?;
+    if m.is_file() {
+        return Ok(());
+    }
+    let what = if m.is_dir() { "a directory" } else { "not a regular file (a FIFO, socket or device)" };
+    Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("is {what}; give a regular file")))
 }
 
 /// Reads a 2-d little-endian C-order `.npy` array of token ids: int32,
-/// int64 or uint16 (what tokenizers and `numpy.save` produce). A negative
-/// id, or one beyond `u32`, is an error naming its position.
+/// int64 or uint16 (what tokenizers and `numpy.save` produce), memory-mapped:
+/// the ids are checked (a negative id, or one beyond `u32`, is an error
+/// naming its position) in one streamed pass that holds none of them, and
+/// training then reads only the rows it uses. Only a regular file is read.
 pub fn read_tokens(path: &Path) -> Result<Tokens> {
-    let mut bytes = Vec::new();
-    std::fs::File::open(path).and_then(|mut f| f.read_to_end(&mut bytes)).map_err(|e| bad(path, e))?;
-    parse_tokens(&bytes).map_err(|e| bad(path, e))
+    regular_file(path).map_err(|e| bad(path, e))?;
+    let file = std::fs::File::open(path).map_err(|e| bad(path, e))?;
+    // SAFETY: the map is read-only; like the model's weights, chorus
+    // requires the data not to be modified while a run reads it.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| bad(path, e))?;
+    let (rows, cols, start, width) = token_layout(&map).map_err(|e| bad(path, e))?;
+    // The check and the hash read the file in pieces (the page cache holds
+    // them, not this process), so even a file larger than memory is checked.
+    let mut reader = std::io::BufReader::with_capacity(1 << 20, &file);
+    std::io::Seek::seek(&mut reader, std::io::SeekFrom::Start(start as u64)).map_err(|e| bad(path, e))?;
+    let (mut hash, mut max) = (IdHash::new(cols), 0u32);
+    let mut c = [0u8; 8];
+    for i in 0..rows * cols {
+        reader.read_exact(&mut c[..width]).map_err(|e| bad(path, e))?;
+        let id = decode_id(&c[..width], width).map_err(|v| {
+            bad(path, format!("token id {v} at row {}, column {} is not a valid id", i / cols, i % cols))
+        })?;
+        hash.add(id);
+        max = max.max(id);
+    }
+    Ok(Tokens { rows, cols, ids: Ids::Mapped { map: std::sync::Arc::new(map), start, width }, max, hash: hash.0 })
 }
 
-fn parse_tokens(bytes: &[u8]) -> std::result::Result<Tokens, String> {
+/// The rows, columns, data offset and id width of a token `.npy` file.
+fn token_layout(bytes: &[u8]) -> std::result::Result<(usize, usize, usize, usize), String> {
     let (descr, shape, data) = split(bytes)?;
     let [rows, cols] = shape[..] else {
         return Err(format!("token ids must be a 2-d array [sequences, seq_len + 1], found shape {shape:?}"));
@@ -115,20 +245,7 @@ fn parse_tokens(bytes: &[u8]) -> std::result::Result<Tokens, String> {
     if data.len() != needed {
         return Err(format!("shape {shape:?} needs {needed} data bytes, found {}", data.len()));
     }
-    let ids = data
-        .chunks_exact(width)
-        .enumerate()
-        .map(|(i, c)| {
-            let v: i64 = match width {
-                2 => u16::from_le_bytes([c[0], c[1]]) as i64,
-                4 => i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64,
-                _ => i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]),
-            };
-            u32::try_from(v)
-                .map_err(|_| format!("token id {v} at row {}, column {} is not a valid id", i / cols, i % cols))
-        })
-        .collect::<std::result::Result<Vec<u32>, String>>()?;
-    Ok(Tokens { rows, cols, ids })
+    Ok((rows, cols, bytes.len() - data.len(), width))
 }
 
 /// A value of the header's Python dict literal.
@@ -250,6 +367,17 @@ pub fn encode(shape: &[usize], values: &[f32]) -> std::result::Result<Vec<u8>, S
     if count != Some(values.len()) {
         return Err(format!("{} values for shape {shape:?}", values.len()));
     }
+    let mut out = header(shape);
+    out.reserve(values.len() * 4);
+    for v in values {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    Ok(out)
+}
+
+/// The header of a float32 `.npy` file (format 1.0) of `shape`: the values
+/// follow it, little-endian, row-major.
+pub fn header(shape: &[usize]) -> Vec<u8> {
     let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
     let shape_text = match dims.len() {
         1 => format!("({},)", dims[0]),
@@ -260,14 +388,11 @@ pub fn encode(shape: &[usize], values: &[f32]) -> std::result::Result<Vec<u8>, S
     let unpadded = 10 + header.len() + 1;
     header.push_str(&" ".repeat((64 - unpadded % 64) % 64));
     header.push('\n');
-    let mut out = Vec::with_capacity(10 + header.len() + values.len() * 4);
+    let mut out = Vec::with_capacity(10 + header.len());
     out.extend_from_slice(b"\x93NUMPY\x01\x00");
     out.extend_from_slice(&(header.len() as u16).to_le_bytes());
     out.extend_from_slice(header.as_bytes());
-    for v in values {
-        out.extend_from_slice(&v.to_le_bytes());
-    }
-    Ok(out)
+    out
 }
 
 #[cfg(test)]
@@ -300,19 +425,59 @@ mod tests {
 
     #[test]
     fn token_ids_in_every_integer_dtype() {
+        let dir = std::env::temp_dir().join(format!("chorus-npy-tokens-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let read = |name: &str, bytes: Vec<u8>| {
+            let p = dir.join(name);
+            std::fs::write(&p, bytes).unwrap();
+            read_tokens(&p).map_err(|e| e.to_string())
+        };
         let h = |d: &str| format!("{{'descr': '{d}', 'fortran_order': False, 'shape': (2, 3), }}");
         let i4: Vec<u8> = [0i32, 1, 2, 70000, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
         let i8: Vec<u8> = [0i64, 1, 2, 70000, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
         let u2: Vec<u8> = [0u16, 1, 2, 65535, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
-        let want = |x: u32| Tokens { rows: 2, cols: 3, ids: vec![0, 1, 2, x, 4, 5] };
-        assert_eq!(parse_tokens(&file_with_header(&h("<i4"), &i4)).unwrap(), want(70000));
-        assert_eq!(parse_tokens(&file_with_header(&h("<i8"), &i8)).unwrap(), want(70000));
-        assert_eq!(parse_tokens(&file_with_header(&h("<u2"), &u2)).unwrap(), want(65535));
+        for (name, bytes, x) in [("i4", &i4, 70000), ("i8", &i8, 70000), ("u2", &u2, 65535)] {
+            let t = read(name, file_with_header(&h(&format!("<{name}")), bytes)).unwrap();
+            let want = Tokens::from_ids(2, 3, vec![0, 1, 2, x, 4, 5]).unwrap();
+            let ids: Vec<u32> = (0..6).map(|i| t.id(i)).collect();
+            assert_eq!(ids, vec![0, 1, 2, x, 4, 5], "{name}");
+            assert_eq!((t.rows, t.cols, t.max_id()), (2, 3, x));
+            assert_eq!(t.content_hash(), want.content_hash(), "{name}: mapped and in-memory ids hash alike");
+            let mut row = Vec::new();
+            t.extend_row(1, 1, &mut row);
+            assert_eq!(row, vec![4, 5]);
+            assert_eq!(t.first_at_least(6), Some(3));
+        }
         let neg: Vec<u8> = [0i64, 1, 2, -1, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
-        let err = parse_tokens(&file_with_header(&h("<i8"), &neg)).unwrap_err();
+        let err = read("neg", file_with_header(&h("<i8"), &neg)).unwrap_err();
         assert!(err.contains("token id -1 at row 1, column 0"), "{err}");
-        assert!(parse_tokens(&file_with_header(&h(">i8"), &i8)).unwrap_err().contains("int32, int64 or uint16"));
-        assert!(parse_tokens(&file_with_header(&h("<i8"), &i8[..40])).unwrap_err().contains("data bytes"));
+        assert!(read("be", file_with_header(&h(">i8"), &i8)).unwrap_err().contains("int32, int64 or uint16"));
+        assert!(read("short", file_with_header(&h("<i8"), &i8[..40])).unwrap_err().contains("data bytes"));
+        assert!(read_tokens(&dir).unwrap_err().to_string().contains("directory"));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// A FIFO given as the data is refused at once (reading it would block
+    /// until some writer came), naming the path.
+    #[cfg(unix)]
+    #[test]
+    fn a_fifo_is_refused_not_read() {
+        let dir = std::env::temp_dir().join(format!("chorus-npy-fifo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("tokens.npy");
+        let _ = std::fs::remove_file(&fifo);
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: `c` is a NUL-terminated path that outlives the call.
+        assert_eq!(unsafe { libc_mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+        let err = read_tokens(&fifo).unwrap_err().to_string();
+        assert!(err.contains("not a regular file") && err.contains("tokens.npy"), "{err}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[cfg(unix)]
+    extern "C" {
+        #[link_name = "mkfifo"]
+        fn libc_mkfifo(path: *const std::ffi::c_char, mode: u32) -> i32;
     }
 
     fn file_with_header(h: &str, data: &[u8]) -> Vec<u8> {

@@ -120,6 +120,12 @@ pub struct TrainSpec {
     /// Stop when the global loss is NaN or infinite (the report says where:
     /// [`RankReport::stopped`]).
     pub stop_on_nonfinite: bool,
+    /// Where the trained parameters are written at the end of a completed
+    /// run, one gathered parameter at a time (e.g. [`NpyOutput`](crate::model_out::NpyOutput)).
+    pub output: Option<Arc<dyn crate::model_out::ModelOutput>>,
+    /// Also gather every parameter into [`RankReport::params`] on every
+    /// rank (tests and small models; the outputs do not need it).
+    pub collect_params: bool,
 }
 
 /// The stages of a training step whose host time [`RankReport`] reports:
@@ -171,7 +177,8 @@ pub struct RankReport {
     pub stage_times_s: Vec<(&'static str, f64)>,
     /// Number of param groups.
     pub groups: usize,
-    /// The final unsharded parameters.
+    /// The final unsharded parameters, where the spec asked to collect
+    /// them (`collect_params`); empty otherwise.
     pub params: Vec<(String, Vec<f32>)>,
     /// The step (and its loss) at which the run stopped because the loss was
     /// not finite, with `stop_on_nonfinite`: the last of `losses`, its update
@@ -269,7 +276,12 @@ where
     }
     let stats = fsdp.device().memory_stats();
     let after = fsdp.host_overhead();
-    let params = fsdp.full_parameters()?;
+    // A stopped run writes no model; a completed one writes it tensor by tensor.
+    if let (Some(output), None) = (&spec.output, stopped) {
+        crate::model_out::write_model(&fsdp, rank == 0, output.as_ref())?
+            .map_err(|e| FsdpError::InvalidArgument(format!("writing the trained model: {e}")))?;
+    }
+    let params = if spec.collect_params { fsdp.full_parameters()? } else { Vec::new() };
     Ok(RankReport {
         losses,
         step_times_s: times,

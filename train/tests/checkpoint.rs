@@ -30,6 +30,7 @@ fn spec(batch: usize, steps: u64) -> GptSpec {
     let data = Arc::new(TextData::new(encode(&generate(3000, 2)), cfg.seq_len, 5).unwrap());
     GptSpec {
         max_grad_norm: Some(1.0),
+        collect_params: true,
         ..GptSpec::new(cfg, init_params(&cfg, 11).unwrap(), data, batch, steps, OptimizerKind::adamw(1e-2, 0.01))
     }
 }

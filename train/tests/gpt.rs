@@ -27,7 +27,8 @@ fn config() -> GptConfig {
 fn spec(batch: usize, steps: u64, optimizer: OptimizerKind) -> GptSpec {
     let cfg = config();
     let data = Arc::new(TextData::new(encode(&generate(4000, 1)), cfg.seq_len, 7).unwrap());
-    GptSpec::new(cfg, init_params(&cfg, 3).unwrap(), data, batch, steps, optimizer)
+    // The tests compare every trained parameter: each rank gathers them all.
+    GptSpec { collect_params: true, ..GptSpec::new(cfg, init_params(&cfg, 3).unwrap(), data, batch, steps, optimizer) }
 }
 
 fn run(ranks: usize, spec: GptSpec) -> Vec<GptReport> {

@@ -33,12 +33,14 @@ fn config(tied: bool) -> LlamaConfig {
 fn data(global: usize) -> LlamaData {
     let (rows, cols) = (21, 9);
     let ids = (0..rows * cols).map(|i| ((i * 7919 + i / 3) % 40) as u32).collect();
-    LlamaData::Tokens(TokenRows::new(Tokens { rows, cols, ids }, 40, global).unwrap())
+    LlamaData::Tokens(TokenRows::new(Tokens::from_ids(rows, cols, ids).unwrap(), 40, global).unwrap())
 }
 
 fn spec(tied: bool, global: usize, ranks: usize, steps: u64, optimizer: OptimizerKind) -> LlamaSpec {
     let cfg = Arc::new(config(tied));
-    LlamaSpec::new(cfg.clone(), init_params(&cfg, 5), Arc::new(data(global)), global / ranks, steps, optimizer)
+    // The tests compare every trained parameter: each rank gathers them all.
+    let s = LlamaSpec::new(cfg.clone(), init_params(&cfg, 5), Arc::new(data(global)), global / ranks, steps, optimizer);
+    LlamaSpec { collect_params: true, ..s }
 }
 
 fn run(ranks: usize, spec: LlamaSpec) -> Vec<GptReport> {
@@ -76,7 +78,8 @@ fn fsdp_matches_plain_candle_at_1_2_4_ranks_and_hsdp() {
                 s.recompute = recompute.clone();
                 let reports = run(ranks, s);
                 let first = &reports[0];
-                assert_eq!(first.groups, 3, "the root and one group per decoder layer");
+                // Untied as torchtitan groups it: the embedding, each layer, norm + head; tied: the root and each layer.
+                assert_eq!(first.groups, if tied { 3 } else { 4 }, "tied {tied}: groups");
                 // Stages per step: the root's two (embedding, head) and one per layer.
                 let stages_recomputed = match &recompute {
                     Recompute::All => 4,
@@ -170,7 +173,7 @@ fn the_padding_row_starts_at_zero() {
 
 #[test]
 fn token_rows_follow_the_global_batch_formula_and_reject_bad_data() {
-    let tokens = Tokens { rows: 5, cols: 3, ids: (0..15).collect() };
+    let tokens = Tokens::from_ids(5, 3, (0..15).collect()).unwrap();
     let d = LlamaData::Tokens(TokenRows::new(tokens.clone(), 15, 4).unwrap());
     // Step 1, global batch 4: rows (4 + k) mod 5 = 4, 0, 1, 2; rank 1 of 2 takes k = 2, 3.
     let (x, y) = d.rows(1, 2, 2);
@@ -178,7 +181,7 @@ fn token_rows_follow_the_global_batch_formula_and_reject_bad_data() {
     assert_eq!(y, vec![4, 5, 7, 8]);
     assert!(TokenRows::new(tokens.clone(), 14, 4).unwrap_err().contains("token id 14 at row 4, column 2"));
     assert!(TokenRows::new(tokens.clone(), 15, 6).unwrap_err().contains("fewer than one global batch"));
-    assert!(TokenRows::new(Tokens { rows: 5, cols: 1, ids: (0..5).collect() }, 15, 4).is_err());
+    assert!(TokenRows::new(Tokens::from_ids(5, 1, (0..5).collect()).unwrap(), 15, 4).is_err());
 }
 
 /// A run saved at 4 ranks and resumed at 2 (the same global batch) and at

@@ -210,6 +210,70 @@ fn bad_dirs_are_errors_naming_the_problem() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A FIFO as `config.json` or as `model.safetensors` is refused at once,
+/// naming it (reading one would block until some writer came).
+#[cfg(unix)]
+#[test]
+fn fifos_are_refused_not_read() {
+    let cfg = config();
+    for file in ["config.json", "model.safetensors"] {
+        let dir = tempdir(&format!("fifo-{file}"));
+        make_dir(&dir, &hf_json(&cfg), &values(&cfg), Dtype::F32, 1);
+        common::mkfifo(&dir.join(file));
+        let err = llama_hf::open(&dir).err().unwrap_or_else(|| panic!("{file}: a FIFO loaded"));
+        assert!(err.to_string().contains("not a regular file") && err.to_string().contains(file), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+/// `model.safetensors` beside an index (here naming files that are not
+/// there): the single file is loaded, as transformers does.
+#[test]
+fn a_single_file_beside_an_index_is_the_one_loaded() {
+    let cfg = config();
+    let tensors = values(&cfg);
+    let dir = tempdir("both");
+    make_dir(&dir, &hf_json(&cfg), &tensors, Dtype::F32, 1);
+    let index = serde_json::json!({"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}});
+    std::fs::write(dir.join(llama_hf::INDEX), index.to_string()).unwrap();
+    for got in load_sharded(&dir, 2, false) {
+        assert_eq!(sorted(got), expected(&tensors));
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// One tensor's offsets corrupted onto the next one's: the error names the
+/// corrupt one, not its neighbour (safetensors blames whichever sorts first).
+#[test]
+fn a_corrupt_offset_is_reported_against_its_own_tensor() {
+    let cfg = config();
+    let dir = tempdir("offset");
+    make_dir(&dir, &hf_json(&cfg), &values(&cfg), Dtype::F32, 1);
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut spans: Vec<(u64, u64, String)> = header
+        .iter()
+        .filter(|(k, _)| k.as_str() != "__metadata__")
+        .map(|(k, v)| (v["data_offsets"][0].as_u64().unwrap(), v["data_offsets"][1].as_u64().unwrap(), k.clone()))
+        .collect();
+    spans.sort();
+    // A tensor followed by one of another size (so only one tensor can have moved).
+    let i = (0..spans.len() - 1).find(|&i| spans[i].1 - spans[i].0 != spans[i + 1].1 - spans[i + 1].0).unwrap();
+    let (first, second) = (&spans[i], &spans[i + 1]);
+    let size = first.1 - first.0;
+    header[&first.2]["data_offsets"] = serde_json::json!([second.0, second.0 + size]);
+    let text = serde_json::to_vec(&header).unwrap();
+    let mut file = (text.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(&text);
+    file.extend_from_slice(&bytes[8 + n..]);
+    std::fs::write(&path, file).unwrap();
+    let err = llama_hf::open(&dir).err().unwrap().to_string();
+    assert!(err.contains(&format!("tensor {}:", first.2)) && !err.contains(&second.2), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 const V4: &str = r#"{
   "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": false,
   "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",

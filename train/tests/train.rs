@@ -20,6 +20,8 @@ fn spec(dims: &[usize], ranks: usize, replicate: Option<usize>) -> TrainSpec {
         replicate,
         max_grad_norm: None,
         stop_on_nonfinite: true,
+        output: None,
+        collect_params: true,
     }
 }
 
@@ -59,6 +61,56 @@ fn data_that_does_not_fit_the_model_or_the_world_is_refused() {
             match r {
                 Err(FsdpError::InvalidArgument(m)) => assert!(m.contains(why), "{m}"),
                 other => panic!("expected an invalid argument ({why}), got {:?}", other.map(|r| r.losses)),
+            }
+        }
+    }
+}
+
+/// `Fsdp::gather_param` hands each parameter over whole, row-major, in
+/// pieces of the size asked (across rank boundaries and padding), sharded on
+/// dim 0 or 1 or replicated, at 1 to 4 ranks; values checked against the
+/// initial ones, computed here.
+#[test]
+fn gather_param_gives_each_parameter_whole_in_pieces() {
+    use chorus_fsdp::{DataParallel, Fsdp, ParamInit};
+    for ranks in 1..=4 {
+        let results = on_sim_ranks(ranks, move |comm| {
+            // "cols" is sharded on its last dim; parameters below 6 elements are replicated.
+            let placement: chorus_fsdp::ShardPlacement =
+                Arc::new(|name: &str, _: &[usize]| if name == "cols" { 1 } else { 0 });
+            let config = FsdpConfig { shard_placement: Some(placement), replicate_below: 6, ..FsdpConfig::default() };
+            let mut fsdp = Fsdp::new(DataParallel::fsdp(comm), config).unwrap();
+            let params: Vec<ParamInit> = [("rows", vec![5, 3]), ("cols", vec![4, 7]), ("tiny", vec![5])]
+                .into_iter()
+                .enumerate()
+                .map(|(k, (name, shape))| {
+                    let n: usize = shape.iter().product();
+                    ParamInit { name: name.into(), shape, values: (0..n).map(|i| (k * 100 + i) as f32).collect() }
+                })
+                .collect();
+            let want: Vec<Vec<f32>> = params.iter().map(|p| p.values.clone()).collect();
+            fsdp.add_group("g", params, false).unwrap();
+            let mut out = Vec::new();
+            for piece in [1, 4, 1000] {
+                for (i, want) in want.iter().enumerate() {
+                    let (mut got, mut sizes) = (Vec::new(), Vec::new());
+                    fsdp.gather_param(0, i, piece, &mut |p| {
+                        sizes.push(p.len());
+                        got.extend_from_slice(p);
+                        Ok(())
+                    })
+                    .unwrap();
+                    out.push((got == *want, sizes.iter().all(|s| *s <= piece && *s > 0)));
+                }
+            }
+            assert_eq!(fsdp.find_param("cols"), Some((0, 1)));
+            assert_eq!(fsdp.find_param("nothing"), None);
+            out
+        });
+        for (rank, checks) in results.iter().enumerate() {
+            for (k, (values, pieces)) in checks.iter().enumerate() {
+                assert!(values, "{ranks} ranks, rank {rank}, check {k}: wrong values");
+                assert!(pieces, "{ranks} ranks, rank {rank}, check {k}: a piece over the size asked");
             }
         }
     }

@@ -9,14 +9,14 @@ use std::path::Path;
 use chorus_fsdp_candle::checkpoint::optimizer_json;
 use chorus_train::gpt::init_params;
 use chorus_train::gpt_train::{config_changes, GptSpec};
+use chorus_train::model_out::SafetensorsOutput;
 use chorus_train::text::{self, TextData};
 use serde_json::json;
 
 use super::outputs::{self, Finished};
 use super::ranks::{limit_candle_threads, GptJob};
 use super::resume::{check_resume, Resuming};
-use super::{run_with_progress, say, usage, TrainArgs};
-use crate::outdir::write_file;
+use super::{read_text, run_with_progress, say, usage, TrainArgs};
 use crate::Outcome;
 
 /// `chorus train --model gpt`.
@@ -65,6 +65,14 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     if !optimizer_changes.is_empty() {
         eprintln!("resuming with changed optimizer settings: {}", optimizer_changes.join(", "));
     }
+    // The trained model, unsharded, as candle and Python load it: gathered
+    // and written one tensor at a time at the end of the run; and a sample
+    // the sharded model writes.
+    let output = SafetensorsOutput {
+        path: out.as_ref().map(|o| o.stage().join("model.safetensors")),
+        tensors: cfg.param_shapes(),
+    };
+    let spec = GptSpec { output: Some(Arc::new(output)), sample: Some(("the cat ".into(), 60)), ..spec };
     let reports = run_with_progress(args.backend, world, GptJob(spec.clone()), steps)?;
     let Some(out) = out.filter(|_| !reports.is_empty()) else {
         return match reports.first().and_then(|r| r.stopped) {
@@ -78,28 +86,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     if let Some(stop) = first.stopped {
         return run.fail(out, "gpt", stop, config);
     }
-    // The trained model, unsharded, as candle and Python load it.
-    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = first
-        .params
-        .iter()
-        .map(|(name, v)| {
-            let shape = cfg
-                .param_shapes()
-                .into_iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, s)| s)
-                .unwrap_or_else(|| vec![v.len()]);
-            (name.clone(), shape, v.iter().flat_map(|x| x.to_le_bytes()).collect())
-        })
-        .collect();
-    let views = tensors
-        .iter()
-        .map(|(n, shape, b)| {
-            Ok((n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), b)?))
-        })
-        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
-    write_file(&out.stage().join("model.safetensors"), &safetensors::tensor::serialize(views, None)?)?;
-    let sample = chorus_train::gpt::sample(&cfg, &first.params, "the cat ", 60)?;
+    let sample = first.sample.clone().unwrap_or_default();
     let mut summary = run.summary("gpt", config);
     summary.insert("sample".into(), sample.clone().into());
     let dest = run.commit(out, "gpt", summary)?;
@@ -141,14 +128,6 @@ fn config_json(
         "keep_last": args.keep_last,
         "checkpoint_dir": checkpoint_dir.map(|p| p.display().to_string()),
     })
-}
-
-/// The text of a `--text` file: UTF-8, or else Latin-1 (every byte one
-/// character), so that any file reads; characters outside the vocabulary
-/// become spaces when encoded.
-fn read_text(path: &Path) -> anyhow::Result<String> {
-    let bytes = std::fs::read(path).map_err(|e| usage(format!("--text {}: {e}", path.display())))?;
-    Ok(String::from_utf8(bytes).unwrap_or_else(|e| e.into_bytes().iter().map(|b| char::from(*b)).collect()))
 }
 
 /// The run the arguments describe, for `steps` steps, on `--text` or on

@@ -21,7 +21,7 @@ use serde_json::json;
 use super::outputs::{self, Finished};
 use super::ranks::{limit_candle_threads, LlamaJob};
 use super::resume::{check_resume, Resuming};
-use super::{run_with_progress, say, usage, TrainArgs};
+use super::{read_text, run_with_progress, say, usage, TrainArgs};
 use crate::outdir::write_file;
 use crate::Outcome;
 
@@ -75,6 +75,13 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     if !optimizer_changes.is_empty() {
         eprintln!("resuming with changed optimizer settings: {}", optimizer_changes.join(", "));
     }
+    // The Hugging Face directory, gathered and written one tensor at a time at the end of the run.
+    let output = llama_hf::HfOutput {
+        dir: out.as_ref().map(|o| o.stage().join("model")),
+        config: cfg.clone(),
+        layout: llama_hf::HfLayout::new(&cfg, args.llama.save_dtype.dtype(), max_file_bytes),
+    };
+    let spec = LlamaSpec { output: Some(Arc::new(output)), ..spec };
     let reports = run_with_progress(args.backend, world, LlamaJob(spec.clone()), steps)?;
     let Some(out) = out.filter(|_| !reports.is_empty()) else {
         return match reports.first().and_then(|r| r.stopped) {
@@ -88,9 +95,6 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     if let Some(stop) = first.stopped {
         return run.fail(out, "llama", stop, config);
     }
-    let model_dir = out.stage().join("model");
-    std::fs::create_dir(&model_dir).with_context(|| format!("creating {}", model_dir.display()))?;
-    llama_hf::write(&model_dir, &cfg, &first.params, args.llama.save_dtype.dtype(), max_file_bytes)?;
     let mut summary = run.summary("llama", config);
     summary.insert("hf_model_dir".into(), "model".into());
     let dest = run.commit(out, "llama", summary)?;
@@ -175,7 +179,7 @@ pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<LlamaSpec> {
                 )));
             }
             let corpus = match &args.text {
-                Some(path) => std::fs::read_to_string(path).with_context(|| format!("--text {}", path.display()))?,
+                Some(path) => read_text(path)?,
                 None => text::generate(200_000, args.seed),
             };
             let seq_len = args.seq_len();

@@ -9,6 +9,7 @@ use anyhow::Context;
 use chorus_fsdp::ParamInit;
 use chorus_fsdp_candle::checkpoint::optimizer_json;
 use chorus_train::mlp::init_layers;
+use chorus_train::model_out::NpyOutput;
 use chorus_train::npy;
 use chorus_train::train::{Dataset, TrainSpec};
 use serde_json::json;
@@ -96,7 +97,12 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     if let (Some(out), None) = (&out, &args.init_dir) {
         save_init(&out.stage().join("init"), &layers, &data)?;
     }
+    // The trained parameters, one `.npy` per parameter, gathered and written one at a time.
+    let tensors = layers.iter().flatten().map(|p| (p.name.clone(), p.shape.clone())).collect();
+    let output = NpyOutput { dir: out.as_ref().map(|o| o.stage().to_path_buf()), tensors };
     let spec = TrainSpec {
+        output: Some(Arc::new(output)),
+        collect_params: false,
         layers,
         data: Arc::new(data),
         batch: args.batch,
@@ -135,10 +141,6 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         out.commit()?;
         return Err(nonfinite(step, loss)
             .context(format!("the run failed; its summary (marked failed) and loss curve are in {}", dest.display())));
-    }
-    for (name, values) in &first.params {
-        let shape = spec.layers.iter().flatten().find(|p| &p.name == name).map(|p| p.shape.clone()).unwrap_or_default();
-        write_npy(&out.stage().join(format!("{name}.npy")), &shape, values)?;
     }
     let median_step = median(&first.step_times_s);
     let overhead_per_group_step = first.overhead.total.as_secs_f64() / (first.groups.max(1) as f64 * steps as f64);
@@ -245,6 +247,8 @@ pub(super) fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
             replicate: None,
             max_grad_norm: None,
             stop_on_nonfinite: false,
+            output: None,
+            collect_params: false,
         };
         let reports = run_on(args.backend, world, MlpJob(spec), None)?;
         let r = reports.first().context("no ranks")?;

@@ -53,6 +53,17 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     }
 }
 
+/// The text of a `--text` file (either model's): UTF-8, or else Latin-1
+/// (every byte one character), so that any file reads; characters outside
+/// the vocabulary become spaces when encoded. Only a regular file is read
+/// (a FIFO would block the run).
+fn read_text(path: &std::path::Path) -> anyhow::Result<String> {
+    let bad = |e: std::io::Error| usage(format!("--text {}: {e}", path.display()));
+    chorus_train::npy::regular_file(path).map_err(bad)?;
+    let bytes = std::fs::read(path).map_err(bad)?;
+    Ok(String::from_utf8(bytes).unwrap_or_else(|e| e.into_bytes().iter().map(|b| char::from(*b)).collect()))
+}
+
 fn usage(msg: impl Into<String>) -> anyhow::Error {
     UsageError(msg.into()).into()
 }

@@ -19,6 +19,9 @@ pub enum Error {
     /// A checkpoint problem, naming the file and, where it applies, the tensor.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    /// An output file (the trained model, its consolidation) could not be written.
+    #[error("writing {0}")]
+    Write(#[from] crate::safetensors_io::WriteError),
     /// The training loss stopped being a finite number.
     #[error("the loss became {loss} at step {step}: stopping (a NaN or infinity in the data, the weights or the learning rate)")]
     NonFinite {

@@ -23,7 +23,8 @@
 //! [`checkpoint`] saves and loads sharded safetensors checkpoints (PyTorch
 //! distributed checkpoint's layout for safetensors) that reshard on load to
 //! any world size and mesh, and consolidates them into plain safetensors
-//! files that candle and Python load.
+//! files that candle and Python load. [`safetensors_io`] writes safetensors
+//! files tensor by tensor, header first, as the values arrive.
 #![warn(missing_docs)]
 
 pub mod checkpoint;
@@ -34,6 +35,7 @@ mod cuda;
 mod device;
 mod error;
 mod module;
+pub mod safetensors_io;
 
 #[cfg(feature = "candle-cuda")]
 pub use cuda::cuda_device;

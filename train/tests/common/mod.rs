@@ -43,3 +43,16 @@ pub fn max_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
     }
     worst
 }
+
+/// Makes a FIFO at `path` (what a user might give as a data or weights
+/// file by mistake: reading one blocks until a writer comes).
+#[cfg(unix)]
+pub fn mkfifo(path: &std::path::Path) {
+    extern "C" {
+        fn mkfifo(path: *const std::ffi::c_char, mode: u32) -> i32;
+    }
+    let _ = std::fs::remove_file(path);
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).expect("a path without NUL");
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
+    assert_eq!(unsafe { mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo {}", path.display());
+}

@@ -9,7 +9,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use chorus_fsdp::OptimizerKind;
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::Dtype;
 use serde::{Deserialize, Serialize};
 
 use super::geometry::Region;
@@ -112,10 +112,6 @@ pub(super) fn consolidated_file(k: usize, n: usize) -> String {
 
 // ---------------------------------------------------------------- writing
 
-pub(super) fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
 /// Writes `bytes` to `path`, syncs it.
 pub(super) fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let mut f = File::create(path).map_err(|e| CheckpointError::io(path, e))?;
@@ -164,23 +160,14 @@ pub(super) fn fresh_dir(dir: &Path) -> Result<(), CheckpointError> {
     std::fs::create_dir(dir).map_err(|e| CheckpointError::io(dir, e))
 }
 
-/// Serializes named f32 tensors (name, shape, values) with sharding offsets
-/// and the save's identity.
-pub(super) fn safetensors_bytes(
-    tensors: &[(String, Vec<usize>, Vec<u8>)],
+/// The `__metadata__` of a checkpoint's safetensors file: `format: pt`,
+/// the boxes' offsets in the full tensors (PyTorch's sharding info), and
+/// the save's identity.
+pub(super) fn shard_metadata(
     offsets: Option<&BTreeMap<String, Vec<usize>>>,
     save_id: Option<&str>,
-    path: &Path,
-) -> Result<Vec<u8>, CheckpointError> {
-    let views = tensors
-        .iter()
-        .map(|(name, shape, bytes)| {
-            TensorView::new(Dtype::F32, shape.clone(), bytes)
-                .map(|v| (name.clone(), v))
-                .map_err(|e| CheckpointError::format(path, format!("tensor `{name}`: {e}")))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+) -> BTreeMap<String, String> {
+    let mut meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
     if let Some(offsets) = offsets {
         let info: BTreeMap<&String, serde_json::Value> =
             offsets.iter().map(|(n, o)| (n, serde_json::json!({ SAVED_OFFSETS_KEY: o }))).collect();
@@ -190,7 +177,7 @@ pub(super) fn safetensors_bytes(
     if let Some(id) = save_id {
         meta.insert(SAVE_ID_KEY.to_string(), id.to_string());
     }
-    safetensors::tensor::serialize(views, Some(meta)).map_err(|e| CheckpointError::format(path, e))
+    meta
 }
 
 // ---------------------------------------------------------------- reading

@@ -11,11 +11,12 @@ use chorus_fsdp::{Fsdp, OptimizerKind, ShardedOptimizer};
 use safetensors::tensor::Dtype;
 
 use super::files::{
-    consolidated_file, f32_bytes, fresh_dir, moment_names, safetensors_bytes, state_key, sync_dir, write_index,
-    write_synced, Opened, SavedBox, TensorEntry, INDEX, MANIFEST, TRAINING_STATE,
+    consolidated_file, fresh_dir, moment_names, shard_metadata, state_key, sync_dir, write_index, Opened, SavedBox,
+    TensorEntry, INDEX, MANIFEST, TRAINING_STATE,
 };
 use super::geometry::{copy_box, padded_strides, strides, Region};
 use super::{optimizer_json, TrainingState};
+use crate::safetensors_io::{Planned, StreamWriter};
 use crate::{CheckpointError, Error, Result};
 
 /// Fills `dst` (box `want` of `name`, a tensor of `full_shape`, with
@@ -274,29 +275,77 @@ pub fn read_training_state(dir: &Path) -> Result<TrainingState, CheckpointError>
     Opened::open(dir)?.training_state()
 }
 
+/// A checkpoint's parameters read whole, one at a time, from its
+/// memory-mapped shard files (consolidation): one full tensor in memory at
+/// a time, never the model.
+pub struct FullTensors {
+    ck: Opened,
+    boxes: HashMap<String, Vec<SavedBox>>,
+}
+
+impl FullTensors {
+    /// Opens the checkpoint `dir` (a `step-*` directory or a root with `latest`).
+    pub fn open(dir: &Path) -> Result<FullTensors, CheckpointError> {
+        let mut ck = Opened::open(dir)?;
+        let boxes = ck.boxes("model")?;
+        Ok(FullTensors { ck, boxes })
+    }
+
+    /// Every parameter's name and shape, in the manifest's order.
+    pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
+        self.ck.manifest.tensors.iter().map(|t| (t.name.clone(), t.shape.clone())).collect()
+    }
+
+    /// The whole of the parameter `name` (row-major f32), checked to be
+    /// covered by its saved boxes.
+    pub fn read(&mut self, name: &str) -> Result<Vec<f32>, CheckpointError> {
+        let shape =
+            self.ck.manifest.tensors.iter().find(|t| t.name == name).map(|t| t.shape.clone()).ok_or_else(|| {
+                CheckpointError::MissingTensor { path: self.ck.dir.join(MANIFEST), tensor: name.into() }
+            })?;
+        // The boxes' sizes are their files' (checked against the files'
+        // lengths): a manifest shape they cannot fill is refused before
+        // anything that size is allocated.
+        let saved: usize = self.boxes.get(name).map_or(0, |b| b.iter().map(|b| b.region.numel()).sum());
+        let needed = shape.iter().try_fold(1usize, |a, d| a.checked_mul(*d)).unwrap_or(usize::MAX);
+        if needed > saved {
+            return Err(CheckpointError::Coverage {
+                path: self.ck.dir.clone(),
+                tensor: name.into(),
+                covered: saved,
+                needed,
+            });
+        }
+        let full = Region::whole(&shape);
+        let mut values = vec![0.0f32; full.numel()];
+        read_into(&mut self.ck, &self.boxes, name, &shape, &full, &strides(&shape), &mut values)?;
+        Ok(values)
+    }
+}
+
 /// Writes the checkpoint's parameters as plain full tensors:
 /// `out/model-0000i-of-0000N.safetensors` (a new file whenever one would pass
 /// `max_file_bytes`) and `out/model.safetensors.index.json`, the layout
 /// Hugging Face models ship in, which candle (`VarBuilder::from_mmaped_safetensors`)
-/// and Python's `safetensors` load. Written to a temporary directory and
-/// renamed; `out` must not exist. Returns the files written.
+/// and Python's `safetensors` load. Each file is written once, tensor by
+/// tensor (one full tensor in memory at a time), into a temporary directory
+/// renamed to `out`; `out` must not exist. Returns the files written.
 pub fn consolidate(dir: &Path, out: &Path, max_file_bytes: usize) -> Result<Vec<PathBuf>> {
     if out.exists() {
         return Err(Error::InvalidArgument(format!("{} exists; consolidate writes a new directory", out.display())));
     }
-    let mut ck = Opened::open(dir)?;
-    let boxes = ck.boxes("model")?;
-    let tensors = ck.manifest.tensors.clone();
+    let mut full = FullTensors::open(dir)?;
+    let tensors = full.tensors();
     // Group tensors into files of at most max_file_bytes (one tensor may exceed it alone).
-    let mut files: Vec<Vec<&TensorEntry>> = vec![Vec::new()];
-    let mut size = 0;
+    let mut files: Vec<Vec<&(String, Vec<usize>)>> = vec![Vec::new()];
+    let mut size = 0usize;
     for t in &tensors {
-        let bytes = t.shape.iter().product::<usize>() * 4;
-        if size > 0 && size + bytes > max_file_bytes {
+        let bytes = t.1.iter().product::<usize>().saturating_mul(4);
+        if size > 0 && size.saturating_add(bytes) > max_file_bytes {
             files.push(Vec::new());
             size = 0;
         }
-        size += bytes;
+        size = size.saturating_add(bytes);
         if let Some(last) = files.last_mut() {
             last.push(t);
         }
@@ -304,27 +353,39 @@ pub fn consolidate(dir: &Path, out: &Path, max_file_bytes: usize) -> Result<Vec<
     let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let tmp = parent.join(format!(".tmp-{}", out.file_name().and_then(|n| n.to_str()).unwrap_or("consolidated")));
     fresh_dir(&tmp)?;
-    let n = files.len();
-    let mut weight_map = BTreeMap::new();
-    let mut names = Vec::new();
-    let mut total = 0;
-    for (k, group) in files.iter().enumerate() {
-        let file = consolidated_file(k, n);
-        let mut data = Vec::new();
-        for t in group {
-            let full = Region::whole(&t.shape);
-            let mut values = vec![0.0f32; full.numel()];
-            read_into(&mut ck, &boxes, &t.name, &t.shape, &full, &strides(&t.shape), &mut values)?;
-            total += values.len() * 4;
-            data.push((t.name.clone(), t.shape.clone(), f32_bytes(&values)));
-            weight_map.insert(t.name.clone(), file.clone());
+    let written = (|| -> Result<Vec<String>> {
+        let n = files.len();
+        let mut weight_map = BTreeMap::new();
+        let mut names = Vec::new();
+        let mut total = 0;
+        for (k, group) in files.iter().enumerate() {
+            let file = consolidated_file(k, n);
+            let path = tmp.join(&file);
+            let plan: Vec<Planned> =
+                group.iter().map(|(n, s)| Planned { name: n.clone(), dtype: Dtype::F32, shape: s.clone() }).collect();
+            let io = |e: crate::safetensors_io::WriteError| CheckpointError::io(&e.path, e.source);
+            let mut w = StreamWriter::create(&path, &plan, &shard_metadata(None, None)).map_err(io)?;
+            for (name, _) in group {
+                let values = full.read(name)?;
+                total += values.len() * 4;
+                w.write_f32(&values).map_err(io)?;
+                weight_map.insert(name.clone(), file.clone());
+            }
+            w.finish().map_err(io)?;
+            names.push(file);
         }
-        let path = tmp.join(&file);
-        write_synced(&path, &safetensors_bytes(&data, None, None, &path)?)?;
-        names.push(file);
-    }
-    write_index(&tmp, total, &weight_map, None)?;
-    sync_dir(&tmp)?;
+        write_index(&tmp, total, &weight_map, None)?;
+        sync_dir(&tmp)?;
+        Ok(names)
+    })();
+    let names = match written {
+        Ok(names) => names,
+        Err(e) => {
+            // Only what this call wrote goes.
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+    };
     std::fs::rename(&tmp, out).map_err(|e| CheckpointError::io(out, e))?;
     sync_dir(parent)?;
     Ok(names.into_iter().map(|f| out.join(f)).collect())

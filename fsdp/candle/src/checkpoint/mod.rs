@@ -83,7 +83,9 @@ mod place;
 mod save;
 
 pub use files::resolve;
-pub use load::{consolidate, inspect, load, optimizer_changes, read_training_state, Inspected, LoadOptions};
+pub use load::{
+    consolidate, inspect, load, optimizer_changes, read_training_state, FullTensors, Inspected, LoadOptions,
+};
 pub use place::{exchange, recover, recover_aside, replace_dir, Recovered};
 pub use save::{save, SaveOptions};
 

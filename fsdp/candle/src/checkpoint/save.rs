@@ -13,14 +13,17 @@ use chorus_collectives::{CommBackend, ReduceOp};
 use chorus_devices::{Buffer, ComputeBackend, StreamExt};
 use chorus_fsdp::{Fsdp, ShardedOptimizer};
 
+use safetensors::Dtype;
+
 use super::files::{
-    f32_bytes, fresh_dir, moment_names, new_save_id, recorded_save_id, replace_dir, safetensors_bytes, save_id_text,
-    shard_file, state_key, sync_dir, write_index, write_json, write_synced, FileEntry, Manifest, StoredState,
-    TensorEntry, INDEX, LATEST, MANIFEST, TRAINING_STATE,
+    fresh_dir, moment_names, new_save_id, replace_dir, save_id_text, shard_file, shard_metadata, state_key, sync_dir,
+    write_index, write_json, write_synced, FileEntry, Manifest, StoredState, TensorEntry, INDEX, LATEST, MANIFEST,
+    SAVE_ID_KEY, TRAINING_STATE,
 };
 use super::geometry::{unpad, Region};
 use super::{optimizer_json, TrainingState, FORMAT};
-use crate::crc32::crc32;
+use crate::crc32::Crc32;
+use crate::safetensors_io::{Planned, StreamWriter, WriteError};
 use crate::{CheckpointError, Error, Result};
 
 /// How [`save`] treats the checkpoints already under its root.
@@ -139,7 +142,11 @@ where
     Ok(dest)
 }
 
-/// Writes this rank's shard files into `tmp` (nothing if it is not the first replica).
+/// Writes this rank's shard files into `tmp` (nothing if it is not the
+/// first replica): both files' headers first (every box's size is known),
+/// then each parameter's box and its moments, one parameter at a time, so a
+/// save holds one parameter's shard beside the rank's state, never a copy
+/// of all of it.
 fn write_rank_files<C: CommBackend>(fsdp: &Fsdp<C>, opt: &ShardedOptimizer<C>, tmp: &Path, save_id: &str) -> Result<()>
 where
     C::B: ComputeBackend,
@@ -152,47 +159,113 @@ where
     let names = moment_names(opt.kind());
     let (mut model, mut model_offsets) = (Vec::new(), BTreeMap::new());
     let (mut optim, mut optim_offsets) = (Vec::new(), BTreeMap::new());
+    // Per parameter: where it is, its layout, and whether its step and its box are written.
+    let mut items = Vec::new();
+    let plan = |name: String, shape: &[usize]| Planned { name, dtype: Dtype::F32, shape: shape.to_vec() };
     for g in 0..fsdp.num_groups() {
         for (i, (name, shape)) in fsdp.group_params(g)?.into_iter().enumerate() {
             let layout = fsdp.param_layout(g, i)?;
             if layout.is_none() && !first {
                 continue; // replicated: the first shard rank writes it whole
             }
-            let moments = opt.read_state(fsdp, g, i)?;
-            let has_state = moments.len() == names.len() && !moments.is_empty();
-            if has_state && first {
-                // The optimizer's step is the same on every rank (a replicated
-                // scalar): written once, by the first shard rank, as PyTorch's
-                // saver writes a replicated tensor.
+            let has_state = opt.has_state(g, i) && !names.is_empty();
+            // The optimizer's step is the same on every rank (a replicated
+            // scalar): written once, by the first shard rank, as PyTorch's
+            // saver writes a replicated tensor.
+            let with_step = has_state && first;
+            if with_step {
                 let key = state_key(&name, "step");
-                optim.push((key.clone(), vec![], f32_bytes(&[opt.steps() as f32])));
+                optim.push(plan(key.clone(), &[]));
                 optim_offsets.insert(key, vec![]);
             }
             let region = Region::of(&shape, layout.as_ref(), rank);
-            if region.numel() == 0 {
-                continue; // trailing ranks may hold only padding
-            }
-            let cut = |v: Vec<f32>| match &layout {
-                Some(l) => unpad(&v, l, rank),
-                None => v,
-            };
-            model.push((name.clone(), region.shape.clone(), f32_bytes(&cut(fsdp.read_shard(g, i)?))));
-            model_offsets.insert(name.clone(), region.offsets.clone());
-            if has_state {
-                for (m, what) in moments.into_iter().zip(names) {
-                    let key = state_key(&name, what);
-                    optim.push((key.clone(), region.shape.clone(), f32_bytes(&cut(m))));
-                    optim_offsets.insert(key, region.offsets.clone());
+            // Trailing ranks may hold only padding.
+            let with_box = region.numel() > 0;
+            if with_box {
+                model.push(plan(name.clone(), &region.shape));
+                model_offsets.insert(name.clone(), region.offsets.clone());
+                if has_state {
+                    for what in names {
+                        let key = state_key(&name, what);
+                        optim.push(plan(key.clone(), &region.shape));
+                        optim_offsets.insert(key, region.offsets.clone());
+                    }
                 }
+            }
+            items.push((g, i, name, layout, with_step, with_box && has_state, with_box));
+        }
+    }
+    let create = |what: &str, tensors: &[Planned], offsets: &BTreeMap<String, Vec<usize>>| {
+        let path = tmp.join(shard_file(rank, what));
+        StreamWriter::create(&path, tensors, &shard_metadata(Some(offsets), Some(save_id)))
+            .map_err(|e| CheckpointError::io(&e.path, e.source))
+    };
+    let mut model_file = create("model", &model, &model_offsets)?;
+    let mut optim_file = create("optim", &optim, &optim_offsets)?;
+    let written = |r: std::result::Result<(), WriteError>| r.map_err(|e| CheckpointError::io(&e.path, e.source));
+    for (g, i, name, layout, with_step, with_moments, with_box) in items {
+        let cut = |v: Vec<f32>| match &layout {
+            Some(l) => unpad(&v, l, rank),
+            None => v,
+        };
+        if with_step {
+            written(optim_file.write_f32(&[opt.steps() as f32]))?;
+        }
+        if with_box {
+            written(model_file.write_f32(&cut(fsdp.read_shard(g, i)?)))?;
+        }
+        if with_moments {
+            let moments = opt.read_state(fsdp, g, i)?;
+            if moments.len() != names.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "{name}: {} optimizer moments, the optimizer keeps {}",
+                    moments.len(),
+                    names.len()
+                )));
+            }
+            for m in moments {
+                written(optim_file.write_f32(&cut(m)))?;
             }
         }
     }
-    for (what, tensors, offsets) in [("model", model, model_offsets), ("optim", optim, optim_offsets)] {
-        let path = tmp.join(shard_file(rank, what));
-        let bytes = safetensors_bytes(&tensors, Some(&offsets), Some(save_id), &path)?;
-        write_synced(&path, &bytes)?;
+    for f in [model_file, optim_file] {
+        f.finish().map_err(|e| CheckpointError::io(&e.path, e.source))?;
     }
     Ok(())
+}
+
+/// One pass over a file of the save: its size and CRC-32, read in pieces,
+/// and, for a safetensors file, its header (JSON) — never the whole file
+/// in memory, never read twice.
+fn scan(path: &Path) -> Result<(FileEntry, Option<serde_json::Map<String, serde_json::Value>>), CheckpointError> {
+    use std::io::Read;
+    let io = |e| CheckpointError::io(path, e);
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let len = f.metadata().map_err(io)?.len();
+    let mut crc = Crc32::new();
+    let mut header = None;
+    if path.extension().is_some_and(|e| e == "safetensors") {
+        let mut n = [0u8; 8];
+        f.read_exact(&mut n).map_err(|e| CheckpointError::format(path, format!("no safetensors header: {e}")))?;
+        let n = u64::from_le_bytes(n);
+        if n > len.saturating_sub(8) || n > 100_000_000 {
+            return Err(CheckpointError::format(path, format!("a header of {n} bytes in a file of {len}")));
+        }
+        let mut text = vec![0u8; n as usize];
+        f.read_exact(&mut text).map_err(io)?;
+        crc.update(&(n).to_le_bytes());
+        crc.update(&text);
+        header = Some(serde_json::from_slice(&text).map_err(|e| CheckpointError::format(path, e))?);
+    }
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let got = f.read(&mut buf).map_err(io)?;
+        if got == 0 {
+            break;
+        }
+        crc.update(&buf[..got]);
+    }
+    Ok((FileEntry { bytes: len, crc32: crc.finish() }, header))
 }
 
 /// Where the first rank completes a save.
@@ -231,38 +304,34 @@ where
         .filter_map(|e| e.ok().and_then(|e| e.file_name().into_string().ok()))
         .collect();
     entries.sort();
+    let mut files = BTreeMap::new();
     for file in &entries {
         let path = tmp.join(file);
-        let bytes = std::fs::read(&path).map_err(|e| CheckpointError::io(&path, e))?;
+        let (entry, header) = scan(&path)?;
+        let header = header.unwrap_or_default();
         // Only this save's ranks write here (the directory is named after
         // it); a file of another writer is refused, never recorded.
-        let recorded = recorded_save_id(file, &bytes, &path)?;
-        if recorded.as_deref() != Some(t.save_id) {
+        let recorded = header.get("__metadata__").and_then(|m| m.get(SAVE_ID_KEY)).and_then(|v| v.as_str());
+        if recorded != Some(t.save_id) {
             return Err(CheckpointError::Mixed {
                 path,
-                found: recorded.unwrap_or_else(|| "none".into()),
+                found: recorded.unwrap_or("none").to_string(),
                 expected: t.save_id.to_string(),
             }
             .into());
         }
         if file.contains("-model-") {
-            let (_, meta) =
-                safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| CheckpointError::format(&path, e))?;
-            for n in meta.tensors().keys() {
+            for n in header.keys().filter(|k| k.as_str() != "__metadata__") {
                 weight_map.entry(n.clone()).or_insert_with(|| file.clone());
             }
         }
+        files.insert(file.clone(), entry);
     }
     let total: usize = tensors.iter().map(|t| t.shape.iter().product::<usize>() * 4).sum();
     write_index(tmp, total, &weight_map, Some(t.save_id))?;
     write_json(&tmp.join(TRAINING_STATE), &StoredState { state: state.clone(), save_id: Some(t.save_id.to_string()) })?;
-    entries.push(INDEX.to_string());
-    entries.push(TRAINING_STATE.to_string());
-    let mut files = BTreeMap::new();
-    for file in &entries {
-        let path = tmp.join(file);
-        let bytes = std::fs::read(&path).map_err(|e| CheckpointError::io(&path, e))?;
-        files.insert(file.clone(), FileEntry { bytes: bytes.len() as u64, crc32: crc32(&bytes) });
+    for file in [INDEX, TRAINING_STATE] {
+        files.insert(file.to_string(), scan(&tmp.join(file))?.0);
     }
     let dp = fsdp.data_parallel();
     let manifest = Manifest {
