@@ -114,7 +114,10 @@ run() {
     start=$(date +%s)
     # The flight recorder: every rank's last calls, dumped on a failure or on
     # SIGUSR1, with start events so a stalled stream is named.
-    CHORUS_TRACE_DIR="$results/$name.trace" CHORUS_FLIGHT_RECORDER_STARTS=1 "$@" >"$results/$name.log" 2>&1 &
+    # <&0: a background command's stdin is /dev/null unless given; the
+    # Python checks read their script from it (a here-document), and without
+    # it python3 ran an empty script and passed.
+    CHORUS_TRACE_DIR="$results/$name.trace" CHORUS_FLIGHT_RECORDER_STARTS=1 "$@" <&0 >"$results/$name.log" 2>&1 &
     pid=$!
     while kill -0 "$pid" 2>/dev/null && [ $(($(date +%s) - start)) -lt "$limit" ]; do
         sleep 1
@@ -280,17 +283,20 @@ PY
     # 109.5M parameters: vocab 16000, hidden 768, 12 layers, 12 heads (MHA), SwiGLU 2048, untied head.
     llama_110m=(--model llama --layers 12 --heads 12 --kv-heads 12 --hidden 768 --intermediate 2048 --vocab 16000
         --seq-len 256)
-    for spec in "llama-4l:${llama_4l[*]} --batch 4 --steps 10" \
-        "llama-110m:${llama_110m[*]} --batch 4 --steps 5" \
-        "gpt:--model gpt --batch 8 --steps 10"; do
+    # Limits (s) that keep the whole group under a lease's ten minutes even if every check hangs.
+    for spec in "llama-4l:90:${llama_4l[*]} --batch 4 --steps 10" \
+        "llama-110m:150:${llama_110m[*]} --batch 4 --steps 5" \
+        "gpt:90:--model gpt --batch 8 --steps 10"; do
         name="candle-cuda-${spec%%:*}"
-        read -r -a flags <<<"${spec#*:}"
-        peak_gpu_memory "$name" run "$name" 180 "$chorus" train --bench --json --backend nccl --world-size 1 \
+        rest="${spec#*:}"
+        limit="${rest%%:*}"
+        read -r -a flags <<<"${rest#*:}"
+        peak_gpu_memory "$name" run "$name" "$limit" "$chorus" train --bench --json --backend nccl --world-size 1 \
             "${flags[@]}"
         judge "$name" "$results/$name.log"
     done
     # bf16 on every GPU: tokens/s and MFU from the run's step times.
-    peak_gpu_memory candle-cuda-llama-110m-bf16 run candle-cuda-llama-110m-bf16 240 "$chorus" train \
+    peak_gpu_memory candle-cuda-llama-110m-bf16 run candle-cuda-llama-110m-bf16 180 "$chorus" train \
         "${llama_110m[@]}" --backend nccl --world-size "$gpus" --param-dtype bf16 --batch 8 --steps 20 \
         --out-dir "$results/candle-cuda-llama-110m-bf16"
     run candle-cuda-llama-110m-bf16-mfu 30 python3 - "$results/candle-cuda-llama-110m-bf16/summary.json" "$gpus" <<'PY'

@@ -702,6 +702,49 @@ fn the_transformer_bench_reports_both_sides() {
     assert_eq!(v["global_batch"], 4);
 }
 
+/// Issue 28: `chorus train --bench --model llama` (refused before): FSDP on
+/// sim ranks and plain candle train the same init on the same batches, so
+/// every step's loss agrees (f32), and the JSON says by how much.
+#[test]
+fn the_llama_bench_trains_both_sides_alike() {
+    let o = run(&[
+        "train",
+        "--bench",
+        "--model",
+        "llama",
+        "--world-size",
+        "2",
+        "--batch",
+        "2",
+        "--layers",
+        "2",
+        "--hidden",
+        "32",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--intermediate",
+        "64",
+        "--seq-len",
+        "16",
+        "--steps",
+        "2",
+        "--json",
+    ]);
+    no_panic(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["model"], "llama");
+    let (plain, fsdp) = (v["plain"]["losses"].as_array().unwrap(), v["fsdp"]["losses"].as_array().unwrap());
+    assert_eq!(plain.len(), 5, "3 warm-up and 2 timed steps: {v}");
+    assert_eq!(plain.len(), fsdp.len(), "{v}");
+    let worst =
+        plain.iter().zip(fsdp).map(|(a, b)| (a.as_f64().unwrap() - b.as_f64().unwrap()).abs()).fold(0.0, f64::max);
+    assert!(worst < 1e-5, "{v}");
+    assert!((v["max_loss_difference"].as_f64().unwrap() - worst).abs() < 1e-12, "{v}");
+}
+
 /// `args` with the out-dir `out` after the small transformer's.
 fn gpt_into(out: &Path, extra: &[&str]) -> Output {
     gpt(&[extra, &["--out-dir", out.to_str().unwrap()]].concat())

@@ -20,6 +20,12 @@
 //! sets it to cores / ranks before candle computes anything), or they
 //! oversubscribe them.
 //!
+//! With the `candle-cuda` feature, on the `cuda` device the stages compute
+//! on candle's CUDA device on the same GPU ([`FsdpModel::device`]): no host
+//! copies, candle's stream and FSDP's compute stream ordered by events (the
+//! rule is in `docs/fsdp.md`); `cuda_device` is candle's device for plain
+//! candle beside it.
+//!
 //! [`checkpoint`] saves and loads sharded safetensors checkpoints (PyTorch
 //! distributed checkpoint's layout for safetensors) that reshard on load to
 //! any world size and mesh, and consolidates them into plain safetensors
