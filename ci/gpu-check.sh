@@ -266,17 +266,7 @@ if want candle-cuda; then
     }
     # judge NAME JSON_LOG: the bench's JSON line; fails past 1e-4 loss difference.
     judge() {
-        run "$1-judge" 30 python3 - "$2" <<'PY'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
-if not rows:
-    print("no JSON row in " + sys.argv[1] + " (the bench failed: see its log)")
-    sys.exit(1)
-r = rows[-1]
-d = r["max_loss_difference"]
-print(f"{r['what']}: largest loss difference {d:.3e} (limit 1e-4); step time FSDP {r['fsdp']['median_step_time_s']*1e3:.2f} ms vs plain {r['plain']['median_step_time_s']*1e3:.2f} ms: ratio {r['ratio']:.3f} (goal <= 1.1)")
-sys.exit(0 if d == d and d <= 1e-4 else 1)
-PY
+        run "$1-judge" 30 python3 ci/gpu_judge.py bench "$2"
         sed 's/^/# /' "$results/$1-judge.log" | tee -a "$summary"
     }
     llama_4l=(--model llama --layers 4 --heads 4 --kv-heads 2 --hidden 32 --intermediate 64 --seq-len 16)
@@ -299,23 +289,8 @@ PY
     peak_gpu_memory candle-cuda-llama-110m-bf16 run candle-cuda-llama-110m-bf16 180 "$chorus" train \
         "${llama_110m[@]}" --backend nccl --world-size "$gpus" --param-dtype bf16 --batch 8 --steps 20 \
         --out-dir "$results/candle-cuda-llama-110m-bf16"
-    run candle-cuda-llama-110m-bf16-mfu 30 python3 - "$results/candle-cuda-llama-110m-bf16/summary.json" "$gpus" <<'PY'
-import json, sys
-try:
-    s = json.load(open(sys.argv[1]))
-except OSError as e:
-    print(f"no summary of the bf16 run ({e}): the run failed, see candle-cuda-llama-110m-bf16.log")
-    sys.exit(1)
-gpus = int(sys.argv[2])
-t = sorted(s["step_times_s"][3:] or s["step_times_s"])[len(s["step_times_s"][3:] or s["step_times_s"]) // 2]
-V, H, L, I, T, B = 16000, 768, 12, 2048, 256, 8
-params = 2 * V * H + L * (4 * H * H + 3 * H * I + 2 * H) + H
-tokens = B * gpus * T
-flops = 6 * params * tokens + 12 * L * H * T * tokens  # the matmuls, and attention's scores and mix
-tps = tokens / t
-mfu = flops / t / (989e12 * gpus)
-print(f"110M Llama bf16 ({params} parameters), {gpus} GPU(s), {tokens} tokens/step: median step {t*1e3:.1f} ms, {tps:,.0f} tokens/s, MFU {mfu*100:.1f}% of 989 TFLOP/s per GPU; peak chorus device memory per rank {max(s['peak_memory_bytes'])/2**20:.0f} MiB")
-PY
+    run candle-cuda-llama-110m-bf16-mfu 30 python3 ci/gpu_judge.py mfu \
+        "$results/candle-cuda-llama-110m-bf16/summary.json" "$gpus"
     sed 's/^/# /' "$results/candle-cuda-llama-110m-bf16-mfu.log" | tee -a "$summary"
 fi
 

@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Judges the candle-CUDA checks of ci/gpu-check.sh (standard library only).
+
+    python3 ci/gpu_judge.py bench LOG          # `train --bench --json`: FSDP vs plain candle-CUDA
+    python3 ci/gpu_judge.py mfu SUMMARY GPUS   # the 110M Llama's bf16 run: tokens/s and MFU
+
+A file, not a here-document: gpu-check.sh's `run` starts its command in the
+background, whose standard input is /dev/null, so a script fed on stdin ran
+nothing and passed.
+"""
+import json
+import sys
+
+
+def bench(log):
+    rows = []
+    with open(log) as f:
+        for line in f:
+            if line.startswith("{"):
+                rows.append(json.loads(line))
+    if not rows:
+        print(f"no JSON row in {log} (the bench failed: see its log)")
+        return 1
+    r = rows[-1]
+    d = r["max_loss_difference"]
+    fsdp = r["fsdp"]["median_step_time_s"] * 1e3
+    plain = r["plain"]["median_step_time_s"] * 1e3
+    print(
+        f"{r['what']}: largest loss difference {d:.3e} (limit 1e-4); step time FSDP {fsdp:.2f} ms "
+        f"vs plain {plain:.2f} ms: ratio {r['ratio']:.3f} (goal <= 1.1)"
+    )
+    return 0 if d == d and d <= 1e-4 else 1
+
+
+def mfu(summary, gpus):
+    try:
+        with open(summary) as f:
+            s = json.load(f)
+    except OSError as e:
+        print(f"no summary of the bf16 run ({e}): the run failed, see its log")
+        return 1
+    gpus = int(gpus)
+    times = s["step_times_s"][3:] or s["step_times_s"]
+    t = sorted(times)[len(times) // 2]
+    # The shape of gpu-check.sh's llama_110m with --batch 8.
+    V, H, L, I, T, B = 16000, 768, 12, 2048, 256, 8
+    params = 2 * V * H + L * (4 * H * H + 3 * H * I + 2 * H) + H
+    tokens = B * gpus * T
+    flops = 6 * params * tokens + 12 * L * H * T * tokens  # the matmuls, and attention's scores and mix
+    print(
+        f"110M Llama bf16 ({params} parameters), {gpus} GPU(s), {tokens} tokens/step: median step "
+        f"{t * 1e3:.1f} ms, {tokens / t:,.0f} tokens/s, MFU {flops / t / (989e12 * gpus) * 100:.1f}% of "
+        f"989 TFLOP/s per GPU; peak chorus device memory per rank {max(s['peak_memory_bytes']) / 2**20:.0f} MiB"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    what, args = sys.argv[1], sys.argv[2:]
+    sys.exit({"bench": bench, "mfu": mfu}[what](*args))
