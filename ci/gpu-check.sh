@@ -114,10 +114,10 @@ run() {
     start=$(date +%s)
     # The flight recorder: every rank's last calls, dumped on a failure or on
     # SIGUSR1, with start events so a stalled stream is named.
-    # <&0: a background command's stdin is /dev/null unless given; the
-    # Python checks read their script from it (a here-document), and without
-    # it python3 ran an empty script and passed.
-    CHORUS_TRACE_DIR="$results/$name.trace" CHORUS_FLIGHT_RECORDER_STARTS=1 "$@" <&0 >"$results/$name.log" 2>&1 &
+    # Standard input is /dev/null (as for any background command): no check
+    # reads it, and the Python checks are files (ci/compare_train.py,
+    # ci/gpu_judge.py), never here-documents, which would run empty.
+    CHORUS_TRACE_DIR="$results/$name.trace" CHORUS_FLIGHT_RECORDER_STARTS=1 "$@" </dev/null >"$results/$name.log" 2>&1 &
     pid=$!
     while kill -0 "$pid" 2>/dev/null && [ $(($(date +%s) - start)) -lt "$limit" ]; do
         sleep 1
