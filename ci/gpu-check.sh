@@ -28,8 +28,13 @@
 #                        the Llama (4-layer shape of the PyTorch parity test; 110M) and the
 #                        transformer, FSDP on nccl against plain candle-CUDA from the same init and
 #                        batches (f32, TF32 off: losses within 1e-4; step-time ratio), device
-#                        memory per rank (nvidia-smi's peak); the 110M Llama in bf16 on every GPU:
-#                        tokens/s and MFU (989 TFLOP/s dense bf16 per H100 SXM)
+#                        memory per rank (nvidia-smi's peak); the 110M Llama without recomputation
+#                        (the step-time ratio's goal is stated that way); the 110M Llama in bf16 on
+#                        every GPU: tokens/s and MFU (989 TFLOP/s dense bf16 per H100 SXM)
+#   llama-torch          a transformers LlamaForCausalLM (ci/llama_torch.py, on the CPU in f32) trained
+#                        by chorus on candle-CUDA over NCCL and by PyTorch: losses within 1e-4 and every
+#                        saved tensor within 1e-4 ($CHORUS_PYTHON, else python3; skipped, and said so,
+#                        without transformers)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -276,6 +281,7 @@ if want candle-cuda; then
     # Limits (s) that keep the whole group under a lease's ten minutes even if every check hangs.
     for spec in "llama-4l:90:${llama_4l[*]} --batch 4 --steps 10" \
         "llama-110m:150:${llama_110m[*]} --batch 4 --steps 5" \
+        "llama-110m-no-recompute:150:${llama_110m[*]} --batch 4 --steps 5 --recompute false" \
         "gpt:90:--model gpt --batch 8 --steps 10"; do
         name="candle-cuda-${spec%%:*}"
         rest="${spec#*:}"
@@ -292,6 +298,26 @@ if want candle-cuda; then
     run candle-cuda-llama-110m-bf16-mfu 30 python3 ci/gpu_judge.py mfu \
         "$results/candle-cuda-llama-110m-bf16/summary.json" "$gpus"
     sed 's/^/# /' "$results/candle-cuda-llama-110m-bf16-mfu.log" | tee -a "$summary"
+fi
+
+if want llama-torch; then
+    # The PyTorch parity test of cli/tests/llama_torch.rs, with chorus on the GPU.
+    torch_python="${CHORUS_PYTHON:-python3}"
+    d="$results/llama-torch"
+    mkdir -p "$d"
+    if ! "$torch_python" -c 'import torch, transformers' >/dev/null 2>&1; then
+        echo "skipped llama-torch: $torch_python has no torch and transformers" | tee -a "$summary"
+    elif run llama-torch-make 120 "$torch_python" ci/llama_torch.py make "$d/made" --seed 3 --rows 40 --seq-len 16 \
+        && run llama-torch-pytorch 240 "$torch_python" ci/llama_torch.py train "$d/made/model" "$d/made/data.npy" \
+            "$d/torch" --steps 6 --global-batch 8 --lr 1e-3 --weight-decay 0.01 --max-grad-norm 1.0 \
+        && run llama-torch-chorus 120 "$chorus" train --model llama --backend nccl --world-size 1 \
+            --init-from "$d/made/model" --data "$d/made/data.npy" --batch 8 --steps 6 --optimizer adamw --lr 1e-3 \
+            --weight-decay 0.01 --max-grad-norm 1.0 --out-dir "$d/chorus"; then
+        run llama-torch-losses 30 python3 ci/gpu_judge.py losses "$d/chorus/summary.json" "$d/torch/losses.json" 1e-4
+        sed 's/^/# /' "$results/llama-torch-losses.log" | tee -a "$summary"
+        run llama-torch-weights 120 "$torch_python" ci/llama_torch.py compare "$d/chorus/model" "$d/torch/model" --atol 1e-4
+        tail -n 3 "$results/llama-torch-weights.log" | sed 's/^/# /' | tee -a "$summary"
+    fi
 fi
 
 echo "# results in $results/" | tee -a "$summary"

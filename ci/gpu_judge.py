@@ -3,6 +3,7 @@
 
     python3 ci/gpu_judge.py bench LOG          # `train --bench --json`: FSDP vs plain candle-CUDA
     python3 ci/gpu_judge.py mfu SUMMARY GPUS   # the 110M Llama's bf16 run: tokens/s and MFU
+    python3 ci/gpu_judge.py losses SUMMARY TORCH_LOSSES ATOL   # chorus's losses against PyTorch's
 
 A file, not a here-document: gpu-check.sh's `run` starts its command in the
 background, whose standard input is /dev/null, so a script fed on stdin ran
@@ -55,6 +56,27 @@ def mfu(summary, gpus):
     return 0
 
 
+def losses(summary, torch_losses, atol):
+    try:
+        with open(summary) as f:
+            ours = json.load(f)["losses"]
+        with open(torch_losses) as f:
+            theirs = json.load(f)["losses"]
+    except (OSError, KeyError, ValueError) as e:
+        print(f"cannot read the losses ({e}): a run failed, see its log")
+        return 1
+    atol = float(atol)
+    if len(ours) != len(theirs) or not ours:
+        print(f"{len(ours)} chorus losses against {len(theirs)} PyTorch losses")
+        return 1
+    worst = max(abs(a - b) for a, b in zip(ours, theirs))
+    print(
+        f"{len(ours)} steps: largest loss difference chorus vs PyTorch {worst:.3e} (limit {atol:g}); "
+        f"loss {ours[0]:.4f} -> {ours[-1]:.4f} (PyTorch {theirs[0]:.4f} -> {theirs[-1]:.4f})"
+    )
+    return 0 if worst == worst and worst <= atol and ours[-1] < ours[0] else 1
+
+
 if __name__ == "__main__":
     what, args = sys.argv[1], sys.argv[2:]
-    sys.exit({"bench": bench, "mfu": mfu}[what](*args))
+    sys.exit({"bench": bench, "mfu": mfu, "losses": losses}[what](*args))
