@@ -45,12 +45,21 @@ impl OptimizerKind {
     pub fn adamw(lr: f64, weight_decay: f64) -> Self {
         OptimizerKind::AdamW { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay }
     }
+    /// The learning rate (an lr schedule's base).
+    pub fn lr(&self) -> f64 {
+        match *self {
+            OptimizerKind::Sgd { lr, .. } | OptimizerKind::AdamW { lr, .. } => lr,
+        }
+    }
 }
 
 /// An optimizer over every parameter of an [`Fsdp`], stepping on this rank's
 /// shards (and on the whole of replicated parameters).
 pub struct ShardedOptimizer<C: CommBackend> {
     kind: OptimizerKind,
+    /// The lr of the next steps where a schedule set one; `kind`'s otherwise
+    /// (`kind` keeps the base lr, which checkpoints record and compare).
+    lr: Option<f64>,
     step: u64,
     /// Per group, per parameter: the moment buffers (momentum; or AdamW's two).
     state: Vec<Vec<Option<Moments<C>>>>,
@@ -64,7 +73,7 @@ where
 {
     /// An optimizer of `kind`; state is created on the first step.
     pub fn new(kind: OptimizerKind) -> Self {
-        ShardedOptimizer { kind, step: 0, state: Vec::new() }
+        ShardedOptimizer { kind, lr: None, step: 0, state: Vec::new() }
     }
 
     /// Steps taken.
@@ -72,9 +81,22 @@ where
         self.step
     }
 
-    /// The optimizer's kind and hyperparameters.
+    /// The optimizer's kind and hyperparameters, with the base lr (not
+    /// the one [`set_lr`](Self::set_lr) set).
     pub fn kind(&self) -> OptimizerKind {
         self.kind
+    }
+
+    /// Sets the lr the next steps use (an lr schedule's value for the
+    /// step), as assigning a param group's `lr` in PyTorch does; [`kind`](Self::kind)
+    /// keeps the base lr.
+    pub fn set_lr(&mut self, lr: f64) {
+        self.lr = Some(lr);
+    }
+
+    /// The lr the next step uses.
+    pub fn lr(&self) -> f64 {
+        self.lr.unwrap_or(self.kind.lr())
     }
 
     /// Whether parameter `i` of group `g` has optimizer state (moments) on
@@ -155,6 +177,7 @@ where
     /// compute stream (after [`Fsdp::finalize_backward`]).
     pub fn step(&mut self, fsdp: &mut Fsdp<C>) -> Result<()> {
         self.step += 1;
+        let lr = self.lr();
         let stream = &fsdp.ctx.streams.compute;
         self.state.resize_with(fsdp.groups.len(), Vec::new);
         for (g, grp) in fsdp.groups.iter().enumerate() {
@@ -177,13 +200,13 @@ where
                 }
                 let state = slot.as_ref().ok_or_else(|| FsdpError::InvalidArgument("optimizer state".into()))?;
                 match self.kind {
-                    OptimizerKind::Sgd { lr, momentum, dampening, weight_decay, nesterov } => stream.sgd_step(
+                    OptimizerKind::Sgd { momentum, dampening, weight_decay, nesterov, .. } => stream.sgd_step(
                         SgdParams { lr, momentum, dampening, weight_decay, nesterov, first_step: self.step == 1 },
                         p.master.view(),
                         grad.view(),
                         state[0].as_ref().map(|b| b.view()),
                     )?,
-                    OptimizerKind::AdamW { lr, beta1, beta2, eps, weight_decay } => {
+                    OptimizerKind::AdamW { beta1, beta2, eps, weight_decay, .. } => {
                         let (Some(m), Some(v)) = (&state[0], &state[1]) else {
                             return Err(FsdpError::InvalidArgument("AdamW state missing".into()));
                         };

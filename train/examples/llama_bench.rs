@@ -25,10 +25,10 @@ use chorus_collectives::sim::{SimConfig, SimWorld};
 use chorus_devices::cpu::CpuConfig;
 use chorus_devices::Device as _;
 use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, OptimizerKind};
-use chorus_train::llama::{init_params, ShardedLlama};
-use chorus_train::llama_config::LlamaConfig;
-use chorus_train::llama_hf::{self, SaveDtype};
-use chorus_train::llama_train::{train_llama, train_plain, LlamaData, LlamaSpec, TokenRows};
+use chorus_train::decoder::{train_plain, train_sharded, Data, TokenRows, TrainSpec};
+use chorus_train::models::llama::config::LlamaConfig;
+use chorus_train::models::llama::hf::{self as llama_hf, SaveDtype};
+use chorus_train::models::llama::{self, init_params, LlamaModel};
 use chorus_train::npy::Tokens;
 
 const WORLD: usize = 4;
@@ -40,11 +40,11 @@ fn config() -> LlamaConfig {
     LlamaConfig { head_dim: 64, ..LlamaConfig::new(32000, 768, 2048, 12, 12, 4) }
 }
 
-fn data(vocab: usize) -> LlamaData {
+fn data(vocab: usize) -> Data {
     let rows = WORLD * BATCH * STEPS as usize;
     let cols = SEQ + 1;
     let ids = (0..rows * cols).map(|i| ((i as u64 * 2654435761) % vocab as u64) as u32).collect();
-    LlamaData::Tokens(
+    Data::Tokens(
         TokenRows::new(Tokens::from_ids(rows, cols, ids).expect("ids"), vocab, WORLD * BATCH).expect("data"),
     )
 }
@@ -65,7 +65,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "write" => {
             std::fs::create_dir(&dir)?;
             let t0 = Instant::now();
-            let params: Vec<(String, Vec<f32>)> = chorus_train::llama::materialize(&init_params(&cfg, 0))?
+            let params: Vec<(String, Vec<f32>)> = llama::materialize(&init_params(&cfg, 0))?
                 .into_iter()
                 .map(|(n, t)| Ok((n, t.flatten_all()?.to_vec1::<f32>()?)))
                 .collect::<candle_core::Result<_>>()?;
@@ -83,7 +83,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let hf = llama_hf::open(&d).map_err(|e| e.to_string())?;
                 let fsdp =
                     Fsdp::new(DataParallel::fsdp(Arc::new(comm)), FsdpConfig::default()).map_err(|e| e.to_string())?;
-                let m = ShardedLlama::new(fsdp, Arc::new(hf.config), hf.params, true).map_err(|e| e.to_string())?;
+                let m = llama::shard(fsdp, Arc::new(hf.config), hf.params, true).map_err(|e| e.to_string())?;
                 let secs = t0.elapsed().as_secs_f64();
                 let peak = m.model.with_fsdp(|f| f.device().memory_stats().peak_bytes).map_err(|e| e.to_string())?;
                 Ok((secs, peak))
@@ -102,11 +102,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 config: config.clone(),
                 layout: llama_hf::HfLayout::new(&config, SaveDtype::BF16, 100 << 20),
             };
-            let spec = Arc::new(LlamaSpec {
+            let spec = Arc::new(TrainSpec {
                 output: Some(Arc::new(output)),
-                ..LlamaSpec::new(
-                    config,
-                    hf.params,
+                ..TrainSpec::new(
+                    LlamaModel { config, init: hf.params },
                     Arc::new(data(cfg.vocab_size)),
                     BATCH,
                     STEPS,
@@ -114,7 +113,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 )
             });
             let reports = SimWorld::run(WORLD, sim(), move |comm| {
-                train_llama(Arc::new(comm), &spec, &mut |_, _| {}).map_err(|e| e.to_string())
+                train_sharded(Arc::new(comm), &spec, &mut |_, _| {}).map_err(|e| e.to_string())
             })?;
             let reports: Vec<_> = reports
                 .into_iter()
@@ -141,9 +140,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "plain" => {
             let t0 = Instant::now();
             let hf = llama_hf::open(&dir)?;
-            let spec = LlamaSpec::new(
-                Arc::new(hf.config),
-                hf.params,
+            let spec = TrainSpec::new(
+                LlamaModel { config: Arc::new(hf.config), init: hf.params },
                 Arc::new(data(cfg.vocab_size)),
                 BATCH,
                 STEPS,

@@ -6,16 +6,20 @@
 //!   on every backend; with a deterministic initialisation.
 //! - [`train`]: the loop behind `chorus train` — data, optimizer, clipping,
 //!   losses, step times, peak memory and FSDP's host overhead per rank.
-//! - [`gpt`]: a small decoder-only transformer written with candle-nn, as a
-//!   plain candle model and sharded through the candle adapter
-//!   (`chorus-fsdp-candle`), trained on [`text`] generated from a grammar.
-//! - [`llama`]: the Llama architecture exactly as transformers'
-//!   `LlamaForCausalLM` computes it, plain and under FSDP (one group per
-//!   decoder layer plus the root), with [`llama_config`] (`config.json` in
-//!   both transformers spellings), [`llama_hf`] (Hugging Face model
-//!   directories in, memory-mapped and read shard by shard, and out) and
-//!   [`llama_train`] (the loop on `.npy` token ids or text).
-//! - [`fsdp_loop`]: what those loops share that does not depend on the model.
+//! - [`models`]: the decoder models, each behind one trait
+//!   ([`DecoderModel`](models::DecoderModel)): [`models::gpt`], a small
+//!   decoder-only transformer written with candle-nn and trained on [`text`]
+//!   generated from a grammar; [`models::llama`], the Llama architecture
+//!   exactly as transformers' `LlamaForCausalLM` computes it, with its
+//!   `config.json` ([`models::llama::config`]) and Hugging Face model
+//!   directories in (memory-mapped, read shard by shard) and out
+//!   ([`models::llama::hf`]).
+//! - [`decoder`]: the one training loop for those models, under FSDP
+//!   through the candle adapter (`chorus-fsdp-candle`) and as the plain
+//!   candle reference, on `.npy` token ids or text.
+//! - [`schedule`]: the lr schedule (warmup, then linear or cosine decay),
+//!   with PyTorch's `LambdaLR` semantics.
+//! - [`codec`]: text to token ids and back, for a run's closing sample.
 //! - [`model_out`]: the trained model written at a run's end, one gathered
 //!   parameter at a time (no rank holds the whole model).
 //! - [`npy`]: float32 `.npy` files, the interchange with PyTorch and NumPy
@@ -26,15 +30,12 @@
 //! type for a training step.
 #![warn(missing_docs)]
 
-pub mod fsdp_loop;
-pub mod gpt;
-pub mod gpt_train;
-pub mod llama;
-pub mod llama_config;
-pub mod llama_hf;
-pub mod llama_train;
+pub mod codec;
+pub mod decoder;
 pub mod mlp;
 pub mod model_out;
+pub mod models;
 pub mod npy;
+pub mod schedule;
 pub mod text;
 pub mod train;

@@ -6,7 +6,7 @@
 //!
 //! The outputs: the transformer's `model.safetensors` ([`SafetensorsOutput`]),
 //! the Llama's Hugging Face directory
-//! ([`HfOutput`](crate::llama_hf::HfOutput)) and the MLP's `.npy` files
+//! ([`HfOutput`](crate::models::llama::hf::HfOutput)) and the MLP's `.npy` files
 //! ([`NpyOutput`]).
 
 use std::fs::File;

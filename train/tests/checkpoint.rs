@@ -16,8 +16,8 @@ use candle_nn::VarBuilder;
 use chorus_fsdp::OptimizerKind;
 use chorus_fsdp_candle::checkpoint::{consolidate, read_training_state};
 use chorus_fsdp_candle::{CheckpointError, Error};
-use chorus_train::gpt::{init_params, Gpt, GptConfig};
-use chorus_train::gpt_train::{train_gpt, GptReport, GptSpec};
+use chorus_train::decoder::{train_sharded, Data, TrainReport as GptReport, TrainSpec};
+use chorus_train::models::gpt::{init_params, Gpt, GptConfig, GptModel};
 use chorus_train::text::{encode, generate, vocab_size, TextData};
 use common::on_sim_ranks;
 
@@ -25,19 +25,27 @@ fn config() -> GptConfig {
     GptConfig { vocab: vocab_size(), d_model: 16, layers: 2, heads: 2, d_ff: 24, seq_len: 10 }
 }
 
+type GptSpec = TrainSpec<GptModel>;
+
 fn spec(batch: usize, steps: u64) -> GptSpec {
     let cfg = config();
-    let data = Arc::new(TextData::new(encode(&generate(3000, 2)), cfg.seq_len, 5).unwrap());
+    let data = Arc::new(Data::Text(TextData::new(encode(&generate(3000, 2)), cfg.seq_len, 5).unwrap()));
     GptSpec {
         max_grad_norm: Some(1.0),
         collect_params: true,
-        ..GptSpec::new(cfg, init_params(&cfg, 11).unwrap(), data, batch, steps, OptimizerKind::adamw(1e-2, 0.01))
+        ..GptSpec::new(
+            GptModel { config: cfg, init: init_params(&cfg, 11).unwrap() },
+            data,
+            batch,
+            steps,
+            OptimizerKind::adamw(1e-2, 0.01),
+        )
     }
 }
 
 fn run(ranks: usize, spec: GptSpec) -> Vec<Result<GptReport, Error>> {
     let spec = Arc::new(spec);
-    on_sim_ranks(ranks, move |comm| train_gpt(comm, &spec, &mut |_, _| {}))
+    on_sim_ranks(ranks, move |comm| train_sharded(comm, &spec, &mut |_, _| {}))
 }
 
 fn run_ok(ranks: usize, spec: GptSpec) -> GptReport {
@@ -231,8 +239,8 @@ fn damaged_checkpoints_are_typed_errors_naming_file_and_tensor() {
     std::fs::write(&f, &bytes).unwrap();
     // Another model: wider layers.
     let err = resume_error(&dir, |s| {
-        s.config.d_ff = 32;
-        s.init = init_params(&s.config, 1).unwrap();
+        s.model.config.d_ff = 32;
+        s.model.init = init_params(&s.model.config, 1).unwrap();
     });
     match err {
         Error::Checkpoint(CheckpointError::Mismatch { tensor, message, .. }) => {
@@ -411,8 +419,8 @@ fn a_checkpoint_mixed_from_two_saves_is_refused() {
 fn a_resume_is_refused_for_another_configuration_or_optimizer() {
     let (dir, _) = saved_checkpoint("config");
     match resume_error(&dir, |s| {
-        s.config.layers = 1;
-        s.init = init_params(&s.config, 11).unwrap();
+        s.model.config.layers = 1;
+        s.model.init = init_params(&s.model.config, 11).unwrap();
     }) {
         Error::Checkpoint(CheckpointError::UnusedTensors { count, names, .. }) => {
             assert_eq!(count, 8, "one block's tensors");
@@ -420,7 +428,7 @@ fn a_resume_is_refused_for_another_configuration_or_optimizer() {
         }
         e => panic!("expected UnusedTensors, got {e}"),
     }
-    match resume_error(&dir, |s| s.config.heads = 1) {
+    match resume_error(&dir, |s| s.model.config.heads = 1) {
         Error::InvalidArgument(message) => assert!(message.contains("heads 2 -> 1"), "{message}"),
         e => panic!("expected a configuration error, got {e}"),
     }

@@ -15,10 +15,12 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
 use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, MixedPrecision, OptimizerKind, Reshard};
 use chorus_fsdp_candle::Recompute;
-use chorus_train::gpt::{init_params, loss, Gpt, GptConfig, ShardedGpt};
-use chorus_train::gpt_train::{train_gpt, train_plain, GptReport, GptSpec};
+use chorus_train::decoder::{loss, train_plain, train_sharded, Data, TrainReport, TrainSpec};
+use chorus_train::models::gpt::{self, init_params, Gpt, GptConfig, GptModel};
 use chorus_train::text::{encode, generate, vocab_size, TextData};
 use common::{max_diff, on_sim_ranks, unwrap_ranks};
+
+type GptSpec = TrainSpec<GptModel>;
 
 fn config() -> GptConfig {
     GptConfig { vocab: vocab_size(), d_model: 16, layers: 2, heads: 2, d_ff: 32, seq_len: 12 }
@@ -26,14 +28,15 @@ fn config() -> GptConfig {
 
 fn spec(batch: usize, steps: u64, optimizer: OptimizerKind) -> GptSpec {
     let cfg = config();
-    let data = Arc::new(TextData::new(encode(&generate(4000, 1)), cfg.seq_len, 7).unwrap());
+    let data = Arc::new(Data::Text(TextData::new(encode(&generate(4000, 1)), cfg.seq_len, 7).unwrap()));
     // The tests compare every trained parameter: each rank gathers them all.
-    GptSpec { collect_params: true, ..GptSpec::new(cfg, init_params(&cfg, 3).unwrap(), data, batch, steps, optimizer) }
+    let model = GptModel { config: cfg, init: init_params(&cfg, 3).unwrap() };
+    GptSpec { collect_params: true, ..GptSpec::new(model, data, batch, steps, optimizer) }
 }
 
-fn run(ranks: usize, spec: GptSpec) -> Vec<GptReport> {
+fn run(ranks: usize, spec: GptSpec) -> Vec<TrainReport> {
     let spec = Arc::new(spec);
-    unwrap_ranks(on_sim_ranks(ranks, move |comm| train_gpt(comm, &spec, &mut |_, _| {})))
+    unwrap_ranks(on_sim_ranks(ranks, move |comm| train_sharded(comm, &spec, &mut |_, _| {})))
 }
 
 /// With every group recomputing in backward, none, or some (the root and
@@ -99,7 +102,7 @@ trait InitValues {
 
 impl InitValues for GptSpec {
     fn init_values(&self) -> Vec<(String, Vec<f32>)> {
-        self.init.iter().map(|(n, t)| (n.clone(), t.flatten_all().unwrap().to_vec1::<f32>().unwrap())).collect()
+        self.model.init.iter().map(|(n, t)| (n.clone(), t.flatten_all().unwrap().to_vec1::<f32>().unwrap())).collect()
     }
 }
 
@@ -208,7 +211,7 @@ fn gradient_clipping_through_the_adapter_matches_plain_candle() {
 /// f32) and divided by the rank count; the f32 masters take the SGD step.
 fn bf16_data_parallel_reference(s: &GptSpec, ranks: usize, lr: f64, reduce_bf16: bool) -> Vec<(String, Vec<f32>)> {
     let dev = &Device::Cpu;
-    let mut masters: Vec<(String, Tensor)> = s.init.clone();
+    let mut masters: Vec<(String, Tensor)> = s.model.init.clone();
     let seq = s.data.seq_len();
     for step in 0..s.steps {
         let mut sums: Vec<Option<Tensor>> = vec![None; masters.len()];
@@ -217,7 +220,7 @@ fn bf16_data_parallel_reference(s: &GptSpec, ranks: usize, lr: f64, reduce_bf16:
                 masters.iter().map(|(_, m)| Var::from_tensor(&m.to_dtype(DType::BF16).unwrap()).unwrap()).collect();
             let map: HashMap<String, Tensor> =
                 masters.iter().zip(&vars).map(|((n, _), v)| (n.clone(), v.as_tensor().clone())).collect();
-            let gpt = Gpt::new(s.config, VarBuilder::from_tensors(map, DType::BF16, dev)).unwrap();
+            let gpt = Gpt::new(s.model.config, VarBuilder::from_tensors(map, DType::BF16, dev)).unwrap();
             let (x, y) = s.data.rows(step, r * s.batch, s.batch);
             let x = Tensor::from_vec(x, (s.batch, seq), dev).unwrap();
             let y = Tensor::from_vec(y, (s.batch, seq), dev).unwrap();
@@ -288,7 +291,7 @@ fn the_output_dtype_casts_the_logits() {
             ..FsdpConfig::default()
         };
         let fsdp = Fsdp::new(DataParallel::fsdp(comm), fsdp_config).unwrap();
-        let gpt = ShardedGpt::new(fsdp, cfg, init_params(&cfg, 3).unwrap(), true).unwrap();
+        let gpt = gpt::shard(fsdp, cfg, init_params(&cfg, 3).unwrap(), true).unwrap();
         let ids = Tensor::from_vec(encode("the cat sees"), (1, 12), &Device::Cpu).unwrap();
         let logits = gpt.forward(&ids).unwrap();
         gpt.model.finish_without_backward().unwrap();
@@ -303,7 +306,7 @@ fn recomputing_a_group_that_does_not_exist_is_an_error() {
     let mut s = spec(4, 1, OptimizerKind::sgd(0.5, 0.0));
     s.recompute = Recompute::Groups(vec!["blocks.0".into(), "blocks.7".into()]);
     let s = Arc::new(s);
-    let errors = on_sim_ranks(1, move |comm| train_gpt(comm, &s, &mut |_, _| {}).err().map(|e| e.to_string()));
+    let errors = on_sim_ranks(1, move |comm| train_sharded(comm, &s, &mut |_, _| {}).err().map(|e| e.to_string()));
     let e = errors[0].clone().expect("an error");
     assert!(e.contains("blocks.7") && e.contains("no group"), "{e}");
 }

@@ -28,8 +28,8 @@ use chorus_devices::cpu::CpuConfig;
 use chorus_devices::Device as _;
 use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, OptimizerKind, Reshard, ShardedOptimizer};
 use chorus_fsdp_candle::Recompute;
-use chorus_train::gpt::{init_params, loss, GptConfig, ShardedGpt};
-use chorus_train::gpt_train::{train_plain, GptSpec};
+use chorus_train::decoder::{loss, train_plain, Data, TrainSpec};
+use chorus_train::models::gpt::{self, init_params, GptConfig, GptModel};
 use chorus_train::text::{encode, generate, vocab_size, TextData};
 
 /// Counts the heap bytes in use and their peak.
@@ -95,10 +95,11 @@ fn config() -> GptConfig {
     GptConfig { vocab: vocab_size(), d_model: 64, layers: 12, heads: 4, d_ff: 256, seq_len: 16 }
 }
 
-fn spec() -> GptSpec {
+fn spec() -> TrainSpec<GptModel> {
     let cfg = config();
-    let data = Arc::new(TextData::new(encode(&generate(5000, 3)), cfg.seq_len, 9).unwrap());
-    GptSpec::new(cfg, init_params(&cfg, 5).unwrap(), data, BATCH, STEPS + 1, OptimizerKind::adamw(1e-3, 0.01))
+    let data = Arc::new(Data::Text(TextData::new(encode(&generate(5000, 3)), cfg.seq_len, 9).unwrap()));
+    let model = GptModel { config: cfg, init: init_params(&cfg, 5).unwrap() };
+    TrainSpec::new(model, data, BATCH, STEPS + 1, OptimizerKind::adamw(1e-3, 0.01))
 }
 
 /// The model's sizes in elements, from its shapes (written out here, not
@@ -195,14 +196,14 @@ fn rank(
     heap: &[AtomicUsize; 2],
 ) -> RankMemory {
     let spec = spec();
-    let cfg = spec.config;
+    let cfg = spec.model.config;
     let world = Arc::new(comm);
     let r = world.rank();
     let fsdp_config = FsdpConfig { reshard_after_forward: reshard, ..FsdpConfig::default() };
     let fsdp = Fsdp::new(DataParallel::fsdp(world.clone()), fsdp_config).unwrap();
-    let gpt = ShardedGpt::new(fsdp, cfg, spec.init.clone(), true).unwrap();
+    let gpt = gpt::shard(fsdp, cfg, spec.model.init.clone(), true).unwrap();
     gpt.model.apply_recompute(recompute).unwrap();
-    drop(spec.init);
+    drop(spec.model.init);
     let mut opt = ShardedOptimizer::new(spec.optimizer);
     let seq = cfg.seq_len;
     let step = |s: u64, opt: &mut ShardedOptimizer<_>| {

@@ -12,10 +12,9 @@ use std::sync::Arc;
 use chorus_devices::DType;
 use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, MixedPrecision, OptimizerKind, Reshard};
 use chorus_fsdp_candle::Recompute;
-use chorus_train::gpt_train::GptReport;
-use chorus_train::llama::{init_params, materialize, ShardedLlama};
-use chorus_train::llama_config::LlamaConfig;
-use chorus_train::llama_train::{train_llama, train_plain, LlamaData, LlamaSpec, TokenRows};
+use chorus_train::decoder::{train_plain, train_sharded, Data, TokenRows, TrainReport, TrainSpec};
+use chorus_train::models::llama::config::LlamaConfig;
+use chorus_train::models::llama::{self, init_params, materialize, LlamaModel};
 use chorus_train::npy::Tokens;
 use common::{max_diff, on_sim_ranks, unwrap_ranks};
 
@@ -30,22 +29,25 @@ fn config(tied: bool) -> LlamaConfig {
 }
 
 /// 21 rows of 9 ids from a small generator (rows wrap around at step 3 with a global batch of 8).
-fn data(global: usize) -> LlamaData {
+type LlamaSpec = TrainSpec<LlamaModel>;
+
+fn data(global: usize) -> Data {
     let (rows, cols) = (21, 9);
     let ids = (0..rows * cols).map(|i| ((i * 7919 + i / 3) % 40) as u32).collect();
-    LlamaData::Tokens(TokenRows::new(Tokens::from_ids(rows, cols, ids).unwrap(), 40, global).unwrap())
+    Data::Tokens(TokenRows::new(Tokens::from_ids(rows, cols, ids).unwrap(), 40, global).unwrap())
 }
 
 fn spec(tied: bool, global: usize, ranks: usize, steps: u64, optimizer: OptimizerKind) -> LlamaSpec {
     let cfg = Arc::new(config(tied));
     // The tests compare every trained parameter: each rank gathers them all.
-    let s = LlamaSpec::new(cfg.clone(), init_params(&cfg, 5), Arc::new(data(global)), global / ranks, steps, optimizer);
+    let model = LlamaModel { config: cfg.clone(), init: init_params(&cfg, 5) };
+    let s = LlamaSpec::new(model, Arc::new(data(global)), global / ranks, steps, optimizer);
     LlamaSpec { collect_params: true, ..s }
 }
 
-fn run(ranks: usize, spec: LlamaSpec) -> Vec<GptReport> {
+fn run(ranks: usize, spec: LlamaSpec) -> Vec<TrainReport> {
     let spec = Arc::new(spec);
-    unwrap_ranks(on_sim_ranks(ranks, move |comm| train_llama(comm, &spec, &mut |_, _| {})))
+    unwrap_ranks(on_sim_ranks(ranks, move |comm| train_sharded(comm, &spec, &mut |_, _| {})))
 }
 
 #[test]
@@ -133,7 +135,7 @@ fn init_is_the_same_at_every_world_size() {
                 FsdpConfig::default()
             };
             let fsdp = Fsdp::new(DataParallel::fsdp(comm), config).unwrap();
-            let m = ShardedLlama::new(fsdp, c.clone(), init_params(&c, 11), false).unwrap();
+            let m = llama::shard(fsdp, c.clone(), init_params(&c, 11), false).unwrap();
             m.model.with_fsdp(|f| f.full_parameters()).unwrap().unwrap()
         });
         for g in got {
@@ -174,7 +176,7 @@ fn the_padding_row_starts_at_zero() {
 #[test]
 fn token_rows_follow_the_global_batch_formula_and_reject_bad_data() {
     let tokens = Tokens::from_ids(5, 3, (0..15).collect()).unwrap();
-    let d = LlamaData::Tokens(TokenRows::new(tokens.clone(), 15, 4).unwrap());
+    let d = Data::Tokens(TokenRows::new(tokens.clone(), 15, 4).unwrap());
     // Step 1, global batch 4: rows (4 + k) mod 5 = 4, 0, 1, 2; rank 1 of 2 takes k = 2, 3.
     let (x, y) = d.rows(1, 2, 2);
     assert_eq!(x, vec![3, 4, 6, 7]);

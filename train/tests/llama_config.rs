@@ -2,7 +2,7 @@
 //! them, counted without listing them, and errors name them as their
 //! source does (`config.json`'s fields or `chorus train`'s flags).
 
-use chorus_train::llama_config::{ConfigError, LlamaConfig, Names, MAX_LAYERS};
+use chorus_train::models::llama::config::{ConfigError, LlamaConfig, Names, MAX_LAYERS};
 
 fn config_json(edit: impl FnOnce(&mut serde_json::Value)) -> String {
     let mut v = serde_json::json!({

@@ -10,9 +10,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig};
-use chorus_train::llama::ShardedLlama;
-use chorus_train::llama_config::{ConfigError, LlamaConfig};
-use chorus_train::llama_hf::{self, HfError, SaveDtype};
+use chorus_train::models::llama;
+use chorus_train::models::llama::config::{ConfigError, LlamaConfig};
+use chorus_train::models::llama::hf::{self as llama_hf, HfError, SaveDtype};
 use common::on_sim_ranks;
 use safetensors::Dtype;
 
@@ -92,7 +92,7 @@ fn load_sharded(dir: &Path, ranks: usize, last_dim: bool) -> Vec<Vec<(String, Ve
         let placement: chorus_fsdp::ShardPlacement = Arc::new(|_: &str, _: &[usize]| -1);
         let config = FsdpConfig { shard_placement: last_dim.then_some(placement), ..FsdpConfig::default() };
         let fsdp = Fsdp::new(DataParallel::fsdp(comm), config).unwrap();
-        let m = ShardedLlama::new(fsdp, Arc::new(hf.config), hf.params, false).unwrap();
+        let m = llama::shard(fsdp, Arc::new(hf.config), hf.params, false).unwrap();
         m.model.with_fsdp(|f| f.full_parameters()).unwrap().unwrap()
     })
 }
@@ -163,7 +163,7 @@ fn written_dirs_split_by_size_and_read_back() {
         let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
         assert!(text.contains(&format!("\"torch_dtype\": \"{}\"", dtype.torch_name())));
         // f32 round-trips exactly; the values are exact in bf16 too.
-        let got: Vec<(String, Vec<f32>)> = chorus_train::llama::materialize(&hf.params)
+        let got: Vec<(String, Vec<f32>)> = llama::materialize(&hf.params)
             .unwrap()
             .into_iter()
             .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))

@@ -20,9 +20,9 @@ use chorus_collectives::sim::{SimComm, SimConfig, SimWorld};
 use chorus_collectives::Communicator;
 use chorus_devices::cpu::CpuConfig;
 use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, ParamInit};
-use chorus_train::llama::{materialize, ShardedLlama, ROOT_PREFIXES};
-use chorus_train::llama_config::LlamaConfig;
-use chorus_train::llama_hf;
+use chorus_train::models::llama::config::LlamaConfig;
+use chorus_train::models::llama::hf as llama_hf;
+use chorus_train::models::llama::{self, materialize, ROOT_PREFIXES};
 
 struct Counting;
 
@@ -139,7 +139,7 @@ fn loading_peaks_within_the_shards_plus_one_slice() {
         let _turn = lock.lock().unwrap();
         let (model, peak) = peak_of(|| {
             let hf = llama_hf::open(&d).unwrap();
-            ShardedLlama::new(fsdp, Arc::new(hf.config), hf.params, false).unwrap()
+            llama::shard(fsdp, Arc::new(hf.config), hf.params, false).unwrap()
         });
         drop(_turn);
         // No rank gathers (allocating the whole model) before every rank has loaded.
@@ -257,13 +257,14 @@ fn run_bound(cfg: &LlamaConfig, world: usize) -> (usize, usize) {
 /// Hugging Face directory into `out`; the process's heap peak over it.
 fn whole_run(world: usize, init: &Path, ck: &Path, out: &Path, collect: bool) -> usize {
     use chorus_fsdp::OptimizerKind;
-    use chorus_train::llama_train::{train_llama, LlamaData, LlamaSpec, TokenRows};
+    use chorus_train::decoder::{train_sharded, Data, TokenRows, TrainSpec};
+    use chorus_train::models::llama::LlamaModel;
     use chorus_train::npy::Tokens;
     let cfg = run_config();
     let rows = 8;
     let ids = (0..rows * (RUN_SEQ + 1)).map(|i| ((i * 31 + 7) % cfg.vocab_size) as u32).collect();
     let tokens = Tokens::from_ids(rows, RUN_SEQ + 1, ids).unwrap();
-    let data = Arc::new(LlamaData::Tokens(TokenRows::new(tokens, cfg.vocab_size, world).unwrap()));
+    let data = Arc::new(Data::Tokens(TokenRows::new(tokens, cfg.vocab_size, world).unwrap()));
     let (init, ck, out) = (init.to_path_buf(), ck.to_path_buf(), out.to_path_buf());
     let base = CURRENT.load(Ordering::SeqCst);
     PEAK.store(base, Ordering::SeqCst);
@@ -272,13 +273,19 @@ fn whole_run(world: usize, init: &Path, ck: &Path, out: &Path, collect: bool) ->
         let layout = llama_hf::HfLayout::new(&hf.config, llama_hf::SaveDtype::F32, 1 << 20);
         let config = Arc::new(hf.config);
         let output = llama_hf::HfOutput { dir: Some(out.clone()), config: config.clone(), layout };
-        let spec = LlamaSpec {
+        let spec = TrainSpec {
             checkpoint_dir: Some(ck.clone()),
             output: Some(Arc::new(output)),
             collect_params: collect,
-            ..LlamaSpec::new(config, hf.params, data.clone(), 1, RUN_STEPS, OptimizerKind::adamw(1e-3, 0.0))
+            ..TrainSpec::new(
+                LlamaModel { config, init: hf.params },
+                data.clone(),
+                1,
+                RUN_STEPS,
+                OptimizerKind::adamw(1e-3, 0.0),
+            )
         };
-        train_llama(comm, &spec, &mut |_, _| {}).unwrap().losses
+        train_sharded(comm, &spec, &mut |_, _| {}).unwrap().losses
     });
     let peak = PEAK.load(Ordering::SeqCst) - base;
     assert!(losses.iter().all(|l| l.len() == RUN_STEPS as usize && l == &losses[0]));

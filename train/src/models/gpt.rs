@@ -1,17 +1,19 @@
 //! A small decoder-only transformer written with candle-nn (token embedding,
 //! pre-norm blocks of causal self-attention and an MLP with RMSNorm, a final
 //! RMSNorm and an LM head), as a plain candle model ([`Gpt`]) and sharded
-//! with FSDP through the candle adapter ([`ShardedGpt`]): one param group
-//! per block, plus the root group (embedding, final norm, head) with two
-//! stages, as FSDP2 wraps a transformer.
+//! with FSDP through the candle adapter ([`shard`]): one param group per
+//! block, plus the root group (embedding, final norm, head) with two
+//! stages, as FSDP2 wraps a transformer. [`GptModel`] is what the training
+//! loop takes.
 
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
 use chorus_collectives::CommBackend;
 use chorus_devices::ComputeBackend;
 use chorus_fsdp::Fsdp;
-use chorus_fsdp_candle::{take_params, FsdpModel, StageId};
+use chorus_fsdp_candle::{take_params, FsdpModel};
 
+use super::{DecoderModel, PlainDecoder, ShardedDecoder};
 use crate::mlp::SplitMix;
 
 /// The transformer's sizes.
@@ -169,12 +171,6 @@ pub fn head(cfg: &GptConfig, vb: VarBuilder, x: &Tensor) -> candle_core::Result<
     head.forward(&norm.forward_diff(x)?)
 }
 
-/// Mean next-token cross-entropy of `logits` `[batch, seq, vocab]` against `targets` `[batch, seq]`.
-pub fn loss(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
-    let (b, t, v) = logits.dims3()?;
-    candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?.reshape((b * t, v))?, &targets.reshape(b * t)?)
-}
-
 /// The transformer as a plain candle model.
 pub struct Gpt {
     cfg: GptConfig,
@@ -202,60 +198,86 @@ impl Gpt {
     }
 }
 
-/// The transformer under FSDP through the candle adapter: the root group
-/// (`embed.`, `norm.`, `head.`; not resharded after forward) with the
-/// embedding and head stages, and one group per block.
-pub struct ShardedGpt<C: CommBackend> {
-    /// The adapter (and the [`Fsdp`] inside it).
-    pub model: FsdpModel<C>,
-    embed: StageId,
-    blocks: Vec<StageId>,
-    head: StageId,
+/// The transformer to train: its sizes and initial parameters (names,
+/// values, e.g. from [`init_params`]).
+#[derive(Clone, Debug)]
+pub struct GptModel {
+    /// The model's sizes.
+    pub config: GptConfig,
+    /// Initial parameters.
+    pub init: Vec<(String, Tensor)>,
 }
 
-impl<C: CommBackend + 'static> ShardedGpt<C>
+impl DecoderModel for GptModel {
+    fn name(&self) -> &'static str {
+        "transformer"
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.config.vocab
+    }
+
+    fn config_json(&self) -> chorus_fsdp_candle::Result<serde_json::Value> {
+        serde_json::to_value(self.config).map_err(|e| chorus_fsdp_candle::Error::InvalidArgument(e.to_string()))
+    }
+
+    fn shard<C>(&self, fsdp: Fsdp<C>, forward_prefetch: bool) -> chorus_fsdp_candle::Result<ShardedDecoder<C>>
+    where
+        C: CommBackend + 'static,
+        C::B: ComputeBackend,
+        Fsdp<C>: Send,
+    {
+        shard(fsdp, self.config, self.init.clone(), forward_prefetch)
+    }
+
+    fn init_tensors(&self) -> chorus_fsdp_candle::Result<Vec<(String, Tensor)>> {
+        Ok(self.init.clone())
+    }
+
+    fn plain(&self, vb: VarBuilder<'static>) -> chorus_fsdp_candle::Result<Box<dyn PlainDecoder>> {
+        Ok(Box::new(Gpt::new(self.config, vb)?))
+    }
+}
+
+impl PlainDecoder for Gpt {
+    fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        Gpt::forward(self, ids)
+    }
+}
+
+/// The transformer under FSDP through the candle adapter: the root group
+/// (`embed.`, `norm.`, `head.`; not resharded after forward) with the
+/// embedding and head stages, and one group per block, as FSDP2 wraps a
+/// transformer. `params` come from [`init_params`] or a checkpoint. With
+/// `forward_prefetch`, each group's pre-forward also all-gathers the next
+/// group, so the all-gather of block `i + 1` runs while candle computes
+/// block `i` (the root's backward prefetch is FSDP's default).
+pub fn shard<C: CommBackend + 'static>(
+    fsdp: Fsdp<C>,
+    cfg: GptConfig,
+    mut params: Vec<(String, Tensor)>,
+    forward_prefetch: bool,
+) -> chorus_fsdp_candle::Result<ShardedDecoder<C>>
 where
     C::B: ComputeBackend,
     Fsdp<C>: Send,
 {
-    /// Shards `params` (from [`init_params`], or a checkpoint) with `fsdp`.
-    /// With `forward_prefetch`, each group's pre-forward also all-gathers the
-    /// next group, so the all-gather of block `i + 1` runs while candle
-    /// computes block `i` (the root's backward prefetch is FSDP's default).
-    pub fn new(
-        fsdp: Fsdp<C>,
-        cfg: GptConfig,
-        mut params: Vec<(String, Tensor)>,
-        forward_prefetch: bool,
-    ) -> chorus_fsdp_candle::Result<Self> {
-        let mut model = FsdpModel::new(fsdp)?;
-        let root = model.add_group("root", take_params(&mut params, &["embed.", "norm.", "head."]), true)?;
-        let embed_stage = model.add_stage(root, move |vb, ids| embed(&cfg, vb, ids))?;
-        let mut blocks = Vec::with_capacity(cfg.layers);
-        let mut groups = vec![root.0];
-        for i in 0..cfg.layers {
-            let prefix = format!("blocks.{i}.");
-            let g = model.add_group(&format!("blocks.{i}"), take_params(&mut params, &[&prefix]), false)?;
-            groups.push(g.0);
-            blocks.push(model.add_stage(g, move |vb, x| Block::new(&cfg, vb.pp(format!("blocks.{i}")))?.forward(x))?);
-        }
-        if let Some((name, _)) = params.first() {
-            return Err(chorus_fsdp_candle::Error::InvalidArgument(format!("parameter `{name}` belongs to no group")));
-        }
-        let head_stage = model.add_stage(root, move |vb, x| head(&cfg, vb, x))?;
-        if forward_prefetch {
-            crate::fsdp_loop::chain_forward_prefetch(&model, &groups)?;
-        }
-        Ok(ShardedGpt { model, embed: embed_stage, blocks, head: head_stage })
+    let mut model = FsdpModel::new(fsdp)?;
+    let root = model.add_group("root", take_params(&mut params, &["embed.", "norm.", "head."]), true)?;
+    let embed_stage = model.add_stage(root, move |vb, ids| embed(&cfg, vb, ids))?;
+    let mut blocks = Vec::with_capacity(cfg.layers);
+    let mut groups = vec![root.0];
+    for i in 0..cfg.layers {
+        let prefix = format!("blocks.{i}.");
+        let g = model.add_group(&format!("blocks.{i}"), take_params(&mut params, &[&prefix]), false)?;
+        groups.push(g.0);
+        blocks.push(model.add_stage(g, move |vb, x| Block::new(&cfg, vb.pp(format!("blocks.{i}")))?.forward(x))?);
     }
-
-    /// Logits of `ids` (`[batch, seq]`, u32), carrying candle's graph
-    /// through every stage: in the param dtype, or cast (differentiably) to
-    /// the mixed-precision policy's output dtype when it names one, as
-    /// FSDP2's root casts the model's outputs.
-    pub fn forward(&self, ids: &Tensor) -> chorus_fsdp_candle::Result<Tensor> {
-        crate::fsdp_loop::forward_stages(&self.model, self.embed, &self.blocks, self.head, ids)
+    if let Some((name, _)) = params.first() {
+        return Err(chorus_fsdp_candle::Error::InvalidArgument(format!("parameter `{name}` belongs to no group")));
     }
+    let head_stage = model.add_stage(root, move |vb, x| head(&cfg, vb, x))?;
+    ShardedDecoder::new(model, (embed_stage, blocks, head_stage), &groups, forward_prefetch)
 }
 
 /// Continues `prompt` by `n` characters with the model whose full

@@ -6,7 +6,7 @@
 //! the embedding or not. Parameters carry transformers' names.
 //!
 //! As a plain candle model ([`Llama`]) and under FSDP through the candle
-//! adapter ([`ShardedLlama`]), wrapped as torchtitan wraps a Llama under
+//! adapter ([`shard`]; [`LlamaModel`] is what the training loop takes), wrapped as torchtitan wraps a Llama under
 //! FSDP2: the embedding, each decoder layer, and the final norm with the
 //! head are param groups of their own (tied embeddings: embedding, norm and
 //! head one group).
@@ -22,9 +22,14 @@ use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
 use chorus_collectives::CommBackend;
 use chorus_devices::ComputeBackend;
 use chorus_fsdp::{DeferredParam, Fsdp, ShardSource};
-use chorus_fsdp_candle::{FsdpModel, StageId};
+use chorus_fsdp_candle::FsdpModel;
 
-use crate::llama_config::LlamaConfig;
+use super::{DecoderModel, PlainDecoder, ShardedDecoder};
+
+pub mod config;
+pub mod hf;
+
+use config::LlamaConfig;
 
 /// The prefixes of the parameters the decoder layers do not hold: the
 /// embedding, then the final norm and the head.
@@ -284,18 +289,6 @@ impl Llama {
     }
 }
 
-/// The Llama under FSDP through the candle adapter, grouped as torchtitan
-/// groups it: the embedding ([`EMBED_GROUP`]), one group per decoder layer,
-/// and `root` (final norm and head; not resharded after forward); with tied
-/// embeddings, the embedding is in `root` too.
-pub struct ShardedLlama<C: CommBackend> {
-    /// The adapter (and the [`Fsdp`] inside it).
-    pub model: FsdpModel<C>,
-    embed: StageId,
-    layers: Vec<StageId>,
-    head: StageId,
-}
-
 /// Removes and returns the parameters whose names start with one of `prefixes`.
 fn take(params: &mut Vec<DeferredParam>, prefixes: &[&str]) -> Vec<DeferredParam> {
     let (taken, kept): (Vec<_>, Vec<_>) =
@@ -304,69 +297,104 @@ fn take(params: &mut Vec<DeferredParam>, prefixes: &[&str]) -> Vec<DeferredParam
     taken
 }
 
-impl<C: CommBackend + 'static> ShardedLlama<C>
+/// The Llama to train: its configuration and initial parameters as sources
+/// of their shards ([`init_params`], or Hugging Face weights).
+#[derive(Clone, Debug)]
+pub struct LlamaModel {
+    /// The model's config.
+    pub config: Arc<LlamaConfig>,
+    /// Initial parameters.
+    pub init: Vec<DeferredParam>,
+}
+
+impl DecoderModel for LlamaModel {
+    fn name(&self) -> &'static str {
+        "Llama configuration"
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn config_json(&self) -> chorus_fsdp_candle::Result<serde_json::Value> {
+        serde_json::to_value(&*self.config).map_err(|e| chorus_fsdp_candle::Error::InvalidArgument(e.to_string()))
+    }
+
+    fn shard<C>(&self, fsdp: Fsdp<C>, forward_prefetch: bool) -> chorus_fsdp_candle::Result<ShardedDecoder<C>>
+    where
+        C: CommBackend + 'static,
+        C::B: ComputeBackend,
+        Fsdp<C>: Send,
+    {
+        shard(fsdp, self.config.clone(), self.init.clone(), forward_prefetch)
+    }
+
+    fn init_tensors(&self) -> chorus_fsdp_candle::Result<Vec<(String, Tensor)>> {
+        Ok(materialize(&self.init)?)
+    }
+
+    fn plain(&self, vb: VarBuilder<'static>) -> chorus_fsdp_candle::Result<Box<dyn PlainDecoder>> {
+        Ok(Box::new(Llama::new(self.config.clone(), vb)?))
+    }
+}
+
+impl PlainDecoder for Llama {
+    fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        Llama::forward(self, ids)
+    }
+}
+
+/// The Llama under FSDP through the candle adapter, grouped as torchtitan
+/// groups it: the embedding ([`EMBED_GROUP`]), one group per decoder layer,
+/// and `root` (final norm and head; not resharded after forward); with tied
+/// embeddings, the embedding is in `root` too. Each rank reads only its
+/// shards from the sources of `params` ([`init_params`], or Hugging Face
+/// weights). With `forward_prefetch`, each group's pre-forward also
+/// all-gathers the next group.
+pub fn shard<C: CommBackend + 'static>(
+    fsdp: Fsdp<C>,
+    cfg: Arc<LlamaConfig>,
+    mut params: Vec<DeferredParam>,
+    forward_prefetch: bool,
+) -> chorus_fsdp_candle::Result<ShardedDecoder<C>>
 where
     C::B: ComputeBackend,
     Fsdp<C>: Send,
 {
-    /// Shards `params` (from [`init_params`], or Hugging Face weights) with
-    /// `fsdp`, each rank reading only its shards from the sources. With
-    /// `forward_prefetch`, each group's pre-forward also all-gathers the
-    /// next group.
-    pub fn new(
-        fsdp: Fsdp<C>,
-        cfg: Arc<LlamaConfig>,
-        mut params: Vec<DeferredParam>,
-        forward_prefetch: bool,
-    ) -> chorus_fsdp_candle::Result<Self> {
-        let mut model = FsdpModel::new(fsdp)?;
-        // As torchtitan wraps a Llama: the embedding its own group (resharded
-        // after forward, like a layer), the final norm and the head one group
-        // (not resharded after forward: its backward comes first), so only
-        // the group in use is unsharded. Tied embeddings make the head's
-        // matrix the embedding's: then the three are one group.
-        let tied = cfg.tie_word_embeddings;
-        let first = match tied {
-            true => model.add_group_deferred("root", take(&mut params, &ROOT_PREFIXES), true)?,
-            false => model.add_group_deferred(EMBED_GROUP, take(&mut params, &["model.embed_tokens."]), false)?,
-        };
+    let mut model = FsdpModel::new(fsdp)?;
+    // As torchtitan wraps a Llama: the embedding its own group (resharded
+    // after forward, like a layer), the final norm and the head one group
+    // (not resharded after forward: its backward comes first), so only
+    // the group in use is unsharded. Tied embeddings make the head's
+    // matrix the embedding's: then the three are one group.
+    let tied = cfg.tie_word_embeddings;
+    let first = match tied {
+        true => model.add_group_deferred("root", take(&mut params, &ROOT_PREFIXES), true)?,
+        false => model.add_group_deferred(EMBED_GROUP, take(&mut params, &["model.embed_tokens."]), false)?,
+    };
+    let c = cfg.clone();
+    let embed_stage = model.add_stage(first, move |vb, ids| embed(&c, vb, ids))?;
+    let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+    let mut groups = vec![first.0];
+    for i in 0..cfg.num_hidden_layers {
+        let prefix = format!("model.layers.{i}");
+        let g = model.add_group_deferred(&prefix, take(&mut params, &[&format!("{prefix}.")]), false)?;
+        groups.push(g.0);
         let c = cfg.clone();
-        let embed_stage = model.add_stage(first, move |vb, ids| embed(&c, vb, ids))?;
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        let mut groups = vec![first.0];
-        for i in 0..cfg.num_hidden_layers {
-            let prefix = format!("model.layers.{i}");
-            let g = model.add_group_deferred(&prefix, take(&mut params, &[&format!("{prefix}.")]), false)?;
+        layers.push(model.add_stage(g, move |vb, x| DecoderLayer::new(c.clone(), vb.pp(&prefix))?.forward(x))?);
+    }
+    let last = match tied {
+        true => first,
+        false => {
+            let g = model.add_group_deferred("root", take(&mut params, &ROOT_PREFIXES[1..]), true)?;
             groups.push(g.0);
-            let c = cfg.clone();
-            layers.push(model.add_stage(g, move |vb, x| DecoderLayer::new(c.clone(), vb.pp(&prefix))?.forward(x))?);
+            g
         }
-        let last = match tied {
-            true => first,
-            false => {
-                let g = model.add_group_deferred("root", take(&mut params, &ROOT_PREFIXES[1..]), true)?;
-                groups.push(g.0);
-                g
-            }
-        };
-        if let Some(p) = params.first() {
-            return Err(chorus_fsdp_candle::Error::InvalidArgument(format!(
-                "parameter `{}` belongs to no group",
-                p.name
-            )));
-        }
-        let c = cfg.clone();
-        let head_stage = model.add_stage(last, move |vb, x| head(&c, vb, x))?;
-        if forward_prefetch {
-            crate::fsdp_loop::chain_forward_prefetch(&model, &groups)?;
-        }
-        Ok(ShardedLlama { model, embed: embed_stage, layers, head: head_stage })
+    };
+    if let Some(p) = params.first() {
+        return Err(chorus_fsdp_candle::Error::InvalidArgument(format!("parameter `{}` belongs to no group", p.name)));
     }
-
-    /// Logits of `ids` (`[batch, seq]`, u32), carrying candle's graph
-    /// through every stage (cast to the mixed-precision policy's output
-    /// dtype when it names one).
-    pub fn forward(&self, ids: &Tensor) -> chorus_fsdp_candle::Result<Tensor> {
-        crate::fsdp_loop::forward_stages(&self.model, self.embed, &self.layers, self.head, ids)
-    }
+    let c = cfg.clone();
+    let head_stage = model.add_stage(last, move |vb, x| head(&c, vb, x))?;
+    ShardedDecoder::new(model, (embed_stage, layers, head_stage), &groups, forward_prefetch)
 }

@@ -27,7 +27,7 @@ use chorus_fsdp_candle::safetensors_io::{header_problem, Planned, StreamWriter, 
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
-use crate::llama_config::{ConfigError, LlamaConfig};
+use super::config::{ConfigError, LlamaConfig};
 use crate::model_out::{ModelOutput, TensorSink};
 
 /// What is wrong with a model directory, or with writing one.

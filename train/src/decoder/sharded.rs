@@ -1,0 +1,317 @@
+//! The FSDP step loop ([`train_sharded`]) for every decoder model:
+//! micro-batches, the global loss, clipping, the sharded optimizer,
+//! checkpoints and their resume, the written model and the sample; with the
+//! data-parallel layout and the counters a report gives as differences.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use chorus_collectives::{CommBackend, Communicator, Mesh};
+use chorus_devices::{ComputeBackend, Device as _};
+use chorus_fsdp::{CommCounts, DataParallel, Fsdp, HostOverhead, ShardedOptimizer};
+use chorus_fsdp_candle::checkpoint::{self, LoadOptions, SaveOptions, TrainingState};
+use chorus_fsdp_candle::{AdapterTimes, Error, FsdpModel, Result};
+use serde::Serialize;
+
+use super::spec::{NonFinite, Sample, TrainReport, TrainSpec, Validation};
+use super::{loss, u32_tensor};
+use crate::models::{DecoderModel, ShardedDecoder};
+
+/// Trains `spec.model` under FSDP on this rank of `world` (every rank calls
+/// it with the same spec); `on_step(step, loss)` is called after each step.
+/// A resumed run starts at its checkpoint's step, after checking that the
+/// checkpoint holds the same model configuration and data.
+pub fn train_sharded<C, M>(
+    world: Arc<Communicator<C>>,
+    spec: &TrainSpec<M>,
+    on_step: &mut dyn FnMut(u64, f64),
+) -> Result<TrainReport>
+where
+    C: CommBackend + 'static,
+    C::B: ComputeBackend,
+    Fsdp<C>: Send,
+    M: DecoderModel,
+{
+    let micro = micro_batches(spec.batch, spec.micro_batches)?;
+    let base_lr = spec.optimizer.lr();
+    spec.schedule.validate(spec.steps, base_lr).map_err(Error::InvalidArgument)?;
+    let config = spec.model.config_json()?;
+    let fsdp = Fsdp::new(data_parallel(&world, spec.replicate)?, spec.fsdp.clone())?;
+    let sharded = spec.model.shard(fsdp, spec.forward_prefetch)?;
+    let model = &sharded.model;
+    model.apply_recompute(&spec.recompute)?;
+    let mut opt = ShardedOptimizer::new(spec.optimizer);
+    let mut start = 0;
+    let mut earlier_losses = Vec::new();
+    if let Some(dir) = &spec.resume {
+        let options = LoadOptions { allow_optimizer_change: spec.allow_optimizer_change };
+        let state = model.with_fsdp(|f| checkpoint::load(f, &mut opt, dir, &options))??;
+        let changes = config_changes(&state.model, &config);
+        if !changes.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "{}: saved from another {} ({}); resume with the configuration it was saved with",
+                dir.display(),
+                spec.model.name(),
+                changes.join(", ")
+            )));
+        }
+        if state.data_seed != spec.data.seed() {
+            return Err(Error::InvalidArgument(format!(
+                "{}: saved with data {:#x}, this run's is {:#x}",
+                dir.display(),
+                state.data_seed,
+                spec.data.seed()
+            )));
+        }
+        start = state.step;
+        earlier_losses = state.losses;
+    }
+    model.with_fsdp(|f| -> Result<()> {
+        f.synchronize()?;
+        f.device().reset_peak_memory();
+        Ok(())
+    })??;
+    let before = Counters::of(model)?;
+    let rank = world.rank();
+    let seq = spec.data.seq_len();
+    let rows = spec.batch / micro;
+    let (mut losses, mut lrs, mut times, mut saved) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut val_losses = Vec::new();
+    let mut stopped = None;
+    // The checkpoint resumed from is never pruned.
+    let save_options = save_options(spec.keep_last, spec.resume.as_ref());
+    for step in start..spec.steps {
+        let t0 = Instant::now();
+        let lr = spec.schedule.lr(step, spec.steps, base_lr);
+        opt.set_lr(lr);
+        lrs.push(lr);
+        let mut local = 0.0f64;
+        for m in 0..micro {
+            model.with_fsdp(|f| f.set_requires_gradient_sync(m + 1 == micro))?;
+            let (x, y) = spec.data.rows(step, rank * spec.batch + m * rows, rows);
+            let logits = sharded.forward(&u32_tensor(x, rows, seq)?)?;
+            // The targets go where the model computes (candle's CUDA device with `candle-cuda`).
+            let l = loss(&logits, &u32_tensor(y, rows, seq)?.to_device(logits.device())?)?;
+            let l = if micro > 1 { (l / micro as f64)? } else { l };
+            local += l.to_scalar::<f32>()? as f64;
+            model.backward(&l)?;
+        }
+        let mean = global_mean(model, local)?;
+        if !mean.is_finite() && !spec.allow_nonfinite {
+            // Every rank sees the same global loss, so all stop here together.
+            losses.push(mean);
+            times.push(t0.elapsed().as_secs_f64());
+            stopped = Some(NonFinite { step, loss: mean });
+            break;
+        }
+        if let Some(max) = spec.max_grad_norm {
+            model.clip_grad_norm(max)?;
+        }
+        model.optimizer_step(&mut opt)?;
+        model.with_fsdp(|f| f.synchronize())??;
+        times.push(t0.elapsed().as_secs_f64());
+        losses.push(mean);
+        on_step(step, mean);
+        let done = step + 1;
+        if let Some(v) = spec.validation.as_ref().filter(|v| v.due(done, spec.steps)) {
+            val_losses.push((done, validate(&sharded, v, rank, spec.batch, micro)?));
+        }
+        let due = spec.save_every > 0 && done % spec.save_every == 0 || done == spec.steps;
+        if let (Some(dir), true) = (&spec.checkpoint_dir, due) {
+            let losses = earlier_losses.iter().chain(&losses).copied().collect();
+            let state = TrainingState { step: done, data_seed: spec.data.seed(), losses, model: config.clone() };
+            saved.push(model.with_fsdp(|f| checkpoint::save(f, &opt, dir, &state, &save_options))??);
+        }
+    }
+    let counted = Counters::of(model)?.since(&before);
+    // A stopped run writes no model; a completed one writes it tensor by tensor.
+    if let (Some(output), None) = (&spec.output, stopped) {
+        model.with_fsdp(|f| crate::model_out::write_model(f, rank == 0, &**output))???;
+    }
+    let params = match spec.collect_params {
+        true => model.with_fsdp(|f| f.full_parameters())??,
+        false => Vec::new(),
+    };
+    let sample = match (&spec.sample, stopped) {
+        (Some(s), None) => Some(sample_sharded(&sharded, seq, spec.model.vocab_size(), s)?),
+        _ => None,
+    };
+    // The peak of the run's whole life after loading: the steps, the saves and the output.
+    let stats = model.with_fsdp(|f| f.device().memory_stats())?;
+    Ok(TrainReport {
+        start_step: start,
+        earlier_losses,
+        losses,
+        lrs,
+        val_losses,
+        step_times_s: times,
+        peak_memory_bytes: stats.peak_bytes,
+        overhead: counted.overhead,
+        adapter: counted.adapter,
+        groups: model.with_fsdp(|f| f.num_groups())?,
+        comm_counts: counted.comm,
+        params,
+        sample,
+        saved,
+        stopped,
+    })
+}
+
+/// The mean loss over `v`'s rows, each rank evaluating its `batch` rows of
+/// every global batch in `micro` pieces (forward only), the global mean
+/// taken as the training loss's is (every piece has as many tokens).
+fn validate<C>(sharded: &ShardedDecoder<C>, v: &Validation, rank: usize, batch: usize, micro: usize) -> Result<f64>
+where
+    C: CommBackend + 'static,
+    C::B: ComputeBackend,
+    Fsdp<C>: Send,
+{
+    let (seq, rows) = (v.data.seq_len(), batch / micro);
+    let mut local = 0.0f64;
+    for b in 0..v.batches {
+        for m in 0..micro {
+            let (x, y) = v.data.rows(b as u64, rank * batch + m * rows, rows);
+            let logits = sharded.forward(&u32_tensor(x, rows, seq)?)?;
+            let l = loss(&logits, &u32_tensor(y, rows, seq)?.to_device(logits.device())?)?;
+            local += l.to_scalar::<f32>()? as f64;
+            sharded.model.finish_without_backward()?;
+        }
+    }
+    global_mean(&sharded.model, local / (v.batches * micro).max(1) as f64)
+}
+
+/// Continues the sample's prompt by its number of tokens with the sharded
+/// model (greedy decoding; every rank computes the same, each forward
+/// gathering one group at a time), the last `seq_len` tokens as context.
+/// A prompt with ids outside the model's `vocab` is an error.
+fn sample_sharded<C>(sharded: &ShardedDecoder<C>, seq_len: usize, vocab: usize, s: &Sample) -> Result<String>
+where
+    C: CommBackend + 'static,
+    C::B: ComputeBackend,
+    Fsdp<C>: Send,
+{
+    let codec_err = |e: crate::codec::CodecError| Error::InvalidArgument(format!("sample: {e}"));
+    let mut tokens = s.codec.encode(&s.prompt).map_err(codec_err)?;
+    if let Some(id) = tokens.iter().find(|t| **t as usize >= vocab) {
+        return Err(Error::InvalidArgument(format!(
+            "sample: the prompt's token {id} is outside the model's vocabulary of {vocab}"
+        )));
+    }
+    for _ in 0..if tokens.is_empty() { 0 } else { s.tokens } {
+        let ctx = &tokens[tokens.len().saturating_sub(seq_len.max(1))..];
+        let logits = sharded.forward(&u32_tensor(ctx.to_vec(), 1, ctx.len())?)?;
+        sharded.model.finish_without_backward()?;
+        let last = logits.squeeze(0)?.get(ctx.len() - 1)?;
+        tokens.push(last.argmax(0)?.to_scalar::<u32>()?);
+    }
+    s.codec.decode(&tokens).map_err(codec_err)
+}
+
+/// How the model `config` differs from the one a checkpoint recorded
+/// (`saved`, its training state's `model`): each differing field as
+/// `"heads 4 -> 2"`; empty when they agree. A checkpoint that records no
+/// configuration (or not an object) cannot be checked: that is a change.
+pub fn config_changes<T: Serialize>(saved: &serde_json::Value, config: &T) -> Vec<String> {
+    let now = serde_json::to_value(config).unwrap_or_default();
+    let Some(saved) = saved.as_object() else {
+        return vec![format!("no readable model configuration recorded ({saved})")];
+    };
+    let Some(now) = now.as_object() else { return Vec::new() };
+    now.iter()
+        .filter(|(k, v)| saved.get(*k) != Some(v))
+        .map(|(k, v)| format!("{k} {} -> {v}", saved.get(k).map_or_else(|| "unset".into(), |s| s.to_string())))
+        .collect()
+}
+
+/// The micro-batch count (at least one) that divides `batch` sequences per rank.
+fn micro_batches(batch: usize, micro_batches: usize) -> Result<usize> {
+    let micro = micro_batches.max(1);
+    if batch == 0 || batch % micro != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "batch {batch} must be a positive multiple of {micro} micro-batches"
+        )));
+    }
+    Ok(micro)
+}
+
+/// FSDP over `world`, or HSDP with a replicate dimension of `replicate`.
+fn data_parallel<C: CommBackend>(
+    world: &Arc<Communicator<C>>,
+    replicate: Option<usize>,
+) -> Result<DataParallel<C>>
+where
+    C::B: ComputeBackend,
+{
+    let n = world.size();
+    Ok(match replicate {
+        Some(r) if r > 1 => {
+            if n % r != 0 {
+                return Err(Error::InvalidArgument(format!("--hsdp {r} does not divide {n} ranks")));
+            }
+            DataParallel::hsdp(
+                &Mesh::new(world, &[("replicate", r), ("shard", n / r)]).map_err(chorus_fsdp::FsdpError::from)?,
+            )?
+        }
+        _ => DataParallel::fsdp(world.clone()),
+    })
+}
+
+/// The mean over every rank of this rank's `local` loss (a collective; blocks).
+fn global_mean<C: CommBackend + 'static>(model: &FsdpModel<C>, local: f64) -> Result<f64>
+where
+    C::B: ComputeBackend,
+    Fsdp<C>: Send,
+{
+    model.with_fsdp(|f| -> Result<f64> {
+        let s = f.compute_stream();
+        let buf = chorus_devices::StreamExt::buffer_from(s, &[local as f32]).map_err(chorus_fsdp::FsdpError::from)?;
+        Ok(f.mean_over_ranks(chorus_devices::Buffer::view(&buf))?)
+    })?
+}
+
+/// How a run's saves prune: `keep_last`, never the checkpoint resumed from.
+fn save_options(keep_last: Option<usize>, resume: Option<&PathBuf>) -> SaveOptions {
+    SaveOptions { keep_last, keep: resume.iter().filter_map(|d| checkpoint::resolve(d).ok()).collect() }
+}
+
+/// FSDP's and the adapter's running counters at one moment; a report gives
+/// the difference between two ([`Counters::since`]).
+struct Counters {
+    overhead: HostOverhead,
+    comm: CommCounts,
+    adapter: AdapterTimes,
+}
+
+impl Counters {
+    /// The counters of `model` now.
+    fn of<C: CommBackend + 'static>(model: &FsdpModel<C>) -> Result<Counters>
+    where
+        C::B: ComputeBackend,
+        Fsdp<C>: Send,
+    {
+        Ok(Counters {
+            overhead: model.with_fsdp(|f| f.host_overhead())?,
+            comm: model.with_fsdp(|f| f.comm_counts())?,
+            adapter: model.times()?,
+        })
+    }
+
+    /// What was counted from `earlier` to `self`.
+    fn since(&self, earlier: &Counters) -> Counters {
+        Counters {
+            overhead: self.overhead.since(&earlier.overhead),
+            comm: CommCounts {
+                all_gathers: self.comm.all_gathers - earlier.comm.all_gathers,
+                reduce_scatters: self.comm.reduce_scatters - earlier.comm.reduce_scatters,
+                all_reduces: self.comm.all_reduces - earlier.comm.all_reduces,
+            },
+            adapter: AdapterTimes {
+                transfer: self.adapter.transfer - earlier.adapter.transfer,
+                compute: self.adapter.compute - earlier.adapter.compute,
+                stage_calls: self.adapter.stage_calls - earlier.adapter.stage_calls,
+                recomputed: self.adapter.recomputed - earlier.adapter.recomputed,
+            },
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! The decoder models the training loop ([`decoder`](crate::decoder))
+//! trains, each behind one trait, [`DecoderModel`]: its name, its
+//! configuration as JSON (recorded in checkpoints), its sharded form under
+//! FSDP and its plain candle form (the reference). A model is a decoder
+//! stack — an embedding stage, one stage per layer, a head stage — so its
+//! sharded form is always a [`ShardedDecoder`]; adding a model (a Mistral or
+//! Qwen2 variant of the Llama) is a file here implementing the trait.
+//!
+//! - [`gpt`]: a small decoder-only transformer written with candle-nn.
+//! - [`llama`]: the Llama exactly as transformers' `LlamaForCausalLM`
+//!   computes it, with its `config.json` ([`llama::config`]) and Hugging
+//!   Face directories in and out ([`llama::hf`]).
+//!
+//! Nothing here depends on the loop.
+
+pub mod gpt;
+pub mod llama;
+
+use candle_core::Tensor;
+use candle_nn::VarBuilder;
+use chorus_collectives::CommBackend;
+use chorus_devices::ComputeBackend;
+use chorus_fsdp::Fsdp;
+use chorus_fsdp_candle::{FsdpModel, Result, StageId};
+
+/// A decoder model to train: its configuration and initial parameters, and
+/// how to build it sharded (every rank) or plain (the reference).
+pub trait DecoderModel: Send + Sync {
+    /// What the model is called in messages ("transformer", "Llama configuration").
+    fn name(&self) -> &'static str;
+
+    /// Tokens in the vocabulary.
+    fn vocab_size(&self) -> usize;
+
+    /// The configuration, recorded in every checkpoint and compared field by
+    /// field on resume.
+    fn config_json(&self) -> Result<serde_json::Value>;
+
+    /// Shards the initial parameters with `fsdp` (each rank keeps only its
+    /// shards). With `forward_prefetch`, each group's pre-forward also
+    /// all-gathers the next group.
+    fn shard<C>(&self, fsdp: Fsdp<C>, forward_prefetch: bool) -> Result<ShardedDecoder<C>>
+    where
+        C: CommBackend + 'static,
+        C::B: ComputeBackend,
+        Fsdp<C>: Send;
+
+    /// The initial parameters whole, in registration order (for plain
+    /// candle, which holds the whole model).
+    fn init_tensors(&self) -> Result<Vec<(String, Tensor)>>;
+
+    /// The plain candle model whose parameters are in `vb`.
+    fn plain(&self, vb: VarBuilder<'static>) -> Result<Box<dyn PlainDecoder>>;
+}
+
+/// A decoder as a plain candle model.
+pub trait PlainDecoder {
+    /// Logits `[batch, seq, vocab]` of `ids` (`[batch, seq]`, u32).
+    fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor>;
+}
+
+/// A decoder under FSDP through the candle adapter: an embedding stage, one
+/// stage per layer and a head stage, run in that order.
+pub struct ShardedDecoder<C: CommBackend> {
+    /// The adapter (and the [`Fsdp`] inside it).
+    pub model: FsdpModel<C>,
+    embed: StageId,
+    layers: Vec<StageId>,
+    head: StageId,
+}
+
+impl<C: CommBackend + 'static> ShardedDecoder<C>
+where
+    C::B: ComputeBackend,
+    Fsdp<C>: Send,
+{
+    /// The decoder whose stages `model` holds; `groups` (the param groups in
+    /// forward order) chain each group's forward prefetch to the next one's
+    /// when `forward_prefetch` is set, as FSDP2's explicit forward prefetch.
+    pub fn new(
+        model: FsdpModel<C>,
+        (embed, layers, head): (StageId, Vec<StageId>, StageId),
+        groups: &[usize],
+        forward_prefetch: bool,
+    ) -> Result<Self> {
+        if forward_prefetch {
+            model.with_fsdp(|f| -> chorus_fsdp::Result<()> {
+                for w in groups.windows(2) {
+                    f.set_forward_prefetch(w[0], vec![w[1]])?;
+                }
+                Ok(())
+            })??;
+        }
+        Ok(ShardedDecoder { model, embed, layers, head })
+    }
+
+    /// Logits of `ids` (`[batch, seq]`, u32), carrying candle's graph
+    /// through every stage: in the param dtype, or cast (differentiably) to
+    /// the mixed-precision policy's output dtype when it names one, as
+    /// FSDP2's root casts the model's outputs.
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let mut x = self.model.run(self.embed, ids)?;
+        for l in &self.layers {
+            x = self.model.run(*l, &x)?;
+        }
+        let logits = self.model.run(self.head, &x)?;
+        match self.model.with_fsdp(|f| f.mixed_precision().output_dtype)? {
+            Some(d) => Ok(logits.to_dtype(chorus_fsdp_candle::convert::candle_dtype(d)?)?),
+            None => Ok(logits),
+        }
+    }
+}
