@@ -15,6 +15,8 @@
 //!   both transformers spellings), [`llama_hf`] (Hugging Face model
 //!   directories in, memory-mapped and read shard by shard, and out) and
 //!   [`llama_train`] (the loop on `.npy` token ids or text).
+//! - [`generate`]: a Llama directory as a KV-cached decoder, greedy or
+//!   sampled as transformers' `generate` (behind `chorus generate`).
 //! - [`fsdp_loop`]: what those loops share that does not depend on the model.
 //! - [`model_out`]: the trained model written at a run's end, one gathered
 //!   parameter at a time (no rank holds the whole model).
@@ -27,6 +29,7 @@
 #![warn(missing_docs)]
 
 pub mod fsdp_loop;
+pub mod generate;
 pub mod gpt;
 pub mod gpt_train;
 pub mod llama;
