@@ -20,6 +20,8 @@
 //! - [`schedule`]: the lr schedule (warmup, then linear or cosine decay),
 //!   with PyTorch's `LambdaLR` semantics.
 //! - [`codec`]: text to token ids and back, for a run's closing sample.
+//! - [`generate`]: a Llama directory as a KV-cached decoder, greedy or
+//!   sampled as transformers' `generate` (behind `chorus generate`).
 //! - [`model_out`]: the trained model written at a run's end, one gathered
 //!   parameter at a time (no rank holds the whole model).
 //! - [`npy`]: float32 `.npy` files, the interchange with PyTorch and NumPy
@@ -32,6 +34,7 @@
 
 pub mod codec;
 pub mod decoder;
+pub mod generate;
 pub mod mlp;
 pub mod model_out;
 pub mod models;

@@ -136,16 +136,16 @@ pub fn materialize(params: &[DeferredParam]) -> candle_core::Result<Vec<(String,
         .collect()
 }
 
-/// RoPE's cosines and sines for positions `0..t`, `[t, head_dim]` each, as
-/// transformers' `LlamaRotaryEmbedding` computes them in float32
+/// RoPE's cosines and sines for positions `start..start + t`, `[t, head_dim]`
+/// each, as transformers' `LlamaRotaryEmbedding` computes them in float32
 /// (`inv_freq = 1 / theta^(2j / head_dim)`, the frequencies repeated twice).
-fn rope_tables(cfg: &LlamaConfig, t: usize, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
+fn rope_tables(cfg: &LlamaConfig, start: usize, t: usize, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
     let hd = cfg.head_dim;
     let inv: Vec<f32> =
         (0..hd / 2).map(|j| 1.0f32 / (cfg.rope_theta as f32).powf((2 * j) as f32 / hd as f32)).collect();
     let mut cos = Vec::with_capacity(t * hd);
     let mut sin = Vec::with_capacity(t * hd);
-    for p in 0..t {
+    for p in start..start + t {
         for k in 0..hd {
             let angle = p as f32 * inv[k % (hd / 2)];
             cos.push((angle as f64).cos() as f32);
@@ -165,10 +165,33 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Ten
     x.broadcast_mul(&cos.to_dtype(x.dtype())?)? + rotated.broadcast_mul(&sin.to_dtype(x.dtype())?)?
 }
 
-/// `[t, t]`: 0 on and below the diagonal, −∞ above.
-fn causal_mask(t: usize, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
-    let m: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
-    Tensor::from_vec(m, (t, t), device)?.to_dtype(dtype)
+/// `[t, past + t]`, for `t` queries after `past` cached positions: query
+/// `i` sees keys `0..=past + i` (0), not the later ones (−∞).
+fn causal_mask(past: usize, t: usize, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
+    let n = past + t;
+    let m: Vec<f32> = (0..t * n).map(|i| if i % n > past + i / n { f32::NEG_INFINITY } else { 0.0 }).collect();
+    Tensor::from_vec(m, (t, n), device)?.to_dtype(dtype)
+}
+
+/// One decoder layer's keys and values of the positions decoded so far
+/// (`[batch, kv_heads, seen, head_dim]` each, after RoPE and before
+/// grouped-query attention's repeat), so a step computes only its new
+/// positions ([`Llama::forward_cached`]).
+#[derive(Clone, Debug, Default)]
+pub struct KvCache {
+    kv: Option<(Tensor, Tensor)>,
+}
+
+impl KvCache {
+    /// The number of positions cached.
+    pub fn len(&self) -> usize {
+        self.kv.as_ref().and_then(|(k, _)| k.dim(2).ok()).unwrap_or(0)
+    }
+
+    /// Whether nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// RMSNorm with candle's differentiable path (`forward_diff`).
@@ -213,26 +236,41 @@ impl DecoderLayer {
 
     /// Causal self-attention with RoPE and grouped-query attention (each
     /// key/value head serves `heads / kv_heads` consecutive query heads, as
-    /// transformers' `repeat_kv`).
-    fn attention(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    /// transformers' `repeat_kv`). With a cache, `x` holds the positions
+    /// after the cached ones, which it attends to as well, and its keys and
+    /// values are appended to the cache.
+    fn attention(&self, x: &Tensor, cache: Option<&mut KvCache>) -> candle_core::Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim);
         let heads = |y: Tensor, n: usize| -> candle_core::Result<Tensor> {
             y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()
         };
-        let (cos, sin) = rope_tables(&self.cfg, t, x.device())?;
+        let past = cache.as_ref().map_or(0, |c| c.len());
+        let (cos, sin) = rope_tables(&self.cfg, past, t, x.device())?;
         let q = apply_rope(&heads(self.q.forward(x)?, nh)?, &cos, &sin)?;
         let k = apply_rope(&heads(self.k.forward(x)?, nkv)?, &cos, &sin)?;
         let v = heads(self.v.forward(x)?, nkv)?;
+        let (k, v) = match cache {
+            None => (k, v),
+            Some(c) => {
+                let kv = match c.kv.take() {
+                    None => (k, v),
+                    Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+                };
+                c.kv = Some(kv.clone());
+                kv
+            }
+        };
+        let n = past + t;
         let repeat = |y: Tensor| -> candle_core::Result<Tensor> {
             if nh == nkv {
                 return Ok(y);
             }
-            y.unsqueeze(2)?.broadcast_as((b, nkv, nh / nkv, t, hd))?.contiguous()?.reshape((b, nh, t, hd))
+            y.unsqueeze(2)?.broadcast_as((b, nkv, nh / nkv, n, hd))?.contiguous()?.reshape((b, nh, n, hd))
         };
         let (k, v) = (repeat(k)?, repeat(v)?);
         let scores = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (hd as f64).sqrt()))?;
-        let scores = scores.broadcast_add(&causal_mask(t, scores.dtype(), scores.device())?)?;
+        let scores = scores.broadcast_add(&causal_mask(past, t, scores.dtype(), scores.device())?)?;
         let probs = candle_nn::ops::softmax(&scores.to_dtype(DType::F32)?, D::Minus1)?.to_dtype(q.dtype())?;
         let out = probs.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, nh * hd))?;
         self.o.forward(&out)
@@ -241,7 +279,13 @@ impl DecoderLayer {
     /// `x + attn(norm(x))`, then `+ down(silu(gate(·)) · up(·))` of its norm;
     /// `x` is `[batch, seq, hidden]`.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let x = (x + self.attention(&self.input_layernorm.forward_diff(x)?)?)?;
+        self.forward_cached(x, None)
+    }
+
+    /// [`forward`](Self::forward) of the positions after those in `cache`
+    /// (none without one), appending theirs to it.
+    pub fn forward_cached(&self, x: &Tensor, cache: Option<&mut KvCache>) -> candle_core::Result<Tensor> {
+        let x = (x + self.attention(&self.input_layernorm.forward_diff(x)?, cache)?)?;
         let h = self.post_attention_layernorm.forward_diff(&x)?;
         let mlp = self.down.forward(&(self.gate.forward(&h)?.silu()? * self.up.forward(&h)?)?)?;
         x + mlp
@@ -286,6 +330,34 @@ impl Llama {
             x = l.forward(&x)?;
         }
         head(&self.cfg, self.vb.clone(), &x)
+    }
+
+    /// Empty caches, one per decoder layer, for [`forward_cached`](Self::forward_cached).
+    pub fn new_cache(&self) -> Vec<KvCache> {
+        vec![KvCache::default(); self.layers.len()]
+    }
+
+    /// The logits of the last of `ids` (`[batch, seq]`, u32; `[batch, vocab]`),
+    /// `ids` being the positions after those in `cache` (from
+    /// [`new_cache`](Self::new_cache)), whose keys and values it appends:
+    /// a prompt once, then one token per step, each step attending to the
+    /// cache instead of recomputing the sequence.
+    pub fn forward_cached(&self, ids: &Tensor, cache: &mut [KvCache]) -> candle_core::Result<Tensor> {
+        if cache.len() != self.layers.len() {
+            return Err(candle_core::Error::msg(format!(
+                "{} caches for {} decoder layers",
+                cache.len(),
+                self.layers.len()
+            )));
+        }
+        let mut x = embed(&self.cfg, self.vb.clone(), ids)?;
+        for (l, c) in self.layers.iter().zip(cache.iter_mut()) {
+            x = l.forward_cached(&x, Some(c))?;
+        }
+        // The head is per position: only the last one's logits are needed.
+        let t = x.dim(1)?;
+        let last = x.narrow(1, t.saturating_sub(1), 1)?;
+        head(&self.cfg, self.vb.clone(), &last)?.squeeze(1)
     }
 }
 
