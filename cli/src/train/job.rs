@@ -122,12 +122,12 @@ fn file_args(
         }
         seen.push((key.clone(), id.clone()));
         let args = arg_values(arg, &value).map_err(|why| in_file(path, format!("`{key}`: {why}")))?;
-        // What the command line gives wins.
-        if line.value_source(&id) == Some(ValueSource::CommandLine) {
-            continue;
-        }
+        // Checked even where the command line overrides it: the file is wrong either way.
         cmd.clone().try_get_matches_from(&args).map_err(|e| in_file(path, format!("`{key}`: {}", clap_message(&e))))?;
-        out.push((key, args));
+        // What the command line gives wins.
+        if line.value_source(&id) != Some(ValueSource::CommandLine) {
+            out.push((key, args));
+        }
     }
     Ok(out)
 }
