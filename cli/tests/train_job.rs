@@ -95,6 +95,29 @@ fn a_run_repeats_from_its_config_toml_with_the_same_losses() {
 }
 
 #[test]
+fn the_mlp_writes_its_config_toml_too_and_repeats_from_it() {
+    let dir = scratch("job-mlp");
+    let (first, second) = (dir.join("first"), dir.join("second"));
+    ok(&[
+        "--model",
+        "mlp",
+        "--steps",
+        "3",
+        "--world-size",
+        "2",
+        "--dims",
+        "4,8,2",
+        "--out-dir",
+        first.to_str().unwrap(),
+    ]);
+    let config = std::fs::read_to_string(first.join("config.toml")).unwrap();
+    assert!(config.contains("dims = [4, 8, 2]  # command line\n"), "{config}");
+    ok(&["--config", first.join("config.toml").to_str().unwrap(), "--out-dir", second.to_str().unwrap()]);
+    assert_eq!(summary(&first)["losses"].to_string(), summary(&second)["losses"].to_string());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
 fn a_bad_job_file_is_refused_before_anything_is_written() {
     let dir = scratch("job-bad");
     let out_dir = dir.join("out");

@@ -19,6 +19,7 @@
 //! repeats the run.
 
 use std::ffi::{OsStr, OsString};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use clap::parser::ValueSource;
@@ -51,7 +52,7 @@ pub(super) fn resolve_process(args: &TrainArgs) -> anyhow::Result<TrainArgs> {
     let mut argv = std::env::args_os().skip(1);
     match argv.next() {
         Some(first) if first == "train" => resolve(argv.collect()),
-        _ => Err(anyhow::anyhow!("chorus train: no `train` in this process's arguments ({args:?})")),
+        _ => Err(anyhow::anyhow!("chorus train: no `train` in this process's arguments (--model {:?})", args.model)),
     }
 }
 
@@ -148,7 +149,12 @@ fn read_table(path: &Path) -> anyhow::Result<toml::Table> {
     if len > MAX_BYTES {
         return Err(in_file(path, format!("{len} bytes is more than a job file holds (at most {MAX_BYTES})")));
     }
-    let bytes = std::fs::read(path).map_err(bad)?;
+    // Read at most one byte past the limit: a file that grew since is refused too.
+    let mut bytes = Vec::new();
+    std::fs::File::open(path).and_then(|f| f.take(MAX_BYTES + 1).read_to_end(&mut bytes)).map_err(bad)?;
+    if bytes.len() as u64 > MAX_BYTES {
+        return Err(in_file(path, format!("more than a job file holds (at most {MAX_BYTES} bytes)")));
+    }
     let text = String::from_utf8(bytes).map_err(|_| in_file(path, "not UTF-8 text".into()))?;
     text.parse::<toml::Table>().map_err(|e| in_file(path, format!("not TOML: {}", e.to_string().trim_end())))
 }
@@ -368,6 +374,8 @@ mod tests {
         assert!(err(&["--config", p]).contains(p));
         std::fs::write(&path, "steps = \n").unwrap();
         assert!(err(&["--config", p]).contains("not TOML"));
+        std::fs::write(&path, vec![b'#'; MAX_BYTES as usize + 1]).unwrap();
+        assert!(err(&["--config", p]).contains("more than a job file holds"));
         std::fs::write(&path, [0xff, 0xfe]).unwrap();
         assert!(err(&["--config", p]).contains("not UTF-8"));
         let dir = path.parent().unwrap();

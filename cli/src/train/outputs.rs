@@ -225,3 +225,22 @@ impl<'a> Finished<'a> {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn val_losses_are_read_from_the_summary_as_step_loss_pairs() {
+        let summary = |v: serde_json::Value| match json!({ "losses": [1.0], "val_losses": v }) {
+            serde_json::Value::Object(map) => map,
+            _ => unreachable!(),
+        };
+        assert_eq!(val_losses(&summary(json!([[0, 2.5], [5, 2.0]]))), [(0, 2.5), (5, 2.0)]);
+        // A NaN is written as null: kept as NaN (the plot leaves it out); malformed entries are skipped.
+        let odd = val_losses(&summary(json!([[3, null], [1], "x", [4, 1.5]])));
+        assert_eq!(odd.len(), 2);
+        assert!(odd[0].0 == 3 && odd[0].1.is_nan() && odd[1] == (4, 1.5));
+        assert!(val_losses(&serde_json::Map::new()).is_empty());
+    }
+}
