@@ -159,6 +159,17 @@ pub struct TrainArgs {
     /// With --bench --model gpt: run one side of the comparison in this process and print its JSON (internal).
     #[arg(long, value_enum, hide = true)]
     pub bench_part: Option<BenchPart>,
+    /// gpt, llama: one device's peak in TFLOP/s for MFU (default: known for H100, H200 and A100 GPUs; none for
+    /// the CPU, whose MFU is then not given).
+    #[arg(long)]
+    pub peak_tflops: Option<f64>,
+    /// A job file (TOML) setting any of these flags by its long name (`steps = 100`, `world_size = 4`, at the top
+    /// level or in tables); the command line wins. Every run writes its flags as config.toml in --out-dir.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// The effective configuration (not a flag): set by `job::resolve`.
+    #[arg(skip)]
+    pub(super) effective: Option<super::job::Effective>,
     #[command(flatten)]
     pub llama: LlamaArgs,
 }

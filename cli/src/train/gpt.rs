@@ -16,6 +16,7 @@ use serde_json::json;
 use super::outputs::{self, Finished};
 use super::ranks::{limit_candle_threads, GptJob};
 use super::resume::{check_resume, Resuming};
+use super::throughput::Throughput;
 use super::{read_text, run_with_progress, say, usage, TrainArgs};
 use crate::Outcome;
 
@@ -73,7 +74,8 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         tensors: cfg.param_shapes(),
     };
     let spec = GptSpec { output: Some(Arc::new(output)), sample: Some(("the cat ".into(), 60)), ..spec };
-    let reports = run_with_progress(args.backend, world, GptJob(spec.clone()), steps)?;
+    let throughput = Throughput::gpt(&cfg, args);
+    let reports = run_with_progress(args.backend, world, GptJob(spec.clone()), steps, Some(&throughput))?;
     let Some(out) = out.filter(|_| !reports.is_empty()) else {
         return match reports.first().and_then(|r| r.stopped) {
             Some(stop) => Err(stop.error().into()),
@@ -87,10 +89,10 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         return run.fail(out, "gpt", stop, config);
     }
     let sample = first.sample.clone().unwrap_or_default();
-    let mut summary = run.summary("gpt", config);
+    let mut summary = run.summary("gpt", config, &throughput);
     summary.insert("sample".into(), sample.clone().into());
     let dest = run.commit(out, "gpt", summary)?;
-    say(format_args!("{}", run.closing("transformer", cfg.num_params(), world, steps, 3, &dest)))?;
+    say(format_args!("{}", run.closing("transformer", cfg.num_params(), world, steps, 3, &dest, &throughput)))?;
     say(format_args!("sample: {sample:?}"))?;
     Ok(Outcome::Passed)
 }

@@ -21,6 +21,7 @@ use serde_json::json;
 use super::outputs::{self, Finished};
 use super::ranks::{limit_candle_threads, LlamaJob};
 use super::resume::{check_resume, Resuming};
+use super::throughput::Throughput;
 use super::{read_text, run_with_progress, say, usage, TrainArgs};
 use crate::outdir::write_file;
 use crate::Outcome;
@@ -82,7 +83,8 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         layout: llama_hf::HfLayout::new(&cfg, args.llama.save_dtype.dtype(), max_file_bytes),
     };
     let spec = LlamaSpec { output: Some(Arc::new(output)), ..spec };
-    let reports = run_with_progress(args.backend, world, LlamaJob(spec.clone()), steps)?;
+    let throughput = Throughput::llama(&cfg, spec.data.seq_len(), args);
+    let reports = run_with_progress(args.backend, world, LlamaJob(spec.clone()), steps, Some(&throughput))?;
     let Some(out) = out.filter(|_| !reports.is_empty()) else {
         return match reports.first().and_then(|r| r.stopped) {
             Some(stop) => Err(stop.error().into()),
@@ -95,10 +97,10 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     if let Some(stop) = first.stopped {
         return run.fail(out, "llama", stop, config);
     }
-    let mut summary = run.summary("llama", config);
+    let mut summary = run.summary("llama", config, &throughput);
     summary.insert("hf_model_dir".into(), "model".into());
     let dest = run.commit(out, "llama", summary)?;
-    let line = run.closing("Llama", cfg.num_params(), world, steps, 4, &dest);
+    let line = run.closing("Llama", cfg.num_params(), world, steps, 4, &dest, &throughput);
     say(format_args!("{line} (Hugging Face model in {})", dest.join("model").display()))?;
     Ok(Outcome::Passed)
 }

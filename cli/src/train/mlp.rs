@@ -90,7 +90,9 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     // One rank per process: rank 0 writes the outputs.
     let out = if writes_outputs(args.backend) {
         let inside: Vec<(&str, &Path)> = args.init_dir.iter().map(|p| ("--init-dir", p.as_path())).collect();
-        Some(OutDir::acquire(&args.out_dir(), &inside)?)
+        let out = OutDir::acquire(&args.out_dir(), &inside)?;
+        super::outputs::write_config(args, &out)?;
+        Some(out)
     } else {
         None
     };
@@ -113,7 +115,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         max_grad_norm: args.max_grad_norm,
         stop_on_nonfinite: !args.allow_nonfinite,
     };
-    let reports = run_with_progress(args.backend, world, MlpJob(spec.clone()), steps)?;
+    let reports = run_with_progress(args.backend, world, MlpJob(spec.clone()), steps, None)?;
     let stopped = reports.first().and_then(|r| r.stopped);
     let Some(out) = out.filter(|_| !reports.is_empty()) else {
         return match stopped {

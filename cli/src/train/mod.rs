@@ -14,19 +14,23 @@
 //! summary marked failed.
 //!
 //! `args.rs` holds the arguments and every check made before anything is
-//! written; `ranks.rs` runs a job on the ranks of any backend; `resume.rs` checks a
+//! written; `job.rs` reads `--config`'s job file into them and writes the
+//! effective configuration back (`config.toml`); `ranks.rs` runs a job on the ranks of any backend; `resume.rs` checks a
 //! `--resume` checkpoint against the run; `mlp.rs`,
 //! `gpt.rs` and `llama.rs` train each model and write its outputs; `gpt_bench.rs` measures
-//! the transformer against plain candle (the MLP's benchmark is in `mlp.rs`).
+//! the transformer against plain candle (the MLP's benchmark is in `mlp.rs`);
+//! `throughput.rs` gives the candle models' tokens/s and MFU.
 
 mod args;
 mod gpt;
 mod gpt_bench;
+mod job;
 mod llama;
 mod mlp;
 mod outputs;
 mod ranks;
 mod resume;
+mod throughput;
 
 use std::io::Write;
 
@@ -42,7 +46,10 @@ use crate::{Outcome, UsageError};
 
 /// Runs `chorus train`.
 pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
+    // Read back from the command line with --config's file and each value's source.
+    let args = &job::resolve_process(args)?;
     args.usage()?;
+    throughput::check_peak(args)?;
     match (args.model(), args.bench) {
         (ModelArg::Mlp, false) => mlp::run(args),
         (ModelArg::Gpt, false) => gpt::run(args),
@@ -115,14 +122,22 @@ fn summarize(losses: &[f64]) -> LossSummary {
 }
 
 /// Runs `job` on `world` ranks of `backend` ([`ranks::run_on`]) behind a
-/// progress bar of its `steps` steps, cleared when the ranks are done.
-fn run_with_progress<J: RankJob>(backend: Backend, world: usize, job: J, steps: u64) -> anyhow::Result<Vec<J::Report>> {
+/// progress bar of its `steps` steps (with the `throughput` where given),
+/// cleared when the ranks are done.
+fn run_with_progress<J: RankJob>(
+    backend: Backend,
+    world: usize,
+    job: J,
+    steps: u64,
+    throughput: Option<&throughput::Throughput>,
+) -> anyhow::Result<Vec<J::Report>> {
     let bar = ProgressBar::new(steps);
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg} ({elapsed})")
+    bar.set_style(match throughput {
+        Some(t) => t.style(),
+        None => ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg} ({elapsed})")
             .map(|s| s.progress_chars("=> "))
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
+    });
     let reports = ranks::run_on(backend, world, job, Some(bar.clone()));
     bar.finish_and_clear();
     reports

@@ -1,5 +1,6 @@
 //! What the candle models' runs (`--model gpt`, `--model llama`) write and
-//! say alike: the locked out-dir and checkpoint directory, the summary's
+//! say alike: the locked out-dir and checkpoint directory (with the run's
+//! `config.toml`), the summary's
 //! common part, a failed run's summary and curve, and the closing line.
 
 use std::path::{Path, PathBuf};
@@ -9,6 +10,7 @@ use chorus_train::gpt_train::{GptReport, NonFinite};
 use serde_json::json;
 
 use super::ranks::writes_outputs;
+use super::throughput::Throughput;
 use super::{median, span, summarize, LossSummary, TrainArgs};
 use crate::outdir::{write_file, CheckpointDir, OutDir};
 use crate::Outcome;
@@ -26,10 +28,33 @@ pub(super) fn acquire(
     }
     let inside: Vec<(&str, &Path)> = inside.iter().filter_map(|(flag, p)| p.map(|p| (*flag, p))).collect();
     let out = OutDir::acquire(&args.out_dir(), &inside)?;
+    write_config(args, &out)?;
     let checkpoints = checkpoint_dir
         .map(|dir| CheckpointDir::acquire(dir, args.resume.as_deref(), args.overwrite_checkpoints))
         .transpose()?;
     Ok((Some(out), checkpoints))
+}
+
+/// Stages the run's effective configuration as `config.toml` (from
+/// [`super::job`]), so the out-dir alone repeats the run.
+pub(super) fn write_config(args: &TrainArgs, out: &OutDir) -> anyhow::Result<()> {
+    match &args.effective {
+        Some(e) => write_file(&out.stage().join("config.toml"), e.text.as_bytes()),
+        None => Ok(()),
+    }
+}
+
+/// The summary's `val_losses` (`[step, loss]` pairs) for the loss curve's
+/// second line; none where the run did not evaluate.
+fn val_losses(summary: &serde_json::Map<String, serde_json::Value>) -> Vec<(u64, f64)> {
+    let pairs = summary.get("val_losses").and_then(|v| v.as_array()).map(Vec::as_slice).unwrap_or_default();
+    pairs
+        .iter()
+        .filter_map(|p| match p.as_array().map(Vec::as_slice) {
+            Some([step, loss]) => Some((step.as_u64()?, loss.as_f64().unwrap_or(f64::NAN))),
+            _ => None,
+        })
+        .collect()
 }
 
 /// A finished run as rank 0 reported it, with every rank's report.
@@ -100,7 +125,12 @@ impl<'a> Finished<'a> {
 
     /// The summary of a completed run: what both models report; the caller
     /// adds its own keys before [`Finished::commit`].
-    pub(super) fn summary(&self, model: &str, config: serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
+    pub(super) fn summary(
+        &self,
+        model: &str,
+        config: serde_json::Value,
+        throughput: &Throughput,
+    ) -> serde_json::Map<String, serde_json::Value> {
         let ran = self.first.losses.len().max(1) as f64;
         let summary = json!({
             "model": model,
@@ -121,13 +151,16 @@ impl<'a> Finished<'a> {
             "checkpoints": self.checkpoints(),
             "config": config,
         });
-        match summary {
+        let mut map = match summary {
             serde_json::Value::Object(map) => map,
             _ => serde_json::Map::new(),
-        }
+        };
+        map.extend(throughput.summary(&self.first.step_times_s));
+        map
     }
 
-    /// Writes `summary` and the loss curve into `out`'s staging directory
+    /// Writes `summary` and the loss curve (with the summary's `val_losses`
+    /// as a second line) into `out`'s staging directory
     /// (beside what the caller wrote there) and puts the out-dir in place;
     /// where it now is.
     pub(super) fn commit(
@@ -136,15 +169,17 @@ impl<'a> Finished<'a> {
         model: &str,
         summary: serde_json::Map<String, serde_json::Value>,
     ) -> anyhow::Result<PathBuf> {
+        let val = val_losses(&summary);
         let summary = serde_json::Value::Object(summary);
         write_file(&out.stage().join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
         let title = format!("chorus train --model {model}");
-        crate::plot::loss_curve(
+        crate::plot::loss_curves(
             &out.stage().join("loss.svg"),
             &title,
             self.first_step,
             &self.all_losses,
             self.summary.window,
+            &val,
         )?;
         let dest = out.dest().to_path_buf();
         out.commit()?;
@@ -154,7 +189,9 @@ impl<'a> Finished<'a> {
     /// The closing line's account of this run's steps (a resumed run's
     /// earlier ones are in the summary): `trained the {what} ({n}
     /// parameters) on {world} ranks, steps ...: loss ... -> ..., median
-    /// step, peak FSDP memory, wrote {dest}`, losses to `decimals` places.
+    /// step, tokens/s (and MFU), peak FSDP memory, wrote {dest}`, losses to
+    /// `decimals` places.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn closing(
         &self,
         what: &str,
@@ -163,13 +200,20 @@ impl<'a> Finished<'a> {
         steps: u64,
         decimals: usize,
         dest: &Path,
+        throughput: &Throughput,
     ) -> String {
         let first = self.first;
         let peak = self.reports.iter().map(|r| r.peak_memory_bytes).max().unwrap_or(0);
         let this = summarize(&first.losses);
         let last_start = first.start_step + (first.losses.len() - this.window) as u64;
+        let rate = throughput.summary(&first.step_times_s);
+        let number = |key: &str| rate.get(key).and_then(|v| v.as_f64());
+        let mut speed = format!("{:.0} tokens/s", number("tokens_per_s").unwrap_or(0.0));
+        if let Some(mfu) = number("mfu") {
+            speed.push_str(&format!(" (MFU {mfu:.1}%)"));
+        }
         format!(
-            "trained the {what} ({parameters} parameters) on {world} ranks, steps {}..{steps}: loss {:.decimals$} (mean of {}) -> {:.decimals$} (mean of {}), median step {:.1} ms, peak FSDP memory {:.1} KiB/rank, wrote {}",
+            "trained the {what} ({parameters} parameters) on {world} ranks, steps {}..{steps}: loss {:.decimals$} (mean of {}) -> {:.decimals$} (mean of {}), median step {:.1} ms, {speed}, peak FSDP memory {:.1} KiB/rank, wrote {}",
             first.start_step,
             this.start,
             span(first.start_step, this.window),
@@ -179,5 +223,24 @@ impl<'a> Finished<'a> {
             peak as f64 / 1024.0,
             dest.display(),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn val_losses_are_read_from_the_summary_as_step_loss_pairs() {
+        let summary = |v: serde_json::Value| match json!({ "losses": [1.0], "val_losses": v }) {
+            serde_json::Value::Object(map) => map,
+            _ => unreachable!(),
+        };
+        assert_eq!(val_losses(&summary(json!([[0, 2.5], [5, 2.0]]))), [(0, 2.5), (5, 2.0)]);
+        // A NaN is written as null: kept as NaN (the plot leaves it out); malformed entries are skipped.
+        let odd = val_losses(&summary(json!([[3, null], [1], "x", [4, 1.5]])));
+        assert_eq!(odd.len(), 2);
+        assert!(odd[0].0 == 3 && odd[0].1.is_nan() && odd[1] == (4, 1.5));
+        assert!(val_losses(&serde_json::Map::new()).is_empty());
     }
 }

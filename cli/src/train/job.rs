@@ -1,0 +1,398 @@
+//! `chorus train --config job.toml`: a job file that sets any flag of
+//! `chorus train`, and the effective configuration written back as
+//! `config.toml` in the out-dir.
+//!
+//! Generic over the flags: a key is a flag's long name (`world_size` or
+//! `world-size`), at the top level or in a table of any name (`[training]
+//! steps = 10`, torchtitan's layout; the table's name only groups), and
+//! becomes `--key=value` placed before the command line's arguments. A flag
+//! the command line gives is left out of the file's, so the command line
+//! wins. A switch (`--bench`) takes `true` or `false`; a list flag
+//! (`--dims`) a TOML array or its comma-separated string. Paths are as
+//! given, relative to the directory the run starts in. The file's arguments
+//! are checked by clap alone, key by key, so an error names the key; every
+//! check of `chorus train` then applies as to the command line.
+//!
+//! `config.toml` lists every flag: its value (a default too) and where it
+//! came from, or a comment for a flag left unset (its default then depends
+//! on the model). `chorus train --config OUT/config.toml --out-dir OUT2`
+//! repeats the run.
+
+use std::ffi::{OsStr, OsString};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use clap::parser::ValueSource;
+use clap::{ArgAction, Args, FromArgMatches};
+
+use super::{usage, TrainArgs};
+
+/// The largest job file read (a job file is a few hundred bytes).
+const MAX_BYTES: u64 = 1 << 20;
+
+/// Flags a job file cannot set: `--config` itself, and clap's own.
+const NOT_IN_FILE: [&str; 2] = ["config", "help"];
+
+/// The effective configuration of a run, as `config.toml` holds it.
+#[derive(Clone, Debug, Default)]
+pub struct Effective {
+    /// The text of `config.toml`.
+    pub text: String,
+}
+
+/// `chorus train`'s arguments as clap sees them.
+fn command() -> clap::Command {
+    TrainArgs::augment_args(clap::Command::new("train")).no_binary_name(true)
+}
+
+/// The arguments of this process's `chorus train`, with `--config`'s file
+/// read: `args` as parsed from the command line where the process is not
+/// `chorus train ...` (no command line to read back).
+pub(super) fn resolve_process(args: &TrainArgs) -> anyhow::Result<TrainArgs> {
+    let mut argv = std::env::args_os().skip(1);
+    match argv.next() {
+        Some(first) if first == "train" => resolve(argv.collect()),
+        _ => Err(anyhow::anyhow!("chorus train: no `train` in this process's arguments (--model {:?})", args.model)),
+    }
+}
+
+/// The arguments `argv` (those after `train`) give, with `--config`'s file
+/// read (the command line winning) and [`TrainArgs::effective`] set.
+pub(super) fn resolve(argv: Vec<OsString>) -> anyhow::Result<TrainArgs> {
+    let cmd = command();
+    let line = cmd.clone().try_get_matches_from(&argv).map_err(clap_usage)?;
+    let (file, all) = match line.get_one::<PathBuf>("config") {
+        Some(path) => {
+            let file = file_args(&cmd, path, &line)?;
+            let mut all: Vec<OsString> = file.iter().flat_map(|(_, a)| a.clone()).collect();
+            // The file's arguments together (a conflict among them is the file's).
+            cmd.clone().try_get_matches_from(&all).map_err(|e| in_file(path, clap_message(&e)))?;
+            all.extend(argv.iter().cloned());
+            (Some((path.clone(), file)), all)
+        }
+        None => (None, argv),
+    };
+    let matches = cmd.clone().try_get_matches_from(&all).map_err(|e| match &file {
+        Some((path, _)) => usage(format!("--config {} with the command line: {}", path.display(), clap_message(&e))),
+        None => clap_usage(e),
+    })?;
+    let mut args = TrainArgs::from_arg_matches(&matches).map_err(clap_usage)?;
+    let from_file = file.as_ref().map(|(p, _)| p.as_path());
+    args.effective = Some(Effective { text: effective_text(&cmd, &matches, &line, from_file) });
+    Ok(args)
+}
+
+/// The file's flags, each as its key and the arguments it stands for,
+/// leaving out those the command line gives; each checked alone.
+fn file_args(
+    cmd: &clap::Command,
+    path: &Path,
+    line: &clap::ArgMatches,
+) -> anyhow::Result<Vec<(String, Vec<OsString>)>> {
+    let table = read_table(path)?;
+    let mut entries: Vec<(String, toml::Value)> = Vec::new();
+    for (key, value) in table {
+        match value {
+            // A table only groups (no flag takes one), so `[model]` may hold the model's sizes.
+            toml::Value::Table(inner) => {
+                for (k, v) in inner {
+                    entries.push((format!("{key}.{k}"), v));
+                }
+            }
+            v => entries.push((key, v)),
+        }
+    }
+    let mut out: Vec<(String, Vec<OsString>)> = Vec::new();
+    let mut seen: Vec<(String, String)> = Vec::new();
+    for (key, value) in entries {
+        if matches!(value, toml::Value::Table(_)) {
+            return Err(in_file(path, format!("`{key}`: tables nest one level (`[section]` then `flag = value`)")));
+        }
+        let name = key.rsplit('.').next().unwrap_or(&key);
+        let arg = find_arg(cmd, name).ok_or_else(|| {
+            in_file(
+                path,
+                format!(
+                    "`{key}` is no flag of chorus train (keys are the long flag names: steps, world_size, lr, ...)"
+                ),
+            )
+        })?;
+        let id = arg.get_id().as_str().to_string();
+        if let Some((earlier, _)) = seen.iter().find(|(_, i)| *i == id) {
+            return Err(in_file(path, format!("`{key}` sets --{} again (as `{earlier}` did)", long(arg))));
+        }
+        seen.push((key.clone(), id.clone()));
+        let args = arg_values(arg, &value).map_err(|why| in_file(path, format!("`{key}`: {why}")))?;
+        // Checked even where the command line overrides it: the file is wrong either way.
+        cmd.clone().try_get_matches_from(&args).map_err(|e| in_file(path, format!("`{key}`: {}", clap_message(&e))))?;
+        // What the command line gives wins.
+        if line.value_source(&id) != Some(ValueSource::CommandLine) {
+            out.push((key, args));
+        }
+    }
+    Ok(out)
+}
+
+/// The job file's top-level table: a regular TOML file of at most [`MAX_BYTES`].
+fn read_table(path: &Path) -> anyhow::Result<toml::Table> {
+    let ext = path.extension().map(|e| e.to_ascii_lowercase());
+    if ext.as_deref() == Some(OsStr::new("json")) {
+        return Err(in_file(
+            path,
+            "a .json file is not a job file (TOML); a Llama's config.json is read from its directory with --init-from DIR for now"
+                .into(),
+        ));
+    }
+    let bad = |e: std::io::Error| in_file(path, e.to_string());
+    chorus_train::npy::regular_file(path).map_err(bad)?;
+    let len = std::fs::metadata(path).map_err(bad)?.len();
+    if len > MAX_BYTES {
+        return Err(in_file(path, format!("{len} bytes is more than a job file holds (at most {MAX_BYTES})")));
+    }
+    // Read at most one byte past the limit: a file that grew since is refused too.
+    let mut bytes = Vec::new();
+    std::fs::File::open(path).and_then(|f| f.take(MAX_BYTES + 1).read_to_end(&mut bytes)).map_err(bad)?;
+    if bytes.len() as u64 > MAX_BYTES {
+        return Err(in_file(path, format!("more than a job file holds (at most {MAX_BYTES} bytes)")));
+    }
+    let text = String::from_utf8(bytes).map_err(|_| in_file(path, "not UTF-8 text".into()))?;
+    text.parse::<toml::Table>().map_err(|e| in_file(path, format!("not TOML: {}", e.to_string().trim_end())))
+}
+
+/// The flag a key names (`-` or `_` between words); not `--config` nor a hidden one.
+fn find_arg<'a>(cmd: &'a clap::Command, key: &str) -> Option<&'a clap::Arg> {
+    let want = key.replace('_', "-");
+    cmd.get_arguments().find(|a| {
+        a.get_long() == Some(want.as_str()) && !a.is_hide_set() && !NOT_IN_FILE.contains(&a.get_id().as_str())
+    })
+}
+
+fn long(arg: &clap::Arg) -> &str {
+    arg.get_long().unwrap_or(arg.get_id().as_str())
+}
+
+/// The arguments a TOML value stands for: `--flag` for a switch set true
+/// (nothing for false), else `--flag=VALUE`.
+fn arg_values(arg: &clap::Arg, value: &toml::Value) -> Result<Vec<OsString>, String> {
+    let flag = format!("--{}", long(arg));
+    if matches!(arg.get_action(), ArgAction::SetTrue) {
+        return match value {
+            toml::Value::Boolean(true) => Ok(vec![flag.into()]),
+            toml::Value::Boolean(false) => Ok(Vec::new()),
+            other => Err(format!("a switch takes true or false, not {}", other.type_str())),
+        };
+    }
+    let text = match value {
+        toml::Value::Array(items) => {
+            let delimiter = arg.get_value_delimiter().ok_or_else(|| format!("{flag} takes one value, not an array"))?;
+            let items: Result<Vec<String>, String> = items.iter().map(scalar).collect();
+            items?.join(&delimiter.to_string())
+        }
+        v => scalar(v)?,
+    };
+    Ok(vec![format!("{flag}={text}").into()])
+}
+
+/// A scalar as the command line would spell it.
+fn scalar(value: &toml::Value) -> Result<String, String> {
+    match value {
+        toml::Value::String(s) => Ok(s.clone()),
+        toml::Value::Integer(i) => Ok(i.to_string()),
+        toml::Value::Float(f) => Ok(f.to_string()),
+        toml::Value::Boolean(b) => Ok(b.to_string()),
+        other => Err(format!("takes a string, number or boolean, not {}", other.type_str())),
+    }
+}
+
+/// `config.toml`: every flag with its value and source, unset ones as comments.
+fn effective_text(
+    cmd: &clap::Command,
+    matches: &clap::ArgMatches,
+    line: &clap::ArgMatches,
+    file: Option<&Path>,
+) -> String {
+    let mut text = String::from(
+        "# The effective configuration of a `chorus train` run: every flag, with where its value came from.\n\
+         # Repeat the run: chorus train --config config.toml --out-dir OTHER_DIR\n",
+    );
+    for arg in cmd.get_arguments().filter(|a| !a.is_hide_set() && !NOT_IN_FILE.contains(&a.get_id().as_str())) {
+        let id = arg.get_id().as_str();
+        let key = long(arg).replace('-', "_");
+        let source = match (matches.value_source(id), line.value_source(id)) {
+            (Some(ValueSource::CommandLine), Some(ValueSource::CommandLine)) => "command line".to_string(),
+            (Some(ValueSource::CommandLine), _) => match file {
+                Some(f) => format!("--config {}", f.display()),
+                None => "command line".to_string(),
+            },
+            (Some(ValueSource::DefaultValue), _) => "default".to_string(),
+            (Some(_), _) => "environment".to_string(),
+            (None, _) => {
+                let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+                let help = help.lines().next().unwrap_or("").to_string();
+                text.push_str(&format!("# {key}: not set ({help})\n"));
+                continue;
+            }
+        };
+        let raw: Vec<&OsStr> = matches.get_raw(id).map(|v| v.collect()).unwrap_or_default();
+        let value = match (arg.get_action(), raw.as_slice()) {
+            (ArgAction::SetTrue, [v]) => (v.to_str() == Some("true")).to_string(),
+            (_, [v]) => toml_scalar(v),
+            (_, values) => format!("[{}]", values.iter().map(|v| toml_scalar(v)).collect::<Vec<_>>().join(", ")),
+        };
+        text.push_str(&format!("{key} = {value}  # {source}\n"));
+    }
+    text
+}
+
+/// A command-line value as TOML: an integer, float or boolean where it reads
+/// back to the same text, else a string (a path that is not UTF-8, lossily).
+fn toml_scalar(raw: &OsStr) -> String {
+    let s = raw.to_string_lossy();
+    if s.parse::<i64>().is_ok_and(|i| i.to_string() == s) || s == "true" || s == "false" {
+        return s.into_owned();
+    }
+    if s.parse::<f64>().is_ok_and(|f| f.is_finite() && s.contains('.') && f.to_string() == s) {
+        return s.into_owned();
+    }
+    toml::Value::String(s.into_owned()).to_string()
+}
+
+fn in_file(path: &Path, msg: String) -> anyhow::Error {
+    usage(format!("--config {}: {msg}", path.display()))
+}
+
+/// clap's message without its `error: ` prefix and usage lines.
+fn clap_message(e: &clap::Error) -> String {
+    let text = e.to_string();
+    let first = text.lines().next().unwrap_or("").trim();
+    first.strip_prefix("error: ").unwrap_or(first).to_string()
+}
+
+fn clap_usage(e: clap::Error) -> anyhow::Error {
+    usage(clap_message(&e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(name: &str, text: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("chorus-job-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("job.toml");
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    fn argv(v: &[&str]) -> Vec<OsString> {
+        v.iter().map(OsString::from).collect()
+    }
+
+    fn err(v: &[&str]) -> String {
+        resolve(argv(v)).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn the_file_sets_flags_and_the_command_line_wins() {
+        let path = job(
+            "sets",
+            "steps = 7\nworld_size = 2\n[model]\nd-model = 32\nmicro_batches = 2\n[optimizer]\nlr = 0.5\nallow_nonfinite = true\n",
+        );
+        let p = path.to_str().unwrap();
+        let args = resolve(argv(&["--config", p, "--steps", "9"])).unwrap();
+        assert_eq!(args.steps, Some(9));
+        assert_eq!(args.world_size, Some(2));
+        assert_eq!(args.d_model, Some(32));
+        assert_eq!(args.micro_batches, 2);
+        assert_eq!(args.lr, Some(0.5));
+        assert!(args.allow_nonfinite);
+        let text = args.effective.unwrap().text;
+        assert!(text.contains("steps = 9  # command line\n"), "{text}");
+        assert!(text.contains(&format!("world_size = 2  # --config {p}\n")), "{text}");
+        assert!(text.contains("lr = 0.5  # --config"), "{text}");
+        assert!(text.contains("batch = 8  # default\n"), "{text}");
+        assert!(text.contains("bench = false  # default\n"), "{text}");
+        assert!(text.contains("# hsdp: not set ("), "{text}");
+        assert!(!text.contains("config ="), "{text}");
+        std::fs::remove_dir_all(path.parent().unwrap()).ok();
+    }
+
+    #[test]
+    fn config_toml_read_back_gives_the_same_arguments() {
+        let first = resolve(argv(&[
+            "--model",
+            "llama",
+            "--dims=3,4,5",
+            "--lr",
+            "1e-3",
+            "--out-dir",
+            "a b/\"q\"",
+            "--reshard-after-forward",
+            "2",
+            "--recompute",
+            "root,model.layers.0",
+            "--momentum",
+            "0.25",
+        ]))
+        .unwrap();
+        let path = job("back", &first.effective.as_ref().unwrap().text);
+        let again = resolve(argv(&["--config", path.to_str().unwrap()])).unwrap();
+        // Debug lists every field: the two parses agree on all of them but the job file's.
+        let strip = |mut a: TrainArgs| {
+            (a.config, a.effective) = (None, None);
+            format!("{a:?}")
+        };
+        let (dims, lr) = (again.dims.clone(), again.lr);
+        assert_eq!(strip(again), strip(first));
+        assert_eq!(dims, Some(vec![3, 4, 5]));
+        assert_eq!(lr, Some(1e-3));
+        std::fs::remove_dir_all(path.parent().unwrap()).ok();
+    }
+
+    #[test]
+    fn bad_files_name_the_file_and_the_key() {
+        let path = job("bad", "stepz = 3\n");
+        let p = path.to_str().unwrap();
+        let e = err(&["--config", p]);
+        assert!(e.contains(p) && e.contains("`stepz` is no flag"), "{e}");
+        std::fs::write(&path, "steps = \"many\"\n").unwrap();
+        let e = err(&["--config", p]);
+        assert!(e.contains("`steps`") && e.contains("many"), "{e}");
+        std::fs::write(&path, "bench = 1\n").unwrap();
+        assert!(err(&["--config", p]).contains("`bench`: a switch takes true or false"));
+        std::fs::write(&path, "steps = [1, 2]\n").unwrap();
+        assert!(err(&["--config", p]).contains("not an array"));
+        std::fs::write(&path, "steps = 1\n[t]\nsteps = 2\n").unwrap();
+        assert!(err(&["--config", p]).contains("`t.steps` sets --steps again"));
+        std::fs::write(&path, "[a.b]\nsteps = 2\n").unwrap();
+        assert!(err(&["--config", p]).contains("`a.b`: tables nest one level"));
+        std::fs::write(&path, "world_size = 1\nworld-size = 2\n").unwrap();
+        assert!(err(&["--config", p]).contains("again"));
+        std::fs::write(&path, "config = \"x.toml\"\n").unwrap();
+        assert!(err(&["--config", p]).contains("`config` is no flag"));
+        std::fs::write(&path, "dims = [4, 4]\nlayers = 2\n").unwrap();
+        assert!(err(&["--config", p]).contains(p));
+        std::fs::write(&path, "steps = \n").unwrap();
+        assert!(err(&["--config", p]).contains("not TOML"));
+        std::fs::write(&path, vec![b'#'; MAX_BYTES as usize + 1]).unwrap();
+        assert!(err(&["--config", p]).contains("more than a job file holds"));
+        std::fs::write(&path, [0xff, 0xfe]).unwrap();
+        assert!(err(&["--config", p]).contains("not UTF-8"));
+        let dir = path.parent().unwrap();
+        assert!(err(&["--config", dir.to_str().unwrap()]).contains("directory"));
+        let json = dir.join("config.json");
+        std::fs::write(&json, "{}").unwrap();
+        assert!(err(&["--config", json.to_str().unwrap()]).contains("--init-from"));
+        let e = err(&["--config", dir.join("missing.toml").to_str().unwrap()]);
+        assert!(e.contains("missing.toml"), "{e}");
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn a_conflict_between_the_file_and_the_command_line_is_named() {
+        let path = job("conflict", "dims = \"4,4\"\n");
+        let e = err(&["--config", path.to_str().unwrap(), "--layers", "2"]);
+        assert!(e.contains("with the command line") && e.contains("--layers"), "{e}");
+        std::fs::remove_dir_all(path.parent().unwrap()).ok();
+    }
+}
