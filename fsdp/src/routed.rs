@@ -175,11 +175,14 @@ impl<C: CommBackend> Fsdp<C> {
 }
 
 impl<C: CommBackend> Group<C> {
-    /// Frees an issued all-gather's output unread; the copy-in stream (which
-    /// allocated it) waits for the all-gather first, so the stream-ordered
-    /// free follows it.
+    /// Frees an issued all-gather's output unread. The compute stream waits
+    /// for the all-gather as a copy-out would, so the optimizer's later
+    /// write of the masters follows the copy-in's read of them; the copy-in
+    /// stream (which allocated the output) waits too, so the stream-ordered
+    /// free follows the all-gather.
     fn drop_pending(&mut self, ctx: &CommContext<C>) -> Result<()> {
         if let Some(res) = self.pending.take() {
+            ctx.streams.compute.wait(&res.event)?;
             ctx.streams.copy_in.wait(&res.event)?;
         }
         Ok(())
