@@ -80,13 +80,17 @@ pub struct MoeNet {
     root: usize,
 }
 
+/// One expert's use in a layer's forward: the expert, its rows, their
+/// inputs and post-ReLU outputs.
+type ExpertUse<C> = (usize, Vec<usize>, Buf<C>, Buf<C>);
+
 /// What one layer's forward keeps for its backward.
 struct LayerSaved<C: CommBackend> {
     input: Buf<C>,
     top: Vec<usize>,
     probs: Vec<Vec<f64>>,
-    /// In the order used: expert, its rows, their inputs and post-ReLU outputs.
-    used: Vec<(usize, Vec<usize>, Buf<C>, Buf<C>)>,
+    /// In the order used.
+    used: Vec<ExpertUse<C>>,
 }
 
 fn mm(m: usize, n: usize, k: usize, trans_a: bool, trans_b: bool, accumulate: bool) -> MatmulSpec {

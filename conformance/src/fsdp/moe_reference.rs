@@ -31,10 +31,8 @@ fn times_t(a: &[f64], b: &[f64], m: usize, n: usize, k: usize) -> Vec<f64> {
 impl RefMoe {
     /// The model initialised as [`init_moe`] with `seed`.
     pub fn new(shape: MoeShape, seed: u64) -> Self {
-        let params: BTreeMap<String, Vec<f64>> = init_moe(shape, seed)
-            .into_iter()
-            .map(|p| (p.name, p.values.iter().map(|v| *v as f64).collect()))
-            .collect();
+        let params: BTreeMap<String, Vec<f64>> =
+            init_moe(shape, seed).into_iter().map(|p| (p.name, p.values.iter().map(|v| *v as f64).collect())).collect();
         let state = params.iter().map(|(n, v)| (n.clone(), [vec![0.0; v.len()], vec![0.0; v.len()]])).collect();
         RefMoe { shape, params, state, step: 0 }
     }
@@ -59,7 +57,8 @@ impl RefMoe {
             let mut act = vec![0.0; rows * d];
             for r in 0..rows {
                 let e = top[r];
-                let (w, b) = (self.p(&format!("moe.{l}.experts.{e}.weight")), self.p(&format!("moe.{l}.experts.{e}.bias")));
+                let (w, b) =
+                    (self.p(&format!("moe.{l}.experts.{e}.weight")), self.p(&format!("moe.{l}.experts.{e}.bias")));
                 let z = times_t(&h[r * d..(r + 1) * d], w, 1, d, d);
                 for i in 0..d {
                     act[r * d + i] = (z[i] + b[i]).max(0.0);
@@ -72,8 +71,7 @@ impl RefMoe {
         let out = times_t(&h, self.p("head.weight"), rows, d_out, d);
         let hb = self.p("head.bias");
         let scale = 1.0 / (rows * d_out) as f64;
-        let dout: Vec<f64> =
-            (0..rows * d_out).map(|i| 2.0 * scale * (out[i] + hb[i % d_out] - y[i] as f64)).collect();
+        let dout: Vec<f64> = (0..rows * d_out).map(|i| 2.0 * scale * (out[i] + hb[i % d_out] - y[i] as f64)).collect();
         let hw = self.p("head.weight");
         let (mut gw, mut gb) = (vec![0.0; d_out * d], vec![0.0; d_out]);
         let mut dh = vec![0.0; rows * d];

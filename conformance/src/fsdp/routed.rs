@@ -134,10 +134,7 @@ where
         let (got, routes) = train_fsdp(own_world(ctx)?, &setup)?;
         let (want, want_routes, ranks_differ) = train_reference(&setup, ctx.size(), ctx.rank());
         ensure!(routes == want_routes, "routing {routes:?}, the reference routes {want_routes:?}");
-        ensure!(
-            ctx.size() == 1 || ranks_differ,
-            "no step routed differently across ranks: the case tests nothing"
-        );
+        ensure!(ctx.size() == 1 || ranks_differ, "no step routed differently across ranks: the case tests nothing");
         let d = max_diff(&got, &want)?;
         ensure!(d <= tol, "max |fsdp - reference| = {d:e} > {tol:e}");
         Ok(())
@@ -304,7 +301,10 @@ where
             call.op,
             call.count
         );
-        ensure!(last.state == CallState::Failed, "the recorder does not show the diverging all-gather as failed: {last:?}");
+        ensure!(
+            last.state == CallState::Failed,
+            "the recorder does not show the diverging all-gather as failed: {last:?}"
+        );
         Ok(())
     })
     .fresh()
