@@ -29,6 +29,7 @@ pub mod layout;
 pub mod optim;
 mod param;
 mod param_group;
+mod routed;
 mod state;
 
 use chorus_collectives::CommBackend;

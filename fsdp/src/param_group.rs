@@ -97,13 +97,13 @@ pub(crate) struct Group<C: CommBackend> {
     post_forward: Option<(Arc<Communicator<C>>, GroupLayout)>,
     pub(crate) training: TrainingState,
     pub(crate) sharded: ShardedState,
-    reshard_after_forward: Reshard,
+    pub(crate) reshard_after_forward: Reshard,
     pub(crate) reshard_after_backward: bool,
     pub(crate) requires_gradient_sync: bool,
     pub(crate) requires_all_reduce: bool,
     pub(crate) mp: MixedPrecision,
     /// An all-gather issued but not yet copied out.
-    pending: Option<AllGatherResult<C>>,
+    pub(crate) pending: Option<AllGatherResult<C>>,
     post_forward_buffer: Option<Buf<C>>,
     post_forward_event: Option<Ev<C>>,
     post_reduce_event: Option<Ev<C>>,
@@ -114,6 +114,25 @@ pub(crate) struct Group<C: CommBackend> {
     post_forward_indices: Vec<usize>,
     pub(crate) forward_prefetch: Vec<usize>,
     pub(crate) backward_prefetch: Option<Vec<usize>>,
+    /// Routed groups ([`Fsdp::set_routed_groups`](crate::Fsdp::set_routed_groups)):
+    /// this group's parent, or the alternatives this group is the parent of.
+    pub(crate) route: Route,
+    /// A routed group's forward ran in its parent's current forward.
+    pub(crate) used: bool,
+    /// A routed group's backward ended; its reduction waits for its parent's.
+    pub(crate) reduce_deferred: bool,
+}
+
+/// A group's place in a routed layer.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) enum Route {
+    /// An ordinary group.
+    #[default]
+    None,
+    /// The parent of these routed groups, in the order their collectives are issued.
+    Parent(Vec<usize>),
+    /// A routed group under this parent.
+    Routed(usize),
 }
 
 impl<C: CommBackend> Group<C> {
@@ -147,6 +166,9 @@ impl<C: CommBackend> Group<C> {
             post_forward_indices: Vec::new(),
             forward_prefetch: Vec::new(),
             backward_prefetch: None,
+            route: Route::None,
+            used: false,
+            reduce_deferred: false,
         }
     }
 
@@ -269,10 +291,10 @@ impl<C: CommBackend> Group<C> {
     }
 
     /// Forward ends: reshard per policy and remember this group's place
-    /// (`index`) in the post-forward order.
-    pub(crate) fn post_forward(&mut self, ctx: &CommContext<C>, index: usize) -> Result<()> {
+    /// (`index`) in the post-forward order (routed groups have none).
+    pub(crate) fn post_forward(&mut self, ctx: &CommContext<C>, index: Option<usize>) -> Result<()> {
         self.reshard(ctx)?;
-        self.post_forward_indices.push(index);
+        self.post_forward_indices.extend(index);
         self.training = TrainingState::Idle;
         Ok(())
     }
@@ -363,6 +385,8 @@ impl<C: CommBackend> Group<C> {
         self.reduce_outputs.clear();
         self.training = TrainingState::Idle;
         self.post_forward_indices.clear();
+        self.used = false;
+        self.reduce_deferred = false;
         Ok(())
     }
 }

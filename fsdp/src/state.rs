@@ -15,7 +15,7 @@ use crate::collectives::{self, ReducePlan};
 use crate::config::{DataParallel, FsdpConfig, MixedPrecision, Reshard};
 use crate::layout::{normalize_dim, GroupLayout};
 use crate::param::{DeferredParam, Param, ParamInit};
-use crate::param_group::{CommContext, Group, ShardedState, Streams, TrainingState};
+use crate::param_group::{CommContext, Group, Route, ShardedState, Streams, TrainingState};
 use crate::{FsdpError, Result, Strm, B};
 
 /// Collectives issued, by kind (FSDP's own count; tests also count at the communicator).
@@ -133,13 +133,13 @@ impl HostOverhead {
 pub struct Fsdp<C: CommBackend> {
     pub(crate) ctx: CommContext<C>,
     pub(crate) groups: Vec<Group<C>>,
-    config: FsdpConfig,
+    pub(crate) config: FsdpConfig,
     /// Communicators of the post-forward worlds, one per size K.
     post_forward_comms: HashMap<usize, Arc<Communicator<C>>>,
     /// Groups in the order their forward ended this step.
     post_forward_order: Vec<usize>,
     /// The root's first pre-forward of the step has run.
-    root_ready: bool,
+    pub(crate) root_ready: bool,
     overhead: HostOverhead,
 }
 
@@ -304,7 +304,7 @@ impl<C: CommBackend> Fsdp<C> {
         h.calls += 1;
     }
 
-    fn group(&self, g: usize) -> Result<&Group<C>> {
+    pub(crate) fn group(&self, g: usize) -> Result<&Group<C>> {
         self.groups.get(g).ok_or_else(|| FsdpError::InvalidArgument(format!("no group {g}")))
     }
 
@@ -409,6 +409,7 @@ impl<C: CommBackend> Fsdp<C> {
     /// Groups to unshard (prefetch) when group `g`'s forward starts.
     pub fn set_forward_prefetch(&mut self, g: usize, targets: Vec<usize>) -> Result<()> {
         self.check_targets(&targets)?;
+        self.check_not_routed(g)?;
         self.group_mut(g)?.forward_prefetch = targets;
         Ok(())
     }
@@ -416,8 +417,19 @@ impl<C: CommBackend> Fsdp<C> {
     /// reverse-post-forward prefetch).
     pub fn set_backward_prefetch(&mut self, g: usize, targets: Vec<usize>) -> Result<()> {
         self.check_targets(&targets)?;
+        self.check_not_routed(g)?;
         self.group_mut(g)?.backward_prefetch = Some(targets);
         Ok(())
+    }
+    /// A routed group's hooks run on some ranks only, so a prefetch from them would too.
+    fn check_not_routed(&self, g: usize) -> Result<()> {
+        match self.group(g)?.route {
+            Route::Routed(_) => Err(FsdpError::InvalidArgument(format!(
+                "routed group `{}` cannot have prefetch targets",
+                self.groups[g].name
+            ))),
+            _ => Ok(()),
+        }
     }
     fn check_targets(&self, targets: &[usize]) -> Result<()> {
         match targets.iter().find(|t| **t >= self.groups.len()) {
@@ -473,8 +485,11 @@ impl<C: CommBackend> Fsdp<C> {
     pub fn pre_forward(&mut self, g: usize) -> Result<()> {
         let t0 = Instant::now();
         self.group_in(g, TrainingState::Idle, "pre_forward")?;
+        self.check_routed(g, TrainingState::Forward, "pre_forward")?;
         self.root_pre_forward()?;
         self.groups[g].pre_forward(&mut self.ctx)?;
+        self.groups[g].used = true;
+        self.unshard_routed(g)?;
         for t in self.groups[g].forward_prefetch.clone() {
             self.groups[t].unshard(&mut self.ctx)?;
         }
@@ -487,9 +502,15 @@ impl<C: CommBackend> Fsdp<C> {
     pub fn post_forward(&mut self, g: usize) -> Result<()> {
         let t0 = Instant::now();
         self.group_in(g, TrainingState::Forward, "post_forward")?;
-        let index = self.post_forward_order.len();
-        self.groups[g].post_forward(&self.ctx, index)?;
-        self.post_forward_order.push(g);
+        self.finish_routed_forward(g)?;
+        if let Route::Routed(_) = self.groups[g].route {
+            // Not in the post-forward order: backward prefetch follows it on every rank.
+            self.groups[g].post_forward(&self.ctx, None)?;
+        } else {
+            let index = self.post_forward_order.len();
+            self.groups[g].post_forward(&self.ctx, Some(index))?;
+            self.post_forward_order.push(g);
+        }
         self.note_overhead(Hook::PostForward, t0);
         Ok(())
     }
@@ -506,7 +527,9 @@ impl<C: CommBackend> Fsdp<C> {
             TrainingState::Idle => {}
             _ => return Err(grp.state_error("pre_backward")),
         }
+        self.check_routed(g, TrainingState::PreBackward, "pre_backward outside its parent's backward")?;
         self.groups[g].pre_backward(&mut self.ctx)?;
+        self.unshard_routed(g)?;
         for t in self.groups[g].backward_prefetch_targets(&self.post_forward_order) {
             self.groups[t].unshard(&mut self.ctx)?;
         }
@@ -520,7 +543,15 @@ impl<C: CommBackend> Fsdp<C> {
         let t0 = Instant::now();
         let grp = self.group_in(g, TrainingState::PreBackward, "post_backward")?;
         let plan = ReducePlan::new(&self.ctx.dp, grp.mp.reduce(), self.config.force_sum, self.config.divide_factor);
-        self.groups[g].post_backward(&mut self.ctx, plan)?;
+        if let Route::Routed(_) = grp.route {
+            // Reduced at the parent's post-backward, in the declared order.
+            let grp = &mut self.groups[g];
+            grp.training = TrainingState::PostBackward;
+            grp.reduce_deferred = true;
+        } else {
+            self.finish_routed_backward(g)?;
+            self.groups[g].post_backward(&mut self.ctx, plan)?;
+        }
         self.note_overhead(Hook::PostBackward, t0);
         Ok(())
     }
@@ -531,10 +562,12 @@ impl<C: CommBackend> Fsdp<C> {
     pub fn finalize_backward(&mut self) -> Result<()> {
         let t0 = Instant::now();
         for g in 0..self.groups.len() {
-            if self.groups[g].training == TrainingState::PreBackward {
+            let routed = matches!(self.groups[g].route, Route::Routed(_));
+            if self.groups[g].training == TrainingState::PreBackward && !routed {
                 self.post_backward(g)?;
             }
         }
+        self.check_routed_finished()?;
         for grp in self.groups.iter_mut() {
             grp.finalize_backward(&self.ctx)?;
         }

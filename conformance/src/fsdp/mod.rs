@@ -6,7 +6,10 @@
 //! communicators), so it leaves the world's own sequence in step.
 
 pub mod counting;
+pub mod moe;
+pub mod moe_reference;
 pub mod reference;
+mod routed;
 
 use std::sync::Arc;
 
@@ -354,6 +357,7 @@ where
         ));
         out.push(hsdp_counts_case());
     }
+    out.extend(routed::cases(world_size));
     out
 }
 

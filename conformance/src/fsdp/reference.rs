@@ -180,7 +180,8 @@ impl RefMlp {
     }
 }
 
-fn sgd(p: &mut [f64], g: &[f64], buf: &mut [f64], lr: f64, momentum: f64, first: bool) {
+/// torch's SGD on one parameter (momentum buffer `buf`; the first step seeds it).
+pub fn sgd(p: &mut [f64], g: &[f64], buf: &mut [f64], lr: f64, momentum: f64, first: bool) {
     for i in 0..p.len() {
         let d = if momentum != 0.0 {
             buf[i] = if first { g[i] } else { momentum * buf[i] + g[i] };
@@ -192,7 +193,8 @@ fn sgd(p: &mut [f64], g: &[f64], buf: &mut [f64], lr: f64, momentum: f64, first:
     }
 }
 
-fn adamw(p: &mut [f64], g: &[f64], m: &mut [f64], v: &mut [f64], lr: f64, wd: f64, step: u64) {
+/// torch's AdamW on one parameter (moments `m`, `v`; betas 0.9, 0.999, eps 1e-8).
+pub fn adamw(p: &mut [f64], g: &[f64], m: &mut [f64], v: &mut [f64], lr: f64, wd: f64, step: u64) {
     let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8);
     let bc1 = 1.0 - b1.powi(step as i32);
     let bc2 = 1.0 - b2.powi(step as i32);
