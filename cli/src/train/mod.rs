@@ -23,6 +23,7 @@ mod args;
 mod gpt;
 mod gpt_bench;
 mod llama;
+mod loop_args;
 mod mlp;
 mod outputs;
 mod ranks;
@@ -42,6 +43,8 @@ use crate::{Outcome, UsageError};
 
 /// Runs `chorus train`.
 pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
+    let resolved = args.with_global_batch()?;
+    let args = resolved.as_ref().unwrap_or(args);
     args.usage()?;
     match (args.model(), args.bench) {
         (ModelArg::Mlp, false) => mlp::run(args),
