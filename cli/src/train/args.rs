@@ -307,7 +307,6 @@ impl TrainArgs {
         if self.steps() == 0 {
             return Err(usage("--steps must be at least 1"));
         }
-        self.decoder.usage(model, self.steps(), self.optimizer().lr(), self.llama.data.is_some())?;
         if !self.backend.runs_as_processes() {
             crate::backends::check_thread_world(self.backend, world).map_err(usage)?;
         }
@@ -368,6 +367,7 @@ impl TrainArgs {
         if self.momentum != 0.0 && self.optimizer_arg() == OptimizerArg::Adamw {
             return Err(usage("--momentum is for --optimizer sgd"));
         }
+        self.decoder.usage(model, self.steps(), self.optimizer().lr(), self.llama.data.is_some())?;
         let llama_only = [
             (self.llama.hidden.is_some(), "--hidden"),
             (self.llama.init_from.is_some(), "--init-from"),
