@@ -89,7 +89,7 @@ fn llama_config(checkpoint: &Path) -> Option<PathBuf> {
 fn consolidate_llama(args: &ConsolidateArgs, config: &Path, max: usize) -> anyhow::Result<Outcome> {
     chorus_train::npy::regular_file(config).with_context(|| format!("reading {}", config.display()))?;
     let text = std::fs::read_to_string(config).with_context(|| format!("reading {}", config.display()))?;
-    let cfg = chorus_train::llama_config::LlamaConfig::from_json(&text)
+    let cfg = chorus_train::models::llama::config::LlamaConfig::from_json(&text)
         .with_context(|| format!("reading {}", config.display()))?;
     let parent = args.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = args.out.file_name().and_then(|n| n.to_str()).unwrap_or("consolidated").to_string();
@@ -122,8 +122,8 @@ fn consolidate_llama(args: &ConsolidateArgs, config: &Path, max: usize) -> anyho
     }
     std::fs::create_dir(&stage).with_context(|| format!("creating {}", stage.display()))?;
     let result = (|| -> anyhow::Result<usize> {
-        let layout = chorus_train::llama_hf::HfLayout::new(&cfg, args.save_dtype.dtype(), max);
-        let mut w = chorus_train::llama_hf::HfWriter::create(&stage, &cfg, layout.clone())?;
+        let layout = chorus_train::models::llama::hf::HfLayout::new(&cfg, args.save_dtype.dtype(), max);
+        let mut w = chorus_train::models::llama::hf::HfWriter::create(&stage, &cfg, layout.clone())?;
         for name in layout.order() {
             w.write(&full.read(&name)?)?;
         }

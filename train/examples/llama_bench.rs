@@ -44,9 +44,7 @@ fn data(vocab: usize) -> Data {
     let rows = WORLD * BATCH * STEPS as usize;
     let cols = SEQ + 1;
     let ids = (0..rows * cols).map(|i| ((i as u64 * 2654435761) % vocab as u64) as u32).collect();
-    Data::Tokens(
-        TokenRows::new(Tokens::from_ids(rows, cols, ids).expect("ids"), vocab, WORLD * BATCH).expect("data"),
-    )
+    Data::Tokens(TokenRows::new(Tokens::from_ids(rows, cols, ids).expect("ids"), vocab, WORLD * BATCH).expect("data"))
 }
 
 fn sim() -> SimConfig {

@@ -30,7 +30,8 @@ fn tokens(rows: usize) -> Tokens {
 fn spec(global: usize, ranks: usize, steps: u64, data: TokenRows) -> LlamaSpec {
     let cfg = Arc::new(LlamaConfig { head_dim: 6, ..LlamaConfig::new(VOCAB as _, 16, 24, 2, 4, 2) });
     let model = LlamaModel { config: cfg.clone(), init: init_params(&cfg, 5) };
-    let s = LlamaSpec::new(model, Arc::new(Data::Tokens(data)), global / ranks, steps, OptimizerKind::adamw(3e-3, 0.01));
+    let s =
+        LlamaSpec::new(model, Arc::new(Data::Tokens(data)), global / ranks, steps, OptimizerKind::adamw(3e-3, 0.01));
     LlamaSpec { collect_params: true, ..s }
 }
 
@@ -138,4 +139,29 @@ fn splits_that_leave_too_little_are_refused() {
     assert!(rows.clone().split(0.7, 4).unwrap_err().contains("leaves 3 to train on"));
     // 1 held out, fewer than the validation's global batch of 4.
     assert!(rows.split(0.1, 4).unwrap_err().contains("1 to validate on"));
+}
+
+/// A scheduled run resumed from its step-3 checkpoint continues the
+/// schedule at step 3 (the checkpoint records the base lr, so the resume
+/// check passes) and ends where the run that never stopped ended.
+#[test]
+fn a_resumed_run_continues_the_schedule() {
+    let global = 8;
+    let rows = || TokenRows::new(tokens(21), VOCAB, global).unwrap();
+    let schedule = Schedule { warmup_steps: 2, decay: Decay::Linear, min_lr: 0.0 };
+    let dir = std::env::temp_dir().join(format!("chorus-schedule-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let whole = LlamaSpec { schedule, checkpoint_dir: Some(dir.clone()), save_every: 3, ..spec(global, 2, 6, rows()) };
+    let whole = run(2, whole);
+    assert_eq!(whole[0].saved.len(), 2);
+    let rest = LlamaSpec { schedule, resume: Some(whole[0].saved[0].clone()), ..spec(global, 2, 6, rows()) };
+    let resumed = run(2, rest);
+    assert_eq!(resumed[0].start_step, 3);
+    assert_eq!(resumed[0].lrs, whole[0].lrs[3..]);
+    for (a, b) in resumed[0].losses.iter().zip(&whole[0].losses[3..]) {
+        assert!((a - b).abs() < 1e-5, "{:?} vs {:?}", resumed[0].losses, whole[0].losses);
+    }
+    let d = max_diff(&resumed[0].params, &whole[0].params);
+    assert!(d < 2e-5, "params differ by {d}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

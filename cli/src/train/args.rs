@@ -6,9 +6,10 @@ use std::path::PathBuf;
 use chorus_devices::DType;
 use chorus_fsdp::{FsdpConfig, MixedPrecision, OptimizerKind, Reshard};
 use chorus_fsdp_candle::Recompute;
-use chorus_train::gpt::GptConfig;
+use chorus_train::models::gpt::GptConfig;
 use chorus_train::text;
 
+use super::loop_args::LoopArgs;
 use super::usage;
 use crate::backends::Backend;
 
@@ -33,7 +34,7 @@ pub enum ModelArg {
 }
 
 /// Arguments of `chorus train`.
-#[derive(Debug, clap::Args)]
+#[derive(Clone, Debug, clap::Args)]
 #[command(allow_negative_numbers = true)]
 pub struct TrainArgs {
     /// The model (default gpt; --bench measures the mlp).
@@ -52,7 +53,7 @@ pub struct TrainArgs {
     /// Training steps (default 300 for gpt, 20 for the gpt bench, 50 for mlp); with --resume, the step to stop before.
     #[arg(long)]
     pub steps: Option<u64>,
-    /// Rows (mlp) or sequences (gpt) per rank per step.
+    /// Rows (mlp) or sequences (gpt, llama) per rank per step.
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
     /// The optimizer (default adamw for gpt, sgd for mlp).
@@ -107,7 +108,7 @@ pub struct TrainArgs {
     /// graphs (a forward less per group and step, their activations and parameters held until backward).
     #[arg(long, default_value = "true")]
     pub recompute: Recompute,
-    /// gpt: micro-batches per step (gradient accumulation; they divide --batch).
+    /// gpt, llama: micro-batches per step (gradient accumulation; they divide --batch).
     #[arg(long, default_value_t = 1)]
     pub micro_batches: usize,
     /// gpt, llama: save a sharded checkpoint every N steps (and at the end).
@@ -172,11 +173,13 @@ pub struct TrainArgs {
     pub(super) effective: Option<super::job::Effective>,
     #[command(flatten)]
     pub llama: LlamaArgs,
+    #[command(flatten)]
+    pub decoder: LoopArgs,
 }
 
 /// The arguments of `chorus train --model llama` (the shared ones, --layers,
 /// --heads, --seq-len, --text, --batch, ..., are [`TrainArgs`]').
-#[derive(Debug, Default, clap::Args)]
+#[derive(Clone, Debug, Default, clap::Args)]
 pub struct LlamaArgs {
     /// llama: start from this Hugging Face model directory (config.json and model.safetensors, or
     /// model-0000i-of-0000N.safetensors with model.safetensors.index.json; f32, bf16 or f16), each rank
@@ -218,10 +221,10 @@ pub enum SaveDtypeArg {
 }
 
 impl SaveDtypeArg {
-    pub(crate) fn dtype(self) -> chorus_train::llama_hf::SaveDtype {
+    pub(crate) fn dtype(self) -> chorus_train::models::llama::hf::SaveDtype {
         match self {
-            SaveDtypeArg::F32 => chorus_train::llama_hf::SaveDtype::F32,
-            SaveDtypeArg::Bf16 => chorus_train::llama_hf::SaveDtype::BF16,
+            SaveDtypeArg::F32 => chorus_train::models::llama::hf::SaveDtype::F32,
+            SaveDtypeArg::Bf16 => chorus_train::models::llama::hf::SaveDtype::BF16,
         }
     }
 }
@@ -276,6 +279,12 @@ impl std::ops::Div for Sat {
 }
 
 impl TrainArgs {
+    /// These arguments with `--global-batch` turned into the `--batch` it
+    /// gives (`None` without it: they are as they are).
+    pub(super) fn with_global_batch(&self) -> anyhow::Result<Option<TrainArgs>> {
+        Ok(self.decoder.batch_of_global(self.world())?.map(|batch| TrainArgs { batch, ..self.clone() }))
+    }
+
     pub(super) fn model(&self) -> ModelArg {
         self.model.unwrap_or(if self.bench { ModelArg::Mlp } else { ModelArg::Gpt })
     }
@@ -369,6 +378,7 @@ impl TrainArgs {
         if self.momentum != 0.0 && self.optimizer_arg() == OptimizerArg::Adamw {
             return Err(usage("--momentum is for --optimizer sgd"));
         }
+        self.decoder.usage(model, self.steps(), self.optimizer().lr(), self.llama.data.is_some())?;
         let llama_only = [
             (self.llama.hidden.is_some(), "--hidden"),
             (self.llama.init_from.is_some(), "--init-from"),
@@ -483,7 +493,7 @@ impl TrainArgs {
     /// or listed from it (a layer count lists names per layer; the memory
     /// check comes after).
     fn check_sizes(&self) -> anyhow::Result<()> {
-        use chorus_train::llama_config::{MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH};
+        use chorus_train::models::llama::config::{MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH};
         let mlp = self.model() == ModelArg::Mlp;
         let layers_max = if mlp { 1 << 20 } else { MAX_LAYERS };
         for (value, flag, max) in [
@@ -505,11 +515,11 @@ impl TrainArgs {
     }
 
     /// The Llama's sizes from the flags (without --init-from).
-    pub(super) fn llama_config(&self) -> chorus_train::llama_config::LlamaConfig {
+    pub(super) fn llama_config(&self) -> chorus_train::models::llama::config::LlamaConfig {
         let l = &self.llama;
         let vocab = l.vocab.unwrap_or(if l.data.is_some() { 256 } else { text::vocab_size() });
         let hidden = l.hidden.unwrap_or(64);
-        chorus_train::llama_config::LlamaConfig::new(
+        chorus_train::models::llama::config::LlamaConfig::new(
             vocab,
             hidden,
             l.intermediate.unwrap_or(hidden.saturating_mul(2)),
@@ -525,7 +535,7 @@ impl TrainArgs {
         self.usage_candle_model("llama")?;
         if self.llama.init_from.is_none() {
             let cfg = self.llama_config();
-            cfg.validate_as(chorus_train::llama_config::Names::Flags)
+            cfg.validate_as(chorus_train::models::llama::config::Names::Flags)
                 .map_err(|e| usage(format!("the Llama's sizes: {e}")))?;
             if self.llama.data.is_none() && cfg.vocab_size < text::vocab_size() {
                 return Err(usage(format!(
@@ -558,7 +568,7 @@ impl TrainArgs {
     /// against the machine's.
     pub(super) fn check_llama_memory(
         &self,
-        cfg: &chorus_train::llama_config::LlamaConfig,
+        cfg: &chorus_train::models::llama::config::LlamaConfig,
         world: usize,
         seq_len: usize,
     ) -> anyhow::Result<()> {

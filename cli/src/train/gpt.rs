@@ -7,14 +7,15 @@ use std::sync::Arc;
 use std::path::Path;
 
 use chorus_fsdp_candle::checkpoint::optimizer_json;
-use chorus_train::gpt::init_params;
-use chorus_train::gpt_train::{config_changes, GptSpec};
+use chorus_train::codec::Alphabet;
+use chorus_train::decoder::{config_changes, Data, Sample, TrainSpec};
 use chorus_train::model_out::SafetensorsOutput;
+use chorus_train::models::gpt::{init_params, GptModel};
 use chorus_train::text::{self, TextData};
 use serde_json::json;
 
 use super::outputs::{self, Finished};
-use super::ranks::{limit_candle_threads, GptJob};
+use super::ranks::{limit_candle_threads, DecoderJob};
 use super::resume::{check_resume, Resuming};
 use super::throughput::Throughput;
 use super::{read_text, run_with_progress, say, usage, TrainArgs};
@@ -28,7 +29,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let steps = args.steps();
     let cfg = args.gpt_config();
     let checkpoint_dir = (args.save_every.is_some() || args.checkpoint_dir.is_some()).then(|| args.checkpoint_dir());
-    let spec = GptSpec {
+    let spec = TrainSpec {
         max_grad_norm: args.max_grad_norm,
         checkpoint_dir: checkpoint_dir.clone(),
         save_every: args.save_every.unwrap_or(0),
@@ -45,7 +46,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
             &Resuming {
                 model: "transformer",
                 flag: super::ModelArg::Gpt,
-                config_changes: &|saved| config_changes(saved, &spec.config),
+                config_changes: &|saved| config_changes(saved, &spec.model.config),
                 data_seed: spec.data.seed(),
                 data_mismatch: &|saved, now| format!("saved with --seed {saved}, this run's is {now}"),
                 optimizer: spec.optimizer,
@@ -69,13 +70,18 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     // The trained model, unsharded, as candle and Python load it: gathered
     // and written one tensor at a time at the end of the run; and a sample
     // the sharded model writes.
+    let sample_prompt = args.decoder.sample_prompt.clone().unwrap_or_else(|| "the cat ".into());
     let output = SafetensorsOutput {
         path: out.as_ref().map(|o| o.stage().join("model.safetensors")),
         tensors: cfg.param_shapes(),
     };
-    let spec = GptSpec { output: Some(Arc::new(output)), sample: Some(("the cat ".into(), 60)), ..spec };
+    let spec = TrainSpec {
+        output: Some(Arc::new(output)),
+        sample: Some(Sample { prompt: sample_prompt, tokens: 60, codec: Arc::new(Alphabet) }),
+        ..spec
+    };
     let throughput = Throughput::gpt(&cfg, args);
-    let reports = run_with_progress(args.backend, world, GptJob(spec.clone()), steps, Some(&throughput))?;
+    let reports = run_with_progress(args.backend, world, DecoderJob(spec.clone()), steps, Some(&throughput))?;
     let Some(out) = out.filter(|_| !reports.is_empty()) else {
         return match reports.first().and_then(|r| r.stopped) {
             Some(stop) => Err(stop.error().into()),
@@ -100,7 +106,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
 /// The run's configuration as the summary records it.
 fn config_json(
     args: &TrainArgs,
-    spec: &GptSpec,
+    spec: &TrainSpec<GptModel>,
     checkpoint_dir: Option<&Path>,
     start_step: u64,
     optimizer_changes: &[String],
@@ -113,14 +119,15 @@ fn config_json(
         "steps": spec.steps,
         "batch": args.batch,
         "micro_batches": args.micro_batches,
+        "lr_schedule": spec.schedule,
         "optimizer": optimizer_json(spec.optimizer),
         "optimizer_changes": optimizer_changes,
         "param_dtype": args.param_dtype.name(),
         "reduce_dtype": args.reduce_dtype.unwrap_or(args.param_dtype).name(),
         "reshard_after_forward": args.reshard_after_forward.to_string(),
         "recompute": args.recompute.to_string(),
-        "transformer": spec.config,
-        "parameters": spec.config.num_params(),
+        "transformer": spec.model.config,
+        "parameters": spec.model.config.num_params(),
         "max_grad_norm": args.max_grad_norm,
         "seed": args.seed,
         "text": args.text.as_ref().map(|p| p.display().to_string()),
@@ -133,9 +140,9 @@ fn config_json(
 }
 
 /// The run the arguments describe, for `steps` steps, on `--text` or on
-/// generated text, with the defaults of [`GptSpec::new`] where no argument
+/// generated text, with the defaults of [`TrainSpec::new`] where no argument
 /// applies (the benchmark and the training run share it).
-pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<GptSpec> {
+pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<TrainSpec<GptModel>> {
     let cfg = args.gpt_config();
     let corpus = match &args.text {
         Some(path) => read_text(path)?,
@@ -149,11 +156,13 @@ pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<GptSpec> {
             cfg.seq_len + 2
         ))
     })?;
-    Ok(GptSpec {
+    let model = GptModel { config: cfg, init: init_params(&cfg, args.seed)? };
+    Ok(TrainSpec {
         fsdp: args.fsdp_config(),
         replicate: args.hsdp,
         micro_batches: args.micro_batches,
         recompute: args.recompute.clone(),
-        ..GptSpec::new(cfg, init_params(&cfg, args.seed)?, Arc::new(data), args.batch, steps, args.optimizer())
+        schedule: args.decoder.schedule(),
+        ..TrainSpec::new(model, Arc::new(Data::Text(data)), args.batch, steps, args.optimizer())
     })
 }

@@ -8,7 +8,7 @@ use chorus_fsdp::OptimizerKind;
 use chorus_fsdp_candle::checkpoint::optimizer_json;
 use serde_json::json;
 
-use super::ranks::{candle_threads, run_on, GptJob, LlamaJob};
+use super::ranks::{candle_threads, run_on, DecoderJob};
 use super::{median, say, usage, BenchPart, ModelArg, TrainArgs};
 use crate::Outcome;
 
@@ -189,7 +189,7 @@ fn bench_gpt_part(args: &TrainArgs, part: BenchPart) -> anyhow::Result<serde_jso
         _ => (Some(super::gpt::spec(args, steps)?), None),
     };
     let seq_len = match (&gpt, &llama) {
-        (Some(s), _) => s.config.seq_len,
+        (Some(s), _) => s.model.config.seq_len,
         (_, Some(s)) => s.data.seq_len(),
         _ => 0,
     };
@@ -197,8 +197,8 @@ fn bench_gpt_part(args: &TrainArgs, part: BenchPart) -> anyhow::Result<serde_jso
         BenchPart::Plain => {
             let device = plain_device(args)?;
             let plain = match (gpt, llama) {
-                (Some(spec), _) => chorus_train::gpt_train::train_plain_on(&spec, world, &device)?,
-                (_, Some(spec)) => chorus_train::llama_train::train_plain_on(&spec, world, &device)?,
+                (Some(spec), _) => chorus_train::decoder::train_plain_on(&spec, world, &device)?,
+                (_, Some(spec)) => chorus_train::decoder::train_plain_on(&spec, world, &device)?,
                 _ => anyhow::bail!("no model"),
             };
             json!({
@@ -208,8 +208,8 @@ fn bench_gpt_part(args: &TrainArgs, part: BenchPart) -> anyhow::Result<serde_jso
         }
         BenchPart::Fsdp => {
             let reports = match (gpt, llama) {
-                (Some(spec), _) => run_on(args.backend, world, GptJob(spec), None)?,
-                (_, Some(spec)) => run_on(args.backend, world, LlamaJob(spec), None)?,
+                (Some(spec), _) => run_on(args.backend, world, DecoderJob(spec), None)?,
+                (_, Some(spec)) => run_on(args.backend, world, DecoderJob(spec), None)?,
                 _ => anyhow::bail!("no model"),
             };
             let r = reports.first().context("no ranks")?;

@@ -10,16 +10,17 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use chorus_fsdp_candle::checkpoint::optimizer_json;
-use chorus_train::fsdp_loop::config_changes;
-use chorus_train::llama::init_params;
-use chorus_train::llama_config::LlamaConfig;
-use chorus_train::llama_hf;
-use chorus_train::llama_train::{LlamaData, LlamaSpec, TokenRows};
+use chorus_train::codec::Alphabet;
+use chorus_train::decoder::{config_changes, Data, Sample, TokenRows, TrainSpec, Validation};
+use chorus_train::models::llama::config::LlamaConfig;
+use chorus_train::models::llama::hf as llama_hf;
+use chorus_train::models::llama::{init_params, LlamaModel};
 use chorus_train::text::{self, TextData};
 use serde_json::json;
 
+use super::loop_args::DEFAULT_VAL_BATCHES;
 use super::outputs::{self, Finished};
-use super::ranks::{limit_candle_threads, LlamaJob};
+use super::ranks::{limit_candle_threads, DecoderJob};
 use super::resume::{check_resume, Resuming};
 use super::throughput::Throughput;
 use super::{read_text, run_with_progress, say, usage, TrainArgs};
@@ -36,7 +37,8 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     limit_candle_threads(args.backend, world);
     let steps = args.steps();
     let spec = spec(args, steps)?;
-    let cfg = spec.config.clone();
+    let sample = sample(args)?;
+    let cfg = spec.model.config.clone();
     args.check_recompute("model.layers.", cfg.num_hidden_layers)?;
     let max_file_bytes = usize::try_from(args.llama.max_file_bytes)
         .map_err(|_| usage(format!("--max-file-bytes {} is too large", args.llama.max_file_bytes)))?;
@@ -82,9 +84,9 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         config: cfg.clone(),
         layout: llama_hf::HfLayout::new(&cfg, args.llama.save_dtype.dtype(), max_file_bytes),
     };
-    let spec = LlamaSpec { output: Some(Arc::new(output)), ..spec };
+    let spec = TrainSpec { output: Some(Arc::new(output)), sample, ..spec };
     let throughput = Throughput::llama(&cfg, spec.data.seq_len(), args);
-    let reports = run_with_progress(args.backend, world, LlamaJob(spec.clone()), steps, Some(&throughput))?;
+    let reports = run_with_progress(args.backend, world, DecoderJob(spec.clone()), steps, Some(&throughput))?;
     let Some(out) = out.filter(|_| !reports.is_empty()) else {
         return match reports.first().and_then(|r| r.stopped) {
             Some(stop) => Err(stop.error().into()),
@@ -99,14 +101,28 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     }
     let mut summary = run.summary("llama", config, &throughput);
     summary.insert("hf_model_dir".into(), "model".into());
+    if let Some(sample) = &first.sample {
+        summary.insert("sample".into(), sample.clone().into());
+    }
     let dest = run.commit(out, "llama", summary)?;
     let line = run.closing("Llama", cfg.num_params(), world, steps, 4, &dest, &throughput);
     say(format_args!("{line} (Hugging Face model in {})", dest.join("model").display()))?;
+    if let Some((step, loss)) = first.val_losses.last() {
+        say(format_args!("validation loss after step {step}: {loss:.4}"))?;
+    }
+    if let Some(sample) = &first.sample {
+        say(format_args!("sample: {sample:?}"))?;
+    }
     Ok(Outcome::Passed)
 }
 
 /// The run's configuration as the summary records it.
-fn config_json(args: &TrainArgs, spec: &LlamaSpec, start_step: u64, optimizer_changes: &[String]) -> serde_json::Value {
+fn config_json(
+    args: &TrainArgs,
+    spec: &TrainSpec<LlamaModel>,
+    start_step: u64,
+    optimizer_changes: &[String],
+) -> serde_json::Value {
     json!({
         "model": "llama",
         "backend": args.backend.name(),
@@ -115,13 +131,18 @@ fn config_json(args: &TrainArgs, spec: &LlamaSpec, start_step: u64, optimizer_ch
         "steps": spec.steps,
         "batch": args.batch,
         "micro_batches": args.micro_batches,
+        "lr_schedule": spec.schedule,
+        "val_data": args.decoder.val_data.as_ref().map(|p| p.display().to_string()),
+        "val_fraction": args.decoder.val_fraction,
+        "val_batches": spec.validation.as_ref().map(|v| v.batches),
+        "eval_every": args.decoder.eval_every,
         "optimizer": optimizer_json(spec.optimizer),
         "optimizer_changes": optimizer_changes,
         "param_dtype": args.param_dtype.name(),
         "reduce_dtype": args.reduce_dtype.unwrap_or(args.param_dtype).name(),
         "reshard_after_forward": args.reshard_after_forward.to_string(),
-        "llama": &*spec.config,
-        "parameters": spec.config.num_params(),
+        "llama": &*spec.model.config,
+        "parameters": spec.model.config.num_params(),
         "seq_len": spec.data.seq_len(),
         "max_grad_norm": args.max_grad_norm,
         "seed": args.seed,
@@ -141,7 +162,7 @@ fn config_json(args: &TrainArgs, spec: &LlamaSpec, start_step: u64, optimizer_ch
 /// config and weights are checked here, or initialised shard by shard), the
 /// data (checked against the vocabulary and the global batch) and the
 /// memory they need, all before anything is written.
-pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<LlamaSpec> {
+pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<TrainSpec<LlamaModel>> {
     let world = args.world();
     let (cfg, init) = match &args.llama.init_from {
         Some(dir) => {
@@ -167,7 +188,7 @@ pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<LlamaSpec> {
                     tokens.cols.saturating_sub(1)
                 )));
             }
-            LlamaData::Tokens(
+            Data::Tokens(
                 TokenRows::new(tokens, cfg.vocab_size, global)
                     .map_err(|e| usage(format!("--data {}: {e}", path.display())))?,
             )
@@ -185,7 +206,7 @@ pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<LlamaSpec> {
                 None => text::generate(200_000, args.seed),
             };
             let seq_len = args.seq_len();
-            LlamaData::Text(TextData::new(text::encode(&corpus), seq_len, args.seed).ok_or_else(|| {
+            Data::Text(TextData::new(text::encode(&corpus), seq_len, args.seed).ok_or_else(|| {
                 usage(format!(
                     "the text has {} characters; --seq-len {seq_len} needs at least {}",
                     corpus.len(),
@@ -194,9 +215,11 @@ pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<LlamaSpec> {
             })?)
         }
     };
+    let (data, validation) = validation(args, data, cfg.vocab_size, global)?;
     args.check_llama_memory(&cfg, world, data.seq_len())?;
     let checkpoint_dir = (args.save_every.is_some() || args.checkpoint_dir.is_some()).then(|| args.checkpoint_dir());
-    Ok(LlamaSpec {
+    let model = LlamaModel { config: Arc::new(cfg), init };
+    Ok(TrainSpec {
         fsdp: args.fsdp_config(),
         replicate: args.hsdp,
         micro_batches: args.micro_batches,
@@ -208,8 +231,67 @@ pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<LlamaSpec> {
         allow_optimizer_change: args.allow_optimizer_change,
         allow_nonfinite: args.allow_nonfinite,
         recompute: args.recompute.clone(),
-        ..LlamaSpec::new(Arc::new(cfg), init, Arc::new(data), args.batch, steps, args.optimizer())
+        schedule: args.decoder.schedule(),
+        validation,
+        ..TrainSpec::new(model, Arc::new(data), args.batch, steps, args.optimizer())
     })
+}
+
+/// The closing sample `--sample-prompt` asks for, through the text's
+/// character vocabulary: ids from `--data` came from a tokenizer this run
+/// does not know, so a sample of them is refused.
+fn sample(args: &TrainArgs) -> anyhow::Result<Option<Sample>> {
+    match (&args.decoder.sample_prompt, &args.llama.data) {
+        (None, _) => Ok(None),
+        (Some(_), Some(_)) => Err(usage(
+            "--sample-prompt with --data: the ids' tokenizer is unknown to this run (sample a run on --text or generated text)",
+        )),
+        (Some(prompt), None) => Ok(Some(Sample { prompt: prompt.clone(), tokens: 60, codec: Arc::new(Alphabet) })),
+    }
+}
+
+/// The validation the arguments ask for: `--val-fraction` of `data`'s rows
+/// held out (the rest trained on), or `--val-data` (rows as long as
+/// `data`'s), each checked against the vocabulary and `global` (the global
+/// batch), with `--val-batches` (default [`DEFAULT_VAL_BATCHES`], or fewer
+/// where the rows hold fewer) global batches that repeat no row.
+fn validation(args: &TrainArgs, data: Data, vocab: usize, global: usize) -> anyhow::Result<(Data, Option<Validation>)> {
+    let d = &args.decoder;
+    let (data, val) = match (&d.val_data, d.val_fraction, data) {
+        (None, None, data) => return Ok((data, None)),
+        (None, Some(f), Data::Tokens(rows)) => {
+            let (train, val) = rows.split(f, global).map_err(usage)?;
+            (Data::Tokens(train), val)
+        }
+        (None, Some(_), Data::Text(_)) => return Err(usage("--val-fraction holds out rows of --data; give --data")),
+        (Some(path), _, data) => {
+            let tokens = chorus_train::npy::read_tokens(path).map_err(|e| usage(format!("--val-data: {e}")))?;
+            if tokens.cols != data.seq_len() + 1 {
+                return Err(usage(format!(
+                    "--val-data {} has rows of {} tokens; the training rows have {}",
+                    path.display(),
+                    tokens.cols,
+                    data.seq_len() + 1
+                )));
+            }
+            let val = TokenRows::new(tokens, vocab, global)
+                .map_err(|e| usage(format!("--val-data {}: {e}", path.display())))?;
+            (data, val)
+        }
+    };
+    let most = val.len() / global;
+    let batches = match d.val_batches {
+        Some(b) if b > most => {
+            return Err(usage(format!(
+                "--val-batches {b} needs {} validation rows (global batch {global}); there are {}",
+                b.saturating_mul(global),
+                val.len()
+            )))
+        }
+        Some(b) => b,
+        None => most.min(DEFAULT_VAL_BATCHES),
+    };
+    Ok((data, Some(Validation { data: Arc::new(Data::Tokens(val)), batches, every: d.eval_every })))
 }
 
 /// Writes the Llama's config into the checkpoint directory (once, before

@@ -26,6 +26,7 @@ mod gpt;
 mod gpt_bench;
 mod job;
 mod llama;
+mod loop_args;
 mod mlp;
 mod outputs;
 mod ranks;
@@ -48,6 +49,9 @@ use crate::{Outcome, UsageError};
 pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     // Read back from the command line with --config's file and each value's source.
     let args = &job::resolve_process(args)?;
+    // --global-batch resolved into the per-rank batch it implies.
+    let resolved = args.with_global_batch()?;
+    let args = resolved.as_ref().unwrap_or(args);
     args.usage()?;
     throughput::check_peak(args)?;
     match (args.model(), args.bench) {

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use chorus_train::gpt_train::{GptReport, NonFinite};
+use chorus_train::decoder::{NonFinite, TrainReport};
 use serde_json::json;
 
 use super::ranks::writes_outputs;
@@ -59,8 +59,8 @@ fn val_losses(summary: &serde_json::Map<String, serde_json::Value>) -> Vec<(u64,
 
 /// A finished run as rank 0 reported it, with every rank's report.
 pub(super) struct Finished<'a> {
-    reports: &'a [GptReport],
-    first: &'a GptReport,
+    reports: &'a [TrainReport],
+    first: &'a TrainReport,
     /// The losses of the whole run, a resumed run's earlier steps included.
     all_losses: Vec<f64>,
     summary: LossSummary,
@@ -69,7 +69,7 @@ pub(super) struct Finished<'a> {
 }
 
 impl<'a> Finished<'a> {
-    pub(super) fn of(reports: &'a [GptReport]) -> anyhow::Result<Finished<'a>> {
+    pub(super) fn of(reports: &'a [TrainReport]) -> anyhow::Result<Finished<'a>> {
         let first = reports.first().context("no ranks")?;
         let all_losses: Vec<f64> = first.earlier_losses.iter().chain(&first.losses).copied().collect();
         let summary = summarize(&all_losses);
@@ -78,7 +78,7 @@ impl<'a> Finished<'a> {
     }
 
     /// Rank 0's report.
-    pub(super) fn first(&self) -> &GptReport {
+    pub(super) fn first(&self) -> &TrainReport {
         self.first
     }
 
@@ -137,6 +137,8 @@ impl<'a> Finished<'a> {
             "status": "completed",
             "first_step": self.first_step,
             "losses": self.all_losses,
+            "lrs": self.first.lrs,
+            "val_losses": self.first.val_losses,
             "loss_window": self.summary.window,
             "loss_start_mean": self.summary.start,
             "loss_end_mean": self.summary.end,

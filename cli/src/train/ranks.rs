@@ -11,8 +11,8 @@ use chorus_collectives::{CommBackend, Communicator};
 use chorus_devices::cpu::CpuConfig;
 use chorus_devices::ComputeBackend;
 use chorus_fsdp::Fsdp;
-use chorus_train::gpt_train::{train_gpt, GptReport, GptSpec};
-use chorus_train::llama_train::{train_llama, LlamaSpec};
+use chorus_train::decoder::{self, train_sharded, TrainReport};
+use chorus_train::models::DecoderModel;
 use chorus_train::train::{train, RankReport, TrainSpec};
 use indicatif::ProgressBar;
 
@@ -48,37 +48,21 @@ impl RankJob for MlpJob {
     }
 }
 
-pub(super) struct GptJob(pub(super) GptSpec);
+/// A decoder model's run ([`train_sharded`]).
+pub(super) struct DecoderJob<M>(pub(super) decoder::TrainSpec<M>);
 
-impl RankJob for GptJob {
-    type Report = GptReport;
+impl<M: DecoderModel + 'static> RankJob for DecoderJob<M> {
+    type Report = TrainReport;
     fn run<C: CommBackend + 'static>(
         &self,
         world: Arc<Communicator<C>>,
         on_step: &mut dyn FnMut(u64, f64),
-    ) -> anyhow::Result<GptReport>
+    ) -> anyhow::Result<TrainReport>
     where
         C::B: ComputeBackend,
         Fsdp<C>: Send,
     {
-        Ok(train_gpt(world, &self.0, on_step)?)
-    }
-}
-
-pub(super) struct LlamaJob(pub(super) LlamaSpec);
-
-impl RankJob for LlamaJob {
-    type Report = GptReport;
-    fn run<C: CommBackend + 'static>(
-        &self,
-        world: Arc<Communicator<C>>,
-        on_step: &mut dyn FnMut(u64, f64),
-    ) -> anyhow::Result<GptReport>
-    where
-        C::B: ComputeBackend,
-        Fsdp<C>: Send,
-    {
-        Ok(train_llama(world, &self.0, on_step)?)
+        Ok(train_sharded(world, &self.0, on_step)?)
     }
 }
 

@@ -236,10 +236,7 @@ fn micro_batches(batch: usize, micro_batches: usize) -> Result<usize> {
 }
 
 /// FSDP over `world`, or HSDP with a replicate dimension of `replicate`.
-fn data_parallel<C: CommBackend>(
-    world: &Arc<Communicator<C>>,
-    replicate: Option<usize>,
-) -> Result<DataParallel<C>>
+fn data_parallel<C: CommBackend>(world: &Arc<Communicator<C>>, replicate: Option<usize>) -> Result<DataParallel<C>>
 where
     C::B: ComputeBackend,
 {
