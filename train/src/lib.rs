@@ -37,4 +37,6 @@ pub mod mlp;
 pub mod model_out;
 pub mod npy;
 pub mod text;
+pub mod tokenize;
+pub mod tokenizer;
 pub mod train;
