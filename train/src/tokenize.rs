@@ -366,3 +366,82 @@ pub fn train_tokenizer(
     }
     Ok(trained?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::npy::read_tokens;
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("chorus-tokenize-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// uint32 rows (vocabularies above 65,536) read back as written; an
+    /// unfinished writer leaves nothing; an existing file is kept unless
+    /// overwriting is allowed.
+    #[test]
+    fn token_files_are_staged_and_typed_by_vocabulary() {
+        let d = dir("writer");
+        assert_eq!((IdType::for_vocab(65_536), IdType::for_vocab(65_537)), (IdType::U16, IdType::U32));
+        let out = d.join("t.npy");
+        let mut w = TokenWriter::create(&out, IdType::U32, 3, false).unwrap();
+        for r in 0..5u32 {
+            w.write_row(&[r, 70_000 + r, 4_000_000_000 + r]).unwrap();
+        }
+        assert!(w.write_row(&[1, 2]).is_err(), "a short row");
+        assert!(!out.exists(), "nothing at --out before the end");
+        w.finish().unwrap();
+        let t = read_tokens(&out).unwrap();
+        assert_eq!((t.rows, t.cols, t.id(4), t.id(14)), (5, 3, 70_001, 4_000_000_004));
+        assert!(TokenWriter::create(&out, IdType::U16, 3, false).unwrap_err().to_string().contains("--overwrite"));
+        let mut w = TokenWriter::create(&out, IdType::U16, 2, true).unwrap();
+        assert!(w.write_row(&[1, 65_536]).unwrap_err().to_string().contains("does not fit uint16"));
+        drop(w);
+        let names: Vec<_> = std::fs::read_dir(&d).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("t.npy")], "the staged file is gone, the old one kept");
+        assert_eq!(read_tokens(&out).unwrap().rows, 5);
+        std::fs::remove_dir_all(&d).ok();
+    }
+
+    /// Documents cut by blank lines, an over-long one in pieces, packed in order.
+    #[test]
+    fn plain_text_documents_and_packing() {
+        let d = dir("pack");
+        let tok = crate::tokenizer::train_byte_level_bpe(["ab cd ef"].iter(), 260).unwrap();
+        let text = "ab cd\nef\n\n \n\ncd ab\n";
+        std::fs::write(d.join("a.txt"), text).unwrap();
+        std::fs::write(d.join("b.txt"), "ef").unwrap();
+        let inputs = [d.join("a.txt"), d.join("b.txt")];
+        let mut rows = MemoryRows { ids: Vec::new(), limit: 1000 };
+        let seen = std::sync::atomic::AtomicU64::new(0);
+        let packed = pack(&tok, &inputs, &Format::Text, 3, &mut rows, &|b| {
+            seen.store(b, std::sync::atomic::Ordering::Relaxed);
+        })
+        .unwrap();
+        let mut want = Vec::new();
+        for doc in ["ab cd\nef", "cd ab", "ef"] {
+            want.extend(tok.encode_plain(doc).unwrap());
+            want.push(0);
+        }
+        let n = want.len() / 4 * 4;
+        assert_eq!(rows.ids, want[..n]);
+        let bytes = (text.len() + 2) as u64;
+        assert_eq!(packed, Packed { documents: 3, tokens: want.len() as u64, rows: n as u64 / 4, dropped: (want.len() - n) as u64, bytes });
+        assert_eq!(seen.into_inner(), bytes);
+        let mut small = MemoryRows { ids: Vec::new(), limit: 4 };
+        assert!(matches!(pack(&tok, &inputs, &Format::Text, 3, &mut small, &|_| {}), Err(TextInError::Output(_))));
+        assert!(matches!(pack(&tok, &inputs, &Format::Text, 0, &mut small, &|_| {}), Err(TextInError::SeqLen(0))));
+        // A document longer than MAX_DOC_BYTES is encoded in pieces cut at line ends, ended once.
+        let line = "ab ".repeat(1000) + "\n";
+        let long = line.repeat(MAX_DOC_BYTES / line.len() + 2);
+        std::fs::write(d.join("long.txt"), &long).unwrap();
+        let mut rows = MemoryRows { ids: Vec::new(), limit: usize::MAX };
+        let packed = pack(&tok, &[d.join("long.txt")], &Format::Text, 7, &mut rows, &|_| {}).unwrap();
+        assert_eq!(packed.documents, 1);
+        assert_eq!(rows.ids.iter().filter(|i| **i == 0).count(), (packed.dropped == 0) as usize);
+        std::fs::remove_dir_all(&d).ok();
+    }
+}

@@ -19,7 +19,8 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Map, Value};
 use tokenizers::models::bpe::{BpeTrainer, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::{AddedToken, Tokenizer, TrainerWrapper};
+use tokenizers::models::TrainerWrapper;
+use tokenizers::{AddedToken, Tokenizer};
 
 /// The largest `tokenizer.json` or `tokenizer_config.json` read (real ones
 /// are a few MiB; this refuses a wrong file before it is read into memory).
@@ -356,7 +357,8 @@ mod tests {
     #[test]
     fn a_trained_bpe_round_trips_and_knows_its_special_tokens() {
         let t = train_byte_level_bpe(corpus().iter(), 300).unwrap();
-        assert_eq!(t.vocab_size(), 300);
+        // As many tokens as merges the small corpus offers, up to 300.
+        assert!((270..=300).contains(&t.vocab_size()), "{}", t.vocab_size());
         assert_eq!((t.eos_id(), t.bos_id(), t.pad_id()), (Some(0), Some(0), Some(0)));
         let text = "the cat sat on a café mat, naïve 日本 dog!\n\tz";
         let ids = t.encode(text).unwrap();
@@ -365,7 +367,7 @@ mod tests {
         assert_eq!(t.decode(&ids).unwrap(), text);
         let batch = t.encode_plain_batch(vec!["the cat", text, ""]).unwrap();
         assert_eq!(batch, vec![t.encode_plain("the cat").unwrap(), ids, vec![]]);
-        assert!(t.decode(&[300]).is_err());
+        assert!(t.decode(&[t.vocab_size() as u32]).is_err());
         // The files a model directory carries, and the tokenizer read back from them.
         let dir = std::env::temp_dir().join(format!("chorus-tokenizer-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
