@@ -479,12 +479,16 @@ impl TokenWriter {
     /// `dest` is refused unless `overwrite`, and then only a regular file is replaced.
     pub fn create(dest: &Path, dtype: IdType, cols: usize, overwrite: bool) -> Result<TokenWriter> {
         if cols == 0 || matches!(dtype, IdType::I32 | IdType::I64) {
-            return Err(bad(dest, format!("token rows are written as uint16 or uint32, of at least one id ({cols} asked)")));
+            return Err(bad(
+                dest,
+                format!("token rows are written as uint16 or uint32, of at least one id ({cols} asked)"),
+            ));
         }
         check_dest(dest, overwrite)?;
         let name = dest.file_name().ok_or_else(|| bad(dest, "names no file"))?;
         let staged = dest.with_file_name(format!(".{}.{}.partial", name.to_string_lossy(), std::process::id()));
-        let file = std::fs::OpenOptions::new().write(true).create_new(true).open(&staged).map_err(|e| bad(&staged, e))?;
+        let file =
+            std::fs::OpenOptions::new().write(true).create_new(true).open(&staged).map_err(|e| bad(&staged, e))?;
         let mut w = TokenWriter {
             file: Some(std::io::BufWriter::with_capacity(1 << 20, file)),
             staged,
@@ -617,8 +621,7 @@ mod tests {
         let i8: Vec<u8> = [0i64, 1, 2, 70000, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
         let u2: Vec<u8> = [0u16, 1, 2, 65535, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
         let u4: Vec<u8> = [0u32, 1, 2, 4_000_000_000, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
-        for (name, bytes, x) in
-            [("i4", &i4, 70000), ("i8", &i8, 70000), ("u2", &u2, 65535), ("u4", &u4, 4_000_000_000)]
+        for (name, bytes, x) in [("i4", &i4, 70000), ("i8", &i8, 70000), ("u2", &u2, 65535), ("u4", &u4, 4_000_000_000)]
         {
             let t = read(name, file_with_header(&h(&format!("<{name}")), bytes)).unwrap();
             let want = Tokens::from_ids(2, 3, vec![0, 1, 2, x, 4, 5]).unwrap();

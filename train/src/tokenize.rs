@@ -196,8 +196,9 @@ impl<'a> Documents<'a> {
         if n > MAX_LINE_BYTES {
             return Err(self.input_err(format!("a line longer than {MAX_LINE_BYTES} bytes")));
         }
-        let text = std::str::from_utf8(&self.buf)
-            .map_err(|e| self.input_err(format!("not UTF-8 (byte {} of the line); convert it first", e.valid_up_to())))?;
+        let text = std::str::from_utf8(&self.buf).map_err(|e| {
+            self.input_err(format!("not UTF-8 (byte {} of the line); convert it first", e.valid_up_to()))
+        })?;
         Ok(Some(Some(text.to_string())))
     }
 
@@ -429,7 +430,16 @@ mod tests {
         let n = want.len() / 4 * 4;
         assert_eq!(rows.ids, want[..n]);
         let bytes = (text.len() + 2) as u64;
-        assert_eq!(packed, Packed { documents: 3, tokens: want.len() as u64, rows: n as u64 / 4, dropped: (want.len() - n) as u64, bytes });
+        assert_eq!(
+            packed,
+            Packed {
+                documents: 3,
+                tokens: want.len() as u64,
+                rows: n as u64 / 4,
+                dropped: (want.len() - n) as u64,
+                bytes
+            }
+        );
         assert_eq!(seen.into_inner(), bytes);
         let mut small = MemoryRows { ids: Vec::new(), limit: 4 };
         assert!(matches!(pack(&tok, &inputs, &Format::Text, 3, &mut small, &|_| {}), Err(TextInError::Output(_))));

@@ -18,8 +18,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Map, Value};
 use tokenizers::models::bpe::{BpeTrainer, BPE};
-use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::models::TrainerWrapper;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer};
 
 /// The largest `tokenizer.json` or `tokenizer_config.json` read (real ones
@@ -137,8 +137,10 @@ impl HfTokenizer {
     /// `tokenizer_config.json` beside it.
     pub fn from_file(path: &Path) -> Result<HfTokenizer> {
         let json = read_bounded(path)?;
-        let inner = Tokenizer::from_bytes(&json)
-            .map_err(|e| TokenizerError::Invalid { path: path.to_path_buf(), why: format!("not a tokenizer.json: {e}") })?;
+        let inner = Tokenizer::from_bytes(&json).map_err(|e| TokenizerError::Invalid {
+            path: path.to_path_buf(),
+            why: format!("not a tokenizer.json: {e}"),
+        })?;
         let config_path = path.with_file_name("tokenizer_config.json");
         let config = match std::fs::symlink_metadata(&config_path) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Map::new(),
@@ -190,9 +192,9 @@ impl HfTokenizer {
                 Some(id) => Ok(Some(Special { token, id })),
                 None => Err(TokenizerError::UnknownToken { role, token }),
             },
-            None => Ok(usual
-                .iter()
-                .find_map(|t| self.inner.token_to_id(t).map(|id| Special { token: t.to_string(), id }))),
+            None => {
+                Ok(usual.iter().find_map(|t| self.inner.token_to_id(t).map(|id| Special { token: t.to_string(), id })))
+            }
         }
     }
 
@@ -283,7 +285,8 @@ impl HfTokenizer {
     /// The `generation_config.json` of a model directory: the special tokens' ids.
     pub fn generation_config_json(&self) -> Value {
         let mut c = Map::new();
-        for (key, id) in [("bos_token_id", self.bos_id()), ("eos_token_id", self.eos_id()), ("pad_token_id", self.pad_id())]
+        for (key, id) in
+            [("bos_token_id", self.bos_id()), ("eos_token_id", self.eos_id()), ("pad_token_id", self.pad_id())]
         {
             if let Some(id) = id {
                 c.insert(key.into(), id.into());
@@ -378,7 +381,10 @@ mod tests {
         assert_eq!(back.encode(text).unwrap(), t.encode(text).unwrap());
         assert_eq!(back.eos().unwrap(), &Special { token: TRAINED_SPECIAL.into(), id: 0 });
         let config = back.config_json(64);
-        assert_eq!((config["tokenizer_class"].as_str(), config["model_max_length"].as_u64()), (Some("PreTrainedTokenizerFast"), Some(64)));
+        assert_eq!(
+            (config["tokenizer_class"].as_str(), config["model_max_length"].as_u64()),
+            (Some("PreTrainedTokenizerFast"), Some(64))
+        );
         assert_eq!(back.generation_config_json(), json!({"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}));
         // --eos must name a token; a config naming an unknown one is refused.
         assert!(matches!(back.with_eos("<nope>"), Err(TokenizerError::UnknownToken { .. })));
