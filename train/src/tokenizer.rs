@@ -16,7 +16,7 @@ use std::collections::HashSet;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
 use tokenizers::models::bpe::{BpeTrainer, BPE};
 use tokenizers::models::TrainerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -385,7 +385,10 @@ mod tests {
             (config["tokenizer_class"].as_str(), config["model_max_length"].as_u64()),
             (Some("PreTrainedTokenizerFast"), Some(64))
         );
-        assert_eq!(back.generation_config_json(), json!({"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}));
+        assert_eq!(
+            back.generation_config_json(),
+            serde_json::json!({"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0})
+        );
         // --eos must name a token; a config naming an unknown one is refused.
         assert!(matches!(back.with_eos("<nope>"), Err(TokenizerError::UnknownToken { .. })));
         std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token": {"content": "</s>"}}"#).unwrap();

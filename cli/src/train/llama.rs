@@ -16,6 +16,7 @@ use chorus_train::llama_config::LlamaConfig;
 use chorus_train::llama_hf;
 use chorus_train::llama_train::{LlamaData, LlamaSpec, TokenRows};
 use chorus_train::text::{self, TextData};
+use chorus_train::tokenizer::HfTokenizer;
 use serde_json::json;
 
 use super::outputs::{self, Finished};
@@ -34,7 +35,8 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let world = args.world();
     limit_candle_threads(args.backend, world);
     let steps = args.steps();
-    let spec = spec(args, steps)?;
+    let tokenizer = tokenizer(args)?;
+    let spec = spec_with(args, steps, tokenizer.as_ref())?;
     let cfg = spec.config.clone();
     args.check_recompute("model.layers.", cfg.num_hidden_layers)?;
     let max_file_bytes = usize::try_from(args.llama.max_file_bytes)
@@ -63,6 +65,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
             ("--init-from", args.llama.init_from.as_deref()),
             ("--data", args.llama.data.as_deref()),
             ("--text", args.text.as_deref()),
+            ("--tokenizer", args.llama.tokenizer.as_deref()),
             ("--checkpoint-dir", spec.checkpoint_dir.as_deref()),
             ("--resume", args.resume.as_deref()),
         ],
@@ -97,6 +100,12 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     }
     let mut summary = run.summary("llama", config);
     summary.insert("hf_model_dir".into(), "model".into());
+    if let Some(tok) = &tokenizer {
+        // Into the staged out-dir: committed with the model, or not at all.
+        for (name, bytes) in tok.hf_files(cfg.max_position_embeddings)? {
+            write_file(&out.stage().join("model").join(name), &bytes)?;
+        }
+    }
     let dest = run.commit(out, "llama", summary)?;
     let line = run.closing("Llama", cfg.num_params(), world, steps, 4, &dest);
     say(format_args!("{line} (Hugging Face model in {})", dest.join("model").display()))?;
@@ -126,6 +135,7 @@ fn config_json(args: &TrainArgs, spec: &LlamaSpec, start_step: u64, optimizer_ch
         "init_from": args.llama.init_from.as_ref().map(|p| p.display().to_string()),
         "data": args.llama.data.as_ref().map(|p| p.display().to_string()),
         "text": args.text.as_ref().map(|p| p.display().to_string()),
+        "tokenizer": args.llama.tokenizer.as_ref().map(|p| p.display().to_string()),
         "save_dtype": args.llama.save_dtype.dtype().torch_name(),
         "resume": args.resume.as_ref().map(|p| p.display().to_string()),
         "start_step": start_step,
@@ -140,6 +150,20 @@ fn config_json(args: &TrainArgs, spec: &LlamaSpec, start_step: u64, optimizer_ch
 /// data (checked against the vocabulary and the global batch) and the
 /// memory they need, all before anything is written.
 pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<LlamaSpec> {
+    spec_with(args, steps, tokenizer(args)?.as_ref())
+}
+
+/// `--tokenizer`, read and checked (its end-of-text token included).
+fn tokenizer(args: &TrainArgs) -> anyhow::Result<Option<HfTokenizer>> {
+    let Some(path) = &args.llama.tokenizer else { return Ok(None) };
+    let tok = HfTokenizer::from_file(path).map_err(|e| usage(format!("--tokenizer {e}")))?;
+    tok.eos().map_err(|e| usage(format!("--tokenizer {}: {e}", path.display())))?;
+    Ok(Some(tok))
+}
+
+/// [`spec`] with the tokenizer read: it sets the vocabulary and special
+/// tokens of a model made from flags, and tokenizes `--text`.
+fn spec_with(args: &TrainArgs, steps: u64, tokenizer: Option<&HfTokenizer>) -> anyhow::Result<LlamaSpec> {
     let world = args.world();
     let (cfg, init) = match &args.llama.init_from {
         Some(dir) => {
@@ -147,11 +171,32 @@ pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<LlamaSpec> {
             (hf.config, hf.params)
         }
         None => {
-            let cfg = args.llama_config();
+            let mut cfg = args.llama_config();
+            if let Some(tok) = tokenizer {
+                if args.llama.vocab.is_none() {
+                    cfg.vocab_size = tok.vocab_size();
+                }
+                cfg.bos_token_id = tok.bos_id().map(|id| id as usize);
+                cfg.eos_token_id = tok.eos_id().map(serde_json::Value::from);
+                cfg.validate_as(chorus_train::llama_config::Names::Flags)
+                    .map_err(|e| usage(format!("the Llama's sizes with --tokenizer's vocabulary: {e}")))?;
+            }
             let init = init_params(&cfg, args.seed);
             (cfg, init)
         }
     };
+    if let Some(tok) = tokenizer.filter(|t| t.vocab_size() > cfg.vocab_size) {
+        return Err(usage(format!(
+            "--tokenizer has {} tokens, more than the model's vocabulary of {}{}",
+            tok.vocab_size(),
+            cfg.vocab_size,
+            if args.llama.init_from.is_some() {
+                ""
+            } else {
+                " (raise --vocab, or leave it out to take the tokenizer's)"
+            }
+        )));
+    }
     let global = world * args.batch;
     let data = match &args.llama.data {
         Some(path) => {
@@ -168,6 +213,25 @@ pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<LlamaSpec> {
             LlamaData::Tokens(
                 TokenRows::new(tokens, cfg.vocab_size, global)
                     .map_err(|e| usage(format!("--data {}: {e}", path.display())))?,
+            )
+        }
+        None if tokenizer.is_some() => {
+            let (Some(tok), Some(path)) = (tokenizer, &args.text) else {
+                return Err(usage("--tokenizer without --data needs --text FILE (the text it tokenizes)"));
+            };
+            let (tokens, packed) = crate::tokenize::rows_in_memory(tok, path, args.seq_len())?;
+            eprintln!(
+                "--text {}: {} documents, {} tokens into {} rows of {} ({} tail tokens dropped)",
+                path.display(),
+                packed.documents,
+                packed.tokens,
+                packed.rows,
+                args.seq_len() + 1,
+                packed.dropped
+            );
+            LlamaData::Tokens(
+                TokenRows::new(tokens, cfg.vocab_size, global)
+                    .map_err(|e| usage(format!("--text {}: {e}", path.display())))?,
             )
         }
         None => {
