@@ -75,6 +75,10 @@ pub fn run(args: &TokenizeArgs) -> anyhow::Result<Outcome> {
         total += std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
     }
     check_dest(&args.out, args.overwrite).map_err(|e| usage(format!("--out: {e}")))?;
+    parent_dir("--out", &args.out)?;
+    if args.train_tokenizer {
+        parent_dir("--tokenizer", &args.tokenizer)?;
+    }
     let config = args.tokenizer.with_file_name("tokenizer_config.json");
     if args.train_tokenizer {
         for path in [&args.tokenizer, &config] {
@@ -138,6 +142,15 @@ pub fn run(args: &TokenizeArgs) -> anyhow::Result<Outcome> {
         packed.tokens as f64 / secs.max(1e-9),
     );
     Ok(Outcome::Passed)
+}
+
+/// Refuses an output path whose directory does not exist (before any work is done).
+fn parent_dir(flag: &str, path: &Path) -> anyhow::Result<()> {
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if !parent.is_dir() {
+        return Err(usage(format!("{flag} {}: the directory {} does not exist", path.display(), parent.display())));
+    }
+    Ok(())
 }
 
 /// Whether two paths name the same file (both existing).

@@ -199,6 +199,9 @@ fn json_lines_and_the_refusals() {
     let dir_out =
         run(&["tokenize", "--tokenizer", &t, "--out", &dir.display().to_string(), "--input", &a, "--seq-len", "4"]);
     usage_error(&dir_out, "not a regular file");
+    let nowhere = dir.join("missing/j.npy").display().to_string();
+    let no_dir = run(&["tokenize", "--tokenizer", &t, "--out", &nowhere, "--input", &a, "--seq-len", "4"]);
+    usage_error(&no_dir, "does not exist");
     assert!(!Path::new(&out).exists());
     // A tokenizer without a known end-of-text token needs --eos.
     let renamed = std::fs::read_to_string(&tok_path).unwrap().replace("<|endoftext|>", "<|zzz|>");
