@@ -28,7 +28,7 @@ def main():
         out = {"ids": ids, "decoded": tok.decode(ids, clean_up_tokenization_spaces=False)}
     elif mode == "load":
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path)
@@ -38,6 +38,8 @@ def main():
         gen = model.generation_config
         out = {
             "class": type(tok).__name__,
+            # transformers 5 names the class TokenizersBackend; PreTrainedTokenizerFast is it.
+            "fast": isinstance(tok, PreTrainedTokenizerFast),
             "ids": ids,
             "decoded": tok.decode(ids),
             "eos_token_id": tok.eos_token_id,
