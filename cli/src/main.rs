@@ -12,6 +12,8 @@
 //! - `chorus conformance`: the conformance suite on one backend;
 //! - `chorus launch`: torchrun's role — start the ranks of a job on this
 //!   node with torchrun's variables and the job's store;
+//! - `chorus tokenize`: text files into the token rows `train --data` reads,
+//!   with a Hugging Face tokenizer or a byte-level BPE trained on them;
 //! - `chorus trace`: read the ranks' flight-recorder dumps and name the rank
 //!   and call that diverged.
 //!
@@ -33,6 +35,7 @@ mod outdir;
 mod plot;
 mod process;
 mod size;
+mod tokenize;
 mod trace;
 #[cfg(feature = "sim")]
 mod train;
@@ -68,6 +71,9 @@ enum Command {
     Consolidate(consolidate::ConsolidateArgs),
     /// Read every rank's flight-recorder dump in DIR and say which rank and call diverged (or --json).
     Trace(trace::TraceArgs),
+    /// Text files into token rows for `train --model llama --data` (a tokenizer.json, or --train-tokenizer to train a
+    /// byte-level BPE on them).
+    Tokenize(tokenize::TokenizeArgs),
 }
 
 /// A problem with the arguments that clap's parser cannot see (a world size
@@ -104,6 +110,7 @@ fn main() -> ExitCode {
         Command::Train(_) => "train",
         Command::Consolidate(_) => "consolidate",
         Command::Trace(_) => "trace",
+        Command::Tokenize(_) => "tokenize",
     };
     let result = match cli.command {
         Command::Info => backends::info(),
@@ -114,6 +121,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train::run(&args),
         Command::Consolidate(args) => consolidate::run(&args),
         Command::Trace(args) => trace::run(&args),
+        Command::Tokenize(args) => tokenize::run(&args),
     };
     match result {
         Ok(Outcome::Passed) => ExitCode::SUCCESS,

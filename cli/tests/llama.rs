@@ -46,7 +46,7 @@ fn bad_data_and_configs_are_usage_errors_before_anything_is_written() {
     let o = out.display().to_string();
     for (file, extra, want) in [
         ("big-id.npy", vec!["--vocab", "40"], "is not below vocab_size 40"),
-        ("f32.npy", vec![], "must be int32, int64 or uint16"),
+        ("f32.npy", vec![], "must be uint16, uint32, int32 or int64"),
         ("flat.npy", vec![], "must be a 2-d array"),
         ("few.npy", vec![], "6 rows are fewer than one global batch of 8"),
     ] {

@@ -21,9 +21,9 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use serde_json::Value;
 
-use crate::models::llama::{KvCache, Llama};
 use crate::models::llama::config::LlamaConfig;
 use crate::models::llama::hf::{self as llama_hf, HfError};
+use crate::models::llama::{KvCache, Llama};
 
 /// What stops a decoder from loading or generating.
 #[derive(Debug, thiserror::Error)]
@@ -381,8 +381,8 @@ impl Decoder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::llama::{init_params, materialize};
     use crate::models::llama::hf::SaveDtype;
+    use crate::models::llama::{init_params, materialize};
 
     /// A GQA Llama (4 query heads over 2 key/value heads) with weights large
     /// enough that its logits differ clearly from position to position,

@@ -25,7 +25,10 @@
 //! - [`model_out`]: the trained model written at a run's end, one gathered
 //!   parameter at a time (no rank holds the whole model).
 //! - [`npy`]: float32 `.npy` files, the interchange with PyTorch and NumPy
-//!   users for initial weights, data and trained parameters.
+//!   users for initial weights, data and trained parameters, and token files
+//!   (read memory-mapped; written row by row by [`npy::TokenWriter`]).
+//! - [`tokenizer`]: a Hugging Face `tokenizer.json` with its special tokens,
+//!   and byte-level BPE training; [`tokenize`]: text files into token rows.
 //!
 //! Everything here uses only what `chorus-fsdp` exports, and reports errors
 //! as [`FsdpError`](chorus_fsdp::FsdpError) so a caller handles one error
@@ -41,4 +44,6 @@ pub mod models;
 pub mod npy;
 pub mod schedule;
 pub mod text;
+pub mod tokenize;
+pub mod tokenizer;
 pub mod train;

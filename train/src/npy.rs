@@ -2,7 +2,7 @@
 //! interchange format for initial weights, data and trained parameters.
 
 use std::io::{Read, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use chorus_fsdp::{FsdpError, Result};
 
@@ -99,12 +99,55 @@ pub struct Tokens {
 #[derive(Clone)]
 enum Ids {
     Memory(std::sync::Arc<Vec<u32>>),
-    /// The file mapped, where its data starts, and the bytes per id (2, 4, 8).
+    /// The file mapped, where its data starts, and the ids' type.
     Mapped {
         map: std::sync::Arc<memmap2::Mmap>,
         start: usize,
-        width: usize,
+        dtype: IdType,
     },
+}
+
+/// The integer types a token file holds ids in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IdType {
+    /// `<u2`: vocabularies of at most 65,536 tokens (what `chorus tokenize` writes for them).
+    U16,
+    /// `<u4`: larger vocabularies (what `chorus tokenize` writes for them).
+    U32,
+    /// `<i4`.
+    I32,
+    /// `<i8` (`numpy.save` of a Python list of ints).
+    I64,
+}
+
+impl IdType {
+    /// Bytes per id.
+    pub fn width(self) -> usize {
+        match self {
+            IdType::U16 => 2,
+            IdType::U32 | IdType::I32 => 4,
+            IdType::I64 => 8,
+        }
+    }
+
+    /// The narrowest unsigned type that holds every id below `vocab_size`.
+    pub fn for_vocab(vocab_size: usize) -> IdType {
+        if vocab_size <= 1 << 16 {
+            IdType::U16
+        } else {
+            IdType::U32
+        }
+    }
+
+    /// NumPy's descriptor.
+    pub fn descr(self) -> &'static str {
+        match self {
+            IdType::U16 => "<u2",
+            IdType::U32 => "<u4",
+            IdType::I32 => "<i4",
+            IdType::I64 => "<i8",
+        }
+    }
 }
 
 impl std::fmt::Debug for Tokens {
@@ -130,12 +173,13 @@ impl IdHash {
     }
 }
 
-/// One id of `width` little-endian bytes, as the valid id it must be.
-fn decode_id(c: &[u8], width: usize) -> std::result::Result<u32, i64> {
-    let v: i64 = match width {
-        2 => u16::from_le_bytes([c[0], c[1]]) as i64,
-        4 => i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64,
-        _ => i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]),
+/// One id of `dtype` (`c` holds its little-endian bytes), as the valid id it must be.
+fn decode_id(c: &[u8], dtype: IdType) -> std::result::Result<u32, i64> {
+    let v: i64 = match dtype {
+        IdType::U16 => u16::from_le_bytes([c[0], c[1]]) as i64,
+        IdType::U32 => u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64,
+        IdType::I32 => i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64,
+        IdType::I64 => i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]),
     };
     u32::try_from(v).map_err(|_| v)
 }
@@ -156,9 +200,10 @@ impl Tokens {
     pub fn id(&self, i: usize) -> u32 {
         match &self.ids {
             Ids::Memory(v) => v.get(i).copied().unwrap_or(0),
-            Ids::Mapped { map, start, width } => {
+            Ids::Mapped { map, start, dtype } => {
+                let width = dtype.width();
                 let at = start + i * width;
-                map.get(at..at + width).and_then(|c| decode_id(c, *width).ok()).unwrap_or(0)
+                map.get(at..at + width).and_then(|c| decode_id(c, *dtype).ok()).unwrap_or(0)
             }
         }
     }
@@ -199,8 +244,9 @@ pub fn regular_file(path: &Path) -> std::io::Result<()> {
     Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("is {what}; give a regular file")))
 }
 
-/// Reads a 2-d little-endian C-order `.npy` array of token ids: int32,
-/// int64 or uint16 (what tokenizers and `numpy.save` produce), memory-mapped:
+/// Reads a 2-d little-endian C-order `.npy` array of token ids: uint16,
+/// uint32 (what `chorus tokenize` writes), int32 or int64 (what `numpy.save`
+/// of Python ints gives), memory-mapped:
 /// the ids are checked (a negative id, or one beyond `u32`, is an error
 /// naming its position) in one streamed pass that holds none of them, and
 /// training then reads only the rows it uses. Only a regular file is read.
@@ -210,7 +256,8 @@ pub fn read_tokens(path: &Path) -> Result<Tokens> {
     // SAFETY: the map is read-only; like the model's weights, chorus
     // requires the data not to be modified while a run reads it.
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| bad(path, e))?;
-    let (rows, cols, start, width) = token_layout(&map).map_err(|e| bad(path, e))?;
+    let (rows, cols, start, dtype) = token_layout(&map).map_err(|e| bad(path, e))?;
+    let width = dtype.width();
     // The check and the hash read the file in pieces (the page cache holds
     // them, not this process), so even a file larger than memory is checked.
     let mut reader = std::io::BufReader::with_capacity(1 << 20, &file);
@@ -219,33 +266,38 @@ pub fn read_tokens(path: &Path) -> Result<Tokens> {
     let mut c = [0u8; 8];
     for i in 0..rows * cols {
         reader.read_exact(&mut c[..width]).map_err(|e| bad(path, e))?;
-        let id = decode_id(&c[..width], width).map_err(|v| {
+        let id = decode_id(&c[..width], dtype).map_err(|v| {
             bad(path, format!("token id {v} at row {}, column {} is not a valid id", i / cols, i % cols))
         })?;
         hash.add(id);
         max = max.max(id);
     }
-    Ok(Tokens { rows, cols, ids: Ids::Mapped { map: std::sync::Arc::new(map), start, width }, max, hash: hash.0 })
+    Ok(Tokens { rows, cols, ids: Ids::Mapped { map: std::sync::Arc::new(map), start, dtype }, max, hash: hash.0 })
 }
 
-/// The rows, columns, data offset and id width of a token `.npy` file.
-fn token_layout(bytes: &[u8]) -> std::result::Result<(usize, usize, usize, usize), String> {
+/// The rows, columns, data offset and id type of a token `.npy` file.
+fn token_layout(bytes: &[u8]) -> std::result::Result<(usize, usize, usize, IdType), String> {
     let (descr, shape, data) = split(bytes)?;
     let [rows, cols] = shape[..] else {
         return Err(format!("token ids must be a 2-d array [sequences, seq_len + 1], found shape {shape:?}"));
     };
-    let width = match descr.as_str() {
-        "<i4" | "=i4" => 4,
-        "<i8" | "=i8" => 8,
-        "<u2" | "=u2" | "|u2" => 2,
-        d => return Err(format!("token ids must be int32, int64 or uint16 ('<i4', '<i8', '<u2'), found '{d}'")),
+    let dtype = match descr.as_str() {
+        "<u2" | "=u2" | "|u2" => IdType::U16,
+        "<u4" | "=u4" => IdType::U32,
+        "<i4" | "=i4" => IdType::I32,
+        "<i8" | "=i8" => IdType::I64,
+        d => {
+            return Err(format!(
+                "token ids must be uint16, uint32, int32 or int64 ('<u2', '<u4', '<i4', '<i8'), found '{d}'"
+            ))
+        }
     };
     let count = numel(&shape)?;
-    let needed = count.checked_mul(width).ok_or(format!("shape {shape:?} has too many elements"))?;
+    let needed = count.checked_mul(dtype.width()).ok_or(format!("shape {shape:?} has too many elements"))?;
     if data.len() != needed {
         return Err(format!("shape {shape:?} needs {needed} data bytes, found {}", data.len()));
     }
-    Ok((rows, cols, bytes.len() - data.len(), width))
+    Ok((rows, cols, bytes.len() - data.len(), dtype))
 }
 
 /// A value of the header's Python dict literal.
@@ -378,12 +430,18 @@ pub fn encode(shape: &[usize], values: &[f32]) -> std::result::Result<Vec<u8>, S
 /// The header of a float32 `.npy` file (format 1.0) of `shape`: the values
 /// follow it, little-endian, row-major.
 pub fn header(shape: &[usize]) -> Vec<u8> {
+    header_of("<f4", shape)
+}
+
+/// The header (format 1.0, padded to a multiple of 64 bytes) of an array of
+/// NumPy type `descr` and `shape`.
+fn header_of(descr: &str, shape: &[usize]) -> Vec<u8> {
     let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
     let shape_text = match dims.len() {
         1 => format!("({},)", dims[0]),
         _ => format!("({})", dims.join(", ")),
     };
-    let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {shape_text}, }}");
+    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape_text}, }}");
     // Magic (6) + version (2) + length (2) + header + newline, padded to 64 bytes.
     let unpadded = 10 + header.len() + 1;
     header.push_str(&" ".repeat((64 - unpadded % 64) % 64));
@@ -393,6 +451,132 @@ pub fn header(shape: &[usize]) -> Vec<u8> {
     out.extend_from_slice(&(header.len() as u16).to_le_bytes());
     out.extend_from_slice(header.as_bytes());
     out
+}
+
+/// A token file `[rows, cols]` written row by row, so that no more than a
+/// buffer of it is ever in memory: into a staged file beside `dest` (its
+/// header's row count fixed up at the end: a 2-d token header is 128 bytes
+/// whatever the counts), renamed into place by [`finish`](Self::finish).
+/// Dropped unfinished, it removes the staged file, so an interrupted run
+/// leaves no half-written output.
+#[derive(Debug)]
+pub struct TokenWriter {
+    file: Option<std::io::BufWriter<std::fs::File>>,
+    staged: PathBuf,
+    dest: PathBuf,
+    dtype: IdType,
+    cols: usize,
+    rows: usize,
+    overwrite: bool,
+    bytes: Vec<u8>,
+}
+
+/// The size of a 2-d token file's header (see [`TokenWriter`]).
+const TOKEN_HEADER: usize = 128;
+
+impl TokenWriter {
+    /// Starts `dest` (rows of `cols` ids of `dtype`, unsigned). An existing
+    /// `dest` is refused unless `overwrite`, and then only a regular file is replaced.
+    pub fn create(dest: &Path, dtype: IdType, cols: usize, overwrite: bool) -> Result<TokenWriter> {
+        if cols == 0 || matches!(dtype, IdType::I32 | IdType::I64) {
+            return Err(bad(
+                dest,
+                format!("token rows are written as uint16 or uint32, of at least one id ({cols} asked)"),
+            ));
+        }
+        check_dest(dest, overwrite)?;
+        let name = dest.file_name().ok_or_else(|| bad(dest, "names no file"))?;
+        let staged = dest.with_file_name(format!(".{}.{}.partial", name.to_string_lossy(), std::process::id()));
+        let file =
+            std::fs::OpenOptions::new().write(true).create_new(true).open(&staged).map_err(|e| bad(&staged, e))?;
+        let mut w = TokenWriter {
+            file: Some(std::io::BufWriter::with_capacity(1 << 20, file)),
+            staged,
+            dest: dest.to_path_buf(),
+            dtype,
+            cols,
+            rows: 0,
+            overwrite,
+            bytes: Vec::new(),
+        };
+        w.put(&header_of(dtype.descr(), &[0, cols]))?;
+        Ok(w)
+    }
+
+    fn put(&mut self, bytes: &[u8]) -> Result<()> {
+        match self.file.as_mut() {
+            Some(f) => f.write_all(bytes).map_err(|e| bad(&self.staged, e)),
+            None => Err(bad(&self.staged, "already finished")),
+        }
+    }
+
+    /// Appends one row: `cols` ids, each fitting the file's type.
+    pub fn write_row(&mut self, ids: &[u32]) -> Result<()> {
+        if ids.len() != self.cols {
+            return Err(bad(&self.dest, format!("a row of {} ids, the rows have {}", ids.len(), self.cols)));
+        }
+        let mut bytes = std::mem::take(&mut self.bytes);
+        bytes.clear();
+        for id in ids {
+            match self.dtype {
+                IdType::U16 => match u16::try_from(*id) {
+                    Ok(v) => bytes.extend_from_slice(&v.to_le_bytes()),
+                    Err(_) => return Err(bad(&self.dest, format!("token id {id} does not fit uint16"))),
+                },
+                _ => bytes.extend_from_slice(&id.to_le_bytes()),
+            }
+        }
+        let put = self.put(&bytes);
+        self.bytes = bytes;
+        put?;
+        self.rows += 1;
+        Ok(())
+    }
+
+    /// Rows written so far.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Writes the header's row count, syncs the file and renames it into
+    /// place (checking again that it replaces nothing it may not).
+    pub fn finish(mut self) -> Result<PathBuf> {
+        let header = header_of(self.dtype.descr(), &[self.rows, self.cols]);
+        let Some(writer) = self.file.take() else { return Err(bad(&self.staged, "already finished")) };
+        let staged = self.staged.clone();
+        let io = |e: std::io::Error| bad(&staged, e);
+        if header.len() != TOKEN_HEADER {
+            return Err(bad(&self.dest, format!("a {}-byte header, {TOKEN_HEADER} expected", header.len())));
+        }
+        let mut file = writer.into_inner().map_err(|e| io(e.into_error()))?;
+        std::io::Seek::seek(&mut file, std::io::SeekFrom::Start(0)).map_err(io)?;
+        file.write_all(&header).and_then(|_| file.sync_all()).map_err(io)?;
+        drop(file);
+        check_dest(&self.dest, self.overwrite)?;
+        std::fs::rename(&self.staged, &self.dest).map_err(io)?;
+        self.staged = PathBuf::new();
+        Ok(self.dest.clone())
+    }
+}
+
+impl Drop for TokenWriter {
+    fn drop(&mut self) {
+        if !self.staged.as_os_str().is_empty() {
+            self.file = None;
+            let _ = std::fs::remove_file(&self.staged);
+        }
+    }
+}
+
+/// Refuses to replace `dest` unless `overwrite`, and then only a regular file.
+pub fn check_dest(dest: &Path, overwrite: bool) -> Result<()> {
+    match std::fs::symlink_metadata(dest) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(bad(dest, e)),
+        Ok(m) if !m.is_file() => Err(bad(dest, "exists and is not a regular file; choose another path")),
+        Ok(_) if !overwrite => Err(bad(dest, "exists; give --overwrite to replace it")),
+        Ok(_) => Ok(()),
+    }
 }
 
 #[cfg(test)]
@@ -436,7 +620,9 @@ mod tests {
         let i4: Vec<u8> = [0i32, 1, 2, 70000, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
         let i8: Vec<u8> = [0i64, 1, 2, 70000, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
         let u2: Vec<u8> = [0u16, 1, 2, 65535, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
-        for (name, bytes, x) in [("i4", &i4, 70000), ("i8", &i8, 70000), ("u2", &u2, 65535)] {
+        let u4: Vec<u8> = [0u32, 1, 2, 4_000_000_000, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
+        for (name, bytes, x) in [("i4", &i4, 70000), ("i8", &i8, 70000), ("u2", &u2, 65535), ("u4", &u4, 4_000_000_000)]
+        {
             let t = read(name, file_with_header(&h(&format!("<{name}")), bytes)).unwrap();
             let want = Tokens::from_ids(2, 3, vec![0, 1, 2, x, 4, 5]).unwrap();
             let ids: Vec<u32> = (0..6).map(|i| t.id(i)).collect();
@@ -451,7 +637,7 @@ mod tests {
         let neg: Vec<u8> = [0i64, 1, 2, -1, 4, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
         let err = read("neg", file_with_header(&h("<i8"), &neg)).unwrap_err();
         assert!(err.contains("token id -1 at row 1, column 0"), "{err}");
-        assert!(read("be", file_with_header(&h(">i8"), &i8)).unwrap_err().contains("int32, int64 or uint16"));
+        assert!(read("be", file_with_header(&h(">i8"), &i8)).unwrap_err().contains("uint16, uint32, int32 or int64"));
         assert!(read("short", file_with_header(&h("<i8"), &i8[..40])).unwrap_err().contains("data bytes"));
         assert!(read_tokens(&dir).unwrap_err().to_string().contains("directory"));
         std::fs::remove_dir_all(&dir).ok();

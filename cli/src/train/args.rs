@@ -186,7 +186,7 @@ pub struct LlamaArgs {
     /// reading only its shards; the sizes come from its config.json.
     #[arg(long)]
     pub init_from: Option<PathBuf>,
-    /// llama: token ids as .npy [N, seq_len + 1] (int32, int64 or uint16); at step s the global batch is
+    /// llama: token ids as .npy [N, seq_len + 1] (uint16, uint32, int32 or int64; `chorus tokenize` writes them); at step s the global batch is
     /// rows (s·W·B + k) mod N, rank r taking rows [r·B, (r+1)·B) of it.
     #[arg(long, conflicts_with = "text")]
     pub data: Option<PathBuf>,
@@ -205,9 +205,15 @@ pub struct LlamaArgs {
     /// llama without --init-from: width of the SwiGLU MLP (default 2 × --hidden).
     #[arg(long)]
     pub intermediate: Option<usize>,
-    /// llama without --init-from: vocabulary size (default 256 with --data, else the byte-level text's).
+    /// llama without --init-from: vocabulary size (default: the --tokenizer's; else 256 with --data, else the
+    /// byte-level text's).
     #[arg(long)]
     pub vocab: Option<usize>,
+    /// llama: a Hugging Face tokenizer.json: --text is tokenized with it in memory (at most 256 MiB; documents
+    /// separated by blank lines and joined with its end-of-text token, as `chorus tokenize` does), and the model
+    /// directory written carries it (tokenizer.json, tokenizer_config.json, generation_config.json).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
 }
 
 /// Dtypes `chorus train --model llama` writes the model in.
@@ -387,6 +393,7 @@ impl TrainArgs {
             (self.llama.kv_heads.is_some(), "--kv-heads"),
             (self.llama.intermediate.is_some(), "--intermediate"),
             (self.llama.vocab.is_some(), "--vocab"),
+            (self.llama.tokenizer.is_some(), "--tokenizer"),
         ];
         if model != ModelArg::Llama {
             if let Some((_, name)) = llama_only.iter().find(|(given, _)| *given) {
@@ -537,7 +544,8 @@ impl TrainArgs {
             let cfg = self.llama_config();
             cfg.validate_as(chorus_train::models::llama::config::Names::Flags)
                 .map_err(|e| usage(format!("the Llama's sizes: {e}")))?;
-            if self.llama.data.is_none() && cfg.vocab_size < text::vocab_size() {
+            let byte_level = self.llama.data.is_none() && self.llama.tokenizer.is_none();
+            if byte_level && cfg.vocab_size < text::vocab_size() {
                 return Err(usage(format!(
                     "--vocab {} is smaller than the byte-level text's {} tokens",
                     cfg.vocab_size,

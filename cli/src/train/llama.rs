@@ -10,12 +10,13 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use chorus_fsdp_candle::checkpoint::optimizer_json;
-use chorus_train::codec::Alphabet;
+use chorus_train::codec::{Alphabet, TextCodec};
 use chorus_train::decoder::{config_changes, Data, Sample, TokenRows, TrainSpec, Validation};
 use chorus_train::models::llama::config::LlamaConfig;
 use chorus_train::models::llama::hf as llama_hf;
 use chorus_train::models::llama::{init_params, LlamaModel};
 use chorus_train::text::{self, TextData};
+use chorus_train::tokenizer::HfTokenizer;
 use serde_json::json;
 
 use super::loop_args::DEFAULT_VAL_BATCHES;
@@ -36,8 +37,9 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let world = args.world();
     limit_candle_threads(args.backend, world);
     let steps = args.steps();
-    let spec = spec(args, steps)?;
-    let sample = sample(args)?;
+    let tokenizer = tokenizer(args)?;
+    let spec = spec_with(args, steps, tokenizer.as_deref())?;
+    let sample = sample(args, tokenizer.as_ref())?;
     let cfg = spec.model.config.clone();
     args.check_recompute("model.layers.", cfg.num_hidden_layers)?;
     let max_file_bytes = usize::try_from(args.llama.max_file_bytes)
@@ -66,6 +68,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
             ("--init-from", args.llama.init_from.as_deref()),
             ("--data", args.llama.data.as_deref()),
             ("--text", args.text.as_deref()),
+            ("--tokenizer", args.llama.tokenizer.as_deref()),
             ("--checkpoint-dir", spec.checkpoint_dir.as_deref()),
             ("--resume", args.resume.as_deref()),
         ],
@@ -103,6 +106,12 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     summary.insert("hf_model_dir".into(), "model".into());
     if let Some(sample) = &first.sample {
         summary.insert("sample".into(), sample.clone().into());
+    }
+    if let Some(tok) = &tokenizer {
+        // Into the staged out-dir: committed with the model, or not at all.
+        for (name, bytes) in tok.hf_files(cfg.max_position_embeddings)? {
+            write_file(&out.stage().join("model").join(name), &bytes)?;
+        }
     }
     let dest = run.commit(out, "llama", summary)?;
     let line = run.closing("Llama", cfg.num_params(), world, steps, 4, &dest, &throughput);
@@ -149,6 +158,7 @@ fn config_json(
         "init_from": args.llama.init_from.as_ref().map(|p| p.display().to_string()),
         "data": args.llama.data.as_ref().map(|p| p.display().to_string()),
         "text": args.text.as_ref().map(|p| p.display().to_string()),
+        "tokenizer": args.llama.tokenizer.as_ref().map(|p| p.display().to_string()),
         "save_dtype": args.llama.save_dtype.dtype().torch_name(),
         "resume": args.resume.as_ref().map(|p| p.display().to_string()),
         "start_step": start_step,
@@ -163,6 +173,20 @@ fn config_json(
 /// data (checked against the vocabulary and the global batch) and the
 /// memory they need, all before anything is written.
 pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<TrainSpec<LlamaModel>> {
+    spec_with(args, steps, tokenizer(args)?.as_deref())
+}
+
+/// `--tokenizer`, read and checked (its end-of-text token included).
+fn tokenizer(args: &TrainArgs) -> anyhow::Result<Option<Arc<HfTokenizer>>> {
+    let Some(path) = &args.llama.tokenizer else { return Ok(None) };
+    let tok = HfTokenizer::from_file(path).map_err(|e| usage(format!("--tokenizer {e}")))?;
+    tok.eos().map_err(|e| usage(format!("--tokenizer {}: {e}", path.display())))?;
+    Ok(Some(Arc::new(tok)))
+}
+
+/// [`spec`] with the tokenizer read: it sets the vocabulary and special
+/// tokens of a model made from flags, and tokenizes `--text`.
+fn spec_with(args: &TrainArgs, steps: u64, tokenizer: Option<&HfTokenizer>) -> anyhow::Result<TrainSpec<LlamaModel>> {
     let world = args.world();
     let (cfg, init) = match &args.llama.init_from {
         Some(dir) => {
@@ -170,11 +194,32 @@ pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<TrainSpec<Lla
             (hf.config, hf.params)
         }
         None => {
-            let cfg = args.llama_config();
+            let mut cfg = args.llama_config();
+            if let Some(tok) = tokenizer {
+                if args.llama.vocab.is_none() {
+                    cfg.vocab_size = tok.vocab_size();
+                }
+                cfg.bos_token_id = tok.bos_id().map(|id| id as usize);
+                cfg.eos_token_id = tok.eos_id().map(serde_json::Value::from);
+                cfg.validate_as(chorus_train::models::llama::config::Names::Flags)
+                    .map_err(|e| usage(format!("the Llama's sizes with --tokenizer's vocabulary: {e}")))?;
+            }
             let init = init_params(&cfg, args.seed);
             (cfg, init)
         }
     };
+    if let Some(tok) = tokenizer.filter(|t| t.vocab_size() > cfg.vocab_size) {
+        return Err(usage(format!(
+            "--tokenizer has {} tokens, more than the model's vocabulary of {}{}",
+            tok.vocab_size(),
+            cfg.vocab_size,
+            if args.llama.init_from.is_some() {
+                ""
+            } else {
+                " (raise --vocab, or leave it out to take the tokenizer's)"
+            }
+        )));
+    }
     let global = world * args.batch;
     let data = match &args.llama.data {
         Some(path) => {
@@ -191,6 +236,25 @@ pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<TrainSpec<Lla
             Data::Tokens(
                 TokenRows::new(tokens, cfg.vocab_size, global)
                     .map_err(|e| usage(format!("--data {}: {e}", path.display())))?,
+            )
+        }
+        None if tokenizer.is_some() => {
+            let (Some(tok), Some(path)) = (tokenizer, &args.text) else {
+                return Err(usage("--tokenizer without --data needs --text FILE (the text it tokenizes)"));
+            };
+            let (tokens, packed) = crate::tokenize::rows_in_memory(tok, path, args.seq_len())?;
+            eprintln!(
+                "--text {}: {} documents, {} tokens into {} rows of {} ({} tail tokens dropped)",
+                path.display(),
+                packed.documents,
+                packed.tokens,
+                packed.rows,
+                args.seq_len() + 1,
+                packed.dropped
+            );
+            Data::Tokens(
+                TokenRows::new(tokens, cfg.vocab_size, global)
+                    .map_err(|e| usage(format!("--text {}: {e}", path.display())))?,
             )
         }
         None => {
@@ -237,17 +301,22 @@ pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<TrainSpec<Lla
     })
 }
 
-/// The closing sample `--sample-prompt` asks for, through the text's
-/// character vocabulary: ids from `--data` came from a tokenizer this run
-/// does not know, so a sample of them is refused.
-fn sample(args: &TrainArgs) -> anyhow::Result<Option<Sample>> {
-    match (&args.decoder.sample_prompt, &args.llama.data) {
-        (None, _) => Ok(None),
-        (Some(_), Some(_)) => Err(usage(
-            "--sample-prompt with --data: the ids' tokenizer is unknown to this run (sample a run on --text or generated text)",
-        )),
-        (Some(prompt), None) => Ok(Some(Sample { prompt: prompt.clone(), tokens: 60, codec: Arc::new(Alphabet) })),
-    }
+/// The closing sample `--sample-prompt` asks for: through `--tokenizer`
+/// when there is one, else through the text's character vocabulary; ids
+/// from `--data` without `--tokenizer` came from a tokenizer this run does
+/// not know, so a sample of them is refused.
+fn sample(args: &TrainArgs, tokenizer: Option<&Arc<HfTokenizer>>) -> anyhow::Result<Option<Sample>> {
+    let Some(prompt) = &args.decoder.sample_prompt else { return Ok(None) };
+    let codec: Arc<dyn TextCodec> = match (tokenizer, &args.llama.data) {
+        (Some(tok), _) => tok.clone(),
+        (None, Some(_)) => {
+            return Err(usage(
+                "--sample-prompt with --data needs --tokenizer: the ids' tokenizer is unknown to this run",
+            ))
+        }
+        (None, None) => Arc::new(Alphabet),
+    };
+    Ok(Some(Sample { prompt: prompt.clone(), tokens: 60, codec }))
 }
 
 /// The validation the arguments ask for: `--val-fraction` of `data`'s rows

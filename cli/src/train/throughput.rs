@@ -17,8 +17,8 @@
 use indicatif::{ProgressState, ProgressStyle};
 use serde_json::{json, Map, Value};
 
-use chorus_train::gpt::GptConfig;
-use chorus_train::llama_config::LlamaConfig;
+use chorus_train::models::gpt::GptConfig;
+use chorus_train::models::llama::config::LlamaConfig;
 
 use super::{median, usage, ModelArg, TrainArgs};
 

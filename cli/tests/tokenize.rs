@@ -1,0 +1,306 @@
+//! `chorus tokenize` end to end: a byte-level BPE trained on the input, the
+//! input packed into token rows (checked against the documents encoded one
+//! by one here and packed independently), JSON lines, the refusals (nothing
+//! written, nothing left behind), and `chorus train --model llama
+//! --tokenizer … --text` carrying the tokenizer into its model directory.
+//!
+//! The `#[ignore]`d tests check the same files with transformers
+//! (`ci/tokenizer_check.py` under `$CHORUS_PYTHON`, see `ci/python-env.sh`):
+//! `PreTrainedTokenizerFast(tokenizer_file=…)` encodes to chorus's ids and
+//! decodes back, and `AutoTokenizer` / `AutoModelForCausalLM` load the
+//! trained model's directory.
+
+mod common;
+#[path = "../../ci/torch_python.rs"]
+mod torch_python;
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::time::Duration;
+
+use chorus_train::tokenizer::HfTokenizer;
+use common::{chorus, run_bounded, scratch, text};
+
+const LIMIT: Duration = Duration::from_secs(300);
+
+/// Paragraphs of words (some multi-byte) separated by blank lines.
+fn corpus(docs: usize) -> String {
+    let words = ["the", "cat", "sat", "on", "mat", "dog", "ran", "far", "naïve", "café", "日本語", "über", "a", "of"];
+    let mut s = String::new();
+    for d in 0..docs {
+        for line in 0..1 + d % 3 {
+            let n = 3 + (d * 5 + line) % 9;
+            let ws: Vec<&str> = (0..n).map(|i| words[(d * 7 + line * 3 + i * 11) % words.len()]).collect();
+            s.push_str(&ws.join(" "));
+            s.push_str(if d % 4 == 0 { ".\n" } else { "\n" });
+        }
+        s.push_str(if d % 5 == 0 { "\n  \n" } else { "\n" });
+    }
+    s
+}
+
+fn run(args: &[&str]) -> Output {
+    run_bounded(chorus().args(args), LIMIT)
+}
+
+fn ok(out: &Output) -> String {
+    assert!(out.status.success(), "{}\nstdout: {}\nstderr: {}", out.status, text(&out.stdout), text(&out.stderr));
+    text(&out.stdout)
+}
+
+fn usage_error(out: &Output, says: &str) {
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "stdout: {}\nstderr: {err}", text(&out.stdout));
+    assert!(err.contains(says), "expected {says:?} in: {err}");
+}
+
+/// A token file read independently of chorus: its descriptor, shape and ids.
+fn read_npy(path: &Path) -> (String, usize, usize, Vec<u32>) {
+    let b = std::fs::read(path).unwrap();
+    assert_eq!(&b[..8], b"\x93NUMPY\x01\x00");
+    let len = u16::from_le_bytes([b[8], b[9]]) as usize;
+    assert_eq!((10 + len) % 64, 0, "the data starts 64-byte aligned");
+    let h = std::str::from_utf8(&b[10..10 + len]).unwrap();
+    let descr = h.split("'descr': '").nth(1).unwrap().split('\'').next().unwrap().to_string();
+    let shape = h.split("'shape': (").nth(1).unwrap().split(')').next().unwrap();
+    let dims: Vec<usize> =
+        shape.split(',').filter(|s| !s.trim().is_empty()).map(|s| s.trim().parse().unwrap()).collect();
+    let data = &b[10 + len..];
+    let ids: Vec<u32> = match descr.as_str() {
+        "<u2" => data.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]) as u32).collect(),
+        "<u4" => data.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        d => panic!("unexpected dtype {d}"),
+    };
+    assert_eq!(ids.len(), dims[0] * dims[1]);
+    (descr, dims[0], dims[1], ids)
+}
+
+/// The rows the documents should give: each encoded, followed by the
+/// end-of-text id, all in order, cut into rows of `cols` (the tail dropped).
+fn expected_rows(tok: &HfTokenizer, docs: &[&str], cols: usize) -> (Vec<u32>, usize) {
+    let eos = tok.eos_id().unwrap();
+    let mut stream = Vec::new();
+    for d in docs {
+        stream.extend(tok.encode_plain(d).unwrap());
+        stream.push(eos);
+    }
+    let rows = stream.len() / cols;
+    let dropped = stream.len() - rows * cols;
+    stream.truncate(rows * cols);
+    (stream, dropped)
+}
+
+/// Trains a tokenizer on a corpus and tokenizes it: returns the directory,
+/// the tokenizer's path and the corpus.
+fn trained(name: &str) -> (PathBuf, PathBuf, String) {
+    let dir = scratch(name);
+    let corpus = corpus(300);
+    std::fs::write(dir.join("corpus.txt"), &corpus).unwrap();
+    let tok = dir.join("tok/tokenizer.json");
+    std::fs::create_dir_all(dir.join("tok")).unwrap();
+    let d = |p: &str| dir.join(p).display().to_string();
+    let out = run(&[
+        "tokenize",
+        "--train-tokenizer",
+        "--vocab-size",
+        "320",
+        "--tokenizer",
+        &tok.display().to_string(),
+        "--input",
+        &d("corpus.txt"),
+        "--out",
+        &d("tokens.npy"),
+        "--seq-len",
+        "16",
+    ]);
+    let said = ok(&out);
+    assert!(said.contains("documents") && said.contains("tail tokens dropped"), "{said}");
+    (dir, tok, corpus)
+}
+
+#[test]
+fn a_trained_tokenizer_packs_the_documents_into_rows() {
+    let (dir, tok_path, corpus) = trained("tokenize-train");
+    assert!(tok_path.with_file_name("tokenizer_config.json").is_file());
+    let tok = HfTokenizer::from_file(&tok_path).unwrap();
+    assert!((280..=320).contains(&tok.vocab_size()), "{} merges learnt", tok.vocab_size() - 257);
+    assert_eq!((tok.eos_id(), tok.bos_id(), tok.pad_id()), (Some(0), Some(0), Some(0)));
+    // Documents as the docs define them: runs of lines ended by a blank line, the last line break dropped.
+    let docs: Vec<&str> = corpus
+        .split("\n\n")
+        .map(|d| d.trim_start_matches("  \n").trim_end_matches('\n'))
+        .filter(|d| !d.is_empty())
+        .collect();
+    assert_eq!(docs.len(), 300);
+    let (want, dropped) = expected_rows(&tok, &docs, 17);
+    let (descr, rows, cols, ids) = read_npy(&dir.join("tokens.npy"));
+    assert_eq!((descr.as_str(), cols), ("<u2", 17));
+    assert_eq!(ids, want);
+    assert!(rows > 100, "{rows} rows");
+    assert!(dropped < 17);
+    assert!(ids.iter().all(|i| (*i as usize) < tok.vocab_size()));
+    // Nothing staged is left beside the outputs.
+    let left: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(left.iter().all(|n| !n.to_string_lossy().contains("partial")), "{left:?}");
+    // Tokenized again with the written tokenizer (the existing --out refused first, then replaced).
+    let d = |p: &str| dir.join(p).display().to_string();
+    let again = |extra: &[&str]| {
+        let mut a = vec!["tokenize", "--tokenizer"];
+        let t = tok_path.display().to_string();
+        let (input, out) = (d("corpus.txt"), d("tokens.npy"));
+        a.extend([t.as_str(), "--input", &input, "--out", &out, "--seq-len", "16"]);
+        a.extend(extra);
+        run(&a)
+    };
+    let before = std::fs::read(dir.join("tokens.npy")).unwrap();
+    usage_error(&again(&[]), "exists; give --overwrite");
+    ok(&again(&["--overwrite"]));
+    assert_eq!(std::fs::read(dir.join("tokens.npy")).unwrap(), before, "the same tokenizer gives the same file");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn json_lines_and_the_refusals() {
+    let (dir, tok_path, _) = trained("tokenize-jsonl");
+    let tok = HfTokenizer::from_file(&tok_path).unwrap();
+    let docs = ["the cat sat", "naïve café\nover two lines", "", "日本語 dog ran far"];
+    let lines: Vec<String> = docs.iter().map(|d| serde_json::json!({"id": 1, "text": d}).to_string()).collect();
+    std::fs::write(dir.join("a.jsonl"), lines[..2].join("\n") + "\n\n").unwrap();
+    std::fs::write(dir.join("b.jsonl"), lines[2..].join("\n")).unwrap();
+    let (t, a, b) = (tok_path.display().to_string(), dir.join("a.jsonl"), dir.join("b.jsonl"));
+    let (a, b, out) = (a.display().to_string(), b.display().to_string(), dir.join("j.npy").display().to_string());
+    let base = ["tokenize", "--tokenizer", &t, "--out", &out];
+    let with = |extra: &[&str]| run(&[&base[..], extra].concat());
+    ok(&with(&["--input", &a, &b, "--field", "text", "--seq-len", "2"]));
+    // The empty document gives nothing, not even an end-of-text token.
+    let nonempty: Vec<&str> = docs.iter().copied().filter(|d| !d.is_empty()).collect();
+    let (want, _) = expected_rows(&tok, &nonempty, 3);
+    assert_eq!(read_npy(Path::new(&out)).3, want);
+    std::fs::remove_file(&out).unwrap();
+
+    // A bad line in the second file: an error naming it, and no output at all.
+    std::fs::write(dir.join("c.jsonl"), format!("{}\n{{\"body\": \"x\"}}\n", lines[0])).unwrap();
+    let c = dir.join("c.jsonl").display().to_string();
+    let failed = with(&["--input", &a, &c, "--field", "text", "--seq-len", "2"]);
+    assert_eq!(failed.status.code(), Some(1));
+    assert!(text(&failed.stderr).contains("c.jsonl:2: no field \"text\""), "{}", text(&failed.stderr));
+    let left: Vec<_> =
+        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert!(!left.iter().any(|n| n.starts_with("j.npy") || n.contains("partial")), "{left:?}");
+    // Not UTF-8; too little text for one row; bad sizes and paths: refused, nothing written.
+    std::fs::write(dir.join("latin1.txt"), b"caf\xe9 au lait\n").unwrap();
+    let latin1 = dir.join("latin1.txt").display().to_string();
+    let bad = with(&["--input", &latin1, "--seq-len", "2"]);
+    assert!(text(&bad.stderr).contains("latin1.txt:1: not UTF-8"), "{}", text(&bad.stderr));
+    assert!(text(&with(&["--input", &a, "--field", "text", "--seq-len", "1000"]).stderr).contains("fewer than one row"));
+    usage_error(&with(&["--input", &a, "--seq-len", "0"]), "--seq-len must be from 1");
+    usage_error(&with(&["--input", &dir.display().to_string(), "--seq-len", "4"]), "is a directory");
+    usage_error(&with(&["--input", &a, "--seq-len", "4", "--eos", "<nope>"]), "\"<nope>\" is not a token");
+    let dir_out =
+        run(&["tokenize", "--tokenizer", &t, "--out", &dir.display().to_string(), "--input", &a, "--seq-len", "4"]);
+    usage_error(&dir_out, "not a regular file");
+    let nowhere = dir.join("missing/j.npy").display().to_string();
+    let no_dir = run(&["tokenize", "--tokenizer", &t, "--out", &nowhere, "--input", &a, "--seq-len", "4"]);
+    usage_error(&no_dir, "does not exist");
+    assert!(!Path::new(&out).exists());
+    // A tokenizer without a known end-of-text token needs --eos.
+    let renamed = std::fs::read_to_string(&tok_path).unwrap().replace("<|endoftext|>", "<|zzz|>");
+    std::fs::create_dir_all(dir.join("noeos")).unwrap();
+    let noeos = dir.join("noeos/tokenizer.json");
+    std::fs::write(&noeos, renamed).unwrap();
+    let n = noeos.display().to_string();
+    let args = ["tokenize", "--tokenizer", &n, "--out", &out, "--input", &a, "--field", "text", "--seq-len", "2"];
+    usage_error(&run(&args), "no end-of-text token");
+    ok(&run(&[&args[..], &["--eos", "<|zzz|>"]].concat()));
+    let (want_a, _) = expected_rows(&tok, &docs[..2], 3);
+    assert_eq!(read_npy(Path::new(&out)).3, want_a, "the same id (0) ends the documents");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `chorus train --model llama --tokenizer … --text`: trains on the text as
+/// tokenized here, and the model directory carries the tokenizer.
+#[test]
+fn train_with_a_tokenizer_writes_it_into_the_model_directory() {
+    train_with_a_tokenizer("tokenize-train-llama", false);
+}
+
+fn train_with_a_tokenizer(name: &str, check_with_transformers: bool) {
+    let (dir, tok_path, _) = trained(name);
+    let (t, corpus, out) =
+        (tok_path.display().to_string(), dir.join("corpus.txt").display().to_string(), dir.join("run"));
+    let o = out.display().to_string();
+    let base = ["train", "--model", "llama", "--tokenizer", &t, "--text", &corpus, "--world-size", "2", "--steps", "3"];
+    let small = ["--batch", "2", "--seq-len", "16", "--hidden", "32", "--heads", "2", "--layers", "1", "--out-dir", &o];
+    usage_error(&run(&[&base[..], &small, &["--vocab", "100"]].concat()), "more than the model's vocabulary of 100");
+    ok(&run(&[&base[..], &small].concat()));
+    let model = out.join("model");
+    let config: serde_json::Value = serde_json::from_slice(&std::fs::read(model.join("config.json")).unwrap()).unwrap();
+    let vocab = HfTokenizer::from_file(&tok_path).unwrap().vocab_size();
+    assert_eq!((config["vocab_size"].as_u64(), config["eos_token_id"].as_u64()), (Some(vocab as u64), Some(0)));
+    assert_eq!(std::fs::read(model.join("tokenizer.json")).unwrap(), std::fs::read(&tok_path).unwrap());
+    let tc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(model.join("tokenizer_config.json")).unwrap()).unwrap();
+    assert_eq!(tc["tokenizer_class"], "PreTrainedTokenizerFast");
+    assert_eq!(tc["eos_token"], "<|endoftext|>");
+    let gc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(model.join("generation_config.json")).unwrap()).unwrap();
+    assert_eq!(gc, serde_json::json!({"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}));
+    let summary: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["config"]["tokenizer"], t.as_str());
+    // Without --text there is nothing to tokenize.
+    let o2 = dir.join("run2").display().to_string();
+    let no_text = ["train", "--model", "llama", "--tokenizer", &t, "--steps", "1", "--out-dir", &o2];
+    usage_error(&run(&no_text), "needs --text");
+    if check_with_transformers {
+        transformers_loads(&model, &dir, vocab);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../ci/tokenizer_check.py")
+}
+
+fn python(args: &[&str]) -> serde_json::Value {
+    let py = torch_python::torch_python("transformers");
+    let out = run_bounded(std::process::Command::new(py).arg(script()).args(args), LIMIT);
+    serde_json::from_str(&ok(&out)).unwrap()
+}
+
+const SAMPLE: &str = "The cat sat on the mat.  Naïve café!\n\tüber 日本語 <|endoftext|> and 42 dogs, ran far\n\n";
+
+/// transformers loads the model directory (tokenizer and model) and agrees on ids.
+fn transformers_loads(model: &Path, dir: &Path, vocab: usize) {
+    std::fs::write(dir.join("sample.txt"), SAMPLE).unwrap();
+    let got = python(&["load", &model.display().to_string(), &dir.join("sample.txt").display().to_string()]);
+    let tok = HfTokenizer::from_file(&model.join("tokenizer.json")).unwrap();
+    let ids: Vec<u64> = tok.encode(SAMPLE).unwrap().into_iter().map(u64::from).collect();
+    assert_eq!(got["ids"], serde_json::json!(ids));
+    assert_eq!(got["decoded"], SAMPLE);
+    assert_eq!(got["fast"], true, "{got}");
+    for key in ["eos_token_id", "bos_token_id", "pad_token_id", "generation_eos_token_id", "generation_bos_token_id"] {
+        assert_eq!(got[key], 0, "{key}: {got}");
+    }
+    assert_eq!(got["logits_shape"], serde_json::json!([1, ids.len(), vocab]));
+}
+
+#[test]
+#[ignore = "needs PyTorch and transformers (ci/python-env.sh)"]
+fn transformers_encodes_to_the_same_ids() {
+    let (dir, tok_path, _) = trained("tokenize-transformers");
+    std::fs::write(dir.join("sample.txt"), SAMPLE).unwrap();
+    let got = python(&["ids", &tok_path.display().to_string(), &dir.join("sample.txt").display().to_string()]);
+    let tok = HfTokenizer::from_file(&tok_path).unwrap();
+    let ids: Vec<u64> = tok.encode(SAMPLE).unwrap().into_iter().map(u64::from).collect();
+    assert!(ids.contains(&0), "the special token in the text is one id");
+    assert_eq!(got["ids"], serde_json::json!(ids));
+    assert_eq!(got["decoded"], SAMPLE);
+    assert_eq!(tok.decode(&tok.encode(SAMPLE).unwrap()).unwrap(), SAMPLE);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+#[ignore = "needs PyTorch and transformers (ci/python-env.sh)"]
+fn transformers_loads_the_trained_model_directory() {
+    train_with_a_tokenizer("tokenize-train-llama-hf", true);
+}
