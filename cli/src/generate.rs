@@ -91,7 +91,9 @@ fn tokenizer(dir: &Path) -> anyhow::Result<tokenizers::Tokenizer> {
     let usage = |why: String| anyhow::Error::from(UsageError(format!("{}: {why}", path.display())));
     match std::fs::metadata(&path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(usage("no such file; chorus generate tokenizes with the model directory's tokenizer.json".into()))
+            return Err(usage(
+                "no such file; chorus generate tokenizes with the model directory's tokenizer.json".into(),
+            ))
         }
         Err(e) => return Err(usage(e.to_string())),
         Ok(_) => chorus_train::npy::regular_file(&path).map_err(|e| usage(e.to_string()))?,
@@ -102,6 +104,15 @@ fn tokenizer(dir: &Path) -> anyhow::Result<tokenizers::Tokenizer> {
     }
     let bytes = std::fs::read(&path).map_err(|e| usage(e.to_string()))?;
     tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| usage(format!("not a tokenizer this build reads: {e}")))
+}
+
+/// PyTorch's name of the dtype computed in (what `model.dtype` prints).
+fn torch_name(d: candle_core::DType) -> &'static str {
+    match d {
+        candle_core::DType::BF16 => "bfloat16",
+        candle_core::DType::F16 => "float16",
+        _ => "float32",
+    }
 }
 
 /// Tokens per second, 0 where nothing was timed.
@@ -128,9 +139,8 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<Outcome> {
         Err(GenerateError::Model(e)) => return Err(UsageError(e.to_string()).into()),
         r => r.with_context(|| format!("loading {}", args.dir.display()))?,
     };
-    let encoding = tokenizer
-        .encode(args.prompt.as_str(), true)
-        .map_err(|e| UsageError(format!("tokenizing the prompt: {e}")))?;
+    let encoding =
+        tokenizer.encode(args.prompt.as_str(), true).map_err(|e| UsageError(format!("tokenizing the prompt: {e}")))?;
     let prompt_ids = encoding.get_ids().to_vec();
     let max_new = args.max_new_tokens as usize;
     let g: Generation = match decoder.generate(&prompt_ids, max_new, &decoding, |_| {}) {
@@ -153,7 +163,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<Outcome> {
             "text": text,
             "stopped_at_eos": g.stopped_at_eos,
             "seed": seed,
-            "dtype": format!("{:?}", decoder.dtype()).to_lowercase(),
+            "dtype": torch_name(decoder.dtype()),
             "prefill_s": g.prefill_s,
             "decode_s": g.decode_s,
             "prefill_tokens_per_s": prefill_rate,

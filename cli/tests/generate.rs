@@ -165,7 +165,8 @@ fn seeded_sampling_repeats_and_differs_from_greedy_and_eos_stops() {
     // Greedy is deterministic, and --temperature 0 is greedy.
     assert_eq!(ids(&generate_json(&model, &["--max-new-tokens", "24", "--temperature", "0"]), "ids"), g);
     let sample = |seed: &str| {
-        let v = generate_json(&model, &["--max-new-tokens", "24", "--temperature", "1.5", "--top-k", "0", "--seed", seed]);
+        let v =
+            generate_json(&model, &["--max-new-tokens", "24", "--temperature", "1.5", "--top-k", "0", "--seed", seed]);
         assert_eq!(v["seed"].as_u64().unwrap().to_string(), seed);
         ids(&v, "ids")
     };
@@ -193,10 +194,12 @@ fn seeded_sampling_repeats_and_differs_from_greedy_and_eos_stops() {
 fn transformers_generate(model: &Path, n: usize) -> Value {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ci/generate_torch.py");
     let out = run_bounded(
-        Command::new(torch_python::torch_python("torch, transformers"))
-            .arg(script)
-            .arg(model)
-            .args(["--prompt", PROMPT, "--max-new-tokens", &n.to_string()]),
+        Command::new(torch_python::torch_python("torch, transformers")).arg(script).arg(model).args([
+            "--prompt",
+            PROMPT,
+            "--max-new-tokens",
+            &n.to_string(),
+        ]),
         Duration::from_secs(600),
     );
     assert!(out.status.success(), "generate_torch.py: {}\n{}", text(&out.stdout), text(&out.stderr));
