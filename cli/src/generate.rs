@@ -52,7 +52,7 @@ pub struct GenerateArgs {
 fn decoding(args: &GenerateArgs) -> Result<Decoding, UsageError> {
     let sampling_flags = args.top_k.is_some() || args.top_p.is_some();
     match args.temperature {
-        Some(t) if t == 0.0 => {
+        Some(0.0) => {
             if sampling_flags || args.seed.is_some() {
                 return Err(UsageError(
                     "--temperature 0 is greedy decoding: --top-k, --top-p and --seed are for sampling".into(),
