@@ -3,6 +3,8 @@
 //! - `chorus train`: a transformer (candle, through the FSDP adapter), a
 //!   Hugging Face Llama or the reference MLP under FSDP, with sharded
 //!   checkpoints, and `--bench` for FSDP's step time and host overhead;
+//! - `chorus generate`: text from a Hugging Face Llama directory, KV-cached,
+//!   greedy or sampled as transformers' `generate`;
 //! - `chorus consolidate`: a sharded checkpoint as full tensors (plain
 //!   safetensors, or a Hugging Face directory for the Llama);
 //! - `chorus info`: the backends compiled into this binary and whether their
@@ -28,6 +30,7 @@ mod backends;
 mod bench;
 mod conformance;
 mod consolidate;
+mod generate;
 mod launch;
 #[cfg(feature = "sim")]
 mod outdir;
@@ -69,6 +72,9 @@ enum Command {
     /// Write a sharded checkpoint of `chorus train` as full tensors: plain safetensors files for --model gpt (candle
     /// and Python load them), a Hugging Face model directory for --model llama.
     Consolidate(consolidate::ConsolidateArgs),
+    /// Continue --prompt with a Hugging Face Llama directory (its tokenizer.json): KV-cached on the CPU, greedy or
+    /// sampled (--temperature, --top-k, --top-p, --seed) as transformers' generate; tokens/s on stderr.
+    Generate(generate::GenerateArgs),
     /// Read every rank's flight-recorder dump in DIR and say which rank and call diverged (or --json).
     Trace(trace::TraceArgs),
     /// Text files into token rows for `train --model llama --data` (a tokenizer.json, or --train-tokenizer to train a
@@ -109,6 +115,7 @@ fn main() -> ExitCode {
         #[cfg(feature = "sim")]
         Command::Train(_) => "train",
         Command::Consolidate(_) => "consolidate",
+        Command::Generate(_) => "generate",
         Command::Trace(_) => "trace",
         Command::Tokenize(_) => "tokenize",
     };
@@ -120,6 +127,7 @@ fn main() -> ExitCode {
         #[cfg(feature = "sim")]
         Command::Train(args) => train::run(&args),
         Command::Consolidate(args) => consolidate::run(&args),
+        Command::Generate(args) => generate::run(&args),
         Command::Trace(args) => trace::run(&args),
         Command::Tokenize(args) => tokenize::run(&args),
     };

@@ -1,0 +1,188 @@
+//! `chorus generate`: text from a Hugging Face Llama directory (chorus's
+//! `train` output or any `save_pretrained` Llama it loads), tokenized with
+//! the directory's `tokenizer.json` and decoded by
+//! [`chorus_train::generate::Decoder`] — KV-cached, on the CPU, greedy or
+//! sampled as transformers' `generate`.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use chorus_train::generate::{Decoder, Decoding, GenerateError, Generation, Sampling};
+
+use crate::{Outcome, UsageError};
+
+/// The most new tokens one run may ask for (the model's
+/// `max_position_embeddings` bounds it further).
+const MAX_NEW_TOKENS: usize = 1 << 20;
+
+/// The largest `tokenizer.json` read (the largest published ones are tens of megabytes).
+const MAX_TOKENIZER_BYTES: u64 = 1 << 30;
+
+/// Arguments of `chorus generate`.
+#[derive(Debug, clap::Args)]
+pub struct GenerateArgs {
+    /// The model directory: config.json, the safetensors weights and tokenizer.json.
+    pub dir: PathBuf,
+    /// The text to continue.
+    #[arg(long)]
+    pub prompt: String,
+    /// The most tokens to generate (fewer when an end-of-sequence token comes first).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=MAX_NEW_TOKENS as u64))]
+    pub max_new_tokens: u64,
+    /// Sample with this temperature (0: greedy, the default when no sampling flag is given).
+    #[arg(long)]
+    pub temperature: Option<f64>,
+    /// Sampling: keep the K most likely tokens (default 50, transformers' default; 0 keeps all).
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Sampling: keep the most likely tokens whose probability reaches P, in (0, 1] (default 1: all).
+    #[arg(long)]
+    pub top_p: Option<f64>,
+    /// Sampling: the generator's seed (default: from the clock, and reported), for repeatable draws.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Print one JSON object on stdout: prompt_ids, ids (the new tokens), text, and the timings.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The decoding the flags ask for: greedy without sampling flags or with
+/// `--temperature 0`, else sampling with transformers' defaults for what is not given.
+fn decoding(args: &GenerateArgs) -> Result<Decoding, UsageError> {
+    let sampling_flags = args.top_k.is_some() || args.top_p.is_some();
+    match args.temperature {
+        Some(0.0) => {
+            if sampling_flags || args.seed.is_some() {
+                return Err(UsageError(
+                    "--temperature 0 is greedy decoding: --top-k, --top-p and --seed are for sampling".into(),
+                ));
+            }
+            return Ok(Decoding::Greedy);
+        }
+        None if !sampling_flags => {
+            if args.seed.is_some() {
+                return Err(UsageError(
+                    "--seed is for sampling: give --temperature, --top-k or --top-p too (without them decoding is greedy)"
+                        .into(),
+                ));
+            }
+            return Ok(Decoding::Greedy);
+        }
+        _ => {}
+    }
+    let seed = args.seed.unwrap_or_else(|| {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        now.as_nanos() as u64
+    });
+    let s = Sampling {
+        temperature: args.temperature.unwrap_or(1.0),
+        top_k: Some(args.top_k.unwrap_or(50)),
+        top_p: args.top_p,
+        seed,
+    };
+    s.validate().map_err(|e| UsageError(format!("{e}")))?;
+    Ok(Decoding::Sample(s))
+}
+
+/// The directory's `tokenizer.json`, checked to be a regular file of a sane size.
+fn tokenizer(dir: &Path) -> anyhow::Result<tokenizers::Tokenizer> {
+    let path = dir.join("tokenizer.json");
+    let usage = |why: String| anyhow::Error::from(UsageError(format!("{}: {why}", path.display())));
+    match std::fs::metadata(&path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(usage(
+                "no such file; chorus generate tokenizes with the model directory's tokenizer.json".into(),
+            ))
+        }
+        Err(e) => return Err(usage(e.to_string())),
+        Ok(_) => chorus_train::npy::regular_file(&path).map_err(|e| usage(e.to_string()))?,
+    }
+    let len = std::fs::metadata(&path).map_err(|e| usage(e.to_string()))?.len();
+    if len > MAX_TOKENIZER_BYTES {
+        return Err(usage(format!("{len} bytes is more than a tokenizer.json holds (at most {MAX_TOKENIZER_BYTES})")));
+    }
+    let bytes = std::fs::read(&path).map_err(|e| usage(e.to_string()))?;
+    tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| usage(format!("not a tokenizer this build reads: {e}")))
+}
+
+/// PyTorch's name of the dtype computed in (what `model.dtype` prints).
+fn torch_name(d: candle_core::DType) -> &'static str {
+    match d {
+        candle_core::DType::BF16 => "bfloat16",
+        candle_core::DType::F16 => "float16",
+        _ => "float32",
+    }
+}
+
+/// Tokens per second, 0 where nothing was timed.
+fn rate(tokens: usize, secs: f64) -> f64 {
+    if secs > 0.0 {
+        tokens as f64 / secs
+    } else {
+        0.0
+    }
+}
+
+/// Runs `chorus generate`.
+pub fn run(args: &GenerateArgs) -> anyhow::Result<Outcome> {
+    let decoding = decoding(args)?;
+    if args.prompt.is_empty() {
+        return Err(UsageError("--prompt is empty: give the text to continue".into()).into());
+    }
+    if !args.dir.is_dir() {
+        let why = if args.dir.exists() { "is not a directory" } else { "does not exist" };
+        return Err(UsageError(format!("{} {why}; give a model directory", args.dir.display())).into());
+    }
+    let tokenizer = tokenizer(&args.dir)?;
+    let decoder = match Decoder::open(&args.dir) {
+        Err(GenerateError::Model(e)) => return Err(UsageError(e.to_string()).into()),
+        r => r.with_context(|| format!("loading {}", args.dir.display()))?,
+    };
+    let encoding =
+        tokenizer.encode(args.prompt.as_str(), true).map_err(|e| UsageError(format!("tokenizing the prompt: {e}")))?;
+    let prompt_ids = encoding.get_ids().to_vec();
+    let max_new = args.max_new_tokens as usize;
+    let g: Generation = match decoder.generate(&prompt_ids, max_new, &decoding, |_| {}) {
+        Err(GenerateError::InvalidArgument(why)) => return Err(UsageError(why).into()),
+        r => r.context("generating")?,
+    };
+    let text = tokenizer.decode(&g.ids, true).map_err(|e| anyhow::anyhow!("decoding the new tokens: {e}"))?;
+    // The prefill computes the first new token; each later one is a decode step.
+    let steps = g.ids.len().saturating_sub(1);
+    let (prefill_rate, decode_rate) = (rate(prompt_ids.len(), g.prefill_s), rate(steps, g.decode_s));
+    let seed = match decoding {
+        Decoding::Sample(s) => Some(s.seed),
+        Decoding::Greedy => None,
+    };
+    let mut stdout = std::io::stdout().lock();
+    if args.json {
+        let v = serde_json::json!({
+            "prompt_ids": prompt_ids,
+            "ids": g.ids,
+            "text": text,
+            "stopped_at_eos": g.stopped_at_eos,
+            "seed": seed,
+            "dtype": torch_name(decoder.dtype()),
+            "prefill_s": g.prefill_s,
+            "decode_s": g.decode_s,
+            "prefill_tokens_per_s": prefill_rate,
+            "decode_tokens_per_s": decode_rate,
+        });
+        writeln!(stdout, "{v}")?;
+    } else {
+        writeln!(stdout, "{}{text}", args.prompt)?;
+    }
+    stdout.flush()?;
+    let seed = seed.map_or(String::new(), |s| format!(", seed {s}"));
+    let end = if g.stopped_at_eos { "stopped at end-of-sequence" } else { "max-new-tokens reached" };
+    eprintln!(
+        "prefill: {} tokens in {:.3} s ({prefill_rate:.1} tokens/s); decode: {steps} tokens in {:.3} s \
+         ({decode_rate:.1} tokens/s); {} new tokens, {end}{seed}",
+        prompt_ids.len(),
+        g.prefill_s,
+        g.decode_s,
+        g.ids.len()
+    );
+    Ok(Outcome::Passed)
+}
