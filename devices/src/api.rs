@@ -111,11 +111,12 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + 'static {
     fn reset_peak_memory(&self);
     /// Allocates `len` zeroed elements of `dtype` in host memory
     /// ([`MemorySpace::Host`]), synchronously, counted in
-    /// [`Device::host_memory_stats`]. See [`MemorySpace`] for what device
-    /// operations may do with it. A device without a host space of its own
-    /// returns an error.
-    fn alloc_host(&self, dtype: DType, len: usize) -> Result<<Self::B as Backend>::Buffer> {
-        let _ = (dtype, len);
+    /// [`Device::host_memory_stats`]: page-locked (pinned) when `pinned` and
+    /// the device has pinned memory, else pageable. See [`MemorySpace`] for
+    /// what device operations may do with it. A device without a host space
+    /// of its own returns an error.
+    fn alloc_host(&self, dtype: DType, len: usize, pinned: bool) -> Result<<Self::B as Backend>::Buffer> {
+        let _ = (dtype, len, pinned);
         Err(DeviceError::invalid("alloc_host", format!("{} has no host memory space in chorus", self.name())))
     }
     /// Current memory statistics of host memory allocated through this device.

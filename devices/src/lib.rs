@@ -25,6 +25,7 @@ pub mod gpu_kernels;
 #[cfg(feature = "rocm")]
 pub mod hip;
 pub mod host_fn;
+pub mod host_step;
 mod id;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub mod loader;

@@ -8,7 +8,7 @@ use chorus_devices::{Buffer, Device, MemorySpace, Priority, Stream, StreamExt};
 fn host_buffers_are_counted_in_the_host_space_only() {
     let d = CpuDevice::new(CpuConfig::default());
     let dev = d.alloc(chorus_devices::DType::F32, 10).unwrap();
-    let host = d.alloc_host(chorus_devices::DType::F32, 25).unwrap();
+    let host = d.alloc_host(chorus_devices::DType::F32, 25, true).unwrap();
     assert_eq!(dev.space(), MemorySpace::Device);
     assert_eq!(host.space(), MemorySpace::Host);
     assert_eq!(d.memory_stats().bytes_in_use, 40);
@@ -31,7 +31,7 @@ fn copies_between_the_spaces_are_exact_and_kernels_reach_host_buffers() {
     assert!(d.kernels_reach_host());
     let s = d.create_stream(Priority::Normal).unwrap();
     let values: Vec<f32> = (0..17).map(|i| i as f32 * 0.37 - 2.0).collect();
-    let host = d.alloc_host(chorus_devices::DType::F32, values.len()).unwrap();
+    let host = d.alloc_host(chorus_devices::DType::F32, values.len(), false).unwrap();
     assert_eq!(s.read_vec::<f32>(host.view()).unwrap(), vec![0.0; 17], "host buffers start zeroed");
     s.upload(&values, host.view()).unwrap();
     let dev = s.alloc(chorus_devices::DType::F32, values.len()).unwrap();

@@ -6,6 +6,7 @@
 //! communicators), so it leaves the world's own sequence in step.
 
 pub mod counting;
+pub mod offload;
 pub mod reference;
 
 use std::sync::Arc;
@@ -354,6 +355,7 @@ where
         ));
         out.push(hsdp_counts_case());
     }
+    out.extend(offload::cases(world_size));
     out
 }
 

@@ -223,7 +223,8 @@ impl crate::Device for CpuDevice {
     fn reset_peak_memory(&self) {
         self.inner.counters.reset_peak()
     }
-    fn alloc_host(&self, dtype: DType, len: usize) -> Result<CpuBuffer> {
+    /// Pinned and pageable are the same plain memory here.
+    fn alloc_host(&self, dtype: DType, len: usize, _pinned: bool) -> Result<CpuBuffer> {
         host_fn::check("alloc_host")?;
         self.alloc_in(MemorySpace::Host, dtype, len)
     }
