@@ -15,7 +15,7 @@ use crate::{Case, Failure, RankCtx};
 const ON: Option<OffloadPolicy> = Some(OffloadPolicy { pin_memory: true });
 
 /// The first element where two runs' parameters differ in their bits.
-fn first_bit_difference(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> Option<String> {
+fn first_bit_difference(a: &Params, b: &Params) -> Option<String> {
     if a.len() != b.len() {
         return Some(format!("{} parameters against {}", a.len(), b.len()));
     }
@@ -48,17 +48,20 @@ where
     })
 }
 
+/// This rank's steps taken, shards and optimizer state.
+type Checkpoint = (u64, Vec<(usize, usize, Vec<f32>)>, Vec<(usize, usize, Vec<Vec<f32>>)>);
+/// Full parameters by name.
+type Params = Vec<(String, Vec<f32>)>;
+
 /// Trains `steps` steps of the reference MLP (AdamW, so the state matters),
 /// optionally from a checkpoint, and returns the parameters with a checkpoint
 /// of this rank's shards and optimizer state.
-type Checkpoint = (u64, Vec<(usize, usize, Vec<f32>)>, Vec<(usize, usize, Vec<Vec<f32>>)>);
-
 fn train_from<C: CommBackend>(
     ctx: &RankCtx<'_, C>,
     offload: Option<OffloadPolicy>,
     steps: std::ops::Range<usize>,
     resume: Option<&Checkpoint>,
-) -> Result<(Vec<(String, Vec<f32>)>, Checkpoint), Failure>
+) -> Result<(Params, Checkpoint), Failure>
 where
     C::B: ComputeBackend,
 {
