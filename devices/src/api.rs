@@ -64,6 +64,28 @@ pub struct MemoryStats {
     pub live_allocations: usize,
 }
 
+/// Which of a device's two memory spaces a buffer lives in.
+///
+/// Every device has device memory (what [`Device::alloc`] and
+/// [`Stream::alloc`] return) and host memory ([`Device::alloc_host`]: pinned
+/// where the device has pinned memory), counted apart
+/// ([`Device::memory_stats`], [`Device::host_memory_stats`]). Data moves
+/// between the spaces through [`Stream::copy`] (host-to-device and
+/// device-to-host copies on a GPU).
+///
+/// What a device operation may do with a host buffer: on the cpu device,
+/// anything (both spaces are plain memory there); on cuda and hip, only
+/// [`Stream::copy`] from or to it and the host's own access (reading it
+/// back, [`Stream::copy_from_host`]) — a kernel never touches it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum MemorySpace {
+    /// The device's own memory.
+    #[default]
+    Device,
+    /// Host memory allocated through the device (pinned where it has that).
+    Host,
+}
+
 /// A device: creates streams, events and buffers, and reports memory.
 pub trait Device: Clone + Send + Sync + fmt::Debug + 'static {
     /// The backend.
@@ -83,10 +105,31 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + 'static {
     /// Allocates `len` zeroed elements of `dtype`, synchronously: the buffer
     /// may be used on any stream at once.
     fn alloc(&self, dtype: DType, len: usize) -> Result<<Self::B as Backend>::Buffer>;
-    /// Current memory statistics.
+    /// Current memory statistics of device memory.
     fn memory_stats(&self) -> MemoryStats;
-    /// Resets the peak to the bytes in use now.
+    /// Resets the device memory's peak to the bytes in use now.
     fn reset_peak_memory(&self);
+    /// Allocates `len` zeroed elements of `dtype` in host memory
+    /// ([`MemorySpace::Host`]), synchronously, counted in
+    /// [`Device::host_memory_stats`]: page-locked (pinned) when `pinned` and
+    /// the device has pinned memory, else pageable. See [`MemorySpace`] for
+    /// what device operations may do with it. A device without a host space
+    /// of its own returns an error.
+    fn alloc_host(&self, dtype: DType, len: usize, pinned: bool) -> Result<<Self::B as Backend>::Buffer> {
+        let _ = (dtype, len, pinned);
+        Err(DeviceError::invalid("alloc_host", format!("{} has no host memory space in chorus", self.name())))
+    }
+    /// Current memory statistics of host memory allocated through this device.
+    fn host_memory_stats(&self) -> MemoryStats {
+        MemoryStats::default()
+    }
+    /// Resets the host memory's peak to the bytes in use now.
+    fn reset_peak_host_memory(&self) {}
+    /// Whether device operations (kernels) may read and write host buffers
+    /// of this device: true on the cpu device only (see [`MemorySpace`]).
+    fn kernels_reach_host(&self) -> bool {
+        false
+    }
     /// Blocks until every stream of this device has finished its work; returns
     /// the first asynchronous error among them, or else the first error a
     /// drop could not return (a stream-ordered free that failed, a handle
@@ -108,6 +151,10 @@ pub trait Buffer: Send + Sync + fmt::Debug + 'static {
     fn id(&self) -> u64;
     /// The device that owns the memory.
     fn device(&self) -> &<Self::B as Backend>::Device;
+    /// The memory space the buffer lives in.
+    fn space(&self) -> MemorySpace {
+        MemorySpace::Device
+    }
     /// Whether the buffer holds no elements.
     fn is_empty(&self) -> bool {
         self.len() == 0

@@ -25,6 +25,7 @@ pub mod gpu_kernels;
 #[cfg(feature = "rocm")]
 pub mod hip;
 pub mod host_fn;
+pub mod host_step;
 mod id;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub mod loader;
@@ -34,8 +35,8 @@ mod view;
 pub mod wait;
 
 pub use api::{
-    AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, Copy2d, Device, Event, MatmulSpec, MemoryStats,
-    Priority, Result, SgdParams, Stream, StreamExt,
+    AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, Copy2d, Device, Event, MatmulSpec, MemorySpace,
+    MemoryStats, Priority, Result, SgdParams, Stream, StreamExt,
 };
 pub use dtype::{DType, Element, Scalar};
 pub use error::{AccessKind, DeviceError, RaceAccess, RaceReport};

@@ -12,9 +12,10 @@ use chorus_devices::{Backend, Buffer, DType, Device, Scalar, Stream, StreamExt, 
 
 use crate::config::DataParallel;
 use crate::layout::{GroupLayout, ParamLayout};
+use crate::offload::{self, cast_or_copy};
 use crate::param::Param;
 use crate::param_group::CommContext;
-use crate::{Buf, Ev, FsdpError, Result, Strm};
+use crate::{Buf, Ev, FsdpError, OffloadPolicy, Result, Strm};
 
 /// An all-gather output and the event recorded after the all-gather.
 pub(crate) struct AllGatherResult<C: CommBackend> {
@@ -279,14 +280,14 @@ pub(crate) fn reduce_gradients<C: CommBackend>(
         for (i, _) in &sharded {
             let p = &mut params[*i];
             let l = &layout.params[p.layout.unwrap_or_default()];
-            accumulate_into(post, out.slice(l.offset, l.shard_numel)?, &mut p.grad, l.shard_numel)?;
+            accumulate_into(post, out.slice(l.offset, l.shard_numel)?, &mut p.grad, l.shard_numel, p.offload)?;
         }
     }
     if let Some(flat) = &flat_replicated {
         let mut off = 0;
         for (i, _) in &replicated {
             let p = &mut params[*i];
-            accumulate_into(post, flat.slice(off, p.numel)?, &mut p.grad, p.numel)?;
+            accumulate_into(post, flat.slice(off, p.numel)?, &mut p.grad, p.numel, p.offload)?;
             off += p.numel;
         }
     }
@@ -349,26 +350,22 @@ pub(crate) fn gather_param_pieces<C: CommBackend>(
     Ok(())
 }
 
-/// A copy, or a cast where the dtypes differ.
-pub(crate) fn cast_or_copy<S: Stream>(s: &S, src: View<'_, S::B>, dst: View<'_, S::B>) -> chorus_devices::Result<()> {
-    if src.dtype() == dst.dtype() {
-        s.copy(src, dst)
-    } else {
-        s.cast(src, dst)
-    }
-}
-
-/// `grad += src` (cast to f32), allocating the f32 gradient on first use.
+/// `grad += src` (cast to f32), allocating the f32 gradient on first use
+/// (in host memory under `offload`).
 fn accumulate_into<S: Stream>(
     s: &S,
     src: View<'_, S::B>,
     grad: &mut Option<<S::B as Backend>::Buffer>,
     len: usize,
+    offload: Option<OffloadPolicy>,
 ) -> chorus_devices::Result<()> {
     match grad {
-        Some(g) => s.accumulate(src, g.view()),
+        Some(g) => offload::accumulate(s, src, g.view()),
         None => {
-            let g = s.alloc(DType::F32, len)?;
+            let g = match offload {
+                Some(o) => s.device().alloc_host(DType::F32, len, o.pin_memory)?,
+                None => s.alloc(DType::F32, len)?,
+            };
             cast_or_copy(s, src, g.view())?;
             *grad = Some(g);
             Ok(())

@@ -70,6 +70,24 @@ impl MixedPrecision {
     }
 }
 
+/// FSDP2's `CPUOffloadPolicy`: a group's sharded parameters, their
+/// gradients and the optimizer state live in host memory
+/// ([`MemorySpace::Host`](chorus_devices::MemorySpace)). A shard is copied
+/// to the device before its all-gather, the reduce-scattered gradient back
+/// to the host after, and the optimizer step (and gradient clipping) runs on
+/// the host. The results equal those without offload exactly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OffloadPolicy {
+    /// Page-locked host memory where the device has it (FSDP2's default, true).
+    pub pin_memory: bool,
+}
+
+impl Default for OffloadPolicy {
+    fn default() -> Self {
+        OffloadPolicy { pin_memory: true }
+    }
+}
+
 /// Chooses the dimension a parameter is sharded on (negative counts from the end).
 pub type ShardPlacement = Arc<dyn Fn(&str, &[usize]) -> isize + Send + Sync>;
 
@@ -89,6 +107,9 @@ pub struct FsdpConfig {
     pub divide_factor: Option<f64>,
     /// Reduce with plain sums and divide afterwards.
     pub force_sum: bool,
+    /// CPU offload of every group (`None`: none); a group may have its own
+    /// through [`Fsdp::set_offload`](crate::Fsdp::set_offload).
+    pub offload: Option<OffloadPolicy>,
 }
 
 impl Default for FsdpConfig {
@@ -100,6 +121,7 @@ impl Default for FsdpConfig {
             shard_placement: None,
             divide_factor: None,
             force_sum: false,
+            offload: None,
         }
     }
 }
@@ -113,6 +135,7 @@ impl fmt::Debug for FsdpConfig {
             .field("shard_placement", &self.shard_placement.as_ref().map(|_| "custom"))
             .field("divide_factor", &self.divide_factor)
             .field("force_sum", &self.force_sum)
+            .field("offload", &self.offload)
             .finish()
     }
 }

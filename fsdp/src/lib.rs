@@ -26,6 +26,7 @@ mod collectives;
 mod config;
 mod error;
 pub mod layout;
+mod offload;
 pub mod optim;
 mod param;
 mod param_group;
@@ -35,7 +36,7 @@ mod state;
 use chorus_collectives::CommBackend;
 use chorus_devices::Backend;
 
-pub use config::{DataParallel, FsdpConfig, MixedPrecision, Reshard, ShardPlacement};
+pub use config::{DataParallel, FsdpConfig, MixedPrecision, OffloadPolicy, Reshard, ShardPlacement};
 pub use error::{FsdpError, Result};
 pub use optim::{OptimizerKind, ShardedOptimizer};
 pub use param::{rows_of, DeferredParam, ParamInit, ShardSource};

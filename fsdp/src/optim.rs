@@ -1,9 +1,11 @@
 //! Optimizers that step on the shards, with state sharded like the parameters.
 
 use chorus_collectives::{CommBackend, ReduceOp};
-use chorus_devices::{AdamWParams, Buffer, ComputeBackend, ComputeStream, DType, Scalar, SgdParams, Stream, StreamExt};
+use chorus_devices::{
+    host_step, AdamWParams, Buffer, ComputeBackend, ComputeStream, DType, Device, Scalar, SgdParams, Stream, StreamExt,
+};
 
-use crate::{Buf, Fsdp, FsdpError, Result};
+use crate::{offload, Buf, Fsdp, FsdpError, Result};
 
 /// Which optimizer, with PyTorch's semantics and defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -154,7 +156,9 @@ where
             }
             let mut bufs: Moments<C> = [None, None];
             for (slot, m) in bufs.iter_mut().zip(&moments) {
-                *slot = Some(stream.buffer_from(m)?);
+                let b = offload::zeroed_f32(stream, m.len(), p.offload)?;
+                stream.upload(m, b.view())?;
+                *slot = Some(b);
             }
             state[g][i] = Some(bufs);
         }
@@ -187,11 +191,7 @@ where
                 let len = p.master.len();
                 let slot = &mut self.state[g][i];
                 if slot.is_none() {
-                    let zeroed = |n: usize| -> Result<Buf<C>> {
-                        let b = stream.alloc(DType::F32, n)?;
-                        stream.fill(b.view(), Scalar::Float(0.0))?;
-                        Ok(b)
-                    };
+                    let zeroed = |n: usize| offload::zeroed_f32(stream, n, p.offload);
                     *slot = Some(match self.kind {
                         OptimizerKind::Sgd { momentum, .. } if momentum != 0.0 => [Some(zeroed(len)?), None],
                         OptimizerKind::Sgd { .. } => [None, None],
@@ -199,30 +199,76 @@ where
                     });
                 }
                 let state = slot.as_ref().ok_or_else(|| FsdpError::InvalidArgument("optimizer state".into()))?;
-                match self.kind {
-                    OptimizerKind::Sgd { momentum, dampening, weight_decay, nesterov, .. } => stream.sgd_step(
-                        SgdParams { lr, momentum, dampening, weight_decay, nesterov, first_step: self.step == 1 },
-                        p.master.view(),
-                        grad.view(),
-                        state[0].as_ref().map(|b| b.view()),
-                    )?,
-                    OptimizerKind::AdamW { beta1, beta2, eps, weight_decay, .. } => {
+                let step = self.kind.at_step(self.step, lr);
+                if p.offload.is_some() && !stream.device().kernels_reach_host() {
+                    host_step(stream, step, &p.master, grad, state)?;
+                    continue;
+                }
+                match step {
+                    Step::Sgd(params) => {
+                        stream.sgd_step(params, p.master.view(), grad.view(), state[0].as_ref().map(|b| b.view()))?
+                    }
+                    Step::AdamW(params) => {
                         let (Some(m), Some(v)) = (&state[0], &state[1]) else {
                             return Err(FsdpError::InvalidArgument("AdamW state missing".into()));
                         };
-                        stream.adamw_step(
-                            AdamWParams { lr, beta1, beta2, eps, weight_decay, step: self.step },
-                            p.master.view(),
-                            grad.view(),
-                            m.view(),
-                            v.view(),
-                        )?
+                        stream.adamw_step(params, p.master.view(), grad.view(), m.view(), v.view())?
                     }
                 }
             }
         }
         Ok(())
     }
+}
+
+/// One step's hyper-parameters.
+enum Step {
+    Sgd(SgdParams),
+    AdamW(AdamWParams),
+}
+
+impl OptimizerKind {
+    /// The kernels' parameters at step `step` (counted from 1) with the
+    /// learning rate `lr` (the schedule's for that step).
+    fn at_step(self, step: u64, lr: f64) -> Step {
+        match self {
+            OptimizerKind::Sgd { momentum, dampening, weight_decay, nesterov, .. } => {
+                Step::Sgd(SgdParams { lr, momentum, dampening, weight_decay, nesterov, first_step: step == 1 })
+            }
+            OptimizerKind::AdamW { beta1, beta2, eps, weight_decay, .. } => {
+                Step::AdamW(AdamWParams { lr, beta1, beta2, eps, weight_decay, step })
+            }
+        }
+    }
+}
+
+/// An offloaded parameter's step on the host, for a device whose kernels
+/// may not touch host memory: waits for the reduced gradient (the reads
+/// block on the compute stream), runs the kernels' own math
+/// ([`chorus_devices::host_step`]) and writes the master and state back in
+/// stream order.
+fn host_step<S: ComputeStream>(
+    s: &S,
+    step: Step,
+    master: &<S::B as chorus_devices::Backend>::Buffer,
+    grad: &<S::B as chorus_devices::Backend>::Buffer,
+    state: &[Option<<S::B as chorus_devices::Backend>::Buffer>; 2],
+) -> Result<()> {
+    let mut w = s.read_vec::<f32>(master.view())?;
+    let g = s.read_vec::<f32>(grad.view())?;
+    let mut moments: Vec<Vec<f32>> =
+        state.iter().flatten().map(|b| s.read_vec::<f32>(b.view())).collect::<Result<_, _>>()?;
+    match (step, moments.as_mut_slice()) {
+        (Step::Sgd(params), []) => host_step::sgd(params, &mut w, &g, None)?,
+        (Step::Sgd(params), [m]) => host_step::sgd(params, &mut w, &g, Some(m))?,
+        (Step::AdamW(params), [m, v]) => host_step::adamw(params, &mut w, &g, m, v)?,
+        _ => return Err(FsdpError::InvalidArgument("optimizer state does not match its kind".into())),
+    }
+    s.upload(&w, master.view())?;
+    for (b, m) in state.iter().flatten().zip(&moments) {
+        s.upload(m, b.view())?;
+    }
+    Ok(())
 }
 
 /// Gradient clipping needs a reduction kernel ([`ComputeStream::sum_squares`]).
@@ -244,7 +290,7 @@ where
         for p in self.groups.iter().flat_map(|g| g.params.iter()) {
             if let Some(grad) = &p.grad {
                 let out = if p.layout.is_some() { &sharded } else { &replicated };
-                s.sum_squares(grad.view(), out.view(), true)?;
+                offload::on_kernel_view(s, grad.view(), false, |g| s.sum_squares(g, out.view(), true))?;
             }
         }
         // Shards differ across the shard group only; replicas hold the same values.
@@ -255,7 +301,7 @@ where
         if coef < 1.0 {
             for p in self.groups.iter().flat_map(|g| g.params.iter()) {
                 if let Some(grad) = &p.grad {
-                    s.scale(grad.view(), coef)?;
+                    offload::on_kernel_view(s, grad.view(), true, |g| s.scale(g, coef))?;
                 }
             }
         }

@@ -6,10 +6,10 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use chorus_collectives::CommBackend;
-use chorus_devices::{Backend, Buffer, DType, Scalar, Stream, StreamExt};
+use chorus_devices::{Backend, Buffer, DType, Device, Scalar, Stream, StreamExt};
 
 use crate::layout::ParamLayout;
-use crate::{Buf, FsdpError, Result};
+use crate::{Buf, FsdpError, OffloadPolicy, Result};
 
 /// A parameter to put under FSDP: its name, shape and full initial values
 /// (every rank passes the same values and keeps its shard).
@@ -130,9 +130,12 @@ pub(crate) struct Param<C: CommBackend> {
     /// Index into the group layout, or `None` when replicated.
     pub(crate) layout: Option<usize>,
     /// f32 master: the padded shard, or the whole parameter when replicated.
+    /// In host memory under `offload`, as are `grad` and the optimizer state.
     pub(crate) master: Buf<C>,
     /// f32 gradient of the master, once reduced.
     pub(crate) grad: Option<Buf<C>>,
+    /// The group's CPU offload policy.
+    pub(crate) offload: Option<OffloadPolicy>,
     /// The unsharded parameter in the param dtype, between unshard and reshard.
     pub(crate) unsharded: Option<Buf<C>>,
     /// The unsharded gradient in the param dtype, from pre-backward until it is reduced or accumulated.
@@ -145,13 +148,22 @@ impl<C: CommBackend> Param<C> {
     /// Uploads `init` on `stream`: rank `rank`'s padded shard when `layout`
     /// (its index in the group layout and its sharding) is given, read from
     /// the source as that rank's rows alone, else the whole parameter
-    /// (replicated).
+    /// (replicated); into host memory under `offload`.
     pub(crate) fn new(
         init: DeferredParam,
         layout: Option<(usize, &ParamLayout)>,
         rank: usize,
         stream: &<C::B as Backend>::Stream,
+        offload: Option<OffloadPolicy>,
     ) -> Result<Self> {
+        let upload = |values: &[f32]| -> Result<Buf<C>> {
+            let buf = match offload {
+                Some(o) => stream.device().alloc_host(DType::F32, values.len(), o.pin_memory)?,
+                None => stream.alloc(DType::F32, values.len())?,
+            };
+            stream.upload(values, buf.view())?;
+            Ok(buf)
+        };
         let numel: usize = init.shape.iter().product();
         let master = match layout {
             Some((_, l)) => {
@@ -169,11 +181,11 @@ impl<C: CommBackend> Param<C> {
                     }
                     shard
                 };
-                stream.buffer_from(&shard)?
+                upload(&shard)?
             }
             None => {
                 let rows = init.shape.first().copied().unwrap_or(1);
-                stream.buffer_from(&init.read(0, 0..rows, 1, numel / rows.max(1))?)?
+                upload(&init.read(0, 0..rows, 1, numel / rows.max(1))?)?
             }
         };
         Ok(Param {
@@ -183,6 +195,7 @@ impl<C: CommBackend> Param<C> {
             layout: layout.map(|(i, _)| i),
             master,
             grad: None,
+            offload,
             unsharded: None,
             unsharded_grad: None,
             acc_grad: None,

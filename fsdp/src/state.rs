@@ -12,7 +12,7 @@ use chorus_collectives::{CommBackend, Communicator, ReduceOp};
 use chorus_devices::{Backend, Buffer, DType, Device, Priority, Stream, StreamExt, View};
 
 use crate::collectives::{self, ReducePlan};
-use crate::config::{DataParallel, FsdpConfig, MixedPrecision, Reshard};
+use crate::config::{DataParallel, FsdpConfig, MixedPrecision, OffloadPolicy, Reshard};
 use crate::layout::{normalize_dim, GroupLayout};
 use crate::param::{DeferredParam, Param, ParamInit};
 use crate::param_group::{CommContext, Group, Route, ShardedState, Streams, TrainingState};
@@ -141,6 +141,8 @@ pub struct Fsdp<C: CommBackend> {
     /// The root's first pre-forward of the step has run.
     pub(crate) root_ready: bool,
     overhead: HostOverhead,
+    /// The offload policy of groups added from now on.
+    offload: Option<OffloadPolicy>,
 }
 
 /// Handle of an asynchronous unshard; see [`Fsdp::unshard`].
@@ -179,6 +181,7 @@ impl<C: CommBackend> Fsdp<C> {
                 counts: CommCounts::default(),
             },
             groups: Vec::new(),
+            offload: config.offload,
             config,
             post_forward_comms: HashMap::new(),
             post_forward_order: Vec::new(),
@@ -264,7 +267,7 @@ impl<C: CommBackend> Fsdp<C> {
             } else {
                 None
             };
-            out.push(Param::new(p, layout_index, rank, stream)?);
+            out.push(Param::new(p, layout_index, rank, stream, self.offload)?);
             // The upload stages its values until the stream runs it: waiting
             // here keeps one parameter's slice staged at a time, so a rank's
             // peak while loading is its shards plus one slice, not twice its shards.
@@ -274,6 +277,18 @@ impl<C: CommBackend> Fsdp<C> {
         self.groups.push(Group::new(name, out, layout, post_forward, reshard, mp));
         self.note_overhead(Hook::AddGroup, t0);
         Ok(self.groups.len() - 1)
+    }
+
+    /// The CPU offload policy of the groups added after this call (FSDP2
+    /// gives each `fully_shard` call its own); [`FsdpConfig::offload`] until
+    /// then. Every rank must set the same.
+    pub fn set_offload(&mut self, policy: Option<OffloadPolicy>) {
+        self.offload = policy;
+    }
+
+    /// Whether parameters of group `g` live in host memory (CPU offload).
+    pub fn is_offloaded(&self, g: usize) -> Result<bool> {
+        Ok(self.group(g)?.params.first().is_some_and(|p| p.offload.is_some()))
     }
 
     /// The communicator of this rank's `k` consecutive shard ranks, split

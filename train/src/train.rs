@@ -168,6 +168,8 @@ pub struct RankReport {
     pub step_times_s: Vec<f64>,
     /// The most device bytes in use during the steps.
     pub peak_memory_bytes: usize,
+    /// The most host-space bytes (CPU offload's state) in use during the steps.
+    pub peak_host_memory_bytes: usize,
     /// Device bytes in use after the last step.
     pub final_memory_bytes: usize,
     /// Host time in FSDP's hooks over the steps.
@@ -228,6 +230,7 @@ where
     let mut opt = ShardedOptimizer::new(spec.optimizer);
     fsdp.synchronize()?;
     fsdp.device().reset_peak_memory();
+    fsdp.device().reset_peak_host_memory();
     let overhead_before = fsdp.host_overhead();
     let rank = world.rank();
     let mut losses = Vec::new();
@@ -286,6 +289,7 @@ where
         losses,
         step_times_s: times,
         peak_memory_bytes: stats.peak_bytes,
+        peak_host_memory_bytes: fsdp.device().host_memory_stats().peak_bytes,
         final_memory_bytes: stats.bytes_in_use,
         overhead: after.since(&overhead_before),
         stage_times_s: column_medians(&stages),

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use chorus_devices::DType;
-use chorus_fsdp::{FsdpConfig, MixedPrecision, OptimizerKind, Reshard};
+use chorus_fsdp::{FsdpConfig, MixedPrecision, OffloadPolicy, OptimizerKind, Reshard};
 use chorus_fsdp_candle::Recompute;
 use chorus_train::models::gpt::GptConfig;
 use chorus_train::text;
@@ -133,6 +133,10 @@ pub struct TrainArgs {
     /// Keep training when the loss is NaN or infinite (default: stop with an error).
     #[arg(long)]
     pub allow_nonfinite: bool,
+    /// CPU offload (FSDP2's CPUOffloadPolicy): sharded parameters, gradients
+    /// and optimizer state in host memory (pinned where the device has it).
+    #[arg(long)]
+    pub offload: bool,
     /// mlp: parameters with fewer elements than this are replicated, not sharded.
     #[arg(long, default_value_t = 0)]
     pub replicate_below: usize,
@@ -328,6 +332,10 @@ impl TrainArgs {
             crate::backends::check_thread_world(self.backend, world).map_err(usage)?;
         }
         crate::backends::check_not_one_of_many(self.backend).map_err(usage)?;
+        if self.offload && matches!(self.backend.name(), "nccl" | "rccl") {
+            // The GPU devices have no host memory space yet (docs/fsdp.md, "CPU offload").
+            return Err(usage(format!("--offload runs on sim, simnccl and ucx, not yet on {}", self.backend)));
+        }
         if self.bench {
             let mlp = model == ModelArg::Mlp;
             for (given, name) in [
@@ -705,6 +713,7 @@ impl TrainArgs {
                 output_dtype: None,
             },
             replicate_below: self.replicate_below,
+            offload: self.offload.then(OffloadPolicy::default),
             ..FsdpConfig::default()
         }
     }

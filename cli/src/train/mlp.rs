@@ -161,6 +161,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         "step_times_s": first.step_times_s,
         "median_step_time_s": median_step,
         "peak_memory_bytes": reports.iter().map(|r| r.peak_memory_bytes).collect::<Vec<_>>(),
+        "peak_host_memory_bytes": reports.iter().map(|r| r.peak_host_memory_bytes).collect::<Vec<_>>(),
         "final_memory_bytes": reports.iter().map(|r| r.final_memory_bytes).collect::<Vec<_>>(),
         "fsdp_host_overhead_per_group_per_step_s": overhead_per_group_step,
         "config": {

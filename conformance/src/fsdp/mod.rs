@@ -8,6 +8,7 @@
 pub mod counting;
 pub mod moe;
 pub mod moe_reference;
+pub mod offload;
 pub mod reference;
 mod routed;
 
@@ -358,6 +359,7 @@ where
         out.push(hsdp_counts_case());
     }
     out.extend(routed::cases(world_size));
+    out.extend(offload::cases(world_size));
     out
 }
 

@@ -11,7 +11,7 @@ use super::stream::{CpuStream, StreamShared};
 use super::Cpu;
 use crate::bookkeeping::{first_error, Parked, StreamList};
 use crate::memory::MemCounters;
-use crate::{host_fn, DType, DeviceError, MemoryStats, Priority, Result};
+use crate::{host_fn, DType, DeviceError, MemorySpace, MemoryStats, Priority, Result};
 
 pub(crate) use crate::id::next_id;
 
@@ -81,6 +81,8 @@ pub(crate) struct DeviceInner {
     /// allocated until queued work that uses them has run, so the counts do
     /// not depend on how far the executors lag behind the host.
     pub(crate) counters: Arc<MemCounters>,
+    /// The host space's counters (buffers from `alloc_host`), in the same terms.
+    pub(crate) host_counters: MemCounters,
     pub(crate) sanitizer: Option<Mutex<Sanitizer>>,
     pub(crate) streams: StreamList<StreamShared>,
     pub(crate) next_stream: AtomicUsize,
@@ -102,6 +104,7 @@ impl CpuDevice {
             inner: Arc::new(DeviceInner {
                 config,
                 counters: Arc::new(MemCounters::default()),
+                host_counters: MemCounters::default(),
                 sanitizer,
                 streams: StreamList::default(),
                 next_stream: AtomicUsize::new(0),
@@ -168,12 +171,25 @@ impl CpuDevice {
     }
 
     pub(crate) fn alloc_memory(&self, dtype: DType, len: usize) -> Result<CpuBuffer> {
+        self.alloc_in(MemorySpace::Device, dtype, len)
+    }
+
+    /// The counters of `space`.
+    fn counters(&self, space: MemorySpace) -> &MemCounters {
+        match space {
+            MemorySpace::Device => &self.inner.counters,
+            MemorySpace::Host => &self.inner.host_counters,
+        }
+    }
+
+    /// Both spaces are plain memory here; only the counters differ.
+    fn alloc_in(&self, space: MemorySpace, dtype: DType, len: usize) -> Result<CpuBuffer> {
         let bytes = len
             .checked_mul(dtype.size())
             .ok_or_else(|| DeviceError::OutOfMemory { device: self.label(), bytes: usize::MAX })?;
         let mem = Memory::zeroed(bytes, &self.label())?;
-        self.inner.counters.add(bytes);
-        Ok(CpuBuffer { mem, dtype, len, id: next_id(), device: self.clone() })
+        self.counters(space).add(bytes);
+        Ok(CpuBuffer { mem, dtype, len, id: next_id(), device: self.clone(), space })
     }
 }
 
@@ -207,6 +223,20 @@ impl crate::Device for CpuDevice {
     fn reset_peak_memory(&self) {
         self.inner.counters.reset_peak()
     }
+    /// Pinned and pageable are the same plain memory here.
+    fn alloc_host(&self, dtype: DType, len: usize, _pinned: bool) -> Result<CpuBuffer> {
+        host_fn::check("alloc_host")?;
+        self.alloc_in(MemorySpace::Host, dtype, len)
+    }
+    fn host_memory_stats(&self) -> MemoryStats {
+        self.inner.host_counters.stats()
+    }
+    fn reset_peak_host_memory(&self) {
+        self.inner.host_counters.reset_peak()
+    }
+    fn kernels_reach_host(&self) -> bool {
+        true
+    }
     fn synchronize(&self) -> Result<()> {
         host_fn::check("device synchronize")?;
         let streams = first_error(self.inner.streams.live().iter().map(|s| s.synchronize(self)));
@@ -223,6 +253,7 @@ pub struct CpuBuffer {
     len: usize,
     id: u64,
     device: CpuDevice,
+    space: MemorySpace,
 }
 
 impl CpuBuffer {
@@ -245,13 +276,16 @@ impl crate::Buffer for CpuBuffer {
     fn device(&self) -> &CpuDevice {
         &self.device
     }
+    fn space(&self) -> MemorySpace {
+        self.space
+    }
 }
 
 impl Drop for CpuBuffer {
     fn drop(&mut self) {
         self.device.check_drop("a cpu buffer");
         let id = self.id;
-        self.device.inner.counters.sub(self.mem.bytes());
+        self.device.counters(self.space).sub(self.mem.bytes());
         self.device.with_sanitizer(|s| s.forget_buffer(id));
     }
 }

@@ -23,7 +23,7 @@ mod compute;
 mod device;
 mod event;
 mod foreign;
-mod kernels;
+pub(crate) mod kernels;
 mod memory;
 pub mod sanitizer;
 mod stream;

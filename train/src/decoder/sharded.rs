@@ -70,6 +70,7 @@ where
     model.with_fsdp(|f| -> Result<()> {
         f.synchronize()?;
         f.device().reset_peak_memory();
+        f.device().reset_peak_host_memory();
         Ok(())
     })??;
     let before = Counters::of(model)?;
@@ -138,7 +139,7 @@ where
         _ => None,
     };
     // The peak of the run's whole life after loading: the steps, the saves and the output.
-    let stats = model.with_fsdp(|f| f.device().memory_stats())?;
+    let (stats, host) = model.with_fsdp(|f| (f.device().memory_stats(), f.device().host_memory_stats()))?;
     Ok(TrainReport {
         start_step: start,
         earlier_losses,
@@ -147,6 +148,7 @@ where
         val_losses,
         step_times_s: times,
         peak_memory_bytes: stats.peak_bytes,
+        peak_host_memory_bytes: host.peak_bytes,
         overhead: counted.overhead,
         adapter: counted.adapter,
         groups: model.with_fsdp(|f| f.num_groups())?,

@@ -155,6 +155,8 @@ pub struct TrainReport {
     /// The most device bytes in use from the first step to the end: the
     /// steps, the checkpoints and the written model.
     pub peak_memory_bytes: usize,
+    /// The same for the host space (CPU offload's state).
+    pub peak_host_memory_bytes: usize,
     /// Host time in FSDP's hooks over the steps.
     pub overhead: HostOverhead,
     /// Host time of the adapter (copies between candle and the device; candle compute).
