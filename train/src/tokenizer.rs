@@ -348,6 +348,17 @@ where
     HfTokenizer::new(tokenizer, json, config, Path::new("tokenizer_config.json"))
 }
 
+/// A run on a tokenizer's ids samples its closing text through it: the
+/// prompt as transformers' `tokenizer(prompt)` encodes it.
+impl crate::codec::TextCodec for HfTokenizer {
+    fn encode(&self, text: &str) -> crate::codec::Result<Vec<u32>> {
+        HfTokenizer::encode(self, text).map_err(|e| crate::codec::CodecError(e.to_string()))
+    }
+    fn decode(&self, ids: &[u32]) -> crate::codec::Result<String> {
+        HfTokenizer::decode(self, ids).map_err(|e| crate::codec::CodecError(e.to_string()))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -411,16 +422,5 @@ mod tests {
             assert!(err.contains("257"), "{v}: {err}");
         }
         std::fs::remove_dir_all(&dir).ok();
-    }
-}
-
-/// A run on a tokenizer's ids samples its closing text through it: the
-/// prompt as transformers' `tokenizer(prompt)` encodes it.
-impl crate::codec::TextCodec for HfTokenizer {
-    fn encode(&self, text: &str) -> crate::codec::Result<Vec<u32>> {
-        HfTokenizer::encode(self, text).map_err(|e| crate::codec::CodecError(e.to_string()))
-    }
-    fn decode(&self, ids: &[u32]) -> crate::codec::Result<String> {
-        HfTokenizer::decode(self, ids).map_err(|e| crate::codec::CodecError(e.to_string()))
     }
 }
