@@ -224,6 +224,12 @@ fn effective_text(
                 Some(f) => format!("--config {}", f.display()),
                 None => "command line".to_string(),
             },
+            // A default that a flag given conflicts with (--batch beside --global-batch) is not
+            // in effect, and as a value it would make the file refuse itself.
+            (Some(ValueSource::DefaultValue), _) if conflicts_with_given(cmd, matches, arg) => {
+                text.push_str(&format!("# {key}: its default is not in effect (a flag given conflicts with it)\n"));
+                continue;
+            }
             (Some(ValueSource::DefaultValue), _) => "default".to_string(),
             (Some(_), _) => "environment".to_string(),
             (None, _) => {
@@ -242,6 +248,16 @@ fn effective_text(
         text.push_str(&format!("{key} = {value}  # {source}\n"));
     }
     text
+}
+
+/// Whether a flag set on the command line or in the job file conflicts with
+/// `arg` (either side may declare the conflict).
+fn conflicts_with_given(cmd: &clap::Command, matches: &clap::ArgMatches, arg: &clap::Arg) -> bool {
+    let given = |b: &clap::Arg| matches!(matches.value_source(b.get_id().as_str()), Some(ValueSource::CommandLine));
+    cmd.get_arguments().filter(|b| given(b)).any(|b| {
+        cmd.get_arg_conflicts_with(b).iter().any(|c| c.get_id() == arg.get_id())
+            || cmd.get_arg_conflicts_with(arg).iter().any(|c| c.get_id() == b.get_id())
+    })
 }
 
 /// A command-line value as TOML: an integer, float or boolean where it reads
@@ -346,6 +362,18 @@ mod tests {
         assert_eq!(strip(again), strip(first));
         assert_eq!(dims, Some(vec![3, 4, 5]));
         assert_eq!(lr, Some(1e-3));
+        std::fs::remove_dir_all(path.parent().unwrap()).ok();
+    }
+
+    #[test]
+    fn a_default_that_conflicts_with_a_given_flag_is_left_out_so_the_file_reads_back() {
+        let first = resolve(argv(&["--model", "llama", "--global-batch", "4"])).unwrap();
+        let text = &first.effective.as_ref().unwrap().text;
+        assert!(text.contains("# batch: its default is not in effect"), "{text}");
+        assert!(text.contains("global_batch = 4  # command line\n"), "{text}");
+        let path = job("conflict", text);
+        let again = resolve(argv(&["--config", path.to_str().unwrap()])).unwrap();
+        assert_eq!((again.decoder.global_batch, again.batch), (Some(4), first.batch));
         std::fs::remove_dir_all(path.parent().unwrap()).ok();
     }
 
