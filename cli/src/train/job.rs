@@ -371,7 +371,7 @@ mod tests {
         let text = &first.effective.as_ref().unwrap().text;
         assert!(text.contains("# batch: its default is not in effect"), "{text}");
         assert!(text.contains("global_batch = 4  # command line\n"), "{text}");
-        let path = job("conflict", text);
+        let path = job("default-in-conflict", text);
         let again = resolve(argv(&["--config", path.to_str().unwrap()])).unwrap();
         assert_eq!((again.decoder.global_batch, again.batch), (Some(4), first.batch));
         std::fs::remove_dir_all(path.parent().unwrap()).ok();
