@@ -14,6 +14,11 @@ use super::nodes::{describe_silence, node_name};
 use super::{forward, guardian, signal_name, stop_requested, Job, Plan};
 use crate::Outcome;
 
+/// How long ranks get to end with their own errors when the job's store is
+/// lost (its node died) before they are stopped: a peer's reset reaches them
+/// within milliseconds; the fault-to-exit limit is 10 s.
+const OWN_ERROR_GRACE: Duration = Duration::from_secs(1);
+
 /// One rank of this node.
 pub(super) struct Rank {
     pub(super) rank: usize,
@@ -106,6 +111,12 @@ impl Job {
                 if let Some(what) = remote {
                     eprintln!("chorus launch: {what}; stopping the ranks of node {}", plan.node_rank);
                     failure = Some(what);
+                    if self.store_lost {
+                        // The store's node is gone, so the ranks' connections to its ranks
+                        // reset too: let them end with their own typed errors (the cause a
+                        // user reads first) for a moment before they are stopped.
+                        self.wait_for_ranks(OWN_ERROR_GRACE);
+                    }
                     self.stop(plan.grace);
                     continue;
                 }
@@ -282,6 +293,15 @@ impl Job {
     }
 
     /// SIGTERM to every running rank's process group, SIGKILL after `grace`.
+    /// Reaps the ranks that end by themselves within `d` (no signal sent).
+    fn wait_for_ranks(&mut self, d: Duration) {
+        let deadline = Instant::now() + d;
+        while self.running > 0 && Instant::now() < deadline {
+            self.reap();
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     pub(super) fn stop(&mut self, grace: Duration) {
         for r in self.ranks.iter_mut().filter(|r| r.status.is_none() && !r.stopped) {
             r.stopped = true;
