@@ -8,23 +8,7 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use common::{chorus, run_bounded, scratch, text};
-
-/// A C-order `.npy` file with dtype `descr`, `shape` and raw little-endian `data`.
-fn npy(path: &Path, descr: &str, shape: &[usize], data: &[u8]) {
-    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
-    let shape = if dims.len() == 1 { format!("({},)", dims[0]) } else { format!("({})", dims.join(", ")) };
-    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
-    while (10 + header.len() + 1) % 64 != 0 {
-        header.push(' ');
-    }
-    header.push('\n');
-    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
-    bytes.extend((header.len() as u16).to_le_bytes());
-    bytes.extend(header.as_bytes());
-    bytes.extend(data);
-    std::fs::write(path, bytes).unwrap();
-}
+use common::{chorus, npy, run_bounded, scratch, text};
 
 fn ids_i64(rows: usize, cols: usize, vocab: usize) -> Vec<u8> {
     (0..rows * cols).flat_map(|i| (((i * 31 + i / 5) % vocab) as i64).to_le_bytes()).collect()

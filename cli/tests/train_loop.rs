@@ -8,20 +8,12 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use common::{chorus, run_bounded, scratch, text};
+use common::{chorus, npy, run_bounded, scratch, text};
 
 /// A C-order int32 `.npy` file of `rows × cols` ids below `vocab`.
 fn ids(path: &Path, rows: usize, cols: usize, vocab: usize) {
-    let mut header = format!("{{'descr': '<i4', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
-    while (10 + header.len() + 1) % 64 != 0 {
-        header.push(' ');
-    }
-    header.push('\n');
-    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
-    bytes.extend((header.len() as u16).to_le_bytes());
-    bytes.extend(header.as_bytes());
-    bytes.extend((0..rows * cols).flat_map(|i| (((i * 31 + i / 5) % vocab) as i32).to_le_bytes()));
-    std::fs::write(path, bytes).unwrap();
+    let data: Vec<u8> = (0..rows * cols).flat_map(|i| (((i * 31 + i / 5) % vocab) as i32).to_le_bytes()).collect();
+    npy(path, "<i4", &[rows, cols], &data);
 }
 
 const TINY: [&str; 10] = ["--layers", "1", "--hidden", "16", "--heads", "2", "--kv-heads", "1", "--vocab", "40"];
