@@ -1,0 +1,11 @@
+//! Plan before you rent: predict per-rank memory, step time and every rank's
+//! collective sequence at N GPUs by running chorus's own FSDP state machine
+//! on a device and a communicator that keep virtual time instead of data.
+//!
+//! [`cost`] is the boundary between the two halves: the modelled device and
+//! communicator ask a [`cost::CostModel`] how long a kernel, a copy or a
+//! collective takes; the GPU tables, NCCL's ring and tree algorithms and the
+//! decoder workloads (FLOPs, bytes, activation memory) implement it.
+#![warn(missing_docs)]
+
+pub mod cost;
