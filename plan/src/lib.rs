@@ -9,4 +9,8 @@
 #![warn(missing_docs)]
 
 pub mod cost;
+pub mod cpu_model;
+pub mod decoder_cost;
+pub mod gpu;
+pub mod nccl;
 pub mod workload;

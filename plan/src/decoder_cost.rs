@@ -1,0 +1,433 @@
+//! A decoder's work per stage, op by op, from its shapes: the kernels of
+//! the forward and the backward (with the recomputation first), and the
+//! activation memory kept between them under each [`RecomputeMode`].
+//!
+//! The ops are those of `train/src/models/llama/mod.rs` and
+//! `train/src/models/gpt.rs` in forward order; with [`Framework::TorchEager`]
+//! the ones torchtitan's Llama runs in eager PyTorch where the two differ
+//! (flash attention through SDPA, complex-multiply RoPE, no copies for head
+//! transposes). FLOPs follow torchtitan's count
+//! (`torchtitan/models/utils.py`, `get_dense_model_nparams_and_flops`; our
+//! `cli/src/train/throughput.rs`): a GEMM of `k → n` on `T` tokens is
+//! `2·T·k·n` forward and twice that backward (input and weight gradients);
+//! attention is `4·T·S·H·Dh` forward (`Q·Kᵀ` and `P·V`, the full square,
+//! not halved for the causal mask) and twice that backward, so one
+//! training token costs `6·N + 12·L·H·Dh·S` without recomputation.
+//!
+//! What the forward keeps ([`RecomputeMode::None`]): candle's autograd
+//! graph holds every op's output until the backward, so with
+//! [`Framework::Candle`] every intermediate is kept; PyTorch's autograd keeps
+//! what each op's backward reads (noted per op below). Full recomputation
+//! keeps each stage's input only. Selective is torchtitan's op-level
+//! policy (`_apply_ac_to_transformer_block`, torchtitan/models/llama3/
+//! infra/parallelize.py, Dec 2024; since moved to torchtitan/distributed/
+//! activation_checkpoint.py): inside a checkpointed block it saves the
+//! outputs of `aten.mm` except every second one (a per-block counter: the
+//! 1st, 3rd, 5th … are saved) and of scaled-dot-product attention (its
+//! output and log-sum-exp), and recomputes everything else.
+
+use crate::cost::{KernelCost, KernelKind};
+use crate::workload::{DecoderKind, DecoderShape, RecomputeMode, StageWork};
+
+/// Whose kernels run the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Framework {
+    /// torchtitan's Llama in eager PyTorch on a GPU: SDPA flash attention
+    /// (no `S × S` scores in memory), autograd keeping what each backward reads.
+    TorchEager,
+    /// chorus's candle models: attention with materialized scores, the
+    /// graph keeping every intermediate.
+    Candle,
+}
+
+/// The stages of `shape` for one micro-batch of `micro_batch` sequences of
+/// `seq_len` tokens, computed in `compute_dtype_bytes`-byte floats, under
+/// `recompute`, as a GPU runs them ([`Framework::TorchEager`]).
+pub fn decoder_work(
+    shape: &DecoderShape,
+    micro_batch: usize,
+    seq_len: usize,
+    compute_dtype_bytes: usize,
+    recompute: RecomputeMode,
+) -> Vec<StageWork> {
+    decoder_work_for(Framework::TorchEager, shape, micro_batch, seq_len, compute_dtype_bytes, recompute)
+}
+
+/// [`decoder_work`] with the kernels of `framework`.
+pub fn decoder_work_for(
+    framework: Framework,
+    shape: &DecoderShape,
+    micro_batch: usize,
+    seq_len: usize,
+    compute_dtype_bytes: usize,
+    recompute: RecomputeMode,
+) -> Vec<StageWork> {
+    let dims = Dims::new(shape, micro_batch, seq_len, compute_dtype_bytes);
+    let mut stages = Vec::with_capacity(shape.layers + 2);
+    stages.push(embed_stage(framework, &dims, shape.vocab as f64, recompute));
+    for i in 0..shape.layers {
+        let mut t = Trace::new(framework, dims.c);
+        layer_ops(&mut t, shape, &dims);
+        stages.push(t.finish(format!("layers.{i}"), &dims, recompute, true));
+    }
+    let mut t = Trace::new(framework, dims.c);
+    rms_norm(&mut t, "norm", &dims);
+    t.gemm("lm_head", &dims, dims.d, shape.vocab as f64, false);
+    let recompute_head = framework == Framework::Candle && recompute != RecomputeMode::None;
+    t.outside_checkpoint();
+    loss_ops(&mut t, &dims, shape.vocab as f64);
+    let mut head =
+        t.finish("head".into(), &dims, if recompute_head { RecomputeMode::Full } else { RecomputeMode::None }, false);
+    // The loss's working set: logits and their f32 copy in forward, the
+    // log-softmax's output gradient and input gradient in backward.
+    let tv = dims.tokens * shape.vocab as f64;
+    head.transient_bytes = head.transient_bytes.max((tv * 8.0).max(tv * (dims.c + 4.0)) as u64);
+    stages.push(head);
+    stages
+}
+
+/// Parameters of `shape` (embedding, layers, final norm, and the head unless tied).
+pub fn param_count(shape: &DecoderShape) -> u64 {
+    let (d, v) = (shape.d_model as u64, shape.vocab as u64);
+    let table = v.saturating_mul(d);
+    let head = if shape.tied_embeddings { 0 } else { table };
+    table.saturating_add(layer_params(shape).saturating_mul(shape.layers as u64)).saturating_add(d).saturating_add(head)
+}
+
+/// The parameters that multiply activations, torchtitan's `N`: all but the
+/// embedding table (a lookup) and the norms, the table counted once as the
+/// head when tied.
+pub fn matmul_param_count(shape: &DecoderShape) -> u64 {
+    let (d, v) = (shape.d_model as u64, shape.vocab as u64);
+    let norms = 2 * d;
+    (layer_params(shape) - norms.min(layer_params(shape))).saturating_mul(shape.layers as u64).saturating_add(v * d)
+}
+
+/// One decoder layer's parameters.
+fn layer_params(shape: &DecoderShape) -> u64 {
+    let d = shape.d_model as u64;
+    let dh = head_dim(shape) as u64;
+    let (q, kv) = (shape.heads as u64 * dh, shape.kv_heads as u64 * dh);
+    let f = shape.ffn_hidden as u64;
+    let mlp = match shape.kind {
+        DecoderKind::Llama => 3 * d * f,
+        DecoderKind::Gpt => 2 * d * f,
+    };
+    2 * d * q + 2 * d * kv + mlp + 2 * d
+}
+
+/// Width of one attention head (`d_model / heads`, as both models define it).
+pub fn head_dim(shape: &DecoderShape) -> usize {
+    shape.d_model / shape.heads.max(1)
+}
+
+/// The sizes every op reads, as floats.
+struct Dims {
+    b: f64,
+    s: f64,
+    tokens: f64,
+    d: f64,
+    c: f64,
+}
+
+impl Dims {
+    fn new(shape: &DecoderShape, b: usize, s: usize, c: usize) -> Dims {
+        let (b, s) = (b as f64, s as f64);
+        Dims { b, s, tokens: b * s, d: shape.d_model as f64, c: c as f64 }
+    }
+}
+
+/// One recorded op.
+struct Op {
+    forward: KernelCost,
+    backward: Vec<KernelCost>,
+    /// Bytes of its output.
+    out: f64,
+    /// Bytes PyTorch's autograd keeps for the backward because of this op.
+    torch_keep: f64,
+    /// Bytes torchtitan's selective policy saves (0: recomputed).
+    sac_save: f64,
+    /// Inside the checkpointed region (the loss is not).
+    checkpointed: bool,
+}
+
+/// The ops of one stage, in forward order.
+struct Trace {
+    framework: Framework,
+    c: f64,
+    ops: Vec<Op>,
+    mm_count: usize,
+    checkpointed: bool,
+}
+
+fn kernel(name: &str, kind: KernelKind, flops: f64, bytes: f64) -> KernelCost {
+    KernelCost { name: name.to_string(), kind, flops, bytes }
+}
+
+impl Trace {
+    fn new(framework: Framework, c: f64) -> Trace {
+        Trace { framework, c, ops: Vec::new(), mm_count: 0, checkpointed: true }
+    }
+
+    fn outside_checkpoint(&mut self) {
+        self.checkpointed = false;
+    }
+
+    fn push(&mut self, forward: KernelCost, backward: Vec<KernelCost>, out: f64, torch_keep: f64, sac_save: f64) {
+        let checkpointed = self.checkpointed;
+        self.ops.push(Op { forward, backward, out, torch_keep, sac_save, checkpointed });
+    }
+
+    /// `T × k` times `k × n`; `keep_out`: PyTorch keeps the output (the next
+    /// op's backward reads it). The selective policy counts it.
+    fn gemm(&mut self, name: &str, dims: &Dims, k: f64, n: f64, keep_out: bool) {
+        let (t, c) = (dims.tokens, self.c);
+        let flops = 2.0 * t * k * n;
+        let bytes = (t * k + k * n + t * n) * c;
+        self.mm_count += 1;
+        let out = t * n * c;
+        let sac_save = if self.mm_count % 2 == 1 { out } else { 0.0 };
+        let backward = vec![
+            kernel(&format!("{name}.dgrad"), KernelKind::Gemm, flops, bytes),
+            kernel(&format!("{name}.wgrad"), KernelKind::Gemm, flops, bytes),
+        ];
+        self.push(
+            kernel(name, KernelKind::Gemm, flops, bytes),
+            backward,
+            out,
+            if keep_out { out } else { 0.0 },
+            sac_save,
+        );
+    }
+
+    /// A memory-bound op reading and writing `bytes` in all, whose output is
+    /// `out` bytes; its backward reads the output gradient and what it
+    /// saved and writes the input gradients, about twice the traffic.
+    fn mem(&mut self, name: &str, bytes: f64, out: f64, torch_keep: f64) {
+        let backward = vec![kernel(&format!("{name}.backward"), KernelKind::MemoryBound, 0.0, 2.0 * bytes)];
+        self.push(kernel(name, KernelKind::MemoryBound, 0.0, bytes), backward, out, torch_keep, 0.0);
+    }
+
+    /// One attention matmul (or the fused kernel) of `flops` forward.
+    fn attention(&mut self, name: &str, flops: f64, bytes: f64, out: f64, torch_keep: f64, sac_save: f64) {
+        let backward = vec![kernel(&format!("{name}.backward"), KernelKind::Attention, 2.0 * flops, 2.0 * bytes)];
+        self.push(kernel(name, KernelKind::Attention, flops, bytes), backward, out, torch_keep, sac_save);
+    }
+
+    /// The stage: its kernels and memory under `mode` (`checkpointable`:
+    /// whether `mode` applies to it; torchtitan checkpoints the blocks only).
+    fn finish(self, name: String, dims: &Dims, mode: RecomputeMode, checkpointable: bool) -> StageWork {
+        let mode = if checkpointable || self.framework == Framework::Candle { mode } else { RecomputeMode::None };
+        let input = dims.tokens * dims.d * dims.c;
+        let kept = |op: &Op| match self.framework {
+            Framework::Candle => op.out,
+            Framework::TorchEager => op.torch_keep,
+        };
+        let recomputed = |op: &Op| {
+            op.checkpointed
+                && match mode {
+                    RecomputeMode::None => false,
+                    RecomputeMode::Full => true,
+                    RecomputeMode::Selective => op.sac_save == 0.0,
+                }
+        };
+        let mut saved = input;
+        let mut rebuilt = 0.0;
+        for op in &self.ops {
+            match (op.checkpointed, mode) {
+                (false, _) | (true, RecomputeMode::None) => saved += kept(op),
+                (true, RecomputeMode::Full) => rebuilt += kept(op),
+                (true, RecomputeMode::Selective) if op.sac_save > 0.0 => saved += op.sac_save,
+                (true, RecomputeMode::Selective) => rebuilt += kept(op),
+            }
+        }
+        let largest = self.ops.iter().map(|op| op.out).fold(0.0, f64::max);
+        let mut backward: Vec<KernelCost> = self
+            .ops
+            .iter()
+            .filter(|op| recomputed(op))
+            .map(|op| KernelCost { name: format!("recompute.{}", op.forward.name), ..op.forward.clone() })
+            .collect();
+        backward.extend(self.ops.iter().rev().flat_map(|op| op.backward.iter().cloned()));
+        StageWork {
+            name,
+            forward: self.ops.iter().map(|op| op.forward.clone()).collect(),
+            backward,
+            saved_bytes: saved as u64,
+            // What the recomputation rebuilds lives through the stage's
+            // backward; the gradient in flight and the one being written
+            // are at most two of the largest activation.
+            transient_bytes: (rebuilt + 2.0 * largest) as u64,
+        }
+    }
+}
+
+/// RMSNorm as both implementations compute it (candle-nn's `forward_diff`,
+/// torchtitan's `RMSNorm`): to f32, square, mean, scale by the reciprocal
+/// root, back to the compute dtype, times the weight. PyTorch keeps the f32
+/// input (for `pow` and the scaling), the normalized value (for the
+/// weight's gradient) and the output (the next GEMMs read it).
+fn rms_norm(t: &mut Trace, name: &str, dims: &Dims) {
+    let (n, c) = (dims.tokens * dims.d, t.c);
+    let half = c < 4.0;
+    if half {
+        t.mem(&format!("{name}.to_f32"), n * (c + 4.0), n * 4.0, n * 4.0);
+    }
+    t.mem(&format!("{name}.square"), n * 8.0, n * 4.0, 0.0);
+    t.mem(&format!("{name}.mean"), n * 4.0 + dims.tokens * 4.0, dims.tokens * 4.0, dims.tokens * 4.0);
+    t.mem(&format!("{name}.scale"), n * 8.0, n * 4.0, if half { 0.0 } else { n * 4.0 });
+    if half {
+        t.mem(&format!("{name}.to_dtype"), n * (4.0 + c), n * c, n * c);
+    }
+    t.mem(&format!("{name}.weight"), n * 2.0 * c + dims.d * c, n * c, n * c);
+}
+
+/// RoPE on `n` elements (queries or keys): candle's rotate-half (negate,
+/// concatenate, two products, a sum) or torchtitan's complex product (to
+/// f32, multiply, back). Neither output is kept by PyTorch: attention keeps
+/// its inputs.
+fn rope(t: &mut Trace, name: &str, n: f64) {
+    let c = t.c;
+    match t.framework {
+        Framework::Candle => {
+            t.mem(&format!("{name}.rope.neg"), n * c, n * c / 2.0, 0.0);
+            t.mem(&format!("{name}.rope.cat"), 2.0 * n * c, n * c, 0.0);
+            t.mem(&format!("{name}.rope.cos"), 2.0 * n * c, n * c, 0.0);
+            t.mem(&format!("{name}.rope.sin"), 2.0 * n * c, n * c, 0.0);
+            t.mem(&format!("{name}.rope.add"), 3.0 * n * c, n * c, 0.0);
+        }
+        Framework::TorchEager => {
+            if c < 4.0 {
+                t.mem(&format!("{name}.rope.to_f32"), n * (c + 4.0), n * 4.0, 0.0);
+            }
+            t.mem(&format!("{name}.rope.mul"), n * 8.0, n * 4.0, 0.0);
+            if c < 4.0 {
+                t.mem(&format!("{name}.rope.to_dtype"), n * (4.0 + c), n * c, 0.0);
+            }
+        }
+    }
+}
+
+/// One decoder layer: `x + attn(norm(x))`, then `+ mlp(norm(·))`.
+fn layer_ops(t: &mut Trace, shape: &DecoderShape, dims: &Dims) {
+    let (tok, d, c) = (dims.tokens, dims.d, t.c);
+    let dh = head_dim(shape) as f64;
+    let (hq, hkv) = (shape.heads as f64, shape.kv_heads as f64);
+    let (dq, dkv, f) = (hq * dh, hkv * dh, shape.ffn_hidden as f64);
+    let llama = shape.kind == DecoderKind::Llama;
+    let candle = t.framework == Framework::Candle;
+
+    rms_norm(t, "attn_norm", dims);
+    t.gemm("attn.q", dims, d, dq, false);
+    t.gemm("attn.k", dims, d, dkv, false);
+    t.gemm("attn.v", dims, d, dkv, false);
+    if candle {
+        // `reshape(b, t, heads, hd).transpose(1, 2).contiguous()` copies.
+        for (name, n) in [("attn.q.heads", tok * dq), ("attn.k.heads", tok * dkv), ("attn.v.heads", tok * dkv)] {
+            t.mem(name, 2.0 * n * c, n * c, 0.0);
+        }
+    }
+    if llama {
+        rope(t, "attn.q", tok * dq);
+        rope(t, "attn.k", tok * dkv);
+    }
+    if dkv < dq {
+        // Grouped-query attention repeats each key/value head (transformers'
+        // `repeat_kv`, torchtitan's `repeat_kv`): a copy to the query width.
+        t.mem("attn.k.repeat", (tok * dkv + tok * dq) * c, tok * dq * c, 0.0);
+        t.mem("attn.v.repeat", (tok * dkv + tok * dq) * c, tok * dq * c, 0.0);
+    }
+    // Each of Q·Kᵀ and P·V: 2·S·Dh FLOPs per token per head.
+    let matmul_flops = 2.0 * tok * dims.s * dq;
+    let probs = dims.b * hq * dims.s * dims.s;
+    match t.framework {
+        Framework::TorchEager => {
+            // SDPA (flash) keeps q, k, v, its output and the log-sum-exp.
+            let lse = dims.b * hq * dims.s * 4.0;
+            let io = 4.0 * tok * dq * c;
+            t.attention("attn.sdpa", 2.0 * matmul_flops, io + lse, tok * dq * c, io + lse, tok * dq * c + lse);
+        }
+        Framework::Candle => {
+            let w = if llama { 4.0 } else { c };
+            t.mem("attn.k.transpose", 2.0 * tok * dq * c, tok * dq * c, 0.0);
+            t.attention("attn.scores", matmul_flops, (2.0 * tok * dq + probs) * c, probs * c, 0.0, 0.0);
+            t.mem("attn.scale", 2.0 * probs * c, probs * c, 0.0);
+            t.mem("attn.mask", 2.0 * probs * c + dims.s * dims.s * c, probs * c, 0.0);
+            if llama && c < 4.0 {
+                t.mem("attn.scores.to_f32", probs * (c + 4.0), probs * 4.0, 0.0);
+            }
+            // candle-nn's `softmax`: max, subtract, exp, sum, divide.
+            t.mem("attn.softmax.max", probs * w, probs / dims.s * w, 0.0);
+            t.mem("attn.softmax.sub", 2.0 * probs * w, probs * w, 0.0);
+            t.mem("attn.softmax.exp", 2.0 * probs * w, probs * w, 0.0);
+            t.mem("attn.softmax.sum", probs * w, probs / dims.s * w, 0.0);
+            t.mem("attn.softmax.div", 2.0 * probs * w, probs * w, 0.0);
+            if llama && c < 4.0 {
+                t.mem("attn.probs.to_dtype", probs * (4.0 + c), probs * c, 0.0);
+            }
+            t.attention("attn.pv", matmul_flops, (probs + 2.0 * tok * dq) * c, tok * dq * c, 0.0, 0.0);
+        }
+    }
+    // `transpose(1, 2).contiguous()` back to `[b, t, heads · hd]`; the output
+    // projection keeps it.
+    t.mem("attn.out.transpose", 2.0 * tok * dq * c, tok * dq * c, tok * dq * c);
+    t.gemm("attn.o", dims, dq, d, false);
+    // The residual sum; in f32 the next norm keeps it as its input.
+    t.mem("attn.residual", 3.0 * tok * d * c, tok * d * c, if c < 4.0 { 0.0 } else { tok * d * c });
+    rms_norm(t, "mlp_norm", dims);
+    let n = tok * f;
+    if llama {
+        // `down(silu(gate(h)) · up(h))`: silu keeps its input, the product both factors.
+        t.gemm("mlp.gate", dims, d, f, true);
+        t.mem("mlp.silu", 2.0 * n * c, n * c, n * c);
+        t.gemm("mlp.up", dims, d, f, true);
+        t.mem("mlp.mul", 3.0 * n * c, n * c, n * c);
+    } else {
+        t.gemm("mlp.up", dims, d, f, true);
+        t.mem("mlp.gelu", 2.0 * n * c, n * c, n * c);
+    }
+    t.gemm("mlp.down", dims, f, d, false);
+    t.mem("mlp.residual", 3.0 * tok * d * c, 0.0, 0.0);
+}
+
+/// Cross-entropy over the vocabulary in f32 (`chorus train`: candle-nn's
+/// `cross_entropy` of the logits in f32; torchtitan: `cross_entropy(pred.float())`):
+/// PyTorch keeps the log-softmax's output; candle keeps each step's.
+fn loss_ops(t: &mut Trace, dims: &Dims, vocab: f64) {
+    let (tv, c) = (dims.tokens * vocab, t.c);
+    if c < 4.0 {
+        t.mem("loss.to_f32", tv * (c + 4.0), tv * 4.0, 0.0);
+    }
+    match t.framework {
+        Framework::TorchEager => t.mem("loss.log_softmax", tv * 12.0, tv * 4.0, tv * 4.0),
+        Framework::Candle => {
+            t.mem("loss.max", tv * 4.0, dims.tokens * 4.0, 0.0);
+            t.mem("loss.sub", tv * 8.0, tv * 4.0, 0.0);
+            t.mem("loss.exp", tv * 8.0, tv * 4.0, 0.0);
+            t.mem("loss.sum", tv * 4.0, dims.tokens * 4.0, 0.0);
+            t.mem("loss.log_softmax", tv * 8.0, tv * 4.0, 0.0);
+        }
+    }
+    t.mem("loss.nll", dims.tokens * 12.0, 4.0, 0.0);
+}
+
+/// The token embedding: a gather forward, a scatter-add into a zeroed
+/// table gradient backward; the ids are kept (u32 in candle, i64 in PyTorch).
+/// candle's recomputation (every group of `chorus train` recomputes by
+/// default) runs the gather again first.
+fn embed_stage(framework: Framework, dims: &Dims, vocab: f64, mode: RecomputeMode) -> StageWork {
+    let (tok, d, c) = (dims.tokens, dims.d, dims.c);
+    let gather = kernel("embed.gather", KernelKind::MemoryBound, 0.0, 2.0 * tok * d * c + tok * 4.0);
+    let mut backward = Vec::new();
+    if framework == Framework::Candle && mode != RecomputeMode::None {
+        backward.push(KernelCost { name: "recompute.embed.gather".into(), ..gather.clone() });
+    }
+    backward.push(kernel("embed.scatter_add", KernelKind::MemoryBound, 0.0, vocab * d * c + 2.0 * tok * d * c));
+    StageWork {
+        name: "embed".into(),
+        forward: vec![gather],
+        backward,
+        saved_bytes: (tok * if framework == Framework::Candle { 4.0 } else { 8.0 }) as u64,
+        transient_bytes: 0,
+    }
+}
