@@ -1,0 +1,201 @@
+//! decoder_work against closed forms computed here from the shapes alone:
+//! torchtitan's FLOPs per token, what recomputation adds, the bytes each
+//! recompute mode keeps, and the 8B Llama's parameter count.
+
+use chorus_plan::cost::KernelKind;
+use chorus_plan::decoder_cost::{decoder_work, decoder_work_for, matmul_param_count, param_count, Framework};
+use chorus_plan::workload::{DecoderKind, DecoderShape, RecomputeMode, StageWork};
+
+fn llama_8b() -> DecoderShape {
+    DecoderShape {
+        kind: DecoderKind::Llama,
+        layers: 32,
+        d_model: 4096,
+        heads: 32,
+        kv_heads: 8,
+        ffn_hidden: 14336,
+        vocab: 128256,
+        tied_embeddings: false,
+    }
+}
+
+/// A tiny GQA Llama: d 64, 4 heads of 16, 2 key/value heads, ffn 96, vocab 50.
+fn tiny_llama() -> DecoderShape {
+    DecoderShape {
+        kind: DecoderKind::Llama,
+        layers: 3,
+        d_model: 64,
+        heads: 4,
+        kv_heads: 2,
+        ffn_hidden: 96,
+        vocab: 50,
+        tied_embeddings: false,
+    }
+}
+
+fn tiny_gpt() -> DecoderShape {
+    DecoderShape {
+        kind: DecoderKind::Gpt,
+        layers: 2,
+        d_model: 32,
+        heads: 4,
+        kv_heads: 4,
+        ffn_hidden: 128,
+        vocab: 40,
+        tied_embeddings: false,
+    }
+}
+
+fn flops(stages: &[StageWork], backward: bool, kinds: &[KernelKind]) -> f64 {
+    stages
+        .iter()
+        .flat_map(|s| if backward { &s.backward } else { &s.forward })
+        .filter(|k| kinds.contains(&k.kind))
+        .map(|k| k.flops)
+        .sum()
+}
+
+fn total(stages: &[StageWork]) -> f64 {
+    let all = [KernelKind::Gemm, KernelKind::Attention, KernelKind::MemoryBound];
+    flops(stages, false, &all) + flops(stages, true, &all)
+}
+
+#[test]
+fn the_8b_llama_has_8_03_billion_parameters() {
+    let s = llama_8b();
+    // Embedding and head 128256 × 4096 each; per layer q, o 4096², k, v
+    // 4096 × 1024, gate, up, down 4096 × 14336, two norms; the final norm.
+    let per_layer: u64 = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096;
+    let expected = 2 * 128256 * 4096 + 32 * per_layer + 4096;
+    assert_eq!(param_count(&s), expected);
+    assert_eq!(param_count(&s), 8_030_261_248);
+    // torchtitan's N leaves out the table and the norms.
+    assert_eq!(matmul_param_count(&s), 128256 * 4096 + 32 * (per_layer - 2 * 4096));
+}
+
+#[test]
+fn forward_gemm_flops_are_twice_the_matmul_parameters_per_token() {
+    for (shape, per_layer) in [
+        // q 64², k, v 64 × 32, o 64², gate, up, down 64 × 96.
+        (tiny_llama(), 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 96),
+        // q, k, v, o 32², up, down 32 × 128.
+        (tiny_gpt(), 4 * 32 * 32 + 2 * 32 * 128),
+    ] {
+        let n = (shape.layers * per_layer + shape.vocab * shape.d_model) as f64;
+        let (b, s) = (2, 12);
+        for fw in [Framework::TorchEager, Framework::Candle] {
+            let stages = decoder_work_for(fw, &shape, b, s, 2, RecomputeMode::None);
+            let tokens = (b * s) as f64;
+            assert_eq!(flops(&stages, false, &[KernelKind::Gemm]) / tokens, 2.0 * n, "{fw:?} {:?}", shape.kind);
+            // Attention: Q·Kᵀ and P·V, 2·S·Dh per head each, per token and layer.
+            let attention = shape.layers as f64 * 4.0 * s as f64 * shape.d_model as f64;
+            assert_eq!(flops(&stages, false, &[KernelKind::Attention]) / tokens, attention);
+        }
+    }
+}
+
+#[test]
+fn training_flops_per_token_are_torchtitans_formula_and_full_recompute_adds_a_forward() {
+    let shape = tiny_llama();
+    let (b, s) = (3, 16);
+    let tokens = (b * s) as f64;
+    let n = matmul_param_count(&shape) as f64;
+    let (l, h, dh) = (shape.layers as f64, shape.heads as f64, (shape.d_model / shape.heads) as f64);
+    let none = decoder_work(&shape, b, s, 2, RecomputeMode::None);
+    assert_eq!(total(&none) / tokens, 6.0 * n + 12.0 * l * h * dh * s as f64);
+
+    // torchtitan recomputes the blocks only: one more forward of every layer.
+    let layer_forward = l * (2.0 * (n - (shape.vocab * shape.d_model) as f64) / l + 4.0 * s as f64 * h * dh);
+    let full = decoder_work(&shape, b, s, 2, RecomputeMode::Full);
+    assert_eq!(total(&full) / tokens, 6.0 * n + 12.0 * l * h * dh * s as f64 + layer_forward);
+
+    // Selective recomputes the 2nd, 4th and 6th matmul of a layer: k, o, up.
+    let (d, kv, f) = (64.0, 32.0, 96.0);
+    let selective = decoder_work(&shape, b, s, 2, RecomputeMode::Selective);
+    let extra = l * 2.0 * (d * kv + d * d + d * f);
+    assert_eq!(total(&selective) / tokens, 6.0 * n + 12.0 * l * h * dh * s as f64 + extra);
+}
+
+#[test]
+fn recomputation_comes_first_in_the_backward() {
+    let stages = decoder_work(&tiny_llama(), 1, 8, 2, RecomputeMode::Full);
+    let layer = &stages[1];
+    assert_eq!(layer.name, "layers.0");
+    let n = layer.forward.len();
+    assert!(layer.backward[..n].iter().all(|k| k.name.starts_with("recompute.")));
+    assert!(layer.backward[n..].iter().all(|k| !k.name.starts_with("recompute.")));
+    let names: Vec<&str> = stages.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["embed", "layers.0", "layers.1", "layers.2", "head"]);
+}
+
+#[test]
+fn saved_bytes_per_mode_match_the_hand_count() {
+    let shape = tiny_llama();
+    let (b, s, c) = (2usize, 8usize, 2usize);
+    let t = (b * s) as u64;
+    let (d, q, kv, f, h, c) = (64u64, 64u64, 32u64, 96u64, 4u64, c as u64);
+    let input = t * d * c;
+    let layer = |mode| decoder_work(&shape, b, s, c as usize, mode)[1].saved_bytes;
+    assert_eq!(layer(RecomputeMode::Full), input);
+    // Selective: the layer input, the outputs of q, v, gate and down (1st,
+    // 3rd, 5th, 7th matmul), attention's output and its f32 log-sum-exp.
+    let lse = b as u64 * h * s as u64 * 4;
+    assert_eq!(
+        layer(RecomputeMode::Selective),
+        input + t * q * c + t * kv * c + t * q * c + lse + t * f * c + t * d * c
+    );
+    // None, PyTorch: per norm the f32 input, the f32 mean, the normalized
+    // value and the output; attention's q, k, v (repeated to the query
+    // width), output and log-sum-exp; o_proj's input; the MLP's gate
+    // output, silu output, up output and their product.
+    let norm = t * d * 4 + t * 4 + t * d * c + t * d * c;
+    let attention = 4 * t * q * c + lse;
+    assert_eq!(layer(RecomputeMode::None), input + 2 * norm + attention + t * q * c + 4 * t * f * c);
+    // The embedding keeps its ids; the head its loss's log-softmax (f32)
+    // and the final norm's, whatever the mode (torchtitan checkpoints blocks only).
+    for mode in [RecomputeMode::None, RecomputeMode::Full, RecomputeMode::Selective] {
+        let stages = decoder_work(&shape, b, s, c as usize, mode);
+        assert_eq!(stages[0].saved_bytes, t * 8);
+        assert_eq!(stages[4].saved_bytes, input + norm + t * 50 * 4);
+    }
+}
+
+#[test]
+fn candle_keeps_every_intermediate_and_its_attention_scores() {
+    let shape = tiny_gpt();
+    let (b, s) = (2usize, 8usize);
+    let none = decoder_work_for(Framework::Candle, &shape, b, s, 4, RecomputeMode::None);
+    let full = decoder_work_for(Framework::Candle, &shape, b, s, 4, RecomputeMode::Full);
+    let probs = (b * shape.heads * s * s * 4) as u64;
+    let layer_none = &none[1];
+    // Scores, scaled, masked, softmax's difference, exponent and result: six
+    // [b, h, s, s] tensors at least.
+    assert!(layer_none.saved_bytes > 6 * probs);
+    // Full recomputation keeps the input and rebuilds all of it in backward.
+    assert_eq!(full[1].saved_bytes, (b * s * shape.d_model * 4) as u64);
+    assert!(full[1].transient_bytes >= layer_none.saved_bytes - full[1].saved_bytes);
+    // torch's flash attention has no score matrix at all.
+    let torch = decoder_work_for(Framework::TorchEager, &shape, b, s, 4, RecomputeMode::None);
+    assert!(torch[1].saved_bytes < layer_none.saved_bytes);
+}
+
+#[test]
+fn the_head_holds_the_logits_working_set() {
+    let shape = llama_8b();
+    let stages = decoder_work(&shape, 2, 8192, 2, RecomputeMode::Selective);
+    let tv = 2 * 8192 * 128256u64;
+    let head = stages.last().map(|s| (s.saved_bytes, s.transient_bytes));
+    let (saved, transient) = head.unwrap_or_default();
+    assert!(saved >= tv * 4, "log-softmax output kept: {saved}");
+    assert!(transient >= tv * 8, "two f32 logit gradients live: {transient}");
+}
+
+#[test]
+fn zero_sizes_give_no_work_and_no_panic() {
+    let mut shape = tiny_llama();
+    shape.heads = 0;
+    shape.kv_heads = 0;
+    let stages = decoder_work(&shape, 0, 0, 2, RecomputeMode::Selective);
+    assert_eq!(stages.len(), shape.layers + 2);
+    assert_eq!(total(&stages), 0.0);
+}
