@@ -161,7 +161,9 @@ fn main() -> Result<(), String> {
                     row.name,
                     row.tokens_per_s,
                     (tps / row.tokens_per_s - 1.0) * 100.0,
-                    tps * (6.0 * (n - v * d) + 12.0 * 32.0 * 4096.0 * s as f64) / model.peak_flops().unwrap_or(f64::NAN) * 100.0,
+                    tps * (6.0 * (n - v * d) + 12.0 * 32.0 * 4096.0 * s as f64)
+                        / model.peak_flops().unwrap_or(f64::NAN)
+                        * 100.0,
                     peak / GIB,
                     states / GIB,
                     unsharded / GIB,

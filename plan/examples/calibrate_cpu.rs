@@ -10,7 +10,7 @@
 
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Tensor, Var};
 
 /// Median seconds of `reps` runs of `f` after two warm-ups.
 fn median_s(reps: usize, mut f: impl FnMut() -> candle_core::Result<()>) -> candle_core::Result<f64> {
@@ -63,16 +63,40 @@ fn main() -> candle_core::Result<()> {
     let ys = Tensor::randn(0f32, 1.0, 64, &dev)?;
     let overhead = median_s(1000, || (&xs + &ys).map(|_| ()))?;
     println!("{{\"kind\":\"op_overhead\",\"elements\":64,\"seconds\":{overhead:.3e}}}");
+    // An op inside a training graph at the bench models' activation size
+    // ([256, 64] f32): a chain of 100 tracked element-wise ops (scale, add
+    // a tensor), forward then backward, per op. candle's backward of an op
+    // runs several tensor ops (the gradient, the accumulation into the
+    // sum of gradients), which is what a kernel of the cost model's trace
+    // stands for.
+    let v = Var::from_tensor(&Tensor::randn(0f32, 1.0, (256, 64), &dev)?)?;
+    let c = Tensor::randn(0f32, 1.0, (256, 64), &dev)?;
+    let ops = 100;
+    let chain = || -> candle_core::Result<Tensor> {
+        let mut y = v.as_tensor().clone();
+        for i in 0..ops / 2 {
+            y = ((y * (1.0 + 1e-4 * i as f64))? + &c)?;
+        }
+        y.sum_all()
+    };
+    let forward = median_s(20, || chain().map(|_| ()))?;
+    let both = median_s(20, || chain()?.backward().map(|_| ()))?;
+    let tracked = both / ops as f64;
+    println!(
+        "{{\"kind\":\"graph_op\",\"shape\":[256,64],\"ops\":{ops},\"forward_s\":{forward:.3e},\"forward_and_backward_s\":{both:.3e},\"per_op_s\":{tracked:.3e}}}"
+    );
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v.get(v.len() / 2).copied().unwrap_or(0.0)
     };
     println!(
-        "summary threads={threads}: gemm {:.2} GFLOP/s, attention {:.2} GFLOP/s, element-wise {:.2} GB/s, op {:.2} µs",
+        "summary threads={threads}: gemm {:.2} GFLOP/s, attention {:.2} GFLOP/s, element-wise {:.2} GB/s, op {:.2} µs, \
+         tracked op forward+backward {:.2} µs",
         median(gemm_rates) / 1e9,
         median(attn_rates) / 1e9,
         bytes_per_s / 1e9,
-        overhead * 1e6
+        overhead * 1e6,
+        tracked * 1e6
     );
     Ok(())
 }

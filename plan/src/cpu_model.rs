@@ -12,27 +12,65 @@ use chorus_devices::MemorySpace;
 
 use crate::cost::{CollectiveShape, CostModel, KernelCost, KernelKind};
 
-/// Calibrated on: `nproc` 2, AMD EPYC KVM guest (AVX-512, L2 4 MiB), 23 GiB
-/// RAM, Linux, rustc 1.95.0, candle 0.11.1, release build, 2026-11-26
-/// (`plan/examples/calibrate_cpu.rs`).
-pub const CALIBRATED_ON: &str = "2-core AMD EPYC KVM guest (AVX-512), candle 0.11.1 release, 2026-11-26";
+/// Calibrated on: `nproc` 2, "Intel(R) Xeon(R) Processor" (as `chorus
+/// train --bench` reports it), KVM guest, candle 0.11.1, the workspace's
+/// dev profile (dependencies at opt-level 3), 2026-11-26 01:55 UTC, load
+/// average 17 (other builds sharing the two cores: every rate here is what
+/// a rank got under that load, not the machine's best).
+pub const CALIBRATED_ON: &str = "2-core Xeon KVM guest, candle 0.11.1 (opt-level 3), 2026-11-26, load average 17";
 
 /// Cores of the calibration machine.
 pub const CORES: usize = 2;
 
-/// candle's f32 matmul on one thread, FLOP/s, for the small GEMMs of the
-/// bench models (`calibrate_cpu` "gemm" rows, median over its shapes).
-pub const GEMM_FLOPS_PER_THREAD: f64 = 20e9;
+/// What `calibrate_cpu` measured with 1 and with 2 candle threads.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rates {
+    /// candle's f32 matmul, FLOP/s: the median over the bench models'
+    /// shapes (`[256, 64] × [64, 64 | 96 | 256]`, `[256, 256] × [256, 64]`,
+    /// `[512, 256] × [256, 256]`). A second thread does not help at these sizes.
+    pub gemm_flops_per_s: f64,
+    /// candle's batched `[b·h, s, hd] × [b·h, hd, s]`, FLOP/s (median of three shapes).
+    pub attention_flops_per_s: f64,
+    /// `x + y` on 4 Mi floats (48 MiB of traffic, out of cache), bytes read
+    /// and written per second.
+    pub memory_bytes_per_s: f64,
+    /// Element-wise traffic that stays in cache (a kernel moving at most
+    /// [`CACHE_BYTES`]), bytes/s: fitted with [`Rates::op_overhead_s`] to the
+    /// tracked chain (`graph_op`: 100 ops on `[256, 64]` f32, forward 6.8 µs
+    /// and backward 11.1 µs per op at one thread, about 2 µs + bytes / 30 GB/s).
+    pub cached_bytes_per_s: f64,
+    /// The fixed cost of one kernel of the trace inside candle's graph: the
+    /// tracked chain's forward-and-backward time per op, less its traffic at
+    /// `cached_bytes_per_s`, over the two kernels (forward, backward) the
+    /// trace emits per op.
+    pub op_overhead_s: f64,
+}
 
-/// candle's batched attention matmuls (`[b·h, s, hd]` by `[b·h, hd, s]`), FLOP/s.
-pub const ATTENTION_FLOPS_PER_THREAD: f64 = 8e9;
+/// Traffic a kernel keeps in cache (the calibration machine's 4 MiB L2).
+pub const CACHE_BYTES: f64 = 4.0 * 1024.0 * 1024.0;
 
-/// candle's element-wise ops on large tensors, bytes read plus written per second.
-pub const MEMORY_BYTES_PER_S: f64 = 6e9;
+/// One candle thread (`RAYON_NUM_THREADS=1`): gemm 48.2 GFLOP/s (46.2–53.5
+/// over the shapes), attention 21.2, element-wise 3.65 GB/s; the tracked
+/// chain 17.9 µs per op forward and backward, of which its ~0.48 MB of
+/// traffic at 30 GB/s is 16 µs: 1 µs per kernel.
+pub const ONE_THREAD: Rates = Rates {
+    gemm_flops_per_s: 48.2e9,
+    attention_flops_per_s: 21.2e9,
+    memory_bytes_per_s: 3.65e9,
+    cached_bytes_per_s: 30e9,
+    op_overhead_s: 1e-6,
+};
 
-/// The fixed cost of one candle op (allocation, dispatch, the graph node):
-/// the time of an op on a 64-element tensor.
-pub const OP_OVERHEAD_S: f64 = 4e-6;
+/// Two candle threads: gemm 46.3 GFLOP/s, attention 33.2, element-wise 2.56
+/// GB/s; the tracked chain 60.5 µs per op (candle's element-wise pool
+/// synchronizing two threads on small tensors): (60.5 − 16) / 2 = 22 µs per kernel.
+pub const TWO_THREADS: Rates = Rates {
+    gemm_flops_per_s: 46.3e9,
+    attention_flops_per_s: 33.2e9,
+    memory_bytes_per_s: 2.56e9,
+    cached_bytes_per_s: 30e9,
+    op_overhead_s: 22e-6,
+};
 
 /// One memcpy between host buffers, bytes/s (`docs/benchmarks.md`, the
 /// reference memcpy column of the sim rows: 24.5–27.0 GB/s).
@@ -49,16 +87,8 @@ pub const SIM_BUSBW: f64 = 1.9e9;
 /// The cpu device's cost model.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CpuModel {
-    /// Threads candle gives each rank (`chorus train`: cores / ranks, at least one).
-    pub threads: usize,
-    /// Matmul FLOP/s per thread.
-    pub gemm_flops_per_thread: f64,
-    /// Attention matmul FLOP/s per thread.
-    pub attention_flops_per_thread: f64,
-    /// Element-wise bytes/s (one thread: candle's element-wise kernels do not split small tensors).
-    pub memory_bytes_per_s: f64,
-    /// Fixed cost per op, seconds.
-    pub op_overhead_s: f64,
+    /// One rank's rates.
+    pub rates: Rates,
     /// Fixed cost per collective, seconds.
     pub call_s: f64,
     /// Collective bus bandwidth, bytes/s.
@@ -71,18 +101,21 @@ impl CpuModel {
         CpuModel::for_ranks(1)
     }
 
-    /// The frozen calibration when `ranks` sim ranks share the machine
-    /// (each gets `CORES / ranks` candle threads, at least one; more ranks
-    /// than cores share the cores, so each runs proportionally slower).
+    /// The frozen calibration when `ranks` sim ranks share the machine:
+    /// `chorus train` gives each `cores / ranks` candle threads (at least
+    /// one); more ranks than cores share the cores, each proportionally slower.
     pub fn for_ranks(ranks: usize) -> CpuModel {
         let ranks = ranks.max(1);
+        let base = if CORES / ranks >= 2 { TWO_THREADS } else { ONE_THREAD };
         let share = if ranks > CORES { CORES as f64 / ranks as f64 } else { 1.0 };
         CpuModel {
-            threads: (CORES / ranks).max(1),
-            gemm_flops_per_thread: GEMM_FLOPS_PER_THREAD * share,
-            attention_flops_per_thread: ATTENTION_FLOPS_PER_THREAD * share,
-            memory_bytes_per_s: MEMORY_BYTES_PER_S * share,
-            op_overhead_s: OP_OVERHEAD_S / share,
+            rates: Rates {
+                gemm_flops_per_s: base.gemm_flops_per_s * share,
+                attention_flops_per_s: base.attention_flops_per_s * share,
+                memory_bytes_per_s: base.memory_bytes_per_s * share,
+                cached_bytes_per_s: base.cached_bytes_per_s * share,
+                op_overhead_s: base.op_overhead_s / share,
+            },
             call_s: SIM_CALL_S,
             busbw: SIM_BUSBW,
         }
@@ -91,13 +124,14 @@ impl CpuModel {
 
 impl CostModel for CpuModel {
     fn kernel_seconds(&self, kernel: &KernelCost) -> f64 {
-        let threads = self.threads as f64;
+        let r = &self.rates;
         let compute = match kernel.kind {
-            KernelKind::Gemm => kernel.flops / (self.gemm_flops_per_thread * threads),
-            KernelKind::Attention => kernel.flops / (self.attention_flops_per_thread * threads),
+            KernelKind::Gemm => kernel.flops / r.gemm_flops_per_s,
+            KernelKind::Attention => kernel.flops / r.attention_flops_per_s,
             KernelKind::MemoryBound => 0.0,
         };
-        self.op_overhead_s + compute.max(kernel.bytes / self.memory_bytes_per_s)
+        let rate = if kernel.bytes <= CACHE_BYTES { r.cached_bytes_per_s } else { r.memory_bytes_per_s };
+        r.op_overhead_s + compute.max(kernel.bytes / rate)
     }
 
     fn collective_seconds(&self, shape: &CollectiveShape) -> f64 {
