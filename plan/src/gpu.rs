@@ -99,7 +99,7 @@ const PCIE5_X16: f64 = 63e9 * 0.85;
 /// PCIe Gen4 x16 (A100): 31.5 GB/s each way, the same 85 %.
 const PCIE4_X16: f64 = 31.5e9 * 0.85;
 
-/// The kinds `--gpu` takes.
+/// The kinds `--gpu` takes (`a100` is accepted for `a100-80gb`).
 pub const GPU_KINDS: [&str; 5] = ["h100-sxm", "h100-sxm-500w", "h200", "a100-80gb", "cpu"];
 
 /// The spec of GPU `kind` (not `cpu`).
@@ -144,7 +144,7 @@ pub fn gpu_spec(kind: &str) -> Option<GpuSpec> {
         // ring's bus bandwidth at 235 GB/s (`tuning.cc`, compCap80) of
         // NVLink 3's 300 GB/s each way; DGX A100 has one 200 Gb/s HDR NIC per
         // GPU.
-        "a100-80gb" => Some(GpuSpec {
+        "a100-80gb" | "a100" => Some(GpuSpec {
             name: "a100-80gb",
             peak_flops: 312e12,
             clocked_flops: 312e12,
