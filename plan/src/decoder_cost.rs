@@ -73,6 +73,9 @@ pub fn decoder_work_for(
     let mut t = Trace::new(framework, dims.c);
     rms_norm(&mut t, "norm", &dims);
     t.gemm("lm_head", &dims, dims.d, shape.vocab as f64, false);
+    // torchtitan checkpoints the blocks only; `chorus train` recomputes
+    // every group's stages whole, the root's (norm and head) included, while
+    // the loss outside the stage keeps its graph.
     let recompute_head = framework == Framework::Candle && recompute != RecomputeMode::None;
     t.outside_checkpoint();
     loss_ops(&mut t, &dims, shape.vocab as f64);
