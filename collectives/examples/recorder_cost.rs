@@ -108,23 +108,24 @@ fn isolated(
     rounds: usize,
     block: usize,
 ) -> anyhow::Result<Vec<[f64; 2]>> {
-    let world = SimWorld::new(1, config.clone())?;
     let make = |options: &RecorderOptions| -> anyhow::Result<Communicator<Accepting>> {
-        let inner = world.communicator(0)?.into_backend();
+        let inner = SimWorld::new(1, config.clone())?.communicator(0)?.into_backend();
         Ok(Communicator::with_recorder(Accepting { inner }, options))
     };
     let comms = [make(&RecorderOptions::off())?, make(recording)?];
-    let dev = comms[0].device().clone();
-    let stream = dev.create_stream(Priority::Normal)?;
-    let buf = dev.alloc(DType::F32, ELEMENTS)?;
+    let setup = comms
+        .iter()
+        .map(|c| Ok((c.device().create_stream(Priority::Normal)?, c.device().alloc(DType::F32, ELEMENTS)?)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let mut blocks = Vec::with_capacity(rounds);
     for round in 0..=rounds {
         let mut per_call = [0.0; 2];
         for k in 0..2 {
             let which = (k + round) % 2;
+            let (stream, buf) = &setup[which];
             let start = Instant::now();
             for _ in 0..block {
-                comms[which].all_reduce_in_place(buf.view(), ReduceOp::Sum, &stream)?;
+                comms[which].all_reduce_in_place(buf.view(), ReduceOp::Sum, stream)?;
             }
             per_call[which] = start.elapsed().as_secs_f64() * 1e9 / block as f64;
         }
@@ -132,7 +133,9 @@ fn isolated(
             blocks.push(per_call);
         }
     }
-    stream.synchronize()?;
+    for (stream, _) in &setup {
+        stream.synchronize()?;
+    }
     Ok(blocks)
 }
 
