@@ -31,6 +31,10 @@
 #                        memory per rank (nvidia-smi's peak); the 110M Llama without recomputation
 #                        (the step-time ratio's goal is stated that way); the 110M Llama in bf16 on
 #                        every GPU: tokens/s and MFU (989 TFLOP/s dense bf16 per H100 SXM)
+#   offload-nccl         CPU offload on the cuda device: the offload conformance cases on NCCL, and the
+#                        MLP and the 4-layer Llama (binary built with candle-cuda) trained with and
+#                        without --offload on nccl: equal losses, a host peak above zero and a lower
+#                        device peak (summary.json)
 #   llama-torch          a transformers LlamaForCausalLM (ci/llama_torch.py, on the CPU in f32) trained
 #                        by chorus on candle-CUDA over NCCL and by PyTorch: losses within 1e-4 and every
 #                        saved tensor within 1e-4 ($CHORUS_PYTHON, else python3; skipped, and said so,
@@ -298,6 +302,29 @@ if want candle-cuda; then
     run candle-cuda-llama-110m-bf16-mfu 30 python3 ci/gpu_judge.py mfu \
         "$results/candle-cuda-llama-110m-bf16/summary.json" "$gpus"
     sed 's/^/# /' "$results/candle-cuda-llama-110m-bf16-mfu.log" | tee -a "$summary"
+fi
+
+if want offload-nccl; then
+    run offload-nccl-conformance 120 "$chorus" conformance --backend nccl --world-size 1 --filter fsdp/offload
+    d="$results/offload-nccl"
+    for spec in "mlp:--model mlp --steps 10" \
+        "llama-4l:--model llama --layers 4 --heads 4 --kv-heads 2 --hidden 32 --intermediate 64 --seq-len 16 --batch 4 --steps 10"; do
+        name="${spec%%:*}"
+        read -r -a flags <<<"${spec#*:}"
+        if run "offload-nccl-$name-plain" 120 "$chorus" train --backend nccl --world-size 1 "${flags[@]}" \
+            --out-dir "$d/$name-plain" \
+            && run "offload-nccl-$name" 120 "$chorus" train --backend nccl --world-size 1 "${flags[@]}" --offload \
+                --out-dir "$d/$name-offload"; then
+            # Offload moves bytes, not arithmetic: the losses are equal (the limit only allows for
+            # nondeterministic GPU kernels, which these models are not expected to have).
+            run "offload-nccl-$name-losses" 30 python3 ci/gpu_judge.py losses "$d/$name-offload/summary.json" \
+                "$d/$name-plain/summary.json" 1e-6 "no-offload"
+            run "offload-nccl-$name-memory" 30 python3 ci/gpu_judge.py offload-memory "$d/$name-plain/summary.json" \
+                "$d/$name-offload/summary.json"
+            cat "$results/offload-nccl-$name-losses.log" "$results/offload-nccl-$name-memory.log" | sed 's/^/# /' \
+                | tee -a "$summary"
+        fi
+    done
 fi
 
 if want llama-torch; then

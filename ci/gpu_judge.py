@@ -3,7 +3,9 @@
 
     python3 ci/gpu_judge.py bench LOG          # `train --bench --json`: FSDP vs plain candle-CUDA
     python3 ci/gpu_judge.py mfu SUMMARY GPUS   # the 110M Llama's bf16 run: tokens/s and MFU
-    python3 ci/gpu_judge.py losses SUMMARY TORCH_LOSSES ATOL   # chorus's losses against PyTorch's
+    python3 ci/gpu_judge.py losses SUMMARY TORCH_LOSSES ATOL [NAME]   # chorus's losses against PyTorch's
+                                                                     # (or NAME's: another run's summary.json)
+    python3 ci/gpu_judge.py offload-memory PLAIN_SUMMARY OFFLOAD_SUMMARY   # host space used, device peak lower
 
 A file, not a here-document: gpu-check.sh's `run` starts its command in the
 background, whose standard input is /dev/null, so a script fed on stdin ran
@@ -56,7 +58,7 @@ def mfu(summary, gpus):
     return 0
 
 
-def losses(summary, torch_losses, atol):
+def losses(summary, torch_losses, atol, name="PyTorch"):
     try:
         with open(summary) as f:
             ours = json.load(f)["losses"]
@@ -67,16 +69,38 @@ def losses(summary, torch_losses, atol):
         return 1
     atol = float(atol)
     if len(ours) != len(theirs) or not ours:
-        print(f"{len(ours)} chorus losses against {len(theirs)} PyTorch losses")
+        print(f"{len(ours)} chorus losses against {len(theirs)} {name} losses")
         return 1
     worst = max(abs(a - b) for a, b in zip(ours, theirs))
     print(
-        f"{len(ours)} steps: largest loss difference chorus vs PyTorch {worst:.3e} (limit {atol:g}); "
-        f"loss {ours[0]:.4f} -> {ours[-1]:.4f} (PyTorch {theirs[0]:.4f} -> {theirs[-1]:.4f})"
+        f"{len(ours)} steps: largest loss difference chorus vs {name} {worst:.3e} (limit {atol:g}); "
+        f"loss {ours[0]:.4f} -> {ours[-1]:.4f} ({name} {theirs[0]:.4f} -> {theirs[-1]:.4f})"
     )
     return 0 if worst == worst and worst <= atol and ours[-1] < ours[0] else 1
 
 
+def offload_memory(plain_summary, offload_summary):
+    """--offload moves the sharded state to the host: every rank's host peak
+    is above zero (none without offload) and its device peak is lower."""
+    try:
+        with open(plain_summary) as f:
+            plain = json.load(f)
+        with open(offload_summary) as f:
+            off = json.load(f)
+        dev = (plain["peak_memory_bytes"], off["peak_memory_bytes"])
+        host = (plain["peak_host_memory_bytes"], off["peak_host_memory_bytes"])
+    except (OSError, KeyError, ValueError) as e:
+        print(f"cannot read the memory figures ({e}): a run failed, see its log")
+        return 1
+    b = lambda xs: ", ".join(f"{x:,}" for x in xs)
+    print(
+        f"device peak per rank {b(dev[0])} B without offload, {b(dev[1])} B with; "
+        f"host peak {b(host[0])} B without, {b(host[1])} B with"
+    )
+    ok = len(dev[0]) == len(dev[1]) > 0 and all(h > 0 for h in host[1]) and all(h == 0 for h in host[0])
+    return 0 if ok and all(b < a for a, b in zip(*dev)) else 1
+
+
 if __name__ == "__main__":
     what, args = sys.argv[1], sys.argv[2:]
-    sys.exit({"bench": bench, "mfu": mfu, "losses": losses}[what](*args))
+    sys.exit({"bench": bench, "mfu": mfu, "losses": losses, "offload-memory": offload_memory}[what](*args))

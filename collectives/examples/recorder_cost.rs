@@ -5,8 +5,12 @@
 //! small all-reduces (4 KiB, f32, sum), each call waited for on its stream
 //! as `chorus bench` does. A load spike hits neighbouring blocks alike, so
 //! the median of the per-round differences from the unrecorded block
-//! resolves far less than the run-to-run spread of separate runs. Prints a
-//! table and one JSON line.
+//! resolves far less than the run-to-run spread of separate runs. Then the
+//! recorder in isolation: the same calls on a communicator whose backend
+//! accepts every call and runs none, with and without the recorder, so the
+//! difference is the recorder's own work per call (its bookkeeping and the
+//! event it records after each launch, on an idle stream). Prints a table
+//! and one JSON line.
 //!
 //! ```sh
 //! cargo run --release -p chorus-collectives --example recorder_cost -- --rounds 200 --block 100
@@ -15,10 +19,11 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use chorus_collectives::backend::{Call, Capabilities, CommBackend};
 use chorus_collectives::recorder::RecorderOptions;
 use chorus_collectives::sim::{SimComm, SimConfig, SimWorld};
-use chorus_collectives::{Communicator, ReduceOp};
-use chorus_devices::cpu::CpuConfig;
+use chorus_collectives::{forward_to_inner, Communicator, ReduceOp};
+use chorus_devices::cpu::{Cpu, CpuConfig, CpuStream};
 use chorus_devices::{Buffer, DType, Device, Priority, Stream};
 
 const RANKS: usize = 2;
@@ -72,6 +77,68 @@ fn rank(comms: [Communicator<SimComm>; 3], rounds: usize, block: usize) -> anyho
     Ok(blocks)
 }
 
+/// A rank's endpoint that accepts every call and runs none: what is left of
+/// a launch is the communicator's own work (validation, numbering) and its
+/// flight recorder.
+struct Accepting {
+    inner: SimComm,
+}
+
+impl CommBackend for Accepting {
+    type B = Cpu;
+    const NAME: &'static str = "accepting";
+    forward_to_inner!(inner);
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    fn launch(&self, _calls: Vec<Call<'_, Cpu>>, _stream: &CpuStream) -> chorus_collectives::Result<()> {
+        Ok(())
+    }
+    fn split(&self, _color: Option<u32>, _key: i64) -> chorus_collectives::Result<Option<Self>> {
+        Ok(None)
+    }
+}
+
+/// The recorder alone: `rounds` rounds of `block` calls on a one-rank
+/// communicator that runs nothing, without and with the recorder (the order
+/// alternating by round); nanoseconds per call of each block.
+fn isolated(
+    config: &SimConfig,
+    recording: &RecorderOptions,
+    rounds: usize,
+    block: usize,
+) -> anyhow::Result<Vec<[f64; 2]>> {
+    let make = |options: &RecorderOptions| -> anyhow::Result<Communicator<Accepting>> {
+        let inner = SimWorld::new(1, config.clone())?.communicator(0)?.into_backend();
+        Ok(Communicator::with_recorder(Accepting { inner }, options))
+    };
+    let comms = [make(&RecorderOptions::off())?, make(recording)?];
+    let setup = comms
+        .iter()
+        .map(|c| Ok((c.device().create_stream(Priority::Normal)?, c.device().alloc(DType::F32, ELEMENTS)?)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut blocks = Vec::with_capacity(rounds);
+    for round in 0..=rounds {
+        let mut per_call = [0.0; 2];
+        for k in 0..2 {
+            let which = (k + round) % 2;
+            let (stream, buf) = &setup[which];
+            let start = Instant::now();
+            for _ in 0..block {
+                comms[which].all_reduce_in_place(buf.view(), ReduceOp::Sum, stream)?;
+            }
+            per_call[which] = start.elapsed().as_secs_f64() * 1e9 / block as f64;
+        }
+        if round > 0 {
+            blocks.push(per_call);
+        }
+    }
+    for (stream, _) in &setup {
+        stream.synchronize()?;
+    }
+    Ok(blocks)
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -86,6 +153,7 @@ fn main() -> anyhow::Result<()> {
     // stream, and each call is waited for before the next is issued.
     let device = unsafe { CpuConfig::default().without_sanitizer() };
     let config = SimConfig { timeout: Duration::from_secs(30), device };
+    let config_alone = config.clone();
     let recording = RecorderOptions::default();
     let options =
         [RecorderOptions::off(), recording.clone(), RecorderOptions { track_starts: true, ..recording.clone() }];
@@ -130,6 +198,23 @@ fn main() -> anyhow::Result<()> {
         json[format!("{key}_paired_diff_us")] = diff_us.into();
         json[format!("{key}_paired_diff_percent")] = percent.into();
     }
+    // The recorder alone, with ten times the calls per block (they are short).
+    let alone = isolated(&config_alone, &recording, rounds, block * 10)?;
+    let without_ns = median(alone.iter().map(|b| b[0]).collect());
+    let with_ns = median(alone.iter().map(|b| b[1]).collect());
+    let own_ns = median(alone.iter().map(|b| b[1] - b[0]).collect());
+    let (q1, q3) = {
+        let mut d: Vec<f64> = alone.iter().map(|b| b[1] - b[0]).collect();
+        d.sort_by(f64::total_cmp);
+        (d[d.len() / 4], d[d.len() * 3 / 4])
+    };
+    println!(
+        "  the recorder alone (a backend that runs nothing, 1 rank): {without_ns:.0} ns per call without, \
+         {with_ns:.0} ns with; its own work, median of the rounds: {own_ns:+.0} ns (quartiles {q1:+.0}..{q3:+.0} ns)"
+    );
+    json["alone_without_ns"] = without_ns.into();
+    json["alone_with_ns"] = with_ns.into();
+    json["alone_recorder_ns"] = own_ns.into();
     println!("{json}");
     Ok(())
 }

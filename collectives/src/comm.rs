@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use chorus_devices::{Backend, Buffer, Device, Stream, View};
 
 use crate::backend::{Call, CallKind, Capabilities, CommBackend, Fingerprint, OpKind};
-use crate::recorder::{self, CallMeta, CommRecord, RecorderOptions, Ring, RingInfo};
+use crate::recorder::{self, CallMetas, CommRecord, RecorderOptions, Ring, RingInfo};
 use crate::{CommError, ReduceOp, Result};
 
 /// One rank's handle on a group of ranks that communicate.
@@ -143,7 +143,7 @@ impl<C: CommBackend> Communicator<C> {
             *seq = next;
             return Ok(());
         };
-        let metas: Vec<CallMeta> = calls.iter().map(CallMeta::of).collect();
+        let metas = CallMetas::of(&calls);
         let start = ring.before_launch(stream);
         if let Err(e) = self.backend.launch(calls, stream) {
             // A backend error at issue is recorded (and dumped) like one

@@ -40,3 +40,22 @@ fn copies_between_the_spaces_are_exact_and_kernels_reach_host_buffers() {
     s.copy(dev.view(), host.slice(0, 17).unwrap()).unwrap();
     assert_eq!(s.read_vec::<f32>(host.view()).unwrap(), values);
 }
+
+#[test]
+fn with_kernels_off_host_only_copies_reach_host_buffers_as_on_a_gpu() {
+    let d = CpuDevice::new(CpuConfig::default().with_kernels_off_host());
+    assert!(!d.kernels_reach_host());
+    let s = d.create_stream(Priority::Normal).unwrap();
+    let values: Vec<f32> = (0..9).map(|i| i as f32 - 4.5).collect();
+    let host = d.alloc_host(chorus_devices::DType::F32, values.len(), true).unwrap();
+    s.upload(&values, host.view()).unwrap();
+    let dev = s.alloc(chorus_devices::DType::F32, values.len()).unwrap();
+    s.copy(host.view(), dev.view()).unwrap();
+    let refused = s.scale(host.view(), 2.0).unwrap_err();
+    assert!(matches!(refused, chorus_devices::DeviceError::InvalidArgument { op: "scale", .. }), "{refused}");
+    let refused = s.accumulate(dev.view(), host.view()).unwrap_err();
+    assert!(matches!(refused, chorus_devices::DeviceError::InvalidArgument { op: "accumulate", .. }), "{refused}");
+    s.scale(dev.view(), 2.0).unwrap();
+    s.copy(dev.view(), host.view()).unwrap();
+    assert_eq!(s.read_vec::<f32>(host.view()).unwrap(), values.iter().map(|v| v * 2.0).collect::<Vec<_>>());
+}

@@ -332,10 +332,6 @@ impl TrainArgs {
             crate::backends::check_thread_world(self.backend, world).map_err(usage)?;
         }
         crate::backends::check_not_one_of_many(self.backend).map_err(usage)?;
-        if self.offload && matches!(self.backend.name(), "nccl" | "rccl") {
-            // The GPU devices have no host memory space yet (docs/fsdp.md, "CPU offload").
-            return Err(usage(format!("--offload runs on sim, simnccl and ucx, not yet on {}", self.backend)));
-        }
         if self.bench {
             let mlp = model == ModelArg::Mlp;
             for (given, name) in [

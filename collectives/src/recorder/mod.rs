@@ -180,9 +180,44 @@ impl CallMeta {
     }
 }
 
+/// The calls of one launch: one inline (the common case, no allocation),
+/// or a group's.
+#[derive(Clone, Debug)]
+pub(crate) enum CallMetas {
+    One(CallMeta),
+    Group(Box<[CallMeta]>),
+}
+
+impl CallMetas {
+    pub(crate) fn of<B: Backend>(calls: &[Call<'_, B>]) -> CallMetas {
+        match calls {
+            [one] => CallMetas::One(CallMeta::of(one)),
+            calls => CallMetas::Group(calls.iter().map(CallMeta::of).collect()),
+        }
+    }
+
+    fn as_slice(&self) -> &[CallMeta] {
+        match self {
+            CallMetas::One(c) => std::slice::from_ref(c),
+            CallMetas::Group(calls) => calls,
+        }
+    }
+
+    /// The launch's description (`all_reduce #3`, `group of 4`).
+    fn describe(&self) -> String {
+        match self.as_slice() {
+            [c] => match c.seq {
+                Some(s) => format!("{} #{s}", c.fingerprint.op.name()),
+                None => c.fingerprint.op.name().to_string(),
+            },
+            calls => format!("group of {}", calls.len()),
+        }
+    }
+}
+
 struct Slot<B: Backend> {
     id: u64,
-    calls: Vec<CallMeta>,
+    calls: CallMetas,
     state: CallState,
     enqueued: Instant,
     started: Option<Instant>,
@@ -230,7 +265,7 @@ impl<B: Backend> Slot<B> {
     fn record(&self) -> EntryRecord {
         EntryRecord {
             id: self.id,
-            calls: self.calls.iter().map(CallMeta::record).collect(),
+            calls: self.calls.as_slice().iter().map(CallMeta::record).collect(),
             state: self.state,
             enqueued_us: epoch_us(self.enqueued),
             started_us: self.started.map(epoch_us),
@@ -240,18 +275,16 @@ impl<B: Backend> Slot<B> {
     }
 
     fn op(&self) -> String {
-        match self.calls.as_slice() {
-            [c] => match c.seq {
-                Some(s) => format!("{} #{s}", c.fingerprint.op.name()),
-                None => c.fingerprint.op.name().to_string(),
-            },
-            calls => format!("group of {}", calls.len()),
-        }
+        self.calls.describe()
     }
 }
 
 struct RingState<B: Backend> {
     slots: VecDeque<Slot<B>>,
+    /// Every slot before this index is completed or failed: the monitor
+    /// polls from here, so its time under the lock (which every launch
+    /// takes) grows with the launches in flight, not with the ring.
+    open_from: usize,
     /// Events of dropped slots, recorded again by later launches.
     spare: Vec<B::Event>,
     launches: u64,
@@ -300,6 +333,7 @@ impl<B: Backend> Ring<B> {
             track_starts: options.track_starts,
             state: Mutex::new(RingState {
                 slots: VecDeque::with_capacity(capacity.min(DEFAULT_ENTRIES)),
+                open_from: 0,
                 spare: Vec::new(),
                 launches: 0,
                 aborted: None,
@@ -320,9 +354,10 @@ impl<B: Backend> Ring<B> {
         Ring::start(info, &options)
     }
 
-    fn event(&self, stream: &B::Stream) -> Option<B::Event> {
-        let spare = self.state.lock().ok().and_then(|mut s| s.spare.pop());
-        let event = match spare {
+    /// An event recorded on `stream` now: a spare one (from a launch that
+    /// left the ring) when there is one, else a new one.
+    fn event(spare: &mut Vec<B::Event>, stream: &B::Stream) -> Option<B::Event> {
+        let event = match spare.pop() {
             Some(e) => e,
             None => stream.device().create_event().ok()?,
         };
@@ -336,56 +371,77 @@ impl<B: Backend> Ring<B> {
         if !self.track_starts {
             return None;
         }
-        self.event(stream)
+        let mut s = self.state.lock().ok()?;
+        Self::event(&mut s.spare, stream)
     }
 
     /// Records a launch the backend accepted, with the event that tells
-    /// when it has finished.
-    pub(crate) fn launched(&self, calls: Vec<CallMeta>, start: Option<B::Event>, stream: &B::Stream) {
-        let end = self.event(stream);
-        self.push(calls, CallState::Enqueued, None, start, end);
+    /// when it has finished. One lock, one clock read, no allocation once
+    /// the ring is full (the end event is recorded under the lock: an event
+    /// record is itself a few atomic operations on the cpu device, one
+    /// `cuEventRecord` on a GPU).
+    pub(crate) fn launched(&self, calls: CallMetas, start: Option<B::Event>, stream: &B::Stream) {
+        let Ok(mut s) = self.state.lock() else { return };
+        let s = &mut *s;
+        let evicted = self.make_room(s);
+        let mut spare = evicted.into_iter().flatten();
+        let end = match spare.next() {
+            Some(e) => stream.record(&e).ok().map(|()| e),
+            None => Self::event(&mut s.spare, stream),
+        };
+        for e in spare {
+            if s.spare.len() < SPARE_EVENTS {
+                s.spare.push(e);
+            }
+        }
+        Self::push(s, calls, CallState::Enqueued, None, start, end);
     }
 
     /// Records a launch the backend refused at issue (the error went back
     /// to the caller, nothing was enqueued) as failed; like any backend
     /// error, it makes the monitor dump.
-    pub(crate) fn refused(&self, calls: Vec<CallMeta>, start: Option<B::Event>, error: &CommError) {
+    pub(crate) fn refused(&self, calls: CallMetas, start: Option<B::Event>, error: &CommError) {
         let error = error.to_string();
-        if let Some(slot) = self.push(calls, CallState::Failed, Some(error.clone()), start, None) {
-            if let Ok(mut s) = self.state.lock() {
-                s.trigger
-                    .get_or_insert_with(|| format!("{slot} of communicator {} failed at issue: {error}", self.info.id));
+        let op = calls.describe();
+        let Ok(mut s) = self.state.lock() else { return };
+        let s = &mut *s;
+        for e in self.make_room(s).into_iter().flatten() {
+            if s.spare.len() < SPARE_EVENTS {
+                s.spare.push(e);
             }
+        }
+        Self::push(s, calls, CallState::Failed, Some(error.clone()), start, None);
+        s.trigger.get_or_insert_with(|| format!("{op} of communicator {} failed at issue: {error}", self.info.id));
+    }
+
+    /// Drops the oldest launch when the ring is full; its events, for reuse.
+    fn make_room(&self, s: &mut RingState<B>) -> [Option<B::Event>; 2] {
+        if s.slots.len() < self.capacity {
+            return [None, None];
+        }
+        match s.slots.pop_front() {
+            Some(old) => {
+                s.open_from = s.open_from.saturating_sub(1);
+                [old.end, old.start]
+            }
+            None => [None, None],
         }
     }
 
-    /// Adds a launch to the ring (dropping the oldest when full); the
-    /// launch's description (`all_reduce #3`).
+    /// Adds a launch to the ring (which has room).
     fn push(
-        &self,
-        calls: Vec<CallMeta>,
+        s: &mut RingState<B>,
+        calls: CallMetas,
         state: CallState,
         error: Option<String>,
         start: Option<B::Event>,
         end: Option<B::Event>,
-    ) -> Option<String> {
+    ) {
         let now = Instant::now();
         let finished = (state == CallState::Failed).then_some(now);
-        let Ok(mut s) = self.state.lock() else { return None };
         let slot = Slot { id: s.launches, calls, state, enqueued: now, started: None, finished, error, start, end };
-        let op = slot.op();
         s.launches += 1;
-        if s.slots.len() == self.capacity {
-            if let Some(old) = s.slots.pop_front() {
-                for e in [old.start, old.end].into_iter().flatten() {
-                    if s.spare.len() < SPARE_EVENTS {
-                        s.spare.push(e);
-                    }
-                }
-            }
-        }
         s.slots.push_back(slot);
-        Some(op)
     }
 
     /// Notes that the communicator was aborted; the monitor dumps.
@@ -403,12 +459,16 @@ impl<B: Backend> monitor::Watched for Ring<B> {
     fn poll(&self) -> Option<String> {
         let now = Instant::now();
         let Ok(mut s) = self.state.lock() else { return None };
+        let s = &mut *s;
         let mut reason = s.trigger.take();
-        for slot in s.slots.iter_mut().filter(|s| matches!(s.state, CallState::Enqueued | CallState::Started)) {
+        let from = s.open_from.min(s.slots.len());
+        for slot in s.slots.range_mut(from..).filter(|s| matches!(s.state, CallState::Enqueued | CallState::Started)) {
             if let Some(error) = slot.poll(now) {
                 reason.get_or_insert_with(|| format!("{} of communicator {} failed: {error}", slot.op(), self.info.id));
             }
         }
+        let open = |slot: &Slot<B>| matches!(slot.state, CallState::Enqueued | CallState::Started);
+        s.open_from = from + s.slots.range(from..).take_while(|slot| !open(slot)).count();
         reason
     }
 

@@ -100,6 +100,57 @@ mod sim {
         assert_eq!(wait_for(a, |e| e.state == CallState::Completed).error, None);
     }
 
+    /// The monitor polls from the first unfinished launch on: a launch held
+    /// on one stream while later ones on another finish, and the ring
+    /// wrapping past both, still end with every state read from its events.
+    #[test]
+    fn launches_finishing_out_of_order_and_a_wrapping_ring_keep_their_states() {
+        let comms = world(1, 4, None);
+        let c = &comms[0];
+        let (held_stream, free_stream) =
+            (c.device().create_stream(Priority::Normal).unwrap(), c.device().create_stream(Priority::Normal).unwrap());
+        let (held_buf, buf) = (c.device().alloc(DType::F32, 4).unwrap(), c.device().alloc(DType::F32, 4).unwrap());
+        let (release, held) = mpsc::channel::<()>();
+        held_stream
+            .launch_host_fn(Box::new(move |_| {
+                let _ = held.recv_timeout(Duration::from_secs(20));
+            }))
+            .unwrap();
+        c.all_reduce_in_place(held_buf.view(), ReduceOp::Sum, &held_stream).unwrap();
+        for _ in 0..2 {
+            c.all_reduce_in_place(buf.view(), ReduceOp::Sum, &free_stream).unwrap();
+        }
+        free_stream.synchronize().unwrap();
+        let start = Instant::now();
+        let states = loop {
+            let states: Vec<CallState> = c.flight_record().unwrap().entries.iter().map(|e| e.state).collect();
+            if states[1..].iter().all(|s| *s == CallState::Completed) || start.elapsed() > Duration::from_secs(10) {
+                break states;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        assert_eq!(states, [CallState::Enqueued, CallState::Completed, CallState::Completed], "the held launch first");
+        release.send(()).unwrap();
+        held_stream.synchronize().unwrap();
+        let first = loop {
+            let r = c.flight_record().unwrap();
+            if r.entries[0].state == CallState::Completed || start.elapsed() > Duration::from_secs(10) {
+                break r.entries[0].state;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        assert_eq!(first, CallState::Completed, "the held launch, once let go");
+        // Past the ring's 4 entries: the oldest leave, the newest complete.
+        for _ in 0..5 {
+            c.all_reduce_in_place(buf.view(), ReduceOp::Sum, &free_stream).unwrap();
+        }
+        free_stream.synchronize().unwrap();
+        let last = wait_for(c, |e| e.state == CallState::Completed);
+        let record = c.flight_record().unwrap();
+        assert_eq!((record.launches, record.entries.len(), last.id), (8, 4, 7));
+        assert!(record.entries.iter().all(|e| e.state == CallState::Completed), "{:?}", record.entries);
+    }
+
     #[test]
     fn a_mismatch_fails_the_entry_on_every_rank_with_the_error() {
         let comms = world(2, 8, None);

@@ -629,42 +629,86 @@ fn bound(shapes: &[&[usize]], world: usize) -> Bound {
     }
 }
 
+/// CPU offload with pinned host memory (FSDP2's default policy).
+const OFFLOAD: Option<chorus_fsdp::OffloadPolicy> = Some(chorus_fsdp::OffloadPolicy { pin_memory: true });
+
+/// The groups of the memory cases: one f32 parameter each, of these shapes.
+const MEMORY_SHAPES: [&[usize]; 4] = [&[64, 48], &[96, 64], &[33, 96], &[50, 33]];
+
+/// What one rank's device and host spaces held in one fake training step,
+/// less what they held before FSDP was made (the harness's buffers).
+#[derive(Debug)]
+struct StepMemory {
+    device_peak: usize,
+    device_after_step: usize,
+    device_after_zero_grad: usize,
+    host_after_step: usize,
+    host_after_zero_grad: usize,
+}
+
+/// Two training steps of groups without model compute (the forward only
+/// gathers, every gradient is 0.5; SGD with momentum) over groups of
+/// `shapes`, the first `offloaded` of them offloaded (per group, through
+/// `set_offload`), measuring each step: what the memory cases share.
+fn fake_steps<C: CommBackend>(
+    ctx: &RankCtx<'_, C>,
+    shapes: &[&[usize]],
+    offloaded: usize,
+) -> Result<[StepMemory; 2], Failure>
+where
+    C::B: ComputeBackend,
+{
+    let world = own_world(ctx)?;
+    ctx.device().synchronize()?;
+    let dev = ctx.device().clone();
+    let (others, host_others) = (dev.memory_stats().bytes_in_use, dev.host_memory_stats().bytes_in_use);
+    let mut f = Fsdp::new(DataParallel::fsdp(world), FsdpConfig::default())?;
+    for (i, shape) in shapes.iter().enumerate() {
+        f.set_offload(if i < offloaded { OFFLOAD } else { None });
+        f.add_group(&format!("g{i}"), vec![param(&format!("p{i}"), shape)], false)?;
+        ensure!(f.is_offloaded(i)? == (i < offloaded), "group {i}'s offload");
+    }
+    let mut opt = ShardedOptimizer::new(OptimizerKind::sgd(0.1, 0.9));
+    let l = shapes.len();
+    let mut step = || -> Result<StepMemory, Failure> {
+        f.synchronize()?;
+        dev.reset_peak_memory();
+        for g in 0..l {
+            f.pre_forward(g)?;
+            f.post_forward(g)?;
+        }
+        for g in (0..l).rev() {
+            f.pre_backward(g)?;
+            f.compute_stream().fill(f.grad(g, 0)?, Scalar::Float(0.5))?;
+            f.post_backward(g)?;
+        }
+        f.finalize_backward()?;
+        opt.step(&mut f)?;
+        f.synchronize()?;
+        let device_peak = dev.memory_stats().peak_bytes.saturating_sub(others);
+        let device_after_step = dev.memory_stats().bytes_in_use.saturating_sub(others);
+        let host_after_step = dev.host_memory_stats().bytes_in_use.saturating_sub(host_others);
+        f.zero_grad();
+        Ok(StepMemory {
+            device_peak,
+            device_after_step,
+            host_after_step,
+            device_after_zero_grad: dev.memory_stats().bytes_in_use.saturating_sub(others),
+            host_after_zero_grad: dev.host_memory_stats().bytes_in_use.saturating_sub(host_others),
+        })
+    };
+    Ok([step()?, step()?])
+}
+
 fn memory_case<C: CommBackend>() -> Case<C>
 where
     C::B: ComputeBackend,
 {
     Case::new("fsdp/memory-within-zero3-bound", |ctx: &RankCtx<'_, C>| {
-        let world = own_world(ctx)?;
-        let n = world.size();
-        // Buffers this rank's device holds for others (the harness) are not FSDP's.
-        ctx.device().synchronize()?;
-        let others = ctx.device().memory_stats().bytes_in_use;
-        let mut f = Fsdp::new(DataParallel::fsdp(world), FsdpConfig::default())?;
-        let shapes: [&[usize]; 4] = [&[64, 48], &[96, 64], &[33, 96], &[50, 33]];
-        for (i, shape) in shapes.iter().enumerate() {
-            f.add_group(&format!("g{i}"), vec![param(&format!("p{i}"), shape)], false)?;
-        }
-        let b = bound(&shapes, n);
-        let mut opt = ShardedOptimizer::new(OptimizerKind::sgd(0.1, 0.9));
-        let dev = f.device().clone();
-        for step in 0..2 {
-            f.synchronize()?;
-            dev.reset_peak_memory();
-            for g in 0..4 {
-                f.pre_forward(g)?;
-                f.post_forward(g)?;
-            }
-            for g in (0..4).rev() {
-                f.pre_backward(g)?;
-                f.compute_stream().fill(f.grad(g, 0)?, Scalar::Float(0.5))?;
-                f.post_backward(g)?;
-            }
-            f.finalize_backward()?;
-            opt.step(&mut f)?;
-            f.synchronize()?;
-            let stats = dev.memory_stats();
-            let peak = stats.peak_bytes.saturating_sub(others);
+        let b = bound(&MEMORY_SHAPES, ctx.size());
+        for (step, m) in fake_steps(ctx, &MEMORY_SHAPES, 0)?.iter().enumerate() {
             if step == 1 {
+                let peak = m.device_peak;
                 ensure!(peak as f64 <= b.peak as f64 * 1.05, "peak {peak} B above the bound {} B", b.peak);
                 ensure!(
                     peak >= b.floor,
@@ -672,10 +716,9 @@ where
                     b.floor
                 );
             }
-            let now = stats.bytes_in_use.saturating_sub(others);
+            let now = m.device_after_step;
             ensure!(now == b.after_step, "after step {step}: {now} B, expected {}", b.after_step);
-            f.zero_grad();
-            let now = dev.memory_stats().bytes_in_use.saturating_sub(others);
+            let now = m.device_after_zero_grad;
             ensure!(now == b.after_zero_grad, "after zero_grad: {now} B, expected {}", b.after_zero_grad);
         }
         Ok(())

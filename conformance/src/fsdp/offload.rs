@@ -5,14 +5,16 @@
 
 use anyhow::ensure;
 use chorus_collectives::CommBackend;
-use chorus_devices::{ComputeBackend, DType, Device, Scalar, Stream};
+use chorus_devices::{ComputeBackend, DType};
 use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, MixedPrecision, OffloadPolicy, OptimizerKind, ShardedOptimizer};
 use chorus_train::mlp::{init_layers, Mlp};
 
-use super::{adamw, batch, own_world, padded_shard_bytes, param, sgd, train_fsdp, Setup, SEED};
+use super::{
+    adamw, batch, fake_steps, own_world, padded_shard_bytes, sgd, train_fsdp, Setup, StepMemory, MEMORY_SHAPES, SEED,
+};
 use crate::{Case, Failure, RankCtx};
 
-const ON: Option<OffloadPolicy> = Some(OffloadPolicy { pin_memory: true });
+use super::OFFLOAD as ON;
 
 /// The first element where two runs' parameters differ in their bits.
 fn first_bit_difference(a: &Params, b: &Params) -> Option<String> {
@@ -115,57 +117,14 @@ where
     })
 }
 
-/// What one rank's device and host spaces held in the memory case's second step.
-#[derive(Debug)]
-struct Measured {
-    device_peak: usize,
-    device_after_step: usize,
-    host_after_step: usize,
-    host_after_zero_grad: usize,
-}
-
-/// The groups of `super::memory_case` (one f32 parameter each, SGD with
-/// momentum), the first `offloaded` of them offloaded (per group, through
-/// `set_offload`): two steps, the second measured.
-fn measure<C: CommBackend>(ctx: &RankCtx<'_, C>, shapes: &[&[usize]], offloaded: usize) -> Result<Measured, Failure>
+/// What one rank held in the second of `super::fake_steps`'s steps with the
+/// first `offloaded` groups offloaded.
+fn measure<C: CommBackend>(ctx: &RankCtx<'_, C>, shapes: &[&[usize]], offloaded: usize) -> Result<StepMemory, Failure>
 where
     C::B: ComputeBackend,
 {
-    let world = own_world(ctx)?;
-    ctx.device().synchronize()?;
-    let dev = ctx.device().clone();
-    let (others, host_others) = (dev.memory_stats().bytes_in_use, dev.host_memory_stats().bytes_in_use);
-    let mut f = Fsdp::new(DataParallel::fsdp(world), FsdpConfig::default())?;
-    for (i, shape) in shapes.iter().enumerate() {
-        f.set_offload(if i < offloaded { ON } else { None });
-        f.add_group(&format!("g{i}"), vec![param(&format!("p{i}"), shape)], false)?;
-        ensure!(f.is_offloaded(i)? == (i < offloaded), "group {i}'s offload");
-    }
-    let mut opt = ShardedOptimizer::new(OptimizerKind::sgd(0.1, 0.9));
-    let l = shapes.len();
-    let mut m = Measured { device_peak: 0, device_after_step: 0, host_after_step: 0, host_after_zero_grad: 0 };
-    for _ in 0..2 {
-        f.synchronize()?;
-        dev.reset_peak_memory();
-        for g in 0..l {
-            f.pre_forward(g)?;
-            f.post_forward(g)?;
-        }
-        for g in (0..l).rev() {
-            f.pre_backward(g)?;
-            f.compute_stream().fill(f.grad(g, 0)?, Scalar::Float(0.5))?;
-            f.post_backward(g)?;
-        }
-        f.finalize_backward()?;
-        opt.step(&mut f)?;
-        f.synchronize()?;
-        m.device_peak = dev.memory_stats().peak_bytes.saturating_sub(others);
-        m.device_after_step = dev.memory_stats().bytes_in_use.saturating_sub(others);
-        m.host_after_step = dev.host_memory_stats().bytes_in_use.saturating_sub(host_others);
-        f.zero_grad();
-        m.host_after_zero_grad = dev.host_memory_stats().bytes_in_use.saturating_sub(host_others);
-    }
-    Ok(m)
+    let [_, second] = fake_steps(ctx, shapes, offloaded)?;
+    Ok(second)
 }
 
 fn memory_case<C: CommBackend>() -> Case<C>
@@ -174,7 +133,7 @@ where
 {
     Case::new("fsdp/offload/device-memory-drops-by-the-offloaded-state", |ctx: &RankCtx<'_, C>| {
         let n = ctx.size();
-        let shapes: [&[usize]; 4] = [&[64, 48], &[96, 64], &[33, 96], &[50, 33]];
+        let shapes = MEMORY_SHAPES;
         let s: Vec<usize> = shapes.iter().map(|shape| padded_shard_bytes(shape, n)).collect();
         let total: usize = s.iter().sum();
         let plain = measure(ctx, &shapes, 0)?;

@@ -31,11 +31,13 @@ pub struct CpuConfig {
     /// executor's wait on an event.
     pub timeout: Duration,
     sanitizer: bool,
+    /// Whether kernels reach host buffers ([`crate::Device::kernels_reach_host`]).
+    pub(crate) host_kernels: bool,
 }
 
 impl Default for CpuConfig {
     fn default() -> Self {
-        CpuConfig { ordinal: 0, timeout: Duration::from_secs(120), sanitizer: true }
+        CpuConfig { ordinal: 0, timeout: Duration::from_secs(120), sanitizer: true, host_kernels: true }
     }
 }
 
@@ -68,6 +70,16 @@ impl CpuConfig {
     /// Whether the stream sanitizer is on.
     pub fn sanitizer(&self) -> bool {
         self.sanitizer
+    }
+
+    /// These settings with kernels kept off host buffers, as on a GPU: only
+    /// copies reach a buffer from `alloc_host`, every other operation on one
+    /// is an `InvalidArgument` error, and `kernels_reach_host` is false. CI
+    /// runs the protocol of a GPU device (CPU offload's staging and host
+    /// optimizer step) with it.
+    pub fn with_kernels_off_host(mut self) -> Self {
+        self.host_kernels = false;
+        self
     }
 }
 
@@ -235,7 +247,7 @@ impl crate::Device for CpuDevice {
         self.inner.host_counters.reset_peak()
     }
     fn kernels_reach_host(&self) -> bool {
-        true
+        self.inner.config.host_kernels
     }
     fn synchronize(&self) -> Result<()> {
         host_fn::check("device synchronize")?;

@@ -76,6 +76,8 @@ pub(crate) struct DeviceInner {
     pub(crate) priorities: (i32, i32),
     /// Updated when a buffer is made and when its free is enqueued.
     pub(crate) counters: MemCounters,
+    /// The host space's counters (`alloc_host`), in the same terms.
+    pub(crate) host_counters: MemCounters,
     pub(crate) streams: StreamList<StreamShared>,
     pub(crate) next_stream: AtomicUsize,
     pub(crate) kernels: OnceLock<Result<Arc<Kernels>>>,
@@ -175,6 +177,7 @@ impl CudaDevice {
             compute_capability: cc,
             priorities,
             counters: MemCounters::default(),
+            host_counters: MemCounters::default(),
             streams: StreamList::default(),
             next_stream: AtomicUsize::new(0),
             kernels: OnceLock::new(),
@@ -325,6 +328,15 @@ impl crate::Device for CudaDevice {
     }
     fn reset_peak_memory(&self) {
         self.inner.counters.reset_peak()
+    }
+    fn alloc_host(&self, dtype: DType, len: usize, pinned: bool) -> Result<CudaBuffer> {
+        self.alloc_host_buffer(dtype, len, pinned)
+    }
+    fn host_memory_stats(&self) -> MemoryStats {
+        self.inner.host_counters.stats()
+    }
+    fn reset_peak_host_memory(&self) {
+        self.inner.host_counters.reset_peak()
     }
     fn synchronize(&self) -> Result<()> {
         self.bind()?;

@@ -7,14 +7,17 @@ use cudarc::driver::result as drv;
 use cudarc::driver::sys::CUdeviceptr;
 
 use super::device::{bind_ctx, defer, CudaDevice};
+use super::host::{keep_alive, HostMemory};
 use super::result::DriverResult;
 use super::stream::StreamShared;
 use super::Cuda;
 use crate::memory::StreamUsers;
-use crate::{DType, DeviceError};
+use crate::{DType, DeviceError, MemorySpace};
 
 /// A cuda buffer: device memory from the stream-ordered allocator
-/// (`cuMemAllocAsync`), freed in stream order after every stream that used it.
+/// (`cuMemAllocAsync`), freed in stream order after every stream that used
+/// it; or host memory ([`MemorySpace::Host`], see `host.rs`), released the
+/// same way through host functions that hold it until the streams' work is done.
 ///
 /// The buffer remembers its *owner* stream (the one the allocation is
 /// ordered on) and every other stream that enqueued work on it. Dropping it
@@ -24,7 +27,12 @@ use crate::{DType, DeviceError};
 /// device (see [`CudaDevice::take_parked_errors`]); drop never panics.
 #[derive(Debug)]
 pub struct CudaBuffer {
+    /// The device address (device memory; 0 for host buffers, which are
+    /// reached through `host` only).
     pub(crate) ptr: CUdeviceptr,
+    /// The host allocation of a non-empty host buffer.
+    pub(crate) host: Option<Arc<HostMemory>>,
+    space: MemorySpace,
     bytes: usize,
     dtype: DType,
     len: usize,
@@ -47,12 +55,31 @@ impl CudaBuffer {
         device.inner.counters.add(bytes);
         CudaBuffer {
             ptr,
+            host: None,
+            space: MemorySpace::Device,
             bytes,
             dtype,
             len,
             id: super::device::next_id(),
             device: device.clone(),
             users: StreamUsers::new(owner),
+        }
+    }
+
+    /// Takes ownership of host memory (`None` when empty) and counts it in the host counters.
+    pub(crate) fn adopt_host(device: &CudaDevice, host: Option<Arc<HostMemory>>, dtype: DType, len: usize) -> Self {
+        let bytes = len * dtype.size();
+        device.inner.host_counters.add(bytes);
+        CudaBuffer {
+            ptr: 0,
+            host,
+            space: MemorySpace::Host,
+            bytes,
+            dtype,
+            len,
+            id: super::device::next_id(),
+            device: device.clone(),
+            users: StreamUsers::new(&device.internal),
         }
     }
 
@@ -120,10 +147,25 @@ impl crate::Buffer for CudaBuffer {
     fn device(&self) -> &CudaDevice {
         &self.device
     }
+    fn space(&self) -> MemorySpace {
+        self.space
+    }
 }
 
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
+        if self.space == MemorySpace::Host {
+            if let Some(memory) = self.host.take() {
+                let (owner, mut users) = self.users.take();
+                users.push(owner);
+                defer(&self.device.inner, "cuLaunchHostFunc", move |inner| {
+                    bind_ctx(inner)?;
+                    keep_alive(memory, users)
+                });
+            }
+            self.device.inner.host_counters.sub(self.bytes);
+            return;
+        }
         if self.bytes > 0 {
             let (ptr, label) = (self.ptr, self.device.label());
             let (owner, users) = self.users.take();

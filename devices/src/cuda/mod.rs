@@ -35,6 +35,12 @@
 //! - **memory statistics** are our own exact counters, changed when a
 //!   buffer is made and when its free is enqueued (the pool may keep the
 //!   bytes reserved; the statistics count what chorus holds);
+//! - **host memory** ([`crate::MemorySpace::Host`], `Device::alloc_host`)
+//!   is pinned (`cuMemHostAlloc`) or pageable, counted apart; copies reach
+//!   it (pinned: `cuMemcpyAsync`; pageable: staged through a pinned block
+//!   by host functions, so stream order holds), kernels, fills and vendor
+//!   work are refused, and a dropped host buffer is freed only after the
+//!   work of every stream that used it (host functions hold it till then);
 //! - **host→device** copies use `cuMemcpyHtoDAsync` from the caller's
 //!   slice: for pageable memory the driver stages the bytes before it
 //!   returns, so the slice may be reused at once. **Device→host** copies go
@@ -61,6 +67,7 @@ mod compute;
 mod device;
 mod event;
 mod foreign;
+mod host;
 mod kernels;
 mod loader;
 mod memory;

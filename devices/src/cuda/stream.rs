@@ -200,13 +200,33 @@ impl CudaStream {
         self.shared.raw
     }
 
-    /// Enqueues one operation: checks that `views` are of this device and
+    /// Enqueues one operation: checks that `views` are of this device, in
+    /// device memory (kernels and vendor work never reach host memory) and
     /// that this is not a host function, notes the views as used (so their
     /// stream-ordered frees wait for this stream), binds the context and
     /// calls `f` with the stream handle. Returns `Ok(None)` without calling
     /// `f` when the stream has already failed (the work is skipped, as on
     /// every device), else `Ok(Some(position))`.
     pub(crate) fn enqueue_op(
+        &self,
+        op: &'static str,
+        views: &[View<'_, Cuda>],
+        f: impl FnOnce(CUstream) -> Result<()>,
+    ) -> Result<Option<u64>> {
+        if let Some(v) = views.iter().find(|v| super::host::in_host(v)) {
+            return Err(DeviceError::invalid(
+                op,
+                format!(
+                    "buffer {} is in host memory, which cuda kernels do not reach: copy it to a device buffer first",
+                    crate::Buffer::id(v.buffer())
+                ),
+            ));
+        }
+        self.enqueue_any(op, views, f)
+    }
+
+    /// `enqueue_op` for copies, which may have host-memory operands.
+    fn enqueue_any(
         &self,
         op: &'static str,
         views: &[View<'_, Cuda>],
@@ -227,6 +247,16 @@ impl CudaStream {
         Ok(Some(self.shared.state.advance()))
     }
 
+    /// Enqueues a copy whose operands may be in host memory (see `enqueue_op`).
+    pub(super) fn run_copy(
+        &self,
+        op: &'static str,
+        views: &[View<'_, Cuda>],
+        f: impl FnOnce(CUstream) -> Result<()>,
+    ) -> Result<()> {
+        self.enqueue_any(op, views, f).map(|_| ())
+    }
+
     /// The failure that has made this stream skip its work, if any.
     pub fn failure(&self) -> Option<DeviceError> {
         self.shared.state.own_failure()
@@ -245,7 +275,7 @@ impl CudaStream {
     /// Enqueues `f` as a host function (`cuLaunchHostFunc`) after the work
     /// enqueued so far; it gets the stream's failure up to that point, if any.
     /// On a failed stream it is not enqueued: it runs at once with the failure.
-    fn launch_host_job(&self, op: &'static str, f: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
+    pub(super) fn launch_host_job(&self, op: &'static str, f: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
         host_fn::check(op)?;
         if let Some(e) = self.shared.state.own_failure() {
             f(Err(poisoned(&e)));
@@ -323,6 +353,9 @@ impl crate::Stream for CudaStream {
 
     fn copy(&self, src: View<'_, Cuda>, dst: View<'_, Cuda>) -> Result<()> {
         checks::copy(src, dst)?;
+        if super::host::in_host(&src) || super::host::in_host(&dst) {
+            return self.copy_host(src, dst);
+        }
         if src.is_empty() || src.same_range(&dst) {
             return self.run("copy", &[src, dst], |_| Ok(()));
         }
@@ -337,6 +370,9 @@ impl crate::Stream for CudaStream {
     fn copy_2d(&self, src: View<'_, Cuda>, dst: View<'_, Cuda>, layout: Copy2d) -> Result<()> {
         let op = "copy_2d";
         checks::copy_2d(src, dst, &layout)?;
+        if super::host::in_host(&src) || super::host::in_host(&dst) {
+            return self.copy_2d_host(src, dst, layout);
+        }
         let size = src.dtype().size();
         let width = layout.row_len * size;
         if layout.rows == 0 || width == 0 {
@@ -381,6 +417,9 @@ impl crate::Stream for CudaStream {
 
     fn copy_from_host(&self, src: &[u8], dst: View<'_, Cuda>) -> Result<()> {
         checks::copy_from_host(src, dst)?;
+        if super::host::in_host(&dst) {
+            return self.copy_from_host_to_host(src, dst);
+        }
         if src.is_empty() {
             return self.run("copy_from_host", &[dst], |_| Ok(()));
         }
@@ -397,6 +436,9 @@ impl crate::Stream for CudaStream {
         let op = "copy_to_host";
         host_fn::check(op)?;
         checks::on_device(op, &self.device, &src)?;
+        if super::host::in_host(&src) {
+            return self.copy_host_to_host(src);
+        }
         let (readback, filler) = Readback::pending(src.dtype(), src.len(), self.device.config().timeout);
         if let Some(e) = self.shared.state.own_failure() {
             filler.fail(poisoned(&e));

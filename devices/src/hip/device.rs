@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::event::HipEvent;
+use super::host::{keep_alive, HostMemory};
 use super::kernels::KernelCache;
 use super::result;
 use super::stream::{HipStream, StreamInner};
@@ -12,7 +13,7 @@ use super::Hip;
 use crate::bookkeeping::{first_error, StreamList};
 use crate::deferred::Deferred;
 use crate::memory::{MemCounters, StreamUsers};
-use crate::{DType, DeviceError, MemoryStats, Priority, Result};
+use crate::{DType, DeviceError, MemorySpace, MemoryStats, Priority, Result};
 
 pub(crate) use crate::id::next_id;
 
@@ -111,6 +112,8 @@ pub(crate) struct DeviceInner {
     pub(crate) priorities: (i32, i32),
     /// Our own accounting of live buffers: counted when allocated, uncounted when dropped.
     counters: MemCounters,
+    /// The host space's counters (`alloc_host`), in the same terms.
+    host_counters: MemCounters,
     pub(crate) streams: StreamList<StreamInner>,
     /// Allocations of `Device::alloc` and their frees run here.
     internal: Arc<StreamInner>,
@@ -184,6 +187,7 @@ impl HipDevice {
                 name,
                 priorities,
                 counters: MemCounters::default(),
+                host_counters: MemCounters::default(),
                 streams: StreamList::default(),
                 internal,
                 kernels: KernelCache::default(),
@@ -238,7 +242,17 @@ impl HipDevice {
             unsafe { result::malloc_async(bytes, home.raw(), &self.label()) }? as usize
         };
         self.inner.counters.add(bytes);
-        Ok(HipBuffer { ptr, bytes, dtype, len, id: next_id(), device: self.clone(), users: StreamUsers::new(home) })
+        Ok(HipBuffer {
+            ptr,
+            host: None,
+            space: MemorySpace::Device,
+            bytes,
+            dtype,
+            len,
+            id: next_id(),
+            device: self.clone(),
+            users: StreamUsers::new(home),
+        })
     }
 }
 
@@ -277,6 +291,15 @@ impl crate::Device for HipDevice {
     fn reset_peak_memory(&self) {
         self.inner.counters.reset_peak()
     }
+    fn alloc_host(&self, dtype: DType, len: usize, pinned: bool) -> Result<HipBuffer> {
+        self.alloc_host_buffer(dtype, len, pinned)
+    }
+    fn host_memory_stats(&self) -> MemoryStats {
+        self.inner.host_counters.stats()
+    }
+    fn reset_peak_host_memory(&self) {
+        self.inner.host_counters.reset_peak()
+    }
     fn synchronize(&self) -> Result<()> {
         self.bind()?;
         let streams = self.inner.streams.live();
@@ -293,7 +316,11 @@ impl crate::Device for HipDevice {
 /// Device memory of a hip device, freed in stream order when dropped.
 #[derive(Debug)]
 pub struct HipBuffer {
+    /// The device address (0 for host buffers, reached through `host` only).
     ptr: usize,
+    /// The host allocation of a non-empty host buffer (`host.rs`).
+    pub(crate) host: Option<Arc<HostMemory>>,
+    space: MemorySpace,
     bytes: usize,
     dtype: DType,
     len: usize,
@@ -305,7 +332,25 @@ pub struct HipBuffer {
 }
 
 impl HipBuffer {
-    /// The device address of the first byte (0 for an empty buffer).
+    /// Takes ownership of host memory (`None` when empty) and counts it in the host counters.
+    pub(crate) fn adopt_host(device: &HipDevice, host: Option<Arc<HostMemory>>, dtype: DType, len: usize) -> Self {
+        let bytes = len * dtype.size();
+        device.inner.host_counters.add(bytes);
+        let users = StreamUsers::new(&device.inner.internal);
+        HipBuffer {
+            ptr: 0,
+            host,
+            space: MemorySpace::Host,
+            bytes,
+            dtype,
+            len,
+            id: next_id(),
+            device: device.clone(),
+            users,
+        }
+    }
+
+    /// The device address of the first byte (0 for an empty buffer or a host buffer).
     pub fn device_ptr(&self) -> u64 {
         self.ptr as u64
     }
@@ -349,10 +394,25 @@ impl crate::Buffer for HipBuffer {
     fn device(&self) -> &HipDevice {
         &self.device
     }
+    fn space(&self) -> MemorySpace {
+        self.space
+    }
 }
 
 impl Drop for HipBuffer {
     fn drop(&mut self) {
+        let inner = &self.device.inner;
+        if self.space == MemorySpace::Host {
+            if let Some(memory) = self.host.take() {
+                let (home, mut users) = self.users.take();
+                users.push(home);
+                defer_drop(&inner.deferred, &inner.parked, inner.config.ordinal, "hipLaunchHostFunc", move || {
+                    keep_alive(memory, users)
+                });
+            }
+            inner.host_counters.sub(self.bytes);
+            return;
+        }
         if self.bytes > 0 {
             let (inner, ptr) = (&self.device.inner, self.ptr);
             let (home, users) = self.users.take();

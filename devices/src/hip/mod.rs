@@ -29,6 +29,12 @@
 //!   next [`Device::synchronize`];
 //! - **memory statistics** are our own counters, updated on every allocation
 //!   and drop (HIP's pool may hold more than that from the driver);
+//! - **host memory** ([`crate::MemorySpace::Host`], `Device::alloc_host`)
+//!   is pinned (`hipHostMalloc`) or pageable, counted apart; copies reach
+//!   it (pinned: `hipMemcpyAsync`; pageable: staged through a pinned block
+//!   by host work, so stream order holds), kernels, fills and vendor work
+//!   are refused, and a dropped host buffer is freed only after the work of
+//!   every stream that used it (`host.rs`). Built, never run on an AMD GPU;
 //! - **host↔device copies** stage through page-locked blocks (`hipHostMalloc`,
 //!   pooled per device) so they are truly asynchronous; a host function
 //!   enqueued after the copy (`hipLaunchHostFunc`, or `hipStreamAddCallback`
@@ -59,6 +65,7 @@ mod compute;
 mod device;
 mod event;
 mod foreign;
+mod host;
 pub mod kernels;
 pub mod result;
 mod stream;

@@ -103,8 +103,8 @@ impl Drop for StreamInner {
 /// A stream of a hip device.
 #[derive(Debug)]
 pub struct HipStream {
-    inner: Arc<StreamInner>,
-    device: HipDevice,
+    pub(super) inner: Arc<StreamInner>,
+    pub(super) device: HipDevice,
 }
 
 /// How an input relates to the output of a kernel.
@@ -152,8 +152,19 @@ impl HipStream {
     /// The device address of `view`'s first element, after checking that it
     /// is of this stream's device and recording that this stream uses its
     /// buffer (so dropping the buffer frees it only after this stream's work).
+    /// A view of a host buffer is refused: kernels and vendor work never
+    /// reach host memory (copies take their own path, `host.rs`).
     pub fn device_ptr(&self, op: &'static str, view: View<'_, Hip>) -> Result<u64> {
         checks::on_device(op, &self.device, &view)?;
+        if super::host::in_host(&view) {
+            return Err(DeviceError::invalid(
+                op,
+                format!(
+                    "buffer {} is in host memory, which hip kernels do not reach: copy it to a device buffer first",
+                    crate::Buffer::id(view.buffer())
+                ),
+            ));
+        }
         let buf: &HipBuffer = view.buffer();
         buf.note_use(&self.inner);
         Ok(buf.device_ptr() + (view.offset() * view.dtype().size()) as u64)
@@ -191,7 +202,7 @@ impl HipStream {
     /// Enqueues host work after what is queued. If that fails, waits for the
     /// stream and runs the work on this thread (the copies it follows are
     /// then done), or leaks it if the wait fails; the error is returned.
-    fn host_work(&self, work: result::HostWork) -> Result<()> {
+    pub(super) fn host_work(&self, work: result::HostWork) -> Result<()> {
         // SAFETY: the stream is live.
         match unsafe { result::launch_host_work(self.raw(), work) } {
             Ok(()) => Ok(()),
@@ -277,7 +288,7 @@ impl HipStream {
 /// What host work enqueued at position `at` is told: the runtime's error
 /// (`hipStreamAddCallback` passes the stream's), else the stream's host-seen
 /// failure up to `at`. Runs in the host function, so it calls no HIP.
-fn host_outcome(outcome: Result<(), i32>, state: &StreamState, at: u64, before: &str) -> Result<()> {
+pub(super) fn host_outcome(outcome: Result<(), i32>, state: &StreamState, at: u64, before: &str) -> Result<()> {
     match outcome {
         Err(code) => Err(DeviceError::Backend {
             library: result::LIBRARY,
@@ -340,6 +351,9 @@ impl crate::Stream for HipStream {
     fn copy(&self, src: View<'_, Hip>, dst: View<'_, Hip>) -> Result<()> {
         let op = "copy";
         checks::copy(src, dst)?;
+        if super::host::in_host(&src) || super::host::in_host(&dst) {
+            return self.copy_host(src, dst);
+        }
         let (s, d) = (self.device_ptr(op, src)?, self.device_ptr(op, dst)?);
         let bytes = src.bytes();
         self.enqueue(|stream| {
@@ -358,6 +372,9 @@ impl crate::Stream for HipStream {
     fn copy_2d(&self, src: View<'_, Hip>, dst: View<'_, Hip>, layout: Copy2d) -> Result<()> {
         let op = "copy_2d";
         checks::copy_2d(src, dst, &layout)?;
+        if super::host::in_host(&src) || super::host::in_host(&dst) {
+            return self.copy_2d_host(src, dst, layout);
+        }
         let size = src.dtype().size();
         let (s, d) = (self.device_ptr(op, src)?, self.device_ptr(op, dst)?);
         let Copy2d { rows, row_len, src_offset, src_stride, dst_offset, dst_stride } = layout;
@@ -404,6 +421,9 @@ impl crate::Stream for HipStream {
     fn copy_from_host(&self, src: &[u8], dst: View<'_, Hip>) -> Result<()> {
         let op = "copy_from_host";
         checks::copy_from_host(src, dst)?;
+        if super::host::in_host(&dst) {
+            return self.copy_from_host_to_host(src, dst);
+        }
         let d = self.device_ptr(op, dst)?;
         if src.is_empty() {
             return self.enqueue(|_| Ok(()));
@@ -434,6 +454,9 @@ impl crate::Stream for HipStream {
     }
 
     fn copy_to_host(&self, src: View<'_, Hip>) -> Result<Readback> {
+        if super::host::in_host(&src) {
+            return self.copy_host_to_host(src);
+        }
         let s = self.device_ptr("copy_to_host", src)?;
         host_fn::check("copy_to_host")?;
         let (readback, filler) = Readback::pending(src.dtype(), src.len(), self.timeout());

@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod compute;
+pub mod spaces;
 pub mod stream;
 
 /// Emits one `#[test]` per case of the suite, each making its devices with
@@ -37,6 +38,11 @@ macro_rules! device_suite {
         views_events_and_buffers_of_another_device_are_refused => stream::views_events_and_buffers_of_another_device_are_refused,
         memory_statistics_are_exact => stream::memory_statistics_are_exact,
         dropping_buffers_with_queued_work_frees_them_after_the_work => stream::dropping_buffers_with_queued_work_frees_them_after_the_work,
+        host_buffers_start_zeroed_and_are_counted_apart => spaces::host_buffers_start_zeroed_and_are_counted_apart,
+        copies_between_the_spaces_are_exact_and_in_stream_order => spaces::copies_between_the_spaces_are_exact_and_in_stream_order,
+        copy_2d_between_the_spaces_moves_the_blocks => spaces::copy_2d_between_the_spaces_moves_the_blocks,
+        kernels_on_host_buffers_work_or_are_refused_as_the_device_declares => spaces::kernels_on_host_buffers_work_or_are_refused_as_the_device_declares,
+        dropping_a_host_buffer_with_queued_copies_frees_it_after_them => spaces::dropping_a_host_buffer_with_queued_copies_frees_it_after_them,
         matmul_matches_a_naive_product_for_every_transpose_and_dtype => compute::matmul_matches_a_naive_product_for_every_transpose_and_dtype,
         matmul_works_on_sub_views => compute::matmul_works_on_sub_views,
         matmul_refuses_bad_shapes_and_dtypes => compute::matmul_refuses_bad_shapes_and_dtypes,
