@@ -6,7 +6,14 @@
 //! communicator ask a [`cost::CostModel`] how long a kernel, a copy or a
 //! collective takes; the GPU tables, NCCL's ring and tree algorithms and the
 //! decoder workloads (FLOPs, bytes, activation memory) implement it.
+//!
+//! - [`virt`]: the virtual device and communicator.
+//! - [`run`]: every rank's FSDP run on them, with the hooks `chorus train` drives.
+//! - [`schedule`]: the comparison of every rank's collective sequence.
 #![warn(missing_docs)]
 
 pub mod cost;
+pub mod run;
+pub mod schedule;
+pub mod virt;
 pub mod workload;
