@@ -98,14 +98,20 @@ impl std::fmt::Debug for ModelSpec {
 }
 
 impl ModelSpec {
-    /// A decoder as `chorus train` shards it: `groups[0]` the root (the
-    /// embedding's and head's stages), one group per layer after it, and
-    /// `work` the stages in forward order (`embed`, each layer, `head`).
-    pub fn decoder(groups: Vec<GroupSpec>, work: Vec<StageWork>) -> Result<ModelSpec, PlanError> {
-        let layers = groups.len().saturating_sub(1);
-        if work.len() != layers + 2 {
+    /// A decoder as `chorus train` shards it: `groups` in registration
+    /// order, the embedding's stage on group `embed`, layer `i`'s on group
+    /// `i + 1`, the head's on group `head`; `work` the stages in forward
+    /// order (`embed`, each layer, `head`).
+    pub fn decoder(
+        groups: Vec<GroupSpec>,
+        embed: usize,
+        head: usize,
+        work: Vec<StageWork>,
+    ) -> Result<ModelSpec, PlanError> {
+        let layers = work.len().saturating_sub(2);
+        if work.len() < 2 || layers + 1 > groups.len() || embed >= groups.len() || head >= groups.len() {
             return Err(PlanError::Invalid(format!(
-                "{} stages of work for {} groups: a decoder has its embedding, {layers} layers and its head",
+                "{} stages of work for {} groups (embedding group {embed}, head group {head}): a decoder has its embedding, its layers (one group each) and its head",
                 work.len(),
                 groups.len()
             )));
@@ -114,7 +120,14 @@ impl ModelSpec {
         let stages: Vec<Stage> = work
             .into_iter()
             .enumerate()
-            .map(|(i, work)| Stage { group: if i == 0 || i == last { 0 } else { i }, work, inner: Vec::new() })
+            .map(|(i, work)| {
+                let group = match i {
+                    0 => embed,
+                    i if i == last => head,
+                    i => i,
+                };
+                Stage { group, work, inner: Vec::new() }
+            })
             .collect();
         Ok(ModelSpec { groups, stages_of: Arc::new(move |_| stages.clone()), routed: Vec::new() })
     }
@@ -168,7 +181,8 @@ pub struct RankPlan {
     pub step_time_s: f64,
     /// Seconds the compute stream was busy in the measured step.
     pub compute_busy_s: f64,
-    /// Every collective this rank issued, in order, on every communicator.
+    /// Every collective this rank issued, in order, on every communicator
+    /// (as [`PlanRun::sequences`] holds it).
     pub collectives: Vec<CollectiveRecord>,
     /// The measured step's operations (the traced rank only).
     pub trace: Vec<TraceOp>,
@@ -179,6 +193,8 @@ pub struct RankPlan {
 pub struct PlanRun {
     /// Per rank, in rank order: its plan, or why it failed.
     pub ranks: Vec<Result<RankPlan, String>>,
+    /// Per rank, every collective it issued (up to its failure, for a rank that failed).
+    pub sequences: Vec<Vec<CollectiveRecord>>,
     /// The first divergence of the ranks' collectives, if they diverged.
     pub divergence: Option<Divergence>,
 }
@@ -194,15 +210,16 @@ pub fn run(model: &ModelSpec, spec: &RunSpec, cost: Arc<dyn CostModel>) -> Resul
         }
     }
     let world = VirtWorld::new(spec.world, cost.clone(), spec.timeout);
+    let logs: Vec<Log> = (0..spec.world).map(|_| Log::default()).collect();
     let results: Vec<Result<RankPlan, String>> = std::thread::scope(|scope| {
         let mut handles = Vec::with_capacity(spec.world);
         for rank in 0..spec.world {
-            let (world, cost) = (world.clone(), cost.clone());
+            let (world, cost, log) = (world.clone(), cost.clone(), logs[rank].clone());
             let h = std::thread::Builder::new().name(format!("plan-rank{rank}")).stack_size(1 << 20).spawn_scoped(
                 scope,
                 move || {
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        run_rank(model, spec, &world, cost, rank)
+                        run_rank(model, spec, &world, cost, rank, log)
                     }));
                     world.rank_ended(rank);
                     match r {
@@ -225,7 +242,8 @@ pub fn run(model: &ModelSpec, spec: &RunSpec, cost: Arc<dyn CostModel>) -> Resul
             })
             .collect()
     });
-    Ok(PlanRun { ranks: results, divergence: world.divergence() })
+    let sequences = logs.iter().map(|l| l.lock().map(|l| l.clone()).unwrap_or_default()).collect();
+    Ok(PlanRun { ranks: results, sequences, divergence: world.divergence() })
 }
 
 /// A parameter's values in a plan: zeros, never materialised beyond one shard.
@@ -273,16 +291,18 @@ fn data_parallel(
     })
 }
 
+type Log = Arc<Mutex<Vec<CollectiveRecord>>>;
+
 fn run_rank(
     model: &ModelSpec,
     spec: &RunSpec,
     world: &Arc<VirtWorld>,
     cost: Arc<dyn CostModel>,
     rank: usize,
+    log: Log,
 ) -> Result<RankPlan, PlanError> {
     let (fe, ce, de) = (fsdp_err(rank), comm_err(rank), dev_err(rank));
     let device = VirtDevice::new(VirtConfig { ordinal: rank, kernels_reach_host: spec.kernels_reach_host }, cost);
-    let log = Arc::new(Mutex::new(Vec::new()));
     let comm = world.communicator(rank, device.clone(), log.clone()).map_err(&ce)?;
     let comm = Arc::new(Communicator::with_recorder(comm, &RecorderOptions::off()));
     let mut fsdp = Fsdp::new(data_parallel(comm, spec.replicate).map_err(&fe)?, spec.fsdp.clone()).map_err(&fe)?;
