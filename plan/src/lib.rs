@@ -10,8 +10,10 @@
 //! - [`virt`]: the virtual device and communicator.
 //! - [`run`]: every rank's FSDP run on them, with the hooks `chorus train` drives.
 //! - [`schedule`]: the comparison of every rank's collective sequence.
+//! - [`constant`]: a cost model of constant rates (the tests').
 #![warn(missing_docs)]
 
+pub mod constant;
 pub mod cost;
 pub mod run;
 pub mod schedule;

@@ -92,7 +92,7 @@ fn check<M: DecoderModel + 'static>(ranks: usize, groups: &DecoderGroups, layers
         ModelSpec::decoder(groups_of(groups), groups.embed, groups.head, common::decoder_work(layers, 1e6, 1 << 20))
             .unwrap();
     let hsdp = t.replicate.is_some_and(|r| r > 1);
-    let plan = run(&model, &run_spec(ranks, &t), Arc::new(common::Constant)).unwrap();
+    let plan = run(&model, &run_spec(ranks, &t), common::cost()).unwrap();
     assert_eq!(plan.divergence, None);
     let real = real(ranks, t);
     for (rank, (p, (peak, calls))) in plan.ranks.iter().zip(&real).enumerate() {

@@ -65,7 +65,7 @@ fn spec(world: usize) -> RunSpec {
 #[test]
 fn ranks_routing_to_different_experts_diverge_and_the_first_divergence_is_named() {
     let t0 = Instant::now();
-    let plan = run(&moe(false), &spec(4), Arc::new(common::Constant)).unwrap();
+    let plan = run(&moe(false), &spec(4), common::cost()).unwrap();
     // Found at once, not by the 60 s deadline.
     assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
     let d = plan.divergence.expect("a divergence");
@@ -86,7 +86,7 @@ fn ranks_routing_to_different_experts_diverge_and_the_first_divergence_is_named(
 
 #[test]
 fn with_routed_groups_every_rank_issues_the_same_collectives() {
-    let plan = run(&moe(true), &spec(4), Arc::new(common::Constant)).unwrap();
+    let plan = run(&moe(true), &spec(4), common::cost()).unwrap();
     assert_eq!(plan.divergence, None);
     let seqs: Vec<_> = plan.ranks.iter().map(|r| r.as_ref().unwrap().collectives.clone()).collect();
     assert_eq!(first_divergence(&seqs), None);

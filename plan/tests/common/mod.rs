@@ -3,31 +3,12 @@
 
 #![allow(dead_code)]
 
-use chorus_devices::MemorySpace;
-use chorus_plan::cost::{CollectiveShape, CostModel, KernelCost, KernelKind};
+use chorus_plan::cost::{KernelCost, KernelKind};
 use chorus_plan::workload::StageWork;
 
-/// Constant rates: 1 TFLOP/s, 1 GB/s memory and copies, collectives at
-/// 1 GB/s plus 10 µs.
-#[derive(Debug)]
-pub struct Constant;
-
-impl CostModel for Constant {
-    fn kernel_seconds(&self, k: &KernelCost) -> f64 {
-        match k.kind {
-            KernelKind::MemoryBound => k.bytes * 1e-9,
-            KernelKind::Gemm | KernelKind::Attention => k.flops * 1e-12,
-        }
-    }
-    fn collective_seconds(&self, s: &CollectiveShape) -> f64 {
-        1e-5 + s.bytes as f64 * 1e-9
-    }
-    fn copy_seconds(&self, bytes: u64, _: MemorySpace, _: MemorySpace) -> f64 {
-        bytes as f64 * 1e-9
-    }
-    fn peak_flops(&self) -> Option<f64> {
-        Some(1e12)
-    }
+/// The tests' cost model: round constant rates.
+pub fn cost() -> std::sync::Arc<dyn chorus_plan::cost::CostModel> {
+    std::sync::Arc::new(chorus_plan::constant::ConstantRates::round())
 }
 
 /// One GEMM of `flops` forward and two backward, keeping `saved` bytes.
