@@ -102,9 +102,30 @@ struct Slot {
     ranks: Arc<Vec<usize>>,
     /// Per member: its call and the time its stream reached it.
     arrived: Vec<Option<(Fingerprint, f64)>>,
+    /// The first arrival (its member index and call): every later one must call the same.
+    first: Option<(usize, Fingerprint)>,
     count: usize,
-    end: Option<f64>,
-    departed: usize,
+    /// The latest arrival time so far.
+    latest: f64,
+    /// Where the end is published; the waiters hold it and park, so a
+    /// collective wakes each of its ranks once, without the world's lock.
+    done: Arc<Done>,
+    /// The threads parked on `done`.
+    waiters: Vec<std::thread::Thread>,
+}
+
+/// A collective's end time, once every rank has arrived (f64 bits; `NOT_YET` before).
+struct Done(AtomicU64);
+
+const NOT_YET: u64 = u64::MAX;
+
+impl Done {
+    fn get(&self) -> Option<f64> {
+        match self.0.load(Ordering::Acquire) {
+            NOT_YET => None,
+            bits => Some(f64::from_bits(bits)),
+        }
+    }
 }
 
 struct SplitSlot {
@@ -124,10 +145,14 @@ struct WorldState {
     divergence: Option<Divergence>,
     /// An abort's reason: every later call fails with it.
     aborted: Option<String>,
+    /// Ranks ended so far (the scan for a waited-on ended rank is skipped while none has).
+    ended_count: usize,
 }
 
 /// The ranks of one plan: the rendezvous every virtual communicator uses.
 pub struct VirtWorld {
+    /// Set once the world has failed (a divergence or an abort): parked waiters look here.
+    failed_flag: std::sync::atomic::AtomicBool,
     size: usize,
     timeout: Duration,
     cost: Arc<dyn crate::cost::CostModel>,
@@ -149,7 +174,7 @@ impl VirtWorld {
     /// others fails with `Timeout`.
     pub fn new(size: usize, cost: Arc<dyn crate::cost::CostModel>, timeout: Duration) -> Arc<VirtWorld> {
         let state = WorldState { ended: vec![false; size], ..WorldState::default() };
-        Arc::new(VirtWorld { size, timeout, cost, state: Mutex::new(state), cv: Condvar::new() })
+        Arc::new(VirtWorld { failed_flag: Default::default(), size, timeout, cost, state: Mutex::new(state), cv: Condvar::new() })
     }
 
     /// Number of ranks.
@@ -188,6 +213,7 @@ impl VirtWorld {
         if let Ok(mut st) = self.state.lock() {
             if let Some(e) = st.ended.get_mut(rank) {
                 *e = true;
+                st.ended_count += 1;
             }
             let open: Vec<(Arc<str>, u64)> = st.slots.keys().cloned().collect();
             for key in open {
@@ -196,8 +222,19 @@ impl VirtWorld {
                     st.divergence = d;
                 }
             }
+            self.wake_all_if_failed(&st);
         }
         self.cv.notify_all();
+    }
+
+    /// Once the world has failed, wakes every parked waiter (they then find the failure).
+    fn wake_all_if_failed(&self, st: &WorldState) {
+        if Self::failed(st).is_some() {
+            self.failed_flag.store(true, Ordering::Release);
+            for t in st.slots.values().flat_map(|s| s.waiters.iter()) {
+                t.unpark();
+            }
+        }
     }
 
     /// The first divergence found, if any.
@@ -303,60 +340,80 @@ impl VirtComm {
         let slot = st.slots.entry(key.clone()).or_insert_with(|| Slot {
             ranks: self.ranks.clone(),
             arrived: vec![None; n],
+            first: None,
             count: 0,
-            end: None,
-            departed: 0,
+            latest: 0.0,
+            done: Arc::new(Done(AtomicU64::new(NOT_YET))),
+            waiters: Vec::new(),
         });
-        if let Some((j, (other, _))) = slot.arrived.iter().enumerate().find_map(|(j, a)| a.as_ref().map(|a| (j, a))) {
-            if *other != fp {
-                let d = Divergence {
-                    group: self.id.to_string(),
-                    seq,
-                    rank: self.global_rank(),
-                    called: Some(fp.to_string()),
-                    other_rank: self.ranks[j],
-                    other_called: Some(other.to_string()),
-                };
-                let e = d.error();
-                st.divergence.get_or_insert(d);
-                world.cv.notify_all();
-                return Err(e);
-            }
+        if let Some((j, other)) = slot.first.filter(|(_, other)| *other != fp) {
+            let d = Divergence {
+                group: self.id.to_string(),
+                seq,
+                rank: self.global_rank(),
+                called: Some(fp.to_string()),
+                other_rank: self.ranks[j],
+                other_called: Some(other.to_string()),
+            };
+            let e = d.error();
+            st.divergence.get_or_insert(d);
+            world.wake_all_if_failed(&st);
+            world.cv.notify_all();
+            return Err(e);
         }
+        slot.first.get_or_insert((self.index, fp));
         slot.arrived[self.index] = Some((fp, arrival));
         slot.count += 1;
+        slot.latest = slot.latest.max(arrival);
         if slot.count == n {
-            let start = slot.arrived.iter().flatten().map(|(_, t)| *t).fold(0.0, f64::max);
             let shape = CollectiveShape { op: fp.op, bytes, ranks: self.ranks.to_vec() };
-            slot.end = Some(start + world.cost.collective_seconds(&shape).max(0.0));
-            world.cv.notify_all();
-        } else if st.divergence.is_none() {
+            let end = slot.latest + world.cost.collective_seconds(&shape).max(0.0);
+            slot.done.0.store(end.to_bits(), Ordering::Release);
+            let waiters = std::mem::take(&mut slot.waiters);
+            st.slots.remove(&key);
+            drop(st);
+            for t in waiters {
+                t.unpark();
+            }
+            return Ok(end);
+        }
+        slot.waiters.push(std::thread::current());
+        let done = slot.done.clone();
+        if st.divergence.is_none() && st.ended_count > 0 {
             let d = st.slots.get(&key).and_then(|s| ended_member(&st.ended, &key, s));
             if d.is_some() {
                 st.divergence = d;
+                world.wake_all_if_failed(&st);
                 world.cv.notify_all();
             }
         }
-        let missing = |st: &WorldState| match st.slots.get(&key) {
-            Some(s) => s.ranks.iter().zip(&s.arrived).filter(|(_, a)| a.is_none()).map(|(r, _)| *r).collect(),
-            None => Vec::new(),
-        };
-        let end = world.wait_until(
-            st,
-            seq,
-            fp.op.name(),
-            |st| {
-                let slot = st.slots.get_mut(&key)?;
-                let end = slot.end?;
-                slot.departed += 1;
-                if slot.departed == slot.ranks.len() {
-                    st.slots.remove(&key);
+        drop(st);
+        let deadline = Instant::now() + world.timeout;
+        loop {
+            if let Some(end) = done.get() {
+                return Ok(end);
+            }
+            if world.failed_flag.load(Ordering::Acquire) {
+                if let Some(e) = VirtWorld::failed(&*world.lock()?) {
+                    return Err(e);
                 }
-                Some(end)
-            },
-            missing,
-        )?;
-        Ok(end)
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let st = world.lock()?;
+                let missing = match st.slots.get(&key) {
+                    Some(s) => s.ranks.iter().zip(&s.arrived).filter(|(_, a)| a.is_none()).map(|(r, _)| *r).collect(),
+                    None => Vec::new(),
+                };
+                return Err(CommError::Timeout {
+                    op: fp.op.name().to_string(),
+                    seq,
+                    waited: world.timeout,
+                    missing,
+                });
+            }
+            std::thread::park_timeout(deadline - now);
+        }
     }
 }
 
@@ -484,6 +541,7 @@ impl CommBackend for VirtComm {
     fn abort(&self, reason: &str) {
         if let Ok(mut st) = self.world.state.lock() {
             st.aborted.get_or_insert_with(|| reason.to_string());
+            self.world.wake_all_if_failed(&st);
         }
         self.world.cv.notify_all();
     }

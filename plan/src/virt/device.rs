@@ -1,6 +1,6 @@
 //! The virtual device: memory counters, the host clock, events and the trace.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use chorus_devices::{DType, DeviceError, MemCounters, MemorySpace, MemoryStats, Priority, Result};
@@ -44,9 +44,8 @@ pub(crate) struct DeviceInner {
     pub(crate) total: MemCounters,
     /// No operation starts before this (seconds, f64 bits): what the host waited for.
     host_clock: AtomicU64,
-    /// The latest end of any operation (seconds, f64 bits): what a device synchronize waits for.
-    latest_end: AtomicU64,
-    next_stream: AtomicUsize,
+    /// Each stream's clock (f64 bits), in creation order: what a device synchronize waits for.
+    clocks: Mutex<Vec<Arc<AtomicU64>>>,
     tracing: AtomicBool,
     trace: Mutex<Vec<TraceOp>>,
 }
@@ -71,8 +70,7 @@ impl VirtDevice {
                 activations: MemCounters::default(),
                 total: MemCounters::default(),
                 host_clock: AtomicU64::new(0f64.to_bits()),
-                latest_end: AtomicU64::new(0f64.to_bits()),
-                next_stream: AtomicUsize::new(0),
+                clocks: Mutex::new(Vec::new()),
                 tracing: AtomicBool::new(false),
                 trace: Mutex::new(Vec::new()),
             }),
@@ -94,13 +92,10 @@ impl VirtDevice {
         raise(&self.inner.host_clock, t)
     }
 
-    /// The latest end of any operation so far.
+    /// The latest end of any operation so far: the latest stream clock.
     pub fn latest_end(&self) -> f64 {
-        f64::from_bits(self.inner.latest_end.load(Ordering::Acquire))
-    }
-
-    pub(crate) fn note_end(&self, t: f64) {
-        raise(&self.inner.latest_end, t)
+        let clocks = self.inner.clocks.lock().map(|c| c.clone()).unwrap_or_default();
+        clocks.iter().map(|c| f64::from_bits(c.load(Ordering::Acquire))).fold(0.0, f64::max)
     }
 
     /// Starts or stops appending operations to the trace.
@@ -112,9 +107,15 @@ impl VirtDevice {
         self.inner.tracing.load(Ordering::Acquire)
     }
 
+    /// Appends `op` to the trace; an op that continues the last one (same
+    /// stream and name, starting at its end) extends it, so FSDP's one copy
+    /// per rank of a copy-out is one bar, not thousands.
     pub(crate) fn push_trace(&self, op: TraceOp) {
         if let Ok(mut t) = self.inner.trace.lock() {
-            t.push(op);
+            match t.last_mut() {
+                Some(last) if last.stream == op.stream && last.end == op.start && last.name == op.name => last.end = op.end,
+                _ => t.push(op),
+            }
         }
     }
 
@@ -172,8 +173,15 @@ impl VirtDevice {
         self.alloc_in(MemorySpace::Device, dtype, len)
     }
 
-    pub(crate) fn next_stream_index(&self) -> usize {
-        self.inner.next_stream.fetch_add(1, Ordering::AcqRel)
+    /// Registers a new stream's clock; returns the stream's index.
+    pub(crate) fn add_stream(&self, clock: Arc<AtomicU64>) -> usize {
+        match self.inner.clocks.lock() {
+            Ok(mut c) => {
+                c.push(clock);
+                c.len() - 1
+            }
+            Err(_) => usize::MAX,
+        }
     }
 }
 

@@ -1,6 +1,7 @@
 //! A virtual stream: a clock that each operation advances by its modelled time.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use chorus_devices::{
     AdamWParams, Buffer, ComputeStream, Copy2d, DType, Device, DeviceError, MatmulSpec, MemorySpace, Priority,
@@ -17,23 +18,33 @@ pub struct VirtStream {
     device: VirtDevice,
     index: usize,
     priority: Priority,
-    /// When the work enqueued so far ends, seconds of virtual time.
-    clock: Mutex<f64>,
-    /// Seconds of operations run (collectives' waits not counted).
-    busy: Mutex<f64>,
+    /// When the work enqueued so far ends, seconds of virtual time (f64
+    /// bits; shared with the device, whose synchronize waits for every stream).
+    clock: Arc<AtomicU64>,
+    /// Seconds of operations run (collectives' waits not counted; f64 bits).
+    busy: AtomicU64,
+}
+
+/// Adds `f(old)` to the f64 held in `cell` as bits; returns (old, new).
+/// Atomic, so that enqueues from two host threads cannot lose time.
+fn update(cell: &AtomicU64, f: impl Fn(f64) -> f64) -> (f64, f64) {
+    let mut cur = cell.load(Ordering::Acquire);
+    loop {
+        let new = f(f64::from_bits(cur));
+        match cell.compare_exchange_weak(cur, new.to_bits(), Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return (f64::from_bits(cur), new),
+            Err(now) => cur = now,
+        }
+    }
 }
 
 type V<'a> = View<'a, Virt>;
 
 impl VirtStream {
     pub(crate) fn new(device: &VirtDevice, priority: Priority) -> VirtStream {
-        VirtStream {
-            device: device.clone(),
-            index: device.next_stream_index(),
-            priority,
-            clock: Mutex::new(0.0),
-            busy: Mutex::new(0.0),
-        }
+        let clock = Arc::new(AtomicU64::new(0f64.to_bits()));
+        let index = device.add_stream(clock.clone());
+        VirtStream { device: device.clone(), index, priority, clock, busy: AtomicU64::new(0f64.to_bits()) }
     }
 
     /// The stream's index on its device, in creation order (its trace lane).
@@ -43,12 +54,12 @@ impl VirtStream {
 
     /// When the work enqueued so far ends.
     pub fn clock(&self) -> f64 {
-        self.clock.lock().map(|c| *c).unwrap_or(0.0)
+        f64::from_bits(self.clock.load(Ordering::Acquire))
     }
 
     /// Seconds of operations (kernels, copies) run so far; a collective's time is not counted.
     pub fn busy(&self) -> f64 {
-        self.busy.lock().map(|b| *b).unwrap_or(0.0)
+        f64::from_bits(self.busy.load(Ordering::Acquire))
     }
 
     /// When the next operation would start: the later of the stream's clock and the host's.
@@ -61,9 +72,7 @@ impl VirtStream {
     /// Returns (start, end).
     pub fn run_for(&self, name: &str, seconds: f64) -> (f64, f64) {
         let (start, end) = self.run_from(name, self.device.host_clock(), seconds);
-        if let Ok(mut b) = self.busy.lock() {
-            *b += end - start;
-        }
+        update(&self.busy, |b| b + (end - start));
         (start, end)
     }
 
@@ -71,15 +80,9 @@ impl VirtStream {
     /// (a collective starts when its last rank arrives).
     pub fn run_from(&self, name: &str, not_before: f64, seconds: f64) -> (f64, f64) {
         let seconds = if seconds.is_finite() && seconds > 0.0 { seconds } else { 0.0 };
-        let (start, end) = match self.clock.lock() {
-            Ok(mut c) => {
-                let start = c.max(not_before).max(self.device.host_clock());
-                *c = start + seconds;
-                (start, *c)
-            }
-            Err(_) => (not_before, not_before + seconds),
-        };
-        self.device.note_end(end);
+        let ready = not_before.max(self.device.host_clock());
+        let (before, end) = update(&self.clock, |c| c.max(ready) + seconds);
+        let start = before.max(ready);
         if self.device.tracing() {
             self.device.push_trace(TraceOp { stream: self.index, name: name.to_string(), start, end });
         }
@@ -248,8 +251,8 @@ impl Stream for VirtStream {
     }
     fn wait(&self, event: &VirtEvent) -> Result<()> {
         chorus_devices::host_fn::check("wait")?;
-        if let (Some(t), Ok(mut c)) = (event.time(), self.clock.lock()) {
-            *c = c.max(t);
+        if let Some(t) = event.time() {
+            update(&self.clock, |c| c.max(t));
         }
         Ok(())
     }
