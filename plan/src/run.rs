@@ -213,8 +213,8 @@ pub fn run(model: &ModelSpec, spec: &RunSpec, cost: Arc<dyn CostModel>) -> Resul
     let logs: Vec<Log> = (0..spec.world).map(|_| Log::default()).collect();
     let results: Vec<Result<RankPlan, String>> = std::thread::scope(|scope| {
         let mut handles = Vec::with_capacity(spec.world);
-        for rank in 0..spec.world {
-            let (world, cost, log) = (world.clone(), cost.clone(), logs[rank].clone());
+        for (rank, log) in logs.iter().enumerate() {
+            let (world, cost, log) = (world.clone(), cost.clone(), log.clone());
             let h = std::thread::Builder::new().name(format!("plan-rank{rank}")).stack_size(1 << 20).spawn_scoped(
                 scope,
                 move || {

@@ -76,11 +76,3 @@ fn llama_8b_at_128_ranks() {
 fn llama_8b_at_1024_ranks() {
     plan(1024);
 }
-
-#[test]
-#[ignore]
-fn exp() {
-    let n: usize = std::env::var("N").unwrap().parse().unwrap();
-    let s: usize = std::env::var("S").unwrap().parse().unwrap();
-    plan_steps(n, s);
-}

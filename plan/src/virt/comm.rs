@@ -174,7 +174,14 @@ impl VirtWorld {
     /// others fails with `Timeout`.
     pub fn new(size: usize, cost: Arc<dyn crate::cost::CostModel>, timeout: Duration) -> Arc<VirtWorld> {
         let state = WorldState { ended: vec![false; size], ..WorldState::default() };
-        Arc::new(VirtWorld { failed_flag: Default::default(), size, timeout, cost, state: Mutex::new(state), cv: Condvar::new() })
+        Arc::new(VirtWorld {
+            failed_flag: Default::default(),
+            size,
+            timeout,
+            cost,
+            state: Mutex::new(state),
+            cv: Condvar::new(),
+        })
     }
 
     /// Number of ranks.
@@ -405,12 +412,7 @@ impl VirtComm {
                     Some(s) => s.ranks.iter().zip(&s.arrived).filter(|(_, a)| a.is_none()).map(|(r, _)| *r).collect(),
                     None => Vec::new(),
                 };
-                return Err(CommError::Timeout {
-                    op: fp.op.name().to_string(),
-                    seq,
-                    waited: world.timeout,
-                    missing,
-                });
+                return Err(CommError::Timeout { op: fp.op.name().to_string(), seq, waited: world.timeout, missing });
             }
             std::thread::park_timeout(deadline - now);
         }

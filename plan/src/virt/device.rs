@@ -113,7 +113,9 @@ impl VirtDevice {
     pub(crate) fn push_trace(&self, op: TraceOp) {
         if let Ok(mut t) = self.inner.trace.lock() {
             match t.last_mut() {
-                Some(last) if last.stream == op.stream && last.end == op.start && last.name == op.name => last.end = op.end,
+                Some(last) if last.stream == op.stream && last.end == op.start && last.name == op.name => {
+                    last.end = op.end
+                }
                 _ => t.push(op),
             }
         }

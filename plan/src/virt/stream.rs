@@ -71,7 +71,7 @@ impl VirtStream {
     /// stream and the host are ready, and the stream's clock moves to its end.
     /// Returns (start, end).
     pub fn run_for(&self, name: &str, seconds: f64) -> (f64, f64) {
-        let (start, end) = self.run_from(name, self.device.host_clock(), seconds);
+        let (start, end) = self.run_from(name, 0.0, seconds);
         update(&self.busy, |b| b + (end - start));
         (start, end)
     }
