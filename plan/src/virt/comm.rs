@@ -297,9 +297,8 @@ impl VirtWorld {
 
 /// The divergence a slot shows when a member that has not arrived has ended.
 fn ended_member(ended: &[bool], key: &(Arc<str>, u64), slot: &Slot) -> Option<Divergence> {
-    let (i, &rank) = slot.ranks.iter().enumerate().find(|(i, r)| slot.arrived[*i].is_none() && ended[**r])?;
-    let _ = i;
-    let (j, (fp, _)) = slot.arrived.iter().enumerate().find_map(|(j, a)| a.as_ref().map(|a| (j, a)))?;
+    let (_, &rank) = slot.ranks.iter().enumerate().find(|(i, r)| slot.arrived[*i].is_none() && ended[**r])?;
+    let (j, fp) = slot.first?;
     Some(Divergence {
         group: key.0.to_string(),
         seq: key.1,

@@ -185,3 +185,45 @@ fn split_makes_communicators_named_as_the_flight_recorder_names_them() {
     assert_eq!(got[2], ("root/split0:color0".to_string(), 0, 2));
     assert_eq!(got[3], ("root/split0:color1".to_string(), 0, 2));
 }
+
+/// Rank 0 all-reduces on a fresh world of two; `other` is what rank 1 does meanwhile.
+fn lone_all_reduce(timeout: Duration, other: impl FnOnce(&Arc<VirtWorld>) + Send) -> (Result<(), CommError>, Duration) {
+    let world = VirtWorld::new(2, Arc::new(Unit), timeout);
+    std::thread::scope(|s| {
+        let w = world.clone();
+        let h = s.spawn(move || {
+            let d = device(0);
+            let c = Communicator::with_recorder(
+                w.communicator(0, d.clone(), Arc::new(Mutex::new(Vec::new()))).unwrap(),
+                &RecorderOptions::off(),
+            );
+            let st = d.create_stream(Priority::Normal).unwrap();
+            let x = d.alloc(DType::F32, 8).unwrap();
+            let t0 = std::time::Instant::now();
+            let r = c.all_reduce_in_place(x.view(), chorus_collectives::ReduceOp::Sum, &st);
+            (r, t0.elapsed())
+        });
+        other(&world);
+        h.join().unwrap()
+    })
+}
+
+#[test]
+fn a_rank_that_ends_while_another_waits_for_it_fails_the_wait_at_once() {
+    let (r, took) = lone_all_reduce(Duration::from_secs(60), |w| {
+        std::thread::sleep(Duration::from_millis(50));
+        w.rank_ended(1);
+    });
+    let e = r.unwrap_err().to_string();
+    assert!(e.contains("rank 1 called nothing (its run ended)") && e.contains("rank 0 called all_reduce"), "{e}");
+    assert!(took < Duration::from_secs(30), "{took:?}");
+}
+
+#[test]
+fn a_rank_that_never_arrives_nor_ends_is_named_at_the_deadline() {
+    let (r, _) = lone_all_reduce(Duration::from_millis(200), |_| {});
+    match r.unwrap_err() {
+        CommError::Timeout { missing, .. } => assert_eq!(missing, vec![1]),
+        e => panic!("{e}"),
+    }
+}
