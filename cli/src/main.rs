@@ -16,6 +16,8 @@
 //!   node with torchrun's variables and the job's store;
 //! - `chorus tokenize`: text files into the token rows `train --data` reads,
 //!   with a Hugging Face tokenizer or a byte-level BPE trained on them;
+//! - `chorus plan`: predict per-GPU memory, step time and every rank's
+//!   collectives at N GPUs by running FSDP on a virtual device;
 //! - `chorus trace`: read the ranks' flight-recorder dumps and name the rank
 //!   and call that diverged.
 //!
@@ -34,6 +36,8 @@ mod generate;
 mod launch;
 #[cfg(feature = "sim")]
 mod outdir;
+#[cfg(feature = "sim")]
+mod plan;
 #[cfg(feature = "sim")]
 mod plot;
 mod process;
@@ -75,6 +79,10 @@ enum Command {
     /// Continue --prompt with a Hugging Face Llama directory (its tokenizer.json): KV-cached on the CPU, greedy or
     /// sampled (--temperature, --top-k, --top-p, --seed) as transformers' generate; tokens/s on stderr.
     Generate(generate::GenerateArgs),
+    /// Predict per-GPU peak memory (with its breakdown), step time, tokens/s, MFU and exposed communication at
+    /// --gpus N by running FSDP for every rank on a virtual device; checks every rank issues the same collectives.
+    #[cfg(feature = "sim")]
+    Plan(Box<plan::PlanArgs>),
     /// Read every rank's flight-recorder dump in DIR and say which rank and call diverged (or --json).
     Trace(trace::TraceArgs),
     /// Text files into token rows for `train --model llama --data` (a tokenizer.json, or --train-tokenizer to train a
@@ -116,6 +124,8 @@ fn main() -> ExitCode {
         Command::Train(_) => "train",
         Command::Consolidate(_) => "consolidate",
         Command::Generate(_) => "generate",
+        #[cfg(feature = "sim")]
+        Command::Plan(_) => "plan",
         Command::Trace(_) => "trace",
         Command::Tokenize(_) => "tokenize",
     };
@@ -128,6 +138,8 @@ fn main() -> ExitCode {
         Command::Train(args) => train::run(&args),
         Command::Consolidate(args) => consolidate::run(&args),
         Command::Generate(args) => generate::run(&args),
+        #[cfg(feature = "sim")]
+        Command::Plan(args) => plan::run_cli(&args),
         Command::Trace(args) => trace::run(&args),
         Command::Tokenize(args) => tokenize::run(&args),
     };

@@ -6,11 +6,20 @@
 //! communicator ask a [`cost::CostModel`] how long a kernel, a copy or a
 //! collective takes; the GPU tables, NCCL's ring and tree algorithms and the
 //! decoder workloads (FLOPs, bytes, activation memory) implement it.
+//!
+//! - [`virt`]: the virtual device and communicator.
+//! - [`run`]: every rank's FSDP run on them, with the hooks `chorus train` drives.
+//! - [`schedule`]: the comparison of every rank's collective sequence.
+//! - [`constant`]: a cost model of constant rates (the tests').
 #![warn(missing_docs)]
 
+pub mod constant;
 pub mod cost;
 pub mod cpu_model;
 pub mod decoder_cost;
 pub mod gpu;
 pub mod nccl;
+pub mod run;
+pub mod schedule;
+pub mod virt;
 pub mod workload;

@@ -280,6 +280,13 @@ where
     ShardedDecoder::new(model, (embed_stage, blocks, head_stage), &groups, forward_prefetch)
 }
 
+/// The groups [`shard`] registers, without values (for `chorus plan`).
+pub fn groups(cfg: &GptConfig) -> chorus_fsdp_candle::Result<super::DecoderGroups> {
+    let mut spec = vec![("root".to_string(), vec!["embed.".into(), "norm.".into(), "head.".into()], true)];
+    spec.extend((0..cfg.layers).map(|i| (format!("blocks.{i}"), vec![format!("blocks.{i}.")], false)));
+    Ok(super::DecoderGroups { groups: super::group_shapes(cfg.param_shapes(), &spec)?, embed: 0, head: 0 })
+}
+
 /// Continues `prompt` by `n` characters with the model whose full
 /// parameters are `params` (greedy decoding, plain candle): a look at what
 /// the model learned.

@@ -23,6 +23,54 @@ use chorus_devices::ComputeBackend;
 use chorus_fsdp::Fsdp;
 use chorus_fsdp_candle::{FsdpModel, Result, StageId};
 
+/// A param group of a decoder's sharded form without its values: its name,
+/// its parameters' names and shapes in registration order, and whether it is
+/// FSDP2's root. What `chorus plan` runs FSDP on instead of the tensors.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupShape {
+    /// The group's name.
+    pub name: String,
+    /// Its parameters' full names and shapes.
+    pub params: Vec<(String, Vec<usize>)>,
+    /// Not resharded after forward.
+    pub root: bool,
+}
+
+/// A decoder's param groups as its `shard` registers them, and the groups
+/// its embedding and head stages use (each layer's stage uses the group
+/// after the embedding's, in order).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DecoderGroups {
+    /// The groups in registration order.
+    pub groups: Vec<GroupShape>,
+    /// The embedding stage's group.
+    pub embed: usize,
+    /// The head stage's group.
+    pub head: usize,
+}
+
+/// Splits `shapes` (registration order) into groups as the adapter's
+/// `take_params` does: each `(name, prefixes, root)` in turn takes the
+/// parameters left whose names start with one of its prefixes. A parameter
+/// no group takes is an error, as in `shard`.
+pub fn group_shapes(
+    mut shapes: Vec<(String, Vec<usize>)>,
+    groups: &[(String, Vec<String>, bool)],
+) -> Result<Vec<GroupShape>> {
+    let mut out = Vec::with_capacity(groups.len());
+    for (name, prefixes, root) in groups {
+        let (taken, kept) = std::mem::take(&mut shapes)
+            .into_iter()
+            .partition(|(n, _): &(String, Vec<usize>)| prefixes.iter().any(|p| n.starts_with(p.as_str())));
+        shapes = kept;
+        out.push(GroupShape { name: name.clone(), params: taken, root: *root });
+    }
+    if let Some((name, _)) = shapes.first() {
+        return Err(chorus_fsdp_candle::Error::InvalidArgument(format!("parameter `{name}` belongs to no group")));
+    }
+    Ok(out)
+}
+
 /// A decoder model to train: its configuration and initial parameters, and
 /// how to build it sharded (every rank) or plain (the reference).
 pub trait DecoderModel: Send + Sync {

@@ -470,3 +470,19 @@ where
     let head_stage = model.add_stage(last, move |vb, x| head(&c, vb, x))?;
     ShardedDecoder::new(model, (embed_stage, layers, head_stage), &groups, forward_prefetch)
 }
+
+/// The groups [`shard`] registers, without values (for `chorus plan`).
+pub fn groups(cfg: &LlamaConfig) -> chorus_fsdp_candle::Result<super::DecoderGroups> {
+    let prefixes = |p: &[&str]| p.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let layers =
+        (0..cfg.num_hidden_layers).map(|i| (format!("model.layers.{i}"), vec![format!("model.layers.{i}.")], false));
+    let (spec, head): (Vec<_>, usize) = match cfg.tie_word_embeddings {
+        true => (std::iter::once(("root".to_string(), prefixes(&ROOT_PREFIXES), true)).chain(layers).collect(), 0),
+        false => {
+            let embed = (EMBED_GROUP.to_string(), prefixes(&ROOT_PREFIXES[..1]), false);
+            let root = ("root".to_string(), prefixes(&ROOT_PREFIXES[1..]), true);
+            (std::iter::once(embed).chain(layers).chain(std::iter::once(root)).collect(), cfg.num_hidden_layers + 1)
+        }
+    };
+    Ok(super::DecoderGroups { groups: super::group_shapes(cfg.param_shapes(), &spec)?, embed: 0, head })
+}

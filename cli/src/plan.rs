@@ -1,0 +1,370 @@
+//! `chorus plan`: predicts per-rank memory, step time and every rank's
+//! collective sequence for a training job at N GPUs by running chorus's
+//! FSDP for every rank on a virtual device and communicator
+//! (`chorus_plan`), before anyone rents the GPUs.
+//!
+//! The model and FSDP flags are `chorus train`'s; the groups are the ones
+//! `chorus train` registers (`chorus_train::models::{gpt, llama}::groups`).
+//! Outputs: a report on stdout, and with `--out-dir` `plan.json` and
+//! `timeline.svg`, staged and put in place whole (`crate::outdir`).
+
+mod report;
+mod timeline;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use chorus_devices::DType;
+use chorus_fsdp::{FsdpConfig, MixedPrecision, OptimizerKind, Reshard};
+use chorus_plan::cost::CostModel;
+use chorus_plan::run::{run, GroupSpec, ModelSpec, RunSpec};
+use chorus_plan::workload::{DecoderKind, DecoderShape, RecomputeMode, StageWork};
+use chorus_train::models::llama::config::LlamaConfig;
+use chorus_train::models::{gpt, llama, DecoderGroups};
+
+use crate::outdir::OutDir;
+use crate::{Outcome, UsageError};
+
+pub use report::Plan;
+
+#[cfg(test)]
+mod tests;
+
+/// The most ranks a plan runs (one thread each).
+const MAX_GPUS: usize = 8192;
+/// The largest `config.json` read.
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+/// Any one size flag's bound: far above any model, far below an overflow.
+const MAX_SIZE: usize = 1 << 24;
+/// Steps run; the last is measured (the first allocates the optimizer's state).
+const STEPS: usize = 2;
+
+/// Models `chorus plan` plans.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PlanModel {
+    /// chorus's transformer (`chorus train --model gpt`).
+    Gpt,
+    /// A Hugging Face Llama (`chorus train --model llama`).
+    Llama,
+}
+
+/// torchtitan's activation checkpointing modes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum RecomputeArg {
+    /// Keep every activation.
+    None,
+    /// Keep each layer's input; recompute the layer in backward.
+    Full,
+    /// torchtitan's op-level selective checkpointing.
+    Selective,
+}
+
+/// Optimizers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PlanOptimizer {
+    /// SGD with --momentum.
+    Sgd,
+    /// AdamW.
+    Adamw,
+}
+
+/// Arguments of `chorus plan`.
+#[derive(Clone, Debug, clap::Args)]
+#[command(allow_negative_numbers = true)]
+pub struct PlanArgs {
+    /// The model.
+    #[arg(long, value_enum, default_value = "llama")]
+    pub model: PlanModel,
+    /// llama: the model's config.json (Hugging Face's).
+    #[arg(long, conflicts_with = "init_from")]
+    pub config: Option<PathBuf>,
+    /// llama: a Hugging Face model directory whose config.json is read (the weights are not).
+    #[arg(long)]
+    pub init_from: Option<PathBuf>,
+    /// Decoder layers (without --config; default 2).
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// Width of the residual stream (without --config; default 64).
+    #[arg(long)]
+    pub d_model: Option<usize>,
+    /// Attention heads (without --config; default 4).
+    #[arg(long)]
+    pub heads: Option<usize>,
+    /// llama: key/value heads (without --config; default min(2, heads)).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    /// Width of the MLP (without --config; default 4 × d-model for gpt, 2 × for llama, as `chorus train`).
+    #[arg(long)]
+    pub d_ff: Option<usize>,
+    /// Vocabulary (without --config; default 256).
+    #[arg(long)]
+    pub vocab: Option<usize>,
+    /// Sequences per GPU per step.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 32)]
+    pub seq_len: usize,
+    /// Micro-batches per step (they divide --batch).
+    #[arg(long, default_value_t = 1)]
+    pub micro_batches: usize,
+    /// GPUs (ranks).
+    #[arg(long)]
+    pub gpus: usize,
+    /// GPUs per node (NVLink inside a node, the network across).
+    #[arg(long, default_value_t = 8)]
+    pub gpus_per_node: usize,
+    /// The GPU kind (h100-sxm, h200, a100, ...; cpu for the cpu device the sim runs on).
+    #[arg(long, default_value = "h100-sxm")]
+    pub gpu: String,
+    /// HSDP: replicate over this many groups (it must divide --gpus).
+    #[arg(long)]
+    pub hsdp: Option<usize>,
+    /// true, false, or a smaller world size that divides the shard world.
+    #[arg(long, default_value = "true")]
+    pub reshard_after_forward: Reshard,
+    /// Activation checkpointing.
+    #[arg(long, value_enum, default_value = "full")]
+    pub recompute: RecomputeArg,
+    /// Dtype of all-gathers and compute: f32, bf16 or f16.
+    #[arg(long, default_value = "f32", value_parser = parse_float_dtype)]
+    pub param_dtype: DType,
+    /// Dtype of gradient reduction (default: the param dtype).
+    #[arg(long, value_parser = parse_float_dtype)]
+    pub reduce_dtype: Option<DType>,
+    /// The optimizer.
+    #[arg(long, value_enum, default_value = "adamw")]
+    pub optimizer: PlanOptimizer,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.0)]
+    pub momentum: f64,
+    /// Clip the global gradient norm to this.
+    #[arg(long)]
+    pub max_grad_norm: Option<f64>,
+    /// Write plan.json and timeline.svg here (a directory of its own; an earlier plan's is replaced).
+    #[arg(long)]
+    pub out_dir: Option<PathBuf>,
+}
+
+fn parse_float_dtype(s: &str) -> Result<DType, String> {
+    match s.parse::<DType>() {
+        Ok(d @ (DType::F32 | DType::BF16 | DType::F16)) => Ok(d),
+        _ => Err(format!("`{s}` is not a training dtype: f32, bf16 or f16")),
+    }
+}
+
+fn usage(msg: impl Into<String>) -> anyhow::Error {
+    anyhow::Error::new(UsageError(msg.into()))
+}
+
+/// The model's groups and shapes.
+pub struct Model {
+    /// The groups `chorus train` registers.
+    pub groups: DecoderGroups,
+    /// The shapes the workload is computed from.
+    pub shape: DecoderShape,
+}
+
+/// Checks every flag and reads the model's configuration.
+pub fn model(args: &PlanArgs) -> anyhow::Result<Model> {
+    let checks = [
+        (args.gpus, "--gpus", MAX_GPUS),
+        (args.gpus_per_node, "--gpus-per-node", MAX_GPUS),
+        (args.batch, "--batch", MAX_SIZE),
+        (args.seq_len, "--seq-len", MAX_SIZE),
+        (args.micro_batches, "--micro-batches", MAX_SIZE),
+    ];
+    for (v, flag, max) in checks {
+        if v == 0 || v > max {
+            return Err(usage(format!("{flag} {v}: must be in 1..={max}")));
+        }
+    }
+    for (v, flag) in [(args.layers, "--layers"), (args.d_model, "--d-model"), (args.heads, "--heads")]
+        .into_iter()
+        .chain([(args.kv_heads, "--kv-heads"), (args.d_ff, "--d-ff"), (args.vocab, "--vocab")])
+    {
+        if let Some(v) = v.filter(|v| *v == 0 || *v > MAX_SIZE) {
+            return Err(usage(format!("{flag} {v}: must be in 1..={MAX_SIZE}")));
+        }
+    }
+    if args.batch % args.micro_batches != 0 {
+        return Err(usage(format!("--micro-batches {} does not divide --batch {}", args.micro_batches, args.batch)));
+    }
+    if let Some(r) = args.hsdp {
+        if r == 0 || args.gpus % r != 0 {
+            return Err(usage(format!("--hsdp {r} does not divide --gpus {}", args.gpus)));
+        }
+    }
+    if let Some(m) = args.max_grad_norm.filter(|m| !(m.is_finite() && *m > 0.0)) {
+        return Err(usage(format!("--max-grad-norm {m}: must be a positive number")));
+    }
+    if !(args.momentum.is_finite() && args.momentum >= 0.0) {
+        return Err(usage(format!("--momentum {}: must be a non-negative number", args.momentum)));
+    }
+    let layers = args.layers.unwrap_or(2);
+    let d = args.d_model.unwrap_or(64);
+    let heads = args.heads.unwrap_or(4);
+    let vocab = args.vocab.unwrap_or(256);
+    match args.model {
+        PlanModel::Gpt => {
+            if args.config.is_some() || args.init_from.is_some() || args.kv_heads.is_some() {
+                return Err(usage("--config, --init-from and --kv-heads are the Llama's (--model llama)"));
+            }
+            let cfg = gpt::GptConfig {
+                vocab,
+                d_model: d,
+                layers,
+                heads,
+                d_ff: args.d_ff.unwrap_or(4 * d),
+                seq_len: args.seq_len,
+            };
+            cfg.validate().map_err(|e| usage(format!("the transformer's sizes: {e}")))?;
+            let shape = DecoderShape {
+                kind: DecoderKind::Gpt,
+                layers,
+                d_model: d,
+                heads,
+                kv_heads: heads,
+                ffn_hidden: cfg.d_ff,
+                vocab,
+                tied_embeddings: false,
+            };
+            Ok(Model { groups: gpt::groups(&cfg)?, shape })
+        }
+        PlanModel::Llama => {
+            let cfg = match (&args.config, &args.init_from) {
+                (Some(file), _) => read_config_file(file)?,
+                (None, Some(dir)) => {
+                    chorus_train::models::llama::hf::read_config(dir).map_err(|e| usage(format!("--init-from: {e}")))?
+                }
+                (None, None) => LlamaConfig::new(
+                    vocab,
+                    d,
+                    args.d_ff.unwrap_or(2 * d),
+                    layers,
+                    heads,
+                    args.kv_heads.unwrap_or(2.min(heads)),
+                ),
+            };
+            let from_file = args.config.is_some() || args.init_from.is_some();
+            let flags = [args.layers, args.d_model, args.heads, args.kv_heads, args.d_ff, args.vocab];
+            if from_file && flags.iter().any(Option::is_some) {
+                return Err(usage("the sizes come from the config.json: leave out --layers, --d-model, --heads, --kv-heads, --d-ff and --vocab"));
+            }
+            cfg.validate().map_err(|e| usage(format!("the Llama's configuration: {e}")))?;
+            let shape = DecoderShape {
+                kind: DecoderKind::Llama,
+                layers: cfg.num_hidden_layers,
+                d_model: cfg.hidden_size,
+                heads: cfg.num_attention_heads,
+                kv_heads: cfg.num_key_value_heads,
+                ffn_hidden: cfg.intermediate_size,
+                vocab: cfg.vocab_size,
+                tied_embeddings: cfg.tie_word_embeddings,
+            };
+            Ok(Model { groups: llama::groups(&cfg)?, shape })
+        }
+    }
+}
+
+/// A config.json given by path: a regular file of at most [`MAX_CONFIG_BYTES`].
+fn read_config_file(path: &Path) -> anyhow::Result<LlamaConfig> {
+    let meta = std::fs::metadata(path).map_err(|e| usage(format!("--config {}: {e}", path.display())))?;
+    if !meta.is_file() {
+        return Err(usage(format!("--config {}: not a regular file", path.display())));
+    }
+    if meta.len() > MAX_CONFIG_BYTES {
+        return Err(usage(format!(
+            "--config {}: {} bytes, more than a config.json's {MAX_CONFIG_BYTES}",
+            path.display(),
+            meta.len()
+        )));
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("--config {}", path.display()))?;
+    LlamaConfig::from_json(&text).map_err(|e| usage(format!("--config {}: {e}", path.display())))
+}
+
+/// The workload's recompute mode of `--recompute`.
+pub fn recompute_mode(r: RecomputeArg) -> RecomputeMode {
+    match r {
+        RecomputeArg::None => RecomputeMode::None,
+        RecomputeArg::Full => RecomputeMode::Full,
+        RecomputeArg::Selective => RecomputeMode::Selective,
+    }
+}
+
+/// The two answers of the cost models (issue 27's GPU tables, NCCL costs
+/// and decoder workloads): the times of `--gpu` and the model's work per
+/// stage. This build has no cost models, so `chorus plan` says so rather
+/// than predict (the run and the outputs are tested with a constant-rate
+/// model). With them, this body is:
+///
+/// ```text
+/// let cost = chorus_plan::cost_model(&args.gpu, args.gpus_per_node).map_err(usage)?;
+/// let micro = args.batch / args.micro_batches;
+/// let work = chorus_plan::decoder_work(shape, micro, args.seq_len, args.param_dtype.size(), recompute_mode(args.recompute));
+/// Ok((cost, work))
+/// ```
+fn cost_inputs(args: &PlanArgs, shape: &DecoderShape) -> anyhow::Result<(Arc<dyn CostModel>, Vec<StageWork>)> {
+    anyhow::bail!(
+        "--gpu {}: this build of chorus has no cost models yet for a {:?} of {} layers (chorus_plan's GPU tables and decoder workloads)",
+        args.gpu,
+        shape.kind,
+        shape.layers
+    )
+}
+
+/// Plans what `args` describe with `cost`'s times and `work` per stage.
+pub fn execute(args: &PlanArgs, model: &Model, cost: Arc<dyn CostModel>, work: Vec<StageWork>) -> anyhow::Result<Plan> {
+    let g = &model.groups;
+    let groups = g.groups.iter().map(|g| GroupSpec { name: g.name.clone(), params: g.params.clone(), root: g.root });
+    let spec = ModelSpec::decoder(groups.collect(), g.embed, g.head, work.clone())?;
+    let optimizer = match args.optimizer {
+        PlanOptimizer::Adamw => OptimizerKind::adamw(1e-3, 0.01),
+        PlanOptimizer::Sgd => OptimizerKind::sgd(1e-2, args.momentum),
+    };
+    let fsdp = FsdpConfig {
+        reshard_after_forward: args.reshard_after_forward,
+        mixed_precision: MixedPrecision {
+            param_dtype: Some(args.param_dtype),
+            reduce_dtype: args.reduce_dtype,
+            output_dtype: None,
+        },
+        ..FsdpConfig::default()
+    };
+    let run_spec = RunSpec {
+        world: args.gpus,
+        replicate: args.hsdp,
+        fsdp,
+        forward_prefetch: true,
+        optimizer,
+        max_grad_norm: args.max_grad_norm,
+        micro_batches: args.micro_batches,
+        steps: STEPS,
+        kernels_reach_host: args.gpu == "cpu",
+        trace_rank: Some(0),
+        timeout: Duration::from_secs(600),
+    };
+    let peak = cost.peak_flops();
+    let result = run(&spec, &run_spec, cost)?;
+    report::Plan::new(args, &work, peak, result)
+}
+
+/// `chorus plan`.
+pub fn run_cli(args: &PlanArgs) -> anyhow::Result<Outcome> {
+    let model = model(args)?;
+    let (cost, work) = cost_inputs(args, &model.shape)?;
+    let out = match &args.out_dir {
+        Some(dir) => Some(OutDir::acquire(dir, &[])?),
+        None => None,
+    };
+    let plan = execute(args, &model, cost, work)?;
+    print!("{}", plan.text());
+    if let Some(out) = out {
+        plan.write(out.stage())?;
+        out.commit()?;
+    }
+    Ok(if plan.divergence.is_some() { Outcome::Failed } else { Outcome::Passed })
+}

@@ -1,0 +1,202 @@
+//! What a plan reports: the numbers on stdout and in `plan.json`.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use chorus_plan::cost::KernelKind;
+use chorus_plan::run::{PlanRun, RankPlan, FSDP_STREAMS};
+use chorus_plan::schedule::first_divergence;
+use chorus_plan::virt::comm::{CollectiveRecord, Divergence};
+use chorus_plan::virt::TraceOp;
+use chorus_plan::workload::StageWork;
+
+use super::PlanArgs;
+
+/// Per-rank peak memory by what holds it.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Breakdown {
+    /// The sharded f32 master parameters.
+    pub sharded_params: usize,
+    /// The sharded f32 gradients (as many bytes as the masters).
+    pub gradients: usize,
+    /// The optimizer's state.
+    pub optimizer_state: usize,
+    /// FSDP's peak less the above: unsharded parameters and gradients, and their staging.
+    pub unsharded_buffers: usize,
+    /// The activations' peak.
+    pub activations: usize,
+}
+
+/// One rank's collective sequence in short: how many calls and a digest of them.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct SequenceDigest {
+    /// The rank.
+    pub rank: usize,
+    /// Calls issued.
+    pub calls: usize,
+    /// FNV-1a over each call's communicator, op, dtype and count, as hex.
+    pub digest: String,
+}
+
+/// A plan's results.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Plan {
+    /// The model, GPU and layout planned.
+    pub model: String,
+    /// GPUs.
+    pub gpus: usize,
+    /// GPU kind.
+    pub gpu: String,
+    /// The activation checkpointing mode.
+    pub recompute: chorus_plan::workload::RecomputeMode,
+    /// The measured step's time (the slowest rank's), seconds.
+    pub step_time_s: f64,
+    /// Tokens per second per GPU.
+    pub tokens_per_s_per_gpu: f64,
+    /// Model FLOPs utilisation (None for a device without a peak).
+    pub mfu: Option<f64>,
+    /// The largest rank's device peak, everything counted.
+    pub peak_memory_bytes: usize,
+    /// The largest rank's FSDP-managed peak (comparable to `chorus train`'s `peak_memory_bytes`).
+    pub fsdp_peak_memory_bytes: usize,
+    /// The host space's peak (offload).
+    pub host_peak_memory_bytes: usize,
+    /// The largest rank's breakdown.
+    pub breakdown: Breakdown,
+    /// Seconds of the step in which the compute stream waited (communication not hidden).
+    pub exposed_communication_s: f64,
+    /// Each rank's sequence in short.
+    pub collectives: Vec<SequenceDigest>,
+    /// Rank 0's sequence in full.
+    pub rank0_collectives: Vec<CollectiveRecord>,
+    /// The first divergence of the ranks' sequences, if any.
+    pub divergence: Option<Divergence>,
+    /// Ranks that failed, with why.
+    pub failed_ranks: Vec<(usize, String)>,
+    /// Rank 0's measured step, for the timeline.
+    #[serde(skip)]
+    pub trace: Vec<TraceOp>,
+}
+
+fn digest(calls: &[CollectiveRecord]) -> String {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for c in calls {
+        for b in format!("{}|{}|{}|{};", c.group, c.op, c.dtype, c.count).bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    format!("{h:016x}")
+}
+
+/// GEMM and attention FLOPs of one micro-batch's forward on one rank.
+fn forward_flops(work: &[StageWork]) -> f64 {
+    work.iter().flat_map(|s| &s.forward).filter(|k| k.kind != KernelKind::MemoryBound).map(|k| k.flops).sum()
+}
+
+impl Plan {
+    /// The plan of `run` for `args`; `work` is one micro-batch's, `peak_flops` the GPU's.
+    pub fn new(args: &PlanArgs, work: &[StageWork], peak_flops: Option<f64>, run: PlanRun) -> anyhow::Result<Plan> {
+        let mut ok: Vec<&RankPlan> = Vec::new();
+        let mut failed_ranks = Vec::new();
+        for (rank, r) in run.ranks.iter().enumerate() {
+            match r {
+                Ok(p) => ok.push(p),
+                Err(e) => failed_ranks.push((rank, e.clone())),
+            }
+        }
+        let sequences = &run.sequences;
+        let divergence = run.divergence.clone().or_else(|| first_divergence(sequences));
+        if ok.is_empty() {
+            let why = failed_ranks.first().map(|(_, e)| e.clone()).unwrap_or_default();
+            match &divergence {
+                Some(d) => anyhow::bail!("every rank failed; the first divergence: {d} ({why})"),
+                None => anyhow::bail!("every rank failed: {why}"),
+            }
+        }
+        let max = |f: fn(&RankPlan) -> usize| ok.iter().map(|p| f(p)).max().unwrap_or(0);
+        let step = ok.iter().map(|p| p.step_time_s).fold(0.0, f64::max);
+        let worst = ok.iter().max_by_key(|p| p.fsdp_peak_bytes).copied().unwrap_or(ok[0]);
+        let gradients = worst.sharded_param_bytes;
+        let breakdown = Breakdown {
+            sharded_params: worst.sharded_param_bytes,
+            gradients,
+            optimizer_state: worst.optimizer_state_bytes,
+            unsharded_buffers: worst
+                .fsdp_peak_bytes
+                .saturating_sub(worst.sharded_param_bytes + gradients + worst.optimizer_state_bytes),
+            activations: max(|p| p.activation_peak_bytes),
+        };
+        let compute_busy = ok.iter().map(|p| p.compute_busy_s).fold(f64::INFINITY, f64::min);
+        let tokens = (args.batch * args.seq_len) as f64;
+        let per_s = |x: f64| if step > 0.0 { x / step } else { 0.0 };
+        // The model's FLOPs: forward, and backward at twice the forward (recomputation not counted).
+        let model_flops = 3.0 * forward_flops(work) * args.micro_batches as f64;
+        Ok(Plan {
+            model: format!("{:?}", args.model).to_lowercase(),
+            gpus: args.gpus,
+            gpu: args.gpu.clone(),
+            recompute: super::recompute_mode(args.recompute),
+            step_time_s: step,
+            tokens_per_s_per_gpu: per_s(tokens),
+            mfu: peak_flops.filter(|p| *p > 0.0).map(|p| per_s(model_flops) / p),
+            peak_memory_bytes: max(|p| p.peak_bytes),
+            fsdp_peak_memory_bytes: max(|p| p.fsdp_peak_bytes),
+            host_peak_memory_bytes: max(|p| p.host_peak_bytes),
+            breakdown,
+            exposed_communication_s: (step - compute_busy).max(0.0),
+            collectives: sequences
+                .iter()
+                .enumerate()
+                .map(|(rank, calls)| SequenceDigest { rank, calls: calls.len(), digest: digest(calls) })
+                .collect(),
+            rank0_collectives: sequences.first().cloned().unwrap_or_default(),
+            divergence,
+            failed_ranks,
+            trace: ok.iter().find(|p| p.rank == 0).map(|p| p.trace.clone()).unwrap_or_default(),
+        })
+    }
+
+    /// The report on stdout.
+    pub fn text(&self) -> String {
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        let b = &self.breakdown;
+        let mut s = String::new();
+        let _ = writeln!(s, "chorus plan: {} on {} × {}", self.model, self.gpus, self.gpu);
+        let _ = writeln!(
+            s,
+            "peak memory per GPU   {:.3} GiB (FSDP-managed {:.3} GiB)",
+            gib(self.peak_memory_bytes),
+            gib(self.fsdp_peak_memory_bytes)
+        );
+        let _ = writeln!(s, "  sharded params      {:.3} GiB", gib(b.sharded_params));
+        let _ = writeln!(s, "  gradients           {:.3} GiB", gib(b.gradients));
+        let _ = writeln!(s, "  optimizer state     {:.3} GiB", gib(b.optimizer_state));
+        let _ = writeln!(s, "  unsharded buffers   {:.3} GiB", gib(b.unsharded_buffers));
+        let _ = writeln!(s, "  activations         {:.3} GiB", gib(b.activations));
+        if self.host_peak_memory_bytes > 0 {
+            let _ = writeln!(s, "host memory per GPU   {:.3} GiB", gib(self.host_peak_memory_bytes));
+        }
+        let _ = writeln!(s, "step time             {:.4} s", self.step_time_s);
+        let _ = writeln!(s, "tokens/s per GPU      {:.1}", self.tokens_per_s_per_gpu);
+        match self.mfu {
+            Some(m) => drop(writeln!(s, "MFU                   {:.1} %", 100.0 * m)),
+            None => drop(writeln!(s, "MFU                   - (no peak FLOP/s for {})", self.gpu)),
+        }
+        let _ = writeln!(s, "exposed communication {:.4} s per step", self.exposed_communication_s);
+        match &self.divergence {
+            None => drop(writeln!(s, "schedule check        every rank issues the same collectives")),
+            Some(d) => drop(writeln!(s, "schedule check        DIVERGES: {d}")),
+        }
+        for (rank, e) in self.failed_ranks.iter().take(4) {
+            let _ = writeln!(s, "rank {rank} failed: {e}");
+        }
+        s
+    }
+
+    /// Writes `plan.json` and `timeline.svg` into `dir`.
+    pub fn write(&self, dir: &Path) -> anyhow::Result<()> {
+        let json = serde_json::to_vec_pretty(self)?;
+        crate::outdir::write_file(&dir.join("plan.json"), &json)?;
+        super::timeline::draw(&dir.join("timeline.svg"), &self.trace, &FSDP_STREAMS)
+    }
+}

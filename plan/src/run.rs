@@ -1,0 +1,434 @@
+//! Every rank's FSDP run on the virtual device and communicator.
+//!
+//! Each rank is a thread that builds [`Fsdp`] with the groups and settings
+//! `chorus train` builds, then drives the hooks in the order the candle
+//! adapter (`fsdp/candle/src/module.rs`) and the training loop
+//! (`train/src/decoder/sharded.rs`) do: per micro-batch, the stages in
+//! forward order (a group's pre-forward at its first stage, post-forward
+//! after its last), then backward in reverse (pre-backward at each stage,
+//! post-backward after the group's last), finalize; then the global mean of
+//! the loss, clipping, the optimizer step and `zero_grad`. Between the hooks
+//! each stage's [`StageWork`] runs on the compute stream, its activations
+//! counted apart from FSDP's memory. The last step is measured.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chorus_collectives::recorder::RecorderOptions;
+use chorus_collectives::{CommError, Communicator, Mesh};
+use chorus_devices::{Buffer as _, Device as _, DeviceError, StreamExt as _};
+use chorus_fsdp::{
+    DataParallel, DeferredParam, Fsdp, FsdpConfig, FsdpError, OptimizerKind, ShardSource, ShardedOptimizer,
+};
+
+use crate::cost::CostModel;
+use crate::virt::comm::{CollectiveRecord, Divergence, VirtComm, VirtWorld};
+use crate::virt::{TraceOp, VirtConfig, VirtDevice};
+use crate::workload::StageWork;
+
+/// The names of FSDP's streams in the order [`Fsdp::new`] creates them
+/// (`fsdp/src/state.rs`): a traced operation's `stream` indexes this.
+pub const FSDP_STREAMS: [&str; 5] = ["compute", "copy-in", "all-gather", "reduce-scatter", "all-reduce"];
+
+/// Why a plan could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// The inputs are inconsistent.
+    #[error("invalid plan: {0}")]
+    Invalid(String),
+    /// FSDP refused something on a rank (a divergence arrives as its `Comm` error).
+    #[error("rank {rank}: {source}")]
+    Rank {
+        /// The rank.
+        rank: usize,
+        /// FSDP's error.
+        source: FsdpError,
+    },
+    /// A rank's thread could not be started or panicked.
+    #[error("rank {rank}: {reason}")]
+    Thread {
+        /// The rank.
+        rank: usize,
+        /// What happened.
+        reason: String,
+    },
+}
+
+/// One FSDP param group: as `chorus train` registers it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupSpec {
+    /// The group's name (`root`, `blocks.3`, `model.layers.3`).
+    pub name: String,
+    /// Its parameters' full names and shapes, in registration order.
+    pub params: Vec<(String, Vec<usize>)>,
+    /// FSDP2's root: not resharded after forward.
+    pub root: bool,
+}
+
+/// One stage of a rank's model: its group, its work, and the groups that
+/// run inside it (routed experts, each between this stage's hooks).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Stage {
+    /// The group whose parameters the stage uses.
+    pub group: usize,
+    /// Its kernels and activation memory for one micro-batch.
+    pub work: StageWork,
+    /// Groups run (forward, then backward in reverse) inside this stage on this rank.
+    pub inner: Vec<usize>,
+}
+
+/// Each rank's stages, in forward order.
+pub type StagesOf = Arc<dyn Fn(usize) -> Vec<Stage> + Send + Sync>;
+
+/// The model as FSDP sees it.
+#[derive(Clone)]
+pub struct ModelSpec {
+    /// The param groups, in registration order.
+    pub groups: Vec<GroupSpec>,
+    /// Each rank's stages.
+    pub stages_of: StagesOf,
+    /// Routed groups per parent ([`Fsdp::set_routed_groups`]).
+    pub routed: Vec<(usize, Vec<usize>)>,
+}
+
+impl std::fmt::Debug for ModelSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelSpec").field("groups", &self.groups.len()).field("routed", &self.routed).finish()
+    }
+}
+
+impl ModelSpec {
+    /// A decoder as `chorus train` shards it: `groups` in registration
+    /// order, the embedding's stage on group `embed`, layer `i`'s on group
+    /// `i + 1`, the head's on group `head`; `work` the stages in forward
+    /// order (`embed`, each layer, `head`).
+    pub fn decoder(
+        groups: Vec<GroupSpec>,
+        embed: usize,
+        head: usize,
+        work: Vec<StageWork>,
+    ) -> Result<ModelSpec, PlanError> {
+        let layers = work.len().saturating_sub(2);
+        if work.len() < 2 || layers + 1 > groups.len() || embed >= groups.len() || head >= groups.len() {
+            return Err(PlanError::Invalid(format!(
+                "{} stages of work for {} groups (embedding group {embed}, head group {head}): a decoder has its embedding, its layers (one group each) and its head",
+                work.len(),
+                groups.len()
+            )));
+        }
+        let last = work.len() - 1;
+        let stages: Vec<Stage> = work
+            .into_iter()
+            .enumerate()
+            .map(|(i, work)| {
+                let group = match i {
+                    0 => embed,
+                    i if i == last => head,
+                    i => i,
+                };
+                Stage { group, work, inner: Vec::new() }
+            })
+            .collect();
+        Ok(ModelSpec { groups, stages_of: Arc::new(move |_| stages.clone()), routed: Vec::new() })
+    }
+}
+
+/// How to run: what `chorus train` is given beyond the model.
+#[derive(Clone, Debug)]
+pub struct RunSpec {
+    /// Ranks.
+    pub world: usize,
+    /// HSDP's replicate dimension (`None` or 1: plain FSDP).
+    pub replicate: Option<usize>,
+    /// FSDP's settings.
+    pub fsdp: FsdpConfig,
+    /// Each group's pre-forward also all-gathers the next group.
+    pub forward_prefetch: bool,
+    /// The optimizer.
+    pub optimizer: OptimizerKind,
+    /// Clip the global gradient norm.
+    pub max_grad_norm: Option<f64>,
+    /// Micro-batches per step.
+    pub micro_batches: usize,
+    /// Steps (the last is measured; 2 measures one in the steady state).
+    pub steps: usize,
+    /// Model the cpu device (kernels reach host memory) rather than a GPU.
+    pub kernels_reach_host: bool,
+    /// The rank whose measured step is traced for the timeline.
+    pub trace_rank: Option<usize>,
+    /// How long (real time) a rank waits for the others at a collective.
+    pub timeout: Duration,
+}
+
+/// What one rank's run gave.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct RankPlan {
+    /// The rank.
+    pub rank: usize,
+    /// FSDP's device peak from the first step on (`chorus train`'s `peak_memory_bytes`).
+    pub fsdp_peak_bytes: usize,
+    /// The host space's peak (offload).
+    pub host_peak_bytes: usize,
+    /// The activations' peak.
+    pub activation_peak_bytes: usize,
+    /// Device memory of FSDP and the activations together, at its peak.
+    pub peak_bytes: usize,
+    /// Device bytes held before the first step: the sharded f32 masters.
+    pub sharded_param_bytes: usize,
+    /// Device bytes the optimizer step added and kept (its state).
+    pub optimizer_state_bytes: usize,
+    /// The measured step, seconds of virtual time.
+    pub step_time_s: f64,
+    /// Seconds the compute stream was busy in the measured step.
+    pub compute_busy_s: f64,
+    /// Every collective this rank issued, in order, on every communicator
+    /// (as [`PlanRun::sequences`] holds it).
+    pub collectives: Vec<CollectiveRecord>,
+    /// The measured step's operations (the traced rank only).
+    pub trace: Vec<TraceOp>,
+}
+
+/// Every rank's run.
+#[derive(Clone, Debug)]
+pub struct PlanRun {
+    /// Per rank, in rank order: its plan, or why it failed.
+    pub ranks: Vec<Result<RankPlan, String>>,
+    /// Per rank, every collective it issued (up to its failure, for a rank that failed).
+    pub sequences: Vec<Vec<CollectiveRecord>>,
+    /// The first divergence of the ranks' collectives, if they diverged.
+    pub divergence: Option<Divergence>,
+}
+
+/// Runs `model` on every rank of `spec` with `cost`'s times.
+pub fn run(model: &ModelSpec, spec: &RunSpec, cost: Arc<dyn CostModel>) -> Result<PlanRun, PlanError> {
+    if spec.world == 0 || spec.steps == 0 || spec.micro_batches == 0 {
+        return Err(PlanError::Invalid("ranks, steps and micro-batches must be positive".into()));
+    }
+    if let Some(r) = spec.replicate.filter(|r| *r > 1) {
+        if spec.world % r != 0 {
+            return Err(PlanError::Invalid(format!("--hsdp {r} does not divide {} ranks", spec.world)));
+        }
+    }
+    let world = VirtWorld::new(spec.world, cost.clone(), spec.timeout);
+    let logs: Vec<Log> = (0..spec.world).map(|_| Log::default()).collect();
+    let results: Vec<Result<RankPlan, String>> = std::thread::scope(|scope| {
+        let mut handles = Vec::with_capacity(spec.world);
+        for (rank, log) in logs.iter().enumerate() {
+            let (world, cost, log) = (world.clone(), cost.clone(), log.clone());
+            let h = std::thread::Builder::new().name(format!("plan-rank{rank}")).stack_size(1 << 20).spawn_scoped(
+                scope,
+                move || {
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        run_rank(model, spec, &world, cost, rank, log)
+                    }));
+                    world.rank_ended(rank);
+                    match r {
+                        Ok(r) => r.map_err(|e| e.to_string()),
+                        Err(_) => Err(format!("rank {rank} panicked")),
+                    }
+                },
+            );
+            handles.push(h);
+        }
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| match h {
+                Ok(h) => h.join().unwrap_or_else(|_| Err(format!("rank {rank} panicked"))),
+                Err(e) => {
+                    world.rank_ended(rank);
+                    Err(format!("rank {rank}: no thread: {e}"))
+                }
+            })
+            .collect()
+    });
+    let sequences = logs.iter().map(|l| l.lock().map(|l| l.clone()).unwrap_or_default()).collect();
+    Ok(PlanRun { ranks: results, sequences, divergence: world.divergence() })
+}
+
+/// A parameter's values in a plan: zeros, never materialised beyond one shard.
+struct Zeros {
+    shape: Vec<usize>,
+}
+
+impl ShardSource for Zeros {
+    fn read_rows(&self, dim: usize, rows: std::ops::Range<usize>) -> Result<Vec<f32>, String> {
+        if self.shape.is_empty() {
+            return Ok(vec![0.0]);
+        }
+        let outer: usize = self.shape[..dim.min(self.shape.len())].iter().product();
+        let inner: usize = self.shape.get(dim + 1..).map_or(1, |s| s.iter().product());
+        let n = outer
+            .checked_mul(rows.len())
+            .and_then(|n| n.checked_mul(inner))
+            .ok_or_else(|| format!("rows {rows:?} of {:?} overflow", self.shape))?;
+        Ok(vec![0.0; n])
+    }
+}
+
+fn fsdp_err(rank: usize) -> impl Fn(FsdpError) -> PlanError {
+    move |source| PlanError::Rank { rank, source }
+}
+
+fn comm_err(rank: usize) -> impl Fn(CommError) -> PlanError {
+    move |e| PlanError::Rank { rank, source: FsdpError::Comm(e) }
+}
+
+fn dev_err(rank: usize) -> impl Fn(DeviceError) -> PlanError {
+    move |e| PlanError::Rank { rank, source: FsdpError::from(e) }
+}
+
+/// FSDP over `world`, or HSDP with a replicate dimension of `replicate`
+/// (as `chorus train`'s loop builds it).
+fn data_parallel(
+    world: Arc<Communicator<VirtComm>>,
+    replicate: Option<usize>,
+) -> Result<DataParallel<VirtComm>, FsdpError> {
+    let n = world.size();
+    Ok(match replicate {
+        Some(r) if r > 1 => DataParallel::hsdp(&Mesh::new(&world, &[("replicate", r), ("shard", n / r)])?)?,
+        _ => DataParallel::fsdp(world),
+    })
+}
+
+type Log = Arc<Mutex<Vec<CollectiveRecord>>>;
+
+fn run_rank(
+    model: &ModelSpec,
+    spec: &RunSpec,
+    world: &Arc<VirtWorld>,
+    cost: Arc<dyn CostModel>,
+    rank: usize,
+    log: Log,
+) -> Result<RankPlan, PlanError> {
+    let (fe, ce, de) = (fsdp_err(rank), comm_err(rank), dev_err(rank));
+    let device = VirtDevice::new(VirtConfig { ordinal: rank, kernels_reach_host: spec.kernels_reach_host }, cost);
+    let comm = world.communicator(rank, device.clone(), log.clone()).map_err(&ce)?;
+    let comm = Arc::new(Communicator::with_recorder(comm, &RecorderOptions::off()));
+    let mut fsdp = Fsdp::new(data_parallel(comm, spec.replicate).map_err(&fe)?, spec.fsdp.clone()).map_err(&fe)?;
+    for g in &model.groups {
+        let params = g
+            .params
+            .iter()
+            .map(|(name, shape)| DeferredParam {
+                name: name.clone(),
+                shape: shape.clone(),
+                source: Arc::new(Zeros { shape: shape.clone() }),
+            })
+            .collect();
+        fsdp.add_group_deferred(&g.name, params, g.root).map_err(&fe)?;
+    }
+    if spec.forward_prefetch {
+        for g in 1..model.groups.len() {
+            fsdp.set_forward_prefetch(g - 1, vec![g]).map_err(&fe)?;
+        }
+    }
+    for (parent, routed) in &model.routed {
+        fsdp.set_routed_groups(*parent, routed).map_err(&fe)?;
+    }
+    let stages = (model.stages_of)(rank);
+    let mut stage_count = vec![0usize; model.groups.len()];
+    for s in &stages {
+        *stage_count.get_mut(s.group).ok_or_else(|| PlanError::Invalid(format!("stage of no group {}", s.group)))? += 1;
+    }
+    fsdp.synchronize().map_err(&fe)?;
+    device.reset_all_peaks();
+    let sharded_param_bytes = device.memory_stats().bytes_in_use;
+    let mut opt = ShardedOptimizer::new(spec.optimizer);
+    let (mut step_time_s, mut compute_busy_s, mut optimizer_state_bytes) = (0.0, 0.0, 0);
+    for step in 0..spec.steps {
+        let measured = step + 1 == spec.steps;
+        let t0 = device.host_clock();
+        let busy0 = fsdp.compute_stream().busy();
+        device.set_tracing(measured && spec.trace_rank == Some(rank));
+        for m in 0..spec.micro_batches {
+            fsdp.set_requires_gradient_sync(m + 1 == spec.micro_batches);
+            micro_batch(&mut fsdp, &device, &stages, &stage_count).map_err(&fe)?;
+        }
+        // The loop's global mean of the loss (`train/src/decoder/sharded.rs`).
+        {
+            let buf = fsdp.compute_stream().buffer_from(&[0f32]).map_err(&de)?;
+            fsdp.mean_over_ranks(buf.view()).map_err(&fe)?;
+        }
+        if let Some(max) = spec.max_grad_norm {
+            fsdp.clip_grad_norm(max).map_err(&fe)?;
+        }
+        opt.step(&mut fsdp).map_err(&fe)?;
+        fsdp.zero_grad();
+        if step == 0 {
+            // zero_grad dropped the gradients: what stays beyond the masters is the optimizer's state.
+            optimizer_state_bytes = device.memory_stats().bytes_in_use.saturating_sub(sharded_param_bytes);
+        }
+        fsdp.synchronize().map_err(&fe)?;
+        if measured {
+            step_time_s = device.host_clock() - t0;
+            compute_busy_s = fsdp.compute_stream().busy() - busy0;
+        }
+    }
+    device.set_tracing(false);
+    let total = device.total_stats();
+    let collectives = log.lock().map(|l| l.clone()).unwrap_or_default();
+    Ok(RankPlan {
+        rank,
+        fsdp_peak_bytes: device.memory_stats().peak_bytes,
+        host_peak_bytes: device.host_memory_stats().peak_bytes,
+        activation_peak_bytes: device.activation_stats().peak_bytes,
+        peak_bytes: total.peak_bytes,
+        sharded_param_bytes,
+        optimizer_state_bytes,
+        step_time_s,
+        compute_busy_s,
+        collectives,
+        trace: device.take_trace(),
+    })
+}
+
+/// One micro-batch: forward through the stages, backward in reverse, finalize.
+fn micro_batch(
+    fsdp: &mut Fsdp<VirtComm>,
+    device: &VirtDevice,
+    stages: &[Stage],
+    stage_count: &[usize],
+) -> Result<(), FsdpError> {
+    let mut runs = vec![0usize; stage_count.len()];
+    let mut saved = Vec::with_capacity(stages.len());
+    for s in stages {
+        if runs[s.group] == 0 {
+            fsdp.pre_forward(s.group)?;
+        }
+        {
+            let _transient = device.alloc_activation(s.work.transient_bytes)?;
+            for k in &s.work.forward {
+                fsdp.compute_stream().run_kernel(k);
+            }
+            for g in &s.inner {
+                fsdp.forward(*g, |_| Ok(()))?;
+            }
+            saved.push(device.alloc_activation(s.work.saved_bytes)?);
+        }
+        runs[s.group] += 1;
+        if runs[s.group] == stage_count[s.group] {
+            runs[s.group] = 0;
+            fsdp.post_forward(s.group)?;
+        }
+    }
+    let mut pending = stage_count.to_vec();
+    for s in stages.iter().rev() {
+        fsdp.pre_backward(s.group)?;
+        {
+            let _transient = device.alloc_activation(s.work.transient_bytes)?;
+            for g in s.inner.iter().rev() {
+                fsdp.backward(*g, |_| Ok(()))?;
+            }
+            for k in &s.work.backward {
+                fsdp.compute_stream().run_kernel(k);
+            }
+            saved.pop();
+        }
+        pending[s.group] -= 1;
+        if pending[s.group] == 0 {
+            fsdp.post_backward(s.group)?;
+        }
+    }
+    fsdp.finalize_backward()
+}

@@ -1,0 +1,348 @@
+//! A virtual stream: a clock that each operation advances by its modelled time.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use chorus_devices::{
+    AdamWParams, Buffer, ComputeStream, Copy2d, DType, Device, DeviceError, MatmulSpec, MemorySpace, Priority,
+    Readback, Result, Scalar, SgdParams, Stream, View,
+};
+
+use super::device::{TraceOp, VirtDevice, VirtEvent};
+use super::{Virt, VirtBuffer};
+use crate::cost::{KernelCost, KernelKind};
+
+/// An in-order queue whose work takes virtual time.
+#[derive(Debug)]
+pub struct VirtStream {
+    device: VirtDevice,
+    index: usize,
+    priority: Priority,
+    /// When the work enqueued so far ends, seconds of virtual time (f64
+    /// bits; shared with the device, whose synchronize waits for every stream).
+    clock: Arc<AtomicU64>,
+    /// Seconds of operations run (collectives' waits not counted; f64 bits).
+    busy: AtomicU64,
+}
+
+/// Adds `f(old)` to the f64 held in `cell` as bits; returns (old, new).
+/// Atomic, so that enqueues from two host threads cannot lose time.
+fn update(cell: &AtomicU64, f: impl Fn(f64) -> f64) -> (f64, f64) {
+    let mut cur = cell.load(Ordering::Acquire);
+    loop {
+        let new = f(f64::from_bits(cur));
+        match cell.compare_exchange_weak(cur, new.to_bits(), Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return (f64::from_bits(cur), new),
+            Err(now) => cur = now,
+        }
+    }
+}
+
+type V<'a> = View<'a, Virt>;
+
+impl VirtStream {
+    pub(crate) fn new(device: &VirtDevice, priority: Priority) -> VirtStream {
+        let clock = Arc::new(AtomicU64::new(0f64.to_bits()));
+        let index = device.add_stream(clock.clone());
+        VirtStream { device: device.clone(), index, priority, clock, busy: AtomicU64::new(0f64.to_bits()) }
+    }
+
+    /// The stream's index on its device, in creation order (its trace lane).
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// When the work enqueued so far ends.
+    pub fn clock(&self) -> f64 {
+        f64::from_bits(self.clock.load(Ordering::Acquire))
+    }
+
+    /// Seconds of operations (kernels, copies) run so far; a collective's time is not counted.
+    pub fn busy(&self) -> f64 {
+        f64::from_bits(self.busy.load(Ordering::Acquire))
+    }
+
+    /// When the next operation would start: the later of the stream's clock and the host's.
+    pub fn ready_at(&self) -> f64 {
+        self.clock().max(self.device.host_clock())
+    }
+
+    /// Runs an operation of `seconds` named `name`: it starts when the
+    /// stream and the host are ready, and the stream's clock moves to its end.
+    /// Returns (start, end).
+    pub fn run_for(&self, name: &str, seconds: f64) -> (f64, f64) {
+        let (start, end) = self.run_from(name, 0.0, seconds);
+        update(&self.busy, |b| b + (end - start));
+        (start, end)
+    }
+
+    /// Like [`VirtStream::run_for`], starting no earlier than `not_before`
+    /// (a collective starts when its last rank arrives).
+    pub fn run_from(&self, name: &str, not_before: f64, seconds: f64) -> (f64, f64) {
+        let seconds = if seconds.is_finite() && seconds > 0.0 { seconds } else { 0.0 };
+        let ready = not_before.max(self.device.host_clock());
+        let (before, end) = update(&self.clock, |c| c.max(ready) + seconds);
+        let start = before.max(ready);
+        if self.device.tracing() {
+            self.device.push_trace(TraceOp { stream: self.index, name: name.to_string(), start, end });
+        }
+        (start, end)
+    }
+
+    /// An operation that occupies the stream from when it is ready until
+    /// `end` (a collective, from the rank's arrival to its completion).
+    pub fn run_until(&self, name: &str, end: f64) -> (f64, f64) {
+        let start = self.ready_at();
+        self.run_from(name, start, (end - start).max(0.0))
+    }
+
+    /// Runs one modelled kernel.
+    pub fn run_kernel(&self, kernel: &KernelCost) {
+        let seconds = self.device.cost().kernel_seconds(kernel);
+        self.run_for(&kernel.name, seconds);
+    }
+
+    fn memory_bound(&self, name: &'static str, bytes: usize) {
+        let k = KernelCost { name: name.to_string(), kind: KernelKind::MemoryBound, flops: 0.0, bytes: bytes as f64 };
+        self.run_kernel(&k);
+    }
+
+    fn copy_between(&self, name: &'static str, bytes: usize, from: MemorySpace, to: MemorySpace) {
+        let seconds = self.device.cost().copy_seconds(bytes as u64, from, to);
+        self.run_for(name, seconds);
+    }
+
+    fn mine(&self, op: &'static str, views: &[V<'_>]) -> Result<()> {
+        chorus_devices::host_fn::check(op)?;
+        for v in views {
+            if !v.buffer().device().is_same(&self.device) {
+                return Err(DeviceError::InvalidArgument {
+                    op,
+                    reason: format!("a buffer of {} on a stream of {}", v.buffer().device().name(), self.device.name()),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+fn same_len(op: &'static str, a: &V<'_>, b: &V<'_>) -> Result<()> {
+    if a.len() != b.len() {
+        return Err(DeviceError::InvalidArgument { op, reason: format!("lengths {} and {} differ", a.len(), b.len()) });
+    }
+    Ok(())
+}
+
+fn same_dtype(op: &'static str, a: &V<'_>, b: &V<'_>) -> Result<()> {
+    if a.dtype() != b.dtype() {
+        return Err(DeviceError::DTypeMismatch { op, expected: a.dtype(), found: b.dtype() });
+    }
+    Ok(())
+}
+
+fn float(op: &'static str, v: &V<'_>) -> Result<()> {
+    if !v.dtype().is_float() {
+        return Err(DeviceError::InvalidArgument { op, reason: format!("{} is not a float dtype", v.dtype()) });
+    }
+    Ok(())
+}
+
+impl Stream for VirtStream {
+    type B = Virt;
+
+    fn device(&self) -> &VirtDevice {
+        &self.device
+    }
+    fn priority(&self) -> Priority {
+        self.priority
+    }
+    fn name(&self) -> String {
+        format!("{}/stream{}", self.device.label(), self.index)
+    }
+    fn alloc(&self, dtype: DType, len: usize) -> Result<VirtBuffer> {
+        chorus_devices::host_fn::check("alloc")?;
+        self.device.alloc_device(dtype, len)
+    }
+    fn copy(&self, src: V<'_>, dst: V<'_>) -> Result<()> {
+        self.mine("copy", &[src, dst])?;
+        same_dtype("copy", &src, &dst)?;
+        same_len("copy", &src, &dst)?;
+        self.copy_between("copy", src.bytes(), src.buffer().space(), dst.buffer().space());
+        Ok(())
+    }
+    fn copy_2d(&self, src: V<'_>, dst: V<'_>, layout: Copy2d) -> Result<()> {
+        self.mine("copy_2d", &[src, dst])?;
+        same_dtype("copy_2d", &src, &dst)?;
+        let fits = |ext: Option<usize>, len: usize| ext.is_some_and(|e| e <= len);
+        if !fits(layout.extent(layout.src_offset, layout.src_stride), src.len())
+            || !fits(layout.extent(layout.dst_offset, layout.dst_stride), dst.len())
+        {
+            return Err(DeviceError::InvalidArgument { op: "copy_2d", reason: format!("{layout:?} does not fit") });
+        }
+        let bytes = layout.rows.saturating_mul(layout.row_len).saturating_mul(src.dtype().size());
+        self.copy_between("copy_2d", bytes, src.buffer().space(), dst.buffer().space());
+        Ok(())
+    }
+    fn copy_from_host(&self, src: &[u8], dst: V<'_>) -> Result<()> {
+        self.mine("copy_from_host", &[dst])?;
+        if src.len() != dst.bytes() {
+            return Err(DeviceError::InvalidArgument {
+                op: "copy_from_host",
+                reason: format!("{} bytes for a view of {}", src.len(), dst.bytes()),
+            });
+        }
+        self.copy_between("copy_from_host", dst.bytes(), MemorySpace::Host, dst.buffer().space());
+        Ok(())
+    }
+    /// The copy takes its time; the host waits for it and reads zeros.
+    fn copy_to_host(&self, src: V<'_>) -> Result<Readback> {
+        self.mine("copy_to_host", &[src])?;
+        let (_, end) = self.run_for("copy_to_host", {
+            self.device.cost().copy_seconds(src.bytes() as u64, src.buffer().space(), MemorySpace::Host)
+        });
+        self.device.advance_host(end);
+        let (rb, filler) = Readback::pending(src.dtype(), src.len(), std::time::Duration::from_secs(1));
+        filler.fill(vec![0u8; src.bytes()]);
+        Ok(rb)
+    }
+    fn fill(&self, dst: V<'_>, _value: Scalar) -> Result<()> {
+        self.mine("fill", &[dst])?;
+        self.memory_bound("fill", dst.bytes());
+        Ok(())
+    }
+    fn cast(&self, src: V<'_>, dst: V<'_>) -> Result<()> {
+        self.mine("cast", &[src, dst])?;
+        same_len("cast", &src, &dst)?;
+        float("cast", &src)?;
+        float("cast", &dst)?;
+        self.memory_bound("cast", src.bytes() + dst.bytes());
+        Ok(())
+    }
+    fn scale(&self, x: V<'_>, _alpha: f64) -> Result<()> {
+        self.mine("scale", &[x])?;
+        float("scale", &x)?;
+        self.memory_bound("scale", 2 * x.bytes());
+        Ok(())
+    }
+    fn accumulate(&self, src: V<'_>, dst: V<'_>) -> Result<()> {
+        self.mine("accumulate", &[src, dst])?;
+        same_len("accumulate", &src, &dst)?;
+        if src.dtype() != dst.dtype() {
+            float("accumulate", &src)?;
+            float("accumulate", &dst)?;
+        }
+        self.memory_bound("accumulate", src.bytes() + 2 * dst.bytes());
+        Ok(())
+    }
+    fn axpy(&self, _alpha: f64, x: V<'_>, y: V<'_>) -> Result<()> {
+        self.mine("axpy", &[x, y])?;
+        same_len("axpy", &x, &y)?;
+        float("axpy", &x)?;
+        float("axpy", &y)?;
+        self.memory_bound("axpy", x.bytes() + 2 * y.bytes());
+        Ok(())
+    }
+    fn record(&self, event: &VirtEvent) -> Result<()> {
+        chorus_devices::host_fn::check("record")?;
+        if let Ok(mut t) = event.time.lock() {
+            *t = Some(self.ready_at());
+        }
+        Ok(())
+    }
+    fn wait(&self, event: &VirtEvent) -> Result<()> {
+        chorus_devices::host_fn::check("wait")?;
+        if let Some(t) = event.time() {
+            update(&self.clock, |c| c.max(t));
+        }
+        Ok(())
+    }
+    fn synchronize(&self) -> Result<()> {
+        chorus_devices::host_fn::check("stream synchronize")?;
+        self.device.advance_host(self.clock());
+        Ok(())
+    }
+    /// Runs `f` at once, marked as a host function (virtual work has no
+    /// data for it to wait for).
+    fn launch_host_fn(&self, f: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
+        chorus_devices::host_fn::check("launch_host_fn")?;
+        let _scope = chorus_devices::host_fn::HostFnScope::enter();
+        f(Ok(()));
+        Ok(())
+    }
+}
+
+impl ComputeStream for VirtStream {
+    fn matmul(&self, spec: MatmulSpec, a: V<'_>, b: V<'_>, c: V<'_>) -> Result<()> {
+        self.mine("matmul", &[a, b, c])?;
+        same_dtype("matmul", &a, &b)?;
+        let need = |v: &V<'_>, rows: usize, cols: usize, what: &str| {
+            if rows.checked_mul(cols) != Some(v.len()) {
+                return Err(DeviceError::InvalidArgument {
+                    op: "matmul",
+                    reason: format!("{what} has {} elements, expected {rows}×{cols}", v.len()),
+                });
+            }
+            Ok(())
+        };
+        need(&a, spec.m, spec.k, "a")?;
+        need(&b, spec.k, spec.n, "b")?;
+        need(&c, spec.m, spec.n, "c")?;
+        let flops = 2.0 * spec.m as f64 * spec.n as f64 * spec.k as f64;
+        let bytes = (a.bytes() + b.bytes() + c.bytes() * if spec.accumulate { 2 } else { 1 }) as f64;
+        self.run_kernel(&KernelCost { name: "matmul".into(), kind: KernelKind::Gemm, flops, bytes });
+        Ok(())
+    }
+    fn bias_add(&self, x: V<'_>, bias: V<'_>) -> Result<()> {
+        self.mine("bias_add", &[x, bias])?;
+        self.memory_bound("bias_add", 2 * x.bytes() + bias.bytes());
+        Ok(())
+    }
+    fn relu(&self, x: V<'_>, y: V<'_>) -> Result<()> {
+        self.mine("relu", &[x, y])?;
+        same_len("relu", &x, &y)?;
+        self.memory_bound("relu", x.bytes() + y.bytes());
+        Ok(())
+    }
+    fn relu_backward(&self, grad_out: V<'_>, out: V<'_>, grad_in: V<'_>) -> Result<()> {
+        self.mine("relu_backward", &[grad_out, out, grad_in])?;
+        same_len("relu_backward", &grad_out, &grad_in)?;
+        self.memory_bound("relu_backward", grad_out.bytes() + out.bytes() + grad_in.bytes());
+        Ok(())
+    }
+    fn mse_loss(&self, pred: V<'_>, target: V<'_>, loss: V<'_>, _scale: f64) -> Result<()> {
+        self.mine("mse_loss", &[pred, target, loss])?;
+        same_len("mse_loss", &pred, &target)?;
+        self.memory_bound("mse_loss", pred.bytes() + target.bytes());
+        Ok(())
+    }
+    fn mse_grad(&self, pred: V<'_>, target: V<'_>, grad: V<'_>, _scale: f64) -> Result<()> {
+        self.mine("mse_grad", &[pred, target, grad])?;
+        same_len("mse_grad", &pred, &grad)?;
+        self.memory_bound("mse_grad", pred.bytes() + target.bytes() + grad.bytes());
+        Ok(())
+    }
+    fn column_sums(&self, x: V<'_>, out: V<'_>, _accumulate: bool) -> Result<()> {
+        self.mine("column_sums", &[x, out])?;
+        self.memory_bound("column_sums", x.bytes() + out.bytes());
+        Ok(())
+    }
+    fn sum_squares(&self, x: V<'_>, out: V<'_>, _accumulate: bool) -> Result<()> {
+        self.mine("sum_squares", &[x, out])?;
+        self.memory_bound("sum_squares", x.bytes());
+        Ok(())
+    }
+    fn sgd_step(&self, _p: SgdParams, param: V<'_>, grad: V<'_>, momentum_buf: Option<V<'_>>) -> Result<()> {
+        self.mine("sgd_step", &[param, grad])?;
+        same_len("sgd_step", &param, &grad)?;
+        let momentum = momentum_buf.map_or(0, |m| 2 * m.bytes());
+        self.memory_bound("sgd_step", 2 * param.bytes() + grad.bytes() + momentum);
+        Ok(())
+    }
+    fn adamw_step(&self, _p: AdamWParams, param: V<'_>, grad: V<'_>, m: V<'_>, v: V<'_>) -> Result<()> {
+        self.mine("adamw_step", &[param, grad, m, v])?;
+        same_len("adamw_step", &param, &grad)?;
+        // Reads param, grad and both moments; writes param and both moments.
+        self.memory_bound("adamw_step", 2 * param.bytes() + grad.bytes() + 2 * m.bytes() + 2 * v.bytes());
+        Ok(())
+    }
+}

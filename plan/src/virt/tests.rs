@@ -1,0 +1,229 @@
+//! The virtual device's and communicator's contract, checked by hand-computed clocks.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chorus_collectives::recorder::RecorderOptions;
+use chorus_collectives::{CommError, Communicator};
+use chorus_devices::{Buffer, DType, Device, MemorySpace, Priority, Stream, StreamExt};
+
+use super::comm::VirtWorld;
+use super::{VirtConfig, VirtDevice};
+use crate::cost::{CollectiveShape, CostModel, KernelCost, KernelKind};
+
+/// One byte per nanosecond everywhere; a collective costs a microsecond per byte of its larger buffer.
+#[derive(Debug)]
+struct Unit;
+
+impl CostModel for Unit {
+    fn kernel_seconds(&self, k: &KernelCost) -> f64 {
+        match k.kind {
+            KernelKind::MemoryBound => k.bytes * 1e-9,
+            _ => k.flops * 1e-12,
+        }
+    }
+    fn collective_seconds(&self, s: &CollectiveShape) -> f64 {
+        s.bytes as f64 * 1e-6
+    }
+    fn copy_seconds(&self, bytes: u64, _: MemorySpace, _: MemorySpace) -> f64 {
+        bytes as f64 * 1e-9
+    }
+    fn peak_flops(&self) -> Option<f64> {
+        None
+    }
+}
+
+fn device(rank: usize) -> VirtDevice {
+    VirtDevice::new(VirtConfig { ordinal: rank, kernels_reach_host: false }, Arc::new(Unit))
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-15
+}
+
+#[test]
+fn memory_counts_sizes_and_peaks_like_the_cpu_device() {
+    let d = device(0);
+    let a = d.alloc(DType::F32, 100).unwrap();
+    let s = d.create_stream(Priority::Normal).unwrap();
+    let b = s.alloc(DType::BF16, 50).unwrap();
+    assert_eq!(d.memory_stats().bytes_in_use, 500);
+    drop(a);
+    assert_eq!((d.memory_stats().bytes_in_use, d.memory_stats().peak_bytes), (100, 500));
+    let h = d.alloc_host(DType::F32, 10, true).unwrap();
+    assert_eq!(
+        (h.space(), d.host_memory_stats().bytes_in_use, d.memory_stats().bytes_in_use),
+        (MemorySpace::Host, 40, 100)
+    );
+    let act = d.alloc_activation(1000).unwrap();
+    // Activations count in the total, not in FSDP's device counters.
+    assert_eq!(
+        (d.memory_stats().bytes_in_use, d.total_stats().bytes_in_use, d.total_stats().peak_bytes),
+        (100, 1100, 1100)
+    );
+    drop((act, b, h));
+    assert_eq!((d.total_stats().bytes_in_use, d.activation_stats().peak_bytes), (0, 1000));
+}
+
+#[test]
+fn events_carry_clocks_between_streams_and_the_host_waits() {
+    let d = device(0);
+    let (a, b) = (d.create_stream(Priority::Normal).unwrap(), d.create_stream(Priority::High).unwrap());
+    let x = d.alloc(DType::F32, 250).unwrap(); // 1000 bytes
+    a.fill(x.view(), chorus_devices::Scalar::Float(0.0)).unwrap(); // 1 µs on a
+    let e = d.create_event().unwrap();
+    a.record(&e).unwrap();
+    b.fill(x.view(), chorus_devices::Scalar::Float(1.0)).unwrap(); // b runs 0..1 µs, not after a
+    assert!(close(b.clock(), 1e-6));
+    b.wait(&e).unwrap();
+    b.scale(x.view(), 2.0).unwrap(); // 2000 bytes after a's fill: 1..3 µs
+    assert!(close(b.clock(), 3e-6), "{}", b.clock());
+    assert!(close(a.clock(), 1e-6));
+    // A host readback waits for its stream; work enqueued later starts after it.
+    let v: Vec<f32> = b.read_vec(x.view()).unwrap();
+    assert_eq!(v, vec![0.0; 250]);
+    assert!(close(d.host_clock(), 4e-6), "{}", d.host_clock());
+    a.fill(x.view(), chorus_devices::Scalar::Float(0.0)).unwrap();
+    assert!(close(a.clock(), 5e-6), "{}", a.clock());
+}
+
+#[test]
+fn a_collective_starts_at_the_last_arrival_and_every_rank_ends_together() {
+    let world = VirtWorld::new(2, Arc::new(Unit), Duration::from_secs(10));
+    let ends: Vec<f64> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let world = world.clone();
+                s.spawn(move || {
+                    let d = device(r);
+                    let log = Arc::new(Mutex::new(Vec::new()));
+                    let c = Communicator::with_recorder(
+                        world.communicator(r, d.clone(), log).unwrap(),
+                        &RecorderOptions::off(),
+                    );
+                    let st = d.create_stream(Priority::Normal).unwrap();
+                    let x = d.alloc(DType::F32, 250).unwrap();
+                    // Rank 1 computes 1 µs longer before the all-reduce.
+                    for _ in 0..=r {
+                        st.fill(x.view(), chorus_devices::Scalar::Float(0.0)).unwrap();
+                    }
+                    c.all_reduce_in_place(x.view(), chorus_collectives::ReduceOp::Sum, &st).unwrap();
+                    world.rank_ended(r);
+                    st.clock()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // Last arrival at 2 µs, then 1000 bytes at 1 µs/byte.
+    assert!(ends.iter().all(|e| close(*e, 2e-6 + 1000e-6)), "{ends:?}");
+}
+
+#[test]
+fn ranks_that_call_different_collectives_fail_with_the_first_divergence_instead_of_hanging() {
+    let world = VirtWorld::new(3, Arc::new(Unit), Duration::from_secs(30));
+    let results: Vec<Result<(), CommError>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3)
+            .map(|r| {
+                let world = world.clone();
+                s.spawn(move || {
+                    let d = device(r);
+                    let log = Arc::new(Mutex::new(Vec::new()));
+                    let c = Communicator::with_recorder(
+                        world.communicator(r, d.clone(), log).unwrap(),
+                        &RecorderOptions::off(),
+                    );
+                    let st = d.create_stream(Priority::Normal).unwrap();
+                    let x = d.alloc(DType::F32, 8).unwrap();
+                    let r0 = c.all_reduce_in_place(x.view(), chorus_collectives::ReduceOp::Sum, &st);
+                    // Rank 2 gathers 4 elements where the others gather 8... after rank 1 has ended.
+                    let out = match r {
+                        1 => r0,
+                        2 => r0.and_then(|_| c.all_gather(x.slice(0, 2).unwrap(), x.slice(0, 6).unwrap(), &st)),
+                        _ => r0.and_then(|_| c.all_reduce_in_place(x.view(), chorus_collectives::ReduceOp::Sum, &st)),
+                    };
+                    world.rank_ended(r);
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(results[1].is_ok());
+    assert!(results[0].is_err() && results[2].is_err(), "{results:?}");
+    let d = world.divergence().unwrap();
+    assert_eq!((d.group.as_str(), d.seq), ("root", 1));
+    assert!(d.to_string().contains("call #1"), "{d}");
+}
+
+#[test]
+fn split_makes_communicators_named_as_the_flight_recorder_names_them() {
+    let world = VirtWorld::new(4, Arc::new(Unit), Duration::from_secs(10));
+    let got: Vec<(String, usize, usize)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..4)
+            .map(|r| {
+                let world = world.clone();
+                s.spawn(move || {
+                    let d = device(r);
+                    let log = Arc::new(Mutex::new(Vec::new()));
+                    let c = world.communicator(r, d, log).unwrap();
+                    let sub =
+                        chorus_collectives::CommBackend::split(&c, Some((r % 2) as u32), -(r as i64)).unwrap().unwrap();
+                    world.rank_ended(r);
+                    (
+                        sub.id().to_string(),
+                        chorus_collectives::CommBackend::rank(&sub),
+                        chorus_collectives::CommBackend::size(&sub),
+                    )
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // Keys are minus the rank, so the higher rank comes first.
+    assert_eq!(got[0], ("root/split0:color0".to_string(), 1, 2));
+    assert_eq!(got[2], ("root/split0:color0".to_string(), 0, 2));
+    assert_eq!(got[3], ("root/split0:color1".to_string(), 0, 2));
+}
+
+/// Rank 0 all-reduces on a fresh world of two; `other` is what rank 1 does meanwhile.
+fn lone_all_reduce(timeout: Duration, other: impl FnOnce(&Arc<VirtWorld>) + Send) -> (Result<(), CommError>, Duration) {
+    let world = VirtWorld::new(2, Arc::new(Unit), timeout);
+    std::thread::scope(|s| {
+        let w = world.clone();
+        let h = s.spawn(move || {
+            let d = device(0);
+            let c = Communicator::with_recorder(
+                w.communicator(0, d.clone(), Arc::new(Mutex::new(Vec::new()))).unwrap(),
+                &RecorderOptions::off(),
+            );
+            let st = d.create_stream(Priority::Normal).unwrap();
+            let x = d.alloc(DType::F32, 8).unwrap();
+            let t0 = std::time::Instant::now();
+            let r = c.all_reduce_in_place(x.view(), chorus_collectives::ReduceOp::Sum, &st);
+            (r, t0.elapsed())
+        });
+        other(&world);
+        h.join().unwrap()
+    })
+}
+
+#[test]
+fn a_rank_that_ends_while_another_waits_for_it_fails_the_wait_at_once() {
+    let (r, took) = lone_all_reduce(Duration::from_secs(60), |w| {
+        std::thread::sleep(Duration::from_millis(50));
+        w.rank_ended(1);
+    });
+    let e = r.unwrap_err().to_string();
+    assert!(e.contains("rank 1 called nothing (its run ended)") && e.contains("rank 0 called all_reduce"), "{e}");
+    assert!(took < Duration::from_secs(30), "{took:?}");
+}
+
+#[test]
+fn a_rank_that_never_arrives_nor_ends_is_named_at_the_deadline() {
+    let (r, _) = lone_all_reduce(Duration::from_millis(200), |_| {});
+    match r.unwrap_err() {
+        CommError::Timeout { missing, .. } => assert_eq!(missing, vec![1]),
+        e => panic!("{e}"),
+    }
+}
