@@ -295,25 +295,26 @@ pub fn recompute_mode(r: RecomputeArg) -> RecomputeMode {
     }
 }
 
-/// The two answers of the cost models (issue 27's GPU tables, NCCL costs
-/// and decoder workloads): the times of `--gpu` and the model's work per
-/// stage. This build has no cost models, so `chorus plan` says so rather
-/// than predict (the run and the outputs are tested with a constant-rate
-/// model). With them, this body is:
-///
-/// ```text
-/// let cost = chorus_plan::cost_model(&args.gpu, args.gpus_per_node).map_err(usage)?;
-/// let micro = args.batch / args.micro_batches;
-/// let work = chorus_plan::decoder_work(shape, micro, args.seq_len, args.param_dtype.size(), recompute_mode(args.recompute));
-/// Ok((cost, work))
-/// ```
+/// The two answers of the cost models: the times of `--gpu` (the GPU
+/// tables and NCCL's algorithms, or the cpu device's calibration shared by
+/// `--gpus` sim ranks) and the model's work per stage, with the kernels of
+/// what runs there (PyTorch with flash attention on a GPU, candle on the cpu).
 fn cost_inputs(args: &PlanArgs, shape: &DecoderShape) -> anyhow::Result<(Arc<dyn CostModel>, Vec<StageWork>)> {
-    anyhow::bail!(
-        "--gpu {}: this build of chorus has no cost models yet for a {:?} of {} layers (chorus_plan's GPU tables and decoder workloads)",
-        args.gpu,
-        shape.kind,
-        shape.layers
-    )
+    let cost: Arc<dyn CostModel> = match args.gpu.as_str() {
+        "cpu" => Arc::new(chorus_plan::cpu_model::CpuModel::for_ranks(args.gpus)),
+        gpu => chorus_plan::gpu::cost_model(gpu, args.gpus_per_node).map_err(usage)?,
+    };
+    let micro = args.batch / args.micro_batches;
+    let framework = chorus_plan::gpu::framework(&args.gpu);
+    let work = chorus_plan::decoder_cost::decoder_work_for(
+        framework,
+        shape,
+        micro,
+        args.seq_len,
+        args.param_dtype.size(),
+        recompute_mode(args.recompute),
+    );
+    Ok((cost, work))
 }
 
 /// Plans what `args` describe with `cost`'s times and `work` per stage.

@@ -161,6 +161,31 @@ pub fn gpu_spec(kind: &str) -> Option<GpuSpec> {
     }
 }
 
+/// The share of the roofline time eager PyTorch reaches on a GPU: the gaps
+/// between kernel launches and the element-wise ops it does not fuse, which
+/// the per-kernel rooflines above do not carry. Fitted once, on 2026-11-26,
+/// on one published point only — torchtitan's `docs/performance.md` row for
+/// Llama 3 8B with FSDP2 on 64 × A100 80GB (local batch 1, sequence 8192,
+/// selective op AC: 2,973 tokens/s per GPU), which `chorus plan` predicted at
+/// 3,328.5 tokens/s with every other constant as sourced: 2973 / 3328.5.
+/// The H100 rows of torchtitan's table were not used to set it; they are
+/// the held-out check (`docs/plan.md`).
+pub const EAGER_EFFICIENCY: f64 = 2973.0 / 3328.5;
+
+/// Peak reserved memory over peak allocated memory of PyTorch's CUDA caching
+/// allocator (block rounding, cached free segments, fragmentation), which is
+/// what torchtitan reports as memory. Fitted once, on 2026-11-26, on one
+/// published point only — torchtitan's 128 × H100 FSDP row (Llama 3.1 8B,
+/// local batch 2: 67.0 GiB), which `chorus plan` predicted at 58.237 GiB
+/// allocated: 67.0 / 58.237. The 8 × H100 row is the held-out check.
+pub const RESERVED_OVER_ALLOCATED: f64 = 67.0 / 58.237;
+
+/// What PyTorch's caching allocator would reserve for a peak of `allocated`
+/// bytes on `--gpu KIND` (None on the cpu device, whose allocator is ours).
+pub fn reserved_estimate(gpu: &str, allocated: u64) -> Option<u64> {
+    gpu_spec(gpu).map(|_| (allocated as f64 * RESERVED_OVER_ALLOCATED) as u64)
+}
+
 /// A GPU kind's cost model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GpuModel {
@@ -196,7 +221,7 @@ impl CostModel for GpuModel {
             KernelKind::Attention => kernel.flops * CAUSAL_WORK_FRACTION / (s.clocked_flops * s.attention_efficiency),
             KernelKind::MemoryBound => 0.0,
         };
-        compute.max(self.memory_seconds(kernel.bytes)).max(s.kernel_floor_s)
+        compute.max(self.memory_seconds(kernel.bytes)).max(s.kernel_floor_s) / EAGER_EFFICIENCY
     }
 
     fn collective_seconds(&self, shape: &CollectiveShape) -> f64 {

@@ -59,6 +59,9 @@ pub struct Plan {
     pub peak_memory_bytes: usize,
     /// The largest rank's FSDP-managed peak (comparable to `chorus train`'s `peak_memory_bytes`).
     pub fsdp_peak_memory_bytes: usize,
+    /// What PyTorch's caching allocator would reserve for `peak_memory_bytes`
+    /// (the figure torchtitan reports; `chorus_plan::gpu::RESERVED_OVER_ALLOCATED`); None on the cpu device.
+    pub peak_reserved_bytes_estimate: Option<u64>,
     /// The host space's peak (offload).
     pub host_peak_memory_bytes: usize,
     /// The largest rank's breakdown.
@@ -141,6 +144,7 @@ impl Plan {
             mfu: peak_flops.filter(|p| *p > 0.0).map(|p| per_s(model_flops) / p),
             peak_memory_bytes: max(|p| p.peak_bytes),
             fsdp_peak_memory_bytes: max(|p| p.fsdp_peak_bytes),
+            peak_reserved_bytes_estimate: chorus_plan::gpu::reserved_estimate(&args.gpu, max(|p| p.peak_bytes) as u64),
             host_peak_memory_bytes: max(|p| p.host_peak_bytes),
             breakdown,
             exposed_communication_s: (step - compute_busy).max(0.0),
@@ -168,6 +172,9 @@ impl Plan {
             gib(self.peak_memory_bytes),
             gib(self.fsdp_peak_memory_bytes)
         );
+        if let Some(r) = self.peak_reserved_bytes_estimate {
+            let _ = writeln!(s, "  reserved (est.)     {:.3} GiB (PyTorch's caching allocator)", gib(r as usize));
+        }
         let _ = writeln!(s, "  sharded params      {:.3} GiB", gib(b.sharded_params));
         let _ = writeln!(s, "  gradients           {:.3} GiB", gib(b.gradients));
         let _ = writeln!(s, "  optimizer state     {:.3} GiB", gib(b.optimizer_state));
