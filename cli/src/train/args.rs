@@ -333,14 +333,15 @@ impl TrainArgs {
         if self.steps() == 0 {
             return Err(usage("--steps must be at least 1"));
         }
+        if self.offload && matches!(self.backend.name(), "nccl" | "rccl") {
+            // The GPU devices have no host memory space yet (docs/fsdp.md, "CPU offload"); said
+            // before the GPU count is checked, so the answer does not depend on the machine.
+            return Err(usage(format!("--offload runs on sim, simnccl and ucx, not yet on {}", self.backend)));
+        }
         if !self.backend.runs_as_processes() {
             crate::backends::check_thread_world(self.backend, world).map_err(usage)?;
         }
         crate::backends::check_not_one_of_many(self.backend).map_err(usage)?;
-        if self.offload && matches!(self.backend.name(), "nccl" | "rccl") {
-            // The GPU devices have no host memory space yet (docs/fsdp.md, "CPU offload").
-            return Err(usage(format!("--offload runs on sim, simnccl and ucx, not yet on {}", self.backend)));
-        }
         if self.bench && model == ModelArg::Moe {
             return Err(usage("--bench measures --model mlp, gpt and llama, not moe"));
         }
