@@ -116,6 +116,31 @@ fn fsdp_matches_plain_candle_at_1_2_3_ranks() {
     }
 }
 
+/// FSDP policies that change when the routed groups' collectives run:
+/// accumulated micro-batches (the experts' gradients summed over two
+/// routings before one reduce-scatter), reshard-after-forward false and to
+/// a smaller world, no forward prefetch, HSDP.
+#[test]
+fn fsdp_policies_with_routed_experts_match_plain_candle() {
+    let (global, steps, cfg) = (8, 3, config(8, 4));
+    let optimizer = OptimizerKind::adamw(3e-3, 0.01);
+    let plain = train_plain(&spec(cfg, global, steps, optimizer), 1).unwrap();
+    type Policy = (&'static str, usize, fn(&mut MoeSpec));
+    let policies: &[Policy] = &[
+        ("2 micro-batches", 2, |s| s.micro_batches = 2),
+        ("reshard after forward false", 2, |s| s.fsdp.reshard_after_forward = chorus_fsdp::Reshard::No),
+        ("reshard after forward to 2 of 4", 4, |s| s.fsdp.reshard_after_forward = chorus_fsdp::Reshard::To(2)),
+        ("no forward prefetch", 4, |s| s.forward_prefetch = false),
+        ("HSDP 2 x 2", 4, |s| s.replicate = Some(2)),
+    ];
+    for (name, ranks, apply) in policies {
+        let mut s = spec(cfg, global / ranks, steps, optimizer);
+        apply(&mut s);
+        let reports = run(*ranks, s.clone());
+        check(&reports, &plain, &s, 2e-6, name);
+    }
+}
+
 /// Eight experts, four tokens a rank: at step 0 rank 0 routes no token to
 /// an expert rank 1 uses; the step finishes (no hang) and ends where plain
 /// candle does.
