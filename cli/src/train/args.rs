@@ -13,6 +13,9 @@ use super::loop_args::LoopArgs;
 use super::usage;
 use crate::backends::Backend;
 
+/// Why `--bench --model moe` is refused (`gpt_bench.rs` compares gpt and llama with plain candle).
+pub(super) const NO_MOE_BENCH: &str = "--bench measures --model mlp, gpt and llama, not moe";
+
 /// Optimizers `chorus train` offers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum OptimizerArg {
@@ -343,7 +346,7 @@ impl TrainArgs {
         }
         crate::backends::check_not_one_of_many(self.backend).map_err(usage)?;
         if self.bench && model == ModelArg::Moe {
-            return Err(usage("--bench measures --model mlp, gpt and llama, not moe"));
+            return Err(usage(NO_MOE_BENCH));
         }
         if self.experts.is_some() && model != ModelArg::Moe {
             return Err(usage("--experts is for --model moe"));

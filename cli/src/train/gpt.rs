@@ -34,6 +34,10 @@ pub(super) trait CliDecoder: DecoderModel + Clone + 'static {
     fn seq_len(&self) -> usize;
     /// Parameter names and shapes, in registration order.
     fn param_shapes(&self) -> Vec<(String, Vec<usize>)>;
+    /// Number of parameters.
+    fn num_params(&self) -> usize {
+        self.param_shapes().iter().map(|(_, s)| s.iter().product::<usize>()).sum()
+    }
     /// The sizes, as the summary and checkpoints record them.
     fn sizes(&self) -> serde_json::Value;
     /// Tokens/s and MFU of a run of it.
@@ -137,8 +141,10 @@ pub(super) fn run<M: CliDecoder>(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let mut summary = run.summary(key, config, &throughput);
     summary.insert("sample".into(), sample.clone().into());
     let dest = run.commit(out, key, summary)?;
-    let params = spec.model.param_shapes().iter().map(|(_, s)| s.iter().product::<usize>()).sum();
-    say(format_args!("{}", run.closing(spec.model.name(), params, world, steps, 3, &dest, &throughput)))?;
+    say(format_args!(
+        "{}",
+        run.closing(spec.model.name(), spec.model.num_params(), world, steps, 3, &dest, &throughput)
+    ))?;
     say(format_args!("sample: {sample:?}"))?;
     Ok(Outcome::Passed)
 }
@@ -167,7 +173,7 @@ fn config_json<M: CliDecoder>(
         "reshard_after_forward": args.reshard_after_forward.to_string(),
         "recompute": args.recompute.to_string(),
         "transformer": spec.model.sizes(),
-        "parameters": spec.model.param_shapes().iter().map(|(_, s)| s.iter().product::<usize>()).sum::<usize>(),
+        "parameters": spec.model.num_params(),
         "max_grad_norm": args.max_grad_norm,
         "seed": args.seed,
         "text": args.text.as_ref().map(|p| p.display().to_string()),

@@ -61,8 +61,8 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         (ModelArg::Mlp, false) => mlp::run(args),
         (ModelArg::Gpt, false) => gpt::run::<chorus_train::models::gpt::GptModel>(args),
         (ModelArg::Moe, false) => gpt::run::<chorus_train::models::moe::MoeModel>(args),
-        // Refused by the checks above; measured as the transformer would be.
-        (ModelArg::Moe, true) => Err(usage("--bench measures --model mlp, gpt and llama, not moe")),
+        // Refused by `usage` above already.
+        (ModelArg::Moe, true) => Err(usage(args::NO_MOE_BENCH)),
         (ModelArg::Mlp, true) => mlp::bench(args),
         (ModelArg::Gpt, true) => gpt_bench::run(args),
         (ModelArg::Llama, false) => llama::run(args),
