@@ -171,6 +171,27 @@ fn the_transformer_over_four_processes_equals_the_simulator() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The mixture-of-experts transformer (`--model moe`: each rank routes its
+/// own tokens, each expert a routed group) with one rank per process over
+/// UCX ends where the simulator's ranks end, without a hang.
+#[test]
+fn the_mixture_of_experts_over_four_processes_equals_the_simulator() {
+    let _turn = turn();
+    let dir = scratch("moe");
+    let args = |out: &Path| -> Vec<String> {
+        ["train", "--model", "moe", "--experts", "4", "--world-size", "4", "--batch", "1", "--d-model", "16"]
+            .iter()
+            .map(|s| s.to_string())
+            .chain(["--d-ff", "16", "--seq-len", "8", "--steps", "4", "--out-dir"].iter().map(|s| s.to_string()))
+            .chain([out.display().to_string()])
+            .collect()
+    };
+    let (losses, tensors) = sim_and_ucx_agree(&args, &dir.join("sim"), &dir.join("ucx"), "model.safetensors");
+    assert_eq!(losses.len(), 4);
+    assert_eq!(tensors, 3 + 2 * (5 + 2 + 4 * 2), "root, and two blocks of four experts");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The Llama (`--model llama`, started from a Hugging Face directory an
 /// earlier run wrote) with one rank per process over UCX ends where the
 /// simulator's ranks end: the same losses and the same written model.

@@ -13,6 +13,9 @@ use super::loop_args::LoopArgs;
 use super::usage;
 use crate::backends::Backend;
 
+/// Why `--bench --model moe` is refused (`gpt_bench.rs` compares gpt and llama with plain candle).
+pub(super) const NO_MOE_BENCH: &str = "--bench measures --model mlp, gpt and llama, not moe";
+
 /// Optimizers `chorus train` offers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum OptimizerArg {
@@ -31,6 +34,8 @@ pub enum ModelArg {
     Mlp,
     /// A Hugging Face Llama (LlamaForCausalLM) through the candle adapter, HF weights in and out.
     Llama,
+    /// The transformer with a mixture of experts (top-1 routing, --experts) as each MLP, each expert a routed group.
+    Moe,
 }
 
 /// Arguments of `chorus train`.
@@ -96,6 +101,9 @@ pub struct TrainArgs {
     /// gpt: width of the MLP's hidden layer (default 4 × --d-model).
     #[arg(long)]
     pub d_ff: Option<usize>,
+    /// moe: experts per layer (default 4, at most 256; --d-ff is each expert's hidden width).
+    #[arg(long)]
+    pub experts: Option<usize>,
     /// gpt, llama: context length (default 32; with --data the file's rows give it).
     #[arg(long)]
     pub seq_len: Option<usize>,
@@ -303,8 +311,8 @@ impl TrainArgs {
     }
     pub(super) fn steps(&self) -> u64 {
         self.steps.unwrap_or(match self.model() {
-            ModelArg::Gpt | ModelArg::Llama if self.bench => 20,
-            ModelArg::Gpt | ModelArg::Llama => 300,
+            ModelArg::Gpt | ModelArg::Llama | ModelArg::Moe if self.bench => 20,
+            ModelArg::Gpt | ModelArg::Llama | ModelArg::Moe => 300,
             ModelArg::Mlp => 50,
         })
     }
@@ -313,7 +321,7 @@ impl TrainArgs {
     }
     pub(super) fn optimizer_arg(&self) -> OptimizerArg {
         self.optimizer.unwrap_or(match self.model() {
-            ModelArg::Gpt | ModelArg::Llama => OptimizerArg::Adamw,
+            ModelArg::Gpt | ModelArg::Llama | ModelArg::Moe => OptimizerArg::Adamw,
             ModelArg::Mlp => OptimizerArg::Sgd,
         })
     }
@@ -332,6 +340,12 @@ impl TrainArgs {
             crate::backends::check_thread_world(self.backend, world).map_err(usage)?;
         }
         crate::backends::check_not_one_of_many(self.backend).map_err(usage)?;
+        if self.bench && model == ModelArg::Moe {
+            return Err(usage(NO_MOE_BENCH));
+        }
+        if self.experts.is_some() && model != ModelArg::Moe {
+            return Err(usage("--experts is for --model moe"));
+        }
         if self.bench {
             let mlp = model == ModelArg::Mlp;
             for (given, name) in [
@@ -406,7 +420,7 @@ impl TrainArgs {
         }
         // The other model's sizes would be ignored without a word.
         let gpt_only = [(self.d_model.is_some(), "--d-model"), (self.d_ff.is_some(), "--d-ff")];
-        if model != ModelArg::Gpt {
+        if !matches!(model, ModelArg::Gpt | ModelArg::Moe) {
             if let Some((_, name)) = gpt_only.iter().find(|(given, _)| *given) {
                 let instead =
                     if model == ModelArg::Llama { " (the Llama's are --hidden and --intermediate)" } else { "" };
@@ -416,7 +430,7 @@ impl TrainArgs {
         self.check_sizes()?;
         match model {
             ModelArg::Mlp => self.usage_mlp(world),
-            ModelArg::Gpt => self.usage_gpt(world),
+            ModelArg::Gpt | ModelArg::Moe => self.usage_gpt(world),
             ModelArg::Llama => self.usage_llama(world),
         }
     }
@@ -498,6 +512,11 @@ impl TrainArgs {
             d_ff: self.d_ff.unwrap_or(d_model.saturating_mul(4)),
             seq_len: self.seq_len(),
         }
+    }
+
+    /// The mixture-of-experts transformer's sizes from the flags.
+    pub(super) fn moe_config(&self) -> chorus_train::models::moe::MoeConfig {
+        chorus_train::models::moe::MoeConfig { base: self.gpt_config(), experts: self.experts.unwrap_or(4) }
     }
 
     /// Every model size a flag gives, bounded before anything is computed
@@ -603,16 +622,23 @@ impl TrainArgs {
 
     /// What --model gpt and --model llama (both candle through the adapter) share.
     /// `--recompute`'s names are among the model's groups: `root` and
-    /// `{layer}{i}` for `i < layers` (checked by parsing, so a huge
-    /// `--layers` lists nothing).
-    pub(super) fn check_recompute(&self, layer: &str, layers: usize) -> anyhow::Result<()> {
+    /// `{layer}{i}` for `i < layers`, and `{layer}{i}.experts.{e}` for
+    /// `e < experts` (checked by parsing, so a huge `--layers` lists nothing).
+    pub(super) fn check_recompute(&self, layer: &str, layers: usize, experts: usize) -> anyhow::Result<()> {
         if let Recompute::Groups(names) = &self.recompute {
+            let index = |s: &str, n: usize| s.parse::<usize>().ok().is_some_and(|i| i < n);
             let known = |n: &str| {
-                n == "root" || n.strip_prefix(layer).and_then(|i| i.parse::<usize>().ok()).is_some_and(|i| i < layers)
+                let Some(rest) = n.strip_prefix(layer) else { return n == "root" };
+                match rest.split_once(".experts.") {
+                    Some((i, e)) => index(i, layers) && index(e, experts),
+                    None => index(rest, layers),
+                }
             };
             if let Some(n) = names.iter().find(|n| !known(n)) {
+                let experts =
+                    if experts > 0 { format!(", {layer}{{i}}.experts.0 .. {}", experts - 1) } else { String::new() };
                 return Err(usage(format!(
-                    "--recompute names `{n}`, which is no group (root, {layer}0 .. {layer}{})",
+                    "--recompute names `{n}`, which is no group (root, {layer}0 .. {layer}{}{experts})",
                     layers.saturating_sub(1)
                 )));
             }
@@ -660,17 +686,30 @@ impl TrainArgs {
         Ok(())
     }
 
+    /// The checks of `--model gpt` and `--model moe` (the transformer, its
+    /// MLPs a mixture of `--experts` for moe).
     pub(super) fn usage_gpt(&self, world: usize) -> anyhow::Result<()> {
-        self.usage_candle_model("gpt")?;
+        let moe = self.model() == ModelArg::Moe;
+        self.usage_candle_model(if moe { "moe" } else { "gpt" })?;
         let cfg = self.gpt_config();
         cfg.validate().map_err(usage)?;
-        self.check_recompute("blocks.", cfg.layers)?;
+        let experts = if moe {
+            self.moe_config().validate().map_err(usage)?;
+            self.moe_config().experts
+        } else {
+            1
+        };
+        self.check_recompute("blocks.", cfg.layers, if moe { experts } else { 0 })?;
         let (v, d, l, f, t) =
             (Sat::of(cfg.vocab), Sat::of(cfg.d_model), Sat::of(cfg.layers), Sat::of(cfg.d_ff), Sat::of(cfg.seq_len));
-        let params = Sat(2) * v * d + d + l * (Sat(4) * d * d + Sat(2) * d * f + Sat(2) * d);
+        // moe: the router (experts × d) and each expert's MLP; the front and combine stages' outputs.
+        let (e, router) = (Sat::of(experts), if moe { Sat::of(experts) * d } else { Sat(0) });
+        let params = Sat(2) * v * d + d + l * (Sat(4) * d * d + e * Sat(2) * d * f + Sat(2) * d + router);
         let tokens = Sat::of(self.batch) * t;
         let heads = Sat::of(cfg.heads);
-        let activations = Sat(4) * tokens * (l + Sat(2)) * (Sat(8) * d + Sat(2) * f + Sat(3) * heads * t + Sat(3) * v);
+        let routing = if moe { Sat(6) * d + Sat(2) * e } else { Sat(0) };
+        let activations =
+            Sat(4) * tokens * (l + Sat(2)) * (Sat(8) * d + Sat(2) * f + Sat(3) * heads * t + Sat(3) * v + routing);
         // Groups that keep their graphs hold candle's copy of their parameters until backward.
         let kept = if self.recompute == Recompute::All { Sat(0) } else { Sat(4) * params };
         let per_rank = Sat(4) * (Sat(4) * params / Sat::of(world) + Sat(4) * params)
@@ -694,7 +733,7 @@ impl TrainArgs {
                 nesterov: false,
             },
             OptimizerArg::Adamw => {
-                let default_lr = if self.model() == ModelArg::Gpt { 3e-3 } else { 1e-3 };
+                let default_lr = if matches!(self.model(), ModelArg::Gpt | ModelArg::Moe) { 3e-3 } else { 1e-3 };
                 OptimizerKind::adamw(self.lr.unwrap_or(default_lr), self.weight_decay.unwrap_or(0.01))
             }
         }

@@ -186,7 +186,7 @@ fn bench_gpt_part(args: &TrainArgs, part: BenchPart) -> anyhow::Result<serde_jso
     let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into());
     let (gpt, llama) = match args.model() {
         ModelArg::Llama => (None, Some(super::llama::spec(args, steps)?)),
-        _ => (Some(super::gpt::spec(args, steps)?), None),
+        _ => (Some(super::gpt::spec::<chorus_train::models::gpt::GptModel>(args, steps)?), None),
     };
     let seq_len = match (&gpt, &llama) {
         (Some(s), _) => s.model.config.seq_len,

@@ -41,7 +41,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let spec = spec_with(args, steps, tokenizer.as_deref())?;
     let sample = sample(args, tokenizer.as_ref())?;
     let cfg = spec.model.config.clone();
-    args.check_recompute("model.layers.", cfg.num_hidden_layers)?;
+    args.check_recompute("model.layers.", cfg.num_hidden_layers, 0)?;
     let max_file_bytes = usize::try_from(args.llama.max_file_bytes)
         .map_err(|_| usage(format!("--max-file-bytes {} is too large", args.llama.max_file_bytes)))?;
     let optimizer_changes = match &args.resume {

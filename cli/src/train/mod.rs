@@ -1,5 +1,6 @@
 //! `chorus train`: a model under FSDP on simulated ranks (or a GPU backend):
 //! the transformer through the candle adapter (`--model gpt`, the default),
+//! the transformer with mixture-of-experts MLPs (`--model moe --experts N`),
 //! a Hugging Face Llama, HF weights in and out (`--model llama`),
 //! or the reference MLP (`--model mlp`, with PyTorch-compatible `.npy` input
 //! and output, and `--bench` for FSDP's step time and host overhead).
@@ -17,7 +18,8 @@
 //! written; `job.rs` reads `--config`'s job file into them and writes the
 //! effective configuration back (`config.toml`); `ranks.rs` runs a job on the ranks of any backend; `resume.rs` checks a
 //! `--resume` checkpoint against the run; `mlp.rs`,
-//! `gpt.rs` and `llama.rs` train each model and write its outputs; `gpt_bench.rs` measures
+//! `gpt.rs` and `llama.rs` train each model and write its outputs (`gpt.rs`
+//! also the mixture-of-experts transformer, `--model moe`, described in `moe.rs`); `gpt_bench.rs` measures
 //! the transformer against plain candle (the MLP's benchmark is in `mlp.rs`);
 //! `throughput.rs` gives the candle models' tokens/s and MFU.
 
@@ -28,6 +30,7 @@ mod job;
 mod llama;
 mod loop_args;
 mod mlp;
+mod moe;
 mod outputs;
 mod ranks;
 mod resume;
@@ -56,7 +59,10 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     throughput::check_peak(args)?;
     match (args.model(), args.bench) {
         (ModelArg::Mlp, false) => mlp::run(args),
-        (ModelArg::Gpt, false) => gpt::run(args),
+        (ModelArg::Gpt, false) => gpt::run::<chorus_train::models::gpt::GptModel>(args),
+        (ModelArg::Moe, false) => gpt::run::<chorus_train::models::moe::MoeModel>(args),
+        // Refused by `usage` above already.
+        (ModelArg::Moe, true) => Err(usage(args::NO_MOE_BENCH)),
         (ModelArg::Mlp, true) => mlp::bench(args),
         (ModelArg::Gpt, true) => gpt_bench::run(args),
         (ModelArg::Llama, false) => llama::run(args),

@@ -19,6 +19,8 @@ fn saved_model(config: &serde_json::Value) -> Option<ModelArg> {
     let o = config.as_object()?;
     if o.contains_key("num_hidden_layers") {
         Some(ModelArg::Llama)
+    } else if o.contains_key("experts") {
+        Some(ModelArg::Moe)
     } else if o.contains_key("d_model") {
         Some(ModelArg::Gpt)
     } else {
@@ -64,6 +66,9 @@ pub(super) fn check_resume(args: &TrainArgs, dir: &Path, run: &Resuming<'_>) -> 
         }
         Some(ModelArg::Gpt) if run.flag != ModelArg::Gpt => {
             return Err(usage(format!("--resume {at}: a transformer checkpoint: use --model gpt")))
+        }
+        Some(ModelArg::Moe) if run.flag != ModelArg::Moe => {
+            return Err(usage(format!("--resume {at}: a mixture-of-experts checkpoint: use --model moe")))
         }
         Some(_) => {}
     }

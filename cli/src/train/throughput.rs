@@ -19,6 +19,7 @@ use serde_json::{json, Map, Value};
 
 use chorus_train::models::gpt::GptConfig;
 use chorus_train::models::llama::config::LlamaConfig;
+use chorus_train::models::moe::MoeConfig;
 
 use super::{median, usage, ModelArg, TrainArgs};
 
@@ -83,7 +84,7 @@ fn gpu_name(_backend: crate::backends::Backend) -> Option<String> {
 /// `--peak-tflops`: a finite number above 0, for the models that report MFU.
 pub(super) fn check_peak(args: &TrainArgs) -> anyhow::Result<()> {
     match args.peak_tflops {
-        Some(_) if args.model() == ModelArg::Mlp => Err(usage("--peak-tflops is for --model gpt and llama")),
+        Some(_) if args.model() == ModelArg::Mlp => Err(usage("--peak-tflops is for --model gpt, moe and llama")),
         Some(t) if !(t.is_finite() && t > 0.0) => Err(usage(format!("--peak-tflops {t} must be a finite number > 0"))),
         _ => Ok(()),
     }
@@ -95,6 +96,15 @@ impl Throughput {
         let params = cfg.num_params().saturating_sub(cfg.vocab.saturating_mul(cfg.d_model));
         let flops = flops_per_token(params, cfg.layers, cfg.heads, cfg.d_model / cfg.heads.max(1), cfg.seq_len);
         Throughput::of(args, cfg.seq_len, flops)
+    }
+
+    /// The mixture-of-experts transformer's: a token computes with its one
+    /// expert per layer (and the router), not the others.
+    pub(super) fn moe(cfg: &MoeConfig, args: &TrainArgs) -> Throughput {
+        let b = &cfg.base;
+        let params = cfg.active_params().saturating_sub(b.vocab.saturating_mul(b.d_model));
+        let flops = flops_per_token(params, b.layers, b.heads, b.d_model / b.heads.max(1), b.seq_len);
+        Throughput::of(args, b.seq_len, flops)
     }
 
     /// The Llama's at `seq_len`: its `embed_tokens` table is left out unless

@@ -74,9 +74,20 @@ impl GptConfig {
 /// scale 0.02, output projections scaled by 1/√(2·layers), norms at one),
 /// drawn with chorus's own generator so every rank and every run agrees.
 pub fn init_params(cfg: &GptConfig, seed: u64) -> candle_core::Result<Vec<(String, Tensor)>> {
+    init_shapes(cfg.param_shapes(), cfg.layers, seed)
+}
+
+/// [`init_params`]'s scheme for any parameters named as the transformer's
+/// (`*norm.weight` at one, `*.o.weight` and `*down.weight` scaled as output
+/// projections of `layers` blocks), drawn in the order of `shapes`.
+pub fn init_shapes(
+    shapes: Vec<(String, Vec<usize>)>,
+    layers: usize,
+    seed: u64,
+) -> candle_core::Result<Vec<(String, Tensor)>> {
     let mut rng = SplitMix::new(seed ^ 0x6_7074);
-    let proj_scale = 1.0 / (2.0 * cfg.layers as f32).sqrt();
-    cfg.param_shapes()
+    let proj_scale = 1.0 / (2.0 * layers as f32).sqrt();
+    shapes
         .into_iter()
         .map(|(name, shape)| {
             let n: usize = shape.iter().product();
@@ -99,45 +110,40 @@ const NORM_EPS: f64 = 1e-5;
 
 /// RMSNorm with candle's differentiable path (candle-nn's `RmsNorm::forward`
 /// takes a fused kernel without a backward on contiguous inputs).
-fn rms_norm(size: usize, vb: VarBuilder) -> candle_core::Result<RmsNorm> {
+pub(crate) fn rms_norm(size: usize, vb: VarBuilder) -> candle_core::Result<RmsNorm> {
     candle_nn::rms_norm(size, NORM_EPS, vb)
 }
 
-/// One pre-norm transformer block.
-pub struct Block {
-    attn_norm: RmsNorm,
+/// A block's attention half: `x + attn(norm(x))` (the MoE's layers share it).
+pub struct Attention {
+    norm: RmsNorm,
     q: Linear,
     k: Linear,
     v: Linear,
     o: Linear,
-    mlp_norm: RmsNorm,
-    up: Linear,
-    down: Linear,
     heads: usize,
 }
 
-impl Block {
-    /// The block whose parameters are under `vb` (`blocks.{i}`).
-    pub fn new(cfg: &GptConfig, vb: VarBuilder) -> candle_core::Result<Block> {
-        let (d, f) = (cfg.d_model, cfg.d_ff);
-        Ok(Block {
-            attn_norm: rms_norm(d, vb.pp("attn_norm"))?,
+impl Attention {
+    /// The attention whose parameters are under `vb` (`blocks.{i}`:
+    /// `attn_norm`, `attn.{q,k,v,o}`).
+    pub fn new(cfg: &GptConfig, vb: &VarBuilder) -> candle_core::Result<Attention> {
+        let d = cfg.d_model;
+        Ok(Attention {
+            norm: rms_norm(d, vb.pp("attn_norm"))?,
             q: candle_nn::linear_no_bias(d, d, vb.pp("attn.q"))?,
             k: candle_nn::linear_no_bias(d, d, vb.pp("attn.k"))?,
             v: candle_nn::linear_no_bias(d, d, vb.pp("attn.v"))?,
             o: candle_nn::linear_no_bias(d, d, vb.pp("attn.o"))?,
-            mlp_norm: rms_norm(d, vb.pp("mlp_norm"))?,
-            up: candle_nn::linear_no_bias(d, f, vb.pp("mlp.up"))?,
-            down: candle_nn::linear_no_bias(f, d, vb.pp("mlp.down"))?,
             heads: cfg.heads,
         })
     }
 
-    /// `x + attn(norm(x))`, then `+ mlp(norm(·))`; `x` is `[batch, seq, d_model]`.
+    /// `x + attn(norm(x))`; `x` is `[batch, seq, d_model]`.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t, d) = x.dims3()?;
         let hd = d / self.heads;
-        let h = self.attn_norm.forward_diff(x)?;
+        let h = self.norm.forward_diff(x)?;
         let split = |y: Tensor| -> candle_core::Result<Tensor> {
             y.reshape((b, t, self.heads, hd))?.transpose(1, 2)?.contiguous()
         };
@@ -146,7 +152,33 @@ impl Block {
         let scores = scores.broadcast_add(&causal_mask(t, scores.dtype(), scores.device())?)?;
         let attn = candle_nn::ops::softmax(&scores, D::Minus1)?.matmul(&v)?;
         let attn = attn.transpose(1, 2)?.contiguous()?.reshape((b, t, d))?;
-        let x = (x + self.o.forward(&attn)?)?;
+        x + self.o.forward(&attn)?
+    }
+}
+
+/// One pre-norm transformer block.
+pub struct Block {
+    attn: Attention,
+    mlp_norm: RmsNorm,
+    up: Linear,
+    down: Linear,
+}
+
+impl Block {
+    /// The block whose parameters are under `vb` (`blocks.{i}`).
+    pub fn new(cfg: &GptConfig, vb: VarBuilder) -> candle_core::Result<Block> {
+        let (d, f) = (cfg.d_model, cfg.d_ff);
+        Ok(Block {
+            attn: Attention::new(cfg, &vb)?,
+            mlp_norm: rms_norm(d, vb.pp("mlp_norm"))?,
+            up: candle_nn::linear_no_bias(d, f, vb.pp("mlp.up"))?,
+            down: candle_nn::linear_no_bias(f, d, vb.pp("mlp.down"))?,
+        })
+    }
+
+    /// `x + attn(norm(x))`, then `+ mlp(norm(·))`; `x` is `[batch, seq, d_model]`.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let x = self.attn.forward(x)?;
         let h = self.mlp_norm.forward_diff(&x)?;
         let h = self.down.forward(&self.up.forward(&h)?.gelu()?)?;
         x + h

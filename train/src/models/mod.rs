@@ -10,11 +10,14 @@
 //! - [`llama`]: the Llama exactly as transformers' `LlamaForCausalLM`
 //!   computes it, with its `config.json` ([`llama::config`]) and Hugging
 //!   Face directories in and out ([`llama::hf`]).
+//! - [`moe`]: the transformer with a mixture of experts (top-1 routing) as
+//!   each block's MLP, each expert its own routed param group.
 //!
 //! Nothing here depends on the loop.
 
 pub mod gpt;
 pub mod llama;
+pub mod moe;
 
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
@@ -107,14 +110,22 @@ pub trait PlainDecoder {
     fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor>;
 }
 
-/// A decoder under FSDP through the candle adapter: an embedding stage, one
-/// stage per layer and a head stage, run in that order.
+/// A decoder under FSDP through the candle adapter: an embedding stage, the
+/// layers and a head stage, run in that order.
 pub struct ShardedDecoder<C: CommBackend> {
     /// The adapter (and the [`Fsdp`] inside it).
     pub model: FsdpModel<C>,
     embed: StageId,
-    layers: Vec<StageId>,
+    layers: Vec<Layer>,
     head: StageId,
+}
+
+/// One layer of a [`ShardedDecoder`].
+pub enum Layer {
+    /// One stage.
+    Stage(StageId),
+    /// A mixture-of-experts layer: its stages and their routing on the host.
+    Moe(moe::MoeLayer),
 }
 
 impl<C: CommBackend + 'static> ShardedDecoder<C>
@@ -128,6 +139,18 @@ where
     pub fn new(
         model: FsdpModel<C>,
         (embed, layers, head): (StageId, Vec<StageId>, StageId),
+        groups: &[usize],
+        forward_prefetch: bool,
+    ) -> Result<Self> {
+        let layers = layers.into_iter().map(Layer::Stage).collect();
+        Self::with_layers(model, (embed, layers, head), groups, forward_prefetch)
+    }
+
+    /// [`ShardedDecoder::new`] with any [`Layer`]s; `groups` are those every
+    /// rank runs (a routed group has no prefetch of its own).
+    pub fn with_layers(
+        model: FsdpModel<C>,
+        (embed, layers, head): (StageId, Vec<Layer>, StageId),
         groups: &[usize],
         forward_prefetch: bool,
     ) -> Result<Self> {
@@ -149,7 +172,10 @@ where
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         let mut x = self.model.run(self.embed, ids)?;
         for l in &self.layers {
-            x = self.model.run(*l, &x)?;
+            x = match l {
+                Layer::Stage(s) => self.model.run(*s, &x)?,
+                Layer::Moe(m) => m.forward(&self.model, &x)?,
+            };
         }
         let logits = self.model.run(self.head, &x)?;
         match self.model.with_fsdp(|f| f.mixed_precision().output_dtype)? {
