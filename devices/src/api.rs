@@ -305,6 +305,16 @@ pub trait Stream: Send + Sync + fmt::Debug + 'static {
     /// views). Same dtype; every block must lie inside its view; the two views
     /// must not overlap.
     fn copy_2d(&self, src: View<'_, Self::B>, dst: View<'_, Self::B>, layout: Copy2d) -> Result<()>;
+    /// Several [`Stream::copy_2d`]s, run in order: every one is checked
+    /// before any is enqueued. A device may run them as one operation (the
+    /// cpu device runs one job for all), so packing many small pieces — a
+    /// group's parameters — costs one enqueue instead of one per piece.
+    fn copy_2d_batch(&self, copies: &[(View<'_, Self::B>, View<'_, Self::B>, Copy2d)]) -> Result<()> {
+        for (src, dst, layout) in copies {
+            crate::checks::copy_2d(*src, *dst, layout)?;
+        }
+        copies.iter().try_for_each(|(src, dst, layout)| self.copy_2d(*src, *dst, *layout))
+    }
     /// Copies host bytes into `dst`; `src` must be exactly `dst`'s byte length.
     /// `src` is captured before this returns, so the caller may reuse it at once.
     fn copy_from_host(&self, src: &[u8], dst: View<'_, Self::B>) -> Result<()>;
