@@ -322,6 +322,14 @@ pub trait Stream: Send + Sync + fmt::Debug + 'static {
     fn copy_to_host(&self, src: View<'_, Self::B>) -> Result<Readback>;
     /// Sets every element of `dst` to `value`.
     fn fill(&self, dst: View<'_, Self::B>, value: Scalar) -> Result<()>;
+    /// [`Stream::fill`] of every view in `dsts` with `value`, checked before
+    /// any is enqueued; one job on the cpu device (see [`Stream::copy_2d_batch`]).
+    fn fill_batch(&self, dsts: &[View<'_, Self::B>], value: Scalar) -> Result<()> {
+        for dst in dsts {
+            crate::checks::fill(*dst, value)?;
+        }
+        dsts.iter().try_for_each(|dst| self.fill(*dst, value))
+    }
     /// Converts `src` into `dst` (same length, both float dtypes), rounding to nearest even.
     fn cast(&self, src: View<'_, Self::B>, dst: View<'_, Self::B>) -> Result<()>;
     /// `x *= alpha` (float dtypes).

@@ -298,6 +298,19 @@ impl CpuStream {
     }
 }
 
+/// Fills `d` with copies of one element's bytes: the element, then the
+/// filled prefix doubled — a few large copies instead of one per element.
+fn fill_with(d: &mut [u8], pattern: &[u8]) {
+    let Some(first) = d.get_mut(..pattern.len()) else { return };
+    first.copy_from_slice(pattern);
+    let mut filled = pattern.len();
+    while filled < d.len() {
+        let n = filled.min(d.len() - filled);
+        d.copy_within(..n, filled);
+        filled += n;
+    }
+}
+
 /// The blocks of one 2-D copy, checked by `checks::copy_2d` (in bounds,
 /// disjoint views). Only the blocks are touched, so it writes through the
 /// raw range instead of rewriting the whole destination.
@@ -421,17 +434,25 @@ impl crate::Stream for CpuStream {
 
     fn fill(&self, dst: View<'_, Cpu>, value: Scalar) -> Result<()> {
         let pattern = checks::fill(dst, value)?;
-        self.map_job("fill", [], dst, move |[], d| {
-            // One element, then the filled prefix doubled: a few large copies
-            // instead of one small copy per element.
-            let Some(first) = d.get_mut(..pattern.len()) else { return };
-            first.copy_from_slice(&pattern);
-            let mut filled = pattern.len();
-            while filled < d.len() {
-                let n = filled.min(d.len() - filled);
-                d.copy_within(..n, filled);
-                filled += n;
+        self.map_job("fill", [], dst, move |[], d| fill_with(d, &pattern))
+    }
+
+    fn fill_batch(&self, dsts: &[View<'_, Cpu>], value: Scalar) -> Result<()> {
+        let op = "fill_batch";
+        let mut ranges = Vec::with_capacity(dsts.len());
+        for dst in dsts {
+            ranges.push((self.own(op, dst)?, checks::fill(*dst, value)?));
+        }
+        let accesses: Vec<Access> = match self.device.sanitizer_enabled() {
+            true => dsts.iter().map(|d| Access::write(*d)).collect(),
+            false => Vec::new(),
+        };
+        self.enqueue(op, &accesses, move |input| {
+            if let JobInput::Run = input {
+                // SAFETY: each range is this job's alone in stream order; one slice at a time.
+                ranges.iter().for_each(|(d, pattern)| fill_with(unsafe { d.as_bytes_mut() }, pattern));
             }
+            Ok(())
         })
     }
 

@@ -1,8 +1,9 @@
-//! Batched operations: `Stream::copy_2d_batch` against the same copies
-//! computed on the host, and its all-or-nothing argument checking.
+//! Batched operations: `Stream::copy_2d_batch` and `Stream::fill_batch`
+//! against the same work done on the host, and their all-or-nothing
+//! argument checking.
 
 use anyhow::Result;
-use chorus_devices::{Buffer, ComputeBackend, Copy2d, DType, DeviceError, Stream, StreamExt};
+use chorus_devices::{bf16, Buffer, ComputeBackend, Copy2d, DType, DeviceError, Scalar, Stream, StreamExt};
 
 use crate::common::stream;
 
@@ -38,5 +39,27 @@ pub fn copy_2d_batch_runs_every_copy_in_order_and_checks_all_first<B: ComputeBac
     // An empty batch is nothing to do.
     s.copy_2d_batch(&[])?;
     s.synchronize()?;
+    Ok(())
+}
+
+/// A case of the device suite.
+pub fn fill_batch_fills_every_view_and_checks_all_first<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
+    let s = stream(&dev)?;
+    let a = s.buffer_from(&[1.0f32; 6])?;
+    let b = s.alloc(DType::BF16, 3)?;
+    let c = s.buffer_from(&[7i8; 4])?;
+    s.fill_batch(&[a.slice(1, 3)?, b.view()], Scalar::Float(2.5))?;
+    assert_eq!(s.read_vec::<f32>(a.view())?, vec![1.0, 2.5, 2.5, 2.5, 1.0, 1.0]);
+    assert_eq!(s.read_vec::<bf16>(b.view())?, vec![bf16::from_f32(2.5); 3]);
+
+    // 300 does not fit an i8: the whole batch is refused, `a` untouched.
+    let e = s.fill_batch(&[a.view(), c.view()], Scalar::Int(300)).unwrap_err();
+    assert!(matches!(e, DeviceError::InvalidArgument { op: "fill", .. }), "{e:?}");
+    assert_eq!(s.read_vec::<f32>(a.view())?, vec![1.0, 2.5, 2.5, 2.5, 1.0, 1.0]);
+    assert_eq!(s.read_vec::<i8>(c.view())?, vec![7; 4]);
+    s.fill_batch(&[], Scalar::Float(0.0))?;
     Ok(())
 }

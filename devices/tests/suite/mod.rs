@@ -38,6 +38,7 @@ macro_rules! device_suite {
         views_events_and_buffers_of_another_device_are_refused => stream::views_events_and_buffers_of_another_device_are_refused,
         memory_statistics_are_exact => stream::memory_statistics_are_exact,
         copy_2d_batch_runs_every_copy_in_order_and_checks_all_first => batch::copy_2d_batch_runs_every_copy_in_order_and_checks_all_first,
+        fill_batch_fills_every_view_and_checks_all_first => batch::fill_batch_fills_every_view_and_checks_all_first,
         dropping_buffers_with_queued_work_frees_them_after_the_work => stream::dropping_buffers_with_queued_work_frees_them_after_the_work,
         matmul_matches_a_naive_product_for_every_transpose_and_dtype => compute::matmul_matches_a_naive_product_for_every_transpose_and_dtype,
         matmul_works_on_sub_views => compute::matmul_works_on_sub_views,
