@@ -305,21 +305,37 @@ pub(crate) fn reduce_gradients<C: CommBackend>(
             post.scale(flat.view(), f)?;
         }
     }
-    // Views out into the f32 sharded gradients.
+    // Views out into the f32 sharded gradients. A parameter's first gradient
+    // since zero_grad is a plain copy (f32, not offloaded): those go as one batch.
+    let mut sources: Vec<(usize, View<'_, C::B>)> = Vec::new();
     for out in &outputs {
         for (i, _) in &sharded {
-            let p = &mut params[*i];
-            let l = &layout.params[p.layout.unwrap_or_default()];
-            accumulate_into(post, out.slice(l.offset, l.shard_numel)?, &mut p.grad, l.shard_numel, p.offload)?;
+            let l = &layout.params[params[*i].layout.unwrap_or_default()];
+            sources.push((*i, out.slice(l.offset, l.shard_numel)?));
         }
     }
     if let Some(flat) = &flat_replicated {
         let mut off = 0;
         for (i, _) in &replicated {
-            let p = &mut params[*i];
-            accumulate_into(post, flat.slice(off, p.numel)?, &mut p.grad, p.numel, p.offload)?;
-            off += p.numel;
+            sources.push((*i, flat.slice(off, params[*i].numel)?));
+            off += params[*i].numel;
         }
+    }
+    let mut firsts: Vec<(usize, Buf<C>, View<'_, C::B>)> = Vec::new();
+    for (i, src) in sources {
+        let p = &mut params[i];
+        let first = p.grad.is_none() && p.offload.is_none() && src.dtype() == DType::F32;
+        if first && !firsts.iter().any(|(j, _, _)| *j == i) {
+            firsts.push((i, post.alloc(DType::F32, src.len())?, src));
+        } else {
+            accumulate_into(post, src, &mut p.grad, src.len(), p.offload)?;
+        }
+    }
+    let copies: Vec<_> = firsts.iter().map(|(_, g, src)| (*src, g.view(), contiguous(src.len()))).collect();
+    post.copy_2d_batch(&copies)?;
+    drop(copies);
+    for (i, g, _) in firsts {
+        params[i].grad = Some(g);
     }
     let post_reduce_event = ctx.device.create_event()?;
     post.record(&post_reduce_event)?;
