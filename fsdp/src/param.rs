@@ -211,8 +211,10 @@ impl<C: CommBackend> Param<C> {
         dtype: DType,
     ) -> Result<()> {
         let missing: Vec<usize> = (0..params.len()).filter(|i| params[*i].unsharded_grad.is_none()).collect();
-        let fresh =
-            missing.iter().map(|i| stream.alloc(dtype, params[*i].numel)).collect::<chorus_devices::Result<Vec<_>>>()?;
+        let fresh = missing
+            .iter()
+            .map(|i| stream.alloc(dtype, params[*i].numel))
+            .collect::<chorus_devices::Result<Vec<_>>>()?;
         stream.fill_batch(&fresh.iter().map(|b| b.view()).collect::<Vec<_>>(), Scalar::Float(0.0))?;
         for (i, buf) in missing.into_iter().zip(fresh) {
             params[i].unsharded_grad = Some(buf);
