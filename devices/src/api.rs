@@ -210,6 +210,9 @@ pub struct MatmulSpec {
     pub accumulate: bool,
 }
 
+/// One copy of a [`Stream::copy_2d_batch`]: source, destination and shape.
+pub type Copy2dPiece<'a, B> = (View<'a, B>, View<'a, B>, Copy2d);
+
 /// The shape of a strided copy; see [`Stream::copy_2d`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Copy2d {
@@ -309,7 +312,7 @@ pub trait Stream: Send + Sync + fmt::Debug + 'static {
     /// before any is enqueued. A device may run them as one operation (the
     /// cpu device runs one job for all), so packing many small pieces — a
     /// group's parameters — costs one enqueue instead of one per piece.
-    fn copy_2d_batch(&self, copies: &[(View<'_, Self::B>, View<'_, Self::B>, Copy2d)]) -> Result<()> {
+    fn copy_2d_batch(&self, copies: &[Copy2dPiece<'_, Self::B>]) -> Result<()> {
         for (src, dst, layout) in copies {
             crate::checks::copy_2d(*src, *dst, layout)?;
         }

@@ -385,7 +385,7 @@ impl crate::Stream for CpuStream {
         })
     }
 
-    fn copy_2d_batch(&self, copies: &[(View<'_, Cpu>, View<'_, Cpu>, Copy2d)]) -> Result<()> {
+    fn copy_2d_batch(&self, copies: &[crate::Copy2dPiece<'_, Cpu>]) -> Result<()> {
         let op = "copy_2d_batch";
         let mut ranges = Vec::with_capacity(copies.len());
         for (src, dst, layout) in copies {
