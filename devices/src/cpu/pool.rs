@@ -87,8 +87,8 @@ impl Pool {
                 return Ok((b.0, true));
             }
         }
-        let layout = Layout::from_size_align(class, ALIGN).map_err(|_| oom())?;
-        // SAFETY: layout has non-zero size (classes are at least SMALL_STEP).
+        let layout = Layout::from_size_align(class, ALIGN).ok().filter(|l| l.size() > 0).ok_or_else(oom)?;
+        // SAFETY: the layout has a non-zero size (checked above).
         let fresh = NonNull::new(unsafe { alloc::alloc_zeroed(layout) });
         let ptr = match fresh {
             Some(p) => p,
