@@ -210,6 +210,9 @@ pub struct MatmulSpec {
     pub accumulate: bool,
 }
 
+/// One copy of a [`Stream::copy_2d_batch`]: source, destination and shape.
+pub type Copy2dPiece<'a, B> = (View<'a, B>, View<'a, B>, Copy2d);
+
 /// The shape of a strided copy; see [`Stream::copy_2d`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Copy2d {
@@ -305,6 +308,16 @@ pub trait Stream: Send + Sync + fmt::Debug + 'static {
     /// views). Same dtype; every block must lie inside its view; the two views
     /// must not overlap.
     fn copy_2d(&self, src: View<'_, Self::B>, dst: View<'_, Self::B>, layout: Copy2d) -> Result<()>;
+    /// Several [`Stream::copy_2d`]s, run in order: every one is checked
+    /// before any is enqueued. A device may run them as one operation (the
+    /// cpu device runs one job for all), so packing many small pieces — a
+    /// group's parameters — costs one enqueue instead of one per piece.
+    fn copy_2d_batch(&self, copies: &[Copy2dPiece<'_, Self::B>]) -> Result<()> {
+        for (src, dst, layout) in copies {
+            crate::checks::copy_2d(*src, *dst, layout)?;
+        }
+        copies.iter().try_for_each(|(src, dst, layout)| self.copy_2d(*src, *dst, *layout))
+    }
     /// Copies host bytes into `dst`; `src` must be exactly `dst`'s byte length.
     /// `src` is captured before this returns, so the caller may reuse it at once.
     fn copy_from_host(&self, src: &[u8], dst: View<'_, Self::B>) -> Result<()>;
@@ -312,6 +325,14 @@ pub trait Stream: Send + Sync + fmt::Debug + 'static {
     fn copy_to_host(&self, src: View<'_, Self::B>) -> Result<Readback>;
     /// Sets every element of `dst` to `value`.
     fn fill(&self, dst: View<'_, Self::B>, value: Scalar) -> Result<()>;
+    /// [`Stream::fill`] of every view in `dsts` with `value`, checked before
+    /// any is enqueued; one job on the cpu device (see [`Stream::copy_2d_batch`]).
+    fn fill_batch(&self, dsts: &[View<'_, Self::B>], value: Scalar) -> Result<()> {
+        for dst in dsts {
+            crate::checks::fill(*dst, value)?;
+        }
+        dsts.iter().try_for_each(|dst| self.fill(*dst, value))
+    }
     /// Converts `src` into `dst` (same length, both float dtypes), rounding to nearest even.
     fn cast(&self, src: View<'_, Self::B>, dst: View<'_, Self::B>) -> Result<()>;
     /// `x *= alpha` (float dtypes).

@@ -35,8 +35,8 @@ mod view;
 pub mod wait;
 
 pub use api::{
-    AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, Copy2d, Device, Event, MatmulSpec, MemorySpace,
-    MemoryStats, Priority, Result, SgdParams, Stream, StreamExt,
+    AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, Copy2d, Copy2dPiece, Device, Event, MatmulSpec,
+    MemorySpace, MemoryStats, Priority, Result, SgdParams, Stream, StreamExt,
 };
 pub use dtype::{DType, Element, Scalar};
 pub use error::{AccessKind, DeviceError, RaceAccess, RaceReport};

@@ -282,3 +282,20 @@ fn with_the_sanitizer_off_no_race_is_reported() -> Result<()> {
     let _ = dev.create_event()?.query()?;
     Ok(())
 }
+
+#[test]
+fn every_copy_of_a_batch_is_checked_and_a_race_refuses_the_whole_batch() -> Result<()> {
+    let dev = device();
+    let [a, b] = streams(&dev)?;
+    let (src, x, y) = (dev.alloc(DType::F32, 8)?, dev.alloc(DType::F32, 8)?, dev.alloc(DType::F32, 8)?);
+    a.fill(y.view(), Scalar::Float(2.0))?;
+    let whole = chorus_devices::Copy2d { rows: 1, row_len: 8, ..Default::default() };
+    // The batch's second copy writes `y`, which `a` wrote with no event between.
+    let report = race(b.copy_2d_batch(&[(src.view(), x.view(), whole), (src.view(), y.view(), whole)]).unwrap_err());
+    assert_eq!((report.previous.op.as_str(), report.current.op.as_str()), ("fill", "copy_2d_batch"));
+    assert!(report.buffer.contains(&format!("#{}", y.id())), "{}", report.buffer);
+    // Nothing of it was enqueued: `x` may be written by `a` without a wait.
+    a.fill(x.view(), Scalar::Float(1.0))?;
+    assert_eq!(a.read_vec::<f32>(x.view())?, vec![1.0; 8]);
+    Ok(())
+}

@@ -8,7 +8,7 @@
 //! group's and the root's business.
 
 use chorus_collectives::{CommBackend, Communicator, ReduceOp};
-use chorus_devices::{Backend, Buffer, DType, Device, Scalar, Stream, StreamExt, View};
+use chorus_devices::{Backend, Buffer, Copy2d, DType, Device, Scalar, Stream, StreamExt, View};
 
 use crate::config::DataParallel;
 use crate::layout::{GroupLayout, ParamLayout};
@@ -52,12 +52,19 @@ pub(crate) fn all_gather<C: CommBackend>(
             true
         }
         CopyInSource::Masters(params) => {
+            // Plain copies go as one batch; casts one by one.
+            let mut copies = Vec::with_capacity(params.len());
             for p in params {
                 if let Some(i) = p.layout {
                     let l = &layout.params[i];
-                    cast_or_copy(&s.copy_in, p.master.view(), own.slice(l.offset, l.shard_numel)?)?;
+                    let dst = own.slice(l.offset, l.shard_numel)?;
+                    match p.master.dtype() == dtype {
+                        true => copies.push((p.master.view(), dst, contiguous(l.shard_numel))),
+                        false => cast_or_copy(&s.copy_in, p.master.view(), dst)?,
+                    }
                 }
             }
+            s.copy_in.copy_2d_batch(&copies)?;
             false
         }
     };
@@ -74,29 +81,45 @@ pub(crate) fn all_gather<C: CommBackend>(
 /// A gathered buffer to copy out of: the buffer, its layout and the world it was gathered over.
 pub(crate) type Gathered<'a, C> = (&'a Buf<C>, &'a GroupLayout, usize);
 
+/// A copy of `n` contiguous elements as a [`Copy2d`] (for a batch).
+fn contiguous(n: usize) -> Copy2d {
+    Copy2d { rows: 1, row_len: n, ..Copy2d::default() }
+}
+
+/// Whether the sharded parameters `present` (indices into `layout.params`)
+/// fill every rank's chunk of a rank-major buffer, leaving no padding to zero:
+/// every parameter present and its rows divisible by the world.
+fn fills_chunks(layout: &GroupLayout, present: usize) -> bool {
+    present == layout.params.len() && layout.params.iter().all(|l| l.rows % l.world == 0)
+}
+
 /// Allocates every parameter's unsharded buffer in `dtype` on `stream` and
 /// fills it: sharded parameters from each rank's chunk of `gathered` (one
-/// 2-D copy per rank, skipping padding), replicated ones from their master.
+/// 2-D copy per rank and parameter, skipping padding, all in one batch),
+/// replicated ones from their master.
 pub(crate) fn copy_out<C: CommBackend>(
     stream: &Strm<C>,
     gathered: Option<Gathered<'_, C>>,
     params: &mut [Param<C>],
     dtype: DType,
 ) -> Result<()> {
-    for p in params.iter_mut() {
-        let full = stream.alloc(dtype, p.numel)?;
+    let fulls = params.iter().map(|p| stream.alloc(dtype, p.numel)).collect::<chorus_devices::Result<Vec<_>>>()?;
+    let mut copies = Vec::new();
+    for (p, full) in params.iter().zip(&fulls) {
         match (p.layout, gathered) {
             (Some(i), Some((buffer, layout, world))) => {
                 let l = &layout.params[i];
-                for j in 0..world {
-                    stream.copy_2d(buffer.view(), full.view(), l.chunk_to_full(j, layout.shard_numel))?;
-                }
+                copies.extend((0..world).map(|j| (buffer.view(), full.view(), l.chunk_to_full(j, layout.shard_numel))));
             }
             (None, _) => cast_or_copy(stream, p.master.view(), full.view())?,
             (Some(_), None) => {
                 return Err(FsdpError::InvalidArgument(format!("{}: no all-gather output to copy out of", p.name)))
             }
         }
+    }
+    stream.copy_2d_batch(&copies)?;
+    drop(copies);
+    for (p, full) in params.iter_mut().zip(fulls) {
         p.unsharded = Some(full);
     }
     Ok(())
@@ -114,12 +137,16 @@ pub(crate) fn post_forward_shard<C: CommBackend>(
 ) -> Result<(Buf<C>, Ev<C>)> {
     let s = &ctx.streams.compute;
     let buf = s.alloc(dtype, layout.shard_numel)?;
-    s.fill(buf.view(), Scalar::Float(0.0))?;
+    let mut copies = Vec::with_capacity(params.len());
     for p in params {
         if let (Some(i), Some(full)) = (p.layout, &p.unsharded) {
-            s.copy_2d(full.view(), buf.view(), layout.params[i].full_to_chunk(rank, 0))?;
+            copies.push((full.view(), buf.view(), layout.params[i].full_to_chunk(rank, 0)));
         }
     }
+    if !fills_chunks(layout, copies.len()) {
+        s.fill(buf.view(), Scalar::Float(0.0))?;
+    }
+    s.copy_2d_batch(&copies)?;
     let e = ctx.device.create_event()?;
     s.record(&e)?;
     Ok((buf, e))
@@ -204,13 +231,16 @@ pub(crate) fn reduce_gradients<C: CommBackend>(
         None
     } else {
         let input = s.compute.alloc(reduce_dtype, world * n)?;
-        s.compute.fill(input.view(), Scalar::Float(0.0))?;
+        // The padding (and the chunks of parameters without a gradient) must read as zeros.
+        if !fills_chunks(layout, sharded.len()) {
+            s.compute.fill(input.view(), Scalar::Float(0.0))?;
+        }
+        let mut copies = Vec::with_capacity(sharded.len() * world);
         for (i, buf) in &sharded {
             let l = &layout.params[params[*i].layout.unwrap_or_default()];
-            for j in 0..world {
-                s.compute.copy_2d(buf.view(), input.view(), l.full_to_chunk(j, j * n))?;
-            }
+            copies.extend((0..world).map(|j| (buf.view(), input.view(), l.full_to_chunk(j, j * n))));
         }
+        s.compute.copy_2d_batch(&copies)?;
         Some(input)
     };
     let flat_replicated = if replicated.is_empty() {
@@ -275,21 +305,37 @@ pub(crate) fn reduce_gradients<C: CommBackend>(
             post.scale(flat.view(), f)?;
         }
     }
-    // Views out into the f32 sharded gradients.
+    // Views out into the f32 sharded gradients. A parameter's first gradient
+    // since zero_grad is a plain copy (f32, not offloaded): those go as one batch.
+    let mut sources: Vec<(usize, View<'_, C::B>)> = Vec::new();
     for out in &outputs {
         for (i, _) in &sharded {
-            let p = &mut params[*i];
-            let l = &layout.params[p.layout.unwrap_or_default()];
-            accumulate_into(post, out.slice(l.offset, l.shard_numel)?, &mut p.grad, l.shard_numel, p.offload)?;
+            let l = &layout.params[params[*i].layout.unwrap_or_default()];
+            sources.push((*i, out.slice(l.offset, l.shard_numel)?));
         }
     }
     if let Some(flat) = &flat_replicated {
         let mut off = 0;
         for (i, _) in &replicated {
-            let p = &mut params[*i];
-            accumulate_into(post, flat.slice(off, p.numel)?, &mut p.grad, p.numel, p.offload)?;
-            off += p.numel;
+            sources.push((*i, flat.slice(off, params[*i].numel)?));
+            off += params[*i].numel;
         }
+    }
+    let mut firsts: Vec<(usize, Buf<C>, View<'_, C::B>)> = Vec::new();
+    for (i, src) in sources {
+        let p = &mut params[i];
+        let first = p.grad.is_none() && p.offload.is_none() && src.dtype() == DType::F32;
+        if first && !firsts.iter().any(|(j, _, _)| *j == i) {
+            firsts.push((i, post.alloc(DType::F32, src.len())?, src));
+        } else {
+            accumulate_into(post, src, &mut p.grad, src.len(), p.offload)?;
+        }
+    }
+    let copies: Vec<_> = firsts.iter().map(|(_, g, src)| (*src, g.view(), contiguous(src.len()))).collect();
+    post.copy_2d_batch(&copies)?;
+    drop(copies);
+    for (i, g, _) in firsts {
+        params[i].grad = Some(g);
     }
     let post_reduce_event = ctx.device.create_event()?;
     post.record(&post_reduce_event)?;

@@ -28,6 +28,7 @@ mod error;
 pub mod layout;
 mod offload;
 pub mod optim;
+mod overhead;
 mod param;
 mod param_group;
 mod routed;
@@ -39,9 +40,10 @@ use chorus_devices::Backend;
 pub use config::{DataParallel, FsdpConfig, MixedPrecision, OffloadPolicy, Reshard, ShardPlacement};
 pub use error::{FsdpError, Result};
 pub use optim::{OptimizerKind, ShardedOptimizer};
+pub use overhead::{Hook, HookTime, HostOverhead};
 pub use param::{rows_of, DeferredParam, ParamInit, ShardSource};
 pub use param_group::{ShardedState, TrainingState};
-pub use state::{CommCounts, Fsdp, Hook, HookTime, HostOverhead, UnshardHandle};
+pub use state::{CommCounts, Fsdp, UnshardHandle};
 
 // Shorthands for the backend types behind a communicator.
 pub(crate) type B<C> = <C as CommBackend>::B;

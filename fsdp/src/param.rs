@@ -202,13 +202,22 @@ impl<C: CommBackend> Param<C> {
         })
     }
 
-    /// Gives the parameter a zeroed unsharded gradient in `dtype` unless it
-    /// already has one (a second backward of the same micro-batch adds to it).
-    pub(crate) fn ensure_unsharded_grad(&mut self, stream: &<C::B as Backend>::Stream, dtype: DType) -> Result<()> {
-        if self.unsharded_grad.is_none() {
-            let buf = stream.alloc(dtype, self.numel)?;
-            stream.fill(buf.view(), Scalar::Float(0.0))?;
-            self.unsharded_grad = Some(buf);
+    /// Gives every parameter of a group a zeroed unsharded gradient in
+    /// `dtype` unless it already has one (a second backward of the same
+    /// micro-batch adds to it), with one fill for all of them.
+    pub(crate) fn ensure_unsharded_grads(
+        params: &mut [Param<C>],
+        stream: &<C::B as Backend>::Stream,
+        dtype: DType,
+    ) -> Result<()> {
+        let missing: Vec<usize> = (0..params.len()).filter(|i| params[*i].unsharded_grad.is_none()).collect();
+        let fresh = missing
+            .iter()
+            .map(|i| stream.alloc(dtype, params[*i].numel))
+            .collect::<chorus_devices::Result<Vec<_>>>()?;
+        stream.fill_batch(&fresh.iter().map(|b| b.view()).collect::<Vec<_>>(), Scalar::Float(0.0))?;
+        for (i, buf) in missing.into_iter().zip(fresh) {
+            params[i].unsharded_grad = Some(buf);
         }
         Ok(())
     }

@@ -308,9 +308,7 @@ impl<C: CommBackend> Group<C> {
         self.unshard(ctx)?;
         self.wait_for_unshard(ctx)?;
         let dtype = self.mp.param();
-        for p in self.params.iter_mut() {
-            p.ensure_unsharded_grad(&ctx.streams.compute, dtype)?;
-        }
+        Param::ensure_unsharded_grads(&mut self.params, &ctx.streams.compute, dtype)?;
         Ok(())
     }
 

@@ -25,6 +25,7 @@
 //! that does it, not a collective the others never join.
 
 use crate::collectives::ReducePlan;
+use crate::param::Param;
 use crate::param_group::{CommContext, Group, Route, ShardedState, TrainingState};
 use crate::state::Fsdp;
 use crate::{FsdpError, Result};
@@ -211,10 +212,7 @@ impl<C: CommBackend> Group<C> {
             self.training = TrainingState::PreBackward;
             self.drop_pending(ctx)?;
             let dtype = self.mp.param();
-            for p in self.params.iter_mut() {
-                p.ensure_unsharded_grad(&ctx.streams.compute, dtype)?;
-            }
-            Ok(())
+            Param::ensure_unsharded_grads(&mut self.params, &ctx.streams.compute, dtype)
         } else {
             self.pre_backward(ctx)
         }

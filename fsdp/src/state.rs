@@ -6,7 +6,6 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use chorus_collectives::{CommBackend, Communicator, ReduceOp};
 use chorus_devices::{Backend, Buffer, DType, Device, Priority, Stream, StreamExt, View};
@@ -14,6 +13,7 @@ use chorus_devices::{Backend, Buffer, DType, Device, Priority, Stream, StreamExt
 use crate::collectives::{self, ReducePlan};
 use crate::config::{DataParallel, FsdpConfig, MixedPrecision, OffloadPolicy, Reshard};
 use crate::layout::{normalize_dim, GroupLayout};
+use crate::overhead::{Hook, HookStart, HostOverhead};
 use crate::param::{DeferredParam, Param, ParamInit};
 use crate::param_group::{CommContext, Group, Route, ShardedState, Streams, TrainingState};
 use crate::{FsdpError, Result, Strm, B};
@@ -27,98 +27,6 @@ pub struct CommCounts {
     pub reduce_scatters: usize,
     /// All-reduces of gradients (HSDP, replicated parameters).
     pub all_reduces: usize,
-}
-
-/// An FSDP entry point whose host time is counted in [`HostOverhead`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Hook {
-    /// [`Fsdp::add_group`] and [`Fsdp::add_group_with`].
-    AddGroup,
-    /// [`Fsdp::unshard`] (explicit or prefetch).
-    Unshard,
-    /// [`Fsdp::wait_unshard`].
-    WaitUnshard,
-    /// [`Fsdp::pre_forward`].
-    PreForward,
-    /// [`Fsdp::post_forward`].
-    PostForward,
-    /// [`Fsdp::pre_backward`].
-    PreBackward,
-    /// [`Fsdp::post_backward`].
-    PostBackward,
-    /// [`Fsdp::finalize_backward`].
-    FinalizeBackward,
-}
-
-impl Hook {
-    /// Every hook, in the order of a step.
-    pub const ALL: [Hook; 8] = [
-        Hook::AddGroup,
-        Hook::Unshard,
-        Hook::WaitUnshard,
-        Hook::PreForward,
-        Hook::PostForward,
-        Hook::PreBackward,
-        Hook::PostBackward,
-        Hook::FinalizeBackward,
-    ];
-
-    /// The hook's name, as reports print it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Hook::AddGroup => "add_group",
-            Hook::Unshard => "unshard",
-            Hook::WaitUnshard => "wait_unshard",
-            Hook::PreForward => "pre_forward",
-            Hook::PostForward => "post_forward",
-            Hook::PreBackward => "pre_backward",
-            Hook::PostBackward => "post_backward",
-            Hook::FinalizeBackward => "finalize_backward",
-        }
-    }
-}
-
-/// Host time in one hook: the sum over its calls, and how many.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct HookTime {
-    /// Total time.
-    pub total: Duration,
-    /// Number of calls.
-    pub calls: usize,
-}
-
-/// Host time spent inside FSDP's hooks (they only enqueue, so this is
-/// FSDP's overhead), in total and per hook, so a slow step can be traced
-/// to the hook that took the time.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct HostOverhead {
-    /// Total time in hooks.
-    pub total: Duration,
-    /// Number of hook calls.
-    pub calls: usize,
-    /// The same per hook, indexed as [`Hook::ALL`].
-    pub by_hook: [HookTime; Hook::ALL.len()],
-}
-
-impl HostOverhead {
-    /// The time spent since `earlier` (a reading of the same [`Fsdp`]).
-    pub fn since(&self, earlier: &HostOverhead) -> HostOverhead {
-        let mut by_hook = self.by_hook;
-        for (h, e) in by_hook.iter_mut().zip(&earlier.by_hook) {
-            h.total = h.total.saturating_sub(e.total);
-            h.calls = h.calls.saturating_sub(e.calls);
-        }
-        HostOverhead {
-            total: self.total.saturating_sub(earlier.total),
-            calls: self.calls.saturating_sub(earlier.calls),
-            by_hook,
-        }
-    }
-
-    /// The time in `hook`.
-    pub fn hook(&self, hook: Hook) -> HookTime {
-        self.by_hook[hook as usize]
-    }
 }
 
 /// FSDP for one rank: the root state, its groups, streams and policies.
@@ -229,7 +137,7 @@ impl<C: CommBackend> Fsdp<C> {
         params: Vec<DeferredParam>,
         reshard: Reshard,
     ) -> Result<usize> {
-        let t0 = Instant::now();
+        let t0 = HookStart::now();
         let world = self.ctx.dp.shard.size();
         let rank = self.ctx.dp.shard.rank();
         let mut sharded_specs = Vec::new();
@@ -310,13 +218,8 @@ impl<C: CommBackend> Fsdp<C> {
         Ok(c)
     }
 
-    fn note_overhead(&mut self, hook: Hook, t0: Instant) {
-        let dt = t0.elapsed();
-        self.overhead.total += dt;
-        self.overhead.calls += 1;
-        let h = &mut self.overhead.by_hook[hook as usize];
-        h.total += dt;
-        h.calls += 1;
+    fn note_overhead(&mut self, hook: Hook, t0: HookStart) {
+        self.overhead.note(hook, t0)
     }
 
     pub(crate) fn group(&self, g: usize) -> Result<&Group<C>> {
@@ -459,7 +362,7 @@ impl<C: CommBackend> Fsdp<C> {
     /// handle must be waited on ([`Fsdp::wait_unshard`]); otherwise this
     /// waits (copy-out enqueued) before returning.
     pub fn unshard(&mut self, g: usize, async_op: bool) -> Result<UnshardHandle> {
-        let t0 = Instant::now();
+        let t0 = HookStart::now();
         self.group(g)?;
         if !self.root_ready {
             // Outside a step (FSDP2's explicit `unshard()`), order after the compute stream.
@@ -476,7 +379,7 @@ impl<C: CommBackend> Fsdp<C> {
     /// Finishes an asynchronous unshard: the copy-out into the unsharded
     /// parameters is enqueued on the compute stream.
     pub fn wait_unshard(&mut self, handle: UnshardHandle) -> Result<()> {
-        let t0 = Instant::now();
+        let t0 = HookStart::now();
         self.group(handle.group)?;
         self.groups[handle.group].wait_for_unshard(&mut self.ctx)?;
         self.note_overhead(Hook::WaitUnshard, t0);
@@ -498,7 +401,7 @@ impl<C: CommBackend> Fsdp<C> {
     /// Before group `g`'s forward: unshards it (waits for a prefetch if one
     /// was issued) and prefetches the explicit forward targets.
     pub fn pre_forward(&mut self, g: usize) -> Result<()> {
-        let t0 = Instant::now();
+        let t0 = HookStart::now();
         self.group_in(g, TrainingState::Idle, "pre_forward")?;
         self.check_routed(g, TrainingState::Forward, "pre_forward")?;
         self.root_pre_forward()?;
@@ -515,7 +418,7 @@ impl<C: CommBackend> Fsdp<C> {
     /// After group `g`'s forward: reshards per its policy and records the
     /// post-forward order used for backward prefetch.
     pub fn post_forward(&mut self, g: usize) -> Result<()> {
-        let t0 = Instant::now();
+        let t0 = HookStart::now();
         self.group_in(g, TrainingState::Forward, "post_forward")?;
         self.finish_routed_forward(g)?;
         if let Route::Routed(_) = self.groups[g].route {
@@ -534,7 +437,7 @@ impl<C: CommBackend> Fsdp<C> {
     /// gradients if there are none, and prefetches the next group of backward
     /// (the previous one in post-forward order, or the explicit targets).
     pub fn pre_backward(&mut self, g: usize) -> Result<()> {
-        let t0 = Instant::now();
+        let t0 = HookStart::now();
         let grp = self.group(g)?;
         match grp.training {
             // A second pre-backward of the same group is a no-op, as in FSDP2.
@@ -555,7 +458,7 @@ impl<C: CommBackend> Fsdp<C> {
     /// After group `g`'s backward: reshards (if so configured) and
     /// reduce-scatters its gradients (or accumulates them when gradient sync is off).
     pub fn post_backward(&mut self, g: usize) -> Result<()> {
-        let t0 = Instant::now();
+        let t0 = HookStart::now();
         let grp = self.group_in(g, TrainingState::PreBackward, "post_backward")?;
         let plan = ReducePlan::new(&self.ctx.dp, grp.mp.reduce(), self.config.force_sum, self.config.divide_factor);
         if let Route::Routed(_) = grp.route {
@@ -575,7 +478,7 @@ impl<C: CommBackend> Fsdp<C> {
     /// backward started but did not finish, makes the compute stream wait for
     /// every reduction, and returns every group to idle.
     pub fn finalize_backward(&mut self) -> Result<()> {
-        let t0 = Instant::now();
+        let t0 = HookStart::now();
         for g in 0..self.groups.len() {
             let routed = matches!(self.groups[g].route, Route::Routed(_));
             if self.groups[g].training == TrainingState::PreBackward && !routed {

@@ -254,8 +254,11 @@ fn measure(reshard: Reshard, recompute: Recompute) -> (Vec<RankMemory>, usize, u
     let config = SimConfig {
         // SAFETY: FSDP orders every cross-stream access with events (checked
         // with the sanitizer on in the conformance suite); the sanitizer's
-        // own bookkeeping would count as heap here.
-        device: unsafe { CpuConfig::default().without_sanitizer() },
+        // own bookkeeping would count as heap here. The device's cache is
+        // off: its free blocks (reported apart, `CpuDevice::cache_stats`)
+        // would count as heap too, and are returned only when the world's
+        // executor threads exit after the run, during the plain measurement.
+        device: unsafe { CpuConfig::default().without_sanitizer() }.with_cache_limit(0),
         ..SimConfig::default()
     };
     let ranks = SimWorld::run(WORLD, config, move |comm| rank(comm, reshard, &recompute, &h))

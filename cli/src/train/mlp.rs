@@ -225,10 +225,10 @@ pub(super) fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
             args.param_dtype,
             args.backend
         ))?;
-        say(format_args!("# overhead = host time inside FSDP's hooks (they only enqueue) / (groups x steps)"))?;
+        say(format_args!("# overhead = host time inside FSDP's hooks (they only enqueue) / (groups x steps); of it CPU = the rank thread's own CPU time there, the rest is waiting (blocked, or for a core)"))?;
         say(format_args!(
-            "{:>6} {:>7} {:>14} {:>22} {:>16}",
-            "world", "groups", "step ms (med)", "overhead us/group/step", "peak KiB/rank"
+            "{:>6} {:>7} {:>14} {:>22} {:>12} {:>16}",
+            "world", "groups", "step ms (med)", "overhead us/group/step", "of it CPU us", "peak KiB/rank"
         ))?;
     }
     // The GPU backends take one rank per device, so their worlds stop at the device count.
@@ -258,6 +258,8 @@ pub(super) fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
         let timed = &r.step_times_s[warmup.min(r.step_times_s.len())..];
         let step = median(timed);
         let overhead = r.overhead.total.as_secs_f64() / (r.groups * (steps + warmup)) as f64;
+        // The same split into the rank thread's own CPU time and the rest (waiting: blocked or descheduled).
+        let overhead_cpu = r.overhead.cpu.as_secs_f64() / (r.groups * (steps + warmup)) as f64;
         let peak = reports.iter().map(|r| r.peak_memory_bytes).max().unwrap_or(0);
         // Where a step's time goes: each stage's median, and each hook's share of the overhead.
         let per_group_step = (r.groups * (steps + warmup)).max(1) as f64;
@@ -271,16 +273,19 @@ pub(super) fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
                 "{}",
                 json!({"world_size": world, "groups": r.groups, "layers": dims.len() - 1, "width": dims[1],
                        "batch": args.batch, "median_step_time_s": step, "host_overhead_per_group_per_step_s": overhead,
+                       "host_overhead_cpu_per_group_per_step_s": overhead_cpu,
+                       "host_overhead_waiting_per_group_per_step_s": (overhead - overhead_cpu).max(0.0),
                        "peak_memory_bytes": peak,
                        "stage_median_s": r.stage_times_s.iter().map(|(n, t)| (n.to_string(), json!(t))).collect::<serde_json::Map<_, _>>(),
                        "hook_overhead_per_group_per_step_s": hooks.iter().map(|(n, t)| (n.to_string(), json!(t))).collect::<serde_json::Map<_, _>>()})
             ))?;
         } else {
             say(format_args!(
-                "{world:>6} {:>7} {:>14.3} {:>22.2} {:>16.1}",
+                "{world:>6} {:>7} {:>14.3} {:>22.2} {:>12.2} {:>16.1}",
                 r.groups,
                 step * 1e3,
                 overhead * 1e6,
+                overhead_cpu * 1e6,
                 peak as f64 / 1024.0
             ))?;
             let stages: Vec<String> = r.stage_times_s.iter().map(|(n, t)| format!("{n} {:.3}", t * 1e3)).collect();

@@ -5,7 +5,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::event::CpuEvent;
-use super::memory::{Memory, RawRange};
+use super::memory::{Contents, Memory, RawRange};
+use super::pool::{CacheStats, Pool};
 use super::sanitizer::Sanitizer;
 use super::stream::{CpuStream, StreamShared};
 use super::Cpu;
@@ -30,14 +31,27 @@ pub struct CpuConfig {
     /// Deadline of every wait: host synchronizes, readbacks, and an
     /// executor's wait on an event.
     pub timeout: Duration,
+    /// Bytes of freed blocks each memory space keeps for reuse at most (see
+    /// [`CpuDevice::cache_stats`]); 0 returns every freed block to the system.
+    pub cache_limit: usize,
     sanitizer: bool,
     /// Whether kernels reach host buffers ([`crate::Device::kernels_reach_host`]).
     pub(crate) host_kernels: bool,
 }
 
+/// The default [`CpuConfig::cache_limit`]: enough for a step's buffers of
+/// the models this repository trains on the cpu device, per rank.
+pub const DEFAULT_CACHE_LIMIT: usize = 1 << 30;
+
 impl Default for CpuConfig {
     fn default() -> Self {
-        CpuConfig { ordinal: 0, timeout: Duration::from_secs(120), sanitizer: true, host_kernels: true }
+        CpuConfig {
+            ordinal: 0,
+            timeout: Duration::from_secs(120),
+            cache_limit: DEFAULT_CACHE_LIMIT,
+            sanitizer: true,
+            host_kernels: true,
+        }
     }
 }
 
@@ -51,6 +65,12 @@ impl CpuConfig {
     /// These settings with another deadline.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// These settings with another cache limit.
+    pub fn with_cache_limit(mut self, bytes: usize) -> Self {
+        self.cache_limit = bytes;
         self
     }
 
@@ -95,6 +115,9 @@ pub(crate) struct DeviceInner {
     pub(crate) counters: Arc<MemCounters>,
     /// The host space's counters (buffers from `alloc_host`), in the same terms.
     pub(crate) host_counters: MemCounters,
+    /// The caching allocators of the device and host spaces: counted apart
+    /// from the counters above, which see a buffer's bytes as the user does.
+    pools: [Arc<Pool>; 2],
     pub(crate) sanitizer: Option<Mutex<Sanitizer>>,
     pub(crate) streams: StreamList<StreamShared>,
     pub(crate) next_stream: AtomicUsize,
@@ -112,11 +135,13 @@ impl CpuDevice {
     /// A device with the given settings.
     pub fn new(config: CpuConfig) -> CpuDevice {
         let sanitizer = config.sanitizer().then(|| Mutex::new(Sanitizer::default()));
+        let pools = [Arc::new(Pool::new(config.cache_limit)), Arc::new(Pool::new(config.cache_limit))];
         CpuDevice {
             inner: Arc::new(DeviceInner {
                 config,
                 counters: Arc::new(MemCounters::default()),
                 host_counters: MemCounters::default(),
+                pools,
                 sanitizer,
                 streams: StreamList::default(),
                 next_stream: AtomicUsize::new(0),
@@ -182,8 +207,32 @@ impl CpuDevice {
         }
     }
 
-    pub(crate) fn alloc_memory(&self, dtype: DType, len: usize) -> Result<CpuBuffer> {
-        self.alloc_in(MemorySpace::Device, dtype, len)
+    /// A buffer of unspecified contents for `Stream::alloc`: a cached block
+    /// as it is, or, with the sanitizer on, every byte 0xFF so that code
+    /// reading it before writing sees NaNs rather than stale zeros.
+    pub(crate) fn alloc_uninit(&self, dtype: DType, len: usize) -> Result<CpuBuffer> {
+        let contents = if self.sanitizer_enabled() { Contents::Poisoned } else { Contents::Any };
+        self.alloc_in(MemorySpace::Device, dtype, len, contents)
+    }
+
+    /// The caching allocator's counts for `space` (bytes of whole blocks:
+    /// [`Device::memory_stats`](crate::Device::memory_stats) counts the
+    /// bytes buffers asked for, and its peak is unchanged by caching).
+    pub fn cache_stats(&self, space: MemorySpace) -> CacheStats {
+        self.pool(space).stats()
+    }
+
+    /// Returns every cached block of both spaces to the system (PyTorch's
+    /// `torch.cuda.empty_cache`); live buffers are untouched.
+    pub fn empty_cache(&self) {
+        self.inner.pools.iter().for_each(|p| p.empty())
+    }
+
+    fn pool(&self, space: MemorySpace) -> &Arc<Pool> {
+        match space {
+            MemorySpace::Device => &self.inner.pools[0],
+            MemorySpace::Host => &self.inner.pools[1],
+        }
     }
 
     /// The counters of `space`.
@@ -195,11 +244,11 @@ impl CpuDevice {
     }
 
     /// Both spaces are plain memory here; only the counters differ.
-    fn alloc_in(&self, space: MemorySpace, dtype: DType, len: usize) -> Result<CpuBuffer> {
+    fn alloc_in(&self, space: MemorySpace, dtype: DType, len: usize, contents: Contents) -> Result<CpuBuffer> {
         let bytes = len
             .checked_mul(dtype.size())
             .ok_or_else(|| DeviceError::OutOfMemory { device: self.label(), bytes: usize::MAX })?;
-        let mem = Memory::zeroed(bytes, &self.label())?;
+        let mem = Memory::take(self.pool(space), bytes, contents, &self.label())?;
         self.counters(space).add(bytes);
         Ok(CpuBuffer { mem, dtype, len, id: next_id(), device: self.clone(), space })
     }
@@ -227,7 +276,7 @@ impl crate::Device for CpuDevice {
     }
     fn alloc(&self, dtype: DType, len: usize) -> Result<CpuBuffer> {
         host_fn::check("alloc")?;
-        self.alloc_memory(dtype, len)
+        self.alloc_in(MemorySpace::Device, dtype, len, Contents::Zeroed)
     }
     fn memory_stats(&self) -> MemoryStats {
         self.inner.counters.stats()
@@ -238,7 +287,7 @@ impl crate::Device for CpuDevice {
     /// Pinned and pageable are the same plain memory here.
     fn alloc_host(&self, dtype: DType, len: usize, _pinned: bool) -> Result<CpuBuffer> {
         host_fn::check("alloc_host")?;
-        self.alloc_in(MemorySpace::Host, dtype, len)
+        self.alloc_in(MemorySpace::Host, dtype, len, Contents::Zeroed)
     }
     fn host_memory_stats(&self) -> MemoryStats {
         self.inner.host_counters.stats()

@@ -1,22 +1,20 @@
 //! Host memory that backs cpu buffers, with exact accounting.
 
-use std::alloc::{self, Layout};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
+use super::pool::{size_class, Pool, ALIGN};
 use crate::DeviceError;
 
-/// Alignment of every allocation: a cache line, enough for any dtype and SIMD loads.
-const ALIGN: usize = 64;
-
 /// One allocation. Shared (`Arc`) between the buffer and the queued work that
-/// uses it, so the bytes are released only after the last of them.
+/// uses it, so the bytes go back to the pool only after the last of them.
 #[derive(Debug)]
 pub(crate) struct Memory {
     ptr: NonNull<u8>,
     bytes: usize,
-    /// Allocated here (freed on drop), or borrowed from an owner that keeps it alive.
-    owned: bool,
+    /// The pool's block (and its size class) this memory is, freed to it on
+    /// drop; `None` when borrowed from an owner that keeps it alive, or empty.
+    block: Option<(Arc<Pool>, usize)>,
 }
 
 // SAFETY: the memory is plain bytes owned by this struct; concurrent access is
@@ -24,19 +22,44 @@ pub(crate) struct Memory {
 unsafe impl Send for Memory {}
 unsafe impl Sync for Memory {}
 
+/// What the bytes of a new allocation must hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Contents {
+    /// Zeros (`Device::alloc`'s promise).
+    Zeroed,
+    /// Whatever the block holds (`Stream::alloc`: unspecified contents);
+    /// always initialized bytes, since every block was zeroed when new.
+    Any,
+    /// Every byte 0xFF (NaN in every float dtype): the sanitizer's way to make
+    /// a read of unspecified contents show instead of reading stale zeros.
+    Poisoned,
+}
+
 impl Memory {
-    pub(crate) fn zeroed(bytes: usize, device: &str) -> Result<Arc<Memory>, DeviceError> {
-        let ptr = if bytes == 0 {
+    /// `bytes` from `pool`, holding `contents`.
+    pub(crate) fn take(
+        pool: &Arc<Pool>,
+        bytes: usize,
+        contents: Contents,
+        device: &str,
+    ) -> Result<Arc<Memory>, DeviceError> {
+        if bytes == 0 {
             // A well-aligned dangling pointer: never dereferenced for zero bytes.
-            NonNull::new(ALIGN as *mut u8).ok_or_else(|| DeviceError::invalid("alloc", "null alignment"))?
-        } else {
-            let layout = Layout::from_size_align(bytes, ALIGN)
-                .map_err(|_| DeviceError::OutOfMemory { device: device.to_string(), bytes })?;
-            // SAFETY: layout has non-zero size.
-            let raw = unsafe { alloc::alloc_zeroed(layout) };
-            NonNull::new(raw).ok_or_else(|| DeviceError::OutOfMemory { device: device.to_string(), bytes })?
+            let ptr = NonNull::new(ALIGN as *mut u8).ok_or_else(|| DeviceError::invalid("alloc", "null alignment"))?;
+            return Ok(Arc::new(Memory { ptr, bytes, block: None }));
+        }
+        let class = size_class(bytes).ok_or_else(|| DeviceError::OutOfMemory { device: device.to_string(), bytes })?;
+        let (ptr, reused) = pool.take(class, device)?;
+        let fill = match contents {
+            Contents::Zeroed if reused => Some(0),
+            Contents::Poisoned => Some(0xFF),
+            _ => None,
         };
-        Ok(Arc::new(Memory { ptr, bytes, owned: true }))
+        if let Some(byte) = fill {
+            // SAFETY: the block is at least `bytes` long and nothing else uses it yet.
+            unsafe { std::ptr::write_bytes(ptr.as_ptr(), byte, bytes) };
+        }
+        Ok(Arc::new(Memory { ptr, bytes, block: Some((pool.clone(), class)) }))
     }
 
     pub(crate) fn ptr(&self) -> *mut u8 {
@@ -50,11 +73,10 @@ impl Memory {
 
 impl Drop for Memory {
     fn drop(&mut self) {
-        if self.owned && self.bytes > 0 {
-            if let Ok(layout) = Layout::from_size_align(self.bytes, ALIGN) {
-                // SAFETY: allocated in `zeroed` with this layout.
-                unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) };
-            }
+        if let Some((pool, class)) = self.block.take() {
+            // SAFETY: taken from this pool with this class in `take`; this is
+            // the last handle (the buffer and every job that used it are gone).
+            unsafe { pool.put(self.ptr, class) };
         }
     }
 }
@@ -83,7 +105,7 @@ impl RawRange {
     /// range (and its clones) are used; access follows [`RawRange::as_bytes`]'s rules.
     pub unsafe fn borrowed(ptr: *mut u8, len: usize, dtype: crate::DType) -> RawRange {
         let ptr = NonNull::new(ptr).unwrap_or(NonNull::dangling());
-        RawRange { mem: Arc::new(Memory { ptr, bytes: len, owned: false }), start: 0, len, dtype }
+        RawRange { mem: Arc::new(Memory { ptr, bytes: len, block: None }), start: 0, len, dtype }
     }
 
     /// Number of bytes.

@@ -8,7 +8,8 @@
 //!   (acquire) until the flag is set, so the host returns at once;
 //! - a **buffer** is a 64-byte-aligned host allocation shared by `Arc` with
 //!   the queued jobs that use it, so dropping a buffer with work in flight is
-//!   safe and the bytes are freed after the last job;
+//!   safe and the bytes are freed after the last job — to the device's
+//!   caching allocator (`pool.rs`), which hands them out again as CUDA's does;
 //! - memory statistics are exact counters in the stream-ordered allocator's
 //!   terms: a buffer counts from allocation until its handle is dropped (see
 //!   `device.rs`), so they are deterministic whatever the executors' lag;
@@ -25,12 +26,14 @@ mod event;
 mod foreign;
 pub(crate) mod kernels;
 mod memory;
+mod pool;
 pub mod sanitizer;
 mod stream;
 
-pub use device::{CpuBuffer, CpuConfig, CpuDevice};
+pub use device::{CpuBuffer, CpuConfig, CpuDevice, DEFAULT_CACHE_LIMIT};
 pub use event::CpuEvent;
 pub use memory::RawRange;
+pub use pool::CacheStats;
 pub use sanitizer::Access;
 pub use stream::{CpuStream, JobInput};
 

@@ -32,7 +32,9 @@ use crate::error::{AccessKind, RaceAccess, RaceReport};
 #[derive(Clone, Debug)]
 pub struct Access {
     pub(crate) buffer: u64,
-    pub(crate) label: String,
+    /// The buffer's dtype and length, for the report's label: formatted
+    /// only when a race is reported, not on every enqueue.
+    pub(crate) shape: (crate::DType, usize),
     pub(crate) bytes: Range<usize>,
     pub(crate) kind: AccessKind,
 }
@@ -46,15 +48,14 @@ impl Access {
     pub fn write(view: crate::View<'_, super::Cpu>) -> Access {
         Access::new(view, AccessKind::Write)
     }
+    /// How a race report names the buffer.
+    fn label(&self) -> String {
+        format!("buffer #{} ({}[{}])", self.buffer, self.shape.0, self.shape.1)
+    }
     fn new(view: crate::View<'_, super::Cpu>, kind: AccessKind) -> Access {
         use crate::Buffer;
         let b = view.buffer();
-        Access {
-            buffer: b.id(),
-            label: format!("buffer #{} ({}[{}])", b.id(), b.dtype(), b.len()),
-            bytes: view.byte_range(),
-            kind,
-        }
+        Access { buffer: b.id(), shape: (b.dtype(), b.len()), bytes: view.byte_range(), kind }
     }
 }
 
@@ -173,7 +174,7 @@ impl Sanitizer {
             if let Some(e) = conflict {
                 let name = |i: usize| self.streams.get(i).map(|s| s.0.clone()).unwrap_or_default();
                 return Err(Box::new(RaceReport {
-                    buffer: a.label.clone(),
+                    buffer: a.label(),
                     previous: RaceAccess {
                         op: e.op.to_string(),
                         stream: name(e.stream),

@@ -305,6 +305,36 @@ impl CpuStream {
     }
 }
 
+/// Fills `d` with copies of one element's bytes: the element, then the
+/// filled prefix doubled — a few large copies instead of one per element.
+fn fill_with(d: &mut [u8], pattern: &[u8]) {
+    let Some(first) = d.get_mut(..pattern.len()) else { return };
+    first.copy_from_slice(pattern);
+    let mut filled = pattern.len();
+    while filled < d.len() {
+        let n = filled.min(d.len() - filled);
+        d.copy_within(..n, filled);
+        filled += n;
+    }
+}
+
+/// The blocks of one 2-D copy, checked by `checks::copy_2d` (in bounds,
+/// disjoint views). Only the blocks are touched, so it writes through the
+/// raw range instead of rewriting the whole destination.
+fn copy_blocks(s: &RawRange, d: &RawRange, layout: &Copy2d) {
+    let size = s.dtype().size();
+    // SAFETY: disjoint views (checked when enqueued); stream order excludes
+    // other access while the job runs, and the slices end with this call.
+    let (s, d) = unsafe { (s.as_bytes(), d.as_bytes_mut()) };
+    let n = layout.row_len * size;
+    // Empty blocks may start past the end (a rank with no real rows).
+    for i in (0..layout.rows).filter(|_| n > 0) {
+        let so = (layout.src_offset + i * layout.src_stride) * size;
+        let d_o = (layout.dst_offset + i * layout.dst_stride) * size;
+        d[d_o..d_o + n].copy_from_slice(&s[so..so + n]);
+    }
+}
+
 pub(super) fn typed<T: Element>(b: &[u8]) -> &[T] {
     bytemuck::cast_slice(b)
 }
@@ -333,10 +363,15 @@ impl crate::Stream for CpuStream {
     }
 
     fn alloc(&self, dtype: DType, len: usize) -> Result<super::CpuBuffer> {
-        let buf = self.device.alloc_memory(dtype, len)?;
-        // The allocation counts as a write on this stream, so another stream
-        // touching it without an event is reported like any other race.
-        self.enqueue("alloc", &[Access::write(View::whole(&buf))], |_| Ok(()))?;
+        let buf = self.device.alloc_uninit(dtype, len)?;
+        // With the sanitizer on, the allocation counts as a write on this
+        // stream, so another stream touching it without an event is reported
+        // like any other race. Without it the memory is ready at once (no
+        // earlier work uses a block the pool hands out), so no job is queued
+        // and the executor is not woken for nothing.
+        if self.device.sanitizer_enabled() {
+            self.enqueue("alloc", &[Access::write(View::whole(&buf))], |_| Ok(()))?;
+        }
         Ok(buf)
     }
 
@@ -348,21 +383,30 @@ impl crate::Stream for CpuStream {
     fn copy_2d(&self, src: View<'_, Cpu>, dst: View<'_, Cpu>, layout: Copy2d) -> Result<()> {
         let op = "copy_2d";
         checks::copy_2d(src, dst, &layout)?;
-        let size = src.dtype().size();
         let (s, d) = (self.own(op, &src)?, self.own(op, &dst)?);
-        // Only the blocks are touched, so the job writes through the raw range
-        // instead of rewriting the whole destination.
         self.enqueue(op, &[Access::read(src), Access::write(dst)], move |input| {
             if let JobInput::Run = input {
-                // SAFETY: disjoint views (checked above); stream order excludes other access.
-                let (s, d) = unsafe { (s.as_bytes(), d.as_bytes_mut()) };
-                let n = layout.row_len * size;
-                // Empty blocks may start past the end (a rank with no real rows).
-                for i in (0..layout.rows).filter(|_| n > 0) {
-                    let so = (layout.src_offset + i * layout.src_stride) * size;
-                    let d_o = (layout.dst_offset + i * layout.dst_stride) * size;
-                    d[d_o..d_o + n].copy_from_slice(&s[so..so + n]);
-                }
+                copy_blocks(&s, &d, &layout);
+            }
+            Ok(())
+        })
+    }
+
+    fn copy_2d_batch(&self, copies: &[crate::Copy2dPiece<'_, Cpu>]) -> Result<()> {
+        let op = "copy_2d_batch";
+        let mut ranges = Vec::with_capacity(copies.len());
+        for (src, dst, layout) in copies {
+            checks::copy_2d(*src, *dst, layout)?;
+            ranges.push((self.own(op, src)?, self.own(op, dst)?, *layout));
+        }
+        // The accesses are only read by the sanitizer: without it, none are built.
+        let accesses: Vec<Access> = match self.device.sanitizer_enabled() {
+            true => copies.iter().flat_map(|(s, d, _)| [Access::read(*s), Access::write(*d)]).collect(),
+            false => Vec::new(),
+        };
+        self.enqueue(op, &accesses, move |input| {
+            if let JobInput::Run = input {
+                ranges.iter().for_each(|(s, d, layout)| copy_blocks(s, d, layout));
             }
             Ok(())
         })
@@ -397,17 +441,25 @@ impl crate::Stream for CpuStream {
 
     fn fill(&self, dst: View<'_, Cpu>, value: Scalar) -> Result<()> {
         let pattern = checks::fill(dst, value)?;
-        self.map_job("fill", [], dst, move |[], d| {
-            // One element, then the filled prefix doubled: a few large copies
-            // instead of one small copy per element.
-            let Some(first) = d.get_mut(..pattern.len()) else { return };
-            first.copy_from_slice(&pattern);
-            let mut filled = pattern.len();
-            while filled < d.len() {
-                let n = filled.min(d.len() - filled);
-                d.copy_within(..n, filled);
-                filled += n;
+        self.map_job("fill", [], dst, move |[], d| fill_with(d, &pattern))
+    }
+
+    fn fill_batch(&self, dsts: &[View<'_, Cpu>], value: Scalar) -> Result<()> {
+        let op = "fill_batch";
+        let mut ranges = Vec::with_capacity(dsts.len());
+        for dst in dsts {
+            ranges.push((self.own(op, dst)?, checks::fill(*dst, value)?));
+        }
+        let accesses: Vec<Access> = match self.device.sanitizer_enabled() {
+            true => dsts.iter().map(|d| Access::write(*d)).collect(),
+            false => Vec::new(),
+        };
+        self.enqueue(op, &accesses, move |input| {
+            if let JobInput::Run = input {
+                // SAFETY: each range is this job's alone in stream order; one slice at a time.
+                ranges.iter().for_each(|(d, pattern)| fill_with(unsafe { d.as_bytes_mut() }, pattern));
             }
+            Ok(())
         })
     }
 

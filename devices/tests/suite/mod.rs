@@ -4,6 +4,7 @@
 //! runs them with `--include-ignored`). Expected values are computed on the host.
 #![allow(dead_code)]
 
+pub mod batch;
 pub mod compute;
 pub mod spaces;
 pub mod stream;
@@ -37,6 +38,8 @@ macro_rules! device_suite {
         argument_errors_are_typed_and_enqueue_nothing => stream::argument_errors_are_typed_and_enqueue_nothing,
         views_events_and_buffers_of_another_device_are_refused => stream::views_events_and_buffers_of_another_device_are_refused,
         memory_statistics_are_exact => stream::memory_statistics_are_exact,
+        copy_2d_batch_runs_every_copy_in_order_and_checks_all_first => batch::copy_2d_batch_runs_every_copy_in_order_and_checks_all_first,
+        fill_batch_fills_every_view_and_checks_all_first => batch::fill_batch_fills_every_view_and_checks_all_first,
         dropping_buffers_with_queued_work_frees_them_after_the_work => stream::dropping_buffers_with_queued_work_frees_them_after_the_work,
         host_buffers_start_zeroed_and_are_counted_apart => spaces::host_buffers_start_zeroed_and_are_counted_apart,
         copies_between_the_spaces_are_exact_and_in_stream_order => spaces::copies_between_the_spaces_are_exact_and_in_stream_order,
