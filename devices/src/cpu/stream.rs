@@ -248,7 +248,7 @@ impl CpuStream {
 
     pub(super) fn own(&self, op: &'static str, v: &View<'_, Cpu>) -> Result<RawRange> {
         checks::on_device(op, &self.device, v)?;
-        let copy = matches!(op, "copy" | "copy_2d" | "copy_from_host" | "copy_to_host");
+        let copy = matches!(op, "copy" | "copy_2d" | "copy_2d_batch" | "copy_from_host" | "copy_to_host");
         if !copy
             && !self.device.inner.config.host_kernels
             && crate::Buffer::space(v.buffer()) == crate::MemorySpace::Host
