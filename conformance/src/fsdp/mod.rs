@@ -6,6 +6,7 @@
 //! communicators), so it leaves the world's own sequence in step.
 
 pub mod counting;
+pub mod float8;
 pub mod moe;
 pub mod moe_reference;
 pub mod offload;
@@ -360,6 +361,7 @@ where
     }
     out.extend(routed::cases(world_size));
     out.extend(offload::cases(world_size));
+    out.extend(float8::cases());
     out
 }
 
