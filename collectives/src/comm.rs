@@ -371,9 +371,10 @@ fn validate<'a, C: CommBackend>(
         Ok(())
     };
     let check_reduce = |r: &ReduceOp, dtype: chorus_devices::DType| match r {
-        _ if !dtype.is_reducible() => {
-            Err(CommError::invalid(op, format!("{dtype} buffers are only moved, never reduced (no arithmetic on float8)")))
-        }
+        _ if !dtype.is_reducible() => Err(CommError::invalid(
+            op,
+            format!("{dtype} buffers are only moved, never reduced (no arithmetic on float8)"),
+        )),
         ReduceOp::PreMulSum(s) if !s.is_finite() => Err(CommError::invalid(op, format!("scalar {s} is not finite"))),
         _ => Ok(()),
     };

@@ -137,7 +137,10 @@ pub(crate) fn scaled_f8<B: Backend>(
 
 fn one_f32<B: Backend>(op: &'static str, what: &str, v: &View<'_, B>) -> Result<()> {
     if v.len() != 1 || v.dtype() != DType::F32 {
-        return Err(DeviceError::invalid(op, format!("{what} must be one f32 element, got {}[{}]", v.dtype(), v.len())));
+        return Err(DeviceError::invalid(
+            op,
+            format!("{what} must be one f32 element, got {}[{}]", v.dtype(), v.len()),
+        ));
     }
     Ok(())
 }

@@ -315,25 +315,25 @@ mod tests {
         let table: &[(f64, u8, f32)] = &[
             (0.0, 0x00, 0.0),
             (-0.0, 0x80, -0.0),
-            (1.0 / 512.0, 0x01, 1.0 / 512.0),      // smallest subnormal, 2^-9
-            (7.0 / 512.0, 0x07, 7.0 / 512.0),      // largest subnormal
-            (0.5 / 512.0, 0x00, 0.0),              // half the smallest: tie to even (0)
-            (1.5 / 512.0, 0x02, 2.0 / 512.0),      // tie between 1 and 2 steps: even (2)
-            (0.75 / 512.0, 0x01, 1.0 / 512.0),     // above the tie: up
-            (7.5 / 512.0, 0x08, 1.0 / 64.0),       // rounds up into the smallest normal
-            (1.0 / 64.0, 0x08, 1.0 / 64.0),        // 2^-6
-            (0.0625, 0x18, 0.0625),                // 2^-4: exponent field 3
+            (1.0 / 512.0, 0x01, 1.0 / 512.0),  // smallest subnormal, 2^-9
+            (7.0 / 512.0, 0x07, 7.0 / 512.0),  // largest subnormal
+            (0.5 / 512.0, 0x00, 0.0),          // half the smallest: tie to even (0)
+            (1.5 / 512.0, 0x02, 2.0 / 512.0),  // tie between 1 and 2 steps: even (2)
+            (0.75 / 512.0, 0x01, 1.0 / 512.0), // above the tie: up
+            (7.5 / 512.0, 0x08, 1.0 / 64.0),   // rounds up into the smallest normal
+            (1.0 / 64.0, 0x08, 1.0 / 64.0),    // 2^-6
+            (0.0625, 0x18, 0.0625),            // 2^-4: exponent field 3
             (1.0, 0x38, 1.0),
-            (1.0625, 0x38, 1.0),                   // tie between 1 and 1.125: even (1)
-            (1.1875, 0x3a, 1.25),                  // tie between 1.125 and 1.25: even (1.25)
-            (1.07, 0x39, 1.125),                   // above the tie: up
+            (1.0625, 0x38, 1.0),  // tie between 1 and 1.125: even (1)
+            (1.1875, 0x3a, 1.25), // tie between 1.125 and 1.25: even (1.25)
+            (1.07, 0x39, 1.125),  // above the tie: up
             (-3.0, 0xc4, -3.0),
-            (15.5, 0x58, 16.0),                    // tie 15 / 16: even mantissa (16)
+            (15.5, 0x58, 16.0), // tie 15 / 16: even mantissa (16)
             (240.0, 0x77, 240.0),
             (416.0, 0x7d, 416.0),
-            (432.0, 0x7e, 448.0),                  // tie 416 / 448: even (448)
+            (432.0, 0x7e, 448.0), // tie 416 / 448: even (448)
             (448.0, 0x7e, 448.0),
-            (449.0, 0x7e, 448.0),                  // saturates, not NaN
+            (449.0, 0x7e, 448.0), // saturates, not NaN
             (1.0e6, 0x7e, 448.0),
             (f64::INFINITY, 0x7e, 448.0),
             (-449.0, 0xfe, -448.0),

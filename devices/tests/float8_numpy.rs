@@ -70,12 +70,7 @@ fn scaled_casts_match_numpy_and_torch() -> chorus_devices::Result<()> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/float8_reference.py");
     let out = Command::new(&python).arg(&script).arg(&dir).arg(all.len().to_string()).output().expect("running python");
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), format!("ok {} tensors", all.len()));
     Ok(())
 }

@@ -150,9 +150,8 @@ fn float8_all_gather<C: CommBackend>(
             masters[i] = Some(p.master.view());
         }
     }
-    let master = |i: usize| {
-        masters[i].ok_or_else(|| FsdpError::InvalidArgument(format!("sharded parameter {i} has no master")))
-    };
+    let master =
+        |i: usize| masters[i].ok_or_else(|| FsdpError::InvalidArgument(format!("sharded parameter {i} has no master")));
 
     let amax = g.alloc(DType::F32, split.float8.len())?;
     for (j, &i) in split.float8.iter().enumerate() {

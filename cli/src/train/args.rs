@@ -256,9 +256,9 @@ pub enum BenchPart {
 fn parse_float_dtype(s: &str) -> Result<DType, String> {
     match s.parse::<DType>() {
         Ok(d @ (DType::F32 | DType::BF16 | DType::F16)) => Ok(d),
-        _ if parse_all_gather_dtype(s) == Ok(DType::F8E4M3) => {
-            Err(format!("`{s}` is not a compute dtype; float8 is --all-gather-dtype float8 (compute stays f32/bf16/f16)"))
-        }
+        _ if parse_all_gather_dtype(s) == Ok(DType::F8E4M3) => Err(format!(
+            "`{s}` is not a compute dtype; float8 is --all-gather-dtype float8 (compute stays f32/bf16/f16)"
+        )),
         // Only the dtypes training takes: the parser's own list has integer and f64 ones too.
         _ => Err(format!("`{s}` is not a training dtype: f32, bf16 or f16")),
     }

@@ -68,7 +68,10 @@ fn float8_all_gather_trains_the_mlp_and_the_llama() {
 fn float8_is_an_all_gather_dtype_not_a_compute_dtype() {
     for (args, why) in [
         (&["train", "--model", "mlp", "--param-dtype", "float8"][..], "--all-gather-dtype float8"),
-        (&["train", "--model", "mlp", "--param-dtype", "bf16", "--all-gather-dtype", "f16"][..], "--all-gather-dtype f16"),
+        (
+            &["train", "--model", "mlp", "--param-dtype", "bf16", "--all-gather-dtype", "f16"][..],
+            "--all-gather-dtype f16",
+        ),
         (&["train", "--model", "mlp", "--all-gather-dtype", "i8"][..], "not an all-gather dtype"),
     ] {
         let o = run(args);

@@ -30,7 +30,11 @@ fn mp(param: DType, float8: bool) -> MixedPrecision {
 fn param(name: &str, shape: &[usize], magnitude: f32, seed: u64) -> ParamInit {
     let n: usize = shape.iter().product();
     let mut rng = SplitMix::new(seed);
-    ParamInit { name: name.into(), shape: shape.to_vec(), values: (0..n).map(|_| rng.uniform(-1.0, 1.0) * magnitude).collect() }
+    ParamInit {
+        name: name.into(),
+        shape: shape.to_vec(),
+        values: (0..n).map(|_| rng.uniform(-1.0, 1.0) * magnitude).collect(),
+    }
 }
 
 /// The group of the gather cases: float8 matrices (uneven rows, so trailing
@@ -133,7 +137,8 @@ where
     C::B: ComputeBackend,
 {
     Case::new("fsdp/float8/all-gather-bytes-halve-against-bf16", |ctx: &RankCtx<'_, C>| {
-        let matrices = || vec![param("a", &[64, 48], 1.0, 11), param("b", &[96, 64], 0.1, 12), param("c", &[50, 16], 9.0, 13)];
+        let matrices =
+            || vec![param("a", &[64, 48], 1.0, 11), param("b", &[96, 64], 0.1, 12), param("c", &[50, 16], 9.0, 13)];
         let (f8, _) = gather_and_check::<C, bf16>(ctx, matrices(), mp(DType::BF16, true))?;
         let (plain, (all_reduces, _)) = gather_and_check::<C, bf16>(ctx, matrices(), mp(DType::BF16, false))?;
         ensure!(all_reduces == 0, "bf16 all-gather issued {all_reduces} all-reduces");
@@ -169,7 +174,8 @@ where
             }
         }
         let bad = MixedPrecision { param_dtype: Some(DType::F8E4M3), ..MixedPrecision::default() };
-        match Fsdp::new(DataParallel::fsdp(world.clone()), FsdpConfig { mixed_precision: bad, ..FsdpConfig::default() }) {
+        match Fsdp::new(DataParallel::fsdp(world.clone()), FsdpConfig { mixed_precision: bad, ..FsdpConfig::default() })
+        {
             Err(FsdpError::InvalidArgument(_)) => {}
             Err(e) => return Err(anyhow!("float8 param dtype: expected InvalidArgument, got {e}")),
             Ok(_) => return Err(anyhow!("float8 accepted as a param dtype")),
@@ -215,11 +221,5 @@ pub fn cases<C: CommBackend>() -> Vec<Case<C>>
 where
     C::B: ComputeBackend,
 {
-    vec![
-        gather_case::<C, bf16>(),
-        gather_case::<C, f32>(),
-        bytes_halve_case(),
-        movement_case(),
-        training_case(),
-    ]
+    vec![gather_case::<C, bf16>(), gather_case::<C, f32>(), bytes_halve_case(), movement_case(), training_case()]
 }

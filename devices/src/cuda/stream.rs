@@ -506,8 +506,12 @@ impl crate::Stream for CudaStream {
         let label = self.device.label();
         self.run(op, &[x, out], |s| {
             let (px, _staged) = self.input_ptr(&x, &out, true)?;
-            let args =
-                Args::default().ptr(px).i32(code(x.dtype())).ptr(device_ptr(&out)).u64(x.len() as u64).i32(accumulate as i32);
+            let args = Args::default()
+                .ptr(px)
+                .i32(code(x.dtype()))
+                .ptr(device_ptr(&out))
+                .u64(x.len() as u64)
+                .i32(accumulate as i32);
             // SAFETY: as in `cast`; one block.
             unsafe { kernels.launch_grid("chorus_abs_max", 1, REDUCE_BLOCK, s, args, &label) }
         })
