@@ -13,7 +13,7 @@ use std::path::Path;
 use std::process::Command;
 
 use chorus_devices::cpu::{CpuConfig, CpuDevice};
-use chorus_devices::{bf16, Buffer, DType, Device, Float8E4M3, Priority, StreamExt};
+use chorus_devices::{bf16, Buffer, DType, Device, Float8E4M3, Priority, Stream, StreamExt};
 
 /// Tensors that reach every case of the recipe: ties of the rounding
 /// (an amax of exactly 448 gives scale 1, so the midpoints between e4m3
