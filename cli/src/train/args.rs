@@ -256,7 +256,7 @@ pub enum BenchPart {
 fn parse_float_dtype(s: &str) -> Result<DType, String> {
     match s.parse::<DType>() {
         Ok(d @ (DType::F32 | DType::BF16 | DType::F16)) => Ok(d),
-        _ if parse_all_gather_dtype(s) == Ok(DType::F8E4M3) => Err(format!(
+        _ if is_float8_name(s) => Err(format!(
             "`{s}` is not a compute dtype; float8 is --all-gather-dtype float8 (compute stays f32/bf16/f16)"
         )),
         // Only the dtypes training takes: the parser's own list has integer and f64 ones too.
@@ -264,9 +264,14 @@ fn parse_float_dtype(s: &str) -> Result<DType, String> {
     }
 }
 
+/// The names `--all-gather-dtype` takes for float8 e4m3.
+fn is_float8_name(s: &str) -> bool {
+    matches!(s, "float8" | "f8e4m3")
+}
+
 fn parse_all_gather_dtype(s: &str) -> Result<DType, String> {
     match s {
-        "float8" | "f8e4m3" => Ok(DType::F8E4M3),
+        _ if is_float8_name(s) => Ok(DType::F8E4M3),
         _ => parse_float_dtype(s).map_err(|_| format!("`{s}` is not an all-gather dtype: float8, f32, bf16 or f16")),
     }
 }
