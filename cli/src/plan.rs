@@ -332,6 +332,7 @@ pub fn execute(args: &PlanArgs, model: &Model, cost: Arc<dyn CostModel>, work: V
             param_dtype: Some(args.param_dtype),
             reduce_dtype: args.reduce_dtype,
             output_dtype: None,
+            all_gather_dtype: None,
         },
         ..FsdpConfig::default()
     };

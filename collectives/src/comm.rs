@@ -370,14 +370,18 @@ fn validate<'a, C: CommBackend>(
         }
         Ok(())
     };
-    let check_reduce = |r: &ReduceOp| match r {
+    let check_reduce = |r: &ReduceOp, dtype: chorus_devices::DType| match r {
+        _ if !dtype.is_reducible() => Err(CommError::invalid(
+            op,
+            format!("{dtype} buffers are only moved, never reduced (no arithmetic on float8)"),
+        )),
         ReduceOp::PreMulSum(s) if !s.is_finite() => Err(CommError::invalid(op, format!("scalar {s} is not finite"))),
         _ => Ok(()),
     };
     let fingerprint = match &kind {
         CallKind::AllReduce { send, recv, op: r } => {
             same_dtype(send, recv)?;
-            check_reduce(r)?;
+            check_reduce(r, send.dtype())?;
             check_len(op, "recv", send.len(), recv.len())?;
             check_alias(op, send, recv, recv)?;
             fp(send.dtype(), send.len(), None, Some(*r))
@@ -394,7 +398,7 @@ fn validate<'a, C: CommBackend>(
         }
         CallKind::ReduceScatter { send, recv, op: r } => {
             same_dtype(send, recv)?;
-            check_reduce(r)?;
+            check_reduce(r, send.dtype())?;
             let total = recv.len().checked_mul(size).ok_or_else(|| CommError::invalid(op, "size overflows"))?;
             check_len(op, "send (size × recv)", total, send.len())?;
             if send.overlaps(recv) {
@@ -414,7 +418,7 @@ fn validate<'a, C: CommBackend>(
         }
         CallKind::Reduce { send, recv, op: r, root } => {
             same_dtype(send, recv)?;
-            check_reduce(r)?;
+            check_reduce(r, send.dtype())?;
             check_rank(op, "root", *root, size)?;
             check_len(op, "recv", send.len(), recv.len())?;
             check_alias(op, send, recv, recv)?;

@@ -24,7 +24,7 @@
 //! construction and not only because the values are small.
 
 use chorus_collectives::ReduceOp;
-use chorus_devices::{bf16, f16, DType, Element};
+use chorus_devices::{bf16, f16, DType, Element, Float8E4M3};
 
 use crate::Failure;
 
@@ -201,6 +201,9 @@ macro_rules! float_value {
 float_value!(f32, |x: f32| x, |x: f32| x);
 float_value!(f16, |x: f16| x.to_f32(), f16::from_f32);
 float_value!(bf16, |x: bf16| x.to_f32(), bf16::from_f32);
+// Only data movement is checked on float8 (reductions of it are refused),
+// so this arithmetic only completes the table.
+float_value!(Float8E4M3, |x: Float8E4M3| x.to_f32(), Float8E4M3::from_f32);
 
 impl HostValue for f64 {
     fn add(a: Self, b: Self) -> Self {
@@ -234,7 +237,8 @@ impl HostValue for f64 {
 /// Calls `$body` with `$t` bound to the host type of `$dtype`.
 macro_rules! with_type {
     ($dtype:expr, $t:ident => $body:expr) => {
-        with_type!(@each $dtype, $t => $body; F32 f32, F64 f64, F16 f16, BF16 bf16, I32 i32, I64 i64, I8 i8, U8 u8)
+        with_type!(@each $dtype, $t => $body; F32 f32, F64 f64, F16 f16, BF16 bf16, I32 i32, I64 i64, I8 i8, U8 u8,
+            F8E4M3 Float8E4M3)
     };
     (@each $dtype:expr, $t:ident => $body:expr; $($variant:ident $host:ty),*) => {
         match $dtype {

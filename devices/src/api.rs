@@ -342,6 +342,20 @@ pub trait Stream: Send + Sync + fmt::Debug + 'static {
     fn accumulate(&self, src: View<'_, Self::B>, dst: View<'_, Self::B>) -> Result<()>;
     /// `y += alpha * x` (float dtypes; `x` may be a different float dtype than `y`).
     fn axpy(&self, alpha: f64, x: View<'_, Self::B>, y: View<'_, Self::B>) -> Result<()>;
+    /// `out[0] = max |x|` over a float `x` (with `accumulate`, the larger of
+    /// that and the old `out[0]`); `out` is one f32 element; an empty `x`
+    /// gives 0 and a NaN in `x` gives NaN. The amax of float8 scaling.
+    fn abs_max(&self, x: View<'_, Self::B>, out: View<'_, Self::B>, accumulate: bool) -> Result<()>;
+    /// Float8 quantization, torchao's tensorwise cast: with `scale =`
+    /// [`Float8E4M3::scale_for`](crate::Float8E4M3::scale_for)`(amax[0])`,
+    /// `dst[i] = e4m3(f32(src[i]) · scale)`, the product in f32, then
+    /// rounded to nearest even and saturated at ±448. `src` is a float dtype,
+    /// `amax` one f32 element, `dst` [`DType::F8E4M3`] of `src`'s length.
+    fn quantize_f8(&self, src: View<'_, Self::B>, amax: View<'_, Self::B>, dst: View<'_, Self::B>) -> Result<()>;
+    /// The inverse of [`quantize_f8`](Stream::quantize_f8): `dst[i] =
+    /// f32(src[i]) / scale` (divided in f32), rounded once to `dst`'s float
+    /// dtype; `src` is [`DType::F8E4M3`], `amax` one f32 element.
+    fn dequantize_f8(&self, src: View<'_, Self::B>, amax: View<'_, Self::B>, dst: View<'_, Self::B>) -> Result<()>;
 
     /// Records `event` on this stream: it completes when the work enqueued
     /// so far has finished. A later record replaces the earlier one.

@@ -114,6 +114,37 @@ pub(crate) fn scale<B: Backend>(x: View<'_, B>) -> Result<()> {
     need_float("scale", x.dtype())
 }
 
+/// [`Stream::abs_max`](crate::Stream::abs_max): a float `x`, one f32 `out`.
+pub(crate) fn abs_max<B: Backend>(x: View<'_, B>, out: View<'_, B>) -> Result<()> {
+    need_float("abs_max", x.dtype())?;
+    one_f32("abs_max", "the result", &out)
+}
+
+/// [`Stream::quantize_f8`](crate::Stream::quantize_f8) and
+/// [`Stream::dequantize_f8`](crate::Stream::dequantize_f8): the high-precision
+/// side a float, the other side f8e4m3 of the same length, one f32 amax.
+pub(crate) fn scaled_f8<B: Backend>(
+    op: &'static str,
+    high: View<'_, B>,
+    amax: View<'_, B>,
+    f8: View<'_, B>,
+) -> Result<()> {
+    need_float(op, high.dtype())?;
+    need_dtype(op, DType::F8E4M3, f8.dtype())?;
+    need_len(op, "the float8 side", high.len(), f8.len())?;
+    one_f32(op, "amax", &amax)
+}
+
+fn one_f32<B: Backend>(op: &'static str, what: &str, v: &View<'_, B>) -> Result<()> {
+    if v.len() != 1 || v.dtype() != DType::F32 {
+        return Err(DeviceError::invalid(
+            op,
+            format!("{what} must be one f32 element, got {}[{}]", v.dtype(), v.len()),
+        ));
+    }
+    Ok(())
+}
+
 /// [`Stream::accumulate`](crate::Stream::accumulate): same length; any float
 /// into any float, otherwise the same dtype.
 pub(crate) fn accumulate<B: Backend>(src: View<'_, B>, dst: View<'_, B>) -> Result<()> {

@@ -61,6 +61,7 @@ pub fn code(d: DType) -> i32 {
         DType::I64 => 5,
         DType::I8 => 6,
         DType::U8 => 7,
+        DType::F8E4M3 => 8,
     }
 }
 
@@ -79,6 +80,9 @@ pub const NAMES: &[&str] = &[
     "chorus_mse_loss",
     "chorus_column_sums",
     "chorus_sum_squares",
+    "chorus_abs_max",
+    "chorus_quantize_f8",
+    "chorus_dequantize_f8",
     "chorus_sgd",
     "chorus_adamw",
     "chorus_matmul",
@@ -242,6 +246,7 @@ typedef unsigned char u8;
 #define T_I64 5
 #define T_I8 6
 #define T_U8 7
+#define T_F8E4M3 8
 
 #define GRID_STRIDE(i, n) \
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)blockDim.x * gridDim.x)
@@ -316,6 +321,52 @@ __device__ inline float d2f_odd(double v) {
     // Inexact: one step toward zero when `nearest` rounded away from it.
     if (v > 0.0 ? (double)nearest > v : (double)nearest < v) bits -= 1u;
     return bits_f32(bits | 1u);
+}
+
+// ---- float8 e4m3fn (no infinities, largest finite 448, NaN 0x7f/0xff) ----
+
+// f32 -> e4m3fn, round to nearest even, saturated at +-448 (infinities
+// included); NaN stays NaN. As Float8E4M3::from_f32 on the host.
+__device__ inline u8 f2e4m3(float f) {
+    u32 x = f32_bits(f);
+    u32 sign = (x >> 24) & 0x80u;
+    u32 a = x & 0x7fffffffu;
+    if (a > 0x7f800000u) return (u8)(sign | 0x7fu);
+    if (a >= 0x43e00000u) return (u8)(sign | 0x7eu);  // at least 448
+    if (a < 0x3c800000u) {                            // below 2^-6: steps of 2^-9
+        float q = bits_f32(a) * 512.0f;                 // exact: a power-of-two scaling
+        u32 k = (u32)q;
+        float rem = q - (float)k;
+        if (rem > 0.5f || (rem == 0.5f && (k & 1u) != 0u)) k += 1u;
+        return (u8)(sign | k);                          // 8 steps is 0x08, the smallest normal
+    }
+    u32 r = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;   // keep 3 mantissa bits
+    return (u8)(sign | (r - (120u << 3)));             // exponent bias 127 -> 7
+}
+
+// e4m3fn -> f32, exact.
+__device__ inline float e4m32f(u8 c) {
+    u32 m = (u32)c & 0x7fu;
+    float a;
+    if (m == 0x7fu) a = bits_f32(0x7fc00000u);
+    else if ((m >> 3) == 0u) a = (float)m * (1.0f / 512.0f);
+    else a = bits_f32((((m >> 3) + 120u) << 23) | ((m & 7u) << 20));
+    return ((u32)c & 0x80u) != 0u ? -a : a;
+}
+
+// torchao's amax_to_scale: 448 / max(amax, 1e-12) in f64, rounded to f32;
+// NaN stays NaN. As Float8E4M3::scale_for on the host.
+__device__ inline float f8_scale(float amax) {
+    double a = (double)amax;
+    if (a < 1e-12) a = 1e-12;
+    return (float)(448.0 / a);
+}
+
+// The larger magnitude, NaN if either is.
+__device__ inline double max_nan(double a, double b) {
+    if (a != a) return a;
+    if (b != b) return b;
+    return b > a ? b : a;
 }
 
 // ---- loads and stores by dtype code ----
@@ -502,6 +553,43 @@ extern "C" __global__ void __launch_bounds__(CHORUS_REDUCE_BLOCK) chorus_sum_squ
     }
     double total = block_sum(acc);
     if (threadIdx.x == 0) std64(out, ot, 0, accumulate ? ldd(out, ot, 0) + total : total);
+}
+
+// The NaN-propagating max over one block (as block_sum): deterministic.
+__device__ inline double block_max(double v) {
+    __shared__ double part[CHORUS_REDUCE_BLOCK];
+    part[threadIdx.x] = v;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) part[threadIdx.x] = max_nan(part[threadIdx.x], part[threadIdx.x + s]);
+        __syncthreads();
+    }
+    double total = part[0];
+    __syncthreads();
+    return total;
+}
+
+// out[0] (max)= max |x|: the amax of float8 scaling.
+extern "C" __global__ void __launch_bounds__(CHORUS_REDUCE_BLOCK) chorus_abs_max(const void* x, int xt, float* out, u64 n, int accumulate) {
+    double m = 0.0;
+    for (u64 i = threadIdx.x; i < n; i += blockDim.x) {
+        double v = ldd(x, xt, i);
+        m = max_nan(m, v < 0.0 ? -v : v);
+    }
+    double total = block_max(m);
+    if (threadIdx.x == 0) out[0] = (float)(accumulate ? max_nan((double)out[0], total) : total);
+}
+
+// ---- float8 scaled casts ----
+
+extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_quantize_f8(const void* src, int st, const float* amax, u8* dst, u64 n) {
+    float scale = f8_scale(amax[0]);
+    GRID_STRIDE(i, n) dst[i] = f2e4m3(ldf(src, st, i) * scale);
+}
+
+extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_dequantize_f8(const u8* src, const float* amax, void* dst, int dt, u64 n) {
+    float scale = f8_scale(amax[0]);
+    GRID_STRIDE(i, n) stf(dst, dt, i, e4m32f(src[i]) / scale);
 }
 
 // ---- optimizers (f32) ----

@@ -38,7 +38,7 @@ pub use api::{
     AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, Copy2d, Copy2dPiece, Device, Event, MatmulSpec,
     MemorySpace, MemoryStats, Priority, Result, SgdParams, Stream, StreamExt,
 };
-pub use dtype::{DType, Element, Scalar};
+pub use dtype::{DType, Element, Float8E4M3, Scalar};
 pub use error::{AccessKind, DeviceError, RaceAccess, RaceReport};
 pub use failure::FailureHandle;
 pub use foreign::ForeignBackend;

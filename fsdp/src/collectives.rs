@@ -10,7 +10,7 @@
 use chorus_collectives::{CommBackend, Communicator, ReduceOp};
 use chorus_devices::{Backend, Buffer, Copy2d, DType, Device, Scalar, Stream, StreamExt, View};
 
-use crate::config::DataParallel;
+use crate::config::{gathers_as_float8, DataParallel};
 use crate::layout::{GroupLayout, ParamLayout};
 use crate::offload::{self, cast_or_copy};
 use crate::param::Param;
@@ -35,22 +35,28 @@ pub(crate) enum CopyInSource<'a, C: CommBackend> {
 
 /// Copies this rank's shards into chunk `comm.rank()` of a new flat buffer on
 /// the copy-in stream, then all-gathers it in place on the all-gather stream.
+/// With `float8` (and some parameter that [`gathers_as_float8`]), the gather
+/// from the masters goes through [`float8_all_gather`] instead; the result
+/// is the same flat buffer in `dtype`.
 pub(crate) fn all_gather<C: CommBackend>(
     ctx: &mut CommContext<C>,
     comm: &Communicator<C>,
     layout: &GroupLayout,
     dtype: DType,
     source: CopyInSource<'_, C>,
+    float8: bool,
 ) -> Result<AllGatherResult<C>> {
     let s = &ctx.streams;
     let n = layout.shard_numel;
     let out = s.copy_in.alloc(dtype, comm.size() * n)?;
     let own = out.slice(comm.rank() * n, n)?;
-    let post_forward = match source {
+    let split = float8.then(|| Float8Split::new(layout)).flatten();
+    let (post_forward, float8_params) = match source {
         CopyInSource::PostForward(src) => {
             s.copy_in.copy(src.view(), own)?;
-            true
+            (true, None)
         }
+        CopyInSource::Masters(params) if split.is_some() => (false, Some(params)),
         CopyInSource::Masters(params) => {
             // Plain copies go as one batch; casts one by one.
             let mut copies = Vec::with_capacity(params.len());
@@ -65,17 +71,144 @@ pub(crate) fn all_gather<C: CommBackend>(
                 }
             }
             s.copy_in.copy_2d_batch(&copies)?;
-            false
+            (false, None)
         }
     };
     let copied = ctx.device.create_event()?;
     s.copy_in.record(&copied)?;
     s.all_gather.wait(&copied)?;
-    comm.all_gather_in_place(out.view(), &s.all_gather)?;
-    ctx.counts.all_gathers += 1;
+    match (split, float8_params) {
+        (Some(split), Some(params)) => float8_all_gather(ctx, comm, layout, &split, params, &out)?,
+        _ => {
+            comm.all_gather_in_place(out.view(), &s.all_gather)?;
+            ctx.counts.all_gathers += 1;
+        }
+    }
     let event = ctx.device.create_event()?;
-    s.all_gather.record(&event)?;
+    ctx.streams.all_gather.record(&event)?;
     Ok(AllGatherResult { buffer: out, event, post_forward })
+}
+
+/// A group's sharded parameters split for the float8 all-gather: each part
+/// laid out on its own (indices into the group's layout), so each travels
+/// as one flat buffer of one dtype.
+struct Float8Split {
+    /// Gathered as float8, and their layout.
+    float8: Vec<usize>,
+    float8_layout: GroupLayout,
+    /// Gathered in the param dtype, and their layout.
+    rest: Vec<usize>,
+    rest_layout: GroupLayout,
+}
+
+impl Float8Split {
+    /// The split of `layout`, or `None` when no parameter is gathered as float8.
+    fn new(layout: &GroupLayout) -> Option<Float8Split> {
+        let (float8, rest): (Vec<usize>, Vec<usize>) =
+            (0..layout.params.len()).partition(|&i| gathers_as_float8(&layout.params[i].shape));
+        if float8.is_empty() {
+            return None;
+        }
+        let part = |ids: &[usize]| {
+            let mut offset = 0;
+            let params = ids
+                .iter()
+                .map(|&i| {
+                    let l = ParamLayout { offset, ..layout.params[i].clone() };
+                    offset += l.shard_numel;
+                    l
+                })
+                .collect();
+            GroupLayout { world: layout.world, params, shard_numel: offset }
+        };
+        Some(Float8Split { float8_layout: part(&float8), rest_layout: part(&rest), float8, rest })
+    }
+}
+
+/// torchao's float8 all-gather of one group into `out` (the group's flat
+/// buffer in the param dtype, chunk `r` rank `r`'s shards), all on the
+/// all-gather stream:
+/// 1. each float8 parameter's local amax (`max |x|` of this rank's f32
+///    master shard, padding zero) into one f32 buffer, all-reduced with MAX:
+///    one all-reduce for the group gives every parameter's global amax
+///    (torchao's `precompute_float8_dynamic_scale_for_fsdp`);
+/// 2. each master shard quantized with its parameter's scale
+///    ([`Float8E4M3::scale_for`](chorus_devices::Float8E4M3::scale_for)) into
+///    a flat float8 buffer, all-gathered (one byte per element);
+/// 3. the other parameters cast into a flat buffer of the param dtype and
+///    all-gathered (skipped when there are none);
+/// 4. both unpacked into `out`: float8 chunks dequantized, the rest copied.
+///
+/// Every rank issues the same collectives in the same order: the split
+/// depends only on the parameters' shapes.
+fn float8_all_gather<C: CommBackend>(
+    ctx: &mut CommContext<C>,
+    comm: &Communicator<C>,
+    layout: &GroupLayout,
+    split: &Float8Split,
+    params: &[Param<C>],
+    out: &Buf<C>,
+) -> Result<()> {
+    let g = &ctx.streams.all_gather;
+    let (world, rank, n) = (comm.size(), comm.rank(), layout.shard_numel);
+    let mut masters: Vec<Option<View<'_, C::B>>> = vec![None; layout.params.len()];
+    for p in params {
+        if let Some(i) = p.layout {
+            masters[i] = Some(p.master.view());
+        }
+    }
+    let master =
+        |i: usize| masters[i].ok_or_else(|| FsdpError::InvalidArgument(format!("sharded parameter {i} has no master")));
+
+    let amax = g.alloc(DType::F32, split.float8.len())?;
+    for (j, &i) in split.float8.iter().enumerate() {
+        let out = amax.slice(j, 1)?;
+        offload::on_kernel_view(g, master(i)?, false, |m| g.abs_max(m, out, false))?;
+    }
+    comm.all_reduce_in_place(amax.view(), ReduceOp::Max, g)?;
+
+    let f8n = split.float8_layout.shard_numel;
+    let f8 = g.alloc(DType::F8E4M3, world * f8n)?;
+    for (j, &i) in split.float8.iter().enumerate() {
+        let l = &split.float8_layout.params[j];
+        let dst = f8.slice(rank * f8n + l.offset, l.shard_numel)?;
+        offload::on_kernel_view(g, master(i)?, false, |m| g.quantize_f8(m, amax.slice(j, 1)?, dst))?;
+    }
+    comm.all_gather_in_place(f8.view(), g)?;
+    ctx.counts.all_gathers += 1;
+
+    let rest_n = split.rest_layout.shard_numel;
+    if rest_n > 0 {
+        let rest = g.alloc(out.dtype(), world * rest_n)?;
+        for (j, &i) in split.rest.iter().enumerate() {
+            let l = &split.rest_layout.params[j];
+            cast_or_copy(g, master(i)?, rest.slice(rank * rest_n + l.offset, l.shard_numel)?)?;
+        }
+        comm.all_gather_in_place(rest.view(), g)?;
+        ctx.counts.all_gathers += 1;
+        for (j, &i) in split.rest.iter().enumerate() {
+            let l = &split.rest_layout.params[j];
+            // Each rank's piece, from its chunk of the rest to its chunk of `out`.
+            let rows = Copy2d {
+                rows: world,
+                row_len: l.shard_numel,
+                src_offset: l.offset,
+                src_stride: rest_n,
+                dst_offset: layout.params[i].offset,
+                dst_stride: n,
+            };
+            g.copy_2d(rest.view(), out.view(), rows)?;
+        }
+    }
+    for (j, &i) in split.float8.iter().enumerate() {
+        let (l, full) = (&split.float8_layout.params[j], &layout.params[i]);
+        for r in 0..world {
+            let src = f8.slice(r * f8n + l.offset, l.shard_numel)?;
+            g.dequantize_f8(src, amax.slice(j, 1)?, out.slice(r * n + full.offset, full.shard_numel)?)?;
+        }
+    }
+    // The temporaries are freed in the all-gather stream's order, after this work.
+    Ok(())
 }
 
 /// A gathered buffer to copy out of: the buffer, its layout and the world it was gathered over.

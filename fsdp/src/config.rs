@@ -57,9 +57,55 @@ pub struct MixedPrecision {
     pub reduce_dtype: Option<DType>,
     /// Dtype the model's output is cast to (`None`: left as computed).
     pub output_dtype: Option<DType>,
+    /// Dtype parameters travel in on the all-gather (`None`: the param
+    /// dtype). `Some(DType::F8E4M3)` is torchao's float8 all-gather
+    /// (`enable_fsdp_float8_all_gather` with precomputed dynamic scales): the
+    /// parameters [`gathers_as_float8`] picks are quantized per tensor from
+    /// their f32 masters with a scale from the whole parameter's amax (one
+    /// MAX all-reduce per group), gathered as one byte per element and
+    /// dequantized to the param dtype; the others are gathered in the param
+    /// dtype. Compute and gradients never see float8.
+    pub all_gather_dtype: Option<DType>,
+}
+
+/// Whether a sharded parameter of this (unsharded) shape is all-gathered as
+/// float8 under `all_gather_dtype: Some(DType::F8E4M3)`: matrices with both
+/// dimensions at least 16. This stands in for torchao's "the weights of
+/// `Float8Linear`s" by shape (whose `_scaled_mm` wants dimensions that are
+/// multiples of 16): biases, norms' scales and other vectors stay in the
+/// param dtype. An embedding table is a matrix too and is gathered as
+/// float8 (torchao leaves embeddings alone).
+pub fn gathers_as_float8(shape: &[usize]) -> bool {
+    shape.len() == 2 && shape.iter().all(|&d| d >= 16)
 }
 
 impl MixedPrecision {
+    /// Checks the dtypes: param, reduce and output dtypes are floats with
+    /// arithmetic; the all-gather dtype is the param dtype or float8 e4m3.
+    pub fn validate(&self) -> Result<()> {
+        for d in [Some(self.param()), Some(self.reduce()), self.output_dtype].into_iter().flatten() {
+            if !d.is_float() {
+                return Err(FsdpError::InvalidArgument(format!(
+                    "mixed-precision dtypes must be floats with arithmetic, got {d} \
+                     (float8 is an all-gather dtype: compute is not float8)"
+                )));
+            }
+        }
+        match self.all_gather_dtype {
+            None | Some(DType::F8E4M3) => Ok(()),
+            Some(d) if d == self.param() => Ok(()),
+            Some(d) => Err(FsdpError::InvalidArgument(format!(
+                "the all-gather dtype must be the param dtype ({}) or f8e4m3, got {d}",
+                self.param()
+            ))),
+        }
+    }
+
+    /// Whether eligible parameters are all-gathered as float8.
+    pub fn float8_all_gather(&self) -> bool {
+        self.all_gather_dtype == Some(DType::F8E4M3)
+    }
+
     /// The effective param dtype.
     pub fn param(&self) -> DType {
         self.param_dtype.unwrap_or(DType::F32)

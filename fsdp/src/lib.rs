@@ -37,7 +37,7 @@ mod state;
 use chorus_collectives::CommBackend;
 use chorus_devices::Backend;
 
-pub use config::{DataParallel, FsdpConfig, MixedPrecision, OffloadPolicy, Reshard, ShardPlacement};
+pub use config::{gathers_as_float8, DataParallel, FsdpConfig, MixedPrecision, OffloadPolicy, Reshard, ShardPlacement};
 pub use error::{FsdpError, Result};
 pub use optim::{OptimizerKind, ShardedOptimizer};
 pub use overhead::{Hook, HookTime, HostOverhead};

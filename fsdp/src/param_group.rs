@@ -206,7 +206,10 @@ impl<C: CommBackend> Group<C> {
         } else {
             CopyInSource::Masters(&self.params)
         };
-        let result = collectives::all_gather(ctx, &comm, layout, self.mp.param(), source)?;
+        // A post-forward shard is already in the param dtype: it is gathered
+        // so, not quantized a second time.
+        let float8 = self.mp.float8_all_gather() && !from_post_forward;
+        let result = collectives::all_gather(ctx, &comm, layout, self.mp.param(), source, float8)?;
         self.pending = Some(result);
         Ok(())
     }

@@ -66,12 +66,7 @@ impl<C: CommBackend> Fsdp<C> {
     /// all-gather and reduce-scatter at high priority, as FSDP2 does).
     pub fn new(dp: DataParallel<C>, config: FsdpConfig) -> Result<Self> {
         let device = dp.shard.device().clone();
-        let mp = config.mixed_precision;
-        for d in [Some(mp.param()), Some(mp.reduce()), mp.output_dtype].into_iter().flatten() {
-            if !d.is_float() {
-                return Err(FsdpError::InvalidArgument(format!("mixed-precision dtypes must be floats, got {d}")));
-            }
-        }
+        config.mixed_precision.validate()?;
         let streams = Streams {
             compute: device.create_stream(Priority::Normal)?,
             copy_in: device.create_stream(Priority::High)?,

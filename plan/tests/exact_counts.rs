@@ -154,6 +154,7 @@ fn the_llama_with_mixed_precision_accumulation_and_clipping() {
                 param_dtype: Some(DType::BF16),
                 reduce_dtype: Some(DType::F32),
                 output_dtype: None,
+                all_gather_dtype: None,
             },
             ..FsdpConfig::default()
         };

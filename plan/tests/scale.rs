@@ -36,6 +36,7 @@ fn plan_steps(gpus: usize, steps: usize) -> Duration {
                 param_dtype: Some(DType::BF16),
                 reduce_dtype: Some(DType::F32),
                 output_dtype: None,
+                all_gather_dtype: None,
             },
             ..FsdpConfig::default()
         },

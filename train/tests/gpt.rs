@@ -265,6 +265,7 @@ fn mixed_precision_through_the_adapter_matches_a_bf16_reference() {
             param_dtype: Some(chorus_devices::DType::BF16),
             reduce_dtype: Some(if reduce_bf16 { chorus_devices::DType::BF16 } else { chorus_devices::DType::F32 }),
             output_dtype: output,
+            all_gather_dtype: None,
         };
         let reference = bf16_data_parallel_reference(&s, ranks, lr, reduce_bf16);
         let first = run(ranks, s).swap_remove(0);
@@ -287,6 +288,7 @@ fn the_output_dtype_casts_the_logits() {
                 param_dtype: Some(chorus_devices::DType::BF16),
                 reduce_dtype: None,
                 output_dtype: Some(chorus_devices::DType::F32),
+                all_gather_dtype: None,
             },
             ..FsdpConfig::default()
         };

@@ -228,6 +228,7 @@ fn mixed_precision_trains_close_to_f32() {
         param_dtype: Some(DType::BF16),
         reduce_dtype: Some(DType::F32),
         output_dtype: Some(DType::F32),
+        all_gather_dtype: None,
     };
     let bf16_run = run(2, s);
     for (a, b) in bf16_run[0].losses.iter().zip(&f32_run[0].losses) {

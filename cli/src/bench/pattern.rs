@@ -22,6 +22,8 @@ fn exact_limit(dtype: DType) -> u64 {
         DType::I64 => i64::MAX as u64,
         DType::I8 => i8::MAX as u64,
         DType::U8 => u8::MAX as u64,
+        // Three mantissa bits: whole numbers are exact up to 16.
+        DType::F8E4M3 => 16,
     }
 }
 

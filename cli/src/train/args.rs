@@ -79,6 +79,11 @@ pub struct TrainArgs {
     /// Dtype of gradient reduction (default: the param dtype).
     #[arg(long, value_parser = parse_float_dtype)]
     pub reduce_dtype: Option<DType>,
+    /// Dtype parameters travel in on the all-gather: `float8` (e4m3, torchao's float8 all-gather of
+    /// the matrices with both dims >= 16, dequantized to the param dtype after the gather) or the
+    /// param dtype (the default). Compute stays in the param dtype.
+    #[arg(long, value_parser = parse_all_gather_dtype)]
+    pub all_gather_dtype: Option<DType>,
     /// true, false, or a smaller world size that divides the shard world.
     #[arg(long, default_value = "true")]
     pub reshard_after_forward: Reshard,
@@ -259,8 +264,23 @@ pub enum BenchPart {
 fn parse_float_dtype(s: &str) -> Result<DType, String> {
     match s.parse::<DType>() {
         Ok(d @ (DType::F32 | DType::BF16 | DType::F16)) => Ok(d),
+        _ if is_float8_name(s) => Err(format!(
+            "`{s}` is not a compute dtype; float8 is --all-gather-dtype float8 (compute stays f32/bf16/f16)"
+        )),
         // Only the dtypes training takes: the parser's own list has integer and f64 ones too.
         _ => Err(format!("`{s}` is not a training dtype: f32, bf16 or f16")),
+    }
+}
+
+/// The names `--all-gather-dtype` takes for float8 e4m3.
+fn is_float8_name(s: &str) -> bool {
+    matches!(s, "float8" | "f8e4m3")
+}
+
+fn parse_all_gather_dtype(s: &str) -> Result<DType, String> {
+    match s {
+        _ if is_float8_name(s) => Ok(DType::F8E4M3),
+        _ => parse_float_dtype(s).map_err(|_| format!("`{s}` is not an all-gather dtype: float8, f32, bf16 or f16")),
     }
 }
 
@@ -385,6 +405,12 @@ impl TrainArgs {
                     "--reshard-after-forward {k} must divide the shard world of {shard_world} ranks"
                 )));
             }
+        }
+        if let Some(d) = self.all_gather_dtype.filter(|d| *d != DType::F8E4M3 && *d != self.param_dtype) {
+            return Err(usage(format!(
+                "--all-gather-dtype {d} must be float8 or the param dtype ({})",
+                self.param_dtype
+            )));
         }
         let lr_ok = self.lr.is_none_or(|lr| lr.is_finite() && lr >= 0.0);
         if !lr_ok {
@@ -746,6 +772,7 @@ impl TrainArgs {
                 param_dtype: Some(self.param_dtype),
                 reduce_dtype: self.reduce_dtype,
                 output_dtype: None,
+                all_gather_dtype: self.all_gather_dtype,
             },
             replicate_below: self.replicate_below,
             offload: self.offload.then(OffloadPolicy::default),

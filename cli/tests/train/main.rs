@@ -123,4 +123,5 @@ fn strings(args: &[&str]) -> Vec<String> {
 
 // The cases, by what they exercise (one test binary, `--test train`).
 mod dirs;
+mod float8;
 mod runs;

@@ -116,7 +116,10 @@ pub enum DataType {
 }
 
 impl DataType {
-    /// The NCCL type of a chorus dtype (every dtype has one).
+    /// The NCCL type of a chorus dtype (every dtype has one). Float8 travels
+    /// as bytes: it is only ever moved (reductions of it are refused before
+    /// a backend sees them), and `ncclUint8` exists in every NCCL and RCCL,
+    /// where `ncclFloat8e4m3` needs NCCL 2.24 on sm_90.
     pub const fn of(dtype: DType) -> DataType {
         match dtype {
             DType::F32 => DataType::Float32,
@@ -126,7 +129,7 @@ impl DataType {
             DType::I32 => DataType::Int32,
             DType::I64 => DataType::Int64,
             DType::I8 => DataType::Int8,
-            DType::U8 => DataType::Uint8,
+            DType::U8 | DType::F8E4M3 => DataType::Uint8,
         }
     }
 

@@ -6,6 +6,7 @@
 //! communicators), so it leaves the world's own sequence in step.
 
 pub mod counting;
+pub mod float8;
 pub mod moe;
 pub mod moe_reference;
 pub mod offload;
@@ -245,7 +246,12 @@ fn bf16_case<C: CommBackend>(reduce: DType) -> Case<C>
 where
     C::B: ComputeBackend,
 {
-    let mp = MixedPrecision { param_dtype: Some(DType::BF16), reduce_dtype: Some(reduce), output_dtype: None };
+    let mp = MixedPrecision {
+        param_dtype: Some(DType::BF16),
+        reduce_dtype: Some(reduce),
+        output_dtype: None,
+        all_gather_dtype: None,
+    };
     let setup =
         Setup { config: FsdpConfig { mixed_precision: mp, ..FsdpConfig::default() }, ..Setup::new(sgd(0.05, 0.0)) };
     Case::new(format!("fsdp/parity/bf16-params/{}-reduce", reduce.name()), move |ctx: &RankCtx<'_, C>| {
@@ -360,6 +366,7 @@ where
     }
     out.extend(routed::cases(world_size));
     out.extend(offload::cases(world_size));
+    out.extend(float8::cases());
     out
 }
 

@@ -170,7 +170,12 @@ pub fn cases<C: CommBackend>(world_size: usize) -> Vec<Case<C>>
 where
     C::B: ComputeBackend,
 {
-    let mp = MixedPrecision { param_dtype: Some(DType::BF16), reduce_dtype: Some(DType::F32), output_dtype: None };
+    let mp = MixedPrecision {
+        param_dtype: Some(DType::BF16),
+        reduce_dtype: Some(DType::F32),
+        output_dtype: None,
+        all_gather_dtype: None,
+    };
     let mut out = vec![
         equal_case("sgd", Setup::new(sgd(0.05, 0.0))),
         equal_case("adamw", Setup::new(adamw())),

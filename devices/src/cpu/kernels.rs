@@ -6,7 +6,7 @@
 use half::{bf16, f16};
 use std::ops::{Add, Mul, Sub};
 
-use crate::{AdamWParams, DType, Element, SgdParams};
+use crate::{AdamWParams, DType, Element, Float8E4M3, SgdParams};
 
 /// The type arithmetic is done in.
 pub(crate) trait Math:
@@ -123,6 +123,43 @@ pub(crate) use with_float;
 pub(crate) fn cast<S: Float, D: Float>(src: &[S], dst: &mut [D]) {
     for (d, s) in dst.iter_mut().zip(src) {
         *d = D::from_f64(s.to_f64());
+    }
+}
+
+/// The larger of two magnitudes, NaN if either is (as `torch.max`).
+pub(crate) fn max_nan(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b > a {
+        b
+    } else {
+        a
+    }
+}
+
+/// `max |x|` (0 for an empty `x`), NaN if any element is.
+pub(crate) fn abs_max<T: Float>(x: &[T]) -> f32 {
+    // Every float but f64 widens to f32 exactly; f64 rounds once at the end.
+    let mut m = 0.0f64;
+    for v in x {
+        let a = v.to_f64().abs();
+        if a.is_nan() {
+            return f32::NAN;
+        }
+        m = m.max(a);
+    }
+    m as f32
+}
+
+/// `dst = e4m3(f32(src) · scale)`, saturated (torchao's `to_fp8_saturated`).
+pub(crate) fn quantize_f8<S: Float>(src: &[S], scale: f32, dst: &mut [Float8E4M3]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = Float8E4M3::from_f32(s.to_f64() as f32 * scale);
+    }
+}
+
+/// `dst = f32(src) / scale`, rounded once to `D`.
+pub(crate) fn dequantize_f8<D: Float>(src: &[Float8E4M3], scale: f32, dst: &mut [D]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = D::from_f64((s.to_f32() / scale) as f64);
     }
 }
 

@@ -13,7 +13,7 @@ use super::memory::RawRange;
 use super::sanitizer::Access;
 use super::{raw, Cpu};
 use crate::{checks, host_fn};
-use crate::{Copy2d, DType, DeviceError, Element, Priority, Readback, Result, Scalar, View};
+use crate::{Copy2d, DType, DeviceError, Element, Float8E4M3, Priority, Readback, Result, Scalar, View};
 
 /// What a job is told when the executor reaches it.
 #[derive(Debug)]
@@ -478,6 +478,34 @@ impl crate::Stream for CpuStream {
         checks::scale(x)?;
         let d = x.dtype();
         self.map_job("scale", [], x, move |[], x| with_float!(d, T => kernels::scale::<T>(typed_mut(x), alpha)))
+    }
+
+    fn abs_max(&self, x: View<'_, Cpu>, out: View<'_, Cpu>, accumulate: bool) -> Result<()> {
+        checks::abs_max(x, out)?;
+        let d = x.dtype();
+        self.map_job("abs_max", [x, out], out, move |[x, old], o| {
+            let m = with_float!(d, T => kernels::abs_max::<T>(typed(x)));
+            let old = typed::<f32>(old)[0];
+            typed_mut::<f32>(o)[0] = if accumulate { kernels::max_nan(old, m) } else { m };
+        })
+    }
+
+    fn quantize_f8(&self, src: View<'_, Cpu>, amax: View<'_, Cpu>, dst: View<'_, Cpu>) -> Result<()> {
+        checks::scaled_f8("quantize_f8", src, amax, dst)?;
+        let d = src.dtype();
+        self.map_job("quantize_f8", [src, amax], dst, move |[s, a], o| {
+            let scale = Float8E4M3::scale_for(typed::<f32>(a)[0]);
+            with_float!(d, S => kernels::quantize_f8::<S>(typed(s), scale, typed_mut(o)))
+        })
+    }
+
+    fn dequantize_f8(&self, src: View<'_, Cpu>, amax: View<'_, Cpu>, dst: View<'_, Cpu>) -> Result<()> {
+        checks::scaled_f8("dequantize_f8", dst, amax, src)?;
+        let d = dst.dtype();
+        self.map_job("dequantize_f8", [src, amax], dst, move |[s, a], o| {
+            let scale = Float8E4M3::scale_for(typed::<f32>(a)[0]);
+            with_float!(d, D => kernels::dequantize_f8::<D>(typed(s), scale, typed_mut(o)))
+        })
     }
 
     fn accumulate(&self, src: View<'_, Cpu>, dst: View<'_, Cpu>) -> Result<()> {

@@ -11,7 +11,7 @@ use cudarc::driver::sys::{CUdeviceptr, CUevent_wait_flags, CUmemorytype, CUresul
 use super::blas::BlasHandle;
 use super::device::{bind_ctx, defer, next_id, CudaDevice, DeviceInner};
 use super::event::CudaEvent;
-use super::kernels::{code, Args};
+use super::kernels::{code, Args, REDUCE_BLOCK};
 use super::memory::CudaBuffer;
 use super::result::{self as res, DriverResult};
 use super::Cuda;
@@ -538,6 +538,49 @@ impl crate::Stream for CudaStream {
             let args = Args::default().ptr(device_ptr(&x)).i32(code(x.dtype())).u64(n).f64(alpha);
             // SAFETY: as in `cast`.
             unsafe { k.launch("chorus_scale", n, s, args, label) }
+        })
+    }
+
+    fn abs_max(&self, x: View<'_, Cuda>, out: View<'_, Cuda>, accumulate: bool) -> Result<()> {
+        let op = "abs_max";
+        checks::abs_max(x, out)?;
+        let kernels = self.kernels()?;
+        let label = self.device.label();
+        self.run(op, &[x, out], |s| {
+            let (px, _staged) = self.input_ptr(&x, &out, true)?;
+            let args = Args::default()
+                .ptr(px)
+                .i32(code(x.dtype()))
+                .ptr(device_ptr(&out))
+                .u64(x.len() as u64)
+                .i32(accumulate as i32);
+            // SAFETY: as in `cast`; one block.
+            unsafe { kernels.launch_grid("chorus_abs_max", 1, REDUCE_BLOCK, s, args, &label) }
+        })
+    }
+
+    fn quantize_f8(&self, src: View<'_, Cuda>, amax: View<'_, Cuda>, dst: View<'_, Cuda>) -> Result<()> {
+        checks::scaled_f8("quantize_f8", src, amax, dst)?;
+        self.elementwise("quantize_f8", &[src, amax, dst], dst.len(), |k, s, label| {
+            // Different element sizes: any overlap with the output is staged.
+            let (from, _staged) = self.input_ptr(&src, &dst, true)?;
+            let (a, _staged_amax) = self.input_ptr(&amax, &dst, true)?;
+            let n = dst.len() as u64;
+            let args = Args::default().ptr(from).i32(code(src.dtype())).ptr(a).ptr(device_ptr(&dst)).u64(n);
+            // SAFETY: as in `cast`.
+            unsafe { k.launch("chorus_quantize_f8", n, s, args, label) }
+        })
+    }
+
+    fn dequantize_f8(&self, src: View<'_, Cuda>, amax: View<'_, Cuda>, dst: View<'_, Cuda>) -> Result<()> {
+        checks::scaled_f8("dequantize_f8", dst, amax, src)?;
+        self.elementwise("dequantize_f8", &[src, amax, dst], dst.len(), |k, s, label| {
+            let (from, _staged) = self.input_ptr(&src, &dst, true)?;
+            let (a, _staged_amax) = self.input_ptr(&amax, &dst, true)?;
+            let n = dst.len() as u64;
+            let args = Args::default().ptr(from).ptr(a).ptr(device_ptr(&dst)).i32(code(dst.dtype())).u64(n);
+            // SAFETY: as in `cast`.
+            unsafe { k.launch("chorus_dequantize_f8", n, s, args, label) }
         })
     }
 

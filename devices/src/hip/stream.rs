@@ -545,6 +545,41 @@ impl crate::Stream for HipStream {
         })
     }
 
+    fn abs_max(&self, x: View<'_, Hip>, out: View<'_, Hip>, accumulate: bool) -> Result<()> {
+        checks::abs_max(x, out)?;
+        let (n, xt) = (x.len(), code(x.dtype()));
+        self.launch("abs_max", "chorus_abs_max", &[(x, Reads::Whole)], out, Dims::ONE_BLOCK, |p, d| {
+            Args::default().ptr(p[0]).i32(xt).ptr(d).u64(n as u64).i32(accumulate as i32)
+        })
+    }
+
+    fn quantize_f8(&self, src: View<'_, Hip>, amax: View<'_, Hip>, dst: View<'_, Hip>) -> Result<()> {
+        checks::scaled_f8("quantize_f8", src, amax, dst)?;
+        let n = src.len();
+        if n == 0 {
+            return self.enqueue(|_| Ok(()));
+        }
+        let st = code(src.dtype());
+        // Different element sizes: any overlap with the output is staged.
+        let inputs = [(src, Reads::Whole), (amax, Reads::Whole)];
+        self.launch("quantize_f8", "chorus_quantize_f8", &inputs, dst, Dims::linear(n), |p, d| {
+            Args::default().ptr(p[0]).i32(st).ptr(p[1]).ptr(d).u64(n as u64)
+        })
+    }
+
+    fn dequantize_f8(&self, src: View<'_, Hip>, amax: View<'_, Hip>, dst: View<'_, Hip>) -> Result<()> {
+        checks::scaled_f8("dequantize_f8", dst, amax, src)?;
+        let n = src.len();
+        if n == 0 {
+            return self.enqueue(|_| Ok(()));
+        }
+        let dt = code(dst.dtype());
+        let inputs = [(src, Reads::Whole), (amax, Reads::Whole)];
+        self.launch("dequantize_f8", "chorus_dequantize_f8", &inputs, dst, Dims::linear(n), |p, d| {
+            Args::default().ptr(p[0]).ptr(p[1]).ptr(d).i32(dt).u64(n as u64)
+        })
+    }
+
     fn accumulate(&self, src: View<'_, Hip>, dst: View<'_, Hip>) -> Result<()> {
         checks::accumulate(src, dst)?;
         let (sd, dd) = (src.dtype(), dst.dtype());

@@ -437,3 +437,73 @@ fn the_tiled_matmul_matches_the_cpu_device() {
         }
     }
 }
+
+#[test]
+fn float8_amax_and_scaled_casts_match_the_cpu_device() {
+    let sides = sides();
+    let (k, s) = (sides.k, &sides.s);
+    let mut rng = Rng(23);
+    type AbsMax = unsafe extern "C" fn(*const c_void, i32, *mut c_void, u64, i32);
+    type Quantize = unsafe extern "C" fn(*const c_void, i32, *const c_void, *mut c_void, u64);
+    type Dequantize = unsafe extern "C" fn(*const c_void, *const c_void, *mut c_void, i32, u64);
+    let (abs_max, quantize, dequantize): (AbsMax, Quantize, Dequantize) =
+        (k.get("chorus_abs_max"), k.get("chorus_quantize_f8"), k.get("chorus_dequantize_f8"));
+    // 2^-12 .. 2^12 in magnitude: past 448 and into e4m3's subnormals at every scale below.
+    let n = 333;
+    let amaxes = [0.0, 1e-3, 3.7, 448.0, 9000.0];
+    for xt in FLOATS {
+        let x = Data::from_f64(xt, &rng.values(n));
+        let px = x.ptr();
+        for accumulate in [false, true] {
+            // A max is the same in any order: bits in one thread and as a tree.
+            for launch in [SEQUENTIAL, TREE] {
+                sides.compare(
+                    &format!("abs_max {xt} ({accumulate})"),
+                    Agree::Bits,
+                    launch,
+                    [("out", &Data::from_f64(DType::F32, &[2.5]))],
+                    // SAFETY: n elements of xt, one f32.
+                    |[o]| unsafe { abs_max(px as _, code(xt), o as _, n as u64, accumulate as i32) },
+                    |[co]| s.abs_max(sides.upload(&x).view(), co, accumulate),
+                );
+            }
+        }
+        let mut with_specials = rng.values(n);
+        with_specials.extend(specials());
+        let x = Data::from_f64(xt, &with_specials);
+        let (px, m) = (x.ptr(), with_specials.len());
+        for a in amaxes {
+            let amax = Data::from_f64(DType::F32, &[a]);
+            let pa = amax.ptr();
+            sides.compare(
+                &format!("quantize_f8 {xt} (amax {a})"),
+                Agree::Value,
+                ELEMENTWISE,
+                [("q", &Data::from_f64(DType::F8E4M3, &vec![0.0; m]))],
+                // SAFETY: m elements of xt and of f8, one f32 amax.
+                |[q]| unsafe { quantize(px as _, code(xt), pa as _, q as _, m as u64) },
+                |[cq]| s.quantize_f8(sides.upload(&x).view(), sides.upload(&amax).view(), cq),
+            );
+        }
+    }
+    // Every finite code (NaN's result is NaN either way, its payload the compiler's).
+    let codes: Vec<f64> =
+        (0u8..=255).filter(|c| c & 0x7f != 0x7f).map(|c| chorus_devices::Float8E4M3(c).to_f32() as f64).collect();
+    let q = Data::from_f64(DType::F8E4M3, &codes);
+    let pq = q.ptr();
+    for dt in FLOATS {
+        for a in amaxes {
+            let amax = Data::from_f64(DType::F32, &[a]);
+            let pa = amax.ptr();
+            sides.compare(
+                &format!("dequantize_f8 -> {dt} (amax {a})"),
+                Agree::Bits,
+                ELEMENTWISE,
+                [("out", &Data::from_f64(dt, &vec![0.0; codes.len()]))],
+                // SAFETY: codes.len() elements of f8 and of dt, one f32 amax.
+                |[o]| unsafe { dequantize(pq as _, pa as _, o as _, code(dt), codes.len() as u64) },
+                |[co]| s.dequantize_f8(sides.upload(&q).view(), sides.upload(&amax).view(), co),
+            );
+        }
+    }
+}

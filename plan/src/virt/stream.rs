@@ -242,6 +242,38 @@ impl Stream for VirtStream {
         self.memory_bound("axpy", x.bytes() + 2 * y.bytes());
         Ok(())
     }
+    fn abs_max(&self, x: V<'_>, out: V<'_>, _accumulate: bool) -> Result<()> {
+        self.mine("abs_max", &[x, out])?;
+        float("abs_max", &x)?;
+        if out.dtype() != DType::F32 || out.len() != 1 {
+            return Err(DeviceError::InvalidArgument { op: "abs_max", reason: "out is not one f32".into() });
+        }
+        self.memory_bound("abs_max", x.bytes() + out.bytes());
+        Ok(())
+    }
+    fn quantize_f8(&self, src: V<'_>, amax: V<'_>, dst: V<'_>) -> Result<()> {
+        self.mine("quantize_f8", &[src, amax, dst])?;
+        same_len("quantize_f8", &src, &dst)?;
+        float("quantize_f8", &src)?;
+        if dst.dtype() != DType::F8E4M3 {
+            return Err(DeviceError::InvalidArgument { op: "quantize_f8", reason: format!("dst is {}", dst.dtype()) });
+        }
+        self.memory_bound("quantize_f8", src.bytes() + dst.bytes());
+        Ok(())
+    }
+    fn dequantize_f8(&self, src: V<'_>, amax: V<'_>, dst: V<'_>) -> Result<()> {
+        self.mine("dequantize_f8", &[src, amax, dst])?;
+        same_len("dequantize_f8", &src, &dst)?;
+        float("dequantize_f8", &dst)?;
+        if src.dtype() != DType::F8E4M3 {
+            return Err(DeviceError::InvalidArgument {
+                op: "dequantize_f8",
+                reason: format!("src is {}", src.dtype()),
+            });
+        }
+        self.memory_bound("dequantize_f8", src.bytes() + dst.bytes());
+        Ok(())
+    }
     fn record(&self, event: &VirtEvent) -> Result<()> {
         chorus_devices::host_fn::check("record")?;
         if let Ok(mut t) = event.time.lock() {

@@ -329,6 +329,7 @@ unsafe extern "C" fn premul_sum(
         DType::I64 => i64::from_le_bytes(bytes) as f64,
         DType::I8 => bytes[0] as i8 as f64,
         DType::U8 => bytes[0] as f64,
+        DType::F8E4M3 => chorus_devices::Float8E4M3(bytes[0]).to_f32() as f64,
     };
     let mut ops = entered.comm.ops.lock().unwrap_or_else(|p| p.into_inner());
     let op = (5..).find(|k| !ops.contains_key(k)).unwrap_or(5);
