@@ -1,4 +1,4 @@
-//! `chorus plan`'s checks and outputs, with the planner's constant-rate cost model.
+//! `chorus plan`'s checks and outputs, with the planner's constant-rate cost model and its real ones.
 
 use std::sync::Arc;
 
@@ -81,9 +81,30 @@ fn a_config_must_be_a_small_regular_file() {
 }
 
 #[test]
-fn this_build_says_it_has_no_cost_model_instead_of_predicting() {
-    let e = run_cli(&args("--gpus 2 --gpu h100-sxm")).unwrap_err();
-    assert!(e.to_string().contains("no cost models"), "{e:#}");
+fn the_gpu_kinds_and_the_cpu_device_price_the_plan() {
+    let a = args("--model llama --gpus 2 --gpu h100-sxm --batch 2 --seq-len 64");
+    let m = model(&a).unwrap();
+    let (cost, work) = cost_inputs(&a, &m.shape).unwrap();
+    assert_eq!(cost.peak_flops(), Some(989e12));
+    // embed, one stage per layer (2 by default), head.
+    assert_eq!(work.len(), m.shape.layers + 2);
+    let plan = execute(&a, &m, cost, work).unwrap();
+    let mfu = plan.mfu.unwrap();
+    assert!(plan.step_time_s > 0.0 && mfu > 0.0 && mfu < 1.0, "{mfu}");
+    let reserved = plan.peak_reserved_bytes_estimate.unwrap();
+    let expected = plan.peak_memory_bytes as f64 * chorus_plan::gpu::RESERVED_OVER_ALLOCATED;
+    assert_eq!(reserved, expected as u64);
+
+    // The cpu device: no peak to take a utilisation of, no caching-allocator estimate.
+    let a = args("--model gpt --gpus 2 --gpu cpu --batch 2 --seq-len 16");
+    let m = model(&a).unwrap();
+    let (cost, work) = cost_inputs(&a, &m.shape).unwrap();
+    let plan = execute(&a, &m, cost, work).unwrap();
+    assert!(plan.step_time_s > 0.0);
+    assert_eq!((plan.mfu, plan.peak_reserved_bytes_estimate), (None, None));
+
+    let e = run_cli(&args("--gpus 2 --gpu tpu-v9")).unwrap_err();
+    assert!(e.downcast_ref::<UsageError>().is_some() && e.to_string().contains("unknown --gpu"), "{e:#}");
 }
 
 #[test]
