@@ -13,7 +13,7 @@ use chorus_collectives::OpKind;
 use chorus_plan::cost::{CollectiveShape, KernelCost, KernelKind};
 use chorus_plan::decoder_cost::{decoder_work, param_count};
 use chorus_plan::gpu::cost_model;
-use chorus_plan::workload::{DecoderKind, DecoderShape, RecomputeMode};
+use chorus_plan::workload::{DecoderShape, RecomputeMode};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -28,16 +28,7 @@ struct Published {
 }
 
 fn main() -> Result<(), String> {
-    let shape = DecoderShape {
-        kind: DecoderKind::Llama,
-        layers: 32,
-        d_model: 4096,
-        heads: 32,
-        kv_heads: 8,
-        ffn_hidden: 14336,
-        vocab: 128256,
-        tied_embeddings: false,
-    };
+    let shape = DecoderShape::llama_3_1_8b();
     let s = 8192usize;
     let rows = [
         Published {

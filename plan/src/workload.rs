@@ -37,6 +37,23 @@ pub struct DecoderShape {
     pub tied_embeddings: bool,
 }
 
+impl DecoderShape {
+    /// Llama 3.1 8B (its `config.json`): the model of torchtitan's published
+    /// H100 runs that `docs/plan.md` compares against.
+    pub fn llama_3_1_8b() -> DecoderShape {
+        DecoderShape {
+            kind: DecoderKind::Llama,
+            layers: 32,
+            d_model: 4096,
+            heads: 32,
+            kv_heads: 8,
+            ffn_hidden: 14336,
+            vocab: 128256,
+            tied_embeddings: false,
+        }
+    }
+}
+
 /// torchtitan's activation checkpointing modes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum RecomputeMode {

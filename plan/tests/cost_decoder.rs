@@ -7,16 +7,7 @@ use chorus_plan::decoder_cost::{decoder_work, decoder_work_for, matmul_param_cou
 use chorus_plan::workload::{DecoderKind, DecoderShape, RecomputeMode, StageWork};
 
 fn llama_8b() -> DecoderShape {
-    DecoderShape {
-        kind: DecoderKind::Llama,
-        layers: 32,
-        d_model: 4096,
-        heads: 32,
-        kv_heads: 8,
-        ffn_hidden: 14336,
-        vocab: 128256,
-        tied_embeddings: false,
-    }
+    DecoderShape::llama_3_1_8b()
 }
 
 /// A tiny GQA Llama: d 64, 4 heads of 16, 2 key/value heads, ffn 96, vocab 50.
