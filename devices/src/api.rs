@@ -213,6 +213,14 @@ pub struct MatmulSpec {
 /// One copy of a [`Stream::copy_2d_batch`]: source, destination and shape.
 pub type Copy2dPiece<'a, B> = (View<'a, B>, View<'a, B>, Copy2d);
 
+/// The largest pitch a single 2-D copy takes on CUDA and HIP
+/// (`CU_DEVICE_ATTRIBUTE_MAX_PITCH` and `hipDeviceAttributeMaxPitch` are
+/// 2^31 − 1 bytes); a copy with a longer stride goes block by block. FSDP's
+/// copy-out strides by a whole group shard, which passes 2 GiB on an 8B
+/// model's embedding at two ranks in f32.
+#[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(dead_code))]
+pub(crate) const MAX_COPY_PITCH_BYTES: usize = i32::MAX as usize;
+
 /// The shape of a strided copy; see [`Stream::copy_2d`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Copy2d {

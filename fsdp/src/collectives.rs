@@ -227,8 +227,8 @@ fn fills_chunks(layout: &GroupLayout, present: usize) -> bool {
 }
 
 /// Allocates every parameter's unsharded buffer in `dtype` on `stream` and
-/// fills it: sharded parameters from each rank's chunk of `gathered` (one
-/// 2-D copy per rank and parameter, skipping padding, all in one batch),
+/// fills it: sharded parameters from each rank's chunk of `gathered` (2-D
+/// copies that skip the padding, a few per parameter, all in one batch),
 /// replicated ones from their master.
 pub(crate) fn copy_out<C: CommBackend>(
     stream: &Strm<C>,
@@ -242,7 +242,8 @@ pub(crate) fn copy_out<C: CommBackend>(
         match (p.layout, gathered) {
             (Some(i), Some((buffer, layout, world))) => {
                 let l = &layout.params[i];
-                copies.extend((0..world).map(|j| (buffer.view(), full.view(), l.chunk_to_full(j, layout.shard_numel))));
+                let chunks = l.chunks_to_full(world, layout.shard_numel);
+                copies.extend(chunks.into_iter().map(|c| (buffer.view(), full.view(), c)));
             }
             (None, _) => cast_or_copy(stream, p.master.view(), full.view())?,
             (Some(_), None) => {
@@ -371,7 +372,7 @@ pub(crate) fn reduce_gradients<C: CommBackend>(
         let mut copies = Vec::with_capacity(sharded.len() * world);
         for (i, buf) in &sharded {
             let l = &layout.params[params[*i].layout.unwrap_or_default()];
-            copies.extend((0..world).map(|j| (buf.view(), input.view(), l.full_to_chunk(j, j * n))));
+            copies.extend(l.full_to_chunks(world, n).into_iter().map(|c| (buf.view(), input.view(), c)));
         }
         s.compute.copy_2d_batch(&copies)?;
         Some(input)

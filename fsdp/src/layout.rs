@@ -113,6 +113,62 @@ impl ParamLayout {
         }
     }
 
+    /// [`ParamLayout::chunk_to_full`] for ranks `0..world`, in as few copies
+    /// as the layout allows: sharded on its outermost dim (`outer` 1) the
+    /// ranks that hold a whole chunk are one 2-D copy (a block per rank),
+    /// the one with a shorter chunk a second, the ranks with no rows none.
+    /// Otherwise one copy per rank. A group's copy-out at 1,024 ranks is
+    /// then a few copies per parameter, not a thousand.
+    pub fn chunks_to_full(&self, world: usize, group_shard: usize) -> Vec<Copy2d> {
+        self.per_chunk(
+            world,
+            |r| self.chunk_to_full(r, group_shard),
+            |full| Copy2d {
+                rows: full,
+                row_len: self.shard_rows * self.inner,
+                src_offset: self.offset,
+                src_stride: group_shard,
+                dst_offset: 0,
+                dst_stride: self.shard_rows * self.inner,
+            },
+        )
+    }
+
+    /// [`ParamLayout::full_to_chunk`] for ranks `0..world` into a rank-major
+    /// buffer whose chunk `r` starts at `r · group_shard`, merged as
+    /// [`ParamLayout::chunks_to_full`] merges.
+    pub fn full_to_chunks(&self, world: usize, group_shard: usize) -> Vec<Copy2d> {
+        self.per_chunk(
+            world,
+            |r| self.full_to_chunk(r, r * group_shard),
+            |full| Copy2d {
+                rows: full,
+                row_len: self.shard_rows * self.inner,
+                src_offset: 0,
+                src_stride: self.shard_rows * self.inner,
+                dst_offset: self.offset,
+                dst_stride: group_shard,
+            },
+        )
+    }
+
+    /// The copies of ranks `0..world`: `merged(k)` for the first `k` ranks
+    /// when they hold whole chunks and the dim is outermost, `one(r)` for
+    /// each other rank that holds rows.
+    fn per_chunk(&self, world: usize, one: impl Fn(usize) -> Copy2d, merged: impl Fn(usize) -> Copy2d) -> Vec<Copy2d> {
+        let holding = (0..world).filter(|&r| self.real_rows(r) > 0);
+        if self.outer != 1 || self.shard_rows == 0 {
+            return holding.map(one).collect();
+        }
+        let whole = (self.rows / self.shard_rows).min(world);
+        let mut copies = Vec::with_capacity(2);
+        if whole > 0 {
+            copies.push(merged(whole));
+        }
+        copies.extend(holding.filter(|&r| r >= whole).map(one));
+        copies
+    }
+
     /// Rank `rank`'s shard (padded, zeros in the padding) cut from the full
     /// tensor on the host.
     pub fn shard_of(&self, full: &[f32], rank: usize) -> Vec<f32> {
@@ -195,6 +251,40 @@ mod tests {
                 apply(l.full_to_chunk(r, r * l.shard_numel), &full, &mut packed);
             }
             assert_eq!(packed, gathered);
+        }
+    }
+
+    /// The merged copies move exactly what the per-rank copies move, on
+    /// every dim, with padding, empty ranks, and a parameter that is not
+    /// first in its group (so the offset and the group stride matter).
+    #[test]
+    fn merged_copies_equal_the_per_rank_copies() {
+        let cases = [
+            (vec![5, 3], 0, 4),
+            (vec![8, 3], 0, 4),
+            (vec![2, 3], 0, 8),
+            (vec![7], 0, 3),
+            (vec![1, 4], 0, 1),
+            (vec![4, 7], 1, 3),
+            (vec![2, 3, 5], 1, 2),
+            (vec![9, 2], 0, 16),
+        ];
+        for (shape, dim, world) in cases {
+            let group = GroupLayout::new(&[(vec![3, 1], 0), (shape.clone(), dim)], world).unwrap();
+            let l = &group.params[1];
+            let n = group.shard_numel;
+            let full: Vec<f32> = (0..l.numel()).map(|i| i as f32 + 1.0).collect();
+            let gathered: Vec<f32> = (0..world * n).map(|i| -(i as f32) - 1.0).collect();
+            let (mut by_rank, mut merged) = (vec![0.0; l.numel()], vec![0.0; l.numel()]);
+            (0..world).for_each(|r| apply(l.chunk_to_full(r, n), &gathered, &mut by_rank));
+            l.chunks_to_full(world, n).into_iter().for_each(|c| apply(c, &gathered, &mut merged));
+            assert_eq!(merged, by_rank, "copy-out {shape:?} dim {dim} world {world}");
+            let (mut by_rank, mut merged) = (vec![0.0; world * n], vec![0.0; world * n]);
+            (0..world).for_each(|r| apply(l.full_to_chunk(r, r * n), &full, &mut by_rank));
+            l.full_to_chunks(world, n).into_iter().for_each(|c| apply(c, &full, &mut merged));
+            assert_eq!(merged, by_rank, "packing {shape:?} dim {dim} world {world}");
+            let most = if l.outer == 1 { 2 } else { world };
+            assert!(l.chunks_to_full(world, n).len() <= most, "{shape:?} dim {dim} world {world}");
         }
     }
 

@@ -199,7 +199,9 @@ impl CudaStream {
             _ => false,
         };
         let (src_pitch, dst_pitch) = (layout.src_stride * size, layout.dst_stride * size);
-        if !pinned_and_device || layout.rows <= 1 || width == 0 || src_pitch < width || dst_pitch < width {
+        let max = crate::api::MAX_COPY_PITCH_BYTES;
+        let pitches_fit = src_pitch >= width && dst_pitch >= width && src_pitch <= max && dst_pitch <= max;
+        if !pinned_and_device || layout.rows <= 1 || width == 0 || !pitches_fit {
             for i in 0..layout.rows {
                 let from = src.slice(layout.src_offset + i * layout.src_stride, layout.row_len)?;
                 let to = dst.slice(layout.dst_offset + i * layout.dst_stride, layout.row_len)?;

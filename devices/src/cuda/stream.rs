@@ -382,8 +382,10 @@ impl crate::Stream for CudaStream {
         self.run(op, &[src, dst], |s| {
             let (sp, dp) = (device_ptr(&src), device_ptr(&dst));
             let (src_pitch, dst_pitch) = (layout.src_stride * size, layout.dst_stride * size);
-            if layout.rows == 1 || src_pitch < width || dst_pitch < width {
-                // cuMemcpy2D needs pitches of at least the width: copy block by block.
+            let max = crate::api::MAX_COPY_PITCH_BYTES;
+            if layout.rows == 1 || src_pitch < width || dst_pitch < width || src_pitch > max || dst_pitch > max {
+                // cuMemcpy2D needs pitches of at least the width and at most
+                // the device's limit: otherwise copy block by block.
                 for i in 0..layout.rows {
                     let so = ((layout.src_offset + i * layout.src_stride) * size) as u64;
                     let d_o = ((layout.dst_offset + i * layout.dst_stride) * size) as u64;

@@ -384,7 +384,10 @@ impl crate::Stream for HipStream {
             }
             let (s0, d0) = (s + (src_offset * size) as u64, d + (dst_offset * size) as u64);
             let width = row_len * size;
-            if rows == 1 || (src_stride >= row_len && dst_stride >= row_len) {
+            let max = crate::api::MAX_COPY_PITCH_BYTES;
+            let pitches_fit =
+                src_stride >= row_len && dst_stride >= row_len && src_stride * size <= max && dst_stride * size <= max;
+            if rows == 1 || pitches_fit {
                 let (sp, dp) = if rows == 1 { (width, width) } else { (src_stride * size, dst_stride * size) };
                 // SAFETY: every row lies inside its view (checked above); ordered on this stream.
                 return unsafe {
