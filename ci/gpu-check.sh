@@ -30,7 +30,9 @@
 #                        batches (f32, TF32 off: losses within 1e-4; step-time ratio), device
 #                        memory per rank (nvidia-smi's peak); the 110M Llama without recomputation
 #                        (the step-time ratio's goal is stated that way); the 110M Llama in bf16 on
-#                        every GPU: tokens/s and MFU (989 TFLOP/s dense bf16 per H100 SXM)
+#                        every GPU: tokens/s and MFU (989 TFLOP/s dense bf16 per H100 SXM), and
+#                        `chorus plan`'s prediction of that run made before it (candle's kernels on
+#                        the GPU's kind): step time against the measured, FSDP peak equal to it
 #   offload-nccl         CPU offload on the cuda device: the offload conformance cases on NCCL, and the
 #                        MLP and the 4-layer Llama (binary built with candle-cuda) trained with and
 #                        without --offload on nccl: equal losses, a host peak above zero and a lower
@@ -295,6 +297,16 @@ if want candle-cuda; then
             "${flags[@]}"
         judge "$name" "$results/$name.log"
     done
+    # chorus plan's prediction of the bf16 run below, made before it runs (issue 27), with candle's
+    # kernels on this GPU's kind; judged after the run: the FSDP peak must equal the measured one.
+    case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)" in
+        *H200*) kind=h200 ;;
+        *A100*) kind=a100-80gb ;;
+        *) kind=h100-sxm ;;
+    esac
+    run plan-llama-110m 60 "$chorus" plan --model llama --layers 12 --heads 12 --kv-heads 12 --d-model 768 \
+        --d-ff 2048 --vocab 16000 --seq-len 256 --batch 8 --gpus "$gpus" --gpu "$kind" --param-dtype bf16 \
+        --kernels candle --out-dir "$results/plan-llama-110m"
     # bf16 on every GPU: tokens/s and MFU from the run's step times.
     peak_gpu_memory candle-cuda-llama-110m-bf16 run candle-cuda-llama-110m-bf16 180 "$chorus" train \
         "${llama_110m[@]}" --backend nccl --world-size "$gpus" --param-dtype bf16 --batch 8 --steps 20 \
@@ -302,6 +314,9 @@ if want candle-cuda; then
     run candle-cuda-llama-110m-bf16-mfu 30 python3 ci/gpu_judge.py mfu \
         "$results/candle-cuda-llama-110m-bf16/summary.json" "$gpus"
     sed 's/^/# /' "$results/candle-cuda-llama-110m-bf16-mfu.log" | tee -a "$summary"
+    run plan-llama-110m-judge 30 python3 ci/gpu_judge.py plan "$results/plan-llama-110m/plan.json" \
+        "$results/candle-cuda-llama-110m-bf16/summary.json"
+    sed 's/^/# /' "$results/plan-llama-110m-judge.log" | tee -a "$summary"
 fi
 
 if want offload-nccl; then

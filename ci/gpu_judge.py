@@ -6,6 +6,8 @@
     python3 ci/gpu_judge.py losses SUMMARY TORCH_LOSSES ATOL [NAME]   # chorus's losses against PyTorch's
                                                                      # (or NAME's: another run's summary.json)
     python3 ci/gpu_judge.py offload-memory PLAIN_SUMMARY OFFLOAD_SUMMARY   # host space used, device peak lower
+    python3 ci/gpu_judge.py plan PLAN_JSON SUMMARY   # chorus plan's prediction against the run: step
+                                                      # time (reported), FSDP peak (must be equal)
 
 A file, not a here-document: gpu-check.sh's `run` starts its command in the
 background, whose standard input is /dev/null, so a script fed on stdin ran
@@ -101,6 +103,27 @@ def offload_memory(plain_summary, offload_summary):
     return 0 if ok and all(b < a for a, b in zip(*dev)) else 1
 
 
+def plan(plan_json, summary):
+    try:
+        with open(plan_json) as f:
+            p = json.load(f)
+        with open(summary) as f:
+            s = json.load(f)
+    except OSError as e:
+        print(f"no plan or no run to compare ({e}): see their logs")
+        return 1
+    times = s["step_times_s"][3:] or s["step_times_s"]
+    measured = sorted(times)[len(times) // 2]
+    predicted = p["step_time_s"]
+    want, got = p["fsdp_peak_memory_bytes"], max(s["peak_memory_bytes"])
+    print(
+        f"chorus plan on {p['gpus']} x {p['gpu']}: step {predicted * 1e3:.2f} ms predicted, "
+        f"{measured * 1e3:.2f} ms measured (median), error {(predicted / measured - 1) * 100:+.1f} %; "
+        f"FSDP peak {want:,} B predicted, {got:,} B measured ({'equal' if want == got else 'DIFFERENT'})"
+    )
+    return 0 if want == got else 1
+
+
 if __name__ == "__main__":
     what, args = sys.argv[1], sys.argv[2:]
-    sys.exit({"bench": bench, "mfu": mfu, "losses": losses, "offload-memory": offload_memory}[what](*args))
+    sys.exit({"bench": bench, "mfu": mfu, "losses": losses, "offload-memory": offload_memory, "plan": plan}[what](*args))

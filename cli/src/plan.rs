@@ -19,6 +19,7 @@ use anyhow::Context;
 use chorus_devices::DType;
 use chorus_fsdp::{FsdpConfig, MixedPrecision, OptimizerKind, Reshard};
 use chorus_plan::cost::CostModel;
+use chorus_plan::decoder_cost::Framework;
 use chorus_plan::run::{run, GroupSpec, ModelSpec, RunSpec};
 use chorus_plan::workload::{DecoderKind, DecoderShape, RecomputeMode, StageWork};
 use chorus_train::models::llama::config::LlamaConfig;
@@ -59,6 +60,15 @@ pub enum RecomputeArg {
     Full,
     /// torchtitan's op-level selective checkpointing.
     Selective,
+}
+
+/// Whose kernels run the model (`--kernels`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum KernelsArg {
+    /// Eager PyTorch with flash attention.
+    Torch,
+    /// candle, as `chorus train` runs on the cpu device and on candle-CUDA.
+    Candle,
 }
 
 /// Optimizers.
@@ -119,6 +129,12 @@ pub struct PlanArgs {
     /// The GPU kind (h100-sxm, h200, a100, ...; cpu for the cpu device the sim runs on).
     #[arg(long, default_value = "h100-sxm")]
     pub gpu: String,
+    /// Whose kernels run the model: torch (eager PyTorch with flash
+    /// attention, what published GPU numbers ran) or candle (`chorus
+    /// train`'s models: attention scores materialized). Default: torch on a
+    /// GPU, candle on the cpu device.
+    #[arg(long, value_enum)]
+    pub kernels: Option<KernelsArg>,
     /// HSDP: replicate over this many groups (it must divide --gpus).
     #[arg(long)]
     pub hsdp: Option<usize>,
@@ -305,7 +321,11 @@ fn cost_inputs(args: &PlanArgs, shape: &DecoderShape) -> anyhow::Result<(Arc<dyn
         gpu => chorus_plan::gpu::cost_model(gpu, args.gpus_per_node).map_err(usage)?,
     };
     let micro = args.batch / args.micro_batches;
-    let framework = chorus_plan::gpu::framework(&args.gpu);
+    let framework = match args.kernels {
+        Some(KernelsArg::Torch) => Framework::TorchEager,
+        Some(KernelsArg::Candle) => Framework::Candle,
+        None => chorus_plan::gpu::framework(&args.gpu),
+    };
     let work = chorus_plan::decoder_cost::decoder_work_for(
         framework,
         shape,

@@ -149,3 +149,25 @@ fn a_plan_reports_throughput_and_mfu_from_its_step_and_writes_its_outputs() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn kernels_picks_whose_workload_is_priced() {
+    use chorus_plan::decoder_cost::decoder_work_for;
+    use chorus_plan::workload::RecomputeMode;
+    for (line, framework) in [
+        ("--gpus 1 --gpu h100-sxm", Framework::TorchEager),
+        ("--gpus 1 --gpu h100-sxm --kernels candle", Framework::Candle),
+        ("--gpus 1 --gpu cpu", Framework::Candle),
+        ("--gpus 1 --gpu cpu --kernels torch", Framework::TorchEager),
+    ] {
+        let a = args(&format!("{line} --seq-len 64"));
+        let m = model(&a).unwrap();
+        let (_, work) = cost_inputs(&a, &m.shape).unwrap();
+        assert_eq!(work, decoder_work_for(framework, &m.shape, 8, 64, 4, RecomputeMode::Full), "{line}");
+    }
+    // The two workloads differ where they should: candle keeps the attention scores.
+    let a = args("--gpus 1 --seq-len 64 --recompute none");
+    let m = model(&a).unwrap();
+    let saved = |f| decoder_work_for(f, &m.shape, 8, 64, 4, RecomputeMode::None)[1].saved_bytes;
+    assert!(saved(Framework::Candle) > saved(Framework::TorchEager));
+}
