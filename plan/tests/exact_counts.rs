@@ -153,7 +153,8 @@ fn the_measured_gradients_are_the_padded_f32_shards() {
 #[test]
 fn the_host_optimizer_step_of_an_offloaded_gpu_run_is_priced() {
     let (groups, layers, spec) = llama_spec(2, false);
-    let spec = TrainSpec { fsdp: FsdpConfig { offload: Some(OffloadPolicy::default()), ..FsdpConfig::default() }, ..spec };
+    let spec =
+        TrainSpec { fsdp: FsdpConfig { offload: Some(OffloadPolicy::default()), ..FsdpConfig::default() }, ..spec };
     let model = ModelSpec::decoder(
         train::groups_of(&groups),
         groups.embed,
@@ -165,7 +166,12 @@ fn the_host_optimizer_step_of_an_offloaded_gpu_run_is_priced() {
     let plan = run(&model, &gpu, common::cost()).unwrap();
     let expected = 7.0 * shard_bytes(&groups, 2, 0) as f64 / HOST_STEP_BYTES_PER_S;
     for p in plan.ranks.iter().map(|p| p.as_ref().unwrap()) {
-        assert!((p.host_step_s - expected).abs() <= 1e-12 * expected, "rank {}: {} s, not {expected} s", p.rank, p.host_step_s);
+        assert!(
+            (p.host_step_s - expected).abs() <= 1e-12 * expected,
+            "rank {}: {} s, not {expected} s",
+            p.rank,
+            p.host_step_s
+        );
         assert!(p.step_time_s > p.host_step_s, "rank {}: {p:?}", p.rank);
     }
     // The cpu device steps in place: nothing on the host.

@@ -144,8 +144,13 @@ pub fn check<M: DecoderModel + 'static>(
     t: TrainSpec<M>,
     dump_dir: Option<&Path>,
 ) -> Vec<RankPlan> {
-    let model = ModelSpec::decoder(groups_of(groups), groups.embed, groups.head, crate::common::decoder_work(layers, 1e6, 1 << 20))
-        .unwrap();
+    let model = ModelSpec::decoder(
+        groups_of(groups),
+        groups.embed,
+        groups.head,
+        crate::common::decoder_work(layers, 1e6, 1 << 20),
+    )
+    .unwrap();
     let hsdp = t.replicate.is_some_and(|r| r > 1);
     let plan = run(&model, &run_spec(ranks, &t), crate::common::cost()).unwrap();
     assert_eq!(plan.divergence, None);
