@@ -38,7 +38,7 @@ fn every_communicator_of_hsdp_2x2_and_2x4() {
     for (replicate, ranks) in [(2, 4), (2, 8)] {
         let dir = Scratch::new(&format!("hsdp-gpt-{ranks}"));
         let (groups, layers, spec) = gpt_spec(ranks);
-        let plans = check(ranks, &groups, layers, TrainSpec { replicate: Some(replicate), ..spec }, Some(&dir.0));
+        let (plans, _) = check(ranks, &groups, layers, TrainSpec { replicate: Some(replicate), ..spec }, Some(&dir.0));
         // Both of the mesh's communicators carry collectives (all-gathers and
         // reduce-scatters on the shard one, all-reduces on the replicate one).
         let ids: std::collections::BTreeSet<&str> = plans[0].collectives.iter().map(|c| c.group.as_str()).collect();

@@ -39,21 +39,27 @@ pub struct Real {
     /// Its collectives, per communicator in the flight recorder's order of
     /// communicators (the root first), each in launch order.
     pub calls: Vec<CollectiveRecord>,
+    /// Each call's reduce operator (`max`, `sum`, ...), which the planner's
+    /// record leaves out (its rendezvous checks that the ranks agree on it).
+    pub reduce_ops: Vec<Option<String>>,
 }
 
-fn calls_of(record: &CommRecord) -> Vec<CollectiveRecord> {
+fn calls_of(record: &CommRecord) -> Vec<(CollectiveRecord, Option<String>)> {
     assert_eq!(record.launches as usize, record.entries.len(), "{}: the ring dropped launches", record.id);
     record
         .entries
         .iter()
         .flat_map(|e| e.calls.iter())
-        .map(|c| CollectiveRecord {
-            group: record.id.clone(),
-            seq: c.seq.expect("a collective"),
-            op: c.op.clone(),
-            dtype: c.dtype.clone(),
-            count: c.count,
-            bytes: c.bytes,
+        .map(|c| {
+            let call = CollectiveRecord {
+                group: record.id.clone(),
+                seq: c.seq.expect("a collective"),
+                op: c.op.clone(),
+                dtype: c.dtype.clone(),
+                count: c.count,
+                bytes: c.bytes,
+            };
+            (call, c.reduce.clone())
         })
         .collect()
 }
@@ -74,14 +80,15 @@ pub fn real<M: DecoderModel + 'static>(ranks: usize, spec: TrainSpec<M>, dump_di
             std::thread::spawn(move || {
                 let comm = Arc::new(comm);
                 let report = train_sharded(comm.clone(), &spec, &mut |_, _| {}).unwrap();
-                let calls = if dumps {
+                let calls: Vec<(CollectiveRecord, Option<String>)> = if dumps {
                     let file = comm.dump_flight_record("exact counts").unwrap().expect("a dump directory");
                     let dump: RankDump = serde_json::from_slice(&std::fs::read(file).unwrap()).unwrap();
                     dump.communicators.iter().flat_map(calls_of).collect()
                 } else {
                     calls_of(&comm.flight_record().expect("the recorder is on"))
                 };
-                Real { peak: report.peak_memory_bytes, host_peak: report.peak_host_memory_bytes, calls }
+                let (calls, reduce_ops) = calls.into_iter().unzip();
+                Real { peak: report.peak_memory_bytes, host_peak: report.peak_host_memory_bytes, calls, reduce_ops }
             })
         })
         .collect();
@@ -136,14 +143,14 @@ fn per_communicator(calls: &[CollectiveRecord]) -> std::collections::BTreeMap<&s
 /// Plans `t` and checks it against the real run, rank by rank: the FSDP
 /// device and host peaks, and the collectives of the world communicator
 /// (with `dump_dir`: of every communicator, the mesh's splits included).
-/// Returns the planner's ranks.
+/// Returns the planner's ranks and the real run's.
 pub fn check<M: DecoderModel + 'static>(
     ranks: usize,
     groups: &DecoderGroups,
     layers: usize,
     t: TrainSpec<M>,
     dump_dir: Option<&Path>,
-) -> Vec<RankPlan> {
+) -> (Vec<RankPlan>, Vec<Real>) {
     let model = ModelSpec::decoder(
         groups_of(groups),
         groups.embed,
@@ -176,5 +183,5 @@ pub fn check<M: DecoderModel + 'static>(
             assert!(p.collectives.iter().any(|c| c.group.contains("/split")), "rank {rank}: {:?}", p.collectives);
         }
     }
-    plans
+    (plans, real)
 }
