@@ -370,13 +370,18 @@ fn run_rank(
         if let Some(max) = spec.max_grad_norm {
             fsdp.clip_grad_norm(max).map_err(&fe)?;
         }
-        opt.step(&mut fsdp).map_err(&fe)?;
+        let host0 = device.host_step_seconds();
+        // A GPU steps offloaded parameters on the host (see `VirtDevice::set_host_steps`).
+        device.set_host_steps(spec.fsdp.offload.is_some() && !spec.kernels_reach_host);
+        let stepped = opt.step(&mut fsdp);
+        device.set_host_steps(false);
+        stepped.map_err(&fe)?;
         let held = (device.memory_stats().bytes_in_use, device.host_memory_stats().bytes_in_use);
         fsdp.zero_grad();
         let grads = gradients_freed(&device, held);
-        let host_s = host_step_seconds(spec, &device, held.1);
         if measured {
-            (gradient_bytes, host_gradient_bytes, host_step_s) = (grads.0, grads.1, host_s);
+            (gradient_bytes, host_gradient_bytes) = grads;
+            host_step_s = device.host_step_seconds() - host0;
         }
         if step == 0 {
             // zero_grad dropped the gradients: what stays beyond the masters is the optimizer's state.
@@ -414,26 +419,6 @@ fn run_rank(
 fn gradients_freed(device: &VirtDevice, held: (usize, usize)) -> (usize, usize) {
     let now = (device.memory_stats().bytes_in_use, device.host_memory_stats().bytes_in_use);
     (held.0.saturating_sub(now.0), held.1.saturating_sub(now.1))
-}
-
-/// The host's time for an offloaded optimizer step on a device whose
-/// kernels cannot reach host memory (FSDP then steps on the host:
-/// `fsdp/src/optim.rs`, `host_step`), charged to the host clock; 0 and
-/// nothing charged otherwise. `held_host` is the host memory in use before
-/// `zero_grad` (masters, optimizer state and gradients), what is in use now
-/// the masters and state: the step reads every buffer and writes back the
-/// masters and the state, as the device kernels' byte counts say
-/// (`adamw_step`, `sgd_step`), so it moves `held_host + now` bytes.
-fn host_step_seconds(spec: &RunSpec, device: &VirtDevice, held_host: usize) -> f64 {
-    if spec.fsdp.offload.is_none() || spec.kernels_reach_host {
-        return 0.0;
-    }
-    let bytes = held_host + device.host_memory_stats().bytes_in_use;
-    let seconds = bytes as f64 / HOST_STEP_BYTES_PER_S;
-    // Per parameter the host waits for its reads, steps, then enqueues the
-    // writes back: all in series, so the steps' time adds to the end of it all.
-    device.advance_host(device.latest_end().max(device.host_clock()) + seconds);
-    seconds
 }
 
 /// One micro-batch: forward through the stages, backward in reverse, finalize.
