@@ -11,6 +11,7 @@ mod train;
 
 use chorus_devices::DType;
 use chorus_fsdp::{FsdpConfig, MixedPrecision, OffloadPolicy, OptimizerKind, Reshard};
+use chorus_plan::constant::ConstantRates;
 use chorus_plan::run::{run, ModelSpec, RankPlan, RunSpec, HOST_STEP_BYTES_PER_S};
 use chorus_train::decoder::TrainSpec;
 use chorus_train::models::DecoderGroups;
@@ -181,7 +182,17 @@ fn the_host_optimizer_step_of_an_offloaded_gpu_run_is_priced() {
         );
         assert!(p.step_time_s > p.host_step_s, "rank {}: {p:?}", p.rank);
     }
-    // The cpu device steps in place: nothing on the host.
-    let plan = run(&model, &train::run_spec(2, &spec), common::cost()).unwrap();
-    assert!(plan.ranks.iter().all(|p| p.as_ref().unwrap().host_step_s == 0.0));
+    // The cpu device steps in place: nothing on the host; the same bytes as
+    // kernels at the memory rate. Nothing else differs (the offload's
+    // staging takes one path on every device; no clipping, no float8), and
+    // the step is the last thing a step does, so the steps differ by the
+    // two prices of those bytes.
+    let cpu = run(&model, &train::run_spec(2, &spec), common::cost()).unwrap();
+    let device_s = 7.0 * shard_bytes(&groups, 2, 0) as f64 / ConstantRates::round().memory_bytes;
+    for (g, c) in plan.ranks.iter().zip(&cpu.ranks) {
+        let (g, c) = (g.as_ref().unwrap(), c.as_ref().unwrap());
+        assert_eq!(c.host_step_s, 0.0);
+        let d = c.step_time_s - g.step_time_s;
+        assert!((d - (device_s - expected)).abs() < 1e-9 * device_s, "rank {}: {d} s", g.rank);
+    }
 }
