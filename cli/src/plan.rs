@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use chorus_devices::DType;
-use chorus_fsdp::{FsdpConfig, MixedPrecision, OptimizerKind, Reshard};
+use chorus_fsdp::{FsdpConfig, MixedPrecision, OffloadPolicy, OptimizerKind, Reshard};
 use chorus_plan::cost::CostModel;
 use chorus_plan::decoder_cost::Framework;
 use chorus_plan::run::{run, GroupSpec, ModelSpec, RunSpec};
@@ -51,12 +51,15 @@ pub enum PlanModel {
     Llama,
 }
 
-/// torchtitan's activation checkpointing modes.
+/// torchtitan's activation checkpointing modes, and `chorus train`'s
+/// `true` and `false` for every group (full) and none.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum RecomputeArg {
     /// Keep every activation.
+    #[value(alias = "false")]
     None,
     /// Keep each layer's input; recompute the layer in backward.
+    #[value(alias = "true")]
     Full,
     /// torchtitan's op-level selective checkpointing.
     Selective,
@@ -96,8 +99,8 @@ pub struct PlanArgs {
     /// Decoder layers (without --config; default 2).
     #[arg(long)]
     pub layers: Option<usize>,
-    /// Width of the residual stream (without --config; default 64).
-    #[arg(long)]
+    /// Width of the residual stream (without --config; default 64); `chorus train`'s Llama calls it --hidden.
+    #[arg(long, visible_alias = "hidden")]
     pub d_model: Option<usize>,
     /// Attention heads (without --config; default 4).
     #[arg(long)]
@@ -105,8 +108,9 @@ pub struct PlanArgs {
     /// llama: key/value heads (without --config; default min(2, heads)).
     #[arg(long)]
     pub kv_heads: Option<usize>,
-    /// Width of the MLP (without --config; default 4 × d-model for gpt, 2 × for llama, as `chorus train`).
-    #[arg(long)]
+    /// Width of the MLP (without --config; default 4 × d-model for gpt, 2 × for llama, as `chorus train`);
+    /// `chorus train`'s Llama calls it --intermediate.
+    #[arg(long, visible_alias = "intermediate")]
     pub d_ff: Option<usize>,
     /// Vocabulary (without --config; default 256).
     #[arg(long)]
@@ -141,7 +145,7 @@ pub struct PlanArgs {
     /// true, false, or a smaller world size that divides the shard world.
     #[arg(long, default_value = "true")]
     pub reshard_after_forward: Reshard,
-    /// Activation checkpointing.
+    /// Activation checkpointing: none, full or selective (`chorus train`'s false and true are none and full).
     #[arg(long, value_enum, default_value = "full")]
     pub recompute: RecomputeArg,
     /// Dtype of all-gathers and compute: f32, bf16 or f16.
@@ -159,6 +163,17 @@ pub struct PlanArgs {
     /// Clip the global gradient norm to this.
     #[arg(long)]
     pub max_grad_norm: Option<f64>,
+    /// Dtype parameters travel in on the all-gather: float8 (e4m3, quantized per group with an amax
+    /// all-reduce, dequantized after the gather) or the param dtype (the default), as `chorus train`'s.
+    #[arg(long, value_parser = crate::train::parse_all_gather_dtype)]
+    pub all_gather_dtype: Option<DType>,
+    /// CPU offload (FSDP2's CPUOffloadPolicy): sharded parameters, gradients and optimizer state in host
+    /// memory; on a GPU the optimizer steps on the host.
+    #[arg(long)]
+    pub offload: bool,
+    /// Parameters with fewer elements than this are replicated, not sharded (their gradients all-reduced).
+    #[arg(long, default_value_t = 0)]
+    pub replicate_below: usize,
     /// Write plan.json and timeline.svg here (a directory of its own; an earlier plan's is replaced).
     #[arg(long)]
     pub out_dir: Option<PathBuf>,
@@ -197,9 +212,9 @@ pub fn model(args: &PlanArgs) -> anyhow::Result<Model> {
             return Err(usage(format!("{flag} {v}: must be in 1..={max}")));
         }
     }
-    for (v, flag) in [(args.layers, "--layers"), (args.d_model, "--d-model"), (args.heads, "--heads")]
+    for (v, flag) in [(args.layers, "--layers"), (args.d_model, "--d-model (--hidden)"), (args.heads, "--heads")]
         .into_iter()
-        .chain([(args.kv_heads, "--kv-heads"), (args.d_ff, "--d-ff"), (args.vocab, "--vocab")])
+        .chain([(args.kv_heads, "--kv-heads"), (args.d_ff, "--d-ff (--intermediate)"), (args.vocab, "--vocab")])
     {
         if let Some(v) = v.filter(|v| *v == 0 || *v > MAX_SIZE) {
             return Err(usage(format!("{flag} {v}: must be in 1..={MAX_SIZE}")));
@@ -218,6 +233,9 @@ pub fn model(args: &PlanArgs) -> anyhow::Result<Model> {
     }
     if !(args.momentum.is_finite() && args.momentum >= 0.0) {
         return Err(usage(format!("--momentum {}: must be a non-negative number", args.momentum)));
+    }
+    if let Some(d) = args.all_gather_dtype.filter(|d| *d != DType::F8E4M3 && *d != args.param_dtype) {
+        return Err(usage(format!("--all-gather-dtype {d}: must be float8 or the param dtype ({})", args.param_dtype)));
     }
     let layers = args.layers.unwrap_or(2);
     let d = args.d_model.unwrap_or(64);
@@ -267,7 +285,7 @@ pub fn model(args: &PlanArgs) -> anyhow::Result<Model> {
             let from_file = args.config.is_some() || args.init_from.is_some();
             let flags = [args.layers, args.d_model, args.heads, args.kv_heads, args.d_ff, args.vocab];
             if from_file && flags.iter().any(Option::is_some) {
-                return Err(usage("the sizes come from the config.json: leave out --layers, --d-model, --heads, --kv-heads, --d-ff and --vocab"));
+                return Err(usage("the sizes come from the config.json: leave out --layers, --d-model (--hidden), --heads, --kv-heads, --d-ff (--intermediate) and --vocab"));
             }
             cfg.validate().map_err(|e| usage(format!("the Llama's configuration: {e}")))?;
             let shape = DecoderShape {
@@ -352,8 +370,10 @@ pub fn execute(args: &PlanArgs, model: &Model, cost: Arc<dyn CostModel>, work: V
             param_dtype: Some(args.param_dtype),
             reduce_dtype: args.reduce_dtype,
             output_dtype: None,
-            all_gather_dtype: None,
+            all_gather_dtype: args.all_gather_dtype,
         },
+        replicate_below: args.replicate_below,
+        offload: args.offload.then(OffloadPolicy::default),
         ..FsdpConfig::default()
     };
     let run_spec = RunSpec {

@@ -30,6 +30,14 @@ use crate::workload::StageWork;
 /// (`fsdp/src/state.rs`): a traced operation's `stream` indexes this.
 pub const FSDP_STREAMS: [&str; 5] = ["compute", "copy-in", "all-gather", "reduce-scatter", "all-reduce"];
 
+/// The host's memory bandwidth per GPU for an offloaded optimizer step on a
+/// GPU server, bytes/s: the DGX H100's two Xeon Platinum 8480C (DGX H100
+/// user guide) have 8 channels of DDR5-4800 each (Intel ARK), 8 × 4.8 GT/s ×
+/// 8 B = 307.2 GB/s per socket, 614.4 GB/s for the node's 8 GPUs' processes:
+/// 76.8 GB/s each. A bound: the step is priced as one pass over its bytes
+/// (`docs/plan-costs.md`).
+pub const HOST_STEP_BYTES_PER_S: f64 = 614.4e9 / 8.0;
+
 /// Why a plan could not be made.
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
@@ -169,6 +177,14 @@ pub struct RankPlan {
     pub fsdp_peak_bytes: usize,
     /// The host space's peak (offload).
     pub host_peak_bytes: usize,
+    /// Device bytes of FSDP's sharded gradients after the measured step's
+    /// backward (held until `zero_grad`, which frees exactly these).
+    pub gradient_bytes: usize,
+    /// The same in host memory (offload).
+    pub host_gradient_bytes: usize,
+    /// Seconds the host spent in the measured step's offloaded optimizer
+    /// step (a GPU whose kernels cannot reach host memory; else 0).
+    pub host_step_s: f64,
     /// The activations' peak.
     pub activation_peak_bytes: usize,
     /// Device memory of FSDP and the activations together, at its peak.
@@ -336,6 +352,7 @@ fn run_rank(
     let sharded_param_bytes = device.memory_stats().bytes_in_use;
     let mut opt = ShardedOptimizer::new(spec.optimizer);
     let (mut step_time_s, mut compute_busy_s, mut optimizer_state_bytes) = (0.0, 0.0, 0);
+    let (mut gradient_bytes, mut host_gradient_bytes, mut host_step_s) = (0, 0, 0.0);
     for step in 0..spec.steps {
         let measured = step + 1 == spec.steps;
         let t0 = device.host_clock();
@@ -353,8 +370,19 @@ fn run_rank(
         if let Some(max) = spec.max_grad_norm {
             fsdp.clip_grad_norm(max).map_err(&fe)?;
         }
-        opt.step(&mut fsdp).map_err(&fe)?;
+        let host0 = device.host_step_seconds();
+        // A GPU steps offloaded parameters on the host (see `VirtDevice::set_host_steps`).
+        device.set_host_steps(spec.fsdp.offload.is_some() && !spec.kernels_reach_host);
+        let stepped = opt.step(&mut fsdp);
+        device.set_host_steps(false);
+        stepped.map_err(&fe)?;
+        let held = (device.memory_stats().bytes_in_use, device.host_memory_stats().bytes_in_use);
         fsdp.zero_grad();
+        let grads = gradients_freed(&device, held);
+        if measured {
+            (gradient_bytes, host_gradient_bytes) = grads;
+            host_step_s = device.host_step_seconds() - host0;
+        }
         if step == 0 {
             // zero_grad dropped the gradients: what stays beyond the masters is the optimizer's state.
             optimizer_state_bytes = device.memory_stats().bytes_in_use.saturating_sub(sharded_param_bytes);
@@ -372,6 +400,9 @@ fn run_rank(
         rank,
         fsdp_peak_bytes: device.memory_stats().peak_bytes,
         host_peak_bytes: device.host_memory_stats().peak_bytes,
+        gradient_bytes,
+        host_gradient_bytes,
+        host_step_s,
         activation_peak_bytes: device.activation_stats().peak_bytes,
         peak_bytes: total.peak_bytes,
         sharded_param_bytes,
@@ -381,6 +412,13 @@ fn run_rank(
         collectives,
         trace: device.take_trace(),
     })
+}
+
+/// What `zero_grad` freed, (device, host) bytes, given what was in use
+/// just before it: the sharded gradients, which nothing else holds then.
+fn gradients_freed(device: &VirtDevice, held: (usize, usize)) -> (usize, usize) {
+    let now = (device.memory_stats().bytes_in_use, device.host_memory_stats().bytes_in_use);
+    (held.0.saturating_sub(now.0), held.1.saturating_sub(now.1))
 }
 
 /// One micro-batch: forward through the stages, backward in reverse, finalize.

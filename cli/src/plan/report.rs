@@ -17,7 +17,8 @@ use super::PlanArgs;
 pub struct Breakdown {
     /// The sharded f32 master parameters.
     pub sharded_params: usize,
-    /// The sharded f32 gradients (as many bytes as the masters).
+    /// FSDP's sharded f32 gradients, measured: the device bytes `zero_grad`
+    /// frees after the measured step's backward (0 under offload: they are in host memory).
     pub gradients: usize,
     /// The optimizer's state.
     pub optimizer_state: usize,
@@ -64,6 +65,11 @@ pub struct Plan {
     pub peak_reserved_bytes_estimate: Option<u64>,
     /// The host space's peak (offload).
     pub host_peak_memory_bytes: usize,
+    /// The largest rank's sharded gradients in host memory (offload).
+    pub host_gradient_bytes: usize,
+    /// Seconds of the step the host spends in the offloaded optimizer step
+    /// (a GPU, whose kernels cannot reach host memory; 0 otherwise).
+    pub host_optimizer_step_s: f64,
     /// The largest rank's breakdown.
     pub breakdown: Breakdown,
     /// Seconds of the step in which the compute stream waited (communication not hidden).
@@ -119,7 +125,7 @@ impl Plan {
         let max = |f: fn(&RankPlan) -> usize| ok.iter().map(|p| f(p)).max().unwrap_or(0);
         let step = ok.iter().map(|p| p.step_time_s).fold(0.0, f64::max);
         let worst = ok.iter().max_by_key(|p| p.fsdp_peak_bytes).copied().unwrap_or(ok[0]);
-        let gradients = worst.sharded_param_bytes;
+        let gradients = worst.gradient_bytes;
         let breakdown = Breakdown {
             sharded_params: worst.sharded_param_bytes,
             gradients,
@@ -146,6 +152,8 @@ impl Plan {
             fsdp_peak_memory_bytes: max(|p| p.fsdp_peak_bytes),
             peak_reserved_bytes_estimate: chorus_plan::gpu::reserved_estimate(&args.gpu, max(|p| p.peak_bytes) as u64),
             host_peak_memory_bytes: max(|p| p.host_peak_bytes),
+            host_gradient_bytes: max(|p| p.host_gradient_bytes),
+            host_optimizer_step_s: ok.iter().map(|p| p.host_step_s).fold(0.0, f64::max),
             breakdown,
             exposed_communication_s: (step - compute_busy).max(0.0),
             collectives: sequences
@@ -182,6 +190,10 @@ impl Plan {
         let _ = writeln!(s, "  activations         {:.3} GiB", gib(b.activations));
         if self.host_peak_memory_bytes > 0 {
             let _ = writeln!(s, "host memory per GPU   {:.3} GiB", gib(self.host_peak_memory_bytes));
+            let _ = writeln!(s, "  gradients           {:.3} GiB", gib(self.host_gradient_bytes));
+        }
+        if self.host_optimizer_step_s > 0.0 {
+            let _ = writeln!(s, "optimizer on the host {:.4} s per step", self.host_optimizer_step_s);
         }
         let _ = writeln!(s, "step time             {:.4} s", self.step_time_s);
         let _ = writeln!(s, "tokens/s per GPU      {:.1}", self.tokens_per_s_per_gpu);

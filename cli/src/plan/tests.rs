@@ -171,3 +171,68 @@ fn kernels_picks_whose_workload_is_priced() {
     let saved = |f| decoder_work_for(f, &m.shape, 8, 64, 4, RecomputeMode::None)[1].saved_bytes;
     assert!(saved(Framework::Candle) > saved(Framework::TorchEager));
 }
+
+fn parse_error(line: &str) -> String {
+    match Cli::try_parse_from(std::iter::once("plan").chain(line.split_whitespace())) {
+        Ok(_) => panic!("`{line}` was parsed"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn train_flag_names_are_accepted() {
+    let a = args("--gpus 2 --hidden 32 --intermediate 48 --heads 4 --recompute false");
+    assert_eq!((a.d_model, a.d_ff, a.recompute), (Some(32), Some(48), RecomputeArg::None));
+    let m = model(&a).unwrap();
+    assert_eq!((m.shape.d_model, m.shape.ffn_hidden), (32, 48));
+    assert_eq!(args("--gpus 2 --recompute true").recompute, RecomputeArg::Full);
+    let a = args("--gpus 2 --all-gather-dtype float8 --offload --replicate-below 100");
+    assert_eq!((a.all_gather_dtype, a.offload, a.replicate_below), (Some(DType::F8E4M3), true, 100));
+    assert_eq!(args("--gpus 2 --param-dtype bf16 --all-gather-dtype bf16").all_gather_dtype, Some(DType::BF16));
+}
+
+#[test]
+fn the_new_flags_refuse_what_they_cannot_plan() {
+    assert!(usage_of("--gpus 2 --hidden 0").contains("--hidden"));
+    assert!(usage_of("--gpus 2 --intermediate 0").contains("--intermediate"));
+    assert!(usage_of("--gpus 2 --all-gather-dtype f16").contains("must be float8 or the param dtype (f32)"));
+    assert!(parse_error("--gpus 2 --all-gather-dtype int8").contains("not an all-gather dtype"));
+    assert!(parse_error("--gpus 2 --recompute model.layers.0").contains("--recompute"));
+    assert!(parse_error("--gpus 2 --d-model 32 --hidden 32").contains("--d-model"));
+    assert!(parse_error("--gpus 2 --replicate-below -1").contains("--replicate-below"));
+    assert!(parse_error("--gpus 2 --offload true").contains("true"));
+}
+
+#[test]
+fn an_offloaded_gpu_plan_holds_the_state_in_host_memory_and_steps_there() {
+    let line = "--model llama --gpus 2 --gpu h100-sxm --batch 2 --seq-len 64 --optimizer adamw";
+    let plan = |extra: &str| {
+        let a = args(&format!("{line} {extra}"));
+        let m = model(&a).unwrap();
+        let (cost, work) = cost_inputs(&a, &m.shape).unwrap();
+        execute(&a, &m, cost, work).unwrap()
+    };
+    let (on, off) = (plan("--offload"), plan(""));
+    let b = &off.breakdown;
+    // f32 masters and f32 gradients: the same padded shards, measured apart.
+    assert!(b.sharded_params > 0 && b.gradients == b.sharded_params && b.optimizer_state == 2 * b.sharded_params);
+    assert_eq!((off.host_peak_memory_bytes, off.host_optimizer_step_s), (0, 0.0));
+    // Offloaded: nothing of it on the device; masters, two moments and the gradients on the host.
+    let h = &on.breakdown;
+    assert_eq!((h.sharded_params, h.gradients, h.optimizer_state), (0, 0, 0));
+    assert_eq!(on.host_gradient_bytes, b.gradients);
+    assert_eq!(on.host_peak_memory_bytes, b.sharded_params + b.gradients + b.optimizer_state);
+    assert!(on.fsdp_peak_memory_bytes < off.fsdp_peak_memory_bytes);
+    let expected = 7.0 * b.sharded_params as f64 / chorus_plan::run::HOST_STEP_BYTES_PER_S;
+    assert!((on.host_optimizer_step_s - expected).abs() <= 1e-12 * expected, "{}", on.host_optimizer_step_s);
+    assert!(
+        on.step_time_s > expected,
+        "{} s, {} s without offload, {expected} s on the host",
+        on.step_time_s,
+        off.step_time_s
+    );
+    assert!(on.text().contains("optimizer on the host"));
+
+    let f8 = plan("--param-dtype bf16 --all-gather-dtype float8");
+    assert!(f8.rank0_collectives.iter().any(|c| c.op == "all_gather" && c.dtype == "f8e4m3"));
+}

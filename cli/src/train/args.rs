@@ -277,7 +277,7 @@ fn is_float8_name(s: &str) -> bool {
     matches!(s, "float8" | "f8e4m3")
 }
 
-fn parse_all_gather_dtype(s: &str) -> Result<DType, String> {
+pub(crate) fn parse_all_gather_dtype(s: &str) -> Result<DType, String> {
     match s {
         _ if is_float8_name(s) => Ok(DType::F8E4M3),
         _ => parse_float_dtype(s).map_err(|_| format!("`{s}` is not an all-gather dtype: float8, f32, bf16 or f16")),

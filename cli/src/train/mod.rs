@@ -41,6 +41,7 @@ use std::io::Write;
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 
+pub(crate) use args::parse_all_gather_dtype;
 pub use args::{BenchPart, ModelArg, SaveDtypeArg, TrainArgs};
 pub(crate) use llama::CHECKPOINT_CONFIG as LLAMA_CHECKPOINT_CONFIG;
 pub(crate) use ranks::{progress, RankJob};

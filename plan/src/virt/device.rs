@@ -48,6 +48,10 @@ pub(crate) struct DeviceInner {
     clocks: Mutex<Vec<Arc<AtomicU64>>>,
     tracing: AtomicBool,
     trace: Mutex<Vec<TraceOp>>,
+    /// A GPU's offloaded optimizer step in progress ([`VirtDevice::set_host_steps`]).
+    host_steps: AtomicBool,
+    /// Seconds the host has spent in optimizer steps (f64 bits).
+    host_step_s: AtomicU64,
 }
 
 /// A device that keeps sizes and virtual time. Cheap to clone; clones are the same device.
@@ -73,6 +77,8 @@ impl VirtDevice {
                 clocks: Mutex::new(Vec::new()),
                 tracing: AtomicBool::new(false),
                 trace: Mutex::new(Vec::new()),
+                host_steps: AtomicBool::new(false),
+                host_step_s: AtomicU64::new(0f64.to_bits()),
             }),
         }
     }
@@ -228,7 +234,7 @@ impl chorus_devices::Device for VirtDevice {
         self.inner.host_mem.reset_peak()
     }
     fn kernels_reach_host(&self) -> bool {
-        self.inner.config.kernels_reach_host
+        self.inner.config.kernels_reach_host || self.host_steps()
     }
     /// Returns at once; the host clock moves to the end of all work enqueued so far.
     fn synchronize(&self) -> Result<()> {
@@ -339,5 +345,47 @@ impl chorus_devices::Event for VirtEvent {
     /// Virtual work is always finished as far as the host can tell.
     fn query(&self) -> Result<bool> {
         Ok(true)
+    }
+}
+
+/// A GPU's offloaded optimizer step. FSDP steps an offloaded parameter on
+/// the host when the device's kernels cannot reach host memory, reading
+/// every buffer back into a `Vec` (`fsdp/src/optim.rs`, `host_step`): on
+/// the virtual device that would hold and compute real zeros, as large as
+/// the shards. While host steps are on, the device says its kernels reach
+/// host memory, so FSDP enqueues the step kernels on the host buffers
+/// instead, and the stream charges them to the host (`VirtStream`'s
+/// optimizer kernels): the same work at the same point, without the data.
+impl VirtDevice {
+    /// Turns host steps on (around a GPU's offloaded optimizer step) or off.
+    pub fn set_host_steps(&self, on: bool) {
+        self.inner.host_steps.store(on, Ordering::Release)
+    }
+
+    /// Whether host steps are on.
+    pub(crate) fn host_steps(&self) -> bool {
+        self.inner.host_steps.load(Ordering::Acquire)
+    }
+
+    /// Seconds the host has spent in optimizer steps so far.
+    pub fn host_step_seconds(&self) -> f64 {
+        f64::from_bits(self.inner.host_step_s.load(Ordering::Acquire))
+    }
+
+    /// Host work of `seconds` that needs the stream's work up to
+    /// `not_before` (the host waits for it, then computes): the host clock
+    /// moves to the end, and no later operation starts before it.
+    pub(crate) fn run_on_host(&self, not_before: f64, seconds: f64) {
+        let seconds = if seconds.is_finite() && seconds > 0.0 { seconds } else { 0.0 };
+        self.advance_host(self.host_clock().max(not_before) + seconds);
+        let mut cur = self.inner.host_step_s.load(Ordering::Acquire);
+        while let Err(now) = self.inner.host_step_s.compare_exchange_weak(
+            cur,
+            (f64::from_bits(cur) + seconds).to_bits(),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            cur = now;
+        }
     }
 }

@@ -107,6 +107,17 @@ impl VirtStream {
         self.run_kernel(&k);
     }
 
+    /// An optimizer step of `bytes` of traffic: a memory-bound kernel, or
+    /// on host buffers during a GPU's host steps ([`VirtDevice::set_host_steps`])
+    /// the host's work, once the stream has reached it, at the host's bandwidth.
+    fn optimizer_step(&self, name: &'static str, param: &V<'_>, bytes: usize) {
+        if self.device.host_steps() && param.buffer().space() == MemorySpace::Host {
+            self.device.run_on_host(self.clock(), bytes as f64 / crate::run::HOST_STEP_BYTES_PER_S);
+        } else {
+            self.memory_bound(name, bytes);
+        }
+    }
+
     fn copy_between(&self, name: &'static str, bytes: usize, from: MemorySpace, to: MemorySpace) {
         let seconds = self.device.cost().copy_seconds(bytes as u64, from, to);
         self.run_for(name, seconds);
@@ -398,14 +409,14 @@ impl ComputeStream for VirtStream {
         self.mine("sgd_step", &[param, grad])?;
         same_len("sgd_step", &param, &grad)?;
         let momentum = momentum_buf.map_or(0, |m| 2 * m.bytes());
-        self.memory_bound("sgd_step", 2 * param.bytes() + grad.bytes() + momentum);
+        self.optimizer_step("sgd_step", &param, 2 * param.bytes() + grad.bytes() + momentum);
         Ok(())
     }
     fn adamw_step(&self, _p: AdamWParams, param: V<'_>, grad: V<'_>, m: V<'_>, v: V<'_>) -> Result<()> {
         self.mine("adamw_step", &[param, grad, m, v])?;
         same_len("adamw_step", &param, &grad)?;
         // Reads param, grad and both moments; writes param and both moments.
-        self.memory_bound("adamw_step", 2 * param.bytes() + grad.bytes() + 2 * m.bytes() + 2 * v.bytes());
+        self.optimizer_step("adamw_step", &param, 2 * param.bytes() + grad.bytes() + 2 * m.bytes() + 2 * v.bytes());
         Ok(())
     }
 }
