@@ -146,7 +146,7 @@ pub struct PlanArgs {
     /// Write plan.json and timeline.svg here (a directory of its own; an earlier plan's is replaced).
     #[arg(long)]
     pub out_dir: Option<PathBuf>,
-    /// --gpu cpu: the rates `calibrate_cpu --out FILE` measured (a regular file, at most 64 KiB), instead of the frozen ones.
+    /// --gpu cpu: a calibration's rates (the file `ci/cpu-plan-check.sh` writes: a regular file, at most 64 KiB) instead of the frozen ones.
     #[arg(long)]
     pub cpu_rates: Option<PathBuf>,
 }

@@ -3,9 +3,10 @@
 //! thread count, as `chorus train` sizes candle's pool once per process):
 //! candle's f32 matmul and batched attention matmul and its element-wise
 //! throughput out of and in cache (microbenchmarks); its fixed cost per
-//! kernel, and FSDP's host time per stream operation, from a short sharded
-//! run of a calibration transformer (d_model 48 × 3 blocks, not the bench's
-//! shape) on as many sim ranks as share the cores at that thread count.
+//! kernel and element-wise rate, and FSDP's host time per stream operation,
+//! from short sharded runs of two calibration transformers (d_model 48 × 3
+//! and 96 × 2 blocks: not the bench's shape) on as many sim ranks as share
+//! the cores at that thread count.
 //!
 //! `cargo run -p chorus-plan --example calibrate_cpu`
 //!
@@ -27,9 +28,9 @@ use chorus_plan::constant::ConstantRates;
 use chorus_plan::cost::{CollectiveShape, CostModel, HostCost, Issuer, KernelCost, KernelKind};
 use chorus_plan::cpu_model::{CpuModel, CpuRates, Rates, CORES};
 use chorus_plan::decoder_cost::{decoder_work_for, Framework};
-use chorus_plan::workload::{DecoderKind, DecoderShape, RecomputeMode};
 use chorus_plan::run::{run, GroupSpec, ModelSpec, RunSpec};
 use chorus_plan::workload::StageWork;
+use chorus_plan::workload::{DecoderKind, DecoderShape, RecomputeMode};
 use chorus_train::decoder::{train_sharded, Data, TokenRows, TrainSpec};
 use chorus_train::models::gpt;
 use chorus_train::npy::Tokens;
@@ -139,7 +140,8 @@ fn part(ranks: usize) -> Res<Part> {
     // rest = count·o + bytes/bw for both shapes: Cramer's rule.
     let [(r1, n1, b1), (r2, n2, b2)] = [rows[0], rows[1]];
     let det = n1 * b2 - n2 * b1;
-    let (mut o, mut inv_bw) = if det.abs() > 0.0 { ((r1 * b2 - r2 * b1) / det, (n1 * r2 - n2 * r1) / det) } else { (0.0, 0.0) };
+    let (mut o, mut inv_bw) =
+        if det.abs() > 0.0 { ((r1 * b2 - r2 * b1) / det, (n1 * r2 - n2 * r1) / det) } else { (0.0, 0.0) };
     if o < 1e-7 {
         // A kernel is never free: with a floor of 0.1 µs per kernel, the
         // rate alone is fitted (least squares over the two shapes).
@@ -242,7 +244,8 @@ fn cal_work(cal: &gpt::GptConfig, batch: usize) -> Vec<StageWork> {
 /// `ranks` ranks: a plan of two steps less a plan of one.
 fn fsdp_ops_per_step(cal: &gpt::GptConfig, batch: usize, ranks: usize) -> Res<f64> {
     let groups = gpt::groups(cal)?;
-    let specs = groups.groups.iter().map(|g| GroupSpec { name: g.name.clone(), params: g.params.clone(), root: g.root });
+    let specs =
+        groups.groups.iter().map(|g| GroupSpec { name: g.name.clone(), params: g.params.clone(), root: g.root });
     let model = ModelSpec::decoder(specs.collect(), groups.embed, groups.head, cal_work(cal, batch))?;
     let count = |steps: usize| -> Res<usize> {
         let cost = Arc::new(Counting { inner: ConstantRates::round(), fsdp_ops: AtomicUsize::new(0) });
@@ -284,7 +287,9 @@ fn calibration_run(cal: &gpt::GptConfig, batch: usize, ranks: usize) -> Res<(f64
         for r in 0..ranks {
             let comm = Arc::new(Communicator::new(world.communicator(r)?.into_backend()));
             let spec = spec.clone();
-            handles.push(std::thread::spawn(move || train_sharded(comm, &spec, &mut |_, _| {}).map_err(|e| e.to_string())));
+            handles.push(std::thread::spawn(move || {
+                train_sharded(comm, &spec, &mut |_, _| {}).map_err(|e| e.to_string())
+            }));
         }
         let mut reports = Vec::new();
         for h in handles {

@@ -180,17 +180,19 @@ fn a_rates_file_round_trips_and_every_bad_number_is_refused() {
     assert!(matches!(refused(&edited(|v| v["extra"] = 1.into())), RatesError::Json(_)));
     assert!(matches!(refused(&edited(|v| v["sim_busbw"] = "fast".into())), RatesError::Json(_)));
     // Out of f64's range: serde_json refuses it rather than reading infinity.
-    assert!(matches!(refused(&edited(|v| v["sim_call_s"] = 1.into()).replace("\"sim_call_s\":1", "\"sim_call_s\":1e999")), RatesError::Json(_)));
-    for (field, value) in [
-        ("sim_call_s", 0.0),
-        ("sim_busbw", -1.0),
-        ("host_copy_bytes_per_s", 0.0),
-        ("fsdp_op_s", -1e-6),
-    ] {
+    assert!(matches!(
+        refused(&edited(|v| v["sim_call_s"] = 1.into()).replace("\"sim_call_s\":1", "\"sim_call_s\":1e999")),
+        RatesError::Json(_)
+    ));
+    for (field, value) in
+        [("sim_call_s", 0.0), ("sim_busbw", -1.0), ("host_copy_bytes_per_s", 0.0), ("fsdp_op_s", -1e-6)]
+    {
         let e = refused(&edited(|v| v[field] = value.into()));
         assert!(matches!(&e, RatesError::Value { field: f, .. } if f == field), "{field}: {e}");
     }
-    for field in ["gemm_flops_per_s", "attention_flops_per_s", "memory_bytes_per_s", "cached_bytes_per_s", "op_overhead_s"] {
+    for field in
+        ["gemm_flops_per_s", "attention_flops_per_s", "memory_bytes_per_s", "cached_bytes_per_s", "op_overhead_s"]
+    {
         let e = refused(&edited(|v| v["two_threads"][field] = 0.into()));
         assert!(e.to_string().contains(&format!("two_threads.{field}")), "{e}");
     }

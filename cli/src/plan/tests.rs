@@ -154,7 +154,8 @@ fn a_plan_reports_throughput_and_mfu_from_its_step_and_writes_its_outputs() {
 fn cpu_rates_come_from_a_small_regular_file_of_good_numbers() {
     let dir = std::env::temp_dir().join(format!("chorus-plan-rates-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let line = |file: &std::path::Path, gpu: &str| format!("--model gpt --gpus 2 --gpu {gpu} --cpu-rates {}", file.display());
+    let line =
+        |file: &std::path::Path, gpu: &str| format!("--model gpt --gpus 2 --gpu {gpu} --cpu-rates {}", file.display());
     let refused = |line: String| -> String {
         let a = args(&line);
         let m = model(&a).unwrap();
