@@ -5,7 +5,8 @@
 # `chorus plan --gpu cpu --cpu-rates` at 1 and 2 ranks for the job
 # `chorus train --bench --model gpt` runs by default, then that bench itself
 # (REPS runs, median), and print predicted, measured and the error, and one
-# JSON line. Also the Llama bench (`--model llama`) with the same rates.
+# JSON line. The same for the Llama bench (`--model llama`), calibrated on
+# Llama shapes (a rates file per model family).
 #
 #   ci/cpu-plan-check.sh [OUT_DIR]        (REPS=3 by default; PROFILE=dev)
 #
@@ -24,29 +25,33 @@ dir=target/$([ "$profile" = dev ] && echo debug || echo "$profile")
 chorus=$dir/chorus
 
 echo "# $(date -u +%FT%TZ) load average $(cut -d' ' -f1-3 /proc/loadavg), $(nproc) cores, profile $profile" >&2
-"$dir/examples/calibrate_cpu" > "$out/calibrate.jsonl"
+for model in gpt llama; do
+  "$dir/examples/calibrate_cpu" --model "$model" > "$out/calibrate-$model.jsonl"
+done
 "$chorus" bench --backend sim --op all_gather --world-size 2 --min-bytes 1K --max-bytes 16M --json > "$out/sim.jsonl"
 
 python3 - "$out" <<'EOF'
 import json, statistics, sys
 out = sys.argv[1]
-cal = [json.loads(l) for l in open(f"{out}/calibrate.jsonl") if l.startswith("{")]
-rates = cal[-1]["cpu_rates"]
 rows = [json.loads(l) for l in open(f"{out}/sim.jsonl") if l.startswith("{")]
 small = [r["time_us"] * 1e-6 for r in rows if r["size_bytes"] <= 64 << 10]
 big = [r for r in rows if r["size_bytes"] >= 4 << 20]
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
 load = open("/proc/loadavg").read().split()[:3]
 import os, time
-rates.update(
+sim = dict(
     calibrated_on=f"{os.cpu_count()}-core {cpu}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {' '.join(load)}",
     cores=os.cpu_count(),
     sim_call_s=statistics.median(small),
     sim_busbw=statistics.median(r["busbw_gbps"] * 1e9 for r in big),
     host_copy_bytes_per_s=statistics.median(r["memcpy_gbps"] * 1e9 for r in big),
 )
-json.dump(rates, open(f"{out}/cpu-rates.json", "w"), indent=1)
-print(json.dumps(rates), file=sys.stderr)
+# One rates file per model family: candle's kernels differ between them.
+for model in ("gpt", "llama"):
+    cal = [json.loads(l) for l in open(f"{out}/calibrate-{model}.jsonl") if l.startswith("{")]
+    rates = dict(cal[-1]["cpu_rates"], **sim)
+    json.dump(rates, open(f"{out}/cpu-rates-{model}.json", "w"), indent=1)
+    print(model, json.dumps(rates), file=sys.stderr)
 EOF
 
 # The job `chorus train --bench --model gpt|llama` runs by default
@@ -58,7 +63,7 @@ for model in gpt llama; do
   for world in 1 2; do
     rm -rf "$out/plan-$model-$world"
     # shellcheck disable=SC2086
-    "$chorus" plan --model "$model" --gpu cpu --gpus "$world" --cpu-rates "$out/cpu-rates.json" $job \
+    "$chorus" plan --model "$model" --gpu cpu --gpus "$world" --cpu-rates "$out/cpu-rates-$model.json" $job \
       --out-dir "$out/plan-$model-$world" > /dev/null
     for rep in $(seq "$reps"); do
       "$chorus" train --bench --json --model "$model" --world-size "$world" > "$out/bench-$model-$world-$rep.json"

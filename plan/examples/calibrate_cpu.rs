@@ -2,13 +2,13 @@
 //! machine now, with one and with two candle threads (a part of its own per
 //! thread count, as `chorus train` sizes candle's pool once per process):
 //! candle's f32 matmul and batched attention matmul and its element-wise
-//! throughput out of and in cache (microbenchmarks); its fixed cost per
-//! kernel and element-wise rate, and FSDP's host time per stream operation,
-//! from short sharded runs of two calibration transformers (d_model 48 × 3
-//! and 96 × 2 blocks: not the bench's shape) on as many sim ranks as share
-//! the cores at that thread count.
+//! throughput (microbenchmarks); its fixed cost per kernel and element-wise
+//! rate in a training graph, and FSDP's host time per stream operation,
+//! from short sharded runs of two calibration models of one family (`gpt`,
+//! the default, or `llama`; never the bench's shape) on as many sim ranks
+//! as share the cores at that thread count.
 //!
-//! `cargo run -p chorus-plan --example calibrate_cpu`
+//! `cargo run -p chorus-plan --example calibrate_cpu -- [--model gpt|llama]`
 //!
 //! Prints one JSON object per measurement, and last a line `{"cpu_rates":
 //! …}` with `one_thread`, `two_threads` and `fsdp_op_s` of
@@ -31,8 +31,10 @@ use chorus_plan::decoder_cost::{decoder_work_for, Framework};
 use chorus_plan::run::{run, GroupSpec, ModelSpec, RunSpec};
 use chorus_plan::workload::StageWork;
 use chorus_plan::workload::{DecoderKind, DecoderShape, RecomputeMode};
-use chorus_train::decoder::{train_sharded, Data, TokenRows, TrainSpec};
-use chorus_train::models::gpt;
+use chorus_train::decoder::{train_sharded, Data, TokenRows, TrainReport, TrainSpec};
+use chorus_train::models::llama::config::LlamaConfig;
+use chorus_train::models::llama::{self, LlamaModel};
+use chorus_train::models::{gpt, DecoderGroups, DecoderModel};
 use chorus_train::npy::Tokens;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -109,7 +111,7 @@ struct Part {
 
 /// The part run in this process: `ranks` sim ranks share the cores, with
 /// the candle threads `RAYON_NUM_THREADS` gives each.
-fn part(ranks: usize) -> Res<Part> {
+fn part(ranks: usize, family: &str) -> Res<Part> {
     let mut rates = kernel_rates()?;
     // Each calibration transformer's candle time per step is modelled as
     // its GEMMs and attention at the measured rates, plus a fixed cost per
@@ -120,17 +122,18 @@ fn part(ranks: usize) -> Res<Part> {
     let bare = CpuModel::from_rates(&cpu, 1);
     let mut rows = Vec::new();
     let mut fsdp_op = Vec::new();
-    for (cal, batch) in CALS {
-        let (compute, fsdp_cpu) = calibration_run(&cal, batch, ranks)?;
-        let work = cal_work(&cal, batch);
+    for cal in cals(family)? {
+        let (compute, fsdp_cpu) = calibration_run(&cal, ranks)?;
+        let work = cal.work();
         let all = || work.iter().flat_map(|s| s.forward.iter().chain(&s.backward));
         let arith: f64 = all().filter(|k| k.kind != KernelKind::MemoryBound).map(|k| arith_s(&bare, k)).sum();
         let bytes: f64 = all().filter(|k| k.kind == KernelKind::MemoryBound).map(|k| k.bytes).sum();
         let count = all().count() as f64;
-        let ops = fsdp_ops_per_step(&cal, batch, ranks)?;
+        let ops = fsdp_ops_per_step(&cal, ranks)?;
         println!(
             "{{\"kind\":\"calibration\",\"ranks\":{ranks},\"d_model\":{},\"layers\":{},\"kernels\":{count},\"arith_s\":{arith:.3e},\"elementwise_bytes\":{bytes:.3e},\"candle_compute_s\":{compute:.3e},\"fsdp_ops_per_step\":{ops},\"fsdp_cpu_per_step_s\":{fsdp_cpu:.3e}}}",
-            cal.d_model, cal.layers
+            cal.shape().d_model,
+            cal.shape().layers
         );
         rows.push((compute - arith, count, bytes));
         if ops > 0.0 {
@@ -173,10 +176,10 @@ fn arith_s(model: &CpuModel, k: &KernelCost) -> f64 {
 
 /// Runs this program's part with `threads` candle threads (on `CORES /
 /// threads` ranks, as `chorus train` shares the cores); its last line.
-fn kernel_part(threads: usize) -> Res<Part> {
+fn kernel_part(threads: usize, family: &str) -> Res<Part> {
     let exe = std::env::current_exe()?;
     let out = std::process::Command::new(exe)
-        .args(["--part", &(CORES / threads).max(1).to_string()])
+        .args(["--part", &(CORES / threads).max(1).to_string(), family])
         .env("RAYON_NUM_THREADS", threads.to_string())
         .stdin(std::process::Stdio::null())
         .stderr(std::process::Stdio::inherit())
@@ -218,35 +221,85 @@ impl CostModel for Counting {
     }
 }
 
-/// The calibration transformers and their sequences per rank: not the
-/// bench's shape (d_model 64 × 2 blocks, 4 heads, d_ff 256, 8 × 32 tokens).
-const CALS: [(gpt::GptConfig, usize); 2] = [
-    (gpt::GptConfig { vocab: 40, d_model: 48, layers: 3, heads: 3, d_ff: 96, seq_len: 24 }, 6),
-    (gpt::GptConfig { vocab: 40, d_model: 96, layers: 2, heads: 6, d_ff: 384, seq_len: 48 }, 8),
-];
+/// A calibration model: its configuration and sequences per rank.
+enum Cal {
+    Gpt(gpt::GptConfig, usize),
+    Llama(Arc<LlamaConfig>, usize, usize),
+}
 
-/// The calibration transformer's kernels as the planner counts them (candle's, f32, every group recomputed).
-fn cal_work(cal: &gpt::GptConfig, batch: usize) -> Vec<StageWork> {
-    let shape = DecoderShape {
-        kind: DecoderKind::Gpt,
-        layers: cal.layers,
-        d_model: cal.d_model,
-        heads: cal.heads,
-        kv_heads: cal.heads,
-        ffn_hidden: cal.d_ff,
-        vocab: cal.vocab,
-        tied_embeddings: false,
+/// The calibration models of a family (`chorus train --model gpt|llama`):
+/// two shapes each, neither the bench's (gpt d_model 64 × 2 blocks, 4
+/// heads, d_ff 256; llama hidden 64 × 2 layers, 4 heads, 2 kv, 128; both 8
+/// × 32 tokens per rank).
+fn cals(family: &str) -> Res<Vec<Cal>> {
+    let llama = |hidden, inter, layers, heads, kv, batch, seq| {
+        Cal::Llama(Arc::new(LlamaConfig::new(40, hidden, inter, layers, heads, kv)), batch, seq)
     };
-    decoder_work_for(Framework::Candle, &shape, batch, cal.seq_len, 4, RecomputeMode::Full)
+    Ok(match family {
+        "gpt" => vec![
+            Cal::Gpt(gpt::GptConfig { vocab: 40, d_model: 48, layers: 3, heads: 3, d_ff: 96, seq_len: 24 }, 6),
+            Cal::Gpt(gpt::GptConfig { vocab: 40, d_model: 96, layers: 2, heads: 6, d_ff: 384, seq_len: 48 }, 8),
+        ],
+        "llama" => vec![llama(48, 96, 3, 4, 2, 6, 24), llama(96, 192, 2, 6, 2, 8, 48)],
+        other => return Err(format!("unknown model family `{other}`: gpt or llama").into()),
+    })
+}
+
+impl Cal {
+    fn batch(&self) -> usize {
+        match self {
+            Cal::Gpt(_, b) | Cal::Llama(_, b, _) => *b,
+        }
+    }
+    fn seq(&self) -> usize {
+        match self {
+            Cal::Gpt(c, _) => c.seq_len,
+            Cal::Llama(_, _, s) => *s,
+        }
+    }
+    fn shape(&self) -> DecoderShape {
+        match self {
+            Cal::Gpt(c, _) => DecoderShape {
+                kind: DecoderKind::Gpt,
+                layers: c.layers,
+                d_model: c.d_model,
+                heads: c.heads,
+                kv_heads: c.heads,
+                ffn_hidden: c.d_ff,
+                vocab: c.vocab,
+                tied_embeddings: false,
+            },
+            Cal::Llama(c, ..) => DecoderShape {
+                kind: DecoderKind::Llama,
+                layers: c.num_hidden_layers,
+                d_model: c.hidden_size,
+                heads: c.num_attention_heads,
+                kv_heads: c.num_key_value_heads,
+                ffn_hidden: c.intermediate_size,
+                vocab: c.vocab_size,
+                tied_embeddings: c.tie_word_embeddings,
+            },
+        }
+    }
+    fn groups(&self) -> Res<DecoderGroups> {
+        Ok(match self {
+            Cal::Gpt(c, _) => gpt::groups(c)?,
+            Cal::Llama(c, ..) => llama::groups(c)?,
+        })
+    }
+    /// Its kernels as the planner counts them (candle's, f32, every group recomputed).
+    fn work(&self) -> Vec<StageWork> {
+        decoder_work_for(Framework::Candle, &self.shape(), self.batch(), self.seq(), 4, RecomputeMode::Full)
+    }
 }
 
 /// FSDP stream operations per step of rank 0 of the calibration model on
 /// `ranks` ranks: a plan of two steps less a plan of one.
-fn fsdp_ops_per_step(cal: &gpt::GptConfig, batch: usize, ranks: usize) -> Res<f64> {
-    let groups = gpt::groups(cal)?;
+fn fsdp_ops_per_step(cal: &Cal, ranks: usize) -> Res<f64> {
+    let groups = cal.groups()?;
     let specs =
         groups.groups.iter().map(|g| GroupSpec { name: g.name.clone(), params: g.params.clone(), root: g.root });
-    let model = ModelSpec::decoder(specs.collect(), groups.embed, groups.head, cal_work(cal, batch))?;
+    let model = ModelSpec::decoder(specs.collect(), groups.embed, groups.head, cal.work())?;
     let count = |steps: usize| -> Res<usize> {
         let cost = Arc::new(Counting { inner: ConstantRates::round(), fsdp_ops: AtomicUsize::new(0) });
         let spec = RunSpec {
@@ -271,31 +324,28 @@ fn fsdp_ops_per_step(cal: &gpt::GptConfig, batch: usize, ranks: usize) -> Res<f6
 /// The calibration transformer on `ranks` sim ranks (12 steps, three
 /// runs): rank 0's candle time per step and its FSDP hooks' CPU time per
 /// step, each the median over the runs.
-fn calibration_run(cal: &gpt::GptConfig, batch: usize, ranks: usize) -> Res<(f64, f64)> {
+fn calibration_run(cal: &Cal, ranks: usize) -> Res<(f64, f64)> {
     let steps = 12;
     let (mut compute, mut fsdp) = (Vec::new(), Vec::new());
     for run in 0..3 {
+        let (batch, seq) = (cal.batch(), cal.seq());
         let global = batch * ranks;
         let rows = 2 * global;
-        let (v, seq) = (cal.vocab, cal.seq_len);
+        let v = cal.shape().vocab;
         let ids = (0..rows * (seq + 1)).map(|i| ((i * 7919 + i / 3) % v) as u32).collect();
         let data = Arc::new(Data::Tokens(TokenRows::new(Tokens::from_ids(rows, seq + 1, ids)?, v, global)?));
-        let model = gpt::GptModel { config: *cal, init: gpt::init_params(cal, 3)? };
-        let spec = Arc::new(TrainSpec::new(model, data, batch, steps, OptimizerKind::adamw(1e-3, 0.01)));
-        let world = SimWorld::new(ranks, SimConfig { timeout: Duration::from_secs(60), ..SimConfig::default() })?;
-        let mut handles = Vec::new();
-        for r in 0..ranks {
-            let comm = Arc::new(Communicator::new(world.communicator(r)?.into_backend()));
-            let spec = spec.clone();
-            handles.push(std::thread::spawn(move || {
-                train_sharded(comm, &spec, &mut |_, _| {}).map_err(|e| e.to_string())
-            }));
-        }
-        let mut reports = Vec::new();
-        for h in handles {
-            reports.push(h.join().map_err(|_| "a rank panicked")??);
-        }
-        let r = reports.first().ok_or("no ranks")?;
+        let opt = OptimizerKind::adamw(1e-3, 0.01);
+        let r = match cal {
+            Cal::Gpt(c, _) => {
+                let model = gpt::GptModel { config: *c, init: gpt::init_params(c, 3)? };
+                on_ranks(ranks, TrainSpec::new(model, data, batch, steps, opt))?
+            }
+            Cal::Llama(c, ..) => {
+                let model = LlamaModel { config: c.clone(), init: llama::init_params(c, 5) };
+                on_ranks(ranks, TrainSpec::new(model, data, batch, steps, opt))?
+            }
+        };
+        let r = &r;
         let c = r.adapter.compute.as_secs_f64() / steps as f64;
         let f = r.overhead.cpu.as_secs_f64() / steps as f64;
         println!("{{\"kind\":\"calibration_run\",\"ranks\":{ranks},\"run\":{run},\"candle_compute_per_step_s\":{c:.3e},\"fsdp_cpu_per_step_s\":{f:.3e}}}");
@@ -305,20 +355,40 @@ fn calibration_run(cal: &gpt::GptConfig, batch: usize, ranks: usize) -> Res<(f64
     Ok((median(compute), median(fsdp)))
 }
 
+/// Trains `spec` on `ranks` sim ranks; rank 0's report.
+fn on_ranks<M: DecoderModel + 'static>(ranks: usize, spec: TrainSpec<M>) -> Res<TrainReport> {
+    let spec = Arc::new(spec);
+    let world = SimWorld::new(ranks, SimConfig { timeout: Duration::from_secs(60), ..SimConfig::default() })?;
+    let mut handles = Vec::new();
+    for r in 0..ranks {
+        let comm = Arc::new(Communicator::new(world.communicator(r)?.into_backend()));
+        let spec = spec.clone();
+        handles.push(std::thread::spawn(move || train_sharded(comm, &spec, &mut |_, _| {}).map_err(|e| e.to_string())));
+    }
+    let mut reports = Vec::new();
+    for h in handles {
+        reports.push(h.join().map_err(|_| "a rank panicked")??);
+    }
+    reports.into_iter().next().ok_or_else(|| "no ranks".into())
+}
+
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    if let [flag, ranks] = args.as_slice() {
+    if let [flag, ranks, family] = args.as_slice() {
         if flag == "--part" {
-            let part = part(ranks.parse()?)?;
+            let part = part(ranks.parse()?, family)?;
             println!("{}", serde_json::to_string(&part)?);
             return Ok(());
         }
     }
-    if !args.is_empty() {
-        return Err(format!("usage: calibrate_cpu (no arguments); got {args:?}").into());
-    }
-    let one = kernel_part(1)?;
-    let two = kernel_part(2)?;
+    let family = match args.as_slice() {
+        [] => "gpt".to_string(),
+        [flag, family] if flag == "--model" => family.clone(),
+        _ => return Err(format!("usage: calibrate_cpu [--model gpt|llama]; got {args:?}").into()),
+    };
+    cals(&family)?;
+    let one = kernel_part(1, &family)?;
+    let two = kernel_part(2, &family)?;
     // FSDP's time per operation, from both runs: the larger rank count issues more.
     let fsdp_op_s = (one.fsdp_op_s + two.fsdp_op_s) / 2.0;
     let (one_thread, two_threads) = (one.rates, two.rates);
