@@ -177,6 +177,9 @@ pub struct PlanArgs {
     /// Write plan.json and timeline.svg here (a directory of its own; an earlier plan's is replaced).
     #[arg(long)]
     pub out_dir: Option<PathBuf>,
+    /// --gpu cpu: a calibration's rates (the file `ci/cpu-plan-check.sh` writes: a regular file, at most 64 KiB) instead of the frozen ones.
+    #[arg(long)]
+    pub cpu_rates: Option<PathBuf>,
 }
 
 fn parse_float_dtype(s: &str) -> Result<DType, String> {
@@ -320,6 +323,27 @@ fn read_config_file(path: &Path) -> anyhow::Result<LlamaConfig> {
     LlamaConfig::from_json(&text).map_err(|e| usage(format!("--config {}: {e}", path.display())))
 }
 
+/// The largest `--cpu-rates` file read.
+const MAX_RATES_BYTES: u64 = 64 << 10;
+
+/// A `--cpu-rates` file: a regular file of at most [`MAX_RATES_BYTES`] whose rates pass [`CpuRates::check`](chorus_plan::cpu_model::CpuRates::check).
+fn read_cpu_rates(path: &Path) -> anyhow::Result<chorus_plan::cpu_model::CpuRates> {
+    let name = || path.display();
+    use std::io::Read as _;
+    let io = |e: std::io::Error| usage(format!("--cpu-rates {}: {e}", name()));
+    let meta = std::fs::metadata(path).map_err(io)?;
+    if !meta.is_file() {
+        return Err(usage(format!("--cpu-rates {}: not a regular file", name())));
+    }
+    // Read at most one byte past the bound, so a file that grows after the check is refused too.
+    let mut text = String::new();
+    std::fs::File::open(path).map_err(io)?.take(MAX_RATES_BYTES + 1).read_to_string(&mut text).map_err(io)?;
+    if text.len() as u64 > MAX_RATES_BYTES {
+        return Err(usage(format!("--cpu-rates {}: more than {MAX_RATES_BYTES} bytes", name())));
+    }
+    chorus_plan::cpu_model::CpuRates::from_json(&text).map_err(|e| usage(format!("--cpu-rates {}: {e}", name())))
+}
+
 /// The workload's recompute mode of `--recompute`.
 pub fn recompute_mode(r: RecomputeArg) -> RecomputeMode {
     match r {
@@ -335,7 +359,14 @@ pub fn recompute_mode(r: RecomputeArg) -> RecomputeMode {
 /// what runs there (PyTorch with flash attention on a GPU, candle on the cpu).
 fn cost_inputs(args: &PlanArgs, shape: &DecoderShape) -> anyhow::Result<(Arc<dyn CostModel>, Vec<StageWork>)> {
     let cost: Arc<dyn CostModel> = match args.gpu.as_str() {
-        "cpu" => Arc::new(chorus_plan::cpu_model::CpuModel::for_ranks(args.gpus)),
+        "cpu" => {
+            let rates = match &args.cpu_rates {
+                Some(file) => read_cpu_rates(file)?,
+                None => chorus_plan::cpu_model::CpuRates::frozen(),
+            };
+            Arc::new(chorus_plan::cpu_model::CpuModel::from_rates(&rates, args.gpus))
+        }
+        _ if args.cpu_rates.is_some() => return Err(usage("--cpu-rates describes the cpu device: it needs --gpu cpu")),
         gpu => chorus_plan::gpu::cost_model(gpu, args.gpus_per_node).map_err(usage)?,
     };
     let micro = args.batch / args.micro_batches;

@@ -56,4 +56,36 @@ pub trait CostModel: Send + Sync + std::fmt::Debug {
     fn copy_seconds(&self, bytes: u64, from: MemorySpace, to: MemorySpace) -> f64;
     /// Dense bf16 peak FLOP/s of one GPU, for MFU (None for the cpu device).
     fn peak_flops(&self) -> Option<f64>;
+    /// What issuing an operation costs the host, by who issues it. None by
+    /// default: on a GPU the launch cost is in the fitted kernel efficiency
+    /// (`gpu::EAGER_EFFICIENCY`), so the GPU models keep this default.
+    fn host_cost(&self, issuer: Issuer) -> HostCost {
+        let _ = issuer;
+        HostCost::default()
+    }
+}
+
+/// Who issues an operation, for [`CostModel::host_cost`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Issuer {
+    /// The model's own kernels (a stage's forward and backward), issued by
+    /// the training framework between FSDP's hooks.
+    Model,
+    /// What FSDP enqueues on its streams: copies, casts, fills, reductions,
+    /// the optimizer step.
+    Fsdp,
+    /// A collective (the communicator enqueues it once every rank arrived).
+    Collective,
+}
+
+/// What an operation costs the host thread that issues it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct HostCost {
+    /// Seconds the host is busy issuing it; the operation cannot start
+    /// before the host is done (non-negative; anything else counts as 0).
+    pub issue_s: f64,
+    /// Whether the host thread runs the operation itself, and so is busy
+    /// until it ends (candle's kernels on the cpu device, or a rank whose
+    /// streams share its one core).
+    pub runs_on_host: bool,
 }

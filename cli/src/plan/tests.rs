@@ -236,3 +236,49 @@ fn an_offloaded_gpu_plan_holds_the_state_in_host_memory_and_steps_there() {
     let f8 = plan("--param-dtype bf16 --all-gather-dtype float8");
     assert!(f8.rank0_collectives.iter().any(|c| c.op == "all_gather" && c.dtype == "f8e4m3"));
 }
+
+#[test]
+fn cpu_rates_come_from_a_small_regular_file_of_good_numbers() {
+    let dir = std::env::temp_dir().join(format!("chorus-plan-rates-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let line =
+        |file: &std::path::Path, gpu: &str| format!("--model gpt --gpus 2 --gpu {gpu} --cpu-rates {}", file.display());
+    let refused = |line: String| -> String {
+        let a = args(&line);
+        let m = model(&a).unwrap();
+        match cost_inputs(&a, &m.shape) {
+            Ok(_) => panic!("`{line}` was accepted"),
+            Err(e) => {
+                assert!(e.downcast_ref::<UsageError>().is_some(), "not a usage error: {e:#}");
+                e.to_string()
+            }
+        }
+    };
+    assert!(refused(line(&dir, "cpu")).contains("not a regular file"));
+    assert!(refused(line(&dir.join("absent.json"), "cpu")).contains("--cpu-rates"));
+    let big = dir.join("big.json");
+    std::fs::write(&big, vec![b' '; (MAX_RATES_BYTES + 1) as usize]).unwrap();
+    assert!(refused(line(&big, "cpu")).contains("more than"));
+    let bad = dir.join("bad.json");
+    let mut v = serde_json::to_value(chorus_plan::cpu_model::CpuRates::frozen()).unwrap();
+    v["sim_busbw"] = (-1.0).into();
+    std::fs::write(&bad, v.to_string()).unwrap();
+    assert!(refused(line(&bad, "cpu")).contains("sim_busbw"));
+
+    // A good file prices the plan with its rates; another kind of GPU refuses it.
+    let good = dir.join("rates.json");
+    let mut rates = chorus_plan::cpu_model::CpuRates::frozen();
+    rates.one_thread.gemm_flops_per_s /= 10.0;
+    std::fs::write(&good, serde_json::to_string(&rates).unwrap()).unwrap();
+    assert!(refused(line(&good, "h100-sxm")).contains("--gpu cpu"));
+    let step = |line: &str| {
+        let a = args(line);
+        let m = model(&a).unwrap();
+        let (cost, work) = cost_inputs(&a, &m.shape).unwrap();
+        execute(&a, &m, cost, work).unwrap().step_time_s
+    };
+    let slower = step(&line(&good, "cpu"));
+    let frozen = step("--model gpt --gpus 2 --gpu cpu");
+    assert!(slower > frozen && frozen > 0.0, "{slower} vs {frozen}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

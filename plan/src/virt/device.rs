@@ -98,6 +98,21 @@ impl VirtDevice {
         raise(&self.inner.host_clock, t)
     }
 
+    /// The host works for `seconds` (non-negative and finite, else nothing):
+    /// its clock moves on by that much from where it is.
+    pub fn host_work(&self, seconds: f64) {
+        if seconds.is_finite() && seconds > 0.0 {
+            let mut cur = self.inner.host_clock.load(Ordering::Acquire);
+            loop {
+                let new = (f64::from_bits(cur) + seconds).to_bits();
+                match self.inner.host_clock.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) => return,
+                    Err(now) => cur = now,
+                }
+            }
+        }
+    }
+
     /// The latest end of any operation so far: the latest stream clock.
     pub fn latest_end(&self) -> f64 {
         let clocks = self.inner.clocks.lock().map(|c| c.clone()).unwrap_or_default();

@@ -10,7 +10,7 @@ use chorus_devices::{
 
 use super::device::{TraceOp, VirtDevice, VirtEvent};
 use super::{Virt, VirtBuffer};
-use crate::cost::{KernelCost, KernelKind};
+use crate::cost::{Issuer, KernelCost, KernelKind};
 
 /// An in-order queue whose work takes virtual time.
 #[derive(Debug)]
@@ -93,18 +93,37 @@ impl VirtStream {
     /// `end` (a collective, from the rank's arrival to its completion).
     pub fn run_until(&self, name: &str, end: f64) -> (f64, f64) {
         let start = self.ready_at();
-        self.run_from(name, start, (end - start).max(0.0))
+        let (start, end) = self.run_from(name, start, (end - start).max(0.0));
+        // Its arrival is already fixed: only whether the host runs it applies.
+        if self.device.cost().host_cost(Issuer::Collective).runs_on_host {
+            self.device.advance_host(end);
+        }
+        (start, end)
     }
 
-    /// Runs one modelled kernel.
+    /// Runs one of the model's kernels (issued by the framework).
     pub fn run_kernel(&self, kernel: &KernelCost) {
         let seconds = self.device.cost().kernel_seconds(kernel);
-        self.run_for(&kernel.name, seconds);
+        self.run_issued(Issuer::Model, &kernel.name, seconds);
+    }
+
+    /// [`VirtStream::run_for`] with the host's cost of issuing the
+    /// operation ([`CostModel::host_cost`](crate::cost::CostModel::host_cost)):
+    /// the host is busy for its issue time first, and until the operation's
+    /// end where the host runs it.
+    pub fn run_issued(&self, issuer: Issuer, name: &str, seconds: f64) -> (f64, f64) {
+        let host = self.device.cost().host_cost(issuer);
+        self.device.host_work(host.issue_s);
+        let (start, end) = self.run_for(name, seconds);
+        if host.runs_on_host {
+            self.device.advance_host(end);
+        }
+        (start, end)
     }
 
     fn memory_bound(&self, name: &'static str, bytes: usize) {
         let k = KernelCost { name: name.to_string(), kind: KernelKind::MemoryBound, flops: 0.0, bytes: bytes as f64 };
-        self.run_kernel(&k);
+        self.run_issued(Issuer::Fsdp, name, self.device.cost().kernel_seconds(&k));
     }
 
     /// An optimizer step of `bytes` of traffic: a memory-bound kernel, or
@@ -120,7 +139,7 @@ impl VirtStream {
 
     fn copy_between(&self, name: &'static str, bytes: usize, from: MemorySpace, to: MemorySpace) {
         let seconds = self.device.cost().copy_seconds(bytes as u64, from, to);
-        self.run_for(name, seconds);
+        self.run_issued(Issuer::Fsdp, name, seconds);
     }
 
     /// Checks a 2-D copy as every device does; returns the bytes it moves.
@@ -233,7 +252,7 @@ impl Stream for VirtStream {
     /// The copy takes its time; the host waits for it and reads zeros.
     fn copy_to_host(&self, src: V<'_>) -> Result<Readback> {
         self.mine("copy_to_host", &[src])?;
-        let (_, end) = self.run_for("copy_to_host", {
+        let (_, end) = self.run_issued(Issuer::Fsdp, "copy_to_host", {
             self.device.cost().copy_seconds(src.bytes() as u64, src.buffer().space(), MemorySpace::Host)
         });
         self.device.advance_host(end);

@@ -1,0 +1,204 @@
+//! The host's cost of issuing operations in the virtual run
+//! (`CostModel::host_cost`), against closed forms on a 1-rank plan whose
+//! only time is the model's kernels or the host's, and the cpu rates file's
+//! refusals.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use chorus_devices::MemorySpace;
+use chorus_fsdp::{FsdpConfig, OptimizerKind};
+use chorus_plan::constant::ConstantRates;
+use chorus_plan::cost::{CollectiveShape, CostModel, HostCost, Issuer, KernelCost};
+use chorus_plan::cpu_model::{CpuModel, CpuRates, RatesError};
+use chorus_plan::run::{run, GroupSpec, ModelSpec, RunSpec};
+
+const LAYERS: usize = 3;
+/// Each stage's forward GEMM: 1 ms at 1 TFLOP/s (its backward 2 ms).
+const FLOPS: f64 = 1e9;
+
+/// Constant rates where only GEMMs take time (at `flops`), with a host cost per issuer.
+#[derive(Debug)]
+struct HostModel {
+    flops: f64,
+    model: HostCost,
+    fsdp: HostCost,
+    fsdp_calls: AtomicUsize,
+}
+
+impl HostModel {
+    fn new(model: HostCost, fsdp: HostCost) -> Arc<HostModel> {
+        Arc::new(HostModel { flops: 1e12, model, fsdp, fsdp_calls: AtomicUsize::new(0) })
+    }
+    fn rates(&self) -> ConstantRates {
+        ConstantRates {
+            flops: self.flops,
+            memory_bytes: f64::INFINITY,
+            collective_latency: 0.0,
+            collective_bytes: f64::INFINITY,
+            peak_flops: None,
+        }
+    }
+}
+
+impl CostModel for HostModel {
+    fn kernel_seconds(&self, k: &KernelCost) -> f64 {
+        self.rates().kernel_seconds(k)
+    }
+    fn collective_seconds(&self, s: &CollectiveShape) -> f64 {
+        self.rates().collective_seconds(s)
+    }
+    fn copy_seconds(&self, bytes: u64, from: MemorySpace, to: MemorySpace) -> f64 {
+        self.rates().copy_seconds(bytes, from, to)
+    }
+    fn peak_flops(&self) -> Option<f64> {
+        None
+    }
+    fn host_cost(&self, issuer: Issuer) -> HostCost {
+        match issuer {
+            Issuer::Model => self.model,
+            Issuer::Fsdp => {
+                self.fsdp_calls.fetch_add(1, Ordering::Relaxed);
+                self.fsdp
+            }
+            Issuer::Collective => HostCost::default(),
+        }
+    }
+}
+
+fn model() -> ModelSpec {
+    let g = |name: &str, root| GroupSpec { name: name.into(), params: vec![(format!("{name}.w"), vec![8, 8])], root };
+    let mut groups = vec![g("root", true)];
+    groups.extend((0..LAYERS).map(|i| g(&format!("layers.{i}"), false)));
+    ModelSpec::decoder(groups, 0, 0, common::decoder_work(LAYERS, FLOPS, 1 << 10)).unwrap()
+}
+
+/// Rank 0's measured step (the second of `steps`) with `cost`.
+fn step(cost: Arc<HostModel>, steps: usize) -> f64 {
+    let spec = RunSpec {
+        world: 1,
+        replicate: None,
+        fsdp: FsdpConfig::default(),
+        forward_prefetch: true,
+        optimizer: OptimizerKind::adamw(1e-3, 0.01),
+        max_grad_norm: None,
+        micro_batches: 1,
+        steps,
+        kernels_reach_host: true,
+        trace_rank: None,
+        timeout: Duration::from_secs(60),
+    };
+    let plan = run(&model(), &spec, cost).unwrap();
+    plan.ranks[0].as_ref().unwrap().step_time_s
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-12 * b.abs().max(1e-9)
+}
+
+/// Each stage's kernels: forward FLOPS, backward 2 × FLOPS (`common::stage`).
+const STAGES: f64 = (LAYERS + 2) as f64;
+const KERNEL_TIME: f64 = STAGES * 3.0 * FLOPS / 1e12;
+
+#[test]
+fn without_a_host_cost_the_step_is_its_kernels() {
+    let t = step(HostModel::new(HostCost::default(), HostCost::default()), 2);
+    assert!(close(t, KERNEL_TIME), "{t} vs {KERNEL_TIME}");
+}
+
+#[test]
+fn a_host_that_runs_the_kernels_adds_its_issue_time_to_each() {
+    let c = 250e-6;
+    let on_host = HostCost { issue_s: c, runs_on_host: true };
+    let t = step(HostModel::new(on_host, HostCost::default()), 2);
+    // Each of the 2 × stages kernels waits for the host to issue it, and the host for its end.
+    let expected = KERNEL_TIME + 2.0 * STAGES * c;
+    assert!(close(t, expected), "{t} vs {expected}");
+    // Issued, not run, by the host: the stream stays ahead, only the first issue shows.
+    let queued = HostCost { issue_s: c, runs_on_host: false };
+    let t = step(HostModel::new(queued, HostCost::default()), 2);
+    assert!(close(t, KERNEL_TIME + c), "{t} vs {}", KERNEL_TIME + c);
+}
+
+#[test]
+fn fsdp_issue_time_adds_once_per_operation_it_issues() {
+    let f = 3e-6;
+    // The operations FSDP issues in the measured step: two steps' less one step's.
+    let count = |steps| {
+        let cost = HostModel::new(HostCost::default(), HostCost::default());
+        step(cost.clone(), steps);
+        cost.fsdp_calls.load(Ordering::Relaxed)
+    };
+    let ops = (count(2) - count(1)) as f64;
+    assert!(ops > 0.0);
+    // Nothing takes device time: the step is the host's issue time alone.
+    let mut host_only = HostModel::new(HostCost::default(), HostCost { issue_s: f, runs_on_host: true });
+    Arc::get_mut(&mut host_only).unwrap().flops = f64::INFINITY;
+    let t = step(host_only, 2);
+    assert!(close(t, ops * f), "{t} vs {ops} × {f}");
+}
+
+#[test]
+fn the_cpu_model_runs_the_models_kernels_on_the_host() {
+    let one = CpuModel::for_ranks(1);
+    assert_eq!(one.host_cost(Issuer::Model), HostCost { issue_s: 0.0, runs_on_host: true });
+    // One rank has a core for its streams; two ranks on two cores do not.
+    assert!(!one.host_cost(Issuer::Fsdp).runs_on_host);
+    assert!(CpuModel::for_ranks(2).host_cost(Issuer::Collective).runs_on_host);
+    // The GPU models keep the default.
+    let gpu = chorus_plan::gpu::cost_model("h100-sxm", 8).unwrap();
+    for issuer in [Issuer::Model, Issuer::Fsdp, Issuer::Collective] {
+        assert_eq!(gpu.host_cost(issuer), HostCost::default());
+    }
+}
+
+fn refused(text: &str) -> RatesError {
+    match CpuRates::from_json(text) {
+        Ok(r) => panic!("accepted {r:?}"),
+        Err(e) => e,
+    }
+}
+
+/// The frozen rates as JSON with `edit` applied.
+fn edited(edit: impl FnOnce(&mut serde_json::Value)) -> String {
+    let mut v = serde_json::to_value(CpuRates::frozen()).unwrap();
+    edit(&mut v);
+    v.to_string()
+}
+
+#[test]
+fn a_rates_file_round_trips_and_every_bad_number_is_refused() {
+    let frozen = CpuRates::frozen();
+    assert_eq!(CpuRates::from_json(&serde_json::to_string(&frozen).unwrap()).unwrap(), frozen);
+    assert_eq!(CpuModel::from_rates(&frozen, 2), CpuModel::for_ranks(2));
+
+    assert!(matches!(refused("not json"), RatesError::Json(_)));
+    assert!(matches!(refused("{}"), RatesError::Json(_)));
+    assert!(matches!(refused(&edited(|v| v["extra"] = 1.into())), RatesError::Json(_)));
+    assert!(matches!(refused(&edited(|v| v["sim_busbw"] = "fast".into())), RatesError::Json(_)));
+    // Out of f64's range: serde_json refuses it rather than reading infinity.
+    assert!(matches!(
+        refused(&edited(|v| v["sim_call_s"] = 1.into()).replace("\"sim_call_s\":1", "\"sim_call_s\":1e999")),
+        RatesError::Json(_)
+    ));
+    for (field, value) in
+        [("sim_call_s", 0.0), ("sim_busbw", -1.0), ("host_copy_bytes_per_s", 0.0), ("fsdp_op_s", -1e-6)]
+    {
+        let e = refused(&edited(|v| v[field] = value.into()));
+        assert!(matches!(&e, RatesError::Value { field: f, .. } if f == field), "{field}: {e}");
+    }
+    for field in
+        ["gemm_flops_per_s", "attention_flops_per_s", "memory_bytes_per_s", "cached_bytes_per_s", "op_overhead_s"]
+    {
+        let e = refused(&edited(|v| v["two_threads"][field] = 0.into()));
+        assert!(e.to_string().contains(&format!("two_threads.{field}")), "{e}");
+    }
+    assert!(refused(&edited(|v| v["cores"] = 0.into())).to_string().contains("cores"));
+    assert!(refused(&edited(|v| v["cores"] = 100_000.into())).to_string().contains("cores"));
+    assert!(matches!(refused(&edited(|v| v["cores"] = (-2).into())), RatesError::Json(_)));
+    // FSDP's time may be zero (not measured).
+    assert!(CpuRates::from_json(&edited(|v| v["fsdp_op_s"] = 0.into())).is_ok());
+}
