@@ -23,10 +23,11 @@ use crate::cost::{CollectiveShape, CostModel, HostCost, Issuer, KernelCost, Kern
 
 /// Calibrated on: `nproc` 2, "Intel(R) Xeon(R) Processor", KVM guest,
 /// candle 0.11.1, the workspace's dev profile (opt-level 2, dependencies
-/// 3), 2026-11-26 05:28 UTC, load average 9.2 (falling from 24: other
-/// helpers' builds shared the two cores), `ci/cpu-plan-check.sh`.
+/// 3), 2026-11-26 05:42 UTC, load average 1.8 (the machine otherwise
+/// idle), `ci/cpu-plan-check.sh`'s transformer calibration, on the tree
+/// whose FSDP copy-out is a few copies per parameter.
 pub const CALIBRATED_ON: &str =
-    "2-core Xeon KVM guest, candle 0.11.1, dev profile, 2026-11-26 05:28 UTC, load average 9.2";
+    "2-core Xeon KVM guest, candle 0.11.1, dev profile, 2026-11-26 05:42 UTC, load average 1.8";
 
 /// Cores of the calibration machine.
 pub const CORES: usize = 2;
@@ -59,27 +60,27 @@ pub struct Rates {
 pub const CACHE_BYTES: f64 = 4.0 * 1024.0 * 1024.0;
 
 /// One candle thread, fitted at two ranks (`RAYON_NUM_THREADS=1`): gemm
-/// 50.1 GFLOP/s (48.8–57.0 over the shapes), attention 36.8, `x + y` 24.2
-/// GB/s; the calibration transformers' candle step 9.0 and 64.1 ms, of
-/// which GEMMs 1.5 and 15.3 ms: element-wise 1.94 GB/s, the fixed cost
+/// 46.9 GFLOP/s (median over the shapes), attention 20.0, `x + y` 24.8
+/// GB/s; the calibration transformers' candle step 7.9 and 54.8 ms, of
+/// which GEMMs 1.8 and 17.6 ms: element-wise 2.54 GB/s, the fixed cost
 /// fitted below its floor.
 pub const ONE_THREAD: Rates = Rates {
-    gemm_flops_per_s: 50.1e9,
-    attention_flops_per_s: 36.8e9,
-    memory_bytes_per_s: 1.94e9,
-    cached_bytes_per_s: 1.94e9,
+    gemm_flops_per_s: 46.9e9,
+    attention_flops_per_s: 20.0e9,
+    memory_bytes_per_s: 2.54e9,
+    cached_bytes_per_s: 2.54e9,
     op_overhead_s: 1e-7,
 };
 
-/// Two candle threads, fitted at one rank: gemm 41.8 GFLOP/s, attention
-/// 32.1, `x + y` 46.3 GB/s; candle steps 10.2 and 56.9 ms, GEMMs 1.8 and
-/// 18.3 ms: element-wise 2.47 GB/s and 2.3 µs per kernel.
+/// Two candle threads, fitted at one rank: gemm 42.7 GFLOP/s, attention
+/// 30.5, `x + y` 52.9 GB/s; candle steps 8.9 and 51.4 ms, GEMMs 1.8 and
+/// 18.0 ms: element-wise 2.85 GB/s and 1.5 µs per kernel.
 pub const TWO_THREADS: Rates = Rates {
-    gemm_flops_per_s: 41.8e9,
-    attention_flops_per_s: 32.1e9,
-    memory_bytes_per_s: 2.47e9,
-    cached_bytes_per_s: 2.47e9,
-    op_overhead_s: 2.28e-6,
+    gemm_flops_per_s: 42.7e9,
+    attention_flops_per_s: 30.5e9,
+    memory_bytes_per_s: 2.85e9,
+    cached_bytes_per_s: 2.85e9,
+    op_overhead_s: 1.46e-6,
 };
 
 /// One memcpy between host buffers, bytes/s (`docs/benchmarks.md`, the
@@ -89,18 +90,19 @@ pub const HOST_COPY_BYTES_PER_S: f64 = 25e9;
 
 /// A small sim collective, seconds: `chorus bench --backend sim --op
 /// all_gather --world-size 2`'s median time at 1–64 KiB.
-pub const SIM_CALL_S: f64 = 104e-6;
+pub const SIM_CALL_S: f64 = 64.6e-6;
 
 /// The sim's bus bandwidth on this machine, bytes/s: the same bench's
 /// median at 4–16 MiB.
-pub const SIM_BUSBW: f64 = 6.18e9;
+pub const SIM_BUSBW: f64 = 6.69e9;
 
 /// FSDP's host time per operation it issues, seconds: its hooks' CPU time
 /// per step over the operations a plan counts, on the calibration
-/// transformers: 1.3 and 6.9 µs at 2 ranks, 3.4 and 12.9 at 1 (the larger
-/// model's per-parameter work costs more per operation); the mean of the
-/// two rank counts' larger values.
-pub const FSDP_OP_S: f64 = 9.9e-6;
+/// transformers: 7.0 and 27.5 µs at 2 ranks, 11.8 and 37.4 at 1 (the larger
+/// model's per-parameter work costs more per operation; a batched copy of
+/// a whole group counts as one operation); the mean of the two rank
+/// counts' larger values.
+pub const FSDP_OP_S: f64 = 32.5e-6;
 
 /// Everything the cpu model takes from a calibration: what
 /// `ci/cpu-plan-check.sh` writes and `chorus plan --cpu-rates FILE` reads.
