@@ -82,6 +82,8 @@ cargo test -p chorus --test generate -- --ignored
 cargo test -p chorus --test lr_torch -- --ignored
 # The float8 scaled casts (FSDP's float8 all-gather) against NumPy's recipe and torch's float8_e4m3fn.
 cargo test -p chorus-devices --test float8_numpy -- --ignored
+# The planner's activation count for a Llama layer against what PyTorch's autograd keeps.
+cargo test -p chorus-plan --test saved_torch -- --ignored
 
 step "chorus train against an independent NumPy implementation (init written by numpy.save)"
 cargo build -p chorus

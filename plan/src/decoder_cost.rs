@@ -161,6 +161,9 @@ struct Trace {
     ops: Vec<Op>,
     mm_count: usize,
     checkpointed: bool,
+    /// PyTorch in half precision: the stage's first op is a norm that
+    /// keeps the f32 cast of the input, not the input itself.
+    input_kept_as_f32: bool,
 }
 
 fn kernel(name: &str, kind: KernelKind, flops: f64, bytes: f64) -> KernelCost {
@@ -169,7 +172,7 @@ fn kernel(name: &str, kind: KernelKind, flops: f64, bytes: f64) -> KernelCost {
 
 impl Trace {
     fn new(framework: Framework, c: f64) -> Trace {
-        Trace { framework, c, ops: Vec::new(), mm_count: 0, checkpointed: true }
+        Trace { framework, c, ops: Vec::new(), mm_count: 0, checkpointed: true, input_kept_as_f32: false }
     }
 
     fn outside_checkpoint(&mut self) {
@@ -234,7 +237,9 @@ impl Trace {
                     RecomputeMode::Selective => op.sac_save == 0.0,
                 }
         };
-        let mut saved = input;
+        // A checkpointed region keeps its input whatever runs inside it;
+        // without one, autograd keeps only what the ops' backwards read.
+        let mut saved = if self.input_kept_as_f32 && mode == RecomputeMode::None { 0.0 } else { input };
         let mut rebuilt = 0.0;
         for op in &self.ops {
             match (op.checkpointed, mode) {
@@ -273,6 +278,9 @@ impl Trace {
 fn rms_norm(t: &mut Trace, name: &str, dims: &Dims) {
     let (n, c) = (dims.tokens * dims.d, t.c);
     let half = c < 4.0;
+    if half && t.ops.is_empty() && t.framework == Framework::TorchEager {
+        t.input_kept_as_f32 = true;
+    }
     if half {
         t.mem(&format!("{name}.to_f32"), n * (c + 4.0), n * 4.0, n * 4.0);
     }
@@ -372,8 +380,10 @@ fn layer_ops(t: &mut Trace, shape: &DecoderShape, dims: &Dims) {
         }
     }
     // `transpose(1, 2).contiguous()` back to `[b, t, heads · hd]`; the output
-    // projection keeps it.
-    t.mem("attn.out.transpose", 2.0 * tok * dq * c, tok * dq * c, tok * dq * c);
+    // projection keeps it. PyTorch's SDPA returns a transposed view of
+    // `[b, t, heads, hd]` memory, so the copy is a no-op and what the
+    // projection keeps is the storage SDPA already keeps.
+    t.mem("attn.out.transpose", 2.0 * tok * dq * c, tok * dq * c, 0.0);
     t.gemm("attn.o", dims, dq, d, false);
     // The residual sum; in f32 the next norm keeps it as its input.
     t.mem("attn.residual", 3.0 * tok * d * c, tok * d * c, if c < 4.0 { 0.0 } else { tok * d * c });

@@ -136,18 +136,25 @@ fn saved_bytes_per_mode_match_the_hand_count() {
         input + t * q * c + t * kv * c + t * q * c + lse + t * f * c + t * d * c
     );
     // None, PyTorch: per norm the f32 input, the f32 mean, the normalized
-    // value and the output; attention's q, k, v (repeated to the query
-    // width), output and log-sum-exp; o_proj's input; the MLP's gate
-    // output, silu output, up output and their product.
+    // value and the output (not the bf16 input: the f32 cast is what the
+    // norm's backward reads); attention's q, k, v (repeated to the query
+    // width), output (o_proj's input is a view of it) and log-sum-exp; the
+    // MLP's gate output, silu output, up output and their product.
+    // (`saved_torch.rs` checks the same count against PyTorch's autograd.)
     let norm = t * d * 4 + t * 4 + t * d * c + t * d * c;
     let attention = 4 * t * q * c + lse;
-    assert_eq!(layer(RecomputeMode::None), input + 2 * norm + attention + t * q * c + 4 * t * f * c);
+    assert_eq!(layer(RecomputeMode::None), 2 * norm + attention + 4 * t * f * c);
+    // In f32 the norm reads its input itself, so the input is kept.
+    let f32_norm = t * 4 + t * d * 4 + t * d * 4;
+    let none_f32 = decoder_work(&shape, b, s, 4, RecomputeMode::None)[1].saved_bytes;
+    let f32_attention = 4 * t * q * 4 + lse;
+    assert_eq!(none_f32, t * d * 4 + 2 * f32_norm + t * d * 4 + f32_attention + 4 * t * f * 4);
     // The embedding keeps its ids; the head its loss's log-softmax (f32)
     // and the final norm's, whatever the mode (torchtitan checkpoints blocks only).
     for mode in [RecomputeMode::None, RecomputeMode::Full, RecomputeMode::Selective] {
         let stages = decoder_work(&shape, b, s, c as usize, mode);
         assert_eq!(stages[0].saved_bytes, t * 8);
-        assert_eq!(stages[4].saved_bytes, input + norm + t * 50 * 4);
+        assert_eq!(stages[4].saved_bytes, norm + t * 50 * 4);
     }
 }
 
