@@ -102,14 +102,7 @@ impl VirtDevice {
     /// its clock moves on by that much from where it is.
     pub fn host_work(&self, seconds: f64) {
         if seconds.is_finite() && seconds > 0.0 {
-            let mut cur = self.inner.host_clock.load(Ordering::Acquire);
-            loop {
-                let new = (f64::from_bits(cur) + seconds).to_bits();
-                match self.inner.host_clock.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire) {
-                    Ok(_) => return,
-                    Err(now) => cur = now,
-                }
-            }
+            super::update(&self.inner.host_clock, |t| t + seconds);
         }
     }
 
@@ -393,14 +386,6 @@ impl VirtDevice {
     pub(crate) fn run_on_host(&self, not_before: f64, seconds: f64) {
         let seconds = if seconds.is_finite() && seconds > 0.0 { seconds } else { 0.0 };
         self.advance_host(self.host_clock().max(not_before) + seconds);
-        let mut cur = self.inner.host_step_s.load(Ordering::Acquire);
-        while let Err(now) = self.inner.host_step_s.compare_exchange_weak(
-            cur,
-            (f64::from_bits(cur) + seconds).to_bits(),
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        ) {
-            cur = now;
-        }
+        super::update(&self.inner.host_step_s, |t| t + seconds);
     }
 }

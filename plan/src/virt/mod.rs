@@ -24,6 +24,21 @@ pub mod comm;
 mod device;
 mod stream;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Replaces the f64 held in `cell` as bits by `f(old)`; returns (old, new).
+/// Atomic, so that two host threads moving one clock cannot lose time.
+pub(crate) fn update(cell: &AtomicU64, f: impl Fn(f64) -> f64) -> (f64, f64) {
+    let mut cur = cell.load(Ordering::Acquire);
+    loop {
+        let new = f(f64::from_bits(cur));
+        match cell.compare_exchange_weak(cur, new.to_bits(), Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return (f64::from_bits(cur), new),
+            Err(now) => cur = now,
+        }
+    }
+}
+
 pub use device::{ActivationBuf, TraceOp, VirtBuffer, VirtConfig, VirtDevice, VirtEvent};
 pub use stream::VirtStream;
 

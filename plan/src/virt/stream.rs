@@ -9,7 +9,7 @@ use chorus_devices::{
 };
 
 use super::device::{TraceOp, VirtDevice, VirtEvent};
-use super::{Virt, VirtBuffer};
+use super::{update, Virt, VirtBuffer};
 use crate::cost::{Issuer, KernelCost, KernelKind};
 
 /// An in-order queue whose work takes virtual time.
@@ -23,19 +23,6 @@ pub struct VirtStream {
     clock: Arc<AtomicU64>,
     /// Seconds of operations run (collectives' waits not counted; f64 bits).
     busy: AtomicU64,
-}
-
-/// Adds `f(old)` to the f64 held in `cell` as bits; returns (old, new).
-/// Atomic, so that enqueues from two host threads cannot lose time.
-fn update(cell: &AtomicU64, f: impl Fn(f64) -> f64) -> (f64, f64) {
-    let mut cur = cell.load(Ordering::Acquire);
-    loop {
-        let new = f(f64::from_bits(cur));
-        match cell.compare_exchange_weak(cur, new.to_bits(), Ordering::AcqRel, Ordering::Acquire) {
-            Ok(_) => return (f64::from_bits(cur), new),
-            Err(now) => cur = now,
-        }
-    }
 }
 
 type V<'a> = View<'a, Virt>;
