@@ -302,20 +302,7 @@ fn fsdp_ops_per_step(cal: &Cal, ranks: usize) -> Res<f64> {
     let model = ModelSpec::decoder(specs.collect(), groups.embed, groups.head, cal.work())?;
     let count = |steps: usize| -> Res<usize> {
         let cost = Arc::new(Counting { inner: ConstantRates::round(), fsdp_ops: AtomicUsize::new(0) });
-        let spec = RunSpec {
-            world: ranks,
-            replicate: None,
-            fsdp: Default::default(),
-            forward_prefetch: true,
-            optimizer: OptimizerKind::adamw(1e-3, 0.01),
-            max_grad_norm: None,
-            micro_batches: 1,
-            steps,
-            kernels_reach_host: true,
-            trace_rank: None,
-            timeout: Duration::from_secs(60),
-        };
-        run(&model, &spec, cost.clone())?;
+        run(&model, &RunSpec::new(ranks, steps), cost.clone())?;
         Ok(cost.fsdp_ops.load(Ordering::Relaxed) / ranks)
     };
     Ok(count(2)? as f64 - count(1)? as f64)

@@ -168,6 +168,28 @@ pub struct RunSpec {
     pub timeout: Duration,
 }
 
+impl RunSpec {
+    /// `world` ranks for `steps` steps: FSDP's default settings, forward
+    /// prefetch, AdamW (lr 1e-3, weight decay 0.01), one micro-batch, no
+    /// clipping, no HSDP, kernels that reach host memory (the cpu device),
+    /// nothing traced, a 60 s deadline. Callers change what they need.
+    pub fn new(world: usize, steps: usize) -> RunSpec {
+        RunSpec {
+            world,
+            replicate: None,
+            fsdp: FsdpConfig::default(),
+            forward_prefetch: true,
+            optimizer: OptimizerKind::adamw(1e-3, 0.01),
+            max_grad_norm: None,
+            micro_batches: 1,
+            steps,
+            kernels_reach_host: true,
+            trace_rank: None,
+            timeout: Duration::from_secs(60),
+        }
+    }
+}
+
 /// What one rank's run gave.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct RankPlan {

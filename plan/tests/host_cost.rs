@@ -7,10 +7,8 @@ mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use chorus_devices::MemorySpace;
-use chorus_fsdp::{FsdpConfig, OptimizerKind};
 use chorus_plan::constant::ConstantRates;
 use chorus_plan::cost::{CollectiveShape, CostModel, HostCost, Issuer, KernelCost};
 use chorus_plan::cpu_model::{CpuModel, CpuRates, RatesError};
@@ -78,20 +76,7 @@ fn model() -> ModelSpec {
 
 /// Rank 0's measured step (the second of `steps`) with `cost`.
 fn step(cost: Arc<HostModel>, steps: usize) -> f64 {
-    let spec = RunSpec {
-        world: 1,
-        replicate: None,
-        fsdp: FsdpConfig::default(),
-        forward_prefetch: true,
-        optimizer: OptimizerKind::adamw(1e-3, 0.01),
-        max_grad_norm: None,
-        micro_batches: 1,
-        steps,
-        kernels_reach_host: true,
-        trace_rank: None,
-        timeout: Duration::from_secs(60),
-    };
-    let plan = run(&model(), &spec, cost).unwrap();
+    let plan = run(&model(), &RunSpec::new(1, steps), cost).unwrap();
     plan.ranks[0].as_ref().unwrap().step_time_s
 }
 

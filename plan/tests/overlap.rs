@@ -8,9 +8,8 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use chorus_fsdp::{FsdpConfig, OptimizerKind};
+use chorus_fsdp::OptimizerKind;
 use chorus_plan::constant::ConstantRates;
 use chorus_plan::run::{run, GroupSpec, ModelSpec, RankPlan, RunSpec};
 use chorus_plan::virt::TraceOp;
@@ -30,19 +29,7 @@ fn plan(rates: ConstantRates) -> RankPlan {
     // 1 GFLOP forward per stage: 1 ms at 1 TFLOP/s, long against a layer's all-gather.
     let work = common::decoder_work(LAYERS, 1e9, 1 << 20);
     let model = ModelSpec::decoder(specs.collect(), g.embed, g.head, work).unwrap();
-    let spec = RunSpec {
-        world: 2,
-        replicate: None,
-        fsdp: FsdpConfig::default(),
-        forward_prefetch: true,
-        optimizer: OptimizerKind::adamw(1e-3, 0.1),
-        max_grad_norm: None,
-        micro_batches: 1,
-        steps: 2,
-        kernels_reach_host: true,
-        trace_rank: Some(0),
-        timeout: Duration::from_secs(60),
-    };
+    let spec = RunSpec { optimizer: OptimizerKind::adamw(1e-3, 0.1), trace_rank: Some(0), ..RunSpec::new(2, 2) };
     let r = run(&model, &spec, Arc::new(rates)).unwrap();
     assert_eq!(r.divergence, None);
     r.ranks[0].clone().unwrap()

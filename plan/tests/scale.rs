@@ -29,8 +29,6 @@ fn plan(gpus: usize) -> Duration {
 
 fn plan_steps(gpus: usize, steps: usize) -> Duration {
     let spec = RunSpec {
-        world: gpus,
-        replicate: None,
         fsdp: FsdpConfig {
             mixed_precision: MixedPrecision {
                 param_dtype: Some(DType::BF16),
@@ -40,14 +38,12 @@ fn plan_steps(gpus: usize, steps: usize) -> Duration {
             },
             ..FsdpConfig::default()
         },
-        forward_prefetch: true,
         optimizer: OptimizerKind::adamw(1e-3, 0.1),
         max_grad_norm: Some(1.0),
-        micro_batches: 1,
-        steps,
         kernels_reach_host: false,
         trace_rank: Some(0),
         timeout: Duration::from_secs(600),
+        ..RunSpec::new(gpus, steps)
     };
     let model = llama_8b();
     let t0 = Instant::now();

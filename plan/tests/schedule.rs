@@ -9,7 +9,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chorus_fsdp::{FsdpConfig, OptimizerKind};
+use chorus_fsdp::OptimizerKind;
 use chorus_plan::run::{run, GroupSpec, ModelSpec, RunSpec, Stage};
 use chorus_plan::schedule::first_divergence;
 
@@ -48,17 +48,10 @@ fn moe(routed: bool) -> ModelSpec {
 
 fn spec(world: usize) -> RunSpec {
     RunSpec {
-        world,
-        replicate: None,
-        fsdp: FsdpConfig::default(),
         forward_prefetch: false,
         optimizer: OptimizerKind::adamw(1e-3, 0.0),
-        max_grad_norm: None,
-        micro_batches: 1,
-        steps: 2,
         kernels_reach_host: false,
-        trace_rank: None,
-        timeout: Duration::from_secs(60),
+        ..RunSpec::new(world, 2)
     }
 }
 
