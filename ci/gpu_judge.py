@@ -37,6 +37,12 @@ def bench(log):
     return 0 if d == d and d <= 1e-4 else 1
 
 
+def median_step(s):
+    """A summary's median step time, leaving out the first three (warm-up) when there are more."""
+    times = s["step_times_s"][3:] or s["step_times_s"]
+    return sorted(times)[len(times) // 2]
+
+
 def mfu(summary, gpus):
     try:
         with open(summary) as f:
@@ -45,8 +51,7 @@ def mfu(summary, gpus):
         print(f"no summary of the bf16 run ({e}): the run failed, see its log")
         return 1
     gpus = int(gpus)
-    times = s["step_times_s"][3:] or s["step_times_s"]
-    t = sorted(times)[len(times) // 2]
+    t = median_step(s)
     # The shape of gpu-check.sh's llama_110m with --batch 8.
     V, H, L, I, T, B = 16000, 768, 12, 2048, 256, 8
     params = 2 * V * H + L * (4 * H * H + 3 * H * I + 2 * H) + H
@@ -112,8 +117,7 @@ def plan(plan_json, summary):
     except OSError as e:
         print(f"no plan or no run to compare ({e}): see their logs")
         return 1
-    times = s["step_times_s"][3:] or s["step_times_s"]
-    measured = sorted(times)[len(times) // 2]
+    measured = median_step(s)
     predicted = p["step_time_s"]
     want, got = p["fsdp_peak_memory_bytes"], max(s["peak_memory_bytes"])
     print(
