@@ -7,7 +7,7 @@ use chorus_collectives::recorder::RecorderOptions;
 use chorus_collectives::{CommError, Communicator};
 use chorus_devices::{Buffer, DType, Device, MemorySpace, Priority, Stream, StreamExt};
 
-use super::comm::VirtWorld;
+use super::comm::{VirtComm, VirtWorld};
 use super::{VirtConfig, VirtDevice};
 use crate::cost::{CollectiveShape, CostModel, KernelCost, KernelKind};
 
@@ -39,6 +39,33 @@ fn device(rank: usize) -> VirtDevice {
 
 fn close(a: f64, b: f64) -> bool {
     (a - b).abs() < 1e-15
+}
+
+/// Runs `f` on a thread per rank of a fresh world of `ranks`, each with
+/// its device and its communicator on the world (no recorder); marks the
+/// rank ended when `f` returns, and gives each rank's result in rank order.
+fn on_every_rank<T: Send>(
+    ranks: usize,
+    timeout: Duration,
+    f: impl Fn(usize, &VirtDevice, Communicator<VirtComm>) -> T + Sync,
+) -> (Arc<VirtWorld>, Vec<T>) {
+    let world = VirtWorld::new(ranks, Arc::new(Unit), timeout);
+    let results = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..ranks)
+            .map(|r| {
+                let (world, f) = (world.clone(), &f);
+                s.spawn(move || {
+                    let d = device(r);
+                    let comm = world.communicator(r, d.clone(), Arc::new(Mutex::new(Vec::new()))).unwrap();
+                    let out = f(r, &d, Communicator::with_recorder(comm, &RecorderOptions::off()));
+                    world.rank_ended(r);
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    (world, results)
 }
 
 #[test]
@@ -89,31 +116,15 @@ fn events_carry_clocks_between_streams_and_the_host_waits() {
 
 #[test]
 fn a_collective_starts_at_the_last_arrival_and_every_rank_ends_together() {
-    let world = VirtWorld::new(2, Arc::new(Unit), Duration::from_secs(10));
-    let ends: Vec<f64> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
-            .map(|r| {
-                let world = world.clone();
-                s.spawn(move || {
-                    let d = device(r);
-                    let log = Arc::new(Mutex::new(Vec::new()));
-                    let c = Communicator::with_recorder(
-                        world.communicator(r, d.clone(), log).unwrap(),
-                        &RecorderOptions::off(),
-                    );
-                    let st = d.create_stream(Priority::Normal).unwrap();
-                    let x = d.alloc(DType::F32, 250).unwrap();
-                    // Rank 1 computes 1 µs longer before the all-reduce.
-                    for _ in 0..=r {
-                        st.fill(x.view(), chorus_devices::Scalar::Float(0.0)).unwrap();
-                    }
-                    c.all_reduce_in_place(x.view(), chorus_collectives::ReduceOp::Sum, &st).unwrap();
-                    world.rank_ended(r);
-                    st.clock()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let (_, ends) = on_every_rank(2, Duration::from_secs(10), |r, d, c| {
+        let st = d.create_stream(Priority::Normal).unwrap();
+        let x = d.alloc(DType::F32, 250).unwrap();
+        // Rank 1 computes 1 µs longer before the all-reduce.
+        for _ in 0..=r {
+            st.fill(x.view(), chorus_devices::Scalar::Float(0.0)).unwrap();
+        }
+        c.all_reduce_in_place(x.view(), chorus_collectives::ReduceOp::Sum, &st).unwrap();
+        st.clock()
     });
     // Last arrival at 2 µs, then 1000 bytes at 1 µs/byte.
     assert!(ends.iter().all(|e| close(*e, 2e-6 + 1000e-6)), "{ends:?}");
@@ -121,33 +132,16 @@ fn a_collective_starts_at_the_last_arrival_and_every_rank_ends_together() {
 
 #[test]
 fn ranks_that_call_different_collectives_fail_with_the_first_divergence_instead_of_hanging() {
-    let world = VirtWorld::new(3, Arc::new(Unit), Duration::from_secs(30));
-    let results: Vec<Result<(), CommError>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..3)
-            .map(|r| {
-                let world = world.clone();
-                s.spawn(move || {
-                    let d = device(r);
-                    let log = Arc::new(Mutex::new(Vec::new()));
-                    let c = Communicator::with_recorder(
-                        world.communicator(r, d.clone(), log).unwrap(),
-                        &RecorderOptions::off(),
-                    );
-                    let st = d.create_stream(Priority::Normal).unwrap();
-                    let x = d.alloc(DType::F32, 8).unwrap();
-                    let r0 = c.all_reduce_in_place(x.view(), chorus_collectives::ReduceOp::Sum, &st);
-                    // Rank 2 gathers 4 elements where the others gather 8... after rank 1 has ended.
-                    let out = match r {
-                        1 => r0,
-                        2 => r0.and_then(|_| c.all_gather(x.slice(0, 2).unwrap(), x.slice(0, 6).unwrap(), &st)),
-                        _ => r0.and_then(|_| c.all_reduce_in_place(x.view(), chorus_collectives::ReduceOp::Sum, &st)),
-                    };
-                    world.rank_ended(r);
-                    out
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let (world, results) = on_every_rank(3, Duration::from_secs(30), |r, d, c| -> Result<(), CommError> {
+        let st = d.create_stream(Priority::Normal).unwrap();
+        let x = d.alloc(DType::F32, 8).unwrap();
+        let r0 = c.all_reduce_in_place(x.view(), chorus_collectives::ReduceOp::Sum, &st);
+        // Rank 2 gathers 4 elements where the others gather 8... after rank 1 has ended.
+        match r {
+            1 => r0,
+            2 => r0.and_then(|_| c.all_gather(x.slice(0, 2).unwrap(), x.slice(0, 6).unwrap(), &st)),
+            _ => r0.and_then(|_| c.all_reduce_in_place(x.view(), chorus_collectives::ReduceOp::Sum, &st)),
+        }
     });
     assert!(results[1].is_ok());
     assert!(results[0].is_err() && results[2].is_err(), "{results:?}");
@@ -158,27 +152,10 @@ fn ranks_that_call_different_collectives_fail_with_the_first_divergence_instead_
 
 #[test]
 fn split_makes_communicators_named_as_the_flight_recorder_names_them() {
-    let world = VirtWorld::new(4, Arc::new(Unit), Duration::from_secs(10));
-    let got: Vec<(String, usize, usize)> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..4)
-            .map(|r| {
-                let world = world.clone();
-                s.spawn(move || {
-                    let d = device(r);
-                    let log = Arc::new(Mutex::new(Vec::new()));
-                    let c = world.communicator(r, d, log).unwrap();
-                    let sub =
-                        chorus_collectives::CommBackend::split(&c, Some((r % 2) as u32), -(r as i64)).unwrap().unwrap();
-                    world.rank_ended(r);
-                    (
-                        sub.id().to_string(),
-                        chorus_collectives::CommBackend::rank(&sub),
-                        chorus_collectives::CommBackend::size(&sub),
-                    )
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let (_, got) = on_every_rank(4, Duration::from_secs(10), |r, _, c| {
+        let sub =
+            chorus_collectives::CommBackend::split(c.backend(), Some((r % 2) as u32), -(r as i64)).unwrap().unwrap();
+        (sub.id().to_string(), chorus_collectives::CommBackend::rank(&sub), chorus_collectives::CommBackend::size(&sub))
     });
     // Keys are minus the rank, so the higher rank comes first.
     assert_eq!(got[0], ("root/split0:color0".to_string(), 1, 2));
