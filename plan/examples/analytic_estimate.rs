@@ -105,26 +105,13 @@ fn main() -> Result<(), String> {
                 ];
                 let fsdp_s: f64 = fsdp.iter().map(seconds).sum();
                 let ranks: Vec<usize> = (0..row.gpus).collect();
-                let first_ag = model.collective_seconds(&CollectiveShape {
-                    op: OpKind::AllGather,
-                    bytes: (root_params * 2.0) as u64,
-                    ranks: ranks.clone(),
-                });
-                let last_rs = model.collective_seconds(&CollectiveShape {
-                    op: OpKind::ReduceScatter,
-                    bytes: (root_params * 4.0) as u64,
-                    ranks: ranks.clone(),
-                });
-                let layer_ag = model.collective_seconds(&CollectiveShape {
-                    op: OpKind::AllGather,
-                    bytes: (layer_params * 2.0) as u64,
-                    ranks: ranks.clone(),
-                });
-                let layer_rs = model.collective_seconds(&CollectiveShape {
-                    op: OpKind::ReduceScatter,
-                    bytes: (layer_params * 4.0) as u64,
-                    ranks,
-                });
+                let call = |op: OpKind, bytes: f64| {
+                    model.collective_seconds(&CollectiveShape { op, bytes: bytes as u64, ranks: ranks.clone() })
+                };
+                let first_ag = call(OpKind::AllGather, root_params * 2.0);
+                let last_rs = call(OpKind::ReduceScatter, root_params * 4.0);
+                let layer_ag = call(OpKind::AllGather, layer_params * 2.0);
+                let layer_rs = call(OpKind::ReduceScatter, layer_params * 4.0);
                 let step = gemm + attn + mem + fsdp_s + first_ag + last_rs;
                 let tps = (b * s) as f64 / step;
                 // Peak at the start of the backward (the head's): f32 parameter
