@@ -242,8 +242,7 @@ pub(crate) fn copy_out<C: CommBackend>(
         match (p.layout, gathered) {
             (Some(i), Some((buffer, layout, world))) => {
                 let l = &layout.params[i];
-                let chunks = l.chunks_to_full(world, layout.shard_numel);
-                copies.extend(chunks.into_iter().map(|c| (buffer.view(), full.view(), c)));
+                copies.extend(l.chunks_to_full(world, layout.shard_numel).map(|c| (buffer.view(), full.view(), c)));
             }
             (None, _) => cast_or_copy(stream, p.master.view(), full.view())?,
             (Some(_), None) => {
@@ -372,7 +371,7 @@ pub(crate) fn reduce_gradients<C: CommBackend>(
         let mut copies = Vec::with_capacity(sharded.len() * world);
         for (i, buf) in &sharded {
             let l = &layout.params[params[*i].layout.unwrap_or_default()];
-            copies.extend(l.full_to_chunks(world, n).into_iter().map(|c| (buf.view(), input.view(), c)));
+            copies.extend(l.full_to_chunks(world, n).map(|c| (buf.view(), input.view(), c)));
         }
         s.compute.copy_2d_batch(&copies)?;
         Some(input)

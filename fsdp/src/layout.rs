@@ -119,11 +119,11 @@ impl ParamLayout {
     /// the one with a shorter chunk a second, the ranks with no rows none.
     /// Otherwise one copy per rank. A group's copy-out at 1,024 ranks is
     /// then a few copies per parameter, not a thousand.
-    pub fn chunks_to_full(&self, world: usize, group_shard: usize) -> Vec<Copy2d> {
+    pub fn chunks_to_full(&self, world: usize, group_shard: usize) -> impl Iterator<Item = Copy2d> + '_ {
         self.per_chunk(
             world,
-            |r| self.chunk_to_full(r, group_shard),
-            |full| Copy2d {
+            move |r| self.chunk_to_full(r, group_shard),
+            move |full| Copy2d {
                 rows: full,
                 row_len: self.shard_rows * self.inner,
                 src_offset: self.offset,
@@ -137,11 +137,11 @@ impl ParamLayout {
     /// [`ParamLayout::full_to_chunk`] for ranks `0..world` into a rank-major
     /// buffer whose chunk `r` starts at `r · group_shard`, merged as
     /// [`ParamLayout::chunks_to_full`] merges.
-    pub fn full_to_chunks(&self, world: usize, group_shard: usize) -> Vec<Copy2d> {
+    pub fn full_to_chunks(&self, world: usize, group_shard: usize) -> impl Iterator<Item = Copy2d> + '_ {
         self.per_chunk(
             world,
-            |r| self.full_to_chunk(r, r * group_shard),
-            |full| Copy2d {
+            move |r| self.full_to_chunk(r, r * group_shard),
+            move |full| Copy2d {
                 rows: full,
                 row_len: self.shard_rows * self.inner,
                 src_offset: 0,
@@ -152,21 +152,22 @@ impl ParamLayout {
         )
     }
 
-    /// The copies of ranks `0..world`: `merged(k)` for the first `k` ranks
-    /// when they hold whole chunks and the dim is outermost, `one(r)` for
-    /// each other rank that holds rows.
-    fn per_chunk(&self, world: usize, one: impl Fn(usize) -> Copy2d, merged: impl Fn(usize) -> Copy2d) -> Vec<Copy2d> {
-        let holding = (0..world).filter(|&r| self.real_rows(r) > 0);
-        if self.outer != 1 || self.shard_rows == 0 {
-            return holding.map(one).collect();
-        }
-        let whole = (self.rows / self.shard_rows).min(world);
-        let mut copies = Vec::with_capacity(2);
-        if whole > 0 {
-            copies.push(merged(whole));
-        }
-        copies.extend(holding.filter(|&r| r >= whole).map(one));
-        copies
+    /// The copies of ranks `0..world`, without allocating (FSDP builds them
+    /// per parameter per gather): `merged(k)` for the first `k` ranks when
+    /// they hold whole chunks and the dim is outermost, `one(r)` for each
+    /// other rank that holds rows.
+    fn per_chunk<'a>(
+        &'a self,
+        world: usize,
+        one: impl Fn(usize) -> Copy2d + 'a,
+        merged: impl Fn(usize) -> Copy2d,
+    ) -> impl Iterator<Item = Copy2d> + 'a {
+        let whole = match self.outer == 1 && self.shard_rows > 0 {
+            true => (self.rows / self.shard_rows).min(world),
+            false => 0,
+        };
+        let merged = (whole > 0).then(|| merged(whole));
+        merged.into_iter().chain((whole..world).filter(move |&r| self.real_rows(r) > 0).map(one))
     }
 
     /// Rank `rank`'s shard (padded, zeros in the padding) cut from the full
@@ -277,14 +278,14 @@ mod tests {
             let gathered: Vec<f32> = (0..world * n).map(|i| -(i as f32) - 1.0).collect();
             let (mut by_rank, mut merged) = (vec![0.0; l.numel()], vec![0.0; l.numel()]);
             (0..world).for_each(|r| apply(l.chunk_to_full(r, n), &gathered, &mut by_rank));
-            l.chunks_to_full(world, n).into_iter().for_each(|c| apply(c, &gathered, &mut merged));
+            l.chunks_to_full(world, n).for_each(|c| apply(c, &gathered, &mut merged));
             assert_eq!(merged, by_rank, "copy-out {shape:?} dim {dim} world {world}");
             let (mut by_rank, mut merged) = (vec![0.0; world * n], vec![0.0; world * n]);
             (0..world).for_each(|r| apply(l.full_to_chunk(r, r * n), &full, &mut by_rank));
-            l.full_to_chunks(world, n).into_iter().for_each(|c| apply(c, &full, &mut merged));
+            l.full_to_chunks(world, n).for_each(|c| apply(c, &full, &mut merged));
             assert_eq!(merged, by_rank, "packing {shape:?} dim {dim} world {world}");
             let most = if l.outer == 1 { 2 } else { world };
-            assert!(l.chunks_to_full(world, n).len() <= most, "{shape:?} dim {dim} world {world}");
+            assert!(l.chunks_to_full(world, n).count() <= most, "{shape:?} dim {dim} world {world}");
         }
     }
 
