@@ -55,11 +55,12 @@ fn write_ptr<'a>(
     s: &'a mut CudaStorage,
     stream: &'a candle_core::cuda_backend::cudarc::driver::CudaStream,
 ) -> Result<(u64, SyncOnDrop<'a>)> {
+    let dtype = s.dtype();
     Ok(match &mut s.slice {
         CudaStorageSlice::F32(x) => x.device_ptr_mut(stream),
         CudaStorageSlice::BF16(x) => x.device_ptr_mut(stream),
         CudaStorageSlice::F16(x) => x.device_ptr_mut(stream),
-        _ => bail!("an output of dtype {:?}", s.dtype()),
+        _ => bail!("an output of dtype {dtype:?}"),
     })
 }
 
