@@ -95,8 +95,9 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tenso
     if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
         bail!("{OP}: q, k, v are {:?}, {:?}, {:?}; they must match", q.dtype(), k.dtype(), v.dtype())
     }
-    if !scale.is_finite() {
-        bail!("{OP}: scale {scale} is not finite")
+    // The kernels compute in f32: a scale f32 cannot hold is refused, not rounded to infinity.
+    if !(scale as f32).is_finite() {
+        bail!("{OP}: scale {scale} is not finite in f32")
     }
     AttentionShape::of(q.shape(), k.shape(), v.shape())?;
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);

@@ -30,8 +30,9 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     if weight.dtype() != x.dtype() {
         bail!("{OP}: weight is {:?} and x {:?}; they must match", weight.dtype(), x.dtype())
     }
-    if !(eps.is_finite() && eps >= 0.0) {
-        bail!("{OP}: eps {eps} must be finite and not negative")
+    // The kernels compute in f32: an eps f32 cannot hold is refused, not rounded to infinity.
+    if !(eps >= 0.0 && (eps as f32).is_finite()) {
+        bail!("{OP}: eps {eps} must be finite in f32 and not negative")
     }
     let (x, weight) = (x.contiguous()?, weight.contiguous()?);
     timed(OpKind::RmsNorm, x.device(), || x.apply_op2(&weight, RmsNorm { eps: eps as f32 }))

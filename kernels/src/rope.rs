@@ -126,8 +126,9 @@ impl RopeCache {
         if head_dim == 0 || head_dim % 2 != 0 {
             bail!("rope: head_dim {head_dim} must be even and positive")
         }
-        if !(theta.is_finite() && theta > 0.0) {
-            bail!("rope: theta {theta} must be finite and positive")
+        // The tables are computed in f32, as transformers computes them: the base must be an f32.
+        if !(theta > 0.0 && (theta as f32).is_finite()) {
+            bail!("rope: theta {theta} must be positive and finite in f32")
         }
         Ok(Arc::new(RopeCache { head_dim, theta: theta as f32, tables: Mutex::new(Vec::new()) }))
     }
