@@ -80,6 +80,7 @@ pub(super) fn run<M: CliDecoder>(args: &TrainArgs) -> anyhow::Result<Outcome> {
         resume: args.resume.clone(),
         allow_optimizer_change: args.allow_optimizer_change,
         allow_nonfinite: args.allow_nonfinite,
+        op_times: args.op_times,
         ..spec::<M>(args, steps)?
     };
     let optimizer_changes = match &args.resume {

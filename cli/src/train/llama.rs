@@ -294,6 +294,7 @@ fn spec_with(args: &TrainArgs, steps: u64, tokenizer: Option<&HfTokenizer>) -> a
         resume: args.resume.clone(),
         allow_optimizer_change: args.allow_optimizer_change,
         allow_nonfinite: args.allow_nonfinite,
+        op_times: args.op_times,
         recompute: args.recompute.clone(),
         schedule: args.decoder.schedule(),
         validation,

@@ -151,6 +151,7 @@ impl<'a> Finished<'a> {
                 self.first.overhead.total.as_secs_f64() / (self.first.groups.max(1) as f64 * ran),
             "adapter_transfer_per_step_s": self.first.adapter.transfer.as_secs_f64() / ran,
             "candle_compute_per_step_s": self.first.adapter.compute.as_secs_f64() / ran,
+            "op_times": super::op_times::summary(&self.first.op_times),
             "checkpoints": self.checkpoints(),
             "config": config,
         });
@@ -193,7 +194,7 @@ impl<'a> Finished<'a> {
     /// earlier ones are in the summary): `trained the {what} ({n}
     /// parameters) on {world} ranks, steps ...: loss ... -> ..., median
     /// step, tokens/s (and MFU), peak FSDP memory, wrote {dest}`, losses to
-    /// `decimals` places.
+    /// `decimals` places; with `--op-times`, a second line of the fused ops' times.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn closing(
         &self,
@@ -215,7 +216,7 @@ impl<'a> Finished<'a> {
         if let Some(mfu) = number("mfu") {
             speed.push_str(&format!(" (MFU {mfu:.1}%)"));
         }
-        format!(
+        let line = format!(
             "trained the {what} ({parameters} parameters) on {world} ranks, steps {}..{steps}: loss {:.decimals$} (mean of {}) -> {:.decimals$} (mean of {}), median step {:.1} ms, {speed}, peak FSDP memory {:.1} KiB/rank, wrote {}",
             first.start_step,
             this.start,
@@ -225,7 +226,11 @@ impl<'a> Finished<'a> {
             median(&first.step_times_s) * 1e3,
             peak as f64 / 1024.0,
             dest.display(),
-        )
+        );
+        match super::op_times::line(&first.op_times) {
+            Some(ops) => format!("{line}\n{ops}"),
+            None => line,
+        }
     }
 }
 
