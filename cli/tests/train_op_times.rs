@@ -106,7 +106,7 @@ fn op_times_is_refused_where_no_fused_op_runs() {
     let out = dir.join("out").display().to_string();
     for args in [
         vec!["train", "--model", "mlp", "--op-times", "--out-dir", &out],
-        vec!["train", "--model", "gpt", "--bench", "--op-times", "--out-dir", &out],
+        vec!["train", "--model", "gpt", "--bench", "--op-times"],
     ] {
         let o = run_bounded(chorus().args(&args), Duration::from_secs(60));
         assert_eq!(o.status.code(), Some(2), "{args:?}: {}", text(&o.stderr));

@@ -146,6 +146,9 @@ pub(super) fn run<M: CliDecoder>(args: &TrainArgs) -> anyhow::Result<Outcome> {
         "{}",
         run.closing(spec.model.name(), spec.model.num_params(), world, steps, 3, &dest, &throughput)
     ))?;
+    if let Some(line) = run.op_times_line() {
+        say(format_args!("{line}"))?;
+    }
     say(format_args!("sample: {sample:?}"))?;
     Ok(Outcome::Passed)
 }

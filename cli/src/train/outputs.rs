@@ -194,7 +194,7 @@ impl<'a> Finished<'a> {
     /// earlier ones are in the summary): `trained the {what} ({n}
     /// parameters) on {world} ranks, steps ...: loss ... -> ..., median
     /// step, tokens/s (and MFU), peak FSDP memory, wrote {dest}`, losses to
-    /// `decimals` places; with `--op-times`, a second line of the fused ops' times.
+    /// `decimals` places.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn closing(
         &self,
@@ -216,7 +216,7 @@ impl<'a> Finished<'a> {
         if let Some(mfu) = number("mfu") {
             speed.push_str(&format!(" (MFU {mfu:.1}%)"));
         }
-        let line = format!(
+        format!(
             "trained the {what} ({parameters} parameters) on {world} ranks, steps {}..{steps}: loss {:.decimals$} (mean of {}) -> {:.decimals$} (mean of {}), median step {:.1} ms, {speed}, peak FSDP memory {:.1} KiB/rank, wrote {}",
             first.start_step,
             this.start,
@@ -226,11 +226,12 @@ impl<'a> Finished<'a> {
             median(&first.step_times_s) * 1e3,
             peak as f64 / 1024.0,
             dest.display(),
-        );
-        match super::op_times::line(&first.op_times) {
-            Some(ops) => format!("{line}\n{ops}"),
-            None => line,
-        }
+        )
+    }
+
+    /// The line after the closing one where the run timed its fused ops (`--op-times`).
+    pub(super) fn op_times_line(&self) -> Option<String> {
+        super::op_times::line(&self.first.op_times)
     }
 }
 
