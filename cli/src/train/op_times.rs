@@ -78,8 +78,13 @@ pub(super) fn line(steps: &[Vec<(OpKind, OpTime)>]) -> Option<String> {
         return Some(format!("fused ops (rank 0): none ran in {} steps; this model calls none of them", steps.len()));
     }
     ran.sort_by(|a, b| b.1.total_cmp(&a.1));
-    let each: Vec<String> =
-        ran.iter().map(|(name, t, calls)| format!("{name} {:.3} ms ({calls} calls)", t * 1e3)).collect();
+    let each: Vec<String> = ran
+        .iter()
+        .map(|(name, t, calls)| {
+            let s = if *calls == 1.0 { "" } else { "s" };
+            format!("{name} {:.3} ms ({calls} call{s})", t * 1e3)
+        })
+        .collect();
     let total = s["median_step_s"].as_f64().unwrap_or(0.0);
     Some(format!("fused ops per step (rank 0, median of {n} steps): {:.3} ms: {}", total * 1e3, each.join(", ")))
 }
@@ -104,9 +109,9 @@ mod tests {
     fn every_kind_is_summed_and_its_median_leaves_out_the_first_step() {
         // Three steps: the first a slow warm-up.
         let steps = vec![
-            step(&[(OpKind::Attention, 2, 100), (OpKind::AttentionBackward, 2, 200)]),
-            step(&[(OpKind::Attention, 2, 10), (OpKind::AttentionBackward, 2, 30)]),
-            step(&[(OpKind::Attention, 2, 20), (OpKind::AttentionBackward, 2, 40)]),
+            step(&[(OpKind::Attention, 2, 100), (OpKind::AttentionBackward, 1, 200)]),
+            step(&[(OpKind::Attention, 2, 10), (OpKind::AttentionBackward, 1, 30)]),
+            step(&[(OpKind::Attention, 2, 20), (OpKind::AttentionBackward, 1, 40)]),
         ];
         let s = summary(&steps);
         assert_eq!(s["steps"], json!(3));
@@ -126,7 +131,7 @@ mod tests {
         );
         assert_eq!(
             line(&steps).unwrap(),
-            "fused ops per step (rank 0, median of 2 steps): 50.000 ms: attention_backward 35.000 ms (2 calls), \
+            "fused ops per step (rank 0, median of 2 steps): 50.000 ms: attention_backward 35.000 ms (1 call), \
              attention 15.000 ms (2 calls)"
         );
         // One step: its own median.
