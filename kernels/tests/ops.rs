@@ -14,7 +14,7 @@ mod common;
 
 use candle_core::{DType, Device, Result, Tensor, D};
 use chorus_kernels::{attention, cross_entropy, rms_norm, rope, swiglu, RopeCache};
-use common::{assert_close, forward_backward, judge, tolerance, wide, Rng, DTYPES};
+use common::{assert_close, forward_backward, judge, tolerance, wide, Inputs, Rng, DTYPES};
 
 const CPU: Device = Device::Cpu;
 

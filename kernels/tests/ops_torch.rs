@@ -31,7 +31,7 @@ use std::process::Command;
 
 use candle_core::{DType, Device, Result, Tensor};
 use chorus_kernels::{attention, cross_entropy, rms_norm, rope, swiglu, RopeCache};
-use common::{assert_close, forward_backward, sci, tolerance, unit_roundoff, Rng};
+use common::{assert_close, forward_backward, sci, tolerance, unit_roundoff, Inputs, Rng};
 use serde_json::{json, Value};
 
 const CPU: Device = Device::Cpu;

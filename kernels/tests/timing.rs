@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 use chorus_kernels::timing::{self, OpKind, OpTime};
 use chorus_kernels::{attention, cross_entropy, rms_norm, rope, swiglu, RopeCache};
-use common::{forward_backward, Rng};
+use common::{forward_backward, Inputs, Rng};
 
 /// Each op once, forward and backward.
 fn run_every_op(rng: &mut Rng) {

@@ -6,32 +6,31 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 
-/// A small deterministic generator (SplitMix64) for test inputs.
-pub struct Rng(pub u64);
+// The generator of the host kernels' tests (`host/`), so both draw inputs
+// alike; the rest of that module (the C++ build of the CUDA source) is
+// unused here.
+#[allow(dead_code)]
+#[path = "../host/mod.rs"]
+mod host;
 
-impl Rng {
-    /// Uniform in [-1, 1).
-    pub fn uniform(&mut self) -> f32 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
+pub use host::Rng;
 
-    /// `n` values uniform in [-scale, scale).
-    pub fn values(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.uniform() * scale).collect()
-    }
-
+/// Candle tensors and token ids drawn from an [`Rng`].
+pub trait Inputs {
     /// A tensor of `shape`, uniform in [-scale, scale), rounded to `dtype`.
-    pub fn tensor(&mut self, shape: &[usize], scale: f32, dtype: DType) -> Tensor {
+    fn tensor(&mut self, shape: &[usize], scale: f32, dtype: DType) -> Tensor;
+
+    /// `n` ids below `below`.
+    fn ids(&mut self, n: usize, below: usize) -> Vec<u32>;
+}
+
+impl Inputs for Rng {
+    fn tensor(&mut self, shape: &[usize], scale: f32, dtype: DType) -> Tensor {
         let n = shape.iter().product();
         Tensor::from_vec(self.values(n, scale), shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
     }
 
-    /// `n` ids below `below`.
-    pub fn ids(&mut self, n: usize, below: usize) -> Vec<u32> {
+    fn ids(&mut self, n: usize, below: usize) -> Vec<u32> {
         (0..n).map(|_| (((self.uniform() + 1.0) / 2.0 * below as f32) as usize).min(below - 1) as u32).collect()
     }
 }
