@@ -420,3 +420,34 @@ fn bad_arguments_are_errors() {
     err_says("cross_entropy, no vocabulary", cross_entropy(&t(&[4, 0], f32_), &ids(vec![0; 4])), "vocabulary of 0");
     err_says("cross_entropy, u32 logits", cross_entropy(&t(&[4, 10], DType::U32), &ids(vec![0; 4])), "U32");
 }
+
+/// Empty batches (no rows, no sequences) run forward and backward to empty
+/// results; attention, which needs positive sizes, refuses them.
+#[test]
+fn empty_batches_are_empty_results() {
+    let t = |shape: &[usize]| Tensor::zeros(shape, DType::F32, &CPU).unwrap();
+    let (y, g) = forward_backward(&[&t(&[0, 8]), &t(&[8])], &t(&[0, 8]), |a| rms_norm(&a[0], &a[1], 1e-5)).unwrap();
+    assert_eq!((y.dims(), g[0].dims(), common::f32s(&g[1])), (&[0, 8][..], &[0, 8][..], vec![0.0; 8]));
+    let (cos, sin) = RopeCache::new(8, 1e4).unwrap().tables(&CPU, 0, 5).unwrap();
+    let (y, g) = forward_backward(&[&t(&[0, 5, 2, 8])], &t(&[0, 5, 2, 8]), |a| rope(&a[0], &cos, &sin)).unwrap();
+    assert_eq!((y.dims(), g[0].dims()), (&[0, 5, 2, 8][..], &[0, 5, 2, 8][..]));
+    let (y, g) = forward_backward(&[&t(&[0, 3]), &t(&[0, 3])], &t(&[0, 3]), |a| swiglu(&a[0], &a[1])).unwrap();
+    assert_eq!((y.dims(), g[0].dims(), g[1].dims()), (&[0, 3][..], &[0, 3][..], &[0, 3][..]));
+    let none = Tensor::zeros(0, DType::U32, &CPU).unwrap();
+    let (y, g) = forward_backward(&[&t(&[0, 10])], &t(&[0]), |a| cross_entropy(&a[0], &none)).unwrap();
+    assert_eq!((y.dims(), g[0].dims()), (&[0][..], &[0, 10][..]));
+}
+
+/// The ops compute in f32: a scale or eps that is finite in f64 but not in
+/// f32 (beyond f32::MAX) is as non-finite as an infinity, and an error.
+#[test]
+fn a_scale_or_eps_beyond_f32_is_an_error() {
+    let t = |shape: &[usize]| Tensor::ones(shape, DType::F32, &CPU).unwrap();
+    let (q, kv) = (t(&[1, 3, 2, 4]), t(&[1, 3, 1, 4]));
+    for scale in [1e39, -1e39, f64::MAX] {
+        err_says(&format!("attention, scale {scale}"), attention(&q, &kv, &kv, scale), "scale");
+    }
+    for eps in [1e39, f64::MAX] {
+        err_says(&format!("rms_norm, eps {eps}"), rms_norm(&t(&[2, 4]), &t(&[4]), eps), "eps");
+    }
+}
