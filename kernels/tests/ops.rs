@@ -438,10 +438,11 @@ fn empty_batches_are_empty_results() {
     assert_eq!((y.dims(), g[0].dims()), (&[0][..], &[0, 10][..]));
 }
 
-/// The ops compute in f32: a scale or eps that is finite in f64 but not in
-/// f32 (beyond f32::MAX) is as non-finite as an infinity, and an error.
+/// The ops compute in f32: a scale, eps or RoPE base that is finite in f64
+/// but not in f32 (beyond f32::MAX) is as non-finite as an infinity, and an
+/// error.
 #[test]
-fn a_scale_or_eps_beyond_f32_is_an_error() {
+fn a_scale_eps_or_rope_base_beyond_f32_is_an_error() {
     let t = |shape: &[usize]| Tensor::ones(shape, DType::F32, &CPU).unwrap();
     let (q, kv) = (t(&[1, 3, 2, 4]), t(&[1, 3, 1, 4]));
     for scale in [1e39, -1e39, f64::MAX] {
@@ -450,4 +451,6 @@ fn a_scale_or_eps_beyond_f32_is_an_error() {
     for eps in [1e39, f64::MAX] {
         err_says(&format!("rms_norm, eps {eps}"), rms_norm(&t(&[2, 4]), &t(&[4]), eps), "eps");
     }
+    // RoPE's base too: as f32 it is infinite, and every frequency but the first 0.
+    assert!(RopeCache::new(8, 1e39).is_err(), "RopeCache::new(8, 1e39) accepted");
 }
