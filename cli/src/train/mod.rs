@@ -21,7 +21,8 @@
 //! `gpt.rs` and `llama.rs` train each model and write its outputs (`gpt.rs`
 //! also the mixture-of-experts transformer, `--model moe`, described in `moe.rs`); `gpt_bench.rs` measures
 //! the transformer against plain candle (the MLP's benchmark is in `mlp.rs`);
-//! `throughput.rs` gives the candle models' tokens/s and MFU.
+//! `throughput.rs` gives the candle models' tokens/s and MFU, `op_times.rs`
+//! their fused ops' time per step (`--op-times`).
 
 mod args;
 mod gpt;
@@ -31,6 +32,7 @@ mod llama;
 mod loop_args;
 mod mlp;
 mod moe;
+mod op_times;
 mod outputs;
 mod ranks;
 mod resume;
@@ -58,6 +60,7 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let args = resolved.as_ref().unwrap_or(args);
     args.usage()?;
     throughput::check_peak(args)?;
+    op_times::check(args)?;
     match (args.model(), args.bench) {
         (ModelArg::Mlp, false) => mlp::run(args),
         (ModelArg::Gpt, false) => gpt::run::<chorus_train::models::gpt::GptModel>(args),

@@ -151,6 +151,7 @@ impl<'a> Finished<'a> {
                 self.first.overhead.total.as_secs_f64() / (self.first.groups.max(1) as f64 * ran),
             "adapter_transfer_per_step_s": self.first.adapter.transfer.as_secs_f64() / ran,
             "candle_compute_per_step_s": self.first.adapter.compute.as_secs_f64() / ran,
+            "op_times": super::op_times::summary(&self.first.op_times),
             "checkpoints": self.checkpoints(),
             "config": config,
         });
@@ -226,6 +227,11 @@ impl<'a> Finished<'a> {
             peak as f64 / 1024.0,
             dest.display(),
         )
+    }
+
+    /// The line after the closing one where the run timed its fused ops (`--op-times`).
+    pub(super) fn op_times_line(&self) -> Option<String> {
+        super::op_times::line(&self.first.op_times)
     }
 }
 
