@@ -588,10 +588,9 @@ pub fn remove_stale_staged(dest: &Path) -> Vec<PathBuf> {
             file.strip_prefix(&prefix).and_then(|r| r.strip_suffix(".partial")).and_then(|p| p.parse::<u32>().ok());
         let Some(pid) = pid else { continue };
         let is_file = entry.file_type().is_ok_and(|t| t.is_file());
-        if is_file && pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
-            if std::fs::remove_file(entry.path()).is_ok() {
-                removed.push(entry.path());
-            }
+        let dead = pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists();
+        if is_file && dead && std::fs::remove_file(entry.path()).is_ok() {
+            removed.push(entry.path());
         }
     }
     removed
