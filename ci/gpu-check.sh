@@ -34,7 +34,9 @@
 #                        batches (f32, TF32 off: losses within 1e-4; step-time ratio), device
 #                        memory per rank (nvidia-smi's peak); the 110M Llama without recomputation
 #                        (the step-time ratio's goal is stated that way); the 110M Llama in bf16 on
-#                        every GPU: tokens/s and MFU (989 TFLOP/s dense bf16 per H100 SXM), and
+#                        every GPU: tokens/s and MFU (989 TFLOP/s dense bf16 per H100 SXM; computed
+#                        from summary.json's config and step times, equal to the MFU the run reports,
+#                        at least ci/gpu_judge.py's MFU_FLOOR), and
 #                        `chorus plan`'s prediction of that run made before it (candle's kernels on
 #                        the GPU's kind): step time against the measured, FSDP peak equal to it
 #   side-by-side         PyTorch FSDP2 and chorus training the 1.1B and the 110M Llama from one transformers
@@ -42,12 +44,13 @@
 #                        judged (ci/llama_side_by_side.py)
 #   offload-nccl         CPU offload on the cuda device: the offload conformance cases on NCCL, and the
 #                        MLP and the 4-layer Llama (binary built with candle-cuda) trained with and
-#                        without --offload on nccl: equal losses, a host peak above zero and a lower
+#                        without --offload on nccl: equal losses (equality only: whether the loss
+#                        falls is the optimiser's business), a host peak above zero and a lower
 #                        device peak (summary.json)
 #   llama-torch          a transformers LlamaForCausalLM (ci/llama_torch.py, on the CPU in f32) trained
 #                        by chorus on candle-CUDA over NCCL and by PyTorch: losses within 1e-4 and every
-#                        saved tensor within 1e-4 ($CHORUS_PYTHON, else python3; skipped, and said so,
-#                        without transformers)
+#                        saved tensor within 1e-4 ($CHORUS_PYTHON, else python3; without torch and
+#                        transformers the check fails: they are its prerequisite)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -329,7 +332,7 @@ if want candle-cuda; then
     run plan-llama-110m 60 "$chorus" plan --model llama --layers 12 --heads 12 --kv-heads 12 --d-model 768 \
         --d-ff 2048 --vocab 16000 --seq-len 256 --batch 8 --gpus "$gpus" --gpu "$kind" --param-dtype bf16 \
         --kernels candle --out-dir "$results/plan-llama-110m"
-    # bf16 on every GPU: tokens/s and MFU from the run's step times.
+    # bf16 on every GPU: tokens/s and MFU from the run's step times, equal to the run's own and above a floor.
     peak_gpu_memory candle-cuda-llama-110m-bf16 run candle-cuda-llama-110m-bf16 180 "$chorus" train \
         "${llama_110m[@]}" --backend nccl --world-size "$gpus" --param-dtype bf16 --batch 8 --steps 20 \
         --out-dir "$results/candle-cuda-llama-110m-bf16"
@@ -396,8 +399,11 @@ if want llama-torch; then
     torch_python="${CHORUS_PYTHON:-python3}"
     d="$results/llama-torch"
     mkdir -p "$d"
-    if ! "$torch_python" -c 'import torch, transformers' >/dev/null 2>&1; then
-        echo "skipped llama-torch: $torch_python has no torch and transformers" | tee -a "$summary"
+    # A prerequisite this check needs: missing, the check fails (it never passes unrun).
+    if ! run llama-torch-python 60 "$torch_python" -c 'import torch, transformers'; then
+        echo "FAILED  llama-torch: $torch_python cannot import torch and transformers (set CHORUS_PYTHON to a" \
+            "Python that has them; see llama-torch-python.log)" | tee -a "$summary"
+        failed=1
     elif run llama-torch-make 120 "$torch_python" ci/llama_torch.py make "$d/made" --seed 3 --rows 40 --seq-len 16 \
         && run llama-torch-pytorch 240 "$torch_python" ci/llama_torch.py train "$d/made/model" "$d/made/data.npy" \
             "$d/torch" --steps 6 --global-batch 8 --lr 1e-3 --weight-decay 0.01 --max-grad-norm 1.0 \

@@ -485,8 +485,7 @@ impl TokenWriter {
             ));
         }
         check_dest(dest, overwrite)?;
-        let name = dest.file_name().ok_or_else(|| bad(dest, "names no file"))?;
-        let staged = dest.with_file_name(format!(".{}.{}.partial", name.to_string_lossy(), std::process::id()));
+        let staged = staged_path(dest, std::process::id()).ok_or_else(|| bad(dest, "names no file"))?;
         let file =
             std::fs::OpenOptions::new().write(true).create_new(true).open(&staged).map_err(|e| bad(&staged, e))?;
         let mut w = TokenWriter {
@@ -566,6 +565,35 @@ impl Drop for TokenWriter {
             let _ = std::fs::remove_file(&self.staged);
         }
     }
+}
+
+/// Where process `pid` stages `dest` (a token file, a tokenizer) until it
+/// is complete: `.NAME.PID.partial` beside it; `None` where `dest` names no file.
+pub fn staged_path(dest: &Path, pid: u32) -> Option<PathBuf> {
+    let name = dest.file_name()?;
+    Some(dest.with_file_name(format!(".{}.{pid}.partial", name.to_string_lossy())))
+}
+
+/// Removes the files of `dest` staged by processes that no longer run (an
+/// interrupted run's; [`staged_path`]); a running process's are kept,
+/// whatever it is. Returns those removed.
+pub fn remove_stale_staged(dest: &Path) -> Vec<PathBuf> {
+    let (Some(name), Some(parent)) = (dest.file_name(), dest.parent()) else { return Vec::new() };
+    let parent = if parent.as_os_str().is_empty() { Path::new(".") } else { parent };
+    let prefix = format!(".{}.", name.to_string_lossy());
+    let mut removed = Vec::new();
+    for entry in std::fs::read_dir(parent).into_iter().flatten().flatten() {
+        let file = entry.file_name().to_string_lossy().into_owned();
+        let pid =
+            file.strip_prefix(&prefix).and_then(|r| r.strip_suffix(".partial")).and_then(|p| p.parse::<u32>().ok());
+        let Some(pid) = pid else { continue };
+        let is_file = entry.file_type().is_ok_and(|t| t.is_file());
+        let dead = pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists();
+        if is_file && dead && std::fs::remove_file(entry.path()).is_ok() {
+            removed.push(entry.path());
+        }
+    }
+    removed
 }
 
 /// Refuses to replace `dest` unless `overwrite`, and then only a regular file.

@@ -751,7 +751,12 @@ impl TrainArgs {
     }
 
     pub(super) fn check_memory(&self, needed: u128) -> anyhow::Result<()> {
-        crate::size::check_memory(needed, "this run", "make the model, batch, world or --steps smaller").map_err(usage)
+        crate::size::check_memory(needed, "this run", "make the model, batch, world or --steps smaller")
+            .map_err(usage)?;
+        if self.backend.runs_as_processes() {
+            return Ok(());
+        }
+        super::ranks::check_thread_limits(self.world(), needed).map_err(usage)
     }
 
     pub(super) fn optimizer(&self) -> OptimizerKind {

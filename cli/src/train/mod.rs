@@ -53,6 +53,8 @@ use crate::{Outcome, UsageError};
 
 /// Runs `chorus train`.
 pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
+    // SIGUSR1 (a flight-recorder dump) must not end the run while it reads or tokenizes its data.
+    chorus_collectives::recorder::answer_signals();
     // Read back from the command line with --config's file and each value's source.
     let args = &job::resolve_process(args)?;
     // --global-batch resolved into the per-rank batch it implies.

@@ -27,7 +27,7 @@ pub(super) fn acquire(
         return Ok((None, None));
     }
     let inside: Vec<(&str, &Path)> = inside.iter().filter_map(|(flag, p)| p.map(|p| (*flag, p))).collect();
-    let out = OutDir::acquire(&args.out_dir(), &inside)?;
+    let out = OutDir::acquire(&args.out_dir(), "train", &inside)?;
     write_config(args, &out)?;
     let checkpoints = checkpoint_dir
         .map(|dir| CheckpointDir::acquire(dir, args.resume.as_deref(), args.overwrite_checkpoints))
