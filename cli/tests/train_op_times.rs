@@ -72,13 +72,9 @@ fn op_times_are_in_the_summary_and_the_output_only_when_asked() {
     let on = train(&dir.join("on"), &["--op-times"]);
     let s = summary(&dir.join("on"));
     let kinds = op_times(&s);
-    let ran = kinds.values().filter(|k| k["calls"].as_u64() > Some(0)).count();
+    assert!(kinds.values().any(|k| k["calls"].as_u64() > Some(0)), "the Llama ran no fused op: {kinds:?}");
     let line = on.lines().find(|l| l.starts_with("fused ops")).unwrap_or_else(|| panic!("no fused-ops line: {on}"));
-    if ran == 0 {
-        assert_eq!(line, format!("fused ops (rank 0): none ran in {STEPS} steps; this model calls none of them"));
-    } else {
-        assert!(line.starts_with(&format!("fused ops per step (rank 0, median of {} steps)", STEPS - 1)), "{line}");
-    }
+    assert!(line.starts_with(&format!("fused ops per step (rank 0, median of {} steps)", STEPS - 1)), "{line}");
 
     let off = train(&dir.join("off"), &[]);
     assert!(summary(&dir.join("off"))["op_times"].is_null(), "op_times without --op-times");
@@ -89,7 +85,6 @@ fn op_times_are_in_the_summary_and_the_output_only_when_asked() {
 /// Every fused op kind the Llama calls (all of them, its loss being the
 /// fused cross-entropy) has calls and time in every report.
 #[test]
-#[ignore = "until the Llama calls chorus-kernels' ops: the model change un-ignores it"]
 fn the_llama_times_every_kind_it_calls() {
     let dir = scratch("op-times-llama");
     train(&dir.join("out"), &["--op-times"]);
