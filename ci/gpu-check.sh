@@ -352,7 +352,8 @@ if want side-by-side; then
     # nvidia-smi's peak of each; the judge fails when chorus is slower, uses more memory, or a loss
     # differs by more than 2 %.
     torch_python="${CHORUS_PYTHON:-python3}"
-    for spec in "1.1b:4:20" "110m:8:20"; do
+    # SBS_SHAPES picks the shapes (default both): shape:batch:steps, space-separated.
+    for spec in ${SBS_SHAPES:-1.1b:4:20 110m:8:20}; do
         shape="${spec%%:*}" rest="${spec#*:}"
         batch="${rest%%:*}" steps="${rest#*:}"
         d="$results/sbs-$shape"
