@@ -113,10 +113,15 @@ pub(crate) fn timed<R>(kind: OpKind, device: &Device, f: impl FnOnce() -> Result
     match device {
         #[cfg(feature = "cuda")]
         Device::Cuda(dev) => {
+            use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
             let stream = dev.cuda_stream();
-            let start = stream.record_event(None).map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+            // Timing events: cudarc's default (`None`) disables timing, and
+            // cuEventElapsedTime then fails with CUDA_ERROR_INVALID_HANDLE
+            // (seen on the H200, 2026-11-27).
+            let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+            let start = stream.record_event(timing).map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
             let out = f()?;
-            let end = stream.record_event(None).map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+            let end = stream.record_event(timing).map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
             PENDING.with(|p| p.borrow_mut().push(Pending::Events(kind, start, end)));
             Ok(out)
         }
