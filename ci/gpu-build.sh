@@ -25,6 +25,10 @@ config=(--config "$CHORUS_CANDLE_CUDA_CONFIG")
 cargo build --release -p chorus --features "$features" "${config[@]}"
 strip --strip-debug -o "$out/chorus" "$CARGO_TARGET_DIR/release/chorus"
 
+# FSDP's host-path bench (gpu-check.sh fsdp-host).
+cargo build --release -p chorus-fsdp --features nccl --example host_path
+strip --strip-debug -o "$out/host_path" "$CARGO_TARGET_DIR/release/examples/host_path"
+
 # The test binaries that prove the GPU paths, by their names in `cargo test`.
 copy_tests() {
     # $1: package, $2: features, $3...: test target names

@@ -10,6 +10,7 @@
 
 pub mod api;
 mod bookkeeping;
+mod call_count;
 mod checks;
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -20,6 +21,8 @@ mod dtype;
 mod error;
 mod failure;
 mod foreign;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod gpu_batch;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub mod gpu_kernels;
 #[cfg(feature = "rocm")]
@@ -35,8 +38,8 @@ mod view;
 pub mod wait;
 
 pub use api::{
-    AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, Copy2d, Copy2dPiece, Device, Event, MatmulSpec,
-    MemorySpace, MemoryStats, Priority, Result, SgdParams, Stream, StreamExt,
+    AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, Copy2d, Copy2dPiece, Device, Event, HostUpdate,
+    MatmulSpec, MemorySpace, MemoryStats, Priority, Result, SgdParams, Stream, StreamExt,
 };
 pub use dtype::{DType, Element, Float8E4M3, Scalar};
 pub use error::{AccessKind, DeviceError, RaceAccess, RaceReport};

@@ -81,11 +81,11 @@ impl crate::Event for CudaEvent {
 
 impl Drop for CudaEvent {
     fn drop(&mut self) {
-        let (raw, label) = (self.raw as usize, self.device.label());
+        let raw = self.raw as usize;
         defer(&self.device.inner, "cuEventDestroy", move |inner| {
             super::device::bind_ctx(inner)?;
             // SAFETY: destroyed once; CUDA releases a pending event after it completes.
-            unsafe { drv::event::destroy(raw as CUevent) }.drv("cuEventDestroy", &label)
+            unsafe { drv::event::destroy(raw as CUevent) }.drv("cuEventDestroy", &inner.label)
         });
     }
 }

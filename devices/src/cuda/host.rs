@@ -340,6 +340,49 @@ impl CudaStream {
         Ok(readback)
     }
 
+    /// `Stream::update_on_host`: a host function gives `f` the host bytes in
+    /// stream order, holding the allocations until it has run.
+    pub(super) fn update_host_memory(
+        &self,
+        reads: &[View<'_, Cuda>],
+        writes: &[View<'_, Cuda>],
+        f: crate::HostUpdate,
+    ) -> Result<()> {
+        let op = "update_on_host";
+        host_fn::check(op)?;
+        crate::checks::update_on_host(reads, writes)?;
+        for v in reads.iter().chain(writes) {
+            crate::checks::on_device(op, &self.device, v)?;
+        }
+        // (allocation held, address, bytes); an empty view has no allocation.
+        let held = |v: &View<'_, Cuda>| (host_of(v).cloned(), host_of(v).map_or(0, |m| host_addr(m, v)), v.bytes());
+        let read: Vec<_> = reads.iter().map(held).collect();
+        let written: Vec<_> = writes.iter().map(held).collect();
+        self.launch_host_work(
+            op,
+            Box::new(move |outcome| {
+                if outcome.is_err() {
+                    return Ok(());
+                }
+                let slice = |(_, at, bytes): &(Option<Arc<HostMemory>>, usize, usize)| match bytes {
+                    0 => &[][..],
+                    // SAFETY: a range of a live allocation (held here), every earlier
+                    // write to it done (stream order).
+                    _ => unsafe { std::slice::from_raw_parts(*at as *const u8, *bytes) },
+                };
+                let slice_mut = |(_, at, bytes): &(Option<Arc<HostMemory>>, usize, usize)| match bytes {
+                    0 => &mut [][..],
+                    // SAFETY: as above; no other view overlaps a written one (checked), so
+                    // this slice is the range's only reference while `f` runs.
+                    _ => unsafe { std::slice::from_raw_parts_mut(*at as *mut u8, *bytes) },
+                };
+                let r: Vec<&[u8]> = read.iter().map(slice).collect();
+                let mut w: Vec<&mut [u8]> = written.iter().map(slice_mut).collect();
+                f(&r, &mut w)
+            }),
+        )
+    }
+
     /// A host function doing `f` on host memory in stream order (skipped
     /// when earlier work failed), after checking `views` like every operation.
     fn host_job(&self, op: &'static str, views: &[View<'_, Cuda>], f: impl FnOnce() + Send + 'static) -> Result<()> {

@@ -131,6 +131,55 @@ pub(super) fn in_host(v: &View<'_, Hip>) -> bool {
 }
 
 impl HipStream {
+    /// `Stream::update_on_host`: host work gives `f` the host bytes in stream
+    /// order, holding the allocations until it has run (the cuda device's design).
+    pub(super) fn update_host_memory(
+        &self,
+        reads: &[View<'_, Hip>],
+        writes: &[View<'_, Hip>],
+        f: crate::HostUpdate,
+    ) -> Result<()> {
+        let op = "update_on_host";
+        host_fn::check(op)?;
+        crate::checks::update_on_host(reads, writes)?;
+        for v in reads.iter().chain(writes) {
+            crate::checks::on_device(op, &self.device, v)?;
+        }
+        // (allocation held, address, bytes); an empty view has no allocation.
+        let held = |v: &View<'_, Hip>| (host_of(v).cloned(), host_of(v).map_or(0, |m| host_addr(m, v)), v.bytes());
+        let read: Vec<_> = reads.iter().map(held).collect();
+        let written: Vec<_> = writes.iter().map(held).collect();
+        let at = self.inner.state.advance();
+        if self.inner.state.own_failure().is_some() {
+            return Ok(());
+        }
+        self.device.bind()?;
+        let state = self.inner.state.clone();
+        self.host_work(Box::new(move |outcome| {
+            if host_outcome(outcome, &state, at, op).is_err() {
+                return;
+            }
+            let slice = |(_, at, bytes): &(Option<Arc<HostMemory>>, usize, usize)| match bytes {
+                0 => &[][..],
+                // SAFETY: a range of a live allocation (held here), every earlier write done (stream order).
+                _ => unsafe { std::slice::from_raw_parts(*at as *const u8, *bytes) },
+            };
+            let slice_mut = |(_, at, bytes): &(Option<Arc<HostMemory>>, usize, usize)| match bytes {
+                0 => &mut [][..],
+                // SAFETY: as above; no other view overlaps a written one (checked).
+                _ => unsafe { std::slice::from_raw_parts_mut(*at as *mut u8, *bytes) },
+            };
+            let r: Vec<&[u8]> = read.iter().map(slice).collect();
+            let mut w: Vec<&mut [u8]> = written.iter().map(slice_mut).collect();
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || f(&r, &mut w)));
+            match ran {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => state.fail(at, e),
+                Err(_) => state.fail(at, DeviceError::invalid(op, "the host work panicked")),
+            }
+        }))
+    }
+
     /// Host work doing `f` in stream order, skipped when earlier work failed.
     fn host_job(&self, op: &'static str, views: &[View<'_, Hip>], f: impl FnOnce() + Send + 'static) -> Result<()> {
         host_fn::check(op)?;
