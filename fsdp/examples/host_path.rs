@@ -321,7 +321,15 @@ fn main() {
 fn sim(args: &Args) -> Result<(String, Measured), String> {
     use chorus_collectives::sim::{SimConfig, SimWorld};
     let a = args.clone();
-    let results = SimWorld::run(args.world_size, SimConfig::default(), move |comm| {
+    let config = SimConfig {
+        // SAFETY: FSDP orders every cross-stream access with events, and the
+        // conformance suite and `fsdp/tests/host_path.rs` run these very hooks
+        // with the sanitizer on; timed without its per-operation bookkeeping,
+        // as `chorus train` runs.
+        device: unsafe { chorus_devices::cpu::CpuConfig::default().without_sanitizer() },
+        ..SimConfig::default()
+    };
+    let results = SimWorld::run(args.world_size, config, move |comm| {
         let name = comm.device().name();
         run_rank(comm, &a).map(|m| (name, m))
     })

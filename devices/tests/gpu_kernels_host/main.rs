@@ -21,6 +21,7 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod batch;
 mod compare;
 mod conversions;
 mod host_build;

@@ -179,7 +179,7 @@ pub fn fill_batch_of_many_views_equals_the_fills_one_by_one<B: ComputeBackend>(
     let s = stream(&dev)?;
     let mut rng = Lcg::new(9);
     for (dtypes, value) in
-        [([DType::U8, DType::I32, DType::I64], Scalar::Int(-5)), ([DType::BF16, DType::F32, DType::F64], Scalar::Float(-1.5))]
+        [([DType::I8, DType::I32, DType::I64], Scalar::Int(-5)), ([DType::BF16, DType::F32, DType::F64], Scalar::Float(-1.5))]
     {
         let mut host: Vec<Vec<u8>> = Vec::new();
         let mut bufs = Vec::new();
