@@ -353,7 +353,10 @@ pub(crate) fn update_on_host<B: Backend>(reads: &[View<'_, B>], writes: &[View<'
     }
     for (i, w) in writes.iter().enumerate() {
         if reads.iter().chain(&writes[i + 1..]).any(|other| w.overlaps(other)) {
-            return Err(DeviceError::invalid(op, format!("a written range of buffer {} overlaps another view", w.buffer().id())));
+            return Err(DeviceError::invalid(
+                op,
+                format!("a written range of buffer {} overlaps another view", w.buffer().id()),
+            ));
         }
     }
     Ok(())

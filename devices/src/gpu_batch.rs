@@ -208,8 +208,15 @@ pub fn plan_copies(pieces: impl IntoIterator<Item = CopyPiece>) -> Vec<Step<Copy
                     let unit = p.unit();
                     let row_units = p.row_bytes / unit;
                     units = units.max(p.rows * row_units);
-                    block[1 + 7 * i..8 + 7 * i]
-                        .copy_from_slice(&[p.src, p.dst, p.rows, row_units, p.src_pitch, p.dst_pitch, unit]);
+                    block[1 + 7 * i..8 + 7 * i].copy_from_slice(&[
+                        p.src,
+                        p.dst,
+                        p.rows,
+                        row_units,
+                        p.src_pitch,
+                        p.dst_pitch,
+                        unit,
+                    ]);
                 }
                 Step::Launch { block, grid: (grid_x(units), launch.len() as u32) }
             }

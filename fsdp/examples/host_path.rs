@@ -58,7 +58,8 @@ fn groups(shape: &str) -> Result<Vec<(String, Vec<DeferredParam>, bool)>, String
     match shape {
         "llama-110m" => {
             let (hidden, inter, vocab, layers) = (768, 2048, 16000, 12);
-            let mut out = vec![("embed".to_string(), vec![param("embed_tokens.weight", &[vocab, hidden], 0.01)], false)];
+            let mut out =
+                vec![("embed".to_string(), vec![param("embed_tokens.weight", &[vocab, hidden], 0.01)], false)];
             for l in 0..layers {
                 let p = |n: &str, s: &[usize]| param(&format!("layers.{l}.{n}"), s, 0.02);
                 let params = vec![
@@ -80,7 +81,8 @@ fn groups(shape: &str) -> Result<Vec<(String, Vec<DeferredParam>, bool)>, String
         }
         "mlp" => Ok((0..64)
             .map(|l| {
-                let params = vec![param(&format!("{l}.weight"), &[64, 64], 0.1), param(&format!("{l}.bias"), &[64], 0.0)];
+                let params =
+                    vec![param(&format!("{l}.weight"), &[64, 64], 0.1), param(&format!("{l}.bias"), &[64], 0.0)];
                 (format!("layer{l}"), params, l == 63)
             })
             .collect()),
@@ -161,7 +163,8 @@ where
     C::B: chorus_devices::ComputeBackend,
 {
     let err = |e: chorus_fsdp::FsdpError| e.to_string();
-    let mp = MixedPrecision { param_dtype: Some(args.param_dtype), reduce_dtype: Some(DType::F32), ..Default::default() };
+    let mp =
+        MixedPrecision { param_dtype: Some(args.param_dtype), reduce_dtype: Some(DType::F32), ..Default::default() };
     let config = FsdpConfig { mixed_precision: mp, ..FsdpConfig::default() };
     let mut fsdp = Fsdp::new(DataParallel::fsdp(Arc::new(comm)), config).map_err(err)?;
     for (name, params, root) in groups(&args.shape)? {

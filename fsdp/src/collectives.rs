@@ -376,7 +376,11 @@ pub(crate) fn reduce_gradients<C: CommBackend>(
         let mut copies = Vec::with_capacity(replicated.len());
         let mut off = 0;
         for p in &replicated {
-            copies.push((grads.slice(p.full, p.numel)?, flat.view(), Copy2d { dst_offset: off, ..contiguous(p.numel) }));
+            copies.push((
+                grads.slice(p.full, p.numel)?,
+                flat.view(),
+                Copy2d { dst_offset: off, ..contiguous(p.numel) },
+            ));
             off += p.numel;
         }
         s.compute.copy_2d_batch(&copies)?;

@@ -44,11 +44,7 @@ impl<C: CommBackend> EventPool<C> {
     }
 
     /// An event recorded on `stream` now (to be waited on later and then given back).
-    pub(crate) fn record(
-        &self,
-        device: &<C::B as chorus_devices::Backend>::Device,
-        stream: &Strm<C>,
-    ) -> Result<Ev<C>> {
+    pub(crate) fn record(&self, device: &<C::B as chorus_devices::Backend>::Device, stream: &Strm<C>) -> Result<Ev<C>> {
         let e = self.take(device)?;
         stream.record(&e)?;
         Ok(e)

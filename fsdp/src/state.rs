@@ -12,9 +12,9 @@ use chorus_devices::{Backend, Buffer, DType, Device, Priority, Stream, StreamExt
 
 use crate::collectives::{self, ReducePlan};
 use crate::config::{DataParallel, FsdpConfig, MixedPrecision, OffloadPolicy, Reshard};
+use crate::events::EventPool;
 use crate::layout::{normalize_dim, GroupLayout};
 use crate::overhead::{Hook, HookStart, HostOverhead};
-use crate::events::EventPool;
 use crate::param::{DeferredParam, Param, ParamInit};
 use crate::param_group::{CommContext, Group, Route, ShardedState, Streams, TrainingState};
 use crate::storage::GroupStorage;

@@ -18,7 +18,8 @@ use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, MixedPrecision, OptimizerKind,
 /// second step, after the first made the optimizer's state.
 fn calls_per_step(world: usize, groups: usize, params: usize) -> BTreeMap<&'static str, u64> {
     let results = SimWorld::run(world, SimConfig::default(), move |comm| {
-        let mp = MixedPrecision { param_dtype: Some(DType::BF16), reduce_dtype: Some(DType::F32), ..Default::default() };
+        let mp =
+            MixedPrecision { param_dtype: Some(DType::BF16), reduce_dtype: Some(DType::F32), ..Default::default() };
         let config = FsdpConfig { mixed_precision: mp, ..FsdpConfig::default() };
         let mut fsdp = Fsdp::new(DataParallel::fsdp(Arc::new(comm)), config)?;
         for g in 0..groups {

@@ -587,7 +587,8 @@ impl crate::Stream for CpuStream {
         checks::update_on_host(reads, writes)?;
         let read_ranges = reads.iter().map(|v| self.own(op, v)).collect::<Result<Vec<_>>>()?;
         let write_ranges = writes.iter().map(|v| self.own(op, v)).collect::<Result<Vec<_>>>()?;
-        let accesses: Vec<Access> = reads.iter().map(|v| Access::read(*v)).chain(writes.iter().map(|v| Access::write(*v))).collect();
+        let accesses: Vec<Access> =
+            reads.iter().map(|v| Access::read(*v)).chain(writes.iter().map(|v| Access::write(*v))).collect();
         self.enqueue(op, &accesses, move |input| match input {
             JobInput::Run => {
                 // SAFETY: stream order excludes concurrent writers of these ranges, and the

@@ -16,8 +16,8 @@ use super::memory::CudaBuffer;
 use super::result::{self as res, DriverResult};
 use super::Cuda;
 use crate::failure::{poisoned, StreamState};
-use crate::{checks, host_fn, wait};
 use crate::gpu_batch::{self, CopyPiece, FillPiece, Step};
+use crate::{checks, host_fn, wait};
 use crate::{Copy2d, Copy2dPiece, DType, DeviceError, Priority, Readback, Result, Scalar, View};
 
 pub(crate) struct StreamShared {
@@ -179,10 +179,9 @@ unsafe extern "C" fn host_fn_trampoline(data: *mut c_void) {
     match ran {
         Ok(Ok(())) => {}
         Ok(Err(e)) => state.fail(position, e),
-        Err(panic) => state.fail(
-            position,
-            DeviceError::invalid("launch_host_fn", format!("the host function panicked: {panic}")),
-        ),
+        Err(panic) => {
+            state.fail(position, DeviceError::invalid("launch_host_fn", format!("the host function panicked: {panic}")))
+        }
     }
 }
 

@@ -19,9 +19,9 @@
 //! `clang++`; `ci/vendor-cxx.sh` installs g++) every test fails, saying so.
 #![cfg(any(feature = "cuda", feature = "rocm"))]
 
+mod batch;
 #[path = "../common/mod.rs"]
 mod common;
-mod batch;
 mod compare;
 mod conversions;
 mod host_build;

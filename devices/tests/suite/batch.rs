@@ -113,7 +113,9 @@ pub fn copy_2d_batch_of_many_pieces_equals_the_copies_in_order<B: ComputeBackend
     let mut dependent = 0;
     for i in 0..150 {
         let k = (rng.next_u64() % 4) as usize;
-        if let Some((pk, 0, prev)) = pieces.last().copied().filter(|(_, side, l)| i % 10 == 9 && *side == 0 && l.rows == 1) {
+        if let Some((pk, 0, prev)) =
+            pieces.last().copied().filter(|(_, side, l)| i % 10 == 9 && *side == 0 && l.rows == 1)
+        {
             // Continues the previous copy on both sides: the two merge.
             let next = Copy2d { src_offset: prev.src_offset + prev.row_len, dst_offset: cursor[pk][0], ..prev };
             if next.src_offset + next.row_len <= LEN && next.dst_offset == prev.dst_offset + prev.row_len {
@@ -155,7 +157,11 @@ pub fn copy_2d_batch_of_many_pieces_equals_the_copies_in_order<B: ComputeBackend
     for (k, made) in bufs.iter().enumerate() {
         for (j, b) in made.iter().enumerate() {
             let got = s.copy_to_host(b.view())?.wait()?;
-            ensure!(got == host[k][j], "buffer {j} of element size {} differs from the in-order copies", WIDTHS[k].size());
+            ensure!(
+                got == host[k][j],
+                "buffer {j} of element size {} differs from the in-order copies",
+                WIDTHS[k].size()
+            );
         }
     }
     if let Some(calls) = calls {
@@ -178,9 +184,10 @@ pub fn fill_batch_of_many_views_equals_the_fills_one_by_one<B: ComputeBackend>(
     let dev = make()?;
     let s = stream(&dev)?;
     let mut rng = Lcg::new(9);
-    for (dtypes, value) in
-        [([DType::I8, DType::I32, DType::I64], Scalar::Int(-5)), ([DType::BF16, DType::F32, DType::F64], Scalar::Float(-1.5))]
-    {
+    for (dtypes, value) in [
+        ([DType::I8, DType::I32, DType::I64], Scalar::Int(-5)),
+        ([DType::BF16, DType::F32, DType::F64], Scalar::Float(-1.5)),
+    ] {
         let mut host: Vec<Vec<u8>> = Vec::new();
         let mut bufs = Vec::new();
         for dtype in dtypes {
