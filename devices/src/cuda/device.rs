@@ -261,7 +261,7 @@ impl CudaDevice {
             .get_or_init(|| {
                 let ptx = super::kernels::ptx_for(self.inner.compute_capability)?;
                 self.bind()?;
-                Kernels::load(&ptx, &self.label()).map(Arc::new)
+                Kernels::load(&ptx, self.label()).map(Arc::new)
             })
             .clone()
     }
@@ -276,7 +276,7 @@ impl CudaDevice {
         } else {
             self.bind()?;
             // SAFETY: a live stream of this device's context.
-            unsafe { drv::malloc_async(stream.raw, bytes) }.drv_alloc("cuMemAllocAsync", &self.label(), bytes)?
+            unsafe { drv::malloc_async(stream.raw, bytes) }.drv_alloc("cuMemAllocAsync", self.label(), bytes)?
         };
         Ok(CudaBuffer::adopt(self, stream, ptr, dtype, len))
     }
@@ -336,7 +336,7 @@ impl crate::Device for CudaDevice {
         if buf.bytes_len() > 0 {
             // SAFETY: the allocation just made, on the internal stream.
             unsafe { drv::memset_d8_async(buf.ptr, 0, buf.bytes_len(), self.internal.raw) }
-                .drv("cuMemsetD8Async", &self.label())?;
+                .drv("cuMemsetD8Async", self.label())?;
         }
         // "Usable on any stream at once": the allocation and zeroing are done
         // when this returns.

@@ -69,7 +69,7 @@ impl HostMemory {
         // SAFETY: a fresh allocation, owned by the returned value and freed once in its drop.
         let ptr = unsafe { drv::malloc_host(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) }.drv_alloc(
             "cuMemHostAlloc",
-            &label,
+            label,
             bytes,
         )? as *mut u8;
         // SAFETY: `bytes` writable bytes just allocated; no copy uses them yet.
@@ -173,12 +173,12 @@ impl CudaStream {
             (Some(from), None) if from.pinned() => self.run_copy(op, &[src, dst], |s| {
                 // SAFETY: a pinned range and a device range of `bytes`, valid in stream order.
                 unsafe { memcpy(device_ptr(&dst), host_addr(from, &src) as CUdeviceptr, bytes, s) }
-                    .drv("cuMemcpyAsync", &label)
+                    .drv("cuMemcpyAsync", label)
             }),
             (None, Some(to)) if to.pinned() => self.run_copy(op, &[src, dst], |s| {
                 // SAFETY: as above, the other way.
                 unsafe { memcpy(host_addr(to, &dst) as CUdeviceptr, device_ptr(&src), bytes, s) }
-                    .drv("cuMemcpyAsync", &label)
+                    .drv("cuMemcpyAsync", label)
             }),
             (Some(from), None) => self.pageable_to_device(from.clone(), src, dst),
             (None, Some(to)) => self.device_to_pageable(src, to.clone(), dst),
@@ -237,7 +237,7 @@ impl CudaStream {
             // SAFETY: a fully initialized descriptor of ranges inside the
             // views (checked by the caller): pinned host memory and device
             // memory, both valid in stream order.
-            unsafe { sys::cuMemcpy2DAsync_v2(&copy, s) }.result().drv("cuMemcpy2DAsync", &label)
+            unsafe { sys::cuMemcpy2DAsync_v2(&copy, s) }.result().drv("cuMemcpy2DAsync", label)
         })
     }
 
@@ -247,7 +247,7 @@ impl CudaStream {
         let (op, bytes) = ("copy", dst.bytes());
         let pool = self.device.inner.staging.clone();
         self.device.bind()?;
-        let block = pool.take(bytes, &self.device.label())?;
+        let block = pool.take(bytes, self.device.label())?;
         let (block_at, s_at) = (block.ptr as usize, host_addr(&from, &src));
         self.host_job(op, &[src], move || {
             // SAFETY: the block holds at least `bytes` and is ours until the
@@ -258,7 +258,7 @@ impl CudaStream {
         let label = self.device.label();
         let copied = self.run_copy(op, &[dst], |s| {
             // SAFETY: a pinned block and a device range of `bytes`, in stream order.
-            unsafe { memcpy(device_ptr(&dst), block_at as CUdeviceptr, bytes, s) }.drv("cuMemcpyAsync", &label)
+            unsafe { memcpy(device_ptr(&dst), block_at as CUdeviceptr, bytes, s) }.drv("cuMemcpyAsync", label)
         });
         // On an error the fill job above may still be queued: the block is
         // then not returned to the pool (a leak), so no other copy gets it under it.
@@ -272,12 +272,12 @@ impl CudaStream {
         let (op, bytes) = ("copy", dst.bytes());
         let pool = self.device.inner.staging.clone();
         self.device.bind()?;
-        let block = pool.take(bytes, &self.device.label())?;
+        let block = pool.take(bytes, self.device.label())?;
         let block_at = block.ptr as usize;
         let label = self.device.label();
         let copied = self.run_copy(op, &[src], |s| {
             // SAFETY: a device range and a pinned block of `bytes`, in stream order.
-            unsafe { memcpy(block_at as CUdeviceptr, device_ptr(&src), bytes, s) }.drv("cuMemcpyAsync", &label)
+            unsafe { memcpy(block_at as CUdeviceptr, device_ptr(&src), bytes, s) }.drv("cuMemcpyAsync", label)
         });
         if let Err(e) = copied {
             pool.put(block);

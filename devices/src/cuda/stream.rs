@@ -314,7 +314,7 @@ impl CudaStream {
         // SAFETY: `job` is handed to exactly one trampoline call, which frees it.
         let launched =
             unsafe { drv::stream::launch_host_function(self.shared.raw, host_fn_trampoline, job as *mut c_void) }
-                .drv("cuLaunchHostFunc", &self.device.label());
+                .drv("cuLaunchHostFunc", self.device.label());
         match launched {
             Ok(()) => {
                 self.shared.state.advance();
@@ -354,13 +354,13 @@ impl CudaStream {
         // SAFETY: a fresh allocation on this stream, then a copy in its order.
         let tmp = unsafe { drv::malloc_async(self.shared.raw, bytes) }.drv_alloc(
             "cuMemAllocAsync",
-            &self.device.label(),
+            self.device.label(),
             bytes,
         )?;
         let staged = Staged { ptr: tmp, stream: self.shared.raw, device: self.device.clone() };
         // SAFETY: both ranges are valid for `bytes` in this stream's order.
         unsafe { drv::memcpy_dtod_async(tmp, ptr, bytes, self.shared.raw) }
-            .drv("cuMemcpyDtoDAsync", &self.device.label())?;
+            .drv("cuMemcpyDtoDAsync", self.device.label())?;
         Ok((tmp, Some(staged)))
     }
 
@@ -398,7 +398,7 @@ impl crate::Stream for CudaStream {
             let (from, _staged) = self.input_ptr(&src, &dst, false)?;
             // SAFETY: valid, non-overlapping ranges of `bytes` in stream order.
             unsafe { drv::memcpy_dtod_async(device_ptr(&dst), from, dst.bytes(), s) }
-                .drv("cuMemcpyDtoDAsync", &self.device.label())
+                .drv("cuMemcpyDtoDAsync", self.device.label())
         })
     }
 
@@ -425,7 +425,7 @@ impl crate::Stream for CudaStream {
                     let so = ((layout.src_offset + i * layout.src_stride) * size) as u64;
                     let d_o = ((layout.dst_offset + i * layout.dst_stride) * size) as u64;
                     // SAFETY: blocks inside the views (checked above), valid in stream order.
-                    unsafe { drv::memcpy_dtod_async(dp + d_o, sp + so, width, s) }.drv("cuMemcpyDtoDAsync", &label)?;
+                    unsafe { drv::memcpy_dtod_async(dp + d_o, sp + so, width, s) }.drv("cuMemcpyDtoDAsync", label)?;
                 }
                 return Ok(());
             }
@@ -448,7 +448,7 @@ impl crate::Stream for CudaStream {
                 Height: layout.rows,
             };
             // SAFETY: a fully initialized descriptor of ranges inside the views.
-            unsafe { cudarc::driver::sys::cuMemcpy2DAsync_v2(&copy, s) }.result().drv("cuMemcpy2DAsync", &label)
+            unsafe { cudarc::driver::sys::cuMemcpy2DAsync_v2(&copy, s) }.result().drv("cuMemcpy2DAsync", label)
         })
     }
 
@@ -504,7 +504,7 @@ impl crate::Stream for CudaStream {
             // (CUDA's "API synchronization behavior"), so the caller may
             // reuse it at once, as the contract requires.
             // SAFETY: `dst` is valid for `src.len()` bytes in stream order.
-            unsafe { drv::memcpy_htod_async(device_ptr(&dst), src, s) }.drv("cuMemcpyHtoDAsync", &self.device.label())
+            unsafe { drv::memcpy_htod_async(device_ptr(&dst), src, s) }.drv("cuMemcpyHtoDAsync", self.device.label())
         })
     }
 
@@ -523,7 +523,7 @@ impl crate::Stream for CudaStream {
         let bytes = src.bytes();
         self.device.bind()?;
         let pool = self.device.inner.staging.clone();
-        let block = pool.take(bytes, &self.device.label())?;
+        let block = pool.take(bytes, self.device.label())?;
         let block_ptr = block.ptr;
         let copied = self.enqueue_op(op, &[src], |s| {
             if bytes > 0 {
@@ -532,7 +532,7 @@ impl crate::Stream for CudaStream {
                 let dst = unsafe { std::slice::from_raw_parts_mut(block_ptr, bytes) };
                 // SAFETY: the device range is valid in stream order.
                 unsafe { drv::memcpy_dtoh_async(dst, device_ptr(&src), s) }
-                    .drv("cuMemcpyDtoHAsync", &self.device.label())?;
+                    .drv("cuMemcpyDtoHAsync", self.device.label())?;
             }
             Ok(())
         });
@@ -630,7 +630,7 @@ impl crate::Stream for CudaStream {
                 .u64(x.len() as u64)
                 .i32(accumulate as i32);
             // SAFETY: as in `cast`; one block.
-            unsafe { kernels.launch_grid("chorus_abs_max", 1, REDUCE_BLOCK, s, args, &label) }
+            unsafe { kernels.launch_grid("chorus_abs_max", 1, REDUCE_BLOCK, s, args, label) }
         })
     }
 
@@ -698,7 +698,7 @@ impl crate::Stream for CudaStream {
         checks::same_device("record", "an event", &self.device, &event.device)?;
         self.device.bind()?;
         // SAFETY: live event and stream of the bound context.
-        unsafe { drv::event::record(event.raw, self.shared.raw) }.drv("cuEventRecord", &self.device.label())?;
+        unsafe { drv::event::record(event.raw, self.shared.raw) }.drv("cuEventRecord", self.device.label())?;
         let pos = self.shared.state.advance();
         event.recorded.set(&self.shared.state, pos);
         Ok(())
@@ -710,7 +710,7 @@ impl crate::Stream for CudaStream {
         self.device.bind()?;
         // SAFETY: live event and stream of the bound context.
         unsafe { drv::stream::wait_event(self.shared.raw, event.raw, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-            .drv("cuStreamWaitEvent", &self.device.label())?;
+            .drv("cuStreamWaitEvent", self.device.label())?;
         let ours = self.shared.state.advance();
         if let Some((stream, theirs)) = event.recorded.get() {
             if !Arc::ptr_eq(&stream, &self.shared.state) {
@@ -772,6 +772,6 @@ impl CudaStream {
         }
         let kernels = self.kernels()?;
         let label = self.device.label();
-        self.run(op, views, |s| launch(&kernels, s, &label))
+        self.run(op, views, |s| launch(&kernels, s, label))
     }
 }
