@@ -96,6 +96,24 @@ impl CopyPiece {
         1 << bits.trailing_zeros().min(4)
     }
 
+    /// This piece as pieces a launch may run at once: itself, or, when its
+    /// destination blocks overlap one another (a pitch below the block, which
+    /// the trait allows: later blocks win), each block alone, in order.
+    fn in_order(self) -> Vec<CopyPiece> {
+        if self.rows == 1 || self.dst_pitch >= self.row_bytes {
+            return vec![self];
+        }
+        let block = |i: u64| CopyPiece {
+            src: self.src + i * self.src_pitch,
+            dst: self.dst + i * self.dst_pitch,
+            rows: 1,
+            row_bytes: self.row_bytes,
+            src_pitch: self.row_bytes,
+            dst_pitch: self.row_bytes,
+        };
+        (0..self.rows).map(block).collect()
+    }
+
     /// `next` continues this contiguous piece on both sides.
     fn continued_by(&self, next: &CopyPiece) -> bool {
         self.rows == 1
@@ -181,7 +199,7 @@ fn grid_x(units: u64) -> u32 {
 /// plain copy).
 pub fn plan_copies(pieces: impl IntoIterator<Item = CopyPiece>) -> Vec<Step<CopyPiece>> {
     let mut merged: Vec<CopyPiece> = Vec::new();
-    for p in pieces {
+    for p in pieces.into_iter().flat_map(CopyPiece::in_order) {
         match merged.last_mut() {
             Some(last) if last.continued_by(&p) => {
                 last.row_bytes += p.row_bytes;
@@ -309,6 +327,18 @@ mod tests {
         assert_eq!(steps.len(), 2);
         assert!(matches!(&steps[0], Step::Launch { grid: (1, 64), .. }));
         assert!(matches!(&steps[1], Step::Single(_)));
+    }
+
+    #[test]
+    fn destination_blocks_that_overlap_go_one_by_one_in_order() {
+        // Three blocks written to the same place: the last must win.
+        let layout = Copy2d { rows: 3, row_len: 4, src_offset: 0, src_stride: 4, dst_offset: 0, dst_stride: 0 };
+        let steps = plan_copies(CopyPiece::new(0, 1024, &layout, 4));
+        let blocks: Vec<CopyPiece> = (0..3).map(|i| contiguous(16 * i, 1024, 16)).collect();
+        assert_eq!(steps, blocks.into_iter().map(Step::Single).collect::<Vec<_>>());
+        // Blocks that only touch stay one piece.
+        let layout = Copy2d { dst_stride: 4, ..layout };
+        assert_eq!(plan_copies(CopyPiece::new(0, 1024, &layout, 4)), vec![Step::Single(contiguous(0, 1024, 48))]);
     }
 
     #[test]

@@ -71,6 +71,11 @@ fn copy_batches_as_a_gpu_plans_them_equal_the_cpu_devices_copy_2d_batch() {
             }
             layouts.push(layout);
         }
+        // Blocks written over one another (a destination stride of 0): the last wins.
+        let rows = Copy2d { rows: 3, row_len: 5, src_offset: 7, src_stride: 6, dst_offset: cursor, dst_stride: 0 };
+        if cursor + 5 <= LEN {
+            layouts.push(rows);
+        }
         // The cpu device's result.
         let (cs, cd) = (s.alloc(dtype, LEN).unwrap(), s.alloc(dtype, LEN).unwrap());
         s.copy_from_host(&src_bytes, cs.view()).unwrap();
