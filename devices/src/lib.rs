@@ -29,6 +29,8 @@ pub mod gpu_kernels;
 pub mod hip;
 pub mod host_fn;
 pub mod host_step;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+mod host_update;
 mod id;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub mod loader;

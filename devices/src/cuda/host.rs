@@ -28,6 +28,7 @@ use super::memory::CudaBuffer;
 use super::result::DriverResult;
 use super::stream::{device_ptr, CudaStream, StreamShared};
 use super::Cuda;
+use crate::host_update::{self, HeldRange};
 use crate::{host_fn, Copy2d, DType, DeviceError, MemorySpace, Readback, Result, View};
 
 /// One host allocation; freed when the last holder lets go (the buffer and
@@ -354,31 +355,17 @@ impl CudaStream {
         for v in reads.iter().chain(writes) {
             crate::checks::on_device(op, &self.device, v)?;
         }
-        // (allocation held, address, bytes); an empty view has no allocation.
-        let held = |v: &View<'_, Cuda>| (host_of(v).cloned(), host_of(v).map_or(0, |m| host_addr(m, v)), v.bytes());
+        let held =
+            |v: &View<'_, Cuda>| HeldRange::new(host_of(v), host_of(v).map_or(0, |m| host_addr(m, v)), v.bytes());
         let read: Vec<_> = reads.iter().map(held).collect();
         let written: Vec<_> = writes.iter().map(held).collect();
         self.launch_host_work(
             op,
-            Box::new(move |outcome| {
-                if outcome.is_err() {
-                    return Ok(());
-                }
-                let slice = |(_, at, bytes): &(Option<Arc<HostMemory>>, usize, usize)| match bytes {
-                    0 => &[][..],
-                    // SAFETY: a range of a live allocation (held here), every earlier
-                    // write to it done (stream order).
-                    _ => unsafe { std::slice::from_raw_parts(*at as *const u8, *bytes) },
-                };
-                let slice_mut = |(_, at, bytes): &(Option<Arc<HostMemory>>, usize, usize)| match bytes {
-                    0 => &mut [][..],
-                    // SAFETY: as above; no other view overlaps a written one (checked), so
-                    // this slice is the range's only reference while `f` runs.
-                    _ => unsafe { std::slice::from_raw_parts_mut(*at as *mut u8, *bytes) },
-                };
-                let r: Vec<&[u8]> = read.iter().map(slice).collect();
-                let mut w: Vec<&mut [u8]> = written.iter().map(slice_mut).collect();
-                f(&r, &mut w)
+            Box::new(move |outcome| match outcome {
+                // SAFETY: the ranges lie in the allocations they hold; the host function
+                // runs in stream order; written ranges overlap nothing else (checked).
+                Ok(()) => unsafe { host_update::run(&read, &written, f) },
+                Err(_) => Ok(()),
             }),
         )
     }

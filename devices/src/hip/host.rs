@@ -17,6 +17,7 @@ use super::device::{defer_drop, DeferredDrops, HipBuffer, HipDevice, Parked};
 use super::stream::{host_outcome, HipStream, StreamInner};
 use super::sys::{self, hipMemcpyKind};
 use super::{result, Hip};
+use crate::host_update::{self, HeldRange};
 use crate::{host_fn, Copy2d, DType, DeviceError, MemorySpace, Readback, Result, View};
 
 /// One host allocation; freed when the last holder lets go (the buffer and
@@ -140,48 +141,33 @@ impl HipStream {
         f: crate::HostUpdate,
     ) -> Result<()> {
         let op = "update_on_host";
-        host_fn::check(op)?;
         crate::checks::update_on_host(reads, writes)?;
-        for v in reads.iter().chain(writes) {
-            crate::checks::on_device(op, &self.device, v)?;
-        }
-        // (allocation held, address, bytes); an empty view has no allocation.
-        let held = |v: &View<'_, Hip>| (host_of(v).cloned(), host_of(v).map_or(0, |m| host_addr(m, v)), v.bytes());
+        let held = |v: &View<'_, Hip>| HeldRange::new(host_of(v), host_of(v).map_or(0, |m| host_addr(m, v)), v.bytes());
         let read: Vec<_> = reads.iter().map(held).collect();
         let written: Vec<_> = writes.iter().map(held).collect();
-        let at = self.inner.state.advance();
-        if self.inner.state.own_failure().is_some() {
-            return Ok(());
-        }
-        self.device.bind()?;
-        let state = self.inner.state.clone();
-        self.host_work(Box::new(move |outcome| {
-            if host_outcome(outcome, &state, at, op).is_err() {
-                return;
-            }
-            let slice = |(_, at, bytes): &(Option<Arc<HostMemory>>, usize, usize)| match bytes {
-                0 => &[][..],
-                // SAFETY: a range of a live allocation (held here), every earlier write done (stream order).
-                _ => unsafe { std::slice::from_raw_parts(*at as *const u8, *bytes) },
-            };
-            let slice_mut = |(_, at, bytes): &(Option<Arc<HostMemory>>, usize, usize)| match bytes {
-                0 => &mut [][..],
-                // SAFETY: as above; no other view overlaps a written one (checked).
-                _ => unsafe { std::slice::from_raw_parts_mut(*at as *mut u8, *bytes) },
-            };
-            let r: Vec<&[u8]> = read.iter().map(slice).collect();
-            let mut w: Vec<&mut [u8]> = written.iter().map(slice_mut).collect();
-            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || f(&r, &mut w)));
-            match ran {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => state.fail(at, e),
-                Err(_) => state.fail(at, DeviceError::invalid(op, "the host work panicked")),
-            }
-        }))
+        let views: Vec<View<'_, Hip>> = reads.iter().chain(writes).copied().collect();
+        self.host_work_failing(op, &views, move || {
+            // SAFETY: the ranges lie in the allocations they hold; the work runs in
+            // stream order; written ranges overlap nothing else (checked).
+            unsafe { host_update::run(&read, &written, f) }
+        })
     }
 
     /// Host work doing `f` in stream order, skipped when earlier work failed.
     fn host_job(&self, op: &'static str, views: &[View<'_, Hip>], f: impl FnOnce() + Send + 'static) -> Result<()> {
+        self.host_work_failing(op, views, move || {
+            f();
+            Ok(())
+        })
+    }
+
+    /// [`HipStream::host_job`] whose error (or panic) fails the stream from its position on.
+    fn host_work_failing(
+        &self,
+        op: &'static str,
+        views: &[View<'_, Hip>],
+        f: impl FnOnce() -> Result<()> + Send + 'static,
+    ) -> Result<()> {
         host_fn::check(op)?;
         for v in views {
             crate::checks::on_device(op, &self.device, v)?;
@@ -193,8 +179,13 @@ impl HipStream {
         self.device.bind()?;
         let state = self.inner.state.clone();
         self.host_work(Box::new(move |outcome| {
-            if host_outcome(outcome, &state, at, op).is_ok() {
-                f()
+            if host_outcome(outcome, &state, at, op).is_err() {
+                return;
+            }
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => state.fail(at, e),
+                Err(_) => state.fail(at, DeviceError::invalid(op, "the host work panicked")),
             }
         }))
     }

@@ -49,6 +49,7 @@ macro_rules! device_suite {
         copy_2d_between_the_spaces_moves_the_blocks => spaces::copy_2d_between_the_spaces_moves_the_blocks,
         kernels_on_host_buffers_work_or_are_refused_as_the_device_declares => spaces::kernels_on_host_buffers_work_or_are_refused_as_the_device_declares,
         dropping_a_host_buffer_with_queued_copies_frees_it_after_them => spaces::dropping_a_host_buffer_with_queued_copies_frees_it_after_them,
+        update_on_host_runs_in_stream_order_on_host_bytes => spaces::update_on_host_runs_in_stream_order_on_host_bytes,
         matmul_matches_a_naive_product_for_every_transpose_and_dtype => compute::matmul_matches_a_naive_product_for_every_transpose_and_dtype,
         matmul_works_on_sub_views => compute::matmul_works_on_sub_views,
         matmul_refuses_bad_shapes_and_dtypes => compute::matmul_refuses_bad_shapes_and_dtypes,
