@@ -28,6 +28,10 @@ strip --strip-debug -o "$out/chorus" "$CARGO_TARGET_DIR/release/chorus"
 cargo build --release -p chorus-kernels --features cuda --example kernel_bench "${config[@]}"
 strip --strip-debug -o "$out/kernel_bench" "$CARGO_TARGET_DIR/release/examples/kernel_bench"
 
+# FSDP's host-path bench (gpu-check.sh fsdp-host).
+cargo build --release -p chorus-fsdp --features nccl --example host_path
+strip --strip-debug -o "$out/host_path" "$CARGO_TARGET_DIR/release/examples/host_path"
+
 # The test binaries that prove the GPU paths, by their names in `cargo test`.
 copy_tests() {
     # $1: package, $2: features, $3...: test target names

@@ -47,6 +47,11 @@
 #                        without --offload on nccl: equal losses (equality only: whether the loss
 #                        falls is the optimiser's business), a host peak above zero and a lower
 #                        device peak (summary.json)
+#   fsdp-host            FSDP's host time per group and step on the cuda device (issue 34: at most 100 µs):
+#                        the hooks alone on the 110M Llama's groups (host_path, bf16/f32, driver calls per
+#                        group and step by entry point printed), then `chorus train` on the 110M Llama (bf16,
+#                        batch 8 x 256, no recomputation; binary built with candle-cuda): each FAILS above
+#                        100 µs, with the number printed (ci/fsdp_host_judge.py). About a minute
 #   llama-torch          a transformers LlamaForCausalLM (ci/llama_torch.py, on the CPU in f32) trained
 #                        by chorus on candle-CUDA over NCCL and by PyTorch: losses within 1e-4 and every
 #                        saved tensor within 1e-4 ($CHORUS_PYTHON, else python3; without torch and
@@ -393,6 +398,19 @@ if want offload-nccl; then
                 | tee -a "$summary"
         fi
     done
+fi
+
+if want fsdp-host; then
+    # FSDP's hooks alone on the 110M Llama's 14 groups (no model compute: what is timed is FSDP's host
+    # work and the driver calls it makes), then the real training step's FSDP host time (summary.json).
+    run fsdp-host-path 60 "$bin/host_path" --backend nccl --shape llama-110m --param-dtype bf16 --steps 20
+    grep -E '^(all hooks|device calls|optimizer step)' "$results/fsdp-host-path.log" | sed 's/^/# /' | tee -a "$summary"
+    run fsdp-host-llama-110m 120 "$chorus" train --model llama --layers 12 --heads 12 --kv-heads 12 --hidden 768 \
+        --intermediate 2048 --vocab 16000 --seq-len 256 --batch 8 --param-dtype bf16 --recompute false \
+        --backend nccl --world-size 1 --steps 10 --out-dir "$results/fsdp-host-llama-110m"
+    run fsdp-host-judge 30 python3 ci/fsdp_host_judge.py 100 "$results/fsdp-host-path.log" \
+        "$results/fsdp-host-llama-110m/summary.json"
+    sed 's/^/# /' "$results/fsdp-host-judge.log" | tee -a "$summary"
 fi
 
 if want llama-torch; then

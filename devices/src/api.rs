@@ -130,6 +130,25 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + 'static {
     fn kernels_reach_host(&self) -> bool {
         false
     }
+    /// Starts counting this device's calls from zero (`true`) or stops
+    /// (`false`; the counts stay readable), for benchmarks and tests of the
+    /// host path. What a call is depends on the device: on the cpu device,
+    /// each operation enqueued on one of its streams (by operation name,
+    /// records and waits included), each event made and each allocation; on
+    /// the cuda device, each CUDA driver call of the process (by entry
+    /// point), since a driver call is what costs host time there. Returns
+    /// whether this device counts at all; one that does not returns `false`
+    /// and [`Device::call_counts`] stays empty. Off by default (a relaxed
+    /// atomic load per call).
+    fn count_calls(&self, on: bool) -> bool {
+        let _ = on;
+        false
+    }
+    /// The calls counted since [`Device::count_calls`] last started
+    /// counting, by name, in the order each name was first seen.
+    fn call_counts(&self) -> Vec<(&'static str, u64)> {
+        Vec::new()
+    }
     /// Blocks until every stream of this device has finished its work; returns
     /// the first asynchronous error among them, or else the first error a
     /// drop could not return (a stream-ordered free that failed, a handle
@@ -212,6 +231,11 @@ pub struct MatmulSpec {
 
 /// One copy of a [`Stream::copy_2d_batch`]: source, destination and shape.
 pub type Copy2dPiece<'a, B> = (View<'a, B>, View<'a, B>, Copy2d);
+
+/// The host work of [`Stream::update_on_host`]: it gets the bytes of the
+/// views read, then those of the views written (to change in place); an
+/// error fails the stream.
+pub type HostUpdate = Box<dyn FnOnce(&[&[u8]], &mut [&mut [u8]]) -> Result<()> + Send>;
 
 /// The largest pitch a single 2-D copy takes on CUDA and HIP
 /// (`CU_DEVICE_ATTRIBUTE_MAX_PITCH` and `hipDeviceAttributeMaxPitch` are
@@ -386,6 +410,27 @@ pub trait Stream: Send + Sync + fmt::Debug + 'static {
     /// that failure (`Err`), so it can release what it holds. A panic in `f`
     /// is caught and fails the stream from this operation on.
     fn launch_host_fn(&self, f: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()>;
+
+    /// Runs `f` on the host, in stream order, on the bytes of buffers in
+    /// host memory ([`MemorySpace::Host`]): `f` gets the bytes of `reads`,
+    /// then those of `writes` to change in place, once the work enqueued
+    /// before it has finished; work enqueued after it starts after `f`
+    /// returns. It is how state kept in host memory is updated where it
+    /// lives (CPU offload's optimizer step on a device whose kernels do not
+    /// reach host memory): nothing is copied out and back, and the host does
+    /// not wait. `f` runs as [`Stream::launch_host_fn`]'s functions do — on
+    /// a thread of the device, where the device API is refused — and is
+    /// skipped when earlier work failed; an error it returns, or a panic,
+    /// fails the stream from this operation on. Every view must be of a host
+    /// buffer of this device (each slice then starts aligned to its dtype's
+    /// size), and a written view may not overlap any other view: otherwise
+    /// `InvalidArgument`, and nothing is enqueued. A device without a host
+    /// space of its own returns an error.
+    fn update_on_host(&self, reads: &[View<'_, Self::B>], writes: &[View<'_, Self::B>], f: HostUpdate) -> Result<()> {
+        let _ = (reads, writes, f);
+        let device = crate::Device::name(self.device());
+        Err(DeviceError::invalid("update_on_host", format!("{device} has no host memory space in chorus")))
+    }
 }
 
 /// The model and optimizer kernels: what FSDP's reference model and its

@@ -283,6 +283,24 @@ pub(crate) fn adamw_step<B: Backend>(operands: &[View<'_, B>; 4]) -> Result<()> 
     disjoint(op, operands, "param, grad and the moments")
 }
 
+/// [`Stream::update_on_host`](crate::Stream::update_on_host): every view in
+/// host memory, no written view overlapping another view.
+pub(crate) fn update_on_host<B: Backend>(reads: &[View<'_, B>], writes: &[View<'_, B>]) -> Result<()> {
+    let op = "update_on_host";
+    if let Some(v) = reads.iter().chain(writes).find(|v| v.buffer().space() != crate::MemorySpace::Host) {
+        return Err(DeviceError::invalid(op, format!("buffer {} is not in host memory", v.buffer().id())));
+    }
+    for (i, w) in writes.iter().enumerate() {
+        if reads.iter().chain(&writes[i + 1..]).any(|other| w.overlaps(other)) {
+            return Err(DeviceError::invalid(
+                op,
+                format!("a written range of buffer {} overlaps another view", w.buffer().id()),
+            ));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -212,6 +212,22 @@ mod gpu {
             }
         }
 
+        /// Whether work enqueued on this stream from now on starts after
+        /// `other`'s operations up to `position` have finished: a host wait
+        /// saw them finish, or this stream itself waited for a record of
+        /// `other` made after them. What a stream-ordered free asks before
+        /// making its owner wait for a user (`memory.rs`). Only direct waits
+        /// are followed, so it may answer `false` where a chain of waits
+        /// orders the two; never `true` where nothing does.
+        #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+        pub(crate) fn follows(&self, other: &Arc<StreamState>, position: u64) -> bool {
+            if other.synced_upto.load(Ordering::Acquire) >= position {
+                return true;
+            }
+            let Ok(u) = self.upstream.lock() else { return false };
+            u.iter().any(|(w, their, _)| *their > position && std::ptr::eq(w.as_ptr(), Arc::as_ptr(other)))
+        }
+
         /// A host wait saw everything up to `upto` complete without error.
         pub(crate) fn mark_synced(&self, upto: u64) {
             self.synced_upto.fetch_max(upto, Ordering::AcqRel);
@@ -302,6 +318,28 @@ mod tests {
         }
         // Work before the wait is not affected.
         assert!(last.failure_at(0).is_none());
+    }
+
+    #[test]
+    fn a_stream_follows_what_it_waited_for_and_what_a_host_wait_saw_finish() {
+        let (owner, user) = (StreamState::new("owner".into()), StreamState::new("user".into()));
+        let used = user.advance();
+        assert!(!owner.follows(&user, used), "nothing orders them yet");
+        // A record on `user` before the use, waited for: not enough.
+        let ours = owner.advance();
+        owner.add_upstream(&user, used - 1, ours);
+        assert!(!owner.follows(&user, used));
+        // A record after the use, waited for: the owner follows it.
+        let record = user.advance();
+        let ours = owner.advance();
+        owner.add_upstream(&user, record, ours);
+        assert!(owner.follows(&user, used));
+        assert!(!owner.follows(&user, record), "the record itself is not before the wait's record");
+        // A later use is not covered until a host wait sees it finish.
+        let later = user.advance();
+        assert!(!owner.follows(&user, later));
+        user.mark_synced(later);
+        assert!(owner.follows(&user, later));
     }
 
     #[test]

@@ -86,6 +86,8 @@ pub const NAMES: &[&str] = &[
     "chorus_sgd",
     "chorus_adamw",
     "chorus_matmul",
+    "chorus_copy_batch",
+    "chorus_fill_batch",
 ];
 
 /// The scalars of `chorus_sgd`, as torch's single-tensor SGD computes them
@@ -237,6 +239,7 @@ typedef unsigned char u8;
 #define CHORUS_BLOCK 256
 #define CHORUS_REDUCE_BLOCK 1024
 #define CHORUS_TILE 16
+#define CHORUS_BATCH 64
 
 #define T_F32 0
 #define T_F64 1
@@ -623,6 +626,70 @@ extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_adamw(float* w
         v[i] = vi;
         float denom = sqrtf(vi) / bc2_sqrt + eps;
         w[i] = wi + -step_size * (mi / denom);
+    }
+}
+
+// ---- batched copies and fills: many pieces, one launch ----
+
+// One strided copy of `rows` blocks of `row_units` units of `unit` bytes (1,
+// 2, 4, 8 or 16, dividing both addresses and both pitches); pitches in bytes.
+struct chorus_copy_piece_t {
+    u64 src, dst, rows, row_units, src_pitch, dst_pitch, unit;
+};
+// The launch's pieces, passed by value as its one parameter (under the 4 KiB
+// both launch APIs allow); block row `blockIdx.y` copies piece `blockIdx.y`.
+struct chorus_copy_batch_t {
+    u64 count;
+    chorus_copy_piece_t piece[CHORUS_BATCH];
+};
+struct alignas(16) chorus_u128 {
+    u64 lo, hi;
+};
+
+__device__ inline void copy_unit(u8* d, const u8* s, u64 unit) {
+    switch (unit) {
+        case 16: *(chorus_u128*)d = *(const chorus_u128*)s; break;
+        case 8: *(u64*)d = *(const u64*)s; break;
+        case 4: *(u32*)d = *(const u32*)s; break;
+        case 2: *(u16*)d = *(const u16*)s; break;
+        default: *d = *s; break;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_copy_batch(chorus_copy_batch_t batch) {
+    if ((u64)blockIdx.y >= batch.count) return;
+    const chorus_copy_piece_t p = batch.piece[blockIdx.y];
+    const u8* src = (const u8*)p.src;
+    u8* dst = (u8*)p.dst;
+    if (p.rows == 1) {
+        GRID_STRIDE(i, p.row_units) copy_unit(dst + i * p.unit, src + i * p.unit, p.unit);
+    } else {
+        u64 n = p.rows * p.row_units;
+        GRID_STRIDE(i, n) {
+            u64 r = i / p.row_units;
+            u64 c = (i - r * p.row_units) * p.unit;
+            copy_unit(dst + r * p.dst_pitch + c, src + r * p.src_pitch + c, p.unit);
+        }
+    }
+}
+
+// One fill of `n` elements of `width` bytes (1, 2, 4 or 8) with `pattern` (little-endian).
+struct chorus_fill_piece_t {
+    u64 dst, n, width, pattern;
+};
+struct chorus_fill_batch_t {
+    u64 count;
+    chorus_fill_piece_t piece[CHORUS_BATCH];
+};
+
+extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_fill_batch(chorus_fill_batch_t batch) {
+    if ((u64)blockIdx.y >= batch.count) return;
+    const chorus_fill_piece_t p = batch.piece[blockIdx.y];
+    switch (p.width) {
+        case 1: { GRID_STRIDE(i, p.n) ((u8*)p.dst)[i] = (u8)p.pattern; break; }
+        case 2: { GRID_STRIDE(i, p.n) ((u16*)p.dst)[i] = (u16)p.pattern; break; }
+        case 4: { GRID_STRIDE(i, p.n) ((u32*)p.dst)[i] = (u32)p.pattern; break; }
+        default: { GRID_STRIDE(i, p.n) ((u64*)p.dst)[i] = p.pattern; break; }
     }
 }
 

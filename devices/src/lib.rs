@@ -10,6 +10,7 @@
 
 pub mod api;
 mod bookkeeping;
+mod call_count;
 mod checks;
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -21,11 +22,15 @@ mod error;
 mod failure;
 mod foreign;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
+pub mod gpu_batch;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 pub mod gpu_kernels;
 #[cfg(feature = "rocm")]
 pub mod hip;
 pub mod host_fn;
 pub mod host_step;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+mod host_update;
 mod id;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub mod loader;
@@ -35,8 +40,8 @@ mod view;
 pub mod wait;
 
 pub use api::{
-    AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, Copy2d, Copy2dPiece, Device, Event, MatmulSpec,
-    MemorySpace, MemoryStats, Priority, Result, SgdParams, Stream, StreamExt,
+    AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, Copy2d, Copy2dPiece, Device, Event, HostUpdate,
+    MatmulSpec, MemorySpace, MemoryStats, Priority, Result, SgdParams, Stream, StreamExt,
 };
 pub use dtype::{DType, Element, Float8E4M3, Scalar};
 pub use error::{AccessKind, DeviceError, RaceAccess, RaceReport};

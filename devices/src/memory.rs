@@ -49,13 +49,19 @@ impl MemCounters {
 
 /// The streams a GPU buffer's stream-ordered free must follow: its home
 /// stream (which allocated it, and frees it) and every other stream that
-/// enqueued work on it.
+/// enqueued work on it, with the position of that stream's last use where
+/// it is known (so a free can skip a wait the home stream already made).
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 #[derive(Debug)]
 pub(crate) struct StreamUsers<S> {
     home: Arc<S>,
-    others: Mutex<Vec<Arc<S>>>,
+    /// The other streams and their last use's position ([`UNKNOWN_USE`] until known).
+    others: Mutex<Vec<(Arc<S>, u64)>>,
 }
+
+/// A use whose position is not known (yet): the free always waits for it.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) const UNKNOWN_USE: u64 = u64::MAX;
 
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 impl<S> StreamUsers<S> {
@@ -64,20 +70,36 @@ impl<S> StreamUsers<S> {
         StreamUsers { home: home.clone(), others: Default::default() }
     }
 
-    /// Notes that `stream` enqueued work on the buffer, so the free waits for it.
+    /// Notes that `stream` enqueues work on the buffer, at a position not known yet.
     pub(crate) fn note(&self, stream: &Arc<S>) {
+        self.note_at(stream, UNKNOWN_USE)
+    }
+
+    /// Notes that `stream` enqueued work on the buffer at `position`
+    /// ([`UNKNOWN_USE`]: not known, as [`StreamUsers::note`]). A known
+    /// position replaces an unknown one (the work noted as unknown was
+    /// enqueued before it on the same stream) and a later one an earlier.
+    pub(crate) fn note_at(&self, stream: &Arc<S>, position: u64) {
         if Arc::ptr_eq(stream, &self.home) {
             return;
         }
         if let Ok(mut others) = self.others.lock() {
-            if !others.iter().any(|u| Arc::ptr_eq(u, stream)) {
-                others.push(stream.clone());
+            match others.iter_mut().find(|(u, _)| Arc::ptr_eq(u, stream)) {
+                Some((_, last)) if position == UNKNOWN_USE || *last == UNKNOWN_USE => *last = position,
+                Some((_, last)) => *last = (*last).max(position),
+                None => others.push((stream.clone(), position)),
             }
         }
     }
 
     /// The home stream and the others, for the free (the buffer's drop).
     pub(crate) fn take(&self) -> (Arc<S>, Vec<Arc<S>>) {
+        let (home, others) = self.take_with_positions();
+        (home, others.into_iter().map(|(s, _)| s).collect())
+    }
+
+    /// The home stream and the others with their last uses' positions.
+    pub(crate) fn take_with_positions(&self) -> (Arc<S>, Vec<(Arc<S>, u64)>) {
         let others = self.others.lock().map(|mut o| std::mem::take(&mut *o)).unwrap_or_default();
         (self.home.clone(), others)
     }
@@ -86,6 +108,25 @@ impl<S> StreamUsers<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[cfg(any(feature = "cuda", feature = "rocm"))]
+    #[test]
+    fn a_users_last_use_is_its_latest_known_position_and_unknown_wins_until_known() {
+        let (home, a, b) = (Arc::new(0), Arc::new(1), Arc::new(2));
+        let users = StreamUsers::new(&home);
+        users.note(&home);
+        users.note_at(&a, 5);
+        users.note_at(&a, 3);
+        users.note(&b);
+        let (_, others) = users.take_with_positions();
+        assert_eq!(others.iter().map(|(s, p)| (**s, *p)).collect::<Vec<_>>(), vec![(1, 5), (2, UNKNOWN_USE)]);
+        users.note_at(&a, 7);
+        users.note(&a);
+        assert_eq!(users.take_with_positions().1[0].1, UNKNOWN_USE, "a use not yet placed keeps the free waiting");
+        users.note(&a);
+        users.note_at(&a, 9);
+        assert_eq!(users.take_with_positions().1[0].1, 9);
+    }
 
     #[test]
     fn the_peak_follows_the_most_in_use_until_reset() {

@@ -8,14 +8,15 @@
 //! group's and the root's business.
 
 use chorus_collectives::{CommBackend, Communicator, ReduceOp};
-use chorus_devices::{Backend, Buffer, Copy2d, DType, Device, Scalar, Stream, StreamExt, View};
+use chorus_devices::{Buffer, Copy2d, DType, Device, Scalar, Stream, StreamExt, View};
 
 use crate::config::{gathers_as_float8, DataParallel};
 use crate::layout::{GroupLayout, ParamLayout};
 use crate::offload::{self, cast_or_copy};
 use crate::param::Param;
 use crate::param_group::CommContext;
-use crate::{Buf, Ev, FsdpError, OffloadPolicy, Result, Strm};
+use crate::storage::GroupStorage;
+use crate::{Buf, Ev, FsdpError, Result, Strm};
 
 /// An all-gather output and the event recorded after the all-gather.
 pub(crate) struct AllGatherResult<C: CommBackend> {
@@ -27,17 +28,19 @@ pub(crate) struct AllGatherResult<C: CommBackend> {
 
 /// What a copy-in reads.
 pub(crate) enum CopyInSource<'a, C: CommBackend> {
-    /// Each sharded parameter's f32 master, cast to the param dtype.
-    Masters(&'a [Param<C>]),
+    /// The group's f32 masters (their sharded part is laid out as the
+    /// all-gather input's chunk), cast to the param dtype.
+    Masters(&'a Buf<C>),
     /// The group's post-forward shard, already in the param dtype.
     PostForward(&'a Buf<C>),
 }
 
 /// Copies this rank's shards into chunk `comm.rank()` of a new flat buffer on
-/// the copy-in stream, then all-gathers it in place on the all-gather stream.
-/// With `float8` (and some parameter that [`gathers_as_float8`]), the gather
-/// from the masters goes through [`float8_all_gather`] instead; the result
-/// is the same flat buffer in `dtype`.
+/// the copy-in stream — one copy or cast of the whole shard, since the
+/// masters are laid out as that chunk — then all-gathers it in place on the
+/// all-gather stream. With `float8` (and some parameter that
+/// [`gathers_as_float8`]), the gather from the masters goes through
+/// [`float8_all_gather`] instead; the result is the same flat buffer in `dtype`.
 pub(crate) fn all_gather<C: CommBackend>(
     ctx: &mut CommContext<C>,
     comm: &Communicator<C>,
@@ -51,41 +54,26 @@ pub(crate) fn all_gather<C: CommBackend>(
     let out = s.copy_in.alloc(dtype, comm.size() * n)?;
     let own = out.slice(comm.rank() * n, n)?;
     let split = float8.then(|| Float8Split::new(layout)).flatten();
-    let (post_forward, float8_params) = match source {
+    let (post_forward, float8_masters) = match source {
         CopyInSource::PostForward(src) => {
             s.copy_in.copy(src.view(), own)?;
             (true, None)
         }
-        CopyInSource::Masters(params) if split.is_some() => (false, Some(params)),
-        CopyInSource::Masters(params) => {
-            // Plain copies go as one batch; casts one by one.
-            let mut copies = Vec::with_capacity(params.len());
-            for p in params {
-                if let Some(i) = p.layout {
-                    let l = &layout.params[i];
-                    let dst = own.slice(l.offset, l.shard_numel)?;
-                    match p.master.dtype() == dtype {
-                        true => copies.push((p.master.view(), dst, contiguous(l.shard_numel))),
-                        false => cast_or_copy(&s.copy_in, p.master.view(), dst)?,
-                    }
-                }
-            }
-            s.copy_in.copy_2d_batch(&copies)?;
+        CopyInSource::Masters(master) if split.is_some() => (false, Some(master)),
+        CopyInSource::Masters(master) => {
+            cast_or_copy(&s.copy_in, master.slice(0, n)?, own)?;
             (false, None)
         }
     };
-    let copied = ctx.device.create_event()?;
-    s.copy_in.record(&copied)?;
-    s.all_gather.wait(&copied)?;
-    match (split, float8_params) {
-        (Some(split), Some(params)) => float8_all_gather(ctx, comm, layout, &split, params, &out)?,
+    ctx.events.order(&ctx.device, &s.copy_in, &[&s.all_gather])?;
+    match (split, float8_masters) {
+        (Some(split), Some(master)) => float8_all_gather(ctx, comm, layout, &split, master, &out)?,
         _ => {
-            comm.all_gather_in_place(out.view(), &s.all_gather)?;
+            comm.all_gather_in_place(out.view(), &ctx.streams.all_gather)?;
             ctx.counts.all_gathers += 1;
         }
     }
-    let event = ctx.device.create_event()?;
-    ctx.streams.all_gather.record(&event)?;
+    let event = ctx.events.record(&ctx.device, &ctx.streams.all_gather)?;
     Ok(AllGatherResult { buffer: out, event, post_forward })
 }
 
@@ -146,19 +134,15 @@ fn float8_all_gather<C: CommBackend>(
     comm: &Communicator<C>,
     layout: &GroupLayout,
     split: &Float8Split,
-    params: &[Param<C>],
+    masters: &Buf<C>,
     out: &Buf<C>,
 ) -> Result<()> {
     let g = &ctx.streams.all_gather;
     let (world, rank, n) = (comm.size(), comm.rank(), layout.shard_numel);
-    let mut masters: Vec<Option<View<'_, C::B>>> = vec![None; layout.params.len()];
-    for p in params {
-        if let Some(i) = p.layout {
-            masters[i] = Some(p.master.view());
-        }
-    }
-    let master =
-        |i: usize| masters[i].ok_or_else(|| FsdpError::InvalidArgument(format!("sharded parameter {i} has no master")));
+    let master = |i: usize| -> Result<View<'_, C::B>> {
+        let l = &layout.params[i];
+        Ok(masters.slice(l.offset, l.shard_numel)?)
+    };
 
     let amax = g.alloc(DType::F32, split.float8.len())?;
     for (j, &i) in split.float8.iter().enumerate() {
@@ -226,25 +210,27 @@ fn fills_chunks(layout: &GroupLayout, present: usize) -> bool {
     present == layout.params.len() && layout.params.iter().all(|l| l.rows % l.world == 0)
 }
 
-/// Allocates every parameter's unsharded buffer in `dtype` on `stream` and
-/// fills it: sharded parameters from each rank's chunk of `gathered` (2-D
-/// copies that skip the padding, a few per parameter, all in one batch),
-/// replicated ones from their master.
+/// Allocates the group's unsharded parameters in `dtype` on `stream` (one
+/// buffer) and fills them: sharded parameters from each rank's chunk of
+/// `gathered` (2-D copies that skip the padding, a few per parameter, all in
+/// one batch), replicated ones from their master.
 pub(crate) fn copy_out<C: CommBackend>(
     stream: &Strm<C>,
     gathered: Option<Gathered<'_, C>>,
-    params: &mut [Param<C>],
+    params: &[Param],
+    storage: &mut GroupStorage<C>,
     dtype: DType,
 ) -> Result<()> {
-    let fulls = params.iter().map(|p| stream.alloc(dtype, p.numel)).collect::<chorus_devices::Result<Vec<_>>>()?;
+    let full = stream.alloc(dtype, storage.full_numel)?;
     let mut copies = Vec::new();
-    for (p, full) in params.iter().zip(&fulls) {
+    for p in params {
+        let dst = full.slice(p.full, p.numel)?;
         match (p.layout, gathered) {
             (Some(i), Some((buffer, layout, world))) => {
                 let l = &layout.params[i];
-                copies.extend(l.chunks_to_full(world, layout.shard_numel).map(|c| (buffer.view(), full.view(), c)));
+                copies.extend(l.chunks_to_full(world, layout.shard_numel).map(|c| (buffer.view(), dst, c)));
             }
-            (None, _) => cast_or_copy(stream, p.master.view(), full.view())?,
+            (None, _) => cast_or_copy(stream, storage.master.slice(p.shard.start, p.numel)?, dst)?,
             (Some(_), None) => {
                 return Err(FsdpError::InvalidArgument(format!("{}: no all-gather output to copy out of", p.name)))
             }
@@ -252,9 +238,7 @@ pub(crate) fn copy_out<C: CommBackend>(
     }
     stream.copy_2d_batch(&copies)?;
     drop(copies);
-    for (p, full) in params.iter_mut().zip(fulls) {
-        p.unsharded = Some(full);
-    }
+    storage.unsharded = Some(full);
     Ok(())
 }
 
@@ -265,23 +249,23 @@ pub(crate) fn post_forward_shard<C: CommBackend>(
     ctx: &CommContext<C>,
     rank: usize,
     layout: &GroupLayout,
-    params: &[Param<C>],
+    params: &[Param],
+    unsharded: &Buf<C>,
     dtype: DType,
 ) -> Result<(Buf<C>, Ev<C>)> {
     let s = &ctx.streams.compute;
     let buf = s.alloc(dtype, layout.shard_numel)?;
     let mut copies = Vec::with_capacity(params.len());
     for p in params {
-        if let (Some(i), Some(full)) = (p.layout, &p.unsharded) {
-            copies.push((full.view(), buf.view(), layout.params[i].full_to_chunk(rank, 0)));
+        if let Some(i) = p.layout {
+            copies.push((unsharded.slice(p.full, p.numel)?, buf.view(), layout.params[i].full_to_chunk(rank, 0)));
         }
     }
     if !fills_chunks(layout, copies.len()) {
         s.fill(buf.view(), Scalar::Float(0.0))?;
     }
     s.copy_2d_batch(&copies)?;
-    let e = ctx.device.create_event()?;
-    s.record(&e)?;
+    let e = ctx.events.record(&ctx.device, s)?;
     Ok((buf, e))
 }
 
@@ -322,13 +306,15 @@ impl ReducePlan {
 pub(crate) struct Reduced<C: CommBackend> {
     /// Recorded after the sharded gradients were written.
     pub(crate) post_reduce_event: Ev<C>,
-    /// Reduce-scatter outputs and replicated flat buffers: freed only at
-    /// finalize, so their stream-ordered release follows the streams that use them.
+    /// Reduce-scatter outputs and replicated flat buffers not kept as the
+    /// gradient: freed only at finalize, so their stream-ordered release
+    /// follows the streams that use them.
     pub(crate) outputs: Vec<Buf<C>>,
 }
 
-/// Reduces one group's unsharded gradients (`grads`: parameter index and
-/// gradient in the plan's dtype) into the params' f32 sharded gradients.
+/// Reduces one group's unsharded gradients (`grads`: every parameter whole,
+/// in the plan's dtype, laid out as the group's unsharded gradients) into
+/// the group's f32 sharded gradient.
 ///
 /// Sharded gradients are packed rank-major on the compute stream and
 /// reduce-scattered on the reduce-scatter stream; replicated ones are
@@ -338,12 +324,18 @@ pub(crate) struct Reduced<C: CommBackend> {
 /// `all_reduce_now` is false the sharded result goes back into
 /// `partial_reduce` instead. The compute stream first waits on the previous
 /// reduce-scatter, and this one's input is left in `ctx` for the next.
+///
+/// The group's first gradient since `zero_grad`, reduced in f32 into device
+/// memory with no replicated parameter, is the reduce-scatter output itself
+/// (FSDP2 does the same); otherwise the output is cast or added into it.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn reduce_gradients<C: CommBackend>(
     ctx: &mut CommContext<C>,
     plan: ReducePlan,
     layout: &GroupLayout,
-    params: &mut [Param<C>],
-    grads: Vec<(usize, Buf<C>)>,
+    params: &[Param],
+    storage: &mut GroupStorage<C>,
+    grads: Buf<C>,
     partial_reduce: &mut Option<Buf<C>>,
     all_reduce_now: bool,
 ) -> Result<Reduced<C>> {
@@ -351,77 +343,79 @@ pub(crate) fn reduce_gradients<C: CommBackend>(
     // The compute stream waits for the previous reduce-scatter, bounding
     // memory to one reduce-scatter input in flight.
     if let Some((_, e)) = ctx.reduce_scatter_state.take() {
-        s.compute.wait(&e)?;
+        ctx.events.wait_and_give(e, &[&s.compute])?;
     }
     let reduce_dtype = plan.dtype;
     let world = ctx.dp.shard.size();
     let n = layout.shard_numel;
-    let sharded: Vec<&(usize, Buf<C>)> = grads.iter().filter(|(i, _)| params[*i].layout.is_some()).collect();
-    let replicated: Vec<&(usize, Buf<C>)> = grads.iter().filter(|(i, _)| params[*i].layout.is_none()).collect();
+    let sharded: Vec<&Param> = params.iter().filter(|p| p.layout.is_some()).collect();
+    let replicated: Vec<&Param> = params.iter().filter(|p| p.layout.is_none()).collect();
 
     // Pack on the compute stream, where the gradients were produced (FSDP2 does the same).
     let packed = if sharded.is_empty() {
         None
     } else {
         let input = s.compute.alloc(reduce_dtype, world * n)?;
-        // The padding (and the chunks of parameters without a gradient) must read as zeros.
+        // The padding must read as zeros.
         if !fills_chunks(layout, sharded.len()) {
             s.compute.fill(input.view(), Scalar::Float(0.0))?;
         }
-        let mut copies = Vec::with_capacity(sharded.len() * world);
-        for (i, buf) in &sharded {
-            let l = &layout.params[params[*i].layout.unwrap_or_default()];
-            copies.extend(l.full_to_chunks(world, n).map(|c| (buf.view(), input.view(), c)));
+        let mut copies = Vec::with_capacity(sharded.len() * 2);
+        for p in &sharded {
+            let (l, src) = (&layout.params[p.layout.unwrap_or_default()], grads.slice(p.full, p.numel)?);
+            copies.extend(l.full_to_chunks(world, n).map(|c| (src, input.view(), c)));
         }
         s.compute.copy_2d_batch(&copies)?;
         Some(input)
     };
+    let replicated_numel: usize = replicated.iter().map(|p| p.numel).sum();
     let flat_replicated = if replicated.is_empty() {
         None
     } else {
-        let total: usize = replicated.iter().map(|(i, _)| params[*i].numel).sum();
-        let flat = s.compute.alloc(reduce_dtype, total)?;
+        let flat = s.compute.alloc(reduce_dtype, replicated_numel)?;
+        let mut copies = Vec::with_capacity(replicated.len());
         let mut off = 0;
-        for (i, buf) in &replicated {
-            let m = params[*i].numel;
-            s.compute.copy(buf.view(), flat.slice(off, m)?)?;
-            off += m;
+        for p in &replicated {
+            copies.push((
+                grads.slice(p.full, p.numel)?,
+                flat.view(),
+                Copy2d { dst_offset: off, ..contiguous(p.numel) },
+            ));
+            off += p.numel;
         }
+        s.compute.copy_2d_batch(&copies)?;
         Some(flat)
     };
-    let grads_ready = ctx.device.create_event()?;
-    s.compute.record(&grads_ready)?;
-    s.reduce_scatter.wait(&grads_ready)?;
+    // The unsharded gradients are freed in the compute stream's order after the packing.
+    drop(grads);
+    ctx.events.order(&ctx.device, &s.compute, &[&s.reduce_scatter])?;
 
-    let mut outputs: Vec<Buf<C>> = Vec::new();
+    let mut out = None;
     if let Some(input) = &packed {
-        let out = s.reduce_scatter.alloc(reduce_dtype, n)?;
-        ctx.dp.shard.reduce_scatter(input.view(), out.view(), plan.shard_op, &s.reduce_scatter)?;
+        let o = s.reduce_scatter.alloc(reduce_dtype, n)?;
+        ctx.dp.shard.reduce_scatter(input.view(), o.view(), plan.shard_op, &s.reduce_scatter)?;
         ctx.counts.reduce_scatters += 1;
-        outputs.push(out);
+        out = Some(o);
     }
     if let Some(flat) = &flat_replicated {
         ctx.dp.shard.all_reduce_in_place(flat.view(), plan.shard_op, &s.reduce_scatter)?;
         ctx.counts.all_reduces += 1;
     }
-    let rs_done = ctx.device.create_event()?;
-    s.reduce_scatter.record(&rs_done)?;
+    let rs_done = ctx.events.record(&ctx.device, &s.reduce_scatter)?;
 
     let mut post = &s.reduce_scatter;
     if let Some(replicate) = &ctx.dp.replicate {
-        if let (Some(partial), Some(out)) = (partial_reduce.take(), outputs.first()) {
-            s.reduce_scatter.accumulate(partial.view(), out.view())?;
+        if let (Some(partial), Some(o)) = (partial_reduce.take(), &out) {
+            s.reduce_scatter.accumulate(partial.view(), o.view())?;
         }
         if !all_reduce_now {
             // Keep the sharded partial sums; their all-reduce happens on a
             // later backward. Replicated parameters are all-reduced anyway.
-            *partial_reduce = outputs.pop();
+            *partial_reduce = out.take();
         }
-        let e = ctx.device.create_event()?;
-        s.reduce_scatter.record(&e)?;
-        s.all_reduce.wait(&e)?;
-        for out in &outputs {
-            replicate.all_reduce_in_place(out.view(), plan.replicate_op, &s.all_reduce)?;
+        ctx.events.order(&ctx.device, &s.reduce_scatter, &[&s.all_reduce])?;
+        if let Some(o) = &out {
+            replicate.all_reduce_in_place(o.view(), plan.replicate_op, &s.all_reduce)?;
             ctx.counts.all_reduces += 1;
         }
         if let Some(flat) = &flat_replicated {
@@ -431,47 +425,55 @@ pub(crate) fn reduce_gradients<C: CommBackend>(
         post = &s.all_reduce;
     }
     if let Some(f) = plan.post_scale {
-        for out in &outputs {
-            post.scale(out.view(), f)?;
-        }
-        if let Some(flat) = &flat_replicated {
-            post.scale(flat.view(), f)?;
+        for buf in out.iter().chain(&flat_replicated) {
+            post.scale(buf.view(), f)?;
         }
     }
-    // Views out into the f32 sharded gradients. A parameter's first gradient
-    // since zero_grad is a plain copy (f32, not offloaded): those go as one batch.
-    let mut sources: Vec<(usize, View<'_, C::B>)> = Vec::new();
-    for out in &outputs {
-        for (i, _) in &sharded {
-            let l = &layout.params[params[*i].layout.unwrap_or_default()];
-            sources.push((*i, out.slice(l.offset, l.shard_numel)?));
+    let mut outputs: Vec<Buf<C>> = Vec::new();
+    let whole = out.is_some() || sharded.is_empty();
+    let keep_as_gradient = storage.grad.is_none()
+        && storage.offload.is_none()
+        && reduce_dtype == DType::F32
+        && flat_replicated.is_none()
+        && whole;
+    match (keep_as_gradient, out) {
+        (true, out) => storage.grad = out,
+        // Only a deferred all-reduce's partial sums: nothing reaches the gradient yet.
+        (false, None) if flat_replicated.is_none() => {}
+        (false, out) => {
+            // The sharded part (unless its all-reduce is deferred), then the replicated part.
+            let parts = out.iter().map(|o| (o, 0)).chain(flat_replicated.iter().map(|f| (f, n)));
+            let parts: Vec<(&Buf<C>, usize)> = parts.collect();
+            let grad = match storage.grad.take() {
+                Some(g) => {
+                    for (src, at) in &parts {
+                        offload::accumulate(post, src.view(), g.slice(*at, src.len())?)?;
+                    }
+                    g
+                }
+                None => {
+                    let g = match storage.offload {
+                        // Host memory comes zeroed.
+                        Some(o) => post.device().alloc_host(DType::F32, storage.master.len(), o.pin_memory)?,
+                        None => {
+                            let g = post.alloc(DType::F32, storage.master.len())?;
+                            if !whole {
+                                post.fill(g.view(), Scalar::Float(0.0))?;
+                            }
+                            g
+                        }
+                    };
+                    for (src, at) in &parts {
+                        cast_or_copy(post, src.view(), g.slice(*at, src.len())?)?;
+                    }
+                    g
+                }
+            };
+            storage.grad = Some(grad);
+            outputs.extend(out);
         }
     }
-    if let Some(flat) = &flat_replicated {
-        let mut off = 0;
-        for (i, _) in &replicated {
-            sources.push((*i, flat.slice(off, params[*i].numel)?));
-            off += params[*i].numel;
-        }
-    }
-    let mut firsts: Vec<(usize, Buf<C>, View<'_, C::B>)> = Vec::new();
-    for (i, src) in sources {
-        let p = &mut params[i];
-        let first = p.grad.is_none() && p.offload.is_none() && src.dtype() == DType::F32;
-        if first && !firsts.iter().any(|(j, _, _)| *j == i) {
-            firsts.push((i, post.alloc(DType::F32, src.len())?, src));
-        } else {
-            accumulate_into(post, src, &mut p.grad, src.len(), p.offload)?;
-        }
-    }
-    let copies: Vec<_> = firsts.iter().map(|(_, g, src)| (*src, g.view(), contiguous(src.len()))).collect();
-    post.copy_2d_batch(&copies)?;
-    drop(copies);
-    for (i, g, _) in firsts {
-        params[i].grad = Some(g);
-    }
-    let post_reduce_event = ctx.device.create_event()?;
-    post.record(&post_reduce_event)?;
+    let post_reduce_event = ctx.events.record(&ctx.device, post)?;
     outputs.extend(flat_replicated);
     ctx.reduce_scatter_state = packed.map(|b| (b, rs_done));
     Ok(Reduced { post_reduce_event, outputs })
@@ -487,7 +489,7 @@ pub(crate) fn gather_param_pieces<C: CommBackend>(
     s: &Strm<C>,
     comm: &Communicator<C>,
     layout: Option<&ParamLayout>,
-    master: &Buf<C>,
+    master: View<'_, C::B>,
     piece: usize,
     sink: &mut dyn FnMut(&[f32]) -> Result<()>,
 ) -> Result<()> {
@@ -503,7 +505,7 @@ pub(crate) fn gather_param_pieces<C: CommBackend>(
     };
     let sn = l.shard_numel;
     let gathered = s.alloc(DType::F32, comm.size() * sn)?;
-    s.copy(master.view(), gathered.slice(comm.rank() * sn, sn)?)?;
+    s.copy(master, gathered.slice(comm.rank() * sn, sn)?)?;
     comm.all_gather_in_place(gathered.view(), s)?;
     // Row `o` of the full `[outer, rows, inner]` is each rank's real rows of
     // its own row `o`, in rank order; pieces collect reads until full.
@@ -527,27 +529,4 @@ pub(crate) fn gather_param_pieces<C: CommBackend>(
         sink(&out)?;
     }
     Ok(())
-}
-
-/// `grad += src` (cast to f32), allocating the f32 gradient on first use
-/// (in host memory under `offload`).
-fn accumulate_into<S: Stream>(
-    s: &S,
-    src: View<'_, S::B>,
-    grad: &mut Option<<S::B as Backend>::Buffer>,
-    len: usize,
-    offload: Option<OffloadPolicy>,
-) -> chorus_devices::Result<()> {
-    match grad {
-        Some(g) => offload::accumulate(s, src, g.view()),
-        None => {
-            let g = match offload {
-                Some(o) => s.device().alloc_host(DType::F32, len, o.pin_memory)?,
-                None => s.alloc(DType::F32, len)?,
-            };
-            cast_or_copy(s, src, g.view())?;
-            *grad = Some(g);
-            Ok(())
-        }
-    }
 }

@@ -5,7 +5,8 @@
 //! per-parameter sharding on any dimension with padding ([`layout`]); param
 //! groups that all-gather all their parameters at once and reduce-scatter
 //! all their gradients at once; the training and sharded state machines;
-//! the four communication streams with events between them; implicit and
+//! the four communication streams with events between them (reused, not
+//! made per synchronisation); implicit and
 //! explicit prefetch; reshard-after-forward as a bool or a smaller world;
 //! HSDP and DDP layouts; mixed precision; gradient-accumulation switches;
 //! gradient divide factors; sharded optimizers and gradient clipping
@@ -19,12 +20,15 @@
 //! The modules follow FSDP2's files: `state` is the root ([`Fsdp`]) and the
 //! order of the hooks, `param_group` a group's state machine, `collectives`
 //! the copy-in / all-gather / copy-out and gradient reduction, `param` one
-//! parameter's sharded and unsharded storage.
+//! parameter, `storage` a group's flat buffers (masters, gradients,
+//! unsharded parameters: one buffer per kind and group, each parameter a
+//! range), `events` the events the streams order themselves with.
 #![warn(missing_docs)]
 
 mod collectives;
 mod config;
 mod error;
+mod events;
 pub mod layout;
 mod offload;
 pub mod optim;
@@ -33,6 +37,7 @@ mod param;
 mod param_group;
 mod routed;
 mod state;
+mod storage;
 
 use chorus_collectives::CommBackend;
 use chorus_devices::Backend;

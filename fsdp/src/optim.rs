@@ -1,11 +1,14 @@
-//! Optimizers that step on the shards, with state sharded like the parameters.
+//! Optimizers that step on the shards, with state sharded like the parameters
+//! and laid out as each group's masters; gradient clipping.
 
 use chorus_collectives::{CommBackend, ReduceOp};
 use chorus_devices::{
-    host_step, AdamWParams, Buffer, ComputeBackend, ComputeStream, DType, Device, Scalar, SgdParams, Stream, StreamExt,
+    host_step, AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, DType, DeviceError, Scalar, SgdParams,
+    Stream, StreamExt,
 };
 
-use crate::{offload, Buf, Fsdp, FsdpError, Result};
+use crate::storage::{kernels_reach, zeroed_like, GroupStorage};
+use crate::{offload, Buf, Fsdp, FsdpError, Result, Strm};
 
 /// Which optimizer, with PyTorch's semantics and defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -57,17 +60,40 @@ impl OptimizerKind {
 
 /// An optimizer over every parameter of an [`Fsdp`], stepping on this rank's
 /// shards (and on the whole of replicated parameters).
+///
+/// Its state is one buffer per moment and group, laid out as the group's
+/// masters, so a step is one kernel per group, whatever the number of
+/// parameters (the update is elementwise, so the values are those of a
+/// step per parameter; the shards' padding stays zero).
 pub struct ShardedOptimizer<C: CommBackend> {
     kind: OptimizerKind,
     /// The lr of the next steps where a schedule set one; `kind`'s otherwise
     /// (`kind` keeps the base lr, which checkpoints record and compare).
     lr: Option<f64>,
     step: u64,
-    /// Per group, per parameter: the moment buffers (momentum; or AdamW's two).
-    state: Vec<Vec<Option<Moments<C>>>>,
+    /// Per group: its moment buffers (momentum; or AdamW's two) once it has state.
+    state: Vec<Option<GroupState<C>>>,
 }
 
-type Moments<C> = [Option<Buf<C>>; 2];
+/// One group's optimizer state.
+struct GroupState<C: CommBackend> {
+    moments: [Option<Buf<C>>; 2],
+    /// Parameters in the group (the state covers all of them).
+    params: usize,
+}
+
+impl<C: CommBackend> GroupState<C> {
+    /// Zeroed state of `kind` for `storage`'s masters: in host memory under offload.
+    fn zeroed(kind: OptimizerKind, stream: &Strm<C>, storage: &GroupStorage<C>, params: usize) -> Result<Self> {
+        let zeroed = || -> Result<Option<Buf<C>>> { Ok(Some(zeroed_like(stream, storage)?)) };
+        let moments = match kind.buffers() {
+            0 => [None, None],
+            1 => [zeroed()?, None],
+            _ => [zeroed()?, zeroed()?],
+        };
+        Ok(GroupState { moments, params })
+    }
+}
 
 impl<C: CommBackend> ShardedOptimizer<C>
 where
@@ -102,9 +128,10 @@ where
     }
 
     /// Whether parameter `i` of group `g` has optimizer state (moments) on
-    /// this rank: after the first step, unless the optimizer keeps none.
+    /// this rank: after its group's first step (or a load of its state),
+    /// unless the optimizer keeps none.
     pub fn has_state(&self, g: usize, i: usize) -> bool {
-        matches!(self.state.get(g).and_then(|v| v.get(i)), Some(Some(m)) if m.iter().flatten().next().is_some())
+        matches!(self.state.get(g), Some(Some(s)) if i < s.params && s.moments.iter().flatten().next().is_some())
     }
 
     /// This rank's state of parameter `i` of group `g`, laid out like
@@ -113,10 +140,17 @@ where
     /// Blocks on the compute stream.
     pub fn read_state(&self, fsdp: &Fsdp<C>, g: usize, i: usize) -> Result<Vec<Vec<f32>>> {
         let stream = &fsdp.ctx.streams.compute;
-        let Some(Some(moments)) = self.state.get(g).and_then(|v| v.get(i)) else {
+        let (Some(Some(state)), Some(p)) = (self.state.get(g), fsdp.groups.get(g).and_then(|grp| grp.params.get(i)))
+        else {
             return Ok(Vec::new());
         };
-        moments.iter().flatten().map(|b| Ok(stream.read_vec::<f32>(b.view())?)).collect()
+        let reads = state
+            .moments
+            .iter()
+            .flatten()
+            .map(|b| Ok(stream.copy_to_host(b.slice(p.shard.start, p.shard.len())?)?))
+            .collect::<Result<Vec<_>>>()?;
+        reads.into_iter().map(|r| Ok(r.wait_typed::<f32>()?)).collect()
     }
 
     /// Restores the optimizer as a checkpoint left it: `steps` taken, and for
@@ -128,43 +162,40 @@ where
     /// the first update. Uploads on the compute stream.
     pub fn load_state(&mut self, fsdp: &Fsdp<C>, steps: u64, states: Vec<(usize, usize, Vec<Vec<f32>>)>) -> Result<()> {
         let stream = &fsdp.ctx.streams.compute;
-        let expected = match self.kind {
-            OptimizerKind::Sgd { momentum, .. } if momentum != 0.0 => 1,
-            OptimizerKind::Sgd { .. } => 0,
-            OptimizerKind::AdamW { .. } => 2,
-        };
-        let mut state: Vec<Vec<Option<Moments<C>>>> =
-            fsdp.groups.iter().map(|grp| grp.params.iter().map(|_| None).collect()).collect();
+        let expected = self.kind.buffers();
+        let mut state: Vec<Option<GroupState<C>>> = fsdp.groups.iter().map(|_| None).collect();
+        let mut given: Vec<Vec<bool>> = fsdp.groups.iter().map(|grp| vec![false; grp.params.len()]).collect();
         for (g, i, moments) in states {
-            let p = fsdp
-                .groups
-                .get(g)
+            let grp = fsdp.groups.get(g);
+            let p = grp
                 .and_then(|grp| grp.params.get(i))
                 .ok_or_else(|| FsdpError::InvalidArgument(format!("no parameter {i} in group {g}")))?;
             if moments.is_empty() {
                 continue;
             }
-            if moments.len() != expected || moments.iter().any(|m| m.len() != p.master.len()) {
+            if moments.len() != expected || moments.iter().any(|m| m.len() != p.shard.len()) {
                 return Err(FsdpError::InvalidArgument(format!(
                     "{}: optimizer state of {} buffers of {:?} elements; {:?} expects {expected} of {}",
                     p.name,
                     moments.len(),
                     moments.iter().map(Vec::len).collect::<Vec<_>>(),
                     self.kind,
-                    p.master.len()
+                    p.shard.len()
                 )));
             }
-            let mut bufs: Moments<C> = [None, None];
-            for (slot, m) in bufs.iter_mut().zip(&moments) {
-                let b = offload::zeroed_f32(stream, m.len(), p.offload)?;
-                stream.upload(m, b.view())?;
-                *slot = Some(b);
+            let grp = &fsdp.groups[g];
+            if state[g].is_none() {
+                state[g] = Some(GroupState::zeroed(self.kind, stream, &grp.storage, grp.params.len())?);
             }
-            state[g][i] = Some(bufs);
+            let group_state = state[g].as_ref().ok_or_else(|| FsdpError::InvalidArgument("optimizer state".into()))?;
+            for (b, m) in group_state.moments.iter().flatten().zip(&moments) {
+                stream.upload(m, b.slice(p.shard.start, p.shard.len())?)?;
+            }
+            given[g][i] = true;
         }
         if steps > 0 && expected > 0 {
-            for (grp, per_param) in fsdp.groups.iter().zip(&state) {
-                if let Some((p, _)) = grp.params.iter().zip(per_param).find(|(_, s)| s.is_none()) {
+            for (grp, given) in fsdp.groups.iter().zip(&given) {
+                if let Some((p, _)) = grp.params.iter().zip(given).find(|(_, given)| !**given) {
                     return Err(FsdpError::InvalidArgument(format!(
                         "{}: no optimizer state after {steps} steps ({:?} keeps {expected} buffer(s) per parameter)",
                         p.name, self.kind
@@ -177,43 +208,36 @@ where
         Ok(())
     }
 
-    /// One step on every parameter that has a gradient, enqueued on the
-    /// compute stream (after [`Fsdp::finalize_backward`]).
+    /// One step on every group that has a gradient, enqueued on the compute
+    /// stream (after [`Fsdp::finalize_backward`]): one kernel per group over
+    /// its flat masters, gradient and state, or, for a group offloaded to
+    /// host memory that the device's kernels do not reach, the same math on
+    /// the host in stream order ([`Stream::update_on_host`]).
     pub fn step(&mut self, fsdp: &mut Fsdp<C>) -> Result<()> {
         self.step += 1;
         let lr = self.lr();
         let stream = &fsdp.ctx.streams.compute;
-        self.state.resize_with(fsdp.groups.len(), Vec::new);
-        for (g, grp) in fsdp.groups.iter().enumerate() {
-            self.state[g].resize_with(grp.params.len(), || None);
-            for (i, p) in grp.params.iter().enumerate() {
-                let Some(grad) = &p.grad else { continue };
-                let len = p.master.len();
-                let slot = &mut self.state[g][i];
-                if slot.is_none() {
-                    let zeroed = |n: usize| offload::zeroed_f32(stream, n, p.offload);
-                    *slot = Some(match self.kind {
-                        OptimizerKind::Sgd { momentum, .. } if momentum != 0.0 => [Some(zeroed(len)?), None],
-                        OptimizerKind::Sgd { .. } => [None, None],
-                        OptimizerKind::AdamW { .. } => [Some(zeroed(len)?), Some(zeroed(len)?)],
-                    });
-                }
-                let state = slot.as_ref().ok_or_else(|| FsdpError::InvalidArgument("optimizer state".into()))?;
-                let step = self.kind.at_step(self.step, lr);
-                if p.offload.is_some() && !stream.device().kernels_reach_host() {
-                    host_step(stream, step, &p.master, grad, state)?;
-                    continue;
-                }
-                match step {
-                    Step::Sgd(params) => {
-                        stream.sgd_step(params, p.master.view(), grad.view(), state[0].as_ref().map(|b| b.view()))?
-                    }
-                    Step::AdamW(params) => {
-                        let (Some(m), Some(v)) = (&state[0], &state[1]) else {
-                            return Err(FsdpError::InvalidArgument("AdamW state missing".into()));
-                        };
-                        stream.adamw_step(params, p.master.view(), grad.view(), m.view(), v.view())?
-                    }
+        self.state.resize_with(fsdp.groups.len(), || None);
+        let step = self.kind.at_step(self.step, lr);
+        for (grp, slot) in fsdp.groups.iter().zip(self.state.iter_mut()) {
+            let storage = &grp.storage;
+            let Some(grad) = &storage.grad else { continue };
+            if slot.is_none() {
+                *slot = Some(GroupState::zeroed(self.kind, stream, storage, grp.params.len())?);
+            }
+            let state = slot.as_ref().ok_or_else(|| FsdpError::InvalidArgument("optimizer state".into()))?;
+            if !kernels_reach(storage) {
+                host_step(stream, step, &storage.master, grad, &state.moments)?;
+                continue;
+            }
+            let moment = |k: usize| state.moments[k].as_ref().map(|b| b.view());
+            match step {
+                Step::Sgd(params) => stream.sgd_step(params, storage.master.view(), grad.view(), moment(0))?,
+                Step::AdamW(params) => {
+                    let (Some(m), Some(v)) = (moment(0), moment(1)) else {
+                        return Err(FsdpError::InvalidArgument("AdamW state missing".into()));
+                    };
+                    stream.adamw_step(params, storage.master.view(), grad.view(), m, v)?
                 }
             }
         }
@@ -222,6 +246,7 @@ where
 }
 
 /// One step's hyper-parameters.
+#[derive(Clone, Copy)]
 enum Step {
     Sgd(SgdParams),
     AdamW(AdamWParams),
@@ -240,35 +265,41 @@ impl OptimizerKind {
             }
         }
     }
+
+    /// Moment buffers per parameter: SGD with momentum 1, plain SGD 0, AdamW 2.
+    fn buffers(self) -> usize {
+        match self {
+            OptimizerKind::Sgd { momentum, .. } if momentum != 0.0 => 1,
+            OptimizerKind::Sgd { .. } => 0,
+            OptimizerKind::AdamW { .. } => 2,
+        }
+    }
 }
 
-/// An offloaded parameter's step on the host, for a device whose kernels
-/// may not touch host memory: waits for the reduced gradient (the reads
-/// block on the compute stream), runs the kernels' own math
-/// ([`chorus_devices::host_step`]) and writes the master and state back in
-/// stream order.
-fn host_step<S: ComputeStream>(
+/// An offloaded group's step where the device's kernels do not reach host
+/// memory: the kernels' own math ([`chorus_devices::host_step`]) run on the
+/// host, in the compute stream's order, directly on the host buffers — one
+/// pass, nothing read back or written again, and the host does not wait.
+fn host_step<S: Stream>(
     s: &S,
     step: Step,
-    master: &<S::B as chorus_devices::Backend>::Buffer,
-    grad: &<S::B as chorus_devices::Backend>::Buffer,
-    state: &[Option<<S::B as chorus_devices::Backend>::Buffer>; 2],
+    master: &<S::B as Backend>::Buffer,
+    grad: &<S::B as Backend>::Buffer,
+    moments: &[Option<<S::B as Backend>::Buffer>; 2],
 ) -> Result<()> {
-    let mut w = s.read_vec::<f32>(master.view())?;
-    let g = s.read_vec::<f32>(grad.view())?;
-    let mut moments: Vec<Vec<f32>> =
-        state.iter().flatten().map(|b| s.read_vec::<f32>(b.view())).collect::<Result<_, _>>()?;
-    match (step, moments.as_mut_slice()) {
-        (Step::Sgd(params), []) => host_step::sgd(params, &mut w, &g, None)?,
-        (Step::Sgd(params), [m]) => host_step::sgd(params, &mut w, &g, Some(m))?,
-        (Step::AdamW(params), [m, v]) => host_step::adamw(params, &mut w, &g, m, v)?,
-        _ => return Err(FsdpError::InvalidArgument("optimizer state does not match its kind".into())),
-    }
-    s.upload(&w, master.view())?;
-    for (b, m) in state.iter().flatten().zip(&moments) {
-        s.upload(m, b.view())?;
-    }
-    Ok(())
+    let mut writes = vec![master.view()];
+    writes.extend(moments.iter().flatten().map(|b| b.view()));
+    let update = move |reads: &[&[u8]], writes: &mut [&mut [u8]]| -> chorus_devices::Result<()> {
+        let g = as_f32(reads.first().copied().unwrap_or_default())?;
+        let mut parts = writes.iter_mut().map(|w| as_f32_mut(w)).collect::<chorus_devices::Result<Vec<_>>>()?;
+        match (step, parts.as_mut_slice()) {
+            (Step::Sgd(params), [w]) => host_step::sgd(params, w, g, None),
+            (Step::Sgd(params), [w, m]) => host_step::sgd(params, w, g, Some(m)),
+            (Step::AdamW(params), [w, m, v]) => host_step::adamw(params, w, g, m, v),
+            _ => Err(host_step_error("optimizer state does not match its kind".into())),
+        }
+    };
+    Ok(s.update_on_host(&[grad.view()], &writes, Box::new(update))?)
 }
 
 /// Gradient clipping needs a reduction kernel ([`ComputeStream::sum_squares`]).
@@ -287,10 +318,14 @@ where
         let replicated = s.alloc(DType::F32, 1)?;
         s.fill(sharded.view(), Scalar::Float(0.0))?;
         s.fill(replicated.view(), Scalar::Float(0.0))?;
-        for p in self.groups.iter().flat_map(|g| g.params.iter()) {
-            if let Some(grad) = &p.grad {
-                let out = if p.layout.is_some() { &sharded } else { &replicated };
-                offload::on_kernel_view(s, grad.view(), false, |g| s.sum_squares(g, out.view(), true))?;
+        for storage in self.groups.iter().map(|g| &g.storage) {
+            if let Some(grad) = &storage.grad {
+                // The sharded part, then the replicated parameters whole.
+                let split = storage.sharded_numel;
+                let parts = [(grad.slice(0, split)?, &sharded), (grad.slice(split, grad.len() - split)?, &replicated)];
+                for (part, out) in parts.into_iter().filter(|(part, _)| !part.is_empty()) {
+                    offload::on_kernel_view(s, part, false, |g| s.sum_squares(g, out.view(), true))?;
+                }
             }
         }
         // Shards differ across the shard group only; replicas hold the same values.
@@ -299,12 +334,24 @@ where
         let norm = total.sqrt();
         let coef = max_norm / (norm + 1e-6);
         if coef < 1.0 {
-            for p in self.groups.iter().flat_map(|g| g.params.iter()) {
-                if let Some(grad) = &p.grad {
-                    offload::on_kernel_view(s, grad.view(), true, |g| s.scale(g, coef))?;
-                }
+            for grad in self.groups.iter().filter_map(|g| g.storage.grad.as_ref()) {
+                offload::on_kernel_view(s, grad.view(), true, |g| s.scale(g, coef))?;
             }
         }
         Ok(norm)
     }
+}
+
+fn host_step_error(reason: String) -> DeviceError {
+    DeviceError::InvalidArgument { op: "optimizer host step", reason }
+}
+
+/// Host bytes of f32 elements as f32s (devices align host buffers to at least 8 bytes).
+fn as_f32(b: &[u8]) -> chorus_devices::Result<&[f32]> {
+    bytemuck::try_cast_slice(b).map_err(|e| host_step_error(format!("host bytes not f32-aligned: {e}")))
+}
+
+/// [`as_f32`], mutable.
+fn as_f32_mut(b: &mut [u8]) -> chorus_devices::Result<&mut [f32]> {
+    bytemuck::try_cast_slice_mut(b).map_err(|e| host_step_error(format!("host bytes not f32-aligned: {e}")))
 }

@@ -1,15 +1,12 @@
-//! One parameter's storage (FSDP2's `_fsdp_param`): the f32 sharded master
-//! and its sharded gradient, the unsharded parameter and gradient while they
-//! exist, and the gradient accumulated over micro-batches without sync.
+//! One parameter (FSDP2's `_fsdp_param`): how it is given to FSDP (whole
+//! values, or a source of its shard's rows) and where it lies in its group's
+//! flat storage (`storage.rs` holds the buffers).
 
 use std::ops::Range;
 use std::sync::Arc;
 
-use chorus_collectives::CommBackend;
-use chorus_devices::{Backend, Buffer, DType, Device, Scalar, Stream, StreamExt};
-
 use crate::layout::ParamLayout;
-use crate::{Buf, FsdpError, OffloadPolicy, Result};
+use crate::{FsdpError, Result};
 
 /// A parameter to put under FSDP: its name, shape and full initial values
 /// (every rank passes the same values and keeps its shard).
@@ -123,147 +120,51 @@ impl DeferredParam {
     }
 }
 
-pub(crate) struct Param<C: CommBackend> {
+/// One parameter of a group: its name and shape, and where its values lie
+/// in the group's flat storage ([`GroupStorage`](crate::storage::GroupStorage)).
+pub(crate) struct Param {
     pub(crate) name: String,
     pub(crate) shape: Vec<usize>,
     pub(crate) numel: usize,
     /// Index into the group layout, or `None` when replicated.
     pub(crate) layout: Option<usize>,
-    /// f32 master: the padded shard, or the whole parameter when replicated.
-    /// In host memory under `offload`, as are `grad` and the optimizer state.
-    pub(crate) master: Buf<C>,
-    /// f32 gradient of the master, once reduced.
-    pub(crate) grad: Option<Buf<C>>,
-    /// The group's CPU offload policy.
-    pub(crate) offload: Option<OffloadPolicy>,
-    /// The unsharded parameter in the param dtype, between unshard and reshard.
-    pub(crate) unsharded: Option<Buf<C>>,
-    /// The unsharded gradient in the param dtype, from pre-backward until it is reduced or accumulated.
-    pub(crate) unsharded_grad: Option<Buf<C>>,
-    /// Accumulated unsharded gradient in the reduce dtype (no-sync micro-batches).
-    pub(crate) acc_grad: Option<Buf<C>>,
+    /// Its f32 shard in the group's flat master, sharded gradient and
+    /// optimizer state: the padded shard at its layout offset, or the whole
+    /// parameter (replicated) after every sharded one.
+    pub(crate) shard: Range<usize>,
+    /// Its first element in the group's flat unsharded parameters and
+    /// gradients (the parameters whole, in order).
+    pub(crate) full: usize,
 }
 
-impl<C: CommBackend> Param<C> {
-    /// Uploads `init` on `stream`: rank `rank`'s padded shard when `layout`
-    /// (its index in the group layout and its sharding) is given, read from
-    /// the source as that rank's rows alone, else the whole parameter
-    /// (replicated); into host memory under `offload`.
-    pub(crate) fn new(
-        init: DeferredParam,
-        layout: Option<(usize, &ParamLayout)>,
-        rank: usize,
-        stream: &<C::B as Backend>::Stream,
-        offload: Option<OffloadPolicy>,
-    ) -> Result<Self> {
-        let upload = |values: &[f32]| -> Result<Buf<C>> {
-            let buf = match offload {
-                Some(o) => stream.device().alloc_host(DType::F32, values.len(), o.pin_memory)?,
-                None => stream.alloc(DType::F32, values.len())?,
-            };
-            stream.upload(values, buf.view())?;
-            Ok(buf)
-        };
+impl Param {
+    /// The parameter `init` at `shard` and `full` in its group's storage.
+    pub(crate) fn new(init: &DeferredParam, layout: Option<usize>, shard: Range<usize>, full: usize) -> Param {
+        let numel = init.shape.iter().product();
+        Param { name: init.name.clone(), shape: init.shape.clone(), numel, layout, shard, full }
+    }
+
+    /// This rank's f32 values of `init`: the padded shard `[outer,
+    /// shard_rows, inner]` of `layout` (zeros in the padding), read from
+    /// the source as rank `rank`'s rows alone, or the whole parameter when
+    /// `layout` is `None` (replicated).
+    pub(crate) fn initial_shard(init: &DeferredParam, layout: Option<&ParamLayout>, rank: usize) -> Result<Vec<f32>> {
         let numel: usize = init.shape.iter().product();
-        let master = match layout {
-            Some((_, l)) => {
-                let first = (rank * l.shard_rows).min(l.rows);
-                let real = init.read(l.dim, first..first + l.real_rows(rank), l.outer, l.inner)?;
-                // The padded shard `[outer, shard_rows, inner]`, zeros in the padding.
-                let row_len = l.real_rows(rank) * l.inner;
-                let shard = if row_len == l.shard_rows * l.inner {
-                    real
-                } else {
-                    let mut shard = vec![0.0; l.shard_numel];
-                    for o in 0..l.outer {
-                        let dst = o * l.shard_rows * l.inner;
-                        shard[dst..dst + row_len].copy_from_slice(&real[o * row_len..(o + 1) * row_len]);
-                    }
-                    shard
-                };
-                upload(&shard)?
-            }
-            None => {
-                let rows = init.shape.first().copied().unwrap_or(1);
-                upload(&init.read(0, 0..rows, 1, numel / rows.max(1))?)?
-            }
+        let Some(l) = layout else {
+            let rows = init.shape.first().copied().unwrap_or(1);
+            return init.read(0, 0..rows, 1, numel / rows.max(1));
         };
-        Ok(Param {
-            name: init.name,
-            shape: init.shape,
-            numel,
-            layout: layout.map(|(i, _)| i),
-            master,
-            grad: None,
-            offload,
-            unsharded: None,
-            unsharded_grad: None,
-            acc_grad: None,
-        })
-    }
-
-    /// Gives every parameter of a group a zeroed unsharded gradient in
-    /// `dtype` unless it already has one (a second backward of the same
-    /// micro-batch adds to it), with one fill for all of them.
-    pub(crate) fn ensure_unsharded_grads(
-        params: &mut [Param<C>],
-        stream: &<C::B as Backend>::Stream,
-        dtype: DType,
-    ) -> Result<()> {
-        let missing: Vec<usize> = (0..params.len()).filter(|i| params[*i].unsharded_grad.is_none()).collect();
-        let fresh = missing
-            .iter()
-            .map(|i| stream.alloc(dtype, params[*i].numel))
-            .collect::<chorus_devices::Result<Vec<_>>>()?;
-        stream.fill_batch(&fresh.iter().map(|b| b.view()).collect::<Vec<_>>(), Scalar::Float(0.0))?;
-        for (i, buf) in missing.into_iter().zip(fresh) {
-            params[i].unsharded_grad = Some(buf);
+        let first = (rank * l.shard_rows).min(l.rows);
+        let real = init.read(l.dim, first..first + l.real_rows(rank), l.outer, l.inner)?;
+        let row_len = l.real_rows(rank) * l.inner;
+        if row_len == l.shard_rows * l.inner {
+            return Ok(real);
         }
-        Ok(())
-    }
-
-    /// Adds a fresh unsharded gradient into the reduce-dtype accumulator, if
-    /// both exist, and frees the fresh one.
-    pub(crate) fn fold_into_accumulator(&mut self, stream: &<C::B as Backend>::Stream) -> Result<()> {
-        if let (Some(acc), Some(fresh)) = (&self.acc_grad, &self.unsharded_grad) {
-            stream.accumulate(fresh.view(), acc.view())?;
-            self.unsharded_grad = None;
+        let mut shard = vec![0.0; l.shard_numel];
+        for o in 0..l.outer {
+            let dst = o * l.shard_rows * l.inner;
+            shard[dst..dst + row_len].copy_from_slice(&real[o * row_len..(o + 1) * row_len]);
         }
-        Ok(())
-    }
-
-    /// Without gradient sync: moves a fresh gradient into a new accumulator
-    /// in `reduce_dtype` (called only when it differs from the param dtype;
-    /// otherwise the fresh gradient itself keeps accumulating).
-    pub(crate) fn start_accumulator(&mut self, stream: &<C::B as Backend>::Stream, reduce_dtype: DType) -> Result<()> {
-        if self.acc_grad.is_none() {
-            if let Some(fresh) = self.unsharded_grad.take() {
-                let acc = stream.alloc(reduce_dtype, self.numel)?;
-                stream.cast(fresh.view(), acc.view())?;
-                self.acc_grad = Some(acc);
-            }
-        }
-        Ok(())
-    }
-
-    /// Takes the unsharded gradient to reduce, in `reduce_dtype`: the
-    /// accumulator if there is one, else the fresh gradient (cast if the
-    /// dtypes differ); `None` when the parameter got no gradient.
-    pub(crate) fn take_grad_to_reduce(
-        &mut self,
-        stream: &<C::B as Backend>::Stream,
-        param_dtype: DType,
-        reduce_dtype: DType,
-    ) -> Result<Option<Buf<C>>> {
-        Ok(match (self.acc_grad.take(), self.unsharded_grad.take()) {
-            (Some(acc), _) => Some(acc),
-            (None, Some(fresh)) if param_dtype == reduce_dtype => Some(fresh),
-            (None, Some(fresh)) => {
-                let cast = stream.alloc(reduce_dtype, self.numel)?;
-                stream.cast(fresh.view(), cast.view())?;
-                Some(cast)
-            }
-            (None, None) => None,
-        })
+        Ok(shard)
     }
 }

@@ -9,12 +9,14 @@
 use std::sync::Arc;
 
 use chorus_collectives::{CommBackend, Communicator};
-use chorus_devices::{Backend, Device, Stream};
+use chorus_devices::{Backend, Stream};
 
 use crate::collectives::{self, AllGatherResult, CopyInSource, ReducePlan};
 use crate::config::{DataParallel, MixedPrecision, Reshard};
+use crate::events::EventPool;
 use crate::layout::GroupLayout;
 use crate::param::Param;
+use crate::storage::GroupStorage;
 use crate::{Buf, CommCounts, Ev, FsdpError, Result, Strm};
 
 /// Where a group is in the training step (FSDP2's `TrainingState`).
@@ -51,12 +53,14 @@ pub(crate) struct Streams<C: CommBackend> {
 }
 
 /// What every group of one [`Fsdp`](crate::Fsdp) shares (FSDP2's
-/// `FSDPCommContext`): the device, the streams, the data-parallel
-/// communicators, the buffers in flight between groups and the counts.
+/// `FSDPCommContext`): the device, the streams, the events they order
+/// themselves with, the data-parallel communicators, the buffers in flight
+/// between groups and the counts.
 pub(crate) struct CommContext<C: CommBackend> {
     pub(crate) dp: DataParallel<C>,
     pub(crate) device: <C::B as Backend>::Device,
     pub(crate) streams: Streams<C>,
+    pub(crate) events: EventPool<C>,
     /// The last forward all-gather output and the event after its copy-out,
     /// kept until the next group's copy-out is enqueued (implicit prefetch).
     pub(crate) all_gather_state: Option<(Buf<C>, Ev<C>)>,
@@ -70,8 +74,7 @@ impl<C: CommBackend> CommContext<C> {
     /// have waited for its copy-out (the stream-ordered free follows them).
     pub(crate) fn release_all_gather_output(&mut self) -> Result<()> {
         if let Some((_, e)) = self.all_gather_state.take() {
-            self.streams.copy_in.wait(&e)?;
-            self.streams.all_gather.wait(&e)?;
+            self.events.wait_and_give(e, &[&self.streams.copy_in, &self.streams.all_gather])?;
         }
         Ok(())
     }
@@ -79,11 +82,8 @@ impl<C: CommBackend> CommContext<C> {
     /// Makes the all-gather streams wait for the compute stream, so copy-ins
     /// see the shards as the optimizer (or the initial upload) left them.
     pub(crate) fn all_gather_streams_follow_compute(&self) -> Result<()> {
-        let e = self.device.create_event()?;
-        self.streams.compute.record(&e)?;
-        self.streams.copy_in.wait(&e)?;
-        self.streams.all_gather.wait(&e)?;
-        Ok(())
+        let s = &self.streams;
+        self.events.order(&self.device, &s.compute, &[&s.copy_in, &s.all_gather])
     }
 }
 
@@ -91,7 +91,9 @@ impl<C: CommBackend> CommContext<C> {
 /// buffers and events it keeps between hooks.
 pub(crate) struct Group<C: CommBackend> {
     pub(crate) name: String,
-    pub(crate) params: Vec<Param<C>>,
+    pub(crate) params: Vec<Param>,
+    /// The group's buffers: masters, gradients, unsharded parameters.
+    pub(crate) storage: GroupStorage<C>,
     pub(crate) layout: GroupLayout,
     /// Reshard-after-forward to K ranks: the communicator of this rank's K and the layout over them.
     post_forward: Option<(Arc<Communicator<C>>, GroupLayout)>,
@@ -139,7 +141,7 @@ impl<C: CommBackend> Group<C> {
     /// A sharded, idle group. `post_forward` is given only for `Reshard::To(k)` with `k` below the shard world.
     pub(crate) fn new(
         name: &str,
-        params: Vec<Param<C>>,
+        (params, storage): (Vec<Param>, GroupStorage<C>),
         layout: GroupLayout,
         post_forward: Option<(Arc<Communicator<C>>, GroupLayout)>,
         reshard_after_forward: Reshard,
@@ -148,6 +150,7 @@ impl<C: CommBackend> Group<C> {
         Group {
             name: name.to_string(),
             params,
+            storage,
             layout,
             post_forward,
             training: TrainingState::Idle,
@@ -189,8 +192,7 @@ impl<C: CommBackend> Group<C> {
         }
         if let Some(e) = self.post_forward_event.take() {
             // The post-forward copy was written on the compute stream.
-            ctx.streams.copy_in.wait(&e)?;
-            ctx.streams.all_gather.wait(&e)?;
+            ctx.events.wait_and_give(e, &[&ctx.streams.copy_in, &ctx.streams.all_gather])?;
         }
         let from_post_forward = self.sharded == ShardedState::ShardedPostForward;
         let (comm, layout) = match (&self.post_forward, from_post_forward) {
@@ -204,7 +206,7 @@ impl<C: CommBackend> Group<C> {
             let buf = self.post_forward_buffer.as_ref().ok_or_else(|| self.state_error("post-forward unshard"))?;
             CopyInSource::PostForward(buf)
         } else {
-            CopyInSource::Masters(&self.params)
+            CopyInSource::Masters(&self.storage.master)
         };
         // A post-forward shard is already in the param dtype: it is gathered
         // so, not quantized a second time.
@@ -229,9 +231,6 @@ impl<C: CommBackend> Group<C> {
             ctx.release_all_gather_output()?;
         }
         let s = &ctx.streams;
-        if let Some(res) = &pending {
-            s.compute.wait(&res.event)?;
-        }
         let (world, layout) = match (&self.post_forward, pending.as_ref().is_some_and(|p| p.post_forward)) {
             (Some((c, l)), true) => (c.size(), l),
             _ => (ctx.dp.shard.size(), &self.layout),
@@ -239,18 +238,23 @@ impl<C: CommBackend> Group<C> {
         if pending.is_none() && self.params.iter().any(|p| p.layout.is_some()) {
             return Err(self.state_error("unshard without an all-gather"));
         }
-        let gathered = pending.as_ref().map(|res| (&res.buffer, layout, world));
-        collectives::copy_out(&s.compute, gathered, &mut self.params, self.mp.param())?;
+        let gathered = match &pending {
+            Some(res) => {
+                s.compute.wait(&res.event)?;
+                Some((&res.buffer, layout, world))
+            }
+            None => None,
+        };
+        collectives::copy_out(&s.compute, gathered, &self.params, &mut self.storage, self.mp.param())?;
         self.sharded = ShardedState::Unsharded;
         self.post_forward_buffer = None;
         if let Some(res) = pending {
-            let copied_out = ctx.device.create_event()?;
-            s.compute.record(&copied_out)?;
+            ctx.events.give(res.event);
+            let copied_out = ctx.events.record(&ctx.device, &s.compute)?;
             if self.training == TrainingState::Forward {
                 ctx.all_gather_state = Some((res.buffer, copied_out));
             } else {
-                s.copy_in.wait(&copied_out)?;
-                s.all_gather.wait(&copied_out)?;
+                ctx.events.wait_and_give(copied_out, &[&s.copy_in, &s.all_gather])?;
             }
         }
         Ok(())
@@ -266,20 +270,31 @@ impl<C: CommBackend> Group<C> {
                 Reshard::To(_) if self.sharded == ShardedState::Unsharded => {
                     let (comm, layout) =
                         self.post_forward.as_ref().ok_or_else(|| self.state_error("post-forward reshard"))?;
-                    let (buf, e) =
-                        collectives::post_forward_shard(ctx, comm.rank(), layout, &self.params, self.mp.param())?;
+                    let unsharded =
+                        self.storage.unsharded.as_ref().ok_or_else(|| self.state_error("post-forward reshard"))?;
+                    let (buf, e) = collectives::post_forward_shard(
+                        ctx,
+                        comm.rank(),
+                        layout,
+                        &self.params,
+                        unsharded,
+                        self.mp.param(),
+                    )?;
                     self.post_forward_buffer = Some(buf);
                     self.post_forward_event = Some(e);
-                    self.params.iter_mut().for_each(|p| p.unsharded = None);
+                    self.storage.unsharded = None;
                     self.sharded = ShardedState::ShardedPostForward;
                     return Ok(());
                 }
                 _ => {}
             }
         }
-        self.params.iter_mut().for_each(|p| p.unsharded = None);
+        self.storage.unsharded = None;
         self.post_forward_buffer = None;
-        self.post_forward_event = None;
+        // Nothing will wait on it: back to the pool.
+        if let Some(e) = self.post_forward_event.take() {
+            ctx.events.give(e);
+        }
         self.sharded = ShardedState::Sharded;
         Ok(())
     }
@@ -310,9 +325,7 @@ impl<C: CommBackend> Group<C> {
         self.training = TrainingState::PreBackward;
         self.unshard(ctx)?;
         self.wait_for_unshard(ctx)?;
-        let dtype = self.mp.param();
-        Param::ensure_unsharded_grads(&mut self.params, &ctx.streams.compute, dtype)?;
-        Ok(())
+        self.storage.ensure_unsharded_grads(&ctx.streams.compute, self.mp.param())
     }
 
     /// The groups to unshard when this group's backward starts: the explicit
@@ -337,37 +350,29 @@ impl<C: CommBackend> Group<C> {
     pub(crate) fn post_backward(&mut self, ctx: &mut CommContext<C>, plan: ReducePlan) -> Result<()> {
         self.training = TrainingState::PostBackward;
         let (param_dtype, reduce_dtype) = (self.mp.param(), self.mp.reduce());
-        for p in self.params.iter_mut() {
-            p.fold_into_accumulator(&ctx.streams.compute)?;
-        }
+        self.storage.fold_into_accumulator(&ctx.streams.compute)?;
         if !self.requires_gradient_sync {
             if self.reshard_after_backward {
                 self.reshard(ctx)?;
             }
             if reduce_dtype != param_dtype {
-                for p in self.params.iter_mut() {
-                    p.start_accumulator(&ctx.streams.compute, reduce_dtype)?;
-                }
+                self.storage.start_accumulator(&ctx.streams.compute, reduce_dtype)?;
             }
             return Ok(());
         }
-        let mut grads: Vec<(usize, Buf<C>)> = Vec::new();
-        for (i, p) in self.params.iter_mut().enumerate() {
-            if let Some(g) = p.take_grad_to_reduce(&ctx.streams.compute, param_dtype, reduce_dtype)? {
-                grads.push((i, g));
-            }
-        }
+        let grads = self.storage.take_grads_to_reduce(&ctx.streams.compute, param_dtype, reduce_dtype)?;
         if self.reshard_after_backward {
             self.reshard(ctx)?;
         }
-        if grads.is_empty() {
+        let Some(grads) = grads else {
             return Ok(());
-        }
+        };
         let reduced = collectives::reduce_gradients(
             ctx,
             plan,
             &self.layout,
-            &mut self.params,
+            &self.params,
+            &mut self.storage,
             grads,
             &mut self.partial_reduce,
             self.requires_all_reduce,
@@ -381,7 +386,7 @@ impl<C: CommBackend> Group<C> {
     /// for its reduction, the kept reduce outputs are freed, and it is idle.
     pub(crate) fn finalize_backward(&mut self, ctx: &CommContext<C>) -> Result<()> {
         if let Some(e) = self.post_reduce_event.take() {
-            ctx.streams.compute.wait(&e)?;
+            ctx.events.wait_and_give(e, &[&ctx.streams.compute])?;
         }
         self.reduce_outputs.clear();
         self.training = TrainingState::Idle;

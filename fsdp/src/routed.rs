@@ -25,12 +25,10 @@
 //! that does it, not a collective the others never join.
 
 use crate::collectives::ReducePlan;
-use crate::param::Param;
 use crate::param_group::{CommContext, Group, Route, ShardedState, TrainingState};
 use crate::state::Fsdp;
 use crate::{FsdpError, Result};
 use chorus_collectives::CommBackend;
-use chorus_devices::Stream;
 
 impl<C: CommBackend> Fsdp<C> {
     /// Declares `routed` as alternatives under `parent`: groups that a step
@@ -183,8 +181,7 @@ impl<C: CommBackend> Group<C> {
     /// free follows the all-gather.
     fn drop_pending(&mut self, ctx: &CommContext<C>) -> Result<()> {
         if let Some(res) = self.pending.take() {
-            ctx.streams.compute.wait(&res.event)?;
-            ctx.streams.copy_in.wait(&res.event)?;
+            ctx.events.wait_and_give(res.event, &[&ctx.streams.compute, &ctx.streams.copy_in])?;
         }
         Ok(())
     }
@@ -211,8 +208,7 @@ impl<C: CommBackend> Group<C> {
             ctx.release_all_gather_output()?;
             self.training = TrainingState::PreBackward;
             self.drop_pending(ctx)?;
-            let dtype = self.mp.param();
-            Param::ensure_unsharded_grads(&mut self.params, &ctx.streams.compute, dtype)
+            self.storage.ensure_unsharded_grads(&ctx.streams.compute, self.mp.param())
         } else {
             self.pre_backward(ctx)
         }

@@ -12,10 +12,12 @@ use chorus_devices::{Backend, Buffer, DType, Device, Priority, Stream, StreamExt
 
 use crate::collectives::{self, ReducePlan};
 use crate::config::{DataParallel, FsdpConfig, MixedPrecision, OffloadPolicy, Reshard};
+use crate::events::EventPool;
 use crate::layout::{normalize_dim, GroupLayout};
 use crate::overhead::{Hook, HookStart, HostOverhead};
 use crate::param::{DeferredParam, Param, ParamInit};
 use crate::param_group::{CommContext, Group, Route, ShardedState, Streams, TrainingState};
+use crate::storage::GroupStorage;
 use crate::{FsdpError, Result, Strm, B};
 
 /// Collectives issued, by kind (FSDP's own count; tests also count at the communicator).
@@ -79,6 +81,7 @@ impl<C: CommBackend> Fsdp<C> {
                 dp,
                 device,
                 streams,
+                events: EventPool::default(),
                 all_gather_state: None,
                 reduce_scatter_state: None,
                 counts: CommCounts::default(),
@@ -159,25 +162,36 @@ impl<C: CommBackend> Fsdp<C> {
             Reshard::To(k) if k == world => Reshard::Yes,
             r => r,
         };
-        let stream = &self.ctx.streams.compute;
+        // Where each parameter lies in the group's flat buffers: sharded
+        // ones at their layout offsets, replicated ones after them whole;
+        // unsharded, every parameter whole in order.
         let mut out = Vec::with_capacity(params.len());
-        let mut next = 0;
-        for (p, shard) in params.into_iter().zip(is_sharded) {
-            let layout_index = if shard {
-                let i = next;
+        let (mut next, mut replicated_at, mut full) = (0, layout.shard_numel, 0);
+        for (p, shard) in params.iter().zip(&is_sharded) {
+            let numel: usize = p.shape.iter().product();
+            let (index, range) = if *shard {
+                let l = &layout.params[next];
                 next += 1;
-                Some((i, &layout.params[i]))
+                (Some(next - 1), l.offset..l.offset + l.shard_numel)
             } else {
-                None
+                replicated_at += numel;
+                (None, replicated_at - numel..replicated_at)
             };
-            out.push(Param::new(p, layout_index, rank, stream, self.offload)?);
+            out.push(Param::new(p, index, range, full));
+            full += numel;
+        }
+        let stream = &self.ctx.streams.compute;
+        let storage = GroupStorage::<C>::new(stream, replicated_at, layout.shard_numel, full, self.offload)?;
+        for (p, init) in out.iter().zip(&params) {
+            let values = Param::initial_shard(init, p.layout.map(|i| &layout.params[i]), rank)?;
+            stream.upload(&values, storage.master.slice(p.shard.start, p.shard.len())?)?;
             // The upload stages its values until the stream runs it: waiting
             // here keeps one parameter's slice staged at a time, so a rank's
             // peak while loading is its shards plus one slice, not twice its shards.
             stream.synchronize()?;
         }
         let mp = self.config.mixed_precision;
-        self.groups.push(Group::new(name, out, layout, post_forward, reshard, mp));
+        self.groups.push(Group::new(name, (out, storage), layout, post_forward, reshard, mp));
         self.note_overhead(Hook::AddGroup, t0);
         Ok(self.groups.len() - 1)
     }
@@ -191,7 +205,7 @@ impl<C: CommBackend> Fsdp<C> {
 
     /// Whether parameters of group `g` live in host memory (CPU offload).
     pub fn is_offloaded(&self, g: usize) -> Result<bool> {
-        Ok(self.group(g)?.params.first().is_some_and(|p| p.offload.is_some()))
+        Ok(self.group(g)?.storage.offload.is_some())
     }
 
     /// The communicator of this rank's `k` consecutive shard ranks, split
@@ -283,7 +297,7 @@ impl<C: CommBackend> Fsdp<C> {
         Ok(self.param_ref(g, i)?.layout.is_none())
     }
 
-    fn param_ref(&self, g: usize, i: usize) -> Result<&Param<C>> {
+    fn param_ref(&self, g: usize, i: usize) -> Result<&Param> {
         let grp = self.group(g)?;
         grp.params
             .get(i)
@@ -294,7 +308,9 @@ impl<C: CommBackend> Fsdp<C> {
     /// the group is unsharded.
     pub fn param(&self, g: usize, i: usize) -> Result<View<'_, B<C>>> {
         let p = self.param_ref(g, i)?;
-        p.unsharded.as_ref().map(|b| b.view()).ok_or_else(|| self.groups[g].state_error("parameter access"))
+        let grp = &self.groups[g];
+        let full = grp.storage.unsharded.as_ref().ok_or_else(|| grp.state_error("parameter access"))?;
+        Ok(full.slice(p.full, p.numel)?)
     }
 
     /// The unsharded gradient of parameter `i` of group `g` (param dtype),
@@ -302,7 +318,9 @@ impl<C: CommBackend> Fsdp<C> {
     /// to post-backward.
     pub fn grad(&self, g: usize, i: usize) -> Result<View<'_, B<C>>> {
         let p = self.param_ref(g, i)?;
-        p.unsharded_grad.as_ref().map(|b| b.view()).ok_or_else(|| self.groups[g].state_error("gradient access"))
+        let grp = &self.groups[g];
+        let full = grp.storage.unsharded_grad.as_ref().ok_or_else(|| grp.state_error("gradient access"))?;
+        Ok(full.slice(p.full, p.numel)?)
     }
 
     // ---- switches (FSDPModule's setters) ----
@@ -484,12 +502,12 @@ impl<C: CommBackend> Fsdp<C> {
         for grp in self.groups.iter_mut() {
             grp.finalize_backward(&self.ctx)?;
         }
-        let s = &self.ctx.streams;
+        let (s, events) = (&self.ctx.streams, &self.ctx.events);
         if let Some((_, e)) = self.ctx.reduce_scatter_state.take() {
-            s.compute.wait(&e)?;
+            events.wait_and_give(e, &[&s.compute])?;
         }
         if let Some((_, e)) = self.ctx.all_gather_state.take() {
-            s.compute.wait(&e)?;
+            events.wait_and_give(e, &[&s.compute])?;
         }
         self.post_forward_order.clear();
         self.root_ready = false;
@@ -515,8 +533,8 @@ impl<C: CommBackend> Fsdp<C> {
 
     /// Drops every sharded gradient (PyTorch's `zero_grad(set_to_none=True)`).
     pub fn zero_grad(&mut self) {
-        for p in self.groups.iter_mut().flat_map(|g| g.params.iter_mut()) {
-            p.grad = None;
+        for grp in self.groups.iter_mut() {
+            grp.storage.grad = None;
         }
     }
 
@@ -543,7 +561,8 @@ impl<C: CommBackend> Fsdp<C> {
         let grp = self.group(g)?;
         let p = self.param_ref(g, i)?;
         let layout = p.layout.map(|l| &grp.layout.params[l]);
-        collectives::gather_param_pieces(&self.ctx.streams.compute, &self.ctx.dp.shard, layout, &p.master, piece, sink)
+        let master = grp.storage.master.slice(p.shard.start, p.shard.len())?;
+        collectives::gather_param_pieces(&self.ctx.streams.compute, &self.ctx.dp.shard, layout, master, piece, sink)
     }
 
     /// The group and index of the parameter named `name`.
@@ -590,7 +609,8 @@ impl<C: CommBackend> Fsdp<C> {
     /// Ordered after everything enqueued on the compute stream; blocks.
     pub fn read_shard(&self, g: usize, i: usize) -> Result<Vec<f32>> {
         let p = self.param_ref(g, i)?;
-        Ok(self.ctx.streams.compute.read_vec::<f32>(p.master.view())?)
+        let master = self.groups[g].storage.master.slice(p.shard.start, p.shard.len())?;
+        Ok(self.ctx.streams.compute.read_vec::<f32>(master)?)
     }
 
     /// Replaces this rank's f32 master of parameter `i` of group `g` with
@@ -607,15 +627,16 @@ impl<C: CommBackend> Fsdp<C> {
             return Err(FsdpError::InvalidArgument("write_shard during a step (before finalize_backward)".into()));
         }
         let p = self.param_ref(g, i)?;
-        if values.len() != p.master.len() {
+        if values.len() != p.shard.len() {
             return Err(FsdpError::InvalidArgument(format!(
                 "{}: {} values for a shard of {} elements",
                 p.name,
                 values.len(),
-                p.master.len()
+                p.shard.len()
             )));
         }
-        self.ctx.streams.compute.upload(values, p.master.view())?;
+        let master = self.groups[g].storage.master.slice(p.shard.start, p.shard.len())?;
+        self.ctx.streams.compute.upload(values, master)?;
         Ok(())
     }
 

@@ -11,6 +11,7 @@ use super::sanitizer::Sanitizer;
 use super::stream::{CpuStream, StreamShared};
 use super::Cpu;
 use crate::bookkeeping::{first_error, Parked, StreamList};
+use crate::call_count::CallCounter;
 use crate::memory::MemCounters;
 use crate::{host_fn, DType, DeviceError, MemorySpace, MemoryStats, Priority, Result};
 
@@ -123,6 +124,8 @@ pub(crate) struct DeviceInner {
     pub(crate) next_stream: AtomicUsize,
     /// Errors of drops, reported by the next `synchronize`.
     pub(crate) parked: Parked,
+    /// Operations, events and allocations, when counting ([`crate::Device::count_calls`]).
+    pub(crate) calls: CallCounter,
 }
 
 /// The host as a device. Cheap to clone; clones are the same device.
@@ -146,6 +149,7 @@ impl CpuDevice {
                 streams: StreamList::default(),
                 next_stream: AtomicUsize::new(0),
                 parked: Parked::default(),
+                calls: CallCounter::default(),
             }),
         }
     }
@@ -250,6 +254,10 @@ impl CpuDevice {
             .ok_or_else(|| DeviceError::OutOfMemory { device: self.label(), bytes: usize::MAX })?;
         let mem = Memory::take(self.pool(space), bytes, contents, &self.label())?;
         self.counters(space).add(bytes);
+        self.inner.calls.note(match space {
+            MemorySpace::Device => "alloc",
+            MemorySpace::Host => "alloc_host",
+        });
         Ok(CpuBuffer { mem, dtype, len, id: next_id(), device: self.clone(), space })
     }
 }
@@ -272,6 +280,7 @@ impl crate::Device for CpuDevice {
     }
     fn create_event(&self) -> Result<CpuEvent> {
         host_fn::check("create_event")?;
+        self.inner.calls.note("create_event");
         Ok(CpuEvent::new(self))
     }
     fn alloc(&self, dtype: DType, len: usize) -> Result<CpuBuffer> {
@@ -297,6 +306,13 @@ impl crate::Device for CpuDevice {
     }
     fn kernels_reach_host(&self) -> bool {
         self.inner.config.host_kernels
+    }
+    fn count_calls(&self, on: bool) -> bool {
+        self.inner.calls.set(on);
+        true
+    }
+    fn call_counts(&self) -> Vec<(&'static str, u64)> {
+        self.inner.calls.snapshot()
     }
     fn synchronize(&self) -> Result<()> {
         host_fn::check("device synchronize")?;

@@ -211,6 +211,13 @@ impl CpuStream {
     }
 
     fn send(&self, job: Job) -> Result<()> {
+        match &job {
+            // The sanitizer's allocation job: the allocation is counted where it is made.
+            Job::Run { op: "alloc", .. } => {}
+            Job::Run { op, .. } => self.device.inner.calls.note(op),
+            Job::Wait(..) => self.device.inner.calls.note("wait"),
+            Job::Stop => {}
+        }
         if let Ok(mut p) = self.shared.progress.lock() {
             p.submitted += 1;
         }
@@ -248,7 +255,9 @@ impl CpuStream {
 
     pub(super) fn own(&self, op: &'static str, v: &View<'_, Cpu>) -> Result<RawRange> {
         checks::on_device(op, &self.device, v)?;
-        let copy = matches!(op, "copy" | "copy_2d" | "copy_2d_batch" | "copy_from_host" | "copy_to_host");
+        // Copies and host work reach host buffers on every device; kernels only where the device says so.
+        let copy =
+            matches!(op, "copy" | "copy_2d" | "copy_2d_batch" | "copy_from_host" | "copy_to_host" | "update_on_host");
         if !copy
             && !self.device.inner.config.host_kernels
             && crate::Buffer::space(v.buffer()) == crate::MemorySpace::Host
@@ -541,6 +550,7 @@ impl crate::Stream for CpuStream {
         host_fn::check("record")?;
         checks::same_device("record", "an event", &self.device, &event.device)?;
         let completion = event.begin_record();
+        self.device.inner.calls.note("record");
         match &self.device.inner.sanitizer {
             Some(s) => {
                 let mut s = s.lock().map_err(|_| DeviceError::invalid("record", "sanitizer poisoned"))?;
@@ -570,6 +580,26 @@ impl crate::Stream for CpuStream {
     fn synchronize(&self) -> Result<()> {
         host_fn::check("stream synchronize")?;
         self.shared.synchronize(&self.device)
+    }
+
+    fn update_on_host(&self, reads: &[View<'_, Cpu>], writes: &[View<'_, Cpu>], f: crate::HostUpdate) -> Result<()> {
+        let op = "update_on_host";
+        checks::update_on_host(reads, writes)?;
+        let read_ranges = reads.iter().map(|v| self.own(op, v)).collect::<Result<Vec<_>>>()?;
+        let write_ranges = writes.iter().map(|v| self.own(op, v)).collect::<Result<Vec<_>>>()?;
+        let accesses: Vec<Access> =
+            reads.iter().map(|v| Access::read(*v)).chain(writes.iter().map(|v| Access::write(*v))).collect();
+        self.enqueue(op, &accesses, move |input| match input {
+            JobInput::Run => {
+                // SAFETY: stream order excludes concurrent writers of these ranges, and the
+                // written ranges overlap nothing else (checked), so the slices do not alias.
+                let read: Vec<&[u8]> = read_ranges.iter().map(|r| unsafe { r.as_bytes() }).collect();
+                // SAFETY: as above.
+                let mut written: Vec<&mut [u8]> = write_ranges.iter().map(|r| unsafe { r.as_bytes_mut() }).collect();
+                f(&read, &mut written)
+            }
+            JobInput::Skip(_) => Ok(()),
+        })
     }
 
     fn launch_host_fn(&self, f: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {

@@ -96,7 +96,7 @@ impl crate::ComputeStream for CudaStream {
             let n = pred.len() as u64;
             let args = Args::default().ptr(p).i32(pt).ptr(q).i32(qt).ptr(device_ptr(&loss)).i32(lt).u64(n).f64(scale);
             // SAFETY: as in `cast`; one block of REDUCE_BLOCK threads.
-            unsafe { kernels.launch_grid("chorus_mse_loss", 1, REDUCE_BLOCK, s, args, &label) }
+            unsafe { kernels.launch_grid("chorus_mse_loss", 1, REDUCE_BLOCK, s, args, label) }
         })
     }
 
@@ -144,7 +144,7 @@ impl crate::ComputeStream for CudaStream {
             let (xt, ot, n) = (code(x.dtype()), code(out.dtype()), x.len() as u64);
             let args = Args::default().ptr(px).i32(xt).ptr(device_ptr(&out)).i32(ot).u64(n).i32(accumulate as i32);
             // SAFETY: as in `cast`; one block.
-            unsafe { kernels.launch_grid("chorus_sum_squares", 1, REDUCE_BLOCK, s, args, &label) }
+            unsafe { kernels.launch_grid("chorus_sum_squares", 1, REDUCE_BLOCK, s, args, label) }
         })
     }
 

@@ -2,7 +2,7 @@
 //! kernels and its internal allocation stream.
 
 use std::sync::atomic::AtomicUsize;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use cudarc::driver::result as drv;
@@ -68,6 +68,8 @@ pub fn driver_version() -> Result<i32> {
 #[derive(Debug)]
 pub(crate) struct DeviceInner {
     pub(crate) config: CudaConfig,
+    /// `cuda:N`, for errors and stream names (made once: labels are on every call's error path).
+    pub(crate) label: String,
     pub(crate) cu_device: CUdevice,
     pub(crate) ctx: CUcontext,
     pub(crate) gpu_name: String,
@@ -83,6 +85,10 @@ pub(crate) struct DeviceInner {
     pub(crate) kernels: OnceLock<Result<Arc<Kernels>>>,
     pub(crate) parked: Parked,
     pub(crate) staging: Arc<StagingPool>,
+    /// Events for the waits of stream-ordered frees (`memory.rs`), reused:
+    /// a wait takes the event's record when it is enqueued, so an event may
+    /// be recorded again as soon as the wait is (CUDA's `cuStreamWaitEvent`).
+    pub(crate) spare_events: Mutex<Vec<usize>>,
     /// Driver work of drops that ran inside host functions.
     pub(crate) deferred: Deferred<DeviceInner>,
 }
@@ -108,6 +114,10 @@ impl Drop for DeviceInner {
                 let _ = k.unload();
             }
             let _ = self.staging.trim(false);
+            for event in self.spare_events.get_mut().map(std::mem::take).unwrap_or_default() {
+                // SAFETY: created by `memory::release`, idle in the pool, destroyed once.
+                let _ = unsafe { drv::event::destroy(event as sys::CUevent) };
+            }
         }
         // SAFETY: retained once in `CudaDevice::with_config`, released once here.
         let _ = unsafe { drv::primary_ctx::release(self.cu_device) };
@@ -171,6 +181,7 @@ impl CudaDevice {
         };
         let inner = Arc::new(DeviceInner {
             config,
+            label: label.clone(),
             cu_device,
             ctx,
             gpu_name,
@@ -183,6 +194,7 @@ impl CudaDevice {
             kernels: OnceLock::new(),
             parked: Parked::default(),
             staging: Arc::new(StagingPool::default()),
+            spare_events: Mutex::new(Vec::new()),
             deferred: Deferred::default(),
         });
         let internal = StreamShared::create(&inner, Priority::Normal, "internal")?;
@@ -238,8 +250,8 @@ impl CudaDevice {
         self.inner.parked.park(e)
     }
 
-    pub(crate) fn label(&self) -> String {
-        format!("cuda:{}", self.inner.config.ordinal)
+    pub(crate) fn label(&self) -> &str {
+        &self.inner.label
     }
 
     /// The kernels, compiled and loaded on first use.
@@ -249,7 +261,7 @@ impl CudaDevice {
             .get_or_init(|| {
                 let ptx = super::kernels::ptx_for(self.inner.compute_capability)?;
                 self.bind()?;
-                Kernels::load(&ptx, &self.label()).map(Arc::new)
+                Kernels::load(&ptx, self.label()).map(Arc::new)
             })
             .clone()
     }
@@ -258,13 +270,13 @@ impl CudaDevice {
     pub(crate) fn alloc_on(&self, stream: &Arc<StreamShared>, dtype: DType, len: usize) -> Result<CudaBuffer> {
         let bytes = len
             .checked_mul(dtype.size())
-            .ok_or_else(|| DeviceError::OutOfMemory { device: self.label(), bytes: usize::MAX })?;
+            .ok_or_else(|| DeviceError::OutOfMemory { device: self.label().to_string(), bytes: usize::MAX })?;
         let ptr = if bytes == 0 {
             0
         } else {
             self.bind()?;
             // SAFETY: a live stream of this device's context.
-            unsafe { drv::malloc_async(stream.raw, bytes) }.drv_alloc("cuMemAllocAsync", &self.label(), bytes)?
+            unsafe { drv::malloc_async(stream.raw, bytes) }.drv_alloc("cuMemAllocAsync", self.label(), bytes)?
         };
         Ok(CudaBuffer::adopt(self, stream, ptr, dtype, len))
     }
@@ -274,10 +286,18 @@ impl CudaDevice {
 /// first, so this is where the host-function rule is enforced (CUDA answers
 /// a call inside a host function with `CUDA_ERROR_NOT_PERMITTED`, or hangs),
 /// and where driver work that drops postponed out of host functions is done.
+///
+/// The context is set only when the thread's current one is another: asking
+/// is a read of the driver's thread-local state, cheaper than setting it on
+/// every operation, and a thread keeps its context until something (another
+/// device, a vendor library) sets another.
 pub(crate) fn bind_ctx(inner: &DeviceInner) -> Result<()> {
     host_fn::check("cuCtxSetCurrent")?;
-    // SAFETY: the device's retained primary context.
-    unsafe { drv::ctx::set_current(inner.ctx) }.drv("cuCtxSetCurrent", &format!("cuda:{}", inner.config.ordinal))?;
+    let current = drv::ctx::get_current().drv("cuCtxGetCurrent", &inner.label)?;
+    if current != Some(inner.ctx) {
+        // SAFETY: the device's retained primary context.
+        unsafe { drv::ctx::set_current(inner.ctx) }.drv("cuCtxSetCurrent", &inner.label)?;
+    }
     inner.deferred.drain(inner, |e| inner.parked.park(e));
     Ok(())
 }
@@ -316,7 +336,7 @@ impl crate::Device for CudaDevice {
         if buf.bytes_len() > 0 {
             // SAFETY: the allocation just made, on the internal stream.
             unsafe { drv::memset_d8_async(buf.ptr, 0, buf.bytes_len(), self.internal.raw) }
-                .drv("cuMemsetD8Async", &self.label())?;
+                .drv("cuMemsetD8Async", self.label())?;
         }
         // "Usable on any stream at once": the allocation and zeroing are done
         // when this returns.
@@ -337,6 +357,13 @@ impl crate::Device for CudaDevice {
     }
     fn reset_peak_host_memory(&self) {
         self.inner.host_counters.reset_peak()
+    }
+    fn count_calls(&self, on: bool) -> bool {
+        super::result::DRIVER_CALLS.set(on);
+        true
+    }
+    fn call_counts(&self) -> Vec<(&'static str, u64)> {
+        super::result::DRIVER_CALLS.snapshot()
     }
     fn synchronize(&self) -> Result<()> {
         self.bind()?;

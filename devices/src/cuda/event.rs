@@ -28,7 +28,7 @@ unsafe impl Sync for CudaEvent {}
 impl CudaEvent {
     pub(crate) fn create(device: &CudaDevice) -> Result<CudaEvent> {
         device.bind()?;
-        let raw = drv::event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING).drv("cuEventCreate", &device.label())?;
+        let raw = drv::event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING).drv("cuEventCreate", device.label())?;
         Ok(CudaEvent { raw, id: next_id(), device: device.clone(), recorded: LastRecord::default() })
     }
 
@@ -74,18 +74,18 @@ impl crate::Event for CudaEvent {
                 Ok(true)
             }
             Err(e) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            Err(e) => Err(super::result::driver("cuEventQuery", e, &self.device.label(), 0)),
+            Err(e) => Err(super::result::driver("cuEventQuery", e, self.device.label(), 0)),
         }
     }
 }
 
 impl Drop for CudaEvent {
     fn drop(&mut self) {
-        let (raw, label) = (self.raw as usize, self.device.label());
+        let raw = self.raw as usize;
         defer(&self.device.inner, "cuEventDestroy", move |inner| {
             super::device::bind_ctx(inner)?;
             // SAFETY: destroyed once; CUDA releases a pending event after it completes.
-            unsafe { drv::event::destroy(raw as CUevent) }.drv("cuEventDestroy", &label)
+            unsafe { drv::event::destroy(raw as CUevent) }.drv("cuEventDestroy", &inner.label)
         });
     }
 }

@@ -28,6 +28,7 @@ use super::memory::CudaBuffer;
 use super::result::DriverResult;
 use super::stream::{device_ptr, CudaStream, StreamShared};
 use super::Cuda;
+use crate::host_update::{self, HeldRange};
 use crate::{host_fn, Copy2d, DType, DeviceError, MemorySpace, Readback, Result, View};
 
 /// One host allocation; freed when the last holder lets go (the buffer and
@@ -69,7 +70,7 @@ impl HostMemory {
         // SAFETY: a fresh allocation, owned by the returned value and freed once in its drop.
         let ptr = unsafe { drv::malloc_host(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) }.drv_alloc(
             "cuMemHostAlloc",
-            &label,
+            label,
             bytes,
         )? as *mut u8;
         // SAFETY: `bytes` writable bytes just allocated; no copy uses them yet.
@@ -173,12 +174,12 @@ impl CudaStream {
             (Some(from), None) if from.pinned() => self.run_copy(op, &[src, dst], |s| {
                 // SAFETY: a pinned range and a device range of `bytes`, valid in stream order.
                 unsafe { memcpy(device_ptr(&dst), host_addr(from, &src) as CUdeviceptr, bytes, s) }
-                    .drv("cuMemcpyAsync", &label)
+                    .drv("cuMemcpyAsync", label)
             }),
             (None, Some(to)) if to.pinned() => self.run_copy(op, &[src, dst], |s| {
                 // SAFETY: as above, the other way.
                 unsafe { memcpy(host_addr(to, &dst) as CUdeviceptr, device_ptr(&src), bytes, s) }
-                    .drv("cuMemcpyAsync", &label)
+                    .drv("cuMemcpyAsync", label)
             }),
             (Some(from), None) => self.pageable_to_device(from.clone(), src, dst),
             (None, Some(to)) => self.device_to_pageable(src, to.clone(), dst),
@@ -237,7 +238,7 @@ impl CudaStream {
             // SAFETY: a fully initialized descriptor of ranges inside the
             // views (checked by the caller): pinned host memory and device
             // memory, both valid in stream order.
-            unsafe { sys::cuMemcpy2DAsync_v2(&copy, s) }.result().drv("cuMemcpy2DAsync", &label)
+            unsafe { sys::cuMemcpy2DAsync_v2(&copy, s) }.result().drv("cuMemcpy2DAsync", label)
         })
     }
 
@@ -247,7 +248,7 @@ impl CudaStream {
         let (op, bytes) = ("copy", dst.bytes());
         let pool = self.device.inner.staging.clone();
         self.device.bind()?;
-        let block = pool.take(bytes, &self.device.label())?;
+        let block = pool.take(bytes, self.device.label())?;
         let (block_at, s_at) = (block.ptr as usize, host_addr(&from, &src));
         self.host_job(op, &[src], move || {
             // SAFETY: the block holds at least `bytes` and is ours until the
@@ -258,7 +259,7 @@ impl CudaStream {
         let label = self.device.label();
         let copied = self.run_copy(op, &[dst], |s| {
             // SAFETY: a pinned block and a device range of `bytes`, in stream order.
-            unsafe { memcpy(device_ptr(&dst), block_at as CUdeviceptr, bytes, s) }.drv("cuMemcpyAsync", &label)
+            unsafe { memcpy(device_ptr(&dst), block_at as CUdeviceptr, bytes, s) }.drv("cuMemcpyAsync", label)
         });
         // On an error the fill job above may still be queued: the block is
         // then not returned to the pool (a leak), so no other copy gets it under it.
@@ -272,12 +273,12 @@ impl CudaStream {
         let (op, bytes) = ("copy", dst.bytes());
         let pool = self.device.inner.staging.clone();
         self.device.bind()?;
-        let block = pool.take(bytes, &self.device.label())?;
+        let block = pool.take(bytes, self.device.label())?;
         let block_at = block.ptr as usize;
         let label = self.device.label();
         let copied = self.run_copy(op, &[src], |s| {
             // SAFETY: a device range and a pinned block of `bytes`, in stream order.
-            unsafe { memcpy(block_at as CUdeviceptr, device_ptr(&src), bytes, s) }.drv("cuMemcpyAsync", &label)
+            unsafe { memcpy(block_at as CUdeviceptr, device_ptr(&src), bytes, s) }.drv("cuMemcpyAsync", label)
         });
         if let Err(e) = copied {
             pool.put(block);
@@ -338,6 +339,35 @@ impl CudaStream {
             }),
         )?;
         Ok(readback)
+    }
+
+    /// `Stream::update_on_host`: a host function gives `f` the host bytes in
+    /// stream order, holding the allocations until it has run.
+    pub(super) fn update_host_memory(
+        &self,
+        reads: &[View<'_, Cuda>],
+        writes: &[View<'_, Cuda>],
+        f: crate::HostUpdate,
+    ) -> Result<()> {
+        let op = "update_on_host";
+        host_fn::check(op)?;
+        crate::checks::update_on_host(reads, writes)?;
+        for v in reads.iter().chain(writes) {
+            crate::checks::on_device(op, &self.device, v)?;
+        }
+        let held =
+            |v: &View<'_, Cuda>| HeldRange::new(host_of(v), host_of(v).map_or(0, |m| host_addr(m, v)), v.bytes());
+        let read: Vec<_> = reads.iter().map(held).collect();
+        let written: Vec<_> = writes.iter().map(held).collect();
+        self.launch_host_work(
+            op,
+            Box::new(move |outcome| match outcome {
+                // SAFETY: the ranges lie in the allocations they hold; the host function
+                // runs in stream order; written ranges overlap nothing else (checked).
+                Ok(()) => unsafe { host_update::run(&read, &written, f) },
+                Err(_) => Ok(()),
+            }),
+        )
     }
 
     /// A host function doing `f` on host memory in stream order (skipped

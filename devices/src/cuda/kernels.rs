@@ -165,6 +165,29 @@ impl Kernels {
             .drv("cuLaunchKernel", device)
     }
 
+    /// Launches `name`, whose one parameter is a struct passed by value, with
+    /// `block` as that struct's words (the batch kernels; see
+    /// [`crate::gpu_batch`]), on a `(grid.0, grid.1)` grid of [`BLOCK`] threads.
+    ///
+    /// # Safety
+    /// `block` must be the kernel's whole parameter as [`SOURCE`] declares
+    /// it, and every device range it names valid for the launch's accesses
+    /// in `stream`'s order.
+    pub(crate) unsafe fn launch_block(
+        &self,
+        name: &'static str,
+        grid: (u32, u32),
+        stream: CUstream,
+        block: &mut [u64],
+        device: &str,
+    ) -> Result<(), DeviceError> {
+        let f = self.function(name)?;
+        let mut params = [block.as_mut_ptr() as *mut c_void];
+        // SAFETY: per the caller's contract; the driver copies the parameter at the launch.
+        unsafe { drv::launch_kernel(f, (grid.0, grid.1, 1), (BLOCK, 1, 1), 0, stream, &mut params) }
+            .drv("cuLaunchKernel", device)
+    }
+
     /// Unloads the module (the context must be current).
     pub(crate) fn unload(&self) -> Result<(), DeviceError> {
         // SAFETY: the module is unloaded once, by the device's drop.

@@ -4,14 +4,14 @@
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::result as drv;
-use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::sys::{CUdeviceptr, CUevent, CUevent_flags, CUevent_wait_flags};
 
-use super::device::{bind_ctx, defer, CudaDevice};
+use super::device::{bind_ctx, defer, CudaDevice, DeviceInner};
 use super::host::{keep_alive, HostMemory};
 use super::result::DriverResult;
 use super::stream::StreamShared;
 use super::Cuda;
-use crate::memory::StreamUsers;
+use crate::memory::{StreamUsers, UNKNOWN_USE};
 use crate::{DType, DeviceError, MemorySpace};
 
 /// A cuda buffer: device memory from the stream-ordered allocator
@@ -97,36 +97,54 @@ impl CudaBuffer {
     pub(crate) fn note_use(&self, stream: &Arc<StreamShared>) {
         self.users.note(stream)
     }
+
+    /// Places the use just noted at `position` of `stream`.
+    pub(crate) fn note_use_at(&self, stream: &Arc<StreamShared>, position: u64) {
+        self.users.note_at(stream, position)
+    }
 }
 
 /// The stream-ordered free of a buffer: make the owner stream wait for every
-/// other stream that used it, then `cuMemFreeAsync` on the owner.
+/// other stream that used it, then `cuMemFreeAsync` on the owner. A user the
+/// owner already waited for after its last use (FSDP's streams wait on one
+/// another at every hand-over), or whose work a host wait saw finish, needs
+/// no new wait. The others' waits go through the device's spare events: each
+/// is recorded on a user, waited on by the owner and back in the pool at
+/// once (the wait has taken the record), so a free costs at most a record
+/// and a wait per other stream, no event made or destroyed.
 fn release(
     ptr: CUdeviceptr,
     owner: &StreamShared,
-    users: Vec<Arc<StreamShared>>,
-    label: &str,
+    users: Vec<(Arc<StreamShared>, u64)>,
+    inner: &DeviceInner,
 ) -> Result<(), DeviceError> {
-    for user in users {
-        let event = drv::event::create(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .drv("cuEventCreate", label)?;
-        // SAFETY: live stream and event handles; the event is destroyed
-        // after the wait is enqueued, which CUDA allows.
-        let waited = unsafe {
-            drv::event::record(event, user.raw)
-                .and_then(|_| {
-                    drv::stream::wait_event(
-                        owner.raw,
-                        event,
-                        cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                    )
-                })
-                .drv("cuStreamWaitEvent", label)
+    let label = inner.label.as_str();
+    for (user, last_use) in users {
+        if last_use != UNKNOWN_USE && owner.state.follows(&user.state, last_use) {
+            // The owner already waited for this use (or a host wait saw it finish).
+            continue;
+        }
+        let spare = inner.spare_events.lock().ok().and_then(|mut s| s.pop());
+        let event = match spare {
+            Some(e) => e as CUevent,
+            None => drv::event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING).drv("cuEventCreate", label)?,
         };
-        // SAFETY: created above, destroyed once.
-        let destroyed = unsafe { drv::event::destroy(event) }.drv("cuEventDestroy", label);
+        // SAFETY: live stream and event handles of the bound context.
+        let waited = unsafe {
+            drv::event::record(event, user.raw).drv("cuEventRecord", label).and_then(|_| {
+                drv::stream::wait_event(owner.raw, event, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+                    .drv("cuStreamWaitEvent", label)
+            })
+        };
+        // Back to the pool whatever happened: recording it again is always allowed.
+        match inner.spare_events.lock() {
+            Ok(mut spare) => spare.push(event as usize),
+            Err(_) => {
+                // SAFETY: not in the pool, destroyed once.
+                let _ = unsafe { drv::event::destroy(event) };
+            }
+        }
         waited?;
-        destroyed?;
     }
     // SAFETY: allocated by cuMemAllocAsync, freed once, in the owner's order
     // after every user's work (the waits above).
@@ -167,11 +185,11 @@ impl Drop for CudaBuffer {
             return;
         }
         if self.bytes > 0 {
-            let (ptr, label) = (self.ptr, self.device.label());
-            let (owner, users) = self.users.take();
+            let ptr = self.ptr;
+            let (owner, users) = self.users.take_with_positions();
             defer(&self.device.inner, "cuMemFreeAsync", move |inner| {
                 bind_ctx(inner)?;
-                release(ptr, &owner, users, &label)
+                release(ptr, &owner, users, inner)
             });
         }
         self.device.inner.counters.sub(self.bytes);

@@ -3,8 +3,10 @@
 //!
 //! How the contract maps onto CUDA:
 //! - a **device** is one GPU's primary context (`cuDevicePrimaryCtxRetain`);
-//!   every call binds it to the calling thread first, so any thread may use
-//!   any device;
+//!   every call makes it current on the calling thread first, so any thread
+//!   may use any device — setting it only when the thread's current context
+//!   is another (`cuCtxGetCurrent`, a thread-local read, instead of
+//!   `cuCtxSetCurrent` on every operation);
 //! - a **stream** is a CUDA stream made by `cuStreamCreateWithPriority`
 //!   (non-blocking; `Priority::High` is the context's greatest priority);
 //! - an **event** is a CUDA event without timing; [`Stream::record`] is
@@ -21,17 +23,25 @@
 //!   events recorded after it and the streams that waited for them; later
 //!   operations on a failed stream are skipped. The bookkeeping is host
 //!   state only (`crate::failure`), so host functions may read it;
-//! - **host functions** (`cuLaunchHostFunc`: readback completion and
-//!   [`Stream::launch_host_fn`](crate::Stream::launch_host_fn)) run marked
+//! - **host functions** (`cuLaunchHostFunc`: readback completion,
+//!   [`Stream::launch_host_fn`](crate::Stream::launch_host_fn) and
+//!   [`Stream::update_on_host`](crate::Stream::update_on_host)) run marked
 //!   (`crate::host_fn`): every driver entry point binds the context first
 //!   and refuses there with `InHostFunction`, and the driver work of a drop
 //!   that happens there (a buffer's stream-ordered free, a stream's or an
-//!   event's destruction) is postponed to the next bind on another thread;
+//!   event's destruction) is postponed to the next bind on another thread.
+//!   A host function is enqueued on a failed stream too (it is told the
+//!   failure), so what it releases — a staging block a queued copy writes —
+//!   is released only after that copy, whichever thread failed the stream;
 //! - a **buffer** comes from the stream-ordered allocator (`cuMemAllocAsync`
 //!   on the allocating stream; `Device::alloc` allocates and zeroes on an
 //!   internal stream and waits). Dropping it makes the owning stream wait for
 //!   every other stream that used it and enqueues `cuMemFreeAsync` there, so
-//!   queued work never sees freed memory; errors are parked on the device;
+//!   queued work never sees freed memory: a user the owner already waited
+//!   for after its last use (or whose work a host wait saw finish) needs no
+//!   new wait, and the others' waits go through the device's spare events
+//!   (recorded, waited on, back in the pool at once), so a free makes and
+//!   destroys no event; errors are parked on the device;
 //! - **memory statistics** are our own exact counters, changed when a
 //!   buffer is made and when its free is enqueued (the pool may keep the
 //!   bytes reserved; the statistics count what chorus holds);
@@ -52,6 +62,14 @@
 //!   the hip device ([`crate::gpu_kernels`]), compiled by NVRTC once per
 //!   compute capability per process and loaded once per device; `matmul` is `cublasGemmEx` with f32
 //!   compute for f16/bf16/f32 (f64 for f64), one handle per stream;
+//! - **batches** ([`Stream::copy_2d_batch`](crate::Stream::copy_2d_batch),
+//!   [`Stream::fill_batch`](crate::Stream::fill_batch)) are planned by
+//!   [`crate::gpu_batch`]: pieces that continue one another merge, the rest
+//!   go 64 to a launch of the batch kernels, so a group's copy-out is one
+//!   driver call rather than one per parameter;
+//! - **counting**: [`Device::count_calls`](crate::Device::count_calls)
+//!   counts the process's driver calls by entry point (every call made
+//!   through `result.rs`), for the host-path bench and the device suite;
 //! - **loading**: before cudarc is touched, [`driver_library`],
 //!   [`nvrtc_library`] and [`cublas_library`] probe the libraries the way
 //!   cudarc will load them; a missing library is

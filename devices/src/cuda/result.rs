@@ -5,6 +5,7 @@ use cudarc::driver::result::DriverError;
 use cudarc::driver::sys::CUresult;
 use cudarc::nvrtc::result::NvrtcError;
 
+use crate::call_count::CallCounter;
 use crate::DeviceError;
 
 /// A driver call's failure. Out-of-memory keeps its own variant.
@@ -17,7 +18,13 @@ pub(crate) fn driver(call: &'static str, e: DriverError, device: &str, bytes: us
     DeviceError::Backend { library: "libcuda", code: e.0 as i64, message: format!("{call}: {name}: {text}") }
 }
 
-/// `?` for driver results: `.drv("cuMemAllocAsync", dev)?`.
+/// Driver calls of this process by entry point, while counting
+/// ([`crate::Device::count_calls`] on a cuda device): every call made
+/// through [`DriverResult`], which is every driver call chorus makes apart
+/// from the polls of host waits.
+pub(crate) static DRIVER_CALLS: CallCounter = CallCounter::new();
+
+/// `?` for driver results: `.drv("cuMemAllocAsync", dev)?`. Counts the call.
 pub(crate) trait DriverResult<T> {
     /// Converts a driver error, naming the call and the device.
     fn drv(self, call: &'static str, device: &str) -> Result<T, DeviceError>;
@@ -27,9 +34,11 @@ pub(crate) trait DriverResult<T> {
 
 impl<T> DriverResult<T> for Result<T, DriverError> {
     fn drv(self, call: &'static str, device: &str) -> Result<T, DeviceError> {
+        DRIVER_CALLS.note(call);
         self.map_err(|e| driver(call, e, device, 0))
     }
     fn drv_alloc(self, call: &'static str, device: &str, bytes: usize) -> Result<T, DeviceError> {
+        DRIVER_CALLS.note(call);
         self.map_err(|e| driver(call, e, device, bytes))
     }
 }

@@ -16,8 +16,9 @@ use super::memory::CudaBuffer;
 use super::result::{self as res, DriverResult};
 use super::Cuda;
 use crate::failure::{poisoned, StreamState};
+use crate::gpu_batch::{self, CopyPiece, FillPiece, Step};
 use crate::{checks, host_fn, wait};
-use crate::{Copy2d, DType, DeviceError, Priority, Readback, Result, Scalar, View};
+use crate::{Copy2d, Copy2dPiece, DType, DeviceError, Priority, Readback, Result, Scalar, View};
 
 pub(crate) struct StreamShared {
     pub(crate) raw: CUstream,
@@ -44,13 +45,13 @@ impl StreamShared {
     pub(crate) fn create(device: &Arc<DeviceInner>, priority: Priority, label: &str) -> Result<Arc<StreamShared>> {
         bind_ctx(device)?;
         let index = device.next_stream.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dev = format!("cuda:{}", device.config.ordinal);
+        let dev = &device.label;
         let prio = match priority {
             Priority::Normal => device.priorities.0,
             Priority::High => device.priorities.1,
         };
         let raw =
-            drv::stream::create_with_priority(StreamKind::NonBlocking, prio).drv("cuStreamCreateWithPriority", &dev)?;
+            drv::stream::create_with_priority(StreamKind::NonBlocking, prio).drv("cuStreamCreateWithPriority", dev)?;
         let suffix = if priority == Priority::High { " (high)" } else { "" };
         let shared = Arc::new(StreamShared {
             raw,
@@ -68,8 +69,8 @@ impl StreamShared {
         &self.state.name
     }
 
-    fn label(&self) -> String {
-        format!("cuda:{}", self.device.config.ordinal)
+    fn label(&self) -> &str {
+        &self.device.label
     }
 
     /// Blocks the host until the work enqueued so far has run, a failure is
@@ -95,7 +96,7 @@ impl StreamShared {
                 Err(e) if e.0 == CUresult::CUDA_ERROR_NOT_READY => Ok(false),
                 Err(e) => {
                     // A device fault: sticky for the whole context, so for every position.
-                    let err = res::driver("cuStreamQuery", e, &self.label(), 0);
+                    let err = res::driver("cuStreamQuery", e, self.label(), 0);
                     self.state.fail(0, err.clone());
                     Err(err)
                 }
@@ -111,12 +112,11 @@ impl Drop for StreamShared {
         // destruction waits for a thread that may call the driver.
         let raw = self.raw as usize;
         let blas = self.blas.lock().ok().and_then(|mut b| b.take());
-        let label = self.label();
         defer(&self.device, "cuStreamDestroy", move |device| {
             bind_ctx(device)?;
             let b = blas.map(BlasHandle::destroy).unwrap_or(Ok(()));
             // SAFETY: destroyed once, here.
-            let s = unsafe { drv::stream::destroy(raw as CUstream) }.drv("cuStreamDestroy", &label);
+            let s = unsafe { drv::stream::destroy(raw as CUstream) }.drv("cuStreamDestroy", &device.label);
             b.and(s)
         });
     }
@@ -150,9 +150,13 @@ impl Drop for Staged {
     }
 }
 
+/// A host function's work: told the stream's failure before it, if any; an
+/// error it returns fails the stream from its position on.
+pub(super) type HostWork = Box<dyn FnOnce(Result<()>) -> Result<()> + Send>;
+
 /// A host function in flight: the closure, and where on which stream it runs.
 struct HostJob {
-    f: Box<dyn FnOnce(Result<()>) + Send>,
+    f: HostWork,
     state: Arc<StreamState>,
     position: u64,
 }
@@ -172,8 +176,12 @@ unsafe extern "C" fn host_fn_trampoline(data: *mut c_void) {
             None => f(Ok(())),
         }
     });
-    if let Err(panic) = ran {
-        state.fail(position, DeviceError::invalid("launch_host_fn", format!("the host function panicked: {panic}")));
+    match ran {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => state.fail(position, e),
+        Err(panic) => {
+            state.fail(position, DeviceError::invalid("launch_host_fn", format!("the host function panicked: {panic}")))
+        }
     }
 }
 
@@ -240,11 +248,17 @@ impl CudaStream {
             return Ok(None);
         }
         self.device.bind()?;
+        // Noted before `f` (whatever of it is enqueued, the free waits for)
+        // and placed after, so a free can tell a wait already made.
         for v in views {
             v.buffer().note_use(&self.shared);
         }
         f(self.shared.raw)?;
-        Ok(Some(self.shared.state.advance()))
+        let position = self.shared.state.advance();
+        for v in views {
+            v.buffer().note_use_at(&self.shared, position);
+        }
+        Ok(Some(position))
     }
 
     /// Enqueues a copy whose operands may be in host memory (see `enqueue_op`).
@@ -274,20 +288,33 @@ impl CudaStream {
 
     /// Enqueues `f` as a host function (`cuLaunchHostFunc`) after the work
     /// enqueued so far; it gets the stream's failure up to that point, if any.
-    /// On a failed stream it is not enqueued: it runs at once with the failure.
+    ///
+    /// It is enqueued on a failed stream too, so it still runs only after
+    /// that work: what it releases (a staging block that a queued copy
+    /// writes, a host buffer a queued copy reads) stays out of reuse until
+    /// the copies have run, even when another thread (a collective's
+    /// watchdog) fails the stream between the copy's enqueue and this one.
+    /// Only when the driver refuses the launch does `f` run at once.
     pub(super) fn launch_host_job(&self, op: &'static str, f: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
+        self.launch_host_work(
+            op,
+            Box::new(move |outcome| {
+                f(outcome);
+                Ok(())
+            }),
+        )
+    }
+
+    /// [`CudaStream::launch_host_job`] for work that may fail the stream.
+    pub(super) fn launch_host_work(&self, op: &'static str, f: HostWork) -> Result<()> {
         host_fn::check(op)?;
-        if let Some(e) = self.shared.state.own_failure() {
-            f(Err(poisoned(&e)));
-            return Ok(());
-        }
         self.device.bind()?;
         let position = self.shared.state.position() + 1;
         let job = Box::into_raw(Box::new(HostJob { f, state: self.shared.state.clone(), position }));
         // SAFETY: `job` is handed to exactly one trampoline call, which frees it.
         let launched =
             unsafe { drv::stream::launch_host_function(self.shared.raw, host_fn_trampoline, job as *mut c_void) }
-                .drv("cuLaunchHostFunc", &self.device.label());
+                .drv("cuLaunchHostFunc", self.device.label());
         match launched {
             Ok(()) => {
                 self.shared.state.advance();
@@ -297,7 +324,15 @@ impl CudaStream {
                 // Not enqueued: the trampoline will never run, so the job comes back.
                 // SAFETY: leaked above and not handed to CUDA.
                 let job = unsafe { Box::from_raw(job) };
-                (job.f)(Err(e.clone()));
+                // It may release what queued work still uses: only once that
+                // work is known to be done, else never (a leak, and a
+                // readback that ends at its deadline; never a reuse under a copy).
+                match self.shared.host_wait(&self.device) {
+                    Ok(()) => {
+                        let _ = (job.f)(Err(e.clone()));
+                    }
+                    Err(_) => std::mem::forget(job),
+                }
                 Err(e)
             }
         }
@@ -319,13 +354,13 @@ impl CudaStream {
         // SAFETY: a fresh allocation on this stream, then a copy in its order.
         let tmp = unsafe { drv::malloc_async(self.shared.raw, bytes) }.drv_alloc(
             "cuMemAllocAsync",
-            &self.device.label(),
+            self.device.label(),
             bytes,
         )?;
         let staged = Staged { ptr: tmp, stream: self.shared.raw, device: self.device.clone() };
         // SAFETY: both ranges are valid for `bytes` in this stream's order.
         unsafe { drv::memcpy_dtod_async(tmp, ptr, bytes, self.shared.raw) }
-            .drv("cuMemcpyDtoDAsync", &self.device.label())?;
+            .drv("cuMemcpyDtoDAsync", self.device.label())?;
         Ok((tmp, Some(staged)))
     }
 
@@ -363,7 +398,7 @@ impl crate::Stream for CudaStream {
             let (from, _staged) = self.input_ptr(&src, &dst, false)?;
             // SAFETY: valid, non-overlapping ranges of `bytes` in stream order.
             unsafe { drv::memcpy_dtod_async(device_ptr(&dst), from, dst.bytes(), s) }
-                .drv("cuMemcpyDtoDAsync", &self.device.label())
+                .drv("cuMemcpyDtoDAsync", self.device.label())
         })
     }
 
@@ -390,7 +425,7 @@ impl crate::Stream for CudaStream {
                     let so = ((layout.src_offset + i * layout.src_stride) * size) as u64;
                     let d_o = ((layout.dst_offset + i * layout.dst_stride) * size) as u64;
                     // SAFETY: blocks inside the views (checked above), valid in stream order.
-                    unsafe { drv::memcpy_dtod_async(dp + d_o, sp + so, width, s) }.drv("cuMemcpyDtoDAsync", &label)?;
+                    unsafe { drv::memcpy_dtod_async(dp + d_o, sp + so, width, s) }.drv("cuMemcpyDtoDAsync", label)?;
                 }
                 return Ok(());
             }
@@ -413,7 +448,46 @@ impl crate::Stream for CudaStream {
                 Height: layout.rows,
             };
             // SAFETY: a fully initialized descriptor of ranges inside the views.
-            unsafe { cudarc::driver::sys::cuMemcpy2DAsync_v2(&copy, s) }.result().drv("cuMemcpy2DAsync", &label)
+            unsafe { cudarc::driver::sys::cuMemcpy2DAsync_v2(&copy, s) }.result().drv("cuMemcpy2DAsync", label)
+        })
+    }
+
+    fn copy_2d_batch(&self, copies: &[Copy2dPiece<'_, Cuda>]) -> Result<()> {
+        let op = "copy_2d_batch";
+        for (src, dst, layout) in copies {
+            checks::copy_2d(*src, *dst, layout)?;
+        }
+        if copies.iter().any(|(src, dst, _)| super::host::in_host(src) || super::host::in_host(dst)) {
+            // Host operands take the copies of `host.rs`, piece by piece.
+            return copies.iter().try_for_each(|(src, dst, layout)| self.copy_2d(*src, *dst, *layout));
+        }
+        let pieces = copies.iter().filter_map(|(src, dst, layout)| {
+            CopyPiece::new(device_ptr(src), device_ptr(dst), layout, src.dtype().size())
+        });
+        let steps = gpu_batch::plan_copies(pieces);
+        let kernels = match steps.iter().any(|step| matches!(step, Step::Launch { .. })) {
+            true => Some(self.kernels()?),
+            false => None,
+        };
+        let views: Vec<View<'_, Cuda>> = copies.iter().flat_map(|(src, dst, _)| [*src, *dst]).collect();
+        let label = self.device.label();
+        self.run(op, &views, |s| {
+            for step in steps {
+                match step {
+                    // SAFETY: a contiguous range inside the views (checked above), valid in
+                    // stream order; source and destination are disjoint (checked above).
+                    Step::Single(p) => unsafe { drv::memcpy_dtod_async(p.dst, p.src, p.row_bytes as usize, s) }
+                        .drv("cuMemcpyDtoDAsync", label)?,
+                    Step::Launch { mut block, grid } => {
+                        let k = kernels.as_ref().ok_or_else(|| DeviceError::invalid(op, "no kernels"))?;
+                        // SAFETY: the planner's parameter block of chorus_copy_batch over
+                        // ranges inside the views, valid in stream order; no piece meets
+                        // what an earlier piece of the launch writes (the planner's rule).
+                        unsafe { k.launch_block("chorus_copy_batch", grid, s, &mut block, label) }?
+                    }
+                }
+            }
+            Ok(())
         })
     }
 
@@ -430,7 +504,7 @@ impl crate::Stream for CudaStream {
             // (CUDA's "API synchronization behavior"), so the caller may
             // reuse it at once, as the contract requires.
             // SAFETY: `dst` is valid for `src.len()` bytes in stream order.
-            unsafe { drv::memcpy_htod_async(device_ptr(&dst), src, s) }.drv("cuMemcpyHtoDAsync", &self.device.label())
+            unsafe { drv::memcpy_htod_async(device_ptr(&dst), src, s) }.drv("cuMemcpyHtoDAsync", self.device.label())
         })
     }
 
@@ -449,7 +523,7 @@ impl crate::Stream for CudaStream {
         let bytes = src.bytes();
         self.device.bind()?;
         let pool = self.device.inner.staging.clone();
-        let block = pool.take(bytes, &self.device.label())?;
+        let block = pool.take(bytes, self.device.label())?;
         let block_ptr = block.ptr;
         let copied = self.enqueue_op(op, &[src], |s| {
             if bytes > 0 {
@@ -458,7 +532,7 @@ impl crate::Stream for CudaStream {
                 let dst = unsafe { std::slice::from_raw_parts_mut(block_ptr, bytes) };
                 // SAFETY: the device range is valid in stream order.
                 unsafe { drv::memcpy_dtoh_async(dst, device_ptr(&src), s) }
-                    .drv("cuMemcpyDtoHAsync", &self.device.label())?;
+                    .drv("cuMemcpyDtoHAsync", self.device.label())?;
             }
             Ok(())
         });
@@ -486,38 +560,37 @@ impl crate::Stream for CudaStream {
 
     fn fill(&self, dst: View<'_, Cuda>, value: Scalar) -> Result<()> {
         let pattern = checks::fill(dst, value)?;
-        let n = dst.len();
-        if n == 0 {
+        let Some(piece) = FillPiece::new(device_ptr(&dst), dst.len(), &pattern) else {
             return self.run("fill", &[dst], |_| Ok(()));
+        };
+        let kernels = if piece.width == 8 { Some(self.kernels()?) } else { None };
+        self.run("fill", &[dst], |s| self.fill_piece(&piece, kernels.as_deref(), s))
+    }
+
+    fn fill_batch(&self, dsts: &[View<'_, Cuda>], value: Scalar) -> Result<()> {
+        let op = "fill_batch";
+        let mut pieces = Vec::with_capacity(dsts.len());
+        for dst in dsts {
+            let pattern = checks::fill(*dst, value)?;
+            pieces.extend(FillPiece::new(device_ptr(dst), dst.len(), &pattern));
         }
+        let steps = gpu_batch::plan_fills(pieces);
+        let kernel_needed = |step: &Step<FillPiece>| !matches!(step, Step::Single(p) if p.width < 8);
+        let kernels = if steps.iter().any(kernel_needed) { Some(self.kernels()?) } else { None };
         let label = self.device.label();
-        let kernels = if pattern.len() == 8 { Some(self.kernels()?) } else { None };
-        self.run("fill", &[dst], |s| {
-            let ptr = device_ptr(&dst);
-            // SAFETY: `dst` is valid for n elements of the pattern's size in stream order.
-            unsafe {
-                match pattern.len() {
-                    1 => drv::memset_d8_async(ptr, pattern[0], n, s).drv("cuMemsetD8Async", &label),
-                    2 => cudarc::driver::sys::cuMemsetD16Async(ptr, u16::from_le_bytes([pattern[0], pattern[1]]), n, s)
-                        .result()
-                        .drv("cuMemsetD16Async", &label),
-                    4 => cudarc::driver::sys::cuMemsetD32Async(
-                        ptr,
-                        u32::from_le_bytes([pattern[0], pattern[1], pattern[2], pattern[3]]),
-                        n,
-                        s,
-                    )
-                    .result()
-                    .drv("cuMemsetD32Async", &label),
-                    _ => {
-                        let mut word = [0u8; 8];
-                        word.copy_from_slice(&pattern);
-                        let args = Args::default().ptr(ptr).i32(8).u64(n as u64).u64(u64::from_le_bytes(word));
-                        let k = kernels.as_ref().ok_or_else(|| DeviceError::invalid("fill", "no kernels"))?;
-                        k.launch("chorus_fill", n as u64, s, args, &label)
+        self.run(op, dsts, |s| {
+            for step in steps {
+                match step {
+                    Step::Single(piece) => self.fill_piece(&piece, kernels.as_deref(), s)?,
+                    Step::Launch { mut block, grid } => {
+                        let k = kernels.as_ref().ok_or_else(|| DeviceError::invalid(op, "no kernels"))?;
+                        // SAFETY: the planner's parameter block of chorus_fill_batch over ranges
+                        // inside the views (checked above), valid in stream order.
+                        unsafe { k.launch_block("chorus_fill_batch", grid, s, &mut block, label) }?
                     }
                 }
             }
+            Ok(())
         })
     }
 
@@ -557,7 +630,7 @@ impl crate::Stream for CudaStream {
                 .u64(x.len() as u64)
                 .i32(accumulate as i32);
             // SAFETY: as in `cast`; one block.
-            unsafe { kernels.launch_grid("chorus_abs_max", 1, REDUCE_BLOCK, s, args, &label) }
+            unsafe { kernels.launch_grid("chorus_abs_max", 1, REDUCE_BLOCK, s, args, label) }
         })
     }
 
@@ -625,7 +698,7 @@ impl crate::Stream for CudaStream {
         checks::same_device("record", "an event", &self.device, &event.device)?;
         self.device.bind()?;
         // SAFETY: live event and stream of the bound context.
-        unsafe { drv::event::record(event.raw, self.shared.raw) }.drv("cuEventRecord", &self.device.label())?;
+        unsafe { drv::event::record(event.raw, self.shared.raw) }.drv("cuEventRecord", self.device.label())?;
         let pos = self.shared.state.advance();
         event.recorded.set(&self.shared.state, pos);
         Ok(())
@@ -637,7 +710,7 @@ impl crate::Stream for CudaStream {
         self.device.bind()?;
         // SAFETY: live event and stream of the bound context.
         unsafe { drv::stream::wait_event(self.shared.raw, event.raw, CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-            .drv("cuStreamWaitEvent", &self.device.label())?;
+            .drv("cuStreamWaitEvent", self.device.label())?;
         let ours = self.shared.state.advance();
         if let Some((stream, theirs)) = event.recorded.get() {
             if !Arc::ptr_eq(&stream, &self.shared.state) {
@@ -655,9 +728,36 @@ impl crate::Stream for CudaStream {
     fn launch_host_fn(&self, f: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
         self.launch_host_job("launch_host_fn", f)
     }
+
+    fn update_on_host(&self, reads: &[View<'_, Cuda>], writes: &[View<'_, Cuda>], f: crate::HostUpdate) -> Result<()> {
+        self.update_host_memory(reads, writes, f)
+    }
 }
 
 impl CudaStream {
+    /// Enqueues one fill on `s` (inside `run`): `cuMemsetD8/16/32Async` for
+    /// elements of 1, 2 or 4 bytes, the fill kernel for 8 (`kernels` given).
+    fn fill_piece(&self, p: &FillPiece, kernels: Option<&super::kernels::Kernels>, s: CUstream) -> Result<()> {
+        let (ptr, n, label) = (p.dst, p.n as usize, self.device.label());
+        // SAFETY: `n` elements of `width` bytes at `ptr` lie inside a view the caller checked, valid in stream order.
+        unsafe {
+            match p.width {
+                1 => drv::memset_d8_async(ptr, p.pattern as u8, n, s).drv("cuMemsetD8Async", label),
+                2 => cudarc::driver::sys::cuMemsetD16Async(ptr, p.pattern as u16, n, s)
+                    .result()
+                    .drv("cuMemsetD16Async", label),
+                4 => cudarc::driver::sys::cuMemsetD32Async(ptr, p.pattern as u32, n, s)
+                    .result()
+                    .drv("cuMemsetD32Async", label),
+                _ => {
+                    let args = Args::default().ptr(ptr).i32(8).u64(p.n).u64(p.pattern);
+                    let k = kernels.ok_or_else(|| DeviceError::invalid("fill", "no kernels"))?;
+                    k.launch("chorus_fill", p.n, s, args, label)
+                }
+            }
+        }
+    }
+
     /// Enqueues a kernel over `n` elements touching `views`; nothing is
     /// launched for `n == 0` (the operation still takes its place in order).
     pub(super) fn elementwise(
@@ -672,6 +772,6 @@ impl CudaStream {
         }
         let kernels = self.kernels()?;
         let label = self.device.label();
-        self.run(op, views, |s| launch(&kernels, s, &label))
+        self.run(op, views, |s| launch(&kernels, s, label))
     }
 }

@@ -17,6 +17,7 @@ use super::device::{defer_drop, DeferredDrops, HipBuffer, HipDevice, Parked};
 use super::stream::{host_outcome, HipStream, StreamInner};
 use super::sys::{self, hipMemcpyKind};
 use super::{result, Hip};
+use crate::host_update::{self, HeldRange};
 use crate::{host_fn, Copy2d, DType, DeviceError, MemorySpace, Readback, Result, View};
 
 /// One host allocation; freed when the last holder lets go (the buffer and
@@ -131,8 +132,42 @@ pub(super) fn in_host(v: &View<'_, Hip>) -> bool {
 }
 
 impl HipStream {
+    /// `Stream::update_on_host`: host work gives `f` the host bytes in stream
+    /// order, holding the allocations until it has run (the cuda device's design).
+    pub(super) fn update_host_memory(
+        &self,
+        reads: &[View<'_, Hip>],
+        writes: &[View<'_, Hip>],
+        f: crate::HostUpdate,
+    ) -> Result<()> {
+        let op = "update_on_host";
+        crate::checks::update_on_host(reads, writes)?;
+        let held = |v: &View<'_, Hip>| HeldRange::new(host_of(v), host_of(v).map_or(0, |m| host_addr(m, v)), v.bytes());
+        let read: Vec<_> = reads.iter().map(held).collect();
+        let written: Vec<_> = writes.iter().map(held).collect();
+        let views: Vec<View<'_, Hip>> = reads.iter().chain(writes).copied().collect();
+        self.host_work_failing(op, &views, move || {
+            // SAFETY: the ranges lie in the allocations they hold; the work runs in
+            // stream order; written ranges overlap nothing else (checked).
+            unsafe { host_update::run(&read, &written, f) }
+        })
+    }
+
     /// Host work doing `f` in stream order, skipped when earlier work failed.
     fn host_job(&self, op: &'static str, views: &[View<'_, Hip>], f: impl FnOnce() + Send + 'static) -> Result<()> {
+        self.host_work_failing(op, views, move || {
+            f();
+            Ok(())
+        })
+    }
+
+    /// [`HipStream::host_job`] whose error (or panic) fails the stream from its position on.
+    fn host_work_failing(
+        &self,
+        op: &'static str,
+        views: &[View<'_, Hip>],
+        f: impl FnOnce() -> Result<()> + Send + 'static,
+    ) -> Result<()> {
         host_fn::check(op)?;
         for v in views {
             crate::checks::on_device(op, &self.device, v)?;
@@ -144,8 +179,13 @@ impl HipStream {
         self.device.bind()?;
         let state = self.inner.state.clone();
         self.host_work(Box::new(move |outcome| {
-            if host_outcome(outcome, &state, at, op).is_ok() {
-                f()
+            if host_outcome(outcome, &state, at, op).is_err() {
+                return;
+            }
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => state.fail(at, e),
+                Err(_) => state.fail(at, DeviceError::invalid(op, "the host work panicked")),
             }
         }))
     }

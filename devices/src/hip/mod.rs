@@ -43,7 +43,14 @@
 //!   the pool, in stream order. Host functions never call HIP: they run
 //!   marked (`crate::host_fn`), every HIP call refuses there with
 //!   `InHostFunction`, and a drop there postpones its HIP work to the next
-//!   bind from another thread;
+//!   bind from another thread. `launch_host_fn` is enqueued on a failed
+//!   stream too, so it runs after the work before it, as on every device;
+//!   `update_on_host` is host work on the host buffers' bytes
+//!   (`crate::host_update`, shared with the cuda device);
+//! - **batches** (`copy_2d_batch`, `fill_batch`) are still one call per
+//!   piece here (the trait's default): the batch kernels of the shared source
+//!   compile for HIP, and the cuda device's launch path
+//!   (`crate::gpu_batch`) is not yet ported;
 //! - **compute** (cast, scale, accumulate, axpy, the MLP and loss ops, SGD,
 //!   AdamW, matmul) are the kernels of the source shared with the cuda
 //!   device ([`crate::gpu_kernels`]), compiled whole with hipRTC when a

@@ -647,13 +647,16 @@ impl crate::Stream for HipStream {
         self.inner.synchronize(self.timeout())
     }
 
+    fn update_on_host(&self, reads: &[View<'_, Hip>], writes: &[View<'_, Hip>], f: crate::HostUpdate) -> Result<()> {
+        self.update_host_memory(reads, writes, f)
+    }
+
     fn launch_host_fn(&self, f: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
         host_fn::check("launch_host_fn")?;
         let at = self.inner.state.advance();
-        if let Some(e) = self.inner.state.own_failure() {
-            f(Err(poisoned(&e)));
-            return Ok(());
-        }
+        // Enqueued on a failed stream too (it is told the failure): it runs
+        // after the work before it, as on every device, so what it releases
+        // is out of that work's reach.
         self.device.bind()?;
         let state = self.inner.state.clone();
         self.host_work(Box::new(move |outcome| {

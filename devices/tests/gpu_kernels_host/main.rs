@@ -19,6 +19,7 @@
 //! `clang++`; `ci/vendor-cxx.sh` installs g++) every test fails, saying so.
 #![cfg(any(feature = "cuda", feature = "rocm"))]
 
+mod batch;
 #[path = "../common/mod.rs"]
 mod common;
 mod compare;

@@ -177,3 +177,49 @@ pub fn dropping_a_host_buffer_with_queued_copies_frees_it_after_them<B: ComputeB
     }
     Ok(())
 }
+
+/// A case of the device suite: `update_on_host` gives host work the bytes of
+/// host buffers in stream order — after a copy into them queued behind a
+/// gate, before a copy out queued after it — and the written bytes are what
+/// the work made of them; a device-memory view or a written view overlapping
+/// another is refused and nothing runs; an error of the work fails the stream.
+pub fn update_on_host_runs_in_stream_order_on_host_bytes<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
+    let s = stream(&dev)?;
+    for pinned in [true, false] {
+        let x = values(37, 1.0);
+        let (src, out) = (s.buffer_from(&x)?, s.alloc(DType::F32, 37)?);
+        let (a, b) = (dev.alloc_host(DType::F32, 37, pinned)?, dev.alloc_host(DType::F32, 40, pinned)?);
+        s.upload(&[7.0f32; 40], b.view())?;
+        let gate = Gate::close(&s)?;
+        s.copy(src.view(), a.view())?;
+        let work: chorus_devices::HostUpdate = Box::new(|reads, writes| {
+            let (a, b) = (bytemuck::cast_slice::<u8, f32>(reads[0]), bytemuck::cast_slice_mut::<u8, f32>(writes[0]));
+            b.iter_mut().zip(a).for_each(|(b, a)| *b = *b * 0.5 + 2.0 * a);
+            Ok(())
+        });
+        s.update_on_host(&[a.view()], &[b.slice(3, 37)?], work)?;
+        s.copy(b.slice(3, 37)?, out.view())?;
+        gate.open();
+        let want: Vec<f32> = x.iter().map(|a| 7.0 * 0.5 + 2.0 * a).collect();
+        assert_eq!(s.read_vec::<f32>(out.view())?, want, "pinned: {pinned}");
+        assert_eq!(s.read_vec::<f32>(b.slice(0, 3)?)?, vec![7.0; 3], "bytes outside the written view");
+
+        let untouched =
+            |_: &[&[u8]], _: &mut [&mut [u8]]| -> chorus_devices::Result<()> { panic!("ran after a refusal") };
+        let refused = s.update_on_host(&[src.view()], &[b.view()], Box::new(untouched));
+        assert!(matches!(refused, Err(DeviceError::InvalidArgument { op: "update_on_host", .. })), "{refused:?}");
+        let refused = s.update_on_host(&[b.slice(0, 10)?], &[b.slice(5, 10)?], Box::new(untouched));
+        assert!(matches!(refused, Err(DeviceError::InvalidArgument { op: "update_on_host", .. })), "{refused:?}");
+        s.synchronize()?;
+    }
+    let h = dev.alloc_host(DType::F32, 4, true)?;
+    let failing: chorus_devices::HostUpdate =
+        Box::new(|_, _| Err(DeviceError::InvalidArgument { op: "test", reason: "the host work failed".into() }));
+    s.update_on_host(&[], &[h.view()], failing)?;
+    let e = s.synchronize().unwrap_err();
+    assert!(e.to_string().contains("the host work failed"), "{e}");
+    Ok(())
+}

@@ -4,9 +4,10 @@
 //! rounding written out in `common::round_to`, wrapping integer sums with
 //! the standard library's `wrapping_add`.
 
-use anyhow::Result;
+use anyhow::{ensure, Result};
 use chorus_devices::{
-    bf16, f16, Buffer, ComputeBackend, DType, Device, DeviceError, MemoryStats, Scalar, Stream, StreamExt,
+    bf16, f16, Buffer, ComputeBackend, DType, Device, DeviceError, ForeignBackend, MemoryStats, Scalar, Stream,
+    StreamExt,
 };
 
 use crate::common::{assert_close, assert_same, encode, get, put, round_to, stream, unit_roundoff, Gate, Lcg, FLOATS};
@@ -745,5 +746,32 @@ pub fn dropping_buffers_with_queued_work_frees_them_after_the_work<B: ComputeBac
     s.synchronize()?;
     let after = dev.memory_stats();
     assert_eq!((after.bytes_in_use, after.live_allocations, after.peak_bytes), (0, 0, 2 * bytes));
+    Ok(())
+}
+
+/// A case of the device suite: a host function launched on a stream that
+/// has failed (from another thread, as a collective's watchdog fails one)
+/// still runs after the work enqueued before it, told of the failure. A GPU
+/// device's readbacks and staged copies return their pinned blocks to a
+/// pool from such functions: run at once instead, they would hand a block
+/// to the next copy while the queued one still writes it (issue 35).
+pub fn a_host_function_on_a_failed_stream_runs_after_the_work_before_it<B: ComputeBackend + ForeignBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
+    let s = stream(&dev)?;
+    let gate = Gate::close(&s)?;
+    let failure = DeviceError::InvalidArgument { op: "test", reason: "the stream failed from another thread".into() };
+    B::failure_handle(&s).fail(0, failure);
+    let (tx, rx) = std::sync::mpsc::channel();
+    s.launch_host_fn(Box::new(move |outcome| {
+        let _ = tx.send(outcome.is_err());
+    }))?;
+    let early = rx.recv_timeout(std::time::Duration::from_millis(300));
+    ensure!(early.is_err(), "the host function ran before the work queued before it (told {early:?})");
+    gate.open();
+    let told_failure = rx.recv_timeout(std::time::Duration::from_secs(20))?;
+    ensure!(told_failure, "the host function was not told of the failure");
+    ensure!(s.synchronize().is_err(), "the failed stream synchronized without an error");
     Ok(())
 }
