@@ -13,7 +13,7 @@ pub fn cost() -> std::sync::Arc<dyn chorus_plan::cost::CostModel> {
 
 /// One GEMM of `flops` forward and two backward, keeping `saved` bytes.
 pub fn stage(name: &str, flops: f64, saved: u64) -> StageWork {
-    let k = |n: &str, f: f64| KernelCost { name: format!("{name}.{n}"), kind: KernelKind::Gemm, flops: f, bytes: 0.0 };
+    let k = |n: &str, f: f64| KernelCost::new(format!("{name}.{n}"), KernelKind::Gemm, f, 0.0);
     StageWork {
         name: name.to_string(),
         forward: vec![k("fwd", flops)],
