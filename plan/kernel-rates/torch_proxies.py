@@ -156,7 +156,7 @@ def kernels(m):
     }
     table = {
         "gemm": {
-            "tflop_per_s_by_gflop": points,
+            "tflop_per_s": points,
             "gb_per_s": copy,
             "launch_us": floor,
             "source": f"cuBLAS bf16 matmuls through torch.matmul in a CUDA graph, less the shortest kernel's time, {src}",

@@ -262,16 +262,16 @@ impl Trace {
         self.push(kernel(name, KernelKind::MemoryBound, 0.0, bytes), vec![backward], out, keep, 0.0);
     }
 
-    /// One attention matmul (or the fused kernel) of `flops` forward, with
-    /// `inputs` differentiable inputs (candle's matmuls).
-    fn attention(&mut self, name: &str, flops: f64, bytes: f64, out: f64, keep: f64, sac_save: f64, inputs: u32) {
+    /// One attention matmul (or the fused kernel) of `flops` forward
+    /// (candle's: a batched matmul of two differentiable inputs).
+    fn attention(&mut self, name: &str, flops: f64, bytes: f64, out: f64, keep: f64, sac_save: f64) {
         let mut forward = kernel(name, KernelKind::Attention, flops, bytes);
         let mut backward = kernel(&format!("{name}.backward"), KernelKind::Attention, 2.0 * flops, 2.0 * bytes);
         match self.framework {
             // candle's attention is two batched cuBLAS matmuls over the whole square.
             Framework::Candle => {
                 forward = forward.with_op(KernelOp::Gemm);
-                backward = candle_backward(backward.with_op(KernelOp::Gemm), inputs);
+                backward = candle_backward(backward.with_op(KernelOp::Gemm), 2);
             }
             _ => backward = backward.with_op(KernelOp::AttentionBackward),
         }
@@ -279,18 +279,17 @@ impl Trace {
     }
 
     /// One of chorus's fused ops (`op` forward, `backward_op` backward):
-    /// `fwd` and `bwd` its (FLOPs, bytes), its output `out` bytes of which
-    /// candle's graph keeps `keep` (with what the op saves), and the bytes
-    /// of each differentiable input (each with its gradient store).
-    #[allow(clippy::too_many_arguments)]
+    /// `fwd` and `bwd` its (FLOPs, bytes), `held` the bytes of its output
+    /// and of what candle's graph keeps of it (with what the op saves),
+    /// `inputs` the bytes of each differentiable input (each with its
+    /// gradient store).
     fn fused(
         &mut self,
         name: &str,
         (op, backward_op): (KernelOp, KernelOp),
         fwd: (f64, f64),
         bwd: (f64, f64),
-        out: f64,
-        keep: f64,
+        (out, keep): (f64, f64),
         inputs: &[(&str, f64)],
     ) {
         let kind = if fwd.0 > 0.0 { KernelKind::Attention } else { KernelKind::MemoryBound };
@@ -374,7 +373,7 @@ fn rms_norm(t: &mut Trace, name: &str, dims: &Dims) {
         let fwd = (0.0, 2.0 * n * c + w);
         let bwd = (0.0, 3.0 * n * c + w + dims.d * 4.0);
         let norm = (KernelOp::RmsNorm, KernelOp::RmsNormBackward);
-        t.fused(name, norm, fwd, bwd, n * c, n * c, &[("input", n * c), ("weight", w)]);
+        t.fused(name, norm, fwd, bwd, (n * c, n * c), &[("input", n * c), ("weight", w)]);
         return;
     }
     let half = c < 4.0;
@@ -421,7 +420,7 @@ fn rope(t: &mut Trace, name: &str, n: f64, seq: f64, head_dim: f64) {
         Framework::Chorus => {
             let io = (0.0, 2.0 * n * c + seq * head_dim * 4.0);
             let ops = (KernelOp::Rope, KernelOp::RopeBackward);
-            t.fused(&format!("{name}.rope"), ops, io, io, n * c, n * c, &[("input", n * c)]);
+            t.fused(&format!("{name}.rope"), ops, io, io, (n * c, n * c), &[("input", n * c)]);
         }
     }
 }
@@ -465,7 +464,7 @@ fn layer_ops(t: &mut Trace, shape: &DecoderShape, dims: &Dims) {
         Framework::TorchEager => {
             // SDPA (flash) keeps q, k, v, its output and the log-sum-exp.
             let io = 4.0 * tok * dq * c;
-            t.attention("attn.sdpa", 2.0 * matmul_flops, io + lse, tok * dq * c, io + lse, tok * dq * c + lse, 3);
+            t.attention("attn.sdpa", 2.0 * matmul_flops, io + lse, tok * dq * c, io + lse, tok * dq * c + lse);
         }
         Framework::Chorus => {
             // Reads q, k, v (grouped) and writes the output and the
@@ -476,12 +475,12 @@ fn layer_ops(t: &mut Trace, shape: &DecoderShape, dims: &Dims) {
             let bwd = (2.5 * fwd.0, (4.0 * dq + 4.0 * dkv) * tok * c + 2.0 * lse);
             let inputs = [("q", tok * dq * c), ("k", tok * dkv * c), ("v", tok * dkv * c)];
             let ops = (KernelOp::Attention, KernelOp::AttentionBackward);
-            t.fused("attn.flash", ops, fwd, bwd, tok * dq * c, tok * dq * c + lse, &inputs);
+            t.fused("attn.flash", ops, fwd, bwd, (tok * dq * c, tok * dq * c + lse), &inputs);
         }
         Framework::Candle => {
             let w = if llama { 4.0 } else { c };
             t.mem("attn.k.transpose", 2.0 * tok * dq * c, tok * dq * c, 0.0, 1);
-            t.attention("attn.scores", matmul_flops, (2.0 * tok * dq + probs) * c, probs * c, 0.0, 0.0, 2);
+            t.attention("attn.scores", matmul_flops, (2.0 * tok * dq + probs) * c, probs * c, 0.0, 0.0);
             t.mem("attn.scale", 2.0 * probs * c, probs * c, 0.0, 1);
             t.mem("attn.mask", 2.0 * probs * c + dims.s * dims.s * c, probs * c, 0.0, 1);
             if llama && c < 4.0 {
@@ -496,7 +495,7 @@ fn layer_ops(t: &mut Trace, shape: &DecoderShape, dims: &Dims) {
             if llama && c < 4.0 {
                 t.mem("attn.probs.to_dtype", probs * (4.0 + c), probs * c, 0.0, 1);
             }
-            t.attention("attn.pv", matmul_flops, (probs + 2.0 * tok * dq) * c, tok * dq * c, 0.0, 0.0, 2);
+            t.attention("attn.pv", matmul_flops, (probs + 2.0 * tok * dq) * c, tok * dq * c, 0.0, 0.0);
         }
     }
     if !chorus {
@@ -522,8 +521,7 @@ fn layer_ops(t: &mut Trace, shape: &DecoderShape, dims: &Dims) {
                 ops,
                 (0.0, 3.0 * n * c),
                 (0.0, 5.0 * n * c),
-                n * c,
-                n * c,
+                (n * c, n * c),
                 &[("gate", n * c), ("up", n * c)],
             );
         } else {
@@ -572,8 +570,7 @@ fn loss_ops(t: &mut Trace, dims: &Dims, vocab: f64) {
             ops,
             (0.0, tv * c + small),
             (0.0, 2.0 * tv * c + small),
-            4.0,
-            dims.tokens * 4.0,
+            (4.0, dims.tokens * 4.0),
             &[("logits", tv * c)],
         );
         return;

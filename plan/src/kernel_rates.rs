@@ -17,14 +17,17 @@ pub const FORMAT: &str = "chorus-kernel-rates-1";
 /// The largest rates file read, bytes.
 pub const MAX_FILE_BYTES: u64 = 64 << 10;
 
-/// One kernel's achieved rates.
+/// One kernel's achieved rates: `T` is its arithmetic rate ([`OpRate`], [`GemmRate`]).
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct OpRate {
+pub struct Rate<T> {
     /// Arithmetic rate, TFLOP/s on the FLOPs the kernel does (attention's:
-    /// the causal half). Absent for a kernel bounded by memory alone.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tflop_per_s: Option<f64>,
+    /// the causal half): one number, absent for a kernel bounded by memory
+    /// alone; for a GEMM, `[GFLOP, TFLOP/s]` points in increasing GFLOP, its
+    /// rate interpolated linearly in log GFLOP between them (the first's
+    /// below the first, the last's above the last).
+    #[serde(default)]
+    pub tflop_per_s: T,
     /// Memory rate, GB/s of bytes read plus bytes written.
     pub gb_per_s: f64,
     /// What each launch adds, µs (the shortest kernel's time in a stream).
@@ -34,22 +37,11 @@ pub struct OpRate {
     pub source: String,
 }
 
-/// A GEMM's achieved rates: its arithmetic rate depends on its size.
-#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct GemmRate {
-    /// `[GFLOP, TFLOP/s]` points in increasing GFLOP: a GEMM's rate is
-    /// interpolated linearly in log GFLOP between them, the first's below
-    /// the first, the last's above the last.
-    pub tflop_per_s_by_gflop: Vec<[f64; 2]>,
-    /// Memory rate, GB/s.
-    pub gb_per_s: f64,
-    /// What each launch adds, µs.
-    pub launch_us: f64,
-    /// Where the numbers come from.
-    #[serde(default)]
-    pub source: String,
-}
+/// A kernel's rates, its arithmetic one optional.
+pub type OpRate = Rate<Option<f64>>;
+
+/// A GEMM's rates, its arithmetic one by size.
+pub type GemmRate = Rate<Vec<[f64; 2]>>;
 
 /// Every kernel's rates, by the names [`KernelOp`] serializes to.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -251,20 +243,16 @@ impl KernelRates {
         let g = &self.kernels.gemm;
         positive("kernels.gemm.gb_per_s".into(), g.gb_per_s)?;
         not_negative("kernels.gemm.launch_us".into(), g.launch_us)?;
-        if g.tflop_per_s_by_gflop.is_empty() || g.tflop_per_s_by_gflop.len() > 256 {
-            return bad(
-                "kernels.gemm.tflop_per_s_by_gflop".into(),
-                g.tflop_per_s_by_gflop.len() as f64,
-                "must hold 1 to 256 points",
-            );
+        if g.tflop_per_s.is_empty() || g.tflop_per_s.len() > 256 {
+            return bad("kernels.gemm.tflop_per_s".into(), g.tflop_per_s.len() as f64, "must hold 1 to 256 points");
         }
         let mut last = 0.0;
-        for (i, [gflop, tflops]) in g.tflop_per_s_by_gflop.iter().enumerate() {
-            positive(format!("kernels.gemm.tflop_per_s_by_gflop[{i}] GFLOP"), *gflop)?;
-            positive(format!("kernels.gemm.tflop_per_s_by_gflop[{i}] TFLOP/s"), *tflops)?;
+        for (i, [gflop, tflops]) in g.tflop_per_s.iter().enumerate() {
+            positive(format!("kernels.gemm.tflop_per_s[{i}] GFLOP"), *gflop)?;
+            positive(format!("kernels.gemm.tflop_per_s[{i}] TFLOP/s"), *tflops)?;
             if *gflop <= last {
                 return bad(
-                    format!("kernels.gemm.tflop_per_s_by_gflop[{i}] GFLOP"),
+                    format!("kernels.gemm.tflop_per_s[{i}] GFLOP"),
                     *gflop,
                     "must be larger than the point before",
                 );
@@ -287,7 +275,7 @@ impl KernelRates {
 
     /// The arithmetic rate of a GEMM of `flops`, FLOP/s.
     pub fn gemm_flops_per_s(&self, flops: f64) -> f64 {
-        let points = &self.kernels.gemm.tflop_per_s_by_gflop;
+        let points = &self.kernels.gemm.tflop_per_s;
         let gflop = flops / 1e9;
         let tflops = match points.iter().position(|[g, _]| *g >= gflop) {
             None => points.last().map_or(1.0, |p| p[1]),

@@ -65,13 +65,11 @@ fn every_bad_number_is_refused_by_name() {
     assert!(e.to_string().contains("attention_backward.tflop_per_s"), "{e}");
     let e = refused(&edited(|v| v["kernels"]["swiglu"]["tflop_per_s"] = (-5.0).into()));
     assert!(e.to_string().contains("swiglu.tflop_per_s"), "{e}");
-    let e = refused(&edited(|v| v["kernels"]["gemm"]["tflop_per_s_by_gflop"] = serde_json::json!([])));
-    assert!(e.to_string().contains("tflop_per_s_by_gflop"), "{e}");
-    let e = refused(&edited(|v| {
-        v["kernels"]["gemm"]["tflop_per_s_by_gflop"] = serde_json::json!([[2.0, 100.0], [1.0, 200.0]])
-    }));
+    let e = refused(&edited(|v| v["kernels"]["gemm"]["tflop_per_s"] = serde_json::json!([])));
+    assert!(e.to_string().contains("tflop_per_s"), "{e}");
+    let e = refused(&edited(|v| v["kernels"]["gemm"]["tflop_per_s"] = serde_json::json!([[2.0, 100.0], [1.0, 200.0]])));
     assert!(e.to_string().contains("larger than the point before"), "{e}");
-    let e = refused(&edited(|v| v["kernels"]["gemm"]["tflop_per_s_by_gflop"] = serde_json::json!([[1.0, 0.0]])));
+    let e = refused(&edited(|v| v["kernels"]["gemm"]["tflop_per_s"] = serde_json::json!([[1.0, 0.0]])));
     assert!(e.to_string().contains("TFLOP/s"), "{e}");
     for field in ["model_op_us", "fsdp_hook_us", "fsdp_op_us", "copy_piece_us", "optimizer_launch_us", "collective_us"]
     {
@@ -91,7 +89,7 @@ fn every_bad_number_is_refused_by_name() {
 /// attention 200 TFLOP/s forward and 100 backward, the host's constants 1 to 6 µs.
 fn round() -> KernelRates {
     let mut r = shipped();
-    r.kernels.gemm.tflop_per_s_by_gflop = vec![[1.0, 100.0], [100.0, 400.0]];
+    r.kernels.gemm.tflop_per_s = vec![[1.0, 100.0], [100.0, 400.0]];
     r.kernels.gemm.gb_per_s = 1000.0;
     r.kernels.gemm.launch_us = 2.0;
     let mut all = [

@@ -78,19 +78,10 @@ fn hsdp_resharding_mixed_precision_micro_batches_and_clipping() {
     let to2 = FsdpConfig { reshard_after_forward: Reshard::To(2), ..FsdpConfig::default() };
     symmetric_equals_every_rank("reshard to 2 of 4", RunSpec { fsdp: to2.clone(), ..spec(4) });
     symmetric_equals_every_rank("HSDP 2 × 4, reshard to 2", RunSpec { fsdp: to2, replicate: Some(2), ..spec(8) });
-    let bf16 = FsdpConfig {
-        mixed_precision: MixedPrecision {
-            param_dtype: Some(DType::BF16),
-            reduce_dtype: Some(DType::F32),
-            output_dtype: None,
-            all_gather_dtype: None,
-        },
-        ..FsdpConfig::default()
-    };
     symmetric_equals_every_rank(
         "bf16, two micro-batches, clipping, SGD with momentum",
         RunSpec {
-            fsdp: bf16,
+            fsdp: common::bf16_f32(),
             micro_batches: 2,
             max_grad_norm: Some(1.0),
             optimizer: OptimizerKind::sgd(1e-2, 0.9),

@@ -20,6 +20,13 @@ fn args(line: &str) -> PlanArgs {
     Cli::try_parse_from(std::iter::once("plan").chain(line.split_whitespace())).unwrap().args
 }
 
+/// The plan of `line` with its own cost model and workload.
+fn planned(line: &str) -> Plan {
+    let a = args(line);
+    let m = model(&a).unwrap();
+    execute(&a, &m, cost_inputs(&a, &m.shape).unwrap()).unwrap()
+}
+
 fn usage_of(line: &str) -> String {
     match model(&args(line)) {
         Ok(_) => panic!("`{line}` was accepted"),
@@ -210,11 +217,7 @@ fn the_new_flags_refuse_what_they_cannot_plan() {
 #[test]
 fn an_offloaded_gpu_plan_holds_the_state_in_host_memory_and_steps_there() {
     let line = "--model llama --gpus 2 --gpu h100-sxm --batch 2 --seq-len 64 --optimizer adamw";
-    let plan = |extra: &str| {
-        let a = args(&format!("{line} {extra}"));
-        let m = model(&a).unwrap();
-        execute(&a, &m, cost_inputs(&a, &m.shape).unwrap()).unwrap()
-    };
+    let plan = |extra: &str| planned(&format!("{line} {extra}"));
     let (on, off) = (plan("--offload"), plan(""));
     let b = &off.breakdown;
     // f32 masters and f32 gradients: the same padded shards, measured apart.
@@ -308,11 +311,7 @@ fn refused_pricing(line: &str) -> String {
 fn chorus_kernels_are_priced_from_kernel_rates_with_the_host() {
     // chorus's trainer on an H200: the shipped rates, the host's issue time, the runtime's memory.
     let line = "--model llama --gpus 1 --gpu h200 --batch 8 --seq-len 256 --param-dtype bf16";
-    let plan_of = |extra: &str| {
-        let a = args(&format!("{line} {extra}"));
-        let m = model(&a).unwrap();
-        execute(&a, &m, cost_inputs(&a, &m.shape).unwrap()).unwrap()
-    };
+    let plan_of = |extra: &str| planned(&format!("{line} {extra}"));
     let chorus = plan_of("--kernels chorus");
     let shipped = KernelRates::default_for("h200").unwrap();
     assert_eq!(chorus.kernels, "chorus");
@@ -407,11 +406,7 @@ fn the_planners_own_limits_are_named_before_anything_runs() {
 
 #[test]
 fn thousands_of_ranks_run_two_and_unlike_groups_run_every_rank() {
-    let plan_of = |line: &str| {
-        let a = args(line);
-        let m = model(&a).unwrap();
-        execute(&a, &m, cost_inputs(&a, &m.shape).unwrap()).unwrap()
-    };
+    let plan_of = planned;
     let p = plan_of("--gpus 8192");
     assert_eq!(p.ranks_run, vec![0, 8191]);
     assert_eq!(p.collectives.iter().map(|c| c.rank).collect::<Vec<_>>(), vec![0, 8191]);
