@@ -249,17 +249,7 @@ fn cpu_rates_come_from_a_small_regular_file_of_good_numbers() {
     std::fs::create_dir_all(&dir).unwrap();
     let line =
         |file: &std::path::Path, gpu: &str| format!("--model gpt --gpus 2 --gpu {gpu} --cpu-rates {}", file.display());
-    let refused = |line: String| -> String {
-        let a = args(&line);
-        let m = model(&a).unwrap();
-        match cost_inputs(&a, &m.shape) {
-            Ok(_) => panic!("`{line}` was accepted"),
-            Err(e) => {
-                assert!(e.downcast_ref::<UsageError>().is_some(), "not a usage error: {e:#}");
-                e.to_string()
-            }
-        }
-    };
+    let refused = |line: String| refused_pricing(&line);
     assert!(refused(line(&dir, "cpu")).contains("not a regular file"));
     assert!(refused(line(&dir.join("absent.json"), "cpu")).contains("--cpu-rates"));
     let big = dir.join("big.json");
