@@ -1,7 +1,8 @@
 //! `chorus plan`: predicts per-rank memory, step time and every rank's
 //! collective sequence for a training job at N GPUs by running chorus's
-//! FSDP for every rank on a virtual device and communicator
-//! (`chorus_plan`), before anyone rents the GPUs.
+//! FSDP on a virtual device and communicator (`chorus_plan`) — the first
+//! and the last rank, every other mirroring them, or every rank where
+//! their groups sit unlike on the nodes — before anyone rents the GPUs.
 //!
 //! The model and FSDP flags are `chorus train`'s; the groups are the ones
 //! `chorus train` registers (`chorus_train::models::{gpt, llama}::groups`).

@@ -8,7 +8,8 @@
 //! decoder workloads (FLOPs, bytes, activation memory) implement it.
 //!
 //! - [`virt`]: the virtual device and communicator.
-//! - [`run`]: every rank's FSDP run on them, with the hooks `chorus train` drives.
+//! - [`run`]: the ranks' FSDP runs on them, with the hooks `chorus train` drives
+//!   (every rank a thread, or two ranks standing for all: [`run::Ranks`]).
 //! - [`schedule`]: the comparison of every rank's collective sequence.
 //! - [`constant`]: a cost model of constant rates (the tests').
 //! - [`kernel_rates`] and [`rated_gpu`]: chorus's own trainer on a GPU,
