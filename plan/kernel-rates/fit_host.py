@@ -3,13 +3,16 @@
 `ci/gpu-check.sh candle-cuda`'s runs of the two small models on one GPU
 (standard library only; docs/plan-costs.md, "Kernel rates"):
 
-    python3 plan/kernel-rates/fit_host.py CHORUS RATES.json RESULTS_DIR GPU_KIND > fitted.json
+    python3 plan/kernel-rates/fit_host.py CHORUS RATES.json RESULTS_DIR GPU_KIND [KERNELS] > fitted.json
 
 CHORUS is a chorus binary (its `plan`), RATES.json a rates file whose
 `kernels` are measured (torch_proxies.py, or a measurement of chorus's
 own kernels), RESULTS_DIR gpu-check's results (`candle-cuda-llama-4l.log`,
 `candle-cuda-gpt.log` and their `.gpu-memory` samples), GPU_KIND
-`chorus plan --gpu`'s name of that GPU.
+`chorus plan --gpu`'s name of that GPU, KERNELS what the benches' binary
+runs: `chorus` (the default: chorus train on chorus's fused ops, since
+5f10843) or `candle` (the composed ops before; the shipped files were
+fitted so, on 35639ce's binary).
 
 The two models are so small that their steps are the host's work alone:
 
@@ -40,7 +43,8 @@ COLLECTIVE_US = 8.25
 LLAMA_4L = "--model llama --layers 4 --heads 4 --kv-heads 2 --hidden 32 --intermediate 64 --vocab 29 --seq-len 16 --batch 4"
 GPT = "--model gpt --d-model 64 --layers 2 --heads 4 --d-ff 256 --vocab 29 --seq-len 32 --batch 8"
 # chorus train's defaults of those benches: f32, every group recomputed, AdamW.
-COMMON = "--gpus 1 --param-dtype f32 --recompute full --optimizer adamw --kernels candle"
+COMMON = "--gpus 1 --param-dtype f32 --recompute full --optimizer adamw"
+KERNELS = "chorus"
 
 
 def bench(path):
@@ -66,7 +70,8 @@ def plan(chorus, rates, gpu, job, host):
         with open(path, "w") as f:
             json.dump(r, f)
         out = os.path.join(d, "plan")
-        cmd = [chorus, "plan", *job.split(), *COMMON.split(), "--gpu", gpu, "--kernel-rates", path, "--out-dir", out]
+        cmd = [chorus, "plan", *job.split(), *COMMON.split(), "--kernels", KERNELS, "--gpu", gpu]
+        cmd += ["--kernel-rates", path, "--out-dir", out]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0:
             sys.exit(f"{' '.join(cmd)} failed:\n{p.stdout}{p.stderr}")
@@ -84,9 +89,11 @@ def counts(chorus, rates, gpu, job):
 
 
 def main():
-    if len(sys.argv) != 5:
+    global KERNELS
+    if len(sys.argv) not in (5, 6) or sys.argv[5:] not in ([], ["chorus"], ["candle"]):
         sys.exit(__doc__)
-    chorus, rates_path, results, gpu = sys.argv[1:]
+    chorus, rates_path, results, gpu = sys.argv[1:5]
+    KERNELS = (sys.argv[5:] or [KERNELS])[0]
     rates = json.load(open(rates_path))
     step_l, fsdp_l = bench(os.path.join(results, "candle-cuda-llama-4l.log"))
     _, fsdp_g = bench(os.path.join(results, "candle-cuda-gpt.log"))
@@ -115,7 +122,7 @@ def main():
     smi = nvidia_smi_peak_bytes(os.path.join(results, "candle-cuda-llama-4l.gpu-memory"))
     host = {k: round(v, 3) for k, v in host.items()}
     host["source"] = (
-        f"fitted by plan/kernel-rates/fit_host.py to gpu-check's 4-layer Llama and transformer benches "
+        f"fitted by plan/kernel-rates/fit_host.py ({KERNELS} kernels) to gpu-check's 4-layer Llama and transformer benches "
         f"({results}): FSDP host {fsdp_l * 1e3:.3f} and {fsdp_g * 1e3:.3f} ms per step over "
         f"{hl:.0f}/{ol:.0f}/{cl:.0f} and {hg:.0f}/{og:.0f}/{cg:.0f} hooks/operations/collectives; "
         f"the Llama's median step {step_l * 1e3:.2f} ms; collective_us fixed at chorus's all_reduce enqueue "
