@@ -18,31 +18,30 @@ and the runtime memory come from other runs (docs/plan-costs.md). Each time is t
 after warm-up, by CUDA events; the small kernels are timed inside a CUDA
 graph, so what the host takes to launch them does not count.
 """
+import importlib.util
 import json
+import os
 import statistics
 import sys
 
 import torch
+
+_bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "ci", "kernels_torch_bench.py")
+_spec = importlib.util.spec_from_file_location("kernels_torch_bench", _bench)
+_module = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_module)
+timed = _module.timed
 
 dev = torch.device("cuda")
 BF16 = torch.bfloat16
 
 
 def median_ms(fn, reps=21, inner=1):
-    """Median milliseconds of `fn` per call (`inner` calls per timed sample)."""
-    for _ in range(3):
+    """Median milliseconds of `fn` per call (`inner` calls per timed sample),
+    by the timer of ci/kernels_torch_bench.py (CUDA events, median of `reps`)."""
+    for _ in range(2):
         fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / inner)
-    return statistics.median(times)
+    return timed(lambda: [fn() for _ in range(inner)], reps) / inner
 
 
 def graphed_ms(fn, count):
