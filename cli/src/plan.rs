@@ -1,7 +1,8 @@
 //! `chorus plan`: predicts per-rank memory, step time and every rank's
 //! collective sequence for a training job at N GPUs by running chorus's
-//! FSDP for every rank on a virtual device and communicator
-//! (`chorus_plan`), before anyone rents the GPUs.
+//! FSDP on a virtual device and communicator (`chorus_plan`) — the first
+//! and the last rank, every other mirroring them, or every rank where
+//! their groups sit unlike on the nodes — before anyone rents the GPUs.
 //!
 //! The model and FSDP flags are `chorus train`'s; the groups are the ones
 //! `chorus train` registers (`chorus_train::models::{gpt, llama}::groups`).
@@ -20,7 +21,9 @@ use chorus_devices::DType;
 use chorus_fsdp::{FsdpConfig, MixedPrecision, OffloadPolicy, OptimizerKind, Reshard};
 use chorus_plan::cost::CostModel;
 use chorus_plan::decoder_cost::Framework;
-use chorus_plan::run::{run, GroupSpec, ModelSpec, RunSpec};
+use chorus_plan::kernel_rates::KernelRates;
+use chorus_plan::rated_gpu::RatedGpuModel;
+use chorus_plan::run::{run, GroupSpec, ModelSpec, PlanError, Ranks, RunSpec, MAX_THREADED_RANKS};
 use chorus_plan::workload::{DecoderKind, DecoderShape, RecomputeMode, StageWork};
 use chorus_train::models::llama::config::LlamaConfig;
 use chorus_train::models::{gpt, llama, DecoderGroups};
@@ -33,8 +36,20 @@ pub use report::Plan;
 #[cfg(test)]
 mod tests;
 
-/// The most ranks a plan runs (one thread each).
+/// The most ranks a plan plans (two of them run, the others mirror them:
+/// `chorus_plan::run::Ranks::Symmetric`).
 const MAX_GPUS: usize = 8192;
+/// The most decoder layers: a plan runs FSDP's hooks on every layer's
+/// group, and grouping a model's parameters takes time quadratic in its
+/// layers (`chorus_train::models::llama::groups`): 4,096 layers plan in
+/// about 10 s and 240 MB on a 2-core VM (`docs/plan.md`, "Scale").
+const MAX_LAYERS: usize = 4096;
+/// The most stage runs per step (micro-batches × (layers + 2)): a plan's
+/// time and its trace grow with them (64 micro-batches of 512 layers: 15 s).
+const MAX_STAGE_RUNS: usize = 32 << 10;
+/// The most bytes of activations one stage may keep or use: far beyond
+/// any GPU, far below what the planner's byte counters hold.
+const MAX_STAGE_BYTES: f64 = (1u64 << 56) as f64;
 /// The largest `config.json` read.
 const MAX_CONFIG_BYTES: u64 = 1 << 20;
 /// Any one size flag's bound: far above any model, far below an overflow.
@@ -72,6 +87,8 @@ pub enum KernelsArg {
     Torch,
     /// candle, as `chorus train` runs on the cpu device and on candle-CUDA.
     Candle,
+    /// chorus's own fused kernels (`chorus-kernels`) under candle, on a GPU.
+    Chorus,
 }
 
 /// Optimizers.
@@ -134,11 +151,17 @@ pub struct PlanArgs {
     #[arg(long, default_value = "h100-sxm")]
     pub gpu: String,
     /// Whose kernels run the model: torch (eager PyTorch with flash
-    /// attention, what published GPU numbers ran) or candle (`chorus
-    /// train`'s models: attention scores materialized). Default: torch on a
-    /// GPU, candle on the cpu device.
+    /// attention, what published GPU numbers ran), candle (`chorus train`'s
+    /// models: attention scores materialized) or chorus (`chorus train` on
+    /// chorus's fused kernels). On a GPU candle and chorus are priced from
+    /// kernel rates (--kernel-rates) with the host's time per operation.
+    /// Default: torch on a GPU, candle on the cpu device.
     #[arg(long, value_enum)]
     pub kernels: Option<KernelsArg>,
+    /// --kernels candle|chorus on a GPU: a kernel-rates file measured on that GPU (JSON, at most 64 KiB;
+    /// docs/plan-costs.md) instead of the one chorus ships for h100-sxm and h200.
+    #[arg(long)]
+    pub kernel_rates: Option<PathBuf>,
     /// HSDP: replicate over this many groups (it must divide --gpus).
     #[arg(long)]
     pub hsdp: Option<usize>,
@@ -258,6 +281,7 @@ pub fn model(args: &PlanArgs) -> anyhow::Result<Model> {
                 seq_len: args.seq_len,
             };
             cfg.validate().map_err(|e| usage(format!("the transformer's sizes: {e}")))?;
+            check_runs(args, layers)?;
             let shape = DecoderShape {
                 kind: DecoderKind::Gpt,
                 layers,
@@ -268,7 +292,9 @@ pub fn model(args: &PlanArgs) -> anyhow::Result<Model> {
                 vocab,
                 tied_embeddings: false,
             };
-            Ok(Model { groups: gpt::groups(&cfg)?, shape })
+            let groups = gpt::groups(&cfg)?;
+            check_shards(args, &groups)?;
+            Ok(Model { groups, shape })
         }
         PlanModel::Llama => {
             let cfg = match (&args.config, &args.init_from) {
@@ -291,6 +317,7 @@ pub fn model(args: &PlanArgs) -> anyhow::Result<Model> {
                 return Err(usage("the sizes come from the config.json: leave out --layers, --d-model (--hidden), --heads, --kv-heads, --d-ff (--intermediate) and --vocab"));
             }
             cfg.validate().map_err(|e| usage(format!("the Llama's configuration: {e}")))?;
+            check_runs(args, cfg.num_hidden_layers)?;
             let shape = DecoderShape {
                 kind: DecoderKind::Llama,
                 layers: cfg.num_hidden_layers,
@@ -301,9 +328,55 @@ pub fn model(args: &PlanArgs) -> anyhow::Result<Model> {
                 vocab: cfg.vocab_size,
                 tied_embeddings: cfg.tie_word_embeddings,
             };
-            Ok(Model { groups: llama::groups(&cfg)?, shape })
+            let groups = llama::groups(&cfg)?;
+            check_shards(args, &groups)?;
+            Ok(Model { groups, shape })
         }
     }
+}
+
+/// The planner's bounds on its own work: [`MAX_LAYERS`] layers and
+/// [`MAX_STAGE_RUNS`] stage runs per step, checked before the groups are built.
+fn check_runs(args: &PlanArgs, layers: usize) -> anyhow::Result<()> {
+    if layers > MAX_LAYERS {
+        return Err(usage(format!(
+            "{layers} layers: a plan runs FSDP on every layer's group, at most {MAX_LAYERS} layers"
+        )));
+    }
+    let runs = args.micro_batches.saturating_mul(layers + 2);
+    if runs > MAX_STAGE_RUNS {
+        return Err(usage(format!(
+            "--micro-batches {} × {} stages ({layers} layers, the embedding and the head) = {runs} stage runs per step: a plan runs at most {MAX_STAGE_RUNS}",
+            args.micro_batches,
+            layers + 2
+        )));
+    }
+    Ok(())
+}
+
+/// Every parameter's shard within `chorus_plan::run::MAX_SHARD_BYTES`:
+/// the planner registers each shard as zeros in host memory.
+fn check_shards(args: &PlanArgs, groups: &DecoderGroups) -> anyhow::Result<()> {
+    let max = chorus_plan::run::MAX_SHARD_BYTES as u128;
+    let shard_world = (args.gpus / args.hsdp.unwrap_or(1).max(1)).max(1) as u128;
+    for (name, shape) in groups.groups.iter().flat_map(|g| &g.params) {
+        let numel: u128 = shape.iter().map(|d| *d as u128).product();
+        // Sharded on dim 0 (padded), or whole below --replicate-below.
+        let bytes = match shape.first() {
+            Some(&rows) if numel >= args.replicate_below as u128 => {
+                (rows as u128).div_ceil(shard_world) * (numel / (rows as u128).max(1)) * 4
+            }
+            _ => numel * 4,
+        };
+        if bytes > max {
+            return Err(usage(format!(
+                "{name} {shape:?}: its f32 shard is {:.2} GiB per rank at {shard_world} ranks per shard group, and a plan registers each shard as zeros in host memory, at most {} GiB: plan more GPUs per shard group, or a smaller model",
+                bytes as f64 / (1u64 << 30) as f64,
+                max >> 30
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// A config.json given by path: a regular file of at most [`MAX_CONFIG_BYTES`].
@@ -326,22 +399,37 @@ fn read_config_file(path: &Path) -> anyhow::Result<LlamaConfig> {
 /// The largest `--cpu-rates` file read.
 const MAX_RATES_BYTES: u64 = 64 << 10;
 
-/// A `--cpu-rates` file: a regular file of at most [`MAX_RATES_BYTES`] whose rates pass [`CpuRates::check`](chorus_plan::cpu_model::CpuRates::check).
-fn read_cpu_rates(path: &Path) -> anyhow::Result<chorus_plan::cpu_model::CpuRates> {
-    let name = || path.display();
+/// A rates file's text: a regular file of at most `max` bytes (`flag` names it in errors).
+fn read_small_file(flag: &str, path: &Path, max: u64) -> anyhow::Result<String> {
     use std::io::Read as _;
-    let io = |e: std::io::Error| usage(format!("--cpu-rates {}: {e}", name()));
+    let name = || path.display();
+    let io = |e: std::io::Error| usage(format!("{flag} {}: {e}", name()));
     let meta = std::fs::metadata(path).map_err(io)?;
     if !meta.is_file() {
-        return Err(usage(format!("--cpu-rates {}: not a regular file", name())));
+        return Err(usage(format!("{flag} {}: not a regular file", name())));
     }
     // Read at most one byte past the bound, so a file that grows after the check is refused too.
     let mut text = String::new();
-    std::fs::File::open(path).map_err(io)?.take(MAX_RATES_BYTES + 1).read_to_string(&mut text).map_err(io)?;
-    if text.len() as u64 > MAX_RATES_BYTES {
-        return Err(usage(format!("--cpu-rates {}: more than {MAX_RATES_BYTES} bytes", name())));
+    std::fs::File::open(path).map_err(io)?.take(max + 1).read_to_string(&mut text).map_err(io)?;
+    if text.len() as u64 > max {
+        return Err(usage(format!("{flag} {}: more than {max} bytes", name())));
     }
-    chorus_plan::cpu_model::CpuRates::from_json(&text).map_err(|e| usage(format!("--cpu-rates {}: {e}", name())))
+    Ok(text)
+}
+
+/// A `--cpu-rates` file: a regular file of at most [`MAX_RATES_BYTES`] whose rates pass [`CpuRates::check`](chorus_plan::cpu_model::CpuRates::check).
+fn read_cpu_rates(path: &Path) -> anyhow::Result<chorus_plan::cpu_model::CpuRates> {
+    let text = read_small_file("--cpu-rates", path, MAX_RATES_BYTES)?;
+    chorus_plan::cpu_model::CpuRates::from_json(&text)
+        .map_err(|e| usage(format!("--cpu-rates {}: {e}", path.display())))
+}
+
+/// A `--kernel-rates` file: a regular file of at most
+/// [`MAX_FILE_BYTES`](chorus_plan::kernel_rates::MAX_FILE_BYTES) whose
+/// rates pass [`KernelRates::check`].
+fn read_kernel_rates(path: &Path) -> anyhow::Result<KernelRates> {
+    let text = read_small_file("--kernel-rates", path, chorus_plan::kernel_rates::MAX_FILE_BYTES)?;
+    KernelRates::from_json(&text).map_err(|e| usage(format!("--kernel-rates {}: {e}", path.display())))
 }
 
 /// The workload's recompute mode of `--recompute`.
@@ -353,12 +441,44 @@ pub fn recompute_mode(r: RecomputeArg) -> RecomputeMode {
     }
 }
 
+/// Whose kernels `args` plan: `--kernels`, or PyTorch's on a GPU and candle's on the cpu device.
+fn framework(args: &PlanArgs) -> Framework {
+    match args.kernels {
+        Some(KernelsArg::Torch) => Framework::TorchEager,
+        Some(KernelsArg::Candle) => Framework::Candle,
+        Some(KernelsArg::Chorus) => Framework::Chorus,
+        None => chorus_plan::gpu::framework(&args.gpu),
+    }
+}
+
+/// `--kernels`' name of `f`.
+pub fn kernels_name(f: Framework) -> &'static str {
+    match f {
+        Framework::TorchEager => "torch",
+        Framework::Candle => "candle",
+        Framework::Chorus => "chorus",
+    }
+}
+
 /// The two answers of the cost models: the times of `--gpu` (the GPU
-/// tables and NCCL's algorithms, or the cpu device's calibration shared by
+/// tables and NCCL's algorithms; chorus's trainer on a GPU from its kernel
+/// rates, host included; or the cpu device's calibration shared by
 /// `--gpus` sim ranks) and the model's work per stage, with the kernels of
-/// what runs there (PyTorch with flash attention on a GPU, candle on the cpu).
-fn cost_inputs(args: &PlanArgs, shape: &DecoderShape) -> anyhow::Result<(Arc<dyn CostModel>, Vec<StageWork>)> {
+/// what runs there.
+fn cost_inputs(args: &PlanArgs, shape: &DecoderShape) -> anyhow::Result<Priced> {
+    let framework = framework(args);
+    let mut rates_used = None;
+    if args.kernel_rates.is_some() && (args.gpu == "cpu" || framework == Framework::TorchEager) {
+        return Err(usage(
+            "--kernel-rates prices chorus's trainer on a GPU: --kernels candle or chorus, and a GPU --gpu",
+        ));
+    }
     let cost: Arc<dyn CostModel> = match args.gpu.as_str() {
+        "cpu" if framework == Framework::Chorus => {
+            return Err(usage(
+                "--kernels chorus --gpu cpu: the cpu device's model is calibrated on candle's kernels only",
+            ))
+        }
         "cpu" => {
             let rates = match &args.cpu_rates {
                 Some(file) => read_cpu_rates(file)?,
@@ -367,14 +487,28 @@ fn cost_inputs(args: &PlanArgs, shape: &DecoderShape) -> anyhow::Result<(Arc<dyn
             Arc::new(chorus_plan::cpu_model::CpuModel::from_rates(&rates, args.gpus))
         }
         _ if args.cpu_rates.is_some() => return Err(usage("--cpu-rates describes the cpu device: it needs --gpu cpu")),
+        gpu if framework != Framework::TorchEager => {
+            let rates = match &args.kernel_rates {
+                Some(file) => read_kernel_rates(file)?,
+                None => KernelRates::default_for(gpu).ok_or_else(|| {
+                    usage(format!(
+                        "--kernels {} --gpu {gpu}: chorus ships kernel rates for h100-sxm and h200 only; give --kernel-rates FILE measured on this GPU (docs/plan-costs.md)",
+                        if framework == Framework::Chorus { "chorus" } else { "candle" }
+                    ))
+                })?,
+            };
+            let spec = chorus_plan::gpu::gpu_spec(gpu).ok_or_else(|| {
+                usage(format!("unknown --gpu `{gpu}`; known: {}", chorus_plan::gpu::GPU_KINDS.join(", ")))
+            })?;
+            if args.gpus_per_node == 0 {
+                return Err(usage("--gpus-per-node must be at least 1"));
+            }
+            rates_used = Some(rates.clone());
+            Arc::new(RatedGpuModel::new(rates, spec, args.gpus_per_node))
+        }
         gpu => chorus_plan::gpu::cost_model(gpu, args.gpus_per_node).map_err(usage)?,
     };
     let micro = args.batch / args.micro_batches;
-    let framework = match args.kernels {
-        Some(KernelsArg::Torch) => Framework::TorchEager,
-        Some(KernelsArg::Candle) => Framework::Candle,
-        None => chorus_plan::gpu::framework(&args.gpu),
-    };
     let work = chorus_plan::decoder_cost::decoder_work_for(
         framework,
         shape,
@@ -383,11 +517,35 @@ fn cost_inputs(args: &PlanArgs, shape: &DecoderShape) -> anyhow::Result<(Arc<dyn
         args.param_dtype.size(),
         recompute_mode(args.recompute),
     );
-    Ok((cost, work))
+    let kept: f64 = work.iter().map(|s| s.saved_bytes as f64).sum();
+    if let Some(s) = work.iter().find(|s| s.transient_bytes as f64 >= MAX_STAGE_BYTES) {
+        return Err(usage(format!(
+            "stage {} uses {} bytes of activations: beyond any GPU and the planner's counters",
+            s.name, s.transient_bytes
+        )));
+    }
+    if kept >= MAX_STAGE_BYTES {
+        return Err(usage(format!(
+            "the stages keep {kept:.3e} bytes of activations: beyond any GPU and the planner's counters"
+        )));
+    }
+    Ok(Priced { cost, work, rates: rates_used })
+}
+
+/// What a plan is priced with: the cost model, one micro-batch's work per
+/// stage, and the kernel-rates file behind the cost model, if one is.
+pub struct Priced {
+    /// How long everything takes.
+    pub cost: Arc<dyn CostModel>,
+    /// One micro-batch's stages.
+    pub work: Vec<StageWork>,
+    /// The kernel rates (chorus's trainer on a GPU).
+    pub rates: Option<KernelRates>,
 }
 
 /// Plans what `args` describe with `cost`'s times and `work` per stage.
-pub fn execute(args: &PlanArgs, model: &Model, cost: Arc<dyn CostModel>, work: Vec<StageWork>) -> anyhow::Result<Plan> {
+pub fn execute(args: &PlanArgs, model: &Model, priced: Priced) -> anyhow::Result<Plan> {
+    let Priced { cost, work, rates } = priced;
     let g = &model.groups;
     let groups = g.groups.iter().map(|g| GroupSpec { name: g.name.clone(), params: g.params.clone(), root: g.root });
     let spec = ModelSpec::decoder(groups.collect(), g.embed, g.head, work.clone())?;
@@ -407,8 +565,9 @@ pub fn execute(args: &PlanArgs, model: &Model, cost: Arc<dyn CostModel>, work: V
         offload: args.offload.then(OffloadPolicy::default),
         ..FsdpConfig::default()
     };
-    let run_spec = RunSpec {
+    let mut run_spec = RunSpec {
         world: args.gpus,
+        ranks: Ranks::Symmetric,
         replicate: args.hsdp,
         fsdp,
         forward_prefetch: true,
@@ -421,23 +580,37 @@ pub fn execute(args: &PlanArgs, model: &Model, cost: Arc<dyn CostModel>, work: V
         timeout: Duration::from_secs(600),
     };
     let peak = cost.peak_flops();
-    let result = run(&spec, &run_spec, cost)?;
-    report::Plan::new(args, &work, peak, result)
+    // Every rank of a decoder runs alike unless its groups sit differently on the nodes.
+    let result = match run(&spec, &run_spec, cost.clone()) {
+        Err(PlanError::Asymmetric(_)) if args.gpus <= MAX_THREADED_RANKS => {
+            run_spec.ranks = Ranks::Every;
+            run(&spec, &run_spec, cost)?
+        }
+        Err(PlanError::Asymmetric(why)) => {
+            return Err(usage(format!(
+                "{why}; such a plan runs every rank, a thread each, at most {MAX_THREADED_RANKS} (--gpus {}): place the groups alike (--gpus-per-node, --hsdp, --reshard-after-forward) or plan fewer GPUs",
+                args.gpus
+            )))
+        }
+        r => r?,
+    };
+    report::Plan::new(args, &work, peak, rates.as_ref(), result)
 }
 
 /// `chorus plan`.
 pub fn run_cli(args: &PlanArgs) -> anyhow::Result<Outcome> {
     let model = model(args)?;
-    let (cost, work) = cost_inputs(args, &model.shape)?;
+    let priced = cost_inputs(args, &model.shape)?;
     let out = match &args.out_dir {
         Some(dir) => Some(OutDir::acquire(dir, "plan", &[])?),
         None => None,
     };
-    let plan = execute(args, &model, cost, work)?;
+    let plan = execute(args, &model, priced)?;
     print!("{}", plan.text());
     if let Some(out) = out {
         plan.write(out.stage())?;
         out.commit()?;
     }
-    Ok(if plan.divergence.is_some() { Outcome::Failed } else { Outcome::Passed })
+    // A plan that does not fit, or whose ranks diverge, is a failed plan (exit status 1).
+    Ok(if plan.divergence.is_some() || plan.fits == Some(false) { Outcome::Failed } else { Outcome::Passed })
 }

@@ -84,12 +84,7 @@ fn main() -> Result<(), String> {
             {
                 let w = row.gpus as f64;
                 let local = n / w;
-                let mb = |name: &str, bytes: f64| KernelCost {
-                    name: name.into(),
-                    kind: KernelKind::MemoryBound,
-                    flops: 0.0,
-                    bytes,
-                };
+                let mb = |name: &str, bytes: f64| KernelCost::new(name, KernelKind::MemoryBound, 0.0, bytes);
                 // FSDP2: copy-in of the bf16 cast of the shard and copy-out of
                 // the gathered parameters, forward and backward (blocks and the
                 // root reshard after forward); the gradients cast to f32 for the

@@ -214,7 +214,8 @@ impl CostModel for Counting {
         None
     }
     fn host_cost(&self, issuer: Issuer) -> HostCost {
-        if issuer == Issuer::Fsdp {
+        // The operations FSDP issues, its optimizer steps among them (the cpu model prices both alike).
+        if matches!(issuer, Issuer::Fsdp | Issuer::Optimizer) {
             self.fsdp_ops.fetch_add(1, Ordering::Relaxed);
         }
         HostCost::default()

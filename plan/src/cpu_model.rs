@@ -281,13 +281,19 @@ impl CostModel for CpuModel {
     }
 
     /// candle runs the model's kernels on the rank's thread; FSDP's issue
-    /// time per operation is the host's; a rank without a core of its own
-    /// for its stream executors runs their work on its host's core.
+    /// time per operation (the optimizer's steps among them) is the host's;
+    /// a rank without a core of its own for its stream executors runs their
+    /// work on its host's core. A batched copy is one job (no cost per
+    /// piece), and FSDP's hooks cost what their operations cost (the
+    /// calibration measures it per operation).
     fn host_cost(&self, issuer: Issuer) -> HostCost {
         match issuer {
             Issuer::Model => HostCost { issue_s: 0.0, runs_on_host: true },
-            Issuer::Fsdp => HostCost { issue_s: self.fsdp_op_s, runs_on_host: self.streams_on_host },
+            Issuer::Fsdp | Issuer::Optimizer => {
+                HostCost { issue_s: self.fsdp_op_s, runs_on_host: self.streams_on_host }
+            }
             Issuer::Collective => HostCost { issue_s: 0.0, runs_on_host: self.streams_on_host },
+            Issuer::CopyPiece | Issuer::Hook => HostCost::default(),
         }
     }
 

@@ -45,7 +45,13 @@ pub struct GpuSpec {
     pub nvlink_busbw: f64,
     /// One GPU's NIC, bytes/s.
     pub nic_bytes_per_s: f64,
+    /// Device memory a process can use, bytes (nvidia-smi's total).
+    pub memory_bytes: u64,
 }
+
+/// nvidia-smi's total memory of an H100 80GB HBM3: 81,559 MiB (the H100
+/// node of 2026-11-27, `docs/plan-costs.md`, "Kernel rates").
+const H100_MEMORY: u64 = 81_559 << 20;
 
 /// A causal kernel computes only the blocks on and below the diagonal:
 /// half of the `S × S` product that [`crate::decoder_cost`] counts (as
@@ -117,6 +123,7 @@ pub fn gpu_spec(kind: &str) -> Option<GpuSpec> {
         pcie_bytes_per_s: PCIE5_X16,
         nvlink_busbw: H100_NVLINK_BUSBW,
         nic_bytes_per_s: NIC_400G,
+        memory_bytes: H100_MEMORY,
     };
     match kind {
         "h100-sxm" => Some(h100),
@@ -127,16 +134,25 @@ pub fn gpu_spec(kind: &str) -> Option<GpuSpec> {
         // NVL". We interpolate linearly in power between the two datasheet
         // points, SXM 989 TFLOP/s at 700 W and NVL 835.5 at 400 W:
         // 835.5 + (989 − 835.5) · (500 − 400) / (700 − 400) = 886.7 TFLOP/s.
+        // Its 96 GB of HBM2e: 96 GiB (no nvidia-smi reading of this part was found).
         "h100-sxm-500w" => Some(GpuSpec {
             name: "h100-sxm-500w",
             clocked_flops: H100_NVL_PEAK + (H100_PEAK - H100_NVL_PEAK) * (500.0 - 400.0) / (700.0 - 400.0),
             hbm_bytes_per_s: 2.4e12,
+            memory_bytes: 96 << 30,
             ..h100
         }),
         // H200 SXM: the H100's die (989 TFLOP/s dense bf16), 141 GB HBM3e at
         // 4.8 TB/s (https://www.nvidia.com/en-us/data-center/h200/); matmul
         // 794.5 TFLOP/s = 80.3 % (ml-engineering's "H100/H200 SXM" MAMF).
-        "h200" => Some(GpuSpec { name: "h200", gemm_efficiency: 0.803, hbm_bytes_per_s: 4.8e12, ..h100 }),
+        // nvidia-smi's total: 143,771 MiB (the H200 node of 2026-11-27, `docs/plan-costs.md`).
+        "h200" => Some(GpuSpec {
+            name: "h200",
+            gemm_efficiency: 0.803,
+            hbm_bytes_per_s: 4.8e12,
+            memory_bytes: 143_771 << 20,
+            ..h100
+        }),
         // A100 SXM 80GB: 312 TFLOP/s dense bf16, HBM2e 2,039 GB/s (NVIDIA A100
         // datasheet); matmul 267.9 TFLOP/s = 85.9 % (ml-engineering MAMF
         // table); FlashAttention-2 reaches 50–73 % of peak on A100 (Dao,
@@ -156,6 +172,8 @@ pub fn gpu_spec(kind: &str) -> Option<GpuSpec> {
             pcie_bytes_per_s: PCIE4_X16,
             nvlink_busbw: 235e9,
             nic_bytes_per_s: 25e9 * 0.92,
+            // 80 GiB: nvidia-smi's 81,920 MiB on an A100-SXM4-80GB.
+            memory_bytes: 80 << 30,
         }),
         _ => None,
     }
@@ -246,6 +264,12 @@ impl CostModel for GpuModel {
 
     fn peak_flops(&self) -> Option<f64> {
         Some(self.spec.peak_flops)
+    }
+
+    /// NCCL's model depends on how the ranks sit on the nodes.
+    fn prices_alike(&self, a: &[usize], b: &[usize]) -> bool {
+        let gpn = self.fabric.gpus_per_node;
+        crate::nccl::Placement::of(a, gpn) == crate::nccl::Placement::of(b, gpn)
     }
 }
 

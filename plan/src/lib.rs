@@ -8,9 +8,12 @@
 //! decoder workloads (FLOPs, bytes, activation memory) implement it.
 //!
 //! - [`virt`]: the virtual device and communicator.
-//! - [`run`]: every rank's FSDP run on them, with the hooks `chorus train` drives.
+//! - [`run`]: the ranks' FSDP runs on them, with the hooks `chorus train` drives
+//!   (every rank a thread, or two ranks standing for all: [`run::Ranks`]).
 //! - [`schedule`]: the comparison of every rank's collective sequence.
 //! - [`constant`]: a cost model of constant rates (the tests').
+//! - [`kernel_rates`] and [`rated_gpu`]: chorus's own trainer on a GPU,
+//!   priced from a file of measured rates per kernel and per host operation.
 #![warn(missing_docs)]
 
 pub mod constant;
@@ -18,7 +21,9 @@ pub mod cost;
 pub mod cpu_model;
 pub mod decoder_cost;
 pub mod gpu;
+pub mod kernel_rates;
 pub mod nccl;
+pub mod rated_gpu;
 pub mod run;
 pub mod schedule;
 pub mod virt;

@@ -1,6 +1,6 @@
 //! Every rank's FSDP run on the virtual device and communicator.
 //!
-//! Each rank is a thread that builds [`Fsdp`] with the groups and settings
+//! Each rank run is a thread that builds [`Fsdp`] with the groups and settings
 //! `chorus train` builds, then drives the hooks in the order the candle
 //! adapter (`fsdp/candle/src/module.rs`) and the training loop
 //! (`train/src/decoder/sharded.rs`) do: per micro-batch, the stages in
@@ -10,6 +10,14 @@
 //! the loss, clipping, the optimizer step and `zero_grad`. Between the hooks
 //! each stage's [`StageWork`] runs on the compute stream, its activations
 //! counted apart from FSDP's memory. The last step is measured.
+//!
+//! Which ranks run ([`Ranks`]): every one, a thread each, or — what
+//! makes plans of thousands of ranks cheap — the first and the last, the
+//! others mirroring them ([`VirtWorld::symmetric`]): every rank of a
+//! data-parallel group runs the same FSDP program on shards of one padded
+//! size, and a collective's time depends on where its ranks sit, not on
+//! their data. A test holds the two to the same results on small worlds
+//! (`plan/tests/symmetric.rs`).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -21,8 +29,8 @@ use chorus_fsdp::{
     DataParallel, DeferredParam, Fsdp, FsdpConfig, FsdpError, OptimizerKind, ShardSource, ShardedOptimizer,
 };
 
-use crate::cost::CostModel;
-use crate::virt::comm::{CollectiveRecord, Divergence, VirtComm, VirtWorld};
+use crate::cost::{CostModel, Issuer};
+use crate::virt::comm::{CollectiveRecord, Divergence, SplitQuery, SplitRule, VirtComm, VirtWorld};
 use crate::virt::{TraceOp, VirtConfig, VirtDevice};
 use crate::workload::StageWork;
 
@@ -37,6 +45,15 @@ pub const FSDP_STREAMS: [&str; 5] = ["compute", "copy-in", "all-gather", "reduce
 /// 76.8 GB/s each. A bound: the step is priced as one pass over its bytes
 /// (`docs/plan-costs.md`).
 pub const HOST_STEP_BYTES_PER_S: f64 = 614.4e9 / 8.0;
+
+/// The most ranks [`Ranks::Every`] runs, a thread each (with a stack of
+/// 1 MiB, under an 8 GB address-space limit with room to spare).
+pub const MAX_THREADED_RANKS: usize = 1024;
+
+/// The largest shard of one parameter a plan registers, bytes: FSDP reads
+/// a shard's rows into host memory before it uploads them, and the planner
+/// gives it zeros of that size (a rank registers one parameter at a time).
+pub const MAX_SHARD_BYTES: usize = 1 << 30;
 
 /// Why a plan could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +77,23 @@ pub enum PlanError {
         /// What happened.
         reason: String,
     },
+    /// [`Ranks::Symmetric`] does not hold: the ranks do not all run alike.
+    #[error("the ranks are not alike, so one cannot stand for the others: {0}")]
+    Asymmetric(String),
+}
+
+/// Which ranks a plan runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ranks {
+    /// Every rank, a thread each (at most [`MAX_THREADED_RANKS`]).
+    Every,
+    /// The first and the last rank; every other mirrors them (the module's
+    /// doc). Needs a model whose stages are the same on every rank
+    /// ([`ModelSpec::same_on_every_rank`]) and a placement where every
+    /// communicator of a kind (the mesh's rows, its columns, the
+    /// post-forward groups) costs alike ([`CostModel::prices_alike`]):
+    /// else [`PlanError::Asymmetric`].
+    Symmetric,
 }
 
 /// One FSDP param group: as `chorus train` registers it.
@@ -97,6 +131,9 @@ pub struct ModelSpec {
     pub stages_of: StagesOf,
     /// Routed groups per parent ([`Fsdp::set_routed_groups`]).
     pub routed: Vec<(usize, Vec<usize>)>,
+    /// Whether `stages_of` gives every rank the same stages (a decoder:
+    /// yes; ranks routed to different experts: no).
+    pub same_on_every_rank: bool,
 }
 
 impl std::fmt::Debug for ModelSpec {
@@ -137,7 +174,12 @@ impl ModelSpec {
                 Stage { group, work, inner: Vec::new() }
             })
             .collect();
-        Ok(ModelSpec { groups, stages_of: Arc::new(move |_| stages.clone()), routed: Vec::new() })
+        Ok(ModelSpec {
+            groups,
+            stages_of: Arc::new(move |_| stages.clone()),
+            routed: Vec::new(),
+            same_on_every_rank: true,
+        })
     }
 }
 
@@ -146,6 +188,8 @@ impl ModelSpec {
 pub struct RunSpec {
     /// Ranks.
     pub world: usize,
+    /// Which of them run.
+    pub ranks: Ranks,
     /// HSDP's replicate dimension (`None` or 1: plain FSDP).
     pub replicate: Option<usize>,
     /// FSDP's settings.
@@ -169,13 +213,15 @@ pub struct RunSpec {
 }
 
 impl RunSpec {
-    /// `world` ranks for `steps` steps: FSDP's default settings, forward
-    /// prefetch, AdamW (lr 1e-3, weight decay 0.01), one micro-batch, no
-    /// clipping, no HSDP, kernels that reach host memory (the cpu device),
-    /// nothing traced, a 60 s deadline. Callers change what they need.
+    /// `world` ranks for `steps` steps, every one run: FSDP's default
+    /// settings, forward prefetch, AdamW (lr 1e-3, weight decay 0.01), one
+    /// micro-batch, no clipping, no HSDP, kernels that reach host memory
+    /// (the cpu device), nothing traced, a 60 s deadline. Callers change
+    /// what they need.
     pub fn new(world: usize, steps: usize) -> RunSpec {
         RunSpec {
             world,
+            ranks: Ranks::Every,
             replicate: None,
             fsdp: FsdpConfig::default(),
             forward_prefetch: true,
@@ -219,6 +265,10 @@ pub struct RankPlan {
     pub step_time_s: f64,
     /// Seconds the compute stream was busy in the measured step.
     pub compute_busy_s: f64,
+    /// Seconds the host spent issuing operations in the measured step
+    /// (`CostModel::host_cost`; its waits not counted). Above
+    /// `compute_busy_s`, the step is host-bound.
+    pub host_issue_s: f64,
     /// Every collective this rank issued, in order, on every communicator
     /// (as [`PlanRun::sequences`] holds it).
     pub collectives: Vec<CollectiveRecord>,
@@ -229,15 +279,17 @@ pub struct RankPlan {
 /// Every rank's run.
 #[derive(Clone, Debug)]
 pub struct PlanRun {
-    /// Per rank, in rank order: its plan, or why it failed.
+    /// The ranks run, in rank order (every rank, or those of [`Ranks::Symmetric`]).
+    pub run_ranks: Vec<usize>,
+    /// Per rank run (as `run_ranks`): its plan, or why it failed.
     pub ranks: Vec<Result<RankPlan, String>>,
-    /// Per rank, every collective it issued (up to its failure, for a rank that failed).
+    /// Per rank run, every collective it issued (up to its failure, for a rank that failed).
     pub sequences: Vec<Vec<CollectiveRecord>>,
     /// The first divergence of the ranks' collectives, if they diverged.
     pub divergence: Option<Divergence>,
 }
 
-/// Runs `model` on every rank of `spec` with `cost`'s times.
+/// Runs `model` on the ranks of `spec` ([`RunSpec::ranks`]) with `cost`'s times.
 pub fn run(model: &ModelSpec, spec: &RunSpec, cost: Arc<dyn CostModel>) -> Result<PlanRun, PlanError> {
     if spec.world == 0 || spec.steps == 0 || spec.micro_batches == 0 {
         return Err(PlanError::Invalid("ranks, steps and micro-batches must be positive".into()));
@@ -247,41 +299,138 @@ pub fn run(model: &ModelSpec, spec: &RunSpec, cost: Arc<dyn CostModel>) -> Resul
             return Err(PlanError::Invalid(format!("--hsdp {r} does not divide {} ranks", spec.world)));
         }
     }
-    let world = VirtWorld::new(spec.world, cost.clone(), spec.timeout);
-    let logs: Vec<Log> = (0..spec.world).map(|_| Log::default()).collect();
+    let (world, running) = match spec.ranks {
+        Ranks::Every => {
+            if spec.world > MAX_THREADED_RANKS {
+                return Err(PlanError::Invalid(format!(
+                    "{} ranks: a plan that runs every rank runs a thread each, at most {MAX_THREADED_RANKS} (a symmetric plan runs two)",
+                    spec.world
+                )));
+            }
+            (VirtWorld::new(spec.world, cost.clone(), spec.timeout), (0..spec.world).collect::<Vec<_>>())
+        }
+        Ranks::Symmetric => {
+            if !model.same_on_every_rank {
+                return Err(PlanError::Asymmetric("the model's stages differ between ranks (routed experts)".into()));
+            }
+            check_placement(spec, cost.as_ref())?;
+            let running: Vec<usize> = if spec.world == 1 { vec![0] } else { vec![0, spec.world - 1] };
+            (VirtWorld::symmetric(spec.world, &running, split_rule(spec), cost.clone(), spec.timeout), running)
+        }
+    };
+    let logs: Vec<Log> = running.iter().map(|_| Log::default()).collect();
+    let mut no_thread = None;
     let results: Vec<Result<RankPlan, String>> = std::thread::scope(|scope| {
-        let mut handles = Vec::with_capacity(spec.world);
-        for (rank, log) in logs.iter().enumerate() {
-            let (world, cost, log) = (world.clone(), cost.clone(), log.clone());
-            let h = std::thread::Builder::new().name(format!("plan-rank{rank}")).stack_size(1 << 20).spawn_scoped(
-                scope,
-                move || {
+        let mut handles = Vec::with_capacity(running.len());
+        for (&rank, log) in running.iter().zip(&logs) {
+            let (rank_world, cost, log) = (world.clone(), cost.clone(), log.clone());
+            let spawned = std::thread::Builder::new()
+                .name(format!("plan-rank{rank}"))
+                .stack_size(1 << 20)
+                .spawn_scoped(scope, move || {
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        run_rank(model, spec, &world, cost, rank, log)
+                        run_rank(model, spec, &rank_world, cost, rank, log)
                     }));
-                    world.rank_ended(rank);
+                    rank_world.rank_ended(rank);
                     match r {
                         Ok(r) => r.map_err(|e| e.to_string()),
                         Err(_) => Err(format!("rank {rank} panicked")),
                     }
-                },
-            );
-            handles.push(h);
-        }
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(rank, h)| match h {
-                Ok(h) => h.join().unwrap_or_else(|_| Err(format!("rank {rank} panicked"))),
+                });
+            match spawned {
+                Ok(h) => handles.push((rank, h)),
                 Err(e) => {
-                    world.rank_ended(rank);
-                    Err(format!("rank {rank}: no thread: {e}"))
+                    // The ranks started wait for this one: they fail at once, nothing hangs.
+                    let reason = format!("no thread for it: {e}");
+                    world.abort(&format!("rank {rank}: {reason}"));
+                    no_thread = Some(PlanError::Thread { rank, reason });
+                    break;
                 }
-            })
-            .collect()
+            }
+        }
+        handles.into_iter().map(|(rank, h)| h.join().unwrap_or_else(|_| Err(format!("rank {rank} panicked")))).collect()
     });
+    if let Some(e) = no_thread {
+        return Err(e);
+    }
     let sequences = logs.iter().map(|l| l.lock().map(|l| l.clone()).unwrap_or_default()).collect();
-    Ok(PlanRun { ranks: results, sequences, divergence: world.divergence() })
+    Ok(PlanRun { run_ranks: running, ranks: results, sequences, divergence: world.divergence() })
+}
+
+/// How the ranks a symmetric plan does not run split their communicators,
+/// as FSDP and the mesh split them (`Mesh::new` in
+/// `collectives/src/mesh.rs`: row-major coordinates, one split per
+/// dimension; `Fsdp`'s post-forward world in `fsdp/src/state.rs`: blocks
+/// of `k` consecutive shard ranks). The ranks that run check it: a split
+/// of theirs that differs from this rule fails the plan, naming both.
+fn split_rule(spec: &RunSpec) -> SplitRule {
+    let hsdp = spec.replicate.filter(|r| *r > 1).map(|r| spec.world / r);
+    let post_forward = match spec.fsdp.reshard_after_forward {
+        chorus_fsdp::Reshard::To(k) if k > 0 => Some(k),
+        _ => None,
+    };
+    Arc::new(move |q: &SplitQuery<'_>| {
+        let shard_comm = match hsdp {
+            None => q.communicator == "root",
+            Some(_) => q.communicator.strip_prefix("root/split1:color").is_some_and(|c| !c.contains('/')),
+        };
+        match (hsdp, q.communicator, q.split) {
+            // The mesh [replicate r, shard s]: coordinates (i / s, i % s).
+            (Some(s), "root", 0) => Some((Some(u32::try_from(q.index % s).ok()?), (q.index / s) as i64)),
+            (Some(s), "root", 1) => Some((Some(u32::try_from(q.index / s).ok()?), (q.index % s) as i64)),
+            (_, _, 0) if shard_comm => {
+                let k = post_forward?;
+                Some((Some(u32::try_from(q.index / k).ok()?), (q.index % k) as i64))
+            }
+            _ => None,
+        }
+    })
+}
+
+/// The communicators of `spec`'s ranks by kind, each kind's groups as
+/// global ranks: the mesh's rows (shard) and columns (replicate) under
+/// HSDP, and the post-forward groups of `k` consecutive shard ranks.
+fn communicator_kinds(spec: &RunSpec) -> Vec<(&'static str, Vec<Vec<usize>>)> {
+    let n = spec.world;
+    let (r, s) = match spec.replicate.filter(|r| *r > 1) {
+        Some(r) => (r, n / r),
+        None => (1, n),
+    };
+    let rows: Vec<Vec<usize>> = (0..r).map(|row| (row * s..(row + 1) * s).collect()).collect();
+    let mut kinds = Vec::new();
+    if r > 1 {
+        kinds.push(("the mesh's replicate groups", (0..s).map(|c| (0..r).map(|row| row * s + c).collect()).collect()));
+        kinds.push(("the mesh's shard groups", rows.clone()));
+    }
+    if let chorus_fsdp::Reshard::To(k) = spec.fsdp.reshard_after_forward {
+        if k > 0 && k < s && s % k == 0 {
+            let blocks = rows.iter().flat_map(|row| row.chunks(k).map(|b| b.to_vec())).collect();
+            kinds.push(("the post-forward groups", blocks));
+        }
+    }
+    kinds
+}
+
+/// [`Ranks::Symmetric`]'s condition on the placement: within each kind of
+/// communicator, every group costs what the first does.
+fn check_placement(spec: &RunSpec, cost: &dyn CostModel) -> Result<(), PlanError> {
+    let head = |g: &[usize]| match g {
+        [a, .., b] => format!("ranks {a}..={b}"),
+        [a] => format!("rank {a}"),
+        [] => "no ranks".into(),
+    };
+    for (kind, groups) in communicator_kinds(spec) {
+        if let Some(g) = groups.iter().find(|g| !cost.prices_alike(&groups[0], g)) {
+            return Err(PlanError::Asymmetric(format!(
+                "{kind} sit differently on the nodes ({} of {} and {} of {} ranks): their collectives take different times",
+                head(&groups[0]),
+                groups[0].len(),
+                head(g),
+                g.len()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// A parameter's values in a plan: zeros, never materialised beyond one shard.
@@ -299,7 +448,11 @@ impl ShardSource for Zeros {
         let n = outer
             .checked_mul(rows.len())
             .and_then(|n| n.checked_mul(inner))
-            .ok_or_else(|| format!("rows {rows:?} of {:?} overflow", self.shape))?;
+            .filter(|n| n.saturating_mul(4) <= MAX_SHARD_BYTES)
+            .ok_or_else(|| {
+                format!("rows {rows:?} of {:?}: a shard above the planner's {MAX_SHARD_BYTES} bytes", self.shape)
+            })?;
+        // Zeroed pages: nothing is written, and the virtual device reads none of it.
         Ok(vec![0.0; n])
     }
 }
@@ -374,11 +527,13 @@ fn run_rank(
     let sharded_param_bytes = device.memory_stats().bytes_in_use;
     let mut opt = ShardedOptimizer::new(spec.optimizer);
     let (mut step_time_s, mut compute_busy_s, mut optimizer_state_bytes) = (0.0, 0.0, 0);
+    let mut host_issue_s = 0.0;
     let (mut gradient_bytes, mut host_gradient_bytes, mut host_step_s) = (0, 0, 0.0);
     for step in 0..spec.steps {
         let measured = step + 1 == spec.steps;
         let t0 = device.host_clock();
         let busy0 = fsdp.compute_stream().busy();
+        let issued0 = device.host_issue_seconds();
         device.set_tracing(measured && spec.trace_rank == Some(rank));
         for m in 0..spec.micro_batches {
             fsdp.set_requires_gradient_sync(m + 1 == spec.micro_batches);
@@ -413,6 +568,7 @@ fn run_rank(
         if measured {
             step_time_s = device.host_clock() - t0;
             compute_busy_s = fsdp.compute_stream().busy() - busy0;
+            host_issue_s = device.host_issue_seconds() - issued0;
         }
     }
     device.set_tracing(false);
@@ -431,6 +587,7 @@ fn run_rank(
         optimizer_state_bytes,
         step_time_s,
         compute_busy_s,
+        host_issue_s,
         collectives,
         trace: device.take_trace(),
     })
@@ -441,6 +598,14 @@ fn run_rank(
 fn gradients_freed(device: &VirtDevice, held: (usize, usize)) -> (usize, usize) {
     let now = (device.memory_stats().bytes_in_use, device.host_memory_stats().bytes_in_use);
     (held.0.saturating_sub(now.0), held.1.saturating_sub(now.1))
+}
+
+/// The host's own work for one of FSDP's hooks on one group ([`Issuer::Hook`]),
+/// besides the operations the hook issues.
+fn hook(device: &VirtDevice, hooks: usize) {
+    for _ in 0..hooks {
+        device.host_work(device.cost().host_cost(Issuer::Hook).issue_s);
+    }
 }
 
 /// One micro-batch: forward through the stages, backward in reverse, finalize.
@@ -454,6 +619,7 @@ fn micro_batch(
     let mut saved = Vec::with_capacity(stages.len());
     for s in stages {
         if runs[s.group] == 0 {
+            hook(device, 1);
             fsdp.pre_forward(s.group)?;
         }
         {
@@ -462,6 +628,7 @@ fn micro_batch(
                 fsdp.compute_stream().run_kernel(k);
             }
             for g in &s.inner {
+                hook(device, 2);
                 fsdp.forward(*g, |_| Ok(()))?;
             }
             saved.push(device.alloc_activation(s.work.saved_bytes)?);
@@ -469,15 +636,18 @@ fn micro_batch(
         runs[s.group] += 1;
         if runs[s.group] == stage_count[s.group] {
             runs[s.group] = 0;
+            hook(device, 1);
             fsdp.post_forward(s.group)?;
         }
     }
     let mut pending = stage_count.to_vec();
     for s in stages.iter().rev() {
+        hook(device, 1);
         fsdp.pre_backward(s.group)?;
         {
             let _transient = device.alloc_activation(s.work.transient_bytes)?;
             for g in s.inner.iter().rev() {
+                hook(device, 2);
                 fsdp.backward(*g, |_| Ok(()))?;
             }
             for k in &s.work.backward {
@@ -487,8 +657,10 @@ fn micro_batch(
         }
         pending[s.group] -= 1;
         if pending[s.group] == 0 {
+            hook(device, 1);
             fsdp.post_backward(s.group)?;
         }
     }
+    hook(device, 1);
     fsdp.finalize_backward()
 }

@@ -88,7 +88,7 @@ fn small_messages_pay_the_latency_floor_and_trees_win_at_scale() {
 fn gpu_kinds_price_kernels_from_their_constants() {
     let m = cost_model("h100-sxm", 8).expect("known");
     assert_eq!(m.peak_flops(), Some(989e12));
-    let gemm = KernelCost { name: "mm".into(), kind: KernelKind::Gemm, flops: 1e15, bytes: 1e6 };
+    let gemm = KernelCost::new("mm", KernelKind::Gemm, 1e15, 1e6);
     // Every kernel's roofline time is divided by eager PyTorch's efficiency.
     let eager = chorus_plan::gpu::EAGER_EFFICIENCY;
     assert!(close(m.kernel_seconds(&gemm), 1e15 / (989e12 * 0.801) / eager));

@@ -6,7 +6,7 @@ use chorus_plan::cost::{CollectiveShape, CostModel, KernelCost, KernelKind};
 use chorus_plan::cpu_model::{CpuModel, CACHE_BYTES, ONE_THREAD, SIM_BUSBW, SIM_CALL_S, TWO_THREADS};
 
 fn kernel(kind: KernelKind, flops: f64, bytes: f64) -> KernelCost {
-    KernelCost { name: "k".into(), kind, flops, bytes }
+    KernelCost::new("k", kind, flops, bytes)
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! torchtitan's FLOPs per token, what recomputation adds, the bytes each
 //! recompute mode keeps, and the 8B Llama's parameter count.
 
-use chorus_plan::cost::KernelKind;
+use chorus_plan::cost::{KernelCost, KernelKind, KernelOp};
 use chorus_plan::decoder_cost::{decoder_work, decoder_work_for, matmul_param_count, param_count, Framework};
 use chorus_plan::workload::{DecoderKind, DecoderShape, RecomputeMode, StageWork};
 
@@ -74,7 +74,7 @@ fn forward_gemm_flops_are_twice_the_matmul_parameters_per_token() {
     ] {
         let n = (shape.layers * per_layer + shape.vocab * shape.d_model) as f64;
         let (b, s) = (2, 12);
-        for fw in [Framework::TorchEager, Framework::Candle] {
+        for fw in [Framework::TorchEager, Framework::Candle, Framework::Chorus] {
             let stages = decoder_work_for(fw, &shape, b, s, 2, RecomputeMode::None);
             let tokens = (b * s) as f64;
             assert_eq!(flops(&stages, false, &[KernelKind::Gemm]) / tokens, 2.0 * n, "{fw:?} {:?}", shape.kind);
@@ -196,4 +196,96 @@ fn zero_sizes_give_no_work_and_no_panic() {
     let stages = decoder_work(&shape, 0, 0, 2, RecomputeMode::Selective);
     assert_eq!(stages.len(), shape.layers + 2);
     assert_eq!(total(&stages), 0.0);
+}
+
+/// chorus's fused kernels (`Framework::Chorus`) on the tiny GQA Llama in
+/// bf16, 2 × 12 tokens: one kernel each way per norm, rotation, attention,
+/// SwiGLU and loss; attention's FLOPs `4·B·H·S²·Dh` counted (the kernel does
+/// the causal half) and 2.5 times that backward, reading the grouped keys
+/// and values where they are (no repeat, no `S × S` buffer); candle's
+/// gradient store two kernels per differentiable input; what the graph
+/// keeps, closed form.
+#[test]
+fn chorus_kernels_one_fused_kernel_per_op() {
+    let shape = tiny_llama();
+    let (b, s, c) = (2.0, 12.0, 2.0);
+    let (t, d, f, v) = (b * s, 64.0, 96.0, 50.0);
+    let (dq, dkv, h) = (64.0, 32.0, 4.0);
+    let stages = decoder_work_for(Framework::Chorus, &shape, 2, 12, 2, RecomputeMode::None);
+    let layer = &stages[1];
+    let ops = |ks: &[KernelCost], op| ks.iter().filter(|k| k.op == op).count();
+    for (op, back, n) in [
+        (KernelOp::RmsNorm, KernelOp::RmsNormBackward, 2),
+        (KernelOp::Rope, KernelOp::RopeBackward, 2),
+        (KernelOp::Attention, KernelOp::AttentionBackward, 1),
+        (KernelOp::Swiglu, KernelOp::SwigluBackward, 1),
+    ] {
+        assert_eq!((ops(&layer.forward, op), ops(&layer.backward, back)), (n, n), "{op:?}");
+    }
+    assert_eq!(ops(&layer.forward, KernelOp::Gemm), 7);
+    // Forward: the GEMMs, the fused ops and the two residual sums; nothing else.
+    assert_eq!(layer.forward.len(), 7 + 2 + 2 + 1 + 1 + 2);
+    assert!(!layer.forward.iter().any(|k| k.name.contains("repeat") || k.name.contains("transpose")));
+    let attn = layer.forward.iter().find(|k| k.op == KernelOp::Attention).unwrap();
+    assert_eq!(attn.flops, 4.0 * b * h * s * s * (dq / h));
+    let attn_back = layer.backward.iter().find(|k| k.op == KernelOp::AttentionBackward).unwrap();
+    assert_eq!(attn_back.flops, 2.5 * attn.flops);
+    let lse = b * h * s * 4.0;
+    assert_eq!(attn.bytes, (2.0 * dq + 2.0 * dkv) * t * c + lse);
+    // Backward: each op's kernel(s), and a zeros and an add per differentiable input.
+    let inputs = 7 * 2 + 2 * 2 + 2 + 3 + 2 + 2 * 2;
+    assert_eq!(layer.backward.len(), 7 * 2 + 2 + 2 + 1 + 1 + 2 * inputs);
+    assert_eq!(layer.backward.iter().filter(|k| k.name.ends_with(".grad.zeros")).count(), inputs);
+    assert!(layer.backward.iter().chain(&layer.forward).all(|k| k.issues == 1));
+    // candle's graph keeps every op's output and attention's log-sum-exp;
+    // the layer's input is kept as the stage's.
+    let x = t * d * c;
+    let kept = x // the input
+        + 2.0 * x // the two norms' outputs
+        + (dq + 2.0 * dkv) * t * c // q, k, v
+        + (dq + dkv) * t * c // the rotated q and k
+        + dq * t * c + lse // attention's output and log-sum-exp
+        + x // the output projection
+        + x // the first residual sum
+        + 2.0 * f * t * c // gate and up
+        + f * t * c // SwiGLU
+        + x; // down
+    assert_eq!(layer.saved_bytes, kept as u64);
+    // The loss: fused, one kernel each way, no f32 copy of the logits; it keeps a log-sum-exp per token.
+    let head = stages.last().unwrap();
+    assert_eq!(ops(&head.forward, KernelOp::CrossEntropy), 1);
+    assert!(!head.forward.iter().any(|k| k.name.contains("to_f32") || k.name.contains("log_softmax")));
+    let logits = t * v * c;
+    assert_eq!(head.saved_bytes, (x + x + logits + t * 4.0) as u64);
+    // The gradient in flight, the one being written and the store's zeros:
+    // three of the stage's largest activation (here the norm's output).
+    assert_eq!(head.transient_bytes, (3.0 * logits.max(x)) as u64);
+}
+
+#[test]
+fn chorus_kernels_keep_no_score_matrix() {
+    // Four times the sequence at a quarter of the batch: the same tokens.
+    // Materialised scores grow with the sequence; chorus's attention keeps
+    // a log-sum-exp per query, the same.
+    let shape = tiny_llama();
+    let saved = |fw, b, s| decoder_work_for(fw, &shape, b, s, 2, RecomputeMode::None)[1].saved_bytes;
+    assert_eq!(saved(Framework::Chorus, 8, 16), saved(Framework::Chorus, 2, 64));
+    assert!(saved(Framework::Candle, 2, 64) > saved(Framework::Candle, 8, 16));
+}
+
+/// candle's composed ops list one backward kernel per op; the host issues
+/// it with its gradient store's two ops per differentiable input.
+#[test]
+fn candles_backward_is_issued_with_its_gradient_store() {
+    let stages = decoder_work_for(Framework::Candle, &tiny_llama(), 2, 12, 4, RecomputeMode::None);
+    let layer = &stages[1];
+    assert!(layer.forward.iter().all(|k| k.issues == 1));
+    let issues = |name: &str| layer.backward.iter().find(|k| k.name == name).unwrap().issues;
+    // A GEMM's two kernels each carry one input's store: the activation's, the weight's.
+    assert_eq!((issues("attn.q.dgrad"), issues("attn.q.wgrad")), (3, 3));
+    // One input (an exp), two (a product).
+    assert_eq!((issues("attn.softmax.exp.backward"), issues("mlp.mul.backward")), (3, 5));
+    // PyTorch's autograd has no such store.
+    let torch = decoder_work_for(Framework::TorchEager, &tiny_llama(), 2, 12, 4, RecomputeMode::None);
+    assert!(torch.iter().flat_map(|s| s.forward.iter().chain(&s.backward)).all(|k| k.issues == 1));
 }

@@ -24,12 +24,21 @@ struct HostModel {
     flops: f64,
     model: HostCost,
     fsdp: HostCost,
+    hook: HostCost,
+    collective: HostCost,
     fsdp_calls: AtomicUsize,
 }
 
 impl HostModel {
     fn new(model: HostCost, fsdp: HostCost) -> Arc<HostModel> {
-        Arc::new(HostModel { flops: 1e12, model, fsdp, fsdp_calls: AtomicUsize::new(0) })
+        Arc::new(HostModel {
+            flops: 1e12,
+            model,
+            fsdp,
+            hook: HostCost::default(),
+            collective: HostCost::default(),
+            fsdp_calls: AtomicUsize::new(0),
+        })
     }
     fn rates(&self) -> ConstantRates {
         ConstantRates {
@@ -58,26 +67,40 @@ impl CostModel for HostModel {
     fn host_cost(&self, issuer: Issuer) -> HostCost {
         match issuer {
             Issuer::Model => self.model,
-            Issuer::Fsdp => {
+            Issuer::Fsdp | Issuer::Optimizer => {
                 self.fsdp_calls.fetch_add(1, Ordering::Relaxed);
                 self.fsdp
             }
-            Issuer::Collective => HostCost::default(),
+            Issuer::Hook => self.hook,
+            Issuer::Collective => self.collective,
+            Issuer::CopyPiece => HostCost::default(),
         }
     }
 }
 
-fn model() -> ModelSpec {
+fn model_issuing(issues: u32) -> ModelSpec {
     let g = |name: &str, root| GroupSpec { name: name.into(), params: vec![(format!("{name}.w"), vec![8, 8])], root };
     let mut groups = vec![g("root", true)];
     groups.extend((0..LAYERS).map(|i| g(&format!("layers.{i}"), false)));
-    ModelSpec::decoder(groups, 0, 0, common::decoder_work(LAYERS, FLOPS, 1 << 10)).unwrap()
+    let mut work = common::decoder_work(LAYERS, FLOPS, 1 << 10);
+    for k in work.iter_mut().flat_map(|s| s.forward.iter_mut().chain(s.backward.iter_mut())) {
+        k.issues = issues;
+    }
+    ModelSpec::decoder(groups, 0, 0, work).unwrap()
+}
+
+fn model() -> ModelSpec {
+    model_issuing(1)
 }
 
 /// Rank 0's measured step (the second of `steps`) with `cost`.
+fn rank0(model: &ModelSpec, cost: Arc<HostModel>, steps: usize) -> chorus_plan::run::RankPlan {
+    let plan = run(model, &RunSpec::new(1, steps), cost).unwrap();
+    plan.ranks[0].clone().unwrap()
+}
+
 fn step(cost: Arc<HostModel>, steps: usize) -> f64 {
-    let plan = run(&model(), &RunSpec::new(1, steps), cost).unwrap();
-    plan.ranks[0].as_ref().unwrap().step_time_s
+    rank0(&model(), cost, steps).step_time_s
 }
 
 fn close(a: f64, b: f64) -> bool {
@@ -108,6 +131,49 @@ fn a_host_that_runs_the_kernels_adds_its_issue_time_to_each() {
     assert!(close(t, KERNEL_TIME + c), "{t} vs {}", KERNEL_TIME + c);
 }
 
+/// A GPU whose host issues each kernel in more time than the kernel runs:
+/// every kernel waits for its issue, the stream idles between them, and the
+/// step is the host's issue time and the last kernel (the embedding's
+/// backward, 2 ms). An operation issued `issues` times costs that many issues.
+#[test]
+fn a_host_slower_than_the_gpu_makes_the_step_its_issue_time() {
+    let c = 5e-3;
+    let kernels = 2.0 * STAGES;
+    for issues in [1, 3] {
+        let queued = HostModel::new(HostCost { issue_s: c, runs_on_host: false }, HostCost::default());
+        let p = rank0(&model_issuing(issues), queued, 2);
+        let issued = kernels * issues as f64 * c;
+        assert!(close(p.host_issue_s, issued), "{} vs {issued}", p.host_issue_s);
+        let expected = issued + 2.0 * FLOPS / 1e12;
+        assert!(close(p.step_time_s, expected), "{issues} issues: {} vs {expected}", p.step_time_s);
+        assert!(close(p.compute_busy_s, KERNEL_TIME) && p.host_issue_s > p.compute_busy_s, "{p:?}");
+    }
+}
+
+/// FSDP's hooks cost their own host time, each call: per micro-batch the
+/// root's pre-forward and post-forward, each layer's pre- and
+/// post-forward and pre- and post-backward, the root's pre-backward at
+/// the head and at the embedding and its post-backward, and
+/// `finalize_backward`: 4 · layers + 6. Collectives cost theirs per call.
+#[test]
+fn hooks_and_collectives_cost_the_host_per_call() {
+    let h = 7e-6;
+    let mut hooks = HostModel::new(HostCost::default(), HostCost::default());
+    Arc::get_mut(&mut hooks).unwrap().hook = HostCost { issue_s: h, runs_on_host: false };
+    let p = rank0(&model(), hooks, 2);
+    let expected = (4 * LAYERS + 6) as f64 * h;
+    assert!(close(p.host_issue_s, expected), "{} vs {expected}", p.host_issue_s);
+    let c = 11e-6;
+    let calls =
+        |steps| rank0(&model(), HostModel::new(HostCost::default(), HostCost::default()), steps).collectives.len();
+    let per_step = (calls(2) - calls(1)) as f64;
+    assert!(per_step > 0.0);
+    let mut collectives = HostModel::new(HostCost::default(), HostCost::default());
+    Arc::get_mut(&mut collectives).unwrap().collective = HostCost { issue_s: c, runs_on_host: false };
+    let p = rank0(&model(), collectives, 2);
+    assert!(close(p.host_issue_s, per_step * c), "{} vs {per_step} × {c}", p.host_issue_s);
+}
+
 #[test]
 fn fsdp_issue_time_adds_once_per_operation_it_issues() {
     let f = 3e-6;
@@ -133,9 +199,14 @@ fn the_cpu_model_runs_the_models_kernels_on_the_host() {
     // One rank has a core for its streams; two ranks on two cores do not.
     assert!(!one.host_cost(Issuer::Fsdp).runs_on_host);
     assert!(CpuModel::for_ranks(2).host_cost(Issuer::Collective).runs_on_host);
-    // The GPU models keep the default.
+    // A batched copy is one job on the cpu device; its hooks cost what their operations cost.
+    assert_eq!(one.host_cost(Issuer::CopyPiece), HostCost::default());
+    assert_eq!(one.host_cost(Issuer::Hook), HostCost::default());
+    assert_eq!(one.host_cost(Issuer::Optimizer), one.host_cost(Issuer::Fsdp));
+    // The PyTorch GPU model keeps the default.
     let gpu = chorus_plan::gpu::cost_model("h100-sxm", 8).unwrap();
-    for issuer in [Issuer::Model, Issuer::Fsdp, Issuer::Collective] {
+    for issuer in [Issuer::Model, Issuer::Fsdp, Issuer::CopyPiece, Issuer::Optimizer, Issuer::Hook, Issuer::Collective]
+    {
         assert_eq!(gpu.host_cost(issuer), HostCost::default());
     }
 }

@@ -8,8 +8,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use chorus_devices::DType;
-use chorus_fsdp::{FsdpConfig, MixedPrecision, OptimizerKind};
+use chorus_fsdp::OptimizerKind;
 use chorus_plan::run::{run, GroupSpec, ModelSpec, RunSpec};
 use chorus_train::models::llama::config::LlamaConfig;
 use chorus_train::models::llama::groups;
@@ -29,15 +28,7 @@ fn plan(gpus: usize) -> Duration {
 
 fn plan_steps(gpus: usize, steps: usize) -> Duration {
     let spec = RunSpec {
-        fsdp: FsdpConfig {
-            mixed_precision: MixedPrecision {
-                param_dtype: Some(DType::BF16),
-                reduce_dtype: Some(DType::F32),
-                output_dtype: None,
-                all_gather_dtype: None,
-            },
-            ..FsdpConfig::default()
-        },
+        fsdp: common::bf16_f32(),
         optimizer: OptimizerKind::adamw(1e-3, 0.1),
         max_grad_norm: Some(1.0),
         kernels_reach_host: false,

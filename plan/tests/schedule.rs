@@ -43,7 +43,7 @@ fn moe(routed: bool) -> ModelSpec {
         ]
     });
     let routed = if routed { vec![(1, (2..2 + EXPERTS).collect())] } else { Vec::new() };
-    ModelSpec { groups, stages_of, routed }
+    ModelSpec { groups, stages_of, routed, same_on_every_rank: false }
 }
 
 fn spec(world: usize) -> RunSpec {

@@ -4,6 +4,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use chorus_plan::cost::KernelKind;
+use chorus_plan::kernel_rates::KernelRates;
 use chorus_plan::run::{PlanRun, RankPlan, FSDP_STREAMS};
 use chorus_plan::schedule::first_divergence;
 use chorus_plan::virt::comm::{CollectiveRecord, Divergence};
@@ -50,18 +51,40 @@ pub struct Plan {
     pub gpu: String,
     /// The activation checkpointing mode.
     pub recompute: chorus_plan::workload::RecomputeMode,
-    /// The measured step's time (the slowest rank's), seconds.
-    pub step_time_s: f64,
-    /// Tokens per second per GPU.
-    pub tokens_per_s_per_gpu: f64,
-    /// Model FLOPs utilisation (None for a device without a peak).
+    /// Whose kernels were priced: `torch`, `candle` or `chorus`.
+    pub kernels: String,
+    /// The kernel-rates file that priced them (chorus's trainer on a GPU): its GPU and date.
+    pub kernel_rates: Option<String>,
+    /// The ranks run; every other mirrors one of them (`chorus_plan::run::Ranks`).
+    pub ranks_run: Vec<usize>,
+    /// Whether the largest rank's device memory fits the GPU's (None on the cpu device).
+    pub fits: Option<bool>,
+    /// The GPU's memory, bytes (nvidia-smi's total).
+    pub gpu_memory_bytes: Option<u64>,
+    /// What the process holds beside its tensors (CUDA's context, cuBLAS's
+    /// workspace, loaded kernels; from the kernel rates; 0 otherwise).
+    pub runtime_memory_bytes: u64,
+    /// What nvidia-smi would show at the peak: `peak_memory_bytes` plus
+    /// the runtime's for chorus's trainer, PyTorch's reserved estimate for
+    /// `--kernels torch`; None on the cpu device.
+    pub gpu_memory_used_bytes_estimate: Option<u64>,
+    /// The measured step's time (the slowest rank's), seconds; None when it does not fit.
+    pub step_time_s: Option<f64>,
+    /// Tokens per second per GPU; None when it does not fit.
+    pub tokens_per_s_per_gpu: Option<f64>,
+    /// Model FLOPs utilisation (None for a device without a peak, or when it does not fit).
     pub mfu: Option<f64>,
+    /// Seconds of the step the host spends issuing operations (the largest rank's).
+    pub host_issue_s: f64,
+    /// Whether the host issues for longer than the compute stream runs: the step is host-bound.
+    pub host_bound: bool,
     /// The largest rank's device peak, everything counted.
     pub peak_memory_bytes: usize,
     /// The largest rank's FSDP-managed peak (comparable to `chorus train`'s `peak_memory_bytes`).
     pub fsdp_peak_memory_bytes: usize,
     /// What PyTorch's caching allocator would reserve for `peak_memory_bytes`
-    /// (the figure torchtitan reports; `chorus_plan::gpu::RESERVED_OVER_ALLOCATED`); None on the cpu device.
+    /// (the figure torchtitan reports; `chorus_plan::gpu::RESERVED_OVER_ALLOCATED`):
+    /// `--kernels torch` on a GPU only.
     pub peak_reserved_bytes_estimate: Option<u64>,
     /// The host space's peak (offload).
     pub host_peak_memory_bytes: usize,
@@ -74,7 +97,7 @@ pub struct Plan {
     pub breakdown: Breakdown,
     /// Seconds of the step in which the compute stream waited (communication not hidden).
     pub exposed_communication_s: f64,
-    /// Each rank's sequence in short.
+    /// Each rank run's sequence in short.
     pub collectives: Vec<SequenceDigest>,
     /// Rank 0's sequence in full.
     pub rank0_collectives: Vec<CollectiveRecord>,
@@ -103,11 +126,18 @@ fn forward_flops(work: &[StageWork]) -> f64 {
 }
 
 impl Plan {
-    /// The plan of `run` for `args`; `work` is one micro-batch's, `peak_flops` the GPU's.
-    pub fn new(args: &PlanArgs, work: &[StageWork], peak_flops: Option<f64>, run: PlanRun) -> anyhow::Result<Plan> {
+    /// The plan of `run` for `args`; `work` is one micro-batch's, `peak_flops` the GPU's,
+    /// `rates` the kernel rates that priced it, if any.
+    pub fn new(
+        args: &PlanArgs,
+        work: &[StageWork],
+        peak_flops: Option<f64>,
+        rates: Option<&KernelRates>,
+        run: PlanRun,
+    ) -> anyhow::Result<Plan> {
         let mut ok: Vec<&RankPlan> = Vec::new();
         let mut failed_ranks = Vec::new();
-        for (rank, r) in run.ranks.iter().enumerate() {
+        for (&rank, r) in run.run_ranks.iter().zip(&run.ranks) {
             match r {
                 Ok(p) => ok.push(p),
                 Err(e) => failed_ranks.push((rank, e.clone())),
@@ -136,21 +166,46 @@ impl Plan {
             activations: max(|p| p.activation_peak_bytes),
         };
         let compute_busy = ok.iter().map(|p| p.compute_busy_s).fold(f64::INFINITY, f64::min);
+        let host_issue_s = ok.iter().map(|p| p.host_issue_s).fold(0.0, f64::max);
         let tokens = (args.batch * args.seq_len) as f64;
         let per_s = |x: f64| if step > 0.0 { x / step } else { 0.0 };
         // The model's FLOPs: forward, and backward at twice the forward (recomputation not counted).
         let model_flops = 3.0 * forward_flops(work) * args.micro_batches as f64;
+        let peak_memory_bytes = max(|p| p.peak_bytes);
+        let gpu_memory_bytes = chorus_plan::gpu::gpu_spec(&args.gpu).map(|s| s.memory_bytes);
+        let runtime_memory_bytes = rates.map_or(0, |r| r.runtime_bytes);
+        // PyTorch's caching allocator's estimate, for PyTorch's kernels only.
+        let reserved = chorus_plan::gpu::reserved_estimate(&args.gpu, peak_memory_bytes as u64)
+            .filter(|_| super::framework(args) == chorus_plan::decoder_cost::Framework::TorchEager);
+        // What must fit: the tensors, and chorus's runtime beside them. (For
+        // PyTorch the allocated peak: its allocator frees what it caches
+        // before it runs out, so its reserved estimate may pass the memory.)
+        let needed = peak_memory_bytes as u64 + runtime_memory_bytes;
+        let fits = gpu_memory_bytes.map(|m| needed <= m);
+        let fitting = |x: f64| (fits != Some(false)).then_some(x);
         Ok(Plan {
             model: format!("{:?}", args.model).to_lowercase(),
             gpus: args.gpus,
             gpu: args.gpu.clone(),
             recompute: super::recompute_mode(args.recompute),
-            step_time_s: step,
-            tokens_per_s_per_gpu: per_s(tokens),
-            mfu: peak_flops.filter(|p| *p > 0.0).map(|p| per_s(model_flops) / p),
-            peak_memory_bytes: max(|p| p.peak_bytes),
+            kernels: super::kernels_name(super::framework(args)).to_string(),
+            kernel_rates: rates.map(|r| format!("{}, measured {}", r.gpu, r.measured)),
+            ranks_run: run.run_ranks.clone(),
+            fits,
+            gpu_memory_bytes,
+            runtime_memory_bytes,
+            gpu_memory_used_bytes_estimate: match rates {
+                Some(_) => gpu_memory_bytes.map(|_| needed),
+                None => reserved,
+            },
+            step_time_s: fitting(step),
+            tokens_per_s_per_gpu: fitting(per_s(tokens)),
+            mfu: peak_flops.filter(|p| *p > 0.0).and_then(|p| fitting(per_s(model_flops) / p)),
+            host_issue_s,
+            host_bound: host_issue_s > compute_busy,
+            peak_memory_bytes,
             fsdp_peak_memory_bytes: max(|p| p.fsdp_peak_bytes),
-            peak_reserved_bytes_estimate: chorus_plan::gpu::reserved_estimate(&args.gpu, max(|p| p.peak_bytes) as u64),
+            peak_reserved_bytes_estimate: reserved,
             host_peak_memory_bytes: max(|p| p.host_peak_bytes),
             host_gradient_bytes: max(|p| p.host_gradient_bytes),
             host_optimizer_step_s: ok.iter().map(|p| p.host_step_s).fold(0.0, f64::max),
@@ -158,8 +213,8 @@ impl Plan {
             exposed_communication_s: (step - compute_busy).max(0.0),
             collectives: sequences
                 .iter()
-                .enumerate()
-                .map(|(rank, calls)| SequenceDigest { rank, calls: calls.len(), digest: digest(calls) })
+                .zip(&run.run_ranks)
+                .map(|(calls, &rank)| SequenceDigest { rank, calls: calls.len(), digest: digest(calls) })
                 .collect(),
             rank0_collectives: sequences.first().cloned().unwrap_or_default(),
             divergence,
@@ -173,7 +228,19 @@ impl Plan {
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         let b = &self.breakdown;
         let mut s = String::new();
-        let _ = writeln!(s, "chorus plan: {} on {} × {}", self.model, self.gpus, self.gpu);
+        let _ = writeln!(s, "chorus plan: {} on {} × {} ({} kernels)", self.model, self.gpus, self.gpu, self.kernels);
+        if let Some(r) = &self.kernel_rates {
+            let _ = writeln!(s, "kernel rates          {r}");
+        }
+        if self.ranks_run.len() < self.gpus {
+            let ranks: Vec<String> = self.ranks_run.iter().map(|r| r.to_string()).collect();
+            let _ = writeln!(
+                s,
+                "ranks run             {} (the other {} run the same program: each mirrors them)",
+                ranks.join(" and "),
+                self.gpus - self.ranks_run.len()
+            );
+        }
         let _ = writeln!(
             s,
             "peak memory per GPU   {:.3} GiB (FSDP-managed {:.3} GiB)",
@@ -182,6 +249,13 @@ impl Plan {
         );
         if let Some(r) = self.peak_reserved_bytes_estimate {
             let _ = writeln!(s, "  reserved (est.)     {:.3} GiB (PyTorch's caching allocator)", gib(r as usize));
+        }
+        if self.runtime_memory_bytes > 0 {
+            let _ = writeln!(
+                s,
+                "  runtime             {:.3} GiB (CUDA's context, cuBLAS, kernels: the kernel rates')",
+                gib(self.runtime_memory_bytes as usize)
+            );
         }
         let _ = writeln!(s, "  sharded params      {:.3} GiB", gib(b.sharded_params));
         let _ = writeln!(s, "  gradients           {:.3} GiB", gib(b.gradients));
@@ -192,14 +266,40 @@ impl Plan {
             let _ = writeln!(s, "host memory per GPU   {:.3} GiB", gib(self.host_peak_memory_bytes));
             let _ = writeln!(s, "  gradients           {:.3} GiB", gib(self.host_gradient_bytes));
         }
+        let needed = self.peak_memory_bytes as u64 + self.runtime_memory_bytes;
+        match (self.fits, self.gpu_memory_bytes) {
+            (Some(true), Some(m)) => {
+                let _ =
+                    writeln!(s, "fits                  yes: {:.3} of {:.3} GiB", gib(needed as usize), gib(m as usize));
+            }
+            (Some(false), Some(m)) => {
+                let _ = writeln!(
+                    s,
+                    "fits                  NO: DOES NOT FIT: {:.3} GiB needed, the GPU has {:.3} GiB (no step time for a step that cannot run)",
+                    gib(needed as usize),
+                    gib(m as usize)
+                );
+            }
+            _ => {}
+        }
         if self.host_optimizer_step_s > 0.0 {
             let _ = writeln!(s, "optimizer on the host {:.4} s per step", self.host_optimizer_step_s);
         }
-        let _ = writeln!(s, "step time             {:.4} s", self.step_time_s);
-        let _ = writeln!(s, "tokens/s per GPU      {:.1}", self.tokens_per_s_per_gpu);
-        match self.mfu {
-            Some(m) => drop(writeln!(s, "MFU                   {:.1} %", 100.0 * m)),
-            None => drop(writeln!(s, "MFU                   - (no peak FLOP/s for {})", self.gpu)),
+        if let Some(step) = self.step_time_s {
+            let _ = writeln!(s, "step time             {step:.4} s");
+        }
+        if let Some(t) = self.tokens_per_s_per_gpu {
+            let _ = writeln!(s, "tokens/s per GPU      {t:.1}");
+        }
+        match (self.mfu, self.fits) {
+            (_, Some(false)) => {}
+            (Some(m), _) => drop(writeln!(s, "MFU                   {:.1} %", 100.0 * m)),
+            (None, _) => drop(writeln!(s, "MFU                   - (no peak FLOP/s for {})", self.gpu)),
+        }
+        if self.host_issue_s > 0.0 {
+            let bound =
+                if self.host_bound { " (host-bound: the host issues for longer than the GPU computes)" } else { "" };
+            let _ = writeln!(s, "host issue time       {:.4} s per step{bound}", self.host_issue_s);
         }
         let _ = writeln!(s, "exposed communication {:.4} s per step", self.exposed_communication_s);
         match &self.divergence {

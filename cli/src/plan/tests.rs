@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use chorus_plan::constant::ConstantRates;
 use chorus_plan::cost::{KernelCost, KernelKind};
+use chorus_plan::kernel_rates::KernelRates;
 use chorus_plan::workload::StageWork;
 use clap::Parser;
 
@@ -19,6 +20,13 @@ fn args(line: &str) -> PlanArgs {
     Cli::try_parse_from(std::iter::once("plan").chain(line.split_whitespace())).unwrap().args
 }
 
+/// The plan of `line` with its own cost model and workload.
+fn planned(line: &str) -> Plan {
+    let a = args(line);
+    let m = model(&a).unwrap();
+    execute(&a, &m, cost_inputs(&a, &m.shape).unwrap()).unwrap()
+}
+
 fn usage_of(line: &str) -> String {
     match model(&args(line)) {
         Ok(_) => panic!("`{line}` was accepted"),
@@ -32,7 +40,7 @@ fn usage_of(line: &str) -> String {
 /// Embed, `layers` layers and head: a 1 GFLOP GEMM forward each, keeping 1 MiB.
 fn work(layers: usize) -> Vec<StageWork> {
     let stage = |name: String| {
-        let k = |f: f64| KernelCost { name: name.clone(), kind: KernelKind::Gemm, flops: f, bytes: 0.0 };
+        let k = |f: f64| KernelCost::new(name.clone(), KernelKind::Gemm, f, 0.0);
         StageWork {
             name: name.clone(),
             forward: vec![k(1e9)],
@@ -84,13 +92,14 @@ fn a_config_must_be_a_small_regular_file() {
 fn the_gpu_kinds_and_the_cpu_device_price_the_plan() {
     let a = args("--model llama --gpus 2 --gpu h100-sxm --batch 2 --seq-len 64");
     let m = model(&a).unwrap();
-    let (cost, work) = cost_inputs(&a, &m.shape).unwrap();
-    assert_eq!(cost.peak_flops(), Some(989e12));
+    let priced = cost_inputs(&a, &m.shape).unwrap();
+    assert_eq!(priced.cost.peak_flops(), Some(989e12));
     // embed, one stage per layer (2 by default), head.
-    assert_eq!(work.len(), m.shape.layers + 2);
-    let plan = execute(&a, &m, cost, work).unwrap();
+    assert_eq!(priced.work.len(), m.shape.layers + 2);
+    let plan = execute(&a, &m, priced).unwrap();
     let mfu = plan.mfu.unwrap();
-    assert!(plan.step_time_s > 0.0 && mfu > 0.0 && mfu < 1.0, "{mfu}");
+    assert!(plan.step_time_s.unwrap() > 0.0 && mfu > 0.0 && mfu < 1.0, "{mfu}");
+    assert_eq!((plan.fits, plan.gpu_memory_bytes), (Some(true), Some(81_559 << 20)));
     let reserved = plan.peak_reserved_bytes_estimate.unwrap();
     let expected = plan.peak_memory_bytes as f64 * chorus_plan::gpu::RESERVED_OVER_ALLOCATED;
     assert_eq!(reserved, expected as u64);
@@ -98,10 +107,9 @@ fn the_gpu_kinds_and_the_cpu_device_price_the_plan() {
     // The cpu device: no peak to take a utilisation of, no caching-allocator estimate.
     let a = args("--model gpt --gpus 2 --gpu cpu --batch 2 --seq-len 16");
     let m = model(&a).unwrap();
-    let (cost, work) = cost_inputs(&a, &m.shape).unwrap();
-    let plan = execute(&a, &m, cost, work).unwrap();
-    assert!(plan.step_time_s > 0.0);
-    assert_eq!((plan.mfu, plan.peak_reserved_bytes_estimate), (None, None));
+    let plan = execute(&a, &m, cost_inputs(&a, &m.shape).unwrap()).unwrap();
+    assert!(plan.step_time_s.unwrap() > 0.0);
+    assert_eq!((plan.mfu, plan.peak_reserved_bytes_estimate, plan.fits), (None, None, None));
 
     let e = run_cli(&args("--gpus 2 --gpu tpu-v9")).unwrap_err();
     assert!(e.downcast_ref::<UsageError>().is_some() && e.to_string().contains("unknown --gpu"), "{e:#}");
@@ -112,18 +120,21 @@ fn a_plan_reports_throughput_and_mfu_from_its_step_and_writes_its_outputs() {
     let a = args("--model gpt --gpus 4 --layers 2 --d-model 16 --heads 2 --batch 2 --seq-len 8");
     let m = model(&a).unwrap();
     let rates = ConstantRates::round();
-    let plan = execute(&a, &m, Arc::new(rates), work(2)).unwrap();
-    assert!(plan.step_time_s > 0.0);
+    let plan = execute(&a, &m, Priced { cost: Arc::new(rates), work: work(2), rates: None }).unwrap();
+    let step = plan.step_time_s.unwrap();
+    assert!(step > 0.0);
     assert_eq!(plan.divergence, None);
     // 2 sequences of 8 tokens per GPU per step.
-    assert!((plan.tokens_per_s_per_gpu - 16.0 / plan.step_time_s).abs() < 1e-9 * plan.tokens_per_s_per_gpu);
+    let tokens = plan.tokens_per_s_per_gpu.unwrap();
+    assert!((tokens - 16.0 / step).abs() < 1e-9 * tokens);
     // Four stages of 1 GFLOP forward, times three for the backward, against 1 TFLOP/s.
-    let mfu = 12e9 / plan.step_time_s / 1e12;
+    let mfu = 12e9 / step / 1e12;
     assert!((plan.mfu.unwrap() - mfu).abs() < 1e-12, "{:?} vs {mfu}", plan.mfu);
     // The compute stream is busy 12 ms per step at least; the rest is exposed communication.
-    assert!(plan.step_time_s >= 12e-3 && plan.exposed_communication_s < plan.step_time_s);
+    assert!(step >= 12e-3 && plan.exposed_communication_s < step);
     assert!(plan.peak_memory_bytes >= plan.fsdp_peak_memory_bytes + (1 << 20));
-    assert_eq!(plan.collectives.len(), 4);
+    // Two of the four ranks run (the first and the last); the others mirror them.
+    assert_eq!((plan.ranks_run.clone(), plan.collectives.len()), (vec![0, 3], 2));
     assert!(plan.collectives.iter().all(|c| c.digest == plan.collectives[0].digest && c.calls > 0));
 
     let dir = std::env::temp_dir().join(format!("chorus-plan-out-{}", std::process::id()));
@@ -162,7 +173,7 @@ fn kernels_picks_whose_workload_is_priced() {
     ] {
         let a = args(&format!("{line} --seq-len 64"));
         let m = model(&a).unwrap();
-        let (_, work) = cost_inputs(&a, &m.shape).unwrap();
+        let work = cost_inputs(&a, &m.shape).unwrap().work;
         assert_eq!(work, decoder_work_for(framework, &m.shape, 8, 64, 4, RecomputeMode::Full), "{line}");
     }
     // The two workloads differ where they should: candle keeps the attention scores.
@@ -206,12 +217,7 @@ fn the_new_flags_refuse_what_they_cannot_plan() {
 #[test]
 fn an_offloaded_gpu_plan_holds_the_state_in_host_memory_and_steps_there() {
     let line = "--model llama --gpus 2 --gpu h100-sxm --batch 2 --seq-len 64 --optimizer adamw";
-    let plan = |extra: &str| {
-        let a = args(&format!("{line} {extra}"));
-        let m = model(&a).unwrap();
-        let (cost, work) = cost_inputs(&a, &m.shape).unwrap();
-        execute(&a, &m, cost, work).unwrap()
-    };
+    let plan = |extra: &str| planned(&format!("{line} {extra}"));
     let (on, off) = (plan("--offload"), plan(""));
     let b = &off.breakdown;
     // f32 masters and f32 gradients: the same padded shards, measured apart.
@@ -226,8 +232,8 @@ fn an_offloaded_gpu_plan_holds_the_state_in_host_memory_and_steps_there() {
     let expected = 7.0 * b.sharded_params as f64 / chorus_plan::run::HOST_STEP_BYTES_PER_S;
     assert!((on.host_optimizer_step_s - expected).abs() <= 1e-12 * expected, "{}", on.host_optimizer_step_s);
     assert!(
-        on.step_time_s > expected,
-        "{} s, {} s without offload, {expected} s on the host",
+        on.step_time_s.unwrap() > expected,
+        "{:?} s, {:?} s without offload, {expected} s on the host",
         on.step_time_s,
         off.step_time_s
     );
@@ -243,17 +249,7 @@ fn cpu_rates_come_from_a_small_regular_file_of_good_numbers() {
     std::fs::create_dir_all(&dir).unwrap();
     let line =
         |file: &std::path::Path, gpu: &str| format!("--model gpt --gpus 2 --gpu {gpu} --cpu-rates {}", file.display());
-    let refused = |line: String| -> String {
-        let a = args(&line);
-        let m = model(&a).unwrap();
-        match cost_inputs(&a, &m.shape) {
-            Ok(_) => panic!("`{line}` was accepted"),
-            Err(e) => {
-                assert!(e.downcast_ref::<UsageError>().is_some(), "not a usage error: {e:#}");
-                e.to_string()
-            }
-        }
-    };
+    let refused = |line: String| refused_pricing(&line);
     assert!(refused(line(&dir, "cpu")).contains("not a regular file"));
     assert!(refused(line(&dir.join("absent.json"), "cpu")).contains("--cpu-rates"));
     let big = dir.join("big.json");
@@ -274,11 +270,140 @@ fn cpu_rates_come_from_a_small_regular_file_of_good_numbers() {
     let step = |line: &str| {
         let a = args(line);
         let m = model(&a).unwrap();
-        let (cost, work) = cost_inputs(&a, &m.shape).unwrap();
-        execute(&a, &m, cost, work).unwrap().step_time_s
+        execute(&a, &m, cost_inputs(&a, &m.shape).unwrap()).unwrap().step_time_s.unwrap()
     };
     let slower = step(&line(&good, "cpu"));
     let frozen = step("--model gpt --gpus 2 --gpu cpu");
     assert!(slower > frozen && frozen > 0.0, "{slower} vs {frozen}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A file in a fresh temporary directory of this test's own.
+fn temp(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("chorus-plan-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn refused_pricing(line: &str) -> String {
+    let a = args(line);
+    let m = model(&a).unwrap();
+    match cost_inputs(&a, &m.shape) {
+        Ok(_) => panic!("`{line}` was accepted"),
+        Err(e) => {
+            assert!(e.downcast_ref::<UsageError>().is_some(), "not a usage error: {e:#}");
+            e.to_string()
+        }
+    }
+}
+
+#[test]
+fn chorus_kernels_are_priced_from_kernel_rates_with_the_host() {
+    // chorus's trainer on an H200: the shipped rates, the host's issue time, the runtime's memory.
+    let line = "--model llama --gpus 1 --gpu h200 --batch 8 --seq-len 256 --param-dtype bf16";
+    let plan_of = |extra: &str| planned(&format!("{line} {extra}"));
+    let chorus = plan_of("--kernels chorus");
+    let shipped = KernelRates::default_for("h200").unwrap();
+    assert_eq!(chorus.kernels, "chorus");
+    assert_eq!(
+        chorus.kernel_rates.as_deref(),
+        Some(format!("{}, measured {}", shipped.gpu, shipped.measured).as_str())
+    );
+    assert_eq!(chorus.runtime_memory_bytes, shipped.runtime_bytes);
+    assert_eq!(chorus.gpu_memory_used_bytes_estimate, Some(chorus.peak_memory_bytes as u64 + shipped.runtime_bytes));
+    assert!(chorus.host_issue_s > 0.0 && chorus.peak_reserved_bytes_estimate.is_none());
+    // candle's composed ops issue more and keep the attention scores.
+    let candle = plan_of("--kernels candle");
+    assert!(candle.host_issue_s > chorus.host_issue_s && candle.peak_memory_bytes > chorus.peak_memory_bytes);
+    // PyTorch's model has no host and keeps its caching allocator's estimate.
+    let torch = plan_of("--kernels torch");
+    assert_eq!((torch.host_issue_s, torch.runtime_memory_bytes, torch.kernel_rates.clone()), (0.0, 0, None));
+    assert_eq!(torch.gpu_memory_used_bytes_estimate, torch.peak_reserved_bytes_estimate);
+    // A host ten times slower per operation: the step is the host's.
+    let dir = temp("slow-host");
+    let mut slow = shipped.clone();
+    slow.host.model_op_us *= 10.0;
+    let file = dir.join("slow.json");
+    std::fs::write(&file, serde_json::to_string(&slow).unwrap()).unwrap();
+    let slow = plan_of(&format!("--kernels chorus --kernel-rates {}", file.display()));
+    assert!(slow.host_bound && slow.step_time_s.unwrap() > 5.0 * chorus.step_time_s.unwrap());
+    assert!(slow.text().contains("host-bound"), "{}", slow.text());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn kernel_rates_come_from_a_small_regular_file_of_good_numbers_for_a_gpu() {
+    let dir = temp("kernel-rates");
+    let line = |file: &std::path::Path, rest: &str| format!("--gpus 2 --kernel-rates {} {rest}", file.display());
+    let gpu = "--gpu h100-sxm --kernels chorus";
+    assert!(refused_pricing(&line(&dir, gpu)).contains("not a regular file"));
+    assert!(refused_pricing(&line(&dir.join("absent.json"), gpu)).contains("--kernel-rates"));
+    let big = dir.join("big.json");
+    std::fs::write(&big, vec![b' '; (chorus_plan::kernel_rates::MAX_FILE_BYTES + 1) as usize]).unwrap();
+    assert!(refused_pricing(&line(&big, gpu)).contains("more than"));
+    let bad = dir.join("bad.json");
+    let mut v = serde_json::to_value(KernelRates::default_for("h100-sxm").unwrap()).unwrap();
+    v["kernels"]["attention"]["tflop_per_s"] = (-1.0).into();
+    std::fs::write(&bad, v.to_string()).unwrap();
+    assert!(refused_pricing(&line(&bad, gpu)).contains("kernels.attention.tflop_per_s"));
+    // A good file, but for PyTorch's kernels or the cpu device: refused.
+    let good = dir.join("good.json");
+    std::fs::write(&good, serde_json::to_string(&KernelRates::default_for("h100-sxm").unwrap()).unwrap()).unwrap();
+    for rest in ["--gpu h100-sxm", "--gpu h100-sxm --kernels torch", "--gpu cpu --kernels candle"] {
+        assert!(refused_pricing(&line(&good, rest)).contains("--kernel-rates prices chorus's trainer"), "{rest}");
+    }
+    // No file shipped for the A100: it must be given.
+    assert!(refused_pricing("--gpus 2 --gpu a100-80gb --kernels candle").contains("--kernel-rates FILE"));
+    let a = args(&line(&good, "--gpu a100-80gb --kernels candle"));
+    let m = model(&a).unwrap();
+    assert!(execute(&a, &m, cost_inputs(&a, &m.shape).unwrap()).unwrap().step_time_s.unwrap() > 0.0);
+    assert!(refused_pricing("--gpus 2 --gpu cpu --kernels chorus").contains("candle's kernels only"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_plan_that_does_not_fit_says_so_and_fails() {
+    // The probe's case: 16 Mi tokens of sequence on an 80 GB GPU.
+    let a = args("--gpus 1 --seq-len 16777216");
+    let m = model(&a).unwrap();
+    let plan = execute(&a, &m, cost_inputs(&a, &m.shape).unwrap()).unwrap();
+    assert_eq!(plan.fits, Some(false));
+    assert!(plan.peak_memory_bytes as u64 > plan.gpu_memory_bytes.unwrap());
+    assert_eq!((plan.step_time_s, plan.tokens_per_s_per_gpu, plan.mfu), (None, None, None));
+    let text = plan.text();
+    assert!(text.contains("DOES NOT FIT") && !text.contains("tokens/s") && !text.contains("MFU"), "{text}");
+    let json = serde_json::to_value(&plan).unwrap();
+    assert_eq!((json["fits"].clone(), json["step_time_s"].clone()), (false.into(), serde_json::Value::Null));
+    assert_eq!(run_cli(&a).unwrap(), Outcome::Failed);
+    // What fits passes.
+    assert_eq!(run_cli(&args("--gpus 1 --seq-len 64")).unwrap(), Outcome::Passed);
+}
+
+#[test]
+fn the_planners_own_limits_are_named_before_anything_runs() {
+    assert!(usage_of("--gpus 8 --layers 65536").contains("at most 4096 layers"));
+    let e = usage_of("--gpus 8 --layers 4000 --batch 16 --micro-batches 16");
+    assert!(e.contains("stage runs") && e.contains(&MAX_STAGE_RUNS.to_string()), "{e}");
+    let e = usage_of("--gpus 1 --vocab 16777216 --d-model 4096 --heads 32");
+    assert!(e.contains("model.embed_tokens.weight") && e.contains("at most 1 GiB"), "{e}");
+    // Past the thread limit, groups placed unlike on the nodes are refused, naming both limits.
+    let a = args("--gpus 2048 --hsdp 2 --gpus-per-node 3");
+    let m = model(&a).unwrap();
+    let e = execute(&a, &m, cost_inputs(&a, &m.shape).unwrap()).unwrap_err();
+    assert!(e.downcast_ref::<UsageError>().is_some(), "{e:#}");
+    assert!(e.to_string().contains("sit differently") && e.to_string().contains("1024"), "{e}");
+}
+
+#[test]
+fn thousands_of_ranks_run_two_and_unlike_groups_run_every_rank() {
+    let plan_of = planned;
+    let p = plan_of("--gpus 8192");
+    assert_eq!(p.ranks_run, vec![0, 8191]);
+    assert_eq!(p.collectives.iter().map(|c| c.rank).collect::<Vec<_>>(), vec![0, 8191]);
+    assert!(p.text().contains("ranks run             0 and 8191"), "{}", p.text());
+    // HSDP 2 × 6 on nodes of 8: the shard groups sit unlike (6 on node 0; 2 and 4), so every rank runs.
+    let p = plan_of("--gpus 12 --hsdp 2 --gpus-per-node 8");
+    assert_eq!(p.ranks_run, (0..12).collect::<Vec<_>>());
+    // On nodes of 6 they are alike: two run.
+    assert_eq!(plan_of("--gpus 12 --hsdp 2 --gpus-per-node 6").ranks_run, vec![0, 11]);
 }

@@ -10,6 +10,13 @@
 //! others wait for it, make every waiting and later call fail at once with
 //! an error naming the first divergence ([`Divergence`]); a deadline is the
 //! backstop.
+//!
+//! A symmetric world ([`VirtWorld::symmetric`]) runs some ranks only; every
+//! other rank mirrors them: it issues the same collectives and reaches
+//! each when the running ranks of its communicator do, so a collective
+//! completes once those have arrived (its time still that of all its
+//! ranks), and a split learns how a mirrored rank splits from a
+//! [`SplitRule`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,7 +27,7 @@ use chorus_collectives::backend::{Call, CallKind, Fingerprint};
 use chorus_collectives::{Capabilities, CommBackend, CommError, OpKind};
 
 use super::{Virt, VirtDevice, VirtStream};
-use crate::cost::CollectiveShape;
+use crate::cost::{CollectiveShape, Issuer};
 
 /// One collective as a rank issued it.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -100,8 +107,8 @@ impl Divergence {
 struct Slot {
     /// The communicator's global ranks.
     ranks: Arc<Vec<usize>>,
-    /// Per member: its call and the time its stream reached it.
-    arrived: Vec<Option<(Fingerprint, f64)>>,
+    /// Per member: whether it has arrived.
+    arrived: Vec<bool>,
     /// The first arrival (its member index and call): every later one must call the same.
     first: Option<(usize, Fingerprint)>,
     count: usize,
@@ -132,8 +139,28 @@ struct SplitSlot {
     ranks: Arc<Vec<usize>>,
     arrived: Vec<Option<(Option<u32>, i64)>>,
     count: usize,
+    /// Running members, who all arrive.
+    expected: usize,
     departed: usize,
 }
+
+/// A split as a mirrored member would make it: the communicator's name,
+/// its split's number (0 for its first), its size and the member's index in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SplitQuery<'a> {
+    /// The communicator split (`root`, `root/split1:color0`).
+    pub communicator: &'a str,
+    /// Which of its splits.
+    pub split: u64,
+    /// Its ranks.
+    pub size: usize,
+    /// The member's index in it.
+    pub index: usize,
+}
+
+/// How a rank that does not run splits: its (color, key) for a query, or
+/// `None` where the rule does not know (the split fails, saying so).
+pub type SplitRule = Arc<dyn Fn(&SplitQuery<'_>) -> Option<(Option<u32>, i64)> + Send + Sync>;
 
 #[derive(Default)]
 struct WorldState {
@@ -154,6 +181,10 @@ pub struct VirtWorld {
     /// Set once the world has failed (a divergence or an abort): parked waiters look here.
     failed_flag: std::sync::atomic::AtomicBool,
     size: usize,
+    /// Per global rank, whether it runs (all do unless the world is symmetric).
+    running: Vec<bool>,
+    /// How the ranks that do not run split.
+    mirror: Option<SplitRule>,
     timeout: Duration,
     cost: Arc<dyn crate::cost::CostModel>,
     state: Mutex<WorldState>,
@@ -173,15 +204,48 @@ impl VirtWorld {
     /// gives; a rank waiting longer than `timeout` (real time) for the
     /// others fails with `Timeout`.
     pub fn new(size: usize, cost: Arc<dyn crate::cost::CostModel>, timeout: Duration) -> Arc<VirtWorld> {
+        VirtWorld::with_ranks(size, vec![true; size], None, cost, timeout)
+    }
+
+    /// A world of `size` ranks of which only `running` run; the others
+    /// mirror them (see the module's doc) and split as `rule` says.
+    pub fn symmetric(
+        size: usize,
+        running: &[usize],
+        rule: SplitRule,
+        cost: Arc<dyn crate::cost::CostModel>,
+        timeout: Duration,
+    ) -> Arc<VirtWorld> {
+        let mut run = vec![false; size];
+        for r in running.iter().filter(|r| **r < size) {
+            run[*r] = true;
+        }
+        VirtWorld::with_ranks(size, run, Some(rule), cost, timeout)
+    }
+
+    fn with_ranks(
+        size: usize,
+        running: Vec<bool>,
+        mirror: Option<SplitRule>,
+        cost: Arc<dyn crate::cost::CostModel>,
+        timeout: Duration,
+    ) -> Arc<VirtWorld> {
         let state = WorldState { ended: vec![false; size], ..WorldState::default() };
         Arc::new(VirtWorld {
             failed_flag: Default::default(),
             size,
+            running,
+            mirror,
             timeout,
             cost,
             state: Mutex::new(state),
             cv: Condvar::new(),
         })
+    }
+
+    /// How many of `ranks` run.
+    fn running_among(&self, ranks: &[usize]) -> usize {
+        ranks.iter().filter(|r| self.running.get(**r).copied().unwrap_or(false)).count()
     }
 
     /// Number of ranks.
@@ -207,12 +271,23 @@ impl VirtWorld {
             world: self.clone(),
             id: Arc::from("root"),
             ranks: Arc::new((0..self.size).collect()),
+            expected: self.running_among(&(0..self.size).collect::<Vec<_>>()),
             index: rank,
             device,
             seq: AtomicU64::new(0),
             splits: AtomicU64::new(0),
             log,
         })
+    }
+
+    /// Fails every waiting and later call with `reason` (a rank that could
+    /// not start, a communicator's abort).
+    pub fn abort(&self, reason: &str) {
+        if let Ok(mut st) = self.state.lock() {
+            st.aborted.get_or_insert_with(|| reason.to_string());
+            self.wake_all_if_failed(&st);
+        }
+        self.cv.notify_all();
     }
 
     /// Marks `rank`'s run as ended: calls that wait for it fail at once.
@@ -297,7 +372,7 @@ impl VirtWorld {
 
 /// The divergence a slot shows when a member that has not arrived has ended.
 fn ended_member(ended: &[bool], key: &(Arc<str>, u64), slot: &Slot) -> Option<Divergence> {
-    let (_, &rank) = slot.ranks.iter().enumerate().find(|(i, r)| slot.arrived[*i].is_none() && ended[**r])?;
+    let (_, &rank) = slot.ranks.iter().enumerate().find(|(i, r)| !slot.arrived[*i] && ended[**r])?;
     let (j, fp) = slot.first?;
     Some(Divergence {
         group: key.0.to_string(),
@@ -315,6 +390,8 @@ pub struct VirtComm {
     id: Arc<str>,
     /// The communicator's global ranks, in its rank order.
     ranks: Arc<Vec<usize>>,
+    /// How many of them run: a collective completes when these have arrived.
+    expected: usize,
     /// This rank's position in `ranks`.
     index: usize,
     device: VirtDevice,
@@ -334,6 +411,41 @@ impl VirtComm {
         self.ranks[self.index]
     }
 
+    /// Every member's (color, key) in split `n`: what each running member
+    /// passed (`arrived`), and for the others what the world's
+    /// [`SplitRule`] says, which must agree with the running members'.
+    fn choices(&self, n: u64, arrived: Vec<Option<(Option<u32>, i64)>>) -> Result<Vec<(Option<u32>, i64)>, CommError> {
+        let Some(rule) = &self.world.mirror else {
+            return Ok(arrived.into_iter().map(|a| a.unwrap_or((None, 0))).collect());
+        };
+        let size = self.ranks.len();
+        let mut choices = Vec::with_capacity(size);
+        for (index, passed) in arrived.into_iter().enumerate() {
+            let ruled = rule(&SplitQuery { communicator: &self.id, split: n, size, index });
+            let rank = self.ranks[index];
+            choices.push(match (passed, ruled) {
+                (Some(p), Some(r)) if p != r => {
+                    return Err(CommError::InvalidArgument {
+                        op: "split",
+                        reason: format!(
+                            "split #{n} of {}: rank {rank} split with (color, key) {p:?} where the symmetric plan's rule says {r:?}: the ranks it does not run would split otherwise",
+                            self.id
+                        ),
+                    })
+                }
+                (Some(p), _) => p,
+                (None, Some(r)) => r,
+                (None, None) => {
+                    return Err(CommError::InvalidArgument {
+                        op: "split",
+                        reason: format!("split #{n} of {}: the symmetric plan has no rule for how rank {rank} splits", self.id),
+                    })
+                }
+            });
+        }
+        Ok(choices)
+    }
+
     /// The rendezvous of one collective: returns the time it ends.
     fn rendezvous(&self, seq: u64, fp: Fingerprint, arrival: f64, bytes: u64) -> Result<f64, CommError> {
         let world = &self.world;
@@ -345,7 +457,7 @@ impl VirtComm {
         let n = self.ranks.len();
         let slot = st.slots.entry(key.clone()).or_insert_with(|| Slot {
             ranks: self.ranks.clone(),
-            arrived: vec![None; n],
+            arrived: vec![false; n],
             first: None,
             count: 0,
             latest: 0.0,
@@ -368,10 +480,10 @@ impl VirtComm {
             return Err(e);
         }
         slot.first.get_or_insert((self.index, fp));
-        slot.arrived[self.index] = Some((fp, arrival));
+        slot.arrived[self.index] = true;
         slot.count += 1;
         slot.latest = slot.latest.max(arrival);
-        if slot.count == n {
+        if slot.count == self.expected {
             let shape = CollectiveShape { op: fp.op, bytes, ranks: self.ranks.to_vec() };
             let end = slot.latest + world.cost.collective_seconds(&shape).max(0.0);
             slot.done.0.store(end.to_bits(), Ordering::Release);
@@ -408,7 +520,7 @@ impl VirtComm {
             if now >= deadline {
                 let st = world.lock()?;
                 let missing = match st.slots.get(&key) {
-                    Some(s) => s.ranks.iter().zip(&s.arrived).filter(|(_, a)| a.is_none()).map(|(r, _)| *r).collect(),
+                    Some(s) => s.ranks.iter().zip(&s.arrived).filter(|(_, a)| !**a).map(|(r, _)| *r).collect(),
                     None => Vec::new(),
                 };
                 return Err(CommError::Timeout { op: fp.op.name().to_string(), seq, waited: world.timeout, missing });
@@ -470,6 +582,8 @@ impl CommBackend for VirtComm {
             if let Ok(mut log) = self.log.lock() {
                 log.push(CollectiveRecord::of(&self.id, seq, &fp));
             }
+            // The host enqueues the call (NCCL's launch) before the stream can reach it.
+            self.device.host_work(self.device.cost().host_cost(Issuer::Collective).issue_s);
             let arrival = stream.ready_at();
             let bytes = shape_bytes(&fp, self.ranks.len());
             let end = self.rendezvous(seq, fp, arrival, bytes)?;
@@ -492,35 +606,43 @@ impl CommBackend for VirtComm {
             ranks: self.ranks.clone(),
             arrived: vec![None; size],
             count: 0,
+            expected: self.expected,
             departed: 0,
         });
         slot.arrived[self.index] = Some((color, key));
         slot.count += 1;
-        if slot.count == size {
+        if slot.count == slot.expected {
             world.cv.notify_all();
         }
         let missing = |st: &WorldState| match st.splits.get(&skey) {
-            Some(s) => s.ranks.iter().zip(&s.arrived).filter(|(_, a)| a.is_none()).map(|(r, _)| *r).collect(),
+            Some(s) => s
+                .ranks
+                .iter()
+                .zip(&s.arrived)
+                .filter(|(r, a)| a.is_none() && world.running[**r])
+                .map(|(r, _)| *r)
+                .collect(),
             None => Vec::new(),
         };
-        let choices = world.wait_until(
+        let arrived = world.wait_until(
             st,
             n,
             "split",
             |st| {
                 let slot = st.splits.get_mut(&skey)?;
-                if slot.count < slot.ranks.len() {
+                if slot.count < slot.expected {
                     return None;
                 }
-                let choices: Vec<(Option<u32>, i64)> = slot.arrived.iter().map(|a| a.unwrap_or((None, 0))).collect();
+                let arrived = slot.arrived.clone();
                 slot.departed += 1;
-                if slot.departed == slot.ranks.len() {
+                if slot.departed == slot.expected {
                     st.splits.remove(&skey);
                 }
-                Some(choices)
+                Some(arrived)
             },
             missing,
         )?;
+        let choices = self.choices(n, arrived)?;
         let Some(color) = color else { return Ok(None) };
         let mut members: Vec<(i64, usize)> =
             choices.iter().enumerate().filter(|(_, (c, _))| *c == Some(color)).map(|(i, (_, k))| (*k, i)).collect();
@@ -530,6 +652,7 @@ impl CommBackend for VirtComm {
         Ok(Some(VirtComm {
             world: self.world.clone(),
             id: Arc::from(format!("{}/split{n}:color{color}", self.id)),
+            expected: self.world.running_among(&ranks),
             ranks: Arc::new(ranks),
             index,
             device: self.device.clone(),
@@ -540,11 +663,7 @@ impl CommBackend for VirtComm {
     }
 
     fn abort(&self, reason: &str) {
-        if let Ok(mut st) = self.world.state.lock() {
-            st.aborted.get_or_insert_with(|| reason.to_string());
-            self.world.wake_all_if_failed(&st);
-        }
-        self.world.cv.notify_all();
+        self.world.abort(reason)
     }
 
     fn async_error(&self) -> Option<CommError> {

@@ -52,6 +52,8 @@ pub(crate) struct DeviceInner {
     host_steps: AtomicBool,
     /// Seconds the host has spent in optimizer steps (f64 bits).
     host_step_s: AtomicU64,
+    /// Seconds the host has spent issuing operations ([`VirtDevice::host_work`], f64 bits).
+    host_issue_s: AtomicU64,
 }
 
 /// A device that keeps sizes and virtual time. Cheap to clone; clones are the same device.
@@ -61,6 +63,10 @@ pub struct VirtDevice {
 }
 
 static NEXT_BUFFER: AtomicU64 = AtomicU64::new(1);
+
+/// The most operations a trace keeps (a timeline of a step of thousands of
+/// layers would otherwise hold millions of bars).
+pub const MAX_TRACE_OPS: usize = 200_000;
 
 impl VirtDevice {
     /// A device whose operations take the times `cost` gives.
@@ -79,6 +85,7 @@ impl VirtDevice {
                 trace: Mutex::new(Vec::new()),
                 host_steps: AtomicBool::new(false),
                 host_step_s: AtomicU64::new(0f64.to_bits()),
+                host_issue_s: AtomicU64::new(0f64.to_bits()),
             }),
         }
     }
@@ -103,7 +110,14 @@ impl VirtDevice {
     pub fn host_work(&self, seconds: f64) {
         if seconds.is_finite() && seconds > 0.0 {
             super::update(&self.inner.host_clock, |t| t + seconds);
+            super::update(&self.inner.host_issue_s, |t| t + seconds);
         }
+    }
+
+    /// Seconds the host has spent issuing operations so far (its
+    /// [`VirtDevice::host_work`], waits not counted).
+    pub fn host_issue_seconds(&self) -> f64 {
+        f64::from_bits(self.inner.host_issue_s.load(Ordering::Acquire))
     }
 
     /// The latest end of any operation so far: the latest stream clock.
@@ -123,14 +137,17 @@ impl VirtDevice {
 
     /// Appends `op` to the trace; an op that continues the last one (same
     /// stream and name, starting at its end) extends it, so FSDP's one copy
-    /// per rank of a copy-out is one bar, not thousands.
+    /// per rank of a copy-out is one bar, not thousands. The trace keeps
+    /// the first [`MAX_TRACE_OPS`] operations.
     pub(crate) fn push_trace(&self, op: TraceOp) {
         if let Ok(mut t) = self.inner.trace.lock() {
+            let room = t.len() < MAX_TRACE_OPS;
             match t.last_mut() {
                 Some(last) if last.stream == op.stream && last.end == op.start && last.name == op.name => {
                     last.end = op.end
                 }
-                _ => t.push(op),
+                _ if room => t.push(op),
+                _ => {}
             }
         }
     }

@@ -39,7 +39,7 @@ pub(crate) fn update(cell: &AtomicU64, f: impl Fn(f64) -> f64) -> (f64, f64) {
     }
 }
 
-pub use device::{ActivationBuf, TraceOp, VirtBuffer, VirtConfig, VirtDevice, VirtEvent};
+pub use device::{ActivationBuf, TraceOp, VirtBuffer, VirtConfig, VirtDevice, VirtEvent, MAX_TRACE_OPS};
 pub use stream::VirtStream;
 
 /// The virtual backend's types.

@@ -88,9 +88,12 @@ impl VirtStream {
         (start, end)
     }
 
-    /// Runs one of the model's kernels (issued by the framework).
+    /// Runs one of the model's kernels (issued by the framework): the host
+    /// issues it [`KernelCost::issues`] times over.
     pub fn run_kernel(&self, kernel: &KernelCost) {
         let seconds = self.device.cost().kernel_seconds(kernel);
+        let host = self.device.cost().host_cost(Issuer::Model);
+        self.device.host_work(host.issue_s * kernel.issues.saturating_sub(1) as f64);
         self.run_issued(Issuer::Model, &kernel.name, seconds);
     }
 
@@ -109,8 +112,12 @@ impl VirtStream {
     }
 
     fn memory_bound(&self, name: &'static str, bytes: usize) {
-        let k = KernelCost { name: name.to_string(), kind: KernelKind::MemoryBound, flops: 0.0, bytes: bytes as f64 };
-        self.run_issued(Issuer::Fsdp, name, self.device.cost().kernel_seconds(&k));
+        self.memory_bound_by(Issuer::Fsdp, name, bytes)
+    }
+
+    fn memory_bound_by(&self, issuer: Issuer, name: &'static str, bytes: usize) {
+        let k = KernelCost::new(name, KernelKind::MemoryBound, 0.0, bytes as f64);
+        self.run_issued(issuer, name, self.device.cost().kernel_seconds(&k));
     }
 
     /// An optimizer step of `bytes` of traffic: a memory-bound kernel, or
@@ -120,7 +127,7 @@ impl VirtStream {
         if self.device.host_steps() && param.buffer().space() == MemorySpace::Host {
             self.device.run_on_host(self.clock(), bytes as f64 / crate::run::HOST_STEP_BYTES_PER_S);
         } else {
-            self.memory_bound(name, bytes);
+            self.memory_bound_by(Issuer::Optimizer, name, bytes);
         }
     }
 
@@ -210,6 +217,8 @@ impl Stream for VirtStream {
     /// `split_with_sizes_copy` kernel): priced once per pair of memory
     /// spaces, not once per piece, and one enqueue instead of world ×
     /// parameters of them — the planner's largest cost at 1,024 ranks.
+    /// The host pays [`Issuer::CopyPiece`] per piece on top: the cuda
+    /// device issues one driver call per piece.
     fn copy_2d_batch(&self, copies: &[Copy2dPiece<'_, Virt>]) -> Result<()> {
         let mut bytes: Vec<(MemorySpace, MemorySpace, usize)> = Vec::new();
         for (src, dst, layout) in copies {
@@ -220,6 +229,7 @@ impl Stream for VirtStream {
                 None => bytes.push((from, to, b)),
             }
         }
+        self.device.host_work(self.device.cost().host_cost(Issuer::CopyPiece).issue_s * copies.len() as f64);
         for (from, to, b) in bytes {
             self.copy_between("copy_2d", b, from, to);
         }
@@ -369,7 +379,7 @@ impl ComputeStream for VirtStream {
         need(&c, spec.m, spec.n, "c")?;
         let flops = 2.0 * spec.m as f64 * spec.n as f64 * spec.k as f64;
         let bytes = (a.bytes() + b.bytes() + c.bytes() * if spec.accumulate { 2 } else { 1 }) as f64;
-        self.run_kernel(&KernelCost { name: "matmul".into(), kind: KernelKind::Gemm, flops, bytes });
+        self.run_kernel(&KernelCost::new("matmul", KernelKind::Gemm, flops, bytes));
         Ok(())
     }
     fn bias_add(&self, x: V<'_>, bias: V<'_>) -> Result<()> {

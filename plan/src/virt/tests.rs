@@ -5,11 +5,11 @@ use std::time::Duration;
 
 use chorus_collectives::recorder::RecorderOptions;
 use chorus_collectives::{CommError, Communicator};
-use chorus_devices::{Buffer, DType, Device, MemorySpace, Priority, Stream, StreamExt};
+use chorus_devices::{Buffer, Copy2d, DType, Device, MemorySpace, Priority, Stream, StreamExt};
 
 use super::comm::{VirtComm, VirtWorld};
 use super::{VirtConfig, VirtDevice};
-use crate::cost::{CollectiveShape, CostModel, KernelCost, KernelKind};
+use crate::cost::{CollectiveShape, CostModel, HostCost, Issuer, KernelCost, KernelKind};
 
 /// One byte per nanosecond everywhere; a collective costs a microsecond per byte of its larger buffer.
 #[derive(Debug)]
@@ -90,6 +90,57 @@ fn memory_counts_sizes_and_peaks_like_the_cpu_device() {
     );
     drop((act, b, h));
     assert_eq!((d.total_stats().bytes_in_use, d.activation_stats().peak_bytes), (0, 1000));
+}
+
+/// [`Unit`]'s times; the host issues an FSDP operation in 1 µs and each
+/// piece of a batched copy in 10 µs more (the cuda device's driver call per piece).
+#[derive(Debug)]
+struct Pieces;
+
+impl CostModel for Pieces {
+    fn kernel_seconds(&self, k: &KernelCost) -> f64 {
+        Unit.kernel_seconds(k)
+    }
+    fn collective_seconds(&self, s: &CollectiveShape) -> f64 {
+        Unit.collective_seconds(s)
+    }
+    fn copy_seconds(&self, bytes: u64, from: MemorySpace, to: MemorySpace) -> f64 {
+        Unit.copy_seconds(bytes, from, to)
+    }
+    fn peak_flops(&self) -> Option<f64> {
+        None
+    }
+    fn host_cost(&self, issuer: Issuer) -> HostCost {
+        let issue_s = match issuer {
+            Issuer::Fsdp => 1e-6,
+            Issuer::CopyPiece => 10e-6,
+            _ => 0.0,
+        };
+        HostCost { issue_s, runs_on_host: false }
+    }
+}
+
+#[test]
+fn a_batched_copy_is_one_operation_whose_pieces_each_cost_the_host() {
+    let d = VirtDevice::new(VirtConfig { ordinal: 0, kernels_reach_host: false }, Arc::new(Pieces));
+    let s = d.create_stream(Priority::Normal).unwrap();
+    let (src, dst) = (d.alloc(DType::F32, 750).unwrap(), d.alloc(DType::F32, 750).unwrap());
+    let piece = |i: usize| Copy2d {
+        rows: 1,
+        row_len: 250,
+        src_offset: 250 * i,
+        src_stride: 250,
+        dst_offset: 250 * i,
+        dst_stride: 250,
+    };
+    let copies: Vec<_> = (0..3).map(|i| (src.view(), dst.view(), piece(i))).collect();
+    s.copy_2d_batch(&copies).unwrap();
+    // The host: three pieces and the operation; then the 3,000 bytes run as one copy.
+    assert!(close(d.host_issue_seconds(), 31e-6), "{}", d.host_issue_seconds());
+    assert!(close(s.clock(), 34e-6), "{}", s.clock());
+    // A copy of one piece through copy_2d is one operation, no piece cost.
+    s.copy_2d(src.view(), dst.view(), piece(0)).unwrap();
+    assert!(close(d.host_issue_seconds(), 32e-6) && close(s.clock(), 35e-6), "{}", s.clock());
 }
 
 #[test]

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+use chorus_devices::DType;
+use chorus_fsdp::{FsdpConfig, MixedPrecision};
 use chorus_plan::cost::{KernelCost, KernelKind};
 use chorus_plan::workload::StageWork;
 
@@ -13,7 +15,7 @@ pub fn cost() -> std::sync::Arc<dyn chorus_plan::cost::CostModel> {
 
 /// One GEMM of `flops` forward and two backward, keeping `saved` bytes.
 pub fn stage(name: &str, flops: f64, saved: u64) -> StageWork {
-    let k = |n: &str, f: f64| KernelCost { name: format!("{name}.{n}"), kind: KernelKind::Gemm, flops: f, bytes: 0.0 };
+    let k = |n: &str, f: f64| KernelCost::new(format!("{name}.{n}"), KernelKind::Gemm, f, 0.0);
     StageWork {
         name: name.to_string(),
         forward: vec![k("fwd", flops)],
@@ -29,4 +31,17 @@ pub fn decoder_work(layers: usize, flops: f64, saved: u64) -> Vec<StageWork> {
     w.extend((0..layers).map(|i| stage(&format!("layers.{i}"), flops, saved)));
     w.push(stage("head", flops, saved));
     w
+}
+
+/// FSDP with bf16 parameters and f32 gradient reduction (torchtitan's mixed precision).
+pub fn bf16_f32() -> FsdpConfig {
+    FsdpConfig {
+        mixed_precision: MixedPrecision {
+            param_dtype: Some(DType::BF16),
+            reduce_dtype: Some(DType::F32),
+            output_dtype: None,
+            all_gather_dtype: None,
+        },
+        ..FsdpConfig::default()
+    }
 }

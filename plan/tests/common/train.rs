@@ -103,6 +103,8 @@ pub fn groups_of(g: &DecoderGroups) -> Vec<GroupSpec> {
 pub fn run_spec<M>(ranks: usize, t: &TrainSpec<M>) -> RunSpec {
     RunSpec {
         world: ranks,
+        // Every rank runs: each is compared with the real run's rank.
+        ranks: chorus_plan::run::Ranks::Every,
         replicate: t.replicate,
         fsdp: t.fsdp.clone(),
         forward_prefetch: t.forward_prefetch,
