@@ -105,13 +105,8 @@ static __device__ void attention_backward_tc(const u16* q, const u16* k, const u
                     int brow = nt * 8 + (lane & 7) + (lane >> 4) * 8, bcol = kk * 16 + ((lane >> 3) & 1) * 8;
                     ldmatrix_x4(qf, &sQ[brow * LD + bcol]);
                     ldmatrix_x4(of, &sdO[brow * LD + bcol]);
-                    u32 q0f[2] = {qf[0], qf[1]}, q1f[2] = {qf[2], qf[3]}, o0f[2] = {of[0], of[1]},
-                        o1f[2] = {of[2], of[3]};
-                    mma_16816(st[nt], kf, q0f, bf);
-                    mma_16816(st[nt + 1], kf, q1f, bf);
-                    // dP^T = V dO^T
-                    mma_16816(dpt[nt], vf, o0f, bf);
-                    mma_16816(dpt[nt + 1], vf, o1f, bf);
+                    mma_pair(st[nt], st[nt + 1], kf, qf, bf);
+                    mma_pair(dpt[nt], dpt[nt + 1], vf, of, bf);  // dP^T = V dO^T
                 }
             }
 
@@ -131,24 +126,17 @@ static __device__ void attention_backward_tc(const u16* q, const u16* k, const u
             // dV += P^T dO and dK += dS^T Q, the A operands straight from the accumulators.
             #pragma unroll
             for (int kk = 0; kk < BR / 16; kk++) {
-                u32 pa[4] = {pack2<E>(st[2 * kk][0], st[2 * kk][1]), pack2<E>(st[2 * kk][2], st[2 * kk][3]),
-                             pack2<E>(st[2 * kk + 1][0], st[2 * kk + 1][1]),
-                             pack2<E>(st[2 * kk + 1][2], st[2 * kk + 1][3])};
-                u32 da[4] = {pack2<E>(dpt[2 * kk][0], dpt[2 * kk][1]), pack2<E>(dpt[2 * kk][2], dpt[2 * kk][3]),
-                             pack2<E>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
-                             pack2<E>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+                u32 pa[4], da[4];
+                accumulators_as_a<E>(st, kk, pa);
+                accumulators_as_a<E>(dpt, kk, da);
                 #pragma unroll
                 for (int dn = 0; dn < D / 8; dn += 2) {
                     u32 of[4], qf[4];
                     int row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, col = dn * 8 + (lane >> 4) * 8;
                     ldmatrix_x4_trans(of, &sdO[row * LD + col]);
                     ldmatrix_x4_trans(qf, &sQ[row * LD + col]);
-                    u32 o0f[2] = {of[0], of[1]}, o1f[2] = {of[2], of[3]}, q0f[2] = {qf[0], qf[1]},
-                        q1f[2] = {qf[2], qf[3]};
-                    mma_16816(dv_acc[dn], pa, o0f, bf);
-                    mma_16816(dv_acc[dn + 1], pa, o1f, bf);
-                    mma_16816(dk_acc[dn], da, q0f, bf);
-                    mma_16816(dk_acc[dn + 1], da, q1f, bf);
+                    mma_pair(dv_acc[dn], dv_acc[dn + 1], pa, of, bf);
+                    mma_pair(dk_acc[dn], dk_acc[dn + 1], da, qf, bf);
                 }
             }
 
@@ -179,9 +167,7 @@ static __device__ void attention_backward_tc(const u16* q, const u16* k, const u
                     u32 kf[4];
                     int row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, col = dn * 8 + (lane >> 4) * 8;
                     ldmatrix_x4_trans(kf, &sK[row * LD + col]);
-                    u32 k0f[2] = {kf[0], kf[1]}, k1f[2] = {kf[2], kf[3]};
-                    mma_16816(dq[dn], sa, k0f, bf);
-                    mma_16816(dq[dn + 1], sa, k1f, bf);
+                    mma_pair(dq[dn], dq[dn + 1], sa, kf, bf);
                 }
             }
             #pragma unroll

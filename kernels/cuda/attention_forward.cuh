@@ -16,6 +16,18 @@
 #pragma once
 #include "common.cuh"
 
+// The A operand (16 rows x 16 k) of k-step kk from the f32 accumulators of
+// two n-tiles (2kk, 2kk + 1) of a 16 x 8n product: C's fragment layout
+// pairs with A's, so the scores (or their gradients) feed the next product
+// from registers, rounded to E.
+template <typename E>
+static __device__ __forceinline__ void accumulators_as_a(const float acc[][4], int kk, u32 a[4]) {
+    a[0] = pack2<E>(acc[2 * kk][0], acc[2 * kk][1]);
+    a[1] = pack2<E>(acc[2 * kk][2], acc[2 * kk][3]);
+    a[2] = pack2<E>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+    a[3] = pack2<E>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+}
+
 #define ATT_WARPS 4
 #define ATT_ROWS 64  // query rows of a forward block: 16 per warp
 #define ATT_LN2 0.69314718055994530942f
@@ -83,9 +95,7 @@ static __device__ void attention_forward_tc(const u16* q, const u16* k, const u1
                 u32 kf[4];
                 int row = nt * 8 + (lane & 7) + (lane >> 4) * 8, col = kk * 16 + ((lane >> 3) & 1) * 8;
                 ldmatrix_x4(kf, &sK[row * LD + col]);
-                u32 b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
-                mma_16816(s[nt], qf[kk], b0, bf);
-                mma_16816(s[nt + 1], qf[kk], b1, bf);
+                mma_pair(s[nt], s[nt + 1], qf[kk], kf, bf);
             }
         }
 
@@ -130,16 +140,14 @@ static __device__ void attention_forward_tc(const u16* q, const u16* k, const u1
         // O += P V, P's A fragments straight from S's accumulators.
         #pragma unroll
         for (int kk = 0; kk < BC / 16; kk++) {
-            u32 pa[4] = {pack2<E>(s[2 * kk][0], s[2 * kk][1]), pack2<E>(s[2 * kk][2], s[2 * kk][3]),
-                         pack2<E>(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2<E>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            u32 pa[4];
+            accumulators_as_a<E>(s, kk, pa);
             #pragma unroll
             for (int dn = 0; dn < D / 8; dn += 2) {
                 u32 vf[4];
                 int row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, col = dn * 8 + (lane >> 4) * 8;
                 ldmatrix_x4_trans(vf, &sV[row * LD + col]);
-                u32 b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
-                mma_16816(acc[dn], pa, b0, bf);
-                mma_16816(acc[dn + 1], pa, b1, bf);
+                mma_pair(acc[dn], acc[dn + 1], pa, vf, bf);
             }
         }
     }

@@ -202,6 +202,14 @@ static __device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], const u16* ro
 }
 #endif
 
+// c0 += a·(b[0], b[1]) and c1 += a·(b[2], b[3]): the two n-tiles an
+// ldmatrix.x4 of B loads (matrices 0, 1 the first tile's k halves, 2, 3 the second's).
+static __device__ __forceinline__ void mma_pair(float c0[4], float c1[4], const u32 a[4], const u32 b[4], bool bf16) {
+    u32 b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+    mma_16816(c0, a, b0, bf16);
+    mma_16816(c1, a, b1, bf16);
+}
+
 template <typename E> struct IsBf16 { static const bool value = false; };
 template <> struct IsBf16<BF16> { static const bool value = true; };
 

@@ -10,7 +10,7 @@ use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, LaunchC
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice, WrapErr};
 use candle_core::{bail, DType, Layout, Result, Storage, Tensor};
 
-use crate::attention::AttentionShape;
+use crate::attention_shape::AttentionShape;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/chorus_kernels.ptx"));
 const MODULE: &str = "chorus_kernels";

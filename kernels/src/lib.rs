@@ -16,6 +16,7 @@
 //! [`timing`] records device time per kind of op when asked.
 #![warn(missing_docs)]
 
+mod attention_shape;
 mod host;
 
 pub mod attention;
