@@ -87,7 +87,7 @@ fn llama_config(checkpoint: &Path) -> Option<PathBuf> {
 /// dtype, one tensor at a time, in a staging directory renamed to `out`
 /// when complete.
 fn consolidate_llama(args: &ConsolidateArgs, config: &Path, max: usize) -> anyhow::Result<Outcome> {
-    chorus_train::npy::regular_file(config).with_context(|| format!("reading {}", config.display()))?;
+    chorus_train::files::regular_file(config).with_context(|| format!("reading {}", config.display()))?;
     let text = std::fs::read_to_string(config).with_context(|| format!("reading {}", config.display()))?;
     let cfg = chorus_train::models::llama::config::LlamaConfig::from_json(&text)
         .with_context(|| format!("reading {}", config.display()))?;

@@ -3,10 +3,14 @@
 //! FSDP for every rank on a virtual device and communicator
 //! (`chorus_plan`), before anyone rents the GPUs.
 //!
-//! The model and FSDP flags are `chorus train`'s; the groups are the ones
-//! `chorus train` registers (`chorus_train::models::{gpt, llama}::groups`).
-//! Outputs: a report on stdout, and with `--out-dir` `plan.json` and
-//! `timeline.svg`, staged and put in place whole (`crate::outdir`).
+//! The job is `chorus train`'s ([`crate::job`]): the same flags, defaults
+//! and checks, or the `config.toml` a `chorus train` run wrote (`--config`);
+//! the groups are the ones `chorus train` registers
+//! (`chorus_train::models::{gpt, llama}::groups`). What is the plan's own:
+//! the GPUs (`--gpus`, default the job's world size), their kind and cost
+//! model, and whose kernels run the model. Outputs: a report on stdout, and
+//! with `--out-dir` `plan.json` and `timeline.svg`, staged and put in place
+//! whole (`crate::outdir`).
 
 mod report;
 mod timeline;
@@ -15,9 +19,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
-use chorus_devices::DType;
-use chorus_fsdp::{FsdpConfig, MixedPrecision, OffloadPolicy, OptimizerKind, Reshard};
 use chorus_plan::cost::CostModel;
 use chorus_plan::decoder_cost::Framework;
 use chorus_plan::run::{run, GroupSpec, ModelSpec, RunSpec};
@@ -25,8 +26,9 @@ use chorus_plan::workload::{DecoderKind, DecoderShape, RecomputeMode, StageWork}
 use chorus_train::models::llama::config::LlamaConfig;
 use chorus_train::models::{gpt, llama, DecoderGroups};
 
+use crate::job::{JobArgs, ModelArg, RecomputeArg};
 use crate::outdir::OutDir;
-use crate::{Outcome, UsageError};
+use crate::{usage, Outcome};
 
 pub use report::Plan;
 
@@ -35,35 +37,8 @@ mod tests;
 
 /// The most ranks a plan runs (one thread each).
 const MAX_GPUS: usize = 8192;
-/// The largest `config.json` read.
-const MAX_CONFIG_BYTES: u64 = 1 << 20;
-/// Any one size flag's bound: far above any model, far below an overflow.
-const MAX_SIZE: usize = 1 << 24;
 /// Steps run; the last is measured (the first allocates the optimizer's state).
 const STEPS: usize = 2;
-
-/// Models `chorus plan` plans.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum PlanModel {
-    /// chorus's transformer (`chorus train --model gpt`).
-    Gpt,
-    /// A Hugging Face Llama (`chorus train --model llama`).
-    Llama,
-}
-
-/// torchtitan's activation checkpointing modes, and `chorus train`'s
-/// `true` and `false` for every group (full) and none.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum RecomputeArg {
-    /// Keep every activation.
-    #[value(alias = "false")]
-    None,
-    /// Keep each layer's input; recompute the layer in backward.
-    #[value(alias = "true")]
-    Full,
-    /// torchtitan's op-level selective checkpointing.
-    Selective,
-}
 
 /// Whose kernels run the model (`--kernels`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -74,59 +49,20 @@ pub enum KernelsArg {
     Candle,
 }
 
-/// Optimizers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum PlanOptimizer {
-    /// SGD with --momentum.
-    Sgd,
-    /// AdamW.
-    Adamw,
-}
-
 /// Arguments of `chorus plan`.
 #[derive(Clone, Debug, clap::Args)]
 #[command(allow_negative_numbers = true)]
 pub struct PlanArgs {
-    /// The model.
-    #[arg(long, value_enum, default_value = "llama")]
-    pub model: PlanModel,
-    /// llama: the model's config.json (Hugging Face's).
-    #[arg(long, conflicts_with = "init_from")]
+    /// A job file (TOML): the `config.toml` a `chorus train` run wrote, or any file setting the job's flags by
+    /// their long names; the run's own settings in it (steps, out_dir, ...) are passed over, and the command line
+    /// wins.
+    #[arg(long)]
     pub config: Option<PathBuf>,
-    /// llama: a Hugging Face model directory whose config.json is read (the weights are not).
+    #[command(flatten)]
+    pub job: JobArgs,
+    /// GPUs (ranks) to plan for (default: the job's --world-size).
     #[arg(long)]
-    pub init_from: Option<PathBuf>,
-    /// Decoder layers (without --config; default 2).
-    #[arg(long)]
-    pub layers: Option<usize>,
-    /// Width of the residual stream (without --config; default 64); `chorus train`'s Llama calls it --hidden.
-    #[arg(long, visible_alias = "hidden")]
-    pub d_model: Option<usize>,
-    /// Attention heads (without --config; default 4).
-    #[arg(long)]
-    pub heads: Option<usize>,
-    /// llama: key/value heads (without --config; default min(2, heads)).
-    #[arg(long)]
-    pub kv_heads: Option<usize>,
-    /// Width of the MLP (without --config; default 4 × d-model for gpt, 2 × for llama, as `chorus train`);
-    /// `chorus train`'s Llama calls it --intermediate.
-    #[arg(long, visible_alias = "intermediate")]
-    pub d_ff: Option<usize>,
-    /// Vocabulary (without --config; default 256).
-    #[arg(long)]
-    pub vocab: Option<usize>,
-    /// Sequences per GPU per step.
-    #[arg(long, default_value_t = 8)]
-    pub batch: usize,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 32)]
-    pub seq_len: usize,
-    /// Micro-batches per step (they divide --batch).
-    #[arg(long, default_value_t = 1)]
-    pub micro_batches: usize,
-    /// GPUs (ranks).
-    #[arg(long)]
-    pub gpus: usize,
+    pub gpus: Option<usize>,
     /// GPUs per node (NVLink inside a node, the network across).
     #[arg(long, default_value_t = 8)]
     pub gpus_per_node: usize,
@@ -139,41 +75,6 @@ pub struct PlanArgs {
     /// GPU, candle on the cpu device.
     #[arg(long, value_enum)]
     pub kernels: Option<KernelsArg>,
-    /// HSDP: replicate over this many groups (it must divide --gpus).
-    #[arg(long)]
-    pub hsdp: Option<usize>,
-    /// true, false, or a smaller world size that divides the shard world.
-    #[arg(long, default_value = "true")]
-    pub reshard_after_forward: Reshard,
-    /// Activation checkpointing: none, full or selective (`chorus train`'s false and true are none and full).
-    #[arg(long, value_enum, default_value = "full")]
-    pub recompute: RecomputeArg,
-    /// Dtype of all-gathers and compute: f32, bf16 or f16.
-    #[arg(long, default_value = "f32", value_parser = parse_float_dtype)]
-    pub param_dtype: DType,
-    /// Dtype of gradient reduction (default: the param dtype).
-    #[arg(long, value_parser = parse_float_dtype)]
-    pub reduce_dtype: Option<DType>,
-    /// The optimizer.
-    #[arg(long, value_enum, default_value = "adamw")]
-    pub optimizer: PlanOptimizer,
-    /// SGD momentum.
-    #[arg(long, default_value_t = 0.0)]
-    pub momentum: f64,
-    /// Clip the global gradient norm to this.
-    #[arg(long)]
-    pub max_grad_norm: Option<f64>,
-    /// Dtype parameters travel in on the all-gather: float8 (e4m3, quantized per group with an amax
-    /// all-reduce, dequantized after the gather) or the param dtype (the default), as `chorus train`'s.
-    #[arg(long, value_parser = crate::train::parse_all_gather_dtype)]
-    pub all_gather_dtype: Option<DType>,
-    /// CPU offload (FSDP2's CPUOffloadPolicy): sharded parameters, gradients and optimizer state in host
-    /// memory; on a GPU the optimizer steps on the host.
-    #[arg(long)]
-    pub offload: bool,
-    /// Parameters with fewer elements than this are replicated, not sharded (their gradients all-reduced).
-    #[arg(long, default_value_t = 0)]
-    pub replicate_below: usize,
     /// Write plan.json and timeline.svg here (a directory of its own; an earlier plan's is replaced).
     #[arg(long)]
     pub out_dir: Option<PathBuf>,
@@ -182,115 +83,61 @@ pub struct PlanArgs {
     pub cpu_rates: Option<PathBuf>,
 }
 
-fn parse_float_dtype(s: &str) -> Result<DType, String> {
-    match s.parse::<DType>() {
-        Ok(d @ (DType::F32 | DType::BF16 | DType::F16)) => Ok(d),
-        _ => Err(format!("`{s}` is not a training dtype: f32, bf16 or f16")),
+impl PlanArgs {
+    /// The ranks planned: `--gpus`, else the job's world size.
+    pub fn world(&self) -> usize {
+        self.gpus.unwrap_or_else(|| self.job.world())
     }
 }
 
-fn usage(msg: impl Into<String>) -> anyhow::Error {
-    anyhow::Error::new(UsageError(msg.into()))
-}
-
-/// The model's groups and shapes.
+/// The job's model: its groups and shapes, and the job with its per-rank
+/// batch resolved.
 pub struct Model {
+    /// The job (`--global-batch` turned into the per-rank batch).
+    pub job: JobArgs,
     /// The groups `chorus train` registers.
     pub groups: DecoderGroups,
     /// The shapes the workload is computed from.
     pub shape: DecoderShape,
+    /// The sequence length (`--seq-len`, or what `--data`'s rows give).
+    pub seq_len: usize,
 }
 
-/// Checks every flag and reads the model's configuration.
+/// Checks every flag (the job's as `chorus train` does) and reads the
+/// model's configuration.
 pub fn model(args: &PlanArgs) -> anyhow::Result<Model> {
-    let checks = [
-        (args.gpus, "--gpus", MAX_GPUS),
-        (args.gpus_per_node, "--gpus-per-node", MAX_GPUS),
-        (args.batch, "--batch", MAX_SIZE),
-        (args.seq_len, "--seq-len", MAX_SIZE),
-        (args.micro_batches, "--micro-batches", MAX_SIZE),
-    ];
-    for (v, flag, max) in checks {
-        if v == 0 || v > max {
-            return Err(usage(format!("{flag} {v}: must be in 1..={max}")));
+    let world = args.world();
+    let world_flag = if args.gpus.is_some() { "--gpus" } else { "--world-size" };
+    for (v, flag) in [(world, world_flag), (args.gpus_per_node, "--gpus-per-node")] {
+        if v == 0 || v > MAX_GPUS {
+            return Err(usage(format!("{flag} {v}: must be in 1..={MAX_GPUS}")));
         }
     }
-    for (v, flag) in [(args.layers, "--layers"), (args.d_model, "--d-model (--hidden)"), (args.heads, "--heads")]
-        .into_iter()
-        .chain([(args.kv_heads, "--kv-heads"), (args.d_ff, "--d-ff (--intermediate)"), (args.vocab, "--vocab")])
-    {
-        if let Some(v) = v.filter(|v| *v == 0 || *v > MAX_SIZE) {
-            return Err(usage(format!("{flag} {v}: must be in 1..={MAX_SIZE}")));
-        }
-    }
-    if args.batch % args.micro_batches != 0 {
-        return Err(usage(format!("--micro-batches {} does not divide --batch {}", args.micro_batches, args.batch)));
-    }
-    if let Some(r) = args.hsdp {
-        if r == 0 || args.gpus % r != 0 {
-            return Err(usage(format!("--hsdp {r} does not divide --gpus {}", args.gpus)));
-        }
-    }
-    if let Some(m) = args.max_grad_norm.filter(|m| !(m.is_finite() && *m > 0.0)) {
-        return Err(usage(format!("--max-grad-norm {m}: must be a positive number")));
-    }
-    if !(args.momentum.is_finite() && args.momentum >= 0.0) {
-        return Err(usage(format!("--momentum {}: must be a non-negative number", args.momentum)));
-    }
-    if let Some(d) = args.all_gather_dtype.filter(|d| *d != DType::F8E4M3 && *d != args.param_dtype) {
-        return Err(usage(format!("--all-gather-dtype {d}: must be float8 or the param dtype ({})", args.param_dtype)));
-    }
-    let layers = args.layers.unwrap_or(2);
-    let d = args.d_model.unwrap_or(64);
-    let heads = args.heads.unwrap_or(4);
-    let vocab = args.vocab.unwrap_or(256);
-    match args.model {
-        PlanModel::Gpt => {
-            if args.config.is_some() || args.init_from.is_some() || args.kv_heads.is_some() {
-                return Err(usage("--config, --init-from and --kv-heads are the Llama's (--model llama)"));
-            }
-            let cfg = gpt::GptConfig {
-                vocab,
-                d_model: d,
-                layers,
-                heads,
-                d_ff: args.d_ff.unwrap_or(4 * d),
-                seq_len: args.seq_len,
-            };
-            cfg.validate().map_err(|e| usage(format!("the transformer's sizes: {e}")))?;
+    let mut job = args.job.clone();
+    job.resolve_batch(world)?;
+    job.check(world)?;
+    let model = job.model();
+    let seq_len = match &job.data {
+        Some(path) => data_seq_len(&job, path)?,
+        None => job.seq_len(),
+    };
+    let (groups, shape) = match model {
+        ModelArg::Gpt => {
+            let cfg = job.gpt_config();
             let shape = DecoderShape {
                 kind: DecoderKind::Gpt,
-                layers,
-                d_model: d,
-                heads,
-                kv_heads: heads,
+                layers: cfg.layers,
+                d_model: cfg.d_model,
+                heads: cfg.heads,
+                kv_heads: cfg.heads,
                 ffn_hidden: cfg.d_ff,
-                vocab,
+                vocab: cfg.vocab,
                 tied_embeddings: false,
             };
-            Ok(Model { groups: gpt::groups(&cfg)?, shape })
+            (gpt::groups(&cfg)?, shape)
         }
-        PlanModel::Llama => {
-            let cfg = match (&args.config, &args.init_from) {
-                (Some(file), _) => read_config_file(file)?,
-                (None, Some(dir)) => {
-                    chorus_train::models::llama::hf::read_config(dir).map_err(|e| usage(format!("--init-from: {e}")))?
-                }
-                (None, None) => LlamaConfig::new(
-                    vocab,
-                    d,
-                    args.d_ff.unwrap_or(2 * d),
-                    layers,
-                    heads,
-                    args.kv_heads.unwrap_or(2.min(heads)),
-                ),
-            };
-            let from_file = args.config.is_some() || args.init_from.is_some();
-            let flags = [args.layers, args.d_model, args.heads, args.kv_heads, args.d_ff, args.vocab];
-            if from_file && flags.iter().any(Option::is_some) {
-                return Err(usage("the sizes come from the config.json: leave out --layers, --d-model (--hidden), --heads, --kv-heads, --d-ff (--intermediate) and --vocab"));
-            }
-            cfg.validate().map_err(|e| usage(format!("the Llama's configuration: {e}")))?;
+        ModelArg::Llama => {
+            let cfg = llama_config(&job)?;
             let shape = DecoderShape {
                 kind: DecoderKind::Llama,
                 layers: cfg.num_hidden_layers,
@@ -301,26 +148,54 @@ pub fn model(args: &PlanArgs) -> anyhow::Result<Model> {
                 vocab: cfg.vocab_size,
                 tied_embeddings: cfg.tie_word_embeddings,
             };
-            Ok(Model { groups: llama::groups(&cfg)?, shape })
+            (llama::groups(&cfg)?, shape)
         }
-    }
+        ModelArg::Mlp | ModelArg::Moe => {
+            return Err(usage(format!(
+                "chorus plan predicts --model gpt and llama, not {}",
+                format!("{model:?}").to_lowercase()
+            )))
+        }
+    };
+    Ok(Model { job, groups, shape, seq_len })
 }
 
-/// A config.json given by path: a regular file of at most [`MAX_CONFIG_BYTES`].
-fn read_config_file(path: &Path) -> anyhow::Result<LlamaConfig> {
-    let meta = std::fs::metadata(path).map_err(|e| usage(format!("--config {}: {e}", path.display())))?;
-    if !meta.is_file() {
-        return Err(usage(format!("--config {}: not a regular file", path.display())));
+/// The Llama's configuration: `--init-from`'s config.json (checked, with
+/// `--recompute`'s groups against its layers), or the flags' sizes with a
+/// `--tokenizer`'s vocabulary, as `chorus train` makes it.
+fn llama_config(job: &JobArgs) -> anyhow::Result<LlamaConfig> {
+    let cfg = match (&job.init_from, &job.tokenizer) {
+        (Some(dir), _) => {
+            chorus_train::models::llama::hf::read_config(dir).map_err(|e| usage(format!("--init-from: {e}")))?
+        }
+        (None, Some(path)) => {
+            let mut cfg = job.llama_config();
+            if job.vocab.is_none() {
+                let tok = chorus_train::tokenizer::HfTokenizer::from_file(path)
+                    .map_err(|e| usage(format!("--tokenizer {e}")))?;
+                cfg.vocab_size = tok.vocab_size();
+            }
+            cfg
+        }
+        (None, None) => job.llama_config(),
+    };
+    cfg.validate().map_err(|e| usage(format!("the Llama's configuration: {e}")))?;
+    job.check_recompute("model.layers.", cfg.num_hidden_layers, 0)?;
+    Ok(cfg)
+}
+
+/// The sequence length `--data`'s rows give (a `--seq-len` that disagrees
+/// is refused, as `chorus train` refuses it).
+fn data_seq_len(job: &JobArgs, path: &Path) -> anyhow::Result<usize> {
+    let cols = chorus_train::npy::token_columns(path).map_err(|e| usage(format!("--data: {e}")))?;
+    let seq = cols.saturating_sub(1);
+    match job.seq_len {
+        Some(s) if s != seq => Err(usage(format!(
+            "--seq-len {s}: --data {} has rows of {cols} tokens, i.e. sequences of {seq} (give that, or leave --seq-len out)",
+            path.display()
+        ))),
+        _ => Ok(seq),
     }
-    if meta.len() > MAX_CONFIG_BYTES {
-        return Err(usage(format!(
-            "--config {}: {} bytes, more than a config.json's {MAX_CONFIG_BYTES}",
-            path.display(),
-            meta.len()
-        )));
-    }
-    let text = std::fs::read_to_string(path).with_context(|| format!("--config {}", path.display()))?;
-    LlamaConfig::from_json(&text).map_err(|e| usage(format!("--config {}: {e}", path.display())))
 }
 
 /// The largest `--cpu-rates` file read.
@@ -344,45 +219,70 @@ fn read_cpu_rates(path: &Path) -> anyhow::Result<chorus_plan::cpu_model::CpuRate
     chorus_plan::cpu_model::CpuRates::from_json(&text).map_err(|e| usage(format!("--cpu-rates {}: {e}", name())))
 }
 
-/// The workload's recompute mode of `--recompute`.
-pub fn recompute_mode(r: RecomputeArg) -> RecomputeMode {
-    match r {
-        RecomputeArg::None => RecomputeMode::None,
-        RecomputeArg::Full => RecomputeMode::Full,
-        RecomputeArg::Selective => RecomputeMode::Selective,
+/// The workload of `--recompute`: a mode for every stage, or per group
+/// (the embedding and head stages are the root group's; stage `i + 1` is
+/// layer `i`'s).
+fn stage_work(
+    recompute: &RecomputeArg,
+    layer_group: &str,
+    work: impl Fn(RecomputeMode) -> Vec<StageWork>,
+) -> Vec<StageWork> {
+    use chorus_fsdp_candle::Recompute;
+    match recompute {
+        RecomputeArg::Selective => work(RecomputeMode::Selective),
+        RecomputeArg::Groups(Recompute::All) => work(RecomputeMode::Full),
+        RecomputeArg::Groups(Recompute::Nothing) => work(RecomputeMode::None),
+        RecomputeArg::Groups(groups) => {
+            let (full, none) = (work(RecomputeMode::Full), work(RecomputeMode::None));
+            let last = full.len().saturating_sub(1);
+            let group = |stage: usize| match stage {
+                0 => "root".to_string(),
+                s if s == last => "root".to_string(),
+                s => format!("{layer_group}{}", s - 1),
+            };
+            full.into_iter()
+                .zip(none)
+                .enumerate()
+                .map(|(stage, (f, n))| if groups.applies_to(&group(stage)) { f } else { n })
+                .collect()
+        }
     }
 }
 
 /// The two answers of the cost models: the times of `--gpu` (the GPU
 /// tables and NCCL's algorithms, or the cpu device's calibration shared by
-/// `--gpus` sim ranks) and the model's work per stage, with the kernels of
-/// what runs there (PyTorch with flash attention on a GPU, candle on the cpu).
-fn cost_inputs(args: &PlanArgs, shape: &DecoderShape) -> anyhow::Result<(Arc<dyn CostModel>, Vec<StageWork>)> {
+/// the sim ranks) and the model's work per stage, with the kernels of what
+/// runs there (PyTorch with flash attention on a GPU, candle on the cpu).
+fn cost_inputs(args: &PlanArgs, model: &Model) -> anyhow::Result<(Arc<dyn CostModel>, Vec<StageWork>)> {
     let cost: Arc<dyn CostModel> = match args.gpu.as_str() {
         "cpu" => {
             let rates = match &args.cpu_rates {
                 Some(file) => read_cpu_rates(file)?,
                 None => chorus_plan::cpu_model::CpuRates::frozen(),
             };
-            Arc::new(chorus_plan::cpu_model::CpuModel::from_rates(&rates, args.gpus))
+            Arc::new(chorus_plan::cpu_model::CpuModel::from_rates(&rates, args.world()))
         }
         _ if args.cpu_rates.is_some() => return Err(usage("--cpu-rates describes the cpu device: it needs --gpu cpu")),
         gpu => chorus_plan::gpu::cost_model(gpu, args.gpus_per_node).map_err(usage)?,
     };
-    let micro = args.batch / args.micro_batches;
+    let job = &model.job;
+    let micro = job.batch / job.micro_batches;
     let framework = match args.kernels {
         Some(KernelsArg::Torch) => Framework::TorchEager,
         Some(KernelsArg::Candle) => Framework::Candle,
         None => chorus_plan::gpu::framework(&args.gpu),
     };
-    let work = chorus_plan::decoder_cost::decoder_work_for(
-        framework,
-        shape,
-        micro,
-        args.seq_len,
-        args.param_dtype.size(),
-        recompute_mode(args.recompute),
-    );
+    let layer_group = if model.shape.kind == DecoderKind::Llama { "model.layers." } else { "blocks." };
+    let work = stage_work(&job.recompute, layer_group, |mode| {
+        chorus_plan::decoder_cost::decoder_work_for(
+            framework,
+            &model.shape,
+            micro,
+            model.seq_len,
+            job.param_dtype.size(),
+            mode,
+        )
+    });
     Ok((cost, work))
 }
 
@@ -391,30 +291,15 @@ pub fn execute(args: &PlanArgs, model: &Model, cost: Arc<dyn CostModel>, work: V
     let g = &model.groups;
     let groups = g.groups.iter().map(|g| GroupSpec { name: g.name.clone(), params: g.params.clone(), root: g.root });
     let spec = ModelSpec::decoder(groups.collect(), g.embed, g.head, work.clone())?;
-    let optimizer = match args.optimizer {
-        PlanOptimizer::Adamw => OptimizerKind::adamw(1e-3, 0.01),
-        PlanOptimizer::Sgd => OptimizerKind::sgd(1e-2, args.momentum),
-    };
-    let fsdp = FsdpConfig {
-        reshard_after_forward: args.reshard_after_forward,
-        mixed_precision: MixedPrecision {
-            param_dtype: Some(args.param_dtype),
-            reduce_dtype: args.reduce_dtype,
-            output_dtype: None,
-            all_gather_dtype: args.all_gather_dtype,
-        },
-        replicate_below: args.replicate_below,
-        offload: args.offload.then(OffloadPolicy::default),
-        ..FsdpConfig::default()
-    };
+    let job = &model.job;
     let run_spec = RunSpec {
-        world: args.gpus,
-        replicate: args.hsdp,
-        fsdp,
+        world: args.world(),
+        replicate: job.hsdp,
+        fsdp: job.fsdp_config(),
         forward_prefetch: true,
-        optimizer,
-        max_grad_norm: args.max_grad_norm,
-        micro_batches: args.micro_batches,
+        optimizer: job.optimizer(),
+        max_grad_norm: job.max_grad_norm,
+        micro_batches: job.micro_batches,
         steps: STEPS,
         kernels_reach_host: args.gpu == "cpu",
         trace_rank: Some(0),
@@ -422,22 +307,40 @@ pub fn execute(args: &PlanArgs, model: &Model, cost: Arc<dyn CostModel>, work: V
     };
     let peak = cost.peak_flops();
     let result = run(&spec, &run_spec, cost)?;
-    report::Plan::new(args, &work, peak, result)
+    report::Plan::new(args, model, &work, peak, result)
 }
 
-/// `chorus plan`.
-pub fn run_cli(args: &PlanArgs) -> anyhow::Result<Outcome> {
-    let model = model(args)?;
-    let (cost, work) = cost_inputs(args, &model.shape)?;
+/// `chorus plan`, its arguments read from this process's command line with
+/// `--config`'s job file (the job's flags taken from it, `chorus train`'s
+/// run settings passed over).
+pub fn run_cli() -> anyhow::Result<Outcome> {
+    let args = resolve_process()?;
+    let model = model(&args)?;
+    let (cost, work) = cost_inputs(&args, &model)?;
     let out = match &args.out_dir {
         Some(dir) => Some(OutDir::acquire(dir, &[])?),
         None => None,
     };
-    let plan = execute(args, &model, cost, work)?;
+    let plan = execute(&args, &model, cost, work)?;
     print!("{}", plan.text());
     if let Some(out) = out {
         plan.write(out.stage())?;
         out.commit()?;
     }
     Ok(if plan.divergence.is_some() { Outcome::Failed } else { Outcome::Passed })
+}
+
+/// Which keys of a job file a plan takes: the job's; `chorus train`'s
+/// other flags (its run settings) are passed over.
+fn file_scope() -> crate::job::file::Scope {
+    use clap::Args;
+    crate::job::file::Scope {
+        takes: Some(JobArgs::augment_args(clap::Command::new("job"))),
+        passes_over: Some(crate::train::TrainArgs::augment_args(clap::Command::new("train"))),
+    }
+}
+
+/// This process's `chorus plan` arguments, with `--config`'s file read.
+fn resolve_process() -> anyhow::Result<PlanArgs> {
+    Ok(crate::job::file::resolve_process::<PlanArgs>("plan", file_scope())?.args)
 }

@@ -244,7 +244,7 @@ fn keep_last_prunes_and_resume_refuses_another_configuration() {
     refused(&[&two_heads[..], &["--data", &data]].concat(), "num_attention_heads 4 -> 2");
     let other_lr = ["--vocab", "64", "--heads", "4", "--kv-heads", "4", "--batch", "2", "--lr", "0.02"];
     refused(&[&other_lr[..], &["--data", &data]].concat(), "--allow-optimizer-change");
-    refused(&[&model[..], &["--data", &p("other.npy")]].concat(), "saved with other data");
+    refused(&[&model[..], &["--data", &p("other.npy")]].concat(), "saved with other token rows (--data");
     // The same run resumes, saves into the same directory (its
     // llama-config.json is this run's), and keeps the checkpoint it resumed from.
     let r = train(

@@ -121,7 +121,7 @@ impl std::fmt::Debug for HfTokenizer {
 /// Reads a regular file of at most [`MAX_TOKENIZER_FILE`] bytes.
 fn read_bounded(path: &Path) -> Result<Vec<u8>> {
     let io = |source| TokenizerError::Io { path: path.to_path_buf(), source };
-    crate::npy::regular_file(path).map_err(io)?;
+    crate::files::regular_file(path).map_err(io)?;
     let file = std::fs::File::open(path).map_err(io)?;
     let mut bytes = Vec::new();
     file.take(MAX_TOKENIZER_FILE + 1).read_to_end(&mut bytes).map_err(io)?;

@@ -10,7 +10,7 @@ use chorus_plan::virt::comm::{CollectiveRecord, Divergence};
 use chorus_plan::virt::TraceOp;
 use chorus_plan::workload::StageWork;
 
-use super::PlanArgs;
+use super::{Model, PlanArgs};
 
 /// Per-rank peak memory by what holds it.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
@@ -48,8 +48,9 @@ pub struct Plan {
     pub gpus: usize,
     /// GPU kind.
     pub gpu: String,
-    /// The activation checkpointing mode.
-    pub recompute: chorus_plan::workload::RecomputeMode,
+    /// The activation checkpointing: `--recompute` as given (true, false,
+    /// the groups that recompute, or selective).
+    pub recompute: String,
     /// The measured step's time (the slowest rank's), seconds.
     pub step_time_s: f64,
     /// Tokens per second per GPU.
@@ -103,8 +104,14 @@ fn forward_flops(work: &[StageWork]) -> f64 {
 }
 
 impl Plan {
-    /// The plan of `run` for `args`; `work` is one micro-batch's, `peak_flops` the GPU's.
-    pub fn new(args: &PlanArgs, work: &[StageWork], peak_flops: Option<f64>, run: PlanRun) -> anyhow::Result<Plan> {
+    /// The plan of `run` for `args` and its `model`; `work` is one micro-batch's, `peak_flops` the GPU's.
+    pub fn new(
+        args: &PlanArgs,
+        model: &Model,
+        work: &[StageWork],
+        peak_flops: Option<f64>,
+        run: PlanRun,
+    ) -> anyhow::Result<Plan> {
         let mut ok: Vec<&RankPlan> = Vec::new();
         let mut failed_ranks = Vec::new();
         for (rank, r) in run.ranks.iter().enumerate() {
@@ -136,15 +143,16 @@ impl Plan {
             activations: max(|p| p.activation_peak_bytes),
         };
         let compute_busy = ok.iter().map(|p| p.compute_busy_s).fold(f64::INFINITY, f64::min);
-        let tokens = (args.batch * args.seq_len) as f64;
+        let job = &model.job;
+        let tokens = (job.batch * model.seq_len) as f64;
         let per_s = |x: f64| if step > 0.0 { x / step } else { 0.0 };
         // The model's FLOPs: forward, and backward at twice the forward (recomputation not counted).
-        let model_flops = 3.0 * forward_flops(work) * args.micro_batches as f64;
+        let model_flops = 3.0 * forward_flops(work) * job.micro_batches as f64;
         Ok(Plan {
-            model: format!("{:?}", args.model).to_lowercase(),
-            gpus: args.gpus,
+            model: format!("{:?}", job.model()).to_lowercase(),
+            gpus: args.world(),
             gpu: args.gpu.clone(),
-            recompute: super::recompute_mode(args.recompute),
+            recompute: job.recompute.to_string(),
             step_time_s: step,
             tokens_per_s_per_gpu: per_s(tokens),
             mfu: peak_flops.filter(|p| *p > 0.0).map(|p| per_s(model_flops) / p),

@@ -14,8 +14,9 @@ use chorus_fsdp::Fsdp;
 use chorus_train::decoder::{self, train_sharded, TrainReport};
 use chorus_train::models::DecoderModel;
 use chorus_train::train::{train, RankReport, TrainSpec};
-use indicatif::ProgressBar;
+use indicatif::{ProgressBar, ProgressStyle};
 
+use super::throughput::Throughput;
 use crate::backends::Backend;
 
 /// What every rank runs: the MLP, the transformer or the Llama.
@@ -125,6 +126,29 @@ pub(super) fn run_on<J: RankJob>(
     )
 }
 
+/// Runs `job` on `world` ranks of `backend` ([`run_on`]) behind a
+/// progress bar of its `steps` steps (with the `throughput` where given),
+/// cleared when the ranks are done.
+pub(super) fn run_with_progress<J: RankJob>(
+    backend: Backend,
+    world: usize,
+    job: J,
+    steps: u64,
+    throughput: Option<&Throughput>,
+) -> anyhow::Result<Vec<J::Report>> {
+    let bar = ProgressBar::new(steps);
+    bar.set_style(match throughput {
+        Some(t) => t.style(),
+        None => ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg} ({elapsed})")
+            .map(|s| s.progress_chars("=> "))
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    });
+    let reports = run_on(backend, world, job, Some(bar.clone()));
+    bar.finish_and_clear();
+    reports
+}
+
+/// Counts rank 0's step on the progress bar, with its loss.
 pub(crate) fn progress(rank: usize, bar: &Option<ProgressBar>, loss: f64) {
     if let (0, Some(b)) = (rank, bar) {
         b.set_message(format!("loss {loss:.4}"));

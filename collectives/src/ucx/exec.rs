@@ -24,7 +24,8 @@ use super::job::{left_error, LEFT_GRACE};
 use super::region::{Region, Scratch};
 use super::wire::{tag, Kind};
 use super::worker::Completion;
-use super::{result, Core};
+use super::member::Core;
+use super::result;
 use crate::backend::OpKind;
 use crate::{CommError, ReduceOp, Result};
 

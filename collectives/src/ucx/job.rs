@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 
 use super::engine::Engine;
 use super::region::Region;
-use super::{wire, UcxConfig};
+use super::config::UcxConfig;
+use super::wire;
 use crate::bootstrap::Store;
 use crate::CommError;
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::exec::{missing, Exec, Prepared, Req};
 use super::region::{Region, Scratch};
 use super::wire::Kind;
-use super::Core;
+use super::member::Core;
 use crate::{CommError, Result};
 
 /// A send's header as the receiver compares it.
