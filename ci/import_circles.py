@@ -158,6 +158,7 @@ def parse_crate(crate_dir):
     if root_file is None:
         return None
     modules = {}
+    exported = {}
 
     def load(path, file, dir_for_children, text=None):
         mod = Module(path, file)
@@ -185,10 +186,14 @@ def parse_crate(crate_dir):
             mod.children[name] = load(path + [name], child_file, child_dir)
         mod.items = {m.group(2) for m in ITEM.finditer(own)}
         mod.text = own
+        # `#[macro_export]` puts a macro at the crate's root, whatever file defines it.
+        for m in re.finditer(r"#\[macro_export\]\s*macro_rules!\s*([A-Za-z_][A-Za-z0-9_]*)", own):
+            exported[m.group(1)] = mod
         return mod
 
     root_dir = os.path.dirname(root_file)
     load(["crate"], root_file, root_dir)
+    modules[("crate",)].exported = exported
     return modules
 
 
@@ -258,6 +263,8 @@ def resolve(modules, absp, seen=None):
     name = absp[i]
     if name in mod.items:
         return mod
+    if i == 1 and name in modules[("crate",)].exported:
+        return modules[("crate",)].exported[name]
     if name in mod.imports:
         target = mod.imports[name] + absp[i + 1:]
         if target[0] == "crate":

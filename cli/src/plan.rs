@@ -305,9 +305,17 @@ pub fn execute(args: &PlanArgs, model: &Model, cost: Arc<dyn CostModel>, work: V
         trace_rank: Some(0),
         timeout: Duration::from_secs(600),
     };
+    let planned = report::Planned {
+        model: format!("{:?}", job.model()).to_lowercase(),
+        gpus: args.world(),
+        gpu: args.gpu.clone(),
+        recompute: job.recompute.to_string(),
+        tokens_per_gpu_step: (job.batch * model.seq_len) as f64,
+        micro_batches: job.micro_batches,
+    };
     let peak = cost.peak_flops();
     let result = run(&spec, &run_spec, cost)?;
-    report::Plan::new(args, model, &work, peak, result)
+    report::Plan::new(&planned, &work, peak, result)
 }
 
 /// `chorus plan`, its arguments read from this process's command line with

@@ -58,8 +58,8 @@ pub mod vendor;
 
 pub use barrier::HostBarrier;
 pub use case::{
-    Buf, Case, CaseFn, Dev, Evt, Failure, FaultAction, FaultSpec, Faults, Hooks, Isolation, RankCtx, Requirements, Strm,
-    Support,
+    Buf, Case, CaseFn, Dev, Evt, Failure, FaultAction, FaultSpec, Faults, Hooks, Isolation, RankCtx, Requirements,
+    Strm, Support,
 };
 pub use report::{CaseOutcome, Status, Summary};
 

@@ -37,4 +37,3 @@ pub fn check_dest(dest: &Path, overwrite: bool) -> Result<(), PathError> {
         Ok(_) => Ok(()),
     }
 }
-

@@ -64,7 +64,10 @@ pub(crate) struct Resolved<A> {
 
 /// The arguments of this process's subcommand `name` (`chorus NAME ...`),
 /// with `--config`'s file read (see [`resolve`]).
-pub(crate) fn resolve_process<A: Args + FromArgMatches>(name: &'static str, scope: Scope) -> anyhow::Result<Resolved<A>> {
+pub(crate) fn resolve_process<A: Args + FromArgMatches>(
+    name: &'static str,
+    scope: Scope,
+) -> anyhow::Result<Resolved<A>> {
     let mut argv = std::env::args_os().skip(1);
     match argv.next() {
         Some(first) if first == name => resolve(name, argv.collect(), scope),

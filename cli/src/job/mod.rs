@@ -35,13 +35,6 @@ pub enum ModelArg {
     Moe,
 }
 
-impl ModelArg {
-    /// Whether candle computes it through the FSDP adapter (every model but the MLP).
-    pub fn is_candle(self) -> bool {
-        self != ModelArg::Mlp
-    }
-}
-
 /// The optimizers a job steps with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum OptimizerArg {
@@ -252,15 +245,6 @@ impl JobArgs {
             }
             Some(g) => Ok(g / world),
             None => Ok(self.batch),
-        }
-    }
-
-    /// The flag that gave the per-rank batch, as a message names it:
-    /// `--batch 2`, or `--global-batch 4 (2 per rank)`.
-    pub fn batch_flag(&self) -> String {
-        match self.global_batch {
-            Some(g) => format!("--global-batch {g} ({} per rank)", self.batch),
-            None => format!("--batch {}", self.batch),
         }
     }
 

@@ -10,8 +10,6 @@ use chorus_plan::virt::comm::{CollectiveRecord, Divergence};
 use chorus_plan::virt::TraceOp;
 use chorus_plan::workload::StageWork;
 
-use super::{Model, PlanArgs};
-
 /// Per-rank peak memory by what holds it.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct Breakdown {
@@ -26,6 +24,24 @@ pub struct Breakdown {
     pub unsharded_buffers: usize,
     /// The activations' peak.
     pub activations: usize,
+}
+
+/// What a plan is of: the job and the GPUs, as the report names them, and
+/// the tokens a step trains on.
+#[derive(Clone, Debug)]
+pub struct Planned {
+    /// The model (`--model`).
+    pub model: String,
+    /// GPUs.
+    pub gpus: usize,
+    /// GPU kind.
+    pub gpu: String,
+    /// `--recompute` as given.
+    pub recompute: String,
+    /// Tokens one GPU trains on per step (its batch × the sequence length).
+    pub tokens_per_gpu_step: f64,
+    /// Micro-batches per step (the workload is one micro-batch's).
+    pub micro_batches: usize,
 }
 
 /// One rank's collective sequence in short: how many calls and a digest of them.
@@ -104,14 +120,8 @@ fn forward_flops(work: &[StageWork]) -> f64 {
 }
 
 impl Plan {
-    /// The plan of `run` for `args` and its `model`; `work` is one micro-batch's, `peak_flops` the GPU's.
-    pub fn new(
-        args: &PlanArgs,
-        model: &Model,
-        work: &[StageWork],
-        peak_flops: Option<f64>,
-        run: PlanRun,
-    ) -> anyhow::Result<Plan> {
+    /// The plan of `run` for what is `planned`; `work` is one micro-batch's, `peak_flops` the GPU's.
+    pub fn new(planned: &Planned, work: &[StageWork], peak_flops: Option<f64>, run: PlanRun) -> anyhow::Result<Plan> {
         let mut ok: Vec<&RankPlan> = Vec::new();
         let mut failed_ranks = Vec::new();
         for (rank, r) in run.ranks.iter().enumerate() {
@@ -143,22 +153,24 @@ impl Plan {
             activations: max(|p| p.activation_peak_bytes),
         };
         let compute_busy = ok.iter().map(|p| p.compute_busy_s).fold(f64::INFINITY, f64::min);
-        let job = &model.job;
-        let tokens = (job.batch * model.seq_len) as f64;
+        let tokens = planned.tokens_per_gpu_step;
         let per_s = |x: f64| if step > 0.0 { x / step } else { 0.0 };
         // The model's FLOPs: forward, and backward at twice the forward (recomputation not counted).
-        let model_flops = 3.0 * forward_flops(work) * job.micro_batches as f64;
+        let model_flops = 3.0 * forward_flops(work) * planned.micro_batches as f64;
         Ok(Plan {
-            model: format!("{:?}", job.model()).to_lowercase(),
-            gpus: args.world(),
-            gpu: args.gpu.clone(),
-            recompute: job.recompute.to_string(),
+            model: planned.model.clone(),
+            gpus: planned.gpus,
+            gpu: planned.gpu.clone(),
+            recompute: planned.recompute.clone(),
             step_time_s: step,
             tokens_per_s_per_gpu: per_s(tokens),
             mfu: peak_flops.filter(|p| *p > 0.0).map(|p| per_s(model_flops) / p),
             peak_memory_bytes: max(|p| p.peak_bytes),
             fsdp_peak_memory_bytes: max(|p| p.fsdp_peak_bytes),
-            peak_reserved_bytes_estimate: chorus_plan::gpu::reserved_estimate(&args.gpu, max(|p| p.peak_bytes) as u64),
+            peak_reserved_bytes_estimate: chorus_plan::gpu::reserved_estimate(
+                &planned.gpu,
+                max(|p| p.peak_bytes) as u64,
+            ),
             host_peak_memory_bytes: max(|p| p.host_peak_bytes),
             host_gradient_bytes: max(|p| p.host_gradient_bytes),
             host_optimizer_step_s: ok.iter().map(|p| p.host_step_s).fold(0.0, f64::max),

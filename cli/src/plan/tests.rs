@@ -8,6 +8,7 @@ use chorus_plan::workload::StageWork;
 use clap::Parser;
 
 use super::*;
+use crate::UsageError;
 
 #[derive(Debug, clap::Parser)]
 struct Cli {
@@ -237,7 +238,9 @@ fn train_flag_names_are_accepted() {
 
 #[test]
 fn the_flags_refuse_what_they_cannot_plan() {
-    assert!(usage_of("--gpus 2 --hidden 0").contains("--d-model") || usage_of("--gpus 2 --hidden 0").contains("positive"));
+    assert!(
+        usage_of("--gpus 2 --hidden 0").contains("--d-model") || usage_of("--gpus 2 --hidden 0").contains("positive")
+    );
     assert!(usage_of("--gpus 2 --all-gather-dtype f16").contains("must be float8 or the param dtype (f32)"));
     assert!(parse_error("--gpus 2 --all-gather-dtype int8").contains("not an all-gather dtype"));
     assert!(usage_of("--gpus 2 --model llama --recompute model.layers.5").contains("--recompute"));

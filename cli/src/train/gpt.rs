@@ -5,7 +5,6 @@
 
 use std::sync::Arc;
 
-use chorus_fsdp_candle::checkpoint::optimizer_json;
 use chorus_train::codec::Alphabet;
 use chorus_train::decoder::{config_changes, Data, Sample, TrainSpec};
 use chorus_train::model_out::SafetensorsOutput;

@@ -26,13 +26,10 @@ use super::report::say;
 use super::resume::{check_resume, Resuming};
 use super::text_data::text_data;
 use super::throughput::Throughput;
+use crate::consolidate::LLAMA_CONFIG_FILE;
 use crate::job::ModelArg;
 use crate::outdir::write_file;
 use crate::{usage, Outcome};
-
-/// The file in a checkpoint directory that records the Llama's config, so
-/// `chorus consolidate` writes a Hugging Face directory from it.
-pub(crate) const CHECKPOINT_CONFIG: &str = "llama-config.json";
 
 /// `chorus train --model llama`.
 pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
@@ -204,11 +201,7 @@ fn spec_with(args: &TrainArgs, steps: u64, tokenizer: Option<&HfTokenizer>) -> a
             "--tokenizer has {} tokens, more than the model's vocabulary of {}{}",
             tok.vocab_size(),
             cfg.vocab_size,
-            if args.job.init_from.is_some() {
-                ""
-            } else {
-                " (raise --vocab, or leave it out to take the tokenizer's)"
-            }
+            if args.job.init_from.is_some() { "" } else { " (raise --vocab, or leave it out to take the tokenizer's)" }
         )));
     }
     let global = world * args.job.batch;
@@ -348,7 +341,7 @@ fn validation(args: &TrainArgs, data: Data, vocab: usize, global: usize) -> anyh
 /// consolidated into a Hugging Face directory.
 fn record_config(dir: &Path, cfg: &LlamaConfig) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let path = dir.join(CHECKPOINT_CONFIG);
+    let path = dir.join(LLAMA_CONFIG_FILE);
     // The checkpoints there are of the recorded configuration: another one
     // would make `chorus consolidate` read them as this run's model.
     if let Ok(text) = std::fs::read_to_string(&path) {
@@ -358,12 +351,12 @@ fn record_config(dir: &Path, cfg: &LlamaConfig) -> anyhow::Result<()> {
             return Err(usage(format!(
                 "--checkpoint-dir {} holds checkpoints of another Llama configuration ({}); choose another directory",
                 dir.display(),
-                changes.map_or_else(|| format!("{CHECKPOINT_CONFIG} unreadable"), |c| c.join(", "))
+                changes.map_or_else(|| format!("{LLAMA_CONFIG_FILE} unreadable"), |c| c.join(", "))
             )));
         }
         return Ok(());
     }
-    let tmp = dir.join(format!(".{CHECKPOINT_CONFIG}.tmp"));
+    let tmp = dir.join(format!(".{LLAMA_CONFIG_FILE}.tmp"));
     write_file(&tmp, serde_json::to_string_pretty(&cfg.to_hf_json("float32"))?.as_bytes())?;
     std::fs::rename(&tmp, &path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
 }

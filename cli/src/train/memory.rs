@@ -57,7 +57,7 @@ pub(super) fn check(args: &TrainArgs) -> anyhow::Result<()> {
 }
 
 /// `needed` bytes against the machine's memory.
-fn check(needed: Sat) -> anyhow::Result<()> {
+fn against_machine(needed: Sat) -> anyhow::Result<()> {
     crate::size::check_memory(needed.0, "this run", "make the model, batch, world or --steps smaller").map_err(usage)
 }
 
@@ -81,7 +81,7 @@ fn check_mlp(args: &TrainArgs) -> anyhow::Result<()> {
     let per_rank = Sat(4) * (Sat(4) * params / world + Sat(3) * params + Sat(4) * batch * width_sum)
         + Sat(16) * steps
         + Sat(8) * widest;
-    check(data + world * per_rank + Sat(8) * params)
+    against_machine(data + world * per_rank + Sat(8) * params)
 }
 
 /// The transformer's run (`--model gpt`, or `moe` with its router and
@@ -104,11 +104,9 @@ fn check_gpt(args: &TrainArgs) -> anyhow::Result<()> {
         Sat(4) * tokens * (l + Sat(2)) * (Sat(8) * d + Sat(2) * f + Sat(3) * heads * t + Sat(3) * v + routing);
     let kept = if args.recompute() == chorus_fsdp_candle::Recompute::All { Sat(0) } else { Sat(4) * params };
     let world = Sat::of(args.world());
-    let per_rank = Sat(4) * (Sat(4) * params / world + Sat(4) * params)
-        + kept
-        + activations
-        + Sat(16) * Sat::of(args.steps());
-    check(world * per_rank + Sat(4 << 20))
+    let per_rank =
+        Sat(4) * (Sat(4) * params / world + Sat(4) * params) + kept + activations + Sat(16) * Sat::of(args.steps());
+    against_machine(world * per_rank + Sat(4 << 20))
 }
 
 /// The Llama's run of `cfg` on sequences of `seq_len` tokens.
@@ -125,7 +123,6 @@ pub(super) fn check_llama(args: &TrainArgs, cfg: &LlamaConfig, seq_len: usize) -
     let t = Sat::of(seq_len);
     let activations = Sat(4) * tokens * (l + Sat(2)) * (Sat(10) * h + Sat(4) * f + Sat(3) * heads * t + Sat(3) * v);
     let world = Sat::of(args.world());
-    let per_rank =
-        Sat(4) * (Sat(4) * params / world + Sat(3) * params) + activations + Sat(16) * Sat::of(args.steps());
-    check(world * per_rank + Sat(4 << 20))
+    let per_rank = Sat(4) * (Sat(4) * params / world + Sat(3) * params) + activations + Sat(16) * Sat::of(args.steps());
+    against_machine(world * per_rank + Sat(4 << 20))
 }

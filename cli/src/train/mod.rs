@@ -41,9 +41,7 @@ mod resume;
 mod text_data;
 mod throughput;
 
-pub use args::{BenchPart, SaveDtypeArg, TrainArgs};
-pub(crate) use llama::CHECKPOINT_CONFIG as LLAMA_CHECKPOINT_CONFIG;
-pub(crate) use ranks::{progress, RankJob};
+pub use args::{SaveDtypeArg, TrainArgs};
 
 use crate::job::ModelArg;
 use crate::Outcome;

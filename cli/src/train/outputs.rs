@@ -62,7 +62,8 @@ pub(super) fn run_to_end<M: DecoderModel + Clone + 'static>(
     config: impl FnOnce(u64) -> Value,
     end: impl FnOnce(&Finished<'_>, OutDir, Map<String, Value>) -> anyhow::Result<()>,
 ) -> anyhow::Result<Outcome> {
-    let reports = run_with_progress(args.backend, args.world(), DecoderJob(spec.clone()), args.steps(), Some(throughput))?;
+    let reports =
+        run_with_progress(args.backend, args.world(), DecoderJob(spec.clone()), args.steps(), Some(throughput))?;
     let Some(out) = out.filter(|_| !reports.is_empty()) else {
         return match reports.first().and_then(|r| r.stopped) {
             Some(stop) => Err(stop.error().into()),

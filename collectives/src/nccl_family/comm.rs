@@ -4,7 +4,6 @@
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use chorus_devices::{Backend, Device, ForeignBackend, Stream};
 

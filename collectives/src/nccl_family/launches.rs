@@ -6,7 +6,7 @@
 use std::sync::{Arc, TryLockError};
 use std::time::Instant;
 
-use chorus_devices::{Backend, Device, Event, FailureHandle, ForeignBackend, Stream};
+use chorus_devices::{Backend, Device, Event, ForeignBackend, Stream};
 
 use super::shared::{op_failed, Pending, Shared};
 use super::sys::ncclComm_t;

@@ -63,7 +63,6 @@ use dump::epoch_us;
 use crate::backend::{Call, Fingerprint, OpKind};
 use crate::CommError;
 
-
 /// One call of a launch, as the ring keeps it (converted to a
 /// [`CallRecord`] only when dumped, so recording allocates little); taken
 /// before the backend consumes the call.

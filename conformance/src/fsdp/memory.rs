@@ -67,11 +67,11 @@ pub(super) const MEMORY_SHAPES: [&[usize]; 4] = [&[64, 48], &[96, 64], &[33, 96]
 /// less what they held before FSDP was made (the harness's buffers).
 #[derive(Debug)]
 pub(super) struct StepMemory {
-    device_peak: usize,
-    device_after_step: usize,
-    device_after_zero_grad: usize,
-    host_after_step: usize,
-    host_after_zero_grad: usize,
+    pub(super) device_peak: usize,
+    pub(super) device_after_step: usize,
+    pub(super) device_after_zero_grad: usize,
+    pub(super) host_after_step: usize,
+    pub(super) host_after_zero_grad: usize,
 }
 
 /// Two training steps of groups without model compute (the forward only

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use anyhow::ensure;
 use chorus_collectives::{CommBackend, Communicator, Mesh};
-use chorus_devices::{Buffer, ComputeBackend, DType, StreamExt};
+use chorus_devices::{Buffer, ComputeBackend, DType, Stream, StreamExt};
 use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, MixedPrecision, OptimizerKind, ShardedOptimizer};
 use chorus_train::mlp::{init_layers, Mlp};
 use chorus_train::rng::SplitMix;

@@ -18,8 +18,8 @@ use chorus_train::rng::SplitMix;
 
 use super::moe::{init_moe, MoeNet, MoeShape};
 use super::moe_reference::RefMoe;
-use super::reference::RefOpt;
 use super::parity::max_diff;
+use super::reference::RefOpt;
 use super::world::own_world;
 use crate::{Case, Failure, RankCtx, Requirements};
 

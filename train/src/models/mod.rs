@@ -117,7 +117,12 @@ pub trait DecoderConfig: Copy + Serialize + Send + Sync {
 
     /// The model of these sizes whose initial parameters are `params`, sharded
     /// with `fsdp` (see [`DecoderModel::shard`]).
-    fn shard<C>(self, fsdp: Fsdp<C>, params: Vec<(String, Tensor)>, forward_prefetch: bool) -> Result<ShardedDecoder<C>>
+    fn shard<C>(
+        self,
+        fsdp: Fsdp<C>,
+        params: Vec<(String, Tensor)>,
+        forward_prefetch: bool,
+    ) -> Result<ShardedDecoder<C>>
     where
         C: CommBackend + 'static,
         C::B: ComputeBackend,

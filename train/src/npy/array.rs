@@ -65,7 +65,6 @@ pub fn header(shape: &[usize]) -> Vec<u8> {
     header_of("<f4", shape)
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::super::file_with_header;

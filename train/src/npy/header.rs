@@ -166,4 +166,3 @@ pub(super) fn header_of(descr: &str, shape: &[usize]) -> Vec<u8> {
 pub(super) fn numel(shape: &[usize]) -> std::result::Result<usize, String> {
     shape.iter().try_fold(1usize, |a, d| a.checked_mul(*d)).ok_or(format!("shape {shape:?} has too many elements"))
 }
-

@@ -43,4 +43,3 @@ fn file_with_header(h: &str, data: &[u8]) -> Vec<u8> {
     f.extend_from_slice(data);
     f
 }
-

@@ -215,9 +215,7 @@ fn id_type(descr: &str) -> std::result::Result<IdType, String> {
         "<u4" | "=u4" => Ok(IdType::U32),
         "<i4" | "=i4" => Ok(IdType::I32),
         "<i8" | "=i8" => Ok(IdType::I64),
-        d => Err(format!(
-            "token ids must be uint16, uint32, int32 or int64 ('<u2', '<u4', '<i4', '<i8'), found '{d}'"
-        )),
+        d => Err(format!("token ids must be uint16, uint32, int32 or int64 ('<u2', '<u4', '<i4', '<i8'), found '{d}'")),
     }
 }
 
