@@ -352,17 +352,13 @@ fn a_resume_with_another_seq_len_names_it() {
     let p = |n: &str| dir.join(n).display().to_string();
     let corpus: String = (0..200).map(|i| format!("the cat sat on mat {i}. it was a good mat.\n\n")).collect();
     std::fs::write(dir.join("corpus.txt"), corpus).unwrap();
-    let r = run_bounded(
-        chorus().args(["tokenize", "--train-tokenizer", "--vocab-size", "300", "--tokenizer", &p("tok.json")]).args([
-            "--input",
-            &p("corpus.txt"),
-            "--out",
-            &p("rows.npy"),
-            "--seq-len",
-            "16",
-        ]),
-        Duration::from_secs(300),
-    );
+    let r =
+        run_bounded(
+            chorus()
+                .args(["tokenize", "--train-tokenizer", "--vocab-size", "300", "--tokenizer", &p("tok.json")])
+                .args(["--input", &p("corpus.txt"), "--out", &p("rows.npy"), "--seq-len", "16"]),
+            Duration::from_secs(300),
+        );
     assert!(r.status.success(), "{}", text(&r.stderr));
     let (tok, corpus, ckpt) = (p("tok.json"), p("corpus.txt"), p("ckpt"));
     let model = ["--tokenizer", &tok, "--text", &corpus, "--layers", "1", "--hidden", "32", "--heads", "2"];

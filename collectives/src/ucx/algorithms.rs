@@ -28,7 +28,6 @@ use super::layout::Ring;
 use super::region::{self, Region, Scratch};
 use super::wire::Kind;
 use crate::arith::share;
-use crate::backend::OpKind;
 use crate::{CommError, ReduceOp, Result};
 
 /// Where a ring reduce-scatter's own contribution to each chunk comes from.

@@ -35,7 +35,7 @@ use chorus_devices::cpu::RawRange;
 
 use super::algorithms::Own;
 use super::exec::{Exec, Prepared};
-use super::layout::{Layout, Ring};
+use super::layout::Layout;
 use super::region::{self, Region, Scratch};
 use crate::arith::{partial_op, share};
 use crate::Result;

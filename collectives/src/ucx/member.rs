@@ -19,7 +19,7 @@ pub(crate) struct Core {
     /// World rank of each rank of this communicator.
     pub(super) members: Vec<usize>,
     /// Scratch buffers no transfer uses any more, for the next call.
-    pool: ScratchPool,
+    pub(super) pool: ScratchPool,
     /// How the members sit on hosts, when the hierarchical schedules apply.
     pub(super) layout: Option<Layout>,
 }

@@ -22,9 +22,13 @@
 //! - **Algorithms** (`algorithms.rs`): one round of direct messages for
 //!   small calls, reduced in rank order (bitwise the sim's results); rings
 //!   for large ones (deterministic, the same on every rank, not rank
-//!   order); pairwise all-to-all; dissemination barrier. The switch is
-//!   [`UcxConfig::small_bytes`] (per rank's buffer), measured in
-//!   `docs/benchmarks.md`.
+//!   order); pairwise all-to-all; dissemination barrier; and for a
+//!   communicator that spans hosts, the hierarchical schedules
+//!   (`hierarchy.rs`, over the host layout of `layout.rs`). Which one a
+//!   call takes is `schedule.rs`'s: the switch is
+//!   [`UcxConfig::small_bytes`] (per rank's buffer, `config.rs`), measured in
+//!   `docs/benchmarks.md`. A call runs against its communicator's [`Core`]
+//!   (`member.rs`: the job, the members, the scratch pool).
 //! - **Mismatch.** Every collective sends its sequence number and
 //!   fingerprint to every other rank alongside its first data messages, and
 //!   checks theirs before it uses any data; a send carries its dtype and count and waits for the
@@ -72,7 +76,6 @@ mod worker;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use chorus_devices::cpu::{Access, Cpu, CpuDevice, CpuStream, JobInput};
 use chorus_devices::{DeviceError, Stream};
@@ -82,14 +85,13 @@ use engine::{ControlTag, Engine};
 use exec::{Exec, Prepared};
 use job::{AbortState, Job, Peers};
 use member::Core;
-use region::Scratch;
 use worker::{Event, EventHandler};
 
 pub use config::{UcxConfig, DEFAULT_SMALL_BYTES};
 pub use raw::raw_round_trips;
 
 use crate::backend::{Call, CallKind, Capabilities, CommBackend, OpKind};
-use crate::bootstrap::{process_key_scope, Store, StoreBarrier};
+use crate::bootstrap::{Store, StoreBarrier};
 use crate::{CommError, Communicator, Result};
 
 /// One rank's endpoint of a UCX communicator.
