@@ -54,7 +54,7 @@ fn every_size_and_combination_is_checked_before_anything_runs() {
     assert!(usage_of("--world-size 0").contains("--world-size 0"));
     assert!(usage_of("--gpus 4 --hsdp 3").contains("--hsdp 3"));
     assert!(usage_of("--gpus 4 --batch 6 --micro-batches 4").contains("must divide --batch 6"));
-    assert!(usage_of("--gpus 4 --layers 0").contains("layers"));
+    assert!(usage_of("--gpus 4 --layers 0").contains("every transformer size must be positive"));
     assert!(usage_of("--gpus 4 --model gpt --heads 3").contains("heads"));
     assert!(usage_of("--gpus 4 --model gpt --kv-heads 2").contains("--kv-heads is for --model llama"));
     assert!(usage_of("--gpus 99999999").contains("--gpus"));
