@@ -13,7 +13,7 @@ use chorus_devices::ComputeBackend;
 use chorus_fsdp::Fsdp;
 use chorus_fsdp_candle::{take_params, FsdpModel};
 
-use super::{DecoderConfig, Initialised, PlainDecoder, ShardedDecoder};
+use super::{Initialised, PlainDecoder, ShardedDecoder};
 use crate::rng::SplitMix;
 
 /// The transformer's sizes.
@@ -234,31 +234,7 @@ impl Gpt {
 /// [`init_params`]).
 pub type GptModel = Initialised<GptConfig>;
 
-impl DecoderConfig for GptConfig {
-    const NAME: &'static str = "transformer";
-
-    fn vocab_size(&self) -> usize {
-        self.vocab
-    }
-
-    fn shard<C>(
-        self,
-        fsdp: Fsdp<C>,
-        params: Vec<(String, Tensor)>,
-        forward_prefetch: bool,
-    ) -> chorus_fsdp_candle::Result<ShardedDecoder<C>>
-    where
-        C: CommBackend + 'static,
-        C::B: ComputeBackend,
-        Fsdp<C>: Send,
-    {
-        shard(fsdp, self, params, forward_prefetch)
-    }
-
-    fn plain(self, vb: VarBuilder<'static>) -> chorus_fsdp_candle::Result<Box<dyn PlainDecoder>> {
-        Ok(Box::new(Gpt::new(self, vb)?))
-    }
-}
+super::decoder_config!(GptConfig, "transformer", vocab: |c: &GptConfig| c.vocab, shard: shard, plain: Gpt);
 
 impl PlainDecoder for Gpt {
     fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {

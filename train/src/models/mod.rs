@@ -132,6 +132,45 @@ pub trait DecoderConfig: Copy + Serialize + Send + Sync {
     fn plain(self, vb: VarBuilder<'static>) -> Result<Box<dyn PlainDecoder>>;
 }
 
+/// Implements [`DecoderConfig`] for the sizes `$config` of a model called
+/// `$name`, whose vocabulary is `$vocab(&sizes)`, sharded by the function
+/// `$shard(fsdp, sizes, params, forward_prefetch)` and plain by
+/// `$plain::new(sizes, vb)`: each model states these once, the trait's
+/// signatures are written here.
+macro_rules! decoder_config {
+    ($config:ty, $name:literal, vocab: $vocab:expr, shard: $shard:path, plain: $plain:ty) => {
+        impl $crate::models::DecoderConfig for $config {
+            const NAME: &'static str = $name;
+
+            fn vocab_size(&self) -> usize {
+                $vocab(self)
+            }
+
+            fn shard<C>(
+                self,
+                fsdp: chorus_fsdp::Fsdp<C>,
+                params: Vec<(String, candle_core::Tensor)>,
+                forward_prefetch: bool,
+            ) -> chorus_fsdp_candle::Result<$crate::models::ShardedDecoder<C>>
+            where
+                C: chorus_collectives::CommBackend + 'static,
+                C::B: chorus_devices::ComputeBackend,
+                chorus_fsdp::Fsdp<C>: Send,
+            {
+                $shard(fsdp, self, params, forward_prefetch)
+            }
+
+            fn plain(
+                self,
+                vb: candle_nn::VarBuilder<'static>,
+            ) -> chorus_fsdp_candle::Result<Box<dyn $crate::models::PlainDecoder>> {
+                Ok(Box::new(<$plain>::new(self, vb)?))
+            }
+        }
+    };
+}
+pub(crate) use decoder_config;
+
 /// A model to train: its sizes and initial parameters (names and values).
 #[derive(Clone, Debug)]
 pub struct Initialised<K> {

@@ -24,7 +24,7 @@ use chorus_fsdp::Fsdp;
 use chorus_fsdp_candle::{take_params, Error, FsdpModel, StageId};
 
 use super::gpt::{self, rms_norm, Attention, GptConfig};
-use super::{DecoderConfig, Initialised, Layer, PlainDecoder, RoutedLayer, ShardedDecoder};
+use super::{Initialised, Layer, PlainDecoder, RoutedLayer, ShardedDecoder};
 
 /// The most experts per layer this model takes (a bound on the groups and
 /// the parameters a flag can ask for).
@@ -252,31 +252,7 @@ where
 /// parameters (e.g. from [`init_params`]).
 pub type MoeModel = Initialised<MoeConfig>;
 
-impl DecoderConfig for MoeConfig {
-    const NAME: &'static str = "mixture-of-experts transformer";
-
-    fn vocab_size(&self) -> usize {
-        self.base.vocab
-    }
-
-    fn shard<C>(
-        self,
-        fsdp: Fsdp<C>,
-        params: Vec<(String, Tensor)>,
-        forward_prefetch: bool,
-    ) -> chorus_fsdp_candle::Result<ShardedDecoder<C>>
-    where
-        C: CommBackend + 'static,
-        C::B: ComputeBackend,
-        Fsdp<C>: Send,
-    {
-        shard(fsdp, self, params, forward_prefetch)
-    }
-
-    fn plain(self, vb: VarBuilder<'static>) -> chorus_fsdp_candle::Result<Box<dyn PlainDecoder>> {
-        Ok(Box::new(Moe::new(self, vb)?))
-    }
-}
+super::decoder_config!(MoeConfig, "mixture-of-experts transformer", vocab: |c: &MoeConfig| c.base.vocab, shard: shard, plain: Moe);
 
 /// The model under FSDP: the root group (`embed.`, `norm.`, `head.`) with
 /// the embedding and head stages, per block a group `blocks.{i}` (the
