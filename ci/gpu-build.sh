@@ -24,6 +24,9 @@ config=(--config "$CHORUS_CANDLE_CUDA_CONFIG")
 # lease carries (64 MiB); symbols stay, so backtraces still name functions.
 cargo build --release -p chorus --features "$features" "${config[@]}"
 strip --strip-debug -o "$out/chorus" "$CARGO_TARGET_DIR/release/chorus"
+# chorus's fused ops timed against cuBLAS and (ci/kernels_torch_bench.py) PyTorch on the node.
+cargo build --release -p chorus-kernels --features cuda --example kernel_bench "${config[@]}"
+strip --strip-debug -o "$out/kernel_bench" "$CARGO_TARGET_DIR/release/examples/kernel_bench"
 
 # The test binaries that prove the GPU paths, by their names in `cargo test`.
 copy_tests() {
@@ -54,6 +57,7 @@ for line in sys.stdin:
     done
 }
 copy_tests chorus-devices cuda device_cuda cuda_load host_fn
+copy_tests chorus-kernels cuda ops_cuda
 copy_tests chorus-devices rocm device_hip hip_load
 copy_tests chorus-collectives nccl nccl_load
 copy_tests chorus-collectives rccl rccl_load

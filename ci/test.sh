@@ -84,6 +84,8 @@ cargo test -p chorus --test lr_torch -- --ignored
 cargo test -p chorus-devices --test float8_numpy -- --ignored
 # The planner's activation count for a Llama layer against what PyTorch's autograd keeps.
 cargo test -p chorus-plan --test saved_torch -- --ignored
+# The fused ops (chorus-kernels, CPU) against SDPA, rms_norm, LlamaRMSNorm, RoPE, silu and cross_entropy, gradients too.
+cargo test -p chorus-kernels --test ops_torch -- --ignored
 
 step "chorus train against an independent NumPy implementation (init written by numpy.save)"
 cargo build -p chorus

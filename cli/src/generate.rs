@@ -16,9 +16,6 @@ use crate::{Outcome, UsageError};
 /// `max_position_embeddings` bounds it further).
 const MAX_NEW_TOKENS: usize = 1 << 20;
 
-/// The largest `tokenizer.json` read (the largest published ones are tens of megabytes).
-const MAX_TOKENIZER_BYTES: u64 = 1 << 30;
-
 /// Arguments of `chorus generate`.
 #[derive(Debug, clap::Args)]
 pub struct GenerateArgs {
@@ -85,25 +82,22 @@ fn decoding(args: &GenerateArgs) -> Result<Decoding, UsageError> {
     Ok(Decoding::Sample(s))
 }
 
-/// The directory's `tokenizer.json`, checked to be a regular file of a sane size.
+/// The directory's `tokenizer.json`, checked to be a regular file of a sane
+/// size before it is read ([`chorus_train::tokenizer::read_tokenizer_json`]).
 fn tokenizer(dir: &Path) -> anyhow::Result<tokenizers::Tokenizer> {
+    use chorus_train::tokenizer::{read_tokenizer_json, TokenizerError};
     let path = dir.join("tokenizer.json");
-    let usage = |why: String| anyhow::Error::from(UsageError(format!("{}: {why}", path.display())));
-    match std::fs::metadata(&path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(usage(
-                "no such file; chorus generate tokenizes with the model directory's tokenizer.json".into(),
+    match read_tokenizer_json(&path) {
+        Ok((t, _)) => Ok(t),
+        Err(TokenizerError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            Err(UsageError(format!(
+                "{}: no such file; chorus generate tokenizes with the model directory's tokenizer.json",
+                path.display()
             ))
+            .into())
         }
-        Err(e) => return Err(usage(e.to_string())),
-        Ok(_) => chorus_train::npy::regular_file(&path).map_err(|e| usage(e.to_string()))?,
+        Err(e) => Err(UsageError(e.to_string()).into()),
     }
-    let len = std::fs::metadata(&path).map_err(|e| usage(e.to_string()))?.len();
-    if len > MAX_TOKENIZER_BYTES {
-        return Err(usage(format!("{len} bytes is more than a tokenizer.json holds (at most {MAX_TOKENIZER_BYTES})")));
-    }
-    let bytes = std::fs::read(&path).map_err(|e| usage(e.to_string()))?;
-    tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| usage(format!("not a tokenizer this build reads: {e}")))
 }
 
 /// PyTorch's name of the dtype computed in (what `model.dtype` prints).
@@ -139,6 +133,17 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<Outcome> {
         Err(GenerateError::Model(e)) => return Err(UsageError(e.to_string()).into()),
         r => r.with_context(|| format!("loading {}", args.dir.display()))?,
     };
+    // Ids the model may emit but the tokenizer has no text for are left out of the decoded text: said, never silent.
+    let tokenizer_vocab = tokenizer.get_vocab(true).values().max().map_or(0, |m| *m as usize + 1);
+    let model_vocab = decoder.config().vocab_size;
+    if tokenizer_vocab < model_vocab {
+        eprintln!(
+            "warning: {}/tokenizer.json has ids below {tokenizer_vocab}, the model's vocab_size is {model_vocab}: \
+             ids {tokenizer_vocab}..{} have no text, and any generated is left out of the text (--json lists every id)",
+            args.dir.display(),
+            model_vocab - 1
+        );
+    }
     let encoding =
         tokenizer.encode(args.prompt.as_str(), true).map_err(|e| UsageError(format!("tokenizing the prompt: {e}")))?;
     let prompt_ids = encoding.get_ids().to_vec();
@@ -148,6 +153,17 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<Outcome> {
         r => r.context("generating")?,
     };
     let text = tokenizer.decode(&g.ids, true).map_err(|e| anyhow::anyhow!("decoding the new tokens: {e}"))?;
+    let textless: Vec<u32> = g.ids.iter().copied().filter(|&id| id as usize >= tokenizer_vocab).collect();
+    if !textless.is_empty() {
+        let shown: Vec<String> = textless.iter().take(8).map(u32::to_string).collect();
+        eprintln!(
+            "warning: {} of the {} new tokens have ids the tokenizer has no text for ({}{}): they are missing from the text",
+            textless.len(),
+            g.ids.len(),
+            shown.join(", "),
+            if textless.len() > 8 { ", ..." } else { "" }
+        );
+    }
     // The prefill computes the first new token; each later one is a decode step.
     let steps = g.ids.len().saturating_sub(1);
     let (prefill_rate, decode_rate) = (rate(prompt_ids.len(), g.prefill_s), rate(steps, g.decode_s));

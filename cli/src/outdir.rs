@@ -5,10 +5,12 @@
 //! into place only when everything is written, so an out-dir holds one
 //! complete run (the previous one until the new one is complete), never a
 //! mix. The marker file [`MARKER`] in every out-dir a chorus run wrote
-//! lists what it wrote; a later run replaces such a directory only while
-//! it holds nothing else, and otherwise is refused before anything runs,
-//! naming the files it would lose (as is a non-empty directory without a
-//! marker, and inputs and checkpoints inside the out-dir). An out-dir that
+//! names the command that wrote it and lists what it wrote; a later run of
+//! the same command replaces such a directory only while it holds nothing
+//! else, and otherwise is refused before anything runs, naming the files it
+//! would lose (as is a non-empty directory without a marker, one another
+//! command wrote — `chorus plan` never replaces a `chorus train` output —
+//! and inputs and checkpoints inside the out-dir). An out-dir that
 //! is a symbolic link is written through: its target is replaced, the link
 //! stays. The swap is [`chorus_fsdp_candle::checkpoint::replace_dir`], the
 //! checkpoints' own; a previous out-dir its fallback left aside (a crash
@@ -210,6 +212,8 @@ fn sibling(dir: &Path, suffix: &str) -> PathBuf {
 pub struct OutDir {
     /// `--out-dir` as given, as errors name it.
     given: PathBuf,
+    /// The command writing it (`train`, `plan`), as its marker records it.
+    command: &'static str,
     dest: PathBuf,
     stage: PathBuf,
     committed: bool,
@@ -217,14 +221,15 @@ pub struct OutDir {
 }
 
 impl OutDir {
-    /// Checks `dest` (`--out-dir`) and the paths the run reads or writes
-    /// (`inside`: flag and path), locks it against other runs and creates
-    /// the staging directory, so that every problem is found before any
-    /// work. Refused with a usage error: a `dest` that is not a directory,
-    /// is non-empty and holds anything no chorus run wrote there, is or
-    /// holds the current directory, is a link to nothing, or holds one of
-    /// `inside`; one whose parent or staging directory cannot be created.
-    pub fn acquire(dest: &Path, inside: &[(&str, &Path)]) -> anyhow::Result<OutDir> {
+    /// Checks `dest` (`--out-dir` of `chorus {command}`) and the paths the
+    /// run reads or writes (`inside`: flag and path), locks it against other
+    /// runs and creates the staging directory, so that every problem is
+    /// found before any work. Refused with a usage error: a `dest` that is
+    /// not a directory, is non-empty and holds anything no run of `command`
+    /// wrote there (another command's output included), is or holds the
+    /// current directory, is a link to nothing, or holds one of `inside`;
+    /// one whose parent or staging directory cannot be created.
+    pub fn acquire(dest: &Path, command: &'static str, inside: &[(&str, &Path)]) -> anyhow::Result<OutDir> {
         let given = dest;
         // A link is written through: its target is the out-dir.
         let dest = match std::fs::symlink_metadata(given) {
@@ -265,11 +270,12 @@ impl OutDir {
         // Holding the lock: a previous out-dir an interrupted swap left aside goes back first.
         recover_out_dir(&dest)?;
         if dest.is_dir() {
-            refuse_foreign(given, &dest)?;
+            refuse_foreign(given, &dest, command)?;
         }
         let (pid, start) = me();
         let out = OutDir {
             given: given.to_path_buf(),
+            command,
             stage: sibling(&dest, &format!("partial-{pid}-{start}")),
             dest,
             committed: false,
@@ -328,10 +334,10 @@ impl OutDir {
     /// deleted: then the previous out-dir stays, and this run's outputs are
     /// moved beside it (`NAME.unplaced-PID`), as the error says.
     pub fn commit(mut self) -> anyhow::Result<()> {
-        write_marker(&self.stage)?;
+        write_marker(&self.stage, self.command)?;
         sync_tree(&self.stage)?;
         if self.dest.is_dir() {
-            if let Err(e) = refuse_foreign(&self.given, &self.dest) {
+            if let Err(e) = refuse_foreign(&self.given, &self.dest, self.command) {
                 let name = self.dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
                 let unplaced = self.dest.with_file_name(format!("{name}.unplaced-{}", std::process::id()));
                 std::fs::rename(&self.stage, &unplaced)
@@ -354,13 +360,17 @@ impl OutDir {
     }
 }
 
-/// The marker's first line; the paths the run wrote follow, one a line
-/// (directories with a trailing `/`).
-const MARKER_HEAD: &str =
-    "written by chorus: the next run into this directory replaces the files listed below, and refuses to while it holds any other\n";
+/// The marker's first line; then [`COMMAND_KEY`] and the command that
+/// wrote the directory, then the paths it wrote, one a line (directories
+/// with a trailing `/`).
+const MARKER_HEAD: &str = "written by chorus: the next run of the same command into this directory replaces the files \
+     listed below, and refuses to while it holds any other; other commands refuse to write here\n";
 
-/// Writes the marker of the staged out-dir `stage`: every path in it.
-fn write_marker(stage: &Path) -> anyhow::Result<()> {
+/// What starts the marker's second line, before the command's name.
+const COMMAND_KEY: &str = "command: ";
+
+/// Writes the marker of the staged out-dir `stage` of `chorus {command}`: every path in it.
+fn write_marker(stage: &Path, command: &str) -> anyhow::Result<()> {
     fn walk(dir: &Path, rel: &str, out: &mut Vec<String>) -> anyhow::Result<()> {
         for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
             let entry = entry.with_context(|| format!("reading {}", dir.display()))?;
@@ -377,18 +387,24 @@ fn write_marker(stage: &Path) -> anyhow::Result<()> {
     let mut paths = Vec::new();
     walk(stage, "", &mut paths)?;
     paths.sort();
-    write_file(
-        &stage.join(MARKER),
-        format!("{MARKER_HEAD}{}", paths.iter().map(|p| format!("{p}\n")).collect::<String>()).as_bytes(),
-    )
+    let listed = paths.iter().map(|p| format!("{p}\n")).collect::<String>();
+    write_file(&stage.join(MARKER), format!("{MARKER_HEAD}{COMMAND_KEY}{command}\n{listed}").as_bytes())
 }
 
-/// The paths an out-dir's marker lists, or `None` where there is no
-/// marker, or one from a chorus that did not list them.
-fn listed(dest: &Path) -> Option<std::collections::BTreeSet<String>> {
+/// What an out-dir's marker says: the command that wrote the directory and
+/// the paths it wrote.
+struct Marker {
+    command: String,
+    paths: std::collections::BTreeSet<String>,
+}
+
+/// The out-dir `dest`'s marker, or `None` where there is no marker, or one
+/// from a chorus that did not name its command or list its files.
+fn marker(dest: &Path) -> Option<Marker> {
     let text = std::fs::read_to_string(dest.join(MARKER)).ok()?;
-    let rest = text.strip_prefix(MARKER_HEAD)?;
-    Some(rest.lines().map(str::to_string).collect())
+    let mut lines = text.strip_prefix(MARKER_HEAD)?.lines();
+    let command = lines.next()?.strip_prefix(COMMAND_KEY)?.to_string();
+    Some(Marker { command, paths: lines.map(str::to_string).collect() })
 }
 
 /// The paths in the out-dir `dest` its marker does not list (a directory
@@ -426,16 +442,26 @@ fn foreign(dest: &Path, listed: &std::collections::BTreeSet<String>) -> anyhow::
     Ok(out)
 }
 
-/// Refuses an existing non-empty out-dir that holds anything no chorus
-/// run wrote there, naming it.
-fn refuse_foreign(given: &Path, dest: &Path) -> anyhow::Result<()> {
+/// Refuses an existing non-empty out-dir that holds anything no run of
+/// `chorus {command}` wrote there, naming it.
+fn refuse_foreign(given: &Path, dest: &Path, command: &str) -> anyhow::Result<()> {
     let names = |paths: &[String]| {
         let shown = paths.iter().take(5).cloned().collect::<Vec<_>>().join(", ");
         let more = if paths.len() > 5 { format!(" and {} more", paths.len() - 5) } else { String::new() };
         format!("{shown}{more}")
     };
-    if let Some(listed) = listed(dest) {
-        let extra = foreign(dest, &listed)?;
+    if let Some(marker) = marker(dest) {
+        if marker.command != command {
+            let held: Vec<String> = marker.paths.iter().filter(|p| !p.ends_with('/')).cloned().collect();
+            return Err(usage(format!(
+                "--out-dir {} holds the output of `chorus {}` ({}); `chorus {command}` never replaces another \
+                 command's output: choose another out-dir",
+                given.display(),
+                marker.command,
+                names(&held)
+            )));
+        }
+        let extra = foreign(dest, &marker.paths)?;
         if extra.is_empty() {
             return Ok(());
         }
@@ -456,7 +482,7 @@ fn refuse_foreign(given: &Path, dest: &Path) -> anyhow::Result<()> {
     all.sort();
     if dest.join(MARKER).is_file() {
         return Err(usage(format!(
-            "--out-dir {} was written by an older chorus, whose {MARKER} does not list its files, so files added since cannot be told apart ({}): remove it, or choose another out-dir",
+            "--out-dir {} was written by an older chorus, whose {MARKER} does not say which command wrote it or list its files, so neither can be told ({}): remove it, or choose another out-dir",
             given.display(),
             names(&all)
         )));
@@ -530,20 +556,20 @@ mod tests {
     fn a_run_replaces_the_out_dir_whole_and_a_second_run_is_refused() {
         let root = root("replace");
         let dest = root.join("run");
-        let a = OutDir::acquire(&dest, &[]).unwrap();
+        let a = OutDir::acquire(&dest, "train", &[]).unwrap();
         write_file(&a.stage().join("one"), b"1").unwrap();
-        let err = OutDir::acquire(&dest, &[]).unwrap_err().to_string();
+        let err = OutDir::acquire(&dest, "train", &[]).unwrap_err().to_string();
         assert!(err.contains("another chorus run"), "{err}");
         a.commit().unwrap();
         assert_eq!(std::fs::read(dest.join("one")).unwrap(), b"1");
         // A failed run (dropped without commit) leaves the previous out-dir as it was.
-        let b = OutDir::acquire(&dest, &[]).unwrap();
+        let b = OutDir::acquire(&dest, "train", &[]).unwrap();
         write_file(&b.stage().join("two"), b"2").unwrap();
         drop(b);
         assert!(dest.join("one").exists() && !dest.join("two").exists());
         // A lock of a dead process is taken over.
         std::fs::write(sibling(&dest, "lock"), b"4294967294\n").unwrap();
-        let c = OutDir::acquire(&dest, &[]).unwrap();
+        let c = OutDir::acquire(&dest, "train", &[]).unwrap();
         write_file(&c.stage().join("three"), b"3").unwrap();
         c.commit().unwrap();
         assert!(!dest.join("one").exists() && dest.join("three").exists(), "never a mix of two runs");
@@ -603,7 +629,11 @@ mod tests {
     }
 
     fn run_into(dest: &Path, written: &[(&str, &str)]) -> anyhow::Result<()> {
-        let out = OutDir::acquire(dest, &[])?;
+        command_into(dest, "train", written)
+    }
+
+    fn command_into(dest: &Path, command: &'static str, written: &[(&str, &str)]) -> anyhow::Result<()> {
+        let out = OutDir::acquire(dest, command, &[])?;
         for (path, text) in written {
             let path = out.stage().join(path);
             std::fs::create_dir_all(path.parent().unwrap()).unwrap();
@@ -622,7 +652,7 @@ mod tests {
         let dest = root.join("run");
         run_into(&dest, &[("summary.json", "1"), ("model/config.json", "1")]).unwrap();
         let marker = std::fs::read_to_string(dest.join(MARKER)).unwrap();
-        assert!(marker.ends_with("model/\nmodel/config.json\nsummary.json\n"), "{marker}");
+        assert!(marker.ends_with("command: train\nmodel/\nmodel/config.json\nsummary.json\n"), "{marker}");
         std::fs::write(dest.join("model/tokenizer.json"), "mine").unwrap();
         std::fs::write(dest.join("notes.txt"), "mine").unwrap();
         std::fs::create_dir_all(dest.join("plots")).unwrap();
@@ -647,6 +677,47 @@ mod tests {
         std::fs::remove_dir_all(&root).ok();
     }
 
+    /// Issue 35: one command's out-dir is never replaced by another's
+    /// (`chorus plan --out-dir` of a finished `chorus train` output deleted
+    /// its model): refused before anything runs and at the commit, naming
+    /// the command and its files; the same command replaces it; a marker of
+    /// the chorus before commands were recorded is refused too.
+    #[test]
+    fn another_commands_out_dir_is_never_replaced() {
+        let root = root("commands");
+        let dest = root.join("run");
+        run_into(&dest, &[("summary.json", "1"), ("model/model.safetensors", "w")]).unwrap();
+        let err = command_into(&dest, "plan", &[("plan.json", "p")]).unwrap_err().to_string();
+        assert!(
+            err.contains("output of `chorus train`")
+                && err.contains("model/model.safetensors")
+                && err.contains("summary.json"),
+            "{err}"
+        );
+        assert_eq!(files(&dest), ["model/model.safetensors", "summary.json"]);
+        // Refused again where the other command's output appears while the run goes.
+        let other = root.join("other");
+        let out = OutDir::acquire(&other, "plan", &[]).unwrap();
+        write_file(&out.stage().join("plan.json"), b"p").unwrap();
+        // What a train run would leave there (its lock aside): its file and its marker.
+        std::fs::create_dir_all(&other).unwrap();
+        write_file(&other.join("summary.json"), b"1").unwrap();
+        write_marker(&other, "train").unwrap();
+        let err = format!("{:#}", out.commit().unwrap_err());
+        assert!(err.contains("output of `chorus train`") && err.contains("unplaced"), "{err}");
+        assert_eq!(files(&other), ["summary.json"]);
+        // The same command replaces its own output.
+        run_into(&dest, &[("summary.json", "2")]).unwrap();
+        assert_eq!(files(&dest), ["summary.json"]);
+        // The previous chorus's marker listed the files but not the command: refused, naming them.
+        let old = "written by chorus: the next run into this directory replaces the files listed below, and refuses to while it holds any other\nsummary.json\n";
+        std::fs::write(dest.join(MARKER), old).unwrap();
+        let err = command_into(&dest, "plan", &[]).unwrap_err().to_string();
+        assert!(err.contains("older chorus") && err.contains("summary.json"), "{err}");
+        assert!(dest.join("summary.json").exists());
+        std::fs::remove_dir_all(&root).ok();
+    }
+
     /// Issue 24: a file added to the out-dir while the run goes is kept:
     /// the previous out-dir stays, this run's outputs go beside it.
     #[test]
@@ -654,7 +725,7 @@ mod tests {
         let root = root("during");
         let dest = root.join("run");
         run_into(&dest, &[("summary.json", "1")]).unwrap();
-        let out = OutDir::acquire(&dest, &[]).unwrap();
+        let out = OutDir::acquire(&dest, "train", &[]).unwrap();
         write_file(&out.stage().join("summary.json"), b"2").unwrap();
         std::fs::write(dest.join("notes.txt"), "mine").unwrap();
         let err = format!("{:#}", out.commit().unwrap_err());
@@ -677,7 +748,7 @@ mod tests {
         run_into(&dest, &[("summary.json", "1")]).unwrap();
         let aside = sibling(&dest, "old-4242");
         std::fs::rename(&dest, &aside).unwrap();
-        let out = OutDir::acquire(&dest, &[]).unwrap();
+        let out = OutDir::acquire(&dest, "train", &[]).unwrap();
         assert_eq!(std::fs::read_to_string(dest.join("summary.json")).unwrap(), "1", "restored");
         assert!(!aside.exists());
         drop(out);
@@ -685,7 +756,7 @@ mod tests {
         let stale = sibling(&dest, "old-4243");
         std::fs::create_dir_all(&stale).unwrap();
         std::fs::write(stale.join(MARKER), MARKER_HEAD).unwrap();
-        drop(OutDir::acquire(&dest, &[]).unwrap());
+        drop(OutDir::acquire(&dest, "train", &[]).unwrap());
         assert!(!stale.exists() && dest.join("summary.json").exists());
         std::fs::remove_dir_all(&root).ok();
     }

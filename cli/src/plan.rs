@@ -326,7 +326,7 @@ pub fn run_cli() -> anyhow::Result<Outcome> {
     let model = model(&args)?;
     let (cost, work) = cost_inputs(&args, &model)?;
     let out = match &args.out_dir {
-        Some(dir) => Some(OutDir::acquire(dir, &[])?),
+        Some(dir) => Some(OutDir::acquire(dir, "plan", &[])?),
         None => None,
     };
     let plan = execute(&args, &model, cost, work)?;

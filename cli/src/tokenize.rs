@@ -6,6 +6,17 @@
 //! paths before anything is read or written, shows the bytes read on
 //! stderr (when it is a terminal) and prints one summary line.
 //!
+//! Nothing it reads is ever written: `--out` (and, with `--train-tokenizer`,
+//! `--tokenizer` and its `tokenizer_config.json`) is refused where it is
+//! an input or the tokenizer, however spelled (links resolved, hard links
+//! by identity). A `tokenizer_config.json` already beside `--tokenizer` is
+//! replaced only with the tokenizer it describes (see [`companion_config`]).
+//! Outputs are staged (`.NAME.PID.partial`) and renamed into place when
+//! complete; SIGINT, SIGTERM and SIGHUP remove this run's staged files
+//! before ending it as they would have, and a later run removes those of
+//! runs that died otherwise (a process no longer running; never a live
+//! one's).
+//!
 //! `chorus train --model llama --tokenizer … --text FILE` packs a small text
 //! the same way in memory ([`rows_in_memory`]).
 
@@ -14,7 +25,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
-use chorus_train::npy::{check_dest, regular_file, Tokens};
+use chorus_train::files::{check_dest, regular_file};
+use chorus_train::npy::Tokens;
 use chorus_train::tokenize::{self, Format, MemoryRows, Packed, MAX_SEQ_LEN};
 use chorus_train::tokenizer::HfTokenizer;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -74,22 +86,35 @@ pub fn run(args: &TokenizeArgs) -> anyhow::Result<Outcome> {
         regular_file(path).map_err(|e| usage(format!("--input {}: {e}", path.display())))?;
         total += std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
     }
+    // Never write what is read (the inputs, and the tokenizer encoded with), whatever --overwrite says.
+    let mut read: Vec<(&str, &Path)> = args.input.iter().map(|p| ("--input", p.as_path())).collect();
+    if !args.train_tokenizer {
+        read.push(("--tokenizer", &args.tokenizer));
+    }
+    refuse_overlap("--out", &args.out, &read)?;
     check_dest(&args.out, args.overwrite).map_err(|e| usage(format!("--out: {e}")))?;
     parent_dir("--out", &args.out)?;
-    if args.train_tokenizer {
-        parent_dir("--tokenizer", &args.tokenizer)?;
-    }
     let config = args.tokenizer.with_file_name("tokenizer_config.json");
+    let mut staged = vec![args.out.clone()];
     if args.train_tokenizer {
+        let mut taken = read.clone();
+        taken.push(("--out", &args.out));
+        refuse_overlap("--tokenizer", &args.tokenizer, &taken)?;
+        taken.push(("--tokenizer", &args.tokenizer));
+        refuse_overlap("--tokenizer's tokenizer_config.json", &config, &taken)?;
+        parent_dir("--tokenizer", &args.tokenizer)?;
+        companion_config(&args.tokenizer, &config)?;
         for path in [&args.tokenizer, &config] {
             check_dest(path, args.overwrite).map_err(|e| usage(format!("--tokenizer: {e}")))?;
         }
-        for path in [&args.tokenizer, &config] {
-            if same_file(path, &args.out) || args.input.iter().any(|i| same_file(path, i)) {
-                return Err(usage(format!("--tokenizer: {} is also an input or --out", path.display())));
-            }
+        staged.extend([args.tokenizer.clone(), config.clone()]);
+    }
+    for path in &staged {
+        for stale in chorus_train::files::remove_stale_staged(path) {
+            eprintln!("removed {}, left by an interrupted run", stale.display());
         }
     }
+    staged::remove_on_signals(staged);
     let format = match &args.field {
         Some(field) => Format::JsonLines { field: field.clone() },
         None => Format::Text,
@@ -153,12 +178,61 @@ fn parent_dir(flag: &str, path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Whether two paths name the same file (both existing).
+/// Refuses `path` (an output, named by `flag`) where it is one of `taken`
+/// (flag and path), however either is spelled.
+fn refuse_overlap(flag: &str, path: &Path, taken: &[(&str, &Path)]) -> anyhow::Result<()> {
+    match taken.iter().find(|(_, other)| same_file(path, other)) {
+        Some((other_flag, other)) => Err(usage(format!(
+            "{flag} {} is {other_flag} {}: an output never replaces what the run reads or writes; choose another path",
+            path.display(),
+            other.display()
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Whether `a` and `b` are one file: one place however spelled (links and
+/// `..` resolved, whether or not it exists yet), or one file under two
+/// names (a hard link: the same device and inode).
 fn same_file(a: &Path, b: &Path) -> bool {
-    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
-        (Ok(a), Ok(b)) => a == b,
+    use std::os::unix::fs::MetadataExt;
+    if crate::outdir::resolved(a) == crate::outdir::resolved(b) {
+        return true;
+    }
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => (x.dev(), x.ino()) == (y.dev(), y.ino()),
         _ => false,
     }
+}
+
+/// Refuses to write the trained tokenizer's `config` (the
+/// `tokenizer_config.json` beside `--tokenizer`) over one that describes
+/// another tokenizer. Such a file describes the folder's `tokenizer.json`
+/// (transformers' layout; chorus reads it beside any `--tokenizer`), so an
+/// existing one is replaced only with `--overwrite`, together with the
+/// tokenizer it describes: `--tokenizer` exists, and is the folder's
+/// `tokenizer.json` or the folder has none.
+fn companion_config(tokenizer: &Path, config: &Path) -> anyhow::Result<()> {
+    if std::fs::symlink_metadata(config).is_err() {
+        return Ok(());
+    }
+    let folder_tokenizer = tokenizer.with_file_name("tokenizer.json");
+    let is_folders = tokenizer.file_name() == folder_tokenizer.file_name() || !folder_tokenizer.exists();
+    if tokenizer.exists() && is_folders {
+        // Replaced with the tokenizer it describes (check_dest asks for --overwrite).
+        return Ok(());
+    }
+    let whose = if is_folders {
+        format!("{} does not exist, so it describes another tokenizer", tokenizer.display())
+    } else {
+        format!("it describes {}", folder_tokenizer.display())
+    };
+    Err(usage(format!(
+        "--tokenizer {}: the trained tokenizer's config goes beside it as {}, which exists ({whose}); it is \
+         never replaced: train the tokenizer into a folder of its own",
+        tokenizer.display(),
+        config.display()
+    )))
 }
 
 /// A progress bar of bytes read, drawn on stderr only when it is a terminal.
@@ -180,8 +254,8 @@ fn bytes_bar(total: u64, what: &str) -> ProgressBar {
 /// replaced only with `overwrite` (and only a regular file).
 pub(crate) fn write_staged(dest: &Path, bytes: &[u8], overwrite: bool) -> anyhow::Result<()> {
     use std::io::Write;
-    let name = dest.file_name().with_context(|| format!("{} names no file", dest.display()))?;
-    let staged = dest.with_file_name(format!(".{}.{}.partial", name.to_string_lossy(), std::process::id()));
+    let staged = chorus_train::files::staged_path(dest, std::process::id())
+        .with_context(|| format!("{} names no file", dest.display()))?;
     let written = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -195,6 +269,67 @@ pub(crate) fn write_staged(dest: &Path, bytes: &[u8], overwrite: bool) -> anyhow
         let _ = std::fs::remove_file(&staged);
     }
     written
+}
+
+/// This run's staged outputs, removed when a signal ends it.
+mod staged {
+    use std::path::PathBuf;
+    use std::sync::atomic::{AtomicI32, Ordering};
+    use std::time::Duration;
+
+    /// The signal received, 0 before one.
+    static RECEIVED: AtomicI32 = AtomicI32::new(0);
+
+    extern "C" fn on_signal(signal: libc::c_int) {
+        // Only an atomic store (async-signal-safe); a thread does the rest.
+        RECEIVED.store(signal, Ordering::SeqCst);
+    }
+
+    /// From now on, SIGINT, SIGTERM or SIGHUP (those at their default
+    /// action) removes the files this process stages for `dests`
+    /// ([`chorus_train::files::staged_path`]) and then ends it as the signal
+    /// would have. A thread watches for them; where it cannot start, the
+    /// signals keep their default action (and a later run removes what is
+    /// left).
+    pub(super) fn remove_on_signals(dests: Vec<PathBuf>) {
+        let pid = std::process::id();
+        let staged: Vec<PathBuf> = dests.iter().filter_map(|d| chorus_train::files::staged_path(d, pid)).collect();
+        let watch = move || loop {
+            std::thread::sleep(Duration::from_millis(20));
+            let signal = RECEIVED.load(Ordering::SeqCst);
+            if signal != 0 {
+                for path in &staged {
+                    let _ = std::fs::remove_file(path);
+                }
+                // SAFETY: signal(2) and kill(2) touch no memory of this process.
+                unsafe {
+                    libc::signal(signal, libc::SIG_DFL);
+                    libc::kill(libc::getpid(), signal);
+                }
+                std::thread::sleep(Duration::from_millis(200));
+                std::process::exit(128 + signal);
+            }
+        };
+        if std::thread::Builder::new().name("chorus-tokenize-signals".into()).spawn(watch).is_err() {
+            return;
+        }
+        for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+            // SAFETY: sigaction reads the current action (a null new action
+            // changes nothing), then installs a handler that only does an
+            // atomic store, which is async-signal-safe.
+            unsafe {
+                let mut old: libc::sigaction = std::mem::zeroed();
+                if libc::sigaction(signal, std::ptr::null(), &mut old) != 0 || old.sa_sigaction != libc::SIG_DFL {
+                    continue;
+                }
+                let mut new: libc::sigaction = std::mem::zeroed();
+                new.sa_sigaction = on_signal as *const () as libc::sighandler_t;
+                new.sa_flags = libc::SA_RESTART;
+                libc::sigemptyset(&mut new.sa_mask);
+                libc::sigaction(signal, &new, std::ptr::null_mut());
+            }
+        }
+    }
 }
 
 /// The most bytes of text `chorus train --tokenizer … --text` tokenizes in

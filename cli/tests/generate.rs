@@ -140,7 +140,12 @@ fn bad_arguments_and_paths_are_usage_errors() {
     std::fs::write(bare.join("tokenizer.json"), "{}").unwrap();
     let r = generate(&bare, &["--prompt", "a"]);
     assert_eq!(r.status.code(), Some(2), "{}", text(&r.stderr));
-    assert!(text(&r.stderr).contains("not a tokenizer this build reads"), "{}", text(&r.stderr));
+    assert!(text(&r.stderr).contains("JSON, but not a tokenizer.json: it has no \"model\""), "{}", text(&r.stderr));
+    // Issue 35: broken JSON is called so, with where.
+    std::fs::write(bare.join("tokenizer.json"), "{\"model\": [").unwrap();
+    let r = generate(&bare, &["--prompt", "a"]);
+    assert_eq!(r.status.code(), Some(2), "{}", text(&r.stderr));
+    assert!(text(&r.stderr).contains("not JSON: EOF while parsing"), "{}", text(&r.stderr));
     // Nothing was written into the model directory.
     assert_eq!(listing(&model), before);
     std::fs::remove_dir_all(&dir).unwrap();
@@ -187,7 +192,46 @@ fn seeded_sampling_repeats_and_differs_from_greedy_and_eos_stops() {
     let r = generate(&model, &["--prompt", PROMPT, "--max-new-tokens", "24"]);
     assert!(r.status.success(), "{}", text(&r.stderr));
     assert_eq!(text(&r.stdout), format!("{PROMPT}{}\n", tok.decode(&g, true).unwrap()));
+    // Issue 35: the tokenizer (at most 80 ids) is smaller than the model's vocabulary (96): said, not silent.
+    let tok_vocab = tok.get_vocab(true).values().max().unwrap() + 1;
+    let warning = format!("has ids below {tok_vocab}, the model's vocab_size is 96: ids {tok_vocab}..95 have no text");
+    assert!(text(&r.stderr).contains(&warning), "{}", text(&r.stderr));
+    // Issue 35: a temperature too small for f32 (1e-40) or for anything (1e-300) draws the arg-max: greedy.
+    for t in ["1e-40", "1e-300"] {
+        let v = generate_json(&model, &["--max-new-tokens", "24", "--temperature", t, "--top-k", "0", "--seed", "5"]);
+        assert_eq!(ids(&v, "ids"), g, "temperature {t}");
+    }
+    // Issue 35: a head of NaN generated text and exited 0; now an error, and nothing on stdout.
+    nan_head(&model);
+    let r = generate(&model, &["--prompt", PROMPT, "--max-new-tokens", "4"]);
+    assert_eq!(r.status.code(), Some(1), "{}", text(&r.stderr));
+    assert!(text(&r.stderr).contains("logits for new token 1 are not finite"), "{}", text(&r.stderr));
+    assert!(r.stdout.is_empty(), "{}", text(&r.stdout));
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Writes NaN into every value of `model`'s `lm_head.weight` (float32, one weights file).
+fn nan_head(model: &Path) {
+    let path = model.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Vec<u8>, Vec<usize>, safetensors::Dtype)> = Vec::new();
+    for (name, view) in st.tensors() {
+        let mut data = view.data().to_vec();
+        if name == "lm_head.weight" {
+            assert_eq!(view.dtype(), safetensors::Dtype::F32);
+            data.chunks_exact_mut(4).for_each(|c| c.copy_from_slice(&f32::NAN.to_le_bytes()));
+        }
+        tensors.push((name.to_string(), data, view.shape().to_vec(), view.dtype()));
+    }
+    assert!(tensors.iter().any(|t| t.0 == "lm_head.weight"), "an untied head");
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, data, shape, dtype)| {
+            (n.clone(), safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &path).unwrap();
 }
 
 /// transformers' greedy generation from `model`, through `ci/generate_torch.py`.

@@ -304,3 +304,297 @@ fn transformers_encodes_to_the_same_ids() {
 fn transformers_loads_the_trained_model_directory() {
     train_with_a_tokenizer("tokenize-train-llama-hf", true);
 }
+
+/// The names in `dir`, sorted.
+fn listing(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> =
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    names
+}
+
+/// Issue 35: `--out` is never an input or the tokenizer, however it is
+/// spelled (the same path, `..`, a symbolic link to the input's folder, a
+/// hard link), with or without `--overwrite`; with `--train-tokenizer`,
+/// `--tokenizer` (and its `tokenizer_config.json`) is never `--out` or an
+/// input, even before either exists. Each refusal leaves every file as it was.
+#[test]
+fn an_output_is_never_an_input() {
+    let (dir, tok_path, corpus) = trained("tokenize-overlap");
+    let d = |p: &str| dir.join(p).display().to_string();
+    let t = tok_path.display().to_string();
+    std::fs::create_dir_all(dir.join("sub")).unwrap();
+    std::os::unix::fs::symlink(&dir, dir.join("link")).unwrap();
+    std::fs::hard_link(dir.join("corpus.txt"), dir.join("hard.txt")).unwrap();
+    let before = listing(&dir);
+    let input = d("corpus.txt");
+    for out in [d("corpus.txt"), d("sub/../corpus.txt"), d("link/corpus.txt"), d("hard.txt"), t.clone()] {
+        for overwrite in [false, true] {
+            let mut args = vec!["tokenize", "--tokenizer", &t, "--input", &input, "--out", &out, "--seq-len", "8"];
+            if overwrite {
+                args.push("--overwrite");
+            }
+            let r = run(&args);
+            assert_eq!(r.status.code(), Some(2), "--out {out} overwrite {overwrite}: {}", text(&r.stderr));
+            let err = text(&r.stderr);
+            assert!(err.contains("--out") && err.contains("an output never replaces what the run reads"), "{err}");
+        }
+    }
+    assert_eq!(std::fs::read_to_string(dir.join("corpus.txt")).unwrap(), corpus);
+    assert_eq!(listing(&dir), before);
+    // --train-tokenizer --tokenizer X --out X, X new: refused before training.
+    let x = d("new.json");
+    for extra in [&[][..], &["--overwrite"]] {
+        let args = [
+            &["tokenize", "--train-tokenizer", "--vocab-size", "300", "--tokenizer", &x, "--input", &input],
+            &["--out", &x, "--seq-len", "8"][..],
+            extra,
+        ]
+        .concat();
+        let r = run(&args);
+        assert_eq!(r.status.code(), Some(2), "{}", text(&r.stderr));
+        assert!(text(&r.stderr).contains("--tokenizer") && text(&r.stderr).contains("is --out"), "{}", text(&r.stderr));
+    }
+    // The trained tokenizer written over an input, or its config over an input.
+    let into_input = run(&[
+        "tokenize",
+        "--train-tokenizer",
+        "--vocab-size",
+        "300",
+        "--tokenizer",
+        &d("hard.txt"),
+        "--input",
+        &input,
+        "--out",
+        &d("t.npy"),
+        "--seq-len",
+        "8",
+        "--overwrite",
+    ]);
+    assert_eq!(into_input.status.code(), Some(2), "{}", text(&into_input.stderr));
+    assert!(text(&into_input.stderr).contains("is --input"), "{}", text(&into_input.stderr));
+    assert_eq!(listing(&dir), before);
+    assert_eq!(std::fs::read_to_string(dir.join("corpus.txt")).unwrap(), corpus);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Issue 35: `--train-tokenizer --tokenizer dir/new.json --overwrite`
+/// replaced the `tokenizer_config.json` of another tokenizer in that
+/// folder. A config that describes another tokenizer (the folder's
+/// `tokenizer.json`, or one beside a `--tokenizer` not yet written) is
+/// never replaced; the pair a run wrote is replaced with `--overwrite`.
+#[test]
+fn a_companion_config_of_another_tokenizer_is_never_replaced() {
+    let (dir, tok_path, _) = trained("tokenize-companion");
+    let d = |p: &str| dir.join(p).display().to_string();
+    let folder = tok_path.parent().unwrap().to_path_buf();
+    let config = folder.join("tokenizer_config.json");
+    let theirs = std::fs::read(&config).unwrap();
+    let (input, out) = (d("corpus.txt"), d("t.npy"));
+    let train = |tokenizer: &str, overwrite: bool| {
+        let mut args = vec!["tokenize", "--train-tokenizer", "--vocab-size", "290", "--tokenizer", tokenizer];
+        args.extend(["--input", &input, "--out", &out, "--seq-len", "8"]);
+        if overwrite {
+            args.push("--overwrite");
+        }
+        run(&args)
+    };
+    let new = folder.join("new.json").display().to_string();
+    for overwrite in [false, true] {
+        let r = train(&new, overwrite);
+        assert_eq!(r.status.code(), Some(2), "{}", text(&r.stderr));
+        let err = text(&r.stderr);
+        assert!(
+            err.contains("tokenizer_config.json") && err.contains("describes") && err.contains("tokenizer.json"),
+            "{err}"
+        );
+    }
+    assert_eq!(std::fs::read(&config).unwrap(), theirs);
+    assert!(!folder.join("new.json").exists());
+    // The folder's own tokenizer and its config are replaced together, with --overwrite only.
+    let own = tok_path.display().to_string();
+    usage_error(&train(&own, false), "give --overwrite");
+    ok(&train(&own, true));
+    let now = HfTokenizer::from_file(&tok_path).unwrap();
+    assert!(now.vocab_size() <= 290, "{}", now.vocab_size());
+    // A config left in a folder whose tokenizer is gone describes none this run writes.
+    std::fs::remove_file(&tok_path).unwrap();
+    let r = train(&own, true);
+    assert_eq!(r.status.code(), Some(2), "{}", text(&r.stderr));
+    assert!(text(&r.stderr).contains("does not exist, so it describes another tokenizer"), "{}", text(&r.stderr));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A corpus of `mb` megabytes (documents of a few lines).
+fn big_corpus(path: &Path, mb: usize) {
+    let block = corpus(200);
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
+    let mut written = 0;
+    while written < mb << 20 {
+        std::io::Write::write_all(&mut f, block.as_bytes()).unwrap();
+        written += block.len();
+    }
+}
+
+/// Issue 35: an interrupted `tokenize` left `.OUT.PID.partial` files that
+/// no later run removed. SIGTERM and SIGINT remove this run's and end it as
+/// the signal would; a later run removes those of dead processes and keeps
+/// a live process's.
+#[test]
+fn interrupted_runs_leave_no_staged_files() {
+    use std::os::unix::process::ExitStatusExt;
+    let (dir, tok_path, _) = trained("tokenize-signals");
+    big_corpus(&dir.join("big.txt"), 48);
+    let d = |p: &str| dir.join(p).display().to_string();
+    let t = tok_path.display().to_string();
+    for signal in [libc::SIGTERM, libc::SIGINT] {
+        let (input, out) = (d("big.txt"), d("big.npy"));
+        let mut child = chorus()
+            .args(["tokenize", "--tokenizer", &t, "--input", &input, "--out", &out, "--seq-len", "64"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let staged = dir.join(format!(".big.npy.{}.partial", child.id()));
+        let start = std::time::Instant::now();
+        while !staged.exists() {
+            assert!(start.elapsed() < LIMIT && child.try_wait().unwrap().is_none(), "no staged file appeared");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        // SAFETY: kill(2) on the child's pid; no memory involved.
+        unsafe { libc::kill(child.id() as libc::pid_t, signal) };
+        let status = common::wait_bounded(child, Duration::from_secs(30)).status;
+        assert_eq!(status.signal(), Some(signal), "ended by the signal: {status:?}");
+        assert!(!staged.exists(), "the staged file was removed");
+        assert!(!dir.join("big.npy").exists());
+    }
+    // Left by a process that died without a chance to clean up, and by a live one (this test).
+    let mut dead = std::process::Command::new("true").spawn().unwrap();
+    let dead_pid = dead.id();
+    dead.wait().unwrap();
+    let stale = dir.join(format!(".small.npy.{dead_pid}.partial"));
+    let live = dir.join(format!(".small.npy.{}.partial", std::process::id()));
+    std::fs::write(&stale, vec![0u8; 1 << 20]).unwrap();
+    std::fs::write(&live, b"in progress").unwrap();
+    let (input, out) = (d("corpus.txt"), d("small.npy"));
+    let r = run(&["tokenize", "--tokenizer", &t, "--input", &input, "--out", &out, "--seq-len", "8"]);
+    ok(&r);
+    assert!(text(&r.stderr).contains("left by an interrupted run"), "{}", text(&r.stderr));
+    assert!(!stale.exists(), "a dead process's staged file is removed");
+    assert!(live.exists(), "a live process's is kept");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Runs `chorus args` with its address space limited to `bytes`.
+fn run_limited(args: &[&str], bytes: u64) -> Output {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = chorus();
+    cmd.args(args);
+    // SAFETY: setrlimit is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(move || {
+            let limit = libc::rlimit { rlim_cur: bytes, rlim_max: bytes };
+            if libc::setrlimit(libc::RLIMIT_AS, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    run_bounded(&mut cmd, LIMIT)
+}
+
+/// Issue 35: a 2 GB `tokenizer.json` was read (a gigabyte of it) before it
+/// was refused; its size refuses it first, within 512 MiB of address space.
+#[test]
+fn a_huge_tokenizer_is_refused_by_its_size() {
+    let dir = scratch("tokenize-huge");
+    let tok = dir.join("tokenizer.json");
+    std::fs::File::create(&tok).unwrap().set_len(2 << 30).unwrap();
+    std::fs::write(dir.join("c.txt"), corpus(10)).unwrap();
+    let d = |p: &str| dir.join(p).display().to_string();
+    let (t, input, out) = (tok.display().to_string(), d("c.txt"), d("t.npy"));
+    let r =
+        run_limited(&["tokenize", "--tokenizer", &t, "--input", &input, "--out", &out, "--seq-len", "8"], 512 << 20);
+    usage_error(&r, "2147483648 bytes, more than");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Issue 35: one document of 16.8 MB (a single line, and as a JSON string)
+/// took 1.9 GB to tokenize; pieces of at most a megabyte bound it. Under a
+/// 1 GiB address space both tokenize, to the same rows.
+#[test]
+fn one_huge_document_tokenizes_in_bounded_memory() {
+    let (dir, tok_path, _) = trained("tokenize-huge-doc");
+    let words = ["the", "cat", "sat", "on", "mat", "naïve", "café", "日本語"];
+    let line: String = (0..3_150_000).map(|i| words[(i * 7) % words.len()]).collect::<Vec<_>>().join(" ");
+    assert!(line.len() > 16_000_000 && line.len() < 16 << 20, "{}", line.len());
+    std::fs::write(dir.join("one.txt"), format!("{line}\n")).unwrap();
+    std::fs::write(dir.join("one.jsonl"), format!("{}\n", serde_json::json!({ "text": line }))).unwrap();
+    let d = |p: &str| dir.join(p).display().to_string();
+    let t = tok_path.display().to_string();
+    let (one, jsonl, a, b) = (d("one.txt"), d("one.jsonl"), d("a.npy"), d("b.npy"));
+    let limit = 1 << 30;
+    ok(&run_limited(&["tokenize", "--tokenizer", &t, "--input", &one, "--out", &a, "--seq-len", "64"], limit));
+    let args = ["tokenize", "--tokenizer", &t, "--input", &jsonl, "--field", "text", "--out", &b, "--seq-len", "64"];
+    ok(&run_limited(&args, limit));
+    let (rows_a, rows_b) = (read_npy(Path::new(&a)), read_npy(Path::new(&b)));
+    assert_eq!(rows_a.3, rows_b.3, "the line and the JSON string give the same rows");
+    // One document: at most one end-of-text token (none where it fell in the dropped tail).
+    assert!(rows_a.1 > 10_000 && rows_a.3.iter().filter(|i| **i == 0).count() <= 1, "{} rows", rows_a.1);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Issue 35: a JSON-lines file that starts with a byte-order mark was "not
+/// JSON at line 1 column 1"; a line that is an array had "no field text".
+#[test]
+fn json_lines_with_a_byte_order_mark_or_an_array() {
+    let (dir, tok_path, _) = trained("tokenize-bom");
+    let tok = HfTokenizer::from_file(&tok_path).unwrap();
+    let d = |p: &str| dir.join(p).display().to_string();
+    let t = tok_path.display().to_string();
+    std::fs::write(dir.join("bom.jsonl"), "\u{feff}{\"text\": \"the cat sat\"}\n{\"text\": \"on the mat\"}\n").unwrap();
+    let (bom, out) = (d("bom.jsonl"), d("bom.npy"));
+    ok(&run(&["tokenize", "--tokenizer", &t, "--input", &bom, "--field", "text", "--out", &out, "--seq-len", "2"]));
+    let (want, _) = expected_rows(&tok, &["the cat sat", "on the mat"], 3);
+    assert_eq!(read_npy(Path::new(&out)).3, want, "the mark is no part of the text");
+    std::fs::write(dir.join("array.jsonl"), "{\"text\": \"the cat\"}\n[\"the cat\", 1]\n").unwrap();
+    let (array, out2) = (d("array.jsonl"), d("array.npy"));
+    let r =
+        run(&["tokenize", "--tokenizer", &t, "--input", &array, "--field", "text", "--out", &out2, "--seq-len", "2"]);
+    assert_eq!(r.status.code(), Some(1), "{}", text(&r.stderr));
+    let err = text(&r.stderr);
+    assert!(err.contains("array.jsonl:2: a JSON line is an array, not an object"), "{err}");
+    assert!(!Path::new(&out2).exists());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Issue 35: SIGUSR1 (a flight-recorder dump) while `chorus train` tokenized
+/// its `--text` killed it (exit 138); it is answered from the start, and the
+/// run goes on to the end.
+#[test]
+fn sigusr1_while_train_tokenizes_its_text_does_not_end_it() {
+    let (dir, tok_path, _) = trained("tokenize-sigusr1");
+    big_corpus(&dir.join("big.txt"), 24);
+    let (t, text_path, out) = (tok_path.display().to_string(), dir.join("big.txt"), dir.join("run"));
+    let child = chorus()
+        .args(["train", "--model", "llama", "--tokenizer", &t, "--text"])
+        .arg(&text_path)
+        .args(["--world-size", "1", "--steps", "1", "--batch", "1", "--seq-len", "16", "--hidden", "32"])
+        .args(["--heads", "2", "--layers", "1", "--out-dir"])
+        .arg(&out)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Well inside the tokenization of 24 MB (seconds), after the process has started.
+    std::thread::sleep(Duration::from_millis(700));
+    assert!(!out.join("summary.json").exists(), "still preparing");
+    // SAFETY: kill(2) on the child's pid; no memory involved.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGUSR1) };
+    let r = common::wait_bounded(child, LIMIT);
+    assert!(r.status.success(), "{:?}: {}", r.status, text(&r.stderr));
+    assert!(text(&r.stderr).contains("SIGUSR1"), "the signal was answered: {}", text(&r.stderr));
+    assert!(out.join("summary.json").is_file());
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -10,7 +10,11 @@
 //! end-of-sequence id ([`eos_ids`]) or after the asked number of tokens.
 //! [`Decoding`] picks each token as transformers' `generate` does: the
 //! arg-max (greedy, `do_sample=False`), or a draw after its logits warpers
-//! in its order — temperature, top-k, top-p — from a seeded generator.
+//! in its order — temperature, top-k, top-p — from a seeded generator. The
+//! warpers and the draw compute in f64 on the logits less their largest, so
+//! any positive temperature, however small (1e-300), gives the limit it
+//! tends to (the arg-max) instead of overflowing. Logits that are NaN or
+//! +∞ (broken weights) stop generation with [`GenerateError::NotFinite`].
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -37,6 +41,24 @@ pub enum GenerateError {
     /// candle failed computing.
     #[error("candle: {0}")]
     Compute(#[from] candle_core::Error),
+    /// The model's logits for a new token hold NaN or +∞: its weights are
+    /// broken (NaN, or so large that the computation overflows).
+    #[error(
+        "the model's logits for new token {token} are not finite (logit {id} is {value}, {count} of {vocab} not \
+         finite): its weights hold NaN or overflow; nothing is generated from it"
+    )]
+    NotFinite {
+        /// Which new token (from 1).
+        token: usize,
+        /// The first id whose logit is NaN or +∞.
+        id: usize,
+        /// That logit.
+        value: f32,
+        /// How many logits are NaN or +∞.
+        count: usize,
+        /// Logits in all.
+        vocab: usize,
+    },
 }
 
 /// How each new token is chosen from the logits.
@@ -120,56 +142,61 @@ fn argmax(logits: &[f32]) -> usize {
     best
 }
 
-/// transformers' logits warpers in its order, in place: `TemperatureLogitsWarper`,
+/// transformers' logits warpers in its order, in place, in f64:
+/// `TemperatureLogitsWarper` on the logits less their largest (the same
+/// distribution: a softmax does not see a shift; and finite for any
+/// positive temperature: the largest becomes 0, the others ≤ 0 or −∞),
 /// `TopKLogitsWarper` (what is below the k-th largest becomes −∞) and
 /// `TopPLogitsWarper` (sorted ascending, the tokens whose cumulative
-/// probability is ≤ 1 − p become −∞, the largest always kept).
-pub fn warp(logits: &mut [f32], s: &Sampling) {
-    if s.temperature != 1.0 {
-        let t = s.temperature as f32;
-        logits.iter_mut().for_each(|x| *x /= t);
+/// probability is ≤ 1 − p become −∞, the largest always kept). The logits
+/// are finite or −∞ (the caller refuses NaN and +∞).
+pub fn warp(logits: &mut [f64], s: &Sampling) {
+    let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if max.is_finite() {
+        logits.iter_mut().for_each(|x| *x = (*x - max) / s.temperature);
     }
     if let Some(k) = s.top_k.filter(|&k| k > 0 && k < logits.len()) {
         let mut sorted = logits.to_vec();
         sorted.sort_by(|a, b| b.total_cmp(a));
         let kth = sorted[k - 1];
-        logits.iter_mut().filter(|x| **x < kth).for_each(|x| *x = f32::NEG_INFINITY);
+        logits.iter_mut().filter(|x| **x < kth).for_each(|x| *x = f64::NEG_INFINITY);
     }
     if let Some(p) = s.top_p.filter(|&p| p < 1.0) {
         // A stable ascending sort, as torch.sort on the CPU keeps equal values in index order.
         let mut order: Vec<usize> = (0..logits.len()).collect();
         order.sort_by(|&a, &b| logits[a].total_cmp(&logits[b]));
         let probs = softmax(&order.iter().map(|&i| logits[i]).collect::<Vec<_>>());
-        let mut cum = 0.0f32;
+        let mut cum = 0.0f64;
         let last = order.len().saturating_sub(1);
         for (rank, (&i, q)) in order.iter().zip(probs).enumerate() {
             cum += q;
-            if cum <= (1.0 - p) as f32 && rank < last {
-                logits[i] = f32::NEG_INFINITY;
+            if cum <= 1.0 - p && rank < last {
+                logits[i] = f64::NEG_INFINITY;
             }
         }
     }
 }
 
-/// Softmax in float32, as transformers' sampling takes it.
-fn softmax(x: &[f32]) -> Vec<f32> {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let e: Vec<f32> = x.iter().map(|&v| if v == f32::NEG_INFINITY { 0.0 } else { (v - max).exp() }).collect();
-    let sum: f32 = e.iter().sum();
+/// Softmax in f64 (−∞ gives 0).
+fn softmax(x: &[f64]) -> Vec<f64> {
+    let max = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let e: Vec<f64> = x.iter().map(|&v| if v == f64::NEG_INFINITY { 0.0 } else { (v - max).exp() }).collect();
+    let sum: f64 = e.iter().sum();
     e.into_iter().map(|v| v / sum).collect()
 }
 
-/// One token from `logits` by `decoding`, drawing from `rng` when sampling.
-fn choose(mut logits: Vec<f32>, decoding: &Decoding, rng: &mut Rng) -> usize {
-    let Decoding::Sample(s) = decoding else { return argmax(&logits) };
-    warp(&mut logits, s);
-    let probs = softmax(&logits);
-    let u = rng.uniform() * probs.iter().map(|&p| p as f64).sum::<f64>();
+/// One token from `logits` (finite or −∞) by `decoding`, drawing from `rng` when sampling.
+fn choose(logits: &[f32], decoding: &Decoding, rng: &mut Rng) -> usize {
+    let Decoding::Sample(s) = decoding else { return argmax(logits) };
+    let mut warped: Vec<f64> = logits.iter().map(|&x| x as f64).collect();
+    warp(&mut warped, s);
+    let probs = softmax(&warped);
+    let u = rng.uniform() * probs.iter().sum::<f64>();
     let mut cum = 0.0f64;
-    let mut last = argmax(&logits);
+    let mut last = argmax(logits);
     for (i, &p) in probs.iter().enumerate() {
         if p > 0.0 {
-            cum += p as f64;
+            cum += p;
             last = i;
             if u < cum {
                 return i;
@@ -177,6 +204,21 @@ fn choose(mut logits: Vec<f32>, decoding: &Decoding, rng: &mut Rng) -> usize {
         }
     }
     last
+}
+
+/// Refuses logits that hold NaN or +∞ (of new token `token`, from 1).
+fn check_finite(logits: &[f32], token: usize) -> Result<(), GenerateError> {
+    let bad = |x: &f32| x.is_nan() || *x == f32::INFINITY;
+    match logits.iter().position(bad) {
+        None => Ok(()),
+        Some(id) => Err(GenerateError::NotFinite {
+            token,
+            id,
+            value: logits[id],
+            count: logits.iter().filter(|x| bad(x)).count(),
+            vocab: logits.len(),
+        }),
+    }
 }
 
 /// The end-of-sequence ids transformers' `generate` stops at for the model
@@ -339,7 +381,8 @@ impl Decoder {
         out.prefill_s = start.elapsed().as_secs_f64();
         let start = Instant::now();
         loop {
-            let id = choose(logits, decoding, &mut rng) as u32;
+            check_finite(&logits, out.ids.len() + 1)?;
+            let id = choose(&logits, decoding, &mut rng) as u32;
             out.ids.push(id);
             on_token(id);
             if self.eos.contains(&id) {
@@ -455,27 +498,84 @@ mod tests {
     #[test]
     fn warpers_follow_transformers() {
         let s = |temperature, top_k, top_p| Sampling { temperature, top_k, top_p, seed: 0 };
-        let mut x = vec![1.0f32, 2.0, 3.0, 4.0];
+        // Divided by the temperature after the largest is taken off (a softmax does not see the shift).
+        let mut x = vec![1.0f64, 2.0, 3.0, 4.0];
         warp(&mut x, &s(2.0, None, None));
-        assert_eq!(x, [0.5, 1.0, 1.5, 2.0]);
+        assert_eq!(x, [-1.5, -1.0, -0.5, 0.0]);
         warp(&mut x, &s(1.0, Some(2), None));
-        assert_eq!(x, [f32::NEG_INFINITY, f32::NEG_INFINITY, 1.5, 2.0]);
+        assert_eq!(x, [f64::NEG_INFINITY, f64::NEG_INFINITY, -0.5, 0.0]);
         // Ties with the k-th largest are kept.
-        let mut x = vec![1.0f32, 3.0, 3.0, 0.0];
+        let mut x = vec![1.0f64, 3.0, 3.0, 0.0];
         warp(&mut x, &s(1.0, Some(1), None));
-        assert_eq!(x, [f32::NEG_INFINITY, 3.0, 3.0, f32::NEG_INFINITY]);
+        assert_eq!(x, [f64::NEG_INFINITY, 0.0, 0.0, f64::NEG_INFINITY]);
         // Probabilities 0.1, 0.2, 0.3, 0.4, p = 0.6: ascending cumulative 0.1, 0.3 are ≤ 0.4 and go.
-        let mut x: Vec<f32> = [0.3f32, 0.1, 0.4, 0.2].iter().map(|p| p.ln()).collect();
+        let mut x: Vec<f64> = [0.3f64, 0.1, 0.4, 0.2].iter().map(|p| p.ln()).collect();
         warp(&mut x, &s(1.0, None, Some(0.6)));
         let kept: Vec<bool> = x.iter().map(|v| v.is_finite()).collect();
         assert_eq!(kept, [true, false, true, false]);
         // The largest is always kept, however small p.
-        let mut x = vec![0.0f32, 5.0];
+        let mut x = vec![0.0f64, 5.0];
         warp(&mut x, &s(1.0, None, Some(1e-9)));
-        assert_eq!(x, [f32::NEG_INFINITY, 5.0]);
+        assert_eq!(x, [f64::NEG_INFINITY, 0.0]);
         assert!(s(0.0, None, None).validate().is_err());
         assert!(s(1.0, None, Some(1.5)).validate().is_err());
         assert!(s(f64::NAN, None, None).validate().is_err());
+    }
+
+    /// Issue 35: `--temperature 1e-40` (or 1e-300) gave the end token
+    /// every time (the scaled logits overflowed f32): a tiny temperature
+    /// draws the arg-max, its limit; a small but representable one still
+    /// draws the runner-up at its probability, e^(-gap / T).
+    #[test]
+    fn tiny_temperatures_tend_to_the_arg_max() {
+        let logits = [1.0f32, 3.5, 3.25, -2.0, f32::NEG_INFINITY];
+        for t in [1e-40, 1e-300, f64::MIN_POSITIVE, 5e-324] {
+            let d = Decoding::Sample(Sampling { temperature: t, top_k: None, top_p: Some(0.9), seed: 1 });
+            let mut rng = Rng::new(1);
+            let drawn: Vec<usize> = (0..200).map(|_| choose(&logits, &d, &mut rng)).collect();
+            assert!(drawn.iter().all(|&i| i == 1), "temperature {t}: {drawn:?}");
+        }
+        // T = 0.25: the runner-up (0.25 below) has odds e^-1 against the arg-max.
+        let d = Decoding::Sample(Sampling { temperature: 0.25, top_k: Some(0), top_p: None, seed: 1 });
+        let mut rng = Rng::new(1);
+        let n = 40_000;
+        let second = (0..n).filter(|_| choose(&logits, &d, &mut rng) == 2).count() as f64 / n as f64;
+        let e = (-1.0f64).exp();
+        let want = e / (1.0 + e + (-10.0f64).exp());
+        assert!((second - want).abs() < 0.01, "{second} vs {want}");
+    }
+
+    /// Issue 35: a model whose head is NaN generated text and exited 0; its
+    /// logits are refused, naming the token and the first bad id.
+    #[test]
+    fn non_finite_logits_stop_generation() {
+        assert!(check_finite(&[0.0, -1e30, f32::NEG_INFINITY], 1).is_ok());
+        let e = check_finite(&[0.0, f32::NAN, f32::INFINITY, 1.0], 3).unwrap_err().to_string();
+        assert!(e.contains("new token 3") && e.contains("logit 1 is NaN") && e.contains("2 of 4 not finite"), "{e}");
+        let dir = model_dir("nan-head", false);
+        let weights = dir.join("model.safetensors");
+        let bytes = std::fs::read(&weights).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        // Every tensor as stored (f32), the head's values made NaN.
+        let mut tensors: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
+        for (name, view) in st.tensors() {
+            let mut data = view.data().to_vec();
+            if name == "lm_head.weight" {
+                data.chunks_exact_mut(4).for_each(|c| c.copy_from_slice(&f32::NAN.to_le_bytes()));
+            }
+            tensors.push((name.to_string(), data, view.shape().to_vec()));
+        }
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, data, shape)| {
+                (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data).unwrap())
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &weights).unwrap();
+        let d = Decoder::open(&dir).unwrap();
+        let e = d.generate(&ids(3), 4, &Decoding::Greedy, |_| {}).unwrap_err();
+        assert!(matches!(e, GenerateError::NotFinite { token: 1, id: 0, count: 50, vocab: 50, .. }), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -485,14 +585,14 @@ mod tests {
         let mut rng = Rng::new(11);
         let mut counts = [0usize; 4];
         for _ in 0..20_000 {
-            counts[choose(logits.clone(), &d, &mut rng)] += 1;
+            counts[choose(&logits, &d, &mut rng)] += 1;
         }
         assert_eq!(counts[3], 0);
         assert!((counts[0] as f64 / 20_000.0 - 0.5).abs() < 0.02, "{counts:?}");
         assert!((counts[1] as f64 / 20_000.0 - 0.25).abs() < 0.02, "{counts:?}");
         let draw = |seed| {
             let mut r = Rng::new(seed);
-            (0..32).map(|_| choose(logits.clone(), &d, &mut r)).collect::<Vec<_>>()
+            (0..32).map(|_| choose(&logits, &d, &mut r)).collect::<Vec<_>>()
         };
         assert_eq!(draw(5), draw(5));
         assert_ne!(draw(5), draw(6));

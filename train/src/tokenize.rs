@@ -11,11 +11,17 @@
 //! field `field` of each line's object (blank lines skipped). An empty
 //! document gives nothing, not even an end-of-text token.
 //!
+//! A file's UTF-8 byte-order mark is not text: it is left out.
+//!
 //! Memory stays bounded whatever the input's size: files are read line by
 //! line, at most [`BATCH_BYTES`] of text is encoded at once, and a document
-//! longer than [`MAX_DOC_BYTES`] is encoded in pieces cut at line ends (a
-//! line longer than [`MAX_LINE_BYTES`] is an error naming it). The order of
-//! the output is the input's, however many threads encode.
+//! longer than [`MAX_DOC_BYTES`] (a run of lines, or one long line or JSON
+//! string) is encoded in pieces of at most that size, cut at a line end
+//! where there is one, else before a space that follows a word, else
+//! between two characters (a line longer than [`MAX_LINE_BYTES`] is an
+//! error naming it): encoding takes about a hundred times its text's bytes,
+//! so a piece, not a document, sets the memory. The order of the output is
+//! the input's, however many threads encode.
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -28,8 +34,8 @@ use crate::tokenizer::{HfTokenizer, TokenizerError};
 pub const MAX_SEQ_LEN: usize = 1 << 20;
 /// The longest line read (longer is an error naming the file and line).
 pub const MAX_LINE_BYTES: usize = 16 << 20;
-/// A document is encoded in pieces of about this size, cut at line ends.
-pub const MAX_DOC_BYTES: usize = 8 << 20;
+/// A document is encoded in pieces of at most this size (see the module's doc).
+pub const MAX_DOC_BYTES: usize = 1 << 20;
 /// The text encoded in parallel at once.
 pub const BATCH_BYTES: usize = 4 << 20;
 
@@ -134,10 +140,51 @@ impl RowSink for MemoryRows {
     }
 }
 
-/// A piece of a document and whether it is the document's last.
+/// A piece of a document, whether it is the document's last, and whether
+/// a piece of the same document came before it.
 struct Piece {
     text: String,
     ends_doc: bool,
+    continued: bool,
+}
+
+/// Where to cut `text` (longer than `limit`) so that the first part has at
+/// most `limit` bytes and is not empty: after the last line end within the
+/// limit, else before the last space that follows a word (the byte-level
+/// pre-tokenizer's own boundary, ` word`), else at the last character
+/// boundary.
+fn cut_point(text: &str, limit: usize) -> usize {
+    let head = &text.as_bytes()[..limit.min(text.len())];
+    if let Some(p) = head.iter().rposition(|b| *b == b'\n').filter(|p| *p > 0) {
+        return p + 1;
+    }
+    let space_after_word =
+        (1..head.len()).rev().find(|&i| head[i].is_ascii_whitespace() && !head[i - 1].is_ascii_whitespace());
+    if let Some(i) = space_after_word {
+        return i;
+    }
+    let mut i = limit.min(text.len());
+    while i > 1 && !text.is_char_boundary(i) {
+        i -= 1;
+    }
+    // A first character longer than the limit (a limit under 4 bytes) is kept whole.
+    if i <= 1 {
+        return text.char_indices().nth(1).map_or(text.len(), |(i, _)| i);
+    }
+    i
+}
+
+/// `text`, a whole document (`ends_doc`) or its start, as pieces of at
+/// most [`MAX_DOC_BYTES`] (the last one holding what is left when the
+/// document goes on); `continued`: a piece of it came before.
+fn split_pieces(mut text: String, ends_doc: bool, mut continued: bool, out: &mut std::collections::VecDeque<Piece>) {
+    while text.len() > MAX_DOC_BYTES {
+        let rest = text.split_off(cut_point(&text, MAX_DOC_BYTES));
+        out.push_back(Piece { text, ends_doc: false, continued });
+        continued = true;
+        text = rest;
+    }
+    out.push_back(Piece { text, ends_doc, continued });
 }
 
 /// The documents of the input files, read a line at a time.
@@ -150,12 +197,27 @@ struct Documents<'a> {
     bytes: u64,
     /// The plain-text document being gathered.
     doc: String,
+    /// Whether pieces of the document being gathered went out already.
+    doc_continued: bool,
+    /// Pieces cut and not yet handed out.
+    pending: std::collections::VecDeque<Piece>,
     buf: Vec<u8>,
 }
 
 impl<'a> Documents<'a> {
     fn new(inputs: &'a [PathBuf], format: &'a Format) -> Documents<'a> {
-        Documents { inputs, format, file: 0, reader: None, line: 0, bytes: 0, doc: String::new(), buf: Vec::new() }
+        Documents {
+            inputs,
+            format,
+            file: 0,
+            reader: None,
+            line: 0,
+            bytes: 0,
+            doc: String::new(),
+            doc_continued: false,
+            pending: std::collections::VecDeque::new(),
+            buf: Vec::new(),
+        }
     }
 
     fn path(&self) -> &Path {
@@ -199,29 +261,41 @@ impl<'a> Documents<'a> {
         let text = std::str::from_utf8(&self.buf).map_err(|e| {
             self.input_err(format!("not UTF-8 (byte {} of the line); convert it first", e.valid_up_to()))
         })?;
+        // A byte-order mark says how the file is encoded; it is no part of the text.
+        let text = if self.line == 1 { text.strip_prefix('\u{feff}').unwrap_or(text) } else { text };
         Ok(Some(Some(text.to_string())))
     }
 
     /// The next piece of a document, or `None` at the end of the inputs.
     fn next_piece(&mut self) -> Result<Option<Piece>> {
         loop {
+            if let Some(p) = self.pending.pop_front() {
+                return Ok(Some(p));
+            }
             let Some(line) = self.next_line()? else {
                 return Ok(None);
             };
             match (self.format, line) {
                 (Format::Text, Some(line)) if !line.trim().is_empty() => {
                     self.doc.push_str(&line);
-                    if self.doc.len() >= MAX_DOC_BYTES {
-                        return Ok(Some(Piece { text: std::mem::take(&mut self.doc), ends_doc: false }));
+                    if self.doc.len() > MAX_DOC_BYTES {
+                        // All but the last piece go out; the last one gathers the lines that follow.
+                        let doc = std::mem::take(&mut self.doc);
+                        split_pieces(doc, false, self.doc_continued, &mut self.pending);
+                        if let Some(last) = self.pending.pop_back() {
+                            self.doc = last.text;
+                        }
+                        self.doc_continued = true;
                     }
                 }
                 // A blank line or the end of a file ends the document.
                 (Format::Text, _) => {
-                    if !self.doc.is_empty() {
+                    if !self.doc.is_empty() || self.doc_continued {
                         let mut text = std::mem::take(&mut self.doc);
                         let end = text.trim_end_matches(['\n', '\r']).len();
                         text.truncate(end);
-                        return Ok(Some(Piece { text, ends_doc: true }));
+                        let continued = std::mem::take(&mut self.doc_continued);
+                        return Ok(Some(Piece { text, ends_doc: true, continued }));
                     }
                 }
                 (Format::JsonLines { .. }, None) => {}
@@ -231,14 +305,27 @@ impl<'a> Documents<'a> {
                     }
                     let value: serde_json::Value =
                         serde_json::from_str(&line).map_err(|e| self.input_err(format!("not JSON: {e}")))?;
-                    return match value.get(field.as_str()) {
-                        Some(serde_json::Value::String(s)) => Ok(Some(Piece { text: s.clone(), ends_doc: true })),
+                    let serde_json::Value::Object(mut object) = value else {
+                        let kind = match value {
+                            serde_json::Value::Array(_) => "an array",
+                            serde_json::Value::String(_) => "a string",
+                            serde_json::Value::Number(_) => "a number",
+                            serde_json::Value::Bool(_) => "a boolean",
+                            _ => "null",
+                        };
+                        return Err(self.input_err(format!(
+                            "a JSON line is {kind}, not an object: each line must be an object with the text in its \
+                             string field {field:?}"
+                        )));
+                    };
+                    match object.remove(field.as_str()) {
+                        Some(serde_json::Value::String(s)) => split_pieces(s, true, false, &mut self.pending),
                         Some(other) => {
                             let kind = if other.is_null() { "null" } else { "not a string" };
-                            Err(self.input_err(format!("field {field:?} is {kind}")))
+                            return Err(self.input_err(format!("field {field:?} is {kind}")));
                         }
-                        None => Err(self.input_err(format!("no field {field:?} (choose it with --field)"))),
-                    };
+                        None => return Err(self.input_err(format!("no field {field:?} (choose it with --field)"))),
+                    }
                 }
             }
         }
@@ -303,7 +390,7 @@ pub fn pack(
         for (piece, ids) in batch.iter().zip(encoded) {
             push(&ids, &mut row, &mut packed)?;
             // The end of an empty document adds nothing; a document cut into pieces ends once.
-            if piece.ends_doc && (!ids.is_empty() || !piece.text.is_empty()) {
+            if piece.ends_doc && (piece.continued || !ids.is_empty() || !piece.text.is_empty()) {
                 push(&[eos], &mut row, &mut packed)?;
                 packed.documents += 1;
             }
@@ -452,6 +539,70 @@ mod tests {
         let packed = pack(&tok, &[d.join("long.txt")], &Format::Text, 7, &mut rows, &|_| {}).unwrap();
         assert_eq!(packed.documents, 1);
         assert_eq!(rows.ids.iter().filter(|i| **i == 0).count(), (packed.dropped == 0) as usize);
+        std::fs::remove_dir_all(&d).ok();
+    }
+
+    /// Issue 35: one long document (a single line, or a JSON string) is
+    /// cut into pieces of at most MAX_DOC_BYTES, at a line end where there
+    /// is one, else before a space after a word, else between characters;
+    /// the pieces give back the text and end the document once.
+    #[test]
+    fn long_documents_are_cut_into_bounded_pieces() {
+        assert_eq!(cut_point("ab\ncd ef", 7), 3, "after the line end");
+        assert_eq!(cut_point("abc def ghi", 9), 7, "before the space after a word");
+        assert_eq!(cut_point("abc  def", 5), 3, "before a run of spaces, not inside it");
+        assert_eq!(cut_point("日本語日本語", 7), 6, "between characters");
+        assert_eq!(cut_point("日本", 2), 3, "a first character longer than the limit is kept whole");
+        let d = dir("pieces");
+        let words = ["the ", "café ", "日本語 ", "\t"];
+        let line: String = (0..(3 * MAX_DOC_BYTES / 5)).map(|i| words[i % words.len()]).collect();
+        let spaceless = "語".repeat(MAX_DOC_BYTES / 2);
+        for (name, text, format) in [
+            ("one.txt", format!("{line}\n"), Format::Text),
+            ("one.jsonl", format!("{}\n", serde_json::json!({ "t": line })), Format::JsonLines { field: "t".into() }),
+            ("cjk.txt", format!("{spaceless}\n"), Format::Text),
+        ] {
+            std::fs::write(d.join(name), text).unwrap();
+            let inputs = [d.join(name)];
+            let mut docs = Documents::new(&inputs, &format);
+            let mut pieces = Vec::new();
+            while let Some(p) = docs.next_piece().unwrap() {
+                pieces.push(p);
+            }
+            assert!(pieces.len() >= 2, "{name}: {} pieces", pieces.len());
+            assert!(pieces.iter().all(|p| p.text.len() <= MAX_DOC_BYTES && !p.text.is_empty()), "{name}");
+            let ends: Vec<(bool, bool)> = pieces.iter().map(|p| (p.ends_doc, p.continued)).collect();
+            assert_eq!(ends.iter().filter(|e| e.0).count(), 1, "{name}: one end");
+            assert!(ends.last().unwrap().0 && !ends[0].1 && ends[1..].iter().all(|e| e.1), "{name}: {ends:?}");
+            let joined: String = pieces.iter().map(|p| p.text.as_str()).collect();
+            let whole = if name == "cjk.txt" { &spaceless } else { &line };
+            assert_eq!(&joined, whole, "{name}");
+        }
+        std::fs::remove_dir_all(&d).ok();
+    }
+
+    /// Issue 35: a byte-order mark starts no document; a JSON line that is
+    /// no object says so, rather than missing its field.
+    #[test]
+    fn byte_order_marks_and_lines_that_are_no_objects() {
+        let d = dir("bom");
+        let tok = crate::tokenizer::train_byte_level_bpe(["ab cd ef"].iter(), 260).unwrap();
+        let json = Format::JsonLines { field: "text".into() };
+        std::fs::write(d.join("bom.jsonl"), "\u{feff}{\"text\": \"ab\"}\n").unwrap();
+        std::fs::write(d.join("bom.txt"), "\u{feff}ab\n").unwrap();
+        for (name, format) in [("bom.jsonl", &json), ("bom.txt", &Format::Text)] {
+            let mut rows = MemoryRows { ids: Vec::new(), limit: 100 };
+            pack(&tok, &[d.join(name)], format, 1, &mut rows, &|_| {}).unwrap();
+            let mut want = tok.encode_plain("ab").unwrap();
+            want.push(0);
+            assert_eq!(rows.ids[..want.len() / 2 * 2], want[..want.len() / 2 * 2], "{name}");
+        }
+        for (line, kind) in [("[\"ab\"]", "an array"), ("\"ab\"", "a string"), ("3", "a number"), ("null", "null")] {
+            std::fs::write(d.join("x.jsonl"), format!("{{\"text\": \"ab\"}}\n{line}\n")).unwrap();
+            let mut rows = MemoryRows { ids: Vec::new(), limit: 100 };
+            let e = pack(&tok, &[d.join("x.jsonl")], &json, 1, &mut rows, &|_| {}).unwrap_err().to_string();
+            assert!(e.contains(&format!("x.jsonl:2: a JSON line is {kind}, not an object")), "{e}");
+        }
         std::fs::remove_dir_all(&d).ok();
     }
 }

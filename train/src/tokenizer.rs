@@ -118,29 +118,71 @@ impl std::fmt::Debug for HfTokenizer {
     }
 }
 
-/// Reads a regular file of at most [`MAX_TOKENIZER_FILE`] bytes.
+/// Reads a regular file of at most [`MAX_TOKENIZER_FILE`] bytes; a larger
+/// one is refused by its size, before any of it is read.
 fn read_bounded(path: &Path) -> Result<Vec<u8>> {
     let io = |source| TokenizerError::Io { path: path.to_path_buf(), source };
     crate::files::regular_file(path).map_err(io)?;
+    let too_large = |len: u64| TokenizerError::Invalid {
+        path: path.to_path_buf(),
+        why: format!("{len} bytes, more than {MAX_TOKENIZER_FILE}: not a tokenizer file"),
+    };
     let file = std::fs::File::open(path).map_err(io)?;
-    let mut bytes = Vec::new();
+    let len = file.metadata().map_err(io)?.len();
+    if len > MAX_TOKENIZER_FILE {
+        return Err(too_large(len));
+    }
+    let mut bytes = Vec::with_capacity(len as usize);
+    // The file may grow while it is read: never past the limit.
     file.take(MAX_TOKENIZER_FILE + 1).read_to_end(&mut bytes).map_err(io)?;
     if bytes.len() as u64 > MAX_TOKENIZER_FILE {
-        let why = format!("larger than {MAX_TOKENIZER_FILE} bytes: not a tokenizer file");
-        return Err(TokenizerError::Invalid { path: path.to_path_buf(), why });
+        return Err(too_large(bytes.len() as u64));
     }
     Ok(bytes)
+}
+
+/// Reads the `tokenizer.json` at `path` (at most [`MAX_TOKENIZER_FILE`]
+/// bytes, checked before reading) into a [`Tokenizer`], with its bytes.
+/// What is wrong is said as it is: not JSON (where, as the parser says),
+/// JSON that is not a tokenizer (no `model`), or a tokenizer this build of
+/// the `tokenizers` crate cannot read.
+pub fn read_tokenizer_json(path: &Path) -> Result<(Tokenizer, Vec<u8>)> {
+    let json = read_bounded(path)?;
+    match Tokenizer::from_bytes(&json) {
+        Ok(t) => Ok((t, json)),
+        Err(e) => {
+            let why = match serde_json::from_slice::<Value>(&json) {
+                Err(syntax) => format!("not JSON: {syntax}"),
+                Ok(Value::Object(o)) if !o.contains_key("model") => {
+                    let keys: Vec<&str> = o.keys().take(8).map(String::as_str).collect();
+                    format!(
+                        "JSON, but not a tokenizer.json: it has no \"model\" (its keys: {}); a Hugging Face \
+                         tokenizer.json has version, model, normalizer, pre_tokenizer, decoder, ...",
+                        keys.join(", ")
+                    )
+                }
+                Ok(Value::Object(_)) => format!("a tokenizer.json this build cannot read: {e}"),
+                Ok(other) => {
+                    let kind = match other {
+                        Value::Array(_) => "an array",
+                        Value::String(_) => "a string",
+                        Value::Number(_) => "a number",
+                        Value::Bool(_) => "a boolean",
+                        _ => "null",
+                    };
+                    format!("JSON, but not a tokenizer.json: {kind}, where a tokenizer.json is an object")
+                }
+            };
+            Err(TokenizerError::Invalid { path: path.to_path_buf(), why })
+        }
+    }
 }
 
 impl HfTokenizer {
     /// Reads `path` (a `tokenizer.json`) and, if present, the
     /// `tokenizer_config.json` beside it.
     pub fn from_file(path: &Path) -> Result<HfTokenizer> {
-        let json = read_bounded(path)?;
-        let inner = Tokenizer::from_bytes(&json).map_err(|e| TokenizerError::Invalid {
-            path: path.to_path_buf(),
-            why: format!("not a tokenizer.json: {e}"),
-        })?;
+        let (inner, json) = read_tokenizer_json(path)?;
         let config_path = path.with_file_name("tokenizer_config.json");
         let config = match std::fs::symlink_metadata(&config_path) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Map::new(),
@@ -412,9 +454,27 @@ mod tests {
     fn bad_files_and_sizes_are_typed_errors() {
         let dir = std::env::temp_dir().join(format!("chorus-tokenizer-bad-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("tokenizer.json"), "{\"not\": 1}").unwrap();
-        let err = HfTokenizer::from_file(&dir.join("tokenizer.json")).unwrap_err();
-        assert!(err.to_string().contains("not a tokenizer.json"), "{err}");
+        // Issue 35: valid JSON that is no tokenizer is not called a syntax error; broken JSON is.
+        let path = dir.join("tokenizer.json");
+        std::fs::write(&path, "{\"not\": 1, \"version\": \"1.0\"}").unwrap();
+        let err = HfTokenizer::from_file(&path).unwrap_err().to_string();
+        assert!(err.contains("JSON, but not a tokenizer.json: it has no \"model\" (its keys: not, version)"), "{err}");
+        std::fs::write(&path, "[1, 2]").unwrap();
+        let err = HfTokenizer::from_file(&path).unwrap_err().to_string();
+        assert!(err.contains("JSON, but not a tokenizer.json: an array"), "{err}");
+        std::fs::write(&path, "{\"model\": ").unwrap();
+        let err = HfTokenizer::from_file(&path).unwrap_err().to_string();
+        assert!(err.contains("not JSON: EOF while parsing") && err.contains("line 1 column"), "{err}");
+        std::fs::write(&path, "{\"model\": {\"type\": \"NoSuchModel\"}}").unwrap();
+        let err = HfTokenizer::from_file(&path).unwrap_err().to_string();
+        assert!(err.contains("a tokenizer.json this build cannot read"), "{err}");
+        // A file over the limit is refused by its size before it is read (sparse: no disk used).
+        let big = dir.join("big.json");
+        std::fs::File::create(&big).unwrap().set_len(MAX_TOKENIZER_FILE + 1).unwrap();
+        let started = std::time::Instant::now();
+        let err = HfTokenizer::from_file(&big).unwrap_err().to_string();
+        assert!(err.contains(&format!("{} bytes, more than", MAX_TOKENIZER_FILE + 1)), "{err}");
+        println!("refused in {:?}", started.elapsed());
         assert!(matches!(HfTokenizer::from_file(&dir), Err(TokenizerError::Io { .. })));
         assert!(matches!(HfTokenizer::from_file(&dir.join("missing.json")), Err(TokenizerError::Io { .. })));
         for v in [0, 256, MAX_TRAINED_VOCAB + 1] {

@@ -74,6 +74,11 @@ pub struct TrainArgs {
     /// the CPU, whose MFU is then not given).
     #[arg(long)]
     pub peak_tflops: Option<f64>,
+    /// gpt, moe, llama: time each kind of fused op (RMSNorm, RoPE, SwiGLU, attention, cross-entropy; forward and
+    /// backward) in every step of rank 0: device time on the GPU (CUDA events), wall time on the CPU; into
+    /// summary.json (`op_times`) and a line after the closing one. Off by default.
+    #[arg(long)]
+    pub op_times: bool,
     /// A job file (TOML) setting any of these flags by its long name (`steps = 100`, `world_size = 4`, at the top
     /// level or in tables); the command line wins. Every run writes its flags as config.toml in --out-dir, which
     /// `chorus plan --config` reads too.

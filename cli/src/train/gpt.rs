@@ -79,6 +79,7 @@ pub(super) fn run<M: CliDecoder>(args: &TrainArgs) -> anyhow::Result<Outcome> {
         resume: args.resume.clone(),
         allow_optimizer_change: args.allow_optimizer_change,
         allow_nonfinite: args.allow_nonfinite,
+        op_times: args.op_times,
         ..spec::<M>(args, steps)?
     };
     let optimizer_changes = match &args.resume {
@@ -132,6 +133,9 @@ pub(super) fn run<M: CliDecoder>(args: &TrainArgs) -> anyhow::Result<Outcome> {
             "{}",
             run.closing(spec.model.name(), spec.model.num_params(), world, steps, 3, &dest, &throughput)
         ))?;
+        if let Some(line) = run.op_times_line() {
+            say(format_args!("{line}"))?;
+        }
         say(format_args!("sample: {sample:?}"))
     })
 }

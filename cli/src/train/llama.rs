@@ -103,6 +103,9 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         let dest = run.commit(out, "llama", summary)?;
         let line = run.closing("Llama", cfg.num_params(), world, steps, 4, &dest, &throughput);
         say(format_args!("{line} (Hugging Face model in {})", dest.join("model").display()))?;
+        if let Some(line) = run.op_times_line() {
+            say(format_args!("{line}"))?;
+        }
         if let Some((step, loss)) = first.val_losses.last() {
             say(format_args!("validation loss after step {step}: {loss:.4}"))?;
         }
@@ -267,6 +270,7 @@ fn spec_with(args: &TrainArgs, steps: u64, tokenizer: Option<&HfTokenizer>) -> a
         resume: args.resume.clone(),
         allow_optimizer_change: args.allow_optimizer_change,
         allow_nonfinite: args.allow_nonfinite,
+        op_times: args.op_times,
         recompute: args.recompute(),
         schedule: args.decoder.schedule(),
         validation,

@@ -56,9 +56,15 @@ pub(super) fn check(args: &TrainArgs) -> anyhow::Result<()> {
     }
 }
 
-/// `needed` bytes against the machine's memory.
-fn against_machine(needed: Sat) -> anyhow::Result<()> {
-    crate::size::check_memory(needed.0, "this run", "make the model, batch, world or --steps smaller").map_err(usage)
+/// `needed` bytes against the machine's memory, and the ranks' threads
+/// against the process's limits (where the ranks are this process's threads).
+fn against_machine(args: &TrainArgs, needed: Sat) -> anyhow::Result<()> {
+    crate::size::check_memory(needed.0, "this run", "make the model, batch, world or --steps smaller")
+        .map_err(usage)?;
+    if args.backend.runs_as_processes() {
+        return Ok(());
+    }
+    super::ranks::check_thread_limits(args.world(), needed.0).map_err(usage)
 }
 
 /// The MLP's run: every rank's parameters, gradients, optimizer state and
@@ -81,7 +87,7 @@ fn check_mlp(args: &TrainArgs) -> anyhow::Result<()> {
     let per_rank = Sat(4) * (Sat(4) * params / world + Sat(3) * params + Sat(4) * batch * width_sum)
         + Sat(16) * steps
         + Sat(8) * widest;
-    against_machine(data + world * per_rank + Sat(8) * params)
+    against_machine(args, data + world * per_rank + Sat(8) * params)
 }
 
 /// The transformer's run (`--model gpt`, or `moe` with its router and
@@ -106,7 +112,7 @@ fn check_gpt(args: &TrainArgs) -> anyhow::Result<()> {
     let world = Sat::of(args.world());
     let per_rank =
         Sat(4) * (Sat(4) * params / world + Sat(4) * params) + kept + activations + Sat(16) * Sat::of(args.steps());
-    against_machine(world * per_rank + Sat(4 << 20))
+    against_machine(args, world * per_rank + Sat(4 << 20))
 }
 
 /// The Llama's run of `cfg` on sequences of `seq_len` tokens.
@@ -124,5 +130,5 @@ pub(super) fn check_llama(args: &TrainArgs, cfg: &LlamaConfig, seq_len: usize) -
     let activations = Sat(4) * tokens * (l + Sat(2)) * (Sat(10) * h + Sat(4) * f + Sat(3) * heads * t + Sat(3) * v);
     let world = Sat::of(args.world());
     let per_rank = Sat(4) * (Sat(4) * params / world + Sat(3) * params) + activations + Sat(16) * Sat::of(args.steps());
-    against_machine(world * per_rank + Sat(4 << 20))
+    against_machine(args, world * per_rank + Sat(4 << 20))
 }

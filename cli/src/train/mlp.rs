@@ -91,7 +91,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     // One rank per process: rank 0 writes the outputs.
     let out = if writes_outputs(args.backend) {
         let inside: Vec<(&str, &Path)> = args.job.init_dir.iter().map(|p| ("--init-dir", p.as_path())).collect();
-        let out = OutDir::acquire(&args.out_dir(), &inside)?;
+        let out = OutDir::acquire(&args.out_dir(), "train", &inside)?;
         super::outputs::write_config(args, &out)?;
         Some(out)
     } else {

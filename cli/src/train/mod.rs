@@ -23,8 +23,9 @@
 //! and `llama.rs` train each model, `text_data.rs` reads the text they train
 //! on, `outputs.rs` writes what the decoders' runs write alike; `gpt_bench.rs`
 //! measures the transformer against plain candle (the MLP's benchmark is in
-//! `mlp.rs`); `throughput.rs` gives tokens/s and MFU; `report.rs` holds what
-//! every run says (lines on stdout, medians, loss summaries).
+//! `mlp.rs`); `throughput.rs` gives tokens/s and MFU, `op_times.rs` the fused
+//! ops' time per step (`--op-times`); `report.rs` holds what every run says
+//! (lines on stdout, medians, loss summaries).
 
 mod args;
 mod gpt;
@@ -34,6 +35,7 @@ mod loop_args;
 mod memory;
 mod mlp;
 mod moe;
+mod op_times;
 mod outputs;
 mod ranks;
 mod report;
@@ -49,10 +51,13 @@ use crate::Outcome;
 /// Runs `chorus train`, its arguments read from this process's command
 /// line with `--config`'s file.
 pub fn run() -> anyhow::Result<Outcome> {
+    // SIGUSR1 (a flight-recorder dump) must not end the run while it reads or tokenizes its data.
+    chorus_collectives::recorder::answer_signals();
     let args = &TrainArgs::resolve()?;
     args.usage()?;
     memory::check(args)?;
     throughput::check_peak(args)?;
+    op_times::check(args)?;
     match (args.model(), args.bench) {
         (ModelArg::Mlp, false) => mlp::run(args),
         (ModelArg::Gpt, false) => gpt::run::<chorus_train::models::gpt::GptModel>(args),

@@ -30,7 +30,7 @@ pub(super) fn acquire(
         return Ok((None, None));
     }
     let inside: Vec<(&str, &Path)> = inside.iter().filter_map(|(flag, p)| p.map(|p| (*flag, p))).collect();
-    let out = OutDir::acquire(&args.out_dir(), &inside)?;
+    let out = OutDir::acquire(&args.out_dir(), "train", &inside)?;
     write_config(args, &out)?;
     let checkpoints = checkpoint_dir
         .map(|dir| CheckpointDir::acquire(dir, args.resume.as_deref(), args.overwrite_checkpoints))
@@ -227,6 +227,7 @@ impl<'a> Finished<'a> {
                 self.first.overhead.total.as_secs_f64() / (self.first.groups.max(1) as f64 * ran),
             "adapter_transfer_per_step_s": self.first.adapter.transfer.as_secs_f64() / ran,
             "candle_compute_per_step_s": self.first.adapter.compute.as_secs_f64() / ran,
+            "op_times": super::op_times::summary(&self.first.op_times),
             "checkpoints": self.checkpoints(),
             "config": config,
         });
@@ -302,6 +303,11 @@ impl<'a> Finished<'a> {
             peak as f64 / 1024.0,
             dest.display(),
         )
+    }
+
+    /// The line after the closing one where the run timed its fused ops (`--op-times`).
+    pub(super) fn op_times_line(&self) -> Option<String> {
+        super::op_times::line(&self.first.op_times)
     }
 }
 

@@ -100,6 +100,87 @@ pub(super) fn candle_threads(backend: Backend, world: usize) -> usize {
     (cores / local.max(1)).max(1)
 }
 
+/// Threads each rank of a world run as threads of this process starts: its
+/// own and its cpu device's five streams (compute, and FSDP's all-gather
+/// copy-in, all-gather, reduce-scatter and all-reduce); 6 counted in runs
+/// of every model (`/proc/PID/task`: 3 + 6 × world).
+const THREADS_PER_RANK: u128 = 6;
+
+/// Address space one such thread reserves: its stack (Rust's 2 MiB, or
+/// `RUST_MIN_STACK`), the guard page below it, and the alternate signal
+/// stack Rust's runtime maps for every thread, with its guard page.
+fn thread_reserve() -> u128 {
+    let stack = std::env::var("RUST_MIN_STACK").ok().and_then(|s| s.parse::<u128>().ok()).unwrap_or(2 << 20);
+    stack + (80 << 10)
+}
+
+/// glibc's malloc arenas the threads may add, each reserving 64 MiB of
+/// address space (at most 8 per core, the main one apart): counted, as
+/// malloc takes them while it can (a run of 384 ranks peaked at 8.4 GiB
+/// mapped, this estimate's figure, and failed within 7.6 GiB).
+fn arenas_reserve(threads: u128) -> u128 {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u128;
+    threads.min(8 * cores).saturating_sub(1) * (64 << 20)
+}
+
+/// The address space this process has mapped now (`/proc/self/status`).
+fn mapped_now() -> u128 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kb = status.lines().find_map(|l| l.strip_prefix("VmSize:")).and_then(|v| v.trim().strip_suffix("kB"));
+    kb.and_then(|k| k.trim().parse::<u128>().ok()).map_or(0, |k| k << 10)
+}
+
+/// A resource limit's soft value, `None` where unlimited.
+fn soft_limit(resource: libc::__rlimit_resource_t) -> Option<u128> {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes the limit into `limit`, which lives for the call.
+    let got = unsafe { libc::getrlimit(resource, &mut limit) };
+    (got == 0 && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur as u128)
+}
+
+/// Refuses, before any rank starts, a world of `world` ranks as threads of
+/// this process that its limits cannot hold: the address space (`ulimit
+/// -v`: what is mapped now, `data` bytes the run allocates, and the ranks'
+/// threads with their stacks and malloc arenas) and the threads a user may
+/// run (`ulimit -u`, the kernel's `threads-max`). A thread that cannot get
+/// its stack ends the process (Rust aborts when its signal stack cannot be
+/// mapped), so this is found here, naming the limit and the largest world
+/// that fits.
+pub(super) fn check_thread_limits(world: usize, data: u128) -> Result<(), String> {
+    let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
+    let threads = |w: u128| THREADS_PER_RANK * w;
+    let world = world as u128;
+    let per_rank_data = data / world.max(1);
+    let now = mapped_now();
+    let needed = |w: u128| now + w * per_rank_data + threads(w) * thread_reserve() + arenas_reserve(threads(w));
+    if let Some(limit) = soft_limit(libc::RLIMIT_AS) {
+        if needed(world) > limit {
+            let fits = (0..world).rev().find(|w| needed(*w) <= limit).unwrap_or(0);
+            return Err(format!(
+                "--world-size {world}: its {} threads ({THREADS_PER_RANK} per rank) with their stacks and the \
+                 run's data need about {:.1} GiB of address space, {:.2} GiB of it mapped now; this process may \
+                 map {:.1} GiB (ulimit -v): at most {fits} ranks fit (raise the limit, or run fewer ranks)",
+                threads(world),
+                gib(needed(world)),
+                gib(now),
+                gib(limit)
+            ));
+        }
+    }
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/threads-max").ok().and_then(|s| s.trim().parse().ok());
+    for (limit, name) in [(soft_limit(libc::RLIMIT_NPROC), "ulimit -u"), (kernel, "kernel.threads-max")] {
+        if let Some(limit) = limit.filter(|l| threads(world) + 3 > *l) {
+            return Err(format!(
+                "--world-size {world}: its {} threads ({THREADS_PER_RANK} per rank) are more than the {limit} a \
+                 process may start here ({name}): at most {} ranks fit",
+                threads(world),
+                limit.saturating_sub(3) / THREADS_PER_RANK
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Whether this process writes the run's outputs: always when the ranks are
 /// its threads; under a launcher (one rank per process), only rank 0.
 pub(super) fn writes_outputs(backend: Backend) -> bool {

@@ -308,3 +308,37 @@ fn keep_last_prunes_old_checkpoints() {
     assert_eq!(std::fs::read_to_string(ckpt.join("latest")).unwrap().trim(), "step-00000007");
     std::fs::remove_dir_all(&root).ok();
 }
+
+/// Issue 35: `chorus plan --out-dir DIR` where DIR is a finished `chorus
+/// train` output deleted its model, summary, curve and config and exited 0.
+/// Refused (exit 2), naming the command and what is there; every file kept;
+/// a plan's own out-dir is replaced by the next plan, and refused to train.
+#[test]
+fn one_commands_out_dir_is_never_another_commands() {
+    let root = scratch("other-command");
+    let out = root.join("run");
+    let o = gpt_into(&out, &["--steps", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let before = listing(&out);
+    assert!(before.iter().any(|(n, _)| n == "summary.json"), "{before:?}");
+    let plan = |dir: &Path| run(&["plan", "--model", "gpt", "--gpus", "2", "--out-dir", s(dir)]);
+    let p = plan(&out);
+    no_panic(&p);
+    assert_eq!(p.status.code(), Some(2), "{}", stderr(&p));
+    assert!(
+        stderr(&p).contains("holds the output of `chorus train`") && stderr(&p).contains("config.toml"),
+        "{}",
+        stderr(&p)
+    );
+    assert_eq!(listing(&out), before, "every file of the train run kept");
+    let planned = root.join("plan");
+    for _ in 0..2 {
+        let p = plan(&planned);
+        assert!(p.status.success(), "a plan replaces its own out-dir: {}", stderr(&p));
+    }
+    let o = gpt_into(&planned, &["--steps", "2"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("holds the output of `chorus plan`"), "{}", stderr(&o));
+    assert!(planned.join("plan.json").is_file());
+    std::fs::remove_dir_all(&root).ok();
+}

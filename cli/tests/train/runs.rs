@@ -584,3 +584,41 @@ fn the_transformer_bench_reports_both_sides() {
     assert_eq!(v["fsdp"]["candle_threads"], (cores / 2).max(1).to_string(), "{v}");
     assert_eq!(v["global_batch"], 4);
 }
+
+/// Issue 35: `--world-size 512` (the most the sim accepts) aborted on
+/// allocation within a second under an address-space limit (`ulimit -v`):
+/// 6 threads a rank, each with a 2 MiB stack. A world whose threads and
+/// data the limit cannot hold is refused up front (exit 2), naming the
+/// limit and the largest world that fits; that world runs to the end under
+/// the same limit.
+#[test]
+fn worlds_beyond_the_address_space_limit_are_refused_and_the_largest_that_fits_runs() {
+    use std::os::unix::process::CommandExt;
+    let root = scratch("world-limit");
+    let limited = |world: &str| {
+        let mut cmd = chorus();
+        cmd.args(["train", "--world-size", world, "--steps", "1", "--out-dir"]).arg(root.join(format!("w{world}")));
+        // SAFETY: setrlimit is async-signal-safe and touches no memory of the parent.
+        unsafe {
+            cmd.pre_exec(|| {
+                let limit = libc::rlimit { rlim_cur: 1536 << 20, rlim_max: 1536 << 20 };
+                if libc::setrlimit(libc::RLIMIT_AS, &limit) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        cmd.stdin(Stdio::null()).output().expect("run chorus")
+    };
+    let o = limited("512");
+    no_panic(&o);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("3072 threads (6 per rank)") && err.contains("(ulimit -v)"), "{err}");
+    let fits: usize = err.split("at most ").nth(1).and_then(|r| r.split(' ').next()).unwrap().parse().unwrap();
+    assert!((8..512).contains(&fits), "{err}");
+    let o = limited(&fits.to_string());
+    no_panic(&o);
+    assert!(o.status.success(), "{fits} ranks: {:?} {}", o.status, stderr(&o));
+    std::fs::remove_dir_all(&root).ok();
+}

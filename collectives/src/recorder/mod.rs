@@ -437,6 +437,14 @@ impl<B: Backend> Drop for Ring<B> {
     }
 }
 
+/// Answers SIGUSR1 from now on, as it is once a communicator exists (every
+/// ring dumped, or a line saying nothing was written; the process goes on),
+/// so that one sent while a program prepares its communicators (reading or
+/// tokenizing data) does not end it by SIGUSR1's default action.
+pub fn answer_signals() {
+    signals::install(false)
+}
+
 /// Writes now the dumps that failures seen so far call for (what the
 /// recorder's thread does at its next poll, and at process exit): for a
 /// program that is about to end on an error it has just seen.

@@ -4,6 +4,13 @@
 //! exactly in the param dtype; the all-gathers send half the bytes of bf16;
 //! the backends move float8 but refuse to reduce it; and training with it
 //! stays close to bf16 training (docs/fsdp.md, "Float8 all-gather").
+//!
+//! The expected values come from [`torchao_float8`], a second, plainly
+//! written implementation of torchao's recipe (the e4m3fn grid enumerated
+//! from its definition, the nearest point taken by search), not from the
+//! implementation's own conversions, so a wrong rounding or scale in
+//! `chorus_devices` fails these cases in every CI run. Its own unit tests
+//! check it against values worked out by hand.
 
 use anyhow::{anyhow, ensure};
 use chorus_collectives::backend::OpKind;
@@ -50,15 +57,112 @@ fn mixed_group() -> Vec<ParamInit> {
     ]
 }
 
-/// What the float8 all-gather must deliver for a parameter with these full
-/// values: torchao's recipe on the whole parameter, computed on the host.
-fn expected<T: Element>(values: &[f32], float8: bool) -> Vec<T> {
-    if !float8 {
-        return values.iter().map(|v| T::from_f64(*v as f64)).collect();
+/// torchao's float8 recipe (`torchao/float8/float8_utils.py`), written
+/// out plainly and apart from `chorus_devices::Float8E4M3`:
+/// `amax_to_scale` (448 / max(amax, 1e-12) in float64, then float32),
+/// `to_fp8_saturated` (x · scale in float32, clamped to ±448, rounded to
+/// the nearest float8_e4m3fn value, ties to the even code) and the
+/// dequantization FSDP applies after the gather (the float8 value, as
+/// float32, divided by the scale in float32).
+mod torchao_float8 {
+    /// float8_e4m3fn's largest finite value.
+    pub const MAX: f64 = 448.0;
+
+    /// Every finite non-negative e4m3fn value with its code, ascending:
+    /// exponent bits e (bias 7) and mantissa bits m give m/8 · 2^-6 for e = 0
+    /// (subnormals), (1 + m/8) · 2^(e-7) otherwise; e = 15, m = 7 is NaN.
+    fn grid() -> Vec<(f64, u8)> {
+        let mut g = Vec::new();
+        for e in 0..16u8 {
+            for m in 0..8u8 {
+                if (e, m) == (15, 7) {
+                    continue;
+                }
+                let v = if e == 0 { m as f64 / 8.0 / 64.0 } else { (1.0 + m as f64 / 8.0) * 2f64.powi(e as i32 - 7) };
+                g.push((v, (e << 3) | m));
+            }
+        }
+        g
     }
-    let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let scale = Float8E4M3::scale_for(amax);
-    values.iter().map(|v| T::from_f64((Float8E4M3::from_f32(v * scale).to_f32() / scale) as f64)).collect()
+
+    /// `x` rounded to the nearest e4m3fn value, ties to the even code,
+    /// saturated to ±448 (NaN stays NaN), as a float.
+    pub fn round(x: f32) -> f32 {
+        if x.is_nan() {
+            return f32::NAN;
+        }
+        let a = (x.abs() as f64).min(MAX);
+        let g = grid();
+        let mut best = g[0];
+        for &p in &g {
+            let (d_best, d_p) = ((best.0 - a).abs(), (p.0 - a).abs());
+            if d_p < d_best || (d_p == d_best && p.1 % 2 == 0 && best.1 % 2 == 1) {
+                best = p;
+            }
+        }
+        let v = best.0 as f32;
+        if x < 0.0 {
+            -v
+        } else {
+            v
+        }
+    }
+
+    /// `amax_to_scale` for float8_e4m3fn.
+    pub fn scale(amax: f32) -> f32 {
+        (MAX / (amax as f64).max(1e-12)) as f32
+    }
+
+    /// What the gather delivers for a parameter whose full values are
+    /// `values`: each quantized with the whole parameter's scale, then
+    /// dequantized.
+    pub fn quantize_dequantize(values: &[f32]) -> Vec<f32> {
+        let amax = values.iter().fold(0.0f32, |m, v| if v.abs() > m { v.abs() } else { m });
+        let s = scale(amax);
+        values.iter().map(|v| round(v * s) / s).collect()
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        /// Values worked out by hand from the format: steps of 1/8 in [1, 2),
+        /// of 2^-9 among the subnormals, ties to the even mantissa, saturation.
+        #[test]
+        fn rounds_as_e4m3fn_is_defined() {
+            assert_eq!(grid().len(), 127, "127 finite non-negative values (0x7f is NaN)");
+            for (x, want) in [
+                (1.0625f32, 1.0f32), // halfway 1.0 (m = 0) and 1.125 (m = 1): even
+                (1.1875, 1.25),      // halfway 1.125 (m = 1) and 1.25 (m = 2): even
+                (1.07, 1.125),
+                (-3.3, -3.25), // steps of 0.25 in [2, 4)
+                (448.0, 448.0),
+                (464.0, 448.0), // saturated, not rounded up to 480
+                (1e9, 448.0),
+                (-1e9, -448.0),
+                (0.001953125, 0.001953125), // 2^-9, the least subnormal
+                (0.0009765625, 0.0),        // 2^-10: halfway 0 and 2^-9, to the even 0
+                (0.0029296875, 0.00390625), // 3 · 2^-10: halfway 2^-9 (m = 1) and 2^-8 (m = 2)
+                (0.015625, 0.015625),       // 2^-6, the least normal
+            ] {
+                assert_eq!(round(x), want, "{x}");
+            }
+            assert!(round(f32::NAN).is_nan());
+            assert_eq!(scale(448.0), 1.0);
+            assert_eq!(scale(0.0), (448.0f64 / 1e-12) as f32);
+            // amax 700: scale 0.64; 700 · 0.64 = 448 back to 700 (within f32 rounding), 1 · 0.64 rounds to 0.625.
+            let q = quantize_dequantize(&[700.0, 1.0, -700.0]);
+            assert!((q[0] - 700.0).abs() < 1e-3 && (q[1] - 0.625 / 0.64).abs() < 1e-6 && q[2] == -q[0], "{q:?}");
+        }
+    }
+}
+
+/// What the float8 all-gather must deliver for a parameter with these full
+/// values: torchao's recipe on the whole parameter ([`torchao_float8`]), or
+/// the values in the param dtype.
+fn expected<T: Element>(values: &[f32], float8: bool) -> Vec<T> {
+    let values = if float8 { torchao_float8::quantize_dequantize(values) } else { values.to_vec() };
+    values.iter().map(|v| T::from_f64(*v as f64)).collect()
 }
 
 /// The first element of `got` whose bits differ from `want`.

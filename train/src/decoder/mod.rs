@@ -15,7 +15,7 @@ pub mod plain;
 pub mod sharded;
 pub mod spec;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use chorus_fsdp_candle::Result;
 
 pub use data::{Data, TokenRows};
@@ -24,10 +24,11 @@ pub use sharded::{config_changes, train_sharded};
 pub use spec::{NonFinite, PlainReport, Sample, TrainReport, TrainSpec, Validation};
 
 /// Mean next-token cross-entropy of `logits` `[batch, seq, vocab]` against
-/// `targets` `[batch, seq]` (computed in f32 whatever the logits' dtype).
+/// `targets` `[batch, seq]`: chorus's fused cross-entropy (f32 arithmetic
+/// whatever the logits' dtype, no probability tensor), averaged.
 pub fn loss(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
     let (b, t, v) = logits.dims3()?;
-    candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?.reshape((b * t, v))?, &targets.reshape(b * t)?)
+    chorus_kernels::cross_entropy(&logits.reshape((b * t, v))?, &targets.reshape(b * t)?)?.mean_all()
 }
 
 /// Token ids as a `rows × seq` tensor.

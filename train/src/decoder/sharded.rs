@@ -12,6 +12,7 @@ use chorus_devices::{ComputeBackend, Device as _};
 use chorus_fsdp::{CommCounts, DataParallel, Fsdp, HostOverhead, ShardedOptimizer};
 use chorus_fsdp_candle::checkpoint::{self, LoadOptions, SaveOptions, TrainingState};
 use chorus_fsdp_candle::{AdapterTimes, Error, FsdpModel, Result};
+use chorus_kernels::timing;
 use serde::Serialize;
 
 use super::spec::{NonFinite, Sample, TrainReport, TrainSpec, Validation};
@@ -80,9 +81,17 @@ where
     let (mut losses, mut lrs, mut times, mut saved) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut val_losses = Vec::new();
     let mut stopped = None;
+    let mut op_times = Vec::new();
+    if spec.op_times {
+        timing::set_enabled(true);
+    }
     // The checkpoint resumed from is never pruned.
     let save_options = save_options(spec.keep_last, spec.resume.as_ref());
     for step in start..spec.steps {
+        if spec.op_times {
+            // What ran since the last step (validation, another run's tail) is not this step's.
+            timing::take()?;
+        }
         let t0 = Instant::now();
         let lr = spec.schedule.lr(step, spec.steps, base_lr);
         opt.set_lr(lr);
@@ -103,6 +112,9 @@ where
             // Every rank sees the same global loss, so all stop here together.
             losses.push(mean);
             times.push(t0.elapsed().as_secs_f64());
+            if spec.op_times {
+                op_times.push(timing::take()?);
+            }
             stopped = Some(NonFinite { step, loss: mean });
             break;
         }
@@ -112,6 +124,9 @@ where
         model.optimizer_step(&mut opt)?;
         model.with_fsdp(|f| f.synchronize())??;
         times.push(t0.elapsed().as_secs_f64());
+        if spec.op_times {
+            op_times.push(timing::take()?);
+        }
         losses.push(mean);
         on_step(step, mean);
         let done = step + 1;
@@ -157,6 +172,7 @@ where
         sample,
         saved,
         stopped,
+        op_times,
     })
 }
 

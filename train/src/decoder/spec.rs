@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use chorus_fsdp::{CommCounts, FsdpConfig, HostOverhead, OptimizerKind};
 use chorus_fsdp_candle::{AdapterTimes, Error, Recompute};
+use chorus_kernels::timing::{OpKind, OpTime};
 
 use super::data::Data;
 use crate::codec::TextCodec;
@@ -68,6 +69,11 @@ pub struct TrainSpec<M> {
     /// A greedy continuation of a prompt, computed by the sharded model at
     /// the end ([`TrainReport::sample`]).
     pub sample: Option<Sample>,
+    /// Record each fused op kind's calls and device time per step
+    /// ([`TrainReport::op_times`]): turns chorus-kernels' process-wide
+    /// [`timing`](chorus_kernels::timing) on (and leaves it on: other ranks
+    /// of this process may still be stepping).
+    pub op_times: bool,
 }
 
 impl<M> TrainSpec<M> {
@@ -100,6 +106,7 @@ impl<M> TrainSpec<M> {
             output: None,
             collect_params: false,
             sample: None,
+            op_times: false,
         }
     }
 }
@@ -176,6 +183,11 @@ pub struct TrainReport {
     /// (without `allow_nonfinite`): that step's loss is the last of `losses`,
     /// and its update was not applied.
     pub stopped: Option<NonFinite>,
+    /// Where the spec asked for them ([`TrainSpec::op_times`]), each step's
+    /// calls and device time of every fused op kind on this rank, one entry
+    /// per step of `step_times_s` (what ran between steps, validation and
+    /// the sample, left out); empty otherwise.
+    pub op_times: Vec<Vec<(OpKind, OpTime)>>,
 }
 
 /// A step whose global loss was NaN or infinite.

@@ -1,18 +1,19 @@
-//! A small decoder-only transformer written with candle-nn (token embedding,
-//! pre-norm blocks of causal self-attention and an MLP with RMSNorm, a final
-//! RMSNorm and an LM head), as a plain candle model ([`Gpt`]) and sharded
+//! A small decoder-only transformer on candle and chorus's fused ops (token
+//! embedding, pre-norm blocks of causal flash attention and a GELU MLP with
+//! RMSNorm, a final RMSNorm and an LM head), as a plain candle model ([`Gpt`]) and sharded
 //! with FSDP through the candle adapter ([`shard`]): one param group per
 //! block, plus the root group (embedding, final norm, head) with two
 //! stages, as FSDP2 wraps a transformer. [`GptModel`] is what the training
 //! loop takes.
 
-use candle_core::{DType, Device, Module, Tensor, D};
-use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{Embedding, VarBuilder};
 use chorus_collectives::CommBackend;
 use chorus_devices::ComputeBackend;
 use chorus_fsdp::Fsdp;
 use chorus_fsdp_candle::{take_params, FsdpModel};
 
+use super::layers::{Linear, RmsNorm};
 use super::{Initialised, PlainDecoder, ShardedDecoder};
 use crate::rng::SplitMix;
 
@@ -108,10 +109,9 @@ pub fn init_shapes(
 
 const NORM_EPS: f64 = 1e-5;
 
-/// RMSNorm with candle's differentiable path (candle-nn's `RmsNorm::forward`
-/// takes a fused kernel without a backward on contiguous inputs).
+/// The transformer's RMSNorm (the fused op).
 pub(crate) fn rms_norm(size: usize, vb: VarBuilder) -> candle_core::Result<RmsNorm> {
-    candle_nn::rms_norm(size, NORM_EPS, vb)
+    RmsNorm::new(size, NORM_EPS, vb)
 }
 
 /// A block's attention half: `x + attn(norm(x))` (the MoE's layers share it).
@@ -131,10 +131,10 @@ impl Attention {
         let d = cfg.d_model;
         Ok(Attention {
             norm: rms_norm(d, vb.pp("attn_norm"))?,
-            q: candle_nn::linear_no_bias(d, d, vb.pp("attn.q"))?,
-            k: candle_nn::linear_no_bias(d, d, vb.pp("attn.k"))?,
-            v: candle_nn::linear_no_bias(d, d, vb.pp("attn.v"))?,
-            o: candle_nn::linear_no_bias(d, d, vb.pp("attn.o"))?,
+            q: Linear::new(d, d, vb.pp("attn.q"))?,
+            k: Linear::new(d, d, vb.pp("attn.k"))?,
+            v: Linear::new(d, d, vb.pp("attn.v"))?,
+            o: Linear::new(d, d, vb.pp("attn.o"))?,
             heads: cfg.heads,
         })
     }
@@ -143,16 +143,11 @@ impl Attention {
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t, d) = x.dims3()?;
         let hd = d / self.heads;
-        let h = self.norm.forward_diff(x)?;
-        let split = |y: Tensor| -> candle_core::Result<Tensor> {
-            y.reshape((b, t, self.heads, hd))?.transpose(1, 2)?.contiguous()
-        };
+        let h = self.norm.forward(x)?;
+        let split = |y: Tensor| y.reshape((b, t, self.heads, hd));
         let (q, k, v) = (split(self.q.forward(&h)?)?, split(self.k.forward(&h)?)?, split(self.v.forward(&h)?)?);
-        let scores = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (hd as f64).sqrt()))?;
-        let scores = scores.broadcast_add(&causal_mask(t, scores.dtype(), scores.device())?)?;
-        let attn = candle_nn::ops::softmax(&scores, D::Minus1)?.matmul(&v)?;
-        let attn = attn.transpose(1, 2)?.contiguous()?.reshape((b, t, d))?;
-        x + self.o.forward(&attn)?
+        let attn = chorus_kernels::attention(&q, &k, &v, 1.0 / (hd as f64).sqrt())?;
+        x + self.o.forward(&attn.reshape((b, t, d))?)?
     }
 }
 
@@ -171,24 +166,18 @@ impl Block {
         Ok(Block {
             attn: Attention::new(cfg, &vb)?,
             mlp_norm: rms_norm(d, vb.pp("mlp_norm"))?,
-            up: candle_nn::linear_no_bias(d, f, vb.pp("mlp.up"))?,
-            down: candle_nn::linear_no_bias(f, d, vb.pp("mlp.down"))?,
+            up: Linear::new(d, f, vb.pp("mlp.up"))?,
+            down: Linear::new(f, d, vb.pp("mlp.down"))?,
         })
     }
 
     /// `x + attn(norm(x))`, then `+ mlp(norm(·))`; `x` is `[batch, seq, d_model]`.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let x = self.attn.forward(x)?;
-        let h = self.mlp_norm.forward_diff(&x)?;
+        let h = self.mlp_norm.forward(&x)?;
         let h = self.down.forward(&self.up.forward(&h)?.gelu()?)?;
         x + h
     }
-}
-
-/// `[t, t]`: 0 on and below the diagonal, −∞ above (no attending to later tokens).
-fn causal_mask(t: usize, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
-    let m: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
-    Tensor::from_vec(m, (t, t), device)?.to_dtype(dtype)
 }
 
 /// The token embedding of `ids` (`[batch, seq]`, u32).
@@ -199,8 +188,8 @@ pub fn embed(cfg: &GptConfig, vb: VarBuilder, ids: &Tensor) -> candle_core::Resu
 /// The final norm and the LM head: logits `[batch, seq, vocab]`.
 pub fn head(cfg: &GptConfig, vb: VarBuilder, x: &Tensor) -> candle_core::Result<Tensor> {
     let norm = rms_norm(cfg.d_model, vb.pp("norm"))?;
-    let head = candle_nn::linear_no_bias(cfg.d_model, cfg.vocab, vb.pp("head"))?;
-    head.forward(&norm.forward_diff(x)?)
+    let head = Linear::new(cfg.d_model, cfg.vocab, vb.pp("head"))?;
+    head.forward(&norm.forward(x)?)
 }
 
 /// The transformer as a plain candle model.

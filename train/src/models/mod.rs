@@ -12,10 +12,14 @@
 //!   Face directories in and out ([`llama::hf`]).
 //! - [`moe`]: the transformer with a mixture of experts (top-1 routing) as
 //!   each block's MLP, each expert its own routed param group.
+//! - [`layers`]: the linear layer and the norm they share, on chorus's
+//!   fused ops (`chorus-kernels`), which every model calls for its norms,
+//!   attention, SwiGLU and loss.
 //!
 //! Nothing here depends on the loop.
 
 pub mod gpt;
+pub mod layers;
 pub mod llama;
 pub mod moe;
 

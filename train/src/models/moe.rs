@@ -16,14 +16,15 @@
 //! second combines. The plain form ([`Moe`]) runs every expert on every
 //! token and masks, so the reference shares no dispatch code with it.
 
-use candle_core::{Module, Tensor, D};
-use candle_nn::{Linear, RmsNorm, VarBuilder};
+use candle_core::{Tensor, D};
+use candle_nn::VarBuilder;
 use chorus_collectives::CommBackend;
 use chorus_devices::ComputeBackend;
 use chorus_fsdp::Fsdp;
 use chorus_fsdp_candle::{take_params, Error, FsdpModel, StageId};
 
 use super::gpt::{self, rms_norm, Attention, GptConfig};
+use super::layers::{Linear, RmsNorm};
 use super::{Initialised, Layer, PlainDecoder, RoutedLayer, ShardedDecoder};
 
 /// The most experts per layer this model takes (a bound on the groups and
@@ -111,8 +112,8 @@ impl Expert {
     /// The expert under `vb` (`blocks.{i}.experts.{e}`).
     fn new(cfg: &GptConfig, vb: VarBuilder) -> candle_core::Result<Expert> {
         Ok(Expert {
-            up: candle_nn::linear_no_bias(cfg.d_model, cfg.d_ff, vb.pp("up"))?,
-            down: candle_nn::linear_no_bias(cfg.d_ff, cfg.d_model, vb.pp("down"))?,
+            up: Linear::new(cfg.d_model, cfg.d_ff, vb.pp("up"))?,
+            down: Linear::new(cfg.d_ff, cfg.d_model, vb.pp("down"))?,
         })
     }
 
@@ -136,14 +137,14 @@ impl Front {
         Ok(Front {
             attn: Attention::new(&cfg.base, vb)?,
             norm: rms_norm(d, vb.pp("mlp_norm"))?,
-            router: candle_nn::linear_no_bias(d, cfg.experts, vb.pp("router"))?,
+            router: Linear::new(d, cfg.experts, vb.pp("router"))?,
         })
     }
 
     /// `(h, norm(h), logits)` of `x` (`[batch, seq, d_model]`).
     fn forward(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         let h = self.attn.forward(x)?;
-        let n = self.norm.forward_diff(&h)?;
+        let n = self.norm.forward(&h)?;
         let logits = self.router.forward(&n)?;
         Ok((h, n, logits))
     }

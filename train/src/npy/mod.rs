@@ -11,10 +11,6 @@ mod tokens;
 use std::path::{Path, PathBuf};
 
 pub use array::{encode, header, read, write, Array};
-// The file-system checks were this module's; `chorus tokenize` and `chorus
-// generate` still import them from here (crate::files is where they live).
-#[doc(hidden)]
-pub use crate::files::{check_dest, regular_file};
 pub use tokens::{read_tokens, token_columns, IdType, TokenWriter, Tokens};
 
 /// A `.npy` file that cannot be read or written: which, and why.

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use super::header::{header_of, numel, split};
 use super::{bad, Result};
-use crate::files::{check_dest, regular_file};
+use crate::files::{check_dest, regular_file, staged_path};
 
 /// Token ids: a 2-d integer array `[rows, cols]`, row-major, memory-mapped
 /// from a `.npy` file ([`read_tokens`]: a rank reads only the rows it
@@ -266,8 +266,7 @@ impl TokenWriter {
             ));
         }
         check_dest(dest, overwrite).map_err(|e| bad(dest, e.why))?;
-        let name = dest.file_name().ok_or_else(|| bad(dest, "names no file"))?;
-        let staged = dest.with_file_name(format!(".{}.{}.partial", name.to_string_lossy(), std::process::id()));
+        let staged = staged_path(dest, std::process::id()).ok_or_else(|| bad(dest, "names no file"))?;
         let file =
             std::fs::OpenOptions::new().write(true).create_new(true).open(&staged).map_err(|e| bad(&staged, e))?;
         let mut w = TokenWriter {

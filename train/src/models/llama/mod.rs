@@ -1,9 +1,13 @@
 //! The Llama architecture for training, exactly as transformers'
-//! `LlamaForCausalLM` computes it, written with candle-nn: token embedding;
-//! per decoder layer RMSNorm → causal self-attention with RoPE (rotate-half)
-//! and grouped-query attention → residual → RMSNorm → SwiGLU MLP
+//! `LlamaForCausalLM` computes it, on chorus's fused differentiable ops
+//! (`chorus-kernels`): token embedding; per decoder layer RMSNorm → causal
+//! self-attention with RoPE (rotate-half) and grouped-query heads (flash
+//! attention: no `T × T` buffer) → residual → RMSNorm → SwiGLU MLP
 //! `down(silu(gate(x)) · up(x))` → residual; final RMSNorm; LM head, tied to
-//! the embedding or not. Parameters carry transformers' names.
+//! the embedding or not. Parameters carry transformers' names. The heads
+//! stay in the projections' layout, `[batch, seq, heads, head_dim]`, so no
+//! transpose is made, and RoPE's tables are made once per device
+//! ([`RopeCache`]).
 //!
 //! As a plain candle model ([`Llama`]) and under FSDP through the candle
 //! adapter ([`shard`]; [`LlamaModel`] is what the training loop takes), wrapped as torchtitan wraps a Llama under
@@ -17,13 +21,15 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Module, Tensor, D};
-use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
+use candle_core::{Device, Module, Tensor};
+use candle_nn::{Embedding, VarBuilder};
 use chorus_collectives::CommBackend;
 use chorus_devices::ComputeBackend;
 use chorus_fsdp::{DeferredParam, Fsdp, ShardSource};
 use chorus_fsdp_candle::FsdpModel;
+use chorus_kernels::{attention, rope, swiglu, RopeCache};
 
+use super::layers::{Linear, RmsNorm};
 use super::{DecoderModel, PlainDecoder, ShardedDecoder};
 use crate::rng::mix;
 
@@ -129,47 +135,9 @@ pub fn materialize(params: &[DeferredParam]) -> candle_core::Result<Vec<(String,
         .collect()
 }
 
-/// RoPE's cosines and sines for positions `start..start + t`, `[t, head_dim]`
-/// each, as transformers' `LlamaRotaryEmbedding` computes them in float32
-/// (`inv_freq = 1 / theta^(2j / head_dim)`, the frequencies repeated twice).
-fn rope_tables(cfg: &LlamaConfig, start: usize, t: usize, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
-    let hd = cfg.head_dim;
-    let inv: Vec<f32> =
-        (0..hd / 2).map(|j| 1.0f32 / (cfg.rope_theta as f32).powf((2 * j) as f32 / hd as f32)).collect();
-    let mut cos = Vec::with_capacity(t * hd);
-    let mut sin = Vec::with_capacity(t * hd);
-    for p in start..start + t {
-        for k in 0..hd {
-            let angle = p as f32 * inv[k % (hd / 2)];
-            cos.push((angle as f64).cos() as f32);
-            sin.push((angle as f64).sin() as f32);
-        }
-    }
-    Ok((Tensor::from_vec(cos, (t, hd), device)?, Tensor::from_vec(sin, (t, hd), device)?))
-}
-
-/// `x · cos + rotate_half(x) · sin` on `[batch, heads, t, head_dim]`, with
-/// `rotate_half(x) = cat(−x[.., d/2..], x[.., ..d/2])`.
-fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
-    let half = x.dim(D::Minus1)? / 2;
-    let x1 = x.narrow(D::Minus1, 0, half)?;
-    let x2 = x.narrow(D::Minus1, half, half)?;
-    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-    x.broadcast_mul(&cos.to_dtype(x.dtype())?)? + rotated.broadcast_mul(&sin.to_dtype(x.dtype())?)?
-}
-
-/// `[t, past + t]`, for `t` queries after `past` cached positions: query
-/// `i` sees keys `0..=past + i` (0), not the later ones (−∞).
-fn causal_mask(past: usize, t: usize, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
-    let n = past + t;
-    let m: Vec<f32> = (0..t * n).map(|i| if i % n > past + i / n { f32::NEG_INFINITY } else { 0.0 }).collect();
-    Tensor::from_vec(m, (t, n), device)?.to_dtype(dtype)
-}
-
 /// One decoder layer's keys and values of the positions decoded so far
-/// (`[batch, kv_heads, seen, head_dim]` each, after RoPE and before
-/// grouped-query attention's repeat), so a step computes only its new
-/// positions ([`Llama::forward_cached`]).
+/// (`[batch, seen, kv_heads, head_dim]` each, after RoPE), so a step
+/// computes only its new positions ([`Llama::forward_cached`]).
 #[derive(Clone, Debug, Default)]
 pub struct KvCache {
     kv: Option<(Tensor, Tensor)>,
@@ -178,7 +146,7 @@ pub struct KvCache {
 impl KvCache {
     /// The number of positions cached.
     pub fn len(&self) -> usize {
-        self.kv.as_ref().and_then(|(k, _)| k.dim(2).ok()).unwrap_or(0)
+        self.kv.as_ref().and_then(|(k, _)| k.dim(1).ok()).unwrap_or(0)
     }
 
     /// Whether nothing is cached yet.
@@ -187,9 +155,14 @@ impl KvCache {
     }
 }
 
-/// RMSNorm with candle's differentiable path (`forward_diff`).
+/// The model's RMSNorm (the fused op).
 fn rms_norm(cfg: &LlamaConfig, vb: VarBuilder) -> candle_core::Result<RmsNorm> {
-    candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb)
+    RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb)
+}
+
+/// The RoPE tables of `cfg`'s head size and base, to share among its layers.
+pub fn rope_cache(cfg: &LlamaConfig) -> candle_core::Result<Arc<RopeCache>> {
+    RopeCache::new(cfg.head_dim, cfg.rope_theta)
 }
 
 /// One `LlamaDecoderLayer`.
@@ -204,26 +177,29 @@ pub struct DecoderLayer {
     up: Linear,
     down: Linear,
     cfg: Arc<LlamaConfig>,
+    rope: Arc<RopeCache>,
 }
 
 impl DecoderLayer {
-    /// The layer whose parameters are under `vb` (`model.layers.{i}`).
-    pub fn new(cfg: Arc<LlamaConfig>, vb: VarBuilder) -> candle_core::Result<DecoderLayer> {
+    /// The layer whose parameters are under `vb` (`model.layers.{i}`),
+    /// reading RoPE's tables from `rope` ([`rope_cache`]).
+    pub fn new(cfg: Arc<LlamaConfig>, rope: Arc<RopeCache>, vb: VarBuilder) -> candle_core::Result<DecoderLayer> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         let (q, kv) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim);
         let a = vb.pp("self_attn");
         let m = vb.pp("mlp");
         Ok(DecoderLayer {
             input_layernorm: rms_norm(&cfg, vb.pp("input_layernorm"))?,
-            q: candle_nn::linear_no_bias(h, q, a.pp("q_proj"))?,
-            k: candle_nn::linear_no_bias(h, kv, a.pp("k_proj"))?,
-            v: candle_nn::linear_no_bias(h, kv, a.pp("v_proj"))?,
-            o: candle_nn::linear_no_bias(q, h, a.pp("o_proj"))?,
+            q: Linear::new(h, q, a.pp("q_proj"))?,
+            k: Linear::new(h, kv, a.pp("k_proj"))?,
+            v: Linear::new(h, kv, a.pp("v_proj"))?,
+            o: Linear::new(q, h, a.pp("o_proj"))?,
             post_attention_layernorm: rms_norm(&cfg, vb.pp("post_attention_layernorm"))?,
-            gate: candle_nn::linear_no_bias(h, i, m.pp("gate_proj"))?,
-            up: candle_nn::linear_no_bias(h, i, m.pp("up_proj"))?,
-            down: candle_nn::linear_no_bias(i, h, m.pp("down_proj"))?,
+            gate: Linear::new(h, i, m.pp("gate_proj"))?,
+            up: Linear::new(h, i, m.pp("up_proj"))?,
+            down: Linear::new(i, h, m.pp("down_proj"))?,
             cfg,
+            rope,
         })
     }
 
@@ -235,38 +211,24 @@ impl DecoderLayer {
     fn attention(&self, x: &Tensor, cache: Option<&mut KvCache>) -> candle_core::Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim);
-        let heads = |y: Tensor, n: usize| -> candle_core::Result<Tensor> {
-            y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()
-        };
         let past = cache.as_ref().map_or(0, |c| c.len());
-        let (cos, sin) = rope_tables(&self.cfg, past, t, x.device())?;
-        let q = apply_rope(&heads(self.q.forward(x)?, nh)?, &cos, &sin)?;
-        let k = apply_rope(&heads(self.k.forward(x)?, nkv)?, &cos, &sin)?;
-        let v = heads(self.v.forward(x)?, nkv)?;
+        let (cos, sin) = self.rope.tables(x.device(), past, t)?;
+        let q = rope(&self.q.forward(x)?.reshape((b, t, nh, hd))?, &cos, &sin)?;
+        let k = rope(&self.k.forward(x)?.reshape((b, t, nkv, hd))?, &cos, &sin)?;
+        let v = self.v.forward(x)?.reshape((b, t, nkv, hd))?;
         let (k, v) = match cache {
             None => (k, v),
             Some(c) => {
                 let kv = match c.kv.take() {
                     None => (k, v),
-                    Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+                    Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 1)?, Tensor::cat(&[&pv, &v], 1)?),
                 };
                 c.kv = Some(kv.clone());
                 kv
             }
         };
-        let n = past + t;
-        let repeat = |y: Tensor| -> candle_core::Result<Tensor> {
-            if nh == nkv {
-                return Ok(y);
-            }
-            y.unsqueeze(2)?.broadcast_as((b, nkv, nh / nkv, n, hd))?.contiguous()?.reshape((b, nh, n, hd))
-        };
-        let (k, v) = (repeat(k)?, repeat(v)?);
-        let scores = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (hd as f64).sqrt()))?;
-        let scores = scores.broadcast_add(&causal_mask(past, t, scores.dtype(), scores.device())?)?;
-        let probs = candle_nn::ops::softmax(&scores.to_dtype(DType::F32)?, D::Minus1)?.to_dtype(q.dtype())?;
-        let out = probs.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, nh * hd))?;
-        self.o.forward(&out)
+        let out = attention(&q, &k, &v, 1.0 / (hd as f64).sqrt())?;
+        self.o.forward(&out.reshape((b, t, nh * hd))?)
     }
 
     /// `x + attn(norm(x))`, then `+ down(silu(gate(·)) · up(·))` of its norm;
@@ -278,9 +240,9 @@ impl DecoderLayer {
     /// [`forward`](Self::forward) of the positions after those in `cache`
     /// (none without one), appending theirs to it.
     pub fn forward_cached(&self, x: &Tensor, cache: Option<&mut KvCache>) -> candle_core::Result<Tensor> {
-        let x = (x + self.attention(&self.input_layernorm.forward_diff(x)?, cache)?)?;
-        let h = self.post_attention_layernorm.forward_diff(&x)?;
-        let mlp = self.down.forward(&(self.gate.forward(&h)?.silu()? * self.up.forward(&h)?)?)?;
+        let x = (x + self.attention(&self.input_layernorm.forward(x)?, cache)?)?;
+        let h = self.post_attention_layernorm.forward(&x)?;
+        let mlp = self.down.forward(&swiglu(&self.gate.forward(&h)?, &self.up.forward(&h)?)?)?;
         x + mlp
     }
 }
@@ -296,7 +258,7 @@ pub fn head(cfg: &LlamaConfig, vb: VarBuilder, x: &Tensor) -> candle_core::Resul
     let norm = rms_norm(cfg, vb.pp("model.norm"))?;
     let name = if cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
     let w = vb.get((cfg.vocab_size, cfg.hidden_size), name)?;
-    Linear::new(w, None).forward(&norm.forward_diff(x)?)
+    Linear::from_weight(w).forward(&norm.forward(x)?)
 }
 
 /// The Llama as a plain candle model.
@@ -310,8 +272,9 @@ impl Llama {
     /// The model whose parameters are in `vb` (a `VarMap` for training, or
     /// safetensors files).
     pub fn new(cfg: Arc<LlamaConfig>, vb: VarBuilder<'static>) -> candle_core::Result<Llama> {
+        let rope = rope_cache(&cfg)?;
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| DecoderLayer::new(cfg.clone(), vb.pp(format!("model.layers.{i}"))))
+            .map(|i| DecoderLayer::new(cfg.clone(), rope.clone(), vb.pp(format!("model.layers.{i}"))))
             .collect::<candle_core::Result<_>>()?;
         Ok(Llama { cfg, vb, layers })
     }
@@ -441,12 +404,16 @@ where
     let embed_stage = model.add_stage(first, move |vb, ids| embed(&c, vb, ids))?;
     let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
     let mut groups = vec![first.0];
+    // One set of RoPE tables for every layer (and the recomputations in backward).
+    let rope = rope_cache(&cfg)?;
     for i in 0..cfg.num_hidden_layers {
         let prefix = format!("model.layers.{i}");
         let g = model.add_group_deferred(&prefix, take(&mut params, &[&format!("{prefix}.")]), false)?;
         groups.push(g.0);
-        let c = cfg.clone();
-        layers.push(model.add_stage(g, move |vb, x| DecoderLayer::new(c.clone(), vb.pp(&prefix))?.forward(x))?);
+        let (c, r) = (cfg.clone(), rope.clone());
+        layers.push(
+            model.add_stage(g, move |vb, x| DecoderLayer::new(c.clone(), r.clone(), vb.pp(&prefix))?.forward(x))?,
+        );
     }
     let last = match tied {
         true => first,

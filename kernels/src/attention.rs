@@ -1,0 +1,292 @@
+//! Causal scaled-dot-product attention with grouped-query heads, forward and
+//! backward, without a `T × T` buffer: flash attention. The CUDA kernels are
+//! `cuda/attention_forward.cuh` (online softmax over key tiles in shared
+//! memory, bf16/f16 on the tensor cores) and `cuda/attention_backward.cuh`
+//! (the scores recomputed tile by tile from the saved log-sum-exp).
+//!
+//! Shapes are the projections' own layout, so no transpose is made:
+//! `q` `[batch, q_len, heads, head_dim]`, `k` and `v`
+//! `[batch, kv_len, kv_heads, head_dim]`, the output like `q`. Query head
+//! `h` reads key/value head `h / (heads / kv_heads)` (transformers'
+//! `repeat_kv`). Query `i` sits at position `kv_len − q_len + i` and sees the
+//! keys up to it (a decode step after a cache sees all of them).
+//!
+//! Per query row, with `s_j = scale · q·k_j` over the visible keys:
+//! `lse = log Σ_j exp(s_j)`, `p_j = exp(s_j − lse)`, `o = Σ_j p_j v_j`.
+//! Backward: `D = dO·o`, `dp_j = dO·v_j`, `ds_j = p_j (dp_j − D)`,
+//! `dq = scale Σ_j ds_j k_j`, `dk_j += scale ds_j q`, `dv_j += p_j dO`.
+
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::op::BackpropOp;
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+
+use crate::host::{check_float, dims, f32_values, storage_from_f32};
+use crate::timing::{timed, OpKind};
+
+/// The sizes of one attention call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionShape {
+    /// Sequences in the batch.
+    pub batch: usize,
+    /// Query positions per sequence.
+    pub q_len: usize,
+    /// Key/value positions per sequence (at least `q_len`).
+    pub kv_len: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (they divide `heads`).
+    pub kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+}
+
+impl AttentionShape {
+    /// The shape of `(q, k, v)`, checked.
+    pub fn of(q: &Shape, k: &Shape, v: &Shape) -> Result<AttentionShape> {
+        const OP: &str = "attention";
+        let [b, t, h, d] = dims::<4>(OP, "q", q)?;
+        let [kb, s, kvh, kd] = dims::<4>(OP, "k", k)?;
+        if k != v {
+            bail!("{OP}: k {k:?} and v {v:?} differ")
+        }
+        if kb != b || kd != d {
+            bail!("{OP}: q {q:?} and k {k:?} differ in batch or head_dim")
+        }
+        if [b, t, h, d, kvh].contains(&0) || h % kvh != 0 {
+            bail!("{OP}: q {q:?}, k {k:?}: sizes must be positive and kv_heads must divide heads")
+        }
+        if s < t {
+            bail!("{OP}: {s} key positions for {t} queries; a query sees the keys up to its own position")
+        }
+        Ok(AttentionShape { batch: b, q_len: t, kv_len: s, heads: h, kv_heads: kvh, head_dim: d })
+    }
+
+    fn q_elems(&self) -> usize {
+        self.batch * self.q_len * self.heads * self.head_dim
+    }
+
+    fn kv_elems(&self) -> usize {
+        self.batch * self.kv_len * self.kv_heads * self.head_dim
+    }
+
+    /// Index of element `e` of query row `i`, head `h`, sequence `b` in `q`.
+    fn q_at(&self, b: usize, i: usize, h: usize) -> usize {
+        ((b * self.q_len + i) * self.heads + h) * self.head_dim
+    }
+
+    fn kv_at(&self, b: usize, j: usize, g: usize) -> usize {
+        ((b * self.kv_len + j) * self.kv_heads + g) * self.head_dim
+    }
+
+    /// The last key query `i` sees, plus one.
+    fn visible(&self, i: usize) -> usize {
+        self.kv_len - self.q_len + i + 1
+    }
+}
+
+/// Causal attention of `q` over `k`, `v` (shapes in the module docs), each
+/// score scaled by `scale` (usually `1 / sqrt(head_dim)`); f32, bf16 or f16,
+/// the three of one dtype. Differentiable in `q`, `k` and `v`.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    const OP: &str = "attention";
+    check_float(OP, "q", q.dtype())?;
+    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        bail!("{OP}: q, k, v are {:?}, {:?}, {:?}; they must match", q.dtype(), k.dtype(), v.dtype())
+    }
+    // The kernels compute in f32: a scale f32 cannot hold is refused, not rounded to infinity.
+    if !(scale as f32).is_finite() {
+        bail!("{OP}: scale {scale} is not finite in f32")
+    }
+    AttentionShape::of(q.shape(), k.shape(), v.shape())?;
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let op = Attention { scale: scale as f32, lse: Mutex::new(None) };
+    timed(OpKind::Attention, q.device(), || q.apply_op3(&k, &v, op))
+}
+
+/// The forward on host values: `(o, lse)`, `lse` `[batch, heads, q_len]`.
+pub fn forward(q: &[f32], k: &[f32], v: &[f32], sh: AttentionShape, scale: f32) -> (Vec<f32>, Vec<f32>) {
+    let (d, group) = (sh.head_dim, sh.heads / sh.kv_heads);
+    let mut o = vec![0f32; sh.q_elems()];
+    let mut lse = vec![0f32; sh.batch * sh.heads * sh.q_len];
+    let mut s = vec![0f32; sh.kv_len];
+    for b in 0..sh.batch {
+        for h in 0..sh.heads {
+            for i in 0..sh.q_len {
+                let qi = &q[sh.q_at(b, i, h)..][..d];
+                let n = sh.visible(i);
+                for (j, sj) in s[..n].iter_mut().enumerate() {
+                    *sj = scale * dot(qi, &k[sh.kv_at(b, j, h / group)..][..d]);
+                }
+                let m = s[..n].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+                let l: f32 = s[..n].iter().map(|x| (x - m).exp()).sum();
+                let oi = &mut o[sh.q_at(b, i, h)..][..d];
+                for (j, sj) in s[..n].iter().enumerate() {
+                    let p = (sj - m).exp() / l;
+                    for (oe, ve) in oi.iter_mut().zip(&v[sh.kv_at(b, j, h / group)..][..d]) {
+                        *oe += p * ve;
+                    }
+                }
+                lse[(b * sh.heads + h) * sh.q_len + i] = m + l.ln();
+            }
+        }
+    }
+    (o, lse)
+}
+
+/// `(dq, dk, dv)` on host values, from the forward's `o` and `lse`.
+#[allow(clippy::too_many_arguments)]
+pub fn backward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    o: &[f32],
+    lse: &[f32],
+    d_o: &[f32],
+    sh: AttentionShape,
+    scale: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (d, group) = (sh.head_dim, sh.heads / sh.kv_heads);
+    let (mut dq, mut dk, mut dv) = (vec![0f32; sh.q_elems()], vec![0f32; sh.kv_elems()], vec![0f32; sh.kv_elems()]);
+    for b in 0..sh.batch {
+        for h in 0..sh.heads {
+            for i in 0..sh.q_len {
+                let at = sh.q_at(b, i, h);
+                let (qi, doi) = (&q[at..][..d], &d_o[at..][..d]);
+                let big_d = dot(doi, &o[at..][..d]);
+                let l = lse[(b * sh.heads + h) * sh.q_len + i];
+                for j in 0..sh.visible(i) {
+                    let kv = sh.kv_at(b, j, h / group);
+                    let p = (scale * dot(qi, &k[kv..][..d]) - l).exp();
+                    let ds = p * (dot(doi, &v[kv..][..d]) - big_d);
+                    for e in 0..d {
+                        dq[at + e] += scale * ds * k[kv + e];
+                        dk[kv + e] += scale * ds * qi[e];
+                        dv[kv + e] += p * doi[e];
+                    }
+                }
+            }
+        }
+    }
+    (dq, dk, dv)
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// The forward op on `(q, k, v)`; keeps the log-sum-exp for the backward.
+struct Attention {
+    scale: f32,
+    lse: Mutex<Option<Tensor>>,
+}
+
+impl Attention {
+    fn keep(&self, lse: Tensor) -> Result<()> {
+        *self.lse.lock().map_err(|_| candle_core::Error::msg("attention: poisoned"))? = Some(lse);
+        Ok(())
+    }
+}
+
+impl CustomOp3 for Attention {
+    fn name(&self) -> &'static str {
+        "chorus-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let sh = AttentionShape::of(l1.shape(), l2.shape(), l3.shape())?;
+        let (q, k, v) = (f32_values(op, s1, l1)?, f32_values(op, s2, l2)?, f32_values(op, s3, l3)?);
+        let (o, lse) = forward(&q, &k, &v, sh, self.scale);
+        let lse_shape = (sh.batch, sh.heads, sh.q_len);
+        self.keep(Tensor::from_storage(Storage::Cpu(CpuStorage::F32(lse)), lse_shape, BackpropOp::none(), false))?;
+        Ok((storage_from_f32(o, s1.dtype())?, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let sh = AttentionShape::of(l1.shape(), l2.shape(), l3.shape())?;
+        let (o, lse) = crate::cuda::attention_forward(s1, l1, s2, l2, s3, l3, sh, self.scale)?;
+        let lse_shape = (sh.batch, sh.heads, sh.q_len);
+        self.keep(Tensor::from_storage(Storage::Cuda(lse), lse_shape, BackpropOp::none(), false))?;
+        Ok((o, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        d_o: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let lse = self.lse.lock().map_err(|_| candle_core::Error::msg("attention: poisoned"))?.clone();
+        let Some(lse) = lse else { bail!("attention: backward before forward") };
+        let sh = AttentionShape::of(q.shape(), k.shape(), v.shape())?;
+        let d_o = d_o.contiguous()?;
+        let op =
+            AttentionBackward { scale: self.scale, sh, saved: [q.clone(), k.clone(), v.clone(), o.contiguous()?, lse] };
+        // One launch sequence writes the three gradients into one buffer: `[dq | dk | dv]`.
+        let all = timed(OpKind::AttentionBackward, q.device(), || d_o.apply_op1_no_bwd(&op))?;
+        let (nq, nkv) = (sh.q_elems(), sh.kv_elems());
+        let dq = all.narrow(0, 0, nq)?.reshape(q.shape())?;
+        let dk = all.narrow(0, nq, nkv)?.reshape(k.shape())?;
+        let dv = all.narrow(0, nq + nkv, nkv)?.reshape(v.shape())?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+/// `[dq | dk | dv]` (flat, in `q`'s dtype) from `dO`, with the forward's
+/// inputs, output and log-sum-exp.
+struct AttentionBackward {
+    scale: f32,
+    sh: AttentionShape,
+    /// `q`, `k`, `v`, `o` (contiguous) and `lse` (f32).
+    saved: [Tensor; 5],
+}
+
+impl CustomOp1 for AttentionBackward {
+    fn name(&self) -> &'static str {
+        "chorus-attention-backward"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let d_o = f32_values(op, s, l)?;
+        let mut host = Vec::with_capacity(5);
+        for t in &self.saved {
+            let (storage, layout) = t.storage_and_layout();
+            let Storage::Cpu(c) = &*storage else { bail!("{op}: a saved tensor is not on the CPU") };
+            host.push(f32_values(op, c, layout)?);
+        }
+        let (dq, dk, dv) = backward(&host[0], &host[1], &host[2], &host[3], &host[4], &d_o, self.sh, self.scale);
+        let mut all = dq;
+        all.extend(dk);
+        all.extend(dv);
+        let n = all.len();
+        Ok((storage_from_f32(all, s.dtype())?, Shape::from(n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let all = crate::cuda::attention_backward(s, l, &self.saved, self.sh, self.scale)?;
+        Ok((all, Shape::from(self.sh.q_elems() + 2 * self.sh.kv_elems())))
+    }
+}

@@ -1,0 +1,193 @@
+//! The CUDA source of `chorus-kernels` compiled by the host's C++ compiler
+//! (`prelude.h` defines CUDA away and emulates the warp primitives,
+//! `epilogue.h` the tensor-core ones) into a shared library, and a runner
+//! that executes a launch as CUDA would: every block in turn, each thread of
+//! a block an OS thread with its indices set.
+//!
+//! A C++ compiler is a prerequisite (`ci/vendor-cxx.sh` installs g++):
+//! without one the tests fail, saying so, rather than pass without running.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Mutex, OnceLock};
+
+pub struct HostKernels {
+    lib: libloading::Library,
+    launch_lock: Mutex<()>,
+}
+
+fn compiler() -> Option<String> {
+    let candidates = std::env::var("CXX").into_iter().chain(["c++", "g++", "clang++"].map(String::from));
+    candidates.into_iter().find(|c| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()))
+}
+
+fn build() -> Result<HostKernels, String> {
+    let cxx = compiler().ok_or("no C++ compiler (CXX, c++, g++, clang++)")?;
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("chorus_kernels_host-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let write = |name: &str, text: &str| std::fs::write(dir.join(name), text).map_err(|e| format!("{name}: {e}"));
+    for (name, text) in chorus_kernels::CUDA_SOURCES {
+        write(name, text)?;
+    }
+    write("prelude.h", include_str!("prelude.h"))?;
+    write("epilogue.h", include_str!("epilogue.h"))?;
+    write("host.cpp", "#include \"prelude.h\"\n#include \"chorus_kernels.cu\"\n#include \"epilogue.h\"\n")?;
+    let lib = dir.join("libchorus_kernels_host.so");
+    let out = Command::new(&cxx)
+        .args(["-std=c++17", "-O2", "-fPIC", "-shared", "-pthread", "-o"])
+        .arg(&lib)
+        .arg(dir.join("host.cpp"))
+        .output()
+        .map_err(|e| format!("{cxx}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("{cxx} rejected the kernel source:\n{}", String::from_utf8_lossy(&out.stderr)));
+    }
+    // SAFETY: our own library; its initializers only set the prelude's statics.
+    let loaded = unsafe { libloading::Library::new(&lib) }.map_err(|e| format!("loading {}: {e}", lib.display()));
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(HostKernels { lib: loaded?, launch_lock: Mutex::new(()) })
+}
+
+/// The host build of the kernels (built once per test process).
+pub fn kernels() -> &'static HostKernels {
+    static BUILT: OnceLock<Result<HostKernels, String>> = OnceLock::new();
+    match BUILT.get_or_init(build) {
+        Ok(k) => k,
+        Err(why) => panic!("the host build of the CUDA kernels failed: {why} (ci/vendor-cxx.sh installs g++)"),
+    }
+}
+
+type Dims = unsafe extern "C" fn(u32, u32, u32, u32);
+
+impl HostKernels {
+    /// The symbol `name` as a function of type `F`.
+    pub fn get<F: Copy>(&self, name: &str) -> F {
+        // SAFETY: the callers name each kernel with its C signature (cuda/*.cuh).
+        unsafe { *self.lib.get::<F>(name.as_bytes()).unwrap_or_else(|e| panic!("{name}: {e}")) }
+    }
+
+    /// Runs `body` (one kernel call) as every thread of every block of a
+    /// launch of `grid` blocks of `block` threads.
+    pub fn launch(&self, grid: (u32, u32, u32), block: u32, body: impl Fn() + Sync) {
+        assert!(block % 32 == 0 && block <= 1024, "blocks of whole warps");
+        let _one = self.launch_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let (dims, enter): (Dims, Dims) = (self.get("chorus_host_dims"), self.get("chorus_host_enter"));
+        // SAFETY: plain setters of the prelude's statics.
+        unsafe { dims(grid.0, grid.1, grid.2, block) };
+        for bz in 0..grid.2 {
+            for by in 0..grid.1 {
+                for bx in 0..grid.0 {
+                    std::thread::scope(|s| {
+                        for tx in 0..block {
+                            let body = &body;
+                            std::thread::Builder::new()
+                                .stack_size(256 * 1024)
+                                .spawn_scoped(s, move || {
+                                    // SAFETY: sets this thread's indices.
+                                    unsafe { enter(bx, by, bz, tx) };
+                                    body();
+                                })
+                                .expect("a thread for a lane");
+                        }
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// A small deterministic generator for test inputs.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn uniform(&mut self) -> f32 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+
+    pub fn values(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.uniform() * scale).collect()
+    }
+}
+
+/// The storage formats the kernels take, as the host holds them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fmt {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Fmt {
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Fmt::F32 => "f32",
+            Fmt::Bf16 => "bf16",
+            Fmt::F16 => "f16",
+        }
+    }
+
+    pub fn round(self, v: f32) -> f32 {
+        match self {
+            Fmt::F32 => v,
+            Fmt::Bf16 => half::bf16::from_f32(v).to_f32(),
+            Fmt::F16 => half::f16::from_f32(v).to_f32(),
+        }
+    }
+}
+
+/// Host memory in a format: the bytes a kernel reads and writes.
+pub struct Buf {
+    pub fmt: Fmt,
+    pub bytes: Vec<u8>,
+}
+
+impl Buf {
+    pub fn from_f32(fmt: Fmt, v: &[f32]) -> Buf {
+        let bytes = match fmt {
+            Fmt::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Fmt::Bf16 => v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
+            Fmt::F16 => v.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect(),
+        };
+        Buf { fmt, bytes }
+    }
+
+    /// `n` elements set to NaN, so an element the kernel never writes shows.
+    pub fn poisoned(fmt: Fmt, n: usize) -> Buf {
+        Buf::from_f32(fmt, &vec![f32::NAN; n])
+    }
+
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self.fmt {
+            Fmt::F32 => self.bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
+            Fmt::Bf16 => {
+                self.bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f32()).collect()
+            }
+            Fmt::F16 => {
+                self.bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f32()).collect()
+            }
+        }
+    }
+
+    /// The address as a kernel argument (a device pointer's 64 bits).
+    pub fn ptr(&self) -> u64 {
+        self.bytes.as_ptr() as u64
+    }
+
+    pub fn ptr_mut(&mut self) -> u64 {
+        self.bytes.as_mut_ptr() as u64
+    }
+}
+
+/// `max |a − b| / max |b|`, failing on any NaN or a length mismatch.
+pub fn rel_err(what: &str, a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    if let Some(i) = a.iter().position(|x| !x.is_finite()) {
+        panic!("{what}: element {i} is {} (not written, or not finite)", a[i]);
+    }
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(f32::MIN_POSITIVE);
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
