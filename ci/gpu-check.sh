@@ -336,9 +336,9 @@ if want candle-cuda; then
         *A100*) kind=a100-80gb ;;
         *) kind=h100-sxm ;;
     esac
-    run plan-llama-110m 60 "$chorus" plan --model llama --layers 12 --heads 12 --kv-heads 12 --d-model 768 \
-        --d-ff 2048 --vocab 16000 --seq-len 256 --batch 8 --gpus "$gpus" --gpu "$kind" --param-dtype bf16 \
-        --kernels chorus --out-dir "$results/plan-llama-110m"
+    # The job's flags are the run's own (one job definition, cli/src/job).
+    run plan-llama-110m 60 "$chorus" plan "${llama_110m[@]}" --batch 8 --gpus "$gpus" --gpu "$kind" \
+        --param-dtype bf16 --kernels chorus --out-dir "$results/plan-llama-110m"
     # bf16 on every GPU: tokens/s and MFU from the run's step times, equal to the run's own and above a floor.
     peak_gpu_memory candle-cuda-llama-110m-bf16 run candle-cuda-llama-110m-bf16 180 "$chorus" train \
         "${llama_110m[@]}" --backend nccl --world-size "$gpus" --param-dtype bf16 --batch 8 --steps 20 \
