@@ -6,7 +6,7 @@ use super::blas::BlasHandle;
 use super::kernels::{code, Args, REDUCE_BLOCK};
 use super::Cuda;
 use crate::checks;
-use crate::gpu_kernels::{AdamWScalars, SgdScalars};
+use crate::gpu_kernels::{sum_squares_split, AdamWScalars, SgdScalars};
 use crate::{AdamWParams, Buffer, DType, DeviceError, MatmulSpec, Result, Scalar, SgdParams, View};
 
 use super::stream::device_ptr;
@@ -142,9 +142,19 @@ impl crate::ComputeStream for CudaStream {
         self.run(op, &[x, out], |s| {
             let (px, _staged) = self.input_ptr(&x, &out, true)?;
             let (xt, ot, n) = (code(x.dtype()), code(out.dtype()), x.len() as u64);
-            let args = Args::default().ptr(px).i32(xt).ptr(device_ptr(&out)).i32(ot).u64(n).i32(accumulate as i32);
-            // SAFETY: as in `cast`; one block.
-            unsafe { kernels.launch_grid("chorus_sum_squares", 1, REDUCE_BLOCK, s, args, label) }
+            let (chunk, parts) = sum_squares_split(n);
+            if parts <= 1 {
+                let args = Args::default().ptr(px).i32(xt).ptr(device_ptr(&out)).i32(ot).u64(n).i32(accumulate as i32);
+                // SAFETY: as in `cast`; one block.
+                return unsafe { kernels.launch_grid("chorus_sum_squares", 1, REDUCE_BLOCK, s, args, label) };
+            }
+            let (part, _scratch) = self.scratch(parts as usize * std::mem::size_of::<f64>())?;
+            let args = Args::default().ptr(px).i32(xt).ptr(part).u64(n).u64(chunk);
+            // SAFETY: as in `cast`; `parts` blocks each write its f64 of the scratch.
+            unsafe { kernels.launch_grid("chorus_sum_squares_part", parts as u32, REDUCE_BLOCK, s, args, label) }?;
+            let args = Args::default().ptr(part).u64(parts).ptr(device_ptr(&out)).i32(ot).i32(accumulate as i32);
+            // SAFETY: the scratch's `parts` f64 written above in stream order; one block.
+            unsafe { kernels.launch_grid("chorus_sum_squares_finish", 1, REDUCE_BLOCK, s, args, label) }
         })
     }
 

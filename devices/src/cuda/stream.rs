@@ -364,6 +364,18 @@ impl CudaStream {
         Ok((tmp, Some(staged)))
     }
 
+    /// `bytes` of device scratch for a kernel's partial results, freed in
+    /// stream order after the work enqueued next (cuMemAllocAsync's pool).
+    pub(super) fn scratch(&self, bytes: usize) -> Result<(CUdeviceptr, Staged)> {
+        // SAFETY: a fresh allocation on this stream; freed by `Staged` in its order.
+        let ptr = unsafe { drv::malloc_async(self.shared.raw, bytes) }.drv_alloc(
+            "cuMemAllocAsync",
+            self.device.label(),
+            bytes,
+        )?;
+        Ok((ptr, Staged { ptr, stream: self.shared.raw, device: self.device.clone() }))
+    }
+
     pub(super) fn kernels(&self) -> Result<Arc<super::kernels::Kernels>> {
         self.device.kernels()
     }

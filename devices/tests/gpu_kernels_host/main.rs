@@ -320,6 +320,42 @@ fn the_mse_loss_gradient_and_sums_match_the_cpu_device() {
     }
 }
 
+/// The gradient norm's reduction over many blocks (fixed chunks, then one
+/// block over their sums) against the cpu device's left-to-right sum.
+#[test]
+fn sum_squares_over_many_blocks_matches_the_cpu_device() {
+    let sides = sides();
+    let (k, s) = (sides.k, &sides.s);
+    let mut rng = Rng(23);
+    type Part = unsafe extern "C" fn(*const c_void, i32, *mut c_void, u64, u64);
+    type Finish = unsafe extern "C" fn(*const c_void, u64, *mut c_void, i32, i32);
+    let (part, finish): (Part, Finish) = (k.get("chorus_sum_squares_part"), k.get("chorus_sum_squares_finish"));
+    let n = 200_003u64;
+    let (chunk, parts) = gpu_kernels::sum_squares_split(n);
+    assert!(parts > 1 && chunk * parts >= n && chunk * (parts - 1) < n, "{chunk} × {parts} for {n}");
+    assert_eq!(gpu_kernels::sum_squares_split(1000), (1 << 16, 1));
+    for xt in FLOATS {
+        let x = Data::from_f64(xt, &rng.values(n as usize));
+        let mut partials = Data::from_f64(DType::F64, &vec![f64::NAN; parts as usize]);
+        let (px, pp) = (x.ptr(), partials.ptr_mut());
+        // SAFETY: n elements of xt in, `parts` f64 out.
+        k.launch(((parts as u32, 1), (64, 1)), || unsafe { part(px as _, code(xt), pp as _, n, chunk) });
+        for ot in [DType::F32, DType::F64] {
+            for accumulate in [false, true] {
+                sides.compare(
+                    &format!("sum_squares over {parts} blocks {xt} -> {ot} ({accumulate})"),
+                    Agree::Relative(1e-6),
+                    TREE,
+                    [("out", &Data::from_f64(ot, &[2.5]))],
+                    // SAFETY: `parts` f64 partial sums, one element of ot.
+                    |[o]| unsafe { finish(pp as _, parts, o as _, code(ot), accumulate as i32) },
+                    |[co]| s.sum_squares(sides.upload(&x).view(), co, accumulate),
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn sgd_and_adamw_steps_match_the_cpu_device() {
     let sides = sides();
