@@ -47,7 +47,7 @@
 use std::any::Any;
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock};
 
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::cudarc::driver::sys::{CUdeviceptr, CUevent_wait_flags, CUstream};
@@ -390,6 +390,11 @@ impl Borrowed {
     /// The variable on the borrowed memory.
     pub(crate) fn var(&self) -> &Var {
         &self.var
+    }
+
+    /// Whether the memory is still borrowed (not yet released).
+    pub(crate) fn is_bound(&self) -> bool {
+        !self.released
     }
 
     /// Gives the memory back: the variable's storage gets an allocation of

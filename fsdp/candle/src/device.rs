@@ -65,10 +65,10 @@ impl BoundVar {
         &self.var
     }
 
-    /// Whether the variable borrows memory it must give back.
+    /// Whether the variable borrows memory it has not given back yet.
     pub(crate) fn is_borrowed(&self) -> bool {
         #[cfg(feature = "candle-cuda")]
-        return self.borrowed.is_some();
+        return self.borrowed.as_ref().is_some_and(crate::cuda::Borrowed::is_bound);
         #[cfg(not(feature = "candle-cuda"))]
         false
     }

@@ -214,16 +214,18 @@ struct PendingOutput {
     shape: Shape,
 }
 
+/// The adapter's state. The fields drop in order: the groups' bound
+/// parameters and the kept graphs before the FSDP whose buffers they borrow.
 struct Shared<C: CommBackend> {
+    groups: Vec<GroupInfo>,
+    /// Per stage: the graph kept from forward (groups without recompute).
+    saved: Vec<Option<SavedGraph>>,
+    pending: Option<PendingOutput>,
     fsdp: Fsdp<C>,
     /// Where the stages compute ([`crate::device`]).
     device: CandleDevice,
     /// How data crosses between candle and FSDP's buffers.
     side: Side,
-    groups: Vec<GroupInfo>,
-    /// Per stage: the graph kept from forward (groups without recompute).
-    saved: Vec<Option<SavedGraph>>,
-    pending: Option<PendingOutput>,
     /// The FSDP error behind the last failed op: candle's error type cannot
     /// carry it, so [`FsdpModel`] takes it back from here.
     parked: Option<FsdpError>,
@@ -639,12 +641,12 @@ where
         let anchor = Var::zeros(1, candle_core::DType::F32, &device)?;
         Ok(FsdpModel {
             shared: Arc::new(Mutex::new(Shared {
-                fsdp,
-                device: device.clone(),
-                side,
                 groups,
                 saved: Vec::new(),
                 pending: None,
+                fsdp,
+                device: device.clone(),
+                side,
                 parked: None,
                 times: AdapterTimes::default(),
             })),

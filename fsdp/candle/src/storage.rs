@@ -149,3 +149,62 @@ pub(crate) fn seed_backward(out: &Tensor, grad_out: &Tensor) -> Result<candle_co
     }
     Ok(out.apply_op1(Seed { grad: grad_out.detach() })?.backward()?)
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor, Var};
+
+    use super::*;
+
+    fn address(t: &Tensor) -> u64 {
+        storage_extent(t).expect("a CPU storage").0
+    }
+
+    #[test]
+    fn a_compact_output_is_moved_not_copied_and_the_rest_are_refused() {
+        let dev = Device::Cpu;
+        let x = Tensor::arange(0f32, 12.0, &dev).unwrap().reshape((3, 4)).unwrap();
+        let out = (&x * 2.0).unwrap();
+        let (before, values) = (address(&out), out.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        let Some(Storage::Cpu(CpuStorage::F32(taken))) = take_output(&out, &[address(&x)]).unwrap() else {
+            panic!("a compact output of its own was not taken")
+        };
+        // The very allocation the stage computed, with its values; the output
+        // keeps a zeroed allocation of its own.
+        assert_eq!(taken.as_ptr() as u64, before);
+        assert_eq!(taken, values);
+        assert_ne!(address(&out), before);
+        assert_eq!(out.flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![0.0; 12]);
+        // The input itself, a view of it, a strided view and a protected
+        // parameter are left alone (the caller copies them).
+        assert!(take_output(&x, &[address(&x)]).unwrap().is_none());
+        assert!(take_output(&x.reshape(12).unwrap(), &[address(&x)]).unwrap().is_none());
+        let other = (&x + 1.0).unwrap();
+        assert!(take_output(&other.t().unwrap(), &[]).unwrap().is_none(), "not contiguous");
+        assert!(take_output(&other.narrow(0, 1, 2).unwrap(), &[]).unwrap().is_none(), "not its whole storage");
+        let w = Var::from_tensor(&other).unwrap();
+        assert!(take_output(w.as_tensor(), &[address(w.as_tensor())]).unwrap().is_none(), "a parameter");
+        assert_eq!(address(&other), address(w.as_tensor()), "a variable shares its tensor's storage");
+    }
+
+    #[test]
+    fn the_seeded_backward_is_the_vector_jacobian_product() {
+        let dev = Device::Cpu;
+        let w = Var::from_vec(vec![0.5f32, -1.0, 2.0, 0.25, 3.0, -0.75], (2, 3), &dev).unwrap();
+        let x = Var::from_vec(vec![1.0f32, 2.0, -3.0, 0.5], (2, 2), &dev).unwrap();
+        let g = Tensor::from_vec(vec![0.1f32, -0.2, 0.3, 0.4, 0.5, -0.6], (2, 3), &dev).unwrap();
+        // out = tanh(x·w): candle's backward reads its result too.
+        let out = x.as_tensor().matmul(w.as_tensor()).unwrap().tanh().unwrap();
+        let grads = seed_backward(&out, &g).unwrap();
+        // Closed form: d = g ⊙ (1 - out²); dW = xᵀ·d, dX = d·wᵀ.
+        let d = (&g * (1.0 - out.sqr().unwrap()).unwrap()).unwrap();
+        let dw = x.as_tensor().t().unwrap().matmul(&d).unwrap();
+        let dx = d.matmul(&w.as_tensor().t().unwrap()).unwrap();
+        for (got, want) in [(grads.get(w.as_tensor()).unwrap(), dw), (grads.get(x.as_tensor()).unwrap(), dx)] {
+            let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(diff < 1e-6, "{diff}");
+        }
+        // A gradient of another shape is refused.
+        assert!(seed_backward(&out, &g.reshape(6).unwrap()).is_err());
+    }
+}
