@@ -410,8 +410,8 @@ impl Borrowed {
         if self.released {
             return Ok(());
         }
-        let op = ReleaseBorrowed { ptr: self.ptr, keep_values };
-        let released = self.var.as_tensor().inplace_op1(&op);
+        let replacement = if keep_values { Replacement::Copy } else { Replacement::Uninit };
+        let released = self.var.as_tensor().inplace_op1(&ReleaseBorrowed { ptr: self.ptr, replacement });
         // Whatever the outcome, the slice is out of candle's storage or the
         // op failed before taking it (then `fallback` below takes it).
         self.released = released.is_ok();
@@ -424,8 +424,7 @@ impl Borrowed {
     /// allocate (out of memory), so that candle never frees the owner's
     /// memory.
     fn fallback(&mut self) {
-        let op = ReleaseBorrowed { ptr: self.ptr, keep_values: false };
-        let _ = self.var.as_tensor().inplace_op1(&EmptyBorrowed(op));
+        let _ = self.var.as_tensor().inplace_op1(&ReleaseBorrowed { ptr: self.ptr, replacement: Replacement::Empty });
         self.released = true;
     }
 
@@ -468,21 +467,37 @@ unsafe fn borrow(
         return Err(Error::InvalidArgument("borrowing on a candle device that tracks events".into()));
     }
     let len: usize = shape.iter().product();
-    let stream = dev.cuda_stream();
-    // SAFETY (each arm): the caller's contract; without event tracking
-    // `upgrade_device_ptr` makes no event (so it cannot fail), and the slice
-    // is taken back out of candle's storage by `release` before it can drop.
-    let slice = match dtype {
-        candle_core::DType::F32 => CudaStorageSlice::F32(unsafe { stream.upgrade_device_ptr(ptr, len) }),
-        candle_core::DType::BF16 => CudaStorageSlice::BF16(unsafe { stream.upgrade_device_ptr(ptr, len) }),
-        candle_core::DType::F16 => CudaStorageSlice::F16(unsafe { stream.upgrade_device_ptr(ptr, len) }),
-        candle_core::DType::F64 => CudaStorageSlice::F64(unsafe { stream.upgrade_device_ptr(ptr, len) }),
-        d => return Err(Error::InvalidArgument(format!("the adapter borrows float memory only, not {d:?}"))),
-    };
+    // SAFETY: the caller's contract; the slice is taken back out of candle's
+    // storage by `release` (or the drop) before it can drop.
+    let slice = unsafe { slice_at(dev, dtype, ptr, len) }.map_err(Error::InvalidArgument)?;
     let storage = Storage::Cuda(CudaStorage { slice, device: dev.clone() });
     // A variable from the start (`Var::from_tensor` keeps it, no copy).
     let t = Tensor::from_storage(storage, shape.to_vec(), BackpropOp::none(), true);
     Ok(Borrowed { var: Var::from_tensor(&t)?, ptr, _owner: owner, released: false })
+}
+
+/// A cudarc slice of `len` elements of `dtype` at `ptr`, which cudarc will
+/// free when it drops. Without event tracking (the adapter's device) this
+/// makes no event, so it calls nothing and cannot fail on a float dtype.
+///
+/// # Safety
+/// `ptr` holds `len` elements of `dtype` on `dev`'s GPU (or is 0 with `len`
+/// 0), and the slice never drops while `ptr` is another owner's memory.
+unsafe fn slice_at(
+    dev: &CandleCuda,
+    dtype: candle_core::DType,
+    ptr: CUdeviceptr,
+    len: usize,
+) -> std::result::Result<CudaStorageSlice, String> {
+    let stream = dev.cuda_stream();
+    // SAFETY (each arm): the caller's contract.
+    Ok(match dtype {
+        candle_core::DType::F32 => CudaStorageSlice::F32(unsafe { stream.upgrade_device_ptr(ptr, len) }),
+        candle_core::DType::BF16 => CudaStorageSlice::BF16(unsafe { stream.upgrade_device_ptr(ptr, len) }),
+        candle_core::DType::F16 => CudaStorageSlice::F16(unsafe { stream.upgrade_device_ptr(ptr, len) }),
+        candle_core::DType::F64 => CudaStorageSlice::F64(unsafe { stream.upgrade_device_ptr(ptr, len) }),
+        d => return Err(format!("the adapter borrows float memory only, not {d:?}")),
+    })
 }
 
 /// FSDP's buffer `view` (an unsharded parameter) as a candle variable of
@@ -523,10 +538,22 @@ pub(crate) fn borrow_tensor(t: &Tensor) -> Result<Borrowed> {
     unsafe { borrow(dev, ptr, t.dims(), t.dtype(), Some(t.clone())) }
 }
 
+/// What replaces a borrowed slice in candle's storage when it is given back.
+#[derive(Clone, Copy, PartialEq)]
+enum Replacement {
+    /// An uninitialised allocation of the same size (nothing reads it).
+    Uninit,
+    /// A copy of the values (a kept graph reads them after the owner's free).
+    Copy,
+    /// An empty slice at address 0: no allocation (a drop whose release
+    /// could not allocate).
+    Empty,
+}
+
 /// The in-place op that takes a borrowed slice out of candle's storage.
 struct ReleaseBorrowed {
     ptr: CUdeviceptr,
-    keep_values: bool,
+    replacement: Replacement,
 }
 
 /// Takes the borrowed slice out of `storage`, putting `replacement` in its
@@ -566,42 +593,23 @@ impl InplaceOp1 for ReleaseBorrowed {
 
     fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
         let dev = storage.device.clone();
-        // SAFETY: read only where `keep_values` copies every element into it first.
-        let mut fresh = unsafe { dev.alloc_uninit(layout.shape(), storage.dtype()) }?;
-        if self.keep_values {
-            storage.copy_strided_src(&mut fresh, 0, layout)?;
-        }
-        swap_out_borrowed(storage, self.ptr, fresh)
-    }
-}
-
-/// [`ReleaseBorrowed`] without an allocation: an empty slice replaces the
-/// borrowed one (the drop of a borrow whose release failed).
-struct EmptyBorrowed(ReleaseBorrowed);
-
-impl InplaceOp1 for EmptyBorrowed {
-    fn name(&self) -> &'static str {
-        "chorus-release-borrowed-empty"
-    }
-
-    fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        candle_core::bail!("a borrowed variable on the CPU")
-    }
-
-    fn cuda_fwd(&self, storage: &mut CudaStorage, _: &Layout) -> candle_core::Result<()> {
-        let dev = storage.device.clone();
-        let stream = dev.cuda_stream();
-        // SAFETY: an empty slice at address 0 (as cudarc's `null` makes):
-        // without event tracking this makes no event and calls nothing; its
-        // eventual free of address 0 frees nothing of anyone's.
-        let slice = match &storage.slice {
-            CudaStorageSlice::F32(_) => CudaStorageSlice::F32(unsafe { stream.upgrade_device_ptr(0, 0) }),
-            CudaStorageSlice::BF16(_) => CudaStorageSlice::BF16(unsafe { stream.upgrade_device_ptr(0, 0) }),
-            CudaStorageSlice::F16(_) => CudaStorageSlice::F16(unsafe { stream.upgrade_device_ptr(0, 0) }),
-            CudaStorageSlice::F64(_) => CudaStorageSlice::F64(unsafe { stream.upgrade_device_ptr(0, 0) }),
-            _ => candle_core::bail!("a borrowed variable that is not float"),
+        let fresh = match self.replacement {
+            Replacement::Empty => {
+                // SAFETY: address 0 with no element (as cudarc's `null`
+                // makes); its eventual free of address 0 frees nothing of anyone's.
+                let slice = unsafe { slice_at(&dev, storage.dtype(), 0, 0) }.map_err(candle_core::Error::msg)?;
+                CudaStorage { slice, device: dev }
+            }
+            Replacement::Uninit | Replacement::Copy => {
+                // SAFETY: read only where `Copy` writes every element into it first.
+                let mut fresh = unsafe { dev.alloc_uninit(layout.shape(), storage.dtype()) }?;
+                if self.replacement == Replacement::Copy {
+                    storage.copy_strided_src(&mut fresh, 0, layout)?;
+                }
+                fresh
+            }
         };
-        swap_out_borrowed(storage, self.0.ptr, CudaStorage { slice, device: dev })
+        swap_out_borrowed(storage, self.ptr, fresh)
     }
 }
 
