@@ -223,6 +223,8 @@ impl<'a> Finished<'a> {
             "median_step_time_s": median(&self.first.step_times_s),
             "peak_memory_bytes": self.reports.iter().map(|r| r.peak_memory_bytes).collect::<Vec<_>>(),
             "peak_host_memory_bytes": self.reports.iter().map(|r| r.peak_host_memory_bytes).collect::<Vec<_>>(),
+            // The whole process as the kernel counts it (VmHWM), beside FSDP's per-rank counts above.
+            "process_peak_resident_bytes": chorus_train::decoder::memory::peak_resident_bytes(),
             "fsdp_host_overhead_per_group_per_step_s":
                 self.first.overhead.total.as_secs_f64() / (self.first.groups.max(1) as f64 * ran),
             "adapter_transfer_per_step_s": self.first.adapter.transfer.as_secs_f64() / ran,
