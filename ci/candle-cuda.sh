@@ -25,6 +25,9 @@
 # 30 minutes' wait). Fails, and fails the caller, when something cannot be
 # made.
 
+# shellcheck source=ci/venv.sh
+source "$(dirname "${BASH_SOURCE[0]}")/venv.sh"
+
 chorus_candle_cuda() (
     set -euo pipefail
     local repo
@@ -50,28 +53,16 @@ chorus_candle_cuda() (
         [ -f "$toolchain/READY" ] && [ "$(cat "$toolchain/chorus-cuda.stamp" 2>/dev/null)" = "$want" ] &&
             find_nvcc && "$nvcc" --version 2>/dev/null | grep -q 'release 13\.0,'
     }
-    mkdir -p "$(dirname "$toolchain")" "$target"
-    exec 9>"$toolchain.lock"
-    if ! flock -w 1800 9; then
-        echo "candle-cuda: another install has held $toolchain.lock for 30 minutes; giving up" >&2
-        return 1
-    fi
+    mkdir -p "$target"
+    chorus_venv_lock candle-cuda "$toolchain" || return 1
     if ! toolchain_complete; then
-        if [ -e "$toolchain" ] && [ ! -f "$toolchain/pyvenv.cfg" ] && [ -n "$(ls -A "$toolchain" 2>/dev/null)" ]; then
-            echo "candle-cuda: $toolchain exists and is not a virtual environment; set CHORUS_CUDA_TOOLCHAIN to another path" >&2
-            return 1
-        fi
         if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
             echo "candle-cuda: python3 with the venv module is needed (python3-venv); install it" >&2
             return 1
         fi
         local started=$SECONDS
-        rm -f "$toolchain/READY"
         echo "candle-cuda: installing nvcc into $toolchain (${pins[*]}; about 350 MB)" >&2
-        python3 -m venv "$toolchain" >&2
-        timeout 1800 "$toolchain/bin/python" -m pip install --quiet --disable-pip-version-check --no-input \
-            "${pins[@]}" >&2
-        printf '%s\n' "$want" >"$toolchain/chorus-cuda.stamp"
+        chorus_venv_make candle-cuda "$toolchain" CHORUS_CUDA_TOOLCHAIN "$toolchain/chorus-cuda.stamp" "${pins[@]}" || return 1
         if ! find_nvcc; then
             echo "candle-cuda: the wheels installed no nvcc under $toolchain/lib/python3*/site-packages/nvidia/cu13/bin" >&2
             return 1
@@ -149,16 +140,10 @@ EOF
     printf '%s\n' "$dir/config.toml"
 )
 
-if _chorus_config="$(chorus_candle_cuda)"; then
-    export CHORUS_CANDLE_CUDA_CONFIG="$_chorus_config"
-    echo "candle-cuda: CHORUS_CANDLE_CUDA_CONFIG=$CHORUS_CANDLE_CUDA_CONFIG" >&2
-    unset _chorus_config
-    unset -f chorus_candle_cuda
-else
-    unset _chorus_config
-    unset -f chorus_candle_cuda
-    echo "candle-cuda: could not make the candle-CUDA build's toolchain and crates" >&2
-    # Sourced: fail the caller's step; run alone: exit.
-    return 1 2>/dev/null || exit 1
-fi
+chorus_venv_export candle-cuda CHORUS_CANDLE_CUDA_CONFIG "the candle-CUDA build's toolchain and crates" chorus_candle_cuda
+_chorus_status=$?
+unset -f chorus_candle_cuda chorus_venv_lock chorus_venv_make chorus_venv_export
+# Sourced: fail the caller's step; run alone: exit.
+if [ "$_chorus_status" != 0 ]; then unset _chorus_status; return 1 2>/dev/null || exit 1; fi
+unset _chorus_status
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then printf '%s\n' "$CHORUS_CANDLE_CUDA_CONFIG"; fi

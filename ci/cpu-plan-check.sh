@@ -54,11 +54,12 @@ for model in ("gpt", "llama"):
     print(model, json.dumps(rates), file=sys.stderr)
 EOF
 
-# The job `chorus train --bench --model gpt|llama` runs by default
-# (cli/src/train/args.rs, gpt_bench.rs): 8 sequences of 32 tokens per rank,
-# the byte-level text's 29 tokens, f32, every group recomputed, AdamW,
-# reshard after forward, one micro-batch.
-job="--batch 8 --seq-len 32 --vocab 29 --param-dtype f32 --recompute full --optimizer adamw --reshard-after-forward true"
+# The job `chorus train --bench --model gpt|llama` runs by default: the
+# job's defaults (cli/src/job), which plan and train share: 8 sequences of 32
+# tokens per rank, the byte-level text's 29 tokens, f32, every group
+# recomputed, AdamW, reshard after forward, one micro-batch. Written out so
+# the log says what was planned.
+job="--batch 8 --seq-len 32 --param-dtype f32 --recompute true --optimizer adamw --reshard-after-forward true"
 for model in gpt llama; do
   for world in 1 2; do
     rm -rf "$out/plan-$model-$world"

@@ -14,6 +14,9 @@
 # fails the caller, when the environment cannot be made: the tests that need
 # it would fail anyway, less clearly.
 
+# shellcheck source=ci/venv.sh
+source "$(dirname "${BASH_SOURCE[0]}")/venv.sh"
+
 chorus_python_env() (
     set -euo pipefail
     local venv="${CHORUS_VENV:-$HOME/.cache/chorus/venv}"
@@ -43,17 +46,8 @@ PY
         return 0
     fi
 
-    if [ -e "$venv" ] && [ ! -f "$venv/pyvenv.cfg" ] && [ -n "$(ls -A "$venv" 2>/dev/null)" ]; then
-        echo "python-env: $venv exists and is not a virtual environment; set CHORUS_VENV to another path" >&2
-        return 1
-    fi
-    mkdir -p "$(dirname "$venv")"
     # One installer at a time; the others wait for it, then find it complete.
-    exec 9>"$venv.lock"
-    if ! flock -w 1800 9; then
-        echo "python-env: another install has held $venv.lock for 30 minutes; giving up" >&2
-        return 1
-    fi
+    chorus_venv_lock python-env "$venv" || return 1
     if complete; then
         printf '%s\n' "$venv/bin/python"
         return 0
@@ -72,28 +66,18 @@ PY
     fi
 
     local started=$SECONDS
-    rm -f "$venv/READY"
     echo "python-env: making $venv (${pins[*]}; torch brings about 5 GB of CUDA libraries)" >&2
-    python3 -m venv "$venv" >&2
-    timeout 1800 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-input \
-        "${pins[@]}" >&2
-    printf '%s\n' "$want" >"$stamp"
+    chorus_venv_make python-env "$venv" CHORUS_VENV "$stamp" "${pins[@]}" || return 1
     "$venv/bin/python" -c 'import numpy, torch, transformers, safetensors' >&2
     touch "$venv/READY"
     echo "python-env: $venv ready in $((SECONDS - started)) s" >&2
     printf '%s\n' "$venv/bin/python"
 )
 
-if _chorus_python="$(chorus_python_env)"; then
-    export CHORUS_PYTHON="$_chorus_python"
-    echo "python-env: CHORUS_PYTHON=$CHORUS_PYTHON" >&2
-    unset _chorus_python
-    unset -f chorus_python_env
-else
-    unset _chorus_python
-    unset -f chorus_python_env
-    echo "python-env: could not make the Python environment" >&2
-    # Sourced: fail the caller's step; run alone: exit.
-    return 1 2>/dev/null || exit 1
-fi
+chorus_venv_export python-env CHORUS_PYTHON "the Python environment" chorus_python_env
+_chorus_status=$?
+unset -f chorus_python_env chorus_venv_lock chorus_venv_make chorus_venv_export
+# Sourced: fail the caller's step; run alone: exit.
+if [ "$_chorus_status" != 0 ]; then unset _chorus_status; return 1 2>/dev/null || exit 1; fi
+unset _chorus_status
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then printf '%s\n' "$CHORUS_PYTHON"; fi

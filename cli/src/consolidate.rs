@@ -17,6 +17,10 @@ use chorus_fsdp_candle::CheckpointError;
 use crate::size::{format_bytes, parse_nonzero_bytes};
 use crate::{Outcome, UsageError};
 
+/// The file in a checkpoint directory of `chorus train --model llama` that
+/// records the Llama's config, from which a Hugging Face directory is written.
+pub(crate) const LLAMA_CONFIG_FILE: &str = "llama-config.json";
+
 /// Arguments of `chorus consolidate`.
 #[derive(Debug, clap::Args)]
 pub struct ConsolidateArgs {
@@ -77,7 +81,7 @@ pub fn run(args: &ConsolidateArgs) -> anyhow::Result<Outcome> {
 /// The Llama config a checkpoint directory (or a `step-*` directory's
 /// parent) records, if it is a checkpoint of `--model llama`.
 fn llama_config(checkpoint: &Path) -> Option<PathBuf> {
-    let name = crate::train::LLAMA_CHECKPOINT_CONFIG;
+    let name = LLAMA_CONFIG_FILE;
     [Some(checkpoint), checkpoint.parent()].into_iter().flatten().map(|d| d.join(name)).find(|p| p.is_file())
 }
 
@@ -87,7 +91,7 @@ fn llama_config(checkpoint: &Path) -> Option<PathBuf> {
 /// dtype, one tensor at a time, in a staging directory renamed to `out`
 /// when complete.
 fn consolidate_llama(args: &ConsolidateArgs, config: &Path, max: usize) -> anyhow::Result<Outcome> {
-    chorus_train::npy::regular_file(config).with_context(|| format!("reading {}", config.display()))?;
+    chorus_train::files::regular_file(config).with_context(|| format!("reading {}", config.display()))?;
     let text = std::fs::read_to_string(config).with_context(|| format!("reading {}", config.display()))?;
     let cfg = chorus_train::models::llama::config::LlamaConfig::from_json(&text)
         .with_context(|| format!("reading {}", config.display()))?;

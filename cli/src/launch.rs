@@ -42,6 +42,11 @@
 //! where two nodes would be joined that way, the ranks get
 //! `UCX_TLS=^sm` (no shared memory) unless `UCX_TLS` is set, and the
 //! launcher says so.
+//!
+//! The launch is one [`Job`] whose phases are written beside what they use:
+//! the rendezvous and the nodes' heartbeats in `nodes.rs`, the ranks in
+//! `ranks.rs`, the end in `end.rs`; the job holds their types, and they
+//! extend it, so this file and those depend on each other.
 
 mod dumps;
 mod end;

@@ -33,7 +33,10 @@ mod bench;
 mod conformance;
 mod consolidate;
 mod generate;
+#[cfg(feature = "sim")]
+mod job;
 mod launch;
+mod outcome;
 #[cfg(feature = "sim")]
 mod outdir;
 #[cfg(feature = "sim")]
@@ -50,6 +53,8 @@ mod train;
 use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
+
+pub use outcome::{usage, Outcome, UsageError};
 
 /// One collective-communication API with NCCL semantics over several backends.
 #[derive(Debug, Parser)]
@@ -90,29 +95,6 @@ enum Command {
     Tokenize(tokenize::TokenizeArgs),
 }
 
-/// A problem with the arguments that clap's parser cannot see (a world size
-/// of 0, `--min-bytes` above `--max-bytes`): reported like clap's own errors,
-/// with exit status 2.
-#[derive(Debug)]
-pub struct UsageError(pub String);
-
-impl std::fmt::Display for UsageError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for UsageError {}
-
-/// What a subcommand reports when it ran to the end: whether everything it checked passed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    /// Everything passed.
-    Passed,
-    /// Something ran but failed (wrong values, failed cases); already reported.
-    Failed,
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let subcommand = match &cli.command {
@@ -135,11 +117,11 @@ fn main() -> ExitCode {
         Command::Conformance(args) => conformance::run(&args),
         Command::Launch(args) => launch::run(&args),
         #[cfg(feature = "sim")]
-        Command::Train(args) => train::run(&args),
+        Command::Train(_) => train::run(),
         Command::Consolidate(args) => consolidate::run(&args),
         Command::Generate(args) => generate::run(&args),
         #[cfg(feature = "sim")]
-        Command::Plan(args) => plan::run_cli(&args),
+        Command::Plan(_) => plan::run_cli(),
         Command::Trace(args) => trace::run(&args),
         Command::Tokenize(args) => tokenize::run(&args),
     };

@@ -20,6 +20,10 @@
 //! and a run that is not resuming refuses one that holds another run's
 //! checkpoints unless told to start over (`--overwrite-checkpoints`).
 //!
+//! This file is the out-dir's staging and swap; `marker.rs` the marker and
+//! what else a directory holds, `lock.rs` the locks, `checkpoints.rs` the
+//! checkpoint directory.
+//!
 //! # Locks
 //! A lock file ([`RunLock`]) refuses a second live run into the same
 //! out-dir (`.NAME.lock` beside it) or checkpoint directory (`.lock` in it).
@@ -31,142 +35,24 @@
 //! host cannot be judged from here: it is never taken over, and the error
 //! names the host (remove the lock by hand once no run is active there).
 
-use std::fs::{File, OpenOptions};
-use std::io::{Read, Write};
+use std::fs::File;
+use std::io::Write;
 use std::path::{Component, Path, PathBuf};
 
 use anyhow::Context;
 
-use crate::UsageError;
-
 mod checkpoints;
-pub use checkpoints::CheckpointDir;
+mod lock;
+mod marker;
 
-/// The file in every out-dir a chorus run wrote, by which a later run
-/// recognises one it may replace.
-pub const MARKER: &str = ".chorus-out";
+pub use checkpoints::CheckpointDir;
+pub use lock::RunLock;
+use lock::{me, running};
+pub use marker::MARKER;
+use marker::{refuse_foreign, write_marker, MARKER_HEAD};
 
 fn usage(msg: String) -> anyhow::Error {
-    UsageError(msg).into()
-}
-
-/// This host's name, as the kernel reports it.
-fn host() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default()
-}
-
-/// The id of this boot (a new one after every reboot).
-fn boot_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
-}
-
-/// When process `pid` started (clock ticks since boot, `/proc/PID/stat`
-/// field 22), or `None` when there is no such process.
-fn start_time(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Field 2, the command name, may hold spaces and parentheses: count from the last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(19)?.parse().ok()
-}
-
-/// This process as a lock records it.
-fn me() -> (u32, u64) {
-    let pid = std::process::id();
-    (pid, start_time(pid).unwrap_or(0))
-}
-
-/// Whether the process `pid` that started at `start` still runs (a pid now
-/// held by a process that started at another time is not it).
-fn running(pid: u32, start: u64) -> bool {
-    start_time(pid) == Some(start)
-}
-
-/// Who holds a lock, as its file says.
-#[derive(Debug, PartialEq, Eq)]
-enum Holder {
-    /// A live process on this host: the lock holds.
-    Live(u32),
-    /// Nobody (the process ended, its pid was reused, the host rebooted, or
-    /// the file is half-written): the lock may be taken over.
-    Gone,
-    /// A process on another host, which cannot be checked from here.
-    Elsewhere { host: String, pid: String },
-}
-
-/// Judges a lock file's text (`key=value` fields; a bare pid from older
-/// chorus versions is judged by its pid alone).
-fn judge(text: &str) -> Holder {
-    let field = |key: &str| {
-        text.split_whitespace().find_map(|f| f.strip_prefix(key).and_then(|v| v.strip_prefix('=')).map(str::to_string))
-    };
-    if let Ok(pid) = text.trim().parse::<u32>() {
-        return if Path::new(&format!("/proc/{pid}")).exists() { Holder::Live(pid) } else { Holder::Gone };
-    }
-    let (Some(pid), Some(start)) = (field("pid"), field("start")) else { return Holder::Gone };
-    if let Some(h) = field("host").filter(|h| *h != host()) {
-        return Holder::Elsewhere { host: h, pid };
-    }
-    if field("boot").is_some_and(|b| b != boot_id()) {
-        return Holder::Gone;
-    }
-    match (pid.parse::<u32>(), start.parse::<u64>()) {
-        (Ok(p), Ok(s)) if running(p, s) => Holder::Live(p),
-        _ => Holder::Gone,
-    }
-}
-
-/// A lock file held by this process, removed when dropped.
-#[derive(Debug)]
-pub struct RunLock {
-    path: PathBuf,
-}
-
-impl RunLock {
-    /// Takes the lock file `path` for the directory `what`, or says who
-    /// holds it. A lock whose holder is gone is taken over. The file cannot
-    /// be created where the directory cannot be written: a usage error.
-    pub fn acquire(path: &Path, what: &Path) -> anyhow::Result<RunLock> {
-        let (pid, start) = me();
-        let record = format!("pid={pid} start={start} boot={} host={}\n", boot_id(), host());
-        for attempt in 0..2 {
-            match OpenOptions::new().write(true).create_new(true).open(path) {
-                Ok(mut f) => {
-                    f.write_all(record.as_bytes())
-                        .and_then(|_| f.sync_all())
-                        .with_context(|| format!("writing {}", path.display()))?;
-                    return Ok(RunLock { path: path.to_path_buf() });
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempt == 0 => {
-                    let mut text = String::new();
-                    File::open(path).and_then(|mut f| f.read_to_string(&mut text)).ok();
-                    match judge(&text) {
-                        Holder::Live(pid) => anyhow::bail!(
-                            "{} is being written by another chorus run (pid {pid}); its lock is {}",
-                            what.display(),
-                            path.display()
-                        ),
-                        Holder::Elsewhere { host, pid } => anyhow::bail!(
-                            "{} is locked by a chorus run on host {host} (pid {pid}), which cannot be checked from here; if no run is active there, remove {}",
-                            what.display(),
-                            path.display()
-                        ),
-                        Holder::Gone => std::fs::remove_file(path)
-                            .with_context(|| format!("removing the stale lock {}", path.display()))?,
-                    }
-                }
-                Err(e) => {
-                    return Err(usage(format!("{}: cannot take the lock {}: {e}", what.display(), path.display())))
-                }
-            }
-        }
-        anyhow::bail!("{}: another run took the lock {} at the same time", what.display(), path.display())
-    }
-}
-
-impl Drop for RunLock {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
+    crate::usage(msg)
 }
 
 /// `path` made absolute with the symbolic links of its existing part
@@ -360,140 +246,6 @@ impl OutDir {
     }
 }
 
-/// The marker's first line; then [`COMMAND_KEY`] and the command that
-/// wrote the directory, then the paths it wrote, one a line (directories
-/// with a trailing `/`).
-const MARKER_HEAD: &str = "written by chorus: the next run of the same command into this directory replaces the files \
-     listed below, and refuses to while it holds any other; other commands refuse to write here\n";
-
-/// What starts the marker's second line, before the command's name.
-const COMMAND_KEY: &str = "command: ";
-
-/// Writes the marker of the staged out-dir `stage` of `chorus {command}`: every path in it.
-fn write_marker(stage: &Path, command: &str) -> anyhow::Result<()> {
-    fn walk(dir: &Path, rel: &str, out: &mut Vec<String>) -> anyhow::Result<()> {
-        for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
-            let entry = entry.with_context(|| format!("reading {}", dir.display()))?;
-            let path = format!("{rel}{}", entry.file_name().to_string_lossy());
-            if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                walk(&entry.path(), &format!("{path}/"), out)?;
-                out.push(format!("{path}/"));
-            } else if path != MARKER {
-                out.push(path);
-            }
-        }
-        Ok(())
-    }
-    let mut paths = Vec::new();
-    walk(stage, "", &mut paths)?;
-    paths.sort();
-    let listed = paths.iter().map(|p| format!("{p}\n")).collect::<String>();
-    write_file(&stage.join(MARKER), format!("{MARKER_HEAD}{COMMAND_KEY}{command}\n{listed}").as_bytes())
-}
-
-/// What an out-dir's marker says: the command that wrote the directory and
-/// the paths it wrote.
-struct Marker {
-    command: String,
-    paths: std::collections::BTreeSet<String>,
-}
-
-/// The out-dir `dest`'s marker, or `None` where there is no marker, or one
-/// from a chorus that did not name its command or list its files.
-fn marker(dest: &Path) -> Option<Marker> {
-    let text = std::fs::read_to_string(dest.join(MARKER)).ok()?;
-    let mut lines = text.strip_prefix(MARKER_HEAD)?.lines();
-    let command = lines.next()?.strip_prefix(COMMAND_KEY)?.to_string();
-    Some(Marker { command, paths: lines.map(str::to_string).collect() })
-}
-
-/// The paths in the out-dir `dest` its marker does not list (a directory
-/// not listed counts as one path, `name/`).
-fn foreign(dest: &Path, listed: &std::collections::BTreeSet<String>) -> anyhow::Result<Vec<String>> {
-    fn walk(
-        dir: &Path,
-        rel: &str,
-        listed: &std::collections::BTreeSet<String>,
-        out: &mut Vec<String>,
-    ) -> anyhow::Result<()> {
-        for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
-            let entry = entry.with_context(|| format!("reading {}", dir.display()))?;
-            let path = format!("{rel}{}", entry.file_name().to_string_lossy());
-            if rel.is_empty() && path == MARKER {
-                continue;
-            }
-            // A link is judged as the link, never followed.
-            if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                let as_dir = format!("{path}/");
-                if listed.contains(&as_dir) {
-                    walk(&entry.path(), &as_dir, listed, out)?;
-                } else {
-                    out.push(as_dir);
-                }
-            } else if !listed.contains(&path) {
-                out.push(path);
-            }
-        }
-        Ok(())
-    }
-    let mut out = Vec::new();
-    walk(dest, "", listed, &mut out)?;
-    out.sort();
-    Ok(out)
-}
-
-/// Refuses an existing non-empty out-dir that holds anything no run of
-/// `chorus {command}` wrote there, naming it.
-fn refuse_foreign(given: &Path, dest: &Path, command: &str) -> anyhow::Result<()> {
-    let names = |paths: &[String]| {
-        let shown = paths.iter().take(5).cloned().collect::<Vec<_>>().join(", ");
-        let more = if paths.len() > 5 { format!(" and {} more", paths.len() - 5) } else { String::new() };
-        format!("{shown}{more}")
-    };
-    if let Some(marker) = marker(dest) {
-        if marker.command != command {
-            let held: Vec<String> = marker.paths.iter().filter(|p| !p.ends_with('/')).cloned().collect();
-            return Err(usage(format!(
-                "--out-dir {} holds the output of `chorus {}` ({}); `chorus {command}` never replaces another \
-                 command's output: choose another out-dir",
-                given.display(),
-                marker.command,
-                names(&held)
-            )));
-        }
-        let extra = foreign(dest, &marker.paths)?;
-        if extra.is_empty() {
-            return Ok(());
-        }
-        return Err(usage(format!(
-            "--out-dir {} holds files no chorus run wrote ({}); the run replaces what chorus wrote there and would lose them: move them out, or choose another out-dir",
-            given.display(),
-            names(&extra)
-        )));
-    }
-    let mut all: Vec<String> = std::fs::read_dir(dest)
-        .map_err(|e| usage(format!("--out-dir {}: {e}", given.display())))?
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    if all.is_empty() {
-        return Ok(());
-    }
-    all.sort();
-    if dest.join(MARKER).is_file() {
-        return Err(usage(format!(
-            "--out-dir {} was written by an older chorus, whose {MARKER} does not say which command wrote it or list its files, so neither can be told ({}): remove it, or choose another out-dir",
-            given.display(),
-            names(&all)
-        )));
-    }
-    Err(usage(format!(
-        "--out-dir {} holds files no chorus run wrote ({}); the out-dir is replaced when the run ends, so choose an empty or new directory",
-        given.display(),
-        names(&all)
-    )))
-}
-
 /// Puts back a previous out-dir that an interrupted swap left aside
 /// (`.NAME.old-PID`: the out-dir is missing), or removes such a copy
 /// where the out-dir is in place.
@@ -573,40 +325,6 @@ mod tests {
         write_file(&c.stage().join("three"), b"3").unwrap();
         c.commit().unwrap();
         assert!(!dest.join("one").exists() && dest.join("three").exists(), "never a mix of two runs");
-        std::fs::remove_dir_all(&root).ok();
-    }
-
-    /// The lock holds exactly while its process runs: the same pid with
-    /// another start time (a reused pid) or another boot frees it; another
-    /// host's lock is never taken over.
-    #[test]
-    fn a_lock_is_live_only_for_its_own_process_on_this_host() {
-        let (pid, start) = me();
-        let (boot, host) = (boot_id(), host());
-        assert!(start > 0, "/proc/self/stat gives a start time");
-        let live = format!("pid={pid} start={start} boot={boot} host={host}");
-        assert_eq!(judge(&live), Holder::Live(pid));
-        // PID 1 is alive, but not the process that started at our start time.
-        assert_eq!(judge(&format!("pid=1 start={start} boot={boot} host={host}")), Holder::Gone, "a reused pid");
-        assert_eq!(judge(&format!("pid={pid} start={start} boot=another-boot host={host}")), Holder::Gone, "a reboot");
-        assert_eq!(
-            judge(&format!("pid={pid} start={start} boot={boot} host=not-{host}")),
-            Holder::Elsewhere { host: format!("not-{host}"), pid: pid.to_string() }
-        );
-        assert_eq!(judge("pid=12"), Holder::Gone, "half-written");
-        // Through the lock file: a reused pid's lock is taken over; another host's is refused.
-        let root = root("lock");
-        let (path, what) = (root.join("x.lock"), root.join("x"));
-        std::fs::write(&path, format!("pid=1 start={start} boot={boot} host={host}\n")).unwrap();
-        let taken = RunLock::acquire(&path, &what).unwrap();
-        assert!(std::fs::read_to_string(&path).unwrap().contains(&format!("pid={pid} ")));
-        let err = RunLock::acquire(&path, &what).unwrap_err().to_string();
-        assert!(err.contains("another chorus run"), "{err}");
-        drop(taken);
-        assert!(!path.exists());
-        std::fs::write(&path, format!("pid={pid} start={start} boot={boot} host=elsewhere\n")).unwrap();
-        let err = RunLock::acquire(&path, &what).unwrap_err().to_string();
-        assert!(err.contains("host elsewhere") && err.contains("remove"), "{err}");
         std::fs::remove_dir_all(&root).ok();
     }
 

@@ -4,10 +4,14 @@
 //! and the last rank, every other mirroring them, or every rank where
 //! their groups sit unlike on the nodes — before anyone rents the GPUs.
 //!
-//! The model and FSDP flags are `chorus train`'s; the groups are the ones
-//! `chorus train` registers (`chorus_train::models::{gpt, llama}::groups`).
-//! Outputs: a report on stdout, and with `--out-dir` `plan.json` and
-//! `timeline.svg`, staged and put in place whole (`crate::outdir`).
+//! The job is `chorus train`'s ([`crate::job`]): the same flags, defaults
+//! and checks, or the `config.toml` a `chorus train` run wrote (`--config`);
+//! the groups are the ones `chorus train` registers
+//! (`chorus_train::models::{gpt, llama}::groups`). What is the plan's own:
+//! the GPUs (`--gpus`, default the job's world size), their kind and cost
+//! model, and whose kernels run the model. Outputs: a report on stdout, and
+//! with `--out-dir` `plan.json` and `timeline.svg`, staged and put in place
+//! whole (`crate::outdir`).
 
 mod report;
 mod timeline;
@@ -16,9 +20,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
-use chorus_devices::DType;
-use chorus_fsdp::{FsdpConfig, MixedPrecision, OffloadPolicy, OptimizerKind, Reshard};
 use chorus_plan::cost::CostModel;
 use chorus_plan::decoder_cost::Framework;
 use chorus_plan::kernel_rates::KernelRates;
@@ -28,8 +29,9 @@ use chorus_plan::workload::{DecoderKind, DecoderShape, RecomputeMode, StageWork}
 use chorus_train::models::llama::config::LlamaConfig;
 use chorus_train::models::{gpt, llama, DecoderGroups};
 
+use crate::job::{JobArgs, ModelArg, RecomputeArg};
 use crate::outdir::OutDir;
-use crate::{Outcome, UsageError};
+use crate::{usage, Outcome};
 
 pub use report::Plan;
 
@@ -50,35 +52,8 @@ const MAX_STAGE_RUNS: usize = 32 << 10;
 /// The most bytes of activations one stage may keep or use: far beyond
 /// any GPU, far below what the planner's byte counters hold.
 const MAX_STAGE_BYTES: f64 = (1u64 << 56) as f64;
-/// The largest `config.json` read.
-const MAX_CONFIG_BYTES: u64 = 1 << 20;
-/// Any one size flag's bound: far above any model, far below an overflow.
-const MAX_SIZE: usize = 1 << 24;
 /// Steps run; the last is measured (the first allocates the optimizer's state).
 const STEPS: usize = 2;
-
-/// Models `chorus plan` plans.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum PlanModel {
-    /// chorus's transformer (`chorus train --model gpt`).
-    Gpt,
-    /// A Hugging Face Llama (`chorus train --model llama`).
-    Llama,
-}
-
-/// torchtitan's activation checkpointing modes, and `chorus train`'s
-/// `true` and `false` for every group (full) and none.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum RecomputeArg {
-    /// Keep every activation.
-    #[value(alias = "false")]
-    None,
-    /// Keep each layer's input; recompute the layer in backward.
-    #[value(alias = "true")]
-    Full,
-    /// torchtitan's op-level selective checkpointing.
-    Selective,
-}
 
 /// Whose kernels run the model (`--kernels`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -91,59 +66,20 @@ pub enum KernelsArg {
     Chorus,
 }
 
-/// Optimizers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum PlanOptimizer {
-    /// SGD with --momentum.
-    Sgd,
-    /// AdamW.
-    Adamw,
-}
-
 /// Arguments of `chorus plan`.
 #[derive(Clone, Debug, clap::Args)]
 #[command(allow_negative_numbers = true)]
 pub struct PlanArgs {
-    /// The model.
-    #[arg(long, value_enum, default_value = "llama")]
-    pub model: PlanModel,
-    /// llama: the model's config.json (Hugging Face's).
-    #[arg(long, conflicts_with = "init_from")]
+    /// A job file (TOML): the `config.toml` a `chorus train` run wrote, or any file setting the job's flags by
+    /// their long names; the run's own settings in it (steps, out_dir, ...) are passed over, and the command line
+    /// wins.
+    #[arg(long)]
     pub config: Option<PathBuf>,
-    /// llama: a Hugging Face model directory whose config.json is read (the weights are not).
+    #[command(flatten)]
+    pub job: JobArgs,
+    /// GPUs (ranks) to plan for (default: the job's --world-size).
     #[arg(long)]
-    pub init_from: Option<PathBuf>,
-    /// Decoder layers (without --config; default 2).
-    #[arg(long)]
-    pub layers: Option<usize>,
-    /// Width of the residual stream (without --config; default 64); `chorus train`'s Llama calls it --hidden.
-    #[arg(long, visible_alias = "hidden")]
-    pub d_model: Option<usize>,
-    /// Attention heads (without --config; default 4).
-    #[arg(long)]
-    pub heads: Option<usize>,
-    /// llama: key/value heads (without --config; default min(2, heads)).
-    #[arg(long)]
-    pub kv_heads: Option<usize>,
-    /// Width of the MLP (without --config; default 4 × d-model for gpt, 2 × for llama, as `chorus train`);
-    /// `chorus train`'s Llama calls it --intermediate.
-    #[arg(long, visible_alias = "intermediate")]
-    pub d_ff: Option<usize>,
-    /// Vocabulary (without --config; default 256).
-    #[arg(long)]
-    pub vocab: Option<usize>,
-    /// Sequences per GPU per step.
-    #[arg(long, default_value_t = 8)]
-    pub batch: usize,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 32)]
-    pub seq_len: usize,
-    /// Micro-batches per step (they divide --batch).
-    #[arg(long, default_value_t = 1)]
-    pub micro_batches: usize,
-    /// GPUs (ranks).
-    #[arg(long)]
-    pub gpus: usize,
+    pub gpus: Option<usize>,
     /// GPUs per node (NVLink inside a node, the network across).
     #[arg(long, default_value_t = 8)]
     pub gpus_per_node: usize,
@@ -162,41 +98,6 @@ pub struct PlanArgs {
     /// docs/plan-costs.md) instead of the one chorus ships for h100-sxm and h200.
     #[arg(long)]
     pub kernel_rates: Option<PathBuf>,
-    /// HSDP: replicate over this many groups (it must divide --gpus).
-    #[arg(long)]
-    pub hsdp: Option<usize>,
-    /// true, false, or a smaller world size that divides the shard world.
-    #[arg(long, default_value = "true")]
-    pub reshard_after_forward: Reshard,
-    /// Activation checkpointing: none, full or selective (`chorus train`'s false and true are none and full).
-    #[arg(long, value_enum, default_value = "full")]
-    pub recompute: RecomputeArg,
-    /// Dtype of all-gathers and compute: f32, bf16 or f16.
-    #[arg(long, default_value = "f32", value_parser = parse_float_dtype)]
-    pub param_dtype: DType,
-    /// Dtype of gradient reduction (default: the param dtype).
-    #[arg(long, value_parser = parse_float_dtype)]
-    pub reduce_dtype: Option<DType>,
-    /// The optimizer.
-    #[arg(long, value_enum, default_value = "adamw")]
-    pub optimizer: PlanOptimizer,
-    /// SGD momentum.
-    #[arg(long, default_value_t = 0.0)]
-    pub momentum: f64,
-    /// Clip the global gradient norm to this.
-    #[arg(long)]
-    pub max_grad_norm: Option<f64>,
-    /// Dtype parameters travel in on the all-gather: float8 (e4m3, quantized per group with an amax
-    /// all-reduce, dequantized after the gather) or the param dtype (the default), as `chorus train`'s.
-    #[arg(long, value_parser = crate::train::parse_all_gather_dtype)]
-    pub all_gather_dtype: Option<DType>,
-    /// CPU offload (FSDP2's CPUOffloadPolicy): sharded parameters, gradients and optimizer state in host
-    /// memory; on a GPU the optimizer steps on the host.
-    #[arg(long)]
-    pub offload: bool,
-    /// Parameters with fewer elements than this are replicated, not sharded (their gradients all-reduced).
-    #[arg(long, default_value_t = 0)]
-    pub replicate_below: usize,
     /// Write plan.json and timeline.svg here (a directory of its own; an earlier plan's is replaced).
     #[arg(long)]
     pub out_dir: Option<PathBuf>,
@@ -205,119 +106,63 @@ pub struct PlanArgs {
     pub cpu_rates: Option<PathBuf>,
 }
 
-fn parse_float_dtype(s: &str) -> Result<DType, String> {
-    match s.parse::<DType>() {
-        Ok(d @ (DType::F32 | DType::BF16 | DType::F16)) => Ok(d),
-        _ => Err(format!("`{s}` is not a training dtype: f32, bf16 or f16")),
+impl PlanArgs {
+    /// The ranks planned: `--gpus`, else the job's world size.
+    pub fn world(&self) -> usize {
+        self.gpus.unwrap_or_else(|| self.job.world())
     }
 }
 
-fn usage(msg: impl Into<String>) -> anyhow::Error {
-    anyhow::Error::new(UsageError(msg.into()))
-}
-
-/// The model's groups and shapes.
+/// The job's model: its groups and shapes, and the job with its per-rank
+/// batch resolved.
 pub struct Model {
+    /// The job (`--global-batch` turned into the per-rank batch).
+    pub job: JobArgs,
     /// The groups `chorus train` registers.
     pub groups: DecoderGroups,
     /// The shapes the workload is computed from.
     pub shape: DecoderShape,
+    /// The sequence length (`--seq-len`, or what `--data`'s rows give).
+    pub seq_len: usize,
 }
 
-/// Checks every flag and reads the model's configuration.
+/// Checks every flag (the job's as `chorus train` does) and reads the
+/// model's configuration.
 pub fn model(args: &PlanArgs) -> anyhow::Result<Model> {
-    let checks = [
-        (args.gpus, "--gpus", MAX_GPUS),
-        (args.gpus_per_node, "--gpus-per-node", MAX_GPUS),
-        (args.batch, "--batch", MAX_SIZE),
-        (args.seq_len, "--seq-len", MAX_SIZE),
-        (args.micro_batches, "--micro-batches", MAX_SIZE),
-    ];
-    for (v, flag, max) in checks {
-        if v == 0 || v > max {
-            return Err(usage(format!("{flag} {v}: must be in 1..={max}")));
+    let world = args.world();
+    let world_flag = if args.gpus.is_some() { "--gpus" } else { "--world-size" };
+    for (v, flag) in [(world, world_flag), (args.gpus_per_node, "--gpus-per-node")] {
+        if v == 0 || v > MAX_GPUS {
+            return Err(usage(format!("{flag} {v}: must be in 1..={MAX_GPUS}")));
         }
     }
-    for (v, flag) in [(args.layers, "--layers"), (args.d_model, "--d-model (--hidden)"), (args.heads, "--heads")]
-        .into_iter()
-        .chain([(args.kv_heads, "--kv-heads"), (args.d_ff, "--d-ff (--intermediate)"), (args.vocab, "--vocab")])
-    {
-        if let Some(v) = v.filter(|v| *v == 0 || *v > MAX_SIZE) {
-            return Err(usage(format!("{flag} {v}: must be in 1..={MAX_SIZE}")));
-        }
-    }
-    if args.batch % args.micro_batches != 0 {
-        return Err(usage(format!("--micro-batches {} does not divide --batch {}", args.micro_batches, args.batch)));
-    }
-    if let Some(r) = args.hsdp {
-        if r == 0 || args.gpus % r != 0 {
-            return Err(usage(format!("--hsdp {r} does not divide --gpus {}", args.gpus)));
-        }
-    }
-    if let Some(m) = args.max_grad_norm.filter(|m| !(m.is_finite() && *m > 0.0)) {
-        return Err(usage(format!("--max-grad-norm {m}: must be a positive number")));
-    }
-    if !(args.momentum.is_finite() && args.momentum >= 0.0) {
-        return Err(usage(format!("--momentum {}: must be a non-negative number", args.momentum)));
-    }
-    if let Some(d) = args.all_gather_dtype.filter(|d| *d != DType::F8E4M3 && *d != args.param_dtype) {
-        return Err(usage(format!("--all-gather-dtype {d}: must be float8 or the param dtype ({})", args.param_dtype)));
-    }
-    let layers = args.layers.unwrap_or(2);
-    let d = args.d_model.unwrap_or(64);
-    let heads = args.heads.unwrap_or(4);
-    let vocab = args.vocab.unwrap_or(256);
-    match args.model {
-        PlanModel::Gpt => {
-            if args.config.is_some() || args.init_from.is_some() || args.kv_heads.is_some() {
-                return Err(usage("--config, --init-from and --kv-heads are the Llama's (--model llama)"));
-            }
-            let cfg = gpt::GptConfig {
-                vocab,
-                d_model: d,
-                layers,
-                heads,
-                d_ff: args.d_ff.unwrap_or(4 * d),
-                seq_len: args.seq_len,
-            };
-            cfg.validate().map_err(|e| usage(format!("the transformer's sizes: {e}")))?;
-            check_runs(args, layers)?;
+    let mut job = args.job.clone();
+    job.resolve_batch(world)?;
+    job.check(world)?;
+    let model = job.model();
+    let seq_len = match &job.data {
+        Some(path) => data_seq_len(&job, path)?,
+        None => job.seq_len(),
+    };
+    let (groups, shape) = match model {
+        ModelArg::Gpt => {
+            let cfg = job.gpt_config();
+            check_runs(&job, cfg.layers)?;
             let shape = DecoderShape {
                 kind: DecoderKind::Gpt,
-                layers,
-                d_model: d,
-                heads,
-                kv_heads: heads,
+                layers: cfg.layers,
+                d_model: cfg.d_model,
+                heads: cfg.heads,
+                kv_heads: cfg.heads,
                 ffn_hidden: cfg.d_ff,
-                vocab,
+                vocab: cfg.vocab,
                 tied_embeddings: false,
             };
-            let groups = gpt::groups(&cfg)?;
-            check_shards(args, &groups)?;
-            Ok(Model { groups, shape })
+            (gpt::groups(&cfg)?, shape)
         }
-        PlanModel::Llama => {
-            let cfg = match (&args.config, &args.init_from) {
-                (Some(file), _) => read_config_file(file)?,
-                (None, Some(dir)) => {
-                    chorus_train::models::llama::hf::read_config(dir).map_err(|e| usage(format!("--init-from: {e}")))?
-                }
-                (None, None) => LlamaConfig::new(
-                    vocab,
-                    d,
-                    args.d_ff.unwrap_or(2 * d),
-                    layers,
-                    heads,
-                    args.kv_heads.unwrap_or(2.min(heads)),
-                ),
-            };
-            let from_file = args.config.is_some() || args.init_from.is_some();
-            let flags = [args.layers, args.d_model, args.heads, args.kv_heads, args.d_ff, args.vocab];
-            if from_file && flags.iter().any(Option::is_some) {
-                return Err(usage("the sizes come from the config.json: leave out --layers, --d-model (--hidden), --heads, --kv-heads, --d-ff (--intermediate) and --vocab"));
-            }
-            cfg.validate().map_err(|e| usage(format!("the Llama's configuration: {e}")))?;
-            check_runs(args, cfg.num_hidden_layers)?;
+        ModelArg::Llama => {
+            let cfg = llama_config(&job)?;
+            check_runs(&job, cfg.num_hidden_layers)?;
             let shape = DecoderShape {
                 kind: DecoderKind::Llama,
                 layers: cfg.num_hidden_layers,
@@ -328,42 +173,49 @@ pub fn model(args: &PlanArgs) -> anyhow::Result<Model> {
                 vocab: cfg.vocab_size,
                 tied_embeddings: cfg.tie_word_embeddings,
             };
-            let groups = llama::groups(&cfg)?;
-            check_shards(args, &groups)?;
-            Ok(Model { groups, shape })
+            (llama::groups(&cfg)?, shape)
         }
-    }
+        ModelArg::Mlp | ModelArg::Moe => {
+            return Err(usage(format!(
+                "chorus plan predicts --model gpt and llama, not {}",
+                format!("{model:?}").to_lowercase()
+            )))
+        }
+    };
+    check_shards(&job, world, &groups)?;
+    Ok(Model { job, groups, shape, seq_len })
 }
 
 /// The planner's bounds on its own work: [`MAX_LAYERS`] layers and
 /// [`MAX_STAGE_RUNS`] stage runs per step, checked before the groups are built.
-fn check_runs(args: &PlanArgs, layers: usize) -> anyhow::Result<()> {
+fn check_runs(job: &JobArgs, layers: usize) -> anyhow::Result<()> {
     if layers > MAX_LAYERS {
         return Err(usage(format!(
             "{layers} layers: a plan runs FSDP on every layer's group, at most {MAX_LAYERS} layers"
         )));
     }
-    let runs = args.micro_batches.saturating_mul(layers + 2);
+    let runs = job.micro_batches.saturating_mul(layers + 2);
     if runs > MAX_STAGE_RUNS {
         return Err(usage(format!(
             "--micro-batches {} × {} stages ({layers} layers, the embedding and the head) = {runs} stage runs per step: a plan runs at most {MAX_STAGE_RUNS}",
-            args.micro_batches,
+            job.micro_batches,
             layers + 2
         )));
     }
     Ok(())
 }
 
-/// Every parameter's shard within `chorus_plan::run::MAX_SHARD_BYTES`:
-/// the planner registers each shard as zeros in host memory.
-fn check_shards(args: &PlanArgs, groups: &DecoderGroups) -> anyhow::Result<()> {
+/// Every parameter's shard at `world` ranks within
+/// `chorus_plan::run::MAX_SHARD_BYTES`: the planner registers each shard as
+/// zeros in host memory.
+fn check_shards(job: &JobArgs, world: usize, groups: &DecoderGroups) -> anyhow::Result<()> {
     let max = chorus_plan::run::MAX_SHARD_BYTES as u128;
-    let shard_world = (args.gpus / args.hsdp.unwrap_or(1).max(1)).max(1) as u128;
+    let shard_world = (world / job.hsdp.unwrap_or(1).max(1)).max(1) as u128;
     for (name, shape) in groups.groups.iter().flat_map(|g| &g.params) {
         let numel: u128 = shape.iter().map(|d| *d as u128).product();
         // Sharded on dim 0 (padded), or whole below --replicate-below.
         let bytes = match shape.first() {
-            Some(&rows) if numel >= args.replicate_below as u128 => {
+            Some(&rows) if numel >= job.replicate_below as u128 => {
                 (rows as u128).div_ceil(shard_world) * (numel / (rows as u128).max(1)) * 4
             }
             _ => numel * 4,
@@ -379,21 +231,42 @@ fn check_shards(args: &PlanArgs, groups: &DecoderGroups) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A config.json given by path: a regular file of at most [`MAX_CONFIG_BYTES`].
-fn read_config_file(path: &Path) -> anyhow::Result<LlamaConfig> {
-    let meta = std::fs::metadata(path).map_err(|e| usage(format!("--config {}: {e}", path.display())))?;
-    if !meta.is_file() {
-        return Err(usage(format!("--config {}: not a regular file", path.display())));
+/// The Llama's configuration: `--init-from`'s config.json (checked, with
+/// `--recompute`'s groups against its layers), or the flags' sizes with a
+/// `--tokenizer`'s vocabulary, as `chorus train` makes it.
+fn llama_config(job: &JobArgs) -> anyhow::Result<LlamaConfig> {
+    let cfg = match (&job.init_from, &job.tokenizer) {
+        (Some(dir), _) => {
+            chorus_train::models::llama::hf::read_config(dir).map_err(|e| usage(format!("--init-from: {e}")))?
+        }
+        (None, Some(path)) => {
+            let mut cfg = job.llama_config();
+            if job.vocab.is_none() {
+                let tok = chorus_train::tokenizer::HfTokenizer::from_file(path)
+                    .map_err(|e| usage(format!("--tokenizer {e}")))?;
+                cfg.vocab_size = tok.vocab_size();
+            }
+            cfg
+        }
+        (None, None) => job.llama_config(),
+    };
+    cfg.validate().map_err(|e| usage(format!("the Llama's configuration: {e}")))?;
+    job.check_recompute("model.layers.", cfg.num_hidden_layers, 0)?;
+    Ok(cfg)
+}
+
+/// The sequence length `--data`'s rows give (a `--seq-len` that disagrees
+/// is refused, as `chorus train` refuses it).
+fn data_seq_len(job: &JobArgs, path: &Path) -> anyhow::Result<usize> {
+    let cols = chorus_train::npy::token_columns(path).map_err(|e| usage(format!("--data: {e}")))?;
+    let seq = cols.saturating_sub(1);
+    match job.seq_len {
+        Some(s) if s != seq => Err(usage(format!(
+            "--seq-len {s}: --data {} has rows of {cols} tokens, i.e. sequences of {seq} (give that, or leave --seq-len out)",
+            path.display()
+        ))),
+        _ => Ok(seq),
     }
-    if meta.len() > MAX_CONFIG_BYTES {
-        return Err(usage(format!(
-            "--config {}: {} bytes, more than a config.json's {MAX_CONFIG_BYTES}",
-            path.display(),
-            meta.len()
-        )));
-    }
-    let text = std::fs::read_to_string(path).with_context(|| format!("--config {}", path.display()))?;
-    LlamaConfig::from_json(&text).map_err(|e| usage(format!("--config {}: {e}", path.display())))
 }
 
 /// The largest `--cpu-rates` file read.
@@ -432,12 +305,33 @@ fn read_kernel_rates(path: &Path) -> anyhow::Result<KernelRates> {
     KernelRates::from_json(&text).map_err(|e| usage(format!("--kernel-rates {}: {e}", path.display())))
 }
 
-/// The workload's recompute mode of `--recompute`.
-pub fn recompute_mode(r: RecomputeArg) -> RecomputeMode {
-    match r {
-        RecomputeArg::None => RecomputeMode::None,
-        RecomputeArg::Full => RecomputeMode::Full,
-        RecomputeArg::Selective => RecomputeMode::Selective,
+/// The workload of `--recompute`: a mode for every stage, or per group
+/// (the embedding and head stages are the root group's; stage `i + 1` is
+/// layer `i`'s).
+fn stage_work(
+    recompute: &RecomputeArg,
+    layer_group: &str,
+    work: impl Fn(RecomputeMode) -> Vec<StageWork>,
+) -> Vec<StageWork> {
+    use chorus_fsdp_candle::Recompute;
+    match recompute {
+        RecomputeArg::Selective => work(RecomputeMode::Selective),
+        RecomputeArg::Groups(Recompute::All) => work(RecomputeMode::Full),
+        RecomputeArg::Groups(Recompute::Nothing) => work(RecomputeMode::None),
+        RecomputeArg::Groups(groups) => {
+            let (full, none) = (work(RecomputeMode::Full), work(RecomputeMode::None));
+            let last = full.len().saturating_sub(1);
+            let group = |stage: usize| match stage {
+                0 => "root".to_string(),
+                s if s == last => "root".to_string(),
+                s => format!("{layer_group}{}", s - 1),
+            };
+            full.into_iter()
+                .zip(none)
+                .enumerate()
+                .map(|(stage, (f, n))| if groups.applies_to(&group(stage)) { f } else { n })
+                .collect()
+        }
     }
 }
 
@@ -463,9 +357,9 @@ pub fn kernels_name(f: Framework) -> &'static str {
 /// The two answers of the cost models: the times of `--gpu` (the GPU
 /// tables and NCCL's algorithms; chorus's trainer on a GPU from its kernel
 /// rates, host included; or the cpu device's calibration shared by
-/// `--gpus` sim ranks) and the model's work per stage, with the kernels of
+/// the sim ranks) and the model's work per stage, with the kernels of
 /// what runs there.
-fn cost_inputs(args: &PlanArgs, shape: &DecoderShape) -> anyhow::Result<Priced> {
+fn cost_inputs(args: &PlanArgs, model: &Model) -> anyhow::Result<Priced> {
     let framework = framework(args);
     let mut rates_used = None;
     if args.kernel_rates.is_some() && (args.gpu == "cpu" || framework == Framework::TorchEager) {
@@ -484,7 +378,7 @@ fn cost_inputs(args: &PlanArgs, shape: &DecoderShape) -> anyhow::Result<Priced> 
                 Some(file) => read_cpu_rates(file)?,
                 None => chorus_plan::cpu_model::CpuRates::frozen(),
             };
-            Arc::new(chorus_plan::cpu_model::CpuModel::from_rates(&rates, args.gpus))
+            Arc::new(chorus_plan::cpu_model::CpuModel::from_rates(&rates, args.world()))
         }
         _ if args.cpu_rates.is_some() => return Err(usage("--cpu-rates describes the cpu device: it needs --gpu cpu")),
         gpu if framework != Framework::TorchEager => {
@@ -508,15 +402,19 @@ fn cost_inputs(args: &PlanArgs, shape: &DecoderShape) -> anyhow::Result<Priced> 
         }
         gpu => chorus_plan::gpu::cost_model(gpu, args.gpus_per_node).map_err(usage)?,
     };
-    let micro = args.batch / args.micro_batches;
-    let work = chorus_plan::decoder_cost::decoder_work_for(
-        framework,
-        shape,
-        micro,
-        args.seq_len,
-        args.param_dtype.size(),
-        recompute_mode(args.recompute),
-    );
+    let job = &model.job;
+    let micro = job.batch / job.micro_batches;
+    let layer_group = if model.shape.kind == DecoderKind::Llama { "model.layers." } else { "blocks." };
+    let work = stage_work(&job.recompute, layer_group, |mode| {
+        chorus_plan::decoder_cost::decoder_work_for(
+            framework,
+            &model.shape,
+            micro,
+            model.seq_len,
+            job.param_dtype.size(),
+            mode,
+        )
+    });
     let kept: f64 = work.iter().map(|s| s.saved_bytes as f64).sum();
     if let Some(s) = work.iter().find(|s| s.transient_bytes as f64 >= MAX_STAGE_BYTES) {
         return Err(usage(format!(
@@ -549,58 +447,59 @@ pub fn execute(args: &PlanArgs, model: &Model, priced: Priced) -> anyhow::Result
     let g = &model.groups;
     let groups = g.groups.iter().map(|g| GroupSpec { name: g.name.clone(), params: g.params.clone(), root: g.root });
     let spec = ModelSpec::decoder(groups.collect(), g.embed, g.head, work.clone())?;
-    let optimizer = match args.optimizer {
-        PlanOptimizer::Adamw => OptimizerKind::adamw(1e-3, 0.01),
-        PlanOptimizer::Sgd => OptimizerKind::sgd(1e-2, args.momentum),
-    };
-    let fsdp = FsdpConfig {
-        reshard_after_forward: args.reshard_after_forward,
-        mixed_precision: MixedPrecision {
-            param_dtype: Some(args.param_dtype),
-            reduce_dtype: args.reduce_dtype,
-            output_dtype: None,
-            all_gather_dtype: args.all_gather_dtype,
-        },
-        replicate_below: args.replicate_below,
-        offload: args.offload.then(OffloadPolicy::default),
-        ..FsdpConfig::default()
-    };
+    let job = &model.job;
     let mut run_spec = RunSpec {
-        world: args.gpus,
+        world: args.world(),
         ranks: Ranks::Symmetric,
-        replicate: args.hsdp,
-        fsdp,
+        replicate: job.hsdp,
+        fsdp: job.fsdp_config(),
         forward_prefetch: true,
-        optimizer,
-        max_grad_norm: args.max_grad_norm,
-        micro_batches: args.micro_batches,
+        optimizer: job.optimizer(),
+        max_grad_norm: job.max_grad_norm,
+        micro_batches: job.micro_batches,
         steps: STEPS,
         kernels_reach_host: args.gpu == "cpu",
         trace_rank: Some(0),
         timeout: Duration::from_secs(600),
     };
+    let planned = report::Planned {
+        model: format!("{:?}", job.model()).to_lowercase(),
+        gpus: args.world(),
+        gpu: args.gpu.clone(),
+        framework: framework(args),
+        recompute: job.recompute.to_string(),
+        tokens_per_gpu_step: (job.batch * model.seq_len) as f64,
+        micro_batches: job.micro_batches,
+    };
     let peak = cost.peak_flops();
     // Every rank of a decoder runs alike unless its groups sit differently on the nodes.
     let result = match run(&spec, &run_spec, cost.clone()) {
-        Err(PlanError::Asymmetric(_)) if args.gpus <= MAX_THREADED_RANKS => {
+        Err(PlanError::Asymmetric(_)) if args.world() <= MAX_THREADED_RANKS => {
             run_spec.ranks = Ranks::Every;
             run(&spec, &run_spec, cost)?
         }
         Err(PlanError::Asymmetric(why)) => {
             return Err(usage(format!(
-                "{why}; such a plan runs every rank, a thread each, at most {MAX_THREADED_RANKS} (--gpus {}): place the groups alike (--gpus-per-node, --hsdp, --reshard-after-forward) or plan fewer GPUs",
-                args.gpus
+                "{why}; such a plan runs every rank, a thread each, at most {MAX_THREADED_RANKS} ({} GPUs planned): place the groups alike (--gpus-per-node, --hsdp, --reshard-after-forward) or plan fewer GPUs",
+                args.world()
             )))
         }
         r => r?,
     };
-    report::Plan::new(args, &work, peak, rates.as_ref(), result)
+    report::Plan::new(&planned, &work, peak, rates.as_ref(), result)
 }
 
-/// `chorus plan`.
-pub fn run_cli(args: &PlanArgs) -> anyhow::Result<Outcome> {
+/// `chorus plan`, its arguments read from this process's command line with
+/// `--config`'s job file (the job's flags taken from it, `chorus train`'s
+/// run settings passed over).
+pub fn run_cli() -> anyhow::Result<Outcome> {
+    run_plan(&resolve_process()?)
+}
+
+/// Plans `args`: the report on stdout, the outputs in `--out-dir`.
+fn run_plan(args: &PlanArgs) -> anyhow::Result<Outcome> {
     let model = model(args)?;
-    let priced = cost_inputs(args, &model.shape)?;
+    let priced = cost_inputs(args, &model)?;
     let out = match &args.out_dir {
         Some(dir) => Some(OutDir::acquire(dir, "plan", &[])?),
         None => None,
@@ -613,4 +512,19 @@ pub fn run_cli(args: &PlanArgs) -> anyhow::Result<Outcome> {
     }
     // A plan that does not fit, or whose ranks diverge, is a failed plan (exit status 1).
     Ok(if plan.divergence.is_some() || plan.fits == Some(false) { Outcome::Failed } else { Outcome::Passed })
+}
+
+/// Which keys of a job file a plan takes: the job's; `chorus train`'s
+/// other flags (its run settings) are passed over.
+fn file_scope() -> crate::job::file::Scope {
+    use clap::Args;
+    crate::job::file::Scope {
+        takes: Some(JobArgs::augment_args(clap::Command::new("job"))),
+        passes_over: Some(crate::train::TrainArgs::augment_args(clap::Command::new("train"))),
+    }
+}
+
+/// This process's `chorus plan` arguments, with `--config`'s file read.
+fn resolve_process() -> anyhow::Result<PlanArgs> {
+    Ok(crate::job::file::resolve_process::<PlanArgs>("plan", file_scope())?.args)
 }

@@ -25,7 +25,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
-use chorus_train::npy::{check_dest, regular_file, Tokens};
+use chorus_train::files::{check_dest, regular_file};
+use chorus_train::npy::Tokens;
 use chorus_train::tokenize::{self, Format, MemoryRows, Packed, MAX_SEQ_LEN};
 use chorus_train::tokenizer::HfTokenizer;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -109,7 +110,7 @@ pub fn run(args: &TokenizeArgs) -> anyhow::Result<Outcome> {
         staged.extend([args.tokenizer.clone(), config.clone()]);
     }
     for path in &staged {
-        for stale in chorus_train::npy::remove_stale_staged(path) {
+        for stale in chorus_train::files::remove_stale_staged(path) {
             eprintln!("removed {}, left by an interrupted run", stale.display());
         }
     }
@@ -253,7 +254,7 @@ fn bytes_bar(total: u64, what: &str) -> ProgressBar {
 /// replaced only with `overwrite` (and only a regular file).
 pub(crate) fn write_staged(dest: &Path, bytes: &[u8], overwrite: bool) -> anyhow::Result<()> {
     use std::io::Write;
-    let staged = chorus_train::npy::staged_path(dest, std::process::id())
+    let staged = chorus_train::files::staged_path(dest, std::process::id())
         .with_context(|| format!("{} names no file", dest.display()))?;
     let written = std::fs::OpenOptions::new()
         .write(true)
@@ -286,13 +287,13 @@ mod staged {
 
     /// From now on, SIGINT, SIGTERM or SIGHUP (those at their default
     /// action) removes the files this process stages for `dests`
-    /// ([`chorus_train::npy::staged_path`]) and then ends it as the signal
+    /// ([`chorus_train::files::staged_path`]) and then ends it as the signal
     /// would have. A thread watches for them; where it cannot start, the
     /// signals keep their default action (and a later run removes what is
     /// left).
     pub(super) fn remove_on_signals(dests: Vec<PathBuf>) {
         let pid = std::process::id();
-        let staged: Vec<PathBuf> = dests.iter().filter_map(|d| chorus_train::npy::staged_path(d, pid)).collect();
+        let staged: Vec<PathBuf> = dests.iter().filter_map(|d| chorus_train::files::staged_path(d, pid)).collect();
         let watch = move || loop {
             std::thread::sleep(Duration::from_millis(20));
             let signal = RECEIVED.load(Ordering::SeqCst);

@@ -244,7 +244,7 @@ fn keep_last_prunes_and_resume_refuses_another_configuration() {
     refused(&[&two_heads[..], &["--data", &data]].concat(), "num_attention_heads 4 -> 2");
     let other_lr = ["--vocab", "64", "--heads", "4", "--kv-heads", "4", "--batch", "2", "--lr", "0.02"];
     refused(&[&other_lr[..], &["--data", &data]].concat(), "--allow-optimizer-change");
-    refused(&[&model[..], &["--data", &p("other.npy")]].concat(), "saved with other data");
+    refused(&[&model[..], &["--data", &p("other.npy")]].concat(), "saved with other token rows (--data");
     // The same run resumes, saves into the same directory (its
     // llama-config.json is this run's), and keeps the checkpoint it resumed from.
     let r = train(
@@ -341,4 +341,36 @@ fn latin1_text_trains_and_fifos_are_refused() {
         assert!(!dir.join("out2").exists());
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Token rows made from `--text` by a `--tokenizer` depend on `--seq-len`:
+/// a resume with another one is refused naming `--seq-len` (and the flags
+/// that make the rows), not only "other data".
+#[test]
+fn a_resume_with_another_seq_len_names_it() {
+    let dir = scratch("llama-resume-seq-len");
+    let p = |n: &str| dir.join(n).display().to_string();
+    let corpus: String = (0..200).map(|i| format!("the cat sat on mat {i}. it was a good mat.\n\n")).collect();
+    std::fs::write(dir.join("corpus.txt"), corpus).unwrap();
+    let r =
+        run_bounded(
+            chorus()
+                .args(["tokenize", "--train-tokenizer", "--vocab-size", "300", "--tokenizer", &p("tok.json")])
+                .args(["--input", &p("corpus.txt"), "--out", &p("rows.npy"), "--seq-len", "16"]),
+            Duration::from_secs(300),
+        );
+    assert!(r.status.success(), "{}", text(&r.stderr));
+    let (tok, corpus, ckpt) = (p("tok.json"), p("corpus.txt"), p("ckpt"));
+    let model = ["--tokenizer", &tok, "--text", &corpus, "--layers", "1", "--hidden", "32", "--heads", "2"];
+    let run = ["--world-size", "2", "--batch", "2", "--checkpoint-dir", &ckpt];
+    let r = train(&[&model[..], &run, &["--seq-len", "16", "--steps", "1", "--out-dir", &p("a")]].concat());
+    assert!(r.status.success(), "{}", text(&r.stderr));
+    let r = train(
+        &[&model[..], &run, &["--seq-len", "8", "--steps", "2", "--resume", &ckpt, "--out-dir", &p("b")]].concat(),
+    );
+    assert_eq!(r.status.code(), Some(2), "{}", text(&r.stderr));
+    let err = text(&r.stderr);
+    assert!(err.contains("--seq-len 8") && err.contains("--tokenizer"), "{err}");
+    assert!(!dir.join("b").exists());
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -132,9 +132,10 @@ fn size_flags_are_checked_and_named() {
     std::fs::write(cfg.join("model.safetensors"), b"").unwrap();
     let out = root.join("out");
     for (args, want) in [
-        (vec!["--model", "llama", "--d-model", "128"], "--d-model is for --model gpt"),
-        (vec!["--model", "llama", "--d-ff", "7"], "--d-ff is for --model gpt"),
-        (vec!["--model", "gpt", "--hidden", "128"], "--hidden is for --model llama"),
+        // One width, two names (the transformer's and Hugging Face's), as `chorus plan` takes them.
+        (vec!["--model", "llama", "--d-model", "128", "--hidden", "128"], "cannot be used multiple times"),
+        (vec!["--model", "mlp", "--hidden", "128"], "--d-model (--hidden) is for --model gpt and llama"),
+        (vec!["--model", "mlp", "--intermediate", "7"], "--d-ff (--intermediate) is for --model gpt and llama"),
         (vec!["--model", "mlp", "--heads", "2"], "--heads is for --model gpt and llama"),
         (vec!["--model", "llama", "--layers", "3000000"], "--layers 3000000 is more than"),
         (vec!["--model", "gpt", "--layers", "3000000"], "--layers 3000000 is more than"),

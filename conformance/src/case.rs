@@ -7,7 +7,8 @@ use std::time::Duration;
 use chorus_collectives::{Capabilities, CommBackend, Communicator};
 use chorus_devices::{Backend, Device, Priority};
 
-use crate::Failure;
+/// Why a case failed on one rank. Cases build it with `anyhow`'s macros and `?`.
+pub type Failure = anyhow::Error;
 
 /// The device type of backend `C`.
 pub type Dev<C> = <<C as CommBackend>::B as Backend>::Device;

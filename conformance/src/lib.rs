@@ -58,14 +58,12 @@ pub mod vendor;
 
 pub use barrier::HostBarrier;
 pub use case::{
-    Buf, Case, CaseFn, Dev, Evt, FaultAction, FaultSpec, Faults, Hooks, Isolation, RankCtx, Requirements, Strm, Support,
+    Buf, Case, CaseFn, Dev, Evt, Failure, FaultAction, FaultSpec, Faults, Hooks, Isolation, RankCtx, Requirements,
+    Strm, Support,
 };
 pub use report::{CaseOutcome, Status, Summary};
 
 use chorus_collectives::CommBackend;
-
-/// Why a case failed on one rank. Cases build it with `anyhow`'s macros and `?`.
-pub type Failure = anyhow::Error;
 
 /// The suite every communication backend must pass, for a world of
 /// `world_size` ranks, in a fixed order: collectives, subgroups, streams,

@@ -5,6 +5,10 @@
 //! as the trait documents them, and returns the error the enqueuing call must
 //! return (so nothing is enqueued). A backend calls it first, then checks
 //! what only it can (that the views belong to its device) and enqueues.
+//!
+//! The checks and the traits (`api.rs`) depend on each other on purpose:
+//! the checks are written over the traits' types, and the traits' provided
+//! batch methods check every piece before enqueuing any.
 
 use crate::api::{Backend, Buffer, Copy2d, Device, MatmulSpec, Result, SgdParams};
 use crate::{DType, DeviceError, Scalar, View};

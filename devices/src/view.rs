@@ -1,4 +1,7 @@
 //! Cheap views into buffers.
+//!
+//! A view is of a backend's buffer, and the traits (`api.rs`) take views:
+//! the two depend on each other, as wgpu-hal's `Api` and its resources do.
 
 use crate::api::{Backend, Buffer};
 use crate::{DType, DeviceError};

@@ -31,8 +31,16 @@ struct Shape {
 }
 
 fn parse() -> Result<Shape> {
-    let mut s =
-        Shape { batch: 4, seq: 1024, hidden: 2048, heads: 32, kv_heads: 8, intermediate: 8192, vocab: 32000, iters: 20 };
+    let mut s = Shape {
+        batch: 4,
+        seq: 1024,
+        hidden: 2048,
+        heads: 32,
+        kv_heads: 8,
+        intermediate: 8192,
+        vocab: 32000,
+        iters: 20,
+    };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i < args.len() {
@@ -66,10 +74,7 @@ fn random(shape: &[usize], scale: f64, dev: &Device) -> Result<Tensor> {
 
 fn report(bench: &str, ms: f64, rate_name: &str, rate: f64) {
     println!("{bench:<40} {ms:>9.4} ms  {rate:>9.1} {rate_name}");
-    println!(
-        "{}",
-        serde_json::json!({"bench": bench, "ms": ms, rate_name.replace('/', "_per_").to_lowercase(): rate})
-    );
+    println!("{}", serde_json::json!({"bench": bench, "ms": ms, rate_name.replace('/', "_per_").to_lowercase(): rate}));
 }
 
 /// Runs `f` (forward and backward of one op) `iters` times with the ops'

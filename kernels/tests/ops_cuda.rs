@@ -100,7 +100,8 @@ fn rms_norm_rope_swiglu_cross_entropy_on_the_gpu_equal_the_cpu() {
             rope(&t[0], &cos, &sin)
         });
         let logits = rng.tensor(&[37, 32000], 6.0, dtype);
-        let targets = Tensor::from_vec((0..37u32).map(|i| i * 7919 % 32000).collect::<Vec<_>>(), 37, &Device::Cpu).unwrap();
+        let targets =
+            Tensor::from_vec((0..37u32).map(|i| i * 7919 % 32000).collect::<Vec<_>>(), 37, &Device::Cpu).unwrap();
         compare(&format!("cross_entropy {dtype:?}"), &[logits], tol(dtype), |t| {
             cross_entropy(&t[0], &targets.to_device(t[0].device())?)
         });

@@ -108,15 +108,8 @@ struct Rng([u64; 4]);
 
 impl Rng {
     fn new(seed: u64) -> Rng {
-        let mut z = seed;
-        let mut next = || {
-            z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut x = z;
-            x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            x ^ (x >> 31)
-        };
-        Rng([next(), next(), next(), next()])
+        let mut s = crate::rng::SplitMix::new(seed);
+        Rng([s.next_u64(), s.next_u64(), s.next_u64(), s.next_u64()])
     }
 
     fn next_u64(&mut self) -> u64 {
@@ -235,7 +228,7 @@ fn check_finite(logits: &[f32], token: usize) -> Result<(), GenerateError> {
 pub fn eos_ids(dir: &Path) -> Result<Vec<u32>, HfError> {
     let read = |path: PathBuf| -> Result<Value, HfError> {
         let io = |source| HfError::Io { path: path.clone(), source };
-        crate::npy::regular_file(&path).map_err(io)?;
+        crate::files::regular_file(&path).map_err(io)?;
         let text = std::fs::read_to_string(&path).map_err(io)?;
         serde_json::from_str(&text).map_err(|e| HfError::Weights { path: path.clone(), why: e.to_string() })
     };

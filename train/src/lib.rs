@@ -4,8 +4,9 @@
 //! - [`mlp`]: an MLP whose forward and backward are device-layer operations,
 //!   registered as one FSDP param group per layer, so the same model trains
 //!   on every backend; with a deterministic initialisation.
-//! - [`train`]: the loop behind `chorus train` — data, optimizer, clipping,
-//!   losses, step times, peak memory and FSDP's host overhead per rank.
+//! - [`train`]: the MLP's training loop (`chorus train --model mlp` and
+//!   `--bench`) — data, optimizer, clipping, losses, step times, peak memory
+//!   and FSDP's host overhead per rank.
 //! - [`models`]: the decoder models, each behind one trait
 //!   ([`DecoderModel`](models::DecoderModel)): [`models::gpt`], a small
 //!   decoder-only transformer written with candle-nn and trained on [`text`]
@@ -29,19 +30,28 @@
 //!   (read memory-mapped; written row by row by [`npy::TokenWriter`]).
 //! - [`tokenizer`]: a Hugging Face `tokenizer.json` with its special tokens,
 //!   and byte-level BPE training; [`tokenize`]: text files into token rows.
+//! - [`rng`]: the seeded generator (SplitMix64) behind every initialisation
+//!   and data draw; [`files`]: the file-system checks made before a path is
+//!   read or written.
 //!
-//! Everything here uses only what `chorus-fsdp` exports, and reports errors
-//! as [`FsdpError`](chorus_fsdp::FsdpError) so a caller handles one error
-//! type for a training step.
+//! Everything here uses only what `chorus-fsdp` exports. Errors are typed by
+//! the layer they come from: a training step's are FSDP's
+//! ([`FsdpError`](chorus_fsdp::FsdpError), or the candle adapter's
+//! [`Error`](chorus_fsdp_candle::Error) for the decoders), a file's are
+//! [`npy::NpyError`], [`files::PathError`], [`models::llama::hf::HfError`],
+//! [`tokenizer::TokenizerError`] and [`tokenize::TextInError`], and
+//! generation's [`generate::GenerateError`].
 #![warn(missing_docs)]
 
 pub mod codec;
 pub mod decoder;
+pub mod files;
 pub mod generate;
 pub mod mlp;
 pub mod model_out;
 pub mod models;
 pub mod npy;
+pub mod rng;
 pub mod schedule;
 pub mod text;
 pub mod tokenize;

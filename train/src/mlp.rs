@@ -15,29 +15,10 @@ use chorus_fsdp::{Fsdp, FsdpError, ParamInit, Result};
 /// A device buffer of the backend behind communicator `C`.
 type Buf<C> = <<C as CommBackend>::B as Backend>::Buffer;
 
-/// A deterministic generator (splitmix64) for weights and data.
-#[derive(Clone, Debug)]
-pub struct SplitMix(u64);
-
-impl SplitMix {
-    /// Seeded generator.
-    pub fn new(seed: u64) -> Self {
-        SplitMix(seed)
-    }
-    /// Next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `[lo, hi)`.
-    pub fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        let u = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
-        lo + (hi - lo) * u
-    }
-}
+// The generator was this module's; `conformance/src/fsdp/float8.rs` still
+// imports it from here (crate::rng is where it lives).
+#[doc(hidden)]
+pub use crate::rng::SplitMix;
 
 /// The parameters of an MLP with layer widths `dims`, initialised like
 /// PyTorch's `nn.Linear` (uniform in ±1/√in) from `seed`; one group per layer.

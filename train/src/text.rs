@@ -2,7 +2,7 @@
 //! small grammar (nothing is downloaded), encoded as characters, and the
 //! batches drawn from it at each step.
 
-use crate::mlp::SplitMix;
+use crate::rng::SplitMix;
 
 /// The characters of the vocabulary, in token order.
 pub const ALPHABET: &str = " .\nabcdefghijklmnopqrstuvwxyz";

@@ -237,7 +237,7 @@ impl<'a> Documents<'a> {
         if self.reader.is_none() {
             let path = self.path().to_path_buf();
             let io = |source| TextInError::Io { path: path.clone(), source };
-            crate::npy::regular_file(&path).map_err(io)?;
+            crate::files::regular_file(&path).map_err(io)?;
             self.reader = Some(BufReader::with_capacity(1 << 20, std::fs::File::open(&path).map_err(io)?));
             self.line = 0;
         }
@@ -420,7 +420,7 @@ pub fn tokenize_to_file(
     check_seq_len(seq_len)?;
     tok.eos()?;
     let dtype = IdType::for_vocab(tok.vocab_size());
-    let output = |e: chorus_fsdp::FsdpError| TextInError::Output(e.to_string());
+    let output = |e: crate::npy::NpyError| TextInError::Output(e.to_string());
     let mut writer = TokenWriter::create(out, dtype, seq_len + 1, overwrite).map_err(output)?;
     let packed = pack(tok, inputs, format, seq_len, &mut writer, progress)?;
     writer.finish().map_err(output)?;

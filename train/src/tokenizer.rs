@@ -122,7 +122,7 @@ impl std::fmt::Debug for HfTokenizer {
 /// one is refused by its size, before any of it is read.
 fn read_bounded(path: &Path) -> Result<Vec<u8>> {
     let io = |source| TokenizerError::Io { path: path.to_path_buf(), source };
-    crate::npy::regular_file(path).map_err(io)?;
+    crate::files::regular_file(path).map_err(io)?;
     let too_large = |len: u64| TokenizerError::Invalid {
         path: path.to_path_buf(),
         why: format!("{len} bytes, more than {MAX_TOKENIZER_FILE}: not a tokenizer file"),

@@ -1,5 +1,6 @@
-//! The training loop behind `chorus train`: the reference MLP under FSDP on
-//! any backend, with data laid out as PyTorch users export it.
+//! The reference MLP's training loop (`chorus train --model mlp` and its
+//! `--bench`): the MLP under FSDP on any backend, with data laid out as
+//! PyTorch users export it.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -10,8 +11,9 @@ use chorus_fsdp::{
     DataParallel, Fsdp, FsdpConfig, FsdpError, HostOverhead, OptimizerKind, ParamInit, Result, ShardedOptimizer,
 };
 
-use crate::mlp::{Mlp, SplitMix};
+use crate::mlp::Mlp;
 use crate::npy::Array;
+use crate::rng::SplitMix;
 
 /// Inputs and targets: `batches` global batches of `rows` rows (the
 /// data-parallel world × the per-rank batch).

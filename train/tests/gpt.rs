@@ -14,7 +14,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
 use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, MixedPrecision, OptimizerKind, Reshard};
-use chorus_fsdp_candle::Recompute;
+use chorus_fsdp_candle::{Recompute, Transfers};
 use chorus_train::decoder::{loss, train_plain, train_sharded, Data, TrainReport, TrainSpec};
 use chorus_train::models::gpt::{self, init_params, Gpt, GptConfig, GptModel};
 use chorus_train::text::{encode, generate, vocab_size, TextData};
@@ -154,13 +154,29 @@ fn every_fsdp_policy_through_the_adapter_matches_plain_candle() {
             s.forward_prefetch = false;
             s.recompute = Recompute::Groups(vec!["root".into()]);
         }),
+        // The route of a device without host memory (ROCm's): every parameter
+        // read back, every gradient uploaded and accumulated on the stream.
+        ("staged transfers", 2, |s| s.transfers = Transfers::Staged),
+        ("staged transfers, 2 micro-batches, no recompute, no reshard", 4, |s| {
+            s.transfers = Transfers::Staged;
+            s.micro_batches = 2;
+            s.recompute = Recompute::Nothing;
+            s.fsdp.reshard_after_forward = Reshard::No;
+        }),
     ];
     for (name, ranks, policy) in policies {
         let mut s = spec(global / ranks, 4, optimizer);
         policy(&mut s);
         let micro = s.micro_batches as u64;
+        let staged = s.transfers == Transfers::Staged;
         let reports = run(*ranks, s);
         let first = &reports[0];
+        assert_eq!(
+            first.adapter.staged_transfers > 0,
+            staged,
+            "{name}: {} staged transfers",
+            first.adapter.staged_transfers
+        );
         for r in &reports[1..] {
             assert_eq!(r.params, first.params, "{name}: ranks disagree");
             assert_eq!(r.losses, first.losses, "{name}: ranks disagree");

@@ -8,7 +8,9 @@
 //! And a whole run — loading, training steps, the final checkpoint and the
 //! Hugging Face output — stays within `docs/fsdp.md`'s per-rank formula at
 //! 1, 2 and 4 ranks, while gathering the whole model on every rank (what
-//! a run's end did before it wrote tensor by tensor) does not at 4.
+//! a run's end did before it wrote tensor by tensor) does not at 4, and
+//! keeping one f32 copy of the model anywhere in the process does not at
+//! any: the formula's slack is under half a copy of the model.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashMap;
@@ -252,10 +254,22 @@ fn run_bound(cfg: &LlamaConfig, world: usize) -> (usize, usize) {
     (s + u + a + o, 4 * cfg.num_params())
 }
 
+/// How a whole run is perturbed to show that the test can tell.
+#[derive(Clone, Copy, PartialEq)]
+enum Perturb {
+    /// As `chorus train` runs.
+    None,
+    /// Every rank gathers the whole model at the end (what a run's end did before).
+    GatherOnEveryRank,
+    /// The process keeps one f32 copy of the whole model through the run
+    /// (what a loader or an adapter that kept the model once would cost).
+    KeepOneCopy,
+}
+
 /// One whole run on `world` simulated ranks: loaded from the model
 /// directory `init`, trained, checkpointed into `ck` and written as a
 /// Hugging Face directory into `out`; the process's heap peak over it.
-fn whole_run(world: usize, init: &Path, ck: &Path, out: &Path, collect: bool) -> usize {
+fn whole_run(world: usize, init: &Path, ck: &Path, out: &Path, perturb: Perturb) -> usize {
     use chorus_fsdp::OptimizerKind;
     use chorus_train::decoder::{train_sharded, Data, TokenRows, TrainSpec};
     use chorus_train::models::llama::LlamaModel;
@@ -266,8 +280,10 @@ fn whole_run(world: usize, init: &Path, ck: &Path, out: &Path, collect: bool) ->
     let tokens = Tokens::from_ids(rows, RUN_SEQ + 1, ids).unwrap();
     let data = Arc::new(Data::Tokens(TokenRows::new(tokens, cfg.vocab_size, world).unwrap()));
     let (init, ck, out) = (init.to_path_buf(), ck.to_path_buf(), out.to_path_buf());
+    let collect = perturb == Perturb::GatherOnEveryRank;
     let base = CURRENT.load(Ordering::SeqCst);
     PEAK.store(base, Ordering::SeqCst);
+    let copy = (perturb == Perturb::KeepOneCopy).then(|| vec![0f32; cfg.num_params()]);
     let losses = on_sim_ranks(world, move |comm| {
         let hf = llama_hf::open(&init).unwrap();
         let layout = llama_hf::HfLayout::new(&hf.config, llama_hf::SaveDtype::F32, 1 << 20);
@@ -288,6 +304,7 @@ fn whole_run(world: usize, init: &Path, ck: &Path, out: &Path, collect: bool) ->
         train_sharded(comm, &spec, &mut |_, _| {}).unwrap().losses
     });
     let peak = PEAK.load(Ordering::SeqCst) - base;
+    drop(copy);
     assert!(losses.iter().all(|l| l.len() == RUN_STEPS as usize && l == &losses[0]));
     peak
 }
@@ -304,34 +321,48 @@ fn a_whole_run_with_its_outputs_stays_within_the_per_rank_formula() {
     let mut measured = Vec::new();
     for world in [1, 2, 4] {
         let (bound, model) = run_bound(&cfg, world);
-        let run = |collect: bool| {
-            let (ck, out) = (root.join(format!("ck-{world}-{collect}")), root.join(format!("out-{world}-{collect}")));
-            let peak = whole_run(world, &init, &ck, &out, collect);
+        let run = |perturb: Perturb| {
+            let tag = perturb as u8;
+            let (ck, out) = (root.join(format!("ck-{world}-{tag}")), root.join(format!("out-{world}-{tag}")));
+            let peak = whole_run(world, &init, &ck, &out, perturb);
             // The run wrote its model: every parameter, whole, readable.
             let hf = llama_hf::open(&out).unwrap();
             assert_eq!(hf.params.len(), cfg.param_shapes().len());
             assert!(ck.join("latest").is_file(), "the final checkpoint");
             peak
         };
-        let peak = run(false);
+        let peak = run(Perturb::None);
         // Gathering the model whole on every rank at the end (what a run did
         // before) breaks the formula at 4 ranks: the test can tell. (At 2 the
         // whole model, 2·S, fits in what a step's two sharded gradients and
         // working set free by then.)
-        let gathered = (world == 4).then(|| run(true));
+        let gathered = (world == 4).then(|| run(Perturb::GatherOnEveryRank));
+        // So does one copy of the model kept anywhere in the process, at
+        // every world size: the formula's slack is less than one copy.
+        let kept = run(Perturb::KeepOneCopy);
         eprintln!(
-            "{world} rank(s): process peak {:.2} MiB = {:.2} MiB/rank; formula {:.2} MiB/rank; model {:.2} MiB (f32); gathering it whole on each rank: {:?} MiB",
+            "{world} rank(s): process peak {:.2} MiB = {:.2} MiB/rank; formula {:.2} MiB/rank (slack {:.2} MiB in all); model {:.2} MiB (f32); one copy of it kept: {:.2} MiB; gathering it whole on each rank: {:?} MiB",
             mib(peak),
             mib(peak / world),
             mib(bound),
+            mib((world * bound).saturating_sub(peak)),
             mib(model),
+            mib(kept),
             gathered.map(mib)
         );
-        measured.push((world, peak, bound, gathered));
+        measured.push((world, peak, bound, model, kept, gathered));
     }
-    for (world, peak, bound, gathered) in measured {
+    for (world, peak, bound, model, kept, gathered) in measured {
         // Each rank stays within the formula at every moment, so the process within world times it.
         assert!(peak <= world * bound, "{world} ranks peaked at {peak} B, above {world} × {bound} B");
+        // The model is large enough for the test to tell a whole copy of it
+        // from the run's own variation (well under a MiB between runs here).
+        assert!(
+            world * bound < peak + model / 2,
+            "{world} ranks: the formula's slack ({} B) would hide half a copy of the model ({model} B)",
+            world * bound - peak
+        );
+        assert!(kept > world * bound, "{world} ranks: a whole copy of the model kept stayed within the bound");
         if let Some(gathered) = gathered {
             assert!(gathered > world * bound, "{world} ranks: gathering everything stayed within the bound");
         }

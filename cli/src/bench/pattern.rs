@@ -9,7 +9,7 @@
 
 use chorus_devices::DType;
 
-use super::Op;
+use super::op::Op;
 
 /// The largest whole number every partial sum may reach in `dtype`.
 fn exact_limit(dtype: DType) -> u64 {

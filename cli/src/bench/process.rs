@@ -2,7 +2,7 @@
 //! `nccl`/`rccl` under a launcher.
 //!
 //! Every rank joins the job once and measures each (operation, size) with
-//! [`measure_rank`](super::measure_rank), waiting at the communicator's own
+//! [`measure_rank`](super::rank::measure_rank), waiting at the communicator's own
 //! barrier before each iteration (the processes have no shared clock, so
 //! an iteration's time is the slowest rank's, from its barrier to its
 //! stream synchronize). Each rank publishes its iteration times and wrong
@@ -17,8 +17,12 @@ use chorus_collectives::{CommBackend, CommError, Communicator};
 use chorus_devices::with_element;
 use chorus_devices::{Device, Priority, Stream};
 
+use super::args::{print_rounding_note, sizes, BenchArgs};
+use super::geometry::{Geometry, Measured};
+use super::memcpy;
+use super::rank::measure_rank;
+use super::table::{Row, Table};
 use super::timing::IterBarrier;
-use super::{measure_rank, memcpy, sizes, BenchArgs, Geometry, Measured, Row, Table};
 use crate::process::RankProcess;
 use crate::size::format_bytes;
 use crate::Outcome;
@@ -173,7 +177,7 @@ fn run_with<C: CommBackend>(args: &BenchArgs, p: &RankProcess, comm: Communicato
         writeln!(out, "# efficiency = (bytes the collective must read+write, all ranks) / time / memcpy rate — docs/benchmarks.md")?;
     }
     if leader {
-        super::print_rounding_note(args, &mut out)?;
+        print_rounding_note(args, &mut out)?;
     }
     let barrier = CommBarrier { comm: &comm, stream: comm.device().create_stream(Priority::Normal)? };
     let mut table = Table::new(args.json);

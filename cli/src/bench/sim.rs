@@ -17,9 +17,9 @@ use chorus_collectives::sim::{SimComm, SimConfig, SimWorld};
 use chorus_devices::cpu::CpuConfig;
 use chorus_devices::with_element;
 
-use super::measure_rank;
+use super::geometry::{Geometry, Measured};
+use super::rank::measure_rank;
 use super::timing::{median_window, HostBarrier};
-use super::{Geometry, Measured};
 
 /// Deadline of every rendezvous and device wait: generous, because a large
 /// collective on a small machine is slow, and a bench should not time out.

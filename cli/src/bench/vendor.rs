@@ -33,9 +33,10 @@ use chorus_conformance::vendor::HarnessDevice;
 use chorus_devices::with_element;
 use chorus_devices::{Backend, Buffer, Device, Element, ForeignBackend, Priority, Stream};
 
-use super::measure_rank;
+use super::geometry::{Geometry, Measured};
+use super::op::Op;
+use super::rank::measure_rank;
 use super::timing::{median_window, HostBarrier, Spans};
-use super::{Geometry, Measured, Op};
 
 /// Deadline of initialization and of every wait.
 const DEADLINE: Duration = Duration::from_secs(600);

@@ -42,7 +42,7 @@ impl CheckpointDir {
         {
             eprintln!("{note}");
         }
-        let config_tmp = dir.join(format!(".{}.tmp", crate::train::LLAMA_CHECKPOINT_CONFIG));
+        let config_tmp = dir.join(format!(".{}.tmp", crate::consolidate::LLAMA_CONFIG_FILE));
         if config_tmp.is_file() {
             let _ = std::fs::remove_file(config_tmp);
         }
@@ -58,7 +58,7 @@ impl CheckpointDir {
             return Ok(out);
         }
         let found = checkpoints_in(dir);
-        let config = dir.join(crate::train::LLAMA_CHECKPOINT_CONFIG);
+        let config = dir.join(crate::consolidate::LLAMA_CONFIG_FILE);
         if found.is_empty() && !overwrite {
             // A Llama run's config with no checkpoint describes nothing: a new run records its own.
             if config.is_file() {
@@ -79,7 +79,7 @@ impl CheckpointDir {
         // being removed; a Llama run's recorded config goes with its checkpoints.
         let mut found = found;
         if config.is_file() {
-            found.insert(0, crate::train::LLAMA_CHECKPOINT_CONFIG.to_string());
+            found.insert(0, crate::consolidate::LLAMA_CONFIG_FILE.to_string());
         }
         for name in found.iter().rev() {
             let path = dir.join(name);
@@ -124,8 +124,8 @@ impl Drop for CheckpointDir {
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .filter(|n| n != ".lock")
             .collect();
-        if names.iter().all(|n| n == crate::train::LLAMA_CHECKPOINT_CONFIG) {
-            let _ = std::fs::remove_file(self.dir.join(crate::train::LLAMA_CHECKPOINT_CONFIG));
+        if names.iter().all(|n| n == crate::consolidate::LLAMA_CONFIG_FILE) {
+            let _ = std::fs::remove_file(self.dir.join(crate::consolidate::LLAMA_CONFIG_FILE));
             let _ = std::fs::remove_file(self.dir.join(".lock"));
             let _ = std::fs::remove_dir(&self.dir);
         }

@@ -4,14 +4,13 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use chorus_plan::cost::KernelKind;
+use chorus_plan::decoder_cost::Framework;
 use chorus_plan::kernel_rates::KernelRates;
 use chorus_plan::run::{PlanRun, RankPlan, FSDP_STREAMS};
 use chorus_plan::schedule::first_divergence;
 use chorus_plan::virt::comm::{CollectiveRecord, Divergence};
 use chorus_plan::virt::TraceOp;
 use chorus_plan::workload::StageWork;
-
-use super::PlanArgs;
 
 /// Per-rank peak memory by what holds it.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
@@ -27,6 +26,26 @@ pub struct Breakdown {
     pub unsharded_buffers: usize,
     /// The activations' peak.
     pub activations: usize,
+}
+
+/// What a plan is of: the job and the GPUs, as the report names them, and
+/// the tokens a step trains on.
+#[derive(Clone, Debug)]
+pub struct Planned {
+    /// The model (`--model`).
+    pub model: String,
+    /// GPUs.
+    pub gpus: usize,
+    /// GPU kind.
+    pub gpu: String,
+    /// Whose kernels run the model (`--kernels`, or the GPU's default).
+    pub framework: Framework,
+    /// `--recompute` as given.
+    pub recompute: String,
+    /// Tokens one GPU trains on per step (its batch × the sequence length).
+    pub tokens_per_gpu_step: f64,
+    /// Micro-batches per step (the workload is one micro-batch's).
+    pub micro_batches: usize,
 }
 
 /// One rank's collective sequence in short: how many calls and a digest of them.
@@ -49,8 +68,9 @@ pub struct Plan {
     pub gpus: usize,
     /// GPU kind.
     pub gpu: String,
-    /// The activation checkpointing mode.
-    pub recompute: chorus_plan::workload::RecomputeMode,
+    /// The activation checkpointing: `--recompute` as given (true, false,
+    /// the groups that recompute, or selective).
+    pub recompute: String,
     /// Whose kernels were priced: `torch`, `candle` or `chorus`.
     pub kernels: String,
     /// The kernel-rates file that priced them (chorus's trainer on a GPU): its GPU and date.
@@ -126,10 +146,10 @@ fn forward_flops(work: &[StageWork]) -> f64 {
 }
 
 impl Plan {
-    /// The plan of `run` for `args`; `work` is one micro-batch's, `peak_flops` the GPU's,
+    /// The plan of `run` for what is `planned`; `work` is one micro-batch's, `peak_flops` the GPU's,
     /// `rates` the kernel rates that priced it, if any.
     pub fn new(
-        args: &PlanArgs,
+        planned: &Planned,
         work: &[StageWork],
         peak_flops: Option<f64>,
         rates: Option<&KernelRates>,
@@ -167,16 +187,16 @@ impl Plan {
         };
         let compute_busy = ok.iter().map(|p| p.compute_busy_s).fold(f64::INFINITY, f64::min);
         let host_issue_s = ok.iter().map(|p| p.host_issue_s).fold(0.0, f64::max);
-        let tokens = (args.batch * args.seq_len) as f64;
+        let tokens = planned.tokens_per_gpu_step;
         let per_s = |x: f64| if step > 0.0 { x / step } else { 0.0 };
         // The model's FLOPs: forward, and backward at twice the forward (recomputation not counted).
-        let model_flops = 3.0 * forward_flops(work) * args.micro_batches as f64;
+        let model_flops = 3.0 * forward_flops(work) * planned.micro_batches as f64;
         let peak_memory_bytes = max(|p| p.peak_bytes);
-        let gpu_memory_bytes = chorus_plan::gpu::gpu_spec(&args.gpu).map(|s| s.memory_bytes);
+        let gpu_memory_bytes = chorus_plan::gpu::gpu_spec(&planned.gpu).map(|s| s.memory_bytes);
         let runtime_memory_bytes = rates.map_or(0, |r| r.runtime_bytes);
         // PyTorch's caching allocator's estimate, for PyTorch's kernels only.
-        let reserved = chorus_plan::gpu::reserved_estimate(&args.gpu, peak_memory_bytes as u64)
-            .filter(|_| super::framework(args) == chorus_plan::decoder_cost::Framework::TorchEager);
+        let reserved = chorus_plan::gpu::reserved_estimate(&planned.gpu, peak_memory_bytes as u64)
+            .filter(|_| planned.framework == Framework::TorchEager);
         // What must fit: the tensors, and chorus's runtime beside them. (For
         // PyTorch the allocated peak: its allocator frees what it caches
         // before it runs out, so its reserved estimate may pass the memory.)
@@ -184,11 +204,11 @@ impl Plan {
         let fits = gpu_memory_bytes.map(|m| needed <= m);
         let fitting = |x: f64| (fits != Some(false)).then_some(x);
         Ok(Plan {
-            model: format!("{:?}", args.model).to_lowercase(),
-            gpus: args.gpus,
-            gpu: args.gpu.clone(),
-            recompute: super::recompute_mode(args.recompute),
-            kernels: super::kernels_name(super::framework(args)).to_string(),
+            model: planned.model.clone(),
+            gpus: planned.gpus,
+            gpu: planned.gpu.clone(),
+            recompute: planned.recompute.clone(),
+            kernels: super::kernels_name(planned.framework).to_string(),
             kernel_rates: rates.map(|r| format!("{}, measured {}", r.gpu, r.measured)),
             ranks_run: run.run_ranks.clone(),
             fits,

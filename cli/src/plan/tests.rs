@@ -9,6 +9,7 @@ use chorus_plan::workload::StageWork;
 use clap::Parser;
 
 use super::*;
+use crate::UsageError;
 
 #[derive(Debug, clap::Parser)]
 struct Cli {
@@ -24,11 +25,17 @@ fn args(line: &str) -> PlanArgs {
 fn planned(line: &str) -> Plan {
     let a = args(line);
     let m = model(&a).unwrap();
-    execute(&a, &m, cost_inputs(&a, &m.shape).unwrap()).unwrap()
+    execute(&a, &m, cost_inputs(&a, &m).unwrap()).unwrap()
 }
 
+/// The usage error `line` gets from its checks and its pricing.
 fn usage_of(line: &str) -> String {
-    match model(&args(line)) {
+    refusal(line, model(&args(line)).and_then(|m| cost_inputs(&args(line), &m).map(|_| ())))
+}
+
+/// `result`'s error, which must be a usage error (`line` names the case).
+fn refusal(line: &str, result: anyhow::Result<()>) -> String {
+    match result {
         Ok(_) => panic!("`{line}` was accepted"),
         Err(e) => {
             assert!(e.downcast_ref::<UsageError>().is_some(), "not a usage error: {e:#}");
@@ -58,33 +65,54 @@ fn work(layers: usize) -> Vec<StageWork> {
 #[test]
 fn every_size_and_combination_is_checked_before_anything_runs() {
     assert!(usage_of("--gpus 0").contains("--gpus 0"));
+    assert!(usage_of("--world-size 0").contains("--world-size 0"));
     assert!(usage_of("--gpus 4 --hsdp 3").contains("--hsdp 3"));
-    assert!(usage_of("--gpus 4 --batch 6 --micro-batches 4").contains("does not divide"));
-    assert!(usage_of("--gpus 4 --layers 0").contains("--layers 0"));
+    assert!(usage_of("--gpus 4 --batch 6 --micro-batches 4").contains("must divide --batch 6"));
+    assert!(usage_of("--gpus 4 --layers 0").contains("every transformer size must be positive"));
     assert!(usage_of("--gpus 4 --model gpt --heads 3").contains("heads"));
-    assert!(usage_of("--gpus 4 --model gpt --config c.json").contains("Llama"));
+    assert!(usage_of("--gpus 4 --model gpt --kv-heads 2").contains("--kv-heads is for --model llama"));
     assert!(usage_of("--gpus 99999999").contains("--gpus"));
     assert!(usage_of("--gpus 2 --max-grad-norm -1").contains("--max-grad-norm"));
+    assert!(usage_of("--gpus 2 --model mlp").contains("gpt and llama"));
+    assert!(usage_of("--gpus 2 --model moe").contains("gpt and llama"));
 }
 
+/// What `chorus train` refuses, a plan refuses too (`job::check`, one validation).
 #[test]
-fn a_config_must_be_a_small_regular_file() {
+fn a_plan_refuses_what_train_refuses() {
+    assert!(usage_of("--gpus 2 --optimizer adamw --momentum 0.9").contains("--momentum is for --optimizer sgd"));
+    assert!(usage_of("--gpus 2 --model gpt --vocab 256").contains("--vocab is for --model llama"));
+    assert!(usage_of("--gpus 2 --model llama --dims 4,4").contains("--dims is for --model mlp"));
+    assert!(usage_of("--gpus 2 --model llama --recompute root,model.layers.9").contains("model.layers.9"));
+    assert!(usage_of("--gpus 2 --global-batch 3").contains("--global-batch 3"));
+    let e = usage_of("--gpus 2 --global-batch 4 --micro-batches 4");
+    assert!(e.contains("--global-batch 4 over 2 ranks") && !e.contains("--batch 2"), "{e}");
+}
+
+/// `--init-from`'s config.json gives the Llama's sizes (the weights are not
+/// read); it must be a small regular file, and the size flags are refused beside it.
+#[test]
+fn init_from_reads_a_small_regular_config_json() {
     let dir = std::env::temp_dir().join(format!("chorus-plan-config-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    assert!(usage_of(&format!("--gpus 2 --config {}", dir.display())).contains("not a regular file"));
-    let big = dir.join("big.json");
-    std::fs::write(&big, vec![b' '; (MAX_CONFIG_BYTES + 1) as usize]).unwrap();
-    assert!(usage_of(&format!("--gpus 2 --config {}", big.display())).contains("bytes"));
-    let cfg = dir.join("config.json");
+    std::fs::create_dir_all(dir.join("config.json")).unwrap();
+    let line = |extra: &str| format!("--model llama --gpus 2 --init-from {} {extra}", dir.display());
+    assert!(usage_of(&line("")).contains("directory"));
+    std::fs::remove_dir(dir.join("config.json")).unwrap();
+    let max = chorus_train::models::llama::hf::MAX_CONFIG_BYTES;
+    std::fs::write(dir.join("config.json"), vec![b' '; (max + 1) as usize]).unwrap();
+    assert!(usage_of(&line("")).contains("bytes"));
     std::fs::write(
-        &cfg,
+        dir.join("config.json"),
         r#"{"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
         "num_attention_heads": 4, "num_key_value_heads": 2}"#,
     )
     .unwrap();
-    let m = model(&args(&format!("--gpus 2 --config {}", cfg.display()))).unwrap();
+    let m = model(&args(&line(""))).unwrap();
     assert_eq!((m.shape.layers, m.shape.d_model, m.shape.kv_heads, m.groups.groups.len()), (3, 32, 2, 5));
-    assert!(usage_of(&format!("--gpus 2 --config {} --layers 4", cfg.display())).contains("config.json"));
+    assert!(usage_of(&line("--layers 4")).contains("config.json"));
+    // The groups --recompute names are checked against the file's layers.
+    assert!(usage_of(&line("--recompute model.layers.3")).contains("model.layers.3"));
+    assert!(model(&args(&line("--recompute root,model.layers.2"))).is_ok());
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -92,7 +120,7 @@ fn a_config_must_be_a_small_regular_file() {
 fn the_gpu_kinds_and_the_cpu_device_price_the_plan() {
     let a = args("--model llama --gpus 2 --gpu h100-sxm --batch 2 --seq-len 64");
     let m = model(&a).unwrap();
-    let priced = cost_inputs(&a, &m.shape).unwrap();
+    let priced = cost_inputs(&a, &m).unwrap();
     assert_eq!(priced.cost.peak_flops(), Some(989e12));
     // embed, one stage per layer (2 by default), head.
     assert_eq!(priced.work.len(), m.shape.layers + 2);
@@ -107,12 +135,11 @@ fn the_gpu_kinds_and_the_cpu_device_price_the_plan() {
     // The cpu device: no peak to take a utilisation of, no caching-allocator estimate.
     let a = args("--model gpt --gpus 2 --gpu cpu --batch 2 --seq-len 16");
     let m = model(&a).unwrap();
-    let plan = execute(&a, &m, cost_inputs(&a, &m.shape).unwrap()).unwrap();
+    let plan = execute(&a, &m, cost_inputs(&a, &m).unwrap()).unwrap();
     assert!(plan.step_time_s.unwrap() > 0.0);
     assert_eq!((plan.mfu, plan.peak_reserved_bytes_estimate, plan.fits), (None, None, None));
 
-    let e = run_cli(&args("--gpus 2 --gpu tpu-v9")).unwrap_err();
-    assert!(e.downcast_ref::<UsageError>().is_some() && e.to_string().contains("unknown --gpu"), "{e:#}");
+    assert!(usage_of("--gpus 2 --gpu tpu-v9").contains("unknown --gpu"));
 }
 
 #[test]
@@ -171,16 +198,37 @@ fn kernels_picks_whose_workload_is_priced() {
         ("--gpus 1 --gpu cpu", Framework::Candle),
         ("--gpus 1 --gpu cpu --kernels torch", Framework::TorchEager),
     ] {
-        let a = args(&format!("{line} --seq-len 64"));
+        let a = args(&format!("{line} --model llama --seq-len 64"));
         let m = model(&a).unwrap();
-        let work = cost_inputs(&a, &m.shape).unwrap().work;
+        let work = cost_inputs(&a, &m).unwrap().work;
         assert_eq!(work, decoder_work_for(framework, &m.shape, 8, 64, 4, RecomputeMode::Full), "{line}");
     }
     // The two workloads differ where they should: candle keeps the attention scores.
-    let a = args("--gpus 1 --seq-len 64 --recompute none");
+    let a = args("--gpus 1 --model llama --seq-len 64 --recompute none");
     let m = model(&a).unwrap();
     let saved = |f| decoder_work_for(f, &m.shape, 8, 64, 4, RecomputeMode::None)[1].saved_bytes;
     assert!(saved(Framework::Candle) > saved(Framework::TorchEager));
+}
+
+/// A list of groups recomputes those stages whole and keeps the others':
+/// the embedding and head are the root group's, stage `i + 1` layer `i`'s.
+#[test]
+fn recompute_by_group_prices_each_stage_as_its_group_runs() {
+    use chorus_plan::decoder_cost::decoder_work_for;
+    use chorus_plan::workload::RecomputeMode;
+    let line = "--gpus 1 --gpu cpu --model llama --layers 3 --seq-len 16";
+    let a = args(&format!("{line} --recompute root,model.layers.1"));
+    let m = model(&a).unwrap();
+    let work = cost_inputs(&a, &m).unwrap().work;
+    let whole = |mode| decoder_work_for(Framework::Candle, &m.shape, 8, 16, 4, mode);
+    let (full, none) = (whole(RecomputeMode::Full), whole(RecomputeMode::None));
+    assert_ne!(full[1], none[1], "the modes differ per layer");
+    assert_eq!(work, [full[0].clone(), none[1].clone(), full[2].clone(), none[3].clone(), full[4].clone()]);
+    // `true` and `false` are every group and none, as `full` and `none` are.
+    for (value, want) in [("true", &full), ("full", &full), ("false", &none), ("none", &none)] {
+        let a = args(&format!("{line} --recompute {value}"));
+        assert_eq!(&cost_inputs(&a, &model(&a).unwrap()).unwrap().work, want, "{value}");
+    }
 }
 
 fn parse_error(line: &str) -> String {
@@ -192,23 +240,27 @@ fn parse_error(line: &str) -> String {
 
 #[test]
 fn train_flag_names_are_accepted() {
-    let a = args("--gpus 2 --hidden 32 --intermediate 48 --heads 4 --recompute false");
-    assert_eq!((a.d_model, a.d_ff, a.recompute), (Some(32), Some(48), RecomputeArg::None));
+    use chorus_devices::DType;
+    use chorus_fsdp_candle::Recompute;
+    let a = args("--gpus 2 --model llama --hidden 32 --intermediate 48 --heads 4 --recompute false");
+    assert_eq!((a.job.d_model, a.job.d_ff), (Some(32), Some(48)));
+    assert_eq!(a.job.recompute, RecomputeArg::Groups(Recompute::Nothing));
     let m = model(&a).unwrap();
     assert_eq!((m.shape.d_model, m.shape.ffn_hidden), (32, 48));
-    assert_eq!(args("--gpus 2 --recompute true").recompute, RecomputeArg::Full);
-    let a = args("--gpus 2 --all-gather-dtype float8 --offload --replicate-below 100");
-    assert_eq!((a.all_gather_dtype, a.offload, a.replicate_below), (Some(DType::F8E4M3), true, 100));
-    assert_eq!(args("--gpus 2 --param-dtype bf16 --all-gather-dtype bf16").all_gather_dtype, Some(DType::BF16));
+    assert_eq!(args("--gpus 2 --recompute true").job.recompute, RecomputeArg::Groups(Recompute::All));
+    let a = args("--gpus 2 --all-gather-dtype float8 --offload");
+    assert_eq!((a.job.all_gather_dtype, a.job.offload), (Some(DType::F8E4M3), true));
+    assert_eq!(args("--gpus 2 --param-dtype bf16 --all-gather-dtype bf16").job.all_gather_dtype, Some(DType::BF16));
 }
 
 #[test]
-fn the_new_flags_refuse_what_they_cannot_plan() {
-    assert!(usage_of("--gpus 2 --hidden 0").contains("--hidden"));
-    assert!(usage_of("--gpus 2 --intermediate 0").contains("--intermediate"));
+fn the_flags_refuse_what_they_cannot_plan() {
+    assert!(
+        usage_of("--gpus 2 --hidden 0").contains("--d-model") || usage_of("--gpus 2 --hidden 0").contains("positive")
+    );
     assert!(usage_of("--gpus 2 --all-gather-dtype f16").contains("must be float8 or the param dtype (f32)"));
     assert!(parse_error("--gpus 2 --all-gather-dtype int8").contains("not an all-gather dtype"));
-    assert!(parse_error("--gpus 2 --recompute model.layers.0").contains("--recompute"));
+    assert!(usage_of("--gpus 2 --model llama --recompute model.layers.5").contains("--recompute"));
     assert!(parse_error("--gpus 2 --d-model 32 --hidden 32").contains("--d-model"));
     assert!(parse_error("--gpus 2 --replicate-below -1").contains("--replicate-below"));
     assert!(parse_error("--gpus 2 --offload true").contains("true"));
@@ -270,7 +322,7 @@ fn cpu_rates_come_from_a_small_regular_file_of_good_numbers() {
     let step = |line: &str| {
         let a = args(line);
         let m = model(&a).unwrap();
-        execute(&a, &m, cost_inputs(&a, &m.shape).unwrap()).unwrap().step_time_s.unwrap()
+        execute(&a, &m, cost_inputs(&a, &m).unwrap()).unwrap().step_time_s.unwrap()
     };
     let slower = step(&line(&good, "cpu"));
     let frozen = step("--model gpt --gpus 2 --gpu cpu");
@@ -285,16 +337,11 @@ fn temp(name: &str) -> std::path::PathBuf {
     dir
 }
 
+/// The usage error of `line`'s pricing, its checks passed.
 fn refused_pricing(line: &str) -> String {
     let a = args(line);
     let m = model(&a).unwrap();
-    match cost_inputs(&a, &m.shape) {
-        Ok(_) => panic!("`{line}` was accepted"),
-        Err(e) => {
-            assert!(e.downcast_ref::<UsageError>().is_some(), "not a usage error: {e:#}");
-            e.to_string()
-        }
-    }
+    refusal(line, cost_inputs(&a, &m).map(|_| ()))
 }
 
 #[test]
@@ -356,7 +403,7 @@ fn kernel_rates_come_from_a_small_regular_file_of_good_numbers_for_a_gpu() {
     assert!(refused_pricing("--gpus 2 --gpu a100-80gb --kernels candle").contains("--kernel-rates FILE"));
     let a = args(&line(&good, "--gpu a100-80gb --kernels candle"));
     let m = model(&a).unwrap();
-    assert!(execute(&a, &m, cost_inputs(&a, &m.shape).unwrap()).unwrap().step_time_s.unwrap() > 0.0);
+    assert!(execute(&a, &m, cost_inputs(&a, &m).unwrap()).unwrap().step_time_s.unwrap() > 0.0);
     assert!(refused_pricing("--gpus 2 --gpu cpu --kernels chorus").contains("candle's kernels only"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -364,9 +411,9 @@ fn kernel_rates_come_from_a_small_regular_file_of_good_numbers_for_a_gpu() {
 #[test]
 fn a_plan_that_does_not_fit_says_so_and_fails() {
     // The probe's case: 16 Mi tokens of sequence on an 80 GB GPU.
-    let a = args("--gpus 1 --seq-len 16777216");
+    let a = args("--model llama --gpus 1 --seq-len 16777216");
     let m = model(&a).unwrap();
-    let plan = execute(&a, &m, cost_inputs(&a, &m.shape).unwrap()).unwrap();
+    let plan = execute(&a, &m, cost_inputs(&a, &m).unwrap()).unwrap();
     assert_eq!(plan.fits, Some(false));
     assert!(plan.peak_memory_bytes as u64 > plan.gpu_memory_bytes.unwrap());
     assert_eq!((plan.step_time_s, plan.tokens_per_s_per_gpu, plan.mfu), (None, None, None));
@@ -374,22 +421,22 @@ fn a_plan_that_does_not_fit_says_so_and_fails() {
     assert!(text.contains("DOES NOT FIT") && !text.contains("tokens/s") && !text.contains("MFU"), "{text}");
     let json = serde_json::to_value(&plan).unwrap();
     assert_eq!((json["fits"].clone(), json["step_time_s"].clone()), (false.into(), serde_json::Value::Null));
-    assert_eq!(run_cli(&a).unwrap(), Outcome::Failed);
+    assert_eq!(run_plan(&a).unwrap(), Outcome::Failed);
     // What fits passes.
-    assert_eq!(run_cli(&args("--gpus 1 --seq-len 64")).unwrap(), Outcome::Passed);
+    assert_eq!(run_plan(&args("--model llama --gpus 1 --seq-len 64")).unwrap(), Outcome::Passed);
 }
 
 #[test]
 fn the_planners_own_limits_are_named_before_anything_runs() {
-    assert!(usage_of("--gpus 8 --layers 65536").contains("at most 4096 layers"));
-    let e = usage_of("--gpus 8 --layers 4000 --batch 16 --micro-batches 16");
+    assert!(usage_of("--model llama --gpus 8 --layers 65536").contains("at most 4096 layers"));
+    let e = usage_of("--model llama --gpus 8 --layers 4000 --batch 16 --micro-batches 16");
     assert!(e.contains("stage runs") && e.contains(&MAX_STAGE_RUNS.to_string()), "{e}");
-    let e = usage_of("--gpus 1 --vocab 16777216 --d-model 4096 --heads 32");
+    let e = usage_of("--model llama --gpus 1 --vocab 16777216 --d-model 4096 --heads 32");
     assert!(e.contains("model.embed_tokens.weight") && e.contains("at most 1 GiB"), "{e}");
     // Past the thread limit, groups placed unlike on the nodes are refused, naming both limits.
-    let a = args("--gpus 2048 --hsdp 2 --gpus-per-node 3");
+    let a = args("--model llama --gpus 2048 --hsdp 2 --gpus-per-node 3");
     let m = model(&a).unwrap();
-    let e = execute(&a, &m, cost_inputs(&a, &m.shape).unwrap()).unwrap_err();
+    let e = execute(&a, &m, cost_inputs(&a, &m).unwrap()).unwrap_err();
     assert!(e.downcast_ref::<UsageError>().is_some(), "{e:#}");
     assert!(e.to_string().contains("sit differently") && e.to_string().contains("1024"), "{e}");
 }
@@ -397,13 +444,13 @@ fn the_planners_own_limits_are_named_before_anything_runs() {
 #[test]
 fn thousands_of_ranks_run_two_and_unlike_groups_run_every_rank() {
     let plan_of = planned;
-    let p = plan_of("--gpus 8192");
+    let p = plan_of("--model llama --gpus 8192");
     assert_eq!(p.ranks_run, vec![0, 8191]);
     assert_eq!(p.collectives.iter().map(|c| c.rank).collect::<Vec<_>>(), vec![0, 8191]);
     assert!(p.text().contains("ranks run             0 and 8191"), "{}", p.text());
     // HSDP 2 × 6 on nodes of 8: the shard groups sit unlike (6 on node 0; 2 and 4), so every rank runs.
-    let p = plan_of("--gpus 12 --hsdp 2 --gpus-per-node 8");
+    let p = plan_of("--model llama --gpus 12 --hsdp 2 --gpus-per-node 8");
     assert_eq!(p.ranks_run, (0..12).collect::<Vec<_>>());
     // On nodes of 6 they are alike: two run.
-    assert_eq!(plan_of("--gpus 12 --hsdp 2 --gpus-per-node 6").ranks_run, vec![0, 11]);
+    assert_eq!(plan_of("--model llama --gpus 12 --hsdp 2 --gpus-per-node 6").ranks_run, vec![0, 11]);
 }

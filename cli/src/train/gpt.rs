@@ -5,22 +5,21 @@
 
 use std::sync::Arc;
 
-use std::path::Path;
-
-use chorus_fsdp_candle::checkpoint::optimizer_json;
 use chorus_train::codec::Alphabet;
 use chorus_train::decoder::{config_changes, Data, Sample, TrainSpec};
 use chorus_train::model_out::SafetensorsOutput;
 use chorus_train::models::gpt::{init_params, GptModel};
 use chorus_train::models::DecoderModel;
-use chorus_train::text::{self, TextData};
 use serde_json::json;
 
-use super::outputs::{self, Finished};
-use super::ranks::{limit_candle_threads, DecoderJob};
+use super::args::TrainArgs;
+use super::outputs;
+use super::ranks::limit_candle_threads;
+use super::report::say;
 use super::resume::{check_resume, Resuming};
+use super::text_data::text_data;
 use super::throughput::Throughput;
-use super::{read_text, run_with_progress, say, usage, ModelArg, TrainArgs};
+use crate::job::ModelArg;
 use crate::Outcome;
 
 /// What a run of `chorus train` needs of a transformer on text besides the
@@ -47,7 +46,7 @@ pub(super) trait CliDecoder: DecoderModel + Clone + 'static {
 impl CliDecoder for GptModel {
     const FLAG: (ModelArg, &'static str) = (ModelArg::Gpt, "gpt");
     fn from_args(args: &TrainArgs) -> anyhow::Result<Self> {
-        let cfg = args.gpt_config();
+        let cfg = args.job.gpt_config();
         Ok(GptModel { config: cfg, init: init_params(&cfg, args.seed)? })
     }
     fn seq_len(&self) -> usize {
@@ -73,7 +72,7 @@ pub(super) fn run<M: CliDecoder>(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let (flag, key) = M::FLAG;
     let checkpoint_dir = (args.save_every.is_some() || args.checkpoint_dir.is_some()).then(|| args.checkpoint_dir());
     let spec = TrainSpec {
-        max_grad_norm: args.max_grad_norm,
+        max_grad_norm: args.job.max_grad_norm,
         checkpoint_dir: checkpoint_dir.clone(),
         save_every: args.save_every.unwrap_or(0),
         keep_last: args.keep_last,
@@ -125,68 +124,33 @@ pub(super) fn run<M: CliDecoder>(args: &TrainArgs) -> anyhow::Result<Outcome> {
         ..spec
     };
     let throughput = spec.model.throughput(args);
-    let reports = run_with_progress(args.backend, world, DecoderJob(spec.clone()), steps, Some(&throughput))?;
-    let Some(out) = out.filter(|_| !reports.is_empty()) else {
-        return match reports.first().and_then(|r| r.stopped) {
-            Some(stop) => Err(stop.error().into()),
-            None => Ok(Outcome::Passed),
-        };
-    };
-    let run = Finished::of(&reports)?;
-    let first = run.first();
-    let config = config_json(args, &spec, checkpoint_dir.as_deref(), first.start_step, &optimizer_changes);
-    if let Some(stop) = first.stopped {
-        return run.fail(out, key, stop, config);
-    }
-    let sample = first.sample.clone().unwrap_or_default();
-    let mut summary = run.summary(key, config, &throughput);
-    summary.insert("sample".into(), sample.clone().into());
-    let dest = run.commit(out, key, summary)?;
-    say(format_args!(
-        "{}",
-        run.closing(spec.model.name(), spec.model.num_params(), world, steps, 3, &dest, &throughput)
-    ))?;
-    if let Some(line) = run.op_times_line() {
-        say(format_args!("{line}"))?;
-    }
-    say(format_args!("sample: {sample:?}"))?;
-    Ok(Outcome::Passed)
+    let config = |start_step| config_json(args, &spec, start_step, &optimizer_changes);
+    outputs::run_to_end(args, &spec, out, key, &throughput, config, |run, out, mut summary| {
+        let sample = run.first().sample.clone().unwrap_or_default();
+        summary.insert("sample".into(), sample.clone().into());
+        let dest = run.commit(out, key, summary)?;
+        say(format_args!(
+            "{}",
+            run.closing(spec.model.name(), spec.model.num_params(), world, steps, 3, &dest, &throughput)
+        ))?;
+        if let Some(line) = run.op_times_line() {
+            say(format_args!("{line}"))?;
+        }
+        say(format_args!("sample: {sample:?}"))
+    })
 }
 
 /// The run's configuration as the summary records it.
 fn config_json<M: CliDecoder>(
     args: &TrainArgs,
     spec: &TrainSpec<M>,
-    checkpoint_dir: Option<&Path>,
     start_step: u64,
     optimizer_changes: &[String],
 ) -> serde_json::Value {
-    json!({
-        "model": M::FLAG.1,
-        "backend": args.backend.name(),
-        "world_size": args.world(),
-        "hsdp": args.hsdp,
-        "steps": spec.steps,
-        "batch": args.batch,
-        "micro_batches": args.micro_batches,
-        "lr_schedule": spec.schedule,
-        "optimizer": optimizer_json(spec.optimizer),
-        "optimizer_changes": optimizer_changes,
-        "param_dtype": args.param_dtype.name(),
-        "reduce_dtype": args.reduce_dtype.unwrap_or(args.param_dtype).name(),
-        "reshard_after_forward": args.reshard_after_forward.to_string(),
-        "recompute": args.recompute.to_string(),
-        "transformer": spec.model.sizes(),
-        "parameters": spec.model.num_params(),
-        "max_grad_norm": args.max_grad_norm,
-        "seed": args.seed,
-        "text": args.text.as_ref().map(|p| p.display().to_string()),
-        "resume": args.resume.as_ref().map(|p| p.display().to_string()),
-        "start_step": start_step,
-        "save_every": args.save_every,
-        "keep_last": args.keep_last,
-        "checkpoint_dir": checkpoint_dir.map(|p| p.display().to_string()),
-    })
+    let mut config = outputs::config_json(args, spec, start_step, optimizer_changes);
+    config.insert("transformer".into(), spec.model.sizes());
+    config.insert("parameters".into(), spec.model.num_params().into());
+    config.into()
 }
 
 /// The run the arguments describe, for `steps` steps, on `--text` or on
@@ -194,24 +158,13 @@ fn config_json<M: CliDecoder>(
 /// applies (the benchmark and the training run share it).
 pub(super) fn spec<M: CliDecoder>(args: &TrainArgs, steps: u64) -> anyhow::Result<TrainSpec<M>> {
     let model = M::from_args(args)?;
-    let seq_len = model.seq_len();
-    let corpus = match &args.text {
-        Some(path) => read_text(path)?,
-        None => text::generate(200_000, args.seed),
-    };
-    let data = TextData::new(text::encode(&corpus), seq_len, args.seed).ok_or_else(|| {
-        usage(format!(
-            "the text has {} characters; --seq-len {seq_len} needs at least {}",
-            corpus.chars().count(),
-            seq_len + 2
-        ))
-    })?;
+    let data = text_data(args, model.seq_len())?;
     Ok(TrainSpec {
-        fsdp: args.fsdp_config(),
-        replicate: args.hsdp,
-        micro_batches: args.micro_batches,
-        recompute: args.recompute.clone(),
+        fsdp: args.job.fsdp_config(),
+        replicate: args.job.hsdp,
+        micro_batches: args.job.micro_batches,
+        recompute: args.recompute(),
         schedule: args.decoder.schedule(),
-        ..TrainSpec::new(model, Arc::new(Data::Text(data)), args.batch, steps, args.optimizer())
+        ..TrainSpec::new(model, Arc::new(Data::Text(data)), args.job.batch, steps, args.job.optimizer())
     })
 }

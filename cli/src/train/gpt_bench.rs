@@ -8,9 +8,11 @@ use chorus_fsdp::OptimizerKind;
 use chorus_fsdp_candle::checkpoint::optimizer_json;
 use serde_json::json;
 
+use super::args::{BenchPart, TrainArgs};
 use super::ranks::{candle_threads, run_on, DecoderJob};
-use super::{median, say, usage, BenchPart, ModelArg, TrainArgs};
-use crate::Outcome;
+use super::report::{median, say};
+use crate::job::ModelArg;
+use crate::{usage, Outcome};
 
 /// `chorus train --bench --model gpt`: the transformer through the candle
 /// adapter on `--world-size` simulated ranks against plain single-process
@@ -79,7 +81,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     };
     let (what, params) = match args.model() {
         ModelArg::Llama => {
-            let c = args.llama_config();
+            let c = args.job.llama_config();
             (
                 format!(
                     "Llama hidden {} x {} layers, {} heads / {} kv",
@@ -89,7 +91,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
             )
         }
         _ => {
-            let c = args.gpt_config();
+            let c = args.job.gpt_config();
             (format!("transformer d_model {} x {} layers", c.d_model, c.layers), c.num_params())
         }
     };
@@ -100,7 +102,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     } else {
         format!("{world} sim ranks")
     };
-    let state_per_param = match args.optimizer() {
+    let state_per_param = match args.job.optimizer() {
         OptimizerKind::AdamW { .. } => 16,
         OptimizerKind::Sgd { .. } => 8,
     };
@@ -113,12 +115,12 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
             "{}",
             json!({
                 "model": format!("{:?}", args.model()).to_lowercase(), "what": what, "parameters": params,
-                "backend": args.backend.name(), "world_size": world, "hsdp": args.hsdp,
+                "backend": args.backend.name(), "world_size": world, "hsdp": args.job.hsdp,
                 "max_loss_difference": loss_difference,
-                "batch_per_rank": args.batch, "global_batch": world * args.batch, "micro_batches": args.micro_batches,
-                "reshard_after_forward": args.reshard_after_forward.to_string(),
-                "recompute": args.recompute.to_string(),
-                "optimizer": optimizer_json(args.optimizer()), "warmup_steps": GPT_BENCH_WARMUP, "timed_steps": args.steps(),
+                "batch_per_rank": args.job.batch, "global_batch": world * args.job.batch, "micro_batches": args.job.micro_batches,
+                "reshard_after_forward": args.job.reshard_after_forward.to_string(),
+                "recompute": args.job.recompute.to_string(),
+                "optimizer": optimizer_json(args.job.optimizer()), "warmup_steps": GPT_BENCH_WARMUP, "timed_steps": args.steps(),
                 "plain": plain, "plain_runs": plains, "fsdp": fsdp, "ratio": ratio,
                 "plain_training_state_bytes": params * state_per_param,
                 "machine": { "cores": cores, "cpu": cpu },
@@ -128,7 +130,7 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     }
     say(format_args!(
         "# chorus train --bench: {what} ({params} parameters), global batch {} x {seq_len} tokens, {} timed steps after {GPT_BENCH_WARMUP}; {sides}",
-        world * args.batch,
+        world * args.job.batch,
         args.steps()
     ))?;
     let runs: Vec<String> = plains
@@ -145,8 +147,8 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         "# each side in its own process; plain candle at its best of [{}]; each FSDP rank {} candle thread(s); reshard-after-forward {}, recompute {}",
         runs.join(", "),
         fsdp["candle_threads"].as_str().unwrap_or("?"),
-        args.reshard_after_forward,
-        args.recompute,
+        args.job.reshard_after_forward,
+        args.job.recompute,
     ))?;
     let row = |label: String, value: String| say(format_args!("{label:<46} {value:>10}"));
     row("plain candle, 1 process: step ms (median)".into(), format!("{:.2}", plain_step * 1e3))?;

@@ -9,28 +9,27 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
-use chorus_fsdp_candle::checkpoint::optimizer_json;
 use chorus_train::codec::{Alphabet, TextCodec};
 use chorus_train::decoder::{config_changes, Data, Sample, TokenRows, TrainSpec, Validation};
 use chorus_train::models::llama::config::LlamaConfig;
 use chorus_train::models::llama::hf as llama_hf;
 use chorus_train::models::llama::{init_params, LlamaModel};
-use chorus_train::text::{self, TextData};
+use chorus_train::text;
 use chorus_train::tokenizer::HfTokenizer;
-use serde_json::json;
 
+use super::args::TrainArgs;
 use super::loop_args::DEFAULT_VAL_BATCHES;
-use super::outputs::{self, Finished};
-use super::ranks::{limit_candle_threads, DecoderJob};
+use super::memory;
+use super::outputs;
+use super::ranks::limit_candle_threads;
+use super::report::say;
 use super::resume::{check_resume, Resuming};
+use super::text_data::text_data;
 use super::throughput::Throughput;
-use super::{read_text, run_with_progress, say, usage, TrainArgs};
+use crate::consolidate::LLAMA_CONFIG_FILE;
+use crate::job::ModelArg;
 use crate::outdir::write_file;
-use crate::Outcome;
-
-/// The file in a checkpoint directory that records the Llama's config, so
-/// `chorus consolidate` writes a Hugging Face directory from it.
-pub(crate) const CHECKPOINT_CONFIG: &str = "llama-config.json";
+use crate::{usage, Outcome};
 
 /// `chorus train --model llama`.
 pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
@@ -41,7 +40,8 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let spec = spec_with(args, steps, tokenizer.as_deref())?;
     let sample = sample(args, tokenizer.as_ref())?;
     let cfg = spec.model.config.clone();
-    args.check_recompute("model.layers.", cfg.num_hidden_layers, 0)?;
+    // The sizes of an --init-from directory are known only now.
+    args.job.check_recompute("model.layers.", cfg.num_hidden_layers, 0)?;
     let max_file_bytes = usize::try_from(args.llama.max_file_bytes)
         .map_err(|_| usage(format!("--max-file-bytes {} is too large", args.llama.max_file_bytes)))?;
     let optimizer_changes = match &args.resume {
@@ -50,12 +50,10 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
             dir,
             &Resuming {
                 model: "Llama configuration",
-                flag: super::ModelArg::Llama,
+                flag: ModelArg::Llama,
                 config_changes: &|saved| config_changes(saved, &*cfg),
                 data_seed: spec.data.seed(),
-                data_mismatch: &|saved, now| {
-                    format!("saved with other data (--data, --text or --seed: {saved:#x}), this run's is {now:#x}")
-                },
+                data_mismatch: &|saved, now| data_mismatch(args, saved, now),
                 optimizer: spec.optimizer,
                 steps,
             },
@@ -65,10 +63,10 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let (out, _checkpoint_lock) = outputs::acquire(
         args,
         &[
-            ("--init-from", args.llama.init_from.as_deref()),
-            ("--data", args.llama.data.as_deref()),
+            ("--init-from", args.job.init_from.as_deref()),
+            ("--data", args.job.data.as_deref()),
             ("--text", args.text.as_deref()),
-            ("--tokenizer", args.llama.tokenizer.as_deref()),
+            ("--tokenizer", args.job.tokenizer.as_deref()),
             ("--checkpoint-dir", spec.checkpoint_dir.as_deref()),
             ("--resume", args.resume.as_deref()),
         ],
@@ -89,43 +87,48 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     };
     let spec = TrainSpec { output: Some(Arc::new(output)), sample, ..spec };
     let throughput = Throughput::llama(&cfg, spec.data.seq_len(), args);
-    let reports = run_with_progress(args.backend, world, DecoderJob(spec.clone()), steps, Some(&throughput))?;
-    let Some(out) = out.filter(|_| !reports.is_empty()) else {
-        return match reports.first().and_then(|r| r.stopped) {
-            Some(stop) => Err(stop.error().into()),
-            None => Ok(Outcome::Passed),
-        };
-    };
-    let run = Finished::of(&reports)?;
-    let first = run.first();
-    let config = config_json(args, &spec, first.start_step, &optimizer_changes);
-    if let Some(stop) = first.stopped {
-        return run.fail(out, "llama", stop, config);
-    }
-    let mut summary = run.summary("llama", config, &throughput);
-    summary.insert("hf_model_dir".into(), "model".into());
-    if let Some(sample) = &first.sample {
-        summary.insert("sample".into(), sample.clone().into());
-    }
-    if let Some(tok) = &tokenizer {
-        // Into the staged out-dir: committed with the model, or not at all.
-        for (name, bytes) in tok.hf_files(cfg.max_position_embeddings)? {
-            write_file(&out.stage().join("model").join(name), &bytes)?;
+    let config = |start_step| config_json(args, &spec, start_step, &optimizer_changes);
+    outputs::run_to_end(args, &spec, out, "llama", &throughput, config, |run, out, mut summary| {
+        let first = run.first();
+        summary.insert("hf_model_dir".into(), "model".into());
+        if let Some(sample) = &first.sample {
+            summary.insert("sample".into(), sample.clone().into());
         }
+        if let Some(tok) = &tokenizer {
+            // Into the staged out-dir: committed with the model, or not at all.
+            for (name, bytes) in tok.hf_files(cfg.max_position_embeddings)? {
+                write_file(&out.stage().join("model").join(name), &bytes)?;
+            }
+        }
+        let dest = run.commit(out, "llama", summary)?;
+        let line = run.closing("Llama", cfg.num_params(), world, steps, 4, &dest, &throughput);
+        say(format_args!("{line} (Hugging Face model in {})", dest.join("model").display()))?;
+        if let Some(line) = run.op_times_line() {
+            say(format_args!("{line}"))?;
+        }
+        if let Some((step, loss)) = first.val_losses.last() {
+            say(format_args!("validation loss after step {step}: {loss:.4}"))?;
+        }
+        if let Some(sample) = &first.sample {
+            say(format_args!("sample: {sample:?}"))?;
+        }
+        Ok(())
+    })
+}
+
+/// Why a checkpoint's data is not this run's, naming the flags that make
+/// the data: `saved` and `now` are the data's identities (token rows'
+/// hashes, or the text's seed).
+fn data_mismatch(args: &TrainArgs, saved: u64, now: u64) -> String {
+    let job = &args.job;
+    match (&job.data, &job.tokenizer) {
+        (Some(_), _) => format!("saved with other token rows (--data; their hash {saved:#x}, this run's {now:#x})"),
+        (None, Some(_)) => format!(
+            "saved with other token rows (--text, --tokenizer and --seq-len {} make them; their hash {saved:#x}, this run's {now:#x})",
+            job.seq_len()
+        ),
+        (None, None) => format!("saved with --seed {saved}, this run's is {now}"),
     }
-    let dest = run.commit(out, "llama", summary)?;
-    let line = run.closing("Llama", cfg.num_params(), world, steps, 4, &dest, &throughput);
-    say(format_args!("{line} (Hugging Face model in {})", dest.join("model").display()))?;
-    if let Some(line) = run.op_times_line() {
-        say(format_args!("{line}"))?;
-    }
-    if let Some((step, loss)) = first.val_losses.last() {
-        say(format_args!("validation loss after step {step}: {loss:.4}"))?;
-    }
-    if let Some(sample) = &first.sample {
-        say(format_args!("sample: {sample:?}"))?;
-    }
-    Ok(Outcome::Passed)
 }
 
 /// The run's configuration as the summary records it.
@@ -135,40 +138,25 @@ fn config_json(
     start_step: u64,
     optimizer_changes: &[String],
 ) -> serde_json::Value {
-    json!({
-        "model": "llama",
-        "backend": args.backend.name(),
-        "world_size": args.world(),
-        "hsdp": args.hsdp,
-        "steps": spec.steps,
-        "batch": args.batch,
-        "micro_batches": args.micro_batches,
-        "lr_schedule": spec.schedule,
-        "val_data": args.decoder.val_data.as_ref().map(|p| p.display().to_string()),
-        "val_fraction": args.decoder.val_fraction,
-        "val_batches": spec.validation.as_ref().map(|v| v.batches),
-        "eval_every": args.decoder.eval_every,
-        "optimizer": optimizer_json(spec.optimizer),
-        "optimizer_changes": optimizer_changes,
-        "param_dtype": args.param_dtype.name(),
-        "reduce_dtype": args.reduce_dtype.unwrap_or(args.param_dtype).name(),
-        "reshard_after_forward": args.reshard_after_forward.to_string(),
-        "llama": &*spec.model.config,
-        "parameters": spec.model.config.num_params(),
-        "seq_len": spec.data.seq_len(),
-        "max_grad_norm": args.max_grad_norm,
-        "seed": args.seed,
-        "init_from": args.llama.init_from.as_ref().map(|p| p.display().to_string()),
-        "data": args.llama.data.as_ref().map(|p| p.display().to_string()),
-        "text": args.text.as_ref().map(|p| p.display().to_string()),
-        "tokenizer": args.llama.tokenizer.as_ref().map(|p| p.display().to_string()),
-        "save_dtype": args.llama.save_dtype.dtype().torch_name(),
-        "resume": args.resume.as_ref().map(|p| p.display().to_string()),
-        "start_step": start_step,
-        "save_every": args.save_every,
-        "keep_last": args.keep_last,
-        "checkpoint_dir": spec.checkpoint_dir.as_ref().map(|p| p.display().to_string()),
-    })
+    let mut config = outputs::config_json(args, spec, start_step, optimizer_changes);
+    let d = &args.decoder;
+    let path = |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| p.display().to_string());
+    for (key, value) in [
+        ("val_data", path(&d.val_data).into()),
+        ("val_fraction", d.val_fraction.into()),
+        ("val_batches", spec.validation.as_ref().map(|v| v.batches).into()),
+        ("eval_every", d.eval_every.into()),
+        ("llama", serde_json::to_value(&*spec.model.config).unwrap_or_default()),
+        ("parameters", spec.model.config.num_params().into()),
+        ("seq_len", spec.data.seq_len().into()),
+        ("init_from", path(&args.job.init_from).into()),
+        ("data", path(&args.job.data).into()),
+        ("tokenizer", path(&args.job.tokenizer).into()),
+        ("save_dtype", args.llama.save_dtype.dtype().torch_name().into()),
+    ] {
+        config.insert(key.into(), value);
+    }
+    config.into()
 }
 
 /// The run the arguments describe: the model (from `--init-from`, whose
@@ -181,7 +169,7 @@ pub(super) fn spec(args: &TrainArgs, steps: u64) -> anyhow::Result<TrainSpec<Lla
 
 /// `--tokenizer`, read and checked (its end-of-text token included).
 fn tokenizer(args: &TrainArgs) -> anyhow::Result<Option<Arc<HfTokenizer>>> {
-    let Some(path) = &args.llama.tokenizer else { return Ok(None) };
+    let Some(path) = &args.job.tokenizer else { return Ok(None) };
     let tok = HfTokenizer::from_file(path).map_err(|e| usage(format!("--tokenizer {e}")))?;
     tok.eos().map_err(|e| usage(format!("--tokenizer {}: {e}", path.display())))?;
     Ok(Some(Arc::new(tok)))
@@ -191,15 +179,15 @@ fn tokenizer(args: &TrainArgs) -> anyhow::Result<Option<Arc<HfTokenizer>>> {
 /// tokens of a model made from flags, and tokenizes `--text`.
 fn spec_with(args: &TrainArgs, steps: u64, tokenizer: Option<&HfTokenizer>) -> anyhow::Result<TrainSpec<LlamaModel>> {
     let world = args.world();
-    let (cfg, init) = match &args.llama.init_from {
+    let (cfg, init) = match &args.job.init_from {
         Some(dir) => {
             let hf = llama_hf::open(dir).map_err(|e| usage(format!("--init-from: {e}")))?;
             (hf.config, hf.params)
         }
         None => {
-            let mut cfg = args.llama_config();
+            let mut cfg = args.job.llama_config();
             if let Some(tok) = tokenizer {
-                if args.llama.vocab.is_none() {
+                if args.job.vocab.is_none() {
                     cfg.vocab_size = tok.vocab_size();
                 }
                 cfg.bos_token_id = tok.bos_id().map(|id| id as usize);
@@ -216,19 +204,15 @@ fn spec_with(args: &TrainArgs, steps: u64, tokenizer: Option<&HfTokenizer>) -> a
             "--tokenizer has {} tokens, more than the model's vocabulary of {}{}",
             tok.vocab_size(),
             cfg.vocab_size,
-            if args.llama.init_from.is_some() {
-                ""
-            } else {
-                " (raise --vocab, or leave it out to take the tokenizer's)"
-            }
+            if args.job.init_from.is_some() { "" } else { " (raise --vocab, or leave it out to take the tokenizer's)" }
         )));
     }
-    let global = world * args.batch;
-    let data = match &args.llama.data {
+    let global = world * args.job.batch;
+    let data = match &args.job.data {
         Some(path) => {
             let tokens = chorus_train::npy::read_tokens(path).map_err(|e| usage(format!("--data: {e}")))?;
             // The rows give the length; a --seq-len that disagrees is a mistake, not a setting.
-            if let Some(seq) = args.seq_len.filter(|s| *s + 1 != tokens.cols) {
+            if let Some(seq) = args.job.seq_len.filter(|s| *s + 1 != tokens.cols) {
                 return Err(usage(format!(
                     "--seq-len {seq}: --data {} has rows of {} tokens, i.e. sequences of {} (give that, or leave --seq-len out)",
                     path.display(),
@@ -245,14 +229,14 @@ fn spec_with(args: &TrainArgs, steps: u64, tokenizer: Option<&HfTokenizer>) -> a
             let (Some(tok), Some(path)) = (tokenizer, &args.text) else {
                 return Err(usage("--tokenizer without --data needs --text FILE (the text it tokenizes)"));
             };
-            let (tokens, packed) = crate::tokenize::rows_in_memory(tok, path, args.seq_len())?;
+            let (tokens, packed) = crate::tokenize::rows_in_memory(tok, path, args.job.seq_len())?;
             eprintln!(
                 "--text {}: {} documents, {} tokens into {} rows of {} ({} tail tokens dropped)",
                 path.display(),
                 packed.documents,
                 packed.tokens,
                 packed.rows,
-                args.seq_len() + 1,
+                args.job.seq_len() + 1,
                 packed.dropped
             );
             Data::Tokens(
@@ -268,29 +252,18 @@ fn spec_with(args: &TrainArgs, steps: u64, tokenizer: Option<&HfTokenizer>) -> a
                     text::vocab_size()
                 )));
             }
-            let corpus = match &args.text {
-                Some(path) => read_text(path)?,
-                None => text::generate(200_000, args.seed),
-            };
-            let seq_len = args.seq_len();
-            Data::Text(TextData::new(text::encode(&corpus), seq_len, args.seed).ok_or_else(|| {
-                usage(format!(
-                    "the text has {} characters; --seq-len {seq_len} needs at least {}",
-                    corpus.len(),
-                    seq_len + 2
-                ))
-            })?)
+            Data::Text(text_data(args, args.job.seq_len())?)
         }
     };
     let (data, validation) = validation(args, data, cfg.vocab_size, global)?;
-    args.check_llama_memory(&cfg, world, data.seq_len())?;
+    memory::check_llama(args, &cfg, data.seq_len())?;
     let checkpoint_dir = (args.save_every.is_some() || args.checkpoint_dir.is_some()).then(|| args.checkpoint_dir());
     let model = LlamaModel { config: Arc::new(cfg), init };
     Ok(TrainSpec {
-        fsdp: args.fsdp_config(),
-        replicate: args.hsdp,
-        micro_batches: args.micro_batches,
-        max_grad_norm: args.max_grad_norm,
+        fsdp: args.job.fsdp_config(),
+        replicate: args.job.hsdp,
+        micro_batches: args.job.micro_batches,
+        max_grad_norm: args.job.max_grad_norm,
         checkpoint_dir,
         save_every: args.save_every.unwrap_or(0),
         keep_last: args.keep_last,
@@ -298,10 +271,10 @@ fn spec_with(args: &TrainArgs, steps: u64, tokenizer: Option<&HfTokenizer>) -> a
         allow_optimizer_change: args.allow_optimizer_change,
         allow_nonfinite: args.allow_nonfinite,
         op_times: args.op_times,
-        recompute: args.recompute.clone(),
+        recompute: args.recompute(),
         schedule: args.decoder.schedule(),
         validation,
-        ..TrainSpec::new(model, Arc::new(data), args.batch, steps, args.optimizer())
+        ..TrainSpec::new(model, Arc::new(data), args.job.batch, steps, args.job.optimizer())
     })
 }
 
@@ -311,7 +284,7 @@ fn spec_with(args: &TrainArgs, steps: u64, tokenizer: Option<&HfTokenizer>) -> a
 /// not know, so a sample of them is refused.
 fn sample(args: &TrainArgs, tokenizer: Option<&Arc<HfTokenizer>>) -> anyhow::Result<Option<Sample>> {
     let Some(prompt) = &args.decoder.sample_prompt else { return Ok(None) };
-    let codec: Arc<dyn TextCodec> = match (tokenizer, &args.llama.data) {
+    let codec: Arc<dyn TextCodec> = match (tokenizer, &args.job.data) {
         (Some(tok), _) => tok.clone(),
         (None, Some(_)) => {
             return Err(usage(
@@ -372,7 +345,7 @@ fn validation(args: &TrainArgs, data: Data, vocab: usize, global: usize) -> anyh
 /// consolidated into a Hugging Face directory.
 fn record_config(dir: &Path, cfg: &LlamaConfig) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let path = dir.join(CHECKPOINT_CONFIG);
+    let path = dir.join(LLAMA_CONFIG_FILE);
     // The checkpoints there are of the recorded configuration: another one
     // would make `chorus consolidate` read them as this run's model.
     if let Ok(text) = std::fs::read_to_string(&path) {
@@ -382,12 +355,12 @@ fn record_config(dir: &Path, cfg: &LlamaConfig) -> anyhow::Result<()> {
             return Err(usage(format!(
                 "--checkpoint-dir {} holds checkpoints of another Llama configuration ({}); choose another directory",
                 dir.display(),
-                changes.map_or_else(|| format!("{CHECKPOINT_CONFIG} unreadable"), |c| c.join(", "))
+                changes.map_or_else(|| format!("{LLAMA_CONFIG_FILE} unreadable"), |c| c.join(", "))
             )));
         }
         return Ok(());
     }
-    let tmp = dir.join(format!(".{CHECKPOINT_CONFIG}.tmp"));
+    let tmp = dir.join(format!(".{LLAMA_CONFIG_FILE}.tmp"));
     write_file(&tmp, serde_json::to_string_pretty(&cfg.to_hf_json("float32"))?.as_bytes())?;
     std::fs::rename(&tmp, &path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
 }

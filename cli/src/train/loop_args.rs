@@ -1,13 +1,13 @@
 //! The arguments of the decoder models' training loop (`--model gpt` and
-//! `llama`) beyond the model and the FSDP settings: the lr schedule, the
-//! global batch, validation and the closing sample; and their checks.
+//! `llama`) beyond the job ([`crate::job`]): the lr schedule, validation and
+//! the closing sample; and their checks.
 
 use std::path::PathBuf;
 
 use chorus_train::schedule::{Decay, Schedule};
 
-use super::usage;
-use super::ModelArg;
+use crate::job::ModelArg;
+use crate::usage;
 
 /// The rows `--val-batches` gives when it is left out (or fewer, where the
 /// validation data holds fewer global batches).
@@ -25,9 +25,6 @@ pub struct LoopArgs {
     /// gpt, llama: the lr --lr-decay ends at (absolute, at most --lr).
     #[arg(long, default_value_t = 0.0)]
     pub min_lr: f64,
-    /// Sequences per step over all ranks, instead of --batch (per rank): --batch = G / world size.
-    #[arg(long, conflicts_with = "batch")]
-    pub global_batch: Option<usize>,
     /// llama: validation token ids as .npy, the format of --data.
     #[arg(long, conflicts_with = "val_fraction")]
     pub val_data: Option<PathBuf>,
@@ -61,18 +58,6 @@ impl LoopArgs {
         self.val_data.is_some() || self.val_fraction.is_some()
     }
 
-    /// The per-rank batch `--global-batch` gives over `world` ranks (every
-    /// rank is a data-parallel rank, under HSDP too); `None` without it.
-    pub(super) fn batch_of_global(&self, world: usize) -> anyhow::Result<Option<usize>> {
-        match self.global_batch {
-            Some(g) if g == 0 || world == 0 || g % world != 0 => {
-                Err(usage(format!("--global-batch {g} must be a positive multiple of the world size {world}")))
-            }
-            Some(g) => Ok(Some(g / world)),
-            None => Ok(None),
-        }
-    }
-
     /// The checks that need no file: which model takes which flag, the
     /// schedule against the run's `steps` and base `lr`, the validation's
     /// combinations.
@@ -97,6 +82,13 @@ impl LoopArgs {
             if let Some((_, name)) = llama_only.iter().find(|(given, _)| *given) {
                 return Err(usage(format!("{name} is for --model llama")));
             }
+        }
+        // Without a decay the lr never falls to it: a --min-lr alone would do nothing.
+        if self.min_lr != 0.0 && self.lr_decay == Decay::None {
+            return Err(usage(format!(
+                "--min-lr {} is where --lr-decay ends; give --lr-decay linear or cosine",
+                self.min_lr
+            )));
         }
         self.schedule().validate(steps, lr).map_err(usage)?;
         if self.val_fraction.is_some() && !has_data {

@@ -14,10 +14,11 @@ use chorus_train::npy;
 use chorus_train::train::{Dataset, TrainSpec};
 use serde_json::json;
 
-use super::ranks::{run_on, writes_outputs, MlpJob};
-use super::{median, run_with_progress, say, span, summarize, usage, TrainArgs};
+use super::args::TrainArgs;
+use super::ranks::{run_on, run_with_progress, writes_outputs, MlpJob};
+use super::report::{median, say, span, summarize};
 use crate::outdir::{write_file, OutDir};
-use crate::Outcome;
+use crate::{usage, Outcome};
 
 /// Loads `layers.{i}.weight.npy`/`layers.{i}.bias.npy` (consecutive from 0) and `x.npy`/`y.npy`.
 fn load_init(dir: &Path) -> anyhow::Result<(Vec<Vec<ParamInit>>, Dataset)> {
@@ -78,25 +79,25 @@ fn save_init(dir: &Path, layers: &[Vec<ParamInit>], data: &Dataset) -> anyhow::R
 pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let world = args.world();
     let steps = args.steps();
-    let rows = world * args.batch;
-    let (layers, data) = match &args.init_dir {
+    let rows = world * args.job.batch;
+    let (layers, data) = match &args.job.init_dir {
         Some(dir) => load_init(dir)?,
         None => {
-            let dims = args.dims();
+            let dims = args.job.dims();
             let data = Dataset::random(dims[0], dims[dims.len() - 1], rows, steps.clamp(1, 16) as usize, args.seed);
             (init_layers(&dims, args.seed), data)
         }
     };
     // One rank per process: rank 0 writes the outputs.
     let out = if writes_outputs(args.backend) {
-        let inside: Vec<(&str, &Path)> = args.init_dir.iter().map(|p| ("--init-dir", p.as_path())).collect();
+        let inside: Vec<(&str, &Path)> = args.job.init_dir.iter().map(|p| ("--init-dir", p.as_path())).collect();
         let out = OutDir::acquire(&args.out_dir(), "train", &inside)?;
         super::outputs::write_config(args, &out)?;
         Some(out)
     } else {
         None
     };
-    if let (Some(out), None) = (&out, &args.init_dir) {
+    if let (Some(out), None) = (&out, &args.job.init_dir) {
         save_init(&out.stage().join("init"), &layers, &data)?;
     }
     // The trained parameters, one `.npy` per parameter, gathered and written one at a time.
@@ -107,12 +108,12 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         collect_params: false,
         layers,
         data: Arc::new(data),
-        batch: args.batch,
+        batch: args.job.batch,
         steps: usize::try_from(steps).map_err(|_| usage(format!("--steps {steps} is too large")))?,
-        optimizer: args.optimizer(),
-        fsdp: args.fsdp_config(),
-        replicate: args.hsdp,
-        max_grad_norm: args.max_grad_norm,
+        optimizer: args.job.optimizer(),
+        fsdp: args.job.fsdp_config(),
+        replicate: args.job.hsdp,
+        max_grad_norm: args.job.max_grad_norm,
         stop_on_nonfinite: !args.allow_nonfinite,
     };
     let reports = run_with_progress(args.backend, world, MlpJob(spec.clone()), steps, None)?;
@@ -168,18 +169,18 @@ pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
             "model": "mlp",
             "backend": args.backend.name(),
             "world_size": world,
-            "hsdp": args.hsdp,
+            "hsdp": args.job.hsdp,
             "steps": steps,
-            "batch": args.batch,
+            "batch": args.job.batch,
             "optimizer": optimizer_json(spec.optimizer),
-            "param_dtype": args.param_dtype.name(),
-            "reduce_dtype": args.reduce_dtype.unwrap_or(args.param_dtype).name(),
-            "reshard_after_forward": args.reshard_after_forward.to_string(),
+            "param_dtype": args.job.param_dtype.name(),
+            "reduce_dtype": args.job.reduce_dtype.unwrap_or(args.job.param_dtype).name(),
+            "reshard_after_forward": args.job.reshard_after_forward.to_string(),
             "dims": dims,
-            "replicate_below": args.replicate_below,
-            "max_grad_norm": args.max_grad_norm,
+            "replicate_below": args.job.replicate_below,
+            "max_grad_norm": args.job.max_grad_norm,
             "seed": args.seed,
-            "init_dir": args.init_dir.as_ref().map(|p| p.display().to_string()),
+            "init_dir": args.job.init_dir.as_ref().map(|p| p.display().to_string()),
         },
     });
     let path = out.stage().join("summary.json");
@@ -209,9 +210,9 @@ fn nonfinite(step: usize, loss: f64) -> anyhow::Error {
 
 /// `chorus train --bench` on the mlp: FSDP step time and host overhead for world sizes 1, 2, 4, 8.
 pub(super) fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
-    let dims = match (&args.dims, args.layers, args.width) {
+    let dims = match (&args.job.dims, args.job.layers, args.job.width) {
         (None, None, None) => vec![64; 65],
-        _ => args.dims(),
+        _ => args.job.dims(),
     };
     let warmup = 3;
     let steps = usize::try_from(args.steps()).map_err(|_| usage("--steps is too large"))?;
@@ -220,9 +221,9 @@ pub(super) fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
             "# chorus train --bench: MLP {} layers (widths {}..), batch {}/rank, {} timed steps after {warmup}, param dtype {}, backend {} (sim: sanitizer off)",
             dims.len() - 1,
             dims[0],
-            args.batch,
+            args.job.batch,
             steps,
-            args.param_dtype,
+            args.job.param_dtype,
             args.backend
         ))?;
         say(format_args!("# overhead = host time inside FSDP's hooks (they only enqueue) / (groups x steps); of it CPU = the rank thread's own CPU time there, the rest is waiting (blocked, or for a core)"))?;
@@ -239,14 +240,14 @@ pub(super) fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
             .map_err(anyhow::Error::msg)?
     });
     for world in [1, 2, 4, 8].into_iter().filter(|w| *w <= max_world) {
-        let data = Dataset::random(dims[0], dims[dims.len() - 1], world * args.batch, 4, args.seed);
+        let data = Dataset::random(dims[0], dims[dims.len() - 1], world * args.job.batch, 4, args.seed);
         let spec = TrainSpec {
             layers: init_layers(&dims, args.seed),
             data: Arc::new(data),
-            batch: args.batch,
+            batch: args.job.batch,
             steps: steps + warmup,
-            optimizer: args.optimizer(),
-            fsdp: args.fsdp_config(),
+            optimizer: args.job.optimizer(),
+            fsdp: args.job.fsdp_config(),
             replicate: None,
             max_grad_norm: None,
             stop_on_nonfinite: false,
@@ -272,7 +273,7 @@ pub(super) fn bench(args: &TrainArgs) -> anyhow::Result<Outcome> {
             say(format_args!(
                 "{}",
                 json!({"world_size": world, "groups": r.groups, "layers": dims.len() - 1, "width": dims[1],
-                       "batch": args.batch, "median_step_time_s": step, "host_overhead_per_group_per_step_s": overhead,
+                       "batch": args.job.batch, "median_step_time_s": step, "host_overhead_per_group_per_step_s": overhead,
                        "host_overhead_cpu_per_group_per_step_s": overhead_cpu,
                        "host_overhead_waiting_per_group_per_step_s": (overhead - overhead_cpu).max(0.0),
                        "peak_memory_bytes": peak,

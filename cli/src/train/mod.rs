@@ -14,53 +14,48 @@
 //! loss that stops being finite stops the run, which then writes its
 //! summary marked failed.
 //!
-//! `args.rs` holds the arguments and every check made before anything is
-//! written; `job.rs` reads `--config`'s job file into them and writes the
-//! effective configuration back (`config.toml`); `ranks.rs` runs a job on the ranks of any backend; `resume.rs` checks a
-//! `--resume` checkpoint against the run; `mlp.rs`,
-//! `gpt.rs` and `llama.rs` train each model and write its outputs (`gpt.rs`
-//! also the mixture-of-experts transformer, `--model moe`, described in `moe.rs`); `gpt_bench.rs` measures
-//! the transformer against plain candle (the MLP's benchmark is in `mlp.rs`);
-//! `throughput.rs` gives the candle models' tokens/s and MFU, `op_times.rs`
-//! their fused ops' time per step (`--op-times`).
+//! This file only dispatches. The job (model, data shape, FSDP, optimizer,
+//! dtypes) is [`crate::job`]'s, shared with `chorus plan`; `args.rs` holds
+//! the run's own arguments and their checks, `memory.rs` the memory check,
+//! `loop_args.rs` the decoder loop's (schedule, validation, sample);
+//! `ranks.rs` runs a job on the ranks of any backend; `resume.rs` checks a
+//! `--resume` checkpoint against the run; `mlp.rs`, `gpt.rs` (and `moe.rs`)
+//! and `llama.rs` train each model, `text_data.rs` reads the text they train
+//! on, `outputs.rs` writes what the decoders' runs write alike; `gpt_bench.rs`
+//! measures the transformer against plain candle (the MLP's benchmark is in
+//! `mlp.rs`); `throughput.rs` gives tokens/s and MFU, `op_times.rs` the fused
+//! ops' time per step (`--op-times`); `report.rs` holds what every run says
+//! (lines on stdout, medians, loss summaries).
 
 mod args;
 mod gpt;
 mod gpt_bench;
-mod job;
 mod llama;
 mod loop_args;
+mod memory;
 mod mlp;
 mod moe;
 mod op_times;
 mod outputs;
 mod ranks;
+mod report;
 mod resume;
+mod text_data;
 mod throughput;
 
-use std::io::Write;
+pub use args::{SaveDtypeArg, TrainArgs};
 
-use anyhow::Context;
-use indicatif::{ProgressBar, ProgressStyle};
+use crate::job::ModelArg;
+use crate::Outcome;
 
-pub(crate) use args::parse_all_gather_dtype;
-pub use args::{BenchPart, ModelArg, SaveDtypeArg, TrainArgs};
-pub(crate) use llama::CHECKPOINT_CONFIG as LLAMA_CHECKPOINT_CONFIG;
-pub(crate) use ranks::{progress, RankJob};
-
-use crate::backends::Backend;
-use crate::{Outcome, UsageError};
-
-/// Runs `chorus train`.
-pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
+/// Runs `chorus train`, its arguments read from this process's command
+/// line with `--config`'s file.
+pub fn run() -> anyhow::Result<Outcome> {
     // SIGUSR1 (a flight-recorder dump) must not end the run while it reads or tokenizes its data.
     chorus_collectives::recorder::answer_signals();
-    // Read back from the command line with --config's file and each value's source.
-    let args = &job::resolve_process(args)?;
-    // --global-batch resolved into the per-rank batch it implies.
-    let resolved = args.with_global_batch()?;
-    let args = resolved.as_ref().unwrap_or(args);
+    let args = &TrainArgs::resolve()?;
     args.usage()?;
+    memory::check(args)?;
     throughput::check_peak(args)?;
     op_times::check(args)?;
     match (args.model(), args.bench) {
@@ -68,93 +63,9 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
         (ModelArg::Gpt, false) => gpt::run::<chorus_train::models::gpt::GptModel>(args),
         (ModelArg::Moe, false) => gpt::run::<chorus_train::models::moe::MoeModel>(args),
         // Refused by `usage` above already.
-        (ModelArg::Moe, true) => Err(usage(args::NO_MOE_BENCH)),
+        (ModelArg::Moe, true) => Err(crate::usage(args::NO_MOE_BENCH)),
         (ModelArg::Mlp, true) => mlp::bench(args),
-        (ModelArg::Gpt, true) => gpt_bench::run(args),
+        (ModelArg::Gpt | ModelArg::Llama, true) => gpt_bench::run(args),
         (ModelArg::Llama, false) => llama::run(args),
-        (ModelArg::Llama, true) => gpt_bench::run(args),
     }
-}
-
-/// The text of a `--text` file (either model's): UTF-8, or else Latin-1
-/// (every byte one character), so that any file reads; characters outside
-/// the vocabulary become spaces when encoded. Only a regular file is read
-/// (a FIFO would block the run).
-fn read_text(path: &std::path::Path) -> anyhow::Result<String> {
-    let bad = |e: std::io::Error| usage(format!("--text {}: {e}", path.display()));
-    chorus_train::npy::regular_file(path).map_err(bad)?;
-    let bytes = std::fs::read(path).map_err(bad)?;
-    Ok(String::from_utf8(bytes).unwrap_or_else(|e| e.into_bytes().iter().map(|b| char::from(*b)).collect()))
-}
-
-fn usage(msg: impl Into<String>) -> anyhow::Error {
-    UsageError(msg.into()).into()
-}
-
-fn median(values: &[f64]) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_by(|a, b| a.total_cmp(b));
-    match v.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
-
-fn mean(v: &[f64]) -> f64 {
-    v.iter().sum::<f64>() / v.len().max(1) as f64
-}
-
-/// Writes a line to stdout; a closed pipe or a full disk is an error the
-/// caller returns (main ends a broken pipe quietly), never a panic.
-fn say(line: std::fmt::Arguments<'_>) -> anyhow::Result<()> {
-    let mut out = std::io::stdout().lock();
-    out.write_fmt(line).and_then(|_| out.write_all(b"\n")).and_then(|_| out.flush()).context("writing to stdout")
-}
-
-/// The honest summary of a loss curve: the mean of the first and of the
-/// last `window` steps (a tenth of the run, at least one step).
-struct LossSummary {
-    window: usize,
-    start: f64,
-    end: f64,
-}
-
-/// `n` steps from `first`, as a closing line names them: "step 7" or "steps 7-9".
-fn span(first: u64, n: usize) -> String {
-    match n {
-        0 | 1 => format!("step {first}"),
-        n => format!("steps {first}-{}", first + n as u64 - 1),
-    }
-}
-
-fn summarize(losses: &[f64]) -> LossSummary {
-    let window = (losses.len() / 10).max(1);
-    LossSummary {
-        window,
-        start: mean(&losses[..window.min(losses.len())]),
-        end: mean(&losses[losses.len().saturating_sub(window)..]),
-    }
-}
-
-/// Runs `job` on `world` ranks of `backend` ([`ranks::run_on`]) behind a
-/// progress bar of its `steps` steps (with the `throughput` where given),
-/// cleared when the ranks are done.
-fn run_with_progress<J: RankJob>(
-    backend: Backend,
-    world: usize,
-    job: J,
-    steps: u64,
-    throughput: Option<&throughput::Throughput>,
-) -> anyhow::Result<Vec<J::Report>> {
-    let bar = ProgressBar::new(steps);
-    bar.set_style(match throughput {
-        Some(t) => t.style(),
-        None => ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg} ({elapsed})")
-            .map(|s| s.progress_chars("=> "))
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    });
-    let reports = ranks::run_on(backend, world, job, Some(bar.clone()));
-    bar.finish_and_clear();
-    reports
 }

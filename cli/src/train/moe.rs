@@ -6,14 +6,15 @@
 use chorus_train::models::moe::{init_params, MoeModel};
 use serde_json::json;
 
+use super::args::TrainArgs;
 use super::gpt::CliDecoder;
 use super::throughput::Throughput;
-use super::{ModelArg, TrainArgs};
+use crate::job::ModelArg;
 
 impl CliDecoder for MoeModel {
     const FLAG: (ModelArg, &'static str) = (ModelArg::Moe, "moe");
     fn from_args(args: &TrainArgs) -> anyhow::Result<Self> {
-        let cfg = args.moe_config();
+        let cfg = args.job.moe_config();
         Ok(MoeModel { config: cfg, init: init_params(&cfg, args.seed)? })
     }
     fn seq_len(&self) -> usize {

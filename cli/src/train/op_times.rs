@@ -5,7 +5,10 @@
 use chorus_kernels::timing::{OpKind, OpTime};
 use serde_json::{json, Map, Value};
 
-use super::{median, usage, ModelArg, TrainArgs};
+use super::args::TrainArgs;
+use super::report::median;
+use crate::job::ModelArg;
+use crate::usage;
 
 /// `--op-times` times the decoder models' training steps: not the MLP
 /// (it calls no fused op), not `--bench`.

@@ -1,17 +1,20 @@
 //! What the candle models' runs (`--model gpt`, `--model llama`) write and
 //! say alike: the locked out-dir and checkpoint directory (with the run's
-//! `config.toml`), the summary's
-//! common part, a failed run's summary and curve, and the closing line.
+//! `config.toml`), the run on the ranks to its end, the summary's common
+//! part, a failed run's summary and curve, and the closing line.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use chorus_train::decoder::{NonFinite, TrainReport};
-use serde_json::json;
+use chorus_fsdp_candle::checkpoint::optimizer_json;
+use chorus_train::decoder::{NonFinite, TrainReport, TrainSpec};
+use chorus_train::models::DecoderModel;
+use serde_json::{json, Map, Value};
 
-use super::ranks::writes_outputs;
+use super::args::TrainArgs;
+use super::ranks::{run_with_progress, writes_outputs, DecoderJob};
+use super::report::{median, span, summarize, LossSummary};
 use super::throughput::Throughput;
-use super::{median, span, summarize, LossSummary, TrainArgs};
 use crate::outdir::{write_file, CheckpointDir, OutDir};
 use crate::Outcome;
 
@@ -36,11 +39,84 @@ pub(super) fn acquire(
 }
 
 /// Stages the run's effective configuration as `config.toml` (from
-/// [`super::job`]), so the out-dir alone repeats the run.
+/// [`crate::job::file`]), so the out-dir alone repeats (and plans) the run.
 pub(super) fn write_config(args: &TrainArgs, out: &OutDir) -> anyhow::Result<()> {
     match &args.effective {
-        Some(e) => write_file(&out.stage().join("config.toml"), e.text.as_bytes()),
+        Some(text) => write_file(&out.stage().join("config.toml"), text.as_bytes()),
         None => Ok(()),
+    }
+}
+
+/// Runs a decoder's `spec` on the ranks behind the progress bar, to its
+/// end: where this process writes the outputs (into `out`), a run stopped
+/// by a non-finite loss writes its failed summary and returns the error;
+/// a completed one hands `end` the finished run, the out-dir and the
+/// summary's common part (with `config(start_step)`), for the model's own
+/// keys and files, the commit and the closing lines.
+pub(super) fn run_to_end<M: DecoderModel + Clone + 'static>(
+    args: &TrainArgs,
+    spec: &TrainSpec<M>,
+    out: Option<OutDir>,
+    model: &str,
+    throughput: &Throughput,
+    config: impl FnOnce(u64) -> Value,
+    end: impl FnOnce(&Finished<'_>, OutDir, Map<String, Value>) -> anyhow::Result<()>,
+) -> anyhow::Result<Outcome> {
+    let reports =
+        run_with_progress(args.backend, args.world(), DecoderJob(spec.clone()), args.steps(), Some(throughput))?;
+    let Some(out) = out.filter(|_| !reports.is_empty()) else {
+        return match reports.first().and_then(|r| r.stopped) {
+            Some(stop) => Err(stop.error().into()),
+            None => Ok(Outcome::Passed),
+        };
+    };
+    let run = Finished::of(&reports)?;
+    let config = config(run.first().start_step);
+    if let Some(stop) = run.first().stopped {
+        return run.fail(out, model, stop, config);
+    }
+    let summary = run.summary(model, config, throughput);
+    end(&run, out, summary)?;
+    Ok(Outcome::Passed)
+}
+
+/// The run's configuration as a decoder's summary records it: what every
+/// decoder's run has; the caller adds its model's keys.
+pub(super) fn config_json<M>(
+    args: &TrainArgs,
+    spec: &TrainSpec<M>,
+    start_step: u64,
+    optimizer_changes: &[String],
+) -> Map<String, Value> {
+    let job = &args.job;
+    let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
+    let config = json!({
+        "model": format!("{:?}", job.model()).to_lowercase(),
+        "backend": args.backend.name(),
+        "world_size": args.world(),
+        "hsdp": job.hsdp,
+        "steps": spec.steps,
+        "batch": job.batch,
+        "micro_batches": job.micro_batches,
+        "lr_schedule": spec.schedule,
+        "optimizer": optimizer_json(spec.optimizer),
+        "optimizer_changes": optimizer_changes,
+        "param_dtype": job.param_dtype.name(),
+        "reduce_dtype": job.reduce_dtype.unwrap_or(job.param_dtype).name(),
+        "reshard_after_forward": job.reshard_after_forward.to_string(),
+        "recompute": job.recompute.to_string(),
+        "max_grad_norm": job.max_grad_norm,
+        "seed": args.seed,
+        "text": path(&args.text),
+        "resume": path(&args.resume),
+        "start_step": start_step,
+        "save_every": args.save_every,
+        "keep_last": args.keep_last,
+        "checkpoint_dir": path(&spec.checkpoint_dir),
+    });
+    match config {
+        Value::Object(map) => map,
+        _ => Map::new(),
     }
 }
 
@@ -147,6 +223,8 @@ impl<'a> Finished<'a> {
             "median_step_time_s": median(&self.first.step_times_s),
             "peak_memory_bytes": self.reports.iter().map(|r| r.peak_memory_bytes).collect::<Vec<_>>(),
             "peak_host_memory_bytes": self.reports.iter().map(|r| r.peak_host_memory_bytes).collect::<Vec<_>>(),
+            // The whole process as the kernel counts it (VmHWM), beside FSDP's per-rank counts above.
+            "process_peak_resident_bytes": chorus_train::decoder::memory::peak_resident_bytes(),
             "fsdp_host_overhead_per_group_per_step_s":
                 self.first.overhead.total.as_secs_f64() / (self.first.groups.max(1) as f64 * ran),
             "adapter_transfer_per_step_s": self.first.adapter.transfer.as_secs_f64() / ran,

@@ -1,6 +1,7 @@
 //! Running a job on the ranks of any backend: threads of this process for
 //! the simulated backends and the NCCL family without a launcher, one rank
-//! per process under a launcher (`crate::process`).
+//! per process under a launcher (this process's rank, its job joined
+//! through `crate::process`).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -14,8 +15,9 @@ use chorus_fsdp::Fsdp;
 use chorus_train::decoder::{self, train_sharded, TrainReport};
 use chorus_train::models::DecoderModel;
 use chorus_train::train::{train, RankReport, TrainSpec};
-use indicatif::ProgressBar;
+use indicatif::{ProgressBar, ProgressStyle};
 
+use super::throughput::Throughput;
 use crate::backends::Backend;
 
 /// What every rank runs: the MLP, the transformer or the Llama.
@@ -198,14 +200,37 @@ pub(super) fn run_on<J: RankJob>(
     crate::with_backend!(
         backend,
         sim => run_sim(world, job, bar),
-        ucx => crate::process::train_ucx(process, world, &job, bar),
+        ucx => train_ucx(process, world, &job, bar),
         vendor<L> => match process {
-            Some(p) => crate::process::train_vendor::<L, J>(p, world, &job, bar),
+            Some(p) => train_vendor::<L, J>(p, world, &job, bar),
             None => run_vendor::<L, J>(world, job, bar),
         }
     )
 }
 
+/// Runs `job` on `world` ranks of `backend` ([`run_on`]) behind a
+/// progress bar of its `steps` steps (with the `throughput` where given),
+/// cleared when the ranks are done.
+pub(super) fn run_with_progress<J: RankJob>(
+    backend: Backend,
+    world: usize,
+    job: J,
+    steps: u64,
+    throughput: Option<&Throughput>,
+) -> anyhow::Result<Vec<J::Report>> {
+    let bar = ProgressBar::new(steps);
+    bar.set_style(match throughput {
+        Some(t) => t.style(),
+        None => ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg} ({elapsed})")
+            .map(|s| s.progress_chars("=> "))
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    });
+    let reports = run_on(backend, world, job, Some(bar.clone()));
+    bar.finish_and_clear();
+    reports
+}
+
+/// Counts rank 0's step on the progress bar, with its loss.
 pub(crate) fn progress(rank: usize, bar: &Option<ProgressBar>, loss: f64) {
     if let (0, Some(b)) = (rank, bar) {
         b.set_message(format!("loss {loss:.4}"));
@@ -272,4 +297,78 @@ pub(super) fn run_sim<J: RankJob>(world: usize, job: J, bar: Option<ProgressBar>
         .enumerate()
         .map(|(rank, r)| r.map_err(anyhow::Error::from).and_then(|v| v.with_context(|| format!("rank {rank}"))))
         .collect()
+}
+
+/// Trains on this process's rank of the job with `comm`; rank 0 returns its
+/// report (the one `chorus train` writes out), the other ranks none.
+fn train_rank<C, J>(
+    p: &crate::process::RankProcess,
+    comm: chorus_collectives::Communicator<C>,
+    job: &J,
+    bar: Option<indicatif::ProgressBar>,
+) -> anyhow::Result<Vec<J::Report>>
+where
+    C: chorus_collectives::CommBackend + 'static,
+    C::B: chorus_devices::ComputeBackend,
+    J: RankJob,
+    chorus_fsdp::Fsdp<C>: Send,
+{
+    let rank = p.env.rank;
+    let report =
+        job.run(Arc::new(comm), &mut |_, loss| progress(rank, &bar, loss)).with_context(|| format!("rank {rank}"))?;
+    p.finish("train", Duration::from_secs(300))?;
+    Ok(if rank == 0 { vec![report] } else { Vec::new() })
+}
+
+/// `chorus train --backend ucx`: this process's rank over UCX (`process`:
+/// the job, when the caller has joined it already; the store is joined once).
+#[cfg(feature = "ucx")]
+fn train_ucx<J: RankJob>(
+    process: Option<crate::process::RankProcess>,
+    world: usize,
+    job: &J,
+    bar: Option<indicatif::ProgressBar>,
+) -> anyhow::Result<Vec<J::Report>> {
+    use chorus_collectives::ucx::UcxComm;
+    use chorus_devices::cpu::{CpuConfig, CpuDevice};
+    let p = match process {
+        Some(p) => p,
+        None => crate::process::RankProcess::require("ucx")?,
+    };
+    p.check_world_size(world)?;
+    let timeout = crate::process::RankProcess::ucx_timeout(Duration::from_secs(300));
+    // SAFETY: as for the sim backend's training ([`run_sim`]): FSDP
+    // orders every cross-stream access with events, which the conformance
+    // suite checks with the sanitizer on.
+    let config = unsafe {
+        CpuConfig::default()
+            .with_ordinal(p.env.rank)
+            .with_timeout(timeout * 2 + Duration::from_secs(10))
+            .without_sanitizer()
+    };
+    let ucx = p.ucx_config("train/ucx", timeout);
+    let comm = UcxComm::init(p.store(), p.env.rank, p.env.world_size, CpuDevice::new(config), ucx)?;
+    train_rank(&p, comm, job, bar)
+}
+
+/// `chorus train --backend nccl|rccl` under a launcher: this process's rank,
+/// its GPU picked by `LOCAL_RANK`, the unique id through the job's store.
+fn train_vendor<L, J: RankJob>(
+    p: crate::process::RankProcess,
+    world: usize,
+    job: &J,
+    bar: Option<indicatif::ProgressBar>,
+) -> anyhow::Result<Vec<J::Report>>
+where
+    L: chorus_collectives::nccl_family::VendorLib,
+    L::B: chorus_conformance::vendor::HarnessDevice + chorus_devices::ComputeBackend,
+    chorus_fsdp::Fsdp<chorus_collectives::nccl_family::VendorComm<L>>: Send,
+{
+    use chorus_collectives::nccl_family::{VendorComm, VendorConfig};
+    use chorus_conformance::vendor::HarnessDevice;
+    p.check_world_size(world)?;
+    let device = L::B::make(p.env.local_rank, Duration::from_secs(300))?;
+    let config = VendorConfig { store_key: format!("{}/unique_id", p.prefix("train/nccl")), ..VendorConfig::default() };
+    let comm = VendorComm::<L>::init(&*p.store(), p.env.rank, p.env.world_size, device, config)?;
+    train_rank(&p, comm, job, bar)
 }

@@ -10,7 +10,9 @@ use anyhow::Context;
 use chorus_fsdp::OptimizerKind;
 use chorus_fsdp_candle::checkpoint;
 
-use super::{usage, ModelArg, TrainArgs};
+use super::args::TrainArgs;
+use crate::job::ModelArg;
+use crate::usage;
 
 /// The model whose configuration a checkpoint records, by its fields
 /// (`chorus train` records the transformer's `GptConfig` or the Llama's

@@ -21,7 +21,10 @@ use chorus_train::models::gpt::GptConfig;
 use chorus_train::models::llama::config::LlamaConfig;
 use chorus_train::models::moe::MoeConfig;
 
-use super::{median, usage, ModelArg, TrainArgs};
+use super::args::TrainArgs;
+use super::report::median;
+use crate::job::ModelArg;
+use crate::usage;
 
 /// What one step computes and against which peak.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -118,7 +121,7 @@ impl Throughput {
 
     fn of(args: &TrainArgs, seq_len: usize, flops_per_token: f64) -> Throughput {
         Throughput {
-            tokens_per_rank_step: args.batch as f64 * seq_len as f64,
+            tokens_per_rank_step: args.job.batch as f64 * seq_len as f64,
             world: args.world(),
             flops_per_token,
             peak_flops: peak_flops(args.peak_tflops, args.backend),

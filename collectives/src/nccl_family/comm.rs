@@ -4,51 +4,19 @@
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use chorus_devices::{Backend, Device, ForeignBackend, Stream};
 
 use super::abi::{CommConfig, Status, UniqueId, Version};
 use super::issue::issue_group;
-use super::launches::PendingList;
 use super::result::Lib;
-use super::shared::{op_failed, Handle, Shared};
+use super::shared::{op_failed, Handle, PendingList, Shared, VendorConfig};
 use super::sys::ncclComm_t;
 use super::translate::{self, Target};
 use super::VendorLib;
 use crate::backend::{Call, Capabilities, CommBackend};
 use crate::bootstrap::Store;
 use crate::{CommError, Communicator, Result};
-
-/// Settings of an NCCL-family communicator.
-#[derive(Clone, Debug)]
-pub struct VendorConfig {
-    /// Deadline of initialization, of a split, of reading the unique id from
-    /// the store, and of each launch once its stream reaches it (the
-    /// watchdog's). A peer that has not arrived by then is treated as dead:
-    /// the communicator is aborted and the waiting rank gets `Timeout`.
-    pub timeout: Duration,
-    /// The store key rank 0 publishes the unique id under. The default is
-    /// scoped by the job's run id and restart (`chorus/nccl/{run}/{restart}/unique_id`,
-    /// [`process_key_scope`](crate::bootstrap::process_key_scope)), so a
-    /// restarted job never reads the id an earlier attempt left in the store.
-    pub store_key: String,
-    /// Use the library's blocking mode: calls block inside the library until
-    /// peers arrive, so no deadline applies to them and an abort waits for
-    /// the call in progress. Off by default: non-blocking calls return
-    /// `ncclInProgress` and are polled with the deadline.
-    pub blocking: bool,
-}
-
-impl Default for VendorConfig {
-    fn default() -> Self {
-        VendorConfig {
-            timeout: Duration::from_secs(300),
-            store_key: format!("chorus/nccl/{}/unique_id", crate::bootstrap::process_key_scope()),
-            blocking: false,
-        }
-    }
-}
 
 /// One rank's endpoint of an NCCL-family communicator: NCCL on a cuda device
 /// ([`NcclComm`](crate::nccl::NcclComm)), RCCL on a hip device

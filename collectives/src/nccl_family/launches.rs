@@ -6,31 +6,13 @@
 use std::sync::{Arc, TryLockError};
 use std::time::Instant;
 
-use chorus_devices::{Backend, Device, Event, FailureHandle, ForeignBackend, Stream};
+use chorus_devices::{Backend, Device, Event, ForeignBackend, Stream};
 
-use super::shared::{op_failed, Shared};
+use super::shared::{op_failed, Pending, Shared};
 use super::sys::ncclComm_t;
 use super::watchdog::{self, Watched};
 use super::VendorLib;
 use crate::{CommError, Result};
-
-/// A launch the watchdog follows until its end event completes.
-pub(super) struct Pending<B: Backend> {
-    pub(super) start: B::Event,
-    pub(super) end: B::Event,
-    /// When the stream reached the launch (the start event completed).
-    pub(super) reached: Option<Instant>,
-    pub(super) failure: FailureHandle,
-    pub(super) position: u64,
-    pub(super) op: &'static str,
-    pub(super) seq: u64,
-}
-
-pub(super) struct PendingList<B: Backend> {
-    pub(super) launches: Vec<Pending<B>>,
-    /// Whether the watchdog is following this communicator.
-    pub(super) watched: bool,
-}
 
 impl<L: VendorLib> Shared<L> {
     /// Follows a launch issued at `position` on `stream` after `start` was

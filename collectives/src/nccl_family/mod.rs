@@ -71,7 +71,8 @@ pub mod sys;
 mod translate;
 mod watchdog;
 
-pub use comm::{VendorComm, VendorConfig};
+pub use comm::VendorComm;
+pub use shared::VendorConfig;
 
 use chorus_devices::ForeignBackend;
 

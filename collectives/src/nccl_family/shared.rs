@@ -1,24 +1,71 @@
-//! A communicator's handle and what every user of it shares: the lock every
-//! call on the handle takes, the abort that releases it, the polling of a
-//! call in progress, the launches the watchdog follows, and the drop that
-//! finalizes it.
+//! A communicator's handle and what every user of it shares: its settings
+//! ([`VendorConfig`]), the lock every call on the handle takes, the abort
+//! that releases it, the polling of a call in progress, the list of the
+//! launches the watchdog follows (followed in `launches.rs`), and the drop
+//! that finalizes it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use chorus_devices::wait::Backoff;
-use chorus_devices::{Backend, Device, DeviceError, ForeignBackend};
+use chorus_devices::{Backend, Device, DeviceError, FailureHandle, ForeignBackend};
 
 use super::abi::{Status, Version};
-use super::comm::VendorConfig;
-use super::launches::PendingList;
 use super::result::Lib;
 use super::sys::ncclComm_t;
 use super::watchdog;
 use super::VendorLib;
 use crate::{CommError, Result};
+
+/// Settings of an NCCL-family communicator.
+#[derive(Clone, Debug)]
+pub struct VendorConfig {
+    /// Deadline of initialization, of a split, of reading the unique id from
+    /// the store, and of each launch once its stream reaches it (the
+    /// watchdog's). A peer that has not arrived by then is treated as dead:
+    /// the communicator is aborted and the waiting rank gets `Timeout`.
+    pub timeout: Duration,
+    /// The store key rank 0 publishes the unique id under. The default is
+    /// scoped by the job's run id and restart (`chorus/nccl/{run}/{restart}/unique_id`,
+    /// [`process_key_scope`](crate::bootstrap::process_key_scope)), so a
+    /// restarted job never reads the id an earlier attempt left in the store.
+    pub store_key: String,
+    /// Use the library's blocking mode: calls block inside the library until
+    /// peers arrive, so no deadline applies to them and an abort waits for
+    /// the call in progress. Off by default: non-blocking calls return
+    /// `ncclInProgress` and are polled with the deadline.
+    pub blocking: bool,
+}
+
+impl Default for VendorConfig {
+    fn default() -> Self {
+        VendorConfig {
+            timeout: Duration::from_secs(300),
+            store_key: format!("chorus/nccl/{}/unique_id", crate::bootstrap::process_key_scope()),
+            blocking: false,
+        }
+    }
+}
+
+/// A launch the watchdog follows until its end event completes.
+pub(super) struct Pending<B: Backend> {
+    pub(super) start: B::Event,
+    pub(super) end: B::Event,
+    /// When the stream reached the launch (the start event completed).
+    pub(super) reached: Option<Instant>,
+    pub(super) failure: FailureHandle,
+    pub(super) position: u64,
+    pub(super) op: &'static str,
+    pub(super) seq: u64,
+}
+
+pub(super) struct PendingList<B: Backend> {
+    pub(super) launches: Vec<Pending<B>>,
+    /// Whether the watchdog is following this communicator.
+    pub(super) watched: bool,
+}
 
 /// The raw handle, used only under its lock.
 pub(super) struct Handle {

@@ -1,5 +1,8 @@
 //! The dump format: what a rank writes and `chorus trace` reads (JSON).
 
+use std::sync::OnceLock;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
 use serde::{Deserialize, Serialize};
 
 /// The version of the format written here; a reader refuses any other
@@ -200,5 +203,19 @@ impl RankDump {
         let host: String =
             host.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' }).collect();
         format!("rank{rank:05}-{host}.json")
+    }
+}
+
+/// Microseconds since the Unix epoch of an `Instant` (one base per process,
+/// so every ring of a process agrees).
+pub(super) fn epoch_us(t: Instant) -> u64 {
+    static BASE: OnceLock<(Instant, u64)> = OnceLock::new();
+    let (base, base_us) = *BASE.get_or_init(|| {
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        (Instant::now(), now.as_micros() as u64)
+    });
+    match t.checked_duration_since(base) {
+        Some(d) => base_us.saturating_add(d.as_micros() as u64),
+        None => base_us.saturating_sub(base.duration_since(t).as_micros() as u64),
     }
 }

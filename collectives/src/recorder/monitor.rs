@@ -6,7 +6,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock, Weak};
 
-use super::{dump, epoch_us, CommRecord, RankDump, POLL_INTERVAL, RUN_STARTED_VAR};
+use super::dump::{self, epoch_us, CommRecord, RankDump, RUN_STARTED_VAR};
+use super::options::POLL_INTERVAL;
 
 /// A ring, as the thread sees it (whatever its device backend).
 pub(super) trait Watched: Send + Sync {
@@ -85,19 +86,14 @@ fn thread_started(reg: &'static Registry) -> bool {
     })
 }
 
-/// Follows `ring` from now on; `dumps`: it has a dump directory, so the
-/// dump signals are answered from now on (SIGUSR1 is answered either way:
-/// without a directory, by saying that nothing was written).
-pub(super) fn register(ring: Weak<dyn Watched>, dumps: bool) {
+/// Follows `ring` from now on; whether the recorder's thread runs (the
+/// dump signals are answered only then).
+pub(super) fn register(ring: Weak<dyn Watched>) -> bool {
     let reg = registry();
     if let Ok(mut rings) = reg.rings.lock() {
         rings.push(ring);
     }
-    // Without the thread nobody would answer them: the signals keep their
-    // default actions.
-    if thread_started(reg) {
-        super::signals::install(dumps);
-    }
+    thread_started(reg)
 }
 
 /// Keeps the last record of a ring being dropped.

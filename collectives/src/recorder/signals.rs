@@ -16,7 +16,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{mpsc, Mutex, OnceLock};
 use std::time::Duration;
 
-use super::{monitor, DIR_VAR, POLL_INTERVAL, SIGNAL_REASON};
+use super::dump::SIGNAL_REASON;
+use super::monitor;
+use super::options::{DIR_VAR, POLL_INTERVAL};
 
 /// How long a signal waits for the dumps before the process goes on (SIGUSR1)
 /// or ends without them (SIGTERM, SIGINT).

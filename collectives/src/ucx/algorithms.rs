@@ -24,11 +24,10 @@ use std::sync::Arc;
 use chorus_devices::cpu::RawRange;
 
 use super::exec::{missing, Exec, Prepared, SEGMENT};
-use super::hierarchy::{self, Ring};
+use super::layout::Ring;
 use super::region::{self, Region, Scratch};
 use super::wire::Kind;
 use crate::arith::share;
-use crate::backend::OpKind;
 use crate::{CommError, ReduceOp, Result};
 
 /// Where a ring reduce-scatter's own contribution to each chunk comes from.
@@ -81,96 +80,6 @@ impl Own<'_> {
 }
 
 impl<'a> Exec<'a> {
-    fn small(&self, bytes: usize) -> bool {
-        bytes <= self.core.job.config.small_bytes
-    }
-
-    pub(crate) fn run(&self, c: &Prepared) -> Result<()> {
-        self.post_hello(&c.fingerprint)?;
-        self.run_algorithm(c)?;
-        // A call whose algorithm never waited still checks its hello.
-        self.check_hello()
-    }
-
-    fn run_algorithm(&self, c: &Prepared) -> Result<()> {
-        let es = c.dtype.size();
-        let both = || -> Result<(&RawRange, &RawRange)> {
-            Ok((c.send.as_ref().ok_or_else(|| missing("send"))?, c.recv.as_ref().ok_or_else(|| missing("recv"))?))
-        };
-        match c.op {
-            OpKind::AllReduce => {
-                let (send, recv) = both()?;
-                if self.small(c.count * es) {
-                    self.all_reduce_direct(c, send, recv)
-                } else if let Some(lay) = &self.core.layout {
-                    hierarchy::all_reduce(self, lay, c, send, recv)
-                } else {
-                    self.all_reduce_ring(c, send, recv)
-                }
-            }
-            OpKind::ReduceScatter => {
-                let (send, recv) = both()?;
-                let chunks: Vec<(usize, usize)> = (0..self.n()).map(|j| (j * c.count, (j + 1) * c.count)).collect();
-                if self.small(c.count * self.n() * es) {
-                    self.reduce_scatter_direct(c, send, recv)
-                } else if let Some(lay) = &self.core.layout {
-                    hierarchy::reduce_scatter(self, lay, c, send, recv)
-                } else {
-                    let bytes = c.count * es;
-                    let out = self.core.scratch(bytes);
-                    let out_region = Region::scratch(&out, 0, bytes)?;
-                    let own = Own::Input { send: &Region::user_all(send), chunks: &chunks };
-                    let ring = Ring::all(self.n(), self.me());
-                    self.ring_reduce_scatter(c, &ring, c.reduce, Some(self.n()), own, &out_region)?;
-                    region::copy(&out_region, &Region::user(recv, 0, bytes)?)?;
-                    drop(out_region);
-                    self.core.give_back(out);
-                    Ok(())
-                }
-            }
-            OpKind::AllGather => {
-                let (send, recv) = both()?;
-                let chunks: Vec<(usize, usize)> = (0..self.n()).map(|j| (j * c.count, (j + 1) * c.count)).collect();
-                let own = c.count * es;
-                region::copy(&Region::user(send, 0, own)?, &Region::user(recv, self.me() * own, own)?)?;
-                if self.small(c.count * self.n() * es) {
-                    self.all_gather_direct(c, recv, &chunks)
-                } else if let Some(lay) = &self.core.layout {
-                    hierarchy::all_gather(self, lay, c, recv)
-                } else {
-                    self.ring_all_gather(c, &Ring::all(self.n(), self.me()), &Region::user_all(recv), &chunks)
-                }
-            }
-            OpKind::Broadcast => {
-                let recv = c.recv.as_ref().ok_or_else(|| missing("recv"))?;
-                let bytes = c.count * es;
-                if self.me() == c.root {
-                    let send = c.send.as_ref().ok_or_else(|| missing("send"))?;
-                    region::copy(&Region::user(send, 0, bytes)?, &Region::user(recv, 0, bytes)?)?;
-                }
-                if self.small(bytes) {
-                    self.broadcast_direct(c, recv)
-                } else {
-                    self.broadcast_chain(c, recv)
-                }
-            }
-            OpKind::Reduce => {
-                let send = c.send.as_ref().ok_or_else(|| missing("send"))?;
-                if self.small(c.count * es) {
-                    self.reduce_direct(c, send)
-                } else {
-                    self.reduce_ring(c, send)
-                }
-            }
-            OpKind::AllToAll => {
-                let (send, recv) = both()?;
-                self.all_to_all_pairwise(c, send, recv)
-            }
-            OpKind::Barrier => self.barrier(),
-            OpKind::Send | OpKind::Recv => Err(CommError::invalid("ucx", "a send or receive run as a collective")),
-        }
-    }
-
     /// This rank's contribution `x` (a region of its input), scaled for a
     /// pre-multiplied sum, in a scratch of its size.
     fn own_contribution(&self, c: &Prepared, x: &Region) -> Result<Arc<Scratch>> {
@@ -180,7 +89,7 @@ impl<'a> Exec<'a> {
     }
 
     /// Every rank's (scaled) vector to every rank; each reduces in rank order.
-    fn all_reduce_direct(&self, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
+    pub(super) fn all_reduce_direct(&self, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
         let (n, me, bytes) = (self.n(), self.me(), c.count * c.dtype.size());
         let own = self.own_contribution(c, &Region::user(send, 0, bytes)?)?;
         let slots = self.core.scratch(n * bytes);
@@ -222,7 +131,7 @@ impl<'a> Exec<'a> {
     }
 
     /// Chunk `j` (scaled) to rank `j`; each reduces its chunk in rank order.
-    fn reduce_scatter_direct(&self, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
+    pub(super) fn reduce_scatter_direct(&self, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
         let (n, me, bytes) = (self.n(), self.me(), c.count * c.dtype.size());
         let own = self.own_contribution(c, &Region::user(send, 0, n * bytes)?)?;
         let slots = self.core.scratch(n * bytes);
@@ -329,7 +238,7 @@ impl<'a> Exec<'a> {
         Ok(())
     }
 
-    fn all_gather_direct(&self, c: &Prepared, recv: &RawRange, chunks: &[(usize, usize)]) -> Result<()> {
+    pub(super) fn all_gather_direct(&self, c: &Prepared, recv: &RawRange, chunks: &[(usize, usize)]) -> Result<()> {
         let (n, me, es) = (self.n(), self.me(), c.dtype.size());
         let region = |j: usize| Region::user(recv, chunks[j].0 * es, (chunks[j].1 - chunks[j].0) * es);
         let mut reqs = Vec::new();
@@ -352,7 +261,7 @@ impl<'a> Exec<'a> {
         Ok(out)
     }
 
-    fn all_reduce_ring(&self, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
+    pub(super) fn all_reduce_ring(&self, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
         let (n, me, es) = (self.n(), self.me(), c.dtype.size());
         let chunks: Vec<(usize, usize)> = (0..n).map(|j| share(c.count, n, j)).collect();
         let out = self.reduced_share(c, send, &chunks)?;
@@ -363,7 +272,7 @@ impl<'a> Exec<'a> {
         self.ring_all_gather(c, &Ring::all(n, me), &Region::user_all(recv), &chunks)
     }
 
-    fn broadcast_direct(&self, c: &Prepared, recv: &RawRange) -> Result<()> {
+    pub(super) fn broadcast_direct(&self, c: &Prepared, recv: &RawRange) -> Result<()> {
         let (n, me) = (self.n(), self.me());
         let bytes = c.count * c.dtype.size();
         let reqs = if me == c.root {
@@ -378,7 +287,7 @@ impl<'a> Exec<'a> {
 
     /// A chain from the root (root → root+1 → …), pipelined in segments:
     /// each rank forwards a segment as soon as it has it.
-    fn broadcast_chain(&self, c: &Prepared, recv: &RawRange) -> Result<()> {
+    pub(super) fn broadcast_chain(&self, c: &Prepared, recv: &RawRange) -> Result<()> {
         let (n, me) = (self.n(), self.me());
         let bytes = c.count * c.dtype.size();
         let pos = (me + n - c.root) % n;
@@ -407,7 +316,7 @@ impl<'a> Exec<'a> {
         self.wait(sends).map(|_| ())
     }
 
-    fn reduce_direct(&self, c: &Prepared, send: &RawRange) -> Result<()> {
+    pub(super) fn reduce_direct(&self, c: &Prepared, send: &RawRange) -> Result<()> {
         let (n, me, bytes) = (self.n(), self.me(), c.count * c.dtype.size());
         let own = self.own_contribution(c, &Region::user(send, 0, bytes)?)?;
         if me != c.root {
@@ -426,7 +335,7 @@ impl<'a> Exec<'a> {
     }
 
     /// The ring reduce-scatter, then every rank sends its reduced chunk to the root.
-    fn reduce_ring(&self, c: &Prepared, send: &RawRange) -> Result<()> {
+    pub(super) fn reduce_ring(&self, c: &Prepared, send: &RawRange) -> Result<()> {
         let (n, me, es) = (self.n(), self.me(), c.dtype.size());
         let chunks: Vec<(usize, usize)> = (0..n).map(|j| share(c.count, n, j)).collect();
         let mine = (chunks[me].1 - chunks[me].0) * es;
@@ -447,7 +356,7 @@ impl<'a> Exec<'a> {
         Ok(())
     }
 
-    fn all_to_all_pairwise(&self, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
+    pub(super) fn all_to_all_pairwise(&self, c: &Prepared, send: &RawRange, recv: &RawRange) -> Result<()> {
         let (n, me) = (self.n(), self.me());
         let bytes = c.count / n * c.dtype.size();
         region::copy(&Region::user(send, me * bytes, bytes)?, &Region::user(recv, me * bytes, bytes)?)?;
@@ -463,7 +372,7 @@ impl<'a> Exec<'a> {
     }
 
     /// Dissemination: round `k` sends to `rank + 2^k` and hears from `rank − 2^k`.
-    fn barrier(&self) -> Result<()> {
+    pub(super) fn barrier(&self) -> Result<()> {
         let (n, me) = (self.n(), self.me());
         let mut d = 1;
         while d < n {

@@ -32,7 +32,7 @@ use ucx_rs::sys;
 
 use super::region::{Region, Scratch};
 use super::result::status_ptr;
-use super::worker::{Completion, Worker};
+use super::worker::{Completion, Event, EventHandler, Worker};
 use crate::{CommError, Result};
 
 /// What the progress thread is asked to do.
@@ -42,18 +42,6 @@ enum Command {
     Recv { tag: u64, mask: u64, region: Region, done: Arc<Completion> },
     Cancel(Arc<Completion>),
     Stop,
-}
-
-/// Called on the progress thread when a peer's connection fails (its rank
-/// and UCX's status) or a control message arrives (its bytes): must not block.
-pub(crate) type EventHandler = Arc<dyn Fn(Event) + Send + Sync>;
-
-/// An event the progress thread reports to the job.
-pub(crate) enum Event {
-    /// The endpoint to this rank failed.
-    PeerFailed(usize, sys::ucs_status_t),
-    /// A control message arrived.
-    Control(Vec<u8>),
 }
 
 /// The tag and mask of control messages, which the engine receives itself.

@@ -21,10 +21,11 @@ use chorus_devices::DType;
 
 use super::engine::{Engine, CANCEL_GRACE};
 use super::job::{left_error, LEFT_GRACE};
+use super::member::Core;
 use super::region::{Region, Scratch};
+use super::result;
 use super::wire::{tag, Kind};
 use super::worker::Completion;
-use super::{result, Core};
 use crate::backend::OpKind;
 use crate::{CommError, ReduceOp, Result};
 

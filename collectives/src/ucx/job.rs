@@ -19,9 +19,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::config::UcxConfig;
 use super::engine::Engine;
 use super::region::Region;
-use super::{wire, UcxConfig};
+use super::wire;
 use crate::bootstrap::Store;
 use crate::CommError;
 

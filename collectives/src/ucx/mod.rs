@@ -22,9 +22,13 @@
 //! - **Algorithms** (`algorithms.rs`): one round of direct messages for
 //!   small calls, reduced in rank order (bitwise the sim's results); rings
 //!   for large ones (deterministic, the same on every rank, not rank
-//!   order); pairwise all-to-all; dissemination barrier. The switch is
-//!   [`UcxConfig::small_bytes`] (per rank's buffer), measured in
-//!   `docs/benchmarks.md`.
+//!   order); pairwise all-to-all; dissemination barrier; and for a
+//!   communicator that spans hosts, the hierarchical schedules
+//!   (`hierarchy.rs`, over the host layout of `layout.rs`). Which one a
+//!   call takes is `schedule.rs`'s: the switch is
+//!   [`UcxConfig::small_bytes`] (per rank's buffer, `config.rs`), measured in
+//!   `docs/benchmarks.md`. A call runs against its communicator's [`Core`]
+//!   (`member.rs`: the job, the members, the scratch pool).
 //! - **Mismatch.** Every collective sends its sequence number and
 //!   fingerprint to every other rank alongside its first data messages, and
 //!   checks theirs before it uses any data; a send carries its dtype and count and waits for the
@@ -54,162 +58,41 @@
 //! no fault injection.
 
 mod algorithms;
+mod config;
 mod engine;
 mod exec;
 mod hierarchy;
 mod job;
+mod layout;
+mod member;
 mod p2p;
 mod pool;
 mod raw;
 mod region;
 mod result;
+mod schedule;
 mod wire;
 mod worker;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use chorus_devices::cpu::{Access, Cpu, CpuDevice, CpuStream, JobInput};
 use chorus_devices::{DeviceError, Stream};
 
 use chorus_devices::MemoryStats;
-use engine::{ControlTag, Engine, Event};
+use engine::{ControlTag, Engine};
 use exec::{Exec, Prepared};
 use job::{AbortState, Job, Peers};
-use pool::ScratchPool;
-use region::Scratch;
+use member::Core;
+use worker::{Event, EventHandler};
 
+pub use config::{UcxConfig, DEFAULT_SMALL_BYTES};
 pub use raw::raw_round_trips;
 
 use crate::backend::{Call, CallKind, Capabilities, CommBackend, OpKind};
-use crate::bootstrap::{process_key_scope, Store, StoreBarrier};
+use crate::bootstrap::{Store, StoreBarrier};
 use crate::{CommError, Communicator, Result};
-
-/// Settings of a UCX communicator.
-#[derive(Clone, Debug)]
-pub struct UcxConfig {
-    /// Deadline of every wait: joining (the other ranks' addresses in the
-    /// store), splits, and each step of a call (no message for this long
-    /// fails the call with `Timeout` on this rank and, through the control
-    /// message, on every rank).
-    pub timeout: Duration,
-    /// The store prefix of this job's keys (unique per job in the store).
-    /// The default, `chorus/ucx/{run id}/{restart}` ([`process_key_scope`]),
-    /// tells jobs and restarts apart as `chorus`'s commands do; and every
-    /// [`UcxComm::init`] under one prefix counts itself in, so a second
-    /// world made in the same store (a re-init) gets keys of its own
-    /// instead of reading the first one's.
-    pub prefix: String,
-    /// Calls whose per-rank buffer is at most this many bytes take the
-    /// one-round direct algorithms (rank-order reductions); larger ones
-    /// take the rings.
-    pub small_bytes: usize,
-    /// UCX's peer-failure handling (`UCP_ERR_HANDLING_MODE_PEER`): a peer
-    /// whose process dies is reported by its connection at once and aborts
-    /// the job. UCX 1.22 then connects the ranks of one host over TCP only
-    /// (its shared-memory transports do not support the mode), several
-    /// times slower for large messages. Off (the default), ranks on one
-    /// host use shared memory and cross-memory attach, and a dead peer is
-    /// found by the deadline ([`UcxConfig::timeout`]).
-    pub peer_failure: bool,
-    /// At most this many free scratch buffers are kept for later calls, per
-    /// communicator ([`UcxComm::scratch_memory`] counts them).
-    pub scratch_pool_buffers: usize,
-    /// At most this many bytes of free scratch buffers are kept, per
-    /// communicator (a large ring all-reduce uses three buffers of a
-    /// `1/n` share of its input: 48 MiB at 64 MiB on four ranks).
-    pub scratch_pool_bytes: usize,
-    /// How long the progress thread keeps polling UCX, yielding the core,
-    /// while transfers are in flight and nothing progresses, before it
-    /// sleeps until UCX's event fd wakes it (a wake-up per fragment costs
-    /// more than the fragment; a long spin takes a core from the ranks).
-    pub progress_spin: Duration,
-    /// Whether the large all-reduce, reduce-scatter and all-gather of a
-    /// communicator that spans several hosts, with the same number (> 1)
-    /// of its ranks on each, take the hierarchical schedules (inside each
-    /// host, then across hosts; see `docs/architecture.md`). Off: the flat
-    /// rings, which send every byte across each host boundary.
-    pub hierarchical: bool,
-    /// This rank's host key: ranks with equal keys are on one host. `None`
-    /// (the default): the host name, the kernel's boot id and the network
-    /// namespace. Set it to make ranks of one machine look like several
-    /// hosts (tests) or to group ranks another way.
-    pub host_key: Option<String>,
-}
-
-impl Default for UcxConfig {
-    fn default() -> Self {
-        UcxConfig {
-            timeout: Duration::from_secs(300),
-            prefix: format!("chorus/ucx/{}", process_key_scope()),
-            small_bytes: DEFAULT_SMALL_BYTES,
-            peer_failure: false,
-            scratch_pool_buffers: 6,
-            scratch_pool_bytes: 256 << 20,
-            progress_spin: engine::DEFAULT_SPIN,
-            hierarchical: true,
-            host_key: None,
-        }
-    }
-}
-
-impl UcxConfig {
-    /// `self` with the topology settings of the environment applied:
-    /// `CHORUS_UCX_FLAT=1` turns [`UcxConfig::hierarchical`] off, a
-    /// non-empty `CHORUS_UCX_HOST_KEY` sets [`UcxConfig::host_key`].
-    pub fn with_topology_from_env(mut self) -> UcxConfig {
-        if std::env::var("CHORUS_UCX_FLAT").is_ok_and(|v| v == "1") {
-            self.hierarchical = false;
-        }
-        if let Some(k) = std::env::var("CHORUS_UCX_HOST_KEY").ok().filter(|k| !k.is_empty()) {
-            self.host_key = Some(k);
-        }
-        self
-    }
-}
-
-/// The default switch from the direct algorithms to the rings (see
-/// `docs/benchmarks.md` for the measurement it comes from).
-pub const DEFAULT_SMALL_BYTES: usize = 128 * 1024;
-
-/// What a call runs against: the job and this communicator's place in it.
-pub(crate) struct Core {
-    job: Arc<Job>,
-    id: u16,
-    rank: usize,
-    size: usize,
-    /// World rank of each rank of this communicator.
-    members: Vec<usize>,
-    /// Scratch buffers no transfer uses any more, for the next call.
-    pool: ScratchPool,
-    /// How the members sit on hosts, when the hierarchical schedules apply.
-    layout: Option<hierarchy::Layout>,
-}
-
-impl Core {
-    /// Rank `rank` of the communicator `id` whose members are the world ranks `members`.
-    fn new(job: Arc<Job>, id: u16, rank: usize, members: Vec<usize>) -> Core {
-        let pool = ScratchPool::new(job.config.scratch_pool_buffers, job.config.scratch_pool_bytes);
-        let keys: Vec<&str> = members.iter().map(|w| job.hosts.get(*w).map_or("", String::as_str)).collect();
-        let layout = if job.config.hierarchical { hierarchy::Layout::of(&keys, rank) } else { None };
-        Core { job, id, rank, size: members.len(), members, pool, layout }
-    }
-
-    fn world_rank(&self, rank: usize) -> Result<usize> {
-        self.members.get(rank).copied().ok_or_else(|| CommError::invalid("ucx", format!("rank {rank} is not a member")))
-    }
-
-    /// A scratch buffer of at least `bytes` (reused when one is free).
-    fn scratch(&self, bytes: usize) -> Arc<Scratch> {
-        self.pool.take(bytes)
-    }
-
-    /// Returns a scratch buffer to the pool (when no transfer holds it).
-    fn give_back(&self, s: Arc<Scratch>) {
-        self.pool.give_back(s)
-    }
-}
 
 /// One rank's endpoint of a UCX communicator.
 pub struct UcxComm {
@@ -275,7 +158,7 @@ impl UcxComm {
         let abort = Arc::new(AbortState::default());
         let peers = Arc::new(Peers::default());
         let timeout = config.timeout;
-        let on_event: engine::EventHandler = {
+        let on_event: EventHandler = {
             let (abort, peers) = (abort.clone(), peers.clone());
             Arc::new(move |event| match event {
                 Event::PeerFailed(r, status) => peers.failed(r, status),
@@ -303,7 +186,7 @@ impl UcxComm {
         let mut mine = (size as u64).to_le_bytes().to_vec();
         mine.extend_from_slice(engine.address());
         store.set(&world_key(&config.prefix, rank), &mine)?;
-        let host = hierarchy::host_key(config.host_key.as_deref());
+        let host = layout::host_key(config.host_key.as_deref());
         store.set(&format!("{}/host/{rank}", config.prefix), host.as_bytes())?;
         let mut addresses = vec![None; size];
         // An endpoint to itself too: a group may send to its own rank.

@@ -5,9 +5,9 @@
 use std::sync::Arc;
 
 use super::exec::{missing, Exec, Prepared, Req};
+use super::member::Core;
 use super::region::{Region, Scratch};
 use super::wire::Kind;
-use super::Core;
 use crate::{CommError, Result};
 
 /// A send's header as the receiver compares it.

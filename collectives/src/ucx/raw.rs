@@ -15,9 +15,8 @@ use std::time::{Duration, Instant};
 
 use ucx_rs::sys;
 
-use super::engine::EventHandler;
 use super::result::{error, status_ptr};
-use super::worker::Worker;
+use super::worker::{EventHandler, Worker};
 use crate::bootstrap::{Store, StoreBarrier};
 use crate::{CommError, Result};
 

@@ -10,10 +10,21 @@ use std::time::{Duration, Instant};
 
 use ucx_rs::sys;
 
-use super::engine::{Event, EventHandler};
 use super::region::{Region, Scratch};
 use super::result::{status_error, status_ptr};
 use crate::Result;
+
+/// Called on the progress thread when a peer's connection fails (its rank
+/// and UCX's status) or a control message arrives (its bytes): must not block.
+pub(crate) type EventHandler = Arc<dyn Fn(Event) + Send + Sync>;
+
+/// An event the progress thread reports to the job.
+pub(crate) enum Event {
+    /// The endpoint to this rank failed.
+    PeerFailed(usize, sys::ucs_status_t),
+    /// A control message arrived.
+    Control(Vec<u8>),
+}
 
 /// How a request ended: the bytes transferred, or UCX's status.
 pub(crate) type Outcome = std::result::Result<usize, sys::ucs_status_t>;

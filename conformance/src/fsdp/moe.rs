@@ -15,7 +15,7 @@
 use chorus_collectives::CommBackend;
 use chorus_devices::{Backend, Buffer, ComputeBackend, ComputeStream, DType, MatmulSpec, Stream, StreamExt};
 use chorus_fsdp::{Fsdp, FsdpError, ParamInit, Result};
-use chorus_train::mlp::SplitMix;
+use chorus_train::rng::SplitMix;
 
 type Buf<C> = <<C as CommBackend>::B as Backend>::Buffer;
 

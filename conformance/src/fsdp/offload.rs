@@ -9,12 +9,10 @@ use chorus_devices::{ComputeBackend, DType};
 use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, MixedPrecision, OffloadPolicy, OptimizerKind, ShardedOptimizer};
 use chorus_train::mlp::{init_layers, Mlp};
 
-use super::{
-    adamw, batch, fake_steps, own_world, padded_shard_bytes, sgd, train_fsdp, Setup, StepMemory, MEMORY_SHAPES, SEED,
-};
+use super::memory::{fake_steps, padded_shard_bytes, StepMemory, MEMORY_SHAPES, OFFLOAD as ON};
+use super::parity::{adamw, batch, sgd, train_fsdp, Setup, SEED};
+use super::world::own_world;
 use crate::{Case, Failure, RankCtx};
-
-use super::OFFLOAD as ON;
 
 /// The first element where two runs' parameters differ in their bits.
 fn first_bit_difference(a: &Params, b: &Params) -> Option<String> {
@@ -117,7 +115,7 @@ where
     })
 }
 
-/// What one rank held in the second of `super::fake_steps`'s steps with the
+/// What one rank held in the second of `super::memory::fake_steps`'s steps with the
 /// first `offloaded` groups offloaded.
 fn measure<C: CommBackend>(ctx: &RankCtx<'_, C>, shapes: &[&[usize]], offloaded: usize) -> Result<StepMemory, Failure>
 where

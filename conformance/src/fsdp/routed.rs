@@ -14,12 +14,13 @@ use chorus_devices::ComputeBackend;
 use chorus_fsdp::{
     DataParallel, Fsdp, FsdpConfig, FsdpError, OptimizerKind, ParamInit, Reshard, ShardedOptimizer, TrainingState,
 };
-use chorus_train::mlp::SplitMix;
+use chorus_train::rng::SplitMix;
 
 use super::moe::{init_moe, MoeNet, MoeShape};
 use super::moe_reference::RefMoe;
+use super::parity::max_diff;
 use super::reference::RefOpt;
-use super::{max_diff, own_world};
+use super::world::own_world;
 use crate::{Case, Failure, RankCtx, Requirements};
 
 const SHAPE: MoeShape = MoeShape { d: 6, experts: 4, layers: 2, d_out: 3 };

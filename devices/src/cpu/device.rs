@@ -1,4 +1,8 @@
 //! The cpu device and its buffers.
+//!
+//! The device makes its streams and events, and each holds its device (to
+//! allocate and to park errors): `device.rs`, `stream.rs` and `event.rs`
+//! depend on each other, as a backend's device, queue and fence do.
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};

@@ -13,7 +13,7 @@
 
 use std::any::Any;
 
-use candle_core::{CpuStorage, Device as CandleDevice, Layout, Storage, Tensor, Var};
+use candle_core::{CpuStorage, Device as CandleDevice, Storage, Tensor, Var};
 use chorus_devices::cpu::{Cpu, CpuBuffer, RawRange};
 use chorus_devices::{bf16, f16, Backend, DType, Element, Readback, Stream, View};
 
@@ -27,6 +27,17 @@ pub fn candle_dtype(d: DType) -> Result<candle_core::DType> {
         DType::F16 => Ok(candle_core::DType::F16),
         DType::F64 => Ok(candle_core::DType::F64),
         d => Err(Error::InvalidArgument(format!("{d} has no candle counterpart the adapter uses"))),
+    }
+}
+
+/// The chorus dtype of a candle float dtype.
+pub fn chorus_dtype(d: candle_core::DType) -> Result<DType> {
+    match d {
+        candle_core::DType::F32 => Ok(DType::F32),
+        candle_core::DType::BF16 => Ok(DType::BF16),
+        candle_core::DType::F16 => Ok(DType::F16),
+        candle_core::DType::F64 => Ok(DType::F64),
+        d => Err(Error::InvalidArgument(format!("{d:?} has no chorus counterpart the adapter uses"))),
     }
 }
 
@@ -163,38 +174,8 @@ pub unsafe fn add_into_host(src: &Tensor, dst: &RawRange) -> Result<()> {
     Ok(())
 }
 
-/// A tensor with the elements of a contiguous CPU storage (what a custom
-/// op's forward receives); a candle variable when `variable` (a float input
-/// whose gradient a kept graph will give).
-pub fn tensor_from_storage(storage: &CpuStorage, layout: &Layout, variable: bool) -> candle_core::Result<Tensor> {
-    let Some((start, end)) = layout.contiguous_offsets() else {
-        candle_core::bail!("the adapter's custom op takes contiguous inputs")
-    };
-    let shape = layout.shape().clone();
-    let dev = &CandleDevice::Cpu;
-    fn make<T: candle_core::WithDType>(
-        v: &[T],
-        shape: candle_core::Shape,
-        variable: bool,
-    ) -> candle_core::Result<Tensor> {
-        match variable {
-            true => Ok(Var::from_slice(v, shape, &CandleDevice::Cpu)?.into_inner()),
-            false => Tensor::from_slice(v, shape, &CandleDevice::Cpu),
-        }
-    }
-    match storage {
-        CpuStorage::U8(v) => Tensor::from_slice(&v[start..end], shape, dev),
-        CpuStorage::U32(v) => Tensor::from_slice(&v[start..end], shape, dev),
-        CpuStorage::I64(v) => Tensor::from_slice(&v[start..end], shape, dev),
-        CpuStorage::BF16(v) => make(&v[start..end], shape, variable),
-        CpuStorage::F16(v) => make(&v[start..end], shape, variable),
-        CpuStorage::F32(v) => make(&v[start..end], shape, variable),
-        CpuStorage::F64(v) => make(&v[start..end], shape, variable),
-        _ => candle_core::bail!("the adapter's custom op takes u8, u32, i64 or float inputs"),
-    }
-}
-
-/// A tensor's elements as a CPU storage (what a custom op's forward returns).
+/// A copy of a tensor's elements as a CPU storage (a stage's output whose
+/// storage cannot be taken).
 pub fn storage_of(t: &Tensor) -> candle_core::Result<CpuStorage> {
     let flat = t.flatten_all()?;
     Ok(match flat.dtype() {

@@ -21,10 +21,11 @@
 //! oversubscribe them.
 //!
 //! With the `candle-cuda` feature, on the `cuda` device the stages compute
-//! on candle's CUDA device on the same GPU ([`FsdpModel::device`]): no host
-//! copies, candle's stream and FSDP's compute stream ordered by events (the
-//! rule is in `docs/fsdp.md`); `cuda_device` is candle's device for plain
-//! candle beside it.
+//! on candle's CUDA device on the same GPU ([`FsdpModel::device`]), on
+//! FSDP's own buffers: parameters borrowed, gradients added by a kernel
+//! into FSDP's, no host copies; candle's stream and FSDP's compute stream
+//! ordered by events (the rule is in `docs/fsdp.md`); `cuda_device` is
+//! candle's device for plain candle beside it.
 //!
 //! [`checkpoint`] saves and loads sharded safetensors checkpoints (PyTorch
 //! distributed checkpoint's layout for safetensors) that reshard on load to
@@ -42,8 +43,10 @@ mod device;
 mod error;
 mod module;
 pub mod safetensors_io;
+mod storage;
 
 #[cfg(feature = "candle-cuda")]
 pub use cuda::cuda_device;
+pub use device::Transfers;
 pub use error::{CheckpointError, Error, Result};
 pub use module::{named_tensors, take_params, AdapterTimes, FsdpModel, GroupId, Recompute, StageFn, StageId};

@@ -3,41 +3,45 @@
 //!
 //! A *stage* is a piece of the model that uses one group's parameters: a
 //! function of a [`VarBuilder`] (holding the group's unsharded parameters
-//! under their full names) and an input tensor. [`FsdpModel::run`] applies a
-//! stage as a candle [`CustomOp2`] on the input and a one-element anchor
-//! variable (so candle records the op even when the input, token ids, has no
-//! graph). Its forward runs FSDP's pre-forward (all-gather) at the group's
-//! first stage, reads the group's unsharded parameters into candle variables
-//! once for the phase, runs the stage, and runs FSDP's post-forward
-//! (reshard) once the group's last stage has run, dropping the candle copies
-//! with the device's. Its backward runs FSDP's pre-backward (all-gather
-//! again; the prefetch of the next group) and then, per group:
+//! under their full names) and an input tensor. [`FsdpModel::run`] runs a
+//! stage and applies it to candle's graph as a [`CustomOp2`] on the input
+//! and a one-element anchor variable (so candle records the op even when
+//! the input, token ids, has no graph). The forward runs FSDP's pre-forward
+//! (all-gather) at the group's first stage, binds the group's unsharded
+//! parameters as candle variables once for the phase (borrowing FSDP's
+//! buffers on candle's CUDA device, copies on candle's CPU:
+//! [`crate::device`]), runs the stage on the input itself, hands its output
+//! to the op (its storage moved, not copied, where it is the stage's own:
+//! [`crate::storage`]), and runs FSDP's post-forward (reshard) once the
+//! group's last stage has run, giving the parameters back first. The op's
+//! backward runs FSDP's pre-backward (all-gather again; the prefetch of the
+//! next group) and then, per group:
 //! - with **recompute** (activation checkpointing, the default): the stage
 //!   ran without a graph in forward; it is recomputed with the parameters
-//!   (read once for the backward phase) and the input as candle variables;
+//!   (bound once for the backward phase) and the input as candle variables;
 //! - without: the stage ran with its graph in forward, and that graph (its
 //!   intermediates and the parameters it used) was kept for backward.
 //!
-//! candle's backward of `sum(out · grad_out)` then gives the parameter
-//! gradients, which are added straight from candle's storage into FSDP's
-//! unsharded gradients; post-backward (reduce-scatter) runs once the group's
-//! last stage has been differentiated, and the input's gradient goes back to
+//! candle's backward seeded at the stage's output with the output's
+//! gradient ([`crate::storage::seed_backward`]) then gives the parameter
+//! gradients, which are added from candle's storage into FSDP's unsharded
+//! gradients; post-backward (reduce-scatter) runs once the group's last
+//! stage has been differentiated, and the input's gradient goes back to
 //! candle's backward. The design and its trade-offs are in `docs/fsdp.md`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use candle_core::{CpuStorage, CustomOp2, Device as CandleDevice, Layout, Shape, Tensor, Var};
+use candle_core::{CpuStorage, CustomOp2, Device as CandleDevice, Layout, Shape, Storage, Tensor, Var};
 use candle_nn::VarBuilder;
 use chorus_collectives::CommBackend;
-use chorus_devices::{Buffer, ComputeBackend, Stream};
+use chorus_devices::{AccessKind, ComputeBackend, View};
 use chorus_fsdp::{DeferredParam, Fsdp, FsdpError, ParamInit, Reshard, ShardedOptimizer, ShardedState};
 
-use crate::convert::{
-    add_into_host, candle_dtype, host_memory, start_readback, storage_of, tensor_from_storage, to_f32_vec,
-    upload_tensor, var_from_host, var_from_readback,
-};
+use crate::convert::{candle_dtype, to_f32_vec};
+use crate::device::{copy_storage, BoundVar, Side, Transfers};
+use crate::storage::{seed_backward, storage_extent, take_output};
 use crate::{Error, Result};
 
 /// What a stage computes: builds its layers from the [`VarBuilder`] (the
@@ -67,6 +71,9 @@ pub struct AdapterTimes {
     pub stage_calls: usize,
     /// Stages recomputed in backward (those of groups that recompute).
     pub recomputed: usize,
+    /// Parameters read back and gradients uploaded through the stream API
+    /// ([`Transfers::Staged`], or a device without host memory).
+    pub staged_transfers: usize,
 }
 
 /// Which groups recompute their stages in backward (activation
@@ -122,9 +129,11 @@ impl std::fmt::Display for Recompute {
     }
 }
 
-/// A group's unsharded parameters as candle variables, read once per phase
+/// A group's unsharded parameters as candle variables, bound once per phase
 /// (forward, backward) and shared by the phase's stages.
 struct PhaseParams {
+    /// What backs each variable (a copy, or FSDP's buffer borrowed).
+    bound: Vec<BoundVar>,
     /// In the group's parameter order (FSDP's index `i`).
     vars: Arc<Vec<Var>>,
     /// The variables under their names: stages that build a graph.
@@ -134,14 +143,32 @@ struct PhaseParams {
 }
 
 impl PhaseParams {
-    fn new(names: Vec<String>, vars: Vec<Var>, dtype: candle_core::DType, dev: &CandleDevice) -> Self {
+    fn new(names: Vec<String>, bound: Vec<BoundVar>, dtype: candle_core::DType, dev: &CandleDevice) -> Self {
+        let vars: Vec<Var> = bound.iter().map(|b| b.var().clone()).collect();
         let tracked = names.iter().cloned().zip(vars.iter().map(|v| v.as_tensor().clone())).collect::<HashMap<_, _>>();
         let detached = names.into_iter().zip(vars.iter().map(|v| v.as_detached_tensor())).collect::<HashMap<_, _>>();
         PhaseParams {
+            bound,
             vars: Arc::new(vars),
             tracked: VarBuilder::from_tensors(tracked, dtype, dev),
             detached: VarBuilder::from_tensors(detached, dtype, dev),
         }
+    }
+
+    /// Whether the variables borrow FSDP's buffers (candle's CUDA device).
+    fn borrows(&self) -> bool {
+        self.bound.iter().any(BoundVar::is_borrowed)
+    }
+
+    /// The addresses of the variables' storages (a stage's output is never
+    /// taken from one of them).
+    fn addresses(&self) -> Vec<u64> {
+        self.vars.iter().filter_map(|v| storage_extent(v.as_tensor()).map(|(a, _)| a)).collect()
+    }
+
+    /// Gives FSDP's buffers back (see [`BoundVar::release`]).
+    fn release(&mut self, keep_values: bool) -> Result<()> {
+        self.bound.iter_mut().try_for_each(|b| b.release(keep_values))
     }
 }
 
@@ -150,7 +177,7 @@ impl PhaseParams {
 /// float inputs), and the parameters the graph refers to.
 struct SavedGraph {
     out: Tensor,
-    input: Option<Var>,
+    input: Option<BoundVar>,
     vars: Arc<Vec<Var>>,
 }
 
@@ -160,21 +187,45 @@ struct GroupInfo {
     backward_pending: usize,
     recompute: bool,
     params: Option<PhaseParams>,
+    /// Whether FSDP kept the group unsharded at its last post-forward (the
+    /// root; reshard-after-forward false): its borrowed parameters then stay
+    /// bound from forward through backward. Unknown before the first.
+    stayed_unsharded: Option<bool>,
 }
 
 impl Default for GroupInfo {
     fn default() -> Self {
-        GroupInfo { stages: 0, forward_runs: 0, backward_pending: 0, recompute: true, params: None }
+        GroupInfo {
+            stages: 0,
+            forward_runs: 0,
+            backward_pending: 0,
+            recompute: true,
+            params: None,
+            stayed_unsharded: None,
+        }
     }
 }
 
+/// A stage's output, made by [`FsdpModel::run`] before candle applies the
+/// stage's op, which returns it.
+struct PendingOutput {
+    stage: usize,
+    storage: Storage,
+    shape: Shape,
+}
+
+/// The adapter's state. The fields drop in order: the groups' bound
+/// parameters and the kept graphs before the FSDP whose buffers they borrow.
 struct Shared<C: CommBackend> {
-    fsdp: Fsdp<C>,
-    /// Where the stages compute ([`crate::device`]).
-    device: CandleDevice,
     groups: Vec<GroupInfo>,
     /// Per stage: the graph kept from forward (groups without recompute).
     saved: Vec<Option<SavedGraph>>,
+    pending: Option<PendingOutput>,
+    fsdp: Fsdp<C>,
+    /// Where the stages compute ([`crate::device`]).
+    device: CandleDevice,
+    /// How data crosses between candle and FSDP's buffers.
+    side: Side,
     /// The FSDP error behind the last failed op: candle's error type cannot
     /// carry it, so [`FsdpModel`] takes it back from here.
     parked: Option<FsdpError>,
@@ -189,49 +240,23 @@ where
         self.groups.get(g).ok_or_else(|| Error::InvalidArgument(format!("no group {g}")))
     }
 
-    /// Group `g`'s unsharded parameters as candle variables, read from FSDP
-    /// once per phase: one copy each where the device's memory is the
-    /// host's (after synchronizing the compute stream, which orders every
-    /// write to them), else a readback each.
+    /// Group `g`'s unsharded parameters as candle variables, bound once per
+    /// phase ([`Side::bind_params`]: borrowed on CUDA, where the caller has
+    /// made candle's stream wait for FSDP's hook; copied on the host).
     fn phase_params(&mut self, g: usize) -> Result<&PhaseParams> {
         if self.groups[g].params.is_none() {
             let t0 = Instant::now();
             let specs = self.fsdp.group_params(g)?;
             let dtype = self.param_dtype()?;
-            let s = self.fsdp.compute_stream();
-            let mut names = Vec::with_capacity(specs.len());
-            let mut vars = Vec::with_capacity(specs.len());
-            let views = || {
-                let view = |(i, (_, shape)): (usize, &(String, Vec<usize>))| -> Result<_> {
-                    Ok((self.fsdp.param(g, i)?, shape.clone()))
-                };
-                specs.iter().enumerate().map(view)
-            };
-            if let Some(on_device) = crate::device::vars_on_device(s, &self.device, views)? {
-                vars = on_device;
-                names = specs.into_iter().map(|(name, _)| name).collect();
-            } else if specs.is_empty() || host_memory(self.fsdp.param(g, 0)?).is_some() {
-                s.synchronize().map_err(FsdpError::from)?;
-                for (i, (name, shape)) in specs.into_iter().enumerate() {
-                    let src = host_memory(self.fsdp.param(g, i)?)
-                        .ok_or_else(|| Error::InvalidArgument("a group's parameters on two kinds of device".into()))?;
-                    // SAFETY: the compute stream, the only writer of the
-                    // unsharded parameters, is synchronized, and nothing is
-                    // enqueued until the copy is made.
-                    vars.push(unsafe { var_from_host(&src, &shape) }?);
-                    names.push(name);
-                }
-            } else {
-                let mut pending = Vec::with_capacity(specs.len());
-                for (i, (name, shape)) in specs.into_iter().enumerate() {
-                    pending.push((name, shape, start_readback(s, self.fsdp.param(g, i)?)?));
-                }
-                for (name, shape, rb) in pending {
-                    vars.push(var_from_readback(rb, &shape)?);
-                    names.push(name);
-                }
-            }
-            self.groups[g].params = Some(PhaseParams::new(names, vars, dtype, &self.device));
+            let views = specs
+                .iter()
+                .enumerate()
+                .map(|(i, (_, shape))| Ok((self.fsdp.param(g, i)?, shape.clone())))
+                .collect::<Result<Vec<_>>>()?;
+            let (bound, staged) = self.side.bind_params(self.fsdp.compute_stream(), &self.device, views)?;
+            self.times.staged_transfers += staged;
+            let names = specs.into_iter().map(|(name, _)| name).collect();
+            self.groups[g].params = Some(PhaseParams::new(names, bound, dtype, &self.device));
             self.times.transfer += t0.elapsed();
         }
         self.groups[g].params.as_ref().ok_or_else(|| Error::InvalidArgument(format!("group {g} has no parameters")))
@@ -241,7 +266,16 @@ where
         candle_dtype(self.fsdp.mixed_precision().param())
     }
 
-    fn forward_stage(&mut self, stage: usize, g: usize, f: &StageFn, x: &Tensor) -> Result<Tensor> {
+    /// Group `g`'s parameter views, each with `kind` (a crossing's declared accesses).
+    fn param_accesses(&self, g: usize, kind: AccessKind) -> Result<Vec<(View<'_, C::B>, AccessKind)>> {
+        (0..self.fsdp.group_params(g)?.len()).map(|i| Ok((self.fsdp.param(g, i)?, kind))).collect()
+    }
+
+    /// Runs stage `stage` of group `g` on `x` (the op's input, on candle's
+    /// device, contiguous) and returns what the op gives candle: the
+    /// stage's output storage, taken without a copy where it is the
+    /// stage's own ([`take_output`]), else a copy.
+    fn forward_stage(&mut self, stage: usize, g: usize, f: &StageFn, x: &Tensor) -> Result<(Storage, Shape)> {
         let info = self.group_info(g)?;
         let (recompute, first) = (info.recompute, info.forward_runs == 0);
         if !recompute && self.saved.get(stage).is_some_and(|s| s.is_some()) {
@@ -251,9 +285,12 @@ where
         }
         if first {
             self.fsdp.pre_forward(g)?;
+            self.side.candle_waits_for(self.fsdp.compute_stream())?;
         }
         let dtype = self.param_dtype()?;
         let params = self.phase_params(g)?;
+        let mut protected = params.addresses();
+        protected.extend(storage_extent(x).map(|(a, _)| a));
         let (vb, vars) = match recompute {
             true => (params.detached.clone(), None),
             false => (params.tracked.clone(), Some(params.vars.clone())),
@@ -265,10 +302,9 @@ where
                 f(vb, &x)?
             }
             Some(vars) => {
-                // The op's input is already a variable (`tensor_from_storage`): no copy.
-                let input = if x.dtype().is_float() { Some(Var::from_tensor(x)?) } else { None };
+                let input = if x.dtype().is_float() { Some(self.side.input_var(x)?) } else { None };
                 let xin = match &input {
-                    Some(v) => v.as_tensor().to_dtype(dtype)?,
+                    Some(v) => v.var().as_tensor().to_dtype(dtype)?,
                     None => x.clone(),
                 };
                 let out = f(vb, &xin)?;
@@ -279,6 +315,17 @@ where
                 out
             }
         };
+        // The kept graph reads its output's values in backward: copied then.
+        let taken = match recompute {
+            true => take_output(&out, &protected)?,
+            false => None,
+        };
+        let storage = match taken {
+            Some(s) => s,
+            None => copy_storage(&out)?,
+        };
+        let shape = out.shape().clone();
+        drop(out);
         self.times.compute += t0.elapsed();
         self.times.stage_calls += 1;
         let info = &mut self.groups[g];
@@ -286,14 +333,50 @@ where
         if info.forward_runs == info.stages {
             info.forward_runs = 0;
             info.backward_pending = info.stages;
-            self.fsdp.post_forward(g)?;
-            // The candle copies go with the device's; a group that stays
-            // unsharded (the root) keeps them for its backward.
-            if self.fsdp.sharded_state(g)? != ShardedState::Unsharded {
-                self.groups[g].params = None;
+            self.end_forward(g, recompute)?;
+        }
+        Ok((storage, shape))
+    }
+
+    /// The end of group `g`'s forward: the parameters FSDP may now free are
+    /// given back (copied first when the kept graph still reads them), the
+    /// compute stream waits for candle's reads of them, and FSDP's
+    /// post-forward runs. A group FSDP keeps unsharded (learned from its
+    /// last post-forward) keeps them bound for its backward.
+    fn end_forward(&mut self, g: usize, recompute: bool) -> Result<()> {
+        let t0 = Instant::now();
+        let stays = self.groups[g].stayed_unsharded == Some(true);
+        let mut released = false;
+        if let Some(params) = self.groups[g].params.as_mut().filter(|p| p.borrows()) {
+            if !stays {
+                params.release(!recompute)?;
+                released = true;
+            }
+            let reads = self.param_accesses(g, AccessKind::Read)?;
+            self.side.compute_waits_for(self.fsdp.compute_stream(), &reads)?;
+        }
+        self.times.transfer += t0.elapsed();
+        self.fsdp.post_forward(g)?;
+        let unsharded = self.fsdp.sharded_state(g)? == ShardedState::Unsharded;
+        self.groups[g].stayed_unsharded = Some(unsharded);
+        // Copies on the host go with the device's reshard; a group that stays
+        // unsharded (the root) keeps its parameters for its backward.
+        if released || !unsharded {
+            if let Some(mut params) = self.groups[g].params.take() {
+                if params.borrows() && !released {
+                    // FSDP resharded a group that stayed unsharded before:
+                    // candle's reads were ordered before the reshard above, but
+                    // a kept graph has lost the values it reads in backward.
+                    params.release(false)?;
+                    if !recompute {
+                        return Err(Error::InvalidArgument(format!(
+                            "group {g} was resharded after forward although it stayed unsharded before; a group that keeps its graph needs one reshard policy"
+                        )));
+                    }
+                }
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     fn backward_stage(
@@ -306,19 +389,21 @@ where
     ) -> Result<Option<Tensor>> {
         let recompute = self.group_info(g)?.recompute;
         self.fsdp.pre_backward(g)?;
+        // The all-gather and the zeroed gradients come before candle reads and adds.
+        self.side.candle_waits_for(self.fsdp.compute_stream())?;
         let dtype = self.param_dtype()?;
-        let (grads, vars, x_var) = if recompute {
+        let (grads, vars, mut x_var) = if recompute {
             let params = self.phase_params(g)?;
             let (vb, vars) = (params.tracked.clone(), params.vars.clone());
             let t0 = Instant::now();
-            let x_var = if input.dtype().is_float() { Some(Var::from_tensor(&input.detach())?) } else { None };
+            let input = input.contiguous()?;
+            let x_var = if input.dtype().is_float() { Some(self.side.input_var(&input)?) } else { None };
             let x = match &x_var {
-                Some(v) => v.as_tensor().to_dtype(dtype)?,
+                Some(v) => v.var().as_tensor().to_dtype(dtype)?,
                 None => input.detach(),
             };
             let out = f(vb, &x)?;
-            // d(sum(out · grad_out))/dθ is exactly the vector-Jacobian product candle's backward wants.
-            let grads = (out * grad_out.detach())?.sum_all()?.backward()?;
+            let grads = seed_backward(&out, grad_out)?;
             self.times.compute += t0.elapsed();
             self.times.recomputed += 1;
             (grads, vars, x_var)
@@ -328,72 +413,94 @@ where
                     Error::InvalidArgument(format!("stage {stage} has no graph kept from its forward"))
                 })?;
             let t0 = Instant::now();
-            let grads = (saved.out * grad_out.detach())?.sum_all()?.backward()?;
+            let grads = seed_backward(&saved.out, grad_out)?;
             self.times.compute += t0.elapsed();
             (grads, saved.vars, saved.input)
         };
         self.times.stage_calls += 1;
         let t1 = Instant::now();
-        let s = self.fsdp.compute_stream();
-        // Host memory is written directly: the compute stream (zeroed
-        // gradients, earlier accumulations) must have run first.
-        let mut synchronized = false;
-        let on_device = crate::device::grads_on_device(s, &self.device, || {
-            let present = vars.iter().enumerate().filter_map(|(i, v)| Some((i, grads.get(v.as_tensor())?)));
-            present.map(|(i, grad)| Ok((grad.to_dtype(dtype)?, self.fsdp.grad(g, i)?))).collect()
-        })?;
-        // Gradients on candle's CUDA device went device to device; the others go here.
-        let host_side: &[Var] = if on_device { &[] } else { &vars };
-        for (i, var) in host_side.iter().enumerate() {
-            let Some(grad) = grads.get(var.as_tensor()) else { continue };
-            let grad = grad.to_dtype(dtype)?;
-            let dst = self.fsdp.grad(g, i)?;
-            match host_memory(dst) {
-                Some(dst) => {
-                    if !synchronized {
-                        s.synchronize().map_err(FsdpError::from)?;
-                        synchronized = true;
-                    }
-                    // SAFETY: the compute stream, the only user of the
-                    // unsharded gradients until post-backward, is
-                    // synchronized and nothing is enqueued during the add.
-                    unsafe { add_into_host(&grad, &dst) }?;
-                }
-                None => {
-                    let staged = s.alloc(dst.dtype(), dst.len()).map_err(FsdpError::from)?;
-                    upload_tensor(s, &grad, staged.view())?;
-                    s.accumulate(staged.view(), dst).map_err(FsdpError::from)?;
-                }
-            }
-        }
+        let present = vars.iter().enumerate().filter_map(|(i, v)| Some((i, grads.get(v.as_tensor())?.clone())));
+        let pairs = present.map(|(i, grad)| Ok((grad, self.fsdp.grad(g, i)?))).collect::<Result<Vec<_>>>()?;
+        self.times.staged_transfers += self.side.add_grads(self.fsdp.compute_stream(), pairs)?;
         self.times.transfer += t1.elapsed();
+        let gx = match &x_var {
+            Some(v) => Some(match grads.get(v.var().as_tensor()) {
+                Some(gx) => gx.clone(),
+                None => v.var().as_tensor().zeros_like()?,
+            }),
+            None => None,
+        };
+        drop(grads);
+        // Everything that reads the borrowed input is enqueued; the gradient is a tensor of its own.
+        if let Some(v) = x_var.as_mut() {
+            v.release(false)?;
+        }
         let info = &mut self.groups[g];
         info.backward_pending = info.backward_pending.saturating_sub(1);
         if info.backward_pending == 0 {
-            info.params = None;
-            self.fsdp.post_backward(g)?;
+            self.end_backward(g)?;
         }
-        Ok(match &x_var {
-            Some(v) => Some(match grads.get(v.as_tensor()) {
-                Some(gx) => gx.clone(),
-                None => v.as_tensor().zeros_like()?,
-            }),
-            None => None,
-        })
+        Ok(gx)
+    }
+
+    /// The end of group `g`'s backward: its borrowed parameters are given
+    /// back, the compute stream waits for candle's reads of them and its
+    /// additions into the gradients, and FSDP's post-backward
+    /// (reduce-scatter) runs.
+    fn end_backward(&mut self, g: usize) -> Result<()> {
+        if self.side.on_device() {
+            let borrowed = self.groups[g].params.as_ref().is_some_and(PhaseParams::borrows);
+            if let Some(params) = self.groups[g].params.as_mut() {
+                params.release(false)?;
+            }
+            let mut accesses = match borrowed {
+                true => self.param_accesses(g, AccessKind::Read)?,
+                false => Vec::new(),
+            };
+            for i in 0..self.fsdp.group_params(g)?.len() {
+                accesses.push((self.fsdp.grad(g, i)?, AccessKind::Write));
+            }
+            self.side.compute_waits_for(self.fsdp.compute_stream(), &accesses)?;
+        }
+        self.groups[g].params = None;
+        self.fsdp.post_backward(g)?;
+        Ok(())
     }
 
     /// Forgets every phase's parameters and kept graph: the step is over.
-    fn end_step(&mut self) {
-        self.groups.iter_mut().for_each(|g| {
-            g.forward_runs = 0;
-            g.backward_pending = 0;
-            g.params = None;
-        });
-        self.saved.iter_mut().for_each(|s| *s = None);
+    /// Borrowed parameters still bound (a group off the loss's path, an
+    /// error) are given back, with the compute stream ordered after
+    /// candle's reads of them.
+    fn end_step(&mut self) -> Result<()> {
+        let mut result = Ok(());
+        for g in 0..self.groups.len() {
+            let info = &mut self.groups[g];
+            info.forward_runs = 0;
+            info.backward_pending = 0;
+            let Some(mut params) = info.params.take() else { continue };
+            if params.borrows() {
+                let crossed = params.release(false).and_then(|()| {
+                    let reads = self.param_accesses(g, AccessKind::Read)?;
+                    self.side.compute_waits_for(self.fsdp.compute_stream(), &reads)
+                });
+                result = result.and(crossed);
+            }
+        }
+        for saved in self.saved.iter_mut() {
+            if let Some(mut s) = saved.take() {
+                if let Some(v) = s.input.as_mut() {
+                    result = result.and(v.release(false));
+                }
+            }
+        }
+        self.pending = None;
+        result
     }
 }
 
-/// One stage as a candle custom op (see the module docs).
+/// One stage as a candle custom op (see the module docs): its forward hands
+/// candle the output [`FsdpModel::run`] computed, its backward runs the
+/// stage's FSDP backward.
 struct StageOp<C: CommBackend> {
     shared: Arc<Mutex<Shared<C>>>,
     stage: usize,
@@ -424,14 +531,13 @@ where
     C::B: ComputeBackend,
     Fsdp<C>: Send,
 {
-    /// The stage's forward on what `input` makes of the op's input (a
-    /// variable when the stage keeps its graph: it differentiates by its
-    /// input, and no second copy is made).
-    fn forward(&self, input: impl FnOnce(bool) -> candle_core::Result<Tensor>) -> candle_core::Result<Tensor> {
+    /// The output [`FsdpModel::run`] made for this stage.
+    fn output(&self) -> candle_core::Result<(Storage, Shape)> {
         let mut shared = lock(&self.shared)?;
-        let keeps_graph = shared.groups.get(self.group).is_some_and(|g| !g.recompute);
-        let x = input(keeps_graph)?;
-        shared.forward_stage(self.stage, self.group, self.f.as_ref(), &x).map_err(|e| park(&mut shared, e))
+        match shared.pending.take() {
+            Some(p) if p.stage == self.stage => Ok((p.storage, p.shape)),
+            _ => candle_core::bail!("stage {} applied outside FsdpModel::run", self.stage),
+        }
     }
 }
 
@@ -446,25 +552,29 @@ where
 
     fn cpu_fwd(
         &self,
-        s1: &CpuStorage,
-        l1: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let out = self.forward(|keeps_graph| tensor_from_storage(s1, l1, keeps_graph))?;
-        Ok((storage_of(&out)?, out.shape().clone()))
+        match self.output()? {
+            (Storage::Cpu(s), shape) => Ok((s, shape)),
+            _ => candle_core::bail!("stage {}'s output is not on the CPU", self.stage),
+        }
     }
 
     #[cfg(feature = "candle-cuda")]
     fn cuda_fwd(
         &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let out = self.forward(|keeps_graph| crate::cuda::tensor_from_storage(s1, l1, keeps_graph))?;
-        Ok((crate::cuda::storage_of(&out)?, out.shape().clone()))
+        match self.output()? {
+            (Storage::Cuda(s), shape) => Ok((s, shape)),
+            _ => candle_core::bail!("stage {}'s output is not on CUDA", self.stage),
+        }
     }
 
     fn bwd(
@@ -507,7 +617,14 @@ pub struct FsdpModel<C: CommBackend> {
     shared: Arc<Mutex<Shared<C>>>,
     anchor: Var,
     device: CandleDevice,
-    stages: Vec<(usize, Arc<Box<dyn CustomOp2 + Send + Sync>>)>,
+    stages: Vec<Stage>,
+}
+
+/// A stage of an [`FsdpModel`]: its group, what it computes, and its op.
+struct Stage {
+    group: usize,
+    f: Arc<StageFn>,
+    op: Arc<Box<dyn CustomOp2 + Send + Sync>>,
 }
 
 impl<C: CommBackend + 'static> FsdpModel<C>
@@ -520,13 +637,16 @@ where
     pub fn new(fsdp: Fsdp<C>) -> Result<Self> {
         let groups = (0..fsdp.num_groups()).map(|_| GroupInfo::default()).collect();
         let device = crate::device::candle_device::<C::B>(fsdp.device())?;
+        let side = Side::new(fsdp.compute_stream(), &device, Transfers::Direct)?;
         let anchor = Var::zeros(1, candle_core::DType::F32, &device)?;
         Ok(FsdpModel {
             shared: Arc::new(Mutex::new(Shared {
-                fsdp,
-                device: device.clone(),
                 groups,
                 saved: Vec::new(),
+                pending: None,
+                fsdp,
+                device: device.clone(),
+                side,
                 parked: None,
                 times: AdapterTimes::default(),
             })),
@@ -539,9 +659,32 @@ where
     /// The candle device the stages compute on: candle's CUDA device on the
     /// same GPU for the `cuda` device with the `candle-cuda` feature, else
     /// candle's CPU. [`FsdpModel::run`] moves its input there; a loss's
-    /// targets belong there.
+    /// targets belong there. A CUDA device here is the adapter's own, with
+    /// cudarc's cross-stream event tracking off: its tensors are used on its
+    /// stream only (candle's operations all are).
     pub fn device(&self) -> &CandleDevice {
         &self.device
+    }
+
+    /// How parameters and gradients cross between FSDP's buffers and candle
+    /// on candle's CPU ([`Transfers::Direct`] by default; [`Transfers::Staged`]
+    /// takes the route of a device without host memory on any device). An
+    /// error on candle's CUDA device, which copies nothing. Set between steps.
+    pub fn set_transfers(&self, transfers: Transfers) -> Result<()> {
+        let mut shared = self.lock()?;
+        match (&mut shared.side, transfers) {
+            (Side::Host(t), _) => {
+                *t = transfers;
+                Ok(())
+            }
+            #[allow(unreachable_patterns)]
+            (_, Transfers::Direct) => Ok(()),
+            #[allow(unreachable_patterns)]
+            _ => Err(Error::InvalidArgument(
+                "staged transfers are a route of candle's CPU; this model computes on FSDP's buffers on the device"
+                    .into(),
+            )),
+        }
     }
 
     fn lock(&self) -> Result<MutexGuard<'_, Shared<C>>> {
@@ -587,6 +730,10 @@ where
 
     /// Adds a stage that computes with `group`'s parameters. A group may have
     /// several stages (FSDP2's root: the embedding first, the head last).
+    /// Its output becomes the op's output without a copy where it is the
+    /// stage's own, so a stage returns a tensor it computed, not one it keeps
+    /// elsewhere (a constant it captured; its input and parameters are
+    /// recognised and copied).
     pub fn add_stage(
         &mut self,
         group: GroupId,
@@ -598,9 +745,10 @@ where
         info.stages += 1;
         drop(shared);
         let stage = self.stages.len();
-        let op = StageOp { shared: self.shared.clone(), stage, group: group.0, f: Arc::new(f) };
-        self.stages.push((group.0, Arc::new(Box::new(op))));
-        Ok(StageId(self.stages.len() - 1))
+        let f: Arc<StageFn> = Arc::new(f);
+        let op = StageOp { shared: self.shared.clone(), stage, group: group.0, f: f.clone() };
+        self.stages.push(Stage { group: group.0, f, op: Arc::new(Box::new(op)) });
+        Ok(StageId(stage))
     }
 
     /// Whether `group` recomputes its stages in backward (activation
@@ -645,10 +793,18 @@ where
     /// Applies `stage` to `x`: the output carries candle's graph, so the
     /// loss's backward runs the stage's FSDP backward.
     pub fn run(&self, stage: StageId, x: &Tensor) -> Result<Tensor> {
-        let (_, op) =
-            self.stages.get(stage.0).ok_or_else(|| Error::InvalidArgument(format!("no stage {}", stage.0)))?;
+        let s = self.stages.get(stage.0).ok_or_else(|| Error::InvalidArgument(format!("no stage {}", stage.0)))?;
         let x = x.to_device(&self.device)?.contiguous()?;
-        let out = x.apply_op2_arc(self.anchor.as_tensor(), op.clone());
+        {
+            let mut shared = self.lock()?;
+            let (storage, shape) = shared.forward_stage(stage.0, s.group, s.f.as_ref(), &x)?;
+            shared.pending = Some(PendingOutput { stage: stage.0, storage, shape });
+        }
+        let out = x.apply_op2_arc(self.anchor.as_tensor(), s.op.clone());
+        if out.is_err() {
+            // An op that failed before taking its output leaves nothing behind.
+            self.lock()?.pending = None;
+        }
         self.unpark(out)
     }
 
@@ -668,8 +824,9 @@ where
         let mut shared = self.lock()?;
         // Whatever candle's backward reached, nothing of this step's phases
         // may outlive it (a stage off the loss's path is never differentiated).
-        shared.end_step();
+        let ended = shared.end_step();
         result?;
+        ended?;
         shared.fsdp.finalize_backward()?;
         Ok(())
     }
@@ -678,7 +835,7 @@ where
     /// groups return to idle.
     pub fn finish_without_backward(&self) -> Result<()> {
         let mut shared = self.lock()?;
-        shared.end_step();
+        shared.end_step()?;
         shared.fsdp.finalize_backward()?;
         Ok(())
     }

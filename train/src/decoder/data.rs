@@ -70,8 +70,7 @@ impl TokenRows {
                 self.global_batch
             ));
         }
-        // SplitMix64's first output: a bijective mix of the number.
-        let mix = |z: u64| crate::mlp::SplitMix::new(z).next_u64();
+        let mix = crate::rng::mix;
         let keyed = |r: &std::ops::Range<usize>| self.hash ^ mix(r.start as u64) ^ mix(!(r.end as u64));
         let train = TokenRows { range: self.range.start..cut, hash: keyed(&(self.range.start..cut)), ..self.clone() };
         let val = TokenRows {

@@ -9,8 +9,10 @@
 //! - [`spec`]: the spec and the reports.
 //! - [`sharded`]: the FSDP step loop.
 //! - [`plain`]: the plain candle reference.
+//! - [`memory`]: the process's resident memory, reported beside FSDP's count.
 
 pub mod data;
+pub mod memory;
 pub mod plain;
 pub mod sharded;
 pub mod spec;

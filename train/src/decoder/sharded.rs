@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+use candle_core::Tensor;
 use chorus_collectives::{CommBackend, Communicator, Mesh};
 use chorus_devices::{ComputeBackend, Device as _};
 use chorus_fsdp::{CommCounts, DataParallel, Fsdp, HostOverhead, ShardedOptimizer};
@@ -42,6 +43,7 @@ where
     let sharded = spec.model.shard(fsdp, spec.forward_prefetch)?;
     let model = &sharded.model;
     model.apply_recompute(&spec.recompute)?;
+    model.set_transfers(spec.transfers)?;
     let mut opt = ShardedOptimizer::new(spec.optimizer);
     let mut start = 0;
     let mut earlier_losses = Vec::new();
@@ -96,7 +98,7 @@ where
         let lr = spec.schedule.lr(step, spec.steps, base_lr);
         opt.set_lr(lr);
         lrs.push(lr);
-        let mut local = 0.0f64;
+        let mut local = LossSum::default();
         for m in 0..micro {
             model.with_fsdp(|f| f.set_requires_gradient_sync(m + 1 == micro))?;
             let (x, y) = spec.data.rows(step, rank * spec.batch + m * rows, rows);
@@ -104,30 +106,26 @@ where
             // The targets go where the model computes (candle's CUDA device with `candle-cuda`).
             let l = loss(&logits, &u32_tensor(y, rows, seq)?.to_device(logits.device())?)?;
             let l = if micro > 1 { (l / micro as f64)? } else { l };
-            local += l.to_scalar::<f32>()? as f64;
+            local.add(&l)?;
             model.backward(&l)?;
-        }
-        let mean = global_mean(model, local)?;
-        if !mean.is_finite() && !spec.allow_nonfinite {
-            // Every rank sees the same global loss, so all stop here together.
-            losses.push(mean);
-            times.push(t0.elapsed().as_secs_f64());
-            if spec.op_times {
-                op_times.push(timing::take()?);
-            }
-            stopped = Some(NonFinite { step, loss: mean });
-            break;
         }
         if let Some(max) = spec.max_grad_norm {
             model.clip_grad_norm(max)?;
         }
         model.optimizer_step(&mut opt)?;
+        // The step's one host read of the loss, once the optimizer step is enqueued.
+        let mean = global_mean(model, local.read()?)?;
         model.with_fsdp(|f| f.synchronize())??;
         times.push(t0.elapsed().as_secs_f64());
         if spec.op_times {
             op_times.push(timing::take()?);
         }
         losses.push(mean);
+        if !mean.is_finite() && !spec.allow_nonfinite {
+            // Every rank sees the same global loss, so all stop here together.
+            stopped = Some(NonFinite { step, loss: mean });
+            break;
+        }
         on_step(step, mean);
         let done = step + 1;
         if let Some(v) = spec.validation.as_ref().filter(|v| v.due(done, spec.steps)) {
@@ -186,17 +184,16 @@ where
     Fsdp<C>: Send,
 {
     let (seq, rows) = (v.data.seq_len(), batch / micro);
-    let mut local = 0.0f64;
+    let mut local = LossSum::default();
     for b in 0..v.batches {
         for m in 0..micro {
             let (x, y) = v.data.rows(b as u64, rank * batch + m * rows, rows);
             let logits = sharded.forward(&u32_tensor(x, rows, seq)?)?;
-            let l = loss(&logits, &u32_tensor(y, rows, seq)?.to_device(logits.device())?)?;
-            local += l.to_scalar::<f32>()? as f64;
+            local.add(&loss(&logits, &u32_tensor(y, rows, seq)?.to_device(logits.device())?)?)?;
             sharded.model.finish_without_backward()?;
         }
     }
-    global_mean(&sharded.model, local / (v.batches * micro).max(1) as f64)
+    global_mean(&sharded.model, local.read()? / (v.batches * micro).max(1) as f64)
 }
 
 /// Continues the sample's prompt by its number of tokens with the sharded
@@ -272,6 +269,33 @@ where
     })
 }
 
+/// A sum of losses kept where they are computed (candle's CUDA device with
+/// `candle-cuda`), in f64 (the exact sum of the f32 losses, as a host sum
+/// would be), so that a step reads it to the host once ([`LossSum::read`])
+/// instead of waiting for the device after every micro-batch's forward.
+#[derive(Default)]
+struct LossSum(Option<Tensor>);
+
+impl LossSum {
+    /// Adds `l` (a one-element loss; its graph is not followed).
+    fn add(&mut self, l: &Tensor) -> Result<()> {
+        let l = l.detach().to_dtype(candle_core::DType::F64)?.reshape(())?;
+        self.0 = Some(match self.0.take() {
+            Some(sum) => (sum + l)?,
+            None => l,
+        });
+        Ok(())
+    }
+
+    /// The sum on the host (waits for the device's work up to the last loss).
+    fn read(&self) -> Result<f64> {
+        Ok(match &self.0 {
+            Some(sum) => sum.to_scalar::<f64>()?,
+            None => 0.0,
+        })
+    }
+}
+
 /// The mean over every rank of this rank's `local` loss (a collective; blocks).
 fn global_mean<C: CommBackend + 'static>(model: &FsdpModel<C>, local: f64) -> Result<f64>
 where
@@ -326,6 +350,7 @@ impl Counters {
                 compute: self.adapter.compute - earlier.adapter.compute,
                 stage_calls: self.adapter.stage_calls - earlier.adapter.stage_calls,
                 recomputed: self.adapter.recomputed - earlier.adapter.recomputed,
+                staged_transfers: self.adapter.staged_transfers - earlier.adapter.staged_transfers,
             },
         }
     }

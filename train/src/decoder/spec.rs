@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use chorus_fsdp::{CommCounts, FsdpConfig, HostOverhead, OptimizerKind};
-use chorus_fsdp_candle::{AdapterTimes, Error, Recompute};
+use chorus_fsdp_candle::{AdapterTimes, Error, Recompute, Transfers};
 use chorus_kernels::timing::{OpKind, OpTime};
 
 use super::data::Data;
@@ -44,6 +44,10 @@ pub struct TrainSpec<M> {
     /// their stages in backward (activation checkpointing) and which keep
     /// their forward graphs.
     pub recompute: Recompute,
+    /// How parameters and gradients cross between FSDP's buffers and
+    /// candle's CPU ([`Transfers::Staged`]: the readback and upload route of
+    /// a device without host memory, on any device).
+    pub transfers: Transfers,
     /// Micro-batches per step (gradient accumulation without sync on all but the last).
     pub micro_batches: usize,
     /// Save a checkpoint under this directory every `save_every` steps (and at the end).
@@ -96,6 +100,7 @@ impl<M> TrainSpec<M> {
             max_grad_norm: None,
             forward_prefetch: true,
             recompute: Recompute::All,
+            transfers: Transfers::Direct,
             micro_batches: 1,
             checkpoint_dir: None,
             save_every: 0,
@@ -180,8 +185,9 @@ pub struct TrainReport {
     /// Checkpoints written.
     pub saved: Vec<PathBuf>,
     /// Where the run stopped early because the loss stopped being finite
-    /// (without `allow_nonfinite`): that step's loss is the last of `losses`,
-    /// and its update was not applied.
+    /// (without `allow_nonfinite`): that step's loss is the last of `losses`
+    /// (read once the step's optimizer update is enqueued, so the shards hold
+    /// that update; a stopped run writes nothing from them).
     pub stopped: Option<NonFinite>,
     /// Where the spec asked for them ([`TrainSpec::op_times`]), each step's
     /// calls and device time of every fused op kind on this rank, one entry

@@ -14,8 +14,8 @@ use chorus_fsdp::Fsdp;
 use chorus_fsdp_candle::{take_params, FsdpModel};
 
 use super::layers::{Linear, RmsNorm};
-use super::{DecoderModel, PlainDecoder, ShardedDecoder};
-use crate::mlp::SplitMix;
+use super::{Initialised, PlainDecoder, ShardedDecoder};
+use crate::rng::SplitMix;
 
 /// The transformer's sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -219,46 +219,11 @@ impl Gpt {
     }
 }
 
-/// The transformer to train: its sizes and initial parameters (names,
-/// values, e.g. from [`init_params`]).
-#[derive(Clone, Debug)]
-pub struct GptModel {
-    /// The model's sizes.
-    pub config: GptConfig,
-    /// Initial parameters.
-    pub init: Vec<(String, Tensor)>,
-}
+/// The transformer to train: its sizes and initial parameters (e.g. from
+/// [`init_params`]).
+pub type GptModel = Initialised<GptConfig>;
 
-impl DecoderModel for GptModel {
-    fn name(&self) -> &'static str {
-        "transformer"
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.config.vocab
-    }
-
-    fn config_json(&self) -> chorus_fsdp_candle::Result<serde_json::Value> {
-        serde_json::to_value(self.config).map_err(|e| chorus_fsdp_candle::Error::InvalidArgument(e.to_string()))
-    }
-
-    fn shard<C>(&self, fsdp: Fsdp<C>, forward_prefetch: bool) -> chorus_fsdp_candle::Result<ShardedDecoder<C>>
-    where
-        C: CommBackend + 'static,
-        C::B: ComputeBackend,
-        Fsdp<C>: Send,
-    {
-        shard(fsdp, self.config, self.init.clone(), forward_prefetch)
-    }
-
-    fn init_tensors(&self) -> chorus_fsdp_candle::Result<Vec<(String, Tensor)>> {
-        Ok(self.init.clone())
-    }
-
-    fn plain(&self, vb: VarBuilder<'static>) -> chorus_fsdp_candle::Result<Box<dyn PlainDecoder>> {
-        Ok(Box::new(Gpt::new(self.config, vb)?))
-    }
-}
+super::decoder_config!(GptConfig, "transformer", vocab: |c: &GptConfig| c.vocab, shard: shard, plain: Gpt);
 
 impl PlainDecoder for Gpt {
     fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {

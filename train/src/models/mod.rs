@@ -29,6 +29,7 @@ use chorus_collectives::CommBackend;
 use chorus_devices::ComputeBackend;
 use chorus_fsdp::Fsdp;
 use chorus_fsdp_candle::{FsdpModel, Result, StageId};
+use serde::Serialize;
 
 /// A param group of a decoder's sharded form without its values: its name,
 /// its parameters' names and shapes in registration order, and whether it is
@@ -108,6 +109,112 @@ pub trait DecoderModel: Send + Sync {
     fn plain(&self, vb: VarBuilder<'static>) -> Result<Box<dyn PlainDecoder>>;
 }
 
+/// What a decoder's sizes (its configuration) say about the model they
+/// describe, so that sizes and initial parameters ([`Initialised`]) are a
+/// [`DecoderModel`] written once for every such model.
+pub trait DecoderConfig: Copy + Serialize + Send + Sync {
+    /// What the model is called in messages ([`DecoderModel::name`]).
+    const NAME: &'static str;
+
+    /// Tokens in the vocabulary.
+    fn vocab_size(&self) -> usize;
+
+    /// The model of these sizes whose initial parameters are `params`, sharded
+    /// with `fsdp` (see [`DecoderModel::shard`]).
+    fn shard<C>(
+        self,
+        fsdp: Fsdp<C>,
+        params: Vec<(String, Tensor)>,
+        forward_prefetch: bool,
+    ) -> Result<ShardedDecoder<C>>
+    where
+        C: CommBackend + 'static,
+        C::B: ComputeBackend,
+        Fsdp<C>: Send;
+
+    /// The plain candle model of these sizes whose parameters are in `vb`.
+    fn plain(self, vb: VarBuilder<'static>) -> Result<Box<dyn PlainDecoder>>;
+}
+
+/// Implements [`DecoderConfig`] for the sizes `$config` of a model called
+/// `$name`, whose vocabulary is `$vocab(&sizes)`, sharded by the function
+/// `$shard(fsdp, sizes, params, forward_prefetch)` and plain by
+/// `$plain::new(sizes, vb)`: each model states these once, the trait's
+/// signatures are written here.
+macro_rules! decoder_config {
+    ($config:ty, $name:literal, vocab: $vocab:expr, shard: $shard:path, plain: $plain:ty) => {
+        impl $crate::models::DecoderConfig for $config {
+            const NAME: &'static str = $name;
+
+            fn vocab_size(&self) -> usize {
+                $vocab(self)
+            }
+
+            fn shard<C>(
+                self,
+                fsdp: chorus_fsdp::Fsdp<C>,
+                params: Vec<(String, candle_core::Tensor)>,
+                forward_prefetch: bool,
+            ) -> chorus_fsdp_candle::Result<$crate::models::ShardedDecoder<C>>
+            where
+                C: chorus_collectives::CommBackend + 'static,
+                C::B: chorus_devices::ComputeBackend,
+                chorus_fsdp::Fsdp<C>: Send,
+            {
+                $shard(fsdp, self, params, forward_prefetch)
+            }
+
+            fn plain(
+                self,
+                vb: candle_nn::VarBuilder<'static>,
+            ) -> chorus_fsdp_candle::Result<Box<dyn $crate::models::PlainDecoder>> {
+                Ok(Box::new(<$plain>::new(self, vb)?))
+            }
+        }
+    };
+}
+pub(crate) use decoder_config;
+
+/// A model to train: its sizes and initial parameters (names and values).
+#[derive(Clone, Debug)]
+pub struct Initialised<K> {
+    /// The model's sizes.
+    pub config: K,
+    /// Initial parameters.
+    pub init: Vec<(String, Tensor)>,
+}
+
+impl<K: DecoderConfig> DecoderModel for Initialised<K> {
+    fn name(&self) -> &'static str {
+        K::NAME
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size()
+    }
+
+    fn config_json(&self) -> Result<serde_json::Value> {
+        serde_json::to_value(self.config).map_err(|e| chorus_fsdp_candle::Error::InvalidArgument(e.to_string()))
+    }
+
+    fn shard<C>(&self, fsdp: Fsdp<C>, forward_prefetch: bool) -> Result<ShardedDecoder<C>>
+    where
+        C: CommBackend + 'static,
+        C::B: ComputeBackend,
+        Fsdp<C>: Send,
+    {
+        self.config.shard(fsdp, self.init.clone(), forward_prefetch)
+    }
+
+    fn init_tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(self.init.clone())
+    }
+
+    fn plain(&self, vb: VarBuilder<'static>) -> Result<Box<dyn PlainDecoder>> {
+        self.config.plain(vb)
+    }
+}
+
 /// A decoder as a plain candle model.
 pub trait PlainDecoder {
     /// Logits `[batch, seq, vocab]` of `ids` (`[batch, seq]`, u32).
@@ -120,16 +227,24 @@ pub struct ShardedDecoder<C: CommBackend> {
     /// The adapter (and the [`Fsdp`] inside it).
     pub model: FsdpModel<C>,
     embed: StageId,
-    layers: Vec<Layer>,
+    layers: Vec<Layer<C>>,
     head: StageId,
 }
 
 /// One layer of a [`ShardedDecoder`].
-pub enum Layer {
+pub enum Layer<C: CommBackend> {
     /// One stage.
     Stage(StageId),
-    /// A mixture-of-experts layer: its stages and their routing on the host.
-    Moe(moe::MoeLayer),
+    /// Stages the host routes between (a mixture of experts,
+    /// [`moe::MoeLayer`]).
+    Routed(Box<dyn RoutedLayer<C>>),
+}
+
+/// A layer whose stages the host routes the tokens between: it runs its
+/// stages of `model` on `x` (`[batch, seq, d_model]`).
+pub trait RoutedLayer<C: CommBackend>: Send + Sync {
+    /// The layer's output on `x`.
+    fn forward(&self, model: &FsdpModel<C>, x: &Tensor) -> Result<Tensor>;
 }
 
 impl<C: CommBackend + 'static> ShardedDecoder<C>
@@ -154,7 +269,7 @@ where
     /// rank runs (a routed group has no prefetch of its own).
     pub fn with_layers(
         model: FsdpModel<C>,
-        (embed, layers, head): (StageId, Vec<Layer>, StageId),
+        (embed, layers, head): (StageId, Vec<Layer<C>>, StageId),
         groups: &[usize],
         forward_prefetch: bool,
     ) -> Result<Self> {
@@ -178,7 +293,7 @@ where
         for l in &self.layers {
             x = match l {
                 Layer::Stage(s) => self.model.run(*s, &x)?,
-                Layer::Moe(m) => m.forward(&self.model, &x)?,
+                Layer::Routed(r) => r.forward(&self.model, &x)?,
             };
         }
         let logits = self.model.run(self.head, &x)?;

@@ -16,7 +16,7 @@
 //! second combines. The plain form ([`Moe`]) runs every expert on every
 //! token and masks, so the reference shares no dispatch code with it.
 
-use candle_core::{Module, Tensor, D};
+use candle_core::{Tensor, D};
 use candle_nn::VarBuilder;
 use chorus_collectives::CommBackend;
 use chorus_devices::ComputeBackend;
@@ -25,7 +25,7 @@ use chorus_fsdp_candle::{take_params, Error, FsdpModel, StageId};
 
 use super::gpt::{self, rms_norm, Attention, GptConfig};
 use super::layers::{Linear, RmsNorm};
-use super::{DecoderModel, Layer, PlainDecoder, ShardedDecoder};
+use super::{Initialised, Layer, PlainDecoder, RoutedLayer, ShardedDecoder};
 
 /// The most experts per layer this model takes (a bound on the groups and
 /// the parameters a flag can ask for).
@@ -212,19 +212,15 @@ pub struct MoeLayer {
     d_model: usize,
 }
 
-impl MoeLayer {
+impl<C: CommBackend + 'static> RoutedLayer<C> for MoeLayer
+where
+    C::B: ComputeBackend,
+    Fsdp<C>: Send,
+{
     /// The block on `x` (`[batch, seq, d_model]`): the front stage, each
     /// expert's stage on the tokens routed to it (an expert with none is
     /// not run: FSDP finishes it at the block's hooks), then the combine.
-    pub fn forward<C: CommBackend + 'static>(
-        &self,
-        model: &FsdpModel<C>,
-        x: &Tensor,
-    ) -> chorus_fsdp_candle::Result<Tensor>
-    where
-        C::B: ComputeBackend,
-        Fsdp<C>: Send,
-    {
+    fn forward(&self, model: &FsdpModel<C>, x: &Tensor) -> chorus_fsdp_candle::Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (d, rows) = (self.d_model, b * t);
         let front = model.run(self.front, x)?;
@@ -255,44 +251,9 @@ impl MoeLayer {
 
 /// The mixture-of-experts transformer to train: its sizes and initial
 /// parameters (e.g. from [`init_params`]).
-#[derive(Clone, Debug)]
-pub struct MoeModel {
-    /// The model's sizes.
-    pub config: MoeConfig,
-    /// Initial parameters.
-    pub init: Vec<(String, Tensor)>,
-}
+pub type MoeModel = Initialised<MoeConfig>;
 
-impl DecoderModel for MoeModel {
-    fn name(&self) -> &'static str {
-        "mixture-of-experts transformer"
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.config.base.vocab
-    }
-
-    fn config_json(&self) -> chorus_fsdp_candle::Result<serde_json::Value> {
-        serde_json::to_value(self.config).map_err(|e| Error::InvalidArgument(e.to_string()))
-    }
-
-    fn shard<C>(&self, fsdp: Fsdp<C>, forward_prefetch: bool) -> chorus_fsdp_candle::Result<ShardedDecoder<C>>
-    where
-        C: CommBackend + 'static,
-        C::B: ComputeBackend,
-        Fsdp<C>: Send,
-    {
-        shard(fsdp, self.config, self.init.clone(), forward_prefetch)
-    }
-
-    fn init_tensors(&self) -> chorus_fsdp_candle::Result<Vec<(String, Tensor)>> {
-        Ok(self.init.clone())
-    }
-
-    fn plain(&self, vb: VarBuilder<'static>) -> chorus_fsdp_candle::Result<Box<dyn PlainDecoder>> {
-        Ok(Box::new(Moe::new(self.config, vb)?))
-    }
-}
+super::decoder_config!(MoeConfig, "mixture-of-experts transformer", vocab: |c: &MoeConfig| c.base.vocab, shard: shard, plain: Moe);
 
 /// The model under FSDP: the root group (`embed.`, `norm.`, `head.`) with
 /// the embedding and head stages, per block a group `blocks.{i}` (the
@@ -347,7 +308,7 @@ where
         model.with_fsdp(|f| f.set_routed_groups(block.0, &routed))??;
         groups.push(block.0);
         let experts = experts.into_iter().map(|(_, s)| s).collect();
-        layers.push(Layer::Moe(MoeLayer { front, experts, combine, d_model: base.d_model }));
+        layers.push(Layer::Routed(Box::new(MoeLayer { front, experts, combine, d_model: base.d_model })));
     }
     if let Some((name, _)) = params.first() {
         return Err(Error::InvalidArgument(format!("parameter `{name}` belongs to no group")));

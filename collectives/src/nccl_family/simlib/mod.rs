@@ -35,6 +35,7 @@
 //! caller's deadline (the library has none of its own within the test
 //! horizon), and a mismatched call is an error of the library, not a hang.
 
+mod calls;
 mod ffi;
 mod state;
 

@@ -10,8 +10,21 @@ use std::time::{Duration, Instant};
 use chorus_devices::cpu::{CpuDevice, RawRange};
 
 use crate::nccl_family::abi::{ResultCode, UNIQUE_ID_BYTES};
+use crate::nccl_family::sys::{ncclComm_t, ncclResult_t};
 use crate::sim::world::{AbortState, WorldShared};
 use crate::sim::Prepared;
+
+/// The result codes the library returns.
+pub(super) const OK: ncclResult_t = ResultCode::SUCCESS.0;
+pub(super) const IN_PROGRESS: ncclResult_t = ResultCode::IN_PROGRESS.0;
+pub(super) const INVALID_ARGUMENT: ncclResult_t = ResultCode::INVALID_ARGUMENT.0;
+pub(super) const INTERNAL: ncclResult_t = ResultCode::INTERNAL_ERROR.0;
+pub(super) const REMOTE: ncclResult_t = ResultCode::REMOTE_ERROR.0;
+
+/// The handle a communicator pointer stands for (the library's table key).
+pub(super) fn handle_of(comm: ncclComm_t) -> usize {
+    comm as usize
+}
 
 /// How long the library's own rendezvous wait: beyond any test's deadline,
 /// so the caller's deadline (its watchdog) is what ends a wait on a dead

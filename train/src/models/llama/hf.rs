@@ -83,11 +83,23 @@ pub struct HfModel {
     pub dtypes: BTreeMap<String, String>,
 }
 
-/// Reads `dir/config.json`.
+/// The largest `config.json` read (a Llama's is a few KiB).
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// Reads `dir/config.json`: a regular file of at most [`MAX_CONFIG_BYTES`].
 pub fn read_config(dir: &Path) -> Result<LlamaConfig, HfError> {
+    use std::io::Read as _;
     let path = dir.join("config.json");
-    crate::npy::regular_file(&path).map_err(io_err(&path))?;
-    let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
+    crate::files::regular_file(&path).map_err(io_err(&path))?;
+    // At most one byte past the bound, so a file that grows after the check is refused too.
+    let mut text = String::new();
+    std::fs::File::open(&path)
+        .and_then(|f| f.take(MAX_CONFIG_BYTES + 1).read_to_string(&mut text))
+        .map_err(io_err(&path))?;
+    if text.len() as u64 > MAX_CONFIG_BYTES {
+        let why = format!("more than {MAX_CONFIG_BYTES} bytes, larger than any config.json");
+        return Err(HfError::Io { path, source: std::io::Error::new(std::io::ErrorKind::InvalidData, why) });
+    }
     LlamaConfig::from_json(&text).map_err(|source| HfError::Config { path, source })
 }
 
@@ -146,7 +158,7 @@ pub fn open(dir: &Path) -> Result<HfModel, HfError> {
     let files: Vec<PathBuf> = if single.exists() {
         vec![single]
     } else if index.exists() {
-        crate::npy::regular_file(&index).map_err(io_err(&index))?;
+        crate::files::regular_file(&index).map_err(io_err(&index))?;
         let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| weights_err(&index, e))?;
         let map =
@@ -170,7 +182,7 @@ pub fn open(dir: &Path) -> Result<HfModel, HfError> {
     let mut found: HashMap<String, MappedTensor> = HashMap::new();
     for path in &files {
         // A FIFO would block the open (and a directory cannot be mapped).
-        crate::npy::regular_file(path).map_err(io_err(path))?;
+        crate::files::regular_file(path).map_err(io_err(path))?;
         let file = std::fs::File::open(path).map_err(io_err(path))?;
         // SAFETY: the file is mapped read-only; like every safetensors
         // loader, chorus requires it not to be modified while training reads it.

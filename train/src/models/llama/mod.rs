@@ -31,6 +31,7 @@ use chorus_kernels::{attention, rope, swiglu, RopeCache};
 
 use super::layers::{Linear, RmsNorm};
 use super::{DecoderModel, PlainDecoder, ShardedDecoder};
+use crate::rng::mix;
 
 pub mod config;
 pub mod hf;
@@ -59,14 +60,6 @@ struct Normal {
     std: f64,
     /// A row left at zero (the embedding's `padding_idx`).
     zero_row: Option<usize>,
-}
-
-/// SplitMix64's finaliser: a bijective mix of a 64-bit counter.
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// A standard normal for element `i` of the tensor keyed `key` (Box–Muller

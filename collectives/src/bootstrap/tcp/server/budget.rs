@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use super::ENTRY_OVERHEAD;
+use super::options::ENTRY_OVERHEAD;
 
 /// The capacity `v` gets to take `n` more bytes: its own when they fit,
 /// else doubled (amortised growth, at most to `soft_max` unless the bytes

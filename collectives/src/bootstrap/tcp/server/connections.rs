@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use super::super::protocol::QueryType;
 use super::budget::{extend_to, grown_capacity, State};
-use super::{
+use super::options::{
     LogFn, ServerOptions, StatsCell, KEEP_BUFFER, OUTPUT_HIGH_WATER, READ_CHUNK, READ_PER_TURN, UNVALIDATED_INPUT,
 };
 

@@ -10,7 +10,7 @@ use super::super::protocol::{
 };
 use super::budget::{extend_to, grown_capacity, wait_cost};
 use super::connections::{refused_first_byte, EventLoop};
-use super::KEEP_BUFFER;
+use super::options::KEEP_BUFFER;
 use crate::bootstrap::store::{add_outcome, compare_set_outcome, parse_counter};
 
 impl EventLoop {

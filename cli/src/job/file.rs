@@ -1,22 +1,27 @@
-//! `chorus train --config job.toml`: a job file that sets any flag of
-//! `chorus train`, and the effective configuration written back as
-//! `config.toml` in the out-dir.
+//! Job files: `--config FILE` sets any flag of the job (and, for `chorus
+//! train`, of the run) from a TOML file, and `config.toml`, the effective
+//! configuration every `chorus train` writes in its out-dir, is such a file.
 //!
-//! Generic over the flags: a key is a flag's long name (`world_size` or
-//! `world-size`), at the top level or in a table of any name (`[training]
-//! steps = 10`, torchtitan's layout; the table's name only groups), and
-//! becomes `--key=value` placed before the command line's arguments. A flag
-//! the command line gives is left out of the file's, so the command line
-//! wins. A switch (`--bench`) takes `true` or `false`; a list flag
-//! (`--dims`) a TOML array or its comma-separated string. Paths are as
-//! given, relative to the directory the run starts in. The file's arguments
-//! are checked by clap alone, key by key, so an error names the key; every
-//! check of `chorus train` then applies as to the command line.
+//! Generic over the flags: a key is a flag's long name or alias
+//! (`world_size` or `world-size`), at the top level or in a table of any
+//! name (`[training] steps = 10`, torchtitan's layout; the table's name only
+//! groups), and becomes `--key=value` placed before the command line's
+//! arguments. A flag the command line gives is left out of the file's, so
+//! the command line wins. A switch (`--offload`) takes `true` or `false`; a
+//! list flag (`--dims`) a TOML array or its comma-separated string. Paths
+//! are as given, relative to the directory the command starts in. The
+//! file's arguments are checked by clap alone, key by key, so an error names
+//! the key; every check of the command then applies as to the command line.
+//!
+//! `chorus train` takes every key; `chorus plan` takes the job's
+//! ([`super::JobArgs`]) and passes over the run's (`steps`, `out_dir`, ...),
+//! so a plan is made from the very job a `config.toml` describes.
 //!
 //! `config.toml` lists every flag: its value (a default too) and where it
 //! came from, or a comment for a flag left unset (its default then depends
 //! on the model). `chorus train --config OUT/config.toml --out-dir OUT2`
-//! repeats the run.
+//! repeats the run; `chorus plan --config OUT/config.toml --gpus 64` plans it
+//! at 64 GPUs.
 
 use std::ffi::{OsStr, OsString};
 use std::io::Read;
@@ -25,7 +30,7 @@ use std::path::{Path, PathBuf};
 use clap::parser::ValueSource;
 use clap::{ArgAction, Args, FromArgMatches};
 
-use super::{usage, TrainArgs};
+use crate::usage;
 
 /// The largest job file read (a job file is a few hundred bytes).
 const MAX_BYTES: u64 = 1 << 20;
@@ -33,37 +38,55 @@ const MAX_BYTES: u64 = 1 << 20;
 /// Flags a job file cannot set: `--config` itself, and clap's own.
 const NOT_IN_FILE: [&str; 2] = ["config", "help"];
 
-/// The effective configuration of a run, as `config.toml` holds it.
-#[derive(Clone, Debug, Default)]
-pub struct Effective {
-    /// The text of `config.toml`.
-    pub text: String,
+/// Which keys of a job file a command takes.
+pub(crate) struct Scope {
+    /// The flags a file may set: all of the command's where `None`.
+    pub takes: Option<clap::Command>,
+    /// Flags a file may hold that the command passes over: another
+    /// command's settings (a plan reading `chorus train`'s `config.toml`).
+    pub passes_over: Option<clap::Command>,
 }
 
-/// `chorus train`'s arguments as clap sees them.
-fn command() -> clap::Command {
-    TrainArgs::augment_args(clap::Command::new("train")).no_binary_name(true)
-}
-
-/// The arguments of this process's `chorus train`, with `--config`'s file
-/// read: `args` as parsed from the command line where the process is not
-/// `chorus train ...` (no command line to read back).
-pub(super) fn resolve_process(args: &TrainArgs) -> anyhow::Result<TrainArgs> {
-    let mut argv = std::env::args_os().skip(1);
-    match argv.next() {
-        Some(first) if first == "train" => resolve(argv.collect()),
-        _ => Err(anyhow::anyhow!("chorus train: no `train` in this process's arguments (--model {:?})", args.model)),
+impl Scope {
+    /// Every flag of the command.
+    pub fn every() -> Scope {
+        Scope { takes: None, passes_over: None }
     }
 }
 
-/// The arguments `argv` (those after `train`) give, with `--config`'s file
-/// read (the command line winning) and [`TrainArgs::effective`] set.
-pub(super) fn resolve(argv: Vec<OsString>) -> anyhow::Result<TrainArgs> {
-    let cmd = command();
+/// Arguments read from a command line and a job file.
+pub(crate) struct Resolved<A> {
+    /// The arguments.
+    pub args: A,
+    /// The effective configuration as `config.toml` holds it.
+    pub effective: String,
+}
+
+/// The arguments of this process's subcommand `name` (`chorus NAME ...`),
+/// with `--config`'s file read (see [`resolve`]).
+pub(crate) fn resolve_process<A: Args + FromArgMatches>(
+    name: &'static str,
+    scope: Scope,
+) -> anyhow::Result<Resolved<A>> {
+    let mut argv = std::env::args_os().skip(1);
+    match argv.next() {
+        Some(first) if first == name => resolve(name, argv.collect(), scope),
+        _ => Err(anyhow::anyhow!("chorus {name}: no `{name}` in this process's arguments")),
+    }
+}
+
+/// The arguments `argv` (those after the subcommand's name) give, with
+/// `--config`'s file read (the command line winning) as `scope` says.
+pub(crate) fn resolve<A: Args + FromArgMatches>(
+    name: &'static str,
+    argv: Vec<OsString>,
+    scope: Scope,
+) -> anyhow::Result<Resolved<A>> {
+    let cmd = A::augment_args(clap::Command::new(name)).no_binary_name(true);
     let line = cmd.clone().try_get_matches_from(&argv).map_err(clap_usage)?;
     let (file, all) = match line.get_one::<PathBuf>("config") {
         Some(path) => {
-            let file = file_args(&cmd, path, &line)?;
+            let file = file_args(&cmd, &scope, path, &line)?;
             let mut all: Vec<OsString> = file.iter().flat_map(|(_, a)| a.clone()).collect();
             // The file's arguments together (a conflict among them is the file's).
             cmd.clone().try_get_matches_from(&all).map_err(|e| in_file(path, clap_message(&e)))?;
@@ -76,16 +99,16 @@ pub(super) fn resolve(argv: Vec<OsString>) -> anyhow::Result<TrainArgs> {
         Some((path, _)) => usage(format!("--config {} with the command line: {}", path.display(), clap_message(&e))),
         None => clap_usage(e),
     })?;
-    let mut args = TrainArgs::from_arg_matches(&matches).map_err(clap_usage)?;
+    let args = A::from_arg_matches(&matches).map_err(clap_usage)?;
     let from_file = file.as_ref().map(|(p, _)| p.as_path());
-    args.effective = Some(Effective { text: effective_text(&cmd, &matches, &line, from_file) });
-    Ok(args)
+    Ok(Resolved { args, effective: effective_text(name, &cmd, &matches, &line, from_file) })
 }
 
 /// The file's flags, each as its key and the arguments it stands for,
 /// leaving out those the command line gives; each checked alone.
 fn file_args(
     cmd: &clap::Command,
+    scope: &Scope,
     path: &Path,
     line: &clap::ArgMatches,
 ) -> anyhow::Result<Vec<(String, Vec<OsString>)>> {
@@ -109,14 +132,18 @@ fn file_args(
             return Err(in_file(path, format!("`{key}`: tables nest one level (`[section]` then `flag = value`)")));
         }
         let name = key.rsplit('.').next().unwrap_or(&key);
-        let arg = find_arg(cmd, name).ok_or_else(|| {
-            in_file(
+        let Some(arg) = find_arg(scope.takes.as_ref().unwrap_or(cmd), name) else {
+            if scope.passes_over.as_ref().is_some_and(|other| find_arg(other, name).is_some()) {
+                continue;
+            }
+            return Err(in_file(
                 path,
                 format!(
-                    "`{key}` is no flag of chorus train (keys are the long flag names: steps, world_size, lr, ...)"
+                    "`{key}` is no flag of chorus {} (keys are the long flag names: world_size, batch, lr, ...)",
+                    cmd.get_name()
                 ),
-            )
-        })?;
+            ));
+        };
         let id = arg.get_id().as_str().to_string();
         if let Some((earlier, _)) = seen.iter().find(|(_, i)| *i == id) {
             return Err(in_file(path, format!("`{key}` sets --{} again (as `{earlier}` did)", long(arg))));
@@ -144,7 +171,7 @@ fn read_table(path: &Path) -> anyhow::Result<toml::Table> {
         ));
     }
     let bad = |e: std::io::Error| in_file(path, e.to_string());
-    chorus_train::npy::regular_file(path).map_err(bad)?;
+    chorus_train::files::regular_file(path).map_err(bad)?;
     let len = std::fs::metadata(path).map_err(bad)?.len();
     if len > MAX_BYTES {
         return Err(in_file(path, format!("{len} bytes is more than a job file holds (at most {MAX_BYTES})")));
@@ -159,11 +186,14 @@ fn read_table(path: &Path) -> anyhow::Result<toml::Table> {
     text.parse::<toml::Table>().map_err(|e| in_file(path, format!("not TOML: {}", e.to_string().trim_end())))
 }
 
-/// The flag a key names (`-` or `_` between words); not `--config` nor a hidden one.
+/// The flag a key names by its long name or an alias (`-` or `_` between
+/// words); not `--config` nor a hidden one.
 fn find_arg<'a>(cmd: &'a clap::Command, key: &str) -> Option<&'a clap::Arg> {
     let want = key.replace('_', "-");
     cmd.get_arguments().find(|a| {
-        a.get_long() == Some(want.as_str()) && !a.is_hide_set() && !NOT_IN_FILE.contains(&a.get_id().as_str())
+        let named = a.get_long() == Some(want.as_str())
+            || a.get_all_aliases().is_some_and(|aliases| aliases.contains(&want.as_str()));
+        named && !a.is_hide_set() && !NOT_IN_FILE.contains(&a.get_id().as_str())
     })
 }
 
@@ -204,16 +234,19 @@ fn scalar(value: &toml::Value) -> Result<String, String> {
     }
 }
 
-/// `config.toml`: every flag with its value and source, unset ones as comments.
+/// `config.toml`: every flag of the command `name` with its value and
+/// source, unset ones as comments.
 fn effective_text(
+    name: &str,
     cmd: &clap::Command,
     matches: &clap::ArgMatches,
     line: &clap::ArgMatches,
     file: Option<&Path>,
 ) -> String {
-    let mut text = String::from(
-        "# The effective configuration of a `chorus train` run: every flag, with where its value came from.\n\
-         # Repeat the run: chorus train --config config.toml --out-dir OTHER_DIR\n",
+    let mut text = format!(
+        "# The effective configuration of a `chorus {name}` run: every flag, with where its value came from.\n\
+         # Repeat the run: chorus train --config config.toml --out-dir OTHER_DIR\n\
+         # Plan it: chorus plan --config config.toml --gpus N\n"
     );
     for arg in cmd.get_arguments().filter(|a| !a.is_hide_set() && !NOT_IN_FILE.contains(&a.get_id().as_str())) {
         let id = arg.get_id().as_str();
@@ -291,6 +324,7 @@ fn clap_usage(e: clap::Error) -> anyhow::Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::train::TrainArgs;
 
     fn job(name: &str, text: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("chorus-job-{name}-{}", std::process::id()));
@@ -304,27 +338,32 @@ mod tests {
         v.iter().map(OsString::from).collect()
     }
 
+    fn train(v: &[&str]) -> anyhow::Result<Resolved<TrainArgs>> {
+        resolve("train", argv(v), Scope::every())
+    }
+
     fn err(v: &[&str]) -> String {
-        resolve(argv(v)).unwrap_err().to_string()
+        train(v).err().expect("accepted").to_string()
     }
 
     #[test]
     fn the_file_sets_flags_and_the_command_line_wins() {
         let path = job(
             "sets",
-            "steps = 7\nworld_size = 2\n[model]\nd-model = 32\nmicro_batches = 2\n[optimizer]\nlr = 0.5\nallow_nonfinite = true\n",
+            "steps = 7\nworld_size = 2\n[model]\nhidden = 32\nmicro_batches = 2\n[optimizer]\nlr = 0.5\nallow_nonfinite = true\n",
         );
         let p = path.to_str().unwrap();
-        let args = resolve(argv(&["--config", p, "--steps", "9"])).unwrap();
+        let Resolved { args, effective: text } = train(&["--config", p, "--steps", "9"]).unwrap();
         assert_eq!(args.steps, Some(9));
-        assert_eq!(args.world_size, Some(2));
-        assert_eq!(args.d_model, Some(32));
-        assert_eq!(args.micro_batches, 2);
-        assert_eq!(args.lr, Some(0.5));
+        assert_eq!(args.job.world_size, Some(2));
+        // An alias is a key too: --hidden is --d-model.
+        assert_eq!(args.job.d_model, Some(32));
+        assert_eq!(args.job.micro_batches, 2);
+        assert_eq!(args.job.lr, Some(0.5));
         assert!(args.allow_nonfinite);
-        let text = args.effective.unwrap().text;
         assert!(text.contains("steps = 9  # command line\n"), "{text}");
         assert!(text.contains(&format!("world_size = 2  # --config {p}\n")), "{text}");
+        assert!(text.contains(&format!("d_model = 32  # --config {p}\n")), "{text}");
         assert!(text.contains("lr = 0.5  # --config"), "{text}");
         assert!(text.contains("batch = 8  # default\n"), "{text}");
         assert!(text.contains("bench = false  # default\n"), "{text}");
@@ -335,7 +374,7 @@ mod tests {
 
     #[test]
     fn config_toml_read_back_gives_the_same_arguments() {
-        let first = resolve(argv(&[
+        let first = train(&[
             "--model",
             "llama",
             "--dims=3,4,5",
@@ -349,17 +388,17 @@ mod tests {
             "root,model.layers.0",
             "--momentum",
             "0.25",
-        ]))
+        ])
         .unwrap();
-        let path = job("back", &first.effective.as_ref().unwrap().text);
-        let again = resolve(argv(&["--config", path.to_str().unwrap()])).unwrap();
+        let path = job("back", &first.effective);
+        let again = train(&["--config", path.to_str().unwrap()]).unwrap().args;
         // Debug lists every field: the two parses agree on all of them but the job file's.
         let strip = |mut a: TrainArgs| {
             (a.config, a.effective) = (None, None);
             format!("{a:?}")
         };
-        let (dims, lr) = (again.dims.clone(), again.lr);
-        assert_eq!(strip(again), strip(first));
+        let (dims, lr) = (again.job.dims.clone(), again.job.lr);
+        assert_eq!(strip(again), strip(first.args));
         assert_eq!(dims, Some(vec![3, 4, 5]));
         assert_eq!(lr, Some(1e-3));
         std::fs::remove_dir_all(path.parent().unwrap()).ok();
@@ -367,13 +406,13 @@ mod tests {
 
     #[test]
     fn a_default_that_conflicts_with_a_given_flag_is_left_out_so_the_file_reads_back() {
-        let first = resolve(argv(&["--model", "llama", "--global-batch", "4"])).unwrap();
-        let text = &first.effective.as_ref().unwrap().text;
+        let first = train(&["--model", "llama", "--global-batch", "4"]).unwrap();
+        let text = &first.effective;
         assert!(text.contains("# batch: its default is not in effect"), "{text}");
         assert!(text.contains("global_batch = 4  # command line\n"), "{text}");
         let path = job("default-in-conflict", text);
-        let again = resolve(argv(&["--config", path.to_str().unwrap()])).unwrap();
-        assert_eq!((again.decoder.global_batch, again.batch), (Some(4), first.batch));
+        let again = train(&["--config", path.to_str().unwrap()]).unwrap().args;
+        assert_eq!((again.job.global_batch, again.job.batch), (Some(4), first.args.job.batch));
         std::fs::remove_dir_all(path.parent().unwrap()).ok();
     }
 
@@ -382,7 +421,7 @@ mod tests {
         let path = job("bad", "stepz = 3\n");
         let p = path.to_str().unwrap();
         let e = err(&["--config", p]);
-        assert!(e.contains(p) && e.contains("`stepz` is no flag"), "{e}");
+        assert!(e.contains(p) && e.contains("`stepz` is no flag of chorus train"), "{e}");
         std::fs::write(&path, "steps = \"many\"\n").unwrap();
         let e = err(&["--config", p]);
         assert!(e.contains("`steps`") && e.contains("many"), "{e}");
@@ -396,6 +435,8 @@ mod tests {
         assert!(err(&["--config", p]).contains("`a.b`: tables nest one level"));
         std::fs::write(&path, "world_size = 1\nworld-size = 2\n").unwrap();
         assert!(err(&["--config", p]).contains("again"));
+        std::fs::write(&path, "d_model = 32\nhidden = 32\n").unwrap();
+        assert!(err(&["--config", p]).contains("`hidden` sets --d-model again"));
         std::fs::write(&path, "config = \"x.toml\"\n").unwrap();
         assert!(err(&["--config", p]).contains("`config` is no flag"));
         std::fs::write(&path, "dims = [4, 4]\nlayers = 2\n").unwrap();
