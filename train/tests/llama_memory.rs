@@ -217,8 +217,9 @@ const RUN_STEPS: u64 = 2;
 /// `docs/fsdp.md`'s bound on one rank's memory over a whole run, in bytes,
 /// from the model's shapes (sharded on dim 0 over `world`), with AdamW
 /// (two moments), batch 1 of `RUN_SEQ` tokens, recompute on:
-/// - `S`: the f32 master shards, two sharded gradients (the reduce-scatter's
-///   output and the gradient made from it) and the two moments: `4·(3 + 2)·Σ ceil(rows/W)·inner`;
+/// - `S`: the f32 master shards, one sharded gradient (the reduce-scatter's
+///   output is the gradient after `zero_grad`, `fsdp/src/storage.rs`) and
+///   the two moments: `4·(2 + 2)·Σ ceil(rows/W)·inner`;
 /// - `U`: training's unsharded working set: FSDP's (the group computing:
 ///   parameters, gradients; the prefetched group's all-gather output; its
 ///   reduce-scatter input and the previous one in flight: `5·G`, `G` the
@@ -245,7 +246,7 @@ fn run_bound(cfg: &LlamaConfig, world: usize) -> (usize, usize) {
     let largest_shard = shapes.iter().map(|(_, s)| padded(s)).max().unwrap_or(0);
     let (b, t, l) = (1, RUN_SEQ, cfg.num_hidden_layers);
     let (h, f, heads, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.vocab_size);
-    let s = 4 * 5 * sharded;
+    let s = 4 * 4 * sharded;
     let u = 4 * (9 * largest_group + 3 * largest);
     let a = 4 * b * t * (l + 2) * (10 * h + 4 * f + 3 * heads * t + 3 * v);
     let piece = chorus_train::model_out::PIECE;

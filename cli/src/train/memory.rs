@@ -56,15 +56,21 @@ pub(super) fn check(args: &TrainArgs) -> anyhow::Result<()> {
     }
 }
 
-/// `needed` bytes against the machine's memory, and the ranks' threads
-/// against the process's limits (where the ranks are this process's threads).
-fn against_machine(args: &TrainArgs, needed: Sat) -> anyhow::Result<()> {
-    crate::size::check_memory(needed.0, "this run", "make the model, batch, world or --steps smaller")
-        .map_err(usage)?;
+/// The bytes the run needs at `args`' world against the machine's memory,
+/// and the ranks' threads against the process's limits (where the ranks are
+/// this process's threads). `needed` gives the bytes for any world size, so
+/// the largest world a limit allows is found by the same count.
+fn against_machine(args: &TrainArgs, needed: impl Fn(Sat) -> Sat) -> anyhow::Result<()> {
+    crate::size::check_memory(
+        needed(Sat::of(args.world())).0,
+        "this run",
+        "make the model, batch, world or --steps smaller",
+    )
+    .map_err(usage)?;
     if args.backend.runs_as_processes() {
         return Ok(());
     }
-    super::ranks::check_thread_limits(args.world(), needed.0).map_err(usage)
+    super::ranks::check_thread_limits(args.world(), &|w| needed(Sat::of(w)).0).map_err(usage)
 }
 
 /// The MLP's run: every rank's parameters, gradients, optimizer state and
@@ -80,14 +86,16 @@ fn check_mlp(args: &TrainArgs) -> anyhow::Result<()> {
     };
     let params = dims.windows(2).fold(Sat(0), |acc, w| acc + w[0] * w[1] + w[1]);
     let widest = dims.iter().map(|d| d.0).max().map_or(Sat(0), Sat);
-    let (world, batch, steps) = (Sat::of(args.world()), Sat::of(job.batch), Sat::of(args.steps()));
+    let (batch, steps) = (Sat::of(job.batch), Sat::of(args.steps()));
     let batches = Sat::of(args.steps().clamp(1, 16));
-    let data = batches * world * batch * (dims[0] + dims[dims.len() - 1]) * Sat(4);
     let width_sum = dims.iter().fold(Sat(0), |a, d| a + *d);
-    let per_rank = Sat(4) * (Sat(4) * params / world + Sat(3) * params + Sat(4) * batch * width_sum)
-        + Sat(16) * steps
-        + Sat(8) * widest;
-    against_machine(args, data + world * per_rank + Sat(8) * params)
+    against_machine(args, |world| {
+        let data = batches * world * batch * (dims[0] + dims[dims.len() - 1]) * Sat(4);
+        let per_rank = Sat(4) * (Sat(4) * params / world + Sat(3) * params + Sat(4) * batch * width_sum)
+            + Sat(16) * steps
+            + Sat(8) * widest;
+        data + world * per_rank + Sat(8) * params
+    })
 }
 
 /// The transformer's run (`--model gpt`, or `moe` with its router and
@@ -109,10 +117,11 @@ fn check_gpt(args: &TrainArgs) -> anyhow::Result<()> {
     let activations =
         Sat(4) * tokens * (l + Sat(2)) * (Sat(8) * d + Sat(2) * f + Sat(3) * heads * t + Sat(3) * v + routing);
     let kept = if args.recompute() == chorus_fsdp_candle::Recompute::All { Sat(0) } else { Sat(4) * params };
-    let world = Sat::of(args.world());
-    let per_rank =
-        Sat(4) * (Sat(4) * params / world + Sat(4) * params) + kept + activations + Sat(16) * Sat::of(args.steps());
-    against_machine(args, world * per_rank + Sat(4 << 20))
+    let steps = Sat(16) * Sat::of(args.steps());
+    against_machine(args, |world| {
+        let per_rank = Sat(4) * (Sat(4) * params / world + Sat(4) * params) + kept + activations + steps;
+        world * per_rank + Sat(4 << 20)
+    })
 }
 
 /// The Llama's run of `cfg` on sequences of `seq_len` tokens.
@@ -128,7 +137,9 @@ pub(super) fn check_llama(args: &TrainArgs, cfg: &LlamaConfig, seq_len: usize) -
     let heads = Sat::of(cfg.num_attention_heads);
     let t = Sat::of(seq_len);
     let activations = Sat(4) * tokens * (l + Sat(2)) * (Sat(10) * h + Sat(4) * f + Sat(3) * heads * t + Sat(3) * v);
-    let world = Sat::of(args.world());
-    let per_rank = Sat(4) * (Sat(4) * params / world + Sat(3) * params) + activations + Sat(16) * Sat::of(args.steps());
-    against_machine(args, world * per_rank + Sat(4 << 20))
+    let steps = Sat(16) * Sat::of(args.steps());
+    against_machine(args, |world| {
+        let per_rank = Sat(4) * (Sat(4) * params / world + Sat(3) * params) + activations + steps;
+        world * per_rank + Sat(4 << 20)
+    })
 }

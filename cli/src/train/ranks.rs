@@ -140,22 +140,29 @@ fn soft_limit(resource: libc::__rlimit_resource_t) -> Option<u128> {
 
 /// Refuses, before any rank starts, a world of `world` ranks as threads of
 /// this process that its limits cannot hold: the address space (`ulimit
-/// -v`: what is mapped now, `data` bytes the run allocates, and the ranks'
+/// -v`: what is mapped now, `data(w)` bytes a run of `w` ranks allocates, and the ranks'
 /// threads with their stacks and malloc arenas) and the threads a user may
 /// run (`ulimit -u`, the kernel's `threads-max`). A thread that cannot get
 /// its stack ends the process (Rust aborts when its signal stack cannot be
 /// mapped), so this is found here, naming the limit and the largest world
 /// that fits.
-pub(super) fn check_thread_limits(world: usize, data: u128) -> Result<(), String> {
+pub(super) fn check_thread_limits(world: usize, data: &dyn Fn(usize) -> u128) -> Result<(), String> {
     let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
     let threads = |w: u128| THREADS_PER_RANK * w;
     let world = world as u128;
-    let per_rank_data = data / world.max(1);
     let now = mapped_now();
-    let needed = |w: u128| now + w * per_rank_data + threads(w) * thread_reserve() + arenas_reserve(threads(w));
+    // Each world's own data (not this one's scaled), so the count named below
+    // is one that passes this check when it runs under the same limit.
+    let needed = |w: u128| {
+        let data = data(usize::try_from(w).unwrap_or(usize::MAX));
+        now.saturating_add(data) + threads(w) * thread_reserve() + arenas_reserve(threads(w))
+    };
     if let Some(limit) = soft_limit(libc::RLIMIT_AS) {
         if needed(world) > limit {
-            let fits = (0..world).rev().find(|w| needed(*w) <= limit).unwrap_or(0);
+            // The count named keeps one malloc arena (64 MiB) spare: whether a
+            // thread of this process has made one by now varies from run to
+            // run, and the world named must pass this check whichever.
+            let fits = (0..world).rev().find(|w| needed(*w) + (64 << 20) <= limit).unwrap_or(0);
             return Err(format!(
                 "--world-size {world}: its {} threads ({THREADS_PER_RANK} per rank) with their stacks and the \
                  run's data need about {:.1} GiB of address space, {:.2} GiB of it mapped now; this process may \
