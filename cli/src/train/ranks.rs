@@ -155,14 +155,14 @@ pub(super) fn check_thread_limits(world: usize, data: &dyn Fn(usize) -> u128) ->
     // is one that passes this check when it runs under the same limit.
     let needed = |w: u128| {
         let data = data(usize::try_from(w).unwrap_or(usize::MAX));
-        now.saturating_add(data) + threads(w) * thread_reserve() + arenas_reserve(threads(w))
+        now.saturating_add(data).saturating_add(threads(w) * thread_reserve() + arenas_reserve(threads(w)))
     };
     if let Some(limit) = soft_limit(libc::RLIMIT_AS) {
         if needed(world) > limit {
             // The count named keeps one malloc arena (64 MiB) spare: whether a
             // thread of this process has made one by now varies from run to
             // run, and the world named must pass this check whichever.
-            let fits = (0..world).rev().find(|w| needed(*w) + (64 << 20) <= limit).unwrap_or(0);
+            let fits = (0..world).rev().find(|w| needed(*w).saturating_add(64 << 20) <= limit).unwrap_or(0);
             return Err(format!(
                 "--world-size {world}: its {} threads ({THREADS_PER_RANK} per rank) with their stacks and the \
                  run's data need about {:.1} GiB of address space, {:.2} GiB of it mapped now; this process may \
