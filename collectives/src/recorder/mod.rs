@@ -429,11 +429,13 @@ impl<B: Backend> monitor::Watched for Ring<B> {
 impl<B: Backend> Drop for Ring<B> {
     fn drop(&mut self) {
         use monitor::Watched;
-        if let Some(dir) = self.dir.clone() {
+        let last = self.dir.clone().map(|dir| {
             let trigger = self.poll();
             let record = self.record();
-            monitor::retire(monitor::Retired { dir, owner: self.owner(), record, trigger });
-        }
+            monitor::Retired { dir, owner: self.owner(), record, trigger }
+        });
+        // The address the monitor's `Weak` points at (the ring inside its Arc).
+        monitor::retire(self as *const Self as *const (), last);
     }
 }
 

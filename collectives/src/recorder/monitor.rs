@@ -96,25 +96,41 @@ pub(super) fn register(ring: Weak<dyn Watched>) -> bool {
     thread_started(reg)
 }
 
-/// Keeps the last record of a ring being dropped.
-pub(super) fn retire(r: Retired) {
+/// Called from a ring's drop (`ring` its address): keeps its last record
+/// (where it has a dump directory), then stops following it. Until then a
+/// dump that finds the ring without strong references waits for this, so a
+/// communicator dropped on another thread is never in neither list.
+pub(super) fn retire(ring: *const (), last: Option<Retired>) {
     let reg = registry();
-    if let Ok(mut retired) = reg.retired.lock() {
+    if let (Some(r), Ok(mut retired)) = (last, reg.retired.lock()) {
         retired.push_back(r);
         let mut total: usize = retired.iter().map(|r| r.record.entries.len()).sum();
         while total > RETIRED_ENTRIES && retired.len() > 1 {
             total -= retired.pop_front().map_or(0, |r| r.record.entries.len());
         }
     }
+    if let Ok(mut rings) = reg.rings.lock() {
+        rings.retain(|w| !std::ptr::eq(w.as_ptr() as *const (), ring));
+    }
 }
 
+/// How long [`live`] waits for rings being dropped to retire their records.
+const DROP_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// The rings alive now, once every ring being dropped has retired its record
+/// (or [`DROP_WAIT`] has passed: a drop that cannot take the lock is dropped
+/// from the list then).
 fn live(reg: &Registry) -> Vec<std::sync::Arc<dyn Watched>> {
-    match reg.rings.lock() {
-        Ok(mut rings) => {
+    let deadline = std::time::Instant::now() + DROP_WAIT;
+    loop {
+        let Ok(mut rings) = reg.rings.lock() else { return Vec::new() };
+        let dropping = rings.iter().any(|w| w.strong_count() == 0);
+        if !dropping || std::time::Instant::now() >= deadline {
             rings.retain(|w| w.strong_count() > 0);
-            rings.iter().filter_map(Weak::upgrade).collect()
+            return rings.iter().filter_map(Weak::upgrade).collect();
         }
-        Err(_) => Vec::new(),
+        drop(rings);
+        std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }
 
