@@ -49,7 +49,7 @@ impl Memory {
             return Ok(Arc::new(Memory { ptr, bytes, block: None }));
         }
         let class = size_class(bytes).ok_or_else(|| DeviceError::OutOfMemory { device: device.to_string(), bytes })?;
-        let (ptr, reused) = pool.take(class, device)?;
+        let (ptr, class, reused) = pool.take(class, device)?;
         let fill = match contents {
             Contents::Zeroed if reused => Some(0),
             Contents::Poisoned => Some(0xFF),
