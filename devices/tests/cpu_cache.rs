@@ -100,7 +100,7 @@ fn empty_cache_and_the_limit_bound_what_is_kept() -> Result<()> {
     drop(dev.alloc(DType::F64, 100)?);
     assert_eq!(
         dev.cache_stats(MemorySpace::Device),
-        CacheStats { misses: 1, peak_reserved_bytes: 1024, ..CacheStats::default() }
+        CacheStats { misses: 1, peak_reserved_bytes: 1024, peak_in_use_bytes: 1024, ..CacheStats::default() }
     );
     Ok(())
 }
