@@ -191,8 +191,11 @@ fn on_sim_ranks<T: Send + 'static>(
     body: impl Fn(Arc<Communicator<SimComm>>) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
     // SAFETY: loading uses one stream per rank; the ordering FSDP relies on
-    // is checked with the sanitizer on by the conformance suite.
-    let device = unsafe { CpuConfig::default().without_sanitizer() };
+    // is checked with the sanitizer on by the conformance suite. No cache of
+    // freed blocks: what a rank holds is then what it uses, whatever order
+    // its streams return blocks in (the cache's reserve is bounded by the
+    // peak in use on its own: `devices/src/cpu/pool.rs`).
+    let device = unsafe { CpuConfig::default().without_sanitizer() }.with_cache_limit(0);
     let config = SimConfig { device, ..SimConfig::default() };
     SimWorld::run(ranks, config, move |comm| body(Arc::new(comm)))
         .expect("sim world")
@@ -226,7 +229,9 @@ const RUN_STEPS: u64 = 2;
 ///   largest group padded) and the adapter's (its candle copies of one
 ///   group's parameters and their gradients, `4·G`, and three of the largest
 ///   parameter `T`): `4·(9·G + 3·T)`;
-/// - `A`: the activations, `4·b·t·(L + 2)·(10h + 4f + 3·heads·t + 3v)`;
+/// - `A`: the activations: with recompute, each stage keeps only its input
+///   (`L + 2` of `b·t·h`), and one stage's intermediates live at a time:
+///   `4·b·t·((L + 2)·h + 10h + 4f + 3·heads·t + 3v)`;
 /// - `O`: the output or the save, whichever is larger: one parameter
 ///   gathered whole (padded), a piece of it and its encoding, two write
 ///   buffers; or one parameter's shard with its moments, each read and cut.
@@ -248,7 +253,7 @@ fn run_bound(cfg: &LlamaConfig, world: usize) -> (usize, usize) {
     let (h, f, heads, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.vocab_size);
     let s = 4 * 4 * sharded;
     let u = 4 * (9 * largest_group + 3 * largest);
-    let a = 4 * b * t * (l + 2) * (10 * h + 4 * f + 3 * heads * t + 3 * v);
+    let a = 4 * b * t * ((l + 2) * h + 10 * h + 4 * f + 3 * heads * t + 3 * v);
     let piece = chorus_train::model_out::PIECE;
     let buffers = 2 * chorus_fsdp_candle::safetensors_io::WRITE_BUFFER;
     let o = (4 * largest + 8 * piece + buffers).max(4 * 6 * largest_shard + buffers);

@@ -14,7 +14,7 @@ use serde_json::json;
 
 use super::args::TrainArgs;
 use super::outputs;
-use super::ranks::limit_candle_threads;
+use super::ranks::{limit_candle_threads, return_freed_blocks};
 use super::report::say;
 use super::resume::{check_resume, Resuming};
 use super::text_data::text_data;
@@ -68,6 +68,7 @@ pub(super) fn run<M: CliDecoder>(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let world = args.world();
     // Before candle computes anything: it sizes its pools once per process.
     limit_candle_threads(args.backend, world);
+    return_freed_blocks(args.backend);
     let steps = args.steps();
     let (flag, key) = M::FLAG;
     let checkpoint_dir = (args.save_every.is_some() || args.checkpoint_dir.is_some()).then(|| args.checkpoint_dir());

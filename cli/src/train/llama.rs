@@ -21,7 +21,7 @@ use super::args::TrainArgs;
 use super::loop_args::DEFAULT_VAL_BATCHES;
 use super::memory;
 use super::outputs;
-use super::ranks::limit_candle_threads;
+use super::ranks::{limit_candle_threads, return_freed_blocks};
 use super::report::say;
 use super::resume::{check_resume, Resuming};
 use super::text_data::text_data;
@@ -35,6 +35,7 @@ use crate::{usage, Outcome};
 pub(super) fn run(args: &TrainArgs) -> anyhow::Result<Outcome> {
     let world = args.world();
     limit_candle_threads(args.backend, world);
+    return_freed_blocks(args.backend);
     let steps = args.steps();
     let tokenizer = tokenizer(args)?;
     let spec = spec_with(args, steps, tokenizer.as_deref())?;

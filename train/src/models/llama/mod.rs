@@ -258,7 +258,15 @@ pub fn head(cfg: &LlamaConfig, vb: VarBuilder, x: &Tensor) -> candle_core::Resul
     let norm = rms_norm(cfg, vb.pp("model.norm"))?;
     let name = if cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
     let w = vb.get((cfg.vocab_size, cfg.hidden_size), name)?;
-    Linear::from_weight(w).forward(&norm.forward(x)?)
+    let h = norm.forward(x)?;
+    let (b, t, d) = h.dims3()?;
+    // Computed as (w · hᵀ)ᵀ rather than h · wᵀ (candle's `Linear`): the
+    // matrix, the model's largest, is then the product's own operand, so
+    // backward makes its gradient with one product, not a product and then
+    // a transposed copy of the whole matrix (a rank's peak is in the head's
+    // backward: `docs/fsdp.md`). The transposed logits cost a copy of
+    // batch × seq × vocab.
+    w.matmul(&h.reshape((b * t, d))?.t()?)?.t()?.reshape((b, t, cfg.vocab_size))
 }
 
 /// The Llama as a plain candle model.
