@@ -321,10 +321,20 @@ impl<C: CommBackend> Group<C> {
     /// gradient if it has none. The last forward all-gather output is freed
     /// first: backward does not need it.
     pub(crate) fn pre_backward(&mut self, ctx: &mut CommContext<C>) -> Result<()> {
+        self.pre_backward_unshard(ctx)?;
+        self.ensure_grads(ctx)
+    }
+
+    /// [`Self::pre_backward`] without the gradients ([`Self::ensure_grads`] makes them).
+    pub(crate) fn pre_backward_unshard(&mut self, ctx: &mut CommContext<C>) -> Result<()> {
         ctx.release_all_gather_output()?;
         self.training = TrainingState::PreBackward;
         self.unshard(ctx)?;
-        self.wait_for_unshard(ctx)?;
+        self.wait_for_unshard(ctx)
+    }
+
+    /// Zeroed unsharded gradients for every parameter, unless the group has them.
+    pub(crate) fn ensure_grads(&mut self, ctx: &CommContext<C>) -> Result<()> {
         self.storage.ensure_unsharded_grads(&ctx.streams.compute, self.mp.param())
     }
 

@@ -450,6 +450,28 @@ impl<C: CommBackend> Fsdp<C> {
     /// gradients if there are none, and prefetches the next group of backward
     /// (the previous one in post-forward order, or the explicit targets).
     pub fn pre_backward(&mut self, g: usize) -> Result<()> {
+        self.pre_backward_with(g, true)
+    }
+
+    /// [`Fsdp::pre_backward`] without the zeroed unsharded gradients, which
+    /// [`Fsdp::ensure_grads`] makes when the model has gradients to add. A
+    /// model that computes its gradients in memory of its own (the candle
+    /// adapter on the CPU) then holds FSDP's gradients only from the moment
+    /// it adds into them, not through its whole backward, as autograd makes
+    /// a parameter's `.grad` in FSDP2. A second pre-backward of the group
+    /// keeps the gradients it has.
+    pub fn pre_backward_without_grads(&mut self, g: usize) -> Result<()> {
+        self.pre_backward_with(g, false)
+    }
+
+    /// Gives group `g` zeroed unsharded gradients unless it has them; the
+    /// group is in its backward (after [`Fsdp::pre_backward_without_grads`]).
+    pub fn ensure_grads(&mut self, g: usize) -> Result<()> {
+        self.group_in(g, TrainingState::PreBackward, "ensure_grads")?;
+        self.groups[g].ensure_grads(&self.ctx)
+    }
+
+    fn pre_backward_with(&mut self, g: usize, grads: bool) -> Result<()> {
         let t0 = HookStart::now();
         let grp = self.group(g)?;
         match grp.training {
@@ -459,7 +481,10 @@ impl<C: CommBackend> Fsdp<C> {
             _ => return Err(grp.state_error("pre_backward")),
         }
         self.check_routed(g, TrainingState::PreBackward, "pre_backward outside its parent's backward")?;
-        self.groups[g].pre_backward(&mut self.ctx)?;
+        match grads {
+            true => self.groups[g].pre_backward(&mut self.ctx)?,
+            false => self.groups[g].pre_backward_unshard(&mut self.ctx)?,
+        }
         self.unshard_routed(g)?;
         for t in self.groups[g].backward_prefetch_targets(&self.post_forward_order) {
             self.groups[t].unshard(&mut self.ctx)?;

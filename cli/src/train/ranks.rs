@@ -23,6 +23,9 @@ use crate::backends::Backend;
 /// What every rank runs: the MLP, the transformer or the Llama.
 pub(crate) trait RankJob: Send + Sync + 'static {
     type Report: Send + 'static;
+    /// Bytes of freed blocks a rank's cpu device keeps for reuse
+    /// ([`CpuConfig::cache_limit`]).
+    const CPU_CACHE_LIMIT: usize = chorus_devices::cpu::DEFAULT_CACHE_LIMIT;
     fn run<C: CommBackend + 'static>(
         &self,
         world: Arc<Communicator<C>>,
@@ -55,6 +58,12 @@ pub(super) struct DecoderJob<M>(pub(super) decoder::TrainSpec<M>);
 
 impl<M: DecoderModel + 'static> RankJob for DecoderJob<M> {
     type Report = TrainReport;
+    /// None: candle computes in the same process's memory, from the same
+    /// allocator, so a block FSDP frees is best given back to it, where
+    /// candle's tensors reuse it; a cache would hold it apart while
+    /// candle's backward takes as much again (the 125M Llama's resident
+    /// peak at 4 sim ranks, `docs/fsdp.md`).
+    const CPU_CACHE_LIMIT: usize = 0;
     fn run<C: CommBackend + 'static>(
         &self,
         world: Arc<Communicator<C>>,
@@ -313,7 +322,7 @@ pub(super) fn run_sim<J: RankJob>(world: usize, job: J, bar: Option<ProgressBar>
         // conformance suite checks each of those orderings with the sanitizer
         // on (conformance/src/fsdp); the model's own work is on one stream.
         // Training runs without the sanitizer's per-operation bookkeeping.
-        device: unsafe { CpuConfig::default().without_sanitizer() },
+        device: unsafe { CpuConfig::default().without_sanitizer() }.with_cache_limit(J::CPU_CACHE_LIMIT),
     };
     let bar = Arc::new(Mutex::new(bar));
     let results = SimWorld::run(world, config, move |comm| {
@@ -373,6 +382,7 @@ fn train_ucx<J: RankJob>(
         CpuConfig::default()
             .with_ordinal(p.env.rank)
             .with_timeout(timeout * 2 + Duration::from_secs(10))
+            .with_cache_limit(J::CPU_CACHE_LIMIT)
             .without_sanitizer()
     };
     let ucx = p.ucx_config("train/ucx", timeout);

@@ -391,7 +391,16 @@ where
         grad_out: &Tensor,
     ) -> Result<Option<Tensor>> {
         let recompute = self.group_info(g)?.recompute;
-        self.fsdp.pre_backward(g)?;
+        // On the GPU candle adds into FSDP's gradients on its own stream, so
+        // they exist before candle's backward starts. On the host they are
+        // made after it, when the gradients are added: the group's
+        // gradients and candle's (with its backward's intermediates) are
+        // not held at once (the 125M Llama's peak, `docs/fsdp.md`).
+        let grads_first = self.side.on_device();
+        match grads_first {
+            true => self.fsdp.pre_backward(g)?,
+            false => self.fsdp.pre_backward_without_grads(g)?,
+        }
         // The all-gather and the zeroed gradients come before candle reads and adds.
         self.side.candle_waits_for(self.fsdp.compute_stream())?;
         let dtype = self.param_dtype()?;
@@ -422,6 +431,9 @@ where
         };
         self.times.stage_calls += 1;
         let t1 = Instant::now();
+        if !grads_first {
+            self.fsdp.ensure_grads(g)?;
+        }
         let present = vars.iter().enumerate().filter_map(|(i, v)| Some((i, grads.get(v.as_tensor())?.clone())));
         let pairs = present.map(|(i, grad)| Ok((grad, self.fsdp.grad(g, i)?))).collect::<Result<Vec<_>>>()?;
         self.times.staged_transfers += self.side.add_grads(self.fsdp.compute_stream(), pairs)?;
