@@ -16,14 +16,12 @@
 //! Backward: `D = dO·o`, `dp_j = dO·v_j`, `ds_j = p_j (dp_j − D)`,
 //! `dq = scale Σ_j ds_j k_j`, `dk_j += scale ds_j q`, `dv_j += p_j dO`.
 
-use std::sync::Mutex;
-
 use candle_core::backend::BackendStorage;
-use candle_core::op::BackpropOp;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
 pub use crate::attention_shape::AttentionShape;
-use crate::host::{check_float, f32_values, storage_from_f32};
+use crate::host::{check_float, f32_values, saved_f32, storage_from_f32};
+use crate::saved::SavedLse;
 use crate::timing::{timed, OpKind};
 
 /// Causal attention of `q` over `k`, `v` (shapes in the module docs), each
@@ -41,7 +39,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tenso
     }
     AttentionShape::of(q.shape(), k.shape(), v.shape())?;
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    let op = Attention { scale: scale as f32, lse: Mutex::new(None) };
+    let op = Attention { scale: scale as f32, lse: SavedLse::new(OP) };
     timed(OpKind::Attention, q.device(), || q.apply_op3(&k, &v, op))
 }
 
@@ -119,14 +117,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// The forward op on `(q, k, v)`; keeps the log-sum-exp for the backward.
 struct Attention {
     scale: f32,
-    lse: Mutex<Option<Tensor>>,
-}
-
-impl Attention {
-    fn keep(&self, lse: Tensor) -> Result<()> {
-        *self.lse.lock().map_err(|_| candle_core::Error::msg("attention: poisoned"))? = Some(lse);
-        Ok(())
-    }
+    lse: SavedLse,
 }
 
 impl CustomOp3 for Attention {
@@ -148,7 +139,7 @@ impl CustomOp3 for Attention {
         let (q, k, v) = (f32_values(op, s1, l1)?, f32_values(op, s2, l2)?, f32_values(op, s3, l3)?);
         let (o, lse) = forward(&q, &k, &v, sh, self.scale);
         let lse_shape = (sh.batch, sh.heads, sh.q_len);
-        self.keep(Tensor::from_storage(Storage::Cpu(CpuStorage::F32(lse)), lse_shape, BackpropOp::none(), false))?;
+        self.lse.keep(Storage::Cpu(CpuStorage::F32(lse)), lse_shape)?;
         Ok((storage_from_f32(o, s1.dtype())?, l1.shape().clone()))
     }
 
@@ -165,7 +156,7 @@ impl CustomOp3 for Attention {
         let sh = AttentionShape::of(l1.shape(), l2.shape(), l3.shape())?;
         let (o, lse) = crate::cuda::attention_forward(s1, l1, s2, l2, s3, l3, sh, self.scale)?;
         let lse_shape = (sh.batch, sh.heads, sh.q_len);
-        self.keep(Tensor::from_storage(Storage::Cuda(lse), lse_shape, BackpropOp::none(), false))?;
+        self.lse.keep(Storage::Cuda(lse), lse_shape)?;
         Ok((o, l1.shape().clone()))
     }
 
@@ -177,8 +168,7 @@ impl CustomOp3 for Attention {
         o: &Tensor,
         d_o: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let lse = self.lse.lock().map_err(|_| candle_core::Error::msg("attention: poisoned"))?.clone();
-        let Some(lse) = lse else { bail!("attention: backward before forward") };
+        let lse = self.lse.get()?;
         let sh = AttentionShape::of(q.shape(), k.shape(), v.shape())?;
         let d_o = d_o.contiguous()?;
         let op =
@@ -212,9 +202,7 @@ impl CustomOp1 for AttentionBackward {
         let d_o = f32_values(op, s, l)?;
         let mut host = Vec::with_capacity(5);
         for t in &self.saved {
-            let (storage, layout) = t.storage_and_layout();
-            let Storage::Cpu(c) = &*storage else { bail!("{op}: a saved tensor is not on the CPU") };
-            host.push(f32_values(op, c, layout)?);
+            host.push(saved_f32(op, "a saved tensor", t)?);
         }
         let (dq, dk, dv) = backward(&host[0], &host[1], &host[2], &host[3], &host[4], &d_o, self.sh, self.scale);
         let mut all = dq;

@@ -8,13 +8,11 @@
 //! `loss = lse − x_t`; given the loss's gradient `g`:
 //! `dx_j = g · (exp(x_j − lse) − [j = t])`.
 
-use std::sync::Mutex;
-
 use candle_core::backend::BackendStorage;
-use candle_core::op::BackpropOp;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
 
-use crate::host::{check_float, dims, f32_values, storage_from_f32, u32_values};
+use crate::host::{check_float, dims, f32_values, saved_f32, storage_from_f32, u32_values};
+use crate::saved::SavedLse;
 use crate::timing::{timed, OpKind};
 
 /// The loss of each row of `logits` (`[rows, vocab]`, f32/bf16/f16) against
@@ -39,7 +37,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         bail!("{OP}: a vocabulary of {vocab}")
     }
     let (logits, targets) = (logits.contiguous()?, targets.contiguous()?);
-    timed(OpKind::CrossEntropy, logits.device(), || logits.apply_op2(&targets, CrossEntropy { lse: Mutex::new(None) }))
+    timed(OpKind::CrossEntropy, logits.device(), || logits.apply_op2(&targets, CrossEntropy { lse: SavedLse::new(OP) }))
 }
 
 /// `(loss, lse)` per row on host values; an error names a target outside the vocabulary.
@@ -69,14 +67,7 @@ pub fn backward(logits: &[f32], targets: &[u32], lse: &[f32], g: &[f32], vocab: 
 
 /// The forward op on `(logits, targets)`; keeps each row's log-sum-exp.
 struct CrossEntropy {
-    lse: Mutex<Option<Tensor>>,
-}
-
-impl CrossEntropy {
-    fn keep(&self, lse: Tensor) -> Result<()> {
-        *self.lse.lock().map_err(|_| candle_core::Error::msg("cross_entropy: poisoned"))? = Some(lse);
-        Ok(())
-    }
+    lse: SavedLse,
 }
 
 impl CustomOp2 for CrossEntropy {
@@ -88,7 +79,7 @@ impl CustomOp2 for CrossEntropy {
         let [rows, vocab] = dims::<2>(self.name(), "logits", l1.shape())?;
         let (x, t) = (f32_values(self.name(), s1, l1)?, u32_values(self.name(), s2, l2)?);
         let (loss, lse) = forward(&x, &t, vocab).map_err(|e| candle_core::Error::msg(format!("cross_entropy: {e}")))?;
-        self.keep(Tensor::from_storage(Storage::Cpu(CpuStorage::F32(lse)), rows, BackpropOp::none(), false))?;
+        self.lse.keep(Storage::Cpu(CpuStorage::F32(lse)), rows)?;
         Ok((CpuStorage::F32(loss), Shape::from(rows)))
     }
 
@@ -102,7 +93,7 @@ impl CustomOp2 for CrossEntropy {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let [rows, _] = dims::<2>(self.name(), "logits", l1.shape())?;
         let (loss, lse) = crate::cuda::cross_entropy_forward(s1, l1, s2, l2)?;
-        self.keep(Tensor::from_storage(Storage::Cuda(lse), rows, BackpropOp::none(), false))?;
+        self.lse.keep(Storage::Cuda(lse), rows)?;
         Ok((loss, Shape::from(rows)))
     }
 
@@ -113,8 +104,7 @@ impl CustomOp2 for CrossEntropy {
         _loss: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let lse = self.lse.lock().map_err(|_| candle_core::Error::msg("cross_entropy: poisoned"))?.clone();
-        let Some(lse) = lse else { bail!("cross_entropy: backward before forward") };
+        let lse = self.lse.get()?;
         let g = g.to_dtype(DType::F32)?.contiguous()?;
         let dx = timed(OpKind::CrossEntropyBackward, logits.device(), || {
             logits.apply_op3_no_bwd(targets, &g, &CrossEntropyBackward { lse })
@@ -145,9 +135,7 @@ impl CustomOp3 for CrossEntropyBackward {
         let op = self.name();
         let [_, vocab] = dims::<2>(op, "logits", l1.shape())?;
         let (x, t, g) = (f32_values(op, s1, l1)?, u32_values(op, s2, l2)?, f32_values(op, s3, l3)?);
-        let (storage, layout) = self.lse.storage_and_layout();
-        let Storage::Cpu(c) = &*storage else { bail!("{op}: the saved log-sum-exp is not on the CPU") };
-        let lse = f32_values(op, c, layout)?;
+        let lse = saved_f32(op, "the saved log-sum-exp", &self.lse)?;
         Ok((storage_from_f32(backward(&x, &t, &lse, &g, vocab), s1.dtype())?, l1.shape().clone()))
     }
 

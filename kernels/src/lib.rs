@@ -18,6 +18,7 @@
 
 mod attention_shape;
 mod host;
+mod saved;
 
 pub mod attention;
 pub mod cross_entropy;
