@@ -18,6 +18,7 @@
 
 mod attention_shape;
 mod host;
+mod op;
 mod saved;
 
 pub mod attention;
