@@ -16,14 +16,12 @@
 //! Backward: `D = dO·o`, `dp_j = dO·v_j`, `ds_j = p_j (dp_j − D)`,
 //! `dq = scale Σ_j ds_j k_j`, `dk_j += scale ds_j q`, `dv_j += p_j dO`.
 
-use std::sync::Mutex;
-
-use candle_core::backend::BackendStorage;
-use candle_core::op::BackpropOp;
-use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{bail, CpuStorage, Result, Shape, Storage, Tensor};
 
 pub use crate::attention_shape::AttentionShape;
-use crate::host::{check_float, f32_values, storage_from_f32};
+use crate::host::{check_float, saved_f32};
+use crate::op::{CpuInput, Kernel, Op};
+use crate::saved::SavedLse;
 use crate::timing::{timed, OpKind};
 
 /// Causal attention of `q` over `k`, `v` (shapes in the module docs), each
@@ -41,8 +39,8 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tenso
     }
     AttentionShape::of(q.shape(), k.shape(), v.shape())?;
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    let op = Attention { scale: scale as f32, lse: Mutex::new(None) };
-    timed(OpKind::Attention, q.device(), || q.apply_op3(&k, &v, op))
+    let op = Attention { scale: scale as f32, lse: SavedLse::new(OP) };
+    timed(OpKind::Attention, q.device(), || q.apply_op3(&k, &v, Op(op)))
 }
 
 /// The forward on host values: `(o, lse)`, `lse` `[batch, heads, q_len]`.
@@ -119,77 +117,45 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// The forward op on `(q, k, v)`; keeps the log-sum-exp for the backward.
 struct Attention {
     scale: f32,
-    lse: Mutex<Option<Tensor>>,
+    lse: SavedLse,
 }
 
-impl Attention {
-    fn keep(&self, lse: Tensor) -> Result<()> {
-        *self.lse.lock().map_err(|_| candle_core::Error::msg("attention: poisoned"))? = Some(lse);
-        Ok(())
-    }
-}
+impl Kernel<3> for Attention {
+    const NAME: &'static str = "chorus-attention";
 
-impl CustomOp3 for Attention {
-    fn name(&self) -> &'static str {
-        "chorus-attention"
+    fn shape(&self, [q, k, v]: [&Shape; 3]) -> Result<Shape> {
+        AttentionShape::of(q, k, v)?;
+        Ok(q.clone())
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        let sh = AttentionShape::of(l1.shape(), l2.shape(), l3.shape())?;
-        let (q, k, v) = (f32_values(op, s1, l1)?, f32_values(op, s2, l2)?, f32_values(op, s3, l3)?);
-        let (o, lse) = forward(&q, &k, &v, sh, self.scale);
-        let lse_shape = (sh.batch, sh.heads, sh.q_len);
-        self.keep(Tensor::from_storage(Storage::Cpu(CpuStorage::F32(lse)), lse_shape, BackpropOp::none(), false))?;
-        Ok((storage_from_f32(o, s1.dtype())?, l1.shape().clone()))
+    fn cpu(&self, [q, k, v]: [CpuInput; 3]) -> Result<Vec<f32>> {
+        let sh = AttentionShape::of(q.shape(), k.shape(), v.shape())?;
+        let (o, lse) = forward(&q.f32()?, &k.f32()?, &v.f32()?, sh, self.scale);
+        self.lse.keep(Storage::Cpu(CpuStorage::F32(lse)), (sh.batch, sh.heads, sh.q_len))?;
+        Ok(o)
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let sh = AttentionShape::of(l1.shape(), l2.shape(), l3.shape())?;
-        let (o, lse) = crate::cuda::attention_forward(s1, l1, s2, l2, s3, l3, sh, self.scale)?;
-        let lse_shape = (sh.batch, sh.heads, sh.q_len);
-        self.keep(Tensor::from_storage(Storage::Cuda(lse), lse_shape, BackpropOp::none(), false))?;
-        Ok((o, l1.shape().clone()))
+    fn cuda(&self, [(q, lq), (k, lk), (v, lv)]: [crate::op::CudaInput; 3]) -> Result<candle_core::CudaStorage> {
+        let sh = AttentionShape::of(lq.shape(), lk.shape(), lv.shape())?;
+        let (o, lse) = crate::cuda::attention_forward(q, lq, k, lk, v, lv, sh, self.scale)?;
+        self.lse.keep(Storage::Cuda(lse), (sh.batch, sh.heads, sh.q_len))?;
+        Ok(o)
     }
 
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        o: &Tensor,
-        d_o: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let lse = self.lse.lock().map_err(|_| candle_core::Error::msg("attention: poisoned"))?.clone();
-        let Some(lse) = lse else { bail!("attention: backward before forward") };
+    fn bwd(&self, [q, k, v]: [&Tensor; 3], o: &Tensor, d_o: &Tensor) -> Result<[Option<Tensor>; 3]> {
+        let lse = self.lse.get()?;
         let sh = AttentionShape::of(q.shape(), k.shape(), v.shape())?;
         let d_o = d_o.contiguous()?;
         let op =
             AttentionBackward { scale: self.scale, sh, saved: [q.clone(), k.clone(), v.clone(), o.contiguous()?, lse] };
         // One launch sequence writes the three gradients into one buffer: `[dq | dk | dv]`.
-        let all = timed(OpKind::AttentionBackward, q.device(), || d_o.apply_op1_no_bwd(&op))?;
+        let all = timed(OpKind::AttentionBackward, q.device(), || d_o.apply_op1_no_bwd(&Op(op)))?;
         let (nq, nkv) = (sh.q_elems(), sh.kv_elems());
         let dq = all.narrow(0, 0, nq)?.reshape(q.shape())?;
         let dk = all.narrow(0, nq, nkv)?.reshape(k.shape())?;
         let dv = all.narrow(0, nq + nkv, nkv)?.reshape(v.shape())?;
-        Ok((Some(dq), Some(dk), Some(dv)))
+        Ok([Some(dq), Some(dk), Some(dv)])
     }
 }
 
@@ -202,31 +168,28 @@ struct AttentionBackward {
     saved: [Tensor; 5],
 }
 
-impl CustomOp1 for AttentionBackward {
-    fn name(&self) -> &'static str {
-        "chorus-attention-backward"
+impl Kernel<1> for AttentionBackward {
+    const NAME: &'static str = "chorus-attention-backward";
+
+    fn shape(&self, _: [&Shape; 1]) -> Result<Shape> {
+        Ok(Shape::from(self.sh.q_elems() + 2 * self.sh.kv_elems()))
     }
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        let d_o = f32_values(op, s, l)?;
+    fn cpu(&self, [d_o]: [CpuInput; 1]) -> Result<Vec<f32>> {
+        let d_o = d_o.f32()?;
         let mut host = Vec::with_capacity(5);
         for t in &self.saved {
-            let (storage, layout) = t.storage_and_layout();
-            let Storage::Cpu(c) = &*storage else { bail!("{op}: a saved tensor is not on the CPU") };
-            host.push(f32_values(op, c, layout)?);
+            host.push(saved_f32(Self::NAME, "a saved tensor", t)?);
         }
         let (dq, dk, dv) = backward(&host[0], &host[1], &host[2], &host[3], &host[4], &d_o, self.sh, self.scale);
         let mut all = dq;
         all.extend(dk);
         all.extend(dv);
-        let n = all.len();
-        Ok((storage_from_f32(all, s.dtype())?, Shape::from(n)))
+        Ok(all)
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        let all = crate::cuda::attention_backward(s, l, &self.saved, self.sh, self.scale)?;
-        Ok((all, Shape::from(self.sh.q_elems() + 2 * self.sh.kv_elems())))
+    fn cuda(&self, [(d_o, ldo)]: [crate::op::CudaInput; 1]) -> Result<candle_core::CudaStorage> {
+        crate::cuda::attention_backward(d_o, ldo, &self.saved, self.sh, self.scale)
     }
 }

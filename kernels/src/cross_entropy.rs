@@ -8,13 +8,11 @@
 //! `loss = lse − x_t`; given the loss's gradient `g`:
 //! `dx_j = g · (exp(x_j − lse) − [j = t])`.
 
-use std::sync::Mutex;
+use candle_core::{bail, CpuStorage, DType, Result, Shape, Storage, Tensor};
 
-use candle_core::backend::BackendStorage;
-use candle_core::op::BackpropOp;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
-
-use crate::host::{check_float, dims, f32_values, storage_from_f32, u32_values};
+use crate::host::{check_float, dims, saved_f32};
+use crate::op::{CpuInput, Kernel, Op};
+use crate::saved::SavedLse;
 use crate::timing::{timed, OpKind};
 
 /// The loss of each row of `logits` (`[rows, vocab]`, f32/bf16/f16) against
@@ -39,7 +37,9 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         bail!("{OP}: a vocabulary of {vocab}")
     }
     let (logits, targets) = (logits.contiguous()?, targets.contiguous()?);
-    timed(OpKind::CrossEntropy, logits.device(), || logits.apply_op2(&targets, CrossEntropy { lse: Mutex::new(None) }))
+    timed(OpKind::CrossEntropy, logits.device(), || {
+        logits.apply_op2(&targets, Op(CrossEntropy { lse: SavedLse::new(OP) }))
+    })
 }
 
 /// `(loss, lse)` per row on host values; an error names a target outside the vocabulary.
@@ -69,57 +69,45 @@ pub fn backward(logits: &[f32], targets: &[u32], lse: &[f32], g: &[f32], vocab: 
 
 /// The forward op on `(logits, targets)`; keeps each row's log-sum-exp.
 struct CrossEntropy {
-    lse: Mutex<Option<Tensor>>,
+    lse: SavedLse,
 }
 
-impl CrossEntropy {
-    fn keep(&self, lse: Tensor) -> Result<()> {
-        *self.lse.lock().map_err(|_| candle_core::Error::msg("cross_entropy: poisoned"))? = Some(lse);
-        Ok(())
-    }
-}
+impl Kernel<2> for CrossEntropy {
+    const NAME: &'static str = "chorus-cross-entropy";
 
-impl CustomOp2 for CrossEntropy {
-    fn name(&self) -> &'static str {
-        "chorus-cross-entropy"
+    fn shape(&self, [logits, _]: [&Shape; 2]) -> Result<Shape> {
+        let [rows, _] = dims::<2>(Self::NAME, "logits", logits)?;
+        Ok(Shape::from(rows))
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let [rows, vocab] = dims::<2>(self.name(), "logits", l1.shape())?;
-        let (x, t) = (f32_values(self.name(), s1, l1)?, u32_values(self.name(), s2, l2)?);
+    /// The loss is f32 whatever the logits' dtype.
+    fn dtype(&self, _logits: DType) -> DType {
+        DType::F32
+    }
+
+    fn cpu(&self, [x, t]: [CpuInput; 2]) -> Result<Vec<f32>> {
+        let [rows, vocab] = dims::<2>(Self::NAME, "logits", x.shape())?;
+        let (x, t) = (x.f32()?, t.u32()?);
         let (loss, lse) = forward(&x, &t, vocab).map_err(|e| candle_core::Error::msg(format!("cross_entropy: {e}")))?;
-        self.keep(Tensor::from_storage(Storage::Cpu(CpuStorage::F32(lse)), rows, BackpropOp::none(), false))?;
-        Ok((CpuStorage::F32(loss), Shape::from(rows)))
+        self.lse.keep(Storage::Cpu(CpuStorage::F32(lse)), rows)?;
+        Ok(loss)
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let [rows, _] = dims::<2>(self.name(), "logits", l1.shape())?;
-        let (loss, lse) = crate::cuda::cross_entropy_forward(s1, l1, s2, l2)?;
-        self.keep(Tensor::from_storage(Storage::Cuda(lse), rows, BackpropOp::none(), false))?;
-        Ok((loss, Shape::from(rows)))
+    fn cuda(&self, [(x, lx), (t, lt)]: [crate::op::CudaInput; 2]) -> Result<candle_core::CudaStorage> {
+        let [rows, _] = dims::<2>(Self::NAME, "logits", lx.shape())?;
+        let (loss, lse) = crate::cuda::cross_entropy_forward(x, lx, t, lt)?;
+        self.lse.keep(Storage::Cuda(lse), rows)?;
+        Ok(loss)
     }
 
-    fn bwd(
-        &self,
-        logits: &Tensor,
-        targets: &Tensor,
-        _loss: &Tensor,
-        g: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let lse = self.lse.lock().map_err(|_| candle_core::Error::msg("cross_entropy: poisoned"))?.clone();
-        let Some(lse) = lse else { bail!("cross_entropy: backward before forward") };
+    fn bwd(&self, [logits, targets]: [&Tensor; 2], _loss: &Tensor, g: &Tensor) -> Result<[Option<Tensor>; 2]> {
+        let lse = self.lse.get()?;
         let g = g.to_dtype(DType::F32)?.contiguous()?;
         let dx = timed(OpKind::CrossEntropyBackward, logits.device(), || {
-            logits.apply_op3_no_bwd(targets, &g, &CrossEntropyBackward { lse })
+            logits.apply_op3_no_bwd(targets, &g, &Op(CrossEntropyBackward { lse }))
         })?;
-        Ok((Some(dx), None))
+        Ok([Some(dx), None])
     }
 }
 
@@ -128,39 +116,22 @@ struct CrossEntropyBackward {
     lse: Tensor,
 }
 
-impl CustomOp3 for CrossEntropyBackward {
-    fn name(&self) -> &'static str {
-        "chorus-cross-entropy-backward"
+impl Kernel<3> for CrossEntropyBackward {
+    const NAME: &'static str = "chorus-cross-entropy-backward";
+
+    fn shape(&self, [logits, _, _]: [&Shape; 3]) -> Result<Shape> {
+        Ok(logits.clone())
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        let [_, vocab] = dims::<2>(op, "logits", l1.shape())?;
-        let (x, t, g) = (f32_values(op, s1, l1)?, u32_values(op, s2, l2)?, f32_values(op, s3, l3)?);
-        let (storage, layout) = self.lse.storage_and_layout();
-        let Storage::Cpu(c) = &*storage else { bail!("{op}: the saved log-sum-exp is not on the CPU") };
-        let lse = f32_values(op, c, layout)?;
-        Ok((storage_from_f32(backward(&x, &t, &lse, &g, vocab), s1.dtype())?, l1.shape().clone()))
+    fn cpu(&self, [x, t, g]: [CpuInput; 3]) -> Result<Vec<f32>> {
+        let [_, vocab] = dims::<2>(Self::NAME, "logits", x.shape())?;
+        let (x, t, g) = (x.f32()?, t.u32()?, g.f32()?);
+        let lse = saved_f32(Self::NAME, "the saved log-sum-exp", &self.lse)?;
+        Ok(backward(&x, &t, &lse, &g, vocab))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((crate::cuda::cross_entropy_backward(s1, l1, s2, l2, s3, l3, &self.lse)?, l1.shape().clone()))
+    fn cuda(&self, [(x, lx), (t, lt), (g, lg)]: [crate::op::CudaInput; 3]) -> Result<candle_core::CudaStorage> {
+        crate::cuda::cross_entropy_backward(x, lx, t, lt, g, lg, &self.lse)
     }
 }

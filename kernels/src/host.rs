@@ -1,9 +1,10 @@
-//! The CPU side's plumbing shared by the ops: a candle CPU storage read as
-//! f32 values, values written back in a float dtype (one rounding), and the
-//! argument checks every op makes before it reaches a kernel.
+//! The CPU side's plumbing shared by the ops: a candle CPU storage (or a
+//! tensor an op saved) read as f32 values, values written back in a float
+//! dtype (one rounding), and the argument checks every op makes before it
+//! reaches a kernel.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape};
+use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Storage, Tensor};
 use half::{bf16, f16};
 
 /// The float dtypes the ops take: f32 and the two 16-bit formats (computed in
@@ -26,6 +27,14 @@ pub(crate) fn f32_values(op: &str, storage: &CpuStorage, layout: &Layout) -> Res
         CpuStorage::F16(v) => v[start..end].iter().map(|x| x.to_f32()).collect(),
         other => bail!("{op}: an input is {:?}; the op takes f32, bf16 or f16", other.dtype()),
     })
+}
+
+/// The elements of `t`, a tensor an op saved for its backward, widened to
+/// f32; `what` names it when it is not on the CPU.
+pub(crate) fn saved_f32(op: &str, what: &str, t: &Tensor) -> Result<Vec<f32>> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(c) = &*storage else { bail!("{op}: {what} is not on the CPU") };
+    f32_values(op, c, layout)
 }
 
 /// The elements of a contiguous u32 `storage` (token ids).

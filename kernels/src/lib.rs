@@ -18,6 +18,8 @@
 
 mod attention_shape;
 mod host;
+mod op;
+mod saved;
 
 pub mod attention;
 pub mod cross_entropy;

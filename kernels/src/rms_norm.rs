@@ -7,10 +7,10 @@
 //! Backward, with `x̂ = x · r` and `g = w ∘ dy`:
 //! `dx = r · (g − x̂ · mean(g ∘ x̂))`, `dw = Σ_rows dy ∘ x̂`.
 
-use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{bail, Result, Shape, Tensor};
 
-use crate::host::{check_float, f32_values, round_to, storage_from_f32};
+use crate::host::{check_float, round_to};
+use crate::op::{CpuInput, Kernel, Op};
 use crate::timing::{timed, OpKind};
 
 /// `weight ∘ x / sqrt(mean(x²) + eps)` over `x`'s last dim; `weight` is
@@ -35,7 +35,7 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
         bail!("{OP}: eps {eps} must be finite in f32 and not negative")
     }
     let (x, weight) = (x.contiguous()?, weight.contiguous()?);
-    timed(OpKind::RmsNorm, x.device(), || x.apply_op2(&weight, RmsNorm { eps: eps as f32 }))
+    timed(OpKind::RmsNorm, x.device(), || x.apply_op2(&weight, Op(RmsNorm { eps: eps as f32 })))
 }
 
 /// The forward: `x` `[rows, d]` flattened, `w` `[d]`; outputs rounded with `round`.
@@ -83,39 +83,32 @@ struct RmsNorm {
     eps: f32,
 }
 
-impl CustomOp2 for RmsNorm {
-    fn name(&self) -> &'static str {
-        "chorus-rms-norm"
+impl Kernel<2> for RmsNorm {
+    const NAME: &'static str = "chorus-rms-norm";
+
+    fn shape(&self, [x, _]: [&Shape; 2]) -> Result<Shape> {
+        Ok(x.clone())
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let dtype = s1.dtype();
-        let (x, w) = (f32_values(self.name(), s1, l1)?, f32_values(self.name(), s2, l2)?);
-        let y = forward(&x, &w, self.eps, |v| round_to(dtype, v));
-        Ok((storage_from_f32(y, dtype)?, l1.shape().clone()))
+    fn cpu(&self, [x, w]: [CpuInput; 2]) -> Result<Vec<f32>> {
+        let dtype = x.dtype();
+        Ok(forward(&x.f32()?, &w.f32()?, self.eps, |v| round_to(dtype, v)))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let y = crate::cuda::rms_norm_forward(s1, l1, s2, l2, self.eps)?;
-        Ok((y, l1.shape().clone()))
+    fn cuda(&self, [(x, lx), (w, lw)]: [crate::op::CudaInput; 2]) -> Result<candle_core::CudaStorage> {
+        crate::cuda::rms_norm_forward(x, lx, w, lw, self.eps)
     }
 
-    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [x, w]: [&Tensor; 2], _y: &Tensor, dy: &Tensor) -> Result<[Option<Tensor>; 2]> {
         let dy = dy.contiguous()?;
         let dx = timed(OpKind::RmsNormBackward, x.device(), || {
-            x.apply_op3_no_bwd(w, &dy, &RmsNormBackwardX { eps: self.eps })
+            x.apply_op3_no_bwd(w, &dy, &Op(RmsNormBackwardX { eps: self.eps }))
         })?;
         let dw = timed(OpKind::RmsNormBackward, x.device(), || {
-            x.apply_op2_no_bwd(&dy, &RmsNormBackwardW { eps: self.eps })
+            x.apply_op2_no_bwd(&dy, &Op(RmsNormBackwardW { eps: self.eps }))
         })?;
-        Ok((Some(dx), Some(dw)))
+        Ok([Some(dx), Some(dw)])
     }
 }
 
@@ -124,37 +117,20 @@ struct RmsNormBackwardX {
     eps: f32,
 }
 
-impl CustomOp3 for RmsNormBackwardX {
-    fn name(&self) -> &'static str {
-        "chorus-rms-norm-backward-x"
+impl Kernel<3> for RmsNormBackwardX {
+    const NAME: &'static str = "chorus-rms-norm-backward-x";
+
+    fn shape(&self, [x, _, _]: [&Shape; 3]) -> Result<Shape> {
+        Ok(x.clone())
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        let (x, w, dy) = (f32_values(op, s1, l1)?, f32_values(op, s2, l2)?, f32_values(op, s3, l3)?);
-        Ok((storage_from_f32(backward_x(&x, &w, &dy, self.eps), s1.dtype())?, l1.shape().clone()))
+    fn cpu(&self, [x, w, dy]: [CpuInput; 3]) -> Result<Vec<f32>> {
+        Ok(backward_x(&x.f32()?, &w.f32()?, &dy.f32()?, self.eps))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let dx = crate::cuda::rms_norm_backward_x(s1, l1, s2, l2, s3, l3, self.eps)?;
-        Ok((dx, l1.shape().clone()))
+    fn cuda(&self, [(x, lx), (w, lw), (dy, ldy)]: [crate::op::CudaInput; 3]) -> Result<candle_core::CudaStorage> {
+        crate::cuda::rms_norm_backward_x(x, lx, w, lw, dy, ldy, self.eps)
     }
 }
 
@@ -163,26 +139,24 @@ struct RmsNormBackwardW {
     eps: f32,
 }
 
-impl CustomOp2 for RmsNormBackwardW {
-    fn name(&self) -> &'static str {
-        "chorus-rms-norm-backward-w"
+impl Kernel<2> for RmsNormBackwardW {
+    const NAME: &'static str = "chorus-rms-norm-backward-w";
+
+    fn shape(&self, [x, _]: [&Shape; 2]) -> Result<Shape> {
+        Ok(Shape::from(last_dim(x)))
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let d = l1.shape().dims().last().copied().unwrap_or(0);
-        let (x, dy) = (f32_values(self.name(), s1, l1)?, f32_values(self.name(), s2, l2)?);
-        Ok((storage_from_f32(backward_w(&x, &dy, d, self.eps), s1.dtype())?, Shape::from(d)))
+    fn cpu(&self, [x, dy]: [CpuInput; 2]) -> Result<Vec<f32>> {
+        let d = last_dim(x.shape());
+        Ok(backward_w(&x.f32()?, &dy.f32()?, d, self.eps))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let d = l1.shape().dims().last().copied().unwrap_or(0);
-        Ok((crate::cuda::rms_norm_backward_w(s1, l1, s2, l2, self.eps)?, Shape::from(d)))
+    fn cuda(&self, [(x, lx), (dy, ldy)]: [crate::op::CudaInput; 2]) -> Result<candle_core::CudaStorage> {
+        crate::cuda::rms_norm_backward_w(x, lx, dy, ldy, self.eps)
     }
+}
+
+fn last_dim(shape: &Shape) -> usize {
+    shape.dims().last().copied().unwrap_or(0)
 }

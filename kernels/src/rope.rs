@@ -9,10 +9,10 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
+use candle_core::{bail, DType, Device, Result, Shape, Tensor};
 
-use crate::host::{check_float, dims, f32_values, storage_from_f32};
+use crate::host::{check_float, dims};
+use crate::op::{CpuInput, Kernel, Op};
 use crate::timing::{timed, OpKind};
 
 /// The rotation of `x` (`[batch, seq, heads, head_dim]`) by the angles of
@@ -31,7 +31,7 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         }
     }
     let (x, cos, sin) = (x.contiguous()?, cos.contiguous()?, sin.contiguous()?);
-    timed(OpKind::Rope, x.device(), || x.apply_op3(&cos, &sin, Rope { inverse: false }))
+    timed(OpKind::Rope, x.device(), || x.apply_op3(&cos, &sin, Op(Rope { inverse: false })))
 }
 
 /// The rotation on host values: `x` `[rows, t, heads, d]` flattened (rows =
@@ -57,54 +57,29 @@ struct Rope {
     inverse: bool,
 }
 
-impl CustomOp3 for Rope {
-    fn name(&self) -> &'static str {
-        "chorus-rope"
+impl Kernel<3> for Rope {
+    const NAME: &'static str = "chorus-rope";
+
+    fn shape(&self, [x, _, _]: [&Shape; 3]) -> Result<Shape> {
+        Ok(x.clone())
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        let [_, t, h, d] = dims::<4>(op, "x", l1.shape())?;
-        let (x, cos, sin) = (f32_values(op, s1, l1)?, f32_values(op, s2, l2)?, f32_values(op, s3, l3)?);
-        let y = forward(&x, &cos, &sin, t, h, d, self.inverse);
-        Ok((storage_from_f32(y, s1.dtype())?, l1.shape().clone()))
+    fn cpu(&self, [x, cos, sin]: [CpuInput; 3]) -> Result<Vec<f32>> {
+        let [_, t, h, d] = dims::<4>(Self::NAME, "x", x.shape())?;
+        Ok(forward(&x.f32()?, &cos.f32()?, &sin.f32()?, t, h, d, self.inverse))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let y = crate::cuda::rope(s1, l1, s2, l2, s3, l3, self.inverse)?;
-        Ok((y, l1.shape().clone()))
+    fn cuda(&self, [(x, lx), (c, lc), (s, ls)]: [crate::op::CudaInput; 3]) -> Result<candle_core::CudaStorage> {
+        crate::cuda::rope(x, lx, c, lc, s, ls, self.inverse)
     }
 
-    fn bwd(
-        &self,
-        _x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [_x, cos, sin]: [&Tensor; 3], _y: &Tensor, dy: &Tensor) -> Result<[Option<Tensor>; 3]> {
         let dy = dy.contiguous()?;
         let dx = timed(OpKind::RopeBackward, dy.device(), || {
-            dy.apply_op3_no_bwd(cos, sin, &Rope { inverse: !self.inverse })
+            dy.apply_op3_no_bwd(cos, sin, &Op(Rope { inverse: !self.inverse }))
         })?;
-        Ok((Some(dx), None, None))
+        Ok([Some(dx), None, None])
     }
 }
 

@@ -4,10 +4,10 @@
 //! With `σ = sigmoid(g)`: `y = g·σ·u`, `dg = dy·u·σ·(1 + g·(1 − σ))`,
 //! `du = dy·g·σ`.
 
-use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{bail, Result, Shape, Tensor};
 
-use crate::host::{check_float, f32_values, storage_from_f32};
+use crate::host::check_float;
+use crate::op::{CpuInput, Kernel, Op};
 use crate::timing::{timed, OpKind};
 
 /// `silu(gate) · up`, elementwise; both of one shape and float dtype.
@@ -19,7 +19,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         bail!("{OP}: gate {:?} {:?} and up {:?} {:?} differ", gate.dtype(), gate.shape(), up.dtype(), up.shape())
     }
     let (gate, up) = (gate.contiguous()?, up.contiguous()?);
-    timed(OpKind::Swiglu, gate.device(), || gate.apply_op2(&up, Swiglu))
+    timed(OpKind::Swiglu, gate.device(), || gate.apply_op2(&up, Op(Swiglu)))
 }
 
 /// The forward on host values.
@@ -46,76 +46,51 @@ fn sigmoid(x: f32) -> f32 {
 /// The forward op on `(gate, up)`.
 struct Swiglu;
 
-impl CustomOp2 for Swiglu {
-    fn name(&self) -> &'static str {
-        "chorus-swiglu"
+impl Kernel<2> for Swiglu {
+    const NAME: &'static str = "chorus-swiglu";
+
+    fn shape(&self, [g, _]: [&Shape; 2]) -> Result<Shape> {
+        Ok(g.clone())
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (g, u) = (f32_values(self.name(), s1, l1)?, f32_values(self.name(), s2, l2)?);
-        Ok((storage_from_f32(forward(&g, &u), s1.dtype())?, l1.shape().clone()))
+    fn cpu(&self, [g, u]: [CpuInput; 2]) -> Result<Vec<f32>> {
+        Ok(forward(&g.f32()?, &u.f32()?))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((crate::cuda::swiglu_forward(s1, l1, s2, l2)?, l1.shape().clone()))
+    fn cuda(&self, [(g, lg), (u, lu)]: [crate::op::CudaInput; 2]) -> Result<candle_core::CudaStorage> {
+        crate::cuda::swiglu_forward(g, lg, u, lu)
     }
 
-    fn bwd(&self, g: &Tensor, u: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [g, u]: [&Tensor; 2], _y: &Tensor, dy: &Tensor) -> Result<[Option<Tensor>; 2]> {
         let dy = dy.contiguous()?;
         // One pass writes both gradients, stacked: `[2, ...]`, then two views.
-        let both = timed(OpKind::SwigluBackward, g.device(), || g.apply_op3_no_bwd(u, &dy, &SwigluBackward))?;
+        let both = timed(OpKind::SwigluBackward, g.device(), || g.apply_op3_no_bwd(u, &dy, &Op(SwigluBackward)))?;
         let (dg, du) = (both.get(0)?, both.get(1)?);
-        Ok((Some(dg), Some(du)))
+        Ok([Some(dg), Some(du)])
     }
 }
 
 /// `[dg, du]` stacked, from `(gate, up, dy)`.
 struct SwigluBackward;
 
-impl CustomOp3 for SwigluBackward {
-    fn name(&self) -> &'static str {
-        "chorus-swiglu-backward"
+impl Kernel<3> for SwigluBackward {
+    const NAME: &'static str = "chorus-swiglu-backward";
+
+    fn shape(&self, [g, _, _]: [&Shape; 3]) -> Result<Shape> {
+        let mut dims = vec![2];
+        dims.extend_from_slice(g.dims());
+        Ok(Shape::from(dims))
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        let (g, u, dy) = (f32_values(op, s1, l1)?, f32_values(op, s2, l2)?, f32_values(op, s3, l3)?);
-        let (mut dg, du) = backward(&g, &u, &dy);
+    fn cpu(&self, [g, u, dy]: [CpuInput; 3]) -> Result<Vec<f32>> {
+        let (mut dg, du) = backward(&g.f32()?, &u.f32()?, &dy.f32()?);
         dg.extend(du);
-        Ok((storage_from_f32(dg, s1.dtype())?, stacked(l1.shape())))
+        Ok(dg)
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((crate::cuda::swiglu_backward(s1, l1, s2, l2, s3, l3)?, stacked(l1.shape())))
+    fn cuda(&self, [(g, lg), (u, lu), (dy, ldy)]: [crate::op::CudaInput; 3]) -> Result<candle_core::CudaStorage> {
+        crate::cuda::swiglu_backward(g, lg, u, lu, dy, ldy)
     }
-}
-
-fn stacked(shape: &Shape) -> Shape {
-    let mut dims = vec![2];
-    dims.extend_from_slice(shape.dims());
-    Shape::from(dims)
 }
