@@ -471,6 +471,20 @@ impl<C: CommBackend> Fsdp<C> {
         self.groups[g].ensure_grads(&self.ctx)
     }
 
+    /// Frees group `g`'s unsharded parameters now, in its backward, rather
+    /// than at its post-backward: for a model that computes on copies of its
+    /// own (the candle adapter on the CPU copies them into candle's
+    /// tensors), which then holds one copy through its backward, not two.
+    /// A group that does not reshard after backward keeps them.
+    pub fn release_params_in_backward(&mut self, g: usize) -> Result<()> {
+        self.group_in(g, TrainingState::PreBackward, "release_params_in_backward")?;
+        let grp = &mut self.groups[g];
+        match grp.reshard_after_backward {
+            true => grp.reshard(&self.ctx),
+            false => Ok(()),
+        }
+    }
+
     fn pre_backward_with(&mut self, g: usize, grads: bool) -> Result<()> {
         let t0 = HookStart::now();
         let grp = self.group(g)?;

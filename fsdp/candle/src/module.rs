@@ -407,6 +407,10 @@ where
         let (grads, vars, mut x_var) = if recompute {
             let params = self.phase_params(g)?;
             let (vb, vars) = (params.tracked.clone(), params.vars.clone());
+            if !grads_first {
+                // candle has its copies: FSDP's are not read again this step.
+                self.fsdp.release_params_in_backward(g)?;
+            }
             let t0 = Instant::now();
             let input = input.contiguous()?;
             let x_var = if input.dtype().is_float() { Some(self.side.input_var(&input)?) } else { None };
