@@ -313,6 +313,19 @@ where
     results.into_iter().collect()
 }
 
+/// Bytes of freed blocks each rank's cpu device keeps: `CHORUS_CPU_CACHE_BYTES`
+/// (as PyTorch's `PYTORCH_CUDA_ALLOC_CONF` tunes its caching allocator),
+/// else the job's [`RankJob::CPU_CACHE_LIMIT`].
+fn cpu_cache_limit<J: RankJob>() -> anyhow::Result<usize> {
+    match std::env::var("CHORUS_CPU_CACHE_BYTES") {
+        Err(std::env::VarError::NotPresent) => Ok(J::CPU_CACHE_LIMIT),
+        Ok(v) => v.trim().parse::<usize>().map_err(|_| {
+            crate::usage(format!("CHORUS_CPU_CACHE_BYTES={v:?}: not a number of bytes (0 keeps no freed block)"))
+        }),
+        Err(e) => Err(crate::usage(format!("CHORUS_CPU_CACHE_BYTES: {e}"))),
+    }
+}
+
 /// Runs `job` on `world` simulated ranks and returns every rank's report.
 pub(super) fn run_sim<J: RankJob>(world: usize, job: J, bar: Option<ProgressBar>) -> anyhow::Result<Vec<J::Report>> {
     let job = Arc::new(job);
@@ -322,7 +335,7 @@ pub(super) fn run_sim<J: RankJob>(world: usize, job: J, bar: Option<ProgressBar>
         // conformance suite checks each of those orderings with the sanitizer
         // on (conformance/src/fsdp); the model's own work is on one stream.
         // Training runs without the sanitizer's per-operation bookkeeping.
-        device: unsafe { CpuConfig::default().without_sanitizer() }.with_cache_limit(J::CPU_CACHE_LIMIT),
+        device: unsafe { CpuConfig::default().without_sanitizer() }.with_cache_limit(cpu_cache_limit::<J>()?),
     };
     let bar = Arc::new(Mutex::new(bar));
     let results = SimWorld::run(world, config, move |comm| {
@@ -375,6 +388,7 @@ fn train_ucx<J: RankJob>(
     };
     p.check_world_size(world)?;
     let timeout = crate::process::RankProcess::ucx_timeout(Duration::from_secs(300));
+    let cache_limit = cpu_cache_limit::<J>()?;
     // SAFETY: as for the sim backend's training ([`run_sim`]): FSDP
     // orders every cross-stream access with events, which the conformance
     // suite checks with the sanitizer on.
@@ -382,7 +396,7 @@ fn train_ucx<J: RankJob>(
         CpuConfig::default()
             .with_ordinal(p.env.rank)
             .with_timeout(timeout * 2 + Duration::from_secs(10))
-            .with_cache_limit(J::CPU_CACHE_LIMIT)
+            .with_cache_limit(cache_limit)
             .without_sanitizer()
     };
     let ucx = p.ucx_config("train/ucx", timeout);
