@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use chorus_devices::DType;
 use chorus_fsdp_candle::Recompute;
+use chorus_train::decoder::TrainSpec;
 
 use super::loop_args::LoopArgs;
 use crate::backends::Backend;
@@ -291,6 +292,22 @@ impl TrainArgs {
             return Err(usage("--allow-optimizer-change goes with --resume"));
         }
         Ok(())
+    }
+
+    /// `spec` with this run's settings of the decoder loop beyond the job:
+    /// clipping, checkpoints, resuming, the guards and `--op-times`.
+    pub(super) fn with_run_settings<M>(&self, spec: TrainSpec<M>) -> TrainSpec<M> {
+        TrainSpec {
+            max_grad_norm: self.job.max_grad_norm,
+            checkpoint_dir: (self.save_every.is_some() || self.checkpoint_dir.is_some()).then(|| self.checkpoint_dir()),
+            save_every: self.save_every.unwrap_or(0),
+            keep_last: self.keep_last,
+            resume: self.resume.clone(),
+            allow_optimizer_change: self.allow_optimizer_change,
+            allow_nonfinite: self.allow_nonfinite,
+            op_times: self.op_times,
+            ..spec
+        }
     }
 
     pub(super) fn checkpoint_dir(&self) -> PathBuf {

@@ -71,18 +71,8 @@ pub(super) fn run<M: CliDecoder>(args: &TrainArgs) -> anyhow::Result<Outcome> {
     return_freed_blocks(args.backend);
     let steps = args.steps();
     let (flag, key) = M::FLAG;
-    let checkpoint_dir = (args.save_every.is_some() || args.checkpoint_dir.is_some()).then(|| args.checkpoint_dir());
-    let spec = TrainSpec {
-        max_grad_norm: args.job.max_grad_norm,
-        checkpoint_dir: checkpoint_dir.clone(),
-        save_every: args.save_every.unwrap_or(0),
-        keep_last: args.keep_last,
-        resume: args.resume.clone(),
-        allow_optimizer_change: args.allow_optimizer_change,
-        allow_nonfinite: args.allow_nonfinite,
-        op_times: args.op_times,
-        ..spec::<M>(args, steps)?
-    };
+    let spec = args.with_run_settings(spec::<M>(args, steps)?);
+    let checkpoint_dir = spec.checkpoint_dir.clone();
     let optimizer_changes = match &args.resume {
         Some(dir) => check_resume(
             args,

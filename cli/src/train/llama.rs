@@ -258,25 +258,16 @@ fn spec_with(args: &TrainArgs, steps: u64, tokenizer: Option<&HfTokenizer>) -> a
     };
     let (data, validation) = validation(args, data, cfg.vocab_size, global)?;
     memory::check_llama(args, &cfg, data.seq_len())?;
-    let checkpoint_dir = (args.save_every.is_some() || args.checkpoint_dir.is_some()).then(|| args.checkpoint_dir());
     let model = LlamaModel { config: Arc::new(cfg), init };
-    Ok(TrainSpec {
+    Ok(args.with_run_settings(TrainSpec {
         fsdp: args.job.fsdp_config(),
         replicate: args.job.hsdp,
         micro_batches: args.job.micro_batches,
-        max_grad_norm: args.job.max_grad_norm,
-        checkpoint_dir,
-        save_every: args.save_every.unwrap_or(0),
-        keep_last: args.keep_last,
-        resume: args.resume.clone(),
-        allow_optimizer_change: args.allow_optimizer_change,
-        allow_nonfinite: args.allow_nonfinite,
-        op_times: args.op_times,
         recompute: args.recompute(),
         schedule: args.decoder.schedule(),
         validation,
         ..TrainSpec::new(model, Arc::new(data), args.job.batch, steps, args.job.optimizer())
-    })
+    }))
 }
 
 /// The closing sample `--sample-prompt` asks for: through `--tokenizer`

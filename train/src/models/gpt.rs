@@ -48,7 +48,22 @@ impl GptConfig {
 
     /// Parameter names and shapes, in registration order.
     pub fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
-        let (v, d, f) = (self.vocab, self.d_model, self.d_ff);
+        let (d, f) = (self.d_model, self.d_ff);
+        self.shapes_with_mlp(|p, out| {
+            out.push((format!("{p}.mlp.up.weight"), vec![f, d]));
+            out.push((format!("{p}.mlp.down.weight"), vec![d, f]));
+        })
+    }
+
+    /// The transformer's parameter names and shapes, in registration order,
+    /// each block's MLP (after its `mlp_norm`) written by `mlp` from the
+    /// block's prefix: the dense MLP's, or the mixture of experts'
+    /// ([`super::moe`]).
+    pub(crate) fn shapes_with_mlp(
+        &self,
+        mlp: impl Fn(&str, &mut Vec<(String, Vec<usize>)>),
+    ) -> Vec<(String, Vec<usize>)> {
+        let (v, d) = (self.vocab, self.d_model);
         let mut out = vec![("embed.weight".to_string(), vec![v, d])];
         for i in 0..self.layers {
             let p = format!("blocks.{i}");
@@ -57,8 +72,7 @@ impl GptConfig {
                 out.push((format!("{p}.attn.{w}.weight"), vec![d, d]));
             }
             out.push((format!("{p}.mlp_norm.weight"), vec![d]));
-            out.push((format!("{p}.mlp.up.weight"), vec![f, d]));
-            out.push((format!("{p}.mlp.down.weight"), vec![d, f]));
+            mlp(&p, &mut out);
         }
         out.push(("norm.weight".to_string(), vec![d]));
         out.push(("head.weight".to_string(), vec![v, d]));

@@ -52,26 +52,17 @@ impl MoeConfig {
         Ok(())
     }
 
-    /// Parameter names and shapes, in registration order.
+    /// Parameter names and shapes, in registration order: the
+    /// transformer's, each block's MLP a router and its experts.
     pub fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
-        let GptConfig { vocab: v, d_model: d, d_ff: f, .. } = self.base;
-        let mut out = vec![("embed.weight".to_string(), vec![v, d])];
-        for i in 0..self.base.layers {
-            let p = format!("blocks.{i}");
-            out.push((format!("{p}.attn_norm.weight"), vec![d]));
-            for w in ["q", "k", "v", "o"] {
-                out.push((format!("{p}.attn.{w}.weight"), vec![d, d]));
-            }
-            out.push((format!("{p}.mlp_norm.weight"), vec![d]));
+        let GptConfig { d_model: d, d_ff: f, .. } = self.base;
+        self.base.shapes_with_mlp(|p, out| {
             out.push((format!("{p}.router.weight"), vec![self.experts, d]));
             for e in 0..self.experts {
                 out.push((format!("{p}.experts.{e}.up.weight"), vec![f, d]));
                 out.push((format!("{p}.experts.{e}.down.weight"), vec![d, f]));
             }
-        }
-        out.push(("norm.weight".to_string(), vec![d]));
-        out.push(("head.weight".to_string(), vec![v, d]));
-        out
+        })
     }
 
     /// Number of parameters.
