@@ -42,6 +42,24 @@ pub trait Backend: Sized + Send + Sync + fmt::Debug + 'static {
     type Buffer: Buffer<B = Self>;
 }
 
+/// Declares a backend's uninhabited marker type and its [`Backend`] impl (each backend's is only these names).
+#[macro_export]
+macro_rules! backend {
+    ($(#[$doc:meta])* $name:ident = $label:literal: $device:ty, $stream:ty, $event:ty, $buffer:ty) => {
+        $(#[$doc])*
+        #[derive(Debug)]
+        pub enum $name {}
+
+        impl $crate::Backend for $name {
+            const NAME: &'static str = $label;
+            type Device = $device;
+            type Stream = $stream;
+            type Event = $event;
+            type Buffer = $buffer;
+        }
+    };
+}
+
 /// Stream priority. Every device accepts both; a device without priorities treats them alike.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Priority {
