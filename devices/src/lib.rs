@@ -27,6 +27,8 @@ pub mod gpu_batch;
 pub mod gpu_kernels;
 #[cfg(feature = "rocm")]
 pub mod hip;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+mod host_alloc;
 pub mod host_fn;
 pub mod host_step;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
