@@ -42,6 +42,24 @@ pub trait Backend: Sized + Send + Sync + fmt::Debug + 'static {
     type Buffer: Buffer<B = Self>;
 }
 
+/// Declares a backend's uninhabited marker type and its [`Backend`] impl (each backend's is only these names).
+#[macro_export]
+macro_rules! backend {
+    ($(#[$doc:meta])* $name:ident = $label:literal: $device:ty, $stream:ty, $event:ty, $buffer:ty) => {
+        $(#[$doc])*
+        #[derive(Debug)]
+        pub enum $name {}
+
+        impl $crate::Backend for $name {
+            const NAME: &'static str = $label;
+            type Device = $device;
+            type Stream = $stream;
+            type Event = $event;
+            type Buffer = $buffer;
+        }
+    };
+}
+
 /// Stream priority. Every device accepts both; a device without priorities treats them alike.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Priority {
@@ -162,17 +180,27 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + 'static {
 pub trait Buffer: Send + Sync + fmt::Debug + 'static {
     /// The backend.
     type B: Backend<Buffer = Self>;
+    /// What every buffer records about itself; the accessors below read it.
+    fn meta(&self) -> &BufferMeta<Self::B>;
     /// The element type.
-    fn dtype(&self) -> DType;
+    fn dtype(&self) -> DType {
+        self.meta().dtype
+    }
     /// Number of elements.
-    fn len(&self) -> usize;
+    fn len(&self) -> usize {
+        self.meta().len
+    }
     /// A process-unique id (used in sanitizer and error reports).
-    fn id(&self) -> u64;
+    fn id(&self) -> u64 {
+        self.meta().id
+    }
     /// The device that owns the memory.
-    fn device(&self) -> &<Self::B as Backend>::Device;
+    fn device(&self) -> &<Self::B as Backend>::Device {
+        &self.meta().device
+    }
     /// The memory space the buffer lives in.
     fn space(&self) -> MemorySpace {
-        MemorySpace::Device
+        self.meta().space
     }
     /// Whether the buffer holds no elements.
     fn is_empty(&self) -> bool {
@@ -195,6 +223,24 @@ pub trait Buffer: Send + Sync + fmt::Debug + 'static {
         Self: Sized,
     {
         View::whole(self).slice(offset, len)
+    }
+}
+
+/// The fields every backend's buffer has, behind [`Buffer`]'s accessors
+/// (one struct, so each backend does not repeat them).
+#[derive(Debug)]
+pub struct BufferMeta<B: Backend> {
+    pub(crate) dtype: DType,
+    pub(crate) len: usize,
+    pub(crate) id: u64,
+    pub(crate) device: B::Device,
+    pub(crate) space: MemorySpace,
+}
+
+impl<B: Backend> BufferMeta<B> {
+    /// `len` elements of `dtype` in `space` of `device`, known by `id`.
+    pub fn new(dtype: DType, len: usize, id: u64, device: B::Device, space: MemorySpace) -> Self {
+        BufferMeta { dtype, len, id, device, space }
     }
 }
 

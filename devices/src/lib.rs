@@ -27,6 +27,8 @@ pub mod gpu_batch;
 pub mod gpu_kernels;
 #[cfg(feature = "rocm")]
 pub mod hip;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+mod host_alloc;
 pub mod host_fn;
 pub mod host_step;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
@@ -40,8 +42,8 @@ mod view;
 pub mod wait;
 
 pub use api::{
-    AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, Copy2d, Copy2dPiece, Device, Event, HostUpdate,
-    MatmulSpec, MemorySpace, MemoryStats, Priority, Result, SgdParams, Stream, StreamExt,
+    AdamWParams, Backend, Buffer, BufferMeta, ComputeBackend, ComputeStream, Copy2d, Copy2dPiece, Device, Event,
+    HostUpdate, MatmulSpec, MemorySpace, MemoryStats, Priority, Result, SgdParams, Stream, StreamExt,
 };
 pub use dtype::{DType, Element, Float8E4M3, Scalar};
 pub use error::{AccessKind, DeviceError, RaceAccess, RaceReport};

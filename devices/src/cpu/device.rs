@@ -17,7 +17,7 @@ use super::Cpu;
 use crate::bookkeeping::{first_error, Parked, StreamList};
 use crate::call_count::CallCounter;
 use crate::memory::MemCounters;
-use crate::{host_fn, DType, DeviceError, MemorySpace, MemoryStats, Priority, Result};
+use crate::{host_fn, BufferMeta, DType, DeviceError, MemorySpace, MemoryStats, Priority, Result};
 
 pub(crate) use crate::id::next_id;
 
@@ -262,7 +262,7 @@ impl CpuDevice {
             MemorySpace::Device => "alloc",
             MemorySpace::Host => "alloc_host",
         });
-        Ok(CpuBuffer { mem, dtype, len, id: next_id(), device: self.clone(), space })
+        Ok(CpuBuffer { mem, meta: BufferMeta::new(dtype, len, next_id(), self.clone(), space) })
     }
 }
 
@@ -330,43 +330,28 @@ impl crate::Device for CpuDevice {
 #[derive(Debug)]
 pub struct CpuBuffer {
     mem: Arc<Memory>,
-    dtype: DType,
-    len: usize,
-    id: u64,
-    device: CpuDevice,
-    space: MemorySpace,
+    meta: BufferMeta<Cpu>,
 }
 
 impl CpuBuffer {
     pub(crate) fn raw_range(&self, bytes: std::ops::Range<usize>) -> RawRange {
-        RawRange::new(self.mem.clone(), bytes.start, bytes.end - bytes.start, self.dtype)
+        RawRange::new(self.mem.clone(), bytes.start, bytes.end - bytes.start, self.meta.dtype)
     }
 }
 
 impl crate::Buffer for CpuBuffer {
     type B = Cpu;
-    fn dtype(&self) -> DType {
-        self.dtype
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn id(&self) -> u64 {
-        self.id
-    }
-    fn device(&self) -> &CpuDevice {
-        &self.device
-    }
-    fn space(&self) -> MemorySpace {
-        self.space
+    fn meta(&self) -> &BufferMeta<Cpu> {
+        &self.meta
     }
 }
 
 impl Drop for CpuBuffer {
     fn drop(&mut self) {
-        self.device.check_drop("a cpu buffer");
-        let id = self.id;
-        self.device.counters(self.space).sub(self.mem.bytes());
-        self.device.with_sanitizer(|s| s.forget_buffer(id));
+        let m = &self.meta;
+        m.device.check_drop("a cpu buffer");
+        let id = m.id;
+        m.device.counters(m.space).sub(self.mem.bytes());
+        m.device.with_sanitizer(|s| s.forget_buffer(id));
     }
 }

@@ -37,16 +37,9 @@ pub use pool::CacheStats;
 pub use sanitizer::Access;
 pub use stream::{CpuStream, JobInput};
 
-/// The cpu backend's types.
-#[derive(Debug)]
-pub enum Cpu {}
-
-impl crate::Backend for Cpu {
-    const NAME: &'static str = "cpu";
-    type Device = CpuDevice;
-    type Stream = CpuStream;
-    type Event = CpuEvent;
-    type Buffer = CpuBuffer;
+crate::backend! {
+    /// The cpu backend's types.
+    Cpu = "cpu": CpuDevice, CpuStream, CpuEvent, CpuBuffer
 }
 
 /// The memory behind a view, kept alive while the handle lives (for jobs

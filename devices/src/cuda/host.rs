@@ -28,6 +28,8 @@ use super::memory::CudaBuffer;
 use super::result::DriverResult;
 use super::stream::{device_ptr, CudaStream, StreamShared};
 use super::Cuda;
+use crate::bookkeeping::first_error;
+use crate::host_alloc;
 use crate::host_update::{self, HeldRange};
 use crate::{host_fn, Copy2d, DType, DeviceError, MemorySpace, Readback, Result, View};
 
@@ -58,11 +60,7 @@ impl HostMemory {
     pub(crate) fn alloc(device: &CudaDevice, bytes: usize, pinned: bool) -> Result<HostMemory> {
         let label = device.label();
         if !pinned {
-            let mut block: Vec<u64> = Vec::new();
-            block
-                .try_reserve_exact(bytes.div_ceil(8))
-                .map_err(|_| DeviceError::OutOfMemory { device: format!("{label} (host)"), bytes })?;
-            block.resize(bytes.div_ceil(8), 0);
+            let mut block = host_alloc::pageable_block(label, bytes)?;
             let ptr = block.as_mut_ptr() as *mut u8;
             return Ok(HostMemory { ptr, bytes, pageable: Some(block), device: device.inner.clone() });
         }
@@ -112,30 +110,20 @@ unsafe extern "C" fn release_trampoline(data: *mut c_void) {
 /// of a host buffer). A stream whose launch fails keeps the memory forever:
 /// a leak, never a free under a queued copy.
 pub(crate) fn keep_alive(memory: Arc<HostMemory>, streams: Vec<Arc<StreamShared>>) -> Result<()> {
-    let mut first = Ok(());
-    for s in streams {
+    first_error(streams.into_iter().map(|s| {
         let held = Box::into_raw(Box::new(memory.clone()));
         // SAFETY: `held` goes to exactly one trampoline call, which frees it.
-        let launched = unsafe { drv::stream::launch_host_function(s.raw, release_trampoline, held as *mut c_void) }
-            .drv("cuLaunchHostFunc", s.name());
-        if let Err(e) = launched {
-            // `held` stays leaked: the memory is never freed.
-            if first.is_ok() {
-                first = Err(e);
-            }
-        }
-    }
-    first
+        // On an error `held` stays leaked: the memory is never freed.
+        unsafe { drv::stream::launch_host_function(s.raw, release_trampoline, held as *mut c_void) }
+            .drv("cuLaunchHostFunc", s.name())
+    }))
 }
 
 impl CudaDevice {
     /// `Device::alloc_host`: zeroed host memory, counted in the host counters.
     pub(crate) fn alloc_host_buffer(&self, dtype: DType, len: usize, pinned: bool) -> Result<CudaBuffer> {
         host_fn::check("alloc_host")?;
-        let bytes = len.checked_mul(dtype.size()).ok_or_else(|| DeviceError::OutOfMemory {
-            device: format!("{} (host)", self.label()),
-            bytes: usize::MAX,
-        })?;
+        let bytes = host_alloc::host_bytes(self.label(), dtype, len)?;
         let memory = if bytes == 0 { None } else { Some(Arc::new(HostMemory::alloc(self, bytes, pinned)?)) };
         Ok(CudaBuffer::adopt_host(self, memory, dtype, len))
     }
@@ -159,7 +147,6 @@ impl CudaStream {
         if bytes == 0 || src.same_range(&dst) {
             return self.run_copy(op, &[src, dst], |_| Ok(()));
         }
-        let label = self.device.label();
         match (host_of(&src), host_of(&dst)) {
             (Some(from), Some(to)) => {
                 let (from, to) = (from.clone(), to.clone());
@@ -171,20 +158,27 @@ impl CudaStream {
                     drop((from, to));
                 })
             }
-            (Some(from), None) if from.pinned() => self.run_copy(op, &[src, dst], |s| {
-                // SAFETY: a pinned range and a device range of `bytes`, valid in stream order.
-                unsafe { memcpy(device_ptr(&dst), host_addr(from, &src) as CUdeviceptr, bytes, s) }
-                    .drv("cuMemcpyAsync", label)
-            }),
-            (None, Some(to)) if to.pinned() => self.run_copy(op, &[src, dst], |s| {
-                // SAFETY: as above, the other way.
-                unsafe { memcpy(host_addr(to, &dst) as CUdeviceptr, device_ptr(&src), bytes, s) }
-                    .drv("cuMemcpyAsync", label)
-            }),
+            (Some(from), None) if from.pinned() => {
+                self.pinned_copy(src, dst, device_ptr(&dst), host_addr(from, &src) as CUdeviceptr)
+            }
+            (None, Some(to)) if to.pinned() => {
+                self.pinned_copy(src, dst, host_addr(to, &dst) as CUdeviceptr, device_ptr(&src))
+            }
             (Some(from), None) => self.pageable_to_device(from.clone(), src, dst),
             (None, Some(to)) => self.device_to_pageable(src, to.clone(), dst),
             (None, None) => Err(DeviceError::invalid(op, "copy_host with no host operand")),
         }
+    }
+
+    /// `copy` of `dst`'s bytes from `from` to `to`, one a pinned range and
+    /// the other a device range: one `cuMemcpyAsync` on the stream.
+    fn pinned_copy(&self, src: View<'_, Cuda>, dst: View<'_, Cuda>, to: CUdeviceptr, from: CUdeviceptr) -> Result<()> {
+        let (bytes, label) = (dst.bytes(), self.device.label());
+        self.run_copy("copy", &[src, dst], |s| {
+            // SAFETY: a pinned range and a device range of `bytes` (the
+            // caller's views), valid in stream order.
+            unsafe { memcpy(to, from, bytes, s) }.drv("cuMemcpyAsync", label)
+        })
     }
 
     /// `copy_2d` where at least one side is in host memory: one

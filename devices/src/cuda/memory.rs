@@ -12,7 +12,7 @@ use super::result::DriverResult;
 use super::stream::StreamShared;
 use super::Cuda;
 use crate::memory::{StreamUsers, UNKNOWN_USE};
-use crate::{DType, DeviceError, MemorySpace};
+use crate::{BufferMeta, DType, DeviceError, MemorySpace};
 
 /// A cuda buffer: device memory from the stream-ordered allocator
 /// (`cuMemAllocAsync`), freed in stream order after every stream that used
@@ -32,12 +32,8 @@ pub struct CudaBuffer {
     pub(crate) ptr: CUdeviceptr,
     /// The host allocation of a non-empty host buffer.
     pub(crate) host: Option<Arc<HostMemory>>,
-    space: MemorySpace,
     bytes: usize,
-    dtype: DType,
-    len: usize,
-    id: u64,
-    pub(crate) device: CudaDevice,
+    meta: BufferMeta<Cuda>,
     /// The owner stream and the others that used the buffer.
     users: StreamUsers<StreamShared>,
 }
@@ -56,12 +52,8 @@ impl CudaBuffer {
         CudaBuffer {
             ptr,
             host: None,
-            space: MemorySpace::Device,
             bytes,
-            dtype,
-            len,
-            id: super::device::next_id(),
-            device: device.clone(),
+            meta: BufferMeta::new(dtype, len, super::device::next_id(), device.clone(), MemorySpace::Device),
             users: StreamUsers::new(owner),
         }
     }
@@ -73,12 +65,8 @@ impl CudaBuffer {
         CudaBuffer {
             ptr: 0,
             host,
-            space: MemorySpace::Host,
             bytes,
-            dtype,
-            len,
-            id: super::device::next_id(),
-            device: device.clone(),
+            meta: BufferMeta::new(dtype, len, super::device::next_id(), device.clone(), MemorySpace::Host),
             users: StreamUsers::new(&device.internal),
         }
     }
@@ -153,46 +141,34 @@ fn release(
 
 impl crate::Buffer for CudaBuffer {
     type B = Cuda;
-    fn dtype(&self) -> DType {
-        self.dtype
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn id(&self) -> u64 {
-        self.id
-    }
-    fn device(&self) -> &CudaDevice {
-        &self.device
-    }
-    fn space(&self) -> MemorySpace {
-        self.space
+    fn meta(&self) -> &BufferMeta<Cuda> {
+        &self.meta
     }
 }
 
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
-        if self.space == MemorySpace::Host {
+        if self.meta.space == MemorySpace::Host {
             if let Some(memory) = self.host.take() {
                 let (owner, mut users) = self.users.take();
                 users.push(owner);
-                defer(&self.device.inner, "cuLaunchHostFunc", move |inner| {
+                defer(&self.meta.device.inner, "cuLaunchHostFunc", move |inner| {
                     bind_ctx(inner)?;
                     keep_alive(memory, users)
                 });
             }
-            self.device.inner.host_counters.sub(self.bytes);
+            self.meta.device.inner.host_counters.sub(self.bytes);
             return;
         }
         if self.bytes > 0 {
             let ptr = self.ptr;
             let (owner, users) = self.users.take_with_positions();
-            defer(&self.device.inner, "cuMemFreeAsync", move |inner| {
+            defer(&self.meta.device.inner, "cuMemFreeAsync", move |inner| {
                 bind_ctx(inner)?;
                 release(ptr, &owner, users, inner)
             });
         }
-        self.device.inner.counters.sub(self.bytes);
+        self.meta.device.inner.counters.sub(self.bytes);
     }
 }
 

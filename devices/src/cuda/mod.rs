@@ -103,14 +103,7 @@ pub mod sys {
     pub use cudarc::driver::sys::{CUcontext, CUdevice, CUdeviceptr, CUevent, CUstream};
 }
 
-/// The cuda backend's types.
-#[derive(Debug)]
-pub enum Cuda {}
-
-impl crate::Backend for Cuda {
-    const NAME: &'static str = "cuda";
-    type Device = CudaDevice;
-    type Stream = CudaStream;
-    type Event = CudaEvent;
-    type Buffer = CudaBuffer;
+crate::backend! {
+    /// The cuda backend's types.
+    Cuda = "cuda": CudaDevice, CudaStream, CudaEvent, CudaBuffer
 }

@@ -13,7 +13,7 @@ use super::Hip;
 use crate::bookkeeping::{first_error, StreamList};
 use crate::deferred::Deferred;
 use crate::memory::{MemCounters, StreamUsers};
-use crate::{DType, DeviceError, MemorySpace, MemoryStats, Priority, Result};
+use crate::{BufferMeta, DType, DeviceError, MemorySpace, MemoryStats, Priority, Result};
 
 pub(crate) use crate::id::next_id;
 
@@ -245,12 +245,8 @@ impl HipDevice {
         Ok(HipBuffer {
             ptr,
             host: None,
-            space: MemorySpace::Device,
             bytes,
-            dtype,
-            len,
-            id: next_id(),
-            device: self.clone(),
+            meta: BufferMeta::new(dtype, len, next_id(), self.clone(), MemorySpace::Device),
             users: StreamUsers::new(home),
         })
     }
@@ -320,12 +316,8 @@ pub struct HipBuffer {
     ptr: usize,
     /// The host allocation of a non-empty host buffer (`host.rs`).
     pub(crate) host: Option<Arc<HostMemory>>,
-    space: MemorySpace,
     bytes: usize,
-    dtype: DType,
-    len: usize,
-    id: u64,
-    device: HipDevice,
+    meta: BufferMeta<Hip>,
     /// The stream that allocated it, where it is freed, and the others that
     /// have used it: the free waits for them.
     users: StreamUsers<StreamInner>,
@@ -340,12 +332,8 @@ impl HipBuffer {
         HipBuffer {
             ptr: 0,
             host,
-            space: MemorySpace::Host,
             bytes,
-            dtype,
-            len,
-            id: next_id(),
-            device: device.clone(),
+            meta: BufferMeta::new(dtype, len, next_id(), device.clone(), MemorySpace::Host),
             users,
         }
     }
@@ -382,27 +370,15 @@ fn release(ptr: usize, home: &StreamInner, users: Vec<Arc<StreamInner>>) -> Resu
 
 impl crate::Buffer for HipBuffer {
     type B = Hip;
-    fn dtype(&self) -> DType {
-        self.dtype
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn id(&self) -> u64 {
-        self.id
-    }
-    fn device(&self) -> &HipDevice {
-        &self.device
-    }
-    fn space(&self) -> MemorySpace {
-        self.space
+    fn meta(&self) -> &BufferMeta<Hip> {
+        &self.meta
     }
 }
 
 impl Drop for HipBuffer {
     fn drop(&mut self) {
-        let inner = &self.device.inner;
-        if self.space == MemorySpace::Host {
+        let inner = &self.meta.device.inner;
+        if self.meta.space == MemorySpace::Host {
             if let Some(memory) = self.host.take() {
                 let (home, mut users) = self.users.take();
                 users.push(home);
@@ -414,13 +390,13 @@ impl Drop for HipBuffer {
             return;
         }
         if self.bytes > 0 {
-            let (inner, ptr) = (&self.device.inner, self.ptr);
+            let (inner, ptr) = (&self.meta.device.inner, self.ptr);
             let (home, users) = self.users.take();
             // On failure the memory is leaked rather than freed while work may still use it.
             defer_drop(&inner.deferred, &inner.parked, inner.config.ordinal, "hipFreeAsync", move || {
                 release(ptr, &home, users)
             });
         }
-        self.device.inner.counters.sub(self.bytes);
+        self.meta.device.inner.counters.sub(self.bytes);
     }
 }

@@ -17,6 +17,8 @@ use super::device::{defer_drop, DeferredDrops, HipBuffer, HipDevice, Parked};
 use super::stream::{host_outcome, HipStream, StreamInner};
 use super::sys::{self, hipMemcpyKind};
 use super::{result, Hip};
+use crate::bookkeeping::first_error;
+use crate::host_alloc;
 use crate::host_update::{self, HeldRange};
 use crate::{host_fn, Copy2d, DType, DeviceError, MemorySpace, Readback, Result, View};
 
@@ -66,28 +68,22 @@ impl Drop for HostMemory {
 /// keeps the memory forever: a leak, never a free under a queued copy.
 /// The device must be current.
 pub(crate) fn keep_alive(memory: Arc<HostMemory>, streams: Vec<Arc<StreamInner>>) -> Result<()> {
-    let mut first = Ok(());
-    for s in streams {
+    first_error(streams.into_iter().map(|s| {
         let held = memory.clone();
         // SAFETY: a live stream of the current device.
-        if let Err((e, work)) = unsafe { result::launch_host_work(s.raw(), Box::new(move |_| drop(held))) } {
+        unsafe { result::launch_host_work(s.raw(), Box::new(move |_| drop(held))) }.map_err(|(e, work)| {
             std::mem::forget(work);
-            if first.is_ok() {
-                first = Err(e);
-            }
-        }
-    }
-    first
+            e
+        })
+    }))
 }
 
 impl HipDevice {
     /// `Device::alloc_host`: zeroed host memory, counted in the host counters.
     pub(crate) fn alloc_host_buffer(&self, dtype: DType, len: usize, pinned: bool) -> Result<HipBuffer> {
         host_fn::check("alloc_host")?;
-        let label = format!("{} (host)", self.label());
-        let bytes = len
-            .checked_mul(dtype.size())
-            .ok_or(DeviceError::OutOfMemory { device: label.clone(), bytes: usize::MAX })?;
+        let label = self.label();
+        let bytes = host_alloc::host_bytes(&label, dtype, len)?;
         let memory = if bytes == 0 {
             None
         } else {
@@ -99,11 +95,7 @@ impl HipDevice {
                 unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
                 (ptr, None)
             } else {
-                let mut block: Vec<u64> = Vec::new();
-                block
-                    .try_reserve_exact(bytes.div_ceil(8))
-                    .map_err(|_| DeviceError::OutOfMemory { device: label, bytes })?;
-                block.resize(bytes.div_ceil(8), 0);
+                let mut block = host_alloc::pageable_block(&label, bytes)?;
                 (block.as_mut_ptr() as *mut u8, Some(block))
             };
             Some(Arc::new(HostMemory {

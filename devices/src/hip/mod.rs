@@ -86,16 +86,9 @@ pub use stream::HipStream;
 use crate::{Device, Priority, Stream};
 use crate::{DeviceError, Result};
 
-/// The hip backend's types.
-#[derive(Debug)]
-pub enum Hip {}
-
-impl crate::Backend for Hip {
-    const NAME: &'static str = "hip";
-    type Device = HipDevice;
-    type Stream = HipStream;
-    type Event = HipEvent;
-    type Buffer = HipBuffer;
+crate::backend! {
+    /// The hip backend's types.
+    Hip = "hip": HipDevice, HipStream, HipEvent, HipBuffer
 }
 
 /// What the process sees of ROCm: for `chorus info` and logs.

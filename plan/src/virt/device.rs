@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use chorus_devices::{DType, DeviceError, MemCounters, MemorySpace, MemoryStats, Priority, Result};
+use chorus_devices::{Buffer, BufferMeta, DType, DeviceError, MemCounters, MemorySpace, MemoryStats, Priority, Result};
 
 use super::{Virt, VirtStream};
 use crate::cost::CostModel;
@@ -199,7 +199,8 @@ impl VirtDevice {
             }
             MemorySpace::Host => self.inner.host_mem.add(bytes),
         }
-        Ok(VirtBuffer { dtype, len, id: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed), device: self.clone(), space })
+        let id = NEXT_BUFFER.fetch_add(1, Ordering::Relaxed);
+        Ok(VirtBuffer { meta: BufferMeta::new(dtype, len, id, self.clone(), space) })
     }
 
     pub(crate) fn alloc_device(&self, dtype: DType, len: usize) -> Result<VirtBuffer> {
@@ -283,42 +284,27 @@ fn raise(cell: &AtomicU64, t: f64) {
 /// A buffer: a dtype and a length, counted while the handle lives.
 #[derive(Debug)]
 pub struct VirtBuffer {
-    dtype: DType,
-    len: usize,
-    id: u64,
-    device: VirtDevice,
-    space: MemorySpace,
+    meta: BufferMeta<Virt>,
 }
 
 impl chorus_devices::Buffer for VirtBuffer {
     type B = Virt;
-    fn dtype(&self) -> DType {
-        self.dtype
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn id(&self) -> u64 {
-        self.id
-    }
-    fn device(&self) -> &VirtDevice {
-        &self.device
-    }
-    fn space(&self) -> MemorySpace {
-        self.space
+    fn meta(&self) -> &BufferMeta<Virt> {
+        &self.meta
     }
 }
 
 impl Drop for VirtBuffer {
     fn drop(&mut self) {
         // `len * size` did not overflow when the buffer was made.
-        let bytes = self.len * self.dtype.size();
-        match self.space {
+        let bytes = self.bytes();
+        let inner = &self.device().inner;
+        match self.space() {
             MemorySpace::Device => {
-                self.device.inner.device_mem.sub(bytes);
-                self.device.inner.total.sub(bytes);
+                inner.device_mem.sub(bytes);
+                inner.total.sub(bytes);
             }
-            MemorySpace::Host => self.device.inner.host_mem.sub(bytes),
+            MemorySpace::Host => inner.host_mem.sub(bytes),
         }
     }
 }

@@ -42,16 +42,9 @@ pub(crate) fn update(cell: &AtomicU64, f: impl Fn(f64) -> f64) -> (f64, f64) {
 pub use device::{ActivationBuf, TraceOp, VirtBuffer, VirtConfig, VirtDevice, VirtEvent, MAX_TRACE_OPS};
 pub use stream::VirtStream;
 
-/// The virtual backend's types.
-#[derive(Debug)]
-pub enum Virt {}
-
-impl chorus_devices::Backend for Virt {
-    const NAME: &'static str = "virtual";
-    type Device = VirtDevice;
-    type Stream = VirtStream;
-    type Event = VirtEvent;
-    type Buffer = VirtBuffer;
+chorus_devices::backend! {
+    /// The virtual backend's types.
+    Virt = "virtual": VirtDevice, VirtStream, VirtEvent, VirtBuffer
 }
 
 #[cfg(test)]
