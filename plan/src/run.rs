@@ -537,7 +537,7 @@ fn run_rank(
         device.set_tracing(measured && spec.trace_rank == Some(rank));
         for m in 0..spec.micro_batches {
             fsdp.set_requires_gradient_sync(m + 1 == spec.micro_batches);
-            micro_batch(&mut fsdp, &device, &stages, &stage_count).map_err(&fe)?;
+            micro_batch(&mut fsdp, &device, &stages, &stage_count, spec.kernels_reach_host).map_err(&fe)?;
         }
         // The loop's global mean of the loss (`train/src/decoder/sharded.rs`).
         {
@@ -609,11 +609,16 @@ fn hook(device: &VirtDevice, hooks: usize) {
 }
 
 /// One micro-batch: forward through the stages, backward in reverse, finalize.
+/// On the host (`host`: the cpu device, candle computing on its copies of the
+/// parameters) a group's backward is the candle adapter's there: its
+/// unsharded parameters freed once candle has its copies, its gradients made
+/// when candle's are added (`fsdp/candle/src/module.rs`, `backward_stage`).
 fn micro_batch(
     fsdp: &mut Fsdp<VirtComm>,
     device: &VirtDevice,
     stages: &[Stage],
     stage_count: &[usize],
+    host: bool,
 ) -> Result<(), FsdpError> {
     let mut runs = vec![0usize; stage_count.len()];
     let mut saved = Vec::with_capacity(stages.len());
@@ -643,7 +648,13 @@ fn micro_batch(
     let mut pending = stage_count.to_vec();
     for s in stages.iter().rev() {
         hook(device, 1);
-        fsdp.pre_backward(s.group)?;
+        match host {
+            true => {
+                fsdp.pre_backward_without_grads(s.group)?;
+                fsdp.release_params_in_backward(s.group)?;
+            }
+            false => fsdp.pre_backward(s.group)?,
+        }
         {
             let _transient = device.alloc_activation(s.work.transient_bytes)?;
             for g in s.inner.iter().rev() {
@@ -652,6 +663,9 @@ fn micro_batch(
             }
             for k in &s.work.backward {
                 fsdp.compute_stream().run_kernel(k);
+            }
+            if host {
+                fsdp.ensure_grads(s.group)?;
             }
             saved.pop();
         }

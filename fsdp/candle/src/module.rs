@@ -424,6 +424,10 @@ where
             self.times.recomputed += 1;
             (grads, vars, x_var)
         } else {
+            if !grads_first {
+                // The graph kept from forward holds candle's copies.
+                self.fsdp.release_params_in_backward(g)?;
+            }
             let saved =
                 self.saved.get_mut(stage).and_then(Option::take).ok_or_else(|| {
                     Error::InvalidArgument(format!("stage {stage} has no graph kept from its forward"))
