@@ -116,6 +116,15 @@ impl CommError {
         CommError::InvalidArgument { op, reason: reason.into() }
     }
 
+    /// Refuses a rank outside a world of `size` ranks (or an empty world)
+    /// as an invalid argument of `op`.
+    pub(crate) fn check_rank(op: &'static str, rank: usize, size: usize) -> Result<(), Self> {
+        if size == 0 || rank >= size {
+            return Err(CommError::invalid(op, format!("rank {rank} of {size} ranks")));
+        }
+        Ok(())
+    }
+
     pub(crate) fn store(address: impl Into<String>, failure: StoreFailure, reason: impl Into<String>) -> Self {
         CommError::Store { address: address.into(), failure, reason: reason.into() }
     }

@@ -173,6 +173,11 @@ impl<'a> Vars<'a> {
         }
     }
 
+    /// An optional number: `name`'s value, or `default` where it is unset.
+    fn number_or(&self, name: &str, default: usize) -> Result<usize, EnvError> {
+        self.raw(name).map_or(Ok(default), |v| parse_number(name, v))
+    }
+
     fn finish_missing(&self) -> Result<(), EnvError> {
         if self.missing.is_empty() {
             Ok(())
@@ -347,14 +352,8 @@ impl LaunchEnv {
 
     fn torchrun(mut v: Vars<'_>) -> Result<LaunchEnv, EnvError> {
         let env = Self::mpi(&mut v, ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"])?;
-        let node_rank = match v.raw("GROUP_RANK") {
-            Some(g) => parse_number("GROUP_RANK", g)?,
-            None => env.node_rank,
-        };
-        let restart_count = match v.raw("TORCHELASTIC_RESTART_COUNT") {
-            Some(c) => parse_number("TORCHELASTIC_RESTART_COUNT", c)? as u32,
-            None => 0,
-        };
+        let node_rank = v.number_or("GROUP_RANK", env.node_rank)?;
+        let restart_count = v.number_or("TORCHELASTIC_RESTART_COUNT", 0)? as u32;
         Ok(LaunchEnv {
             node_rank,
             restart_count,
@@ -401,10 +400,7 @@ impl LaunchEnv {
                 None => 29500,
             },
         };
-        let restart_count = match v.raw("SLURM_RESTART_COUNT") {
-            Some(r) => parse_number("SLURM_RESTART_COUNT", r)? as u32,
-            None => 0,
-        };
+        let restart_count = v.number_or("SLURM_RESTART_COUNT", 0)? as u32;
         Ok(LaunchEnv {
             launcher: v.launcher,
             rank,

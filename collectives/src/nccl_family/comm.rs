@@ -89,9 +89,7 @@ impl<L: VendorLib> VendorComm<L> {
         device: <L::B as Backend>::Device,
         config: VendorConfig,
     ) -> Result<Communicator<Self>> {
-        if size == 0 || rank >= size {
-            return Err(CommError::invalid("init", format!("rank {rank} of {size} ranks")));
-        }
+        CommError::check_rank("init", rank, size)?;
         let id = if rank == 0 {
             let id = Self::unique_id()?;
             store.set(&config.store_key, id.as_bytes())?;
@@ -113,9 +111,7 @@ impl<L: VendorLib> VendorComm<L> {
         device: <L::B as Backend>::Device,
         config: VendorConfig,
     ) -> Result<Communicator<Self>> {
-        if size == 0 || rank >= size {
-            return Err(CommError::invalid("init", format!("rank {rank} of {size} ranks")));
-        }
+        CommError::check_rank("init", rank, size)?;
         crate::host_fn_check(L::NAME)?;
         let lib = L::lib()?;
         let version = lib.version()?;

@@ -19,6 +19,7 @@ fn dump_files_name_rank_and_host() {
 
 #[cfg(feature = "sim")]
 mod sim {
+    use std::path::Path;
     use std::sync::{mpsc, Arc};
     use std::time::{Duration, Instant};
 
@@ -35,6 +36,16 @@ mod sim {
         (0..n).map(|r| Communicator::with_recorder(world.communicator(r).unwrap().into_backend(), &options)).collect()
     }
 
+    /// Runs `rank` on every communicator, each on a thread of its own (the
+    /// ranks of a collective must run at once); the results in rank order.
+    fn on_every_rank<T: Send + 'static>(
+        comms: Vec<Communicator<SimComm>>,
+        rank: fn(Communicator<SimComm>) -> T,
+    ) -> Vec<T> {
+        let handles: Vec<_> = comms.into_iter().map(|c| std::thread::spawn(move || rank(c))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
     /// Polls `comm`'s last entry until `done` holds (at most 10 s).
     fn wait_for(comm: &Communicator<SimComm>, done: impl Fn(&EntryRecord) -> bool) -> EntryRecord {
         let start = Instant::now();
@@ -47,6 +58,17 @@ mod sim {
             assert!(start.elapsed() < Duration::from_secs(10), "still {last:?}");
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    /// Waits for rank 0's dump in `dir` (at most 10 s) and reads it.
+    fn wait_for_dump(dir: &Path) -> RankDump {
+        let path = dir.join(RankDump::file_name(0, &monitor::host_name()));
+        let start = Instant::now();
+        while !path.exists() {
+            assert!(start.elapsed() < Duration::from_secs(10), "no dump in {}", dir.display());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap()
     }
 
     #[test]
@@ -153,49 +175,35 @@ mod sim {
 
     #[test]
     fn a_mismatch_fails_the_entry_on_every_rank_with_the_error() {
-        let comms = world(2, 8, None);
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                std::thread::spawn(move || {
-                    let s = c.device().create_stream(Priority::Normal).unwrap();
-                    let buf = c.device().alloc(DType::F32, 8).unwrap();
-                    let n = if c.rank() == 0 { 8 } else { 4 };
-                    c.all_reduce_in_place(buf.slice(0, n).unwrap(), ReduceOp::Sum, &s).unwrap();
-                    assert!(s.synchronize().is_err());
-                    wait_for(&c, |e| e.state == CallState::Failed)
-                })
-            })
-            .collect();
-        for h in handles {
-            let e = h.join().unwrap();
+        let entries = on_every_rank(world(2, 8, None), |c| {
+            let s = c.device().create_stream(Priority::Normal).unwrap();
+            let buf = c.device().alloc(DType::F32, 8).unwrap();
+            let n = if c.rank() == 0 { 8 } else { 4 };
+            c.all_reduce_in_place(buf.slice(0, n).unwrap(), ReduceOp::Sum, &s).unwrap();
+            assert!(s.synchronize().is_err());
+            wait_for(&c, |e| e.state == CallState::Failed)
+        });
+        for e in entries {
             assert!(e.error.as_deref().unwrap().contains("mismatched collective #0"), "{e:?}");
         }
     }
 
     #[test]
     fn a_group_keeps_every_call_and_p2p_names_its_peer() {
-        let comms = world(2, 8, None);
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                std::thread::spawn(move || {
-                    let s = c.device().create_stream(Priority::Normal).unwrap();
-                    let (x, y) = (c.device().alloc(DType::I32, 6).unwrap(), c.device().alloc(DType::I32, 6).unwrap());
-                    let peer = 1 - c.rank();
-                    c.group(&s, |g| {
-                        g.send(x.view(), peer)?;
-                        g.recv(y.view(), peer)?;
-                        g.broadcast(x.view(), x.view(), 1)
-                    })
-                    .unwrap();
-                    s.synchronize().unwrap();
-                    wait_for(&c, |e| e.state == CallState::Completed)
-                })
+        let entries = on_every_rank(world(2, 8, None), |c| {
+            let s = c.device().create_stream(Priority::Normal).unwrap();
+            let (x, y) = (c.device().alloc(DType::I32, 6).unwrap(), c.device().alloc(DType::I32, 6).unwrap());
+            let peer = 1 - c.rank();
+            c.group(&s, |g| {
+                g.send(x.view(), peer)?;
+                g.recv(y.view(), peer)?;
+                g.broadcast(x.view(), x.view(), 1)
             })
-            .collect();
-        for h in handles {
-            let e = h.join().unwrap();
+            .unwrap();
+            s.synchronize().unwrap();
+            wait_for(&c, |e| e.state == CallState::Completed)
+        });
+        for e in entries {
             let sig: Vec<String> = e.calls.iter().map(CallRecord::signature).collect();
             let peer = e.calls[0].peer.unwrap();
             assert_eq!(
@@ -212,13 +220,9 @@ mod sim {
 
     #[test]
     fn splits_are_named_after_their_parent_and_recording_can_be_off() {
-        let comms = world(2, 4, None);
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|c| std::thread::spawn(move || c.split(Some(7), 0).unwrap().unwrap().flight_record().unwrap()))
-            .collect();
-        for (r, h) in handles.into_iter().enumerate() {
-            let record = h.join().unwrap();
+        let records =
+            on_every_rank(world(2, 4, None), |c| c.split(Some(7), 0).unwrap().unwrap().flight_record().unwrap());
+        for (r, record) in records.into_iter().enumerate() {
             assert_eq!((record.id.as_str(), record.rank, record.size), ("root/split0:color7", r as u64, 2));
         }
         assert!(world(1, 0, None)[0].flight_record().is_none());
@@ -270,13 +274,7 @@ mod sim {
         let _ = std::fs::remove_dir_all(&dir);
         let comms = world(1, 8, Some(dir.clone()));
         comms[0].abort("the test gives up");
-        let path = dir.join(RankDump::file_name(0, &monitor::host_name()));
-        let start = Instant::now();
-        while !path.exists() {
-            assert!(start.elapsed() < Duration::from_secs(10), "no dump in {}", dir.display());
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let dump: RankDump = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let dump = wait_for_dump(&dir);
         assert_eq!(dump.reason, "abort of communicator root: the test gives up");
         assert_eq!(dump.communicators[0].aborted.as_deref(), Some("the test gives up"));
         let _ = std::fs::remove_dir_all(&dir);
@@ -308,13 +306,7 @@ mod sim {
         assert_eq!(entry.error.as_deref(), Some(error.as_str()));
         assert!(entry.finished_us.is_some());
         // Like any backend error, it makes the rank dump.
-        let path = dir.join(RankDump::file_name(0, &monitor::host_name()));
-        let start = Instant::now();
-        while !path.exists() {
-            assert!(start.elapsed() < Duration::from_secs(10), "no dump in {}", dir.display());
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let dump: RankDump = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let dump = wait_for_dump(&dir);
         assert!(dump.reason.starts_with("all_reduce #0 of communicator root failed at issue: "), "{}", dump.reason);
         assert_eq!(dump.communicators[0].entries[0].state, CallState::Failed);
         // The next call takes the same sequence number: the refused one took no part.

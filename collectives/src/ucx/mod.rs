@@ -148,9 +148,7 @@ impl UcxComm {
         device: CpuDevice,
         config: UcxConfig,
     ) -> Result<Communicator<UcxComm>> {
-        if size == 0 || rank >= size {
-            return Err(CommError::invalid("UcxComm::init", format!("rank {rank} of {size} ranks")));
-        }
+        CommError::check_rank("UcxComm::init", rank, size)?;
         if size > wire::MAX_RANKS {
             return Err(CommError::invalid("UcxComm::init", format!("{size} ranks; at most {}", wire::MAX_RANKS)));
         }

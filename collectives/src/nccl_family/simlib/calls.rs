@@ -229,6 +229,17 @@ fn tail_start(out: &RawRange) -> usize {
     (n - n % 256) * out.dtype().size()
 }
 
+/// Runs `call` with the communicator's rank and size, which size the buffers
+/// of a rooted or per-rank call; a communicator `name` cannot enter returns
+/// that code. `call` enters again (in [`add`]): the entry here has ended.
+fn sized(name: &'static str, comm: ncclComm_t, call: impl FnOnce(usize, usize) -> ncclResult_t) -> ncclResult_t {
+    let (rank, size) = match enter(handle_of(comm), name, false) {
+        Ok(e) => (e.comm.rank, e.comm.size()),
+        Err(code) => return code,
+    };
+    call(rank, size)
+}
+
 /// Adds one call to the open group (or runs it as a group of one).
 #[allow(clippy::too_many_arguments)]
 fn add(
@@ -339,13 +350,11 @@ pub(super) unsafe extern "C" fn broadcast(
     comm: ncclComm_t,
     stream: Stream,
 ) -> ncclResult_t {
-    // The sim data plane reads the root's input only.
-    let me = match enter(handle_of(comm), "ncclBroadcast", false) {
-        Ok(e) => e.comm.rank,
-        Err(code) => return code,
-    };
-    let send = (me as c_int == root).then_some((send, count));
-    add("ncclBroadcast", comm, stream, OpKind::Broadcast, dtype, count, None, Some(root), send, Some((recv, count)))
+    sized("ncclBroadcast", comm, |me, _| {
+        // The sim data plane reads the root's input only.
+        let send = (me as c_int == root).then_some((send, count));
+        add("ncclBroadcast", comm, stream, OpKind::Broadcast, dtype, count, None, Some(root), send, Some((recv, count)))
+    })
 }
 
 pub(super) unsafe extern "C" fn reduce(
@@ -358,12 +367,10 @@ pub(super) unsafe extern "C" fn reduce(
     comm: ncclComm_t,
     stream: Stream,
 ) -> ncclResult_t {
-    let me = match enter(handle_of(comm), "ncclReduce", false) {
-        Ok(e) => e.comm.rank,
-        Err(code) => return code,
-    };
-    let recv = (me as c_int == root).then_some((recv, count));
-    add("ncclReduce", comm, stream, OpKind::Reduce, dtype, count, Some(op), Some(root), Some((send, count)), recv)
+    sized("ncclReduce", comm, |me, _| {
+        let recv = (me as c_int == root).then_some((recv, count));
+        add("ncclReduce", comm, stream, OpKind::Reduce, dtype, count, Some(op), Some(root), Some((send, count)), recv)
+    })
 }
 
 pub(super) unsafe extern "C" fn all_gather(
@@ -374,22 +381,10 @@ pub(super) unsafe extern "C" fn all_gather(
     comm: ncclComm_t,
     stream: Stream,
 ) -> ncclResult_t {
-    let n = match enter(handle_of(comm), "ncclAllGather", false) {
-        Ok(e) => e.comm.size(),
-        Err(code) => return code,
-    };
-    add(
-        "ncclAllGather",
-        comm,
-        stream,
-        OpKind::AllGather,
-        dtype,
-        count,
-        None,
-        None,
-        Some((send, count)),
-        Some((recv, count * n)),
-    )
+    sized("ncclAllGather", comm, |_, n| {
+        let (send, recv) = (Some((send, count)), Some((recv, count * n)));
+        add("ncclAllGather", comm, stream, OpKind::AllGather, dtype, count, None, None, send, recv)
+    })
 }
 
 pub(super) unsafe extern "C" fn reduce_scatter(
@@ -401,12 +396,10 @@ pub(super) unsafe extern "C" fn reduce_scatter(
     comm: ncclComm_t,
     stream: Stream,
 ) -> ncclResult_t {
-    let n = match enter(handle_of(comm), "ncclReduceScatter", false) {
-        Ok(e) => e.comm.size(),
-        Err(code) => return code,
-    };
-    let (send, recv) = (Some((send, count * n)), Some((recv, count)));
-    add("ncclReduceScatter", comm, stream, OpKind::ReduceScatter, dtype, count, Some(op), None, send, recv)
+    sized("ncclReduceScatter", comm, |_, n| {
+        let (send, recv) = (Some((send, count * n)), Some((recv, count)));
+        add("ncclReduceScatter", comm, stream, OpKind::ReduceScatter, dtype, count, Some(op), None, send, recv)
+    })
 }
 
 pub(super) unsafe extern "C" fn all_to_all(
@@ -417,13 +410,11 @@ pub(super) unsafe extern "C" fn all_to_all(
     comm: ncclComm_t,
     stream: Stream,
 ) -> ncclResult_t {
-    let n = match enter(handle_of(comm), "ncclAlltoAll", false) {
-        Ok(e) => e.comm.size(),
-        Err(code) => return code,
-    };
-    // The sim data plane counts an all-to-all by its whole buffer.
-    let (send, recv) = (Some((send, count * n)), Some((recv, count * n)));
-    add("ncclAlltoAll", comm, stream, OpKind::AllToAll, dtype, count * n, None, None, send, recv)
+    sized("ncclAlltoAll", comm, |_, n| {
+        // The sim data plane counts an all-to-all by its whole buffer.
+        let (send, recv) = (Some((send, count * n)), Some((recv, count * n)));
+        add("ncclAlltoAll", comm, stream, OpKind::AllToAll, dtype, count * n, None, None, send, recv)
+    })
 }
 
 pub(super) unsafe extern "C" fn send(
