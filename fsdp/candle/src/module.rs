@@ -40,11 +40,15 @@ use chorus_devices::{AccessKind, ComputeBackend, View};
 use chorus_fsdp::{DeferredParam, Fsdp, FsdpError, ParamInit, Reshard, ShardedOptimizer, ShardedState};
 
 use crate::convert::{candle_dtype, to_f32_vec};
-use crate::device::{copy_storage, BoundVar, Side, Transfers};
+use crate::device::{copy_storage, Side, Transfers};
 use crate::storage::{seed_backward, storage_extent, take_output};
 use crate::{Error, Result};
 
+mod group;
+mod recompute;
 mod stage_op;
+use group::{GroupInfo, PhaseParams, SavedGraph};
+pub use recompute::Recompute;
 use stage_op::StageOp;
 
 /// What a stage computes: builds its layers from the [`VarBuilder`] (the
@@ -77,136 +81,6 @@ pub struct AdapterTimes {
     /// Parameters read back and gradients uploaded through the stream API
     /// ([`Transfers::Staged`], or a device without host memory).
     pub staged_transfers: usize,
-}
-
-/// Which groups recompute their stages in backward (activation
-/// checkpointing) and which keep their forward graphs (FSDP2 recomputes
-/// only the blocks the user wraps in checkpointing). Written `true`, `false`
-/// or a comma-separated list of the groups that recompute (`blocks.0,blocks.1`).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub enum Recompute {
-    /// Every group recomputes (the least memory).
-    #[default]
-    All,
-    /// No group recomputes (the least compute).
-    Nothing,
-    /// The named groups recompute; the others keep their graphs.
-    Groups(Vec<String>),
-}
-
-impl Recompute {
-    /// Whether the group named `group` recomputes.
-    pub fn applies_to(&self, group: &str) -> bool {
-        match self {
-            Recompute::All => true,
-            Recompute::Nothing => false,
-            Recompute::Groups(names) => names.iter().any(|n| n == group),
-        }
-    }
-}
-
-impl std::str::FromStr for Recompute {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "true" => Ok(Recompute::All),
-            "false" => Ok(Recompute::Nothing),
-            list => {
-                let names: Vec<String> = list.split(',').map(|n| n.trim().to_string()).collect();
-                if names.iter().any(|n| n.is_empty()) {
-                    return Err(format!("`{list}`: expected true, false or a comma-separated list of group names"));
-                }
-                Ok(Recompute::Groups(names))
-            }
-        }
-    }
-}
-
-impl std::fmt::Display for Recompute {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Recompute::All => f.write_str("true"),
-            Recompute::Nothing => f.write_str("false"),
-            Recompute::Groups(names) => f.write_str(&names.join(",")),
-        }
-    }
-}
-
-/// A group's unsharded parameters as candle variables, bound once per phase
-/// (forward, backward) and shared by the phase's stages.
-struct PhaseParams {
-    /// What backs each variable (a copy, or FSDP's buffer borrowed).
-    bound: Vec<BoundVar>,
-    /// In the group's parameter order (FSDP's index `i`).
-    vars: Arc<Vec<Var>>,
-    /// The variables under their names: stages that build a graph.
-    tracked: VarBuilder<'static>,
-    /// The same storage without a graph: forward stages that will be recomputed.
-    detached: VarBuilder<'static>,
-}
-
-impl PhaseParams {
-    fn new(names: Vec<String>, bound: Vec<BoundVar>, dtype: candle_core::DType, dev: &CandleDevice) -> Self {
-        let vars: Vec<Var> = bound.iter().map(|b| b.var().clone()).collect();
-        let tracked = names.iter().cloned().zip(vars.iter().map(|v| v.as_tensor().clone())).collect::<HashMap<_, _>>();
-        let detached = names.into_iter().zip(vars.iter().map(|v| v.as_detached_tensor())).collect::<HashMap<_, _>>();
-        PhaseParams {
-            bound,
-            vars: Arc::new(vars),
-            tracked: VarBuilder::from_tensors(tracked, dtype, dev),
-            detached: VarBuilder::from_tensors(detached, dtype, dev),
-        }
-    }
-
-    /// Whether the variables borrow FSDP's buffers (candle's CUDA device).
-    fn borrows(&self) -> bool {
-        self.bound.iter().any(BoundVar::is_borrowed)
-    }
-
-    /// The addresses of the variables' storages (a stage's output is never
-    /// taken from one of them).
-    fn addresses(&self) -> Vec<u64> {
-        self.vars.iter().filter_map(|v| storage_extent(v.as_tensor()).map(|(a, _)| a)).collect()
-    }
-
-    /// Gives FSDP's buffers back (see [`BoundVar::release`]).
-    fn release(&mut self, keep_values: bool) -> Result<()> {
-        self.bound.iter_mut().try_for_each(|b| b.release(keep_values))
-    }
-}
-
-/// What a stage of a group without recompute keeps from forward for its
-/// backward: its output with candle's graph, the variable of its input (for
-/// float inputs), and the parameters the graph refers to.
-struct SavedGraph {
-    out: Tensor,
-    input: Option<BoundVar>,
-    vars: Arc<Vec<Var>>,
-}
-
-struct GroupInfo {
-    stages: usize,
-    forward_runs: usize,
-    backward_pending: usize,
-    recompute: bool,
-    params: Option<PhaseParams>,
-    /// Whether FSDP kept the group unsharded at its last post-forward (the
-    /// root; reshard-after-forward false): its borrowed parameters then stay
-    /// bound from forward through backward. Unknown before the first.
-    stayed_unsharded: Option<bool>,
-}
-
-impl Default for GroupInfo {
-    fn default() -> Self {
-        GroupInfo {
-            stages: 0,
-            forward_runs: 0,
-            backward_pending: 0,
-            recompute: true,
-            params: None,
-            stayed_unsharded: None,
-        }
-    }
 }
 
 /// A stage's output, made by [`FsdpModel::run`] before candle applies the
