@@ -32,8 +32,7 @@ pub(crate) trait RankJob: Send + Sync + 'static {
         on_step: &mut dyn FnMut(u64, f64),
     ) -> anyhow::Result<Self::Report>
     where
-        C::B: ComputeBackend,
-        Fsdp<C>: Send;
+        C::B: ComputeBackend;
 }
 
 pub(super) struct MlpJob(pub(super) TrainSpec);
@@ -47,7 +46,6 @@ impl RankJob for MlpJob {
     ) -> anyhow::Result<RankReport>
     where
         C::B: ComputeBackend,
-        Fsdp<C>: Send,
     {
         Ok(train(world, &self.0, &mut |s, l| on_step(s as u64, l))?)
     }
@@ -71,7 +69,6 @@ impl<M: DecoderModel + 'static> RankJob for DecoderJob<M> {
     ) -> anyhow::Result<TrainReport>
     where
         C::B: ComputeBackend,
-        Fsdp<C>: Send,
     {
         Ok(train_sharded(world, &self.0, on_step)?)
     }
@@ -362,7 +359,6 @@ where
     C: chorus_collectives::CommBackend + 'static,
     C::B: chorus_devices::ComputeBackend,
     J: RankJob,
-    chorus_fsdp::Fsdp<C>: Send,
 {
     let rank = p.env.rank;
     let report =

@@ -433,7 +433,6 @@ struct Stage {
 impl<C: CommBackend + 'static> FsdpModel<C>
 where
     C::B: ComputeBackend,
-    Fsdp<C>: Send,
 {
     /// Wraps `fsdp` (with no groups yet, or groups the model adds stages to).
     /// The stages compute on [`FsdpModel::device`].

@@ -32,7 +32,6 @@ pub fn train_sharded<C, M>(
 where
     C: CommBackend + 'static,
     C::B: ComputeBackend,
-    Fsdp<C>: Send,
     M: DecoderModel,
 {
     let micro = micro_batches(spec.batch, spec.micro_batches)?;
@@ -181,7 +180,6 @@ fn validate<C>(sharded: &ShardedDecoder<C>, v: &Validation, rank: usize, batch: 
 where
     C: CommBackend + 'static,
     C::B: ComputeBackend,
-    Fsdp<C>: Send,
 {
     let (seq, rows) = (v.data.seq_len(), batch / micro);
     let mut local = LossSum::default();
@@ -204,7 +202,6 @@ fn sample_sharded<C>(sharded: &ShardedDecoder<C>, seq_len: usize, vocab: usize, 
 where
     C: CommBackend + 'static,
     C::B: ComputeBackend,
-    Fsdp<C>: Send,
 {
     let codec_err = |e: crate::codec::CodecError| Error::InvalidArgument(format!("sample: {e}"));
     let mut tokens = s.codec.encode(&s.prompt).map_err(codec_err)?;
@@ -300,7 +297,6 @@ impl LossSum {
 fn global_mean<C: CommBackend + 'static>(model: &FsdpModel<C>, local: f64) -> Result<f64>
 where
     C::B: ComputeBackend,
-    Fsdp<C>: Send,
 {
     model.with_fsdp(|f| -> Result<f64> {
         let s = f.compute_stream();
@@ -327,7 +323,6 @@ impl Counters {
     fn of<C: CommBackend + 'static>(model: &FsdpModel<C>) -> Result<Counters>
     where
         C::B: ComputeBackend,
-        Fsdp<C>: Send,
     {
         Ok(Counters {
             overhead: model.with_fsdp(|f| f.host_overhead())?,

@@ -11,7 +11,7 @@ use candle_nn::{Embedding, VarBuilder};
 use chorus_collectives::CommBackend;
 use chorus_devices::ComputeBackend;
 use chorus_fsdp::Fsdp;
-use chorus_fsdp_candle::{take_params, FsdpModel};
+use chorus_fsdp_candle::{take_params, FsdpModel, GroupId, StageId};
 
 use super::layers::{Linear, RmsNorm};
 use super::{Initialised, PlainDecoder, ShardedDecoder};
@@ -260,11 +260,8 @@ pub fn shard<C: CommBackend + 'static>(
 ) -> chorus_fsdp_candle::Result<ShardedDecoder<C>>
 where
     C::B: ComputeBackend,
-    Fsdp<C>: Send,
 {
-    let mut model = FsdpModel::new(fsdp)?;
-    let root = model.add_group("root", take_params(&mut params, &["embed.", "norm.", "head."]), true)?;
-    let embed_stage = model.add_stage(root, move |vb, ids| embed(&cfg, vb, ids))?;
+    let (mut model, root, embed_stage) = root_with_embedding(fsdp, &cfg, &mut params)?;
     let mut blocks = Vec::with_capacity(cfg.layers);
     let mut groups = vec![root.0];
     for i in 0..cfg.layers {
@@ -273,11 +270,44 @@ where
         groups.push(g.0);
         blocks.push(model.add_stage(g, move |vb, x| Block::new(&cfg, vb.pp(format!("blocks.{i}")))?.forward(x))?);
     }
+    let head_stage = head_after_all_grouped(&mut model, root, &cfg, &params)?;
+    ShardedDecoder::new(model, (embed_stage, blocks, head_stage), &groups, forward_prefetch)
+}
+
+/// The root group of a transformer sharded by groups (`embed.`, `norm.`,
+/// `head.`, taken out of `params`; not resharded after forward) and its
+/// embedding stage: the start of [`shard`] and of the MoE's.
+pub(super) fn root_with_embedding<C: CommBackend + 'static>(
+    fsdp: Fsdp<C>,
+    cfg: &GptConfig,
+    params: &mut Vec<(String, Tensor)>,
+) -> chorus_fsdp_candle::Result<(FsdpModel<C>, GroupId, StageId)>
+where
+    C::B: ComputeBackend,
+{
+    let mut model = FsdpModel::new(fsdp)?;
+    let root = model.add_group("root", take_params(params, &["embed.", "norm.", "head."]), true)?;
+    let cfg = *cfg;
+    let embed_stage = model.add_stage(root, move |vb, ids| embed(&cfg, vb, ids))?;
+    Ok((model, root, embed_stage))
+}
+
+/// The root group's head stage, once every parameter has a group (one left
+/// in `params` is an error): the end of [`shard`] and of the MoE's.
+pub(super) fn head_after_all_grouped<C: CommBackend + 'static>(
+    model: &mut FsdpModel<C>,
+    root: GroupId,
+    cfg: &GptConfig,
+    params: &[(String, Tensor)],
+) -> chorus_fsdp_candle::Result<StageId>
+where
+    C::B: ComputeBackend,
+{
     if let Some((name, _)) = params.first() {
         return Err(chorus_fsdp_candle::Error::InvalidArgument(format!("parameter `{name}` belongs to no group")));
     }
-    let head_stage = model.add_stage(root, move |vb, x| head(&cfg, vb, x))?;
-    ShardedDecoder::new(model, (embed_stage, blocks, head_stage), &groups, forward_prefetch)
+    let cfg = *cfg;
+    model.add_stage(root, move |vb, x| head(&cfg, vb, x))
 }
 
 /// The groups [`shard`] registers, without values (for `chorus plan`).

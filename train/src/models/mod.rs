@@ -98,8 +98,7 @@ pub trait DecoderModel: Send + Sync {
     fn shard<C>(&self, fsdp: Fsdp<C>, forward_prefetch: bool) -> Result<ShardedDecoder<C>>
     where
         C: CommBackend + 'static,
-        C::B: ComputeBackend,
-        Fsdp<C>: Send;
+        C::B: ComputeBackend;
 
     /// The initial parameters whole, in registration order (for plain
     /// candle, which holds the whole model).
@@ -129,8 +128,7 @@ pub trait DecoderConfig: Copy + Serialize + Send + Sync {
     ) -> Result<ShardedDecoder<C>>
     where
         C: CommBackend + 'static,
-        C::B: ComputeBackend,
-        Fsdp<C>: Send;
+        C::B: ComputeBackend;
 
     /// The plain candle model of these sizes whose parameters are in `vb`.
     fn plain(self, vb: VarBuilder<'static>) -> Result<Box<dyn PlainDecoder>>;
@@ -159,7 +157,6 @@ macro_rules! decoder_config {
             where
                 C: chorus_collectives::CommBackend + 'static,
                 C::B: chorus_devices::ComputeBackend,
-                chorus_fsdp::Fsdp<C>: Send,
             {
                 $shard(fsdp, self, params, forward_prefetch)
             }
@@ -201,7 +198,6 @@ impl<K: DecoderConfig> DecoderModel for Initialised<K> {
     where
         C: CommBackend + 'static,
         C::B: ComputeBackend,
-        Fsdp<C>: Send,
     {
         self.config.shard(fsdp, self.init.clone(), forward_prefetch)
     }
@@ -250,7 +246,6 @@ pub trait RoutedLayer<C: CommBackend>: Send + Sync {
 impl<C: CommBackend + 'static> ShardedDecoder<C>
 where
     C::B: ComputeBackend,
-    Fsdp<C>: Send,
 {
     /// The decoder whose stages `model` holds; `groups` (the param groups in
     /// forward order) chain each group's forward prefetch to the next one's

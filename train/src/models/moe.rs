@@ -206,7 +206,6 @@ pub struct MoeLayer {
 impl<C: CommBackend + 'static> RoutedLayer<C> for MoeLayer
 where
     C::B: ComputeBackend,
-    Fsdp<C>: Send,
 {
     /// The block on `x` (`[batch, seq, d_model]`): the front stage, each
     /// expert's stage on the tokens routed to it (an expert with none is
@@ -260,13 +259,10 @@ pub fn shard<C: CommBackend + 'static>(
 ) -> chorus_fsdp_candle::Result<ShardedDecoder<C>>
 where
     C::B: ComputeBackend,
-    Fsdp<C>: Send,
 {
     cfg.validate().map_err(Error::InvalidArgument)?;
-    let mut model = FsdpModel::new(fsdp)?;
     let base = cfg.base;
-    let root = model.add_group("root", take_params(&mut params, &["embed.", "norm.", "head."]), true)?;
-    let embed_stage = model.add_stage(root, move |vb, ids| gpt::embed(&base, vb, ids))?;
+    let (mut model, root, embed_stage) = gpt::root_with_embedding(fsdp, &base, &mut params)?;
     let (mut layers, mut groups) = (Vec::with_capacity(base.layers), vec![root.0]);
     for i in 0..base.layers {
         let p = format!("blocks.{i}");
@@ -301,9 +297,6 @@ where
         let experts = experts.into_iter().map(|(_, s)| s).collect();
         layers.push(Layer::Routed(Box::new(MoeLayer { front, experts, combine, d_model: base.d_model })));
     }
-    if let Some((name, _)) = params.first() {
-        return Err(Error::InvalidArgument(format!("parameter `{name}` belongs to no group")));
-    }
-    let head_stage = model.add_stage(root, move |vb, x| gpt::head(&base, vb, x))?;
+    let head_stage = gpt::head_after_all_grouped(&mut model, root, &base, &params)?;
     ShardedDecoder::with_layers(model, (embed_stage, layers, head_stage), &groups, forward_prefetch)
 }

@@ -7,7 +7,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Storage, Tensor};
 use chorus_collectives::CommBackend;
 use chorus_devices::ComputeBackend;
-use chorus_fsdp::Fsdp;
 
 use super::{Shared, StageFn};
 use crate::Error;
@@ -43,7 +42,6 @@ fn park<C: CommBackend>(shared: &mut Shared<C>, e: Error) -> candle_core::Error 
 impl<C: CommBackend + 'static> StageOp<C>
 where
     C::B: ComputeBackend,
-    Fsdp<C>: Send,
 {
     /// The output [`FsdpModel::run`](super::FsdpModel::run) made for this stage.
     fn output(&self) -> candle_core::Result<(Storage, Shape)> {
@@ -58,7 +56,6 @@ where
 impl<C: CommBackend + 'static> CustomOp2 for StageOp<C>
 where
     C::B: ComputeBackend,
-    Fsdp<C>: Send,
 {
     fn name(&self) -> &'static str {
         "chorus-fsdp-stage"

@@ -360,7 +360,6 @@ impl DecoderModel for LlamaModel {
     where
         C: CommBackend + 'static,
         C::B: ComputeBackend,
-        Fsdp<C>: Send,
     {
         shard(fsdp, self.config.clone(), self.init.clone(), forward_prefetch)
     }
@@ -395,7 +394,6 @@ pub fn shard<C: CommBackend + 'static>(
 ) -> chorus_fsdp_candle::Result<ShardedDecoder<C>>
 where
     C::B: ComputeBackend,
-    Fsdp<C>: Send,
 {
     let mut model = FsdpModel::new(fsdp)?;
     // As torchtitan wraps a Llama: the embedding its own group (resharded
