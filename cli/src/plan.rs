@@ -406,14 +406,7 @@ fn cost_inputs(args: &PlanArgs, model: &Model) -> anyhow::Result<Priced> {
     let micro = job.batch / job.micro_batches;
     let layer_group = if model.shape.kind == DecoderKind::Llama { "model.layers." } else { "blocks." };
     let work = stage_work(&job.recompute, layer_group, |mode| {
-        chorus_plan::decoder_cost::decoder_work_for(
-            framework,
-            &model.shape,
-            micro,
-            model.seq_len,
-            job.param_dtype.size(),
-            mode,
-        )
+        framework.decoder_work(&model.shape, micro, model.seq_len, job.param_dtype.size(), mode)
     });
     let kept: f64 = work.iter().map(|s| s.saved_bytes as f64).sum();
     if let Some(s) = work.iter().find(|s| s.transient_bytes as f64 >= MAX_STAGE_BYTES) {

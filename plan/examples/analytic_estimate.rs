@@ -11,7 +11,7 @@
 
 use chorus_collectives::OpKind;
 use chorus_plan::cost::{CollectiveShape, KernelCost, KernelKind};
-use chorus_plan::decoder_cost::{decoder_work, param_count};
+use chorus_plan::decoder_cost::{param_count, Framework};
 use chorus_plan::gpu::cost_model;
 use chorus_plan::workload::{DecoderShape, RecomputeMode};
 
@@ -68,7 +68,7 @@ fn main() -> Result<(), String> {
         let kinds: &[&str] = if row.gpu == "h100-sxm-500w" { &[row.gpu, "h100-sxm"] } else { &[row.gpu] };
         for &kind in kinds {
             let b = row.batch;
-            let stages = decoder_work(&shape, b, s, 2, RecomputeMode::Selective);
+            let stages = Framework::TorchEager.decoder_work(&shape, b, s, 2, RecomputeMode::Selective);
             let model = cost_model(kind, 8)?;
             let seconds = |k: &KernelCost| model.kernel_seconds(k);
             let by_kind = |kind: KernelKind| -> f64 {

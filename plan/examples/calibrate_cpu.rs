@@ -27,7 +27,7 @@ use chorus_fsdp::OptimizerKind;
 use chorus_plan::constant::ConstantRates;
 use chorus_plan::cost::{CollectiveShape, CostModel, HostCost, Issuer, KernelCost, KernelKind};
 use chorus_plan::cpu_model::{CpuModel, CpuRates, Rates, CORES};
-use chorus_plan::decoder_cost::{decoder_work_for, Framework};
+use chorus_plan::decoder_cost::Framework;
 use chorus_plan::run::{run, GroupSpec, ModelSpec, RunSpec};
 use chorus_plan::workload::StageWork;
 use chorus_plan::workload::{DecoderKind, DecoderShape, RecomputeMode};
@@ -290,7 +290,7 @@ impl Cal {
     }
     /// Its kernels as the planner counts them (candle's, f32, every group recomputed).
     fn work(&self) -> Vec<StageWork> {
-        decoder_work_for(Framework::Candle, &self.shape(), self.batch(), self.seq(), 4, RecomputeMode::Full)
+        Framework::Candle.decoder_work(&self.shape(), self.batch(), self.seq(), 4, RecomputeMode::Full)
     }
 }
 

@@ -56,57 +56,52 @@ pub enum Framework {
     Chorus,
 }
 
-/// The stages of `shape` for one micro-batch of `micro_batch` sequences of
-/// `seq_len` tokens, computed in `compute_dtype_bytes`-byte floats, under
-/// `recompute`, as a GPU runs them ([`Framework::TorchEager`]).
-pub fn decoder_work(
-    shape: &DecoderShape,
-    micro_batch: usize,
-    seq_len: usize,
-    compute_dtype_bytes: usize,
-    recompute: RecomputeMode,
-) -> Vec<StageWork> {
-    decoder_work_for(Framework::TorchEager, shape, micro_batch, seq_len, compute_dtype_bytes, recompute)
-}
-
-/// [`decoder_work`] with the kernels of `framework`.
-pub fn decoder_work_for(
-    framework: Framework,
-    shape: &DecoderShape,
-    micro_batch: usize,
-    seq_len: usize,
-    compute_dtype_bytes: usize,
-    recompute: RecomputeMode,
-) -> Vec<StageWork> {
-    let dims = Dims::new(shape, micro_batch, seq_len, compute_dtype_bytes);
-    let mut stages = Vec::with_capacity(shape.layers + 2);
-    stages.push(embed_stage(framework, &dims, shape.vocab as f64, recompute));
-    for i in 0..shape.layers {
-        let mut t = Trace::new(framework, dims.c);
-        layer_ops(&mut t, shape, &dims);
-        stages.push(t.finish(format!("layers.{i}"), &dims, recompute, true));
+impl Framework {
+    /// The stages of `shape` for one micro-batch of `micro_batch` sequences
+    /// of `seq_len` tokens, computed in `compute_dtype_bytes`-byte floats,
+    /// under `recompute`, with this framework's kernels.
+    pub fn decoder_work(
+        self,
+        shape: &DecoderShape,
+        micro_batch: usize,
+        seq_len: usize,
+        compute_dtype_bytes: usize,
+        recompute: RecomputeMode,
+    ) -> Vec<StageWork> {
+        let dims = Dims::new(shape, micro_batch, seq_len, compute_dtype_bytes);
+        let mut stages = Vec::with_capacity(shape.layers + 2);
+        stages.push(embed_stage(self, &dims, shape.vocab as f64, recompute));
+        for i in 0..shape.layers {
+            let mut t = Trace::new(self, dims.c);
+            layer_ops(&mut t, shape, &dims);
+            stages.push(t.finish(format!("layers.{i}"), &dims, recompute, true));
+        }
+        let mut t = Trace::new(self, dims.c);
+        rms_norm(&mut t, "norm", &dims);
+        t.gemm("lm_head", &dims, dims.d, shape.vocab as f64, false);
+        // torchtitan checkpoints the blocks only; `chorus train` recomputes
+        // every group's stages whole, the root's (norm and head) included, while
+        // the loss outside the stage keeps its graph.
+        let recompute_head = self != Framework::TorchEager && recompute != RecomputeMode::None;
+        t.outside_checkpoint();
+        loss_ops(&mut t, &dims, shape.vocab as f64);
+        let mut head = t.finish(
+            "head".into(),
+            &dims,
+            if recompute_head { RecomputeMode::Full } else { RecomputeMode::None },
+            false,
+        );
+        if self != Framework::Chorus {
+            // The loss's working set: logits and their f32 copy in forward, the
+            // log-softmax's output gradient and input gradient in backward (the
+            // fused loss holds no f32 copy: its logits' gradient is the stage's
+            // largest activation, in the transient already).
+            let tv = dims.tokens * shape.vocab as f64;
+            head.transient_bytes = head.transient_bytes.max((tv * 8.0).max(tv * (dims.c + 4.0)) as u64);
+        }
+        stages.push(head);
+        stages
     }
-    let mut t = Trace::new(framework, dims.c);
-    rms_norm(&mut t, "norm", &dims);
-    t.gemm("lm_head", &dims, dims.d, shape.vocab as f64, false);
-    // torchtitan checkpoints the blocks only; `chorus train` recomputes
-    // every group's stages whole, the root's (norm and head) included, while
-    // the loss outside the stage keeps its graph.
-    let recompute_head = framework != Framework::TorchEager && recompute != RecomputeMode::None;
-    t.outside_checkpoint();
-    loss_ops(&mut t, &dims, shape.vocab as f64);
-    let mut head =
-        t.finish("head".into(), &dims, if recompute_head { RecomputeMode::Full } else { RecomputeMode::None }, false);
-    if framework != Framework::Chorus {
-        // The loss's working set: logits and their f32 copy in forward, the
-        // log-softmax's output gradient and input gradient in backward (the
-        // fused loss holds no f32 copy: its logits' gradient is the stage's
-        // largest activation, in the transient already).
-        let tv = dims.tokens * shape.vocab as f64;
-        head.transient_bytes = head.transient_bytes.max((tv * 8.0).max(tv * (dims.c + 4.0)) as u64);
-    }
-    stages.push(head);
-    stages
 }
 
 /// Parameters of `shape` (embedding, layers, final norm, and the head unless tied).

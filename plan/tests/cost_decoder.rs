@@ -3,7 +3,7 @@
 //! recompute mode keeps, and the 8B Llama's parameter count.
 
 use chorus_plan::cost::{KernelCost, KernelKind, KernelOp};
-use chorus_plan::decoder_cost::{decoder_work, decoder_work_for, matmul_param_count, param_count, Framework};
+use chorus_plan::decoder_cost::{matmul_param_count, param_count, Framework};
 use chorus_plan::workload::{DecoderKind, DecoderShape, RecomputeMode, StageWork};
 
 fn llama_8b() -> DecoderShape {
@@ -75,7 +75,7 @@ fn forward_gemm_flops_are_twice_the_matmul_parameters_per_token() {
         let n = (shape.layers * per_layer + shape.vocab * shape.d_model) as f64;
         let (b, s) = (2, 12);
         for fw in [Framework::TorchEager, Framework::Candle, Framework::Chorus] {
-            let stages = decoder_work_for(fw, &shape, b, s, 2, RecomputeMode::None);
+            let stages = fw.decoder_work(&shape, b, s, 2, RecomputeMode::None);
             let tokens = (b * s) as f64;
             assert_eq!(flops(&stages, false, &[KernelKind::Gemm]) / tokens, 2.0 * n, "{fw:?} {:?}", shape.kind);
             // Attention: Q·Kᵀ and P·V, 2·S·Dh per head each, per token and layer.
@@ -92,24 +92,24 @@ fn training_flops_per_token_are_torchtitans_formula_and_full_recompute_adds_a_fo
     let tokens = (b * s) as f64;
     let n = matmul_param_count(&shape) as f64;
     let (l, h, dh) = (shape.layers as f64, shape.heads as f64, (shape.d_model / shape.heads) as f64);
-    let none = decoder_work(&shape, b, s, 2, RecomputeMode::None);
+    let none = Framework::TorchEager.decoder_work(&shape, b, s, 2, RecomputeMode::None);
     assert_eq!(total(&none) / tokens, 6.0 * n + 12.0 * l * h * dh * s as f64);
 
     // torchtitan recomputes the blocks only: one more forward of every layer.
     let layer_forward = l * (2.0 * (n - (shape.vocab * shape.d_model) as f64) / l + 4.0 * s as f64 * h * dh);
-    let full = decoder_work(&shape, b, s, 2, RecomputeMode::Full);
+    let full = Framework::TorchEager.decoder_work(&shape, b, s, 2, RecomputeMode::Full);
     assert_eq!(total(&full) / tokens, 6.0 * n + 12.0 * l * h * dh * s as f64 + layer_forward);
 
     // Selective recomputes the 2nd, 4th and 6th matmul of a layer: k, o, up.
     let (d, kv, f) = (64.0, 32.0, 96.0);
-    let selective = decoder_work(&shape, b, s, 2, RecomputeMode::Selective);
+    let selective = Framework::TorchEager.decoder_work(&shape, b, s, 2, RecomputeMode::Selective);
     let extra = l * 2.0 * (d * kv + d * d + d * f);
     assert_eq!(total(&selective) / tokens, 6.0 * n + 12.0 * l * h * dh * s as f64 + extra);
 }
 
 #[test]
 fn recomputation_comes_first_in_the_backward() {
-    let stages = decoder_work(&tiny_llama(), 1, 8, 2, RecomputeMode::Full);
+    let stages = Framework::TorchEager.decoder_work(&tiny_llama(), 1, 8, 2, RecomputeMode::Full);
     let layer = &stages[1];
     assert_eq!(layer.name, "layers.0");
     let n = layer.forward.len();
@@ -126,7 +126,7 @@ fn saved_bytes_per_mode_match_the_hand_count() {
     let t = (b * s) as u64;
     let (d, q, kv, f, h, c) = (64u64, 64u64, 32u64, 96u64, 4u64, c as u64);
     let input = t * d * c;
-    let layer = |mode| decoder_work(&shape, b, s, c as usize, mode)[1].saved_bytes;
+    let layer = |mode| Framework::TorchEager.decoder_work(&shape, b, s, c as usize, mode)[1].saved_bytes;
     assert_eq!(layer(RecomputeMode::Full), input);
     // Selective: the layer input, the outputs of q, v, gate and down (1st,
     // 3rd, 5th, 7th matmul), attention's output and its f32 log-sum-exp.
@@ -146,13 +146,13 @@ fn saved_bytes_per_mode_match_the_hand_count() {
     assert_eq!(layer(RecomputeMode::None), 2 * norm + attention + 4 * t * f * c);
     // In f32 the norm reads its input itself, so the input is kept.
     let f32_norm = t * 4 + t * d * 4 + t * d * 4;
-    let none_f32 = decoder_work(&shape, b, s, 4, RecomputeMode::None)[1].saved_bytes;
+    let none_f32 = Framework::TorchEager.decoder_work(&shape, b, s, 4, RecomputeMode::None)[1].saved_bytes;
     let f32_attention = 4 * t * q * 4 + lse;
     assert_eq!(none_f32, t * d * 4 + 2 * f32_norm + t * d * 4 + f32_attention + 4 * t * f * 4);
     // The embedding keeps its ids; the head its loss's log-softmax (f32)
     // and the final norm's, whatever the mode (torchtitan checkpoints blocks only).
     for mode in [RecomputeMode::None, RecomputeMode::Full, RecomputeMode::Selective] {
-        let stages = decoder_work(&shape, b, s, c as usize, mode);
+        let stages = Framework::TorchEager.decoder_work(&shape, b, s, c as usize, mode);
         assert_eq!(stages[0].saved_bytes, t * 8);
         assert_eq!(stages[4].saved_bytes, norm + t * 50 * 4);
     }
@@ -162,8 +162,8 @@ fn saved_bytes_per_mode_match_the_hand_count() {
 fn candle_keeps_every_intermediate_and_its_attention_scores() {
     let shape = tiny_gpt();
     let (b, s) = (2usize, 8usize);
-    let none = decoder_work_for(Framework::Candle, &shape, b, s, 4, RecomputeMode::None);
-    let full = decoder_work_for(Framework::Candle, &shape, b, s, 4, RecomputeMode::Full);
+    let none = Framework::Candle.decoder_work(&shape, b, s, 4, RecomputeMode::None);
+    let full = Framework::Candle.decoder_work(&shape, b, s, 4, RecomputeMode::Full);
     let probs = (b * shape.heads * s * s * 4) as u64;
     let layer_none = &none[1];
     // Scores, scaled, masked, softmax's difference, exponent and result: six
@@ -173,14 +173,14 @@ fn candle_keeps_every_intermediate_and_its_attention_scores() {
     assert_eq!(full[1].saved_bytes, (b * s * shape.d_model * 4) as u64);
     assert!(full[1].transient_bytes >= layer_none.saved_bytes - full[1].saved_bytes);
     // torch's flash attention has no score matrix at all.
-    let torch = decoder_work_for(Framework::TorchEager, &shape, b, s, 4, RecomputeMode::None);
+    let torch = Framework::TorchEager.decoder_work(&shape, b, s, 4, RecomputeMode::None);
     assert!(torch[1].saved_bytes < layer_none.saved_bytes);
 }
 
 #[test]
 fn the_head_holds_the_logits_working_set() {
     let shape = llama_8b();
-    let stages = decoder_work(&shape, 2, 8192, 2, RecomputeMode::Selective);
+    let stages = Framework::TorchEager.decoder_work(&shape, 2, 8192, 2, RecomputeMode::Selective);
     let tv = 2 * 8192 * 128256u64;
     let head = stages.last().map(|s| (s.saved_bytes, s.transient_bytes));
     let (saved, transient) = head.unwrap_or_default();
@@ -193,7 +193,7 @@ fn zero_sizes_give_no_work_and_no_panic() {
     let mut shape = tiny_llama();
     shape.heads = 0;
     shape.kv_heads = 0;
-    let stages = decoder_work(&shape, 0, 0, 2, RecomputeMode::Selective);
+    let stages = Framework::TorchEager.decoder_work(&shape, 0, 0, 2, RecomputeMode::Selective);
     assert_eq!(stages.len(), shape.layers + 2);
     assert_eq!(total(&stages), 0.0);
 }
@@ -211,7 +211,7 @@ fn chorus_kernels_one_fused_kernel_per_op() {
     let (b, s, c) = (2.0, 12.0, 2.0);
     let (t, d, f, v) = (b * s, 64.0, 96.0, 50.0);
     let (dq, dkv, h) = (64.0, 32.0, 4.0);
-    let stages = decoder_work_for(Framework::Chorus, &shape, 2, 12, 2, RecomputeMode::None);
+    let stages = Framework::Chorus.decoder_work(&shape, 2, 12, 2, RecomputeMode::None);
     let layer = &stages[1];
     let ops = |ks: &[KernelCost], op| ks.iter().filter(|k| k.op == op).count();
     for (op, back, n) in [
@@ -268,7 +268,7 @@ fn chorus_kernels_keep_no_score_matrix() {
     // Materialised scores grow with the sequence; chorus's attention keeps
     // a log-sum-exp per query, the same.
     let shape = tiny_llama();
-    let saved = |fw, b, s| decoder_work_for(fw, &shape, b, s, 2, RecomputeMode::None)[1].saved_bytes;
+    let saved = |fw: Framework, b, s| fw.decoder_work(&shape, b, s, 2, RecomputeMode::None)[1].saved_bytes;
     assert_eq!(saved(Framework::Chorus, 8, 16), saved(Framework::Chorus, 2, 64));
     assert!(saved(Framework::Candle, 2, 64) > saved(Framework::Candle, 8, 16));
 }
@@ -277,7 +277,7 @@ fn chorus_kernels_keep_no_score_matrix() {
 /// it with its gradient store's two ops per differentiable input.
 #[test]
 fn candles_backward_is_issued_with_its_gradient_store() {
-    let stages = decoder_work_for(Framework::Candle, &tiny_llama(), 2, 12, 4, RecomputeMode::None);
+    let stages = Framework::Candle.decoder_work(&tiny_llama(), 2, 12, 4, RecomputeMode::None);
     let layer = &stages[1];
     assert!(layer.forward.iter().all(|k| k.issues == 1));
     let issues = |name: &str| layer.backward.iter().find(|k| k.name == name).unwrap().issues;
@@ -286,6 +286,6 @@ fn candles_backward_is_issued_with_its_gradient_store() {
     // One input (an exp), two (a product).
     assert_eq!((issues("attn.softmax.exp.backward"), issues("mlp.mul.backward")), (3, 5));
     // PyTorch's autograd has no such store.
-    let torch = decoder_work_for(Framework::TorchEager, &tiny_llama(), 2, 12, 4, RecomputeMode::None);
+    let torch = Framework::TorchEager.decoder_work(&tiny_llama(), 2, 12, 4, RecomputeMode::None);
     assert!(torch.iter().flat_map(|s| s.forward.iter().chain(&s.backward)).all(|k| k.issues == 1));
 }

@@ -1,5 +1,5 @@
 //! The activations the planner says PyTorch keeps for a Llama layer's
-//! backward without recomputation (`decoder_work_for(TorchEager, …,
+//! backward without recomputation (`Framework::TorchEager.decoder_work(…,
 //! RecomputeMode::None)`) against what PyTorch's autograd keeps for a
 //! transformers `LlamaDecoderLayer` in bf16 and f32 with SDPA attention
 //! (`torch/saved_activations.py`: every saved tensor seen by a
@@ -15,7 +15,7 @@ mod torch_python;
 
 use std::process::Command;
 
-use chorus_plan::decoder_cost::{decoder_work_for, Framework};
+use chorus_plan::decoder_cost::Framework;
 use chorus_plan::workload::{DecoderKind, DecoderShape, RecomputeMode};
 
 fn pytorch_saved_bytes(python: &str, args: [usize; 6], dtype: &str) -> u64 {
@@ -50,7 +50,7 @@ fn a_layers_saved_activations_equal_pytorchs() {
             vocab: 128,
             tied_embeddings: false,
         };
-        let layer = &decoder_work_for(Framework::TorchEager, &shape, b, s, bytes, RecomputeMode::None)[1];
+        let layer = &Framework::TorchEager.decoder_work(&shape, b, s, bytes, RecomputeMode::None)[1];
         let torch = pytorch_saved_bytes(&python, [d, heads, heads, f, s, b], dtype);
         let case = format!("d {d} heads {heads} ffn {f} seq {s} batch {b} {dtype}");
         println!("{case}: planner {} B, PyTorch {torch} B", layer.saved_bytes);

@@ -190,7 +190,6 @@ fn a_plan_reports_throughput_and_mfu_from_its_step_and_writes_its_outputs() {
 
 #[test]
 fn kernels_picks_whose_workload_is_priced() {
-    use chorus_plan::decoder_cost::decoder_work_for;
     use chorus_plan::workload::RecomputeMode;
     for (line, framework) in [
         ("--gpus 1 --gpu h100-sxm", Framework::TorchEager),
@@ -201,12 +200,12 @@ fn kernels_picks_whose_workload_is_priced() {
         let a = args(&format!("{line} --model llama --seq-len 64"));
         let m = model(&a).unwrap();
         let work = cost_inputs(&a, &m).unwrap().work;
-        assert_eq!(work, decoder_work_for(framework, &m.shape, 8, 64, 4, RecomputeMode::Full), "{line}");
+        assert_eq!(work, framework.decoder_work(&m.shape, 8, 64, 4, RecomputeMode::Full), "{line}");
     }
     // The two workloads differ where they should: candle keeps the attention scores.
     let a = args("--gpus 1 --model llama --seq-len 64 --recompute none");
     let m = model(&a).unwrap();
-    let saved = |f| decoder_work_for(f, &m.shape, 8, 64, 4, RecomputeMode::None)[1].saved_bytes;
+    let saved = |f: Framework| f.decoder_work(&m.shape, 8, 64, 4, RecomputeMode::None)[1].saved_bytes;
     assert!(saved(Framework::Candle) > saved(Framework::TorchEager));
 }
 
@@ -214,13 +213,12 @@ fn kernels_picks_whose_workload_is_priced() {
 /// the embedding and head are the root group's, stage `i + 1` layer `i`'s.
 #[test]
 fn recompute_by_group_prices_each_stage_as_its_group_runs() {
-    use chorus_plan::decoder_cost::decoder_work_for;
     use chorus_plan::workload::RecomputeMode;
     let line = "--gpus 1 --gpu cpu --model llama --layers 3 --seq-len 16";
     let a = args(&format!("{line} --recompute root,model.layers.1"));
     let m = model(&a).unwrap();
     let work = cost_inputs(&a, &m).unwrap().work;
-    let whole = |mode| decoder_work_for(Framework::Candle, &m.shape, 8, 16, 4, mode);
+    let whole = |mode| Framework::Candle.decoder_work(&m.shape, 8, 16, 4, mode);
     let (full, none) = (whole(RecomputeMode::Full), whole(RecomputeMode::None));
     assert_ne!(full[1], none[1], "the modes differ per layer");
     assert_eq!(work, [full[0].clone(), none[1].clone(), full[2].clone(), none[3].clone(), full[4].clone()]);
