@@ -285,21 +285,26 @@ const V4: &str = r#"{
   "use_cache": true, "vocab_size": 96
 }"#;
 
-const V5: &str = r#"{
-  "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": false,
-  "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
-  "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 64,
-  "max_position_embeddings": 64, "mlp_bias": false, "num_attention_heads": 4,
-  "num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 8, "pretraining_tp": 1,
-  "rms_norm_eps": 1e-05, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
-  "tie_word_embeddings": false, "dtype": "bfloat16", "transformers_version": "5.0.0",
-  "use_cache": true, "vocab_size": 96
-}"#;
+/// [`V4`] as transformers 5 writes it: the rope settings nested, `dtype`
+/// for `torch_dtype`.
+fn v5() -> String {
+    let v5 = V4
+        .replace(
+            r#""rope_scaling": null, "rope_theta": 500000.0"#,
+            r#""rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}"#,
+        )
+        .replace(
+            r#""torch_dtype": "bfloat16", "transformers_version": "4.46.0""#,
+            r#""dtype": "bfloat16", "transformers_version": "5.0.0""#,
+        );
+    assert!(v5.contains("rope_parameters") && v5.contains(r#""dtype""#), "{v5}");
+    v5
+}
 
 #[test]
 fn config_json_in_both_spellings() {
     let a = LlamaConfig::from_json(V4).unwrap();
-    let b = LlamaConfig::from_json(V5).unwrap();
+    let b = LlamaConfig::from_json(&v5()).unwrap();
     assert_eq!(a, b);
     assert_eq!((a.rope_theta, a.num_key_value_heads, a.head_dim, a.vocab_size), (500000.0, 2, 8, 96));
     assert_eq!((a.rms_norm_eps, a.tie_word_embeddings, a.bos_token_id), (1e-5, false, Some(1)));
@@ -333,7 +338,7 @@ fn unsupported_config_fields_are_errors_naming_them() {
             other => panic!("{key} = {value}: {other:?}"),
         }
     }
-    let mut v: serde_json::Value = serde_json::from_str(V5).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&v5()).unwrap();
     v["rope_parameters"]["rope_type"] = "yarn".into();
     match LlamaConfig::from_json(&v.to_string()) {
         Err(ConfigError::Unsupported { field, .. }) => assert_eq!(field, "rope_parameters.rope_type"),
@@ -346,7 +351,7 @@ fn unsupported_config_fields_are_errors_naming_them() {
     let mut v: serde_json::Value = serde_json::from_str(V4).unwrap();
     v.as_object_mut().unwrap().remove("vocab_size");
     assert_eq!(LlamaConfig::from_json(&v.to_string()), Err(ConfigError::Missing("vocab_size")));
-    let mut v: serde_json::Value = serde_json::from_str(V5).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&v5()).unwrap();
     v["rope_theta"] = 10.0.into();
     assert!(matches!(LlamaConfig::from_json(&v.to_string()), Err(ConfigError::Invalid { field: "rope_theta", .. })));
 }
