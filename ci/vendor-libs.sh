@@ -31,30 +31,29 @@ PY
     printf '%s' "$found"
 }
 
+chorus_vendor_export() {
+    # $1: variable to export, $2: what it is, then chorus_vendor_lib's
+    # arguments; $6: the tests that cannot run without it
+    local found
+    found="$(chorus_vendor_lib "$3" "$4" "$5")"
+    if [ -n "$found" ]; then
+        export "$1=$found"
+        echo "vendor-libs: $1=$found" >&2
+    else
+        echo "vendor-libs: $2 ($5) could not be provided; $6 cannot run" >&2
+        _chorus_vendor_ok=0
+    fi
+}
+
 _chorus_vendor_ok=1
 if command -v python3 >/dev/null 2>&1; then
-    _chorus_nccl="$(chorus_vendor_lib nccl libnccl.so.2 nvidia-nccl-cu12)"
-    if [ -n "$_chorus_nccl" ]; then
-        export CHORUS_NCCL_LIB="$_chorus_nccl"
-        echo "vendor-libs: CHORUS_NCCL_LIB=$CHORUS_NCCL_LIB" >&2
-    else
-        echo "vendor-libs: NCCL (nvidia-nccl-cu12) could not be provided; the NCCL loading tests cannot run" >&2
-        _chorus_vendor_ok=0
-    fi
-    _chorus_nvrtc="$(chorus_vendor_lib cuda_nvrtc libnvrtc.so.12 nvidia-cuda-nvrtc-cu12)"
-    if [ -n "$_chorus_nvrtc" ]; then
-        export CHORUS_NVRTC_LIB="$_chorus_nvrtc"
-        echo "vendor-libs: CHORUS_NVRTC_LIB=$CHORUS_NVRTC_LIB" >&2
-    else
-        echo "vendor-libs: NVRTC (nvidia-cuda-nvrtc-cu12) could not be provided; the NVRTC tests cannot run" >&2
-        _chorus_vendor_ok=0
-    fi
-    unset _chorus_nccl _chorus_nvrtc
+    chorus_vendor_export CHORUS_NCCL_LIB NCCL nccl libnccl.so.2 nvidia-nccl-cu12 "the NCCL loading tests"
+    chorus_vendor_export CHORUS_NVRTC_LIB NVRTC cuda_nvrtc libnvrtc.so.12 nvidia-cuda-nvrtc-cu12 "the NVRTC tests"
 else
     echo "vendor-libs: no python3: NCCL and NVRTC cannot be installed, and their loading tests cannot run" >&2
     _chorus_vendor_ok=0
 fi
-unset -f chorus_vendor_lib
+unset -f chorus_vendor_lib chorus_vendor_export
 if [ "$_chorus_vendor_ok" = 0 ]; then
     unset _chorus_vendor_ok
     return 1 2>/dev/null || exit 1
