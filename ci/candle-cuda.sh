@@ -140,10 +140,5 @@ EOF
     printf '%s\n' "$dir/config.toml"
 )
 
-chorus_venv_export candle-cuda CHORUS_CANDLE_CUDA_CONFIG "the candle-CUDA build's toolchain and crates" chorus_candle_cuda
-_chorus_status=$?
-unset -f chorus_candle_cuda chorus_venv_lock chorus_venv_make chorus_venv_export
-# Sourced: fail the caller's step; run alone: exit.
-if [ "$_chorus_status" != 0 ]; then unset _chorus_status; return 1 2>/dev/null || exit 1; fi
-unset _chorus_status
-if [ "${BASH_SOURCE[0]}" = "$0" ]; then printf '%s\n' "$CHORUS_CANDLE_CUDA_CONFIG"; fi
+# Sourced: fail the caller's step; run alone: print the value, or exit 1.
+chorus_venv_export candle-cuda CHORUS_CANDLE_CUDA_CONFIG "the candle-CUDA build's toolchain and crates" chorus_candle_cuda || return 1 2>/dev/null || exit 1

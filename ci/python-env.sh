@@ -74,10 +74,5 @@ PY
     printf '%s\n' "$venv/bin/python"
 )
 
-chorus_venv_export python-env CHORUS_PYTHON "the Python environment" chorus_python_env
-_chorus_status=$?
-unset -f chorus_python_env chorus_venv_lock chorus_venv_make chorus_venv_export
-# Sourced: fail the caller's step; run alone: exit.
-if [ "$_chorus_status" != 0 ]; then unset _chorus_status; return 1 2>/dev/null || exit 1; fi
-unset _chorus_status
-if [ "${BASH_SOURCE[0]}" = "$0" ]; then printf '%s\n' "$CHORUS_PYTHON"; fi
+# Sourced: fail the caller's step; run alone: print the value, or exit 1.
+chorus_venv_export python-env CHORUS_PYTHON "the Python environment" chorus_python_env || return 1 2>/dev/null || exit 1

@@ -38,15 +38,20 @@ chorus_venv_make() {
 }
 
 # chorus_venv_export TAG VAR WHAT FUNCTION: exports VAR as what FUNCTION
-# prints; or says that WHAT could not be made and returns 1 (the sourced
-# script then fails its caller).
+# prints (and prints it too when the script was run, not sourced); or says
+# that WHAT could not be made and returns 1 (the sourced script then fails
+# its caller). Either way it unsets FUNCTION and these helpers: the last
+# call of the sourced script.
 chorus_venv_export() {
-    local tag=$1 var=$2 what=$3 fn=$4 value
+    local tag=$1 var=$2 what=$3 fn=$4 value status=0
     if value="$("$fn")"; then
         export "$var=$value"
         echo "$tag: $var=$value" >&2
-        return 0
+        if [ "${BASH_SOURCE[1]}" = "$0" ]; then printf '%s\n' "$value"; fi
+    else
+        echo "$tag: could not make $what" >&2
+        status=1
     fi
-    echo "$tag: could not make $what" >&2
-    return 1
+    unset -f "$fn" chorus_venv_lock chorus_venv_make chorus_venv_export
+    return $status
 }
