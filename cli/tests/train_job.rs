@@ -218,30 +218,11 @@ fn the_transformers_throughput_and_mfu_are_the_formulas() {
 fn the_llamas_throughput_is_the_formula_and_the_cpu_has_no_mfu() {
     let dir = scratch("job-llama-mfu");
     let out = dir.join("out");
-    ok(&[
-        "--model",
-        "llama",
-        "--world-size",
-        "2",
-        "--batch",
-        "2",
-        "--hidden",
-        "16",
-        "--layers",
-        "1",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--intermediate",
-        "24",
-        "--seq-len",
-        "8",
-        "--steps",
-        "3",
-        "--out-dir",
-        out.to_str().unwrap(),
-    ]);
+    let flags = "--model llama --world-size 2 --batch 2 --hidden 16 --layers 1 --heads 4 --kv-heads 2 \
+                 --intermediate 24 --seq-len 8 --steps 3";
+    let mut args: Vec<&str> = flags.split_whitespace().collect();
+    args.extend(["--out-dir", out.to_str().unwrap()]);
+    ok(&args);
     let s = summary(&out);
     check_tokens_per_s(&s, 16.0, 2.0);
     // Without embed_tokens (29 × 16): q and o (16·16 each), k and v (16 × 2 heads of 4: 16·8 each), gate up down
