@@ -1,10 +1,11 @@
 //! The shared kernel source compiled by the host's C++ compiler into a
-//! shared library: a prelude defines the CUDA keywords away, an epilogue
-//! exports the conversion helpers.
+//! shared library (`chorus-host-cxx`): a prelude defines the CUDA keywords
+//! away, an epilogue exports the conversion helpers.
 
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::{Mutex, OnceLock};
+
+use chorus_host_cxx::HostLibrary;
 
 use chorus_devices::gpu_kernels::SOURCE;
 
@@ -69,40 +70,17 @@ extern "C" unsigned short chorus_host_f2b(unsigned f) { return f2b(bits_f32(f));
 
 /// The kernel source built as a shared library, and a lock so one launch at a time owns its block state.
 pub struct HostKernels {
-    lib: libloading::Library,
+    lib: HostLibrary,
     pub(crate) launch_lock: Mutex<()>,
 }
 
-fn compiler() -> Option<String> {
-    let candidates = std::env::var("CXX").into_iter().chain(["c++", "g++", "clang++"].map(String::from));
-    candidates.into_iter().find(|c| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()))
-}
-
 fn build() -> Result<HostKernels, String> {
-    let cxx = compiler().ok_or("no C++ compiler (CXX, c++, g++, clang++)")?;
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("gpu_kernels_host-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let (src, lib) = (dir.join("kernels.cpp"), dir.join("libchorus_kernels_host.so"));
-    std::fs::write(&src, format!("{PRELUDE}\n#line 1 \"gpu_kernels.rs SOURCE\"\n{SOURCE}\n{EPILOGUE}"))
-        .map_err(|e| format!("{}: {e}", src.display()))?;
+    let source = format!("{PRELUDE}\n#line 1 \"gpu_kernels.rs SOURCE\"\n{SOURCE}\n{EPILOGUE}");
+    let scratch = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
     // As the GPU compilers are told: no contraction into multiply-adds.
-    let out = Command::new(&cxx)
-        .args(["-std=c++17", "-O2", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-Wall", "-o"])
-        .arg(&lib)
-        .arg(&src)
-        .output()
-        .map_err(|e| format!("{cxx}: {e}"))?;
-    let log = String::from_utf8_lossy(&out.stderr);
-    if !out.status.success() {
-        panic!("{cxx} rejected the kernel source:\n{log}");
-    }
-    if !log.trim().is_empty() {
-        println!("{cxx} warned about the kernel source:\n{log}");
-    }
-    // SAFETY: our own library; its initializers only set the statics above.
-    let loaded = unsafe { libloading::Library::new(&lib) }.map_err(|e| format!("loading {}: {e}", lib.display()));
-    let _ = std::fs::remove_dir_all(&dir);
-    Ok(HostKernels { lib: loaded?, launch_lock: Mutex::new(()) })
+    let flags = ["-ffp-contract=off", "-Wall"];
+    let lib = chorus_host_cxx::build(&scratch, "gpu_kernels_host", &[("kernels.cpp", &source)], "kernels.cpp", &flags)?;
+    Ok(HostKernels { lib, launch_lock: Mutex::new(()) })
 }
 
 /// The host build of the kernels. A C++ compiler is these tests'
@@ -120,6 +98,6 @@ impl HostKernels {
     /// The kernel `name` as a function of type `F`.
     pub fn get<F: Copy>(&self, name: &str) -> F {
         // SAFETY: `F` is the kernel's signature in SOURCE (each caller names it).
-        unsafe { *self.lib.get::<F>(name.as_bytes()).unwrap_or_else(|e| panic!("{name}: {e}")) }
+        unsafe { self.lib.get::<F>(name) }
     }
 }

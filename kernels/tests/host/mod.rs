@@ -8,44 +8,23 @@
 //! without one the tests fail, saying so, rather than pass without running.
 
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::{Mutex, OnceLock};
 
+use chorus_host_cxx::HostLibrary;
+
 pub struct HostKernels {
-    lib: libloading::Library,
+    lib: HostLibrary,
     launch_lock: Mutex<()>,
 }
 
-fn compiler() -> Option<String> {
-    let candidates = std::env::var("CXX").into_iter().chain(["c++", "g++", "clang++"].map(String::from));
-    candidates.into_iter().find(|c| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()))
-}
-
 fn build() -> Result<HostKernels, String> {
-    let cxx = compiler().ok_or("no C++ compiler (CXX, c++, g++, clang++)")?;
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("chorus_kernels_host-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let write = |name: &str, text: &str| std::fs::write(dir.join(name), text).map_err(|e| format!("{name}: {e}"));
-    for (name, text) in chorus_kernels::CUDA_SOURCES {
-        write(name, text)?;
-    }
-    write("prelude.h", include_str!("prelude.h"))?;
-    write("epilogue.h", include_str!("epilogue.h"))?;
-    write("host.cpp", "#include \"prelude.h\"\n#include \"chorus_kernels.cu\"\n#include \"epilogue.h\"\n")?;
-    let lib = dir.join("libchorus_kernels_host.so");
-    let out = Command::new(&cxx)
-        .args(["-std=c++17", "-O2", "-fPIC", "-shared", "-pthread", "-o"])
-        .arg(&lib)
-        .arg(dir.join("host.cpp"))
-        .output()
-        .map_err(|e| format!("{cxx}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!("{cxx} rejected the kernel source:\n{}", String::from_utf8_lossy(&out.stderr)));
-    }
-    // SAFETY: our own library; its initializers only set the prelude's statics.
-    let loaded = unsafe { libloading::Library::new(&lib) }.map_err(|e| format!("loading {}: {e}", lib.display()));
-    let _ = std::fs::remove_dir_all(&dir);
-    Ok(HostKernels { lib: loaded?, launch_lock: Mutex::new(()) })
+    let mut files: Vec<(&str, &str)> = chorus_kernels::CUDA_SOURCES.to_vec();
+    files.push(("prelude.h", include_str!("prelude.h")));
+    files.push(("epilogue.h", include_str!("epilogue.h")));
+    files.push(("host.cpp", "#include \"prelude.h\"\n#include \"chorus_kernels.cu\"\n#include \"epilogue.h\"\n"));
+    let scratch = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let lib = chorus_host_cxx::build(&scratch, "chorus_kernels_host", &files, "host.cpp", &[])?;
+    Ok(HostKernels { lib, launch_lock: Mutex::new(()) })
 }
 
 /// The host build of the kernels (built once per test process).
@@ -63,7 +42,7 @@ impl HostKernels {
     /// The symbol `name` as a function of type `F`.
     pub fn get<F: Copy>(&self, name: &str) -> F {
         // SAFETY: the callers name each kernel with its C signature (cuda/*.cuh).
-        unsafe { *self.lib.get::<F>(name.as_bytes()).unwrap_or_else(|e| panic!("{name}: {e}")) }
+        unsafe { self.lib.get::<F>(name) }
     }
 
     /// Runs `body` (one kernel call) as every thread of every block of a
