@@ -148,32 +148,12 @@ pub fn model(args: &PlanArgs) -> anyhow::Result<Model> {
         ModelArg::Gpt => {
             let cfg = job.gpt_config();
             check_runs(&job, cfg.layers)?;
-            let shape = DecoderShape {
-                kind: DecoderKind::Gpt,
-                layers: cfg.layers,
-                d_model: cfg.d_model,
-                heads: cfg.heads,
-                kv_heads: cfg.heads,
-                ffn_hidden: cfg.d_ff,
-                vocab: cfg.vocab,
-                tied_embeddings: false,
-            };
-            (gpt::groups(&cfg)?, shape)
+            (gpt::groups(&cfg)?, DecoderShape::from(&cfg))
         }
         ModelArg::Llama => {
             let cfg = llama_config(&job)?;
             check_runs(&job, cfg.num_hidden_layers)?;
-            let shape = DecoderShape {
-                kind: DecoderKind::Llama,
-                layers: cfg.num_hidden_layers,
-                d_model: cfg.hidden_size,
-                heads: cfg.num_attention_heads,
-                kv_heads: cfg.num_key_value_heads,
-                ffn_hidden: cfg.intermediate_size,
-                vocab: cfg.vocab_size,
-                tied_embeddings: cfg.tie_word_embeddings,
-            };
-            (llama::groups(&cfg)?, shape)
+            (llama::groups(&cfg)?, DecoderShape::from(&cfg))
         }
         ModelArg::Mlp | ModelArg::Moe => {
             return Err(usage(format!(

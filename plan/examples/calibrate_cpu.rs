@@ -30,7 +30,7 @@ use chorus_plan::cpu_model::{CpuModel, CpuRates, Rates, CORES};
 use chorus_plan::decoder_cost::Framework;
 use chorus_plan::run::{run, GroupSpec, ModelSpec, RunSpec};
 use chorus_plan::workload::StageWork;
-use chorus_plan::workload::{DecoderKind, DecoderShape, RecomputeMode};
+use chorus_plan::workload::{DecoderShape, RecomputeMode};
 use chorus_train::decoder::{train_sharded, Data, TokenRows, TrainReport, TrainSpec};
 use chorus_train::models::llama::config::LlamaConfig;
 use chorus_train::models::llama::{self, LlamaModel};
@@ -260,26 +260,8 @@ impl Cal {
     }
     fn shape(&self) -> DecoderShape {
         match self {
-            Cal::Gpt(c, _) => DecoderShape {
-                kind: DecoderKind::Gpt,
-                layers: c.layers,
-                d_model: c.d_model,
-                heads: c.heads,
-                kv_heads: c.heads,
-                ffn_hidden: c.d_ff,
-                vocab: c.vocab,
-                tied_embeddings: false,
-            },
-            Cal::Llama(c, ..) => DecoderShape {
-                kind: DecoderKind::Llama,
-                layers: c.num_hidden_layers,
-                d_model: c.hidden_size,
-                heads: c.num_attention_heads,
-                kv_heads: c.num_key_value_heads,
-                ffn_hidden: c.intermediate_size,
-                vocab: c.vocab_size,
-                tied_embeddings: c.tie_word_embeddings,
-            },
+            Cal::Gpt(c, _) => DecoderShape::from(c),
+            Cal::Llama(c, ..) => DecoderShape::from(&**c),
         }
     }
     fn groups(&self) -> Res<DecoderGroups> {

@@ -5,6 +5,9 @@
 //! embedding, one per decoder layer, and the head (final norm, output
 //! projection and the loss), in forward order.
 
+use chorus_train::models::gpt::GptConfig;
+use chorus_train::models::llama::config::LlamaConfig;
+
 use crate::cost::KernelCost;
 
 /// Which decoder.
@@ -50,6 +53,39 @@ impl DecoderShape {
             ffn_hidden: 14336,
             vocab: 128256,
             tied_embeddings: false,
+        }
+    }
+}
+
+/// The shape of `chorus train`'s transformer.
+impl From<&GptConfig> for DecoderShape {
+    fn from(c: &GptConfig) -> DecoderShape {
+        DecoderShape {
+            kind: DecoderKind::Gpt,
+            layers: c.layers,
+            d_model: c.d_model,
+            heads: c.heads,
+            kv_heads: c.heads,
+            ffn_hidden: c.d_ff,
+            vocab: c.vocab,
+            tied_embeddings: false,
+        }
+    }
+}
+
+/// The shape of a Llama configuration (`chorus train --model llama`, or a
+/// Hugging Face `config.json`).
+impl From<&LlamaConfig> for DecoderShape {
+    fn from(c: &LlamaConfig) -> DecoderShape {
+        DecoderShape {
+            kind: DecoderKind::Llama,
+            layers: c.num_hidden_layers,
+            d_model: c.hidden_size,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            ffn_hidden: c.intermediate_size,
+            vocab: c.vocab_size,
+            tied_embeddings: c.tie_word_embeddings,
         }
     }
 }
