@@ -335,6 +335,30 @@ pub struct SgdParams {
     pub first_step: bool,
 }
 
+/// The f32 views one SGD step works on, named so that two of one type
+/// cannot be swapped unnoticed.
+pub struct SgdOperands<'a, B: Backend> {
+    /// The parameter, updated in place.
+    pub param: View<'a, B>,
+    /// Its gradient, read.
+    pub grad: View<'a, B>,
+    /// The momentum buffer, updated in place; needed when momentum ≠ 0.
+    pub momentum_buf: Option<View<'a, B>>,
+}
+
+/// The f32 views one AdamW step works on, named so that two of one type
+/// cannot be swapped unnoticed.
+pub struct AdamWOperands<'a, B: Backend> {
+    /// The parameter, updated in place.
+    pub param: View<'a, B>,
+    /// Its gradient, read.
+    pub grad: View<'a, B>,
+    /// The first moment, updated in place.
+    pub exp_avg: View<'a, B>,
+    /// The second moment, updated in place.
+    pub exp_avg_sq: View<'a, B>,
+}
+
 /// AdamW hyper-parameters with PyTorch's semantics (`torch.optim.AdamW`):
 /// decoupled weight decay, bias correction, eps added outside the square root.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -521,23 +545,10 @@ pub trait ComputeStream: Stream {
     fn column_sums(&self, x: View<'_, Self::B>, out: View<'_, Self::B>, accumulate: bool) -> Result<()>;
     /// `out[0] (+)= Σ x²`, summed in f64; `out` is one f32 or f64 element.
     fn sum_squares(&self, x: View<'_, Self::B>, out: View<'_, Self::B>, accumulate: bool) -> Result<()>;
-    /// One SGD step on f32 `param` with f32 `grad`; `momentum_buf` is needed when momentum ≠ 0.
-    fn sgd_step(
-        &self,
-        params: SgdParams,
-        param: View<'_, Self::B>,
-        grad: View<'_, Self::B>,
-        momentum_buf: Option<View<'_, Self::B>>,
-    ) -> Result<()>;
-    /// One AdamW step on f32 `param`, `grad`, `exp_avg`, `exp_avg_sq`.
-    fn adamw_step(
-        &self,
-        params: AdamWParams,
-        param: View<'_, Self::B>,
-        grad: View<'_, Self::B>,
-        exp_avg: View<'_, Self::B>,
-        exp_avg_sq: View<'_, Self::B>,
-    ) -> Result<()>;
+    /// One SGD step on the parameter of `operands`.
+    fn sgd_step(&self, params: SgdParams, operands: SgdOperands<'_, Self::B>) -> Result<()>;
+    /// One AdamW step on the parameter of `operands`.
+    fn adamw_step(&self, params: AdamWParams, operands: AdamWOperands<'_, Self::B>) -> Result<()>;
 }
 
 /// A backend whose streams have the compute kernels: how generic code (FSDP,

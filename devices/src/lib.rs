@@ -42,8 +42,9 @@ mod view;
 pub mod wait;
 
 pub use api::{
-    AdamWParams, Backend, Buffer, BufferMeta, ComputeBackend, ComputeStream, Copy2d, Copy2dPiece, Device, Event,
-    HostUpdate, MatmulSpec, MemorySpace, MemoryStats, Priority, Result, SgdParams, Stream, StreamExt,
+    AdamWOperands, AdamWParams, Backend, Buffer, BufferMeta, ComputeBackend, ComputeStream, Copy2d, Copy2dPiece,
+    Device, Event, HostUpdate, MatmulSpec, MemorySpace, MemoryStats, Priority, Result, SgdOperands, SgdParams, Stream,
+    StreamExt,
 };
 pub use dtype::{DType, Element, Float8E4M3, Scalar};
 pub use error::{AccessKind, DeviceError, RaceAccess, RaceReport};

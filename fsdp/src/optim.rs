@@ -3,8 +3,8 @@
 
 use chorus_collectives::{CommBackend, ReduceOp};
 use chorus_devices::{
-    host_step, AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, DType, DeviceError, Scalar, SgdParams,
-    Stream, StreamExt,
+    host_step, AdamWOperands, AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, DType, DeviceError, Scalar,
+    SgdOperands, SgdParams, Stream, StreamExt,
 };
 
 use crate::storage::{kernels_reach, zeroed_like, GroupStorage};
@@ -232,12 +232,18 @@ where
             }
             let moment = |k: usize| state.moments[k].as_ref().map(|b| b.view());
             match step {
-                Step::Sgd(params) => stream.sgd_step(params, storage.master.view(), grad.view(), moment(0))?,
+                Step::Sgd(params) => {
+                    let operands =
+                        SgdOperands { param: storage.master.view(), grad: grad.view(), momentum_buf: moment(0) };
+                    stream.sgd_step(params, operands)?
+                }
                 Step::AdamW(params) => {
                     let (Some(m), Some(v)) = (moment(0), moment(1)) else {
                         return Err(FsdpError::InvalidArgument("AdamW state missing".into()));
                     };
-                    stream.adamw_step(params, storage.master.view(), grad.view(), m, v)?
+                    let operands =
+                        AdamWOperands { param: storage.master.view(), grad: grad.view(), exp_avg: m, exp_avg_sq: v };
+                    stream.adamw_step(params, operands)?
                 }
             }
         }

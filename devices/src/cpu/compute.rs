@@ -6,7 +6,7 @@ use super::kernels::{self, with_float};
 use super::sanitizer::Access;
 use super::Cpu;
 use crate::checks;
-use crate::{AdamWParams, MatmulSpec, Result, SgdParams, View};
+use crate::{AdamWOperands, AdamWParams, MatmulSpec, Result, SgdOperands, SgdParams, View};
 
 use super::stream::{store_scalar, typed, typed_mut};
 use super::{CpuStream, JobInput};
@@ -90,13 +90,8 @@ impl crate::ComputeStream for CpuStream {
         })
     }
 
-    fn sgd_step(
-        &self,
-        params: SgdParams,
-        param: View<'_, Cpu>,
-        grad: View<'_, Cpu>,
-        momentum_buf: Option<View<'_, Cpu>>,
-    ) -> Result<()> {
+    fn sgd_step(&self, params: SgdParams, operands: SgdOperands<'_, Cpu>) -> Result<()> {
+        let SgdOperands { param, grad, momentum_buf } = operands;
         let op = "sgd_step";
         checks::sgd_step(&params, param, grad, momentum_buf)?;
         let p = self.own(op, &param)?;
@@ -113,14 +108,8 @@ impl crate::ComputeStream for CpuStream {
         })
     }
 
-    fn adamw_step(
-        &self,
-        params: AdamWParams,
-        param: View<'_, Cpu>,
-        grad: View<'_, Cpu>,
-        exp_avg: View<'_, Cpu>,
-        exp_avg_sq: View<'_, Cpu>,
-    ) -> Result<()> {
+    fn adamw_step(&self, params: AdamWParams, operands: AdamWOperands<'_, Cpu>) -> Result<()> {
+        let AdamWOperands { param, grad, exp_avg, exp_avg_sq } = operands;
         let op = "adamw_step";
         let operands = [param, grad, exp_avg, exp_avg_sq];
         checks::adamw_step(&operands)?;

@@ -7,7 +7,9 @@ use super::kernels::{code, Args, REDUCE_BLOCK};
 use super::Cuda;
 use crate::checks;
 use crate::gpu_kernels::{sum_squares_split, AdamWScalars, SgdScalars};
-use crate::{AdamWParams, Buffer, DType, DeviceError, MatmulSpec, Result, Scalar, SgdParams, View};
+use crate::{
+    AdamWOperands, AdamWParams, Buffer, DType, DeviceError, MatmulSpec, Result, Scalar, SgdOperands, SgdParams, View,
+};
 
 use super::stream::device_ptr;
 use super::CudaStream;
@@ -158,13 +160,8 @@ impl crate::ComputeStream for CudaStream {
         })
     }
 
-    fn sgd_step(
-        &self,
-        params: SgdParams,
-        param: View<'_, Cuda>,
-        grad: View<'_, Cuda>,
-        momentum_buf: Option<View<'_, Cuda>>,
-    ) -> Result<()> {
+    fn sgd_step(&self, params: SgdParams, operands: SgdOperands<'_, Cuda>) -> Result<()> {
+        let SgdOperands { param, grad, momentum_buf } = operands;
         let op = "sgd_step";
         checks::sgd_step(&params, param, grad, momentum_buf)?;
         let mut views = vec![param, grad];
@@ -179,14 +176,8 @@ impl crate::ComputeStream for CudaStream {
         })
     }
 
-    fn adamw_step(
-        &self,
-        params: AdamWParams,
-        param: View<'_, Cuda>,
-        grad: View<'_, Cuda>,
-        exp_avg: View<'_, Cuda>,
-        exp_avg_sq: View<'_, Cuda>,
-    ) -> Result<()> {
+    fn adamw_step(&self, params: AdamWParams, operands: AdamWOperands<'_, Cuda>) -> Result<()> {
+        let AdamWOperands { param, grad, exp_avg, exp_avg_sq } = operands;
         let op = "adamw_step";
         let views = [param, grad, exp_avg, exp_avg_sq];
         checks::adamw_step(&views)?;

@@ -6,7 +6,7 @@ use super::kernels::Args;
 use super::Hip;
 use crate::checks;
 use crate::gpu_kernels::{code, AdamWScalars, SgdScalars, TILE};
-use crate::{AdamWParams, DeviceError, MatmulSpec, Result, SgdParams, View};
+use crate::{AdamWOperands, AdamWParams, DeviceError, MatmulSpec, Result, SgdOperands, SgdParams, View};
 
 use super::stream::{Dims, Reads};
 use super::HipStream;
@@ -128,13 +128,8 @@ impl crate::ComputeStream for HipStream {
         })
     }
 
-    fn sgd_step(
-        &self,
-        params: SgdParams,
-        param: View<'_, Hip>,
-        grad: View<'_, Hip>,
-        momentum_buf: Option<View<'_, Hip>>,
-    ) -> Result<()> {
+    fn sgd_step(&self, params: SgdParams, operands: SgdOperands<'_, Hip>) -> Result<()> {
+        let SgdOperands { param, grad, momentum_buf } = operands;
         let op = "sgd_step";
         checks::sgd_step(&params, param, grad, momentum_buf)?;
         let n = param.len();
@@ -148,14 +143,8 @@ impl crate::ComputeStream for HipStream {
         })
     }
 
-    fn adamw_step(
-        &self,
-        params: AdamWParams,
-        param: View<'_, Hip>,
-        grad: View<'_, Hip>,
-        exp_avg: View<'_, Hip>,
-        exp_avg_sq: View<'_, Hip>,
-    ) -> Result<()> {
+    fn adamw_step(&self, params: AdamWParams, operands: AdamWOperands<'_, Hip>) -> Result<()> {
+        let AdamWOperands { param, grad, exp_avg, exp_avg_sq } = operands;
         let op = "adamw_step";
         checks::adamw_step(&[param, grad, exp_avg, exp_avg_sq])?;
         let (m, v) = (self.device_ptr(op, exp_avg)?, self.device_ptr(op, exp_avg_sq)?);

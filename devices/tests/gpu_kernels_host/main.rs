@@ -31,7 +31,9 @@ mod lanes;
 use std::ffi::c_void;
 
 use chorus_devices::gpu_kernels::{self, code, AdamWScalars, SgdScalars, SOURCE};
-use chorus_devices::{AdamWParams, Buffer, ComputeStream, DType, MatmulSpec, Scalar, SgdParams, Stream};
+use chorus_devices::{
+    AdamWOperands, AdamWParams, Buffer, ComputeStream, DType, MatmulSpec, Scalar, SgdOperands, SgdParams, Stream,
+};
 
 use common::FLOATS;
 use compare::{assert_agree, sides, Agree, Data};
@@ -395,7 +397,11 @@ fn sgd_and_adamw_steps_match_the_cpu_device() {
                     sc.nesterov,
                 )
             },
-            |[cw, cb]| s.sgd_step(params, cw, sides.upload(&g).view(), (momentum != 0.0).then_some(cb)),
+            |[cw, cb]| {
+                let grad = sides.upload(&g);
+                let momentum_buf = (momentum != 0.0).then_some(cb);
+                s.sgd_step(params, SgdOperands { param: cw, grad: grad.view(), momentum_buf })
+            },
         );
     }
     for step in [1, 2, 10] {
@@ -426,7 +432,10 @@ fn sgd_and_adamw_steps_match_the_cpu_device() {
                     sc.eps,
                 )
             },
-            |[cw, cm, cv]| s.adamw_step(params, cw, sides.upload(&g).view(), cm, cv),
+            |[cw, cm, cv]| {
+                let grad = sides.upload(&g);
+                s.adamw_step(params, AdamWOperands { param: cw, grad: grad.view(), exp_avg: cm, exp_avg_sq: cv })
+            },
         );
     }
 }

@@ -6,8 +6,8 @@
 
 use anyhow::Result;
 use chorus_devices::{
-    AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, DType, Device, DeviceError, MatmulSpec, SgdParams,
-    Stream, StreamExt,
+    AdamWOperands, AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, DType, Device, DeviceError, MatmulSpec,
+    SgdOperands, SgdParams, Stream, StreamExt,
 };
 
 use crate::common::{assert_close, assert_same, get, put, round_to, stream, unit_roundoff, Lcg, FLOATS};
@@ -398,7 +398,8 @@ pub fn sgd_step_matches_pytorch_with_and_without_momentum_nesterov_and_weight_de
             let g = Lcg::new(900 + 10 * ci as u64 + step).values(DType::F32, n, -1.0, 1.0);
             put(&s, grad.view(), &g)?;
             let params = SgdParams { first_step: step == 0, ..config };
-            s.sgd_step(params, param.view(), grad.view(), momentum.as_ref().map(|m| m.view()))?;
+            let momentum_buf = momentum.as_ref().map(|m| m.view());
+            s.sgd_step(params, SgdOperands { param: param.view(), grad: grad.view(), momentum_buf })?;
             for j in 0..n {
                 sgd_reference(&params, &mut w[j], g[j], &mut buf_ref[j]);
             }
@@ -414,17 +415,19 @@ pub fn sgd_step_matches_pytorch_with_and_without_momentum_nesterov_and_weight_de
 
     let (p, g, m) = (dev.alloc(DType::F32, 8)?, dev.alloc(DType::F32, 8)?, dev.alloc(DType::F32, 8)?);
     let momentum = SgdParams { momentum: 0.9, ..base };
-    let e = s.sgd_step(momentum, p.view(), g.view(), None).unwrap_err();
+    let f64_grad = dev.alloc(DType::F64, 8)?;
+    let sgd = |params, param, grad, momentum_buf| s.sgd_step(params, SgdOperands { param, grad, momentum_buf });
+    let e = sgd(momentum, p.view(), g.view(), None).unwrap_err();
     assert!(is_invalid(&e, "sgd_step"), "{e:?}");
-    let e = s.sgd_step(base, p.slice(0, 4)?, p.slice(2, 4)?, None).unwrap_err();
+    let e = sgd(base, p.slice(0, 4)?, p.slice(2, 4)?, None).unwrap_err();
     assert!(is_invalid(&e, "sgd_step"), "{e:?}");
-    let e = s.sgd_step(momentum, p.view(), g.view(), Some(g.view())).unwrap_err();
+    let e = sgd(momentum, p.view(), g.view(), Some(g.view())).unwrap_err();
     assert!(is_invalid(&e, "sgd_step"), "{e:?}");
-    let e = s.sgd_step(base, p.view(), g.slice(0, 7)?, None).unwrap_err();
+    let e = sgd(base, p.view(), g.slice(0, 7)?, None).unwrap_err();
     assert!(is_invalid(&e, "sgd_step"), "{e:?}");
-    let e = s.sgd_step(base, p.view(), dev.alloc(DType::F64, 8)?.view(), None).unwrap_err();
+    let e = sgd(base, p.view(), f64_grad.view(), None).unwrap_err();
     assert!(matches!(e, DeviceError::DTypeMismatch { op: "sgd_step", .. }), "{e:?}");
-    s.sgd_step(momentum, p.view(), g.view(), Some(m.view()))?;
+    sgd(momentum, p.view(), g.view(), Some(m.view()))?;
     s.synchronize()?;
     Ok(())
 }
@@ -451,7 +454,13 @@ pub fn adamw_step_matches_pytorch_over_several_steps<B: ComputeBackend>(
             let g = Lcg::new(1100 + 10 * ci as u64 + step).values(DType::F32, n, -1.0, 1.0);
             put(&s, grad.view(), &g)?;
             let p = AdamWParams { step, ..config };
-            s.adamw_step(p, param.view(), grad.view(), exp_avg.view(), exp_avg_sq.view())?;
+            let operands = AdamWOperands {
+                param: param.view(),
+                grad: grad.view(),
+                exp_avg: exp_avg.view(),
+                exp_avg_sq: exp_avg_sq.view(),
+            };
+            s.adamw_step(p, operands)?;
             // torch.optim.AdamW, single tensor: decoupled decay, moment
             // updates, bias correction, eps outside the square root.
             let bc1 = 1.0 - p.beta1.powi(step as i32);
@@ -475,13 +484,16 @@ pub fn adamw_step_matches_pytorch_over_several_steps<B: ComputeBackend>(
     let p = AdamWParams { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, step: 1 };
     let b = dev.alloc(DType::F32, 16)?;
     let (x, y, z) = (b.slice(0, 4)?, b.slice(4, 4)?, b.slice(8, 4)?);
-    let e = s.adamw_step(p, x, y, z, b.slice(10, 4)?).unwrap_err();
+    // Only the second moment varies: overlapping, short, of another dtype, right.
+    let bf16_moment = dev.alloc(DType::BF16, 4)?;
+    let adamw = |exp_avg_sq| s.adamw_step(p, AdamWOperands { param: x, grad: y, exp_avg: z, exp_avg_sq });
+    let e = adamw(b.slice(10, 4)?).unwrap_err();
     assert!(is_invalid(&e, "adamw_step"), "{e:?}");
-    let e = s.adamw_step(p, x, y, z, b.slice(12, 3)?).unwrap_err();
+    let e = adamw(b.slice(12, 3)?).unwrap_err();
     assert!(is_invalid(&e, "adamw_step"), "{e:?}");
-    let e = s.adamw_step(p, x, y, z, dev.alloc(DType::BF16, 4)?.view()).unwrap_err();
+    let e = adamw(bf16_moment.view()).unwrap_err();
     assert!(matches!(e, DeviceError::DTypeMismatch { op: "adamw_step", .. }), "{e:?}");
-    s.adamw_step(p, x, y, z, b.slice(12, 4)?)?;
+    adamw(b.slice(12, 4)?)?;
     s.synchronize()?;
     Ok(())
 }

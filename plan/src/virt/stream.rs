@@ -4,8 +4,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use chorus_devices::{
-    AdamWParams, Buffer, ComputeStream, Copy2d, Copy2dPiece, DType, Device, DeviceError, MatmulSpec, MemorySpace,
-    Priority, Readback, Result, Scalar, SgdParams, Stream, View,
+    AdamWOperands, AdamWParams, Buffer, ComputeStream, Copy2d, Copy2dPiece, DType, Device, DeviceError, MatmulSpec,
+    MemorySpace, Priority, Readback, Result, Scalar, SgdOperands, SgdParams, Stream, View,
 };
 
 use super::device::{TraceOp, VirtDevice, VirtEvent};
@@ -421,14 +421,16 @@ impl ComputeStream for VirtStream {
         self.memory_bound("sum_squares", x.bytes());
         Ok(())
     }
-    fn sgd_step(&self, _p: SgdParams, param: V<'_>, grad: V<'_>, momentum_buf: Option<V<'_>>) -> Result<()> {
+    fn sgd_step(&self, _p: SgdParams, operands: SgdOperands<'_, Virt>) -> Result<()> {
+        let SgdOperands { param, grad, momentum_buf } = operands;
         self.mine("sgd_step", &[param, grad])?;
         same_len("sgd_step", &param, &grad)?;
         let momentum = momentum_buf.map_or(0, |m| 2 * m.bytes());
         self.optimizer_step("sgd_step", &param, 2 * param.bytes() + grad.bytes() + momentum);
         Ok(())
     }
-    fn adamw_step(&self, _p: AdamWParams, param: V<'_>, grad: V<'_>, m: V<'_>, v: V<'_>) -> Result<()> {
+    fn adamw_step(&self, _p: AdamWParams, operands: AdamWOperands<'_, Virt>) -> Result<()> {
+        let AdamWOperands { param, grad, exp_avg: m, exp_avg_sq: v } = operands;
         self.mine("adamw_step", &[param, grad, m, v])?;
         same_len("adamw_step", &param, &grad)?;
         // Reads param, grad and both moments; writes param and both moments.
