@@ -325,15 +325,6 @@ fn framework(args: &PlanArgs) -> Framework {
     }
 }
 
-/// `--kernels`' name of `f`.
-pub fn kernels_name(f: Framework) -> &'static str {
-    match f {
-        Framework::TorchEager => "torch",
-        Framework::Candle => "candle",
-        Framework::Chorus => "chorus",
-    }
-}
-
 /// The two answers of the cost models: the times of `--gpu` (the GPU
 /// tables and NCCL's algorithms; chorus's trainer on a GPU from its kernel
 /// rates, host included; or the cpu device's calibration shared by

@@ -10,11 +10,11 @@
 use chorus_collectives::{CommBackend, Communicator, ReduceOp};
 use chorus_devices::{Buffer, Copy2d, DType, Device, Scalar, Stream, StreamExt, View};
 
+use crate::comm_context::CommContext;
 use crate::config::{gathers_as_float8, DataParallel};
 use crate::layout::{GroupLayout, ParamLayout};
 use crate::offload::{self, cast_or_copy};
 use crate::param::Param;
-use crate::param_group::CommContext;
 use crate::storage::GroupStorage;
 use crate::{Buf, Ev, FsdpError, Result, Strm};
 

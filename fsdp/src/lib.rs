@@ -22,10 +22,12 @@
 //! the copy-in / all-gather / copy-out and gradient reduction, `param` one
 //! parameter, `storage` a group's flat buffers (masters, gradients,
 //! unsharded parameters: one buffer per kind and group, each parameter a
-//! range), `events` the events the streams order themselves with.
+//! range), `events` the events the streams order themselves with,
+//! `comm_context` what the groups share, `training_state` a group's states.
 #![warn(missing_docs)]
 
 mod collectives;
+mod comm_context;
 mod config;
 mod error;
 mod events;
@@ -38,17 +40,19 @@ mod param_group;
 mod routed;
 mod state;
 mod storage;
+mod training_state;
 
 use chorus_collectives::CommBackend;
 use chorus_devices::Backend;
 
+pub use comm_context::CommCounts;
 pub use config::{gathers_as_float8, DataParallel, FsdpConfig, MixedPrecision, OffloadPolicy, Reshard, ShardPlacement};
 pub use error::{FsdpError, Result};
 pub use optim::{OptimizerKind, ShardedOptimizer};
 pub use overhead::{Hook, HookTime, HostOverhead};
 pub use param::{rows_of, DeferredParam, ParamInit, ShardSource};
-pub use param_group::{ShardedState, TrainingState};
-pub use state::{CommCounts, Fsdp, UnshardHandle};
+pub use state::{Fsdp, UnshardHandle};
+pub use training_state::{ShardedState, TrainingState};
 
 // Shorthands for the backend types behind a communicator.
 pub(crate) type B<C> = <C as CommBackend>::B;

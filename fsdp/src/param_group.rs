@@ -1,6 +1,6 @@
-//! A param group's state machine (FSDP2's `_fsdp_param_group`): its training
-//! and sharded states, unshard / wait-for-unshard / reshard, what each hook
-//! does to the group, and the communication context every group shares.
+//! A param group's state machine (FSDP2's `_fsdp_param_group`): unshard /
+//! wait-for-unshard / reshard and what each hook does to the group (its
+//! states are in `training_state`, what the groups share in `comm_context`).
 //!
 //! The root ([`Fsdp`](crate::Fsdp)) checks a hook is allowed, orders the
 //! groups (prefetch, post-forward order) and calls into a group; a group
@@ -9,83 +9,16 @@
 use std::sync::Arc;
 
 use chorus_collectives::{CommBackend, Communicator};
-use chorus_devices::{Backend, Stream};
+use chorus_devices::Stream;
 
 use crate::collectives::{self, AllGatherResult, CopyInSource, ReducePlan};
-use crate::config::{DataParallel, MixedPrecision, Reshard};
-use crate::events::EventPool;
+use crate::comm_context::CommContext;
+use crate::config::{MixedPrecision, Reshard};
 use crate::layout::GroupLayout;
 use crate::param::Param;
 use crate::storage::GroupStorage;
-use crate::{Buf, CommCounts, Ev, FsdpError, Result, Strm};
-
-/// Where a group is in the training step (FSDP2's `TrainingState`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TrainingState {
-    /// Between hooks.
-    Idle,
-    /// Between pre-forward and post-forward.
-    Forward,
-    /// Between pre-backward and post-backward.
-    PreBackward,
-    /// After post-backward, until the root finalizes backward.
-    PostBackward,
-}
-
-/// Where a group's parameters are (FSDP2's `ShardedState`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ShardedState {
-    /// Only the shards exist.
-    Sharded,
-    /// A copy sharded over the smaller post-forward world exists (reshard-after-forward = K).
-    ShardedPostForward,
-    /// The unsharded parameters exist.
-    Unsharded,
-}
-
-/// The four communication streams and the compute stream (FSDP2's comm context).
-pub(crate) struct Streams<C: CommBackend> {
-    pub(crate) compute: Strm<C>,
-    pub(crate) copy_in: Strm<C>,
-    pub(crate) all_gather: Strm<C>,
-    pub(crate) reduce_scatter: Strm<C>,
-    pub(crate) all_reduce: Strm<C>,
-}
-
-/// What every group of one [`Fsdp`](crate::Fsdp) shares (FSDP2's
-/// `FSDPCommContext`): the device, the streams, the events they order
-/// themselves with, the data-parallel communicators, the buffers in flight
-/// between groups and the counts.
-pub(crate) struct CommContext<C: CommBackend> {
-    pub(crate) dp: DataParallel<C>,
-    pub(crate) device: <C::B as Backend>::Device,
-    pub(crate) streams: Streams<C>,
-    pub(crate) events: EventPool<C>,
-    /// The last forward all-gather output and the event after its copy-out,
-    /// kept until the next group's copy-out is enqueued (implicit prefetch).
-    pub(crate) all_gather_state: Option<(Buf<C>, Ev<C>)>,
-    /// The last reduce-scatter input and the event after its reduce-scatter.
-    pub(crate) reduce_scatter_state: Option<(Buf<C>, Ev<C>)>,
-    pub(crate) counts: CommCounts,
-}
-
-impl<C: CommBackend> CommContext<C> {
-    /// Frees the kept forward all-gather output once both all-gather streams
-    /// have waited for its copy-out (the stream-ordered free follows them).
-    pub(crate) fn release_all_gather_output(&mut self) -> Result<()> {
-        if let Some((_, e)) = self.all_gather_state.take() {
-            self.events.wait_and_give(e, &[&self.streams.copy_in, &self.streams.all_gather])?;
-        }
-        Ok(())
-    }
-
-    /// Makes the all-gather streams wait for the compute stream, so copy-ins
-    /// see the shards as the optimizer (or the initial upload) left them.
-    pub(crate) fn all_gather_streams_follow_compute(&self) -> Result<()> {
-        let s = &self.streams;
-        self.events.order(&self.device, &s.compute, &[&s.copy_in, &s.all_gather])
-    }
-}
+use crate::training_state::{ShardedState, TrainingState};
+use crate::{Buf, Ev, FsdpError, Result};
 
 /// One param group: its parameters, layouts, states, policies, and the
 /// buffers and events it keeps between hooks.

@@ -25,8 +25,10 @@
 //! that does it, not a collective the others never join.
 
 use crate::collectives::ReducePlan;
-use crate::param_group::{CommContext, Group, Route, ShardedState, TrainingState};
+use crate::comm_context::CommContext;
+use crate::param_group::{Group, Route};
 use crate::state::Fsdp;
+use crate::training_state::{ShardedState, TrainingState};
 use crate::{FsdpError, Result};
 use chorus_collectives::CommBackend;
 

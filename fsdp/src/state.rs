@@ -11,25 +11,16 @@ use chorus_collectives::{CommBackend, Communicator, ReduceOp};
 use chorus_devices::{Backend, Buffer, DType, Device, Priority, Stream, StreamExt, View};
 
 use crate::collectives::{self, ReducePlan};
+use crate::comm_context::{CommContext, CommCounts, Streams};
 use crate::config::{DataParallel, FsdpConfig, MixedPrecision, OffloadPolicy, Reshard};
 use crate::events::EventPool;
 use crate::layout::{normalize_dim, GroupLayout};
 use crate::overhead::{Hook, HookStart, HostOverhead};
 use crate::param::{DeferredParam, Param, ParamInit};
-use crate::param_group::{CommContext, Group, Route, ShardedState, Streams, TrainingState};
+use crate::param_group::{Group, Route};
 use crate::storage::GroupStorage;
+use crate::training_state::{ShardedState, TrainingState};
 use crate::{FsdpError, Result, Strm, B};
-
-/// Collectives issued, by kind (FSDP's own count; tests also count at the communicator).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CommCounts {
-    /// All-gathers of parameters.
-    pub all_gathers: usize,
-    /// Reduce-scatters of gradients.
-    pub reduce_scatters: usize,
-    /// All-reduces of gradients (HSDP, replicated parameters).
-    pub all_reduces: usize,
-}
 
 /// FSDP for one rank: the root state, its groups, streams and policies.
 ///

@@ -8,6 +8,14 @@
 use chorus_collectives::OpKind;
 use chorus_devices::MemorySpace;
 
+/// The host's memory bandwidth per GPU for an offloaded optimizer step on a
+/// GPU server, bytes/s: the DGX H100's two Xeon Platinum 8480C (DGX H100
+/// user guide) have 8 channels of DDR5-4800 each (Intel ARK), 8 × 4.8 GT/s ×
+/// 8 B = 307.2 GB/s per socket, 614.4 GB/s for the node's 8 GPUs' processes:
+/// 76.8 GB/s each. A bound: the step is priced as one pass over its bytes
+/// (`docs/plan-costs.md`).
+pub const HOST_STEP_BYTES_PER_S: f64 = 614.4e9 / 8.0;
+
 /// What bounds a kernel's time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum KernelKind {

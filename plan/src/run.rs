@@ -38,14 +38,6 @@ use crate::workload::StageWork;
 /// (`fsdp/src/state.rs`): a traced operation's `stream` indexes this.
 pub const FSDP_STREAMS: [&str; 5] = ["compute", "copy-in", "all-gather", "reduce-scatter", "all-reduce"];
 
-/// The host's memory bandwidth per GPU for an offloaded optimizer step on a
-/// GPU server, bytes/s: the DGX H100's two Xeon Platinum 8480C (DGX H100
-/// user guide) have 8 channels of DDR5-4800 each (Intel ARK), 8 × 4.8 GT/s ×
-/// 8 B = 307.2 GB/s per socket, 614.4 GB/s for the node's 8 GPUs' processes:
-/// 76.8 GB/s each. A bound: the step is priced as one pass over its bytes
-/// (`docs/plan-costs.md`).
-pub const HOST_STEP_BYTES_PER_S: f64 = 614.4e9 / 8.0;
-
 /// The most ranks [`Ranks::Every`] runs, a thread each (with a stack of
 /// 1 MiB, under an 8 GB address-space limit with room to spare).
 pub const MAX_THREADED_RANKS: usize = 1024;

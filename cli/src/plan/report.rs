@@ -208,7 +208,7 @@ impl Plan {
             gpus: planned.gpus,
             gpu: planned.gpu.clone(),
             recompute: planned.recompute.clone(),
-            kernels: super::kernels_name(planned.framework).to_string(),
+            kernels: kernels_name(planned.framework).to_string(),
             kernel_rates: rates.map(|r| format!("{}, measured {}", r.gpu, r.measured)),
             ranks_run: run.run_ranks.clone(),
             fits,
@@ -337,5 +337,14 @@ impl Plan {
         let json = serde_json::to_vec_pretty(self)?;
         crate::outdir::write_file(&dir.join("plan.json"), &json)?;
         super::timeline::draw(&dir.join("timeline.svg"), &self.trace, &FSDP_STREAMS)
+    }
+}
+
+/// `--kernels`' name of `f`.
+fn kernels_name(f: Framework) -> &'static str {
+    match f {
+        Framework::TorchEager => "torch",
+        Framework::Candle => "candle",
+        Framework::Chorus => "chorus",
     }
 }

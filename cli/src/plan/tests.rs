@@ -279,7 +279,7 @@ fn an_offloaded_gpu_plan_holds_the_state_in_host_memory_and_steps_there() {
     assert_eq!(on.host_gradient_bytes, b.gradients);
     assert_eq!(on.host_peak_memory_bytes, b.sharded_params + b.gradients + b.optimizer_state);
     assert!(on.fsdp_peak_memory_bytes < off.fsdp_peak_memory_bytes);
-    let expected = 7.0 * b.sharded_params as f64 / chorus_plan::run::HOST_STEP_BYTES_PER_S;
+    let expected = 7.0 * b.sharded_params as f64 / chorus_plan::cost::HOST_STEP_BYTES_PER_S;
     assert!((on.host_optimizer_step_s - expected).abs() <= 1e-12 * expected, "{}", on.host_optimizer_step_s);
     assert!(
         on.step_time_s.unwrap() > expected,

@@ -125,7 +125,7 @@ impl VirtStream {
     /// the host's work, once the stream has reached it, at the host's bandwidth.
     fn optimizer_step(&self, name: &'static str, param: &V<'_>, bytes: usize) {
         if self.device.host_steps() && param.buffer().space() == MemorySpace::Host {
-            self.device.run_on_host(self.clock(), bytes as f64 / crate::run::HOST_STEP_BYTES_PER_S);
+            self.device.run_on_host(self.clock(), bytes as f64 / crate::cost::HOST_STEP_BYTES_PER_S);
         } else {
             self.memory_bound_by(Issuer::Optimizer, name, bytes);
         }
