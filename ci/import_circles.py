@@ -31,6 +31,15 @@ ALLOWED = {
     "streams and events, and each holds its device",
     ("cli/src/launch.rs", "cli/src/launch/nodes.rs", "cli/src/launch/ranks.rs"): "one Job whose phases are written "
     "beside what they use: the job holds their types, and they extend it",
+    ("devices/src/cuda/device.rs", "devices/src/cuda/event.rs", "devices/src/cuda/host.rs", "devices/src/cuda/memory.rs",
+     "devices/src/cuda/stream.rs"): "the device makes its streams, events and buffers, each holds its device, and a "
+    "host buffer is released in the order of the streams that used it",
+    ("devices/src/hip/device.rs", "devices/src/hip/event.rs", "devices/src/hip/host.rs", "devices/src/hip/stream.rs"):
+    "the device makes its streams, events and buffers, each holds its device, and a host buffer is released in the "
+    "order of the streams that used it",
+    ("plan/src/virt/device.rs", "plan/src/virt/stream.rs"): "the device makes its streams, and each holds its device",
+    ("fsdp/candle/src/module.rs", "fsdp/candle/src/module/stage_op.rs"): "the model makes one op per stage, and each "
+    "op runs on the model's shared state (a child module on its parent's state)",
 }
 
 ITEM = re.compile(

@@ -47,6 +47,9 @@ rustc --version
 step "cargo fmt --all -- --check"
 cargo fmt --all -- --check
 
+step "no import circle among a crate's files without its reason (ci/import_circles.py)"
+python3 ci/import_circles.py
+
 # --all-features includes candle-cuda (candle's CUDA device): its build needs
 # nvcc and candle patched at build time. ci/candle-cuda.sh installs nvcc 13.0
 # from PyPI into ~/.cache/chorus (once; then reused in under a second) and a

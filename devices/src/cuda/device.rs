@@ -1,5 +1,11 @@
 //! The cuda device: one GPU's primary context, its memory accounting, its
 //! kernels and its internal allocation stream.
+//!
+//! The device makes its streams, events and buffers, and each holds its
+//! device (to bind the context and to defer frees); a host buffer is
+//! released in the order of the streams that used it (`host.rs`, the
+//! streams' host-memory half): `device.rs`, `stream.rs`, `event.rs`,
+//! `memory.rs` and `host.rs` depend on each other, as the cpu device's do.
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, OnceLock};

@@ -1,4 +1,10 @@
 //! The hip device, its memory accounting and its buffers.
+//!
+//! The device makes its streams, events and buffers, and each holds its
+//! device (to bind it and to defer frees); a host buffer is released in the
+//! order of the streams that used it (`host.rs`, the streams' host-memory
+//! half): `device.rs`, `stream.rs`, `event.rs` and `host.rs` depend on each
+//! other, as the cpu device's do.
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};

@@ -1,4 +1,8 @@
 //! The virtual device: memory counters, the host clock, events and the trace.
+//!
+//! The device makes its streams, and each holds its device (its clock and
+//! trace): `device.rs` and `stream.rs` depend on each other, as the cpu
+//! device's do.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -1,6 +1,10 @@
 //! The candle custom op that stands for one stage of an [`FsdpModel`](super::FsdpModel) in
 //! candle's graph: its forward hands candle the output `FsdpModel::run`
 //! computed, its backward runs the stage's FSDP backward.
+//!
+//! The model makes one op per stage, and each op runs on the model's shared
+//! state (`Shared`, private to `module.rs`): the two files depend on each
+//! other, as a child module on its parent's state.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
