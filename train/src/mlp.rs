@@ -15,10 +15,7 @@ use chorus_fsdp::{Fsdp, FsdpError, ParamInit, Result};
 /// A device buffer of the backend behind communicator `C`.
 type Buf<C> = <<C as CommBackend>::B as Backend>::Buffer;
 
-// The generator was this module's; `conformance/src/fsdp/float8.rs` still
-// imports it from here (crate::rng is where it lives).
-#[doc(hidden)]
-pub use crate::rng::SplitMix;
+use crate::rng::SplitMix;
 
 /// The parameters of an MLP with layer widths `dims`, initialised like
 /// PyTorch's `nn.Linear` (uniform in ±1/√in) from `seed`; one group per layer.

@@ -17,7 +17,7 @@ use chorus_collectives::backend::OpKind;
 use chorus_collectives::{CommBackend, CommError, ReduceOp};
 use chorus_devices::{bf16, Buffer, ComputeBackend, DType, Device, Element, Float8E4M3, Stream, StreamExt};
 use chorus_fsdp::{gathers_as_float8, DataParallel, Fsdp, FsdpConfig, FsdpError, MixedPrecision, ParamInit};
-use chorus_train::mlp::SplitMix;
+use chorus_train::rng::SplitMix;
 
 use super::{counted, max_diff, own_world, sgd, train_fsdp, train_reference, Setup};
 use crate::{Case, Failure, RankCtx};
