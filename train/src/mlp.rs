@@ -12,10 +12,10 @@ use chorus_collectives::CommBackend;
 use chorus_devices::{Backend, Buffer, ComputeBackend, ComputeStream, DType, MatmulSpec, Stream, StreamExt, View};
 use chorus_fsdp::{Fsdp, FsdpError, ParamInit, Result};
 
+use crate::rng::SplitMix;
+
 /// A device buffer of the backend behind communicator `C`.
 type Buf<C> = <<C as CommBackend>::B as Backend>::Buffer;
-
-use crate::rng::SplitMix;
 
 /// The parameters of an MLP with layer widths `dims`, initialised like
 /// PyTorch's `nn.Linear` (uniform in ±1/√in) from `seed`; one group per layer.
