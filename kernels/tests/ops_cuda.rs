@@ -108,10 +108,12 @@ fn rms_norm_rope_swiglu_cross_entropy_on_the_gpu_equal_the_cpu() {
     }
 }
 
-/// The attention cases: seed, dtype, `(batch, queries, keys, heads,
-/// kv_heads, head_dim)` and tolerance. bf16 and f16 with head_dim 64 or 128
-/// take the tensor-core kernel, the others its fallback.
-const ATTENTION_CASES: [(u64, DType, (usize, usize, usize, usize, usize, usize), f32); 9] = [
+/// `(batch, queries, keys, heads, kv_heads, head_dim)`.
+type AttentionDims = (usize, usize, usize, usize, usize, usize);
+
+/// The attention cases: seed, dtype, dims and tolerance. bf16 and f16 with
+/// head_dim 64 or 128 take the tensor-core kernel, the others its fallback.
+const ATTENTION_CASES: [(u64, DType, AttentionDims, f32); 9] = [
     // Tensor cores: GQA ratios 1, 4, 8; 300 queries (not a multiple of 64); head_dim 64 and 128; an offset.
     (1, DType::BF16, (2, 300, 300, 8, 8, 64), 3e-2),
     (2, DType::BF16, (1, 300, 300, 8, 2, 64), 3e-2),
