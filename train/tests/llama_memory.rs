@@ -224,11 +224,12 @@ const RUN_STEPS: u64 = 2;
 ///   output is the gradient after `zero_grad`, `fsdp/src/storage.rs`) and
 ///   the two moments: `4·(2 + 2)·Σ ceil(rows/W)·inner`;
 /// - `U`: training's unsharded working set: FSDP's (the group computing:
-///   parameters, gradients; the prefetched group's all-gather output; its
-///   reduce-scatter input and the previous one in flight: `5·G`, `G` the
-///   largest group padded) and the adapter's (its candle copies of one
-///   group's parameters and their gradients, `4·G`, and three of the largest
-///   parameter `T`): `4·(9·G + 3·T)`;
+///   its gradients, its parameters released once candle has its copies,
+///   `Fsdp::release_params_in_backward`; the prefetched group's all-gather
+///   output; its reduce-scatter input and the previous one in flight: `4·G`,
+///   `G` the largest group padded) and the adapter's (its candle copies of
+///   one group's parameters and their gradients, `4·G`, and three of the
+///   largest parameter `T`): `4·(8·G + 3·T)`;
 /// - `A`: the activations: with recompute, each stage keeps only its input
 ///   (`L + 2` of `b·t·h`), and one stage's intermediates live at a time:
 ///   `4·b·t·((L + 2)·h + 10h + 4f + 3·heads·t + 3v)`;
@@ -252,7 +253,7 @@ fn run_bound(cfg: &LlamaConfig, world: usize) -> (usize, usize) {
     let (b, t, l) = (1, RUN_SEQ, cfg.num_hidden_layers);
     let (h, f, heads, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.vocab_size);
     let s = 4 * 4 * sharded;
-    let u = 4 * (9 * largest_group + 3 * largest);
+    let u = 4 * (8 * largest_group + 3 * largest);
     let a = 4 * b * t * ((l + 2) * h + 10 * h + 4 * f + 3 * heads * t + 3 * v);
     let piece = chorus_train::model_out::PIECE;
     let buffers = 2 * chorus_fsdp_candle::safetensors_io::WRITE_BUFFER;
