@@ -346,6 +346,13 @@ pub struct SgdOperands<'a, B: Backend> {
     pub momentum_buf: Option<View<'a, B>>,
 }
 
+impl<'a, B: Backend> SgdOperands<'a, B> {
+    /// `param`, `grad` and the momentum buffer when there is one.
+    pub fn views(&self) -> Vec<View<'a, B>> {
+        [Some(self.param), Some(self.grad), self.momentum_buf].into_iter().flatten().collect()
+    }
+}
+
 /// The f32 views one AdamW step works on, named so that two of one type
 /// cannot be swapped unnoticed.
 pub struct AdamWOperands<'a, B: Backend> {
@@ -357,6 +364,13 @@ pub struct AdamWOperands<'a, B: Backend> {
     pub exp_avg: View<'a, B>,
     /// The second moment, updated in place.
     pub exp_avg_sq: View<'a, B>,
+}
+
+impl<'a, B: Backend> AdamWOperands<'a, B> {
+    /// `[param, grad, exp_avg, exp_avg_sq]`.
+    pub fn views(&self) -> [View<'a, B>; 4] {
+        [self.param, self.grad, self.exp_avg, self.exp_avg_sq]
+    }
 }
 
 /// AdamW hyper-parameters with PyTorch's semantics (`torch.optim.AdamW`):

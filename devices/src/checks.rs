@@ -10,7 +10,7 @@
 //! the checks are written over the traits' types, and the traits' provided
 //! batch methods check every piece before enqueuing any.
 
-use crate::api::{Backend, Buffer, Copy2d, Device, MatmulSpec, Result, SgdParams};
+use crate::api::{AdamWOperands, Backend, Buffer, Copy2d, Device, MatmulSpec, Result, SgdOperands, SgdParams};
 use crate::{DType, DeviceError, Scalar, View};
 
 /// `what` (a view, an event) passed to a stream of `ours` must be of that device.
@@ -262,29 +262,26 @@ fn disjoint<B: Backend>(op: &'static str, operands: &[View<'_, B>], names: &str)
     Ok(())
 }
 
-/// [`Stream::sgd_step`](crate::Stream::sgd_step): f32 operands of one length,
-/// a momentum buffer when momentum is on, no two operands overlapping.
-pub(crate) fn sgd_step<B: Backend>(
-    params: &SgdParams,
-    param: View<'_, B>,
-    grad: View<'_, B>,
-    momentum_buf: Option<View<'_, B>>,
-) -> Result<()> {
+/// [`ComputeStream::sgd_step`](crate::ComputeStream::sgd_step): f32
+/// operands of one length, a momentum buffer when momentum is on, no two
+/// operands overlapping.
+pub(crate) fn sgd_step<B: Backend>(params: &SgdParams, operands: &SgdOperands<'_, B>) -> Result<()> {
     let op = "sgd_step";
-    let operands: Vec<View<'_, B>> = [Some(param), Some(grad), momentum_buf].into_iter().flatten().collect();
-    f32_operands(op, &operands)?;
-    if params.momentum != 0.0 && momentum_buf.is_none() {
+    let views = operands.views();
+    f32_operands(op, &views)?;
+    if params.momentum != 0.0 && operands.momentum_buf.is_none() {
         return Err(DeviceError::invalid(op, "momentum needs a momentum buffer"));
     }
-    disjoint(op, &operands, "param, grad and momentum buffer")
+    disjoint(op, &views, "param, grad and momentum buffer")
 }
 
-/// [`Stream::adamw_step`](crate::Stream::adamw_step): f32 operands of one
-/// length (`param`, `grad`, `exp_avg`, `exp_avg_sq`), no two overlapping.
-pub(crate) fn adamw_step<B: Backend>(operands: &[View<'_, B>; 4]) -> Result<()> {
+/// [`ComputeStream::adamw_step`](crate::ComputeStream::adamw_step): f32
+/// operands of one length, no two overlapping.
+pub(crate) fn adamw_step<B: Backend>(operands: &AdamWOperands<'_, B>) -> Result<()> {
     let op = "adamw_step";
-    f32_operands(op, operands)?;
-    disjoint(op, operands, "param, grad and the moments")
+    let views = operands.views();
+    f32_operands(op, &views)?;
+    disjoint(op, &views, "param, grad and the moments")
 }
 
 /// [`Stream::update_on_host`](crate::Stream::update_on_host): every view in
@@ -338,13 +335,15 @@ mod tests {
         let (a, b, overlapping) = (buf.slice(0, 4).unwrap(), buf.slice(4, 4).unwrap(), buf.slice(2, 4).unwrap());
         let sgd =
             SgdParams { lr: 0.1, momentum: 0.9, dampening: 0.0, weight_decay: 0.0, nesterov: false, first_step: true };
-        assert!(message(sgd_step(&sgd, a, b, None)).contains("momentum needs a momentum buffer"));
-        assert!(message(sgd_step(&sgd, a, overlapping, Some(b))).contains("must not overlap"));
+        let sgd_of = |param, grad, momentum_buf| sgd_step(&sgd, &SgdOperands { param, grad, momentum_buf });
+        assert!(message(sgd_of(a, b, None)).contains("momentum needs a momentum buffer"));
+        assert!(message(sgd_of(a, overlapping, Some(b))).contains("must not overlap"));
         let other = dev.alloc(DType::F32, 8).unwrap();
         let (c, d) = (other.slice(0, 4).unwrap(), other.slice(4, 4).unwrap());
-        assert!(sgd_step(&sgd, a, b, Some(c)).is_ok());
-        assert!(adamw_step(&[a, b, c, d]).is_ok());
-        assert!(message(adamw_step(&[a, b, c, c])).contains("must not overlap"));
+        assert!(sgd_of(a, b, Some(c)).is_ok());
+        let adamw_of = |exp_avg_sq| adamw_step(&AdamWOperands { param: a, grad: b, exp_avg: c, exp_avg_sq });
+        assert!(adamw_of(d).is_ok());
+        assert!(message(adamw_of(c)).contains("must not overlap"));
     }
 
     #[test]

@@ -91,9 +91,9 @@ impl crate::ComputeStream for CpuStream {
     }
 
     fn sgd_step(&self, params: SgdParams, operands: SgdOperands<'_, Cpu>) -> Result<()> {
-        let SgdOperands { param, grad, momentum_buf } = operands;
         let op = "sgd_step";
-        checks::sgd_step(&params, param, grad, momentum_buf)?;
+        checks::sgd_step(&params, &operands)?;
+        let SgdOperands { param, grad, momentum_buf } = operands;
         let p = self.own(op, &param)?;
         let g = self.own(op, &grad)?;
         let m = momentum_buf.map(|v| self.own(op, &v)).transpose()?;
@@ -109,14 +109,13 @@ impl crate::ComputeStream for CpuStream {
     }
 
     fn adamw_step(&self, params: AdamWParams, operands: AdamWOperands<'_, Cpu>) -> Result<()> {
-        let AdamWOperands { param, grad, exp_avg, exp_avg_sq } = operands;
         let op = "adamw_step";
-        let operands = [param, grad, exp_avg, exp_avg_sq];
         checks::adamw_step(&operands)?;
         let mut raws = Vec::with_capacity(4);
-        for v in operands {
+        for v in operands.views() {
             raws.push(self.own(op, &v)?);
         }
+        let AdamWOperands { param, grad, exp_avg, exp_avg_sq } = operands;
         let accesses = [Access::read(grad), Access::write(param), Access::write(exp_avg), Access::write(exp_avg_sq)];
         self.enqueue(op, &accesses, move |input| {
             if let JobInput::Run = input {

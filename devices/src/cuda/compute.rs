@@ -161,11 +161,10 @@ impl crate::ComputeStream for CudaStream {
     }
 
     fn sgd_step(&self, params: SgdParams, operands: SgdOperands<'_, Cuda>) -> Result<()> {
-        let SgdOperands { param, grad, momentum_buf } = operands;
         let op = "sgd_step";
-        checks::sgd_step(&params, param, grad, momentum_buf)?;
-        let mut views = vec![param, grad];
-        views.extend(momentum_buf);
+        checks::sgd_step(&params, &operands)?;
+        let views = operands.views();
+        let SgdOperands { param, grad, momentum_buf } = operands;
         let sc = SgdScalars::new(&params, momentum_buf.is_some());
         self.elementwise(op, &views, param.len(), |k, s, label| {
             let buf = momentum_buf.map(|m| device_ptr(&m)).unwrap_or(0);
@@ -177,10 +176,10 @@ impl crate::ComputeStream for CudaStream {
     }
 
     fn adamw_step(&self, params: AdamWParams, operands: AdamWOperands<'_, Cuda>) -> Result<()> {
-        let AdamWOperands { param, grad, exp_avg, exp_avg_sq } = operands;
         let op = "adamw_step";
-        let views = [param, grad, exp_avg, exp_avg_sq];
-        checks::adamw_step(&views)?;
+        checks::adamw_step(&operands)?;
+        let views = operands.views();
+        let param = operands.param;
         // The scalars as torch computes them (f64 in Python), applied in f32.
         let sc = AdamWScalars::new(&params);
         self.elementwise(op, &views, param.len(), |k, s, label| {

@@ -129,9 +129,9 @@ impl crate::ComputeStream for HipStream {
     }
 
     fn sgd_step(&self, params: SgdParams, operands: SgdOperands<'_, Hip>) -> Result<()> {
-        let SgdOperands { param, grad, momentum_buf } = operands;
         let op = "sgd_step";
-        checks::sgd_step(&params, param, grad, momentum_buf)?;
+        checks::sgd_step(&params, &operands)?;
+        let SgdOperands { param, grad, momentum_buf } = operands;
         let n = param.len();
         let buf = momentum_buf.map(|m| self.device_ptr(op, m)).transpose()?.unwrap_or(0);
         if n == 0 {
@@ -144,9 +144,9 @@ impl crate::ComputeStream for HipStream {
     }
 
     fn adamw_step(&self, params: AdamWParams, operands: AdamWOperands<'_, Hip>) -> Result<()> {
-        let AdamWOperands { param, grad, exp_avg, exp_avg_sq } = operands;
         let op = "adamw_step";
-        checks::adamw_step(&[param, grad, exp_avg, exp_avg_sq])?;
+        checks::adamw_step(&operands)?;
+        let AdamWOperands { param, grad, exp_avg, exp_avg_sq } = operands;
         let (m, v) = (self.device_ptr(op, exp_avg)?, self.device_ptr(op, exp_avg_sq)?);
         let n = param.len();
         if n == 0 {

@@ -16,7 +16,7 @@ pub struct HostLibrary {
 }
 
 /// The first C++ compiler that answers `--version`: `$CXX`, `c++`, `g++`, `clang++`.
-pub fn compiler() -> Option<String> {
+fn compiler() -> Option<String> {
     let candidates = std::env::var("CXX").into_iter().chain(["c++", "g++", "clang++"].map(String::from));
     candidates.into_iter().find(|c| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()))
 }
