@@ -15,7 +15,7 @@
 #    the H100's).
 #
 #   source ci/candle-cuda.sh   # exports CHORUS_CANDLE_CUDA_CONFIG, the file
-#   cargo build -p chorus --features candle-cuda --config "$CHORUS_CANDLE_CUDA_CONFIG"
+#   cargo build -p chorus-cli --features candle-cuda --config "$CHORUS_CANDLE_CUDA_CONFIG"
 #   bash ci/candle-cuda.sh     # alone: prints the file's path
 #
 # Idempotent: a complete toolchain and copy (stamps of the pins, and of

@@ -19,7 +19,7 @@ profile=${PROFILE:-dev}
 case "$reps" in '' | *[!0-9]* | 0) echo "REPS must be a positive integer" >&2; exit 2 ;; esac
 mkdir -p "$out"
 
-cargo build --profile "$profile" -p chorus --bin chorus >&2
+cargo build --profile "$profile" -p chorus-cli --bin chorus >&2
 cargo build --profile "$profile" -p chorus-plan --example calibrate_cpu >&2
 dir=target/$([ "$profile" = dev ] && echo debug || echo "$profile")
 chorus=$dir/chorus

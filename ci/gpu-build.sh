@@ -22,7 +22,7 @@ config=(--config "$CHORUS_CANDLE_CUDA_CONFIG")
 
 # Debug info is stripped: with it the binaries are ~200 MB, more than a device
 # lease carries (64 MiB); symbols stay, so backtraces still name functions.
-cargo build --release -p chorus --features "$features" "${config[@]}"
+cargo build --release -p chorus-cli --features "$features" "${config[@]}"
 strip --strip-debug -o "$out/chorus" "$CARGO_TARGET_DIR/release/chorus"
 # chorus's fused ops timed against cuBLAS and (ci/kernels_torch_bench.py) PyTorch on the node.
 cargo build --release -p chorus-kernels --features cuda --example kernel_bench "${config[@]}"

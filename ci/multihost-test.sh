@@ -32,9 +32,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source ci/netns-cluster.sh
 
 CHORUS=$(realpath "${1:-${CARGO_TARGET_DIR:-target}/debug/chorus}")
-[[ -x "$CHORUS" ]] || netns_die "$CHORUS: no chorus binary (cargo build -p chorus --features ucx)"
+[[ -x "$CHORUS" ]] || netns_die "$CHORUS: no chorus binary (cargo build -p chorus-cli --features ucx)"
 "$CHORUS" conformance --backend ucx --list >/dev/null 2>&1 ||
-    netns_die "$CHORUS was built without UCX (cargo build -p chorus --features ucx)"
+    netns_die "$CHORUS was built without UCX (cargo build -p chorus-cli --features ucx)"
 
 WORK=$(mktemp -d /tmp/chorus-multihost.XXXXXX)
 cleanup() {

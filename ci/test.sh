@@ -65,24 +65,24 @@ cargo test --workspace
 step "ucx backend: unit tests, the suite with every rank in one process (2 and 4 ranks, and 2 fake hosts x 2 ranks through the hierarchical schedule), and one rank per process: the suite over 4 processes, FSDP equal to sim (chorus launch, and torchrun from the venv), killed rank, world-size disagreement, the flight recorder naming the culprit and every node's dumps gathered (about 3 minutes with UCX's build)"
 cargo test -p chorus-collectives --features ucx --lib ucx
 cargo test -p chorus-conformance --features ucx --test ucx --test ucx_hosts --test routed
-cargo test -p chorus --features ucx --test ucx
-cargo test -p chorus --features ucx --test flight_recorder
-cargo test -p chorus --features ucx --test ucx -- --ignored --exact fsdp_under_torchrun_equals_the_simulator
+cargo test -p chorus-cli --features ucx --test ucx
+cargo test -p chorus-cli --features ucx --test flight_recorder
+cargo test -p chorus-cli --features ucx --test ucx -- --ignored --exact fsdp_under_torchrun_equals_the_simulator
 
 step "several hosts made of network namespaces (2 hosts x 2 ranks, UCX, 1 Gbit/s links): the suite, FSDP and HSDP equal to sim, torchrun across hosts, checkpoints resumed on other topologies, dead, hung and partitioned hosts (during a collective and a save) ending the job within 10 s, a stalled rank named by chorus trace, hosts sharing a hostname (about 3 minutes)"
-cargo build -p chorus --features ucx
+cargo build -p chorus-cli --features ucx
 bash ci/multihost-test.sh "$CARGO_TARGET_DIR/debug/chorus"
 
 step "against PyTorch (the venv's CHORUS_PYTHON): TCPStore both ways, torchrun's agent store, PyTorch ranks under chorus launch, Python and torch's DCP reader reading checkpoints, a Hugging Face Llama trained by chorus and by PyTorch (every step's loss, the final weights through from_pretrained), tokenizer ids, the output directory through AutoTokenizer and AutoModelForCausalLM, greedy generation token for token, the lr schedule against LambdaLR"
 cargo test -p chorus-collectives --test tcpstore_torch -- --ignored
 cargo test -p chorus-collectives --test bootstrap_env -- --ignored --exact rust_ranks_join_torchruns_agent_store
-cargo test -p chorus --test launch -- --ignored --exact pytorch_ranks_rendezvous_through_the_launchers_store
+cargo test -p chorus-cli --test launch -- --ignored --exact pytorch_ranks_rendezvous_through_the_launchers_store
 cargo test -p chorus-train --test checkpoint -- --ignored
-cargo test -p chorus --test llama_torch -- --ignored
+cargo test -p chorus-cli --test llama_torch -- --ignored
 # The Llama trainer's text in and out, and its lr schedule, against transformers and torch.
-cargo test -p chorus --test tokenize -- --ignored
-cargo test -p chorus --test generate -- --ignored
-cargo test -p chorus --test lr_torch -- --ignored
+cargo test -p chorus-cli --test tokenize -- --ignored
+cargo test -p chorus-cli --test generate -- --ignored
+cargo test -p chorus-cli --test lr_torch -- --ignored
 # The float8 scaled casts (FSDP's float8 all-gather) against NumPy's recipe and torch's float8_e4m3fn.
 cargo test -p chorus-devices --test float8_numpy -- --ignored
 # The planner's activation count for a Llama layer against what PyTorch's autograd keeps.
@@ -91,7 +91,7 @@ cargo test -p chorus-plan --test saved_torch -- --ignored
 cargo test -p chorus-kernels --test ops_torch -- --ignored
 
 step "chorus train against an independent NumPy implementation (init written by numpy.save)"
-cargo build -p chorus
+cargo build -p chorus-cli
 "$CHORUS_PYTHON" ci/train_vs_numpy.py "$CARGO_TARGET_DIR/debug/chorus" "$(mktemp -d)"
 
 step "GPU backends: loading without a GPU (NCCL, NVRTC, candle's CUDA device; CUDA driver absent)"
