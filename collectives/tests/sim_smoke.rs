@@ -62,3 +62,76 @@ fn a_missing_rank_times_out_everywhere() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Issue 43: where a rank's thread cannot start (the address space is full,
+/// `ulimit -v`), `SimWorld::run` fails at once, and the ranks started before
+/// it, waiting for it in a collective, are aborted and joined before the
+/// error returns: none is left running. In a child process of this test,
+/// whose address-space limit it lowers; bounded by a deadline.
+#[test]
+fn a_rank_thread_that_cannot_start_fails_the_world_at_once() {
+    const NAME: &str = "a_rank_thread_that_cannot_start_fails_the_world_at_once";
+    const CHILD: &str = "CHORUS_SIM_SPAWN_FAILURE_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        return spawn_failure_in_this_process();
+    }
+    let exe = std::env::current_exe().unwrap();
+    let mut child = std::process::Command::new(exe)
+        .args(["--exact", NAME, "--nocapture", "--test-threads", "1"])
+        .env(CHILD, "1")
+        // One arena: the rank threads' stacks are then all that takes address space, and the first
+        // that does not fit fails to start (a thread's arena taking it first would leave no room for
+        // the signal stack Rust maps in the new thread, which aborts the process).
+        .env("MALLOC_ARENA_MAX", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{:?}: {said}", out.status);
+    assert!(said.contains("1 passed"), "the child ran the case: {said}");
+}
+
+fn spawn_failure_in_this_process() {
+    let tasks = || std::fs::read_dir("/proc/self/task").unwrap().count();
+    let mapped = || -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let kb = status.lines().find_map(|l| l.strip_prefix("VmSize:")).and_then(|v| v.trim().strip_suffix("kB"));
+        kb.and_then(|k| k.trim().parse::<u64>().ok()).unwrap() << 10
+    };
+    // The process-wide threads a world starts (the flight recorder's) are counted in `before`.
+    let warm = SimWorld::run(2, SimConfig::default(), |comm| comm.split(Some(0), 0).map(drop));
+    assert!(warm.unwrap().into_iter().all(|r| r.is_ok_and(|s| s.is_ok())));
+    std::thread::sleep(Duration::from_millis(500));
+    let before = tasks();
+    let mut old = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // Room for about 32 rank threads' stacks (2 MiB each), and half of one more: the 33rd cannot
+    // start. (The parent runs this with one malloc arena, so only the stacks take address space.)
+    let room = (64 << 20) + (1 << 20);
+    // SAFETY: getrlimit and setrlimit read and write the rlimit structs, which live for the calls.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_AS, &mut old), 0);
+        let tight = libc::rlimit { rlim_cur: mapped() + room, rlim_max: old.rlim_max };
+        assert_eq!(libc::setrlimit(libc::RLIMIT_AS, &tight), 0);
+    }
+    let started = std::time::Instant::now();
+    let config = SimConfig { timeout: Duration::from_secs(120), ..SimConfig::default() };
+    // Every rank waits in a collective (a split) for all the others.
+    let result = SimWorld::run(4096, config, |comm| comm.split(Some(0), 0).map(drop));
+    let elapsed = started.elapsed();
+    // SAFETY: as above.
+    unsafe { libc::setrlimit(libc::RLIMIT_AS, &old) };
+    let err = result.expect_err("4,096 rank threads started in 65 MiB");
+    assert!(err.to_string().contains("could not start"), "{err}");
+    assert!(elapsed < Duration::from_secs(60), "waited {elapsed:?} for the ranks");
+    assert_eq!(tasks(), before, "rank threads outlived the failed run");
+}

@@ -123,20 +123,36 @@ impl SimWorld {
         let body = Arc::new(body);
         let mut handles = Vec::with_capacity(self.size());
         for rank in 0..self.size() {
-            let comm = self.communicator(rank)?;
-            let body = body.clone();
-            let world = self.clone();
-            let handle = std::thread::Builder::new()
-                .name(format!("sim-rank{rank}"))
-                .spawn(move || {
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(comm)));
-                    if r.is_err() {
-                        world.abort(&format!("rank {rank} panicked"));
+            let started = self.communicator(rank).and_then(|comm| {
+                let body = body.clone();
+                let world = self.clone();
+                std::thread::Builder::new()
+                    .name(format!("sim-rank{rank}"))
+                    .spawn(move || {
+                        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(comm)));
+                        if r.is_err() {
+                            world.abort(&format!("rank {rank} panicked"));
+                        }
+                        r
+                    })
+                    .map_err(|e| CommError::Backend {
+                        library: "sim",
+                        code: e.raw_os_error().map_or(-1, i64::from),
+                        message: format!("rank {rank}'s thread could not start: {e}"),
+                    })
+            });
+            match started {
+                Ok(handle) => handles.push(handle),
+                Err(e) => {
+                    // The ranks already started would wait for this one until their timeout: they fail now,
+                    // and are joined before the error is returned, so none outlives the world's run.
+                    self.abort(&e.to_string());
+                    for h in handles {
+                        let _ = h.join();
                     }
-                    r
-                })
-                .map_err(|e| CommError::Backend { library: "sim", code: -1, message: e.to_string() })?;
-            handles.push(handle);
+                    return Err(e);
+                }
+            }
         }
         Ok(handles
             .into_iter()
