@@ -44,7 +44,7 @@ mod options;
 mod signals;
 pub use monitor::host_name;
 pub use options::{RecorderOptions, DEFAULT_ENTRIES, DIR_VAR, ENTRIES_VAR, MAX_ENTRIES, POLL_INTERVAL, STARTS_VAR};
-pub use signals::DUMP_WAIT;
+pub use signals::{answer_ending_signals, DUMP_WAIT};
 
 use std::collections::VecDeque;
 use std::path::PathBuf;

@@ -11,6 +11,11 @@
 //! dump is written ends the process at once (the handler resets itself).
 //! Only signals at their default action get the handler; none does when
 //! the recorder's threads could not start (nobody would answer them).
+//!
+//! A program with files of its own to remove on the way out (staged
+//! outputs, locks) answers the ending signals from its start
+//! ([`answer_ending_signals`]): SIGHUP too, and its clean-up runs after the
+//! dumps and before the process ends.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{mpsc, Mutex, OnceLock};
@@ -27,6 +32,13 @@ pub const DUMP_WAIT: Duration = Duration::from_secs(3);
 /// The signals received and not yet answered, one bit per signal number.
 static PENDING: AtomicU32 = AtomicU32::new(0);
 
+/// The signals that end the process once answered, in the order a batch of
+/// them is answered.
+const ENDING: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
+
+/// What runs before an ending signal ends the process ([`answer_ending_signals`]).
+static BEFORE_END: OnceLock<fn()> = OnceLock::new();
+
 extern "C" fn on_signal(signal: libc::c_int) {
     // Only an atomic operation: no allocation, no lock (async-signal-safe).
     if (0..32).contains(&signal) {
@@ -37,6 +49,22 @@ extern "C" fn on_signal(signal: libc::c_int) {
 /// Installs the handlers (SIGTERM and SIGINT only when `dumps`: a ring has a
 /// dump directory), each once, and starts the thread that answers them.
 pub(super) fn install(dumps: bool) {
+    let wanted: &[libc::c_int] = if dumps { &[libc::SIGUSR1, libc::SIGTERM, libc::SIGINT] } else { &[libc::SIGUSR1] };
+    install_these(wanted);
+}
+
+/// Answers SIGUSR1 from now on as a communicator's recorder does, and
+/// SIGTERM, SIGINT and SIGHUP too (each only where it is at its default
+/// action): the dumps that are due are written, then `before_end` runs
+/// (on the signal thread, once; the first program's is kept), then the
+/// process ends as the signal would have. For a program that must remove
+/// what it staged, its locks included, when it is interrupted.
+pub fn answer_ending_signals(before_end: fn()) {
+    let _ = BEFORE_END.set(before_end);
+    install_these(&[libc::SIGUSR1, libc::SIGTERM, libc::SIGINT, libc::SIGHUP]);
+}
+
+fn install_these(wanted: &[libc::c_int]) {
     static THREAD: OnceLock<bool> = OnceLock::new();
     let running =
         *THREAD.get_or_init(|| match std::thread::Builder::new().name("chorus-signals".into()).spawn(answer) {
@@ -53,7 +81,6 @@ pub(super) fn install(dumps: bool) {
     }
     static DONE: Mutex<Vec<libc::c_int>> = Mutex::new(Vec::new());
     let Ok(mut done) = DONE.lock() else { return };
-    let wanted: &[libc::c_int] = if dumps { &[libc::SIGUSR1, libc::SIGTERM, libc::SIGINT] } else { &[libc::SIGUSR1] };
     for &signal in wanted {
         if !done.contains(&signal) {
             done.push(signal);
@@ -91,7 +118,7 @@ fn answer() {
             continue;
         }
         let has = |s: libc::c_int| pending & (1 << s) != 0;
-        let ending = [libc::SIGTERM, libc::SIGINT].into_iter().find(|&s| has(s));
+        let ending = ENDING.into_iter().find(|&s| has(s));
         let signal = ending.unwrap_or(libc::SIGUSR1);
         let name = name(signal);
         match dump_within(&format!("{SIGNAL_REASON}{name}"), DUMP_WAIT) {
@@ -106,6 +133,9 @@ fn answer() {
             ),
         }
         if let Some(signal) = ending {
+            if let Some(before_end) = BEFORE_END.get() {
+                before_end();
+            }
             end_by(signal);
         }
     }
@@ -144,6 +174,7 @@ fn name(signal: libc::c_int) -> &'static str {
     match signal {
         libc::SIGTERM => "SIGTERM",
         libc::SIGINT => "SIGINT",
+        libc::SIGHUP => "SIGHUP",
         _ => "SIGUSR1",
     }
 }
