@@ -51,7 +51,7 @@ pub mod mlp;
 pub mod model_out;
 pub mod models;
 pub mod npy;
-pub mod rng;
+pub use chorus_fsdp_candle::rng;
 pub mod schedule;
 pub mod text;
 pub mod tokenize;

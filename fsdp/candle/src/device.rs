@@ -42,6 +42,20 @@ pub(crate) fn candle_device<B: Backend>(device: &B::Device) -> Result<CandleDevi
     Ok(CandleDevice::Cpu)
 }
 
+/// Refuses candle on the CPU for a device whose kernels do not reach host
+/// memory (a GPU): candle would compute there silently, far slower, with
+/// every parameter and gradient crossing to the host.
+pub(crate) fn check_compute_placement(
+    candle: &CandleDevice,
+    kernels_reach_host: bool,
+    device_name: impl FnOnce() -> String,
+) -> Result<()> {
+    if candle.is_cpu() && !kernels_reach_host {
+        return Err(crate::Error::NoCandleDevice { device: device_name() });
+    }
+    Ok(())
+}
+
 /// A parameter or a stage input as a candle variable: a copy (candle's CPU),
 /// or a variable borrowing the memory behind it (candle's CUDA device),
 /// which [`BoundVar::release`] gives back.

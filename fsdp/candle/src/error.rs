@@ -22,6 +22,17 @@ pub enum Error {
     /// An output file (the trained model, its consolidation) could not be written.
     #[error("writing {0}")]
     Write(#[from] crate::safetensors_io::WriteError),
+    /// The device computes off host memory (a GPU) but this build has no
+    /// candle device for it: candle would compute on the CPU.
+    #[error(
+        "{device} is a GPU device, but candle has no device for it in this build: it would compute on the CPU. \
+         Build with the `candle-cuda` feature (of the `chorus` crate; candle's CUDA device, NCCL), or, to compute on \
+         the CPU deliberately, make the model with FsdpModel::new_computing_on_host"
+    )]
+    NoCandleDevice {
+        /// The device's name.
+        device: String,
+    },
     /// The training loss stopped being a finite number.
     #[error("the loss became {loss} at step {step}: stopping (a NaN or infinity in the data, the weights or the learning rate)")]
     NonFinite {

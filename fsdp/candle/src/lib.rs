@@ -42,6 +42,7 @@ mod cuda;
 mod device;
 mod error;
 mod module;
+pub mod rng;
 pub mod safetensors_io;
 mod storage;
 

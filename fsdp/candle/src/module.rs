@@ -435,10 +435,25 @@ where
     C::B: ComputeBackend,
 {
     /// Wraps `fsdp` (with no groups yet, or groups the model adds stages to).
-    /// The stages compute on [`FsdpModel::device`].
+    /// The stages compute on [`FsdpModel::device`]: on a GPU device, candle's
+    /// device for that GPU, or [`Error::NoCandleDevice`] where this build has
+    /// none (never a silent fall back to the CPU).
     pub fn new(fsdp: Fsdp<C>) -> Result<Self> {
-        let groups = (0..fsdp.num_groups()).map(|_| GroupInfo::default()).collect();
         let device = crate::device::candle_device::<C::B>(fsdp.device())?;
+        use chorus_devices::Device as _;
+        crate::device::check_compute_placement(&device, fsdp.device().kernels_reach_host(), || fsdp.device().name())?;
+        Self::on(fsdp, device)
+    }
+
+    /// Like [`FsdpModel::new`], with candle computing on the CPU whatever
+    /// the device: on a GPU device, parameters and gradients cross between
+    /// the GPU and the host every step ([`Transfers::Staged`]'s route).
+    pub fn new_computing_on_host(fsdp: Fsdp<C>) -> Result<Self> {
+        Self::on(fsdp, CandleDevice::Cpu)
+    }
+
+    fn on(fsdp: Fsdp<C>, device: CandleDevice) -> Result<Self> {
+        let groups = (0..fsdp.num_groups()).map(|_| GroupInfo::default()).collect();
         let side = Side::new(fsdp.compute_stream(), &device, Transfers::Direct)?;
         let anchor = Var::zeros(1, candle_core::DType::F32, &device)?;
         Ok(FsdpModel {

@@ -1,6 +1,7 @@
-//! The deterministic generator every model, data set and test of this
-//! crate draws from: SplitMix64, so a seed gives the same numbers on every
-//! machine and version.
+//! The deterministic generator chorus's initialisations, data sets and
+//! tests draw from (the seeded weights of `chorus::model`, chorus-train's
+//! models): SplitMix64, so a seed gives the same numbers on every machine,
+//! version and rank.
 
 /// SplitMix64 (Steele, Lea and Flood, 2014): a counter advanced by the
 /// golden ratio, each output the counter through [`mix`].

@@ -1,0 +1,117 @@
+//! Testing distributed code inside `cargo test`: a function run on `n`
+//! simulated ranks (threads of the test, whatever backend the build
+//! selected), each rank's result returned, a failing or panicking rank
+//! reported with its message, and a deadline (PyTorch's
+//! `MultiThreadedTestCase`).
+//!
+//! ```
+//! use chorus::testing::run_ranks;
+//! use chorus::ReduceOp;
+//!
+//! for n in [2, 4] {
+//!     let sums = run_ranks(n, |rank| rank.all_reduce(&[1.0f64], ReduceOp::Sum))?;
+//!     assert!(sums.iter().all(|s| s[0] == n as f64));
+//! }
+//! # Ok::<(), chorus::Error>(())
+//! ```
+//!
+//! The simulated ranks are the strictest backend: stream order is checked
+//! on every buffer, and mismatched or missing collectives are errors that
+//! name the calls.
+
+use std::time::Duration;
+
+use chorus_collectives::sim::{Fault, SimComm, SimConfig, SimWorld};
+use chorus_devices::cpu::CpuConfig;
+
+use crate::rank::Rank;
+use crate::world::{run_on_threads, BoxError, Maker};
+use crate::Result;
+
+/// Runs `body` on `n` simulated ranks with [`SimRanks`]'s defaults and
+/// returns each rank's result in rank order; the first rank to fail or
+/// panic is the error, with its message.
+pub fn run_ranks<T, E, F>(n: usize, body: F) -> Result<Vec<T>>
+where
+    T: Send + 'static,
+    E: Into<BoxError> + Send + 'static,
+    F: Fn(Rank<SimComm>) -> std::result::Result<T, E> + Send + Sync + 'static,
+{
+    SimRanks::new(n).run(body)
+}
+
+/// A world of simulated ranks for a test: its size, its deadlines, faults to inject.
+#[derive(Clone, Debug)]
+pub struct SimRanks {
+    n: usize,
+    timeout: Duration,
+    deadline: Duration,
+    faults: Vec<Fault>,
+}
+
+impl SimRanks {
+    /// `n` ranks; a collective waits at most 30 s for its peers, and the
+    /// whole run at most 120 s.
+    pub fn new(n: usize) -> SimRanks {
+        SimRanks { n, timeout: Duration::from_secs(30), deadline: Duration::from_secs(120), faults: Vec::new() }
+    }
+
+    /// How long a collective waits for its peers before every rank fails.
+    pub fn timeout(mut self, timeout: Duration) -> SimRanks {
+        self.timeout = timeout;
+        self
+    }
+
+    /// How long the whole run may take before the world is aborted and the
+    /// ranks still running are named ([`Error::Deadline`](crate::Error::Deadline)).
+    pub fn deadline(mut self, deadline: Duration) -> SimRanks {
+        self.deadline = deadline;
+        self
+    }
+
+    /// Injects a fault into the world's collective sequence (a rank that
+    /// fails or never arrives at a given call).
+    pub fn fault(mut self, fault: Fault) -> SimRanks {
+        self.faults.push(fault);
+        self
+    }
+
+    /// Runs `body` on every rank; see [`run_ranks`].
+    pub fn run<T, E, F>(self, body: F) -> Result<Vec<T>>
+    where
+        T: Send + 'static,
+        E: Into<BoxError> + Send + 'static,
+        F: Fn(Rank<SimComm>) -> std::result::Result<T, E> + Send + Sync + 'static,
+    {
+        let world = sim_world(self.n, self.timeout)?;
+        for f in self.faults {
+            world.inject_fault(f)?;
+        }
+        run_on_threads(self.n, maker_of(world), Some(self.deadline), body)
+    }
+}
+
+/// A simulated world of `n` ranks whose waits end after `timeout`.
+fn sim_world(n: usize, timeout: Duration) -> Result<SimWorld> {
+    if n == 0 {
+        return Err(crate::Error::InvalidArgument("a world needs at least one rank".into()));
+    }
+    // The devices' own host waits outlast the collectives' deadline, so a
+    // missing peer is reported as the collective's timeout.
+    let device = CpuConfig::default().with_timeout(timeout * 2 + Duration::from_secs(10));
+    Ok(SimWorld::new(n, SimConfig { timeout, device })?)
+}
+
+fn maker_of(world: SimWorld) -> Maker<SimComm> {
+    let aborts = world.clone();
+    Maker {
+        make: Box::new(move |rank| Ok(std::sync::Arc::new(world.communicator(rank)?))),
+        abort: Box::new(move |reason| aborts.abort(reason)),
+    }
+}
+
+/// The sim backend's ranks as threads ([`crate::World`] without a launcher).
+#[cfg(not(any(feature = "nccl", feature = "rccl", feature = "ucx")))]
+pub(crate) fn sim_maker(n: usize, timeout: Duration) -> Result<Maker<SimComm>> {
+    Ok(maker_of(sim_world(n, timeout)?))
+}
