@@ -17,9 +17,13 @@ run cargo test -p chorus --features candle --doc
 for example in collectives own_model same_main testing_your_code; do
     run cargo run -q -p chorus --features candle --example "$example"
 done
-# The same main built for the other backends (run under a launcher or on a GPU elsewhere).
-run cargo build -q -p chorus --no-default-features --features ucx,candle --examples
-run cargo build -q -p chorus --no-default-features --features nccl,candle --examples
-run cargo build -q -p chorus --no-default-features --features rccl --example collectives
+# The same main on ucx: 4 processes under `chorus launch`, one rank each.
+run cargo build -q -p chorus --features ucx,candle --examples
+run cargo build -q -p chorus-cli
+run "$CARGO_TARGET_DIR/debug/chorus" launch --nproc-per-node 4 -- "$CARGO_TARGET_DIR/debug/examples/collectives"
+run "$CARGO_TARGET_DIR/debug/chorus" launch --nproc-per-node 2 -- "$CARGO_TARGET_DIR/debug/examples/same_main"
+# The GPU backends' builds (run on a GPU elsewhere: ci/gpu-check.sh).
+run cargo build -q -p chorus --features nccl,candle --examples
+run cargo build -q -p chorus --features rccl --examples
 # The rustdoc of the crate users read first, without a warning.
 RUSTDOCFLAGS="-D warnings" run cargo doc -q -p chorus --features candle --no-deps

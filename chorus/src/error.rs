@@ -33,13 +33,14 @@ pub enum Error {
     #[cfg(feature = "candle")]
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
-    /// A rank's function returned an error (its message, with its causes).
-    #[error("rank {rank} failed: {message}")]
+    /// A rank's function returned an error: the rank, and the error as it
+    /// was returned ([`Error::rank_error`] gives it back typed).
+    #[error("rank {rank} failed: {}", chain(error.as_ref()))]
     Rank {
         /// The rank.
         rank: usize,
-        /// What it returned, as text.
-        message: String,
+        /// What its function returned.
+        error: BoxError,
     },
     /// A rank's function panicked.
     #[error("rank {rank} panicked: {message}")]
@@ -77,12 +78,36 @@ pub enum Error {
     Unsupported(String),
 }
 
+/// What a rank's function may fail with: any error (`chorus::Error`,
+/// `anyhow::Error`, `std::io::Error`, a `String`).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
 impl Error {
-    /// The rank an error names, if it names one.
+    /// The rank that failed, where a rank's function failed or panicked.
     pub fn rank(&self) -> Option<usize> {
         match self {
-            Error::Rank { rank, .. } | Error::Panicked { rank, .. } | Error::WeightsDiffer { rank, .. } => Some(*rank),
+            Error::Rank { rank, .. } | Error::Panicked { rank, .. } => Some(*rank),
             _ => None,
         }
     }
+
+    /// The error a rank's function returned, as its own type `E` (a
+    /// `chorus::Error` to match on, an `std::io::Error`, ...).
+    pub fn rank_error<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        match self {
+            Error::Rank { error, .. } => error.downcast_ref::<E>(),
+            _ => None,
+        }
+    }
+}
+
+/// An error's message with its causes, `: `-separated.
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut message = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        message.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
+    message
 }

@@ -68,10 +68,10 @@ pub use chorus_fsdp_candle as fsdp_candle;
 pub use {candle_core, candle_nn};
 
 pub use chorus_collectives::{CommBackend, Communicator, ReduceOp};
-pub use error::{Error, Result};
+pub use error::{BoxError, Error, Result};
 pub use job::Job;
 pub use rank::Rank;
-pub use world::{run, BoxError, SelectedBackend, World, SELECTED_BACKEND};
+pub use world::{run, SelectedBackend, World, SELECTED_BACKEND};
 
 /// What a training program needs in scope: `use chorus::prelude::*;`.
 pub mod prelude {

@@ -25,8 +25,8 @@ use chorus_collectives::sim::{Fault, SimComm, SimConfig, SimWorld};
 use chorus_devices::cpu::CpuConfig;
 
 use crate::rank::Rank;
-use crate::world::{run_on_threads, BoxError, Maker};
-use crate::Result;
+use crate::world::{run_on_threads, Maker};
+use crate::{BoxError, Result};
 
 /// Runs `body` on `n` simulated ranks with [`SimRanks`]'s defaults and
 /// returns each rank's result in rank order; the first rank to fail or

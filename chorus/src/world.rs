@@ -19,7 +19,7 @@ use chorus_collectives::{CommBackend, Communicator};
 
 use crate::job::Job;
 use crate::rank::Rank;
-use crate::{Error, Result};
+use crate::{BoxError, Error, Result};
 
 /// The communication backend this build selected: the most specific
 /// backend feature enabled (`nccl`, then `rccl`, then `ucx`, then `sim`).
@@ -224,7 +224,7 @@ where
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 let comm = (maker.make)(rank)?;
                 let r = Rank::new(comm)?;
-                body(r).map_err(|e| rank_error(rank, e.into()))
+                body(r).map_err(|e| Error::Rank { rank, error: e.into() })
             }));
             let outcome = match outcome {
                 Ok(Ok(v)) => Outcome::Done(v),
@@ -304,28 +304,6 @@ fn first_of(mut failures: Vec<Option<Error>>, first: &AtomicUsize) -> Option<Err
     failures.get_mut(claimed).and_then(Option::take).or_else(|| failures.into_iter().flatten().next())
 }
 
-/// What a rank's function may fail with: any error (`chorus::Error`,
-/// `anyhow::Error`, `std::io::Error`, a `String`).
-pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
-
-/// Rank `rank`'s failure: a [`chorus::Error`](Error) as it is (typed, for
-/// the caller to match), any other error as [`Error::Rank`] with its chain
-/// of causes.
-fn rank_error(rank: usize, e: BoxError) -> Error {
-    match e.downcast::<Error>() {
-        Ok(ours) => *ours,
-        Err(other) => {
-            let mut message = other.to_string();
-            let mut cause = other.source();
-            while let Some(c) = cause {
-                message.push_str(&format!(": {c}"));
-                cause = c.source();
-            }
-            Error::Rank { rank, message }
-        }
-    }
-}
-
 /// A panic's message, where it is text.
 pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
@@ -382,7 +360,7 @@ where
 {
     let comm = Arc::new(launched::communicator(job, timeout)?);
     let rank = job.env.rank;
-    let value = body(Rank::new(comm)?).map_err(|e| rank_error(rank, e.into()))?;
+    let value = body(Rank::new(comm)?).map_err(|e| Error::Rank { rank, error: e.into() })?;
     job.finish("world", timeout)?;
     Ok(value)
 }

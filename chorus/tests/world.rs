@@ -50,7 +50,8 @@ fn a_rank_that_returns_an_error_is_named_and_the_others_stop_at_once() {
             rank.all_reduce(&[1.0f32], ReduceOp::Sum).map_err(|e| e.to_string())
         })
         .unwrap_err();
-    assert!(matches!(&err, Error::Rank { rank: 2, message } if message == "no data on rank 2"), "{err}");
+    assert_eq!(err.rank(), Some(2), "{err}");
+    assert_eq!(err.to_string(), "rank 2 failed: no data on rank 2");
     assert!(start.elapsed() < Duration::from_secs(20), "the others waited {:?}", start.elapsed());
 }
 
@@ -93,10 +94,10 @@ fn an_injected_fault_fails_every_rank_with_the_first_failure() {
             Ok(())
         })
         .unwrap_err();
-    // A chorus error a rank returns comes back typed, as it is; whichever
-    // rank's comes first (the faulty one's, or another's aborted by it), it
-    // names the fault.
-    assert!(matches!(&err, Error::Comm(_) | Error::Device(_)), "{err:?}");
+    // A chorus error a rank returns comes back typed; whichever rank's
+    // comes first (the faulty one's, or another's aborted by it), it names
+    // the fault.
+    assert!(matches!(err.rank_error::<Error>(), Some(Error::Comm(_) | Error::Device(_))), "{err:?}");
     assert!(err.to_string().contains("injected fault"), "{err}");
 }
 
