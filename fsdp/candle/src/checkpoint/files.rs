@@ -199,6 +199,16 @@ pub fn resolve(dir: &Path) -> Result<PathBuf, CheckpointError> {
         return Ok(dir.to_path_buf());
     }
     let latest = dir.join(LATEST);
+    // A `latest` that is a link to a step directory (another tool's convention) names it as the file would; a
+    // directory is never read as the file (that gave "Is a directory").
+    if std::fs::metadata(&latest).is_ok_and(|m| m.is_dir()) {
+        let target = std::fs::read_link(&latest)
+            .map_or_else(|_| "itself: a directory, not the file naming a step".into(), |t| t.display().to_string());
+        return match std::fs::canonicalize(&latest) {
+            Ok(step) if step.join(MANIFEST).exists() => Ok(step),
+            _ => Err(CheckpointError::DanglingLatest { latest, target }),
+        };
+    }
     let text = match std::fs::read_to_string(&latest) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -351,5 +361,38 @@ impl Opened {
             }
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 43: a `latest` that is a directory gave "Is a directory (os
+    /// error 21)": a link to a complete step names it; a link to anything
+    /// else, or a directory, is a `latest` that names no checkpoint.
+    #[test]
+    fn a_latest_that_is_a_directory_is_read_as_what_it_names() {
+        let root = std::env::temp_dir().join(format!("chorus-latest-dir-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(root.join("step-00000002")).unwrap();
+        std::fs::write(root.join("step-00000002").join(MANIFEST), "{}").unwrap();
+        std::os::unix::fs::symlink("step-00000002", root.join(LATEST)).unwrap();
+        let step = std::fs::canonicalize(root.join("step-00000002")).unwrap();
+        assert_eq!(resolve(&root).unwrap(), step);
+        std::fs::create_dir_all(root.join("empty")).unwrap();
+        std::fs::remove_file(root.join(LATEST)).unwrap();
+        std::os::unix::fs::symlink("empty", root.join(LATEST)).unwrap();
+        match resolve(&root) {
+            Err(CheckpointError::DanglingLatest { target, .. }) => assert_eq!(target, "empty"),
+            other => panic!("expected DanglingLatest, got {other:?}"),
+        }
+        std::fs::remove_file(root.join(LATEST)).unwrap();
+        std::fs::create_dir_all(root.join(LATEST)).unwrap();
+        match resolve(&root) {
+            Err(CheckpointError::DanglingLatest { target, .. }) => assert!(target.contains("a directory"), "{target}"),
+            other => panic!("expected DanglingLatest, got {other:?}"),
+        }
+        std::fs::remove_dir_all(&root).ok();
     }
 }
