@@ -266,7 +266,6 @@ fn signal_child() {
 /// is waiting, with its stderr lines as they come.
 fn start_signal_child(dir: Option<&Path>) -> (std::process::Child, mpsc::Receiver<String>) {
     use std::io::BufRead;
-    use std::os::unix::process::CommandExt;
     let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
     cmd.args(["--exact", "signal_child", "--ignored", "--nocapture", "--test-threads", "1"])
         .env_remove("CHORUS_TRACE_DIR")
@@ -278,15 +277,7 @@ fn start_signal_child(dir: Option<&Path>) -> (std::process::Child, mpsc::Receive
     if let Some(dir) = dir {
         cmd.env("CHORUS_TRACE_DIR", dir);
     }
-    // SAFETY: signal(2) is async-signal-safe and touches no memory.
-    unsafe {
-        cmd.pre_exec(|| {
-            for s in [libc::SIGTERM, libc::SIGINT, libc::SIGUSR1] {
-                libc::signal(s, libc::SIG_DFL);
-            }
-            Ok(())
-        });
-    }
+    common::default_signals(&mut cmd);
     let mut child = cmd.spawn().unwrap();
     let (out, err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
     let (ready_tx, ready) = mpsc::channel();

@@ -51,10 +51,9 @@ use crate::Outcome;
 /// Runs `chorus train`, its arguments read from this process's command
 /// line with `--config`'s file.
 pub fn run() -> anyhow::Result<Outcome> {
-    // SIGUSR1 (a flight-recorder dump) must not end the run while it reads or tokenizes its data.
-    chorus_collectives::recorder::answer_signals();
     let args = &TrainArgs::resolve()?;
     args.usage()?;
+    ranks::check_cpu_cache_setting()?;
     memory::check(args)?;
     throughput::check_peak(args)?;
     op_times::check(args)?;

@@ -11,11 +11,41 @@ pub fn chorus_path() -> &'static str {
 }
 
 /// The binary, its flight-recorder dumps (of ranks that fail or are
-/// stopped) going to a scratch directory instead of the current one.
+/// stopped) going to a scratch directory instead of the current one, and
+/// the signals the tests send at their default action (`default_signals`).
 pub fn chorus() -> Command {
     let mut cmd = Command::new(chorus_path());
     cmd.env("CHORUS_TRACE_DIR", std::env::temp_dir().join(format!("chorus-cli-trace-{}", std::process::id())));
+    default_signals(&mut cmd);
     cmd
+}
+
+/// The signals tests send to a child (SIGINT, SIGTERM, SIGHUP, SIGQUIT,
+/// SIGUSR1, SIGUSR2) at their default action in it, and its signal mask
+/// empty, whatever this test process inherited. A suite started in the
+/// background by a script (`nohup bash ci/test.sh &`) has SIGINT ignored;
+/// the child would inherit that, chorus rightly keeps an inherited ignore,
+/// and a test that interrupts it would see it run to the end. Every test
+/// that signals a child it starts without `chorus()` calls this itself.
+/// A test that wants an ignored signal adds its own `pre_exec` after this
+/// one (they run in order).
+pub fn default_signals(cmd: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: only async-signal-safe calls (sigemptyset, pthread_sigmask,
+    // signal) between fork and exec; no memory of the parent is touched.
+    unsafe {
+        cmd.pre_exec(|| {
+            let mut none: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut none);
+            libc::pthread_sigmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+            for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT, libc::SIGUSR1, libc::SIGUSR2] {
+                if libc::signal(signal, libc::SIG_DFL) == libc::SIG_ERR {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        })
+    }
 }
 
 pub fn text(bytes: &[u8]) -> String {

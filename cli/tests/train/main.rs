@@ -8,8 +8,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "../common/mod.rs"]
+mod common;
+
+/// The binary, the signals the tests send at their defaults (as `common::chorus`).
 fn chorus() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_chorus"))
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_chorus"));
+    common::default_signals(&mut cmd);
+    cmd
 }
 
 fn run(args: &[&str]) -> Output {
@@ -54,25 +60,7 @@ fn gpt(extra: &[&str]) -> Output {
 fn spawn_quiet(args: &[&str]) -> Child {
     let mut cmd = chorus();
     cmd.args(args).stdout(Stdio::null()).stderr(Stdio::null());
-    default_sigint(&mut cmd);
     cmd.spawn().expect("start chorus")
-}
-
-/// Gives the child SIGINT's default action and an empty signal mask.
-fn default_sigint(cmd: &mut Command) {
-    use std::os::unix::process::CommandExt;
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            let mut none: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut none);
-            libc::pthread_sigmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
-            if libc::signal(libc::SIGINT, libc::SIG_DFL) == libc::SIG_ERR {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
 }
 
 /// Runs `args` to the end, or kills it after `limit` (then `None`): a check
