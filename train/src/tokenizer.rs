@@ -60,12 +60,15 @@ pub enum TokenizerError {
         why: String,
     },
     /// A token named as special (`--eos`, `eos_token`) is not in the vocabulary.
-    #[error("the {role} token {token:?} is not a token of this tokenizer")]
+    #[error("the {role} token {token:?} ({from}) is not a token of this tokenizer")]
     UnknownToken {
         /// Which special token ("end-of-text", ...).
         role: &'static str,
         /// The token.
         token: String,
+        /// Where it was named (`eos_token of DIR/tokenizer_config.json`, `--eos`), since the user may not
+        /// have typed it.
+        from: String,
     },
     /// The tokenizer has no end-of-text token, which joins documents.
     #[error(
@@ -221,18 +224,20 @@ impl HfTokenizer {
             }
         };
         let (eos, bos, pad) = (named("eos_token")?, named("bos_token")?, named("pad_token")?);
-        t.eos = t.special("end-of-text", eos, &EOS_NAMES)?;
-        t.bos = t.special("beginning-of-text", bos, &BOS_NAMES)?;
-        t.pad = t.special("padding", pad, &[])?;
+        let from = |key: &str| format!("{key} of {}", config_path.display());
+        t.eos = t.special("end-of-text", eos.map(|e| (e, from("eos_token"))), &EOS_NAMES)?;
+        t.bos = t.special("beginning-of-text", bos.map(|b| (b, from("bos_token"))), &BOS_NAMES)?;
+        t.pad = t.special("padding", pad.map(|p| (p, from("pad_token"))), &[])?;
         Ok(t)
     }
 
-    /// The special token `named` (which must exist), or else the first of `usual` that does.
-    fn special(&self, role: &'static str, named: Option<String>, usual: &[&str]) -> Result<Option<Special>> {
+    /// The special token `named` (which must exist; with where it was
+    /// named), or else the first of `usual` that does.
+    fn special(&self, role: &'static str, named: Option<(String, String)>, usual: &[&str]) -> Result<Option<Special>> {
         match named {
-            Some(token) => match self.inner.token_to_id(&token) {
+            Some((token, from)) => match self.inner.token_to_id(&token) {
                 Some(id) => Ok(Some(Special { token, id })),
-                None => Err(TokenizerError::UnknownToken { role, token }),
+                None => Err(TokenizerError::UnknownToken { role, token, from }),
             },
             None => {
                 Ok(usual.iter().find_map(|t| self.inner.token_to_id(t).map(|id| Special { token: t.to_string(), id })))
@@ -242,7 +247,7 @@ impl HfTokenizer {
 
     /// Uses `token` as the end-of-text token (`--eos`): it must be a token of the vocabulary.
     pub fn with_eos(mut self, token: &str) -> Result<HfTokenizer> {
-        self.eos = self.special("end-of-text", Some(token.to_string()), &[])?;
+        self.eos = self.special("end-of-text", Some((token.to_string(), "--eos".into())), &[])?;
         Ok(self)
     }
 
@@ -444,9 +449,14 @@ mod tests {
         );
         // --eos must name a token; a config naming an unknown one is refused.
         assert!(matches!(back.with_eos("<nope>"), Err(TokenizerError::UnknownToken { .. })));
+        let back = HfTokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
         std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token": {"content": "</s>"}}"#).unwrap();
         let err = HfTokenizer::from_file(&dir.join("tokenizer.json")).unwrap_err().to_string();
-        assert!(err.contains("\"</s>\" is not a token"), "{err}");
+        // Issue 43: a token the user did not type says where it was named.
+        let from = format!("\"</s>\" (eos_token of {}) is not a token", dir.join("tokenizer_config.json").display());
+        assert!(err.contains(&from), "{err}");
+        let err = back.with_eos("<nope>").unwrap_err().to_string();
+        assert!(err.contains("\"<nope>\" (--eos) is not a token"), "{err}");
         std::fs::remove_dir_all(&dir).ok();
     }
 
