@@ -74,7 +74,11 @@ pub fn run(args: &ConsolidateArgs) -> anyhow::Result<Outcome> {
     }
     let files = chorus_fsdp_candle::checkpoint::consolidate(&args.checkpoint, &args.out, max)
         .with_context(|| format!("consolidating {}", args.checkpoint.display()))?;
-    println!("wrote {} file(s) and model.safetensors.index.json to {}", files.len(), args.out.display());
+    crate::print_out(format_args!(
+        "wrote {} file(s) and model.safetensors.index.json to {}\n",
+        files.len(),
+        args.out.display()
+    ))?;
     Ok(Outcome::Passed)
 }
 
@@ -141,6 +145,6 @@ fn consolidate_llama(args: &ConsolidateArgs, config: &Path, max: usize) -> anyho
         let _ = std::fs::remove_dir_all(&stage);
     }
     let files = result?;
-    println!("wrote a Hugging Face Llama directory ({files} files) to {}", args.out.display());
+    crate::print_out(format_args!("wrote a Hugging Face Llama directory ({files} files) to {}\n", args.out.display()))?;
     Ok(Outcome::Passed)
 }

@@ -100,6 +100,37 @@ fn tokenizer(dir: &Path) -> anyhow::Result<tokenizers::Tokenizer> {
     }
 }
 
+/// What `dir`, which is no model directory, is and what to pass instead,
+/// where it is something chorus wrote: a `chorus train` out-dir (a Llama's
+/// model is in its `model/`; another model's is no Llama), a checkpoint
+/// (`chorus consolidate` writes a Llama's as a model directory), a plan.
+/// `None` for anything else (the missing file is then named).
+fn what_dir_is(dir: &Path) -> Option<String> {
+    let d = dir.display();
+    let marker = std::fs::read_to_string(dir.join(".chorus-out")).unwrap_or_default();
+    let command = marker.lines().find_map(|l| l.strip_prefix("command: ")).map(str::to_string);
+    let is_checkpoint = ["chorus_checkpoint.json", "latest"].iter().any(|f| dir.join(f).exists())
+        || std::fs::read_dir(dir).into_iter().flatten().flatten().any(|e| {
+            e.file_name().to_string_lossy().starts_with("step-") && e.path().join("chorus_checkpoint.json").exists()
+        });
+    match command.as_deref() {
+        Some("train") if dir.join("model").join("config.json").exists() => Some(format!(
+            "{d} is the out-dir of a `chorus train --model llama` run; its Hugging Face model directory is {}: pass that",
+            dir.join("model").display()
+        )),
+        Some("train") => Some(format!(
+            "{d} is the out-dir of a `chorus train` run of a model that is no Hugging Face Llama (--model gpt, moe or \
+             mlp); chorus generate runs Llama directories: train one with --model llama and pass its OUT/model"
+        )),
+        Some(other) => Some(format!("{d} is the out-dir of `chorus {other}`, which holds no model: give a model directory")),
+        None if is_checkpoint => Some(format!(
+            "{d} is a checkpoint of `chorus train`, not a model directory: a --model llama checkpoint becomes one with \
+             `chorus consolidate {d} OUT` (then pass OUT)"
+        )),
+        None => None,
+    }
+}
+
 /// PyTorch's name of the dtype computed in (what `model.dtype` prints).
 fn torch_name(d: candle_core::DType) -> &'static str {
     match d {
@@ -127,6 +158,11 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<Outcome> {
     if !args.dir.is_dir() {
         let why = if args.dir.exists() { "is not a directory" } else { "does not exist" };
         return Err(UsageError(format!("{} {why}; give a model directory", args.dir.display())).into());
+    }
+    if !args.dir.join("config.json").exists() || !args.dir.join("tokenizer.json").exists() {
+        if let Some(what) = what_dir_is(&args.dir) {
+            return Err(UsageError(what).into());
+        }
     }
     let tokenizer = tokenizer(&args.dir)?;
     let decoder = match Decoder::open(&args.dir) {

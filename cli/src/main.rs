@@ -33,6 +33,7 @@ mod bench;
 mod conformance;
 mod consolidate;
 mod generate;
+mod interrupt;
 #[cfg(feature = "sim")]
 mod job;
 mod launch;
@@ -54,7 +55,7 @@ use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
 
-pub use outcome::{usage, Outcome, UsageError};
+pub use outcome::{print_out, usage, Outcome, UsageError};
 
 /// One collective-communication API with NCCL semantics over several backends.
 #[derive(Debug, Parser)]
@@ -111,6 +112,11 @@ fn main() -> ExitCode {
         Command::Trace(_) => "trace",
         Command::Tokenize(_) => "tokenize",
     };
+    // Every command but these answers the signals chorus documents (`interrupt`): `info` and `trace` only read, and
+    // `launch` forwards them to its ranks.
+    if !matches!(subcommand, "info" | "trace" | "launch") {
+        interrupt::answer_signals();
+    }
     let result = match cli.command {
         Command::Info => backends::info(),
         Command::Bench(args) => bench::run(&args),
@@ -133,19 +139,28 @@ fn main() -> ExitCode {
                 let mut cli = Cli::command();
                 cli.build();
                 let kind = clap::error::ErrorKind::ValueValidation;
+                let msg = with_sources(&usage.0);
                 match cli.find_subcommand_mut(subcommand) {
-                    Some(sub) => sub.error(kind, &usage.0).exit(),
-                    None => cli.error(kind, &usage.0).exit(),
+                    Some(sub) => sub.error(kind, msg).exit(),
+                    None => cli.error(kind, msg).exit(),
                 }
             }
             // A closed pipe (`chorus ... | head`) ends the output, not the program with an error.
             None if is_broken_pipe(&e) => ExitCode::SUCCESS,
             None => {
-                eprintln!("error: {e:#}");
+                eprintln!("error: {}", with_sources(&format!("{e:#}")));
                 ExitCode::from(1)
             }
         },
     }
+}
+
+/// `msg` with where the flags it names got values the user did not type (a job file).
+fn with_sources(msg: &str) -> String {
+    #[cfg(feature = "sim")]
+    return job::file::with_sources(msg);
+    #[cfg(not(feature = "sim"))]
+    msg.to_string()
 }
 
 fn is_broken_pipe(e: &anyhow::Error) -> bool {

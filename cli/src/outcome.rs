@@ -28,3 +28,12 @@ pub enum Outcome {
     /// Something ran but failed (wrong values, failed cases); already reported.
     Failed,
 }
+
+/// Prints `text` on stdout, an error where it cannot be written: a closed
+/// pipe (`chorus ... | head`) ends the output, not the program with a
+/// panic as `print!` would (`main` turns a broken pipe into success).
+pub fn print_out(text: std::fmt::Arguments<'_>) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_fmt(text).and_then(|_| out.flush()).map_err(|e| anyhow::Error::new(e).context("writing to stdout"))
+}

@@ -168,6 +168,8 @@ impl OutDir {
             _lock: lock,
         };
         out.remove_dead_partials(&parent);
+        // Named by this process's pid and start time, so only ours: removed if a signal ends the run.
+        crate::interrupt::remove_if_interrupted(&out.stage);
         let made = (|| {
             if out.stage.exists() {
                 std::fs::remove_dir_all(&out.stage)?;
@@ -284,6 +286,7 @@ impl Drop for OutDir {
         if !self.committed {
             let _ = std::fs::remove_dir_all(&self.stage);
         }
+        crate::interrupt::forget(&self.stage);
     }
 }
 
@@ -391,6 +394,11 @@ mod tests {
         std::fs::write(dest.join(MARKER), "written by chorus; replaced whole by the next run into it\n").unwrap();
         let err = run_into(&dest, &[]).unwrap_err().to_string();
         assert!(err.contains("older chorus") && err.contains("summary.json"), "{err}");
+        assert!(dest.join("summary.json").exists());
+        // Issue 43: a damaged marker is called damaged, not an older chorus's.
+        std::fs::write(dest.join(MARKER), "\0\0garbage").unwrap();
+        let err = run_into(&dest, &[]).unwrap_err().to_string();
+        assert!(err.contains("no marker chorus wrote") && !err.contains("older"), "{err}");
         assert!(dest.join("summary.json").exists());
         std::fs::remove_dir_all(&root).ok();
     }

@@ -170,8 +170,16 @@ pub fn model(args: &PlanArgs) -> anyhow::Result<Model> {
 /// [`MAX_STAGE_RUNS`] stage runs per step, checked before the groups are built.
 fn check_runs(job: &JobArgs, layers: usize) -> anyhow::Result<()> {
     if layers > MAX_LAYERS {
+        // In the words of the job's own limit (`JobArgs::check`), and naming it, so the two read as one rule.
+        let what = if job.init_from.is_some() {
+            format!("--init-from's {layers} layers")
+        } else {
+            format!("--layers {layers}")
+        };
         return Err(usage(format!(
-            "{layers} layers: a plan runs FSDP on every layer's group, at most {MAX_LAYERS} layers"
+            "{what} is more than chorus plans (at most {MAX_LAYERS} layers: a plan runs FSDP on every layer's group; \
+             chorus train trains at most {})",
+            chorus_train::models::llama::config::MAX_LAYERS
         )));
     }
     let runs = job.micro_batches.saturating_mul(layers + 2);
@@ -469,21 +477,27 @@ fn run_plan(args: &PlanArgs) -> anyhow::Result<Outcome> {
         None => None,
     };
     let plan = execute(args, &model, priced)?;
-    print!("{}", plan.text());
+    // The outputs first: a closed stdout (`chorus plan ... | head`) then loses only the report's lines.
     if let Some(out) = out {
         plan.write(out.stage())?;
         out.commit()?;
     }
+    crate::print_out(format_args!("{}", plan.text()))?;
     // A plan that does not fit, or whose ranks diverge, is a failed plan (exit status 1).
     Ok(if plan.divergence.is_some() || plan.fits == Some(false) { Outcome::Failed } else { Outcome::Passed })
 }
 
-/// Which keys of a job file a plan takes: the job's; `chorus train`'s
-/// other flags (its run settings) are passed over.
+/// Which keys of a job file a plan takes: the job's and the plan's own
+/// (`gpus`, `gpu`, `kernels`, ...); `chorus train`'s other flags (its run
+/// settings) are passed over. `out_dir` is both a plan's and a run's: in a
+/// file it is the run's (a `config.toml` names the run's out-dir), so it is
+/// passed over, and a plan's out-dir is given on the command line.
 fn file_scope() -> crate::job::file::Scope {
     use clap::Args;
+    // A hidden flag is no key of a job file.
+    let plan = PlanArgs::augment_args(clap::Command::new("plan")).mut_arg("out_dir", |a| a.hide(true));
     crate::job::file::Scope {
-        takes: Some(JobArgs::augment_args(clap::Command::new("job"))),
+        takes: Some(plan),
         passes_over: Some(crate::train::TrainArgs::augment_args(clap::Command::new("train"))),
     }
 }

@@ -66,6 +66,42 @@ pub fn check_memory(needed: u128, what: &str, hint: &str) -> Result<(), String> 
     Err(format!("{what} needs {need} of memory; {:.1} GiB are available ({hint})", gib(available)))
 }
 
+/// The address space this process has mapped now (`/proc/self/status`).
+pub fn mapped_now() -> u128 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kb = status.lines().find_map(|l| l.strip_prefix("VmSize:")).and_then(|v| v.trim().strip_suffix("kB"));
+    kb.and_then(|k| k.trim().parse::<u128>().ok()).map_or(0, |k| k << 10)
+}
+
+/// A resource limit's soft value, `None` where unlimited.
+pub fn soft_limit(resource: libc::__rlimit_resource_t) -> Option<u128> {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes the limit into `limit`, which lives for the call.
+    let got = unsafe { libc::getrlimit(resource, &mut limit) };
+    (got == 0 && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur as u128)
+}
+
+/// Refuses work that needs `more` bytes of address space beyond what this
+/// process has mapped now where the address-space limit (`ulimit -v`)
+/// cannot hold them: an allocation that fails aborts the process (Rust's
+/// allocation failure), so it is found before the work starts.
+pub fn check_address_space(more: u128, what: &str) -> Result<(), String> {
+    let Some(limit) = soft_limit(libc::RLIMIT_AS) else { return Ok(()) };
+    let now = mapped_now();
+    if now.saturating_add(more) <= limit {
+        return Ok(());
+    }
+    let mib = |b: u128| b >> 20;
+    Err(format!(
+        "{what} needs about {} MiB of address space beyond the {} MiB mapped now; this process may map {} MiB \
+         (ulimit -v {}): raise the limit",
+        mib(more),
+        mib(now),
+        mib(limit),
+        limit >> 10
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

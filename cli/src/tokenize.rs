@@ -13,7 +13,8 @@
 //! replaced only with the tokenizer it describes (see [`companion_config`]).
 //! Outputs are staged (`.NAME.PID.partial`) and renamed into place when
 //! complete; SIGINT, SIGTERM and SIGHUP remove this run's staged files
-//! before ending it as they would have, and a later run removes those of
+//! before ending it as they would have, SIGUSR1 does not end it
+//! ([`crate::interrupt`]), and a later run removes those of
 //! runs that died otherwise (a process no longer running; never a live
 //! one's).
 //!
@@ -86,15 +87,17 @@ pub fn run(args: &TokenizeArgs) -> anyhow::Result<Outcome> {
         regular_file(path).map_err(|e| usage(format!("--input {}: {e}", path.display())))?;
         total += std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
     }
-    // Never write what is read (the inputs, and the tokenizer encoded with), whatever --overwrite says.
+    // Never write what is read (the inputs, the tokenizer encoded with and the tokenizer_config.json beside it,
+    // which names its end-of-text token), whatever --overwrite says.
+    let config = args.tokenizer.with_file_name("tokenizer_config.json");
     let mut read: Vec<(&str, &Path)> = args.input.iter().map(|p| ("--input", p.as_path())).collect();
     if !args.train_tokenizer {
         read.push(("--tokenizer", &args.tokenizer));
+        read.push(("--tokenizer's tokenizer_config.json", &config));
     }
     refuse_overlap("--out", &args.out, &read)?;
     check_dest(&args.out, args.overwrite).map_err(|e| usage(format!("--out: {e}")))?;
     parent_dir("--out", &args.out)?;
-    let config = args.tokenizer.with_file_name("tokenizer_config.json");
     let mut staged = vec![args.out.clone()];
     if args.train_tokenizer {
         let mut taken = read.clone();
@@ -109,17 +112,25 @@ pub fn run(args: &TokenizeArgs) -> anyhow::Result<Outcome> {
         }
         staged.extend([args.tokenizer.clone(), config.clone()]);
     }
+    check_encode_memory().map_err(usage)?;
     for path in &staged {
         for stale in chorus_train::files::remove_stale_staged(path) {
             eprintln!("removed {}, left by an interrupted run", stale.display());
         }
     }
-    staged::remove_on_signals(staged);
+    // Removed when a signal ends the run (`crate::interrupt`): their names are this process's.
+    for path in &staged {
+        if let Some(staged) = chorus_train::files::staged_path(path, std::process::id()) {
+            crate::interrupt::remove_if_interrupted(&staged);
+        }
+    }
     let format = match &args.field {
         Some(field) => Format::JsonLines { field: field.clone() },
         None => Format::Text,
     };
     let started = Instant::now();
+    // Printed once everything is written: a closed stdout then loses only the lines, never the outputs.
+    let mut trained_line = String::new();
     let tok = if let (true, Some(v)) = (args.train_tokenizer, args.vocab_size) {
         let bar = bytes_bar(total, "training the tokenizer");
         let trained = tokenize::train_tokenizer(&args.input, &format, v, &|b| bar.set_position(b));
@@ -128,8 +139,8 @@ pub fn run(args: &TokenizeArgs) -> anyhow::Result<Outcome> {
         write_staged(&args.tokenizer, tok.json(), args.overwrite)?;
         let config_bytes = serde_json::to_vec_pretty(&tok.config_json(args.seq_len + 1))?;
         write_staged(&config, &config_bytes, args.overwrite)?;
-        println!(
-            "{}: a byte-level BPE of {} tokens trained on {} bytes in {:.1} s (and {})",
+        trained_line = format!(
+            "{}: a byte-level BPE of {} tokens trained on {} bytes in {:.1} s (and {})\n",
             args.tokenizer.display(),
             tok.vocab_size(),
             total,
@@ -153,8 +164,8 @@ pub fn run(args: &TokenizeArgs) -> anyhow::Result<Outcome> {
     bar.finish_and_clear();
     let (packed, dtype) = done?;
     let secs = started.elapsed().as_secs_f64();
-    println!(
-        "{}: {} rows of {} ({}): {} documents, {} tokens, {} tail tokens dropped; {} bytes in {secs:.1} s ({:.1} MB/s, {:.0} tokens/s)",
+    crate::print_out(format_args!(
+        "{trained_line}{}: {} rows of {} ({}): {} documents, {} tokens, {} tail tokens dropped; {} bytes in {secs:.1} s ({:.1} MB/s, {:.0} tokens/s)\n",
         args.out.display(),
         packed.rows,
         args.seq_len + 1,
@@ -165,8 +176,35 @@ pub fn run(args: &TokenizeArgs) -> anyhow::Result<Outcome> {
         packed.bytes,
         packed.bytes as f64 / secs.max(1e-9) / 1e6,
         packed.tokens as f64 / secs.max(1e-9),
-    );
+    ))?;
     Ok(Outcome::Passed)
+}
+
+/// Bytes of address space encoding takes per byte of text encoded at once
+/// (the module doc of [`chorus_train::tokenize`] says about a hundred).
+const ENCODE_BYTES_PER_BYTE: u128 = 100;
+
+/// Address space each encoding thread takes: its stack, and the malloc
+/// arena it makes (64 MiB, mapped as 128 MiB while it is aligned).
+const ENCODE_THREAD_BYTES: u128 = 130 << 20;
+
+/// Refuses, before anything is staged or read, to tokenize where the
+/// address-space limit (`ulimit -v`) cannot hold the encoding: the text
+/// encoded at once (a batch of [`tokenize::BATCH_BYTES`], a piece of
+/// [`tokenize::MAX_DOC_BYTES`] past it) and the encoding threads. A failed
+/// allocation would abort the process, its staged file left behind.
+/// Measured peaks (2026-11-29, 2 cores): a 16.8 MB document 621, 710 and
+/// 1,448 MB mapped with 1, 2 and 8 threads, against 716, 846 and 1,626
+/// MB counted here; a 3 MiB line 486 MB with 2 threads.
+fn check_encode_memory() -> Result<(), String> {
+    let threads = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse::<u128>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()) as u128);
+    let text = (tokenize::BATCH_BYTES + tokenize::MAX_DOC_BYTES) as u128;
+    let needed = text * ENCODE_BYTES_PER_BYTE + threads * ENCODE_THREAD_BYTES;
+    crate::size::check_address_space(needed, "tokenizing")
 }
 
 /// Refuses an output path whose directory does not exist (before any work is done).
@@ -271,70 +309,16 @@ pub(crate) fn write_staged(dest: &Path, bytes: &[u8], overwrite: bool) -> anyhow
     written
 }
 
-/// This run's staged outputs, removed when a signal ends it.
-mod staged {
-    use std::path::PathBuf;
-    use std::sync::atomic::{AtomicI32, Ordering};
-    use std::time::Duration;
-
-    /// The signal received, 0 before one.
-    static RECEIVED: AtomicI32 = AtomicI32::new(0);
-
-    extern "C" fn on_signal(signal: libc::c_int) {
-        // Only an atomic store (async-signal-safe); a thread does the rest.
-        RECEIVED.store(signal, Ordering::SeqCst);
-    }
-
-    /// From now on, SIGINT, SIGTERM or SIGHUP (those at their default
-    /// action) removes the files this process stages for `dests`
-    /// ([`chorus_train::files::staged_path`]) and then ends it as the signal
-    /// would have. A thread watches for them; where it cannot start, the
-    /// signals keep their default action (and a later run removes what is
-    /// left).
-    pub(super) fn remove_on_signals(dests: Vec<PathBuf>) {
-        let pid = std::process::id();
-        let staged: Vec<PathBuf> = dests.iter().filter_map(|d| chorus_train::files::staged_path(d, pid)).collect();
-        let watch = move || loop {
-            std::thread::sleep(Duration::from_millis(20));
-            let signal = RECEIVED.load(Ordering::SeqCst);
-            if signal != 0 {
-                for path in &staged {
-                    let _ = std::fs::remove_file(path);
-                }
-                // SAFETY: signal(2) and kill(2) touch no memory of this process.
-                unsafe {
-                    libc::signal(signal, libc::SIG_DFL);
-                    libc::kill(libc::getpid(), signal);
-                }
-                std::thread::sleep(Duration::from_millis(200));
-                std::process::exit(128 + signal);
-            }
-        };
-        if std::thread::Builder::new().name("chorus-tokenize-signals".into()).spawn(watch).is_err() {
-            return;
-        }
-        for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
-            // SAFETY: sigaction reads the current action (a null new action
-            // changes nothing), then installs a handler that only does an
-            // atomic store, which is async-signal-safe.
-            unsafe {
-                let mut old: libc::sigaction = std::mem::zeroed();
-                if libc::sigaction(signal, std::ptr::null(), &mut old) != 0 || old.sa_sigaction != libc::SIG_DFL {
-                    continue;
-                }
-                let mut new: libc::sigaction = std::mem::zeroed();
-                new.sa_sigaction = on_signal as *const () as libc::sighandler_t;
-                new.sa_flags = libc::SA_RESTART;
-                libc::sigemptyset(&mut new.sa_mask);
-                libc::sigaction(signal, &new, std::ptr::null_mut());
-            }
-        }
-    }
-}
-
 /// The most bytes of text `chorus train --tokenizer … --text` tokenizes in
 /// memory; a larger corpus goes through `chorus tokenize` and `--data`.
 pub const MAX_TRAIN_TEXT_BYTES: u64 = 256 << 20;
+
+/// The most ids a text of `bytes` bytes packs into rows of `seq_len + 1`:
+/// ids never outnumber bytes plus one end-of-text token per line, as every
+/// token holds at least one byte.
+pub fn ids_bound(bytes: u64, seq_len: usize) -> usize {
+    usize::try_from(bytes.saturating_mul(2).saturating_add(seq_len as u64 + 1)).unwrap_or(usize::MAX)
+}
 
 /// `--text` tokenized as `chorus tokenize` does, into rows of `seq_len + 1`
 /// held in memory (the file at most [`MAX_TRAIN_TEXT_BYTES`]).
@@ -348,9 +332,8 @@ pub fn rows_in_memory(tok: &HfTokenizer, text: &Path, seq_len: usize) -> anyhow:
             text.display()
         )));
     }
-    // Ids never outnumber bytes plus one end-of-text token per line, as every token holds at least one byte.
-    let limit = usize::try_from(size.saturating_mul(2).saturating_add(seq_len as u64 + 1)).unwrap_or(usize::MAX);
-    let mut rows = MemoryRows { ids: Vec::new(), limit };
+    check_encode_memory().map_err(|e| usage(format!("--text {}: {e}", text.display())))?;
+    let mut rows = MemoryRows { ids: Vec::new(), limit: ids_bound(size, seq_len) };
     let packed = tokenize::pack(tok, &[text.to_path_buf()], &Format::Text, seq_len, &mut rows, &|_| {})
         .map_err(|e| usage(format!("--text: {e}")))?;
     let tokens = Tokens::from_ids(packed.rows as usize, seq_len + 1, rows.ids).map_err(anyhow::Error::msg)?;

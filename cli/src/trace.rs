@@ -158,9 +158,9 @@ pub fn run(args: &TraceArgs) -> anyhow::Result<Outcome> {
         report.run = Some(describe_run(&run_key(d)));
     }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        crate::print_out(format_args!("{}\n", serde_json::to_string_pretty(&report)?))?;
     } else {
-        print!("{}", render(&report));
+        crate::print_out(format_args!("{}", render(&report)))?;
     }
     Ok(Outcome::Passed)
 }

@@ -114,7 +114,26 @@ fn bad_arguments_and_paths_are_usage_errors() {
     };
     let before = listing(&model);
     let nowhere = dir.join("nowhere").display().to_string();
+    // Issue 43: directories chorus wrote that are no model directory say what they are and what to pass.
+    let out_dir = dir.join("run").display().to_string();
+    let gpt = dir.join("gpt-run");
+    std::fs::create_dir_all(&gpt).unwrap();
+    std::fs::write(gpt.join(".chorus-out"), "written by chorus\ncommand: train\nsummary.json\n").unwrap();
+    let checkpoint = dir.join("ckpt");
+    std::fs::create_dir_all(checkpoint.join("step-00000002")).unwrap();
+    std::fs::write(checkpoint.join("step-00000002/chorus_checkpoint.json"), "{}").unwrap();
+    std::fs::write(checkpoint.join("latest"), "step-00000002\n").unwrap();
+    let plan = dir.join("plan");
+    std::fs::create_dir_all(&plan).unwrap();
+    std::fs::write(plan.join(".chorus-out"), "written by chorus\ncommand: plan\nplan.json\n").unwrap();
+    let (g, c, p) = (gpt.display().to_string(), checkpoint.display().to_string(), plan.display().to_string());
+    let pass_model = format!("its Hugging Face model directory is {m}: pass that");
     for (args, want) in [
+        (vec![&out_dir[..], "--prompt", "a"], &pass_model[..]),
+        (vec![&g[..], "--prompt", "a"], "no Hugging Face Llama"),
+        (vec![&c[..], "--prompt", "a"], "is a checkpoint of `chorus train`, not a model directory"),
+        (vec![&c[..], "--prompt", "a"], "chorus consolidate"),
+        (vec![&p[..], "--prompt", "a"], "the out-dir of `chorus plan`, which holds no model"),
         (vec![&nowhere[..], "--prompt", "a"], "does not exist; give a model directory"),
         (vec![&file[..], "--prompt", "a"], "is not a directory; give a model directory"),
         (vec![&b[..], "--prompt", "a"], "tokenizer.json: no such file"),

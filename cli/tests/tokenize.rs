@@ -195,7 +195,7 @@ fn json_lines_and_the_refusals() {
     assert!(text(&with(&["--input", &a, "--field", "text", "--seq-len", "1000"]).stderr).contains("fewer than one row"));
     usage_error(&with(&["--input", &a, "--seq-len", "0"]), "--seq-len must be from 1");
     usage_error(&with(&["--input", &dir.display().to_string(), "--seq-len", "4"]), "is a directory");
-    usage_error(&with(&["--input", &a, "--seq-len", "4", "--eos", "<nope>"]), "\"<nope>\" is not a token");
+    usage_error(&with(&["--input", &a, "--seq-len", "4", "--eos", "<nope>"]), "\"<nope>\" (--eos) is not a token");
     let dir_out =
         run(&["tokenize", "--tokenizer", &t, "--out", &dir.display().to_string(), "--input", &a, "--seq-len", "4"]);
     usage_error(&dir_out, "not a regular file");
@@ -596,5 +596,164 @@ fn sigusr1_while_train_tokenizes_its_text_does_not_end_it() {
     assert!(r.status.success(), "{:?}: {}", r.status, text(&r.stderr));
     assert!(text(&r.stderr).contains("SIGUSR1"), "the signal was answered: {}", text(&r.stderr));
     assert!(out.join("summary.json").is_file());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Issue 43: `--out` over the `tokenizer_config.json` beside `--tokenizer`
+/// (which the run reads for its end-of-text token) was written with
+/// `--overwrite`, the tokenizer unusable afterwards; it is read, so it is
+/// never an output, however spelled, and the refusal does not advise
+/// `--overwrite`.
+#[test]
+fn out_is_never_the_tokenizers_own_config() {
+    let (dir, tok_path, _) = trained("tokenize-own-config");
+    let config = tok_path.with_file_name("tokenizer_config.json");
+    let before = std::fs::read(&config).unwrap();
+    let t = tok_path.display().to_string();
+    let input = dir.join("corpus.txt").display().to_string();
+    let spelled = dir.join("tok/../tok/tokenizer_config.json").display().to_string();
+    for out in [config.display().to_string(), spelled] {
+        let r =
+            run(&["tokenize", "--tokenizer", &t, "--input", &input, "--out", &out, "--seq-len", "16", "--overwrite"]);
+        usage_error(&r, "is --tokenizer's tokenizer_config.json");
+        assert!(!text(&r.stderr).contains("give --overwrite"), "{}", text(&r.stderr));
+    }
+    assert_eq!(std::fs::read(&config).unwrap(), before, "the tokenizer's config is untouched");
+    ok(&run(&["tokenize", "--tokenizer", &t, "--input", &input, "--out", &d_out(&dir), "--seq-len", "16"]));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+fn d_out(dir: &Path) -> String {
+    dir.join("again.npy").display().to_string()
+}
+
+/// Issue 43: `chorus tokenize ... | true` panicked ("failed printing to
+/// stdout: Broken pipe", exit 101). A closed stdout loses the summary
+/// line only: the outputs are written and the run succeeds.
+#[test]
+fn a_closed_stdout_loses_only_the_summary() {
+    let (dir, tok_path, _) = trained("tokenize-closed-stdout");
+    let d = |p: &str| dir.join(p).display().to_string();
+    let (t, input) = (tok_path.display().to_string(), d("corpus.txt"));
+    let trained_tok = d("new/tokenizer.json");
+    std::fs::create_dir_all(dir.join("new")).unwrap();
+    for args in [
+        vec!["tokenize", "--tokenizer", &t, "--input", &input, "--out", "OUT", "--seq-len", "16"],
+        vec!["tokenize", "--train-tokenizer", "--vocab-size", "300", "--tokenizer", &trained_tok, "--input", &input]
+            .into_iter()
+            .chain(["--out", "OUT", "--seq-len", "16"])
+            .collect(),
+    ] {
+        let out = d(&format!("closed-{}.npy", args.len()));
+        let args: Vec<&str> = args.iter().map(|a| if *a == "OUT" { out.as_str() } else { a }).collect();
+        let mut child = chorus()
+            .args(&args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The read end closed before anything is printed.
+        drop(child.stdout.take());
+        let r = common::wait_bounded(child, LIMIT);
+        assert_eq!(r.status.code(), Some(0), "{args:?}: {}", text(&r.stderr));
+        assert!(!text(&r.stderr).contains("panicked"), "{}", text(&r.stderr));
+        assert!(Path::new(&out).is_file(), "{args:?}: the token rows are written");
+    }
+    assert!(dir.join("new/tokenizer.json").is_file() && dir.join("new/tokenizer_config.json").is_file());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Issue 43: under `ulimit -v 300000` a 3 MiB line aborted the process
+/// ("memory allocation of 33554432 bytes failed", SIGABRT) and left its
+/// staged file. The address space encoding needs is checked first: a
+/// usage error naming the limit, nothing staged or written.
+#[test]
+fn an_address_space_too_small_to_encode_is_refused_first() {
+    let (dir, tok_path, _) = trained("tokenize-address-space");
+    let line: String = (0..700_000).map(|i| ["the", "cat", "sat", "naïve"][i % 4]).collect::<Vec<_>>().join(" ");
+    std::fs::write(dir.join("line.txt"), format!("{line}\n")).unwrap();
+    let d = |p: &str| dir.join(p).display().to_string();
+    let (t, input, out) = (tok_path.display().to_string(), d("line.txt"), d("line.npy"));
+    let r = run_limited(
+        &["tokenize", "--tokenizer", &t, "--input", &input, "--out", &out, "--seq-len", "16"],
+        300_000 << 10,
+    );
+    usage_error(&r, "(ulimit -v 300000): raise the limit");
+    let left: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("line.npy"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Issue 43: SIGUSR1 (the flight-recorder dump chorus documents) killed
+/// `chorus tokenize` (exit 138), its staged file left behind; it is
+/// answered, and the run goes on to the end.
+#[test]
+fn sigusr1_does_not_end_tokenize() {
+    let (dir, tok_path, _) = trained("tokenize-usr1");
+    big_corpus(&dir.join("big.txt"), 24);
+    let d = |p: &str| dir.join(p).display().to_string();
+    let (t, input, out) = (tok_path.display().to_string(), d("big.txt"), d("big.npy"));
+    let child = chorus()
+        .args(["tokenize", "--tokenizer", &t, "--input", &input, "--out", &out, "--seq-len", "64"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let staged = dir.join(format!(".big.npy.{}.partial", child.id()));
+    let start = std::time::Instant::now();
+    while !staged.exists() && start.elapsed() < LIMIT {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(staged.exists(), "no staged file appeared");
+    // SAFETY: kill(2) on the child's pid; no memory involved.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGUSR1) };
+    let r = common::wait_bounded(child, LIMIT);
+    assert!(r.status.success(), "{:?}: {}", r.status, text(&r.stderr));
+    assert!(text(&r.stderr).contains("SIGUSR1"), "the signal was answered: {}", text(&r.stderr));
+    assert!(Path::new(&out).is_file() && !staged.exists());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Issue 43: under an address-space limit, `train --tokenizer --text` named
+/// the most ranks that fit, and that count was then refused after the text
+/// was tokenized with a smaller one: two checks, two answers. The limit is
+/// checked once, with the text's token rows counted before they are made,
+/// and the count it names runs. (One malloc arena, so the count does not
+/// depend on this machine's cores.)
+#[test]
+fn the_ranks_an_address_space_limit_allows_run() {
+    let (dir, tok_path, _) = trained("tokenize-rank-limit");
+    big_corpus(&dir.join("big.txt"), 8);
+    let t = tok_path.display().to_string();
+    let train = |world: usize| {
+        let script = format!(
+            "ulimit -v 800000 && exec {} train --model llama --layers 1 --hidden 32 --heads 2 --kv-heads 1 \
+             --intermediate 64 --vocab 320 --seq-len 16 --batch 1 --steps 1 --tokenizer {t} --text {} \
+             --world-size {world} --out-dir {}",
+            common::chorus_path(),
+            dir.join("big.txt").display(),
+            dir.join(format!("run-{world}")).display()
+        );
+        let mut cmd = std::process::Command::new("sh");
+        cmd.args(["-c", &script]).env("MALLOC_ARENA_MAX", "1");
+        run_bounded(&mut cmd, LIMIT)
+    };
+    let r = train(512);
+    let err = text(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{err}");
+    let fits: usize = err
+        .split("at most ")
+        .nth(1)
+        .and_then(|s| s.split(" ranks fit").next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count named: {err}"));
+    assert!((2..512).contains(&fits), "{err}");
+    let r = train(fits);
+    assert!(r.status.success(), "{fits} ranks, named as fitting: {}", text(&r.stderr));
     std::fs::remove_dir_all(&dir).ok();
 }

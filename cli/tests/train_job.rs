@@ -235,3 +235,30 @@ fn the_llamas_throughput_is_the_formula_and_the_cpu_has_no_mfu() {
     assert_eq!(s["peak_tflops"], Value::Null);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Issue 43: an error about a value the job file set, not the command line,
+/// said `--momentum is for --optimizer sgd` as if the user had typed it;
+/// it names the file, and a relative path in it the directory it was taken
+/// from. `chorus plan` reads the same file and says the same.
+#[test]
+fn an_error_about_a_job_files_value_names_the_file() {
+    let dir = scratch("train-job-sources");
+    let job = dir.join("job.toml");
+    std::fs::write(&job, "momentum = 0.9\n[data]\ntokenizer = \"no-such/tokenizer.json\"\n").unwrap();
+    let j = job.display().to_string();
+    for command in ["train", "plan"] {
+        let r = run_bounded(chorus().args([command, "--config", &j, "--model", "llama"]).current_dir(&dir), LIMIT);
+        let err = text(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{command}: {err}");
+        assert!(err.contains(&format!("--momentum is for --optimizer sgd (--momentum is from --config {j})")), "{err}");
+    }
+    std::fs::write(&job, "[data]\ntokenizer = \"no-such/tokenizer.json\"\n").unwrap();
+    let r = train(&["--config", &j, "--model", "llama", "--text", "x.txt", "--steps", "1"]);
+    let err = text(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("no-such/tokenizer.json") && err.contains("relative path is taken from the working directory"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -73,5 +73,18 @@ fn a_cache_size_that_is_not_a_number_is_refused() {
     assert_eq!(r.status.code(), Some(2), "{}", text(&r.stderr));
     assert!(text(&r.stderr).contains("CHORUS_CPU_CACHE_BYTES=\"1GiB\": not a number of bytes"), "{}", text(&r.stderr));
     assert!(!out.exists(), "nothing written");
+    // Issue 43: `--bench` exited 1 with it (or ran), the variable read only once the ranks started: it is
+    // checked with the arguments, whatever the model or mode.
+    for model in ["mlp", "gpt", "llama"] {
+        let r = run_bounded(
+            chorus()
+                .args(["train", "--bench", "--model", model, "--steps", "1"])
+                .current_dir(&dir)
+                .env("CHORUS_CPU_CACHE_BYTES", "abc"),
+            Duration::from_secs(120),
+        );
+        assert_eq!(r.status.code(), Some(2), "--bench --model {model}: {}", text(&r.stderr));
+        assert!(text(&r.stderr).contains("CHORUS_CPU_CACHE_BYTES=\"abc\""), "{}", text(&r.stderr));
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

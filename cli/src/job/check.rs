@@ -127,7 +127,7 @@ impl JobArgs {
             (self.vocab, "--vocab", MAX_VOCAB),
         ] {
             if let Some(v) = value.filter(|v| *v > max) {
-                return Err(usage(format!("{flag} {v} is more than this tool trains (at most {max})")));
+                return Err(usage(format!("{flag} {v} is more than chorus trains or plans (at most {max})")));
             }
         }
         Ok(())

@@ -14,8 +14,10 @@
 //! the key; every check of the command then applies as to the command line.
 //!
 //! `chorus train` takes every key; `chorus plan` takes the job's
-//! ([`super::JobArgs`]) and passes over the run's (`steps`, `out_dir`, ...),
-//! so a plan is made from the very job a `config.toml` describes.
+//! ([`super::JobArgs`]) and its own (`gpus`, `gpu`, ...) and passes over the
+//! run's (`steps`, `out_dir`, ...), so a plan is made from the very job a
+//! `config.toml` describes. An error that names a flag the file set says so
+//! ([`with_sources`]).
 //!
 //! `config.toml` lists every flag: its value (a default too) and where it
 //! came from, or a comment for a flag left unset (its default then depends
@@ -101,7 +103,74 @@ pub(crate) fn resolve<A: Args + FromArgMatches>(
     })?;
     let args = A::from_arg_matches(&matches).map_err(clap_usage)?;
     let from_file = file.as_ref().map(|(p, _)| p.as_path());
+    match from_file {
+        Some(path) => note_sources(&cmd, &matches, &line, path),
+        None => FROM_FILE.with(|f| f.borrow_mut().clear()),
+    }
     Ok(Resolved { args, effective: effective_text(name, &cmd, &matches, &line, from_file) })
+}
+
+/// A flag whose value a job file set (the command line did not).
+struct FromFile {
+    /// `--momentum`.
+    flag: String,
+    /// The job file.
+    file: PathBuf,
+    /// Whether its value is a relative path, taken from the working directory.
+    relative_path: bool,
+}
+
+thread_local! {
+    /// The flags the job file of the command this thread resolved set (the
+    /// main thread's, which reports the command's errors).
+    static FROM_FILE: std::cell::RefCell<Vec<FromFile>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Records which flags the job file `file` set (see [`with_sources`]).
+fn note_sources(cmd: &clap::Command, matches: &clap::ArgMatches, line: &clap::ArgMatches, file: &Path) {
+    let mut noted = Vec::new();
+    for arg in cmd.get_arguments() {
+        let id = arg.get_id().as_str();
+        let from_file = matches.value_source(id) == Some(ValueSource::CommandLine)
+            && line.value_source(id) != Some(ValueSource::CommandLine);
+        if !from_file {
+            continue;
+        }
+        let path_valued = arg.get_value_hint() == clap::ValueHint::AnyPath;
+        let relative_path =
+            path_valued && matches.get_raw(id).into_iter().flatten().any(|v| Path::new(v).is_relative());
+        noted.push(FromFile { flag: format!("--{}", long(arg)), file: file.to_path_buf(), relative_path });
+    }
+    FROM_FILE.with(|f| *f.borrow_mut() = noted);
+}
+
+/// `msg` (an error of the command) with where each flag it names got its
+/// value when a job file, not the command line, set it: an error about a
+/// value the user did not type says so, and a relative path says which
+/// directory it was taken from.
+pub(crate) fn with_sources(msg: &str) -> String {
+    FROM_FILE.with(|noted| sources_of(msg, &noted.borrow()))
+}
+
+fn sources_of(msg: &str, noted: &[FromFile]) -> String {
+    let names = |flag: &str| {
+        msg.match_indices(flag).any(|(at, _)| {
+            let next = msg[at + flag.len()..].chars().next();
+            !next.is_some_and(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        })
+    };
+    let mut out = msg.to_string();
+    for f in noted.iter().filter(|f| names(&f.flag)) {
+        out.push_str(&format!(" ({} is from --config {}", f.flag, f.file.display()));
+        if f.relative_path {
+            let cwd = std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_else(|_| "?".into());
+            out.push_str(&format!(
+                "; a job file's relative path is taken from the working directory, {cwd}, not the file's"
+            ));
+        }
+        out.push(')');
+    }
+    out
 }
 
 /// The file's flags, each as its key and the arguments it stands for,
@@ -455,6 +524,29 @@ mod tests {
         let e = err(&["--config", dir.join("missing.toml").to_str().unwrap()]);
         assert!(e.contains("missing.toml"), "{e}");
         std::fs::remove_dir_all(dir).ok();
+    }
+
+    /// Issue 43: an error about a value the user did not type says it came
+    /// from the job file, and a relative path from it which directory it
+    /// was taken from; a flag the command line gave is not annotated.
+    #[test]
+    fn errors_name_the_job_file_a_value_came_from() {
+        let path = job("sources", "momentum = 0.9\ntokenizer = \"tok/tokenizer.json\"\n");
+        let p = path.to_str().unwrap();
+        train(&["--config", p, "--model", "llama", "--steps", "3"]).unwrap();
+        let e = with_sources("--momentum is for --optimizer sgd");
+        assert!(e.starts_with("--momentum is for --optimizer sgd (--momentum is from --config "), "{e}");
+        assert!(e.contains(p) && !e.contains("working directory"), "{e}");
+        let e = with_sources("--tokenizer tok/tokenizer.json: No such file or directory");
+        let cwd = std::env::current_dir().unwrap();
+        assert!(
+            e.contains("relative path is taken from the working directory") && e.contains(&cwd.display().to_string()),
+            "{e}"
+        );
+        // Given on the command line, or only a longer flag's prefix: nothing added.
+        assert_eq!(with_sources("--steps 3 is too many"), "--steps 3 is too many");
+        assert_eq!(with_sources("--momentum-like words"), "--momentum-like words");
+        std::fs::remove_dir_all(path.parent().unwrap()).ok();
     }
 
     #[test]

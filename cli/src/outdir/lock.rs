@@ -91,10 +91,13 @@ impl RunLock {
         for attempt in 0..2 {
             match OpenOptions::new().write(true).create_new(true).open(path) {
                 Ok(mut f) => {
+                    // Ours from here: removed if a signal ends the run, as the drop would.
+                    crate::interrupt::remove_if_interrupted(path);
+                    let lock = RunLock { path: path.to_path_buf() };
                     f.write_all(record.as_bytes())
                         .and_then(|_| f.sync_all())
                         .with_context(|| format!("writing {}", path.display()))?;
-                    return Ok(RunLock { path: path.to_path_buf() });
+                    return Ok(lock);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempt == 0 => {
                     let mut text = String::new();
@@ -126,6 +129,7 @@ impl RunLock {
 impl Drop for RunLock {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
+        crate::interrupt::forget(&self.path);
     }
 }
 

@@ -136,8 +136,17 @@ pub(super) fn refuse_foreign(given: &Path, dest: &Path, command: &str) -> anyhow
     }
     all.sort();
     if dest.join(MARKER).is_file() {
+        // Every marker chorus ever wrote starts so; anything else is damaged, or another program's file.
+        let older = std::fs::read(dest.join(MARKER)).is_ok_and(|t| t.starts_with(b"written by chorus"));
+        let why = if older {
+            format!(
+                "was written by an older chorus, whose {MARKER} does not say which command wrote it or list its files"
+            )
+        } else {
+            format!("has a {MARKER} that is no marker chorus wrote (damaged, or another program's), which cannot say which command wrote the directory or list its files")
+        };
         return Err(usage(format!(
-            "--out-dir {} was written by an older chorus, whose {MARKER} does not say which command wrote it or list its files, so neither can be told ({}): remove it, or choose another out-dir",
+            "--out-dir {} {why}, so neither can be told ({}): remove it, or choose another out-dir",
             given.display(),
             names(&all)
         )));

@@ -426,7 +426,11 @@ fn a_plan_that_does_not_fit_says_so_and_fails() {
 
 #[test]
 fn the_planners_own_limits_are_named_before_anything_runs() {
-    assert!(usage_of("--model llama --gpus 8 --layers 65536").contains("at most 4096 layers"));
+    let e = usage_of("--model llama --gpus 8 --layers 65536");
+    assert!(e.contains("--layers 65536 is more than chorus plans (at most 4096 layers") && e.contains("65536)"), "{e}");
+    // Past train's limit too: the job's words, the same as train's.
+    let e = usage_of("--model llama --gpus 8 --layers 65537");
+    assert!(e.contains("--layers 65537 is more than chorus trains or plans (at most 65536)"), "{e}");
     let e = usage_of("--model llama --gpus 8 --layers 4000 --batch 16 --micro-batches 16");
     assert!(e.contains("stage runs") && e.contains(&MAX_STAGE_RUNS.to_string()), "{e}");
     let e = usage_of("--model llama --gpus 1 --vocab 16777216 --d-model 4096 --heads 32");
@@ -451,4 +455,27 @@ fn thousands_of_ranks_run_two_and_unlike_groups_run_every_rank() {
     assert_eq!(p.ranks_run, (0..12).collect::<Vec<_>>());
     // On nodes of 6 they are alike: two run.
     assert_eq!(plan_of("--model llama --gpus 12 --hsdp 2 --gpus-per-node 6").ranks_run, vec![0, 11]);
+}
+
+/// Issue 43: a job file sets the plan's own flags as it sets the job's
+/// (`gpus = 8` was "no flag of chorus plan", though `--gpus` is); `out_dir`
+/// in a file is the run's (a `config.toml`'s), passed over, never the
+/// plan's out-dir; the command line wins.
+#[test]
+fn a_job_file_sets_the_plans_own_flags() {
+    let dir = std::env::temp_dir().join(format!("chorus-plan-job-file-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("job.toml");
+    std::fs::write(&path, "gpus = 8\ngpu = \"a100\"\ngpus_per_node = 4\nout_dir = \"run\"\n[model]\nlayers = 2\n")
+        .unwrap();
+    let argv = |extra: &[&str]| -> Vec<std::ffi::OsString> {
+        ["--config", path.to_str().unwrap()].iter().chain(extra).map(Into::into).collect()
+    };
+    let resolved = crate::job::file::resolve::<PlanArgs>("plan", argv(&[]), file_scope()).unwrap().args;
+    assert_eq!((resolved.gpus, resolved.gpu.as_str(), resolved.gpus_per_node), (Some(8), "a100", 4));
+    assert_eq!(resolved.out_dir, None, "a file's out_dir is the run's");
+    assert_eq!(resolved.job.layers, Some(2));
+    let resolved = crate::job::file::resolve::<PlanArgs>("plan", argv(&["--gpus", "16"]), file_scope()).unwrap().args;
+    assert_eq!(resolved.gpus, Some(16), "the command line wins");
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -208,6 +208,8 @@ fn spec_with(args: &TrainArgs, steps: u64, tokenizer: Option<&HfTokenizer>) -> a
             if args.job.init_from.is_some() { "" } else { " (raise --vocab, or leave it out to take the tokenizer's)" }
         )));
     }
+    let (seq_len, data_bytes) = data_size(args, tokenizer.is_some())?;
+    memory::check_llama(args, &cfg, seq_len, data_bytes)?;
     let global = world * args.job.batch;
     let data = match &args.job.data {
         Some(path) => {
@@ -257,7 +259,6 @@ fn spec_with(args: &TrainArgs, steps: u64, tokenizer: Option<&HfTokenizer>) -> a
         }
     };
     let (data, validation) = validation(args, data, cfg.vocab_size, global)?;
-    memory::check_llama(args, &cfg, data.seq_len())?;
     let model = LlamaModel { config: Arc::new(cfg), init };
     Ok(args.with_run_settings(TrainSpec {
         fsdp: args.job.fsdp_config(),
@@ -268,6 +269,26 @@ fn spec_with(args: &TrainArgs, steps: u64, tokenizer: Option<&HfTokenizer>) -> a
         validation,
         ..TrainSpec::new(model, Arc::new(data), args.job.batch, steps, args.job.optimizer())
     }))
+}
+
+/// The sequence length of the run's data and the bytes its token rows will
+/// take in memory, known before the data is read or tokenized: `--data`'s
+/// header and size (ids held as u32, at most twice a u16 file), `--text`'s
+/// bound on its ids ([`crate::tokenize::ids_bound`]), or none for the
+/// byte-level text.
+fn data_size(args: &TrainArgs, tokenized_text: bool) -> anyhow::Result<(usize, u128)> {
+    let len = |path: &Path| std::fs::metadata(path).map_or(0, |m| m.len() as u128);
+    Ok(match (&args.job.data, &args.text) {
+        (Some(path), _) => {
+            let cols = chorus_train::npy::token_columns(path).map_err(|e| usage(format!("--data: {e}")))?;
+            (cols.saturating_sub(1), len(path).saturating_mul(2))
+        }
+        (None, Some(text)) if tokenized_text => {
+            let ids = crate::tokenize::ids_bound(len(text) as u64, args.job.seq_len());
+            (args.job.seq_len(), (ids as u128).saturating_mul(4))
+        }
+        _ => (args.job.seq_len(), 0),
+    })
 }
 
 /// The closing sample `--sample-prompt` asks for: through `--tokenizer`

@@ -48,11 +48,11 @@ pub(super) fn check(args: &TrainArgs) -> anyhow::Result<()> {
     match job.model() {
         ModelArg::Mlp => check_mlp(args),
         ModelArg::Gpt | ModelArg::Moe => check_gpt(args),
-        ModelArg::Llama if job.init_from.is_some() => Ok(()),
-        ModelArg::Llama => {
-            let seq = if job.data.is_some() { 1 } else { job.seq_len() };
-            check_llama(args, &job.llama_config(), seq)
-        }
+        // Checked once, when the config, the tokenizer's vocabulary and the data's size are known and before the
+        // data is read or tokenized (`llama::spec`): two checks would give two answers (the second one with more
+        // of this process's address space mapped).
+        ModelArg::Llama if job.init_from.is_some() || job.tokenizer.is_some() || job.data.is_some() => Ok(()),
+        ModelArg::Llama => check_llama(args, &job.llama_config(), job.seq_len(), 0),
     }
 }
 
@@ -124,8 +124,9 @@ fn check_gpt(args: &TrainArgs) -> anyhow::Result<()> {
     })
 }
 
-/// The Llama's run of `cfg` on sequences of `seq_len` tokens.
-pub(super) fn check_llama(args: &TrainArgs, cfg: &LlamaConfig, seq_len: usize) -> anyhow::Result<()> {
+/// The Llama's run of `cfg` on sequences of `seq_len` tokens, with
+/// `data_bytes` of token rows held in memory.
+pub(super) fn check_llama(args: &TrainArgs, cfg: &LlamaConfig, seq_len: usize, data_bytes: u128) -> anyhow::Result<()> {
     let params = Sat::of(cfg.num_params());
     let (v, h, l, f) = (
         Sat::of(cfg.vocab_size),
@@ -140,6 +141,6 @@ pub(super) fn check_llama(args: &TrainArgs, cfg: &LlamaConfig, seq_len: usize) -
     let steps = Sat(16) * Sat::of(args.steps());
     against_machine(args, |world| {
         let per_rank = Sat(4) * (Sat(4) * params / world + Sat(3) * params) + activations + steps;
-        world * per_rank + Sat(4 << 20)
+        world * per_rank + Sat(4 << 20) + Sat(data_bytes)
     })
 }

@@ -19,6 +19,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::throughput::Throughput;
 use crate::backends::Backend;
+use crate::size::{mapped_now, soft_limit};
 
 /// What every rank runs: the MLP, the transformer or the Llama.
 pub(crate) trait RankJob: Send + Sync + 'static {
@@ -148,22 +149,16 @@ fn thread_reserve() -> u128 {
 /// mapped, this estimate's figure, and failed within 7.6 GiB).
 fn arenas_reserve(threads: u128) -> u128 {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u128;
-    threads.min(8 * cores).saturating_sub(1) * (64 << 20)
+    threads.min(arena_max().unwrap_or(8 * cores)).saturating_sub(1) * (64 << 20)
 }
 
-/// The address space this process has mapped now (`/proc/self/status`).
-fn mapped_now() -> u128 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let kb = status.lines().find_map(|l| l.strip_prefix("VmSize:")).and_then(|v| v.trim().strip_suffix("kB"));
-    kb.and_then(|k| k.trim().parse::<u128>().ok()).map_or(0, |k| k << 10)
-}
-
-/// A resource limit's soft value, `None` where unlimited.
-fn soft_limit(resource: libc::__rlimit_resource_t) -> Option<u128> {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit writes the limit into `limit`, which lives for the call.
-    let got = unsafe { libc::getrlimit(resource, &mut limit) };
-    (got == 0 && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur as u128)
+/// The arenas glibc's malloc is told it may make: `MALLOC_ARENA_MAX`, or
+/// `glibc.malloc.arena_max` in `GLIBC_TUNABLES` (which glibc reads first).
+fn arena_max() -> Option<u128> {
+    let tunable = std::env::var("GLIBC_TUNABLES").ok().and_then(|t| {
+        t.split(':').find_map(|kv| kv.strip_prefix("glibc.malloc.arena_max=").and_then(|v| v.parse().ok()))
+    });
+    tunable.or_else(|| std::env::var("MALLOC_ARENA_MAX").ok().and_then(|v| v.trim().parse().ok())).filter(|n| *n > 0)
 }
 
 /// Refuses, before any rank starts, a world of `world` ranks as threads of
@@ -293,34 +288,94 @@ where
         anyhow::bail!("{world} ranks need as many devices (one rank per device); {devices} visible");
     }
     let store = MemStore::new();
-    let results: Vec<anyhow::Result<J::Report>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                let (store, job, bar) = (store.clone(), &job, bar.clone());
-                s.spawn(move || -> anyhow::Result<J::Report> {
+    // Every rank's thread is started before any begins: the library's
+    // initialisation waits for all ranks without a deadline, so a thread
+    // that cannot start must stop the others before they enter it.
+    let gate = Gate::default();
+    let results: anyhow::Result<Vec<anyhow::Result<J::Report>>> = std::thread::scope(|s| {
+        let mut handles = Vec::with_capacity(world);
+        for rank in 0..world {
+            let (store, job, bar, gate) = (store.clone(), &job, bar.clone(), &gate);
+            let spawned = std::thread::Builder::new().name(format!("rank{rank}")).spawn_scoped(
+                s,
+                move || -> anyhow::Result<J::Report> {
+                    if !gate.wait() {
+                        anyhow::bail!("rank {rank}: not started, as another rank's thread could not start");
+                    }
                     let device = L::B::make(rank, Duration::from_secs(300))?;
                     let comm = VendorComm::<L>::init(&store, rank, world, device, VendorConfig::default())?;
                     job.run(Arc::new(comm), &mut |_, loss| progress(rank, &bar, loss))
                         .with_context(|| format!("rank {rank}"))
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a rank panicked")))).collect()
+                },
+            );
+            match spawned {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    gate.open(false);
+                    for h in handles {
+                        let _ = h.join();
+                    }
+                    return Err(anyhow::anyhow!("rank {rank}'s thread could not start: {e}"));
+                }
+            }
+        }
+        gate.open(true);
+        Ok(handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a rank panicked")))).collect())
     });
-    results.into_iter().collect()
+    results?.into_iter().collect()
+}
+
+/// Holds threads until it is opened: to go on, or to stop.
+#[derive(Default)]
+struct Gate {
+    state: Mutex<Option<bool>>,
+    opened: std::sync::Condvar,
+}
+
+impl Gate {
+    /// Lets every waiting thread through, going on where `go`.
+    fn open(&self, go: bool) {
+        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = Some(go);
+        self.opened.notify_all();
+    }
+
+    /// Waits until the gate is opened; whether to go on. Opened by the
+    /// thread that starts the waiters, after the last of them starts or
+    /// at once when one cannot: no deadline is needed.
+    fn wait(&self) -> bool {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(go) = *state {
+                return go;
+            }
+            state = self.opened.wait(state).unwrap_or_else(|p| p.into_inner());
+        }
+    }
 }
 
 /// Bytes of freed blocks each rank's cpu device keeps: `CHORUS_CPU_CACHE_BYTES`
 /// (as PyTorch's `PYTORCH_CUDA_ALLOC_CONF` tunes its caching allocator),
 /// else the job's [`RankJob::CPU_CACHE_LIMIT`].
 fn cpu_cache_limit<J: RankJob>() -> anyhow::Result<usize> {
+    Ok(cpu_cache_setting()?.unwrap_or(J::CPU_CACHE_LIMIT))
+}
+
+/// `CHORUS_CPU_CACHE_BYTES`, `None` where it is not set; a value that is
+/// no number of bytes is a usage error.
+fn cpu_cache_setting() -> anyhow::Result<Option<usize>> {
     match std::env::var("CHORUS_CPU_CACHE_BYTES") {
-        Err(std::env::VarError::NotPresent) => Ok(J::CPU_CACHE_LIMIT),
-        Ok(v) => v.trim().parse::<usize>().map_err(|_| {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Ok(v) => v.trim().parse::<usize>().map(Some).map_err(|_| {
             crate::usage(format!("CHORUS_CPU_CACHE_BYTES={v:?}: not a number of bytes (0 keeps no freed block)"))
         }),
         Err(e) => Err(crate::usage(format!("CHORUS_CPU_CACHE_BYTES: {e}"))),
     }
+}
+
+/// Checks `CHORUS_CPU_CACHE_BYTES` with the arguments, before anything is
+/// read or run: a bad value exits 2 whatever the model or mode.
+pub(super) fn check_cpu_cache_setting() -> anyhow::Result<()> {
+    cpu_cache_setting().map(|_| ())
 }
 
 /// Runs `job` on `world` simulated ranks and returns every rank's report.
@@ -338,13 +393,28 @@ pub(super) fn run_sim<J: RankJob>(world: usize, job: J, bar: Option<ProgressBar>
     let results = SimWorld::run(world, config, move |comm| {
         let rank = comm.rank();
         let bar = bar.lock().map(|b| b.clone()).unwrap_or(None);
-        job.run(Arc::new(comm), &mut |_, loss| progress(rank, &bar, loss))
+        let comm = Arc::new(comm);
+        let report = job.run(comm.clone(), &mut |_, loss| progress(rank, &bar, loss));
+        if let Err(e) = &report {
+            // The other ranks would wait for this one in their next collective until the timeout (a stream
+            // thread that could not start, a file that could not be read): they fail now instead.
+            comm.abort(&format!("rank {rank} failed: {e:#}"));
+        }
+        report
     })?;
-    results
+    let results: Vec<anyhow::Result<J::Report>> = results
         .into_iter()
         .enumerate()
         .map(|(rank, r)| r.map_err(anyhow::Error::from).and_then(|v| v.with_context(|| format!("rank {rank}"))))
-        .collect()
+        .collect();
+    // The error of the rank that failed first, not another's "aborted" that followed from it.
+    let aborted = |e: &anyhow::Error| {
+        e.chain().any(|c| matches!(c.downcast_ref(), Some(chorus_collectives::CommError::Aborted { .. })))
+    };
+    if let Some(i) = results.iter().position(|r| r.as_ref().is_err_and(|e| !aborted(e))) {
+        return results.into_iter().nth(i).into_iter().collect();
+    }
+    results.into_iter().collect()
 }
 
 /// Trains on this process's rank of the job with `comm`; rank 0 returns its
@@ -420,4 +490,47 @@ where
     let config = VendorConfig { store_key: format!("{}/unique_id", p.prefix("train/nccl")), ..VendorConfig::default() };
     let comm = VendorComm::<L>::init(&*p.store(), p.env.rank, p.env.world_size, device, config)?;
     train_rank(&p, comm, job, bar)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use chorus_devices::{Device, Priority, Stream};
+
+    use super::*;
+
+    /// Rank 1 fails before its first collective; the others are in theirs.
+    struct FailsOnRankOne;
+
+    impl RankJob for FailsOnRankOne {
+        type Report = ();
+        fn run<C: CommBackend + 'static>(
+            &self,
+            world: Arc<Communicator<C>>,
+            _on_step: &mut dyn FnMut(u64, f64),
+        ) -> anyhow::Result<()>
+        where
+            C::B: ComputeBackend,
+        {
+            if world.rank() == 1 {
+                anyhow::bail!("rank 1 could not start its streams");
+            }
+            let stream = world.device().create_stream(Priority::Normal)?;
+            world.barrier(&stream)?;
+            stream.synchronize()?;
+            Ok(())
+        }
+    }
+
+    /// Issue 43: a rank that fails (a thread it could not start) left the
+    /// others waiting in their collective until the 300 s timeout, the run
+    /// silent; they fail at once, and its error is the one reported.
+    #[test]
+    fn a_failing_rank_stops_the_others_at_once() {
+        let started = Instant::now();
+        let err = run_sim(4, FailsOnRankOne, None).unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(60), "the ranks waited: {:?}", started.elapsed());
+        assert!(format!("{err:#}").contains("rank 1 could not start its streams"), "{err:#}");
+    }
 }
