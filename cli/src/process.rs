@@ -6,68 +6,35 @@
 //! launcher's variables are present (and run one rank per GPU as threads
 //! otherwise); the simulated backends always run their ranks as threads.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use chorus_collectives::bootstrap::{
-    connect_from_env, ConnectOptions, EnvError, LaunchEnv, Rendezvous, Store, StoreBarrier,
-};
 
 use crate::UsageError;
 
-/// This process's place in a launched job and the job's store.
+/// This process's place in a launched job and the job's store: the
+/// library's [`chorus::Job`] (which this dereferences to), with the
+/// command line's choices of deadlines and messages.
 pub struct RankProcess {
-    /// Rank, world size, local rank, from the launcher's variables.
-    pub env: LaunchEnv,
-    rendezvous: Rendezvous,
-    /// Which of the job's chorus commands this is (several may run one
-    /// after another in one job, sharing its store).
-    run: i64,
+    job: chorus::Job,
 }
 
-/// Fails unless every rank was started with the same world size: each
-/// publishes its own, the others compare theirs with rank 0's and rank 0
-/// with everyone's. Before any other key, because the command keys below
-/// are numbered by world size, and ranks that disagree on it would
-/// otherwise wait for each other under different keys until they time out.
-fn check_world_sizes(env: &LaunchEnv, store: &dyn Store, timeout: Duration) -> anyhow::Result<()> {
-    let prefix = format!("chorus/world-size/{}", env.key_scope());
-    store.set(&format!("{prefix}/{}", env.rank), env.world_size.to_string().as_bytes())?;
-    let peers: Vec<usize> = if env.rank == 0 { (1..env.world_size).collect() } else { vec![0] };
-    for r in peers {
-        let theirs = store.get(&format!("{prefix}/{r}"), timeout).with_context(|| format!("waiting for rank {r}"))?;
-        let theirs = String::from_utf8_lossy(&theirs).trim().to_string();
-        if theirs != env.world_size.to_string() {
-            anyhow::bail!(
-                "rank {r} joined a world of {theirs} ranks; rank {} a world of {} (the launcher's variables disagree)",
-                env.rank,
-                env.world_size
-            );
-        }
+impl std::ops::Deref for RankProcess {
+    type Target = chorus::Job;
+    fn deref(&self) -> &chorus::Job {
+        &self.job
     }
-    Ok(())
 }
 
 impl RankProcess {
     /// The job this process belongs to, or `None` when no launcher started it.
     pub fn detect() -> anyhow::Result<Option<RankProcess>> {
-        match LaunchEnv::from_process_env() {
-            Err(EnvError::NoLauncher { .. }) => Ok(None),
-            Err(e) => Err(anyhow::Error::new(e).context("reading the launcher's variables")),
-            Ok(env) => {
-                let rendezvous = connect_from_env(&env, &ConnectOptions::default())
-                    .with_context(|| format!("rank {} joining the job's store", env.rank))?;
-                check_world_sizes(&env, &*rendezvous.store(), RankProcess::ucx_timeout(Duration::from_secs(300)))?;
-                // Every rank of a command counts itself in before any rank can
-                // finish it (`finish` waits for all), so the count tells the
-                // commands of one job apart and their keys never mix.
-                let key = format!("chorus/commands/{}", env.key_scope());
-                let n = rendezvous.store().add(&key, 1)?;
-                let run = (n - 1) / env.world_size.max(1) as i64;
-                Ok(Some(RankProcess { env, rendezvous, run }))
-            }
-        }
+        let joined = chorus::Job::detect(RankProcess::ucx_timeout(Duration::from_secs(300)));
+        let job = joined.map_err(|e| match e {
+            chorus::Error::Launcher(e) => anyhow::Error::new(e).context("reading the launcher's variables"),
+            e => anyhow::Error::new(e).context("joining the job's store"),
+        })?;
+        Ok(job.map(|job| RankProcess { job }))
     }
 
     /// The job, or a usage error naming the launchers when there is none.
@@ -80,16 +47,6 @@ impl RankProcess {
             ))
             .into()
         })
-    }
-
-    /// The job's store.
-    pub fn store(&self) -> Arc<dyn Store> {
-        self.rendezvous.store()
-    }
-
-    /// A store prefix for `what` that is unique per job, restart and command.
-    pub fn prefix(&self, what: &str) -> String {
-        format!("chorus/{what}/{}/{}", self.env.key_scope(), self.run)
     }
 
     /// The deadline of the UCX backend's waits, and of the world-size check
@@ -135,26 +92,11 @@ impl RankProcess {
         Ok(())
     }
 
-    /// Every rank waits here until all have arrived (bounded by `timeout`),
-    /// and rank 0, which may host the store, until every other rank has
-    /// made its last store request: it leaves last. Both are barriers
-    /// waited for on the store's side ([`StoreBarrier`]); the second one's
-    /// parties are the other ranks, and rank 0 only waits for it.
+    /// Every rank waits until all have arrived, rank 0 (which may host the
+    /// store) until the others have left ([`chorus::Job::finish`]).
     pub fn finish(&self, what: &str, timeout: Duration) -> anyhow::Result<()> {
-        let store = self.store();
-        let n = self.env.world_size;
-        StoreBarrier::new(format!("{}/finished", self.prefix(what)), n)?
-            .arrive_and_wait(&*store, timeout)
-            .with_context(|| format!("waiting for the {n} ranks to finish"))?;
-        if n == 1 {
-            return Ok(());
-        }
-        let released = StoreBarrier::new(format!("{}/released", self.prefix(what)), n - 1)?;
-        if self.env.rank != 0 {
-            released.arrive(&*store)?;
-            return Ok(());
-        }
-        released.wait(&*store, timeout).with_context(|| format!("waiting for the other {} ranks to leave", n - 1))?;
-        Ok(())
+        self.job
+            .finish(what, timeout)
+            .with_context(|| format!("waiting for the {} ranks to finish", self.env.world_size))
     }
 }
