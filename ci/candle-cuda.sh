@@ -18,6 +18,11 @@
 #   cargo build -p chorus-cli --features candle-cuda --config "$CHORUS_CANDLE_CUDA_CONFIG"
 #   bash ci/candle-cuda.sh     # alone: prints the file's path
 #
+# Beside that file, patch.toml is for a user's own crate depending on chorus
+# (any other crates too): it patches only candle-core and candle-kernels
+# ([patch.crates-io]), so the user's lock file keeps everything else:
+#   cargo build --features chorus/candle-cuda --config "$(dirname "$(bash PATH/TO/chorus/ci/candle-cuda.sh)")/patch.toml"
+#
 # Idempotent: a complete toolchain and copy (stamps of the pins, and of
 # Cargo.lock and the patches) are reused in well under a second; anything
 # else is made again beside the old and put in place by a rename, so no
@@ -82,7 +87,7 @@ chorus_candle_cuda() (
     local stamp
     stamp="$(cat "$repo/Cargo.lock" "${patches[@]}" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1) $nvcc $cap"
     mkdir -p "$dir"
-    if [ "$(cat "$dir/vendor.stamp" 2>/dev/null)" != "$stamp" ] || [ ! -f "$dir/config.toml" ]; then
+    if [ "$(cat "$dir/vendor.stamp" 2>/dev/null)" != "$stamp" ] || [ ! -f "$dir/config.toml" ] || [ ! -f "$dir/patch.toml" ]; then
         local started=$SECONDS
         local fresh="$dir/vendor.new"
         # Ours (made by an earlier run that stopped): remove and make again.
@@ -134,6 +139,21 @@ NVCC = "$nvcc"
 CUDA_COMPUTE_CAP = "$cap"
 EOF
         mv "$dir/config.toml.new" "$dir/config.toml"
+        # For a user's crate, which depends on crates outside chorus's lock: only
+        # candle's two patched crates replaced, everything else from crates.io.
+        cat >"$dir/patch.toml.new" <<EOF
+# Made by ci/candle-cuda.sh: for a crate that depends on chorus with the
+# candle-cuda feature (docs/library.md, "The GPU in your crate"): candle's
+# two crates patched (ci/candle-cuda/*.patch), the kernels compiled by pip's nvcc.
+[patch.crates-io]
+candle-core = { path = "$dir/vendor/candle-core" }
+candle-kernels = { path = "$dir/vendor/candle-kernels" }
+
+[env]
+NVCC = "$nvcc"
+CUDA_COMPUTE_CAP = "$cap"
+EOF
+        mv "$dir/patch.toml.new" "$dir/patch.toml"
         printf '%s\n' "$stamp" >"$dir/vendor.stamp"
         echo "candle-cuda: patched crates in $dir/vendor in $((SECONDS - started)) s" >&2
     fi
