@@ -25,7 +25,7 @@ use chorus_collectives::sim::{Fault, SimComm, SimConfig, SimWorld};
 use chorus_devices::cpu::CpuConfig;
 
 use crate::rank::Rank;
-use crate::world::{run_on_threads, Maker};
+use crate::world::{run_on_threads, Maker, RankThreads};
 use crate::{BoxError, Result};
 
 /// Runs `body` on `n` simulated ranks with [`SimRanks`]'s defaults and
@@ -47,13 +47,20 @@ pub struct SimRanks {
     timeout: Duration,
     deadline: Duration,
     faults: Vec<Fault>,
+    threads_per_rank: Option<usize>,
 }
 
 impl SimRanks {
     /// `n` ranks; a collective waits at most 30 s for its peers, and the
     /// whole run at most 120 s.
     pub fn new(n: usize) -> SimRanks {
-        SimRanks { n, timeout: Duration::from_secs(30), deadline: Duration::from_secs(120), faults: Vec::new() }
+        SimRanks {
+            n,
+            timeout: Duration::from_secs(30),
+            deadline: Duration::from_secs(120),
+            faults: Vec::new(),
+            threads_per_rank: None,
+        }
     }
 
     /// How long a collective waits for its peers before every rank fails.
@@ -76,6 +83,14 @@ impl SimRanks {
         self
     }
 
+    /// The threads each rank's candle CPU kernels may use (feature
+    /// `candle`; see [`World::threads_per_rank`](crate::World::threads_per_rank)).
+    #[cfg(feature = "candle")]
+    pub fn threads_per_rank(mut self, threads: usize) -> SimRanks {
+        self.threads_per_rank = Some(threads);
+        self
+    }
+
     /// Runs `body` on every rank; see [`run_ranks`].
     pub fn run<T, E, F>(self, body: F) -> Result<Vec<T>>
     where
@@ -87,7 +102,8 @@ impl SimRanks {
         for f in self.faults {
             world.inject_fault(f)?;
         }
-        run_on_threads(self.n, maker_of(world), Some(self.deadline), body)
+        let how = RankThreads { deadline: Some(self.deadline), pool: self.threads_per_rank };
+        run_on_threads(self.n, maker_of(world), how, body)
     }
 }
 

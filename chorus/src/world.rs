@@ -75,6 +75,7 @@ pub struct World {
     ranks: Ranks,
     timeout: Duration,
     deadline: Option<Duration>,
+    threads_per_rank: Option<usize>,
 }
 
 impl World {
@@ -97,7 +98,7 @@ impl World {
     }
 
     fn with(ranks: Ranks) -> World {
-        World { ranks, timeout: Duration::from_secs(300), deadline: None }
+        World { ranks, timeout: Duration::from_secs(300), deadline: None, threads_per_rank: None }
     }
 
     /// The deadline of every wait: a collective whose peers do not arrive,
@@ -113,6 +114,17 @@ impl World {
     /// [`Error::Deadline`] naming the ranks still running (none by default).
     pub fn deadline(mut self, deadline: Duration) -> World {
         self.deadline = Some(deadline);
+        self
+    }
+
+    /// The threads each rank's candle CPU kernels (matrix products) may use
+    /// (feature `candle`): each rank's function runs in a thread pool of its
+    /// own of that many threads. By default, ranks that are threads of this
+    /// process share its cores (`cores / ranks`, at least 1), so they do not
+    /// oversubscribe them; a launched rank keeps candle's own choice.
+    #[cfg(feature = "candle")]
+    pub fn threads_per_rank(mut self, threads: usize) -> World {
+        self.threads_per_rank = Some(threads);
         self
     }
 
@@ -152,7 +164,7 @@ impl World {
         F: Fn(Rank) -> std::result::Result<T, E> + Send + Sync + 'static,
     {
         let maker = threads::maker(n, self.timeout)?;
-        run_on_threads(n, maker, self.deadline, body)
+        run_on_threads(n, maker, RankThreads { deadline: self.deadline, pool: self.threads_per_rank }, body)
     }
 }
 
@@ -188,6 +200,14 @@ pub(crate) struct Maker<C: CommBackend> {
     pub(crate) abort: Box<dyn Fn(&str) + Send + Sync>,
 }
 
+/// How the ranks' threads run: the whole run's deadline, and the size of
+/// each rank's own thread pool for candle (`None`: the cores shared out).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct RankThreads {
+    pub(crate) deadline: Option<Duration>,
+    pub(crate) pool: Option<usize>,
+}
+
 /// What a rank's thread sends back.
 enum Outcome<T> {
     Done(T),
@@ -196,12 +216,7 @@ enum Outcome<T> {
 
 /// Runs `body` on `n` threads, rank `r`'s communicator made on its thread
 /// by `maker`; see [`World::run`] for how failures end the world.
-pub(crate) fn run_on_threads<C, T, E, F>(
-    n: usize,
-    maker: Maker<C>,
-    deadline: Option<Duration>,
-    body: F,
-) -> Result<Vec<T>>
+pub(crate) fn run_on_threads<C, T, E, F>(n: usize, maker: Maker<C>, how: RankThreads, body: F) -> Result<Vec<T>>
 where
     C: CommBackend + 'static,
     T: Send + 'static,
@@ -224,7 +239,7 @@ where
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 let comm = (maker.make)(rank)?;
                 let r = Rank::new(comm)?;
-                body(r).map_err(|e| Error::Rank { rank, error: e.into() })
+                in_rank_pool(rank, n, how.pool, || body(r).map_err(|e| Error::Rank { rank, error: e.into() }))?
             }));
             let outcome = match outcome {
                 Ok(Ok(v)) => Outcome::Done(v),
@@ -245,7 +260,27 @@ where
         }
     }
     drop(tx);
-    collect(n, &rx, deadline, &*maker.abort, &first)
+    collect(n, &rx, how.deadline, &*maker.abort, &first)
+}
+
+/// Runs `f` in a thread pool of this rank's own (`threads`, else this
+/// process's cores shared out among its `n` ranks), where candle's CPU
+/// matrix products split their work.
+#[cfg(feature = "candle")]
+fn in_rank_pool<R: Send>(rank: usize, n: usize, threads: Option<usize>, f: impl FnOnce() -> R + Send) -> Result<R> {
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let threads = threads.unwrap_or(cores / n.max(1)).max(1);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(move |i| format!("chorus-rank{rank}-pool{i}"))
+        .build()
+        .map_err(|e| Error::Unsupported(format!("rank {rank}'s thread pool of {threads} threads: {e}")))?;
+    Ok(pool.install(f))
+}
+
+#[cfg(not(feature = "candle"))]
+fn in_rank_pool<R>(_rank: usize, _n: usize, _threads: Option<usize>, f: impl FnOnce() -> R) -> Result<R> {
+    Ok(f())
 }
 
 /// Waits for every rank's outcome (up to `deadline`) and returns the values

@@ -133,3 +133,19 @@ fn a_gpu_like_device_without_candles_gpu_feature_is_an_error() {
         }
     }
 }
+
+/// Each rank's candle matmuls split over a pool of its own: the cores
+/// shared out by default, or the count asked for.
+#[test]
+fn each_rank_computes_in_a_pool_of_its_own() {
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let pools = run_ranks(2, |_| Ok::<_, Error>(rayon::current_num_threads())).unwrap();
+    assert_eq!(pools, vec![(cores / 2).max(1); 2]);
+    let pools = chorus::testing::SimRanks::new(2)
+        .threads_per_rank(3)
+        .run(|_| Ok::<_, Error>(rayon::current_num_threads()))
+        .unwrap();
+    assert_eq!(pools, vec![3, 3]);
+    let pools = World::threads(4).threads_per_rank(1).run(|_| Ok::<_, Error>(rayon::current_num_threads())).unwrap();
+    assert_eq!(pools, vec![1; 4]);
+}
