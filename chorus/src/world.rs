@@ -355,31 +355,38 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// (The sim world aborts itself, and every communicator split from it.)
 #[cfg(any(feature = "ucx", feature = "nccl", feature = "rccl"))]
 pub(crate) struct Registry<C: CommBackend> {
-    comms: Mutex<(Vec<Arc<Communicator<C>>>, Option<String>)>,
+    state: Mutex<Registered<C>>,
+}
+
+#[cfg(any(feature = "ucx", feature = "nccl", feature = "rccl"))]
+struct Registered<C: CommBackend> {
+    comms: Vec<Arc<Communicator<C>>>,
+    /// Why the world was aborted, once it was.
+    aborted: Option<String>,
 }
 
 #[cfg(any(feature = "ucx", feature = "nccl", feature = "rccl"))]
 impl<C: CommBackend> Registry<C> {
     pub(crate) fn new() -> Arc<Self> {
-        Arc::new(Registry { comms: Mutex::new((Vec::new(), None)) })
+        Arc::new(Registry { state: Mutex::new(Registered { comms: Vec::new(), aborted: None }) })
     }
 
     /// Keeps `comm` for [`Registry::abort`]; refuses it after an abort.
     pub(crate) fn keep(&self, comm: Communicator<C>) -> Result<Arc<Communicator<C>>> {
         let comm = Arc::new(comm);
-        let mut guard = self.comms.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(reason) = &guard.1 {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(reason) = &state.aborted {
             comm.abort(reason);
             return Err(Error::InvalidArgument(format!("the world was aborted before this rank joined: {reason}")));
         }
-        guard.0.push(comm.clone());
+        state.comms.push(comm.clone());
         Ok(comm)
     }
 
     pub(crate) fn abort(&self, reason: &str) {
-        let mut guard = self.comms.lock().unwrap_or_else(|p| p.into_inner());
-        guard.1.get_or_insert_with(|| reason.to_string());
-        for c in &guard.0 {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.aborted.get_or_insert_with(|| reason.to_string());
+        for c in &state.comms {
             c.abort(reason);
         }
     }
