@@ -72,8 +72,13 @@ pub fn run(args: &ConsolidateArgs) -> anyhow::Result<Outcome> {
     if args.save_dtype != crate::train::SaveDtypeArg::F32 {
         return Err(UsageError("--save-dtype is for checkpoints of --model llama".into()).into());
     }
+    // Its staging directory goes if a signal ends the run (`crate::interrupt`).
+    let stage = chorus_fsdp_candle::checkpoint::consolidate_stage(&args.out);
+    crate::interrupt::remove_if_interrupted(&stage);
     let files = chorus_fsdp_candle::checkpoint::consolidate(&args.checkpoint, &args.out, max)
-        .with_context(|| format!("consolidating {}", args.checkpoint.display()))?;
+        .with_context(|| format!("consolidating {}", args.checkpoint.display()));
+    crate::interrupt::forget(&stage);
+    let files = files?;
     crate::print_out(format_args!(
         "wrote {} file(s) and model.safetensors.index.json to {}\n",
         files.len(),
@@ -99,14 +104,8 @@ fn consolidate_llama(args: &ConsolidateArgs, config: &Path, max: usize) -> anyho
     let text = std::fs::read_to_string(config).with_context(|| format!("reading {}", config.display()))?;
     let cfg = chorus_train::models::llama::config::LlamaConfig::from_json(&text)
         .with_context(|| format!("reading {}", config.display()))?;
-    let parent = args.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = args.out.file_name().and_then(|n| n.to_str()).unwrap_or("consolidated").to_string();
-    let stage = parent.join(format!(".{name}.stage"));
-    if stage.exists() {
-        return Err(
-            UsageError(format!("{} exists (left by an earlier consolidate?); remove it", stage.display())).into()
-        );
-    }
+    // This process's own (`.NAME.consolidate-PID`), removed if a signal ends the run.
+    let stage = chorus_fsdp_candle::checkpoint::consolidate_stage(&args.out);
     let mut full =
         FullTensors::open(&args.checkpoint).with_context(|| format!("consolidating {}", args.checkpoint.display()))?;
     // The checkpoint's tensors are the config's, by name and shape, before anything is written.
@@ -128,7 +127,11 @@ fn consolidate_llama(args: &ConsolidateArgs, config: &Path, max: usize) -> anyho
         ))
         .into());
     }
+    if let Some(parent) = stage.parent() {
+        std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    }
     std::fs::create_dir(&stage).with_context(|| format!("creating {}", stage.display()))?;
+    crate::interrupt::remove_if_interrupted(&stage);
     let result = (|| -> anyhow::Result<usize> {
         let layout = chorus_train::models::llama::hf::HfLayout::new(&cfg, args.save_dtype.dtype(), max);
         let mut w = chorus_train::models::llama::hf::HfWriter::create(&stage, &cfg, layout.clone())?;
@@ -144,6 +147,7 @@ fn consolidate_llama(args: &ConsolidateArgs, config: &Path, max: usize) -> anyho
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&stage);
     }
+    crate::interrupt::forget(&stage);
     let files = result?;
     crate::print_out(format_args!("wrote a Hugging Face Llama directory ({files} files) to {}\n", args.out.display()))?;
     Ok(Outcome::Passed)

@@ -126,8 +126,12 @@ fn saved_checkpoint(name: &str) -> (PathBuf, GptReport) {
 fn consolidated_checkpoints_load_in_plain_candle() {
     let (dir, report) = saved_checkpoint("consolidate");
     let out = dir.join("consolidated");
+    // Issue 43: a directory of the user's named as consolidate's staging once was (`.tmp-NAME`) is never removed.
+    std::fs::create_dir_all(dir.join(".tmp-consolidated")).unwrap();
+    std::fs::write(dir.join(".tmp-consolidated/mine.txt"), "kept").unwrap();
     // A small file limit to get several files.
     let files = consolidate(&dir.join("step-00000002"), &out, 8 * 1024).unwrap();
+    assert_eq!(std::fs::read_to_string(dir.join(".tmp-consolidated/mine.txt")).unwrap(), "kept");
     assert!(files.len() > 1, "{files:?}");
     assert!(out.join("model.safetensors.index.json").exists());
     assert!(consolidate(&dir, &out, 1 << 30).is_err(), "never overwrites");

@@ -11,8 +11,8 @@ use chorus_fsdp::{Fsdp, OptimizerKind, ShardedOptimizer};
 use safetensors::tensor::Dtype;
 
 use super::files::{
-    consolidated_file, fresh_dir, moment_names, shard_metadata, state_key, sync_dir, write_index, Opened, SavedBox,
-    TensorEntry, INDEX, MANIFEST, TRAINING_STATE,
+    consolidated_file, moment_names, shard_metadata, state_key, sync_dir, write_index, Opened, SavedBox, TensorEntry,
+    INDEX, MANIFEST, TRAINING_STATE,
 };
 use super::geometry::{copy_box, padded_strides, strides, Region};
 use super::{optimizer_json, TrainingState};
@@ -323,13 +323,24 @@ impl FullTensors {
     }
 }
 
+/// The staging directory [`consolidate`] writes `out` in before renaming it
+/// into place: beside `out`, named by this process (`.NAME.consolidate-PID`),
+/// so it is never another run's or a file of the user's. A program that
+/// can be interrupted removes it then.
+pub fn consolidate_stage(out: &Path) -> PathBuf {
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = out.file_name().map_or_else(|| "consolidated".into(), |n| n.to_string_lossy().into_owned());
+    parent.join(format!(".{name}.consolidate-{}", std::process::id()))
+}
+
 /// Writes the checkpoint's parameters as plain full tensors:
 /// `out/model-0000i-of-0000N.safetensors` (a new file whenever one would pass
 /// `max_file_bytes`) and `out/model.safetensors.index.json`, the layout
 /// Hugging Face models ship in, which candle (`VarBuilder::from_mmaped_safetensors`)
 /// and Python's `safetensors` load. Each file is written once, tensor by
-/// tensor (one full tensor in memory at a time), into a temporary directory
-/// renamed to `out`; `out` must not exist. Returns the files written.
+/// tensor (one full tensor in memory at a time), into a staging directory
+/// ([`consolidate_stage`]) renamed to `out`; `out` must not exist. Returns
+/// the files written.
 pub fn consolidate(dir: &Path, out: &Path, max_file_bytes: usize) -> Result<Vec<PathBuf>> {
     if out.exists() {
         return Err(Error::InvalidArgument(format!("{} exists; consolidate writes a new directory", out.display())));
@@ -351,8 +362,10 @@ pub fn consolidate(dir: &Path, out: &Path, max_file_bytes: usize) -> Result<Vec<
         }
     }
     let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let tmp = parent.join(format!(".tmp-{}", out.file_name().and_then(|n| n.to_str()).unwrap_or("consolidated")));
-    fresh_dir(&tmp)?;
+    let tmp = consolidate_stage(out);
+    // Created new: an existing one is not this call's to replace (a fixed name here once removed whatever was there).
+    std::fs::create_dir_all(parent).map_err(|e| CheckpointError::io(parent, e))?;
+    std::fs::create_dir(&tmp).map_err(|e| CheckpointError::io(&tmp, e))?;
     let written = (|| -> Result<Vec<String>> {
         let n = files.len();
         let mut weight_map = BTreeMap::new();

@@ -84,7 +84,8 @@ mod save;
 
 pub use files::resolve;
 pub use load::{
-    consolidate, inspect, load, optimizer_changes, read_training_state, FullTensors, Inspected, LoadOptions,
+    consolidate, consolidate_stage, inspect, load, optimizer_changes, read_training_state, FullTensors, Inspected,
+    LoadOptions,
 };
 pub use place::{exchange, recover, recover_aside, replace_dir, Recovered};
 pub use save::{save, SaveOptions};
