@@ -48,6 +48,7 @@
 //! `ranks.rs`, the end in `end.rs`; the job holds their types, and they
 //! extend it, so this file and those depend on each other.
 
+mod attempts;
 mod dumps;
 mod end;
 mod forward;
@@ -76,9 +77,11 @@ pub struct LaunchArgs {
     /// connections node 0's store serves (1024: 1023 ranks on one node).
     #[arg(long, value_name = "N", allow_negative_numbers = true, value_parser = whole_number)]
     pub nproc_per_node: usize,
-    /// Nodes in the job; every node runs `chorus launch` with the same arguments but --node-rank.
-    #[arg(long, default_value_t = 1, value_name = "M", allow_negative_numbers = true, value_parser = whole_number)]
-    pub nnodes: usize,
+    /// Nodes in the job; every node runs `chorus launch` with the same arguments but --node-rank. MIN:MAX
+    /// (elastic, as torchrun's): the job starts with the nodes that joined when all MAX have, or at --timeout
+    /// with at least MIN; a restart (--max-restarts) continues without nodes found dead while MIN remain.
+    #[arg(long, default_value = "1", value_name = "M|MIN:MAX", allow_negative_numbers = true, value_parser = node_count)]
+    pub nnodes: NodeCount,
     /// This node's index, 0..M; node 0 hosts the store.
     #[arg(long, default_value_t = 0, value_name = "K", allow_negative_numbers = true, value_parser = whole_number)]
     pub node_rank: usize,
@@ -103,6 +106,12 @@ pub struct LaunchArgs {
     /// The job's name, the same on every node (TORCHELASTIC_RUN_ID).
     #[arg(long, default_value = "none")]
     pub run_id: String,
+    /// Times the job is started again after a rank or a node fails (torchrun's --max-restarts): every
+    /// node stops its ranks, the nodes meet again, and every rank starts anew with the attempt in
+    /// TORCHELASTIC_RESTART_COUNT (`chorus train --resume auto` continues from its last checkpoint).
+    /// The same on every node.
+    #[arg(long, default_value_t = 0, value_name = "N", allow_negative_numbers = true, value_parser = whole_number)]
+    pub max_restarts: usize,
     /// The program to run as every rank, and its arguments (after `--`).
     #[arg(required = true, last = true, value_name = "PROGRAM ARGS")]
     pub command: Vec<String>,
@@ -115,6 +124,29 @@ fn whole_number(text: &str) -> Result<usize, String> {
         Ok(n) if n < 0 => Err(format!("{n} is negative; give a whole number (0, 1, 2, ...)")),
         Ok(n) => usize::try_from(n).map_err(|_| format!("{n} is too large")),
         Err(_) => Err(format!("{text:?} is not a whole number")),
+    }
+}
+
+/// `--nnodes`: a fixed count (`min == max`), or `MIN:MAX`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NodeCount {
+    /// Nodes an attempt needs.
+    pub min: usize,
+    /// Nodes the job has at most (node ranks `0..max`).
+    pub max: usize,
+}
+
+/// `--nnodes M` or `--nnodes MIN:MAX`.
+fn node_count(text: &str) -> Result<NodeCount, String> {
+    match text.split_once(':') {
+        None => whole_number(text).map(|n| NodeCount { min: n, max: n }),
+        Some((min, max)) => {
+            let (min, max) = (whole_number(min)?, whole_number(max)?);
+            if min > max {
+                return Err(format!("{text}: MIN {min} is above MAX {max}"));
+            }
+            Ok(NodeCount { min, max })
+        }
     }
 }
 
@@ -164,7 +196,7 @@ pub fn run(args: &LaunchArgs) -> anyhow::Result<Outcome> {
     install_signal_handlers();
     let mut job = Job::rendezvous(&plan)?;
     job.open_files = open_files;
-    let outcome = job.run_ranks(&plan);
+    let outcome = job.run_attempts(&plan);
     job.finish(&plan);
     outcome
 }
@@ -172,7 +204,10 @@ pub fn run(args: &LaunchArgs) -> anyhow::Result<Outcome> {
 /// The validated arguments.
 struct Plan {
     nproc: usize,
+    /// Nodes in the job at most (`--nnodes`' MAX): the node ranks are `0..nnodes`.
     nnodes: usize,
+    /// Nodes an attempt needs (`--nnodes`' MIN; `nnodes` unless elastic).
+    min_nodes: usize,
     node_rank: usize,
     master_addr: String,
     master_port: u16,
@@ -180,9 +215,13 @@ struct Plan {
     node_timeout: Duration,
     grace: Duration,
     run_id: String,
+    /// Attempts after the first that a failure may start (`--max-restarts`).
+    max_restarts: usize,
     program: String,
     args: Vec<String>,
-    /// Where the ranks' flight recorders write their dumps (CHORUS_TRACE_DIR).
+    /// Where the ranks' flight recorders write their dumps (CHORUS_TRACE_DIR);
+    /// each restart's in a folder of its own beside the first attempt's
+    /// ([`attempts::trace_dir`]).
     trace_dir: std::path::PathBuf,
 }
 
@@ -215,16 +254,17 @@ impl Plan {
         if a.nproc_per_node == 0 {
             return Err(usage("--nproc-per-node must be at least 1".into()));
         }
-        if a.nnodes == 0 {
+        if a.nnodes.min == 0 {
             return Err(usage("--nnodes must be at least 1".into()));
         }
+        let nnodes = a.nnodes.max;
         // Every rank of a job (chorus's commands, PyTorch's) holds a connection
         // to node 0's store, and so does every launcher (two on several
         // nodes): more than the store serves would fail one by one as they start.
         let connections = ServerOptions::default().max_connections;
-        let launchers = launcher_connections(a.nnodes).saturating_mul(a.nnodes);
-        let per_node = connections.saturating_sub(launchers) / a.nnodes;
-        let each = match launcher_connections(a.nnodes) {
+        let launchers = launcher_connections(nnodes).saturating_mul(nnodes);
+        let per_node = connections.saturating_sub(launchers) / nnodes;
+        let each = match launcher_connections(nnodes) {
             1 => "one per launcher",
             _ => "two per launcher",
         };
@@ -232,7 +272,7 @@ impl Plan {
             return Err(usage(format!(
                 "--nnodes {}: node 0's store serves {connections} connections, {each} and one per rank; at most {} \
                  nodes",
-                a.nnodes,
+                nnodes,
                 connections / 3
             )));
         }
@@ -240,17 +280,17 @@ impl Plan {
             return Err(usage(format!(
                 "--nproc-per-node {}: at most {per_node} ranks per node on {} node(s) (node 0's store serves \
                  {connections} connections, one per rank and {each})",
-                a.nproc_per_node, a.nnodes
+                a.nproc_per_node, nnodes
             )));
         }
-        if a.node_rank >= a.nnodes {
-            return Err(usage(format!("--node-rank {} must be below --nnodes {}", a.node_rank, a.nnodes)));
+        if a.node_rank >= nnodes {
+            return Err(usage(format!("--node-rank {} must be below --nnodes {nnodes}", a.node_rank)));
         }
         if a.master_addr.trim().is_empty() {
             return Err(usage("--master-addr is empty".into()));
         }
-        let master_port = a.master_port.unwrap_or(if a.nnodes == 1 { 0 } else { 29500 });
-        if master_port == 0 && a.nnodes > 1 {
+        let master_port = a.master_port.unwrap_or(if nnodes == 1 { 0 } else { 29500 });
+        if master_port == 0 && nnodes > 1 {
             return Err(usage(
                 "--master-port 0 (pick a free port) works on one node only: the other nodes must know the port".into(),
             ));
@@ -278,7 +318,8 @@ impl Plan {
         }
         Ok(Plan {
             nproc: a.nproc_per_node,
-            nnodes: a.nnodes,
+            nnodes,
+            min_nodes: a.nnodes.min,
             node_rank: a.node_rank,
             master_addr: a.master_addr.trim().to_string(),
             master_port,
@@ -286,14 +327,21 @@ impl Plan {
             node_timeout,
             grace,
             run_id: a.run_id.clone(),
+            max_restarts: a.max_restarts,
             program: program.clone(),
             args: args.to_vec(),
             trace_dir: trace_dir(&a.run_id)?,
         })
     }
 
+    /// The job's ranks at most (every node of `--nnodes`' MAX).
     fn world_size(&self) -> usize {
         self.nproc * self.nnodes
+    }
+
+    /// Whether the set of nodes may change between attempts (`--nnodes MIN:MAX`).
+    fn elastic(&self) -> bool {
+        self.min_nodes < self.nnodes
     }
 
     /// Files the launcher holds open at most: two pipes per rank of this
@@ -380,9 +428,21 @@ struct Job {
     silent_nodes: Vec<usize>,
     /// Each node's host name, as its launcher published it.
     hosts: Vec<String>,
-    /// When the job started (node 0's clock, microseconds since the Unix
-    /// epoch): every rank's dumps carry it, so runs under one run id keep apart.
+    /// When this attempt started (node 0's clock, microseconds since the Unix
+    /// epoch): every rank's dumps carry it, so runs (and attempts) under one run id keep apart.
     run_started_us: u64,
+    /// This attempt: 0, then one more for each restart (TORCHELASTIC_RESTART_COUNT).
+    attempt: usize,
+    /// The store the ranks of a restart use (node 0; each restart gets a
+    /// fresh one, as torchrun's agent makes one per restart); `None` in the
+    /// first attempt, whose ranks use the launchers' store.
+    _rank_server: Option<TcpStoreServer>,
+    /// The port of the store this attempt's ranks use.
+    rank_port: u16,
+    /// The attempts that failed, in order.
+    history: Vec<attempts::Failed>,
+    /// The nodes of this attempt, in order (every node unless `--nnodes MIN:MAX`).
+    members: Vec<usize>,
 }
 
 fn signal_name(signal: i32) -> String {

@@ -18,15 +18,19 @@ impl Job {
             return;
         }
         let ranks: HashSet<usize> = self.ranks.iter().map(|r| r.rank).collect();
-        let key = |rest: &str| plan.key(&format!("dumps/{rest}"));
+        let dumps_key = self.attempt_key(plan, "dumps");
+        let key = |rest: &str| format!("{dumps_key}/{rest}");
+        let trace_dir = self.trace_dir(plan);
         // While waiting, the heartbeats are still read: a node that falls
         // silent is not waited for, and the silence is timed from fresh reads.
-        let (store, watch, silent) = (&self.store, &mut self.watch, &mut self.silent_nodes);
+        let (store, watch, silent, members) = (&self.store, &mut self.watch, &mut self.silent_nodes, &self.members);
+        // Nodes not in this attempt publish nothing: they count as gone.
+        let outside: Vec<usize> = (0..plan.nnodes).filter(|n| !members.contains(n)).collect();
         let gone = || {
             if let Some(w) = watch.as_mut() {
-                w.note_silent(store, plan, silent)?;
+                w.note_silent(store, plan, members, silent)?;
             }
-            Ok(silent.clone())
+            Ok(silent.iter().chain(&outside).copied().collect())
         };
         // A node publishes once its ranks have ended: a rank that ignores SIGTERM
         // (stopped, stuck) holds it for the grace period before SIGKILL.
@@ -35,7 +39,7 @@ impl Job {
             index: plan.node_rank,
             count: plan.nnodes,
             ranks: &ranks,
-            dir: &plan.trace_dir,
+            dir: &trace_dir,
             run: self.run_started_us,
         };
         let got = match dumps::exchange(&**store, key, &here, wait, gone) {
@@ -57,7 +61,7 @@ impl Job {
                 mib(w.bytes),
                 dumps::MAX_DUMP >> 20,
                 mib(dumps::node_share(plan.nnodes)),
-                plan.trace_dir.display()
+                trace_dir.display()
             );
         }
         for (node, w) in &got.not_shared {
@@ -68,7 +72,7 @@ impl Job {
                 mib(w.bytes)
             );
         }
-        for node in got.missing {
+        for node in got.missing.into_iter().filter(|n| self.members.contains(n)) {
             eprintln!(
                 "chorus launch: no flight-recorder dumps from {} within {:?} of the failure (dead, hung or cut off; \
                  any its ranks wrote stay on its host)",
@@ -105,7 +109,8 @@ impl Job {
             self.lose_store("waiting for every node to finish", &e);
             return;
         }
-        if let Err(e) = dumps::clean(&*self.store, |rest| plan.key(&format!("dumps/{rest}")), plan.nnodes) {
+        let dumps_key = self.attempt_key(plan, "dumps");
+        if let Err(e) = dumps::clean(&*self.store, |rest| format!("{dumps_key}/{rest}"), plan.nnodes) {
             self.lose_store("deleting the exchanged flight-recorder dumps", &e);
         }
     }
@@ -117,7 +122,7 @@ impl Job {
         let deadline = Instant::now() + limit;
         while Instant::now() < deadline {
             let mut pending = Vec::new();
-            for n in 0..plan.nnodes {
+            for &n in &self.members {
                 if !self.store.check(&[&plan.key(&format!("finished/{n}"))])? {
                     pending.push(n);
                 }

@@ -132,9 +132,10 @@ impl NodeWatch {
         &mut self,
         store: &TcpStore,
         plan: &Plan,
+        members: &[usize],
         silent: &mut Vec<usize>,
     ) -> Result<(), chorus_collectives::CommError> {
-        if let Some((node, _)) = self.silent(store, plan, 0..plan.nnodes)? {
+        if let Some((node, _)) = self.silent(store, plan, members.iter().copied())? {
             if !silent.contains(&node) {
                 silent.push(node);
             }
@@ -143,21 +144,100 @@ impl NodeWatch {
     }
 }
 
-/// What every node published under `{name}/{node}`, in node order.
+/// What the nodes `nodes` published under `{name}/{node}`, indexed by node
+/// (empty for the nodes of `0..--nnodes` not among them).
 pub(super) fn per_node(
     store: &TcpStore,
     plan: &Plan,
+    nodes: &[usize],
     name: &str,
 ) -> Result<Vec<String>, chorus_collectives::CommError> {
-    let keys: Vec<String> = (0..plan.nnodes).map(|n| plan.key(&format!("{name}/{n}"))).collect();
+    let keys: Vec<String> = nodes.iter().map(|n| plan.key(&format!("{name}/{n}"))).collect();
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-    Ok(store.multi_get(&keys, plan.timeout)?.iter().map(|v| String::from_utf8_lossy(v).into_owned()).collect())
+    let mut found = vec![String::new(); plan.nnodes];
+    for (node, v) in nodes.iter().zip(store.multi_get(&keys, plan.timeout)?) {
+        found[*node] = String::from_utf8_lossy(&v).into_owned();
+    }
+    Ok(found)
+}
+
+/// The nodes the job starts with: every node of `--nnodes M`, once all have
+/// joined (within `--timeout`); with `--nnodes MIN:MAX`, node 0 decides
+/// (all MAX once they have joined, else at `--timeout` those that have,
+/// at least MIN) and publishes them, and the others read them (waiting at
+/// most twice `--timeout`: node 0 may start that much later and then wait
+/// that long). A node left out is an error.
+fn first_members(store: &TcpStore, plan: &Plan, address: &str) -> anyhow::Result<Vec<usize>> {
+    let node_keys: Vec<String> = (0..plan.nnodes).map(|n| plan.key(&format!("node/{n}"))).collect();
+    let node_keys: Vec<&str> = node_keys.iter().map(String::as_str).collect();
+    let all: Vec<usize> = (0..plan.nnodes).collect();
+    let waiting = || format!("waiting for the {} nodes of run {:?} at {address}", plan.nnodes, plan.run_id);
+    if !plan.elastic() {
+        wait_interruptibly(store, &node_keys, plan.timeout).with_context(waiting)?;
+        return Ok(all);
+    }
+    let members_key = plan.key("members");
+    if plan.node_rank == 0 {
+        let members = match wait_interruptibly(store, &node_keys, plan.timeout) {
+            Ok(()) => all,
+            Err(e) if stop_requested().is_some() => return Err(e.context(waiting())),
+            Err(_) => {
+                let mut joined = Vec::new();
+                for (n, key) in node_keys.iter().enumerate() {
+                    if store.check(&[key])? {
+                        joined.push(n);
+                    }
+                }
+                if joined.len() < plan.min_nodes {
+                    bail!(
+                        "run {:?}: {} node(s) joined within --timeout ({joined:?}); --nnodes {}:{} needs at least {}",
+                        plan.run_id,
+                        joined.len(),
+                        plan.min_nodes,
+                        plan.nnodes,
+                        plan.min_nodes
+                    );
+                }
+                eprintln!(
+                    "chorus launch: starting run {:?} with nodes {joined:?} of {} (--nnodes {}:{}): the others did \
+                     not join within --timeout",
+                    plan.run_id, plan.nnodes, plan.min_nodes, plan.nnodes
+                );
+                joined
+            }
+        };
+        store.set(&members_key, encode_nodes(&members).as_bytes())?;
+    } else {
+        wait_interruptibly(store, &[&members_key], 2 * plan.timeout)
+            .with_context(|| format!("waiting for node 0 to start run {:?} at {address}", plan.run_id))?;
+    }
+    let members = decode_nodes(&store.get(&members_key, plan.timeout)?)
+        .with_context(|| format!("node 0's list of the nodes of run {:?}", plan.run_id))?;
+    if !members.contains(&plan.node_rank) {
+        bail!(
+            "run {:?} started with nodes {members:?} without node {}, which joined after node 0's --timeout",
+            plan.run_id,
+            plan.node_rank
+        );
+    }
+    Ok(members)
+}
+
+/// A list of nodes as the store holds it: "0,1,3".
+pub(super) fn encode_nodes(nodes: &[usize]) -> String {
+    nodes.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// [`encode_nodes`]' list read back; `None` for anything else.
+pub(super) fn decode_nodes(bytes: &[u8]) -> Option<Vec<usize>> {
+    let text = std::str::from_utf8(bytes).ok()?;
+    text.split(',').map(|n| n.parse().ok()).collect()
 }
 
 /// "node 1 on host h1": a node and the host its launcher runs on (as it
 /// published it when joining).
 pub(super) fn node_name(hosts: &[String], node: usize) -> String {
-    match hosts.get(node) {
+    match hosts.get(node).filter(|h| !h.is_empty()) {
         Some(host) => format!("node {node} on host {host}"),
         None => format!("node {node}"),
     }
@@ -169,7 +249,7 @@ pub(super) fn describe_silence(node: &str, silent: Duration) -> String {
 }
 
 /// Now, in microseconds since the Unix epoch.
-fn epoch_us() -> u64 {
+pub(super) fn epoch_us() -> u64 {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     u64::try_from(now.as_micros()).unwrap_or(u64::MAX)
 }
@@ -222,19 +302,30 @@ impl Job {
             // The job's start, the same on every node: every dump names it.
             store.set(&plan.key("started"), epoch_us().to_string().as_bytes())?;
         }
+        // Before the node key too: every node's restart budget exists once all have joined.
+        store.set(&plan.key(&format!("restarts/{}", plan.node_rank)), plan.max_restarts.to_string().as_bytes())?;
         store.set(&plan.key(&format!("node/{}", plan.node_rank)), plan.nproc.to_string().as_bytes())?;
-        let node_keys: Vec<String> = (0..plan.nnodes).map(|n| plan.key(&format!("node/{n}"))).collect();
-        let node_keys: Vec<&str> = node_keys.iter().map(String::as_str).collect();
-        wait_interruptibly(&*store, &node_keys, plan.timeout)
-            .with_context(|| format!("waiting for the {} nodes of run {:?} at {address}", plan.nnodes, plan.run_id))?;
-        let counts = store.multi_get(&node_keys, plan.timeout)?;
-        for (node, count) in counts.iter().enumerate() {
-            if count != plan.nproc.to_string().as_bytes() {
+        let members = first_members(&store, plan, &address)?;
+        let counts = per_node(&store, plan, &members, "node")?;
+        for &node in &members {
+            let count = &counts[node];
+            if *count != plan.nproc.to_string() {
                 bail!(
-                    "node {node} runs {} ranks and node {} runs {}: every node must use the same --nproc-per-node",
-                    String::from_utf8_lossy(count),
+                    "node {node} runs {count} ranks and node {} runs {}: every node must use the same --nproc-per-node",
                     plan.node_rank,
                     plan.nproc
+                );
+            }
+        }
+        // Nodes that would give up after different numbers of restarts would
+        // wait for each other at the restart one of them does not make.
+        for (node, restarts) in per_node(&store, plan, &members, "restarts")?.iter().enumerate() {
+            if members.contains(&node) && *restarts != plan.max_restarts.to_string() {
+                bail!(
+                    "node {node} has --max-restarts {restarts} and node {} has {}: every node must use the same \
+                     --max-restarts",
+                    plan.node_rank,
+                    plan.max_restarts
                 );
             }
         }
@@ -242,8 +333,8 @@ impl Job {
         let run_started_us = String::from_utf8_lossy(&started)
             .parse::<u64>()
             .with_context(|| format!("node 0's start time {:?} is not a number", String::from_utf8_lossy(&started)))?;
-        let views = per_node(&store, plan, "view")?;
-        let hosts = per_node(&store, plan, "host")?;
+        let views = per_node(&store, plan, &members, "view")?;
+        let hosts = per_node(&store, plan, &members, "host")?;
         let mut rank_env = Vec::new();
         if let Some((a, b)) = MachineView::shared_memory_across_networks(&views) {
             let why = format!(
@@ -295,6 +386,11 @@ impl Job {
             silent_nodes: Vec::new(),
             hosts,
             run_started_us,
+            attempt: 0,
+            _rank_server: None,
+            rank_port: port,
+            history: Vec::new(),
+            members,
         })
     }
 
@@ -304,7 +400,7 @@ impl Job {
             return;
         }
         let Some(watch) = self.watch.as_mut() else { return };
-        if let Err(e) = watch.note_silent(&self.store, plan, &mut self.silent_nodes) {
+        if let Err(e) = watch.note_silent(&self.store, plan, &self.members, &mut self.silent_nodes) {
             self.lose_store("reading the other nodes' heartbeats", &e);
         }
     }
@@ -316,7 +412,7 @@ impl Job {
         if self.store_lost {
             return;
         }
-        if let Err(e) = self.store.set(&plan.key("failed"), what.as_bytes()) {
+        if let Err(e) = self.store.set(&self.attempt_key(plan, "failed"), what.as_bytes()) {
             self.lose_store("reporting the failure", &e);
         }
     }

@@ -8,11 +8,11 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use chorus_collectives::bootstrap::{Store, TcpStoreServer};
+use chorus_collectives::bootstrap::Store;
 
+use super::attempts::Ended;
 use super::nodes::{describe_silence, node_name};
 use super::{forward, guardian, signal_name, stop_requested, Job, Plan};
-use crate::Outcome;
 
 /// How long ranks get to end with their own errors when the job's store is
 /// lost (its node died) before they are stopped: a peer's reset reaches them
@@ -30,19 +30,28 @@ pub(super) struct Rank {
 }
 
 impl Job {
-    /// Starts the ranks and watches them until all have exited; the outcome
-    /// of the job as seen from this node. A stop signal, a failed rank or a
-    /// failure on another node ends the start-up at once.
-    pub(super) fn run_ranks(&mut self, plan: &Plan) -> anyhow::Result<Outcome> {
+    /// Starts this attempt's ranks and watches them until all have exited;
+    /// how the attempt ended as seen from this node. A stop signal, a failed
+    /// rank or a failure on another node ends the start-up at once.
+    pub(super) fn run_ranks(&mut self, plan: &Plan) -> anyhow::Result<Ended> {
+        self.ranks.clear();
+        self.by_pid.clear();
         self.output = Some(forward::Forwarder::start().context("starting the thread that forwards the ranks' output")?);
-        self.guardian = Some(
-            guardian::Guardian::start(plan.nproc)
-                .context("starting the guardian that kills the ranks if the launcher dies")?,
-        );
+        if self.guardian.is_none() {
+            self.guardian = Some(
+                guardian::Guardian::start(plan.nproc)
+                    .context("starting the guardian that kills the ranks if the launcher dies")?,
+            );
+        }
         let mut failure: Option<String> = None;
+        // Whether another attempt could mend this failure: not when the
+        // launcher was told to stop, nor when a node is lost (a fixed set of
+        // nodes cannot meet again without it, and node 0 holds the store).
+        let mut restartable = true;
         let mut last_remote_check = Instant::now();
         loop {
             if let Some(signal) = stop_requested() {
+                restartable = false;
                 if failure.is_none() {
                     let what = format!("the launcher of node {} received {}", plan.node_rank, signal_name(signal));
                     self.tell_other_nodes(plan, &what);
@@ -83,9 +92,10 @@ impl Job {
             }
             if plan.nnodes > 1 && failure.is_none() && last_remote_check.elapsed() >= Duration::from_millis(250) {
                 last_remote_check = Instant::now();
-                let remote = match self.store.check(&[&plan.key("failed")]) {
+                let failed_key = self.attempt_key(plan, "failed");
+                let remote = match self.store.check(&[&failed_key]) {
                     Ok(false) => None,
-                    Ok(true) => Some(match self.store.get(&plan.key("failed"), Duration::from_secs(5)) {
+                    Ok(true) => Some(match self.store.get(&failed_key, Duration::from_secs(5)) {
                         Ok(v) => String::from_utf8_lossy(&v).into_owned(),
                         Err(e) => format!("another node failed (its report is unreadable: {e})"),
                     }),
@@ -94,22 +104,31 @@ impl Job {
                         Some(format!("lost the job's store at {} ({}): {e}", self.address, node_name(&self.hosts, 0)))
                     }
                 };
-                let remote = remote.or_else(|| match self.watch.as_mut()?.silent(&self.store, plan, 0..plan.nnodes) {
-                    Ok(None) => None,
-                    Ok(Some((node, silent))) => {
-                        self.silent_nodes.push(node);
-                        let what = describe_silence(&node_name(&self.hosts, node), silent);
-                        // Best effort and bounded: the failure is this node's own finding.
-                        let _ = self.store.set(&plan.key("failed"), what.as_bytes());
-                        Some(what)
-                    }
-                    Err(e) => {
-                        self.store_lost = true;
-                        Some(format!("lost the job's store at {} ({}): {e}", self.address, node_name(&self.hosts, 0)))
-                    }
-                });
+                let members = self.members.clone();
+                let remote =
+                    remote.or_else(|| match self.watch.as_mut()?.silent(&self.store, plan, members.into_iter()) {
+                        Ok(None) => None,
+                        Ok(Some((node, silent))) => {
+                            self.silent_nodes.push(node);
+                            let what = describe_silence(&node_name(&self.hosts, node), silent);
+                            // Best effort and bounded: the failure is this node's own finding.
+                            let _ = self.store.set(&failed_key, what.as_bytes());
+                            Some(what)
+                        }
+                        Err(e) => {
+                            self.store_lost = true;
+                            Some(format!(
+                                "lost the job's store at {} ({}): {e}",
+                                self.address,
+                                node_name(&self.hosts, 0)
+                            ))
+                        }
+                    });
                 if let Some(what) = remote {
                     eprintln!("chorus launch: {what}; stopping the ranks of node {}", plan.node_rank);
+                    if self.store_lost || (!self.silent_nodes.is_empty() && !plan.elastic()) {
+                        restartable = false;
+                    }
                     failure = Some(what);
                     if self.store_lost {
                         // The store's node is gone, so the ranks' connections to its ranks
@@ -135,9 +154,9 @@ impl Job {
         self.kill_unreaped_groups();
         self.finish_output();
         match failure {
-            None => Ok(Outcome::Passed),
+            None => Ok(Ended::Passed),
             Some(what) => {
-                eprintln!("chorus launch: failed: {what}");
+                eprintln!("chorus launch: {}failed: {what}", self.attempt_label());
                 for r in &self.ranks {
                     let status = r.status.map_or_else(|| "still running".to_string(), describe);
                     let how = if r.stopped { format!("stopped by the launcher ({status})") } else { status };
@@ -145,7 +164,7 @@ impl Job {
                 }
                 let started = self.ranks.len();
                 if started < plan.nproc {
-                    let first = plan.node_rank * plan.nproc;
+                    let first = self.group_rank(plan) * plan.nproc;
                     eprintln!(
                         "  ranks {}..={} (local ranks {started}..={}): not started",
                         first + started,
@@ -154,37 +173,44 @@ impl Job {
                     );
                 }
                 self.gather_dumps(plan);
-                let dumps = super::dumps::of_run(&plan.trace_dir, self.run_started_us);
+                let trace_dir = self.trace_dir(plan);
+                let dumps = super::dumps::of_run(&trace_dir, self.run_started_us);
                 if dumps > 0 {
                     eprintln!(
                         "chorus launch: the ranks' flight-recorder dumps are in {} (read them with `chorus trace {}`)",
-                        plan.trace_dir.display(),
-                        plan.trace_dir.display()
+                        trace_dir.display(),
+                        trace_dir.display()
                     );
                 }
-                Ok(Outcome::Failed)
+                // A lost store or node found while the ranks stopped counts too
+                // (a lost node only where the job may continue without it).
+                let restartable = restartable && !self.store_lost && (self.silent_nodes.is_empty() || plan.elastic());
+                Ok(Ended::Failed { what, restartable })
             }
         }
     }
 
     pub(super) fn spawn(&mut self, plan: &Plan, local_rank: usize) -> anyhow::Result<()> {
-        let rank = plan.node_rank * plan.nproc + local_rank;
-        let port = self.server.as_ref().map_or(plan.master_port, TcpStoreServer::port);
+        // Ranks are numbered over this attempt's nodes, in node order.
+        let group_rank = self.group_rank(plan);
+        let (nodes, world_size) = (self.members.len(), self.members.len() * plan.nproc);
+        let rank = group_rank * plan.nproc + local_rank;
+        let port = self.rank_port;
         let vars: [(&str, String); 16] = [
             ("RANK", rank.to_string()),
-            ("WORLD_SIZE", plan.world_size().to_string()),
+            ("WORLD_SIZE", world_size.to_string()),
             ("LOCAL_RANK", local_rank.to_string()),
             ("LOCAL_WORLD_SIZE", plan.nproc.to_string()),
-            ("GROUP_RANK", plan.node_rank.to_string()),
-            ("GROUP_WORLD_SIZE", plan.nnodes.to_string()),
+            ("GROUP_RANK", group_rank.to_string()),
+            ("GROUP_WORLD_SIZE", nodes.to_string()),
             ("ROLE_RANK", rank.to_string()),
-            ("ROLE_WORLD_SIZE", plan.world_size().to_string()),
+            ("ROLE_WORLD_SIZE", world_size.to_string()),
             ("ROLE_NAME", "default".into()),
             ("MASTER_ADDR", plan.master_addr.clone()),
             ("MASTER_PORT", port.to_string()),
             ("TORCHELASTIC_USE_AGENT_STORE", "True".into()),
-            ("TORCHELASTIC_RESTART_COUNT", "0".into()),
-            ("TORCHELASTIC_MAX_RESTARTS", "0".into()),
+            ("TORCHELASTIC_RESTART_COUNT", self.attempt.to_string()),
+            ("TORCHELASTIC_MAX_RESTARTS", plan.max_restarts.to_string()),
             ("TORCHELASTIC_RUN_ID", plan.run_id.clone()),
             (
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING",
@@ -196,7 +222,8 @@ impl Job {
             .args(&plan.args)
             .envs(vars)
             .envs(self.rank_env.iter().map(|(k, v)| (k, v)))
-            .env(chorus_collectives::recorder::DIR_VAR, &plan.trace_dir)
+            .env(chorus_collectives::recorder::DIR_VAR, self.trace_dir(plan))
+            .env(super::attempts::HISTORY_VAR, self.history_json())
             .env(chorus_collectives::recorder::RUN_STARTED_VAR, self.run_started_us.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
