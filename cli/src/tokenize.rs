@@ -112,7 +112,6 @@ pub fn run(args: &TokenizeArgs) -> anyhow::Result<Outcome> {
         }
         staged.extend([args.tokenizer.clone(), config.clone()]);
     }
-    check_encode_memory().map_err(usage)?;
     for path in &staged {
         for stale in chorus_train::files::remove_stale_staged(path) {
             eprintln!("removed {}, left by an interrupted run", stale.display());
@@ -132,6 +131,7 @@ pub fn run(args: &TokenizeArgs) -> anyhow::Result<Outcome> {
     // Printed once everything is written: a closed stdout then loses only the lines, never the outputs.
     let mut trained_line = String::new();
     let tok = if let (true, Some(v)) = (args.train_tokenizer, args.vocab_size) {
+        check_encode_memory().map_err(usage)?;
         let bar = bytes_bar(total, "training the tokenizer");
         let trained = tokenize::train_tokenizer(&args.input, &format, v, &|b| bar.set_position(b));
         bar.finish_and_clear();
@@ -150,6 +150,9 @@ pub fn run(args: &TokenizeArgs) -> anyhow::Result<Outcome> {
         tok
     } else {
         let tok = HfTokenizer::from_file(&args.tokenizer).map_err(|e| usage(format!("--tokenizer {e}")))?;
+        // Once the tokenizer is read (a file too large for one is refused by its size first), before anything is
+        // staged.
+        check_encode_memory().map_err(usage)?;
         match &args.eos {
             Some(eos) => tok.with_eos(eos).map_err(|e| usage(format!("--eos: {e}")))?,
             None => tok,
@@ -188,7 +191,7 @@ const ENCODE_BYTES_PER_BYTE: u128 = 100;
 /// arena it makes (64 MiB, mapped as 128 MiB while it is aligned).
 const ENCODE_THREAD_BYTES: u128 = 130 << 20;
 
-/// Refuses, before anything is staged or read, to tokenize where the
+/// Refuses, before anything is staged or encoded, to tokenize where the
 /// address-space limit (`ulimit -v`) cannot hold the encoding: the text
 /// encoded at once (a batch of [`tokenize::BATCH_BYTES`], a piece of
 /// [`tokenize::MAX_DOC_BYTES`] past it) and the encoding threads. A failed
