@@ -67,6 +67,7 @@ use chorus_collectives::bootstrap::{ServerOptions, TcpStore, TcpStoreServer};
 use clap::Args;
 
 use crate::{Outcome, UsageError};
+pub use attempts::HISTORY_VAR;
 use nodes::{Heartbeat, NodeWatch};
 use ranks::Rank;
 

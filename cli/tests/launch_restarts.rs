@@ -1,6 +1,7 @@
 //! `chorus launch --max-restarts` end to end: the real binary starting
-//! real processes, attempt after attempt. Every run is bounded (a launcher
-//! still running after its limit is killed and the test fails).
+//! real processes, attempt after attempt; and `chorus train --resume auto`,
+//! the job that continues itself. Every run is bounded (a launcher still
+//! running after its limit is killed and the test fails).
 
 mod common;
 
@@ -8,7 +9,7 @@ use std::path::Path;
 use std::process::{Child, Output, Stdio};
 use std::time::Duration;
 
-use common::{assert_all_dead, chorus, free_port, run_bounded, scratch, text, wait_bounded};
+use common::{assert_all_dead, chorus, chorus_path, free_port, run_bounded, scratch, text, wait_bounded};
 
 fn this_host() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap().trim().to_string()
@@ -363,4 +364,276 @@ fn bad_node_ranges_exit_2() {
         assert_eq!(out.status.code(), Some(2), "{value}: {}", text(&out.stderr));
         assert!(text(&out.stderr).contains(says), "{value}: {}", text(&out.stderr));
     }
+}
+
+/// The small transformer `chorus train` trains in these tests, on
+/// `backend`, into `out` with its checkpoints in `ck` every 2 steps.
+fn small_gpt(backend: &str, steps: &str, out: &Path, ck: &Path) -> Vec<String> {
+    let (out, ck) = (out.display().to_string(), ck.display().to_string());
+    [
+        "train",
+        "--model",
+        "gpt",
+        "--d-model",
+        "32",
+        "--layers",
+        "1",
+        "--seq-len",
+        "16",
+        "--world-size",
+        "2",
+        "--batch",
+        "4",
+        "--backend",
+        backend,
+        "--steps",
+        steps,
+        "--save-every",
+        "2",
+        "--out-dir",
+        &out,
+        "--checkpoint-dir",
+        &ck,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+fn summary(dir: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(dir.join("summary.json")).unwrap()).unwrap()
+}
+
+/// Every tensor of two safetensors files, bit for bit; the names that differ.
+fn differing_tensors(a: &Path, b: &Path) -> Vec<String> {
+    let (a, b) = (std::fs::read(a).unwrap(), std::fs::read(b).unwrap());
+    let (a, b) =
+        (safetensors::SafeTensors::deserialize(&a).unwrap(), safetensors::SafeTensors::deserialize(&b).unwrap());
+    assert_eq!(a.len(), b.len());
+    let mut differ: Vec<String> = a
+        .tensors()
+        .into_iter()
+        .filter(|(name, t)| b.tensor(name).unwrap().data() != t.data())
+        .map(|(n, _)| n)
+        .collect();
+    differ.sort();
+    differ
+}
+
+/// `chorus train --resume auto` on simulated ranks: started fresh where
+/// there is no checkpoint, continued from the newest one when started
+/// again, ending bit for bit where an uninterrupted run ends; a checkpoint
+/// of another job is refused.
+#[test]
+fn resume_auto_starts_fresh_then_continues_where_the_job_saved_last() {
+    let dir = scratch("resume-auto");
+    let (out, ck) = (dir.join("out"), dir.join("ck"));
+    let run = |steps: &str, extra: &[&str]| {
+        let mut args = small_gpt("sim", steps, &out, &ck);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        run_bounded(chorus().args(&args), Duration::from_secs(120))
+    };
+    let first = run("4", &["--resume", "auto"]);
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    assert!(text(&first.stderr).contains("no checkpoint in"), "{}", text(&first.stderr));
+    assert_eq!(summary(&out)["config"]["start_step"], 0);
+    // Started again with more steps, the job continues from step 4.
+    let second = run("8", &["--resume", "auto"]);
+    assert!(second.status.success(), "{}", text(&second.stderr));
+    let s = summary(&out);
+    assert_eq!(s["config"]["start_step"], 4, "{s}");
+    assert_eq!(s["restart"]["resumed_from"]["step"], 4, "{s}");
+    assert_eq!(s["restart"]["previous_attempt"]["reached_step"], 4, "{s}");
+    assert_eq!(s["restart"]["previous_attempt"]["lost_steps"], 0, "{s}");
+    // The same 8 steps in one run: the same weights, bit for bit (the
+    // simulator's reductions are deterministic and each step's data is its own).
+    let (whole, whole_ck) = (dir.join("whole"), dir.join("whole-ck"));
+    let o = run_bounded(chorus().args(small_gpt("sim", "8", &whole, &whole_ck)), Duration::from_secs(120));
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(
+        differing_tensors(&out.join("model.safetensors"), &whole.join("model.safetensors")),
+        Vec::<String>::new()
+    );
+    // A run of another learning rate from the same checkpoint ends elsewhere: the comparison sees a difference.
+    let (other, other_ck) = (dir.join("other"), dir.join("other-ck"));
+    let mut args = small_gpt("sim", "8", &other, &other_ck);
+    let step4 = ck.join("step-00000004").display().to_string();
+    args.extend(["--resume", &step4, "--lr", "0.02", "--allow-optimizer-change"].iter().map(|s| s.to_string()));
+    let o = run_bounded(chorus().args(&args), Duration::from_secs(120));
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(!differing_tensors(&out.join("model.safetensors"), &other.join("model.safetensors")).is_empty());
+    // Another job (another seed) started into the same directories is refused, and nothing is lost.
+    let before = std::fs::read(ck.join("latest")).unwrap();
+    let refused = run("12", &["--resume", "auto", "--seed", "5"]);
+    assert_eq!(refused.status.code(), Some(2), "{}", text(&refused.stderr));
+    assert!(text(&refused.stderr).contains("--seed"), "{}", text(&refused.stderr));
+    assert_eq!(std::fs::read(ck.join("latest")).unwrap(), before);
+    // A job that trained every step has nothing left to resume.
+    let done = run("8", &["--resume", "auto"]);
+    assert_eq!(done.status.code(), Some(2), "{}", text(&done.stderr));
+    assert!(text(&done.stderr).contains("leaves nothing to train"), "{}", text(&done.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn resume_auto_and_the_launchers_variables_are_checked() {
+    let dir = scratch("resume-auto-usage");
+    let (out, ck) = (dir.join("out"), dir.join("ck"));
+    let base = small_gpt("sim", "2", &out, &ck);
+    // Without checkpoints there is nothing to continue from.
+    let no_saves =
+        ["train", "--d-model", "32", "--layers", "1", "--seq-len", "16", "--world-size", "2", "--batch", "4"];
+    let o = run_bounded(
+        chorus().args(no_saves).args(["--steps", "2", "--resume", "auto", "--out-dir"]).arg(&out),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
+    assert!(
+        text(&o.stderr).contains("--resume auto continues the job from its own checkpoints"),
+        "{}",
+        text(&o.stderr)
+    );
+    for (var, value, says) in [
+        ("TORCHELASTIC_RESTART_COUNT", "x", "TORCHELASTIC_RESTART_COUNT=\"x\" is not a whole number"),
+        ("CHORUS_LAUNCH_HISTORY", "[{", "CHORUS_LAUNCH_HISTORY: not JSON"),
+        ("CHORUS_LAUNCH_HISTORY", "[{\"attempt\": 0}]", "CHORUS_LAUNCH_HISTORY: not a list"),
+    ] {
+        let o = run_bounded(chorus().args(&base).args(["--resume", "auto"]).env(var, value), Duration::from_secs(60));
+        assert_eq!(o.status.code(), Some(2), "{var}={value}: {}", text(&o.stderr));
+        assert!(text(&o.stderr).contains(says), "{var}={value}: {}", text(&o.stderr));
+    }
+    assert!(!out.exists() && !ck.join("latest").exists(), "nothing written");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The job issue 44 is about: `chorus train` over UCX under `chorus launch
+/// --max-restarts 1`, one rank killed (SIGKILL) mid-run once a checkpoint
+/// exists; the launcher restarts both ranks, which resume from the newest
+/// checkpoint and finish. The final weights equal, bit for bit, those of an
+/// uninterrupted run resumed from the same checkpoint, and those of a run
+/// never interrupted; a run with another learning rate differs.
+#[cfg(feature = "ucx")]
+#[test]
+fn a_training_job_killed_mid_run_resumes_from_its_last_checkpoint() {
+    let dir = scratch("restart-train");
+    let (out, ck) = (dir.join("out"), dir.join("ck"));
+    let mut train = small_gpt("ucx", "40", &out, &ck);
+    train.extend(["--resume".to_string(), "auto".to_string()]);
+    // Rank 1 of the first attempt dies some steps after the first checkpoint.
+    let script = format!(
+        "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 1 ]; then \
+           (while [ ! -e {ck}/latest ]; do sleep 0.01; done; sleep 0.3; kill -KILL $$) & \
+         fi; exec \"$@\"",
+        ck = ck.display()
+    );
+    let mut launch = chorus();
+    launch.args(["launch", "--nproc-per-node", "2", "--max-restarts", "1", "--grace", "2", "--", "sh", "-c", &script]);
+    launch.arg("sh").arg(chorus_path()).args(&train);
+    let o = run_bounded(&mut launch, Duration::from_secs(300));
+    let stderr = text(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("attempt 0: failed after") && stderr.contains("was killed by signal 9 (SIGKILL)"),
+        "{stderr}"
+    );
+    let s = summary(&out);
+    let restart = &s["restart"];
+    assert_eq!(restart["restart_count"], 1, "{s}");
+    assert_eq!(restart["max_restarts"], 1, "{s}");
+    let failure = restart["earlier_attempts"][0]["failure"].as_str().unwrap();
+    assert!(failure.starts_with("rank 1 (") && failure.contains("SIGKILL"), "{failure}");
+    let from = restart["resumed_from"]["step"].as_u64().unwrap();
+    assert!((2..40).contains(&from) && from % 2 == 0, "{s}");
+    assert_eq!(s["config"]["start_step"], from, "{s}");
+    let lost = restart["previous_attempt"]["lost_steps"].as_u64().unwrap();
+    assert!(lost < 2, "at most the save interval is lost: {s}");
+    assert_eq!(restart["previous_attempt"]["reached_step"].as_u64().unwrap(), from + lost, "{s}");
+    eprintln!(
+        "resumed from step {from}; lost {lost} steps, {} s; {} s from the last step to the restart",
+        restart["previous_attempt"]["lost_seconds"],
+        restart["previous_attempt"]["seconds_from_its_last_step_to_this_start"]
+    );
+    // The same checkpoint resumed by a run that is never interrupted.
+    let resumed_from = ck.join(format!("step-{from:08}")).display().to_string();
+    let reference = |name: &str, extra: &[&str]| {
+        let (o_dir, c_dir) = (dir.join(name), dir.join(format!("{name}-ck")));
+        let mut args = small_gpt("ucx", "40", &o_dir, &c_dir);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut launch = chorus();
+        launch.args(["launch", "--nproc-per-node", "2", "--", chorus_path()]).args(&args);
+        let o = run_bounded(&mut launch, Duration::from_secs(300));
+        assert!(o.status.success(), "{name}: {}", text(&o.stderr));
+        o_dir.join("model.safetensors")
+    };
+    let model = out.join("model.safetensors");
+    assert_eq!(differing_tensors(&model, &reference("same", &["--resume", &resumed_from])), Vec::<String>::new());
+    assert_eq!(differing_tensors(&model, &reference("whole", &[])), Vec::<String>::new());
+    let other = reference("other", &["--resume", &resumed_from, "--lr", "0.02", "--allow-optimizer-change"]);
+    assert!(!differing_tensors(&model, &other).is_empty(), "another learning rate must end elsewhere");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 44's elastic job on one host: three one-rank nodes (`--nnodes
+/// 2:3`) train over UCX, each rank told the launcher's world size and a
+/// global batch of 6; node 2's host dies (launcher and rank killed) after
+/// the first checkpoint. The two others resume from the newest checkpoint
+/// on a world of 2 (the checkpoint resharded) and finish; their weights
+/// equal, bit for bit, a run of 2 ranks never interrupted that resumes from
+/// the same checkpoint; one with another learning rate differs.
+#[cfg(feature = "ucx")]
+#[test]
+fn an_elastic_training_job_continues_on_the_hosts_that_remain() {
+    let dir = scratch("elastic-train");
+    let (out, ck) = (dir.join("out"), dir.join("ck"));
+    let port = free_port().to_string();
+    let (out_s, ck_s) = (out.display().to_string(), ck.display().to_string());
+    let train = format!(
+        "echo $$ > {d}/pid.$GROUP_RANK.$TORCHELASTIC_RESTART_COUNT; exec {chorus} train --model gpt --d-model 32 \
+         --layers 1 --seq-len 16 --world-size $WORLD_SIZE --global-batch 6 --backend ucx --steps 40 --save-every 2 \
+         --out-dir {out_s} --checkpoint-dir {ck_s} --resume auto",
+        d = dir.display(),
+        chorus = chorus_path()
+    );
+    let mut nodes: Vec<Child> =
+        (0..3).map(|n| node_of_three(&port, "2:3", &n.to_string(), &["--max-restarts", "1"], &train)).collect();
+    let start = std::time::Instant::now();
+    while !ck.join("latest").exists() || !dir.join("pid.2.0").exists() {
+        assert!(start.elapsed() < Duration::from_secs(120), "no checkpoint was saved");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let victim_rank: i32 = std::fs::read_to_string(dir.join("pid.2.0")).unwrap().trim().parse().unwrap();
+    let mut victim = nodes.pop().unwrap();
+    // SAFETY: kill(2) on a process this test's launcher started.
+    unsafe { libc::kill(victim_rank, libc::SIGKILL) };
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    let o1 = wait_bounded(nodes.pop().unwrap(), Duration::from_secs(300));
+    let o0 = wait_bounded(nodes.pop().unwrap(), Duration::from_secs(300));
+    assert!(o0.status.success() && o1.status.success(), "{}\n{}", text(&o0.stderr), text(&o1.stderr));
+    let s = summary(&out);
+    assert_eq!(s["config"]["world_size"], 2, "{s}");
+    let from = s["restart"]["resumed_from"]["step"].as_u64().unwrap();
+    assert!((2..40).contains(&from), "{s}");
+    let failure = s["restart"]["earlier_attempts"][0]["failure"].as_str().unwrap();
+    assert!(failure.contains("node 2 on host") && failure.contains("not heard from"), "{failure}");
+    eprintln!("elastic: resumed from step {from} on 2 ranks: {}", s["restart"]["previous_attempt"]);
+    let resumed_from = ck.join(format!("step-{from:08}")).display().to_string();
+    let reference = |name: &str, extra: &[&str]| {
+        let (o_dir, c_dir) = (dir.join(name), dir.join(format!("{name}-ck")));
+        let mut launch = chorus();
+        launch.args(["launch", "--nproc-per-node", "2", "--", chorus_path()]);
+        launch.args(["train", "--model", "gpt", "--d-model", "32", "--layers", "1", "--seq-len", "16"]);
+        launch.args(["--world-size", "2", "--global-batch", "6", "--backend", "ucx", "--steps", "40"]);
+        launch.args(["--save-every", "2", "--resume", &resumed_from, "--out-dir"]).arg(&o_dir);
+        launch.arg("--checkpoint-dir").arg(&c_dir).args(extra);
+        let o = run_bounded(&mut launch, Duration::from_secs(300));
+        assert!(o.status.success(), "{name}: {}", text(&o.stderr));
+        o_dir.join("model.safetensors")
+    };
+    let model = out.join("model.safetensors");
+    assert_eq!(differing_tensors(&model, &reference("same", &[])), Vec::<String>::new());
+    let other = reference("other", &["--lr", "0.02", "--allow-optimizer-change"]);
+    assert!(!differing_tensors(&model, &other).is_empty(), "another learning rate must end elsewhere");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -59,7 +59,7 @@ fn a_fresh_run_refuses_another_runs_checkpoints_unless_starting_over() {
     let o = gpt(&["--steps", "3", "--save-every", "1", "--checkpoint-dir", s(&ckpt), "--out-dir", s(&root.join("a"))]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let before = names(&ckpt);
-    assert_eq!(before, ["latest", "step-00000001", "step-00000002", "step-00000003"]);
+    assert_eq!(before, ["latest", "progress.json", "step-00000001", "step-00000002", "step-00000003"]);
     let o = gpt(&["--steps", "2", "--checkpoint-dir", s(&ckpt), "--out-dir", s(&root.join("b"))]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o.stderr));
     let err = text(&o.stderr);
@@ -81,7 +81,7 @@ fn a_fresh_run_refuses_another_runs_checkpoints_unless_starting_over() {
         s(&root.join("b")),
     ]);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    assert_eq!(names(&ckpt), ["latest", "step-00000001", "step-00000002"]);
+    assert_eq!(names(&ckpt), ["latest", "progress.json", "step-00000001", "step-00000002"]);
     assert_eq!(latest(&ckpt), "step-00000002");
     // Continuing it from there is no mix.
     let o = gpt(&["--steps", "3", "--resume", s(&ckpt), "--checkpoint-dir", s(&ckpt), "--out-dir", s(&root.join("c"))]);

@@ -40,7 +40,9 @@ pub struct TrainArgs {
     /// gpt, llama: keep only the newest N checkpoints (never the one `latest` names nor the one resumed from).
     #[arg(long)]
     pub keep_last: Option<usize>,
-    /// gpt, llama: resume from a checkpoint directory (a step-* directory, or one with a `latest` file).
+    /// gpt, llama: resume from a checkpoint directory (a step-* directory, or one with a `latest` file); `auto`:
+    /// from this job's own newest checkpoint in --checkpoint-dir, starting fresh where there is none (a job that
+    /// `chorus launch --max-restarts` starts again continues where it saved last).
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// gpt, llama: start over in a --checkpoint-dir that holds another run's checkpoints, removing them (without
@@ -88,6 +90,11 @@ pub struct TrainArgs {
     /// The effective configuration, `config.toml`'s text (not a flag): set by [`TrainArgs::resolve`].
     #[arg(skip)]
     pub(crate) effective: Option<String>,
+    /// What the summary says of this attempt of a job that a launcher
+    /// restarts, or that `--resume auto` continues (not a flag): set by
+    /// [`super::resume::resolve_auto`].
+    #[arg(skip)]
+    pub(crate) restart: Option<serde_json::Value>,
     #[command(flatten)]
     pub job: JobArgs,
     #[command(flatten)]

@@ -51,8 +51,9 @@ use crate::Outcome;
 /// Runs `chorus train`, its arguments read from this process's command
 /// line with `--config`'s file.
 pub fn run() -> anyhow::Result<Outcome> {
-    let args = &TrainArgs::resolve()?;
+    let args = TrainArgs::resolve()?;
     args.usage()?;
+    let args = &resume::resolve_auto(args)?;
     ranks::check_cpu_cache_setting()?;
     memory::check(args)?;
     throughput::check_peak(args)?;

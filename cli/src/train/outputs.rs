@@ -75,7 +75,10 @@ pub(super) fn run_to_end<M: DecoderModel + Clone + 'static>(
     if let Some(stop) = run.first().stopped {
         return run.fail(out, model, stop, config);
     }
-    let summary = run.summary(model, config, throughput);
+    let mut summary = run.summary(model, config, throughput);
+    if let Some(restart) = &args.restart {
+        summary.insert("restart".into(), restart.clone());
+    }
     end(&run, out, summary)?;
     Ok(Outcome::Passed)
 }

@@ -9,11 +9,13 @@
 //! - [`spec`]: the spec and the reports.
 //! - [`sharded`]: the FSDP step loop.
 //! - [`plain`]: the plain candle reference.
+//! - [`progress`]: how far a run got (`progress.json`), which a resumed run reads to say the work a fault lost.
 //! - [`memory`]: the process's resident memory, reported beside FSDP's count.
 
 pub mod data;
 pub mod memory;
 pub mod plain;
+pub mod progress;
 pub mod sharded;
 pub mod spec;
 

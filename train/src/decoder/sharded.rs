@@ -16,6 +16,7 @@ use chorus_fsdp_candle::{AdapterTimes, Error, FsdpModel, Result};
 use chorus_kernels::timing;
 use serde::Serialize;
 
+use super::progress::Recorder;
 use super::spec::{NonFinite, Sample, TrainReport, TrainSpec, Validation};
 use super::{loss, u32_tensor};
 use crate::models::{DecoderModel, ShardedDecoder};
@@ -88,6 +89,11 @@ where
     }
     // The checkpoint resumed from is never pruned.
     let save_options = save_options(spec.keep_last, spec.resume.as_ref());
+    // Rank 0 says how far the run got, for a run that continues it after a fault.
+    let mut progress = match &spec.checkpoint_dir {
+        Some(dir) if rank == 0 => Some(Recorder::start(dir, start, spec.data.seed(), config.clone())?),
+        _ => None,
+    };
     for step in start..spec.steps {
         if spec.op_times {
             // What ran since the last step (validation, another run's tail) is not this step's.
@@ -135,6 +141,9 @@ where
             let losses = earlier_losses.iter().chain(&losses).copied().collect();
             let state = TrainingState { step: done, data_seed: spec.data.seed(), losses, model: config.clone() };
             saved.push(model.with_fsdp(|f| checkpoint::save(f, &opt, dir, &state, &save_options))??);
+        }
+        if let Some(p) = progress.as_mut() {
+            p.step_done(done, due && spec.checkpoint_dir.is_some())?;
         }
     }
     let counted = Counters::of(model)?.since(&before);
