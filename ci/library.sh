@@ -25,5 +25,34 @@ run "$CARGO_TARGET_DIR/debug/chorus" launch --nproc-per-node 2 -- "$CARGO_TARGET
 # The GPU backends' builds (run on a GPU elsewhere: ci/gpu-check.sh).
 run cargo build -q -p chorus --features nccl,candle --examples
 run cargo build -q -p chorus --features rccl --examples
+# A user's own crate with candle on the GPU (docs/library.md, "The GPU in your
+# crate"): with ci/candle-cuda.sh's patch.toml, it resolves with a dependency
+# outside chorus's lock, candle from the patched copy and cudarc in chorus's
+# one loading mode (its whole build, ~12 minutes cold, is measured in the doc).
+cfg="$(bash ci/candle-cuda.sh)"
+user="$(mktemp -d)"
+trap 'rm -rf "$user"' EXIT
+mkdir -p "$user/src"
+cat >"$user/Cargo.toml" <<EOF
+[package]
+name = "my-trainer"
+version = "0.1.0"
+edition = "2021"
+
+[dependencies]
+chorus = { path = "$PWD/chorus", features = ["candle"] }
+oorandom = "=11.1.5"
+
+[workspace]
+EOF
+cp chorus/examples/same_main.rs "$user/src/main.rs"
+tree() { (cd "$user" && cargo tree -q --features chorus/candle-cuda --config "$(dirname "$cfg")/patch.toml" "$@"); }
+tree -i candle-core | head -n 1 | grep -q "candle-cuda/vendor/candle-core" ||
+    { echo "a user's crate does not take the patched candle-core" >&2; exit 1; }
+features="$(tree -e features -i cudarc)"
+grep -q 'cudarc feature "dynamic-loading"' <<<"$features" && ! grep -q '"dynamic-linking"' <<<"$features" ||
+    { echo "a user's crate builds cudarc in another loading mode:" >&2; echo "$features" >&2; exit 1; }
+echo "a user's crate with candle-cuda and its own dependencies resolves with candle patched"
+
 # The rustdoc of the crate users read first, without a warning.
 RUSTDOCFLAGS="-D warnings" run cargo doc -q -p chorus --features candle --no-deps
