@@ -143,6 +143,15 @@ fn thread_reserve() -> u128 {
     stack + (80 << 10)
 }
 
+/// Address space each rank maps beyond its threads' stacks and the run's
+/// data: its communicator's flight-recorder ring and its device's and
+/// FSDP's bookkeeping. Measured 2026-11-29 (issue 43): a one-layer Llama
+/// of hidden 32 peaked at 13.4 MiB of address space per rank from 100 to
+/// 200 sim ranks (`VmPeak`), 0.9 MiB past its six threads' 12.5 MiB;
+/// without it, 512 ranks passed the check under `ulimit -v 8000000` and ran
+/// out of memory at rank 380. Counted with a margin.
+const RANK_RESERVE: u128 = 2 << 20;
+
 /// glibc's malloc arenas the threads may add, each reserving 64 MiB of
 /// address space (at most 8 per core, the main one apart): counted, as
 /// malloc takes them while it can (a run of 384 ranks peaked at 8.4 GiB
@@ -178,7 +187,8 @@ pub(super) fn check_thread_limits(world: usize, data: &dyn Fn(usize) -> u128) ->
     // is one that passes this check when it runs under the same limit.
     let needed = |w: u128| {
         let data = data(usize::try_from(w).unwrap_or(usize::MAX));
-        now.saturating_add(data).saturating_add(threads(w) * thread_reserve() + arenas_reserve(threads(w)))
+        let ranks = threads(w) * thread_reserve() + w * RANK_RESERVE;
+        now.saturating_add(data).saturating_add(ranks + arenas_reserve(threads(w)))
     };
     if let Some(limit) = soft_limit(libc::RLIMIT_AS) {
         if needed(world) > limit {
