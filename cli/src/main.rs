@@ -32,6 +32,7 @@ mod backends;
 mod bench;
 mod conformance;
 mod consolidate;
+mod gate;
 mod generate;
 mod interrupt;
 #[cfg(feature = "sim")]

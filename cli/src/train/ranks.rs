@@ -301,7 +301,7 @@ where
     // Every rank's thread is started before any begins: the library's
     // initialisation waits for all ranks without a deadline, so a thread
     // that cannot start must stop the others before they enter it.
-    let gate = Gate::default();
+    let gate = crate::gate::StartGate::default();
     let results: anyhow::Result<Vec<anyhow::Result<J::Report>>> = std::thread::scope(|s| {
         let mut handles = Vec::with_capacity(world);
         for rank in 0..world {
@@ -333,34 +333,6 @@ where
         Ok(handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a rank panicked")))).collect())
     });
     results?.into_iter().collect()
-}
-
-/// Holds threads until it is opened: to go on, or to stop.
-#[derive(Default)]
-struct Gate {
-    state: Mutex<Option<bool>>,
-    opened: std::sync::Condvar,
-}
-
-impl Gate {
-    /// Lets every waiting thread through, going on where `go`.
-    fn open(&self, go: bool) {
-        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = Some(go);
-        self.opened.notify_all();
-    }
-
-    /// Waits until the gate is opened; whether to go on. Opened by the
-    /// thread that starts the waiters, after the last of them starts or
-    /// at once when one cannot: no deadline is needed.
-    fn wait(&self) -> bool {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        loop {
-            if let Some(go) = *state {
-                return go;
-            }
-            state = self.opened.wait(state).unwrap_or_else(|p| p.into_inner());
-        }
-    }
 }
 
 /// Bytes of freed blocks each rank's cpu device keeps: `CHORUS_CPU_CACHE_BYTES`
