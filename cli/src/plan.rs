@@ -502,6 +502,18 @@ fn file_scope() -> crate::job::file::Scope {
     }
 }
 
+/// The plan's own flags (`gpus`, `gpu`, `kernels`, ...), which `chorus
+/// train` passes over in a job file as a plan passes over the run's: one
+/// job file trains and plans a job.
+pub(crate) fn own_flags() -> clap::Command {
+    use clap::Args;
+    let mut plan = PlanArgs::augment_args(clap::Command::new("plan"));
+    for id in JobArgs::augment_args(clap::Command::new("job")).get_arguments().map(|a| a.get_id().clone()) {
+        plan = plan.mut_arg(id, |a| a.hide(true));
+    }
+    plan.mut_arg("out_dir", |a| a.hide(true))
+}
+
 /// This process's `chorus plan` arguments, with `--config`'s file read.
 fn resolve_process() -> anyhow::Result<PlanArgs> {
     Ok(crate::job::file::resolve_process::<PlanArgs>("plan", file_scope())?.args)

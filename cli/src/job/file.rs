@@ -50,9 +50,11 @@ pub(crate) struct Scope {
 }
 
 impl Scope {
-    /// Every flag of the command.
+    /// Every flag of the command (`chorus train`'s), a plan's own flags
+    /// (`gpus`, `gpu`, ...) passed over as a plan passes over the run's, so
+    /// one job file trains and plans a job.
     pub fn every() -> Scope {
-        Scope { takes: None, passes_over: None }
+        Scope { takes: None, passes_over: Some(crate::plan::own_flags()) }
     }
 }
 
@@ -546,6 +548,16 @@ mod tests {
         // Given on the command line, or only a longer flag's prefix: nothing added.
         assert_eq!(with_sources("--steps 3 is too many"), "--steps 3 is too many");
         assert_eq!(with_sources("--momentum-like words"), "--momentum-like words");
+        std::fs::remove_dir_all(path.parent().unwrap()).ok();
+    }
+
+    /// Issue 43: a plan's own keys in a job file are passed over by train
+    /// (as a plan passes over the run's), so one file trains and plans.
+    #[test]
+    fn train_passes_over_a_plans_own_keys() {
+        let path = job("plan-keys", "gpus = 8\ngpu = \"h100-sxm\"\nsteps = 3\n");
+        let args = train(&["--config", path.to_str().unwrap()]).unwrap().args;
+        assert_eq!(args.steps, Some(3));
         std::fs::remove_dir_all(path.parent().unwrap()).ok();
     }
 
