@@ -45,6 +45,11 @@ pub struct TrainArgs {
     /// `chorus launch --max-restarts` starts again continues where it saved last).
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// gpt, llama: write checkpoints while the training goes on: the step waits only while each rank copies its
+    /// share of the training state to host memory (one copy more of it, at most one save in flight), not while the
+    /// files are written; the checkpoint is complete (and `latest` names it) once every rank has written its files.
+    #[arg(long)]
+    pub async_save: bool,
     /// gpt, llama: start over in a --checkpoint-dir that holds another run's checkpoints, removing them (without
     /// it, a run that does not --resume from there is refused).
     #[arg(long)]
@@ -240,6 +245,7 @@ impl TrainArgs {
             (self.keep_last.is_some(), "--keep-last"),
             (self.overwrite_checkpoints, "--overwrite-checkpoints"),
             (self.allow_optimizer_change, "--allow-optimizer-change"),
+            (self.async_save, "--async-save"),
             (
                 !mlp && self.job.param_dtype != DType::F32,
                 "--param-dtype with --model gpt|llama (plain candle trains in f32)",
@@ -263,6 +269,7 @@ impl TrainArgs {
             (self.keep_last.is_some(), "--keep-last"),
             (self.overwrite_checkpoints, "--overwrite-checkpoints"),
             (self.allow_optimizer_change, "--allow-optimizer-change"),
+            (self.async_save, "--async-save"),
         ] {
             if given {
                 return Err(usage(format!("{name} is for --model gpt and llama")));
@@ -298,6 +305,9 @@ impl TrainArgs {
         if self.allow_optimizer_change && self.resume.is_none() {
             return Err(usage("--allow-optimizer-change goes with --resume"));
         }
+        if self.async_save && self.save_every.is_none() && self.checkpoint_dir.is_none() {
+            return Err(usage("--async-save goes with --save-every or --checkpoint-dir"));
+        }
         Ok(())
     }
 
@@ -313,6 +323,7 @@ impl TrainArgs {
             allow_optimizer_change: self.allow_optimizer_change,
             allow_nonfinite: self.allow_nonfinite,
             op_times: self.op_times,
+            async_save: self.async_save,
             ..spec
         }
     }

@@ -79,6 +79,8 @@ pub(super) fn run_to_end<M: DecoderModel + Clone + 'static>(
     if let Some(restart) = &args.restart {
         summary.insert("restart".into(), restart.clone());
     }
+    // How long each save held the step (rank 0's), asynchronous or blocking.
+    summary.insert("saves".into(), serde_json::to_value(&run.first().saves).unwrap_or_default());
     end(&run, out, summary)?;
     Ok(Outcome::Passed)
 }

@@ -25,7 +25,7 @@ use chorus_fsdp_candle::Result;
 pub use data::{Data, TokenRows};
 pub use plain::{train_plain, train_plain_on};
 pub use sharded::{config_changes, train_sharded};
-pub use spec::{NonFinite, PlainReport, Sample, TrainReport, TrainSpec, Validation};
+pub use spec::{NonFinite, PlainReport, Sample, SaveTime, TrainReport, TrainSpec, Validation};
 
 /// Mean next-token cross-entropy of `logits` `[batch, seq, vocab]` against
 /// `targets` `[batch, seq]`: chorus's fused cross-entropy (f32 arithmetic

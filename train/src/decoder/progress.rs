@@ -78,6 +78,13 @@ impl Recorder {
         self.write()
     }
 
+    /// The checkpoint of step `step`, whose step ended at `at_us`, is complete.
+    pub(super) fn saved(&mut self, step: u64, at_us: u64) -> Result<()> {
+        self.now.saved_step = step;
+        self.now.saved_at_us = at_us;
+        self.write()
+    }
+
     fn write(&self) -> Result<()> {
         let bytes = serde_json::to_vec(&self.now).map_err(|e| CheckpointError::format(&self.path, e))?;
         std::fs::write(&self.tmp, bytes).map_err(|e| CheckpointError::io(&self.tmp, e))?;

@@ -11,13 +11,13 @@ use candle_core::Tensor;
 use chorus_collectives::{CommBackend, Communicator, Mesh};
 use chorus_devices::{ComputeBackend, Device as _};
 use chorus_fsdp::{CommCounts, DataParallel, Fsdp, HostOverhead, ShardedOptimizer};
-use chorus_fsdp_candle::checkpoint::{self, LoadOptions, SaveOptions, TrainingState};
+use chorus_fsdp_candle::checkpoint::{self, LoadOptions, PendingSave, SaveOptions, TrainingState};
 use chorus_fsdp_candle::{AdapterTimes, Error, FsdpModel, Result};
 use chorus_kernels::timing;
 use serde::Serialize;
 
-use super::progress::Recorder;
-use super::spec::{NonFinite, Sample, TrainReport, TrainSpec, Validation};
+use super::progress::{self, Recorder};
+use super::spec::{NonFinite, Sample, SaveTime, TrainReport, TrainSpec, Validation};
 use super::{loss, u32_tensor};
 use crate::models::{DecoderModel, ShardedDecoder};
 
@@ -94,6 +94,9 @@ where
         Some(dir) if rank == 0 => Some(Recorder::start(dir, start, spec.data.seed(), config.clone())?),
         _ => None,
     };
+    // The asynchronous save in flight (at most one), and when its step ended.
+    let mut pending: Option<(PendingSave, u64)> = None;
+    let mut saves: Vec<SaveTime> = Vec::new();
     for step in start..spec.steps {
         if spec.op_times {
             // What ran since the last step (validation, another run's tail) is not this step's.
@@ -137,13 +140,58 @@ where
             val_losses.push((done, validate(&sharded, v, rank, spec.batch, micro)?));
         }
         let due = spec.save_every > 0 && done % spec.save_every == 0 || done == spec.steps;
+        // A save whose shards every rank has written is committed at once (every
+        // rank asks at every step while one is in flight, so all agree when).
+        let written = match &pending {
+            Some((p, _)) => model.with_fsdp(|f| p.written_everywhere(f))??,
+            None => false,
+        };
+        // One save in flight: the next waits for the last one's commit.
+        if written || (due && pending.is_some()) {
+            if let Some((p, at_us)) = pending.take() {
+                let step = p.step();
+                let t = Instant::now();
+                saved.push(model.with_fsdp(|f| p.commit(f, &opt, &save_options))??);
+                if let Some(s) = saves.iter_mut().rev().find(|s| s.step == step) {
+                    s.blocked_s += t.elapsed().as_secs_f64();
+                    s.commit_s += t.elapsed().as_secs_f64();
+                }
+                if let Some(r) = progress.as_mut() {
+                    r.saved(step, at_us)?;
+                }
+            }
+        }
         if let (Some(dir), true) = (&spec.checkpoint_dir, due) {
             let losses = earlier_losses.iter().chain(&losses).copied().collect();
             let state = TrainingState { step: done, data_seed: spec.data.seed(), losses, model: config.clone() };
-            saved.push(model.with_fsdp(|f| checkpoint::save(f, &opt, dir, &state, &save_options))??);
+            let t = Instant::now();
+            let staged_bytes = if spec.async_save {
+                let p = model.with_fsdp(|f| checkpoint::save_async(f, &opt, dir, &state))??;
+                let bytes = p.staged_bytes();
+                pending = Some((p, progress::now_us()));
+                bytes
+            } else {
+                saved.push(model.with_fsdp(|f| checkpoint::save(f, &opt, dir, &state, &save_options))??);
+                0
+            };
+            let blocked_s = t.elapsed().as_secs_f64();
+            saves.push(SaveTime { step: done, blocked_s, commit_s: 0.0, staged_bytes, asynchronous: spec.async_save });
         }
         if let Some(p) = progress.as_mut() {
-            p.step_done(done, due && spec.checkpoint_dir.is_some())?;
+            p.step_done(done, due && spec.checkpoint_dir.is_some() && !spec.async_save)?;
+        }
+    }
+    // The last save in flight is complete before the run says it is done.
+    if let Some((p, at_us)) = pending.take() {
+        let step = p.step();
+        let t = Instant::now();
+        saved.push(model.with_fsdp(|f| p.commit(f, &opt, &save_options))??);
+        if let Some(s) = saves.iter_mut().rev().find(|s| s.step == step) {
+            s.blocked_s += t.elapsed().as_secs_f64();
+            s.commit_s += t.elapsed().as_secs_f64();
+        }
+        if let Some(r) = progress.as_mut() {
+            r.saved(step, at_us)?;
         }
     }
     let counted = Counters::of(model)?.since(&before);
@@ -179,6 +227,7 @@ where
         saved,
         stopped,
         op_times,
+        saves,
     })
 }
 

@@ -78,6 +78,12 @@ pub struct TrainSpec<M> {
     /// [`timing`](chorus_kernels::timing) on (and leaves it on: other ranks
     /// of this process may still be stepping).
     pub op_times: bool,
+    /// Write checkpoints while the training goes on
+    /// ([`save_async`](chorus_fsdp_candle::checkpoint::save_async)): the step
+    /// waits only for the copy of the rank's state to host memory, one save
+    /// is in flight at a time, and it is committed once every rank's writer
+    /// is done (or before the next save, or at the end).
+    pub async_save: bool,
 }
 
 impl<M> TrainSpec<M> {
@@ -112,6 +118,7 @@ impl<M> TrainSpec<M> {
             collect_params: false,
             sample: None,
             op_times: false,
+            async_save: false,
         }
     }
 }
@@ -194,6 +201,8 @@ pub struct TrainReport {
     /// per step of `step_times_s` (what ran between steps, validation and
     /// the sample, left out); empty otherwise.
     pub op_times: Vec<Vec<(OpKind, OpTime)>>,
+    /// How long each checkpoint save of this run held the step.
+    pub saves: Vec<SaveTime>,
 }
 
 /// A step whose global loss was NaN or infinite.
@@ -225,4 +234,22 @@ pub struct PlainReport {
     pub step_times_s: Vec<f64>,
     /// The final parameters.
     pub params: Vec<(String, Vec<f32>)>,
+}
+
+/// How long one checkpoint save held the step.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SaveTime {
+    /// The step the checkpoint is of.
+    pub step: u64,
+    /// Seconds the training waited for it: the whole save when blocking;
+    /// asynchronous, the copy to host memory and the commit (the wait for
+    /// the writers still running at the commit, the ranks' agreement and
+    /// the first rank's index, manifest and renames).
+    pub blocked_s: f64,
+    /// Of `blocked_s`, an asynchronous save's commit (0 when blocking).
+    pub commit_s: f64,
+    /// Bytes of this rank's state copied to host memory (0 when blocking).
+    pub staged_bytes: u64,
+    /// Whether the shards were written while the training went on.
+    pub asynchronous: bool,
 }

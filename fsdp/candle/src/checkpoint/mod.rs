@@ -60,6 +60,20 @@
 //! mismatched (another model, shape or dtype) file is a
 //! [`CheckpointError`](crate::CheckpointError) naming the file and the tensor.
 //!
+//! # Saves that do not hold the step
+//! [`save_async`] copies each rank's shards and optimizer state to host
+//! memory (the only part the step waits for: one copy of the rank's share
+//! of the state, [`PendingSave::staged_bytes`]) and writes them from a
+//! thread of its own, which also makes the pass over its files (size,
+//! CRC-32, header) that the first rank's commit would otherwise make;
+//! [`PendingSave::commit`], a collective every rank calls at the same step,
+//! completes the checkpoint exactly as [`save`] does, so a checkpoint
+//! written either way is the same, and one interrupted before its commit
+//! leaves `latest` on the previous one. One save at a time: `chorus train
+//! --async-save` commits a save once every rank's writer is done
+//! ([`PendingSave::written_everywhere`], asked at every step while one is
+//! in flight), or before the next save, or at the end.
+//!
 //! One writer per checkpoint root: the save does not lock the root (`chorus
 //! train` does, as it locks its out-dir); two writers into one root each
 //! write complete checkpoints, the last rename of each step wins.
@@ -70,7 +84,8 @@
 //! durably and reading through checked memory maps; `place.rs`: putting a
 //! directory in place of another and recovering an interrupted replacement
 //! (`chorus train`'s out-dir uses it too); `save.rs`: every rank's
-//! shards, then the first rank's index, manifest and renames; `load.rs`:
+//! shards (streamed, or staged and written by a thread), then the first
+//! rank's index, manifest and renames; `load.rs`:
 //! resuming at any world size, and consolidating into full tensors.
 
 use chorus_fsdp::OptimizerKind;
@@ -88,7 +103,7 @@ pub use load::{
     LoadOptions,
 };
 pub use place::{exchange, recover, recover_aside, replace_dir, Recovered};
-pub use save::{save, SaveOptions};
+pub use save::{save, save_async, PendingSave, SaveOptions};
 
 /// Version string of [`chorus_checkpoint.json`](self).
 pub const FORMAT: &str = "chorus-fsdp-checkpoint/1";

@@ -120,47 +120,291 @@ pub fn save<C: CommBackend>(
 where
     C::B: ComputeBackend,
 {
-    let name = format!("step-{:08}", state.step);
-    let dest = root.join(&name);
-    let first = is_global_first(fsdp);
-    let save_id = save_id_text(shared_save_id(fsdp, first)?);
-    let tmp = root.join(format!(".tmp-{name}-{save_id}"));
-    // The first rank prepares the temporary directory; the others wait for it.
-    let prepared = if first { fresh_dir(&tmp).map_err(Error::from) } else { Ok(()) };
-    end_stage(fsdp, prepared, None, || format!("{}: another rank could not prepare the checkpoint", tmp.display()))?;
+    let started = Started::new(fsdp, root, state)?;
     // From here a failed stage leaves a partial directory, which the first rank removes.
-    let discard = first.then_some(tmp.as_path());
-    let written = write_rank_files(fsdp, opt, &tmp, &save_id);
-    end_stage(fsdp, written, discard, || format!("{}: another rank failed to write its shards", tmp.display()))?;
-    let target = Target { root, tmp: &tmp, dest: &dest, name: &name, save_id: &save_id };
-    let finished = if first { finish_save(fsdp, opt, &target, state, options) } else { Ok(()) };
-    // A complete new copy whose step is not in place (its replacement failed) is kept for recovery.
-    let discard = discard.filter(|tmp| !super::place::is_checkpoint(tmp) || super::place::is_checkpoint(&dest));
-    end_stage(fsdp, finished, discard, || {
-        format!("{}: the first rank failed to complete the checkpoint", dest.display())
-    })?;
-    Ok(dest)
+    let written = write_rank_files(fsdp, opt, &started.tmp, &started.save_id);
+    started.commit(fsdp, opt, written, options)
 }
 
-/// Writes this rank's shard files into `tmp` (nothing if it is not the
-/// first replica): both files' headers first (every box's size is known),
-/// then each parameter's box and its moments, one parameter at a time, so a
-/// save holds one parameter's shard beside the rank's state, never a copy
-/// of all of it.
-fn write_rank_files<C: CommBackend>(fsdp: &Fsdp<C>, opt: &ShardedOptimizer<C>, tmp: &Path, save_id: &str) -> Result<()>
+/// A save whose shards are being written by a thread of its own while the
+/// training continues ([`save_async`]); [`PendingSave::commit`] makes it a
+/// checkpoint. Dropped without a commit, it leaves only its temporary
+/// directory, which the next writer's [`recover`](super::recover) removes:
+/// `latest` still names the previous checkpoint.
+pub struct PendingSave {
+    started: Started,
+    writer: Option<std::thread::JoinHandle<Result<()>>>,
+    staged_bytes: u64,
+}
+
+/// What [`save`] and [`save_async`] share: the step's names, the save's
+/// identity, its temporary directory (prepared by the first rank), its state.
+struct Started {
+    root: PathBuf,
+    tmp: PathBuf,
+    dest: PathBuf,
+    name: String,
+    save_id: String,
+    first: bool,
+    state: TrainingState,
+}
+
+impl Started {
+    /// Draws the save's identity and prepares its temporary directory (a collective).
+    fn new<C: CommBackend>(fsdp: &Fsdp<C>, root: &Path, state: &TrainingState) -> Result<Started>
+    where
+        C::B: ComputeBackend,
+    {
+        let name = format!("step-{:08}", state.step);
+        let dest = root.join(&name);
+        let first = is_global_first(fsdp);
+        let save_id = save_id_text(shared_save_id(fsdp, first)?);
+        let tmp = root.join(format!(".tmp-{name}-{save_id}"));
+        // The first rank prepares the temporary directory; the others wait for it.
+        let prepared = if first { fresh_dir(&tmp).map_err(Error::from) } else { Ok(()) };
+        end_stage(fsdp, prepared, None, || {
+            format!("{}: another rank could not prepare the checkpoint", tmp.display())
+        })?;
+        Ok(Started { root: root.to_path_buf(), tmp, dest, name, save_id, first, state: state.clone() })
+    }
+
+    /// Agrees on every rank's files (`written`, this rank's), then the first
+    /// rank completes the checkpoint and puts it in place (a collective).
+    fn commit<C: CommBackend>(
+        self,
+        fsdp: &Fsdp<C>,
+        opt: &ShardedOptimizer<C>,
+        written: Result<()>,
+        options: &SaveOptions,
+    ) -> Result<PathBuf>
+    where
+        C::B: ComputeBackend,
+    {
+        let Started { root, tmp, dest, name, save_id, first, state } = self;
+        let discard = first.then_some(tmp.as_path());
+        end_stage(fsdp, written, discard, || format!("{}: another rank failed to write its shards", tmp.display()))?;
+        let target = Target { root: &root, tmp: &tmp, dest: &dest, name: &name, save_id: &save_id };
+        let finished = if first { finish_save(fsdp, opt, &target, &state, options) } else { Ok(()) };
+        // A complete new copy whose step is not in place (its replacement failed) is kept for recovery.
+        let discard = discard.filter(|tmp| !super::place::is_checkpoint(tmp) || super::place::is_checkpoint(&dest));
+        end_stage(fsdp, finished, discard, || {
+            format!("{}: the first rank failed to complete the checkpoint", dest.display())
+        })?;
+        Ok(dest)
+    }
+}
+
+/// Starts a save that does not hold the step: the save's identity and
+/// directory (a collective), then this rank's shards and optimizer state
+/// copied to host memory (the step waits for this copy only: its size is
+/// [`PendingSave::staged_bytes`], one copy of the rank's share of the
+/// training state), which a thread of its own writes while the training
+/// goes on. Every rank calls it with the same arguments, then, at the same
+/// step, [`PendingSave::commit`]; one save at a time: commit this one before
+/// starting another.
+pub fn save_async<C: CommBackend>(
+    fsdp: &Fsdp<C>,
+    opt: &ShardedOptimizer<C>,
+    root: &Path,
+    state: &TrainingState,
+) -> Result<PendingSave>
+where
+    C::B: ComputeBackend,
+{
+    let started = Started::new(fsdp, root, state)?;
+    let staged = match plan_rank_files(fsdp, opt) {
+        Ok(Some(plan)) => {
+            let mut pieces = (Vec::new(), Vec::new());
+            let read = read_pieces(fsdp, opt, &plan, |file, values| {
+                match file {
+                    File::Model => pieces.0.push(values),
+                    File::Optim => pieces.1.push(values),
+                }
+                Ok(())
+            });
+            read.map(|()| Some((plan, pieces)))
+        }
+        Ok(None) => Ok(None),
+        Err(e) => Err(e),
+    };
+    let staged = match staged {
+        Ok(staged) => staged,
+        Err(e) => {
+            // The others wait at the agreement on the files: fail it there, on every rank.
+            return Err(started
+                .commit(fsdp, opt, Err(e), &SaveOptions::default())
+                .err()
+                .unwrap_or_else(|| Error::InvalidArgument("a save whose staging failed was committed".into())));
+        }
+    };
+    let staged_bytes = staged
+        .as_ref()
+        .map_or(0, |(_, (m, o))| m.iter().chain(o.iter()).map(|v: &Vec<f32>| 4 * v.len() as u64).sum::<u64>());
+    let (tmp, save_id) = (started.tmp.clone(), started.save_id.clone());
+    let writer = std::thread::Builder::new()
+        .name("checkpoint-writer".into())
+        .spawn(move || match staged {
+            Some((plan, (model, optim))) => {
+                let mut files = plan.create(&tmp, &save_id)?;
+                for v in model {
+                    files.write(File::Model, &v)?;
+                }
+                for v in optim {
+                    files.write(File::Optim, &v)?;
+                }
+                files.finish()?;
+                // The commit's pass over every file, done here, off the step:
+                // the first rank reads these notes instead.
+                for what in ["model", "optim"] {
+                    let name = shard_file(plan.rank, what);
+                    let (entry, header) = scan(&tmp.join(&name))?;
+                    let note = tmp.join(scan_note(&name));
+                    let text = serde_json::to_vec(&ScanNote { entry, header: header.unwrap_or_default() })
+                        .map_err(|e| CheckpointError::format(&note, e))?;
+                    std::fs::write(&note, text).map_err(|e| CheckpointError::io(&note, e))?;
+                }
+                Ok(())
+            }
+            None => Ok(()),
+        })
+        .map_err(|e| CheckpointError::io(&started.tmp, e))?;
+    Ok(PendingSave { started, writer: Some(writer), staged_bytes })
+}
+
+impl PendingSave {
+    /// Bytes of this rank's training state copied to host memory for the save.
+    pub fn staged_bytes(&self) -> u64 {
+        self.staged_bytes
+    }
+
+    /// The step the save is of.
+    pub fn step(&self) -> u64 {
+        self.started.state.step
+    }
+
+    /// Whether this rank's writer is done (a query; no rank waits).
+    pub fn written_here(&self) -> bool {
+        self.writer.as_ref().is_none_or(|w| w.is_finished())
+    }
+
+    /// Whether every rank's writer is done (a collective: every rank asks
+    /// at the same step, and all get the same answer).
+    pub fn written_everywhere<C: CommBackend>(&self, fsdp: &Fsdp<C>) -> Result<bool>
+    where
+        C::B: ComputeBackend,
+    {
+        agree(fsdp, self.written_here())
+    }
+
+    /// Waits for this rank's writer, then completes the checkpoint as
+    /// [`save`] does (a collective): returns its directory.
+    pub fn commit<C: CommBackend>(
+        mut self,
+        fsdp: &Fsdp<C>,
+        opt: &ShardedOptimizer<C>,
+        options: &SaveOptions,
+    ) -> Result<PathBuf>
+    where
+        C::B: ComputeBackend,
+    {
+        let written = match self.writer.take().map(std::thread::JoinHandle::join) {
+            None => Ok(()),
+            Some(Ok(result)) => result,
+            Some(Err(_)) => Err(Error::InvalidArgument(format!(
+                "{}: the thread writing this rank's shards panicked",
+                self.started.tmp.display()
+            ))),
+        };
+        self.started.commit(fsdp, opt, written, options)
+    }
+}
+
+/// Which of a rank's two files a piece goes to.
+#[derive(Clone, Copy)]
+enum File {
+    Model,
+    Optim,
+}
+
+/// One parameter of a rank's files: where it is, its layout, and whether
+/// its optimizer step, its moments and its box are written.
+struct Item {
+    group: usize,
+    index: usize,
+    name: String,
+    layout: Option<chorus_fsdp::layout::ParamLayout>,
+    with_step: bool,
+    with_moments: bool,
+    with_box: bool,
+}
+
+/// What a rank's two files hold, in order (their headers are known before
+/// any data: every box's size is).
+struct RankFiles {
+    rank: usize,
+    model: Vec<Planned>,
+    model_offsets: BTreeMap<String, Vec<usize>>,
+    optim: Vec<Planned>,
+    optim_offsets: BTreeMap<String, Vec<usize>>,
+    items: Vec<Item>,
+}
+
+/// The two files open for writing.
+struct OpenFiles {
+    model: StreamWriter,
+    optim: StreamWriter,
+}
+
+impl RankFiles {
+    fn create(&self, tmp: &Path, save_id: &str) -> Result<OpenFiles> {
+        let create = |what: &str, tensors: &[Planned], offsets: &BTreeMap<String, Vec<usize>>| {
+            let path = tmp.join(shard_file(self.rank, what));
+            StreamWriter::create(&path, tensors, &shard_metadata(Some(offsets), Some(save_id)))
+                .map_err(|e| CheckpointError::io(&e.path, e.source))
+        };
+        Ok(OpenFiles {
+            model: create("model", &self.model, &self.model_offsets)?,
+            optim: create("optim", &self.optim, &self.optim_offsets)?,
+        })
+    }
+}
+
+impl OpenFiles {
+    fn write(&mut self, file: File, values: &[f32]) -> Result<()> {
+        let w = match file {
+            File::Model => &mut self.model,
+            File::Optim => &mut self.optim,
+        };
+        w.write_f32(values).map_err(|e: WriteError| CheckpointError::io(&e.path, e.source).into())
+    }
+
+    fn finish(self) -> Result<()> {
+        for f in [self.model, self.optim] {
+            f.finish().map_err(|e| CheckpointError::io(&e.path, e.source))?;
+        }
+        Ok(())
+    }
+}
+
+/// What this rank writes (nothing if it is not the first replica).
+fn plan_rank_files<C: CommBackend>(fsdp: &Fsdp<C>, opt: &ShardedOptimizer<C>) -> Result<Option<RankFiles>>
 where
     C::B: ComputeBackend,
 {
     if !is_first_replica(fsdp) {
-        return Ok(());
+        return Ok(None);
     }
     let rank = fsdp.data_parallel().shard.rank();
     let first = rank == 0;
     let names = moment_names(opt.kind());
-    let (mut model, mut model_offsets) = (Vec::new(), BTreeMap::new());
-    let (mut optim, mut optim_offsets) = (Vec::new(), BTreeMap::new());
-    // Per parameter: where it is, its layout, and whether its step and its box are written.
-    let mut items = Vec::new();
+    let mut files = RankFiles {
+        rank,
+        model: Vec::new(),
+        model_offsets: BTreeMap::new(),
+        optim: Vec::new(),
+        optim_offsets: BTreeMap::new(),
+        items: Vec::new(),
+    };
     let plan = |name: String, shape: &[usize]| Planned { name, dtype: Dtype::F32, shape: shape.to_vec() };
     for g in 0..fsdp.num_groups() {
         for (i, (name, shape)) in fsdp.group_params(g)?.into_iter().enumerate() {
@@ -175,63 +419,91 @@ where
             let with_step = has_state && first;
             if with_step {
                 let key = state_key(&name, "step");
-                optim.push(plan(key.clone(), &[]));
-                optim_offsets.insert(key, vec![]);
+                files.optim.push(plan(key.clone(), &[]));
+                files.optim_offsets.insert(key, vec![]);
             }
             let region = Region::of(&shape, layout.as_ref(), rank);
             // Trailing ranks may hold only padding.
             let with_box = region.numel() > 0;
             if with_box {
-                model.push(plan(name.clone(), &region.shape));
-                model_offsets.insert(name.clone(), region.offsets.clone());
+                files.model.push(plan(name.clone(), &region.shape));
+                files.model_offsets.insert(name.clone(), region.offsets.clone());
                 if has_state {
                     for what in names {
                         let key = state_key(&name, what);
-                        optim.push(plan(key.clone(), &region.shape));
-                        optim_offsets.insert(key, region.offsets.clone());
+                        files.optim.push(plan(key.clone(), &region.shape));
+                        files.optim_offsets.insert(key, region.offsets.clone());
                     }
                 }
             }
-            items.push((g, i, name, layout, with_step, with_box && has_state, with_box));
+            files.items.push(Item {
+                group: g,
+                index: i,
+                name,
+                layout,
+                with_step,
+                with_moments: with_box && has_state,
+                with_box,
+            });
         }
     }
-    let create = |what: &str, tensors: &[Planned], offsets: &BTreeMap<String, Vec<usize>>| {
-        let path = tmp.join(shard_file(rank, what));
-        StreamWriter::create(&path, tensors, &shard_metadata(Some(offsets), Some(save_id)))
-            .map_err(|e| CheckpointError::io(&e.path, e.source))
-    };
-    let mut model_file = create("model", &model, &model_offsets)?;
-    let mut optim_file = create("optim", &optim, &optim_offsets)?;
-    let written = |r: std::result::Result<(), WriteError>| r.map_err(|e| CheckpointError::io(&e.path, e.source));
-    for (g, i, name, layout, with_step, with_moments, with_box) in items {
-        let cut = |v: Vec<f32>| match &layout {
-            Some(l) => unpad(&v, l, rank),
+    Ok(Some(files))
+}
+
+/// Reads this rank's pieces in the files' order, one parameter at a time,
+/// and hands each to `sink` with the file it goes to.
+fn read_pieces<C: CommBackend>(
+    fsdp: &Fsdp<C>,
+    opt: &ShardedOptimizer<C>,
+    files: &RankFiles,
+    mut sink: impl FnMut(File, Vec<f32>) -> Result<()>,
+) -> Result<()>
+where
+    C::B: ComputeBackend,
+{
+    let names = moment_names(opt.kind());
+    for item in &files.items {
+        let cut = |v: Vec<f32>| match &item.layout {
+            Some(l) => unpad(&v, l, files.rank),
             None => v,
         };
-        if with_step {
-            written(optim_file.write_f32(&[opt.steps() as f32]))?;
+        if item.with_step {
+            sink(File::Optim, vec![opt.steps() as f32])?;
         }
-        if with_box {
-            written(model_file.write_f32(&cut(fsdp.read_shard(g, i)?)))?;
+        if item.with_box {
+            sink(File::Model, cut(fsdp.read_shard(item.group, item.index)?))?;
         }
-        if with_moments {
-            let moments = opt.read_state(fsdp, g, i)?;
+        if item.with_moments {
+            let moments = opt.read_state(fsdp, item.group, item.index)?;
             if moments.len() != names.len() {
                 return Err(Error::InvalidArgument(format!(
-                    "{name}: {} optimizer moments, the optimizer keeps {}",
+                    "{}: {} optimizer moments, the optimizer keeps {}",
+                    item.name,
                     moments.len(),
                     names.len()
                 )));
             }
             for m in moments {
-                written(optim_file.write_f32(&cut(m)))?;
+                sink(File::Optim, cut(m))?;
             }
         }
     }
-    for f in [model_file, optim_file] {
-        f.finish().map_err(|e| CheckpointError::io(&e.path, e.source))?;
-    }
     Ok(())
+}
+
+/// Writes this rank's shard files into `tmp` (nothing if it is not the
+/// first replica): both files' headers first (every box's size is known),
+/// then each parameter's box and its moments, one parameter at a time, so a
+/// blocking save holds one parameter's shard beside the rank's state, never
+/// a copy of all of it.
+fn write_rank_files<C: CommBackend>(fsdp: &Fsdp<C>, opt: &ShardedOptimizer<C>, tmp: &Path, save_id: &str) -> Result<()>
+where
+    C::B: ComputeBackend,
+{
+    let Some(files) = plan_rank_files(fsdp, opt)? else { return Ok(()) };
+    let mut open = files.create(tmp, save_id)?;
+    read_pieces(fsdp, opt, &files, |file, values| open.write(file, &values))?;
+    open.finish()
 }
 
 /// One pass over a file of the save: its size and CRC-32, read in pieces,
@@ -268,6 +540,35 @@ fn scan(path: &Path) -> Result<(FileEntry, Option<serde_json::Map<String, serde_
     Ok((FileEntry { bytes: len, crc32: crc.finish() }, header))
 }
 
+/// A file's [`scan`], made by the rank that wrote it (an asynchronous
+/// save's writer), for the first rank's commit.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ScanNote {
+    entry: FileEntry,
+    header: serde_json::Map<String, serde_json::Value>,
+}
+
+/// The name of `file`'s [`ScanNote`] in the temporary directory.
+fn scan_note(file: &str) -> String {
+    format!(".scan-{file}.json")
+}
+
+/// `path`'s scan: from its writer's note when there is one of this size
+/// (then removed: nothing but the checkpoint's files is put in place), else read.
+fn scan_or_note(
+    path: &Path,
+) -> Result<(FileEntry, Option<serde_json::Map<String, serde_json::Value>>), CheckpointError> {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let note_path = path.with_file_name(scan_note(&name));
+    let note = std::fs::read(&note_path).ok().and_then(|b| serde_json::from_slice::<ScanNote>(&b).ok());
+    let _ = std::fs::remove_file(&note_path);
+    let len = std::fs::metadata(path).map_err(|e| CheckpointError::io(path, e))?.len();
+    match note {
+        Some(n) if n.entry.bytes == len => Ok((n.entry, Some(n.header))),
+        _ => scan(path),
+    }
+}
+
 /// Where the first rank completes a save.
 struct Target<'a> {
     root: &'a Path,
@@ -302,12 +603,13 @@ where
     let mut entries: Vec<String> = std::fs::read_dir(tmp)
         .map_err(|e| CheckpointError::io(tmp, e))?
         .filter_map(|e| e.ok().and_then(|e| e.file_name().into_string().ok()))
+        .filter(|n| !n.starts_with(".scan-"))
         .collect();
     entries.sort();
     let mut files = BTreeMap::new();
     for file in &entries {
         let path = tmp.join(file);
-        let (entry, header) = scan(&path)?;
+        let (entry, header) = scan_or_note(&path)?;
         let header = header.unwrap_or_default();
         // Only this save's ranks write here (the directory is named after
         // it); a file of another writer is refused, never recorded.
