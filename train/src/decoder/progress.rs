@@ -60,6 +60,8 @@ impl Recorder {
     /// A record for a run starting at `step` (its checkpoint's step when it
     /// resumes), the job named by `data_seed` and `model`; written at once.
     pub(super) fn start(dir: &Path, step: u64, data_seed: u64, model: serde_json::Value) -> Result<Recorder> {
+        // The first save would make it; the record comes first.
+        std::fs::create_dir_all(dir).map_err(|e| CheckpointError::io(dir, e))?;
         let at_us = now_us();
         let now = Progress { step, at_us, saved_step: step, saved_at_us: at_us, data_seed, model };
         let rec = Recorder { path: dir.join(FILE), tmp: dir.join(format!(".{FILE}.tmp")), now };
@@ -100,7 +102,7 @@ mod tests {
     #[test]
     fn the_record_follows_the_steps_and_saves() {
         let dir = std::env::temp_dir().join(format!("chorus-progress-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(read(&dir), None);
         let mut rec = Recorder::start(&dir, 4, 7, serde_json::json!({"d_model": 8})).unwrap();
         let first = read(&dir).unwrap();
