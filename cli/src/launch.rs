@@ -32,7 +32,11 @@
 //! `--node-timeout` (the store not answering within it, for node 0) has
 //! failed: the first launcher to see it publishes it and every node stops
 //! its ranks, so a dead or hung host ends the job within seconds instead of
-//! `--timeout`.
+//! `--timeout`, or (with `--max-restarts`) starts its next attempt.
+//!
+//! A failed job is started again up to `--max-restarts` times, each
+//! attempt with its own keys, dumps and ranks' store, and with `--nnodes
+//! MIN:MAX` on the nodes that remain ([`attempts`]).
 //!
 //! UCX takes two processes with the same boot id and IPC namespace for one
 //! machine and joins them by shared memory, whose wake-ups (abstract Unix
@@ -45,7 +49,7 @@
 //!
 //! The launch is one [`Job`] whose phases are written beside what they use:
 //! the rendezvous and the nodes' heartbeats in `nodes.rs`, the ranks in
-//! `ranks.rs`, the end in `end.rs`; the job holds their types, and they
+//! `ranks.rs`, the attempts in `attempts.rs`, the end in `end.rs`; the job holds their types, and they
 //! extend it, so this file and those depend on each other.
 
 mod attempts;
@@ -92,7 +96,7 @@ pub struct LaunchArgs {
     /// Port of the store [default: a free port on one node, 29500 on several].
     #[arg(long, value_name = "P")]
     pub master_port: Option<u16>,
-    /// Seconds to wait for the store and for the other nodes to join.
+    /// Seconds to wait for the store and for the other nodes to join (at the start, and at each restart).
     #[arg(long, default_value_t = 300.0, value_name = "S")]
     pub timeout: f64,
     /// Seconds without a heartbeat from another node's launcher (or an answer from node 0's store)
