@@ -737,3 +737,33 @@ fn a_rank_killed_during_an_asynchronous_save_resumes_from_the_last_complete_chec
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Two jobs never resume from one directory: while a `--resume auto` job
+/// runs, a second one started into the same directories is refused by
+/// their locks, and the first one's checkpoints stay as they are.
+#[test]
+fn a_second_job_never_resumes_from_a_running_jobs_directory() {
+    let dir = scratch("resume-auto-twice");
+    let (out, ck) = (dir.join("out"), dir.join("ck"));
+    let mut args = small_gpt("sim", "100000", &out, &ck);
+    args.extend(["--resume".to_string(), "auto".to_string()]);
+    let mut first = chorus().args(&args).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let start = std::time::Instant::now();
+    while !ck.join("latest").exists() {
+        assert!(start.elapsed() < Duration::from_secs(60), "the first job saved nothing");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let second = run_bounded(chorus().args(&args), Duration::from_secs(60));
+    first.kill().unwrap();
+    first.wait().unwrap();
+    assert_eq!(second.status.code(), Some(1), "{}", text(&second.stderr));
+    assert!(text(&second.stderr).contains("another chorus run"), "{}", text(&second.stderr));
+    // The killed job's directories are taken over by the next start, which resumes.
+    let before: u64 = std::fs::read_to_string(ck.join("latest")).unwrap().trim()["step-".len()..].parse().unwrap();
+    let mut args = small_gpt("sim", &(before + 2).to_string(), &out, &ck);
+    args.extend(["--resume".to_string(), "auto".to_string()]);
+    let third = run_bounded(chorus().args(&args), Duration::from_secs(60));
+    assert!(third.status.success(), "{}", text(&third.stderr));
+    assert_eq!(summary(&out)["config"]["start_step"].as_u64(), Some(before), "{}", text(&third.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}
