@@ -50,6 +50,7 @@
 //!   itself as [`candle_core`] and [`candle_nn`] (so your versions match).
 #![warn(missing_docs)]
 
+mod backend;
 mod error;
 mod job;
 #[cfg(feature = "candle")]
@@ -57,6 +58,7 @@ pub mod model;
 mod rank;
 #[cfg(feature = "sim")]
 pub mod testing;
+mod threads;
 mod world;
 
 pub use chorus_collectives as collectives;
@@ -67,11 +69,12 @@ pub use chorus_fsdp_candle as fsdp_candle;
 #[cfg(feature = "candle")]
 pub use {candle_core, candle_nn};
 
+pub use backend::{SelectedBackend, SELECTED_BACKEND};
 pub use chorus_collectives::{CommBackend, Communicator, ReduceOp};
 pub use error::{BoxError, Error, Result};
 pub use job::Job;
 pub use rank::Rank;
-pub use world::{run, SelectedBackend, World, SELECTED_BACKEND};
+pub use world::{run, World};
 
 /// What a training program needs in scope: `use chorus::prelude::*;`.
 pub mod prelude {

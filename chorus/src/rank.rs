@@ -7,7 +7,7 @@ use std::sync::Arc;
 use chorus_collectives::{CommBackend, Communicator, ReduceOp};
 use chorus_devices::{Backend, Buffer, Device, Element, Priority, Stream, StreamExt};
 
-use crate::world::SelectedBackend;
+use crate::backend::SelectedBackend;
 use crate::{Error, Result};
 
 /// One rank of a world: its communicator and a stream of its device.

@@ -21,11 +21,10 @@
 
 use std::time::Duration;
 
-use chorus_collectives::sim::{Fault, SimComm, SimConfig, SimWorld};
-use chorus_devices::cpu::CpuConfig;
+use chorus_collectives::sim::{Fault, SimComm};
 
 use crate::rank::Rank;
-use crate::world::{run_on_threads, Maker, RankThreads};
+use crate::threads::{run_on_threads, sim_maker, sim_world, RankThreads};
 use crate::{BoxError, Result};
 
 /// Runs `body` on `n` simulated ranks with [`SimRanks`]'s defaults and
@@ -103,31 +102,6 @@ impl SimRanks {
             world.inject_fault(f)?;
         }
         let how = RankThreads { deadline: Some(self.deadline), pool: self.threads_per_rank };
-        run_on_threads(self.n, maker_of(world), how, body)
+        run_on_threads(self.n, sim_maker(world), how, body)
     }
-}
-
-/// A simulated world of `n` ranks whose waits end after `timeout`.
-fn sim_world(n: usize, timeout: Duration) -> Result<SimWorld> {
-    if n == 0 {
-        return Err(crate::Error::InvalidArgument("a world needs at least one rank".into()));
-    }
-    // The devices' own host waits outlast the collectives' deadline, so a
-    // missing peer is reported as the collective's timeout.
-    let device = CpuConfig::default().with_timeout(timeout * 2 + Duration::from_secs(10));
-    Ok(SimWorld::new(n, SimConfig { timeout, device })?)
-}
-
-fn maker_of(world: SimWorld) -> Maker<SimComm> {
-    let aborts = world.clone();
-    Maker {
-        make: Box::new(move |rank| Ok(std::sync::Arc::new(world.communicator(rank)?))),
-        abort: Box::new(move |reason| aborts.abort(reason)),
-    }
-}
-
-/// The sim backend's ranks as threads ([`crate::World`] without a launcher).
-#[cfg(not(any(feature = "nccl", feature = "rccl", feature = "ucx")))]
-pub(crate) fn sim_maker(n: usize, timeout: Duration) -> Result<Maker<SimComm>> {
-    Ok(maker_of(sim_world(n, timeout)?))
 }

@@ -64,8 +64,8 @@ use chorus_fsdp_candle::{FsdpModel, StageId};
 pub use init::SeededVars;
 use init::{Recorder, Source};
 
+use crate::backend::SelectedBackend;
 use crate::rank::Rank;
-use crate::world::SelectedBackend;
 use crate::{Error, Result};
 
 /// A layer of a [`ShardedModel`], to run it alone ([`ShardedModel::run`]).
