@@ -29,8 +29,9 @@ ALLOWED = {
     "buffers, a view is of a backend's buffer, and the traits' provided batch methods check every piece first",
     ("devices/src/cpu/device.rs", "devices/src/cpu/event.rs", "devices/src/cpu/stream.rs"): "the device makes its "
     "streams and events, and each holds its device",
-    ("cli/src/launch.rs", "cli/src/launch/nodes.rs", "cli/src/launch/ranks.rs"): "one Job whose phases are written "
-    "beside what they use: the job holds their types, and they extend it",
+    ("cli/src/launch.rs", "cli/src/launch/attempts.rs", "cli/src/launch/nodes.rs", "cli/src/launch/ranks.rs"): "one "
+    "Job whose phases (its attempts among them) are written beside what they use: the job holds their types, and "
+    "they extend it",
     ("devices/src/cuda/device.rs", "devices/src/cuda/event.rs", "devices/src/cuda/host.rs", "devices/src/cuda/memory.rs",
      "devices/src/cuda/stream.rs"): "the device makes its streams, events and buffers, each holds its device, and a "
     "host buffer is released in the order of the streams that used it",
@@ -38,6 +39,8 @@ ALLOWED = {
     "the device makes its streams, events and buffers, each holds its device, and a host buffer is released in the "
     "order of the streams that used it",
     ("plan/src/virt/device.rs", "plan/src/virt/stream.rs"): "the device makes its streams, and each holds its device",
+    ("cli/src/plan.rs", "cli/src/train/args.rs"): "one job file serves both commands: train passes over a plan's own "
+    "flags in it, and a plan over the run's",
     ("fsdp/candle/src/module.rs", "fsdp/candle/src/module/stage_op.rs"): "the model makes one op per stage, and each "
     "op runs on the model's shared state (a child module on its parent's state)",
 }

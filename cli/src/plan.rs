@@ -491,7 +491,8 @@ fn run_plan(args: &PlanArgs) -> anyhow::Result<Outcome> {
 /// (`gpus`, `gpu`, `kernels`, ...); `chorus train`'s other flags (its run
 /// settings) are passed over. `out_dir` is both a plan's and a run's: in a
 /// file it is the run's (a `config.toml` names the run's out-dir), so it is
-/// passed over, and a plan's out-dir is given on the command line.
+/// passed over, and a plan's out-dir is given on the command line. (Import
+/// circle, allowed: train's scope names a plan's own flags, for the same file.)
 fn file_scope() -> crate::job::file::Scope {
     use clap::Args;
     // A hidden flag is no key of a job file.

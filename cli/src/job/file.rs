@@ -49,15 +49,6 @@ pub(crate) struct Scope {
     pub passes_over: Option<clap::Command>,
 }
 
-impl Scope {
-    /// Every flag of the command (`chorus train`'s), a plan's own flags
-    /// (`gpus`, `gpu`, ...) passed over as a plan passes over the run's, so
-    /// one job file trains and plans a job.
-    pub fn every() -> Scope {
-        Scope { takes: None, passes_over: Some(crate::plan::own_flags()) }
-    }
-}
-
 /// Arguments read from a command line and a job file.
 pub(crate) struct Resolved<A> {
     /// The arguments.
@@ -410,7 +401,7 @@ mod tests {
     }
 
     fn train(v: &[&str]) -> anyhow::Result<Resolved<TrainArgs>> {
-        resolve("train", argv(v), Scope::every())
+        resolve("train", argv(v), crate::train::file_scope())
     }
 
     fn err(v: &[&str]) -> String {

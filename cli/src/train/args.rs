@@ -147,14 +147,22 @@ pub enum BenchPart {
     Fsdp,
 }
 
+/// The keys of a job file `chorus train` reads: every flag of its own, and
+/// a plan's own flags (`gpus`, `gpu`, ...) passed over, as a plan passes over
+/// the run's, so one job file trains and plans a job. (Import circle,
+/// allowed: plan.rs names `TrainArgs` for the same reason.)
+pub(crate) fn file_scope() -> crate::job::file::Scope {
+    crate::job::file::Scope { takes: None, passes_over: Some(crate::plan::own_flags()) }
+}
+
 impl TrainArgs {
     /// This process's `chorus train` arguments, with `--config`'s file read
     /// and the defaults that depend on other flags filled in: the model
     /// (`--bench` measures the mlp) and the per-rank batch `--global-batch`
     /// gives.
     pub(super) fn resolve() -> anyhow::Result<TrainArgs> {
-        use crate::job::file::{resolve_process, Resolved, Scope};
-        let Resolved { args, effective } = resolve_process::<TrainArgs>("train", Scope::every())?;
+        use crate::job::file::{resolve_process, Resolved};
+        let Resolved { args, effective } = resolve_process::<TrainArgs>("train", file_scope())?;
         args.filled(effective)
     }
 

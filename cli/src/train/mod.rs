@@ -43,6 +43,7 @@ mod resume;
 mod text_data;
 mod throughput;
 
+pub(crate) use args::file_scope;
 pub use args::{SaveDtypeArg, TrainArgs};
 
 use crate::job::ModelArg;
