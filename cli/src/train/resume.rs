@@ -217,7 +217,7 @@ pub(super) fn resolve_auto(mut args: TrainArgs) -> anyhow::Result<TrainArgs> {
 fn lost_work(dir: &Path, step: u64, state: &checkpoint::TrainingState) -> serde_json::Value {
     use chorus_train::decoder::progress;
     let Some(p) = progress::read(dir) else { return serde_json::Value::Null };
-    // A run stopped between a save and its record is one step behind the checkpoint it saved.
+    // A record one step behind the checkpoint: of an earlier chorus, which recorded a step after its save.
     if p.data_seed != state.data_seed || p.model != state.model || p.step + 1 < step {
         return serde_json::Value::Null;
     }

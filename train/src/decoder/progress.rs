@@ -69,14 +69,10 @@ impl Recorder {
         Ok(rec)
     }
 
-    /// Step `step` is done (and saved, when `saved`).
-    pub(super) fn step_done(&mut self, step: u64, saved: bool) -> Result<()> {
+    /// Step `step` is done (recorded before its save, if it has one).
+    pub(super) fn step_done(&mut self, step: u64) -> Result<()> {
         self.now.step = step;
         self.now.at_us = now_us();
-        if saved {
-            self.now.saved_step = step;
-            self.now.saved_at_us = self.now.at_us;
-        }
         self.write()
     }
 
@@ -107,12 +103,14 @@ mod tests {
         let mut rec = Recorder::start(&dir, 4, 7, serde_json::json!({"d_model": 8})).unwrap();
         let first = read(&dir).unwrap();
         assert_eq!((first.step, first.saved_step, first.data_seed), (4, 4, 7));
-        rec.step_done(5, false).unwrap();
-        rec.step_done(6, true).unwrap();
-        rec.step_done(7, false).unwrap();
+        rec.step_done(5).unwrap();
+        rec.step_done(6).unwrap();
+        let six = read(&dir).unwrap().at_us;
+        rec.saved(6, six).unwrap();
+        rec.step_done(7).unwrap();
         let last = read(&dir).unwrap();
         assert_eq!((last.step, last.saved_step), (7, 6));
-        assert!(last.at_us >= last.saved_at_us && last.saved_at_us >= first.at_us);
+        assert!(last.at_us >= last.saved_at_us && last.saved_at_us == six && six >= first.at_us);
         assert_eq!(last.model, serde_json::json!({"d_model": 8}));
         std::fs::write(dir.join(FILE), b"{").unwrap();
         assert_eq!(read(&dir), None, "a torn record is no record");

@@ -140,6 +140,11 @@ where
             val_losses.push((done, validate(&sharded, v, rank, spec.batch, micro)?));
         }
         let due = spec.save_every > 0 && done % spec.save_every == 0 || done == spec.steps;
+        // The step is recorded before its save: a fault during the save has lost it.
+        let step_ended_us = progress::now_us();
+        if let Some(p) = progress.as_mut() {
+            p.step_done(done)?;
+        }
         // A save whose shards every rank has written is committed at once (every
         // rank asks at every step while one is in flight, so all agree when).
         let written = match &pending {
@@ -168,17 +173,17 @@ where
             let staged_bytes = if spec.async_save {
                 let p = model.with_fsdp(|f| checkpoint::save_async(f, &opt, dir, &state))??;
                 let bytes = p.staged_bytes();
-                pending = Some((p, progress::now_us()));
+                pending = Some((p, step_ended_us));
                 bytes
             } else {
                 saved.push(model.with_fsdp(|f| checkpoint::save(f, &opt, dir, &state, &save_options))??);
+                if let Some(r) = progress.as_mut() {
+                    r.saved(done, step_ended_us)?;
+                }
                 0
             };
             let blocked_s = t.elapsed().as_secs_f64();
             saves.push(SaveTime { step: done, blocked_s, commit_s: 0.0, staged_bytes, asynchronous: spec.async_save });
-        }
-        if let Some(p) = progress.as_mut() {
-            p.step_done(done, due && spec.checkpoint_dir.is_some() && !spec.async_save)?;
         }
     }
     // The last save in flight is complete before the run says it is done.
