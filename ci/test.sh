@@ -178,13 +178,15 @@ step "chorus train against an independent NumPy implementation (init written by 
 # build of its own before: five more builds of the crates).
 backends=(-p chorus-devices -p chorus-collectives -p chorus-conformance -p chorus-cli
     --features chorus-cli/ucx,chorus-cli/nccl,chorus-cli/rccl
-    --lib --test ucx --test ucx_hosts --test routed --test flight_recorder --test cuda_load --test gpu_kernels_host
+    --lib --test ucx --test ucx_hosts --test routed --test flight_recorder --test launch_restarts --test cuda_load --test gpu_kernels_host
     --test nccl_load --test hip_load --test rccl_load --test device_hip)
-step "ucx backend: unit tests, the suite with every rank in one process (2 and 4 ranks, and 2 fake hosts x 2 ranks through the hierarchical schedule), and one rank per process: the suite over 4 processes, FSDP equal to sim (chorus launch, and torchrun from the venv), killed rank, world-size disagreement, the flight recorder naming the culprit and every node's dumps gathered; GPU backends: loading without a GPU (NCCL, NVRTC; HIP from Debian's libamdhip64-5, hipRTC; RCCL absent; CUDA driver absent), the shared kernel source run on the host (c++) against half and the cpu device"
+step "ucx backend: unit tests, the suite with every rank in one process (2 and 4 ranks, and 2 fake hosts x 2 ranks through the hierarchical schedule), and one rank per process: the suite over 4 processes, FSDP equal to sim (chorus launch, and torchrun from the venv), killed rank, world-size disagreement, the flight recorder naming the culprit and every node's dumps gathered, restarts (--max-restarts, --nnodes MIN:MAX, --resume auto, asynchronous saves); GPU backends: loading without a GPU (NCCL, NVRTC; HIP from Debian's libamdhip64-5, hipRTC; RCCL absent; CUDA driver absent), the shared kernel source run on the host (c++) against half and the cpu device"
 backend_tests=(
     'binary_id(chorus-collectives) & test(ucx)'
     'binary_id(chorus-conformance::ucx) | binary_id(chorus-conformance::ucx_hosts) | binary_id(chorus-conformance::routed)'
     'binary_id(chorus-cli::ucx) | binary_id(chorus-cli::flight_recorder)'
+    # Restarts under chorus launch: a killed rank, an elastic job losing a host, a rank killed during an asynchronous save.
+    'binary_id(chorus-cli::launch_restarts)'
     'binary_id(chorus-devices::cuda_load)'
     'binary_id(chorus-devices::gpu_kernels_host)'
 )
@@ -220,5 +222,8 @@ cargo test -p chorus-fsdp-candle --features candle-cuda --config "$CHORUS_CANDLE
 
 step "several hosts made of network namespaces (2 hosts x 2 ranks, UCX, 1 Gbit/s links): the suite, FSDP and HSDP equal to sim, torchrun across hosts, checkpoints resumed on other topologies, dead, hung and partitioned hosts (during a collective and a save) ending the job within 10 s, a stalled rank named by chorus trace, hosts sharing a hostname (about 3 minutes)"
 bash ci/multihost-test.sh "$logs/chorus-ucx"
+
+step "restarts across namespace hosts (3 hosts x 2 ranks, UCX): host 2 killed during a save under --nnodes 2:3 --max-restarts 1, the others resume from the last complete checkpoint and end where a run of 2 hosts from it ends (about a minute)"
+bash ci/multihost-restarts.sh "$logs/chorus-ucx"
 
 step "all checks passed"
