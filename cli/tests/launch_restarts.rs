@@ -9,7 +9,9 @@ use std::path::Path;
 use std::process::{Child, Output, Stdio};
 use std::time::Duration;
 
-use common::{assert_all_dead, chorus, chorus_path, free_port, run_bounded, scratch, text, wait_bounded};
+#[cfg(feature = "ucx")]
+use common::chorus_path;
+use common::{assert_all_dead, chorus, free_port, run_bounded, scratch, text, wait_bounded};
 
 fn this_host() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap().trim().to_string()

@@ -43,6 +43,7 @@ mod resume;
 mod text_data;
 mod throughput;
 
+#[cfg(test)]
 pub(crate) use args::file_scope;
 pub use args::{SaveDtypeArg, TrainArgs};
 
