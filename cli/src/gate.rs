@@ -33,6 +33,41 @@ impl StartGate {
     }
 }
 
+/// Runs `rank(r)` for every `r` in `0..n` on a thread of its own, every
+/// thread started before any calls `rank` (behind a [`StartGate`]); a thread
+/// that cannot be started stops the ones already started, and is the error.
+/// Returns each rank's result in rank order (a panic as an error).
+pub fn run_gated<T: Send>(
+    n: usize,
+    rank: impl Fn(usize) -> anyhow::Result<T> + Sync,
+) -> anyhow::Result<Vec<anyhow::Result<T>>> {
+    let gate = StartGate::default();
+    std::thread::scope(|s| {
+        let mut handles = Vec::with_capacity(n);
+        for r in 0..n {
+            let (gate, rank) = (&gate, &rank);
+            let spawned = std::thread::Builder::new().name(format!("rank{r}")).spawn_scoped(s, move || {
+                if !gate.wait() {
+                    anyhow::bail!("rank {r}: not started, as another rank's thread could not start");
+                }
+                rank(r)
+            });
+            match spawned {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    gate.open(false);
+                    for h in handles {
+                        let _ = h.join();
+                    }
+                    return Err(anyhow::anyhow!("rank {r}'s thread could not start: {e}"));
+                }
+            }
+        }
+        gate.open(true);
+        Ok(handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("rank panicked")))).collect())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

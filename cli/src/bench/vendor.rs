@@ -60,34 +60,12 @@ where
     let store = MemStore::new();
     // Every rank's thread is started before any initialises (which waits for all ranks, with no deadline in
     // the library): one that cannot start stops the others (`crate::gate`).
-    let gate = crate::gate::StartGate::default();
-    let results: anyhow::Result<Vec<anyhow::Result<(Spans, u64)>>> = std::thread::scope(|s| {
-        let mut handles = Vec::with_capacity(g.n);
-        for rank in 0..g.n {
-            let (barrier, store, gate) = (barrier.clone(), store.clone(), &gate);
-            let spawned = std::thread::Builder::new().name(format!("rank{rank}")).spawn_scoped(s, move || {
-                if !gate.wait() {
-                    anyhow::bail!("rank {rank}: not started, as another rank's thread could not start");
-                }
-                let out = rank_main::<L>(rank, g, &store, &barrier, warmup, iters);
-                if out.is_err() {
-                    barrier.cancel();
-                }
-                out
-            });
-            match spawned {
-                Ok(h) => handles.push(h),
-                Err(e) => {
-                    gate.open(false);
-                    for h in handles {
-                        let _ = h.join();
-                    }
-                    return Err(anyhow::anyhow!("rank {rank}'s thread could not start: {e}"));
-                }
-            }
+    let results = crate::gate::run_gated(g.n, |rank| {
+        let out = rank_main::<L>(rank, g, &store, &barrier, warmup, iters);
+        if out.is_err() {
+            barrier.cancel();
         }
-        gate.open(true);
-        Ok(handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("rank panicked")))).collect())
+        out
     });
     let results = results?;
     let mut spans = Vec::with_capacity(g.n);

@@ -301,36 +301,10 @@ where
     // Every rank's thread is started before any begins: the library's
     // initialisation waits for all ranks without a deadline, so a thread
     // that cannot start must stop the others before they enter it.
-    let gate = crate::gate::StartGate::default();
-    let results: anyhow::Result<Vec<anyhow::Result<J::Report>>> = std::thread::scope(|s| {
-        let mut handles = Vec::with_capacity(world);
-        for rank in 0..world {
-            let (store, job, bar, gate) = (store.clone(), &job, bar.clone(), &gate);
-            let spawned = std::thread::Builder::new().name(format!("rank{rank}")).spawn_scoped(
-                s,
-                move || -> anyhow::Result<J::Report> {
-                    if !gate.wait() {
-                        anyhow::bail!("rank {rank}: not started, as another rank's thread could not start");
-                    }
-                    let device = L::B::make(rank, Duration::from_secs(300))?;
-                    let comm = VendorComm::<L>::init(&store, rank, world, device, VendorConfig::default())?;
-                    job.run(Arc::new(comm), &mut |_, loss| progress(rank, &bar, loss))
-                        .with_context(|| format!("rank {rank}"))
-                },
-            );
-            match spawned {
-                Ok(h) => handles.push(h),
-                Err(e) => {
-                    gate.open(false);
-                    for h in handles {
-                        let _ = h.join();
-                    }
-                    return Err(anyhow::anyhow!("rank {rank}'s thread could not start: {e}"));
-                }
-            }
-        }
-        gate.open(true);
-        Ok(handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a rank panicked")))).collect())
+    let results = crate::gate::run_gated(world, |rank| -> anyhow::Result<J::Report> {
+        let device = L::B::make(rank, Duration::from_secs(300))?;
+        let comm = VendorComm::<L>::init(&store, rank, world, device, VendorConfig::default())?;
+        job.run(Arc::new(comm), &mut |_, loss| progress(rank, &bar, loss)).with_context(|| format!("rank {rank}"))
     });
     results?.into_iter().collect()
 }
