@@ -153,17 +153,8 @@ where
         };
         // One save in flight: the next waits for the last one's commit.
         if written || (due && pending.is_some()) {
-            if let Some((p, at_us)) = pending.take() {
-                let step = p.step();
-                let t = Instant::now();
-                saved.push(model.with_fsdp(|f| p.commit(f, &opt, &save_options))??);
-                if let Some(s) = saves.iter_mut().rev().find(|s| s.step == step) {
-                    s.blocked_s += t.elapsed().as_secs_f64();
-                    s.commit_s += t.elapsed().as_secs_f64();
-                }
-                if let Some(r) = progress.as_mut() {
-                    r.saved(step, at_us)?;
-                }
+            if let Some(p) = pending.take() {
+                saved.push(commit_pending(model, p, &opt, &save_options, &mut saves, progress.as_mut())?);
             }
         }
         if let (Some(dir), true) = (&spec.checkpoint_dir, due) {
@@ -187,17 +178,8 @@ where
         }
     }
     // The last save in flight is complete before the run says it is done.
-    if let Some((p, at_us)) = pending.take() {
-        let step = p.step();
-        let t = Instant::now();
-        saved.push(model.with_fsdp(|f| p.commit(f, &opt, &save_options))??);
-        if let Some(s) = saves.iter_mut().rev().find(|s| s.step == step) {
-            s.blocked_s += t.elapsed().as_secs_f64();
-            s.commit_s += t.elapsed().as_secs_f64();
-        }
-        if let Some(r) = progress.as_mut() {
-            r.saved(step, at_us)?;
-        }
+    if let Some(p) = pending.take() {
+        saved.push(commit_pending(model, p, &opt, &save_options, &mut saves, progress.as_mut())?);
     }
     let counted = Counters::of(model)?.since(&before);
     // A stopped run writes no model; a completed one writes it tensor by tensor.
@@ -354,6 +336,34 @@ impl LossSum {
             None => 0.0,
         })
     }
+}
+
+/// Completes the asynchronous save in flight (a collective: every rank
+/// waits for its writer, then the commit), counts the time it blocked on its
+/// step's [`SaveTime`], and has rank 0 record the save in its progress
+/// (`at_us`: when the saved step ended). Returns the checkpoint's directory.
+fn commit_pending<C: CommBackend + 'static>(
+    model: &FsdpModel<C>,
+    (pending, at_us): (PendingSave, u64),
+    opt: &ShardedOptimizer<C>,
+    options: &SaveOptions,
+    saves: &mut [SaveTime],
+    progress: Option<&mut Recorder>,
+) -> Result<PathBuf>
+where
+    C::B: ComputeBackend,
+{
+    let step = pending.step();
+    let t = Instant::now();
+    let dir = model.with_fsdp(|f| pending.commit(f, opt, options))??;
+    if let Some(s) = saves.iter_mut().rev().find(|s| s.step == step) {
+        s.blocked_s += t.elapsed().as_secs_f64();
+        s.commit_s += t.elapsed().as_secs_f64();
+    }
+    if let Some(r) = progress {
+        r.saved(step, at_us)?;
+    }
+    Ok(dir)
 }
 
 /// The mean over every rank of this rank's `local` loss (a collective; blocks).
