@@ -29,10 +29,7 @@ source ci/netns-cluster.sh
 target=${CARGO_TARGET_DIR:-target}
 default_bin=$target/release/chorus
 [[ -x "$default_bin" ]] || default_bin=$target/debug/chorus
-CHORUS=$(realpath "${1:-$default_bin}")
-[[ -x "$CHORUS" ]] || netns_die "$CHORUS: no chorus binary (cargo build --release -p chorus-cli --features ucx)"
-"$CHORUS" conformance --backend ucx --list >/dev/null 2>&1 ||
-    netns_die "$CHORUS was built without UCX (cargo build --release -p chorus-cli --features ucx)"
+netns_chorus_binary "${1:-$default_bin}" "cargo build --release -p chorus-cli --features ucx"
 ITERS=${CHORUS_BENCH_ITERS:-5}
 RATES=${CHORUS_BENCH_RATES:-"1gbit 10gbit"}
 SIZE=$((64 << 20))

@@ -24,10 +24,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=ci/netns-cluster.sh
 source ci/netns-cluster.sh
 
-CHORUS=$(realpath "${1:-${CARGO_TARGET_DIR:-target}/debug/chorus}")
-[[ -x "$CHORUS" ]] || netns_die "$CHORUS: no chorus binary (cargo build -p chorus-cli --features ucx)"
-"$CHORUS" conformance --backend ucx --list >/dev/null 2>&1 ||
-    netns_die "$CHORUS was built without UCX (cargo build -p chorus-cli --features ucx)"
+netns_chorus_binary "${1:-${CARGO_TARGET_DIR:-target}/debug/chorus}" "cargo build -p chorus-cli --features ucx"
 
 WORK=$(mktemp -d /tmp/chorus-restarts.XXXXXX)
 cleanup() {

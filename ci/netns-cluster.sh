@@ -32,6 +32,15 @@ netns_die() {
     exit 2
 }
 
+# netns_chorus_binary PATH BUILD: sets CHORUS to PATH made absolute, or
+# exits naming BUILD (the cargo command that makes it) when PATH is no
+# chorus binary or one built without UCX.
+netns_chorus_binary() {
+    CHORUS=$(realpath "$1")
+    [[ -x "$CHORUS" ]] || netns_die "$CHORUS: no chorus binary ($2)"
+    "$CHORUS" conformance --backend ucx --list >/dev/null 2>&1 || netns_die "$CHORUS was built without UCX ($2)"
+}
+
 # The address of host $1 (host 0 is the master).
 host_addr() { echo "$NETNS_NET.$(($1 + 1))"; }
 host_ns() { echo "$NETNS_PREFIX-h$1"; }
