@@ -150,21 +150,21 @@ step "the signal tests with SIGINT and SIGHUP ignored, as under nohup or in a ba
 # the workspace's build and run side by side.
 step "against PyTorch (the venv's CHORUS_PYTHON): TCPStore both ways, torchrun's agent store, PyTorch ranks under chorus launch, Python and torch's DCP reader reading checkpoints, a Hugging Face Llama trained by chorus and by PyTorch (every step's loss, the final weights through from_pretrained), tokenizer ids, the output directory through AutoTokenizer and AutoModelForCausalLM, greedy generation token for token, the lr schedule against LambdaLR, the float8 casts against NumPy and torch, the planner's activation count against autograd, the fused ops against torch"
 torch_tests=(
-    'binary_id(chorus-collectives::tcpstore_torch)'
-    'binary_id(chorus-collectives::bootstrap_env) & test(=rust_ranks_join_torchruns_agent_store)'
+    'binary_id(chorus-collectives::integration) & test(/^tcpstore_torch::/)'
+    'binary_id(chorus-collectives::integration) & test(=bootstrap_env::rust_ranks_join_torchruns_agent_store)'
     'binary_id(chorus-cli::launch) & test(=pytorch_ranks_rendezvous_through_the_launchers_store)'
-    'binary_id(chorus-train::checkpoint)'
+    'binary_id(chorus-train::integration) & test(/^checkpoint::/)'
     'binary_id(chorus-cli::llama_torch)'
     # The Llama trainer's text in and out, and its lr schedule, against transformers and torch.
     'binary_id(chorus-cli::tokenize)'
     'binary_id(chorus-cli::generate)'
     'binary_id(chorus-cli::lr_torch)'
     # The float8 scaled casts (FSDP's float8 all-gather) against NumPy's recipe and torch's float8_e4m3fn.
-    'binary_id(chorus-devices::float8_numpy)'
+    'binary_id(chorus-devices::integration) & test(/^float8_numpy::/)'
     # The planner's activation count for a Llama layer against what PyTorch's autograd keeps.
-    'binary_id(chorus-plan::saved_torch)'
+    'binary_id(chorus-plan::integration) & test(/^saved_torch::/)'
     # The fused ops (chorus-kernels, CPU) against SDPA, rms_norm, LlamaRMSNorm, RoPE, silu and cross_entropy, gradients too.
-    'binary_id(chorus-kernels::ops_torch)'
+    'binary_id(chorus-kernels::integration) & test(/^ops_torch::/)'
 )
 filter="$(printf '(%s) | ' "${torch_tests[@]}")"
 cargo nextest run --workspace --no-fail-fast --run-ignored only -E "${filter% | }" 2>&1 | tee "$logs/torch.log"

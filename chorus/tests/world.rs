@@ -123,7 +123,7 @@ fn the_launchers_world_is_used_where_its_variables_are_set() {
     }
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let status = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "the_launchers_world_is_used_where_its_variables_are_set", "--nocapture"])
+        .args(["--exact", &this_test!("the_launchers_world_is_used_where_its_variables_are_set"), "--nocapture"])
         .env("CHORUS_WORLD_TEST_CHILD", "1")
         .env("RANK", "0")
         .env("WORLD_SIZE", "1")

@@ -1,8 +1,7 @@
 //! `connect_from_env`: ranks described only by their launcher variables
 //! find each other (threads standing in for processes).
 
-#[path = "../../ci/torch_python.rs"]
-mod torch_python;
+use crate::torch_python;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -167,7 +166,7 @@ fn ranks_as_processes_find_each_other() {
         let children: Vec<_> = (0..world)
             .map(|rank| {
                 let mut cmd = std::process::Command::new(&exe);
-                cmd.args(["--exact", "rank_process", "--ignored", "--nocapture", "--test-threads", "1"]);
+                cmd.args(["--exact", &this_test!("rank_process"), "--ignored", "--nocapture", "--test-threads", "1"]);
                 for k in
                     ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"]
                 {
@@ -201,7 +200,7 @@ fn rust_ranks_join_torchruns_agent_store() {
     let mut child = std::process::Command::new(&python)
         .args(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", &port, "--no-python"])
         .arg(&exe)
-        .args(["--exact", "rank_process", "--ignored", "--nocapture", "--test-threads", "1"])
+        .args(["--exact", &this_test!("rank_process"), "--ignored", "--nocapture", "--test-threads", "1"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()

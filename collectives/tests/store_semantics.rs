@@ -2,7 +2,8 @@
 //! in memory, on files, over TCP against chorus's server, and through a
 //! `PrefixStore`.
 
-mod common;
+use crate::common;
+use crate::store_suite;
 
 use std::sync::Arc;
 

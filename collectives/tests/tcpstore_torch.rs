@@ -6,9 +6,8 @@
 //! - chorus's client runs the whole store-semantics suite against a server
 //!   hosted by PyTorch (`data/tcpstore/torch_server.py`).
 
-mod common;
-#[path = "../../ci/torch_python.rs"]
-mod torch_python;
+use crate::common;
+use crate::torch_python;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};

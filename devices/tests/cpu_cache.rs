@@ -3,7 +3,7 @@
 //! zeros, `Stream::alloc`'s unspecified contents are poisoned under the
 //! sanitizer, and `empty_cache` and the limit bound what is kept.
 
-mod common;
+use crate::common;
 
 use anyhow::Result;
 use chorus_devices::cpu::{CacheStats, CpuConfig, CpuDevice};

@@ -4,7 +4,7 @@
 //! gates (a job that holds its stream until the test opens it), never with
 //! timing assertions.
 
-mod common;
+use crate::common;
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

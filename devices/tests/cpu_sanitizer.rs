@@ -4,7 +4,7 @@
 //! synchronization, transitively) and non-conflicting ones (disjoint ranges,
 //! read/read) pass.
 
-mod common;
+use crate::common;
 
 use anyhow::Result;
 use chorus_devices::cpu::{Access, CpuStream};

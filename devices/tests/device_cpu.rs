@@ -1,7 +1,8 @@
 //! The device suite on the cpu device, and what only the cpu device has.
 
-mod common;
-mod suite;
+use crate::common;
+use crate::device_suite;
+use crate::suite;
 
 use anyhow::Result;
 use chorus_devices::cpu::{Cpu, CpuDevice};

@@ -6,8 +6,7 @@
 //! The hand-checked encodings that need no Python are unit tests in
 //! `src/dtype.rs`.
 
-#[path = "../../ci/torch_python.rs"]
-mod torch_python;
+use crate::torch_python;
 
 use std::path::Path;
 use std::process::Command;

@@ -11,7 +11,7 @@
 //! (`src/cuda.rs`); `ci/gpu-check.sh`'s `kernels` check runs the same
 //! comparisons on a GPU.
 
-mod host;
+use crate::host;
 
 use chorus_kernels::attention::{self, AttentionShape};
 use chorus_kernels::{cross_entropy, rms_norm, rope, swiglu};

@@ -10,7 +10,7 @@
 //! roundoffs, argued there), and every comparison also shows its judge
 //! failing on a perturbed reference. Bad arguments are errors, not panics.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Result, Tensor, D};
 use chorus_kernels::{attention, cross_entropy, rms_norm, rope, swiglu, RopeCache};

@@ -21,9 +21,8 @@
 //! interpreter comes from `CHORUS_PYTHON` (checked by `ci/torch_python.rs`);
 //! a missing one fails the test, which runs only with `--ignored`.
 
-mod common;
-#[path = "../../ci/torch_python.rs"]
-mod torch_python;
+use crate::common;
+use crate::torch_python;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -3,7 +3,7 @@
 //! the wall time around them; `take` empties this thread's record and sees
 //! no other thread's. One test, since the switch is process-wide.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -5,9 +5,8 @@
 //! dtype, count, bytes, communicator) equals the flight recorder's record
 //! of the real run. HSDP's communicators are compared in `exact_hsdp.rs`.
 
-mod common;
-#[path = "common/train.rs"]
-mod train;
+use crate::common;
+use crate::train;
 
 use chorus_devices::DType;
 use chorus_fsdp::{FsdpConfig, MixedPrecision, OffloadPolicy, OptimizerKind, Reshard};

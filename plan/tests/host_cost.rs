@@ -3,7 +3,7 @@
 //! only time is the model's kernels or the host's, and the cpu rates file's
 //! refusals.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -5,7 +5,7 @@
 //! while the compute stream is busy, and when the collectives are slower
 //! than the compute the step stretches to their sum.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -10,8 +10,7 @@
 //! Ignored unless run with `--ignored`, as `ci/test.sh` does after
 //! `source ci/python-env.sh`.
 
-#[path = "../../ci/torch_python.rs"]
-mod torch_python;
+use crate::torch_python;
 
 use std::process::Command;
 

@@ -2,9 +2,9 @@
 //! vocab 128256) planned at 128 and 1,024 GPUs, every rank run. Timing
 //! goals (issue 27: 10 s and 60 s on a 2-core machine) are measured, not
 //! asserted, since CI machines differ: `cargo test -p chorus-plan --test
-//! scale -- --ignored --nocapture` prints the times.
+//! integration scale:: -- --ignored --nocapture` prints the times.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

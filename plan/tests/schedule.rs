@@ -4,7 +4,7 @@
 //! [`Fsdp::set_routed_groups`](chorus_fsdp::Fsdp::set_routed_groups) every
 //! rank issues the same sequence.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -7,7 +7,7 @@
 //! GPUs, where the ranks' placement matters; the ranks' placement that
 //! breaks the symmetry is refused; and a plan of every rank is bounded.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

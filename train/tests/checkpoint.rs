@@ -4,9 +4,8 @@
 //! (the venv's, with `--ignored`);
 //! every damaged checkpoint is a typed error naming the file and tensor.
 
-mod common;
-#[path = "../../ci/torch_python.rs"]
-mod torch_python;
+use crate::common;
+use crate::torch_python;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

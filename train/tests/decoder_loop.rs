@@ -4,7 +4,7 @@
 //! `set_learning_rate`, a whole-batch forward for validation) or a closed
 //! form.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

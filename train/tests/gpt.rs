@@ -6,7 +6,7 @@
 //! against the same plain candle run, and mixed precision against a bf16
 //! data-parallel reference written directly in candle.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -3,7 +3,7 @@
 //! at 1, 2 and 4 ranks, and the device peak drops while the host space holds
 //! the state.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -5,7 +5,7 @@
 //! (reshard-after-forward, prefetch, micro-batches, clipping); and the
 //! deferred initialisation: the same parameters at every world size.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

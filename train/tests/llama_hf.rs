@@ -3,7 +3,7 @@
 //! by shard under FSDP at 1, 2 and 3 ranks, and written back (split, f32
 //! and bf16) and read again; and the config.json spellings and rejections.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::Path;

@@ -5,7 +5,7 @@
 //! SGD and AdamW, and a step where a rank routes no token to an expert that
 //! another rank uses.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::Arc;

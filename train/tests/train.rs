@@ -1,6 +1,6 @@
 //! The training loop on simulated ranks: what `chorus train` relies on.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 
