@@ -2,17 +2,22 @@
 # The library crate `chorus` as its users meet it: its tests, its doctests
 # and every example run (the README's "Use chorus as a library" and
 # docs/library.md point to them), with the features each needs; the
-# GPU backends' builds compiled (they run where a GPU is, ci/gpu-check.sh).
-# Called by ci/test.sh; runs alone from a clone too.
+# GPU backends' code type-checked (it runs where a GPU is, ci/gpu-check.sh).
+# Called by ci/test.sh (ci/library.sh --after-workspace); runs alone from a
+# clone too.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
 
 run() { printf '+ %s\n' "$*"; "$@"; }
 
-# Unit and integration tests, the examples' own #[test]s, then the doctests.
-run cargo test -p chorus --features candle --lib --tests --examples
-run cargo test -p chorus --features candle --doc
+# Unit and integration tests, the examples' own #[test]s, then the doctests:
+# ci/test.sh's workspace step has run them (the workspace builds chorus with
+# candle) and says so with --after-workspace; alone, this script runs them.
+if [ "${1:-}" != --after-workspace ]; then
+    run cargo test -p chorus --features candle --lib --tests --examples
+    run cargo test -p chorus --features candle --doc
+fi
 # Every example run as a user runs it; each checks its own values and exits non-zero otherwise.
 for example in collectives own_model same_main testing_your_code; do
     run cargo run -q -p chorus --features candle --example "$example"
@@ -22,9 +27,10 @@ run cargo build -q -p chorus --features ucx,candle --examples
 [ -x "$CARGO_TARGET_DIR/debug/chorus" ] || run cargo build -q -p chorus-cli
 run "$CARGO_TARGET_DIR/debug/chorus" launch --nproc-per-node 4 -- "$CARGO_TARGET_DIR/debug/examples/collectives"
 run "$CARGO_TARGET_DIR/debug/chorus" launch --nproc-per-node 2 -- "$CARGO_TARGET_DIR/debug/examples/same_main"
-# The GPU backends' builds (run on a GPU elsewhere: ci/gpu-check.sh).
-# (nccl: clippy's --all-features build compiles it; rccl alone selects the rccl branch.)
-run cargo build -q -p chorus --features rccl --examples
+# The GPU backends' builds are run on a GPU elsewhere (ci/gpu-check.sh); here
+# they are type-checked (nccl: clippy's --all-features build; rccl alone
+# selects the rccl branch, checked here without a build: nothing runs it).
+run cargo check -q -p chorus --features rccl --examples
 # A user's own crate with candle on the GPU (docs/library.md, "The GPU in your
 # crate"): with ci/candle-cuda.sh's patch.toml, it resolves with a dependency
 # outside chorus's lock, candle from the patched copy and cudarc in chorus's

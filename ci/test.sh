@@ -126,9 +126,9 @@ slowest "$logs/workspace.log"
 cp "$CARGO_TARGET_DIR/debug/chorus" "$logs/chorus"
 cargo test --workspace --doc
 
-step "the library: its examples and doctests"
+step "the library: its examples run as a user runs them (its tests and doctests ran in the workspace step), on sim and on ucx under chorus launch, the rccl branch type-checked, a user crate with candle-cuda resolved, its rustdoc"
 if [ -f ci/library.sh ]; then
-    bash ci/library.sh
+    bash ci/library.sh --after-workspace
 else
     echo "NOT RUN: ci/library.sh missing" >&2
     exit 1
