@@ -54,7 +54,12 @@ pub fn available_memory() -> Option<u128> {
 /// more than nine tenths of the memory available; `hint` says what to make
 /// smaller. Where the available memory is unknown, nothing is refused.
 pub fn check_memory(needed: u128, what: &str, hint: &str) -> Result<(), String> {
-    let Some(available) = available_memory() else { return Ok(()) };
+    check_memory_against(needed, available_memory(), what, hint)
+}
+
+/// [`check_memory`] against `available` bytes (`None`: unknown, nothing refused).
+pub fn check_memory_against(needed: u128, available: Option<u128>, what: &str, hint: &str) -> Result<(), String> {
+    let Some(available) = available else { return Ok(()) };
     if needed <= available / 10 * 9 {
         return Ok(());
     }

@@ -151,7 +151,8 @@ where
             Some((p, _)) => model.with_fsdp(|f| p.written_everywhere(f))??,
             None => false,
         };
-        // One save in flight: the next waits for the last one's commit.
+        // One save in flight, so one staged copy: a save due while the last is in
+        // flight commits it first (joining its writer, which frees its copy).
         if written || (due && pending.is_some()) {
             if let Some(p) = pending.take() {
                 saved.push(commit_pending(model, p, &opt, &save_options, &mut saves, progress.as_mut())?);
