@@ -21,10 +21,10 @@
 //!
 //! Nodes agree through the store, under `chorus/launch/<run id>/`: each
 //! launcher registers its node rank and `--nproc-per-node` (a second
-//! launcher with the same node rank, or nodes with different rank counts,
-//! are errors before any rank starts); the first node whose rank fails
-//! publishes it and the others stop their ranks and name it; node 0 keeps
-//! the store up until every node has finished.
+//! launcher with the same node rank while the nodes gather, or nodes with
+//! different rank counts, are errors before any rank starts); the first
+//! node whose rank fails publishes it and the others stop their ranks and
+//! name it; node 0 keeps the store up until every node has finished.
 //!
 //! A node that dies or hangs cannot publish anything: every launcher of a
 //! multi-node job bumps its heartbeat key every [`HEARTBEAT`] from a thread
@@ -36,7 +36,9 @@
 //!
 //! A failed job is started again up to `--max-restarts` times, each
 //! attempt with its own keys, dumps and ranks' store, and with `--nnodes
-//! MIN:MAX` on the nodes that remain ([`attempts`]).
+//! MIN:MAX` on the nodes that remain; a launcher started for a node that
+//! was left behind (or never joined) waits and is taken in at the next
+//! attempt, which node 0 starts for it while restarts remain ([`attempts`]).
 //!
 //! UCX takes two processes with the same boot id and IPC namespace for one
 //! machine and joins them by shared memory, whose wake-ups (abstract Unix
@@ -84,7 +86,8 @@ pub struct LaunchArgs {
     pub nproc_per_node: usize,
     /// Nodes in the job; every node runs `chorus launch` with the same arguments but --node-rank. MIN:MAX
     /// (elastic, as torchrun's): the job starts with the nodes that joined when all MAX have, or at --timeout
-    /// with at least MIN; a restart (--max-restarts) continues without nodes found dead while MIN remain.
+    /// with at least MIN; a restart (--max-restarts) continues without nodes found dead while MIN remain, and a
+    /// launcher started later for a node (one that came back, or a new one) is taken in at a restart.
     #[arg(long, default_value = "1", value_name = "M|MIN:MAX", allow_negative_numbers = true, value_parser = node_count)]
     pub nnodes: NodeCount,
     /// This node's index, 0..M; node 0 hosts the store.
@@ -169,6 +172,10 @@ fn launcher_connections(nnodes: usize) -> usize {
 /// How often each launcher of a multi-node job bumps its heartbeat key.
 const HEARTBEAT: Duration = Duration::from_millis(500);
 
+/// The key (under the job's) where node 0 says the job has ended
+/// (`succeeded`, `failed`), so a node that comes back then is refused at once.
+const ENDED: &str = "ended";
+
 /// The last signal that asked the launcher to stop (0: none).
 static STOP_SIGNAL: AtomicI32 = AtomicI32::new(0);
 
@@ -202,7 +209,7 @@ pub fn run(args: &LaunchArgs) -> anyhow::Result<Outcome> {
     let mut job = Job::rendezvous(&plan)?;
     job.open_files = open_files;
     let outcome = job.run_attempts(&plan);
-    job.finish(&plan);
+    job.finish(&plan, matches!(outcome, Ok(Outcome::Passed)));
     outcome
 }
 

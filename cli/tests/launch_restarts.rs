@@ -357,6 +357,187 @@ fn an_elastic_job_starts_at_the_timeout_with_the_nodes_that_joined() {
     assert!(text(&out.stderr).contains("needs at least 2") && !text(&out.stdout).contains("started"));
 }
 
+/// Waits until every file of `names` is in `dir` (at most `limit`).
+fn wait_for_files(dir: &Path, names: &[&str], limit: Duration) {
+    let start = std::time::Instant::now();
+    while !names.iter().all(|n| dir.join(n).exists()) {
+        assert!(start.elapsed() < limit, "{names:?} not in {} within {limit:?}", dir.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Node `rank` of an elastic job of up to three one-rank nodes on this
+/// host (`--nnodes 2:3`, at most `--timeout timeout`), node 0's store on `port`.
+fn elastic_node(port: &str, rank: usize, timeout: &str, extra: &[&str], script: &str) -> Child {
+    let script = script.replace("$NODE", &rank.to_string());
+    chorus()
+        .args(["launch", "--nproc-per-node", "1", "--nnodes", "2:3", "--node-rank", &rank.to_string()])
+        .args(["--master-port", port, "--timeout", timeout, "--grace", "1", "--node-timeout", "2"])
+        .args(extra)
+        .args(["--", "sh", "-c", &script])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// What every rank of these elastic jobs records, in `dir`: its attempt,
+/// `RANK`, `WORLD_SIZE`, `GROUP_RANK` and `GROUP_WORLD_SIZE` (in `seen.<node>`)
+/// and its pid (in `pid.<node>.<attempt>`); then it sleeps in the attempts
+/// before `last`, and in `last` waits (at most 60 s) for the file `go`.
+fn elastic_rank(dir: &Path, last: usize) -> String {
+    format!(
+        "echo started; \
+         echo \"$TORCHELASTIC_RESTART_COUNT $RANK $WORLD_SIZE $GROUP_RANK $GROUP_WORLD_SIZE\" >> {d}/seen.$NODE; \
+         echo $$ > {d}/pid.$NODE.$TORCHELASTIC_RESTART_COUNT; \
+         if [ \"$TORCHELASTIC_RESTART_COUNT\" -lt {last} ]; then exec sleep 60; fi; \
+         i=0; while [ ! -e {d}/go ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done",
+        d = dir.display()
+    )
+}
+
+/// Runs a launcher that must be refused: it exits 1 within 10 s, saying `says`.
+fn refused(child: Child, says: &str) -> f64 {
+    let start = std::time::Instant::now();
+    let out = wait_bounded(child, Duration::from_secs(30));
+    let took = start.elapsed().as_secs_f64();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains(says), "{says:?} not in: {stderr}");
+    assert!(took < 10.0, "refused after {took:.1} s: {stderr}");
+    assert!(!text(&out.stdout).contains("started"), "a refused launcher started ranks: {}", text(&out.stdout));
+    took
+}
+
+/// Issue 44: a node that comes back joins at the next attempt. Three
+/// one-rank nodes (`--nnodes 2:3`, `--max-restarts 2`); node 2's host dies
+/// (launcher and rank killed) and the two others restart without it. A
+/// second launcher for node 1, whose launcher runs, is refused at once; a
+/// launcher started again for node 2 waits at the rendezvous, node 0 stops
+/// the attempt to take it in, and the third attempt runs on all three nodes,
+/// numbered as at the start. In that last attempt no restart is left, and
+/// one more launcher for node 2 is refused at once.
+#[test]
+fn a_node_that_comes_back_joins_the_next_attempt() {
+    let dir = scratch("come-back");
+    let port = free_port().to_string();
+    let script = elastic_rank(&dir, 2);
+    let extra = ["--max-restarts", "2"];
+    let mut nodes: Vec<Child> = (0..3).map(|n| elastic_node(&port, n, "20", &extra, &script)).collect();
+    wait_for_files(&dir, &["pid.0.0", "pid.1.0", "pid.2.0"], Duration::from_secs(30));
+    let victim_rank: i32 = std::fs::read_to_string(dir.join("pid.2.0")).unwrap().trim().parse().unwrap();
+    let mut victim = nodes.pop().unwrap();
+    // SAFETY: kill(2) on a process this test's launcher started.
+    unsafe { libc::kill(victim_rank, libc::SIGKILL) };
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    wait_for_files(&dir, &["pid.0.1", "pid.1.1"], Duration::from_secs(30));
+    let duplicate = refused(elastic_node(&port, 1, "20", &extra, &script), "another launcher is running as node 1");
+    let back_at = std::time::Instant::now();
+    let back = elastic_node(&port, 2, "20", &extra, &script);
+    wait_for_files(&dir, &["pid.0.2", "pid.1.2", "pid.2.2"], Duration::from_secs(60));
+    let rejoined = back_at.elapsed().as_secs_f64();
+    let spent = refused(elastic_node(&port, 2, "20", &extra, &script), "no restart is left to take node 2 in");
+    std::fs::write(dir.join("go"), "").unwrap();
+    let o2 = wait_bounded(back, Duration::from_secs(60));
+    let o1 = wait_bounded(nodes.pop().unwrap(), Duration::from_secs(60));
+    let o0 = wait_bounded(nodes.pop().unwrap(), Duration::from_secs(60));
+    for o in [&o0, &o1, &o2] {
+        assert!(o.status.success(), "{}\n{}\n{}", text(&o0.stderr), text(&o1.stderr), text(&o2.stderr));
+    }
+    // attempt, RANK, WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE: three nodes, two, three again.
+    let seen = lines(&dir, "seen", 3);
+    assert_eq!(seen[0], ["0 0 3 0 3", "1 0 2 0 2", "2 0 3 0 3"], "{seen:?}");
+    assert_eq!(seen[1], ["0 1 3 1 3", "1 1 2 1 2", "2 1 3 1 3"], "{seen:?}");
+    assert_eq!(seen[2], ["0 2 3 2 3", "2 2 3 2 3"], "{seen:?}");
+    let stderr = text(&o0.stderr);
+    assert!(stderr.contains("node 2 on host") && stderr.contains("is waiting to join"), "{stderr}");
+    assert!(stderr.contains("attempt 2 takes in node 2 on host"), "{stderr}");
+    let stderr = text(&o2.stderr);
+    assert!(stderr.contains("node 2 waits to join run \"none\""), "{stderr}");
+    assert!(stderr.contains("node 2 joins run \"none\" at attempt 2, with nodes [0, 1, 2]"), "{stderr}");
+    // The node taken in knows the attempts before it, as the ranks' history does.
+    assert!(stderr.contains("3 attempt(s):") && stderr.contains("  attempt 2: succeeded"), "{stderr}");
+    assert!(stderr.contains("  attempt 0: failed after") && stderr.contains("is waiting to join"), "{stderr}");
+    eprintln!(
+        "a node back to its ranks running again: {rejoined:.1} s; a duplicate launcher refused in {duplicate:.1} s, \
+         one with no restart left in {spent:.1} s"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A node that never joined (node 0 started the job at `--timeout` without
+/// it) is taken in while the job runs: node 0 restarts the nodes to take it
+/// in, as torchrun's agent scales up, spending a restart.
+#[test]
+fn a_late_node_is_taken_in_at_a_restart() {
+    let dir = scratch("late-node");
+    let port = free_port().to_string();
+    let script = elastic_rank(&dir, 1);
+    let extra = ["--max-restarts", "1"];
+    let mut nodes: Vec<Child> = (0..2).map(|n| elastic_node(&port, n, "2", &extra, &script)).collect();
+    wait_for_files(&dir, &["pid.0.0", "pid.1.0"], Duration::from_secs(30));
+    let late_at = std::time::Instant::now();
+    let late = elastic_node(&port, 2, "2", &extra, &script);
+    wait_for_files(&dir, &["pid.0.1", "pid.1.1", "pid.2.1"], Duration::from_secs(30));
+    let took = late_at.elapsed().as_secs_f64();
+    std::fs::write(dir.join("go"), "").unwrap();
+    let o2 = wait_bounded(late, Duration::from_secs(60));
+    let o1 = wait_bounded(nodes.pop().unwrap(), Duration::from_secs(60));
+    let o0 = wait_bounded(nodes.pop().unwrap(), Duration::from_secs(60));
+    for o in [&o0, &o1, &o2] {
+        assert!(o.status.success(), "{}\n{}\n{}", text(&o0.stderr), text(&o1.stderr), text(&o2.stderr));
+    }
+    let seen = lines(&dir, "seen", 3);
+    assert_eq!(seen, [vec!["0 0 2 0 2", "1 0 3 0 3"], vec!["0 1 2 1 2", "1 1 3 1 3"], vec!["1 2 3 2 3"]]);
+    assert!(text(&o0.stderr).contains("starting run \"none\" with nodes [0, 1] of 3"), "{}", text(&o0.stderr));
+    assert!(text(&o1.stderr).contains("attempt 1 takes in node 2 on host"), "{}", text(&o1.stderr));
+    eprintln!("a late node to its rank running: {took:.1} s");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A launcher that comes to a started job without restarts is refused at
+/// once, and so is one that comes once the job has ended (node 0's store
+/// still up for its last nodes), each saying why; the job is not disturbed.
+#[test]
+fn a_node_that_comes_when_no_attempt_can_take_it_is_refused_at_once() {
+    let dir = scratch("late-refused");
+    let port = free_port().to_string();
+    // Node 0's rank ends at the file `go.0`, the others' at `go.1`.
+    let script = format!(
+        "echo started; echo $$ > {d}/pid.$NODE.0; n=$NODE; [ $n -gt 1 ] && n=1; \
+         i=0; while [ ! -e {d}/go.$n ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done",
+        d = dir.display()
+    );
+    let nodes: Vec<Child> = (0..3).map(|n| elastic_node(&port, n, "20", &[], &script)).collect();
+    wait_for_files(&dir, &["pid.0.0", "pid.1.0", "pid.2.0"], Duration::from_secs(30));
+    refused(elastic_node(&port, 2, "20", &[], &script), "the job has no restarts (--max-restarts 0)");
+    // Without restarts node 0 ends when its own ranks have, and keeps the
+    // store up for the other nodes.
+    std::fs::write(dir.join("go.0"), "").unwrap();
+    let start = std::time::Instant::now();
+    loop {
+        let tried = std::time::Instant::now();
+        let out = wait_bounded(elastic_node(&port, 2, "20", &[], &script), Duration::from_secs(30));
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(tried.elapsed() < Duration::from_secs(10), "refused after {:?}: {stderr}", tried.elapsed());
+        if stderr.contains("run \"none\" has ended (succeeded): node 2 is not taken in") {
+            break;
+        }
+        // Node 0 had not ended yet.
+        assert!(stderr.contains("--max-restarts 0"), "{stderr}");
+        assert!(start.elapsed() < Duration::from_secs(20), "node 0 did not end: {stderr}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::fs::write(dir.join("go.1"), "").unwrap();
+    for (n, node) in nodes.into_iter().enumerate().rev() {
+        let o = wait_bounded(node, Duration::from_secs(60));
+        assert!(o.status.success(), "node {n}: {}", text(&o.stderr));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn bad_node_ranges_exit_2() {
     for (value, says) in
@@ -637,6 +818,105 @@ fn an_elastic_training_job_continues_on_the_hosts_that_remain() {
     assert_eq!(differing_tensors(&model, &reference("same", &[])), Vec::<String>::new());
     let other = reference("other", &["--lr", "0.02", "--allow-optimizer-change"]);
     assert!(!differing_tensors(&model, &other).is_empty(), "another learning rate must end elsewhere");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 44's elastic job growing back: three one-rank nodes (`--nnodes
+/// 2:3`, `--max-restarts 2`) train over UCX without `--world-size` (each
+/// attempt takes the launcher's); node 2's host dies after the first
+/// checkpoint, the other two restart without it (their ranks wait there),
+/// and a launcher started again for node 2 is taken in: the third attempt
+/// resumes from the newest checkpoint on three ranks and finishes, bit for
+/// bit where a run of three ranks resumed from that checkpoint ends.
+#[cfg(feature = "ucx")]
+#[test]
+fn an_elastic_training_job_takes_back_a_node_that_comes_back() {
+    let dir = scratch("elastic-grow");
+    let (out, ck) = (dir.join("out"), dir.join("ck"));
+    let port = free_port().to_string();
+    let train = format!(
+        "train --model gpt --d-model 32 --layers 1 --seq-len 16 --global-batch 6 --backend ucx --steps 200 \
+         --save-every 2 --out-dir {} --checkpoint-dir {} --resume auto",
+        out.display(),
+        ck.display()
+    );
+    let script = format!(
+        "echo $$ > {d}/pid.$NODE.$TORCHELASTIC_RESTART_COUNT; \
+         if [ \"$TORCHELASTIC_RESTART_COUNT\" = 1 ]; then exec sleep 60; fi; exec {chorus} {train}",
+        d = dir.display(),
+        chorus = chorus_path()
+    );
+    let extra = ["--max-restarts", "2"];
+    let mut nodes: Vec<Child> = (0..3).map(|n| elastic_node(&port, n, "20", &extra, &script)).collect();
+    let start = std::time::Instant::now();
+    while !ck.join("latest").exists() || !dir.join("pid.2.0").exists() {
+        assert!(start.elapsed() < Duration::from_secs(120), "no checkpoint was saved");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let victim_rank: i32 = std::fs::read_to_string(dir.join("pid.2.0")).unwrap().trim().parse().unwrap();
+    let mut victim = nodes.pop().unwrap();
+    // SAFETY: kill(2) on a process this test's launcher started.
+    unsafe { libc::kill(victim_rank, libc::SIGKILL) };
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    wait_for_files(&dir, &["pid.0.1", "pid.1.1"], Duration::from_secs(60));
+    let back = elastic_node(&port, 2, "20", &extra, &script);
+    let o2 = wait_bounded(back, Duration::from_secs(300));
+    let o1 = wait_bounded(nodes.pop().unwrap(), Duration::from_secs(300));
+    let o0 = wait_bounded(nodes.pop().unwrap(), Duration::from_secs(300));
+    for o in [&o0, &o1, &o2] {
+        assert!(o.status.success(), "{}\n{}\n{}", text(&o0.stderr), text(&o1.stderr), text(&o2.stderr));
+    }
+    let s = summary(&out);
+    assert_eq!(s["config"]["world_size"], 3, "{s}");
+    assert_eq!(s["restart"]["restart_count"], 2, "{s}");
+    let failure = s["restart"]["earlier_attempts"][1]["failure"].as_str().unwrap();
+    assert!(failure.contains("node 2 on host") && failure.contains("is waiting to join"), "{failure}");
+    let from = s["restart"]["resumed_from"]["step"].as_u64().unwrap();
+    assert!((2..200).contains(&from), "{s}");
+    eprintln!("grown back: resumed from step {from} on 3 ranks: {}", s["restart"]["previous_attempt"]);
+    let resumed_from = ck.join(format!("step-{from:08}")).display().to_string();
+    let (same, same_ck) = (dir.join("same"), dir.join("same-ck"));
+    let mut launch = chorus();
+    launch.args(["launch", "--nproc-per-node", "3", "--", chorus_path()]);
+    launch.args(train.split(' ').take_while(|a| *a != "--out-dir"));
+    launch.args(["--world-size", "3", "--resume", &resumed_from, "--out-dir"]).arg(&same);
+    launch.arg("--checkpoint-dir").arg(&same_ck);
+    let o = run_bounded(&mut launch, Duration::from_secs(300));
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(
+        differing_tensors(&out.join("model.safetensors"), &same.join("model.safetensors")),
+        Vec::<String>::new()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `chorus train` under a launcher takes the launcher's world size where
+/// `--world-size` is not given (so an elastic job's ranks need not pass
+/// `$WORLD_SIZE`), and refuses one that disagrees before anything starts.
+#[cfg(feature = "ucx")]
+#[test]
+fn a_launched_training_run_takes_the_launchers_world_size() {
+    let dir = scratch("launched-world");
+    let train = |name: &str, extra: &[&str]| {
+        let (out, ck) = (dir.join(name), dir.join(format!("{name}-ck")));
+        let mut args = small_gpt("ucx", "2", &out, &ck);
+        let at = args.iter().position(|a| a == "--world-size").unwrap();
+        args.drain(at..at + 2);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut launch = chorus();
+        launch.args(["launch", "--nproc-per-node", "2", "--", chorus_path()]).args(&args);
+        (run_bounded(&mut launch, Duration::from_secs(300)), out)
+    };
+    let (o, out) = train("launched", &[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(summary(&out)["config"]["world_size"], 2);
+    let (o, out) = train("disagrees", &["--world-size", "3"]);
+    let stderr = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("--world-size 3 but the launcher started 2 ranks (WORLD_SIZE)"), "{stderr}");
+    assert!(stderr.contains("exited with code 2"), "{stderr}");
+    assert!(!out.exists(), "a refused run wrote its out-dir");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -27,6 +27,17 @@
 //! ranks all succeeded waits until every node's have (or one failed, which
 //! restarts it too), since a node that had left could not meet the others
 //! again.
+//!
+//! With `--nnodes MIN:MAX` a launcher that finds the job started (a node
+//! that comes back after it was left behind, or one that never joined)
+//! waits to join (`waiting/<node>`, its heartbeat beating) and node 0 takes
+//! it in at the next attempt. While node 0's ranks run and a restart
+//! remains, a node waiting stops the attempt as a failure does, as
+//! torchrun's agent restarts its workers for a node waiting at the
+//! rendezvous; here that spends a restart, so a node that keeps coming
+//! back cannot restart the job without end. A node that comes when no
+//! attempt can take it (restarts spent, the job ended, a fixed node count)
+//! is refused at once.
 
 use std::time::{Duration, Instant};
 
@@ -34,8 +45,11 @@ use anyhow::{bail, Context};
 use chorus_collectives::bootstrap::{ServerOptions, Store, TcpStoreServer};
 use chorus_collectives::CommError;
 
-use super::nodes::{decode_nodes, describe_silence, encode_nodes, epoch_us, listen_address, node_name};
-use super::{dumps, signal_name, stop_requested, Job, Plan};
+use super::nodes::{
+    decode_nodes, describe_silence, encode_nodes, epoch_us, listen_address, node_name, per_node, shared_memory_env,
+    Liveness, STARTED_ATTEMPT,
+};
+use super::{dumps, signal_name, stop_requested, Job, Plan, ENDED};
 use crate::Outcome;
 
 /// The variable that gives every rank the attempts before its own: a JSON
@@ -266,16 +280,34 @@ impl Job {
                 last.what = format!("{}; {why}", last.what);
             }
         }
+        if plan.node_rank == 0 {
+            // For a node taken in now, which did not see the earlier attempts.
+            self.store.set(&key("history"), self.history_json().as_bytes())?;
+        }
+        let comers = match self.store.check(&[&key("joined")])? {
+            true => decode_nodes(&self.store.get(&key("joined"), plan.node_timeout)?).unwrap_or_default(),
+            false => Vec::new(),
+        };
+        if !comers.is_empty() {
+            for (node, host) in per_node(&self.store, plan, &comers, "host")?.into_iter().enumerate() {
+                if comers.contains(&node) {
+                    self.hosts[node] = host;
+                }
+            }
+            let names: Vec<String> = comers.iter().map(|&n| node_name(&self.hosts, n)).collect();
+            eprintln!(
+                "chorus launch: attempt {attempt} takes in {}, which waited to join ({} of --nnodes {}:{})",
+                names.join(", "),
+                members.len(),
+                plan.min_nodes,
+                plan.nnodes
+            );
+            // A node that joins may share this machine in the way UCX mistakes.
+            self.rank_env = shared_memory_env(&per_node(&self.store, plan, &members, "view")?);
+        }
         self.members = members;
         self.silent_nodes.clear();
-        let text = |k: &str| -> anyhow::Result<u64> {
-            let v = self.store.get(k, plan.timeout)?;
-            String::from_utf8_lossy(&v)
-                .parse::<u64>()
-                .with_context(|| format!("{k}: {:?} is not a number", String::from_utf8_lossy(&v)))
-        };
-        self.rank_port = u16::try_from(text(&key("rank_port"))?).context("the ranks' store's port")?;
-        self.run_started_us = text(&key("started"))?;
+        self.read_attempt_start(plan)?;
         if plan.node_rank == 0 {
             let old = attempt_key(plan, previous, "dumps");
             if let Err(e) = dumps::clean(&*self.store, |rest| format!("{old}/{rest}"), plan.nnodes) {
@@ -288,21 +320,47 @@ impl Job {
     /// Node 0: waits (within `--timeout`) until each node of the last attempt
     /// is ready, ended, or silent; the nodes of the next attempt are the
     /// ready ones, which must be all of them unless the job is elastic and
-    /// at least MIN. Hosts the attempt's store for the ranks and publishes
-    /// the nodes, its port and the attempt's start.
+    /// at least MIN, and (elastic) every node waiting to join whose launcher
+    /// is alive. Hosts the attempt's store for the ranks and publishes the
+    /// nodes, its port and the attempt's start.
     fn decide_members(&mut self, plan: &Plan) -> anyhow::Result<Vec<usize>> {
         let attempt = self.attempt;
         let key = |rest: &str| attempt_key(plan, attempt, rest);
         let deadline = Instant::now() + plan.timeout;
-        let (ready, lost) = loop {
+        let (ready, comers, lost) = loop {
             if let Some(signal) = stop_requested() {
                 bail!("received {}", signal_name(signal));
             }
-            let (mut ready, mut lost, mut waiting) = (Vec::new(), Vec::new(), Vec::new());
-            for &n in &self.members {
-                if self.store.check(&[&key(&format!("ready/{n}"))])? {
+            let (mut ready, mut comers, mut lost, mut waiting, mut unsure) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for n in 0..plan.nnodes {
+                let member = self.members.contains(&n);
+                if member && self.store.check(&[&key(&format!("ready/{n}"))])? {
                     ready.push(n);
-                } else if self.store.check(&[&plan.key(&format!("finished/{n}"))])? {
+                    continue;
+                }
+                // A launcher waiting to join: a node that came back (perhaps
+                // in place of a member whose launcher died), or a new one.
+                if let Some(watch) = self.watch.as_mut().filter(|_| plan.elastic() && n != plan.node_rank) {
+                    if self.store.check(&[&plan.key(&format!("waiting/{n}"))])? {
+                        match watch.liveness(&self.store, plan, n)? {
+                            Liveness::Alive => {
+                                comers.push(n);
+                                continue;
+                            }
+                            Liveness::Unknown => {
+                                unsure.push(n);
+                                continue;
+                            }
+                            // It died waiting: a member is judged as any other.
+                            Liveness::Silent => {}
+                        }
+                    }
+                }
+                if !member {
+                    continue;
+                }
+                if self.store.check(&[&plan.key(&format!("finished/{n}"))])? {
                     lost.push(format!("{} ended the job instead of restarting", node_name(&self.hosts, n)));
                 } else if self.silent_nodes.contains(&n) {
                     lost.push(format!(
@@ -319,8 +377,9 @@ impl Job {
                     continue;
                 }
             }
-            if waiting.is_empty() {
-                break (ready, lost);
+            // A launcher waiting to join is known alive or silent within --node-timeout.
+            if waiting.is_empty() && (unsure.is_empty() || Instant::now() >= deadline) {
+                break (ready, comers, lost);
             }
             if Instant::now() >= deadline {
                 let names: Vec<String> = waiting.iter().map(|&n| node_name(&self.hosts, n)).collect();
@@ -328,20 +387,20 @@ impl Job {
             }
             std::thread::sleep(POLL);
         };
-        if !lost.is_empty() && (!plan.elastic() || ready.len() < plan.min_nodes) {
+        let nodes = ready.len() + comers.len();
+        // (A node left out without a reason is one whose replacement was not seen alive in time.)
+        if (!lost.is_empty() && !plan.elastic()) || nodes < plan.min_nodes {
             let need = if plan.elastic() {
-                format!(
-                    "{} node(s) remain, --nnodes {}:{} needs {}",
-                    ready.len(),
-                    plan.min_nodes,
-                    plan.nnodes,
-                    plan.min_nodes
-                )
+                format!("{nodes} node(s) remain, --nnodes {}:{} needs {}", plan.min_nodes, plan.nnodes, plan.min_nodes)
             } else {
                 format!("--nnodes {} needs every node (MIN:MAX continues on fewer)", plan.nnodes)
             };
-            bail!("{}; {need}", lost.join("; "));
+            let lost = lost.iter().map(|l| format!("{l}; ")).collect::<String>();
+            bail!("{lost}{need}");
         }
+        let mut members: Vec<usize> = ready.into_iter().chain(comers.iter().copied()).collect();
+        // Ranks are numbered in node order, whoever came back.
+        members.sort_unstable();
         let addr = listen_address(&plan.master_addr, 0);
         let server = TcpStoreServer::bind(addr, ServerOptions::default())
             .with_context(|| format!("hosting the ranks' store of attempt {attempt} on {addr}"))?;
@@ -351,10 +410,17 @@ impl Job {
             // Before the list: a node that reads the list finds the reasons.
             self.store.set(&key("dropped"), lost.join("; ").as_bytes())?;
         }
-        self.store.set(&key("members"), encode_nodes(&ready).as_bytes())?;
+        if !comers.is_empty() {
+            self.store.set(&key("joined"), encode_nodes(&comers).as_bytes())?;
+        }
+        self.store.set(&key("members"), encode_nodes(&members).as_bytes())?;
+        self.store.set(&plan.key(STARTED_ATTEMPT), attempt.to_string().as_bytes())?;
+        for n in &comers {
+            self.store.delete(&plan.key(&format!("waiting/{n}")))?;
+        }
         // The previous attempt's ranks have all stopped: their store goes.
         self._rank_server = Some(server);
-        Ok(ready)
+        Ok(members)
     }
 
     /// Every node but 0: waits for node 0's decision (within `--timeout`
@@ -397,10 +463,184 @@ impl Job {
         Ok(members)
     }
 
+    /// The port of the attempt's store for the ranks and the attempt's
+    /// start, as node 0 published them.
+    fn read_attempt_start(&mut self, plan: &Plan) -> anyhow::Result<()> {
+        let text = |k: &str| -> anyhow::Result<u64> {
+            let v = self.store.get(k, plan.timeout)?;
+            String::from_utf8_lossy(&v)
+                .parse::<u64>()
+                .with_context(|| format!("{k}: {:?} is not a number", String::from_utf8_lossy(&v)))
+        };
+        self.rank_port =
+            u16::try_from(text(&self.attempt_key(plan, "rank_port"))?).context("the ranks' store's port")?;
+        self.run_started_us = text(&self.attempt_key(plan, "started"))?;
+        Ok(())
+    }
+
+    /// A launcher that joins a started job (a node that comes back, or a
+    /// new one within MAX; `attempt` is the one running, `launchers` this
+    /// launcher's place among its node's): says so, and waits until node 0
+    /// takes it in at the next attempt. A way out other than being taken in
+    /// (the job ended or does not restart, the restarts spent, a stop
+    /// signal, node 0 silent, the deadline) says why, and leaves the node
+    /// ended for node 0.
+    pub(super) fn wait_to_join(&mut self, plan: &Plan, attempt: usize, launchers: i64) -> anyhow::Result<()> {
+        let node = plan.node_rank;
+        let (waiting, finished) = (plan.key(&format!("waiting/{node}")), plan.key(&format!("finished/{node}")));
+        // An earlier launcher of this node said it ended; this one has not.
+        self.store.delete(&finished)?;
+        self.store.set(&waiting, launchers.to_string().as_bytes())?;
+        let running = decode_nodes(&self.store.get(&attempt_key(plan, attempt, "members"), plan.node_timeout)?)
+            .unwrap_or_default();
+        if running.contains(&node) {
+            // The earlier launcher of this node, gone, was in the running
+            // attempt, and this one's heartbeat (the same key) now hides its
+            // silence: the attempt is stopped here, and the restart takes this one in.
+            let what = format!(
+                "node {node}'s launcher was replaced (the earlier one had ended or been silent for --node-timeout)"
+            );
+            self.store.compare_set(&attempt_key(plan, attempt, "failed"), b"", what.as_bytes())?;
+        }
+        eprintln!(
+            "chorus launch: node {node} waits to join run {:?} at its next attempt (it is in attempt {attempt}; \
+             --max-restarts {}, --nnodes {}:{})",
+            plan.run_id, plan.max_restarts, plan.min_nodes, plan.nnodes
+        );
+        let joined = self.await_next_attempt(plan, attempt);
+        if joined.is_err() {
+            // Best effort: node 0 then neither takes it in nor waits for it.
+            let _ = self.store.delete(&waiting);
+            let _ = self.store.set(&finished, b"1");
+        }
+        joined
+    }
+
+    /// [`Job::wait_to_join`]'s wait: until node 0 publishes an attempt with
+    /// this node (one published without it, chosen before node 0 saw it
+    /// waiting, is passed over while a restart remains), within the time
+    /// node 0 takes to stop its ranks and meet the others again.
+    fn await_next_attempt(&mut self, plan: &Plan, mut attempt: usize) -> anyhow::Result<()> {
+        let node = plan.node_rank;
+        let limit = plan.timeout + plan.grace + 2 * plan.node_timeout + Duration::from_secs(5);
+        let mut deadline = Instant::now() + limit;
+        loop {
+            if let Some(signal) = stop_requested() {
+                bail!("received {}", signal_name(signal));
+            }
+            if self.store.check(&[&plan.key(ENDED)])? {
+                let how = self.store.get(&plan.key(ENDED), plan.node_timeout)?;
+                bail!(
+                    "run {:?} ended ({}) before node {node} was taken in",
+                    plan.run_id,
+                    String::from_utf8_lossy(&how)
+                );
+            }
+            let next = attempt + 1;
+            let members_key = attempt_key(plan, next, "members");
+            if self.store.check(&[&members_key])? {
+                let members = decode_nodes(&self.store.get(&members_key, plan.node_timeout)?)
+                    .with_context(|| format!("node 0's list of the nodes of attempt {next}"))?;
+                if members.contains(&node) {
+                    return self.take_in(plan, next, members);
+                }
+                if next >= plan.max_restarts {
+                    bail!(
+                        "run {:?} started attempt {next}, its last (--max-restarts {}), without node {node}: no \
+                         restart is left to take it in",
+                        plan.run_id,
+                        plan.max_restarts
+                    );
+                }
+                (attempt, deadline) = (next, Instant::now() + limit);
+                continue;
+            }
+            let abandoned = attempt_key(plan, next, "abandoned");
+            if self.store.check(&[&abandoned])? {
+                let why = self.store.get(&abandoned, plan.node_timeout)?;
+                bail!("run {:?} does not restart: {}", plan.run_id, String::from_utf8_lossy(&why));
+            }
+            if let Some(watch) = self.watch.as_mut() {
+                if let Some((n, silent)) = watch.silent(&self.store, plan, std::iter::once(0))? {
+                    bail!("{}", describe_silence(&node_name(&self.hosts, n), silent));
+                }
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "node {node} was not taken in by run {:?} within {limit:?} (node 0 restarts for it only while \
+                     its own ranks run)",
+                    plan.run_id
+                );
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
+    /// This launcher, waiting to join, is among the nodes of `attempt`:
+    /// takes the attempt's nodes, their hosts, the attempts before it and
+    /// the attempt's store for the ranks.
+    fn take_in(&mut self, plan: &Plan, attempt: usize, members: Vec<usize>) -> anyhow::Result<()> {
+        self.attempt = attempt;
+        let history = self.store.get(&self.attempt_key(plan, "history"), plan.timeout)?;
+        self.history = parse_history(&history).context("node 0's list of the earlier attempts")?;
+        self.hosts = per_node(&self.store, plan, &members, "host")?;
+        self.rank_env = shared_memory_env(&per_node(&self.store, plan, &members, "view")?);
+        self.read_attempt_start(plan)?;
+        eprintln!(
+            "chorus launch: node {} joins run {:?} at attempt {attempt}, with nodes {members:?}",
+            plan.node_rank, plan.run_id
+        );
+        self.members = members;
+        Ok(())
+    }
+
+    /// Node 0, while its ranks run: what stops the attempt when a node
+    /// waits to join (elastic, within MAX) with its launcher alive and a
+    /// restart remains to take it in (torchrun's scale-up; here it spends a
+    /// restart, so a node that keeps coming back cannot restart the job
+    /// without end).
+    pub(super) fn node_waiting_to_join(&mut self, plan: &Plan) -> Result<Option<String>, CommError> {
+        if plan.node_rank != 0 || !plan.elastic() || self.attempt >= plan.max_restarts {
+            return Ok(None);
+        }
+        let Some(watch) = self.watch.as_mut() else { return Ok(None) };
+        for n in (1..plan.nnodes).filter(|n| !self.members.contains(n)) {
+            if !self.store.check(&[&plan.key(&format!("waiting/{n}"))])?
+                || watch.liveness(&self.store, plan, n)? != Liveness::Alive
+            {
+                continue;
+            }
+            let host = self.store.get(&plan.key(&format!("host/{n}")), plan.node_timeout)?;
+            self.hosts[n] = String::from_utf8_lossy(&host).into_owned();
+            return Ok(Some(format!(
+                "{} is waiting to join (--nnodes {}:{}): the nodes restart to take it in",
+                node_name(&self.hosts, n),
+                plan.min_nodes,
+                plan.nnodes
+            )));
+        }
+        Ok(None)
+    }
+
     /// This node's place among the attempt's nodes (its GROUP_RANK).
     pub(super) fn group_rank(&self, plan: &Plan) -> usize {
         self.members.iter().position(|&n| n == plan.node_rank).unwrap_or(plan.node_rank)
     }
+}
+
+/// The attempts [`Job::history_json`] wrote.
+fn parse_history(json: &[u8]) -> anyhow::Result<Vec<Failed>> {
+    let list: Vec<serde_json::Value> = serde_json::from_slice(json).context("not a JSON list")?;
+    list.iter()
+        .map(|entry| {
+            let field = |name: &str| entry.get(name).with_context(|| format!("{entry}: no {name:?}"));
+            Ok(Failed {
+                attempt: field("attempt")?.as_u64().and_then(|a| usize::try_from(a).ok()).context("attempt")?,
+                seconds: field("seconds")?.as_f64().context("seconds")?,
+                what: field("failure")?.as_str().context("failure")?.to_string(),
+            })
+        })
+        .collect()
 }
 
 /// The store key `rest` of attempt `attempt` (the first attempt's keys are

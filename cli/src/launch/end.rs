@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use chorus_collectives::bootstrap::Store;
 
 use super::nodes::{describe_silence, node_name};
-use super::{dumps, stop_requested, Job, Plan};
+use super::{dumps, stop_requested, Job, Plan, ENDED};
 
 impl Job {
     /// Brings the other nodes' flight-recorder dumps into this node's dump
@@ -90,13 +90,21 @@ impl Job {
         }
     }
 
-    /// Reports this node finished; node 0 keeps the store up until every
-    /// node has finished or gone silent, then deletes the dumps the nodes
-    /// exchanged through it. A store that does not answer is lost, not a
-    /// node that finished.
-    pub(super) fn finish(&mut self, plan: &Plan) {
+    /// Reports this node finished (node 0: the job ended, and whether it
+    /// `passed`); node 0 keeps the store up until every node has finished or
+    /// gone silent, then deletes the dumps the nodes exchanged through it. A
+    /// store that does not answer is lost, not a node that finished.
+    pub(super) fn finish(&mut self, plan: &Plan, passed: bool) {
         if self.store_lost {
             return;
+        }
+        if plan.node_rank == 0 && plan.nnodes > 1 {
+            // A node waiting to join, or one that comes back now, learns it at once.
+            let how: &[u8] = if passed { b"succeeded" } else { b"failed" };
+            if let Err(e) = self.store.set(&plan.key(ENDED), how) {
+                self.lose_store("saying the job ended", &e);
+                return;
+            }
         }
         if let Err(e) = self.store.set(&plan.key(&format!("finished/{}", plan.node_rank)), b"1") {
             self.lose_store("reporting this node finished", &e);

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use chorus_collectives::bootstrap::{ClientOptions, ServerOptions, Store, TcpStore, TcpStoreServer};
 
-use super::{signal_name, stop_requested, Job, Plan, HEARTBEAT};
+use super::{signal_name, stop_requested, Job, Plan, ENDED, HEARTBEAT};
 
 /// What UCX compares to decide whether two processes are on one machine
 /// (and may use shared memory): the kernel's boot id and the IPC namespace;
@@ -96,12 +96,68 @@ impl Drop for Heartbeat {
 
 /// The other nodes' heartbeats as last read, and when each last changed.
 pub(super) struct NodeWatch {
-    heard: Vec<(Vec<u8>, Instant)>,
+    heard: Vec<Heard>,
+}
+
+/// One node's heartbeat as last read.
+#[derive(Clone)]
+struct Heard {
+    beat: Vec<u8>,
+    /// When it last changed, or when the watch began.
+    since: Instant,
+    /// When it was last seen to change between two reads: a launcher waiting
+    /// to join counts as alive only then, not on a first read of a count
+    /// that a dead launcher may have left behind.
+    changed: Option<Instant>,
+    read: bool,
+}
+
+/// Whether a launcher waiting to join is alive, as its heartbeat shows.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum Liveness {
+    /// Its heartbeat changed within `--node-timeout`.
+    Alive,
+    /// Not known yet: not seen to change, and first read less than `--node-timeout` ago.
+    Unknown,
+    /// Unchanged for `--node-timeout`.
+    Silent,
 }
 
 impl NodeWatch {
     pub(super) fn new(nnodes: usize) -> NodeWatch {
-        NodeWatch { heard: vec![(Vec::new(), Instant::now()); nnodes] }
+        NodeWatch { heard: vec![Heard { beat: Vec::new(), since: Instant::now(), changed: None, read: false }; nnodes] }
+    }
+
+    /// Reads `node`'s heartbeat once (absent counts as unchanged).
+    fn read(&mut self, store: &TcpStore, plan: &Plan, node: usize) -> Result<&Heard, chorus_collectives::CommError> {
+        let key = plan.key(&format!("alive/{node}"));
+        let beat = if store.check(&[&key])? { store.get(&key, plan.node_timeout)? } else { Vec::new() };
+        let heard = &mut self.heard[node];
+        if heard.beat != beat {
+            heard.beat = beat;
+            heard.since = Instant::now();
+            if heard.read {
+                heard.changed = Some(heard.since);
+            }
+        }
+        heard.read = true;
+        Ok(heard)
+    }
+
+    /// Whether the launcher of `node`, waiting to join, is alive: its
+    /// heartbeat seen to change within `--node-timeout`.
+    pub(super) fn liveness(
+        &mut self,
+        store: &TcpStore,
+        plan: &Plan,
+        node: usize,
+    ) -> Result<Liveness, chorus_collectives::CommError> {
+        let heard = self.read(store, plan, node)?;
+        Ok(match heard.changed {
+            Some(at) if at.elapsed() < plan.node_timeout => Liveness::Alive,
+            _ if heard.since.elapsed() >= plan.node_timeout => Liveness::Silent,
+            _ => Liveness::Unknown,
+        })
     }
 
     /// The first node among `nodes` (not this one) whose heartbeat has not
@@ -114,12 +170,8 @@ impl NodeWatch {
         nodes: impl Iterator<Item = usize>,
     ) -> Result<Option<(usize, Duration)>, chorus_collectives::CommError> {
         for node in nodes.filter(|&n| n != plan.node_rank) {
-            let beat = store.get(&plan.key(&format!("alive/{node}")), plan.node_timeout)?;
-            let (last, since) = &mut self.heard[node];
-            if *last != beat {
-                *last = beat;
-                *since = Instant::now();
-            } else if since.elapsed() >= plan.node_timeout && !store.check(&[&plan.key(&format!("finished/{node}"))])? {
+            let since = self.read(store, plan, node)?.since;
+            if since.elapsed() >= plan.node_timeout && !store.check(&[&plan.key(&format!("finished/{node}"))])? {
                 return Ok(Some((node, since.elapsed())));
             }
         }
@@ -152,9 +204,12 @@ pub(super) fn per_node(
     nodes: &[usize],
     name: &str,
 ) -> Result<Vec<String>, chorus_collectives::CommError> {
+    let mut found = vec![String::new(); plan.nnodes];
+    if nodes.is_empty() {
+        return Ok(found);
+    }
     let keys: Vec<String> = nodes.iter().map(|n| plan.key(&format!("{name}/{n}"))).collect();
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let mut found = vec![String::new(); plan.nnodes];
     for (node, v) in nodes.iter().zip(store.multi_get(&keys, plan.timeout)?) {
         found[*node] = String::from_utf8_lossy(&v).into_owned();
     }
@@ -166,15 +221,15 @@ pub(super) fn per_node(
 /// (all MAX once they have joined, else at `--timeout` those that have,
 /// at least MIN) and publishes them, and the others read them (waiting at
 /// most twice `--timeout`: node 0 may start that much later and then wait
-/// that long). A node left out is an error.
-fn first_members(store: &TcpStore, plan: &Plan, address: &str) -> anyhow::Result<Vec<usize>> {
+/// that long). A node left out gets `None`: it waits to join a later attempt.
+fn first_members(store: &TcpStore, plan: &Plan, address: &str) -> anyhow::Result<Option<Vec<usize>>> {
     let node_keys: Vec<String> = (0..plan.nnodes).map(|n| plan.key(&format!("node/{n}"))).collect();
     let node_keys: Vec<&str> = node_keys.iter().map(String::as_str).collect();
     let all: Vec<usize> = (0..plan.nnodes).collect();
     let waiting = || format!("waiting for the {} nodes of run {:?} at {address}", plan.nnodes, plan.run_id);
     if !plan.elastic() {
         wait_interruptibly(store, &node_keys, plan.timeout).with_context(waiting)?;
-        return Ok(all);
+        return Ok(Some(all));
     }
     let members_key = plan.key("members");
     if plan.node_rank == 0 {
@@ -214,13 +269,14 @@ fn first_members(store: &TcpStore, plan: &Plan, address: &str) -> anyhow::Result
     let members = decode_nodes(&store.get(&members_key, plan.timeout)?)
         .with_context(|| format!("node 0's list of the nodes of run {:?}", plan.run_id))?;
     if !members.contains(&plan.node_rank) {
-        bail!(
-            "run {:?} started with nodes {members:?} without node {}, which joined after node 0's --timeout",
-            plan.run_id,
-            plan.node_rank
+        eprintln!(
+            "chorus launch: run {:?} started with nodes {members:?} without node {}, which joined after node 0's \
+             --timeout",
+            plan.run_id, plan.node_rank
         );
+        return Ok(None);
     }
-    Ok(members)
+    Ok(Some(members))
 }
 
 /// A list of nodes as the store holds it: "0,1,3".
@@ -264,8 +320,168 @@ pub(super) fn listen_address(master_addr: &str, port: u16) -> SocketAddr {
     }
 }
 
+/// The key (under the job's) where node 0 keeps the attempt running now,
+/// set once its first nodes are known: a launcher that finds it joins late.
+pub(super) const STARTED_ATTEMPT: &str = "attempt";
+
+/// The first nodes' rank counts and restart budgets agree with this node's.
+fn check_first_members(store: &TcpStore, plan: &Plan, members: &[usize]) -> anyhow::Result<()> {
+    let counts = per_node(store, plan, members, "node")?;
+    for &node in members {
+        let count = &counts[node];
+        if *count != plan.nproc.to_string() {
+            bail!(
+                "node {node} runs {count} ranks and node {} runs {}: every node must use the same --nproc-per-node",
+                plan.node_rank,
+                plan.nproc
+            );
+        }
+    }
+    // Nodes that would give up after different numbers of restarts would
+    // wait for each other at the restart one of them does not make.
+    for (node, restarts) in per_node(store, plan, members, "restarts")?.iter().enumerate() {
+        if members.contains(&node) && *restarts != plan.max_restarts.to_string() {
+            bail!(
+                "node {node} has --max-restarts {restarts} and node {} has {}: every node must use the same \
+                 --max-restarts",
+                plan.node_rank,
+                plan.max_restarts
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A launcher that finds its job started (or was left out at the start):
+/// whether it may wait to be taken in at a restart. Returns the attempt
+/// running now; every refusal comes at once, before this node publishes
+/// anything but its launcher count (`launchers`: this one's place among
+/// its node's launchers).
+fn check_late(store: &TcpStore, plan: &Plan, launchers: i64) -> anyhow::Result<usize> {
+    let (run, node) = (&plan.run_id, plan.node_rank);
+    let text = |key: &str| -> anyhow::Result<String> {
+        Ok(String::from_utf8_lossy(&store.get(&plan.key(key), plan.timeout)?).into_owned())
+    };
+    if store.check(&[&plan.key(ENDED)])? {
+        bail!("run {run:?} has ended ({}): node {node} is not taken in", text(ENDED)?);
+    }
+    if !plan.elastic() {
+        bail!(
+            "run {run:?} has started on its fixed --nnodes {}: a node that comes back or joins late is taken in \
+             only with --nnodes MIN:MAX",
+            plan.nnodes
+        );
+    }
+    let nnodes = format!("{}:{}", plan.min_nodes, plan.nnodes);
+    let theirs = text("nnodes")?;
+    if theirs != nnodes {
+        bail!("run {run:?} has --nnodes {theirs} and node {node} has {nnodes}: every node must use the same --nnodes");
+    }
+    let restarts = text("restarts/0")?;
+    if restarts != plan.max_restarts.to_string() {
+        bail!(
+            "node 0 has --max-restarts {restarts} and node {node} has {}: every node must use the same --max-restarts",
+            plan.max_restarts
+        );
+    }
+    let count = text("node/0")?;
+    if count != plan.nproc.to_string() {
+        bail!(
+            "node 0 runs {count} ranks and node {node} runs {}: every node must use the same --nproc-per-node",
+            plan.nproc
+        );
+    }
+    let attempt = text(STARTED_ATTEMPT)?;
+    let attempt: usize =
+        attempt.parse().with_context(|| format!("node 0's attempt {attempt:?} is not a whole number"))?;
+    if attempt >= plan.max_restarts {
+        if plan.max_restarts == 0 {
+            bail!(
+                "run {run:?} has started, and no later attempt takes node {node} in: the job has no restarts \
+                 (--max-restarts 0)"
+            );
+        }
+        bail!(
+            "run {run:?} is in its last attempt ({attempt}; --max-restarts {}): no restart is left to take node \
+             {node} in",
+            plan.max_restarts
+        );
+    }
+    if launchers > 1 {
+        previous_launcher_gone(store, plan)?;
+    }
+    Ok(attempt)
+}
+
+/// A launcher for a node that had one before: returns once the earlier one
+/// has ended, or its heartbeat has not changed for `--node-timeout` (dead,
+/// hung or cut off: it is replaced); one whose heartbeat still beats is
+/// refused, so two launchers never run one node.
+fn previous_launcher_gone(store: &TcpStore, plan: &Plan) -> anyhow::Result<()> {
+    let node = plan.node_rank;
+    let (alive, finished) = (plan.key(&format!("alive/{node}")), plan.key(&format!("finished/{node}")));
+    if !store.check(&[&alive])? || store.check(&[&finished])? {
+        return Ok(());
+    }
+    eprintln!(
+        "chorus launch: node {node} of run {:?} had a launcher before; watching its heartbeat for --node-timeout \
+         ({:.1} s) to be sure it is gone",
+        plan.run_id,
+        plan.node_timeout.as_secs_f64()
+    );
+    let first = store.get(&alive, plan.node_timeout)?;
+    let start = Instant::now();
+    loop {
+        if let Some(signal) = stop_requested() {
+            bail!("received {}", signal_name(signal));
+        }
+        if store.check(&[&finished])? {
+            return Ok(());
+        }
+        if store.get(&alive, plan.node_timeout)? != first {
+            bail!(
+                "another launcher is running as node {node} of run {:?} (its heartbeat beats): a node's launcher is \
+                 replaced only once the earlier one has ended or been silent for --node-timeout",
+                plan.run_id
+            );
+        }
+        if start.elapsed() >= plan.node_timeout {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The variables every rank gets for the nodes whose encoded views are
+/// `views` (the shared-memory workaround; see the launcher's doc), said
+/// where it applies.
+pub(super) fn shared_memory_env(views: &[String]) -> Vec<(String, String)> {
+    let mut rank_env = Vec::new();
+    if let Some((a, b)) = MachineView::shared_memory_across_networks(views) {
+        let why = format!(
+            "nodes {a} and {b} share this machine's boot id and IPC namespace but not its network namespace: UCX \
+             would join their ranks by shared memory, whose wake-ups do not cross network namespaces (each \
+             message stalls ~100 ms)"
+        );
+        match std::env::var_os("UCX_TLS") {
+            None => {
+                eprintln!("chorus launch: {why}; the ranks get UCX_TLS=^sm (no shared-memory transports)");
+                rank_env.push(("UCX_TLS".to_string(), "^sm".to_string()));
+            }
+            Some(tls) => eprintln!(
+                "chorus launch: warning: {why}; UCX_TLS is set ({}), so it is left as it is (^sm avoids it)",
+                tls.to_string_lossy()
+            ),
+        }
+    }
+    rank_env
+}
+
 impl Job {
     /// Hosts or joins the store and agrees with the other nodes on the job.
+    /// A launcher that finds the job started (a node that comes back, or one
+    /// that joins late), or that node 0 left out at the start, waits to be
+    /// taken in at the next attempt ([`Job::wait_to_join`]).
     pub(super) fn rendezvous(plan: &Plan) -> anyhow::Result<Job> {
         let server = if plan.node_rank == 0 {
             let addr = listen_address(&plan.master_addr, plan.master_port);
@@ -283,9 +499,19 @@ impl Job {
             TcpStore::connect(&plan.master_addr, port, options)
                 .with_context(|| format!("joining the job's store at {address}"))?,
         );
-        let joined = store.add(&plan.key(&format!("joined/{}", plan.node_rank)), 1)?;
-        if joined > 1 {
-            bail!("another launcher already joined run {:?} as node {} at {address}", plan.run_id, plan.node_rank);
+        let launchers = store.add(&plan.key(&format!("joined/{}", plan.node_rank)), 1)?;
+        // Node 0 marks the job started once it knows its first nodes: from
+        // then on a node joins only at a restart.
+        let late = plan.nnodes > 1 && store.check(&[&plan.key(STARTED_ATTEMPT)])?;
+        let mut joining = None;
+        if late {
+            joining = Some(check_late(&store, plan, launchers)?);
+        } else if launchers > 1 {
+            bail!(
+                "another launcher already joined run {:?} as node {} at {address} while its nodes gather",
+                plan.run_id,
+                plan.node_rank
+            );
         }
         let beat = plan.key(&format!("alive/{}", plan.node_rank));
         if plan.nnodes > 1 {
@@ -301,58 +527,36 @@ impl Job {
         if plan.node_rank == 0 {
             // The job's start, the same on every node: every dump names it.
             store.set(&plan.key("started"), epoch_us().to_string().as_bytes())?;
+            // What a node that joins late must agree with.
+            store.set(&plan.key("nnodes"), format!("{}:{}", plan.min_nodes, plan.nnodes).as_bytes())?;
         }
         // Before the node key too: every node's restart budget exists once all have joined.
         store.set(&plan.key(&format!("restarts/{}", plan.node_rank)), plan.max_restarts.to_string().as_bytes())?;
         store.set(&plan.key(&format!("node/{}", plan.node_rank)), plan.nproc.to_string().as_bytes())?;
-        let members = first_members(&store, plan, &address)?;
-        let counts = per_node(&store, plan, &members, "node")?;
-        for &node in &members {
-            let count = &counts[node];
-            if *count != plan.nproc.to_string() {
-                bail!(
-                    "node {node} runs {count} ranks and node {} runs {}: every node must use the same --nproc-per-node",
-                    plan.node_rank,
-                    plan.nproc
-                );
+        let first = if late { None } else { first_members(&store, plan, &address)? };
+        let members = match first {
+            Some(members) => {
+                check_first_members(&store, plan, &members)?;
+                if plan.node_rank == 0 && plan.nnodes > 1 {
+                    store.set(&plan.key(STARTED_ATTEMPT), b"0")?;
+                }
+                members
             }
-        }
-        // Nodes that would give up after different numbers of restarts would
-        // wait for each other at the restart one of them does not make.
-        for (node, restarts) in per_node(&store, plan, &members, "restarts")?.iter().enumerate() {
-            if members.contains(&node) && *restarts != plan.max_restarts.to_string() {
-                bail!(
-                    "node {node} has --max-restarts {restarts} and node {} has {}: every node must use the same \
-                     --max-restarts",
-                    plan.node_rank,
-                    plan.max_restarts
-                );
+            None => {
+                if joining.is_none() {
+                    // Left out by node 0 at the start: the first launcher of its node.
+                    joining = Some(check_late(&store, plan, 1)?);
+                }
+                Vec::new()
             }
-        }
+        };
         let started = store.get(&plan.key("started"), plan.timeout)?;
         let run_started_us = String::from_utf8_lossy(&started)
             .parse::<u64>()
             .with_context(|| format!("node 0's start time {:?} is not a number", String::from_utf8_lossy(&started)))?;
         let views = per_node(&store, plan, &members, "view")?;
         let hosts = per_node(&store, plan, &members, "host")?;
-        let mut rank_env = Vec::new();
-        if let Some((a, b)) = MachineView::shared_memory_across_networks(&views) {
-            let why = format!(
-                "nodes {a} and {b} share this machine's boot id and IPC namespace but not its network namespace: UCX \
-                 would join their ranks by shared memory, whose wake-ups do not cross network namespaces (each \
-                 message stalls ~100 ms)"
-            );
-            match std::env::var_os("UCX_TLS") {
-                None => {
-                    eprintln!("chorus launch: {why}; the ranks get UCX_TLS=^sm (no shared-memory transports)");
-                    rank_env.push(("UCX_TLS".to_string(), "^sm".to_string()));
-                }
-                Some(tls) => eprintln!(
-                    "chorus launch: warning: {why}; UCX_TLS is set ({}), so it is left as it is (^sm avoids it)",
-                    tls.to_string_lossy()
-                ),
-            }
-        }
+        let rank_env = shared_memory_env(&views);
         let (mut store, mut heartbeat, mut watch) = (store, None, None);
         if plan.nnodes > 1 {
             // From here on a store that does not answer within --node-timeout
@@ -369,7 +573,7 @@ impl Job {
             heartbeat = Some(Heartbeat::start(store.clone(), beat)?);
             watch = Some(NodeWatch::new(plan.nnodes));
         }
-        Ok(Job {
+        let mut job = Job {
             server,
             store,
             address,
@@ -391,7 +595,11 @@ impl Job {
             rank_port: port,
             history: Vec::new(),
             members,
-        })
+        };
+        if let Some(attempt) = joining {
+            job.wait_to_join(plan, attempt, launchers)?;
+        }
+        Ok(job)
     }
 
     /// Reads the other nodes' heartbeats once, noting a node found silent.

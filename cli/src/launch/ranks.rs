@@ -93,6 +93,11 @@ impl Job {
             if plan.nnodes > 1 && failure.is_none() && last_remote_check.elapsed() >= Duration::from_millis(250) {
                 last_remote_check = Instant::now();
                 let failed_key = self.attempt_key(plan, "failed");
+                // Node 0: a node waiting to join stops the attempt as a failure
+                // would (unless one came first); a store error is met just below.
+                if let Ok(Some(what)) = self.node_waiting_to_join(plan) {
+                    let _ = self.store.compare_set(&failed_key, b"", what.as_bytes());
+                }
                 let remote = match self.store.check(&[&failed_key]) {
                     Ok(false) => None,
                     Ok(true) => Some(match self.store.get(&failed_key, Duration::from_secs(5)) {

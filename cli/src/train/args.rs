@@ -172,10 +172,36 @@ impl TrainArgs {
         if self.job.model.is_none() && self.bench {
             self.job.model = Some(ModelArg::Mlp);
         }
+        // Under a launcher each rank is a process and the launcher knows the
+        // world (it changes with `chorus launch --nnodes MIN:MAX`): it is the
+        // run's unless --world-size is given, and one that disagrees is refused
+        // before anything starts.
+        if let Some(launched) = self.launched_world() {
+            match self.job.world_size {
+                None => self.job.world_size = Some(launched),
+                Some(w) if w != launched => {
+                    return Err(usage(format!(
+                        "--world-size {w} but the launcher started {launched} ranks (WORLD_SIZE): leave --world-size \
+                         out to take the launcher's"
+                    )))
+                }
+                Some(_) => {}
+            }
+        }
         // A world of 0 is refused by `usage`, naming --world-size.
         let world = self.world().max(1);
         self.job.resolve_batch(world)?;
         Ok(self)
+    }
+
+    /// The world size of the launcher that started this process, where the
+    /// run's ranks are processes (not `--bench`, which sets its own worlds).
+    /// A launcher's variables that cannot be read are left to the ranks' start, which names them.
+    fn launched_world(&self) -> Option<usize> {
+        if self.bench || !self.backend.runs_as_processes() {
+            return None;
+        }
+        chorus_collectives::bootstrap::LaunchEnv::from_process_env().ok().map(|env| env.world_size)
     }
 
     pub(super) fn model(&self) -> ModelArg {
