@@ -85,7 +85,7 @@ pub struct JobArgs {
     /// The model (default gpt; `chorus train --bench` measures the mlp by default).
     #[arg(long, value_enum)]
     pub model: Option<ModelArg>,
-    /// Number of ranks (default 4).
+    /// Number of ranks (default: under a launcher with ucx, nccl or rccl, the launcher's WORLD_SIZE; otherwise 4).
     #[arg(long)]
     pub world_size: Option<usize>,
     /// HSDP: replicate over this many groups (it must divide the world size).
