@@ -142,8 +142,8 @@ fi
 step "the signal tests with SIGINT and SIGHUP ignored, as under nohup or in a background job"
 (
     trap '' INT HUP
-    cargo test --workspace --no-fail-fast --test tokenize --test flight_recorder --test launch -- \
-        interrupted_runs sigusr1 sigterm a_stop_signal
+    cargo test -p chorus-cli --no-fail-fast --test integration -- tokenize::interrupted_runs tokenize::sigusr1 \
+        flight_recorder::sigterm flight_recorder::sigusr1 launch::sigterm launch::a_stop_signal
 )
 
 # The tests against PyTorch are #[ignore]d where there is no venv; they share
@@ -152,13 +152,13 @@ step "against PyTorch (the venv's CHORUS_PYTHON): TCPStore both ways, torchrun's
 torch_tests=(
     'binary_id(chorus-collectives::integration) & test(/^tcpstore_torch::/)'
     'binary_id(chorus-collectives::integration) & test(=bootstrap_env::rust_ranks_join_torchruns_agent_store)'
-    'binary_id(chorus-cli::launch) & test(=pytorch_ranks_rendezvous_through_the_launchers_store)'
+    'binary_id(chorus-cli::integration) & test(=launch::pytorch_ranks_rendezvous_through_the_launchers_store)'
     'binary_id(chorus-train::integration) & test(/^checkpoint::/)'
-    'binary_id(chorus-cli::llama_torch)'
+    'binary_id(chorus-cli::integration) & test(/^llama_torch::/)'
     # The Llama trainer's text in and out, and its lr schedule, against transformers and torch.
-    'binary_id(chorus-cli::tokenize)'
-    'binary_id(chorus-cli::generate)'
-    'binary_id(chorus-cli::lr_torch)'
+    'binary_id(chorus-cli::integration) & test(/^tokenize::/)'
+    'binary_id(chorus-cli::integration) & test(/^generate::/)'
+    'binary_id(chorus-cli::integration) & test(/^lr_torch::/)'
     # The float8 scaled casts (FSDP's float8 all-gather) against NumPy's recipe and torch's float8_e4m3fn.
     'binary_id(chorus-devices::integration) & test(/^float8_numpy::/)'
     # The planner's activation count for a Llama layer against what PyTorch's autograd keeps.
@@ -184,9 +184,9 @@ step "ucx backend: unit tests, the suite with every rank in one process (2 and 4
 backend_tests=(
     'binary_id(chorus-collectives) & test(ucx)'
     'binary_id(chorus-conformance::ucx) | binary_id(chorus-conformance::ucx_hosts) | binary_id(chorus-conformance::routed)'
-    'binary_id(chorus-cli::ucx) | binary_id(chorus-cli::flight_recorder)'
+    'binary_id(chorus-cli::integration) & test(/^(ucx|flight_recorder)::/)'
     # Restarts under chorus launch: a killed rank, an elastic job losing a host, a rank killed during an asynchronous save.
-    'binary_id(chorus-cli::launch_restarts)'
+    'binary_id(chorus-cli::integration) & test(/^launch_restarts::/)'
     'binary_id(chorus-devices::cuda_load)'
     'binary_id(chorus-devices::gpu_kernels_host)'
 )
@@ -199,7 +199,7 @@ cp "$CARGO_TARGET_DIR/debug/chorus" "$logs/chorus-ucx"
 # their prerequisites; this script provides them (vendor-libs.sh fails if it
 # cannot), so they run here, and fail if NCCL does not load after all.
 backend_ignored=(
-    'binary_id(chorus-cli::ucx) & test(=fsdp_under_torchrun_equals_the_simulator)'
+    'binary_id(chorus-cli::integration) & test(=ucx::fsdp_under_torchrun_equals_the_simulator)'
     'binary_id(chorus-devices) & test(cuda)'
     'binary_id(chorus-collectives::nccl_load) & not test(on_a_gpu)'
     'binary_id(chorus-devices::hip_load)'

@@ -1,7 +1,7 @@
 //! `info`, `bench` and `conformance` end to end: the limits they check
 //! before anything runs (the real binary, bounded).
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -5,7 +5,7 @@
 //! feature, on UCX (ranks as processes under `chorus launch`: this test
 //! binary's `ucx_rank`).
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::sync::mpsc;
@@ -267,7 +267,7 @@ fn signal_child() {
 fn start_signal_child(dir: Option<&Path>) -> (std::process::Child, mpsc::Receiver<String>) {
     use std::io::BufRead;
     let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", "signal_child", "--ignored", "--nocapture", "--test-threads", "1"])
+    cmd.args(["--exact", &this_test!("signal_child"), "--ignored", "--nocapture", "--test-threads", "1"])
         .env_remove("CHORUS_TRACE_DIR")
         .env_remove("TORCHELASTIC_RUN_ID")
         .env_remove("CHORUS_RUN_STARTED_US")
@@ -419,7 +419,7 @@ mod ucx {
         let mut launch = chorus();
         launch
             .args(["launch", "--nproc-per-node", "3", "--grace", "20", "--", exe.to_str().unwrap()])
-            .args(["--exact", "ucx::ucx_rank", "--ignored", "--nocapture", "--test-threads", "1"])
+            .args(["--exact", &this_test!("ucx_rank"), "--ignored", "--nocapture", "--test-threads", "1"])
             .env("CHORUS_TRACE_DIR", &trace)
             .env("CHORUS_RECORDER_CASE", case.name());
         if case == Case::Stalled {
@@ -462,7 +462,7 @@ mod ucx {
             launch
                 .args(["launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", &n.to_string()])
                 .args(["--master-port", &port, "--grace", "20", "--timeout", "60", "--", exe.to_str().unwrap()])
-                .args(["--exact", "ucx::ucx_rank", "--ignored", "--nocapture", "--test-threads", "1"])
+                .args(["--exact", &this_test!("ucx_rank"), "--ignored", "--nocapture", "--test-threads", "1"])
                 .env("CHORUS_TRACE_DIR", dir.join(format!("trace{n}")))
                 .env("CHORUS_RECORDER_CASE", Case::Mismatch.name())
                 .stdout(Stdio::piped())

@@ -7,9 +7,8 @@
 //! `ci/python-env.sh`): greedy output equals `generate(do_sample=False)`
 //! token for token, for a GQA model and a tied-embedding one.
 
-mod common;
-#[path = "../../ci/torch_python.rs"]
-mod torch_python;
+use crate::common;
+use crate::torch_python;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

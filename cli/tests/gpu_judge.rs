@@ -5,7 +5,7 @@
 //! `ci/test_gpu_judge.py` (standard library only: `$CHORUS_PYTHON`, else
 //! `python3`; a missing Python fails the test).
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Command;

@@ -8,7 +8,7 @@
 //! these tests send to their default action in the child whatever this
 //! process inherited (a suite started in the background has SIGINT ignored).
 
-mod common;
+use crate::common;
 
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};

@@ -3,7 +3,7 @@
 //! byte, and a combination one command refuses, the other refuses with the
 //! same words.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::Duration;

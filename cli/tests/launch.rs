@@ -2,9 +2,8 @@
 //! Every test is bounded (a launcher still running after its limit is
 //! killed and the test fails).
 
-mod common;
-#[path = "../../ci/torch_python.rs"]
-mod torch_python;
+use crate::common;
+use crate::torch_python;
 
 use std::path::Path;
 use std::process::{Child, Output, Stdio};

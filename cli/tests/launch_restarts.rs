@@ -3,7 +3,7 @@
 //! the job that continues itself. Every run is bounded (a launcher still
 //! running after its limit is killed and the test fails).
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::{Child, Output, Stdio};

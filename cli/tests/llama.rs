@@ -3,7 +3,7 @@
 //! Hugging Face directory, its checkpoint consolidated, and a run started
 //! from that directory agree.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::Duration;

@@ -11,9 +11,8 @@
 //! interpreter comes from `CHORUS_PYTHON` (checked by `ci/torch_python.rs`), the script from
 //! `CHORUS_LLAMA_TORCH` (default `ci/llama_torch.py` in this workspace).
 
-mod common;
-#[path = "../../ci/torch_python.rs"]
-mod torch_python;
+use crate::common;
+use crate::torch_python;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -6,9 +6,8 @@
 //! Needs the project's Python environment (`ci/python-env.sh`): the
 //! interpreter comes from `CHORUS_PYTHON` (checked by `ci/torch_python.rs`).
 
-mod common;
-#[path = "../../ci/torch_python.rs"]
-mod torch_python;
+use crate::common;
+use crate::torch_python;
 
 use std::path::Path;
 use std::process::Command;

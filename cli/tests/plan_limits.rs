@@ -6,7 +6,7 @@
 //! and the run hung or aborted. (The model is named where the case is the
 //! Llama's: the job's default is `chorus train`'s, the transformer.)
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 use std::time::{Duration, Instant};

@@ -10,9 +10,8 @@
 //! decodes back, and `AutoTokenizer` / `AutoModelForCausalLM` load the
 //! trained model's directory.
 
-mod common;
-#[path = "../../ci/torch_python.rs"]
-mod torch_python;
+use crate::common;
+use crate::torch_python;
 
 use std::path::{Path, PathBuf};
 use std::process::Output;

@@ -6,7 +6,7 @@
 //! but not with it depends on this machine's memory: the unit tests of
 //! `cli/src/train/memory.rs` check that boundary against a given memory.)
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Stdio;

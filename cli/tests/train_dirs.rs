@@ -4,7 +4,7 @@
 //! checks of its resume and size flags, `chorus consolidate`'s exit codes
 //! and paths, and the help that names the Llama (the real binary, bounded).
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Output;

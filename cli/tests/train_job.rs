@@ -3,7 +3,7 @@
 //! the throughput in `summary.json` (tokens/s from the run's own step
 //! times, MFU from the closed-form FLOPs of a tiny model worked by hand).
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! `--eval-every`) lands in summary.json, `--sample-prompt` samples the
 //! Llama, and bad combinations are usage errors before anything is written.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::Duration;

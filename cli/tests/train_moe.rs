@@ -3,7 +3,7 @@
 //! rank routing its own tokens), writes every expert, resumes from its
 //! checkpoints exactly, and its flags are checked before anything is written.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::Duration;

@@ -6,7 +6,7 @@
 //! f32 shard bytes and `k` the master plus the optimizer's state buffers),
 //! computed here from the model's parameter shapes.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! nothing of it without the flag; refused where no fused op runs, before
 //! anything is written.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::Duration;

@@ -10,7 +10,7 @@
 //! in the rank threads' arenas — breaks it: the judge can fail. A cache
 //! size that is not a number is refused before anything runs.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::Duration;

@@ -4,9 +4,8 @@
 //! after its limit is killed and the test fails).
 #![cfg(feature = "ucx")]
 
-mod common;
-#[path = "../../ci/torch_python.rs"]
-mod torch_python;
+use crate::common;
+use crate::torch_python;
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};

@@ -8,8 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-#[path = "../common/mod.rs"]
-mod common;
+use crate::common;
 
 /// The binary, the signals the tests send at their defaults (as `common::chorus`).
 fn chorus() -> Command {
@@ -109,7 +108,7 @@ fn strings(args: &[&str]) -> Vec<String> {
     args.iter().map(|s| s.to_string()).collect()
 }
 
-// The cases, by what they exercise (one test binary, `--test train`).
+// The cases, by what they exercise (the module `train` of the test binary).
 mod dirs;
 mod float8;
 mod runs;
