@@ -13,8 +13,8 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-use chorus_collectives::CommBackend;
-use chorus_devices::ComputeBackend;
+use chorus_collectives::{CommBackend, CommError};
+use chorus_devices::{Buffer, ComputeBackend, StreamExt};
 use chorus_fsdp::{Fsdp, FsdpError};
 use chorus_fsdp_candle::safetensors_io::{Planned, StreamWriter, WriteError, WRITE_BUFFER};
 
@@ -40,16 +40,39 @@ pub trait TensorSink {
     fn finish(self: Box<Self>) -> Result<(), WriteError>;
 }
 
-/// What [`write_model`] ends with: a collective's failure (on every rank
-/// alike) is the outer error; the writing rank's own failure to write, with
-/// the other ranks' part done, the inner one.
+/// What [`write_model`] ends with: the writing rank's own failure to write
+/// is the inner error there; a collective's failure, and on the other ranks
+/// the writing rank's failure to write ([`CommError::Aborted`], naming no
+/// file: the writing rank's error does), the outer one.
 pub type Written = Result<Result<(), WriteError>, FsdpError>;
 
-/// Writes `output` from the shards of `fsdp`: every rank of the shard world
-/// calls it (it gathers each parameter in turn); `writes` says whether this
-/// rank writes. A write that fails keeps the gathers going, so the other
-/// ranks never wait on this one, and is returned once all are done.
+/// Writes `output` from the shards of `fsdp`: every rank of the data-parallel
+/// world calls it (it gathers each parameter in turn); `writes` says whether
+/// this rank writes. A write that fails keeps the gathers going, so the other
+/// ranks never wait on this one, and is returned once all are done; then
+/// every rank learns whether some rank's write failed, so all stop here
+/// together instead of the others going on to their next collective and
+/// waiting there for the writing rank until their deadline.
 pub fn write_model<C: CommBackend>(fsdp: &Fsdp<C>, writes: bool, output: &dyn ModelOutput) -> Written
+where
+    C::B: ComputeBackend,
+{
+    let written = write_here(fsdp, writes, output)?;
+    let failed_here = if written.is_err() { 1.0f32 } else { 0.0 };
+    let flag = StreamExt::buffer_from(fsdp.compute_stream(), &[failed_here])?;
+    // The mean of 0 (written) and 1 (failed): above 0 where any rank failed.
+    let failed_anywhere = fsdp.mean_over_ranks(Buffer::view(&flag))? > 0.0;
+    match written {
+        Ok(()) if failed_anywhere => Err(FsdpError::Comm(CommError::Aborted {
+            reason: "the rank writing the trained model could not write it".into(),
+        })),
+        written => Ok(written),
+    }
+}
+
+/// This rank's part of [`write_model`]: the gathers, and the writing where
+/// `writes`; the inner error is this rank's own failure to write.
+fn write_here<C: CommBackend>(fsdp: &Fsdp<C>, writes: bool, output: &dyn ModelOutput) -> Written
 where
     C::B: ComputeBackend,
 {

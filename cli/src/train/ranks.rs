@@ -298,15 +298,99 @@ where
         anyhow::bail!("{world} ranks need as many devices (one rank per device); {devices} visible");
     }
     let store = MemStore::new();
+    let comms = Aborts::default();
     // Every rank's thread is started before any begins: the library's
     // initialisation waits for all ranks without a deadline, so a thread
     // that cannot start must stop the others before they enter it.
     let results = crate::gate::run_gated(world, |rank| -> anyhow::Result<J::Report> {
         let device = L::B::make(rank, Duration::from_secs(300))?;
-        let comm = VendorComm::<L>::init(&store, rank, world, device, VendorConfig::default())?;
-        job.run(Arc::new(comm), &mut |_, loss| progress(rank, &bar, loss)).with_context(|| format!("rank {rank}"))
+        let comm = comms.keep(VendorComm::<L>::init(&store, rank, world, device, VendorConfig::default())?);
+        let report = job.run(comm, &mut |_, loss| progress(rank, &bar, loss));
+        if let Some(e) = report.as_ref().err().filter(|e| !aborted(e)) {
+            // As in run_sim; the library's abort reaches only the communicator it is called on, so every rank's is.
+            comms.abort(rank, &format!("rank {rank} failed: {e:#}"));
+        }
+        report.with_context(|| format!("rank {rank}"))
     });
-    results?.into_iter().collect()
+    first_failure(results?, comms.first())
+}
+
+/// The communicators of a world's ranks as threads of this process, so the
+/// first rank to fail can abort every one: a vendor library's abort fails
+/// the calls of the communicator it is called on, not its peers'.
+struct Aborts<C: CommBackend> {
+    state: Mutex<Kept<C>>,
+}
+
+struct Kept<C: CommBackend> {
+    comms: Vec<Arc<Communicator<C>>>,
+    /// The rank whose failure aborted them, and why, once one did.
+    aborted: Option<(usize, String)>,
+}
+
+impl<C: CommBackend> Default for Aborts<C> {
+    fn default() -> Self {
+        Aborts { state: Mutex::new(Kept { comms: Vec::new(), aborted: None }) }
+    }
+}
+
+impl<C: CommBackend> Aborts<C> {
+    /// Keeps `comm` for [`Aborts::abort`]; one kept after an abort is aborted at once.
+    fn keep(&self, comm: Communicator<C>) -> Arc<Communicator<C>> {
+        let comm = Arc::new(comm);
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        match &state.aborted {
+            Some((_, reason)) => comm.abort(reason),
+            None => state.comms.push(comm.clone()),
+        }
+        comm
+    }
+
+    /// Aborts every communicator kept, for `rank`'s failure. The first rank
+    /// and reason are kept (for later ones), claimed before any abort: the
+    /// others' failures that follow (a library's `ncclRemoteError` is no
+    /// `Aborted`) are not the run's error.
+    fn abort(&self, rank: usize, reason: &str) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let reason = state.aborted.get_or_insert_with(|| (rank, reason.to_string())).1.clone();
+        for c in &state.comms {
+            c.abort(&reason);
+        }
+    }
+
+    /// The rank whose failure aborted the world, if one did.
+    fn first(&self) -> Option<usize> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).aborted.as_ref().map(|(rank, _)| *rank)
+    }
+}
+
+/// Whether a rank's failure follows from another's (`Aborted`): the other
+/// rank aborts the world, and its error is the one reported. A rank failing
+/// so aborts nothing: that could end the other's last call before it has its
+/// own error (a failed write of the model, which every rank agrees on).
+fn aborted(e: &anyhow::Error) -> bool {
+    use chorus_collectives::CommError;
+    use chorus_fsdp::FsdpError;
+    let comm = |c: &CommError| matches!(c, CommError::Aborted { .. });
+    let fsdp = |f: &FsdpError| matches!(f, FsdpError::Comm(c) if comm(c));
+    // FSDP's and the adapter's errors carry the communicator's transparently,
+    // so it is not a link of the chain of its own.
+    e.chain().any(|c| {
+        c.downcast_ref().is_some_and(comm)
+            || c.downcast_ref().is_some_and(fsdp)
+            || matches!(c.downcast_ref(), Some(chorus_fsdp_candle::Error::Fsdp(f)) if fsdp(f))
+    })
+}
+
+/// Every rank's report, or the error of the rank that failed first: the one
+/// whose failure aborted the world (`first`), else the lowest that failed on
+/// its own, not with another's `Aborted` that followed from it.
+fn first_failure<T>(results: Vec<anyhow::Result<T>>, first: Option<usize>) -> anyhow::Result<Vec<T>> {
+    let first = first.filter(|r| results.get(*r).is_some_and(|x| x.is_err()));
+    if let Some(i) = first.or_else(|| results.iter().position(|r| r.as_ref().is_err_and(|e| !aborted(e)))) {
+        return results.into_iter().nth(i).into_iter().collect();
+    }
+    results.into_iter().collect()
 }
 
 /// Bytes of freed blocks each rank's cpu device keeps: `CHORUS_CPU_CACHE_BYTES`
@@ -351,7 +435,7 @@ pub(super) fn run_sim<J: RankJob>(world: usize, job: J, bar: Option<ProgressBar>
         let bar = bar.lock().map(|b| b.clone()).unwrap_or(None);
         let comm = Arc::new(comm);
         let report = job.run(comm.clone(), &mut |_, loss| progress(rank, &bar, loss));
-        if let Err(e) = &report {
+        if let Some(e) = report.as_ref().err().filter(|e| !aborted(e)) {
             // The other ranks would wait for this one in their next collective until the timeout (a stream
             // thread that could not start, a file that could not be read): they fail now instead.
             comm.abort(&format!("rank {rank} failed: {e:#}"));
@@ -363,14 +447,8 @@ pub(super) fn run_sim<J: RankJob>(world: usize, job: J, bar: Option<ProgressBar>
         .enumerate()
         .map(|(rank, r)| r.map_err(anyhow::Error::from).and_then(|v| v.with_context(|| format!("rank {rank}"))))
         .collect();
-    // The error of the rank that failed first, not another's "aborted" that followed from it.
-    let aborted = |e: &anyhow::Error| {
-        e.chain().any(|c| matches!(c.downcast_ref(), Some(chorus_collectives::CommError::Aborted { .. })))
-    };
-    if let Some(i) = results.iter().position(|r| r.as_ref().is_err_and(|e| !aborted(e))) {
-        return results.into_iter().nth(i).into_iter().collect();
-    }
-    results.into_iter().collect()
+    // The sim's abort reaches every rank as `Aborted`.
+    first_failure(results, None)
 }
 
 /// Trains on this process's rank of the job with `comm`; rank 0 returns its
@@ -486,6 +564,18 @@ mod tests {
     fn a_failing_rank_stops_the_others_at_once() {
         let started = Instant::now();
         let err = run_sim(4, FailsOnRankOne, None).unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(60), "the ranks waited: {:?}", started.elapsed());
+        assert!(format!("{err:#}").contains("rank 1 could not start its streams"), "{err:#}");
+    }
+
+    /// The same on the NCCL family's ranks as threads (the simulated
+    /// library): the others waited in their barrier until the library's
+    /// 300 s timeout, as its abort reaches only the communicator it is called on.
+    #[test]
+    fn a_failing_vendor_rank_stops_the_others_at_once() {
+        let started = Instant::now();
+        let err =
+            run_vendor::<chorus_collectives::nccl_family::simlib::SimNccl228, _>(4, FailsOnRankOne, None).unwrap_err();
         assert!(started.elapsed() < Duration::from_secs(60), "the ranks waited: {:?}", started.elapsed());
         assert!(format!("{err:#}").contains("rank 1 could not start its streams"), "{err:#}");
     }

@@ -452,8 +452,9 @@ fn a_save_killed_midway_leaves_the_previous_checkpoint_intact() {
 
 /// Ctrl-C in the middle of a run, and a write that fails (a file-size limit
 /// standing in for a full disk), leave the previous out-dir as it was; the
-/// failed write is an error naming the file; the next run clears what the
-/// interrupted one left.
+/// failed write is an error naming the file, and ends the run at once on
+/// every rank (issue 43: the other rank waited out the collective timeout);
+/// the next run clears what the interrupted one left.
 #[test]
 fn interrupted_runs_and_failed_writes_leave_the_out_dir_as_it_was() {
     use std::os::unix::process::CommandExt;
@@ -478,26 +479,34 @@ fn interrupted_runs_and_failed_writes_leave_the_out_dir_as_it_was() {
     assert!(!child.wait().unwrap().success());
     assert_eq!(listing(&out), before, "Ctrl-C changed the out-dir");
 
-    let mut limited = chorus();
-    limited.args(small_gpt(&["--steps", "2", "--out-dir", out.to_str().unwrap()]));
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        limited.pre_exec(|| {
-            // Past 16 KiB a write fails with EFBIG instead of killing the process.
-            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
-            let limit = libc::rlimit { rlim_cur: 16 << 10, rlim_max: 16 << 10 };
-            if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
+    // Rank 0 writes the model; on both kinds of ranks as threads the others
+    // must stop with it, not wait for it in their next collective.
+    for backend in ["sim", "simnccl"] {
+        let mut limited = chorus();
+        limited.args(small_gpt(&["--backend", backend, "--steps", "2", "--out-dir", out.to_str().unwrap()]));
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            limited.pre_exec(|| {
+                // Past 16 KiB a write fails with EFBIG instead of killing the process.
+                libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+                let limit = libc::rlimit { rlim_cur: 16 << 10, rlim_max: 16 << 10 };
+                if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let started = Instant::now();
+        let o = limited.stdin(Stdio::null()).output().unwrap();
+        // A bound on a hang, not a speed target (the run takes well under a
+        // second): rank 1 waited for rank 0 until its timeouts (simnccl: 420 s).
+        assert!(started.elapsed() < Duration::from_secs(30), "{backend}: ended after {:?}", started.elapsed());
+        no_panic(&o);
+        assert_eq!(o.status.code(), Some(1), "{backend}: {}", stderr(&o));
+        let e = stderr(&o);
+        assert!(e.contains("model.safetensors") && e.contains("File too large"), "{backend}: {e}");
+        assert_eq!(listing(&out), before, "{backend}: a failed write changed the out-dir");
     }
-    let o = limited.stdin(Stdio::null()).output().unwrap();
-    no_panic(&o);
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    let e = stderr(&o);
-    assert!(e.contains("model.safetensors") && e.contains("File too large"), "{e}");
-    assert_eq!(listing(&out), before, "a failed write changed the out-dir");
 
     let o = gpt(&["--steps", "2", "--out-dir", out.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
