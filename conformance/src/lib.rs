@@ -34,7 +34,8 @@
 //! rank per device; [`ucx`] (feature `ucx`) runs it on the UCX backend, with
 //! every rank in this process or one rank per process. [`process`] is the
 //! runner for ranks that are processes: the same cases, host barriers and
-//! results through the job's store.
+//! results through the job's store. [`rank_threads`] starts the ranks of a
+//! world in this process, each making its communicator, with a deadline.
 #![warn(missing_docs)]
 
 mod barrier;
@@ -46,6 +47,7 @@ pub mod expected;
 pub mod fsdp;
 pub mod harness;
 pub mod process;
+pub mod rank_threads;
 mod report;
 #[cfg(feature = "sim")]
 pub mod sim;

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::bail;
+use anyhow::anyhow;
 use chorus_collectives::bootstrap::{MemStore, Store};
 use chorus_collectives::ucx::{UcxComm, UcxConfig};
 use chorus_collectives::Communicator;
@@ -20,6 +20,7 @@ use chorus_devices::cpu::{CpuConfig, CpuDevice};
 
 use crate::harness::{Harness, World};
 use crate::process::{RankEnv, RankHarness};
+use crate::rank_threads::{start_deadline, start_ranks};
 use crate::{Case, Support};
 
 /// The UCX backend's harness.
@@ -73,24 +74,11 @@ impl Harness for UcxHarness {
     fn world(&self, size: usize, timeout: Duration) -> Result<World<UcxComm>, crate::Failure> {
         let store: Arc<dyn Store> = Arc::new(MemStore::new());
         let prefix = format!("ucx/world{}", self.worlds.fetch_add(1, Ordering::Relaxed));
-        let results: Vec<_> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..size)
-                .map(|rank| {
-                    let store = store.clone();
-                    let config = self.config(rank, size, timeout, prefix.clone());
-                    s.spawn(move || UcxComm::init(store, rank, size, device(rank, timeout), config))
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join()).collect()
-        });
-        let mut comms = Vec::with_capacity(size);
-        for r in results {
-            match r {
-                Ok(Ok(c)) => comms.push(c),
-                Ok(Err(e)) => return Err(e.into()),
-                Err(_) => bail!("a rank panicked while joining"),
-            }
-        }
+        let configs: Vec<UcxConfig> = (0..size).map(|rank| self.config(rank, size, timeout, prefix.clone())).collect();
+        let comms = start_ranks("ucx", size, start_deadline(timeout), move |rank| {
+            let config = configs.get(rank).cloned().ok_or_else(|| anyhow!("no rank {rank} in a world of {size}"))?;
+            Ok(UcxComm::init(store.clone(), rank, size, device(rank, timeout), config)?)
+        })?;
         Ok(World { comms, faults: None })
     }
 

@@ -19,6 +19,7 @@ use chorus_devices::{Backend, ComputeBackend, ForeignBackend};
 
 use crate::harness::{Harness, World};
 use crate::process::{RankEnv, RankHarness};
+use crate::rank_threads::{start_deadline, start_ranks};
 use crate::Support;
 
 /// A device backend the vendor harness can make devices of.
@@ -122,19 +123,10 @@ where
         let store = MemStore::new();
         let config = VendorConfig { timeout, ..VendorConfig::default() };
         // Initialization is collective: every rank at once, one thread each.
-        let results: Vec<_> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..size)
-                .map(|rank| {
-                    let (store, config) = (store.clone(), config.clone());
-                    s.spawn(move || -> Result<Communicator<VendorComm<L>>, crate::Failure> {
-                        let device = L::B::make(rank, timeout * 2)?;
-                        Ok(VendorComm::<L>::init(&store, rank, size, device, config)?)
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| bail!("a rank panicked while joining"))).collect()
-        });
-        let comms = results.into_iter().collect::<Result<Vec<_>, _>>()?;
+        let comms = start_ranks(L::NAME, size, start_deadline(timeout), move |rank| {
+            let device = L::B::make(rank, timeout * 2)?;
+            Ok(VendorComm::<L>::init(&store, rank, size, device, config.clone())?)
+        })?;
         Ok(World { comms, faults: None })
     }
 
