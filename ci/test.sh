@@ -178,12 +178,12 @@ step "chorus train against an independent NumPy implementation (init written by 
 # build of its own before: five more builds of the crates).
 backends=(-p chorus-devices -p chorus-collectives -p chorus-conformance -p chorus-cli
     --features chorus-cli/ucx,chorus-cli/nccl,chorus-cli/rccl
-    --lib --test ucx --test ucx_hosts --test routed --test flight_recorder --test launch_restarts --test cuda_load --test gpu_kernels_host
-    --test nccl_load --test hip_load --test rccl_load --test device_hip)
+    --lib --test integration --test cuda_load --test gpu_kernels_host --test nccl_load --test hip_load --test rccl_load
+    --test device_hip)
 step "ucx backend: unit tests, the suite with every rank in one process (2 and 4 ranks, and 2 fake hosts x 2 ranks through the hierarchical schedule), and one rank per process: the suite over 4 processes, FSDP equal to sim (chorus launch, and torchrun from the venv), killed rank, world-size disagreement, the flight recorder naming the culprit and every node's dumps gathered, restarts (--max-restarts, --nnodes MIN:MAX, --resume auto, asynchronous saves); GPU backends: loading without a GPU (NCCL, NVRTC; HIP from Debian's libamdhip64-5, hipRTC; RCCL absent; CUDA driver absent), the shared kernel source run on the host (c++) against half and the cpu device"
 backend_tests=(
     'binary_id(chorus-collectives) & test(ucx)'
-    'binary_id(chorus-conformance::ucx) | binary_id(chorus-conformance::ucx_hosts) | binary_id(chorus-conformance::routed)'
+    'binary_id(chorus-conformance::integration) & test(/^(ucx|ucx_hosts|routed)::/)'
     'binary_id(chorus-cli::integration) & test(/^(ucx|flight_recorder)::/)'
     # Restarts under chorus launch: a killed rank, an elastic job losing a host, a rank killed during an asynchronous save.
     'binary_id(chorus-cli::integration) & test(/^launch_restarts::/)'

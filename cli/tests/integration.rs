@@ -7,10 +7,8 @@
 #[path = "../../ci/this_test.rs"]
 mod this_test;
 
-mod common;
-#[path = "../../ci/torch_python.rs"]
-mod torch_python;
 mod commands;
+mod common;
 mod flight_recorder;
 mod generate;
 mod gpu_judge;
@@ -23,8 +21,10 @@ mod llama_torch;
 mod lr_torch;
 mod plan_limits;
 mod tokenize;
-mod train_async_save_memory;
+#[path = "../../ci/torch_python.rs"]
+mod torch_python;
 mod train;
+mod train_async_save_memory;
 mod train_dirs;
 mod train_job;
 mod train_loop;
