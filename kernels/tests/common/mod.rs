@@ -6,14 +6,9 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 
-// The generator of the host kernels' tests (`host/`), so both draw inputs
-// alike; the rest of that module (the C++ build of the CUDA source) is
-// unused here.
-#[allow(dead_code)]
-#[path = "../host/mod.rs"]
-mod host;
-
-pub use host::Rng;
+// The generator of the host kernels' tests (`host/`, a module of this test
+// binary), so both draw inputs alike.
+pub use crate::host::Rng;
 
 /// Candle tensors and token ids drawn from an [`Rng`].
 pub trait Inputs {
