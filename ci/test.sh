@@ -142,7 +142,9 @@ fi
 step "the signal tests with SIGINT and SIGHUP ignored, as under nohup or in a background job"
 (
     trap '' INT HUP
-    cargo test -p chorus-cli --no-fail-fast --test integration -- tokenize::interrupted_runs tokenize::sigusr1 \
+    # --workspace, not -p chorus-cli: the workspace step's feature resolution, so nothing is built
+    # again (other crates' integration binaries run none of these names).
+    cargo test --workspace --no-fail-fast --test integration -- tokenize::interrupted_runs tokenize::sigusr1 \
         flight_recorder::sigterm flight_recorder::sigusr1 launch::sigterm launch::a_stop_signal
 )
 
@@ -217,6 +219,10 @@ else
 fi
 
 # candle's CUDA device (candle-cuda, built through ci/candle-cuda.sh above): a typed error, never cudarc's panic.
+# Its own build: ci/candle-cuda.sh's configuration replaces crates.io with a patched copy, so every
+# crate built with it is another unit; folded into the build above, the whole chain was built again
+# from the copy (tried 2026-11-29: about 11 minutes under nice beside a benchmark, against 3.5 for
+# this step and 3 for the build above).
 step "candle's CUDA device without a GPU: loading is a typed error (candle-cuda)"
 cargo test -p chorus-fsdp-candle --features candle-cuda --config "$CHORUS_CANDLE_CUDA_CONFIG" --test candle_cuda_load
 
