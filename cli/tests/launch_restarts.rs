@@ -366,6 +366,17 @@ fn wait_for_files(dir: &Path, names: &[&str], limit: Duration) {
     }
 }
 
+/// Node 2's host dies: its rank (whose pid is in `dir/pid.2.0`) and its
+/// launcher, the last of `nodes`, are killed (SIGKILL).
+fn kill_node_two(dir: &Path, nodes: &mut Vec<Child>) {
+    let rank: i32 = std::fs::read_to_string(dir.join("pid.2.0")).unwrap().trim().parse().unwrap();
+    let mut launcher = nodes.pop().unwrap();
+    // SAFETY: kill(2) on a process this test's launcher started.
+    unsafe { libc::kill(rank, libc::SIGKILL) };
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+}
+
 /// Node `rank` of an elastic job of up to three one-rank nodes on this
 /// host (`--nnodes 2:3`, at most `--timeout timeout`), node 0's store on `port`.
 fn elastic_node(port: &str, rank: usize, timeout: &str, extra: &[&str], script: &str) -> Child {
@@ -425,12 +436,7 @@ fn a_node_that_comes_back_joins_the_next_attempt() {
     let extra = ["--max-restarts", "2"];
     let mut nodes: Vec<Child> = (0..3).map(|n| elastic_node(&port, n, "20", &extra, &script)).collect();
     wait_for_files(&dir, &["pid.0.0", "pid.1.0", "pid.2.0"], Duration::from_secs(30));
-    let victim_rank: i32 = std::fs::read_to_string(dir.join("pid.2.0")).unwrap().trim().parse().unwrap();
-    let mut victim = nodes.pop().unwrap();
-    // SAFETY: kill(2) on a process this test's launcher started.
-    unsafe { libc::kill(victim_rank, libc::SIGKILL) };
-    victim.kill().unwrap();
-    victim.wait().unwrap();
+    kill_node_two(&dir, &mut nodes);
     wait_for_files(&dir, &["pid.0.1", "pid.1.1"], Duration::from_secs(30));
     let duplicate = refused(elastic_node(&port, 1, "20", &extra, &script), "another launcher is running as node 1");
     let back_at = std::time::Instant::now();
@@ -780,17 +786,9 @@ fn an_elastic_training_job_continues_on_the_hosts_that_remain() {
     );
     let mut nodes: Vec<Child> =
         (0..3).map(|n| node_of_three(&port, "2:3", &n.to_string(), &["--max-restarts", "1"], &train)).collect();
-    let start = std::time::Instant::now();
-    while !ck.join("latest").exists() || !dir.join("pid.2.0").exists() {
-        assert!(start.elapsed() < Duration::from_secs(120), "no checkpoint was saved");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let victim_rank: i32 = std::fs::read_to_string(dir.join("pid.2.0")).unwrap().trim().parse().unwrap();
-    let mut victim = nodes.pop().unwrap();
-    // SAFETY: kill(2) on a process this test's launcher started.
-    unsafe { libc::kill(victim_rank, libc::SIGKILL) };
-    victim.kill().unwrap();
-    victim.wait().unwrap();
+    wait_for_files(&dir, &["pid.2.0"], Duration::from_secs(120));
+    wait_for_files(&ck, &["latest"], Duration::from_secs(120));
+    kill_node_two(&dir, &mut nodes);
     let o1 = wait_bounded(nodes.pop().unwrap(), Duration::from_secs(300));
     let o0 = wait_bounded(nodes.pop().unwrap(), Duration::from_secs(300));
     assert!(o0.status.success() && o1.status.success(), "{}\n{}", text(&o0.stderr), text(&o1.stderr));
@@ -848,17 +846,9 @@ fn an_elastic_training_job_takes_back_a_node_that_comes_back() {
     );
     let extra = ["--max-restarts", "2"];
     let mut nodes: Vec<Child> = (0..3).map(|n| elastic_node(&port, n, "20", &extra, &script)).collect();
-    let start = std::time::Instant::now();
-    while !ck.join("latest").exists() || !dir.join("pid.2.0").exists() {
-        assert!(start.elapsed() < Duration::from_secs(120), "no checkpoint was saved");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let victim_rank: i32 = std::fs::read_to_string(dir.join("pid.2.0")).unwrap().trim().parse().unwrap();
-    let mut victim = nodes.pop().unwrap();
-    // SAFETY: kill(2) on a process this test's launcher started.
-    unsafe { libc::kill(victim_rank, libc::SIGKILL) };
-    victim.kill().unwrap();
-    victim.wait().unwrap();
+    wait_for_files(&dir, &["pid.2.0"], Duration::from_secs(120));
+    wait_for_files(&ck, &["latest"], Duration::from_secs(120));
+    kill_node_two(&dir, &mut nodes);
     wait_for_files(&dir, &["pid.0.1", "pid.1.1"], Duration::from_secs(60));
     let back = elastic_node(&port, 2, "20", &extra, &script);
     let o2 = wait_bounded(back, Duration::from_secs(300));
