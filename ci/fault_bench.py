@@ -319,6 +319,11 @@ def restart(args):
     row["lost_within_save_interval"] = (row["lost_steps"] is not None and save_every is not None
                                         and row["lost_steps"] <= save_every)
     f = lambda v, unit=" s": "?" if v is None else f"{v}{unit}"
+    if row["first_step_of_new_attempt"] == resumed + 1:
+        first_note = f"itself {f(ms(row['first_step_s']), ' ms')}"
+    else:
+        # progress.json is polled every 5 ms: steps shorter than that can pass unseen.
+        first_note = "the first seen: the steps before it were shorter than the 5 ms poll"
     print()
     print(f"2. a fault with restarts on one host ({args.backend}: {row['killed']}, --max-restarts 1)")
     print(f"   killed after step {row['killed_after_step']}; resumed from step {resumed} "
@@ -327,7 +332,7 @@ def restart(args):
     print(f"   kill -> checkpoint loaded (its start):    {f(row['kill_to_new_attempt_loaded_s'])}"
           f"  (of it, process start to loaded: {f(row['load_s'])})")
     print(f"   kill -> first step of the next attempt:   {f(row['kill_to_first_step_s'])}"
-          f"  (step {row['first_step_of_new_attempt']}, itself {f(ms(row['first_step_s']), ' ms')})")
+          f"  (step {row['first_step_of_new_attempt']}, {first_note})")
     for a in row["attempts"]:
         print(f"   attempt {a['attempt']}: {a['result']} after {a['seconds']} s")
     print(f"   job finished: {'yes' if row['finished'] else 'NO'}; goal <= {args.goal} s plus the load "
