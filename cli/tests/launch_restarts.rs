@@ -252,6 +252,13 @@ fn node_of_three(port: &str, nnodes: &str, rank: &str, extra: &[&str], script: &
 /// while the ranks run. Returns the two survivors' outputs, the seconds
 /// from the kill to their end, and what each rank recorded per attempt.
 fn a_node_dies(nnodes: &str) -> (Output, Output, f64, Vec<Vec<String>>) {
+    a_node_fails(nnodes, libc::SIGKILL)
+}
+
+/// [`a_node_dies`] with the signal node 2's launcher and rank get: SIGKILL
+/// (a dead host) or SIGSTOP (a hung one: both stay, silent, until the
+/// survivors have ended, and are then killed).
+fn a_node_fails(nnodes: &str, signal: i32) -> (Output, Output, f64, Vec<Vec<String>>) {
     let dir = scratch(&format!("elastic-{}", nnodes.replace(':', "-")));
     let port = free_port().to_string();
     let script = format!(
@@ -281,12 +288,17 @@ fn a_node_dies(nnodes: &str) -> (Output, Output, f64, Vec<Vec<String>>) {
     let mut victim = nodes.pop().unwrap();
     let killed_at = std::time::Instant::now();
     // SAFETY: kill(2) on processes this test started.
-    unsafe { libc::kill(victim_rank, libc::SIGKILL) };
-    victim.kill().unwrap();
-    victim.wait().unwrap();
+    unsafe {
+        libc::kill(victim_rank, signal);
+        libc::kill(victim.id() as i32, signal);
+    }
     let o1 = wait_bounded(nodes.pop().unwrap(), Duration::from_secs(60));
     let o0 = wait_bounded(nodes.pop().unwrap(), Duration::from_secs(60));
     let took = killed_at.elapsed().as_secs_f64();
+    // SAFETY: as above; a hung host's processes end here, a dead one's already have.
+    unsafe { libc::kill(victim_rank, libc::SIGKILL) };
+    let _ = victim.kill();
+    let _ = victim.wait();
     let seen = lines(&dir, "seen", 3);
     let _ = std::fs::remove_dir_all(&dir);
     (o0, o1, took, seen)
@@ -307,6 +319,23 @@ fn with_elastic_nodes_a_dead_host_is_left_behind_and_the_job_finishes_on_the_oth
     // The node timeout (2 s), stopping the ranks and meeting again: well within 15 s.
     assert!(took < 15.0, "{took} s from the host's death to the end of the job: {stderr}");
     eprintln!("a dead host to the end of the job on the others: {took:.1} s");
+}
+
+/// A hung host (its launcher and rank stopped, SIGSTOP: alive, silent) is
+/// taken for dead within the node timeout, as torchrun's agents take a
+/// node whose heartbeat stopped: the job continues on the two others.
+#[test]
+fn with_elastic_nodes_a_hung_host_is_left_behind_as_a_dead_one() {
+    let (o0, o1, took, seen) = a_node_fails("2:3", libc::SIGSTOP);
+    assert!(o0.status.success() && o1.status.success(), "{}\n{}", text(&o0.stderr), text(&o1.stderr));
+    assert_eq!(seen[0], ["0 0 3 0 3", "1 0 2 0 2"], "{seen:?}");
+    assert_eq!(seen[1], ["0 1 3 1 3", "1 1 2 1 2"], "{seen:?}");
+    assert_eq!(seen[2], ["0 2 3 2 3"], "{seen:?}");
+    let stderr = text(&o0.stderr);
+    assert!(stderr.contains("node 2 on host") && stderr.contains("has not been heard from"), "{stderr}");
+    assert!(stderr.contains("attempt 1: succeeded"), "{stderr}");
+    assert!(took < 15.0, "{took} s from the host's hang to the end of the job: {stderr}");
+    eprintln!("a hung host to the end of the job on the others: {took:.1} s");
 }
 
 /// With a fixed node count the same death ends the job: the test above
