@@ -112,8 +112,16 @@ python3 ci/import_circles.py
 # the cargo configuration that builds from it (README, "candle on CUDA").
 step "set-up: nvcc and candle patched for candle-cuda (ci/candle-cuda.sh)"
 source ci/candle-cuda.sh
+# The builds with that configuration get a target directory of their own:
+# under source replacement cargo keeps the crates' ids, so a crate built
+# from the patched copy and the same crate from crates.io are one unit
+# with two fingerprints, and in one directory each build rebuilt what the
+# other had built (a second run of this script rebuilt 150-190 crates in
+# clippy's, the workspace's and candle-cuda's steps).
+candle_cuda_target="$CARGO_TARGET_DIR/with-candle-cuda"
 step "cargo clippy --workspace --all-targets --all-features -- -D warnings (candle-cuda: nvcc 13.0 from PyPI, candle patched)"
-cargo clippy --workspace --all-targets --all-features --config "$CHORUS_CANDLE_CUDA_CONFIG" -- -D warnings
+CARGO_TARGET_DIR="$candle_cuda_target" cargo clippy --workspace --all-targets --all-features \
+    --config "$CHORUS_CANDLE_CUDA_CONFIG" -- -D warnings
 
 # nextest runs each test in a process of its own, two at a time on two
 # cores; .config/nextest.toml gives the tests that time themselves the
@@ -224,7 +232,8 @@ fi
 # from the copy (tried 2026-11-29: about 11 minutes under nice beside a benchmark, against 3.5 for
 # this step and 3 for the build above).
 step "candle's CUDA device without a GPU: loading is a typed error (candle-cuda)"
-cargo test -p chorus-fsdp-candle --features candle-cuda --config "$CHORUS_CANDLE_CUDA_CONFIG" --test candle_cuda_load
+CARGO_TARGET_DIR="$candle_cuda_target" cargo test -p chorus-fsdp-candle --features candle-cuda \
+    --config "$CHORUS_CANDLE_CUDA_CONFIG" --test candle_cuda_load
 
 step "several hosts made of network namespaces (2 hosts x 2 ranks, UCX, 1 Gbit/s links): the suite, FSDP and HSDP equal to sim, torchrun across hosts, checkpoints resumed on other topologies, dead, hung and partitioned hosts (during a collective and a save) ending the job within 10 s, a stalled rank named by chorus trace, hosts sharing a hostname (about 3 minutes)"
 bash ci/multihost-test.sh "$logs/chorus-ucx"
