@@ -395,6 +395,15 @@ fn wait_for_files(dir: &Path, names: &[&str], limit: Duration) {
     }
 }
 
+/// Waits for each launcher in turn (each within `limit`) and asserts that
+/// every one succeeded, showing all their stderr where one did not.
+fn all_succeed<const N: usize>(launchers: [Child; N], limit: Duration) -> [Output; N] {
+    let outs = launchers.map(|launcher| wait_bounded(launcher, limit));
+    let said: Vec<String> = outs.iter().map(|o| text(&o.stderr)).collect();
+    assert!(outs.iter().all(|o| o.status.success()), "{}", said.join("\n"));
+    outs
+}
+
 /// Node 2's host dies: its rank (whose pid is in `dir/pid.2.0`) and its
 /// launcher, the last of `nodes`, are killed (SIGKILL).
 fn kill_node_two(dir: &Path, nodes: &mut Vec<Child>) {
@@ -474,12 +483,7 @@ fn a_node_that_comes_back_joins_the_next_attempt() {
     let rejoined = back_at.elapsed().as_secs_f64();
     let spent = refused(elastic_node(&port, 2, "20", &extra, &script), "no restart is left to take node 2 in");
     std::fs::write(dir.join("go"), "").unwrap();
-    let o2 = wait_bounded(back, Duration::from_secs(60));
-    let o1 = wait_bounded(nodes.pop().unwrap(), Duration::from_secs(60));
-    let o0 = wait_bounded(nodes.pop().unwrap(), Duration::from_secs(60));
-    for o in [&o0, &o1, &o2] {
-        assert!(o.status.success(), "{}\n{}\n{}", text(&o0.stderr), text(&o1.stderr), text(&o2.stderr));
-    }
+    let [o2, _, o0] = all_succeed([back, nodes.pop().unwrap(), nodes.pop().unwrap()], Duration::from_secs(60));
     // attempt, RANK, WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE: three nodes, two, three again.
     let seen = lines(&dir, "seen", 3);
     assert_eq!(seen[0], ["0 0 3 0 3", "1 0 2 0 2", "2 0 3 0 3"], "{seen:?}");
@@ -517,12 +521,7 @@ fn a_late_node_is_taken_in_at_a_restart() {
     wait_for_files(&dir, &["pid.0.1", "pid.1.1", "pid.2.1"], Duration::from_secs(30));
     let took = late_at.elapsed().as_secs_f64();
     std::fs::write(dir.join("go"), "").unwrap();
-    let o2 = wait_bounded(late, Duration::from_secs(60));
-    let o1 = wait_bounded(nodes.pop().unwrap(), Duration::from_secs(60));
-    let o0 = wait_bounded(nodes.pop().unwrap(), Duration::from_secs(60));
-    for o in [&o0, &o1, &o2] {
-        assert!(o.status.success(), "{}\n{}\n{}", text(&o0.stderr), text(&o1.stderr), text(&o2.stderr));
-    }
+    let [_, o1, o0] = all_succeed([late, nodes.pop().unwrap(), nodes.pop().unwrap()], Duration::from_secs(60));
     let seen = lines(&dir, "seen", 3);
     assert_eq!(seen, [vec!["0 0 2 0 2", "1 0 3 0 3"], vec!["0 1 2 1 2", "1 1 3 1 3"], vec!["1 2 3 2 3"]]);
     assert!(text(&o0.stderr).contains("starting run \"none\" with nodes [0, 1] of 3"), "{}", text(&o0.stderr));
@@ -880,12 +879,7 @@ fn an_elastic_training_job_takes_back_a_node_that_comes_back() {
     kill_node_two(&dir, &mut nodes);
     wait_for_files(&dir, &["pid.0.1", "pid.1.1"], Duration::from_secs(60));
     let back = elastic_node(&port, 2, "20", &extra, &script);
-    let o2 = wait_bounded(back, Duration::from_secs(300));
-    let o1 = wait_bounded(nodes.pop().unwrap(), Duration::from_secs(300));
-    let o0 = wait_bounded(nodes.pop().unwrap(), Duration::from_secs(300));
-    for o in [&o0, &o1, &o2] {
-        assert!(o.status.success(), "{}\n{}\n{}", text(&o0.stderr), text(&o1.stderr), text(&o2.stderr));
-    }
+    all_succeed([back, nodes.pop().unwrap(), nodes.pop().unwrap()], Duration::from_secs(300));
     let s = summary(&out);
     assert_eq!(s["config"]["world_size"], 3, "{s}");
     assert_eq!(s["restart"]["restart_count"], 2, "{s}");
