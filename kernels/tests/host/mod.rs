@@ -2,11 +2,13 @@
 //! (`prelude.h` defines CUDA away and emulates the warp primitives,
 //! `epilogue.h` the tensor-core ones) into a shared library, and a runner
 //! that executes a launch as CUDA would: every block in turn, each thread of
-//! a block an OS thread with its indices set.
+//! a block a fiber of the calling thread with its indices set (the prelude's
+//! `chorus_host_run_block`).
 //!
 //! A C++ compiler is a prerequisite (`ci/vendor-cxx.sh` installs g++):
 //! without one the tests fail, saying so, rather than pass without running.
 
+use std::ffi::c_void;
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 
@@ -37,6 +39,18 @@ pub fn kernels() -> &'static HostKernels {
 }
 
 type Dims = unsafe extern "C" fn(u32, u32, u32, u32);
+type RunBlock = unsafe extern "C" fn(u32, u32, u32, extern "C" fn(*mut c_void), *mut c_void) -> i32;
+
+/// One lane of a block: calls the launch's body (a `&F` behind `body`). A
+/// panic must not unwind into the C++ scheduler's frames: it ends the process
+/// (after the panic hook has printed it).
+extern "C" fn lane<F: Fn()>(body: *mut c_void) {
+    // SAFETY: `launch` passes a `&F` that outlives the block it runs.
+    let body = unsafe { &*(body as *const F) };
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).is_err() {
+        std::process::abort();
+    }
+}
 
 impl HostKernels {
     /// The symbol `name` as a function of type `F`.
@@ -47,28 +61,27 @@ impl HostKernels {
 
     /// Runs `body` (one kernel call) as every thread of every block of a
     /// launch of `grid` blocks of `block` threads.
-    pub fn launch(&self, grid: (u32, u32, u32), block: u32, body: impl Fn() + Sync) {
+    pub fn launch<F: Fn() + Sync>(&self, grid: (u32, u32, u32), block: u32, body: F) {
         assert!(block % 32 == 0 && block <= 1024, "blocks of whole warps");
+        // The prelude's block state is one per library: one launch at a time.
         let _one = self.launch_lock.lock().unwrap_or_else(|p| p.into_inner());
-        let (dims, enter): (Dims, Dims) = (self.get("chorus_host_dims"), self.get("chorus_host_enter"));
-        // SAFETY: plain setters of the prelude's statics.
+        let (dims, run): (Dims, RunBlock) = (self.get("chorus_host_dims"), self.get("chorus_host_run_block"));
+        // SAFETY: a plain setter of the prelude's statics.
         unsafe { dims(grid.0, grid.1, grid.2, block) };
+        let argument = &body as *const F as *mut c_void;
         for bz in 0..grid.2 {
             for by in 0..grid.1 {
                 for bx in 0..grid.0 {
-                    std::thread::scope(|s| {
-                        for tx in 0..block {
-                            let body = &body;
-                            std::thread::Builder::new()
-                                .stack_size(256 * 1024)
-                                .spawn_scoped(s, move || {
-                                    // SAFETY: sets this thread's indices.
-                                    unsafe { enter(bx, by, bz, tx) };
-                                    body();
-                                })
-                                .expect("a thread for a lane");
+                    // SAFETY: `argument` is `&body`, alive until the block has run; `lane::<F>` reads it as one.
+                    let rc = unsafe { run(bx, by, bz, lane::<F>, argument) };
+                    assert!(
+                        rc == 0,
+                        "block ({bx}, {by}, {bz}) of {grid:?}: {}",
+                        match rc {
+                            -1 => "its threads wait at barriers that not all of them reach (a hang on a GPU)",
+                            _ => "no stack could be mapped for its threads",
                         }
-                    });
+                    );
                 }
             }
         }
