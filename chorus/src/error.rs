@@ -1,7 +1,7 @@
 //! The library's one error type: what a layer below reported, kept typed,
 //! and what only a world of ranks can say (which rank failed, and how).
 
-use chorus_collectives::bootstrap::EnvError;
+use chorus_collectives::bootstrap::{EnvError, JobError};
 use chorus_collectives::CommError;
 use chorus_devices::DeviceError;
 use chorus_fsdp::FsdpError;
@@ -97,6 +97,16 @@ impl Error {
         match self {
             Error::Rank { error, .. } => error.downcast_ref::<E>(),
             _ => None,
+        }
+    }
+}
+
+impl From<JobError> for Error {
+    fn from(e: JobError) -> Error {
+        match e {
+            JobError::Launcher(e) => Error::Launcher(e),
+            JobError::Store(e) => Error::Comm(e),
+            e => Error::InvalidArgument(e.to_string()),
         }
     }
 }

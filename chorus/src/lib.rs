@@ -52,7 +52,6 @@
 
 mod backend;
 mod error;
-mod job;
 #[cfg(feature = "candle")]
 pub mod model;
 mod rank;
@@ -70,9 +69,9 @@ pub use chorus_fsdp_candle as fsdp_candle;
 pub use {candle_core, candle_nn};
 
 pub use backend::{SelectedBackend, SELECTED_BACKEND};
+pub use chorus_collectives::bootstrap::{Job, JobError};
 pub use chorus_collectives::{CommBackend, Communicator, ReduceOp};
 pub use error::{BoxError, Error, Result};
-pub use job::Job;
 pub use rank::Rank;
 pub use world::{run, World};
 

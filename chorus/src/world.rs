@@ -14,10 +14,10 @@ use std::time::Duration;
 use chorus_collectives::Communicator;
 
 use crate::backend::SelectedBackend;
-use crate::job::Job;
 use crate::rank::Rank;
 use crate::threads::{run_on_threads, RankThreads};
 use crate::{BoxError, Error, Result};
+use chorus_collectives::bootstrap::Job;
 
 /// Where the ranks come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -9,19 +9,21 @@
 use std::time::Duration;
 
 use anyhow::Context;
+use chorus_collectives::bootstrap::{Job, JobError};
 
 use crate::UsageError;
 
 /// This process's place in a launched job and the job's store: the
-/// library's [`chorus::Job`] (which this dereferences to), with the
+/// bootstrap layer's [`Job`] (which this dereferences to; the library's
+/// `chorus::Job`), with the
 /// command line's choices of deadlines and messages.
 pub struct RankProcess {
-    job: chorus::Job,
+    job: Job,
 }
 
 impl std::ops::Deref for RankProcess {
-    type Target = chorus::Job;
-    fn deref(&self) -> &chorus::Job {
+    type Target = Job;
+    fn deref(&self) -> &Job {
         &self.job
     }
 }
@@ -29,9 +31,9 @@ impl std::ops::Deref for RankProcess {
 impl RankProcess {
     /// The job this process belongs to, or `None` when no launcher started it.
     pub fn detect() -> anyhow::Result<Option<RankProcess>> {
-        let joined = chorus::Job::detect(RankProcess::ucx_timeout(Duration::from_secs(300)));
+        let joined = Job::detect(RankProcess::ucx_timeout(Duration::from_secs(300)));
         let job = joined.map_err(|e| match e {
-            chorus::Error::Launcher(e) => anyhow::Error::new(e).context("reading the launcher's variables"),
+            JobError::Launcher(e) => anyhow::Error::new(e).context("reading the launcher's variables"),
             e => anyhow::Error::new(e).context("joining the job's store"),
         })?;
         Ok(job.map(|job| RankProcess { job }))
@@ -93,7 +95,7 @@ impl RankProcess {
     }
 
     /// Every rank waits until all have arrived, rank 0 (which may host the
-    /// store) until the others have left ([`chorus::Job::finish`]).
+    /// store) until the others have left ([`Job::finish`]).
     pub fn finish(&self, what: &str, timeout: Duration) -> anyhow::Result<()> {
         self.job
             .finish(what, timeout)

@@ -21,10 +21,14 @@
 //! - [`connect_from_env`]: the store a [`LaunchEnv`] points to — a client of
 //!   torchrun's (or `chorus launch`'s) agent store, or else a server on rank
 //!   0 at `MASTER_ADDR:MASTER_PORT` that every rank connects to.
+//! - [`Job`] (`job.rs`): this process as a rank of a launched job — the
+//!   variables read, the store joined, the world sizes checked, the
+//!   barriers that end a command.
 
 mod barrier;
 mod env;
 mod file;
+mod job;
 mod mem;
 pub mod nodelist;
 mod store;
@@ -37,6 +41,7 @@ use std::time::Duration;
 pub use barrier::{RoundBarrier, StoreBarrier};
 pub use env::{key_scope, process_key_scope, EnvError, LaunchEnv, Launcher};
 pub use file::FileStore;
+pub use job::{Job, JobError};
 pub use mem::MemStore;
 pub use store::{PrefixStore, Store};
 pub use tcp::{ClientOptions, ServerOptions, ServerStats, TcpStore, TcpStoreServer};

@@ -1,15 +1,39 @@
 //! This process as one rank of a launched job: the launcher's variables
 //! (torchrun, `chorus launch`, Slurm, Open MPI, PMI) read, the job's store
-//! joined, and the barriers that end a command together.
+//! joined, and the barriers that end a command together. The library
+//! (`chorus::Job`) and the command line start their ranks through it.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use chorus_collectives::bootstrap::{
-    connect_from_env, ConnectOptions, EnvError, LaunchEnv, Rendezvous, Store, StoreBarrier,
-};
+use super::{connect_from_env, ConnectOptions, EnvError, LaunchEnv, Rendezvous, Store, StoreBarrier};
+use crate::CommError;
 
-use crate::{Error, Result};
+/// Why a job could not be joined or ended.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum JobError {
+    /// The launcher's variables are incomplete or contradict each other.
+    #[error("reading the launcher's variables: {0}")]
+    Launcher(#[from] EnvError),
+    /// The job's store could not be joined, or failed or timed out.
+    #[error(transparent)]
+    Store(#[from] CommError),
+    /// Ranks were started with different world sizes.
+    #[error("rank {peer} joined a world of {theirs} ranks; rank {rank} a world of {ours} (the launcher's variables disagree)")]
+    WorldSize {
+        /// This rank.
+        rank: usize,
+        /// The rank whose world size differs.
+        peer: usize,
+        /// Its world size, as it published it.
+        theirs: String,
+        /// This rank's world size.
+        ours: usize,
+    },
+}
+
+type Result<T, E = JobError> = std::result::Result<T, E>;
 
 /// This process's place in a launched job, and the job's store.
 #[derive(Debug)]
@@ -30,7 +54,7 @@ impl Job {
     pub fn detect(timeout: Duration) -> Result<Option<Job>> {
         let env = match LaunchEnv::from_process_env() {
             Err(EnvError::NoLauncher { .. }) => return Ok(None),
-            Err(e) => return Err(Error::Launcher(e)),
+            Err(e) => return Err(JobError::Launcher(e)),
             Ok(env) => env,
         };
         let rendezvous = connect_from_env(&env, &ConnectOptions::default())?;
@@ -87,10 +111,7 @@ fn check_world_sizes(env: &LaunchEnv, store: &dyn Store, timeout: Duration) -> R
         let theirs = store.get(&format!("{prefix}/{r}"), timeout)?;
         let theirs = String::from_utf8_lossy(&theirs).trim().to_string();
         if theirs != env.world_size.to_string() {
-            return Err(Error::InvalidArgument(format!(
-                "rank {r} joined a world of {theirs} ranks; rank {} a world of {} (the launcher's variables disagree)",
-                env.rank, env.world_size
-            )));
+            return Err(JobError::WorldSize { rank: env.rank, peer: r, theirs, ours: env.world_size });
         }
     }
     Ok(())
