@@ -1,36 +1,58 @@
 #!/usr/bin/env bash
-# The library crate `chorus` as its users meet it: its tests, its doctests
-# and every example run (the README's "Use chorus as a library" and
-# docs/library.md point to them), with the features each needs; the
-# GPU backends' code type-checked (it runs where a GPU is, ci/gpu-check.sh).
-# Called by ci/test.sh (ci/library.sh --after-workspace); runs alone from a
-# clone too.
+# The library crate `chorus` as its users meet it: every example run (the
+# README's "Use chorus as a library" and docs/library.md point to them) on
+# sim, and on ucx as 4 processes under `chorus launch`; a user's crate with
+# candle-cuda resolved with candle patched; alone, the library's rustdoc
+# without a warning. Its tests and doctests, clippy over its GPU branches
+# and every crate's rustdoc are ci/test.sh's (the workspace's build and
+# clippy steps).
+#
+#   bash ci/library.sh [CARGO_ARGS...]
+#
+# CARGO_ARGS select the build the examples come from; ci/test.sh passes its
+# workspace build's (`--workspace --features ... --config ...`), so the
+# examples are that build's and nothing is built again but the library with
+# `ucx`. Alone the default is `--workspace --features chorus/candle`.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
 
 run() { printf '+ %s\n' "$*"; "$@"; }
 
-# Unit and integration tests, the examples' own #[test]s, then the doctests:
-# ci/test.sh's workspace step has run them (the workspace builds chorus with
-# candle) and says so with --after-workspace; alone, this script runs them.
-if [ "${1:-}" != --after-workspace ]; then
-    run cargo test -p chorus --features candle --lib --tests --examples
-    run cargo test -p chorus --features candle --doc
-fi
-# Every example run as a user runs it; each checks its own values and exits non-zero otherwise.
+build=("$@")
+[ "${#build[@]}" -gt 0 ] || build=(--workspace --features chorus/candle)
+examples="$CARGO_TARGET_DIR/debug/examples"
+
+# `cargo test --no-run` builds the examples as binaries (test = true ones
+# too) in the test profile, the units the tests use: with ci/test.sh's
+# arguments this finds them built. The last build of an example is the one
+# under debug/examples.
+run cargo test -q --no-run "${build[@]}"
+# Every example run as a user runs it (`cargo run -p chorus --features candle
+# --example NAME`); each checks its own values and exits non-zero otherwise.
 for example in collectives own_model same_main testing_your_code; do
-    run cargo run -q -p chorus --features candle --example "$example"
+    run "$examples/$example"
 done
-# The same main on ucx: 4 processes under `chorus launch`, one rank each.
-run cargo build -q -p chorus --features ucx,candle --examples
-[ -x "$CARGO_TARGET_DIR/debug/chorus" ] || run cargo build -q -p chorus-cli
-run "$CARGO_TARGET_DIR/debug/chorus" launch --nproc-per-node 4 -- "$CARGO_TARGET_DIR/debug/examples/collectives"
-run "$CARGO_TARGET_DIR/debug/chorus" launch --nproc-per-node 2 -- "$CARGO_TARGET_DIR/debug/examples/same_main"
-# The GPU backends' builds are run on a GPU elsewhere (ci/gpu-check.sh); here
-# they are type-checked (nccl: clippy's --all-features build; rccl alone
-# selects the rccl branch, checked here without a build: nothing runs it).
-run cargo check -q -p chorus --features rccl --examples
+
+# The same main on ucx: the library with `ucx` (only the library and its
+# examples are built again: no other crate depends on it), 4 processes under
+# `chorus launch` of the workspace's build, one rank each.
+[ -x "$CARGO_TARGET_DIR/debug/chorus" ] || { echo "no $CARGO_TARGET_DIR/debug/chorus: build the workspace first" >&2; exit 1; }
+ucx=()
+for ((i = 0; i < ${#build[@]}; i++)); do
+    if [ "${build[$i]}" = --features ]; then
+        ucx+=(--features "${build[$((i + 1))]},chorus/ucx")
+        i=$((i + 1))
+    else
+        ucx+=("${build[$i]}")
+    fi
+done
+run cargo test -q --no-run "${ucx[@]}"
+run "$CARGO_TARGET_DIR/debug/chorus" launch --nproc-per-node 4 -- "$examples/collectives"
+run "$CARGO_TARGET_DIR/debug/chorus" launch --nproc-per-node 2 -- "$examples/same_main"
+# Back to the build's own examples (nothing is compiled: both builds' units are kept).
+run cargo test -q --no-run "${build[@]}"
+
 # A user's own crate with candle on the GPU (docs/library.md, "The GPU in your
 # crate"): with ci/candle-cuda.sh's patch.toml, it resolves with a dependency
 # outside chorus's lock, candle from the patched copy and cudarc in chorus's
@@ -60,5 +82,8 @@ grep -q 'cudarc feature "dynamic-loading"' <<<"$features" && ! grep -q '"dynamic
     { echo "a user's crate builds cudarc in another loading mode:" >&2; echo "$features" >&2; exit 1; }
 echo "a user's crate with candle-cuda and its own dependencies resolves with candle patched"
 
-# The rustdoc of the crate users read first, without a warning.
-RUSTDOCFLAGS="-D warnings" run cargo doc -q -p chorus --features candle --no-deps
+# The rustdoc of the crate users read first, without a warning (ci/test.sh
+# builds every crate's, with every feature, after clippy).
+if [ "$#" = 0 ]; then
+    RUSTDOCFLAGS="-D warnings" run cargo doc -q -p chorus --features candle --no-deps
+fi

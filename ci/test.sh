@@ -36,6 +36,8 @@ summary() {
     done
     printf '%6d s  in all (%d min %d s)\n' "$SECONDS" $((SECONDS / 60)) $((SECONDS % 60))
     if [ "$rc" != 0 ]; then echo "FAILED (exit $rc) in: $failed" >&2; fi
+    # The candle-cuda build started in the background, when a step failed before it was waited for.
+    if [ -n "${candle_cuda_build:-}" ]; then kill "$candle_cuda_build" 2>/dev/null || true; fi
     if [ -n "${logs:-}" ]; then rm -rf "$logs"; fi
 }
 trap summary EXIT
@@ -59,9 +61,11 @@ step "set-up: the PyTorch venv (ci/python-env.sh)"
 # below with --ignored, so here they run, or fail.
 source ci/python-env.sh
 
-# One target directory for fmt, clippy and the tests, so nothing builds twice
-# more than it must (clippy's check builds and the test builds still differ).
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
+# One target directory for clippy, the tests and every backend, so nothing is
+# built twice that one build can serve; target/ci, because every build here
+# takes its crates from ci/candle-cuda.sh's copy (below), and a build from
+# crates.io (a plain `cargo build`) in the same directory would rebuild them.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target/ci}"
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 
 step "toolchain and cargo-nextest"
@@ -112,35 +116,45 @@ python3 ci/import_circles.py
 # the cargo configuration that builds from it (README, "candle on CUDA").
 step "set-up: nvcc and candle patched for candle-cuda (ci/candle-cuda.sh)"
 source ci/candle-cuda.sh
-# The builds with that configuration get a target directory of their own:
-# under source replacement cargo keeps the crates' ids, so a crate built
-# from the patched copy and the same crate from crates.io are one unit
-# with two fingerprints, and in one directory each build rebuilt what the
-# other had built (a second run of this script rebuilt 150-190 crates in
-# clippy's, the workspace's and candle-cuda's steps).
-candle_cuda_target="$CARGO_TARGET_DIR/with-candle-cuda"
+# Every build below takes that configuration, not clippy's alone: under
+# source replacement cargo keeps the crates' ids, so a crate built from the
+# copy and from crates.io is one unit with two fingerprints, and builds with
+# and without it in one directory rebuilt each other's crates. With it
+# everywhere, clippy's check and the tests' build share the proc macros and
+# the build scripts' runs (UCX's configure and make, 72 s).
+cfg=(--config "$CHORUS_CANDLE_CUDA_CONFIG")
+
 step "cargo clippy --workspace --all-targets --all-features -- -D warnings (candle-cuda: nvcc 13.0 from PyPI, candle patched)"
-CARGO_TARGET_DIR="$candle_cuda_target" cargo clippy --workspace --all-targets --all-features \
-    --config "$CHORUS_CANDLE_CUDA_CONFIG" -- -D warnings
+cargo clippy --workspace --all-targets --all-features "${cfg[@]}" -- -D warnings
+# The library selects the most specific backend built (nccl, rccl, ucx,
+# sim), so --all-features reads its nccl branch only: its rccl branch with
+# every other feature as above (only the library is checked again).
+rccl_branch="$(cargo metadata -q --no-deps --format-version 1 "${cfg[@]}" | python3 -c '
+import json, sys
+meta = json.load(sys.stdin)
+every = ["%s/%s" % (p["name"], f) for p in meta["packages"] for f in p["features"]]
+print(",".join(f for f in every if f not in ("chorus/nccl", "chorus/candle-cuda")))')"
+cargo clippy --workspace --all-targets --features "$rccl_branch" "${cfg[@]}" -- -D warnings
+step "every crate's rustdoc, every feature, without a warning"
+RUSTDOCFLAGS="-D warnings" cargo doc -q --workspace --no-deps --all-features "${cfg[@]}"
+
+# One build of the workspace with every backend (ucx, and the GPU backends'
+# code that loads their libraries at run time) serves every test below, the
+# library's examples and the namespace hosts' binary. The library stays on
+# sim: the command line's backend features do not reach it (it selects its
+# backend at build time), and `chorus/candle` builds its candle examples.
+build=(--workspace --features chorus-cli/ucx,chorus-cli/nccl,chorus-cli/rccl,chorus/candle "${cfg[@]}")
 
 # nextest runs each test in a process of its own, two at a time on two
 # cores; .config/nextest.toml gives the tests that time themselves the
 # machine alone. Doctests are cargo test's (nextest does not run them).
-step "every crate's tests (cargo nextest run --workspace) and doctests (cargo test --doc)"
-cargo nextest run --workspace --no-fail-fast 2>&1 | tee "$logs/workspace.log"
+step "every crate's tests with every backend built (cargo nextest run --workspace): the suite on sim and on ucx (2 and 4 ranks in one process, 2 fake hosts x 2 ranks through the hierarchical schedule, 4 processes under chorus launch), FSDP equal to sim, killed ranks, the flight recorder, restarts (--max-restarts, --nnodes MIN:MAX, --resume auto, asynchronous saves), the GPU kernels' source run on the host (c++); and the doctests (cargo test --doc)"
+cargo nextest run "${build[@]}" --no-fail-fast 2>&1 | tee "$logs/workspace.log"
 slowest "$logs/workspace.log"
-# The binary this build made, for the NumPy comparison below (a later build
-# with other features puts its own at target/debug/chorus).
+# This build's binary, for the NumPy comparison and the namespace hosts
+# below (a later build with other features would put its own at target/debug/chorus).
 cp "$CARGO_TARGET_DIR/debug/chorus" "$logs/chorus"
-cargo test --workspace --doc
-
-step "the library: its examples run as a user runs them (its tests and doctests ran in the workspace step), on sim and on ucx under chorus launch, the rccl branch type-checked, a user crate with candle-cuda resolved, its rustdoc"
-if [ -f ci/library.sh ]; then
-    bash ci/library.sh --after-workspace
-else
-    echo "NOT RUN: ci/library.sh missing" >&2
-    exit 1
-fi
+cargo test "${build[@]}" --doc
 
 # A suite started by a script in the background has SIGINT ignored (and
 # under nohup SIGHUP); a child inherits that, and chorus keeps an inherited
@@ -150,19 +164,21 @@ fi
 step "the signal tests with SIGINT and SIGHUP ignored, as under nohup or in a background job"
 (
     trap '' INT HUP
-    # --workspace, not -p chorus-cli: the workspace step's feature resolution, so nothing is built
-    # again (other crates' integration binaries run none of these names).
-    cargo test --workspace --no-fail-fast --test integration -- tokenize::interrupted_runs tokenize::sigusr1 \
+    # The workspace step's build (other crates' integration binaries run none of these names).
+    cargo test "${build[@]}" --no-fail-fast --test integration -- tokenize::interrupted_runs tokenize::sigusr1 \
         flight_recorder::sigterm flight_recorder::sigusr1 launch::sigterm launch::a_stop_signal
 )
 
-# The tests against PyTorch are #[ignore]d where there is no venv; they share
-# the workspace's build and run side by side.
-step "against PyTorch (the venv's CHORUS_PYTHON): TCPStore both ways, torchrun's agent store, PyTorch ranks under chorus launch, Python and torch's DCP reader reading checkpoints, a Hugging Face Llama trained by chorus and by PyTorch (every step's loss, the final weights through from_pretrained), tokenizer ids, the output directory through AutoTokenizer and AutoModelForCausalLM, greedy generation token for token, the lr schedule against LambdaLR, the float8 casts against NumPy and torch, the planner's activation count against autograd, the fused ops against torch"
-torch_tests=(
+# The tests #[ignore]d where a plain `cargo test` cannot know their
+# prerequisites, which this script provides (the venv; vendor-libs.sh fails
+# if it cannot): they run here, and fail if PyTorch or NCCL does not load
+# after all. The same build, side by side.
+step "against PyTorch (the venv's CHORUS_PYTHON): TCPStore both ways, torchrun's agent store, PyTorch ranks under chorus launch and FSDP on ucx under torchrun, Python and torch's DCP reader reading checkpoints, a Hugging Face Llama trained by chorus and by PyTorch (every step's loss, the final weights through from_pretrained), tokenizer ids, the output directory through AutoTokenizer and AutoModelForCausalLM, greedy generation token for token, the lr schedule against LambdaLR, the float8 casts against NumPy and torch, the planner's activation count against autograd, the fused ops against torch; the GPU backends loading without a GPU (NCCL, NVRTC; HIP from Debian's libamdhip64-5, hipRTC; RCCL absent; CUDA driver absent)"
+ignored_tests=(
     'binary_id(chorus-collectives::integration) & test(/^tcpstore_torch::/)'
     'binary_id(chorus-collectives::integration) & test(=bootstrap_env::rust_ranks_join_torchruns_agent_store)'
     'binary_id(chorus-cli::integration) & test(=launch::pytorch_ranks_rendezvous_through_the_launchers_store)'
+    'binary_id(chorus-cli::integration) & test(=ucx::fsdp_under_torchrun_equals_the_simulator)'
     'binary_id(chorus-train::integration) & test(/^checkpoint::/)'
     'binary_id(chorus-cli::integration) & test(/^llama_torch::/)'
     # The Llama trainer's text in and out, and its lr schedule, against transformers and torch.
@@ -175,70 +191,53 @@ torch_tests=(
     'binary_id(chorus-plan::integration) & test(/^saved_torch::/)'
     # The fused ops (chorus-kernels, CPU) against SDPA, rms_norm, LlamaRMSNorm, RoPE, silu and cross_entropy, gradients too.
     'binary_id(chorus-kernels::integration) & test(/^ops_torch::/)'
-)
-filter="$(printf '(%s) | ' "${torch_tests[@]}")"
-cargo nextest run --workspace --no-fail-fast --run-ignored only -E "${filter% | }" 2>&1 | tee "$logs/torch.log"
-slowest "$logs/torch.log"
-
-step "chorus train against an independent NumPy implementation (init written by numpy.save)"
-"$CHORUS_PYTHON" ci/train_vs_numpy.py "$logs/chorus" "$(mktemp -d)"
-
-# ucx, cuda, nccl, rocm and rccl only add optional dependencies, so one
-# build with all of them serves every backend's tests below (each had a
-# build of its own before: five more builds of the crates).
-backends=(-p chorus-devices -p chorus-collectives -p chorus-conformance -p chorus-cli
-    --features chorus-cli/ucx,chorus-cli/nccl,chorus-cli/rccl
-    --lib --test integration --test cuda_load --test gpu_kernels_host --test nccl_load --test hip_load --test rccl_load
-    --test device_hip)
-step "ucx backend: unit tests, the suite with every rank in one process (2 and 4 ranks, and 2 fake hosts x 2 ranks through the hierarchical schedule), and one rank per process: the suite over 4 processes, FSDP equal to sim (chorus launch, and torchrun from the venv), killed rank, world-size disagreement, the flight recorder naming the culprit and every node's dumps gathered, restarts (--max-restarts, --nnodes MIN:MAX, --resume auto, asynchronous saves); GPU backends: loading without a GPU (NCCL, NVRTC; HIP from Debian's libamdhip64-5, hipRTC; RCCL absent; CUDA driver absent), the shared kernel source run on the host (c++) against half and the cpu device"
-backend_tests=(
-    'binary_id(chorus-collectives) & test(ucx)'
-    'binary_id(chorus-conformance::integration) & test(/^(ucx|ucx_hosts|routed)::/)'
-    'binary_id(chorus-cli::integration) & test(/^(ucx|flight_recorder)::/)'
-    # Restarts under chorus launch: a killed rank, an elastic job losing a host, a rank killed during an asynchronous save.
-    'binary_id(chorus-cli::integration) & test(/^launch_restarts::/)'
-    'binary_id(chorus-devices::cuda_load)'
-    'binary_id(chorus-devices::gpu_kernels_host)'
-)
-filter="$(printf '(%s) | ' "${backend_tests[@]}")"
-cargo nextest run "${backends[@]}" --no-fail-fast -E "${filter% | }" 2>&1 | tee "$logs/backends.log"
-slowest "$logs/backends.log"
-# This build's binary has UCX: the namespace hosts below run it.
-cp "$CARGO_TARGET_DIR/debug/chorus" "$logs/chorus-ucx"
-# The loading tests are #[ignore]d where a plain `cargo test` cannot know
-# their prerequisites; this script provides them (vendor-libs.sh fails if it
-# cannot), so they run here, and fail if NCCL does not load after all.
-backend_ignored=(
-    'binary_id(chorus-cli::integration) & test(=ucx::fsdp_under_torchrun_equals_the_simulator)'
+    # Loading the GPU backends' libraries without a GPU.
     'binary_id(chorus-devices) & test(cuda)'
     'binary_id(chorus-collectives::nccl_load) & not test(on_a_gpu)'
     'binary_id(chorus-devices::hip_load)'
     'binary_id(chorus-collectives::rccl_load)'
 )
-filter="$(printf '(%s) | ' "${backend_ignored[@]}")"
-cargo nextest run "${backends[@]}" --no-fail-fast --run-ignored all -E "${filter% | }" 2>&1 | tee "$logs/backends-ignored.log"
-slowest "$logs/backends-ignored.log"
+filter="$(printf '(%s) | ' "${ignored_tests[@]}")"
+cargo nextest run "${build[@]}" --no-fail-fast --run-ignored only -E "${filter% | }" 2>&1 | tee "$logs/ignored.log"
+slowest "$logs/ignored.log"
 # The device suite on an AMD GPU is run where one is (/dev/kfd); elsewhere it is reported as not run.
 if [ -e /dev/kfd ]; then
-    cargo nextest run "${backends[@]}" --run-ignored all -E 'binary_id(chorus-devices::device_hip)' --test-threads=1
+    cargo nextest run "${build[@]}" --run-ignored all -E 'binary_id(chorus-devices::device_hip)' --test-threads=1
 else
-    # Built above with the other backends' tests.
+    # Built above with the other tests.
     echo "NOT RUN: the device suite on the hip device (devices/tests/device_hip.rs): no AMD GPU here (/dev/kfd)" >&2
 fi
 
-# candle's CUDA device (candle-cuda, built through ci/candle-cuda.sh above): a typed error, never cudarc's panic.
-# Its own build: ci/candle-cuda.sh's configuration replaces crates.io with a patched copy, so every
-# crate built with it is another unit; folded into the build above, the whole chain was built again
-# from the copy (tried 2026-11-29: about 11 minutes under nice beside a benchmark, against 3.5 for
-# this step and 3 for the build above).
-step "candle's CUDA device without a GPU: loading is a typed error (candle-cuda)"
-CARGO_TARGET_DIR="$candle_cuda_target" cargo test -p chorus-fsdp-candle --features candle-cuda \
-    --config "$CHORUS_CANDLE_CUDA_CONFIG" --test candle_cuda_load
+step "chorus train against an independent NumPy implementation (init written by numpy.save)"
+"$CHORUS_PYTHON" ci/train_vs_numpy.py "$logs/chorus" "$(mktemp -d)"
+
+step "the library: its examples run as a user runs them (its tests and doctests ran above), on sim and on ucx under chorus launch, a user crate with candle-cuda resolved"
+bash ci/library.sh "${build[@]}"
+
+# candle's CUDA device (candle-cuda): a typed error, never cudarc's panic.
+# A build of its own (folded into the one above, candle-core with CUDA
+# would build every crate above it again): started here at the lowest
+# priority while the namespace hosts below, which mostly wait, run; its
+# test runs after them.
+candle_cuda=(-p chorus-fsdp-candle --features candle-cuda "${cfg[@]}" --test candle_cuda_load)
+nice -n 19 cargo test "${candle_cuda[@]}" --no-run >"$logs/candle-cuda-build.log" 2>&1 &
+candle_cuda_build=$!
 
 step "several hosts made of network namespaces (2 hosts x 2 ranks, UCX, 1 Gbit/s links): the suite, FSDP and HSDP equal to sim, torchrun across hosts, checkpoints resumed on other topologies, dead, hung and partitioned hosts (during a collective and a save) ending the job within 10 s, a stalled rank named by chorus trace, hosts sharing a hostname (about 3 minutes)"
-bash ci/multihost-test.sh "$logs/chorus-ucx"
+bash ci/multihost-test.sh "$logs/chorus"
 
 step "restarts across namespace hosts (3 hosts x 2 ranks, UCX): host 2 killed during a save under --nnodes 2:3 --max-restarts 1, the others resume from the last complete checkpoint and end where a run of 2 hosts from it ends (about a minute)"
-bash ci/multihost-restarts.sh "$logs/chorus-ucx"
+bash ci/multihost-restarts.sh "$logs/chorus"
+
+step "candle's CUDA device without a GPU: loading is a typed error (candle-cuda; built during the two steps above)"
+built=0
+wait "$candle_cuda_build" || built=$?
+candle_cuda_build=""
+if [ "$built" != 0 ]; then
+    cat "$logs/candle-cuda-build.log" >&2
+    exit 1
+fi
+tail -n 3 "$logs/candle-cuda-build.log"
+cargo test "${candle_cuda[@]}"
 
 step "all checks passed"
