@@ -65,6 +65,9 @@ pub fn answer_ending_signals(before_end: fn()) {
 }
 
 fn install_these(wanted: &[libc::c_int]) {
+    // UCX takes SIGHUP at start-up: given back first, so it is seen at its default.
+    #[cfg(feature = "ucx")]
+    crate::ucx::give_back_sighup();
     static THREAD: OnceLock<bool> = OnceLock::new();
     let running =
         *THREAD.get_or_init(|| match std::thread::Builder::new().name("chorus-signals".into()).spawn(answer) {

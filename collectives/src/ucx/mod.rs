@@ -27,7 +27,7 @@
 //!   (`hierarchy.rs`, over the host layout of `layout.rs`). Which one a
 //!   call takes is `schedule.rs`'s: the switch is
 //!   [`UcxConfig::small_bytes`] (per rank's buffer, `config.rs`), measured in
-//!   `docs/benchmarks.md`. A call runs against its communicator's [`Core`]
+//!   `docs/benchmarks.md`. A call runs against its communicator's `Core`
 //!   (`member.rs`: the job, the members, the scratch pool).
 //! - **Mismatch.** Every collective sends its sequence number and
 //!   fingerprint to every other rank alongside its first data messages, and
@@ -59,6 +59,7 @@
 
 mod algorithms;
 mod config;
+mod debug_signal;
 mod engine;
 mod exec;
 mod hierarchy;
@@ -73,6 +74,8 @@ mod result;
 mod schedule;
 mod wire;
 mod worker;
+
+pub(crate) use debug_signal::give_back_sighup;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
