@@ -4,7 +4,7 @@
 //! [`InfoRow`] made by a probe function. Adding a backend is: a feature in
 //! `cli/Cargo.toml`, a variant here with its name, a probe that tries to load
 //! its library and says which variable points to it, and its arm in
-//! [`with_backend!`] (a member of the NCCL family needs nothing else:
+//! `with_backend!` (a member of the NCCL family needs nothing else:
 //! `train`, `bench` and `conformance` are written once over the family).
 
 use crate::Outcome;

@@ -44,7 +44,7 @@
 //! machine and joins them by shared memory, whose wake-ups (abstract Unix
 //! sockets) do not cross network namespaces: nodes that are containers
 //! sharing a machine's IPC namespace but not its network stall about 100 ms
-//! per message. Each launcher publishes what UCX compares ([`MachineView`]);
+//! per message. Each launcher publishes what UCX compares ([`MachineView`](nodes::MachineView));
 //! where two nodes would be joined that way, the ranks get
 //! `UCX_TLS=^sm` (no shared memory) unless `UCX_TLS` is set, and the
 //! launcher says so.

@@ -27,6 +27,9 @@
 // Built without any backend feature, the binary only has `info`; the
 // measuring and checking code is then unused, which is expected.
 #![cfg_attr(not(feature = "sim"), allow(dead_code))]
+// The arguments' doc comments are `--help` text, where `<out-dir>` and
+// `</s>` are meant literally, not as HTML.
+#![allow(rustdoc::invalid_html_tags)]
 
 mod backends;
 mod bench;

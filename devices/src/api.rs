@@ -489,7 +489,7 @@ pub trait Stream: Send + Sync + fmt::Debug + 'static {
     /// thread of the device (a driver thread on GPUs), so it must be short
     /// and must not block on other streams' work; like CUDA, every device
     /// refuses device API calls made inside it — including those of
-    /// handles it drops — with [`DeviceError::InHostFunction`](crate::DeviceError::InHostFunction)
+    /// handles it drops — with [`DeviceError::InHostFunction`]
     /// (see [`crate::host_fn`]). It runs even when earlier work failed, with
     /// that failure (`Err`), so it can release what it holds. A panic in `f`
     /// is caught and fails the stream from this operation on.

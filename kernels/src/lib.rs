@@ -1,7 +1,7 @@
 //! The decoder's fused differentiable ops, each a candle custom op with its
-//! backward, a CPU reference and a CUDA kernel: [`rms_norm`], [`rope`],
-//! [`swiglu`], [`attention`] (causal flash attention with grouped-query
-//! heads) and [`cross_entropy`]. Every model that `chorus train` runs (the
+//! backward, a CPU reference and a CUDA kernel: [`rms_norm`](mod@rms_norm), [`rope`](mod@rope),
+//! [`swiglu`](mod@swiglu), [`attention`](mod@attention) (causal flash attention with grouped-query
+//! heads) and [`cross_entropy`](mod@cross_entropy). Every model that `chorus train` runs (the
 //! Llama, the transformer, the mixture of experts) calls these; they know
 //! nothing of sharding or backends.
 //!

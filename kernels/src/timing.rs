@@ -16,23 +16,23 @@ use candle_core::{Device, Result};
 /// A kind of fused op, forward or backward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum OpKind {
-    /// [`rms_norm`](crate::rms_norm).
+    /// [`rms_norm`](mod@crate::rms_norm).
     RmsNorm,
     /// Its backward (`dx` and `dw`).
     RmsNormBackward,
-    /// [`rope`](crate::rope).
+    /// [`rope`](mod@crate::rope).
     Rope,
     /// Its backward.
     RopeBackward,
-    /// [`swiglu`](crate::swiglu).
+    /// [`swiglu`](mod@crate::swiglu).
     Swiglu,
     /// Its backward.
     SwigluBackward,
-    /// [`attention`](crate::attention).
+    /// [`attention`](mod@crate::attention).
     Attention,
     /// Its backward.
     AttentionBackward,
-    /// [`cross_entropy`](crate::cross_entropy).
+    /// [`cross_entropy`](mod@crate::cross_entropy).
     CrossEntropy,
     /// Its backward.
     CrossEntropyBackward,

@@ -18,7 +18,7 @@
 //!   destroy (a `released` flag under the same lock);
 //! - **calls**: each batch from the [`Communicator`](crate::Communicator) is
 //!   one `ncclGroupStart`/`ncclGroupEnd` on the caller's stream, enqueued
-//!   through [`ForeignBackend::enqueue_foreign`](chorus_devices::ForeignBackend::enqueue_foreign)
+//!   through [`ForeignBackend::enqueue_foreign`]
 //!   (which keeps the buffers alive in stream order). On a non-blocking
 //!   communicator `ncclGroupEnd` may return `ncclInProgress` while the
 //!   library's own thread enqueues the kernels; the launch waits for that
@@ -32,7 +32,7 @@
 //!   known release) leaves the last elements unscaled in one-rank `Avg` and
 //!   `PreMulSum` reductions (NVIDIA/nccl#1950); on those versions a one-rank
 //!   reduction is issued as a sum, then scaled on the stream;
-//! - **failures and deadlines** ([`watchdog`]): each launch is recorded
+//! - **failures and deadlines** (`watchdog.rs`): each launch is recorded
 //!   between two events; a background watchdog starts the launch's deadline
 //!   when its stream reaches it, polls `ncclCommGetAsyncError`, and on an
 //!   error or an expired deadline aborts the communicator and fails the

@@ -16,7 +16,7 @@ pub struct UcxConfig {
     /// The store prefix of this job's keys (unique per job in the store).
     /// The default, `chorus/ucx/{run id}/{restart}` ([`process_key_scope`]),
     /// tells jobs and restarts apart as `chorus`'s commands do; and every
-    /// [`UcxComm::init`] under one prefix counts itself in, so a second
+    /// `UcxComm::init` under one prefix counts itself in, so a second
     /// world made in the same store (a re-init) gets keys of its own
     /// instead of reading the first one's.
     pub prefix: String,
@@ -33,7 +33,7 @@ pub struct UcxConfig {
     /// found by the deadline ([`UcxConfig::timeout`]).
     pub peer_failure: bool,
     /// At most this many free scratch buffers are kept for later calls, per
-    /// communicator ([`UcxComm::scratch_memory`] counts them).
+    /// communicator ([`UcxComm::scratch_memory`](super::UcxComm::scratch_memory) counts them).
     pub scratch_pool_buffers: usize,
     /// At most this many bytes of free scratch buffers are kept, per
     /// communicator (a large ring all-reduce uses three buffers of a

@@ -5,7 +5,7 @@
 //! the backends move float8 but refuse to reduce it; and training with it
 //! stays close to bf16 training (docs/fsdp.md, "Float8 all-gather").
 //!
-//! The expected values come from [`torchao_float8`], a second, plainly
+//! The expected values come from `torchao_float8`, a second, plainly
 //! written implementation of torchao's recipe (the e4m3fn grid enumerated
 //! from its definition, the nearest point taken by search), not from the
 //! implementation's own conversions, so a wrong rounding or scale in

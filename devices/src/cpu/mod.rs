@@ -15,7 +15,7 @@
 //!   `device.rs`), so they are deterministic whatever the executors' lag;
 //! - the **stream sanitizer** ([`sanitizer`]) checks every enqueued
 //!   operation's declared reads and writes against the other streams' with
-//!   vector clocks and refuses unordered ones with [`DeviceError::Race`].
+//!   vector clocks and refuses unordered ones with [`DeviceError::Race`](crate::DeviceError::Race).
 //!
 //! Other crates (the `sim` collectives backend) enqueue their own jobs with
 //! [`CpuStream::enqueue`], declaring their accesses the same way.

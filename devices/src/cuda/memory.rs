@@ -74,7 +74,7 @@ impl CudaBuffer {
     /// The device address of the first byte (for vendor libraries such as NCCL).
     ///
     /// Valid while the buffer lives; use it only in the order of a stream
-    /// that has been passed to [`CudaBuffer::note_use`] (chorus's own
+    /// that has been passed to `CudaBuffer::note_use` (chorus's own
     /// operations do this themselves).
     pub fn device_ptr(&self) -> CUdeviceptr {
         self.ptr

@@ -2,7 +2,7 @@
 //!
 //! How the device contract ([`chorus_devices::api`]) maps onto virtual time:
 //! - a **buffer** holds a dtype and a length, never bytes; allocation counts
-//!   in [`MemCounters`] exactly as the cpu device does (from allocation until
+//!   in [`MemCounters`](chorus_devices::MemCounters) exactly as the cpu device does (from allocation until
 //!   the handle is dropped), so a peak here means what the cpu device's
 //!   peak means;
 //! - a **stream** is a clock: an operation starts at the later of the

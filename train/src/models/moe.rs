@@ -4,7 +4,7 @@
 //! largest router logit, and that expert's output is scaled by the token's
 //! softmax gate (the router's probability of that expert).
 //!
-//! Under FSDP ([`MoeModel::shard`]) each block is a param group (attention,
+//! Under FSDP ([`shard`]) each block is a param group (attention,
 //! the MLP's norm and the router) and each expert a group of its own,
 //! declared routed to its block's with `Fsdp::set_routed_groups`: a rank
 //! runs only the experts its tokens were routed to, and FSDP still issues

@@ -1,5 +1,5 @@
 //! The simulated NCCL ABI: an in-process library with NCCL's C interface on
-//! cpu devices, so the NCCL family's communicator ([`VendorComm`]) — the code
+//! cpu devices, so the NCCL family's communicator ([`VendorComm`](crate::nccl_family::VendorComm)) — the code
 //! that runs NCCL and RCCL on GPUs — runs in CI, and the library's usage
 //! rules are enforced where a GPU would enforce them.
 //!

@@ -26,7 +26,7 @@ pub const ENTRY_OVERHEAD: usize = 64;
 /// A connection's buffers above this capacity are freed once empty.
 pub(super) const KEEP_BUFFER: usize = 64 * 1024;
 
-/// How a [`TcpStoreServer`] bounds what clients can make it do.
+/// How a [`TcpStoreServer`](crate::bootstrap::TcpStoreServer) bounds what clients can make it do.
 #[derive(Clone)]
 pub struct ServerOptions {
     /// Request size limits (PyTorch's by default).
@@ -71,7 +71,8 @@ impl std::fmt::Debug for ServerOptions {
     }
 }
 
-/// What a [`TcpStoreServer`] holds now (see [`TcpStoreServer::stats`]).
+/// What a [`TcpStoreServer`](crate::bootstrap::TcpStoreServer) holds now (see
+/// [`TcpStoreServer::stats`](crate::bootstrap::TcpStoreServer::stats)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ServerStats {
     /// Bytes counted against [`ServerOptions::max_memory_bytes`] now.
