@@ -18,7 +18,7 @@ use std::process::Output;
 use std::time::Duration;
 
 use chorus_train::tokenizer::HfTokenizer;
-use common::{chorus, run_bounded, scratch, text};
+use common::{chorus, run_bounded, scratch, text, Scratch};
 
 const LIMIT: Duration = Duration::from_secs(300);
 
@@ -91,7 +91,7 @@ fn expected_rows(tok: &HfTokenizer, docs: &[&str], cols: usize) -> (Vec<u32>, us
 
 /// Trains a tokenizer on a corpus and tokenizes it: returns the directory,
 /// the tokenizer's path and the corpus.
-fn trained(name: &str) -> (PathBuf, PathBuf, String) {
+fn trained(name: &str) -> (Scratch, PathBuf, String) {
     let dir = scratch(name);
     let corpus = corpus(300);
     std::fs::write(dir.join("corpus.txt"), &corpus).unwrap();

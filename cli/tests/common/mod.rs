@@ -15,7 +15,12 @@ pub fn chorus_path() -> &'static str {
 /// the signals the tests send at their default action (`default_signals`).
 pub fn chorus() -> Command {
     let mut cmd = Command::new(chorus_path());
-    cmd.env("CHORUS_TRACE_DIR", std::env::temp_dir().join(format!("chorus-cli-trace-{}", std::process::id())));
+    // Under the target directory: the dumps of every failing rank of every
+    // run would otherwise pile up in the temporary directory.
+    cmd.env(
+        "CHORUS_TRACE_DIR",
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("chorus-cli-trace-{}", std::process::id())),
+    );
     default_signals(&mut cmd);
     cmd
 }
@@ -83,12 +88,44 @@ pub fn run_bounded(cmd: &mut Command, limit: Duration) -> Output {
     out
 }
 
-/// A fresh, empty directory unique to this test process.
-pub fn scratch(name: &str) -> PathBuf {
+/// A fresh, empty directory unique to this test process, removed when the
+/// test ends unless it failed (what a failed test left is kept to look at):
+/// a suite run again and again must not fill the temporary directory.
+pub fn scratch(name: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("chorus-cli-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    Scratch(dir)
+}
+
+/// A test's scratch directory ([`scratch`]); a path everywhere one is taken.
+pub struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = PathBuf;
+    fn deref(&self) -> &PathBuf {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for Scratch {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
 }
 
 /// A loopback port that is free now, for a store a test's launcher will

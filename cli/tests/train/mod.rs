@@ -4,11 +4,12 @@
 //! mixed out-dir; and the transformer's default-style run learns, plots,
 //! checkpoints and resumes.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::common;
+use crate::common::scratch;
 
 /// The binary, the signals the tests send at their defaults (as `common::chorus`).
 fn chorus() -> Command {
@@ -23,13 +24,6 @@ fn run(args: &[&str]) -> Output {
 
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("chorus-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 fn no_panic(o: &Output) {
