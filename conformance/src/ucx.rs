@@ -4,7 +4,7 @@
 //! process (one UCP worker and progress thread each, connected over UCX's
 //! shared-memory and TCP transports through an in-memory store), which is
 //! how `cargo test` runs the whole suite quickly; and a
-//! [`RankHarness`](crate::process::RankHarness), so `chorus conformance
+//! [`RankHarness`], so `chorus conformance
 //! --backend ucx` under a launcher runs the same cases with one rank per
 //! process ([`crate::process`]).
 

@@ -2,7 +2,7 @@
 //! `nccl`/`rccl` under a launcher.
 //!
 //! Every rank joins the job once and measures each (operation, size) with
-//! [`measure_rank`](super::rank::measure_rank), waiting at the communicator's own
+//! [`measure_rank`], waiting at the communicator's own
 //! barrier before each iteration (the processes have no shared clock, so
 //! an iteration's time is the slowest rank's, from its barrier to its
 //! stream synchronize). Each rank publishes its iteration times and wrong

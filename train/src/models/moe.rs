@@ -1,4 +1,4 @@
-//! A small mixture-of-experts transformer: the [`gpt`](super::gpt)
+//! A small mixture-of-experts transformer: the [`gpt`]
 //! transformer whose every MLP is a router and `experts` MLPs with top-1
 //! routing, as the Switch Transformer: each token goes to the expert of its
 //! largest router logit, and that expert's output is scaled by the token's

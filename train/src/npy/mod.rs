@@ -1,4 +1,4 @@
-//! NumPy's `.npy` files: float32 arrays ([`array`](mod@array): initial weights, data
+//! NumPy's `.npy` files: float32 arrays (`array`: initial weights, data
 //! and trained parameters, the interchange with PyTorch and NumPy users)
 //! and token files (`tokens`: rows of token ids, read memory-mapped and
 //! written row by row), over one header reader and writer (`header.rs`).
