@@ -30,9 +30,15 @@ examples="$CARGO_TARGET_DIR/debug/examples"
 run cargo test -q --no-run "${build[@]}"
 # Every example run as a user runs it (`cargo run -p chorus --features candle
 # --example NAME`); each checks its own values and exits non-zero otherwise.
-for example in collectives own_model same_main testing_your_code; do
+# testing_your_code is run as its users run it, `cargo test --example
+# testing_your_code`: its tests are the workspace's (cargo builds an example
+# with `test = true` as a test only).
+for example in collectives own_model same_main; do
     run "$examples/$example"
 done
+if [ "$#" = 0 ]; then
+    run cargo test -q "${build[@]}" --example testing_your_code
+fi
 
 # The same main on ucx: the library with `ucx` (only the library and its
 # examples are built again: no other crate depends on it), 4 processes under

@@ -59,7 +59,6 @@
 
 mod algorithms;
 mod config;
-mod debug_signal;
 mod engine;
 mod exec;
 mod hierarchy;
@@ -72,10 +71,11 @@ mod raw;
 mod region;
 mod result;
 mod schedule;
+mod start_up;
 mod wire;
 mod worker;
 
-pub(crate) use debug_signal::give_back_sighup;
+pub(crate) use start_up::give_back_sighup;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -156,6 +156,8 @@ impl UcxComm {
             return Err(CommError::invalid("UcxComm::init", format!("{size} ranks; at most {}", wire::MAX_RANKS)));
         }
         crate::host_fn_check("ucx init")?;
+        // UCX's start-up took SIGHUP (start_up.rs): a world's process answers it as chorus documents.
+        give_back_sighup();
         let abort = Arc::new(AbortState::default());
         let peers = Arc::new(Peers::default());
         let timeout = config.timeout;
