@@ -36,8 +36,11 @@ summary() {
     done
     printf '%6d s  in all (%d min %d s)\n' "$SECONDS" $((SECONDS / 60)) $((SECONDS % 60))
     if [ "$rc" != 0 ]; then echo "FAILED (exit $rc) in: $failed" >&2; fi
-    # The candle-cuda build started in the background, when a step failed before it was waited for.
-    if [ -n "${candle_cuda_build:-}" ]; then kill "$candle_cuda_build" 2>/dev/null || true; fi
+    # The builds started in the background, when a step failed before they were waited for.
+    if [ -n "${background_builds:-}" ]; then
+        pkill -P "$background_builds" 2>/dev/null || true
+        kill "$background_builds" 2>/dev/null || true
+    fi
     if [ -n "${logs:-}" ]; then rm -rf "$logs"; fi
 }
 trap summary EXIT
@@ -143,18 +146,18 @@ RUSTDOCFLAGS="-D warnings" cargo doc -q --workspace --no-deps --all-features "${
 # library's examples and the namespace hosts' binary. The library stays on
 # sim: the command line's backend features do not reach it (it selects its
 # backend at build time), and `chorus/candle` builds its candle examples.
-build=(--workspace --features chorus-cli/ucx,chorus-cli/nccl,chorus-cli/rccl,chorus/candle "${cfg[@]}")
+features=chorus-cli/ucx,chorus-cli/nccl,chorus-cli/rccl,chorus/candle
+build=(--workspace --features "$features" "${cfg[@]}")
 
 # nextest runs each test in a process of its own, two at a time on two
 # cores; .config/nextest.toml gives the tests that time themselves the
-# machine alone. Doctests are cargo test's (nextest does not run them).
-step "every crate's tests with every backend built (cargo nextest run --workspace): the suite on sim and on ucx (2 and 4 ranks in one process, 2 fake hosts x 2 ranks through the hierarchical schedule, 4 processes under chorus launch), FSDP equal to sim, killed ranks, the flight recorder, restarts (--max-restarts, --nnodes MIN:MAX, --resume auto, asynchronous saves), the GPU kernels' source run on the host (c++); and the doctests (cargo test --doc)"
+# machine alone. The doctests are cargo test's (nextest does not run them): last, below.
+step "every crate's tests with every backend built (cargo nextest run --workspace): the suite on sim and on ucx (2 and 4 ranks in one process, 2 fake hosts x 2 ranks through the hierarchical schedule, 4 processes under chorus launch), FSDP equal to sim, killed ranks, the flight recorder, restarts (--max-restarts, --nnodes MIN:MAX, --resume auto, asynchronous saves), the GPU kernels' source run on the host (c++)"
 cargo nextest run "${build[@]}" --no-fail-fast 2>&1 | tee "$logs/workspace.log"
 slowest "$logs/workspace.log"
 # This build's binary, for the NumPy comparison and the namespace hosts
 # below (a later build with other features would put its own at target/debug/chorus).
 cp "$CARGO_TARGET_DIR/debug/chorus" "$logs/chorus"
-cargo test "${build[@]}" --doc
 
 # A suite started by a script in the background has SIGINT ignored (and
 # under nohup SIGHUP); a child inherits that, and chorus keeps an inherited
@@ -214,14 +217,24 @@ step "chorus train against an independent NumPy implementation (init written by 
 step "the library: its examples run as a user runs them (its tests and doctests ran above), on sim and on ucx under chorus launch, a user crate with candle-cuda resolved"
 bash ci/library.sh "${build[@]}"
 
-# candle's CUDA device (candle-cuda): a typed error, never cudarc's panic.
-# A build of its own (folded into the one above, candle-core with CUDA
-# would build every crate above it again): started here at the lowest
-# priority while the namespace hosts below, which mostly wait, run; its
-# test runs after them.
-candle_cuda=(-p chorus-fsdp-candle --features candle-cuda "${cfg[@]}" --test candle_cuda_load)
-nice -n 19 cargo test "${candle_cuda[@]}" --no-run >"$logs/candle-cuda-build.log" 2>&1 &
-candle_cuda_build=$!
+# Two builds of their own, started here at the lowest priority while the
+# namespace hosts below, which mostly wait, run:
+# - the doctests, built and run there (cargo builds some crates again for
+#   them, tokenizers, candle and the crates above them, about 95 s; it has
+#   no --no-run for them); their results are printed after the hosts;
+# - candle's CUDA device (candle-cuda; loading it without a GPU is a typed
+#   error, never cudarc's panic): folded into the build above, candle-core
+#   with CUDA would build every crate above it again; as the workspace's
+#   build with the feature, but only its test target, it builds candle and
+#   the crates under chorus-fsdp-candle again, nothing else (`-p` would
+#   resolve features apart and build the chain again).
+candle_cuda=(--workspace --features "$features,chorus-fsdp-candle/candle-cuda" "${cfg[@]}" --test candle_cuda_load)
+(
+    renice -n 19 "$BASHPID" >/dev/null
+    cargo test "${build[@]}" --doc
+    cargo test "${candle_cuda[@]}" --no-run
+) >"$logs/background-builds.log" 2>&1 &
+background_builds=$!
 
 step "several hosts made of network namespaces (2 hosts x 2 ranks, UCX, 1 Gbit/s links): the suite, FSDP and HSDP equal to sim, torchrun across hosts, checkpoints resumed on other topologies, dead, hung and partitioned hosts (during a collective and a save) ending the job within 10 s, a stalled rank named by chorus trace, hosts sharing a hostname (about 3 minutes)"
 bash ci/multihost-test.sh "$logs/chorus"
@@ -229,15 +242,15 @@ bash ci/multihost-test.sh "$logs/chorus"
 step "restarts across namespace hosts (3 hosts x 2 ranks, UCX): host 2 killed during a save under --nnodes 2:3 --max-restarts 1, the others resume from the last complete checkpoint and end where a run of 2 hosts from it ends (about a minute)"
 bash ci/multihost-restarts.sh "$logs/chorus"
 
-step "candle's CUDA device without a GPU: loading is a typed error (candle-cuda; built during the two steps above)"
+step "the doctests (cargo test --doc), and candle's CUDA device without a GPU: loading is a typed error (candle-cuda); both built during the two steps above"
 built=0
-wait "$candle_cuda_build" || built=$?
-candle_cuda_build=""
+wait "$background_builds" || built=$?
+background_builds=""
 if [ "$built" != 0 ]; then
-    cat "$logs/candle-cuda-build.log" >&2
+    cat "$logs/background-builds.log" >&2
     exit 1
 fi
-tail -n 3 "$logs/candle-cuda-build.log"
+grep -E '^ *(Finished|Doc-tests)|^test |^test result' "$logs/background-builds.log"
 cargo test "${candle_cuda[@]}"
 
 step "all checks passed"
