@@ -44,16 +44,8 @@ fi
 # examples are built again: no other crate depends on it), 4 processes under
 # `chorus launch` of the workspace's build, one rank each.
 [ -x "$CARGO_TARGET_DIR/debug/chorus" ] || { echo "no $CARGO_TARGET_DIR/debug/chorus: build the workspace first" >&2; exit 1; }
-ucx=()
-for ((i = 0; i < ${#build[@]}; i++)); do
-    if [ "${build[$i]}" = --features ]; then
-        ucx+=(--features "${build[$((i + 1))]},chorus/ucx")
-        i=$((i + 1))
-    else
-        ucx+=("${build[$i]}")
-    fi
-done
-run cargo test -q --no-run "${ucx[@]}"
+# A second --features adds to the first: the same resolution plus the library's `ucx`.
+run cargo test -q --no-run "${build[@]}" --features chorus/ucx
 run "$CARGO_TARGET_DIR/debug/chorus" launch --nproc-per-node 4 -- "$examples/collectives"
 run "$CARGO_TARGET_DIR/debug/chorus" launch --nproc-per-node 2 -- "$examples/same_main"
 # Back to the build's own examples (nothing is compiled: both builds' units are kept).
