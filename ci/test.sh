@@ -69,6 +69,9 @@ source ci/python-env.sh
 # takes its crates from ci/candle-cuda.sh's copy (below), and a build from
 # crates.io (a plain `cargo build`) in the same directory would rebuild them.
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target/ci}"
+# Not incremental: from a clean clone its caches are pure cost (time and
+# gigabytes), and a rerun with nothing changed builds nothing either way.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 
 step "toolchain and cargo-nextest"
@@ -153,7 +156,9 @@ build=(--workspace --features "$features" "${cfg[@]}")
 # cores; .config/nextest.toml gives the tests that time themselves the
 # machine alone. The doctests are cargo test's (nextest does not run them): last, below.
 step "every crate's tests with every backend built (cargo nextest run --workspace): the suite on sim and on ucx (2 and 4 ranks in one process, 2 fake hosts x 2 ranks through the hierarchical schedule, 4 processes under chorus launch), FSDP equal to sim, killed ranks, the flight recorder, restarts (--max-restarts, --nnodes MIN:MAX, --resume auto, asynchronous saves), the GPU kernels' source run on the host (c++)"
-cargo nextest run "${build[@]}" --no-fail-fast 2>&1 | tee "$logs/workspace.log"
+# --timings: cargo's report of what each crate's build took, in
+# $CARGO_TARGET_DIR/cargo-timings/.
+cargo nextest run "${build[@]}" --timings --no-fail-fast 2>&1 | tee "$logs/workspace.log"
 slowest "$logs/workspace.log"
 # This build's binary, for the NumPy comparison and the namespace hosts
 # below (a later build with other features would put its own at target/debug/chorus).
@@ -219,9 +224,8 @@ bash ci/library.sh "${build[@]}"
 
 # Two builds of their own, started here at the lowest priority while the
 # namespace hosts below, which mostly wait, run:
-# - the doctests, built and run there (cargo builds some crates again for
-#   them, tokenizers, candle and the crates above them, about 95 s; it has
-#   no --no-run for them); their results are printed after the hosts;
+# - the doctests, built and run there (cargo has no --no-run for them);
+#   their results are printed after the hosts;
 # - candle's CUDA device (candle-cuda; loading it without a GPU is a typed
 #   error, never cudarc's panic): folded into the build above, candle-core
 #   with CUDA would build every crate above it again; as the workspace's
