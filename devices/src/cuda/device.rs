@@ -53,6 +53,27 @@ pub(crate) fn init() -> Result<()> {
     .clone()
 }
 
+/// Makes the device's default memory pool (what `cuMemAllocAsync` takes
+/// from, chorus's buffers and candle's alike) keep the memory freed into it,
+/// as PyTorch's caching allocator does. Its release threshold is 0 unless
+/// set: every synchronize handed the pool's free memory back to the driver,
+/// and the next step's allocations had it mapped again.
+fn keep_freed_memory(device: CUdevice, label: &str) -> Result<()> {
+    // SAFETY: a device returned by cuDeviceGet.
+    let pool = unsafe { drv::device::get_default_mem_pool(device) }.drv("cuDeviceGetDefaultMemPool", label)?;
+    let mut threshold = u64::MAX;
+    // SAFETY: the device's default pool; the release threshold's value is a
+    // cuuint64_t, which `threshold` is, read during the call.
+    unsafe {
+        drv::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    }
+    .drv("cuMemPoolSetAttribute", label)
+}
+
 /// Number of CUDA devices visible to this process, or why there are none to
 /// be had (the driver library missing, `cuInit` failing).
 pub fn device_count() -> Result<usize> {
@@ -170,6 +191,7 @@ impl CudaDevice {
                 message: format!("{label} does not support the stream-ordered allocator (cuMemAllocAsync)"),
             });
         }
+        keep_freed_memory(cu_device, &label)?;
         let gpu_name = drv::device::get_name(cu_device).drv("cuDeviceGetName", &label)?;
         // SAFETY: a device returned by cuDeviceGet; released in DeviceInner::drop.
         let ctx = unsafe { drv::primary_ctx::retain(cu_device) }.drv("cuDevicePrimaryCtxRetain", &label)?;

@@ -59,6 +59,8 @@ const DRIVER: Spec = Spec {
         "cuEventRecord",
         "cuEventQuery",
         "cuEventDestroy_v2",
+        "cuDeviceGetDefaultMemPool",
+        "cuMemPoolSetAttribute",
         "cuMemAllocAsync",
         "cuMemFreeAsync",
         "cuMemHostAlloc",
