@@ -212,7 +212,8 @@ mod tests {
     /// candle as ci/candle-cuda.sh patches it keeps a tensor's first
     /// gradient as it comes instead of adding it to zeros: the seeded
     /// gradient reaches a parameter added to a constant as that very
-    /// allocation; a second use adds. candle from crates.io copies it.
+    /// allocation; a second use adds; a weight's through `x·Wᵀ` is the
+    /// transposed view. candle from crates.io makes each a tensor of its own.
     #[test]
     #[ignore = "needs candle-core patched by ci/candle-cuda.sh (ci/test.sh builds from that copy and runs it)"]
     fn a_first_gradient_is_kept_as_it_comes_with_candle_patched() {
@@ -229,5 +230,15 @@ mod tests {
         assert_eq!(twice.to_vec1::<f32>().unwrap(), vec![0.2, -0.4, 0.6]);
         assert_ne!(address(twice), address(&g), "a sum written into the seed");
         assert_eq!(g.to_vec1::<f32>().unwrap(), vec![0.1, -0.2, 0.3], "the seed is left as it was");
+        // A Linear's weight: out = x·Wᵀ, so dW = gᵀ·x, reached through the transpose.
+        let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], (3, 2), &dev).unwrap();
+        let w = Var::from_vec(vec![0.5f32, -1.0, 2.0, 0.25], (2, 2), &dev).unwrap();
+        let g = Tensor::from_vec(vec![0.1f32, 0.2, 0.3, -0.4, 0.5, 0.6], (3, 2), &dev).unwrap();
+        let grads = seed_backward(&x.matmul(&w.as_tensor().t().unwrap()).unwrap(), &g).unwrap();
+        let dw = grads.get(w.as_tensor()).unwrap();
+        assert!(!dw.is_contiguous(), "a weight's gradient was copied out of the transpose");
+        let want = g.t().unwrap().matmul(&x).unwrap();
+        let diff = (dw - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(diff < 1e-6, "{diff}");
     }
 }
