@@ -3,9 +3,9 @@
 # README's "Use chorus as a library" and docs/library.md point to them) on
 # sim, and on ucx as 4 processes under `chorus launch`; a user's crate with
 # candle-cuda resolved with candle patched; alone, the library's rustdoc
-# without a warning. Its tests and doctests, clippy over its GPU branches
-# and every crate's rustdoc are ci/test.sh's (the workspace's build and
-# clippy steps).
+# without a warning. Its tests, doctests, clippy over its GPU branches
+# and every crate's rustdoc are ci/test.sh's (the workspace's tests, the
+# doctests beside the namespace hosts, the clippy and rustdoc steps).
 #
 #   bash ci/library.sh [CARGO_ARGS...]
 #

@@ -226,7 +226,7 @@ fi
 step "chorus train against an independent NumPy implementation (init written by numpy.save)"
 "$CHORUS_PYTHON" ci/train_vs_numpy.py "$logs/chorus" "$(mktemp -d)"
 
-step "the library: its examples run as a user runs them (its tests and doctests ran above), on sim and on ucx under chorus launch, a user crate with candle-cuda resolved"
+step "the library: its examples run as a user runs them (its tests ran above, its doctests run beside the namespace hosts), on sim and on ucx under chorus launch, a user crate with candle-cuda resolved"
 bash ci/library.sh "${build[@]}"
 
 # Two builds of their own, started here at the lowest priority while the
