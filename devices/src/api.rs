@@ -559,6 +559,14 @@ pub trait ComputeStream: Stream {
     fn column_sums(&self, x: View<'_, Self::B>, out: View<'_, Self::B>, accumulate: bool) -> Result<()>;
     /// `out[0] (+)= Σ x²`, summed in f64; `out` is one f32 or f64 element.
     fn sum_squares(&self, x: View<'_, Self::B>, out: View<'_, Self::B>, accumulate: bool) -> Result<()>;
+    /// Scales `x` as `torch.nn.utils.clip_grad_norm_` does, with the squared
+    /// norm read on the device rather than by the host: `c = max_norm /
+    /// (√(sq[0][0] + sq[1][0]) + 1e-6)`, summed and rooted in f64, and `x ·= c`
+    /// (in f32 for f16/bf16/f32) when `c < 1`; otherwise, a NaN norm included,
+    /// `x` is left alone. `sq` are one f32 or f64 element each (the two parts
+    /// of the squared norm, e.g. sharded and replicated) and do not overlap
+    /// `x`; `max_norm` is finite and not negative.
+    fn clip_scale(&self, x: View<'_, Self::B>, sq: [View<'_, Self::B>; 2], max_norm: f64) -> Result<()>;
     /// One SGD step on the parameter of `operands`.
     fn sgd_step(&self, params: SgdParams, operands: SgdOperands<'_, Self::B>) -> Result<()>;
     /// One AdamW step on the parameter of `operands`.

@@ -243,6 +243,30 @@ pub(crate) fn sum_squares<B: Backend>(x: View<'_, B>, out: View<'_, B>) -> Resul
     scalar_out(op, &out)
 }
 
+/// [`ComputeStream::clip_scale`](crate::ComputeStream::clip_scale): a float
+/// `x`, two one-element f32 or f64 parts that do not overlap it, a finite
+/// non-negative `max_norm`.
+pub(crate) fn clip_scale<B: Backend>(x: View<'_, B>, sq: [View<'_, B>; 2], max_norm: f64) -> Result<()> {
+    let op = "clip_scale";
+    need_float(op, x.dtype())?;
+    for part in &sq {
+        if part.len() != 1 || !matches!(part.dtype(), DType::F32 | DType::F64) {
+            let found = format!("{}[{}]", part.dtype(), part.len());
+            return Err(DeviceError::invalid(
+                op,
+                format!("a squared-norm part must be one f32 or f64 element, got {found}"),
+            ));
+        }
+        if part.overlaps(&x) {
+            return Err(DeviceError::invalid(op, "a part of the squared norm overlaps the scaled view"));
+        }
+    }
+    if !(max_norm.is_finite() && max_norm >= 0.0) {
+        return Err(DeviceError::invalid(op, format!("max_norm must be finite and not negative, got {max_norm}")));
+    }
+    Ok(())
+}
+
 /// Optimizer operands: f32, all as long as the first.
 fn f32_operands<B: Backend>(op: &'static str, operands: &[View<'_, B>]) -> Result<()> {
     for v in operands {

@@ -82,6 +82,7 @@ pub const NAMES: &[&str] = &[
     "chorus_fill",
     "chorus_cast",
     "chorus_scale",
+    "chorus_clip_scale",
     "chorus_accumulate",
     "chorus_accumulate_int",
     "chorus_axpy",
@@ -460,6 +461,20 @@ extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_scale(void* x,
         GRID_STRIDE(i, n) ((double*)x)[i] = ((double*)x)[i] * alpha;
     } else {
         float a = (float)alpha;
+        GRID_STRIDE(i, n) stf(x, t, i, ldf(x, t, i) * a);
+    }
+}
+
+// clip_grad_norm_'s scaling with the norm read here, not on the host: every
+// thread computes the same coefficient from the two squared-norm parts (in
+// f64, as the host did) and leaves x alone unless it is below 1.
+extern "C" __global__ void __launch_bounds__(CHORUS_BLOCK) chorus_clip_scale(void* x, int t, u64 n, const void* sq_a, int at, const void* sq_b, int bt, double max_norm) {
+    double coef = max_norm / (sqrt(ldd(sq_a, at, 0) + ldd(sq_b, bt, 0)) + 1e-6);
+    if (!(coef < 1.0)) return;
+    if (t == T_F64) {
+        GRID_STRIDE(i, n) ((double*)x)[i] = ((double*)x)[i] * coef;
+    } else {
+        float a = (float)coef;
         GRID_STRIDE(i, n) stf(x, t, i, ldf(x, t, i) * a);
     }
 }

@@ -48,7 +48,7 @@ use chorus_devices::Backend;
 pub use comm_context::CommCounts;
 pub use config::{gathers_as_float8, DataParallel, FsdpConfig, MixedPrecision, OffloadPolicy, Reshard, ShardPlacement};
 pub use error::{FsdpError, Result};
-pub use optim::{OptimizerKind, ShardedOptimizer};
+pub use optim::{GradNorm, OptimizerKind, ShardedOptimizer};
 pub use overhead::{Hook, HookTime, HostOverhead};
 pub use param::{rows_of, DeferredParam, ParamInit, ShardSource};
 pub use state::{Fsdp, UnshardHandle};

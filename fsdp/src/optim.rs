@@ -3,8 +3,8 @@
 
 use chorus_collectives::{CommBackend, ReduceOp};
 use chorus_devices::{
-    host_step, AdamWOperands, AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, DType, DeviceError, Scalar,
-    SgdOperands, SgdParams, Stream, StreamExt,
+    host_step, AdamWOperands, AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, DType, DeviceError,
+    Readback, Scalar, SgdOperands, SgdParams, Stream, StreamExt,
 };
 
 use crate::storage::{kernels_reach, zeroed_like, GroupStorage};
@@ -308,6 +308,33 @@ fn host_step<S: Stream>(
     Ok(s.update_on_host(&[grad.view()], &writes, Box::new(update))?)
 }
 
+/// The global gradient norm of one [`Fsdp::clip_grad_norm_async`]: its copy
+/// to the host is enqueued behind the clipping, so reading it waits for that
+/// work only, and a loop that never reads it never waits for it.
+#[derive(Debug)]
+#[must_use = "the norm is read with `read`; drop it if it is not needed"]
+pub struct GradNorm {
+    /// The squared norm's two parts: the shards' (summed across the shard
+    /// group) and the replicated parameters'.
+    parts: Readback,
+}
+
+impl GradNorm {
+    /// Whether the norm has reached the host (reading it will not block). Never blocks.
+    pub fn is_ready(&self) -> bool {
+        self.parts.is_ready()
+    }
+
+    /// The norm before clipping; blocks until it has reached the host (or the
+    /// stream's deadline passes).
+    pub fn read(self) -> Result<f64> {
+        match self.parts.wait_typed::<f32>()?.as_slice() {
+            [sharded, replicated] => Ok((*sharded as f64 + *replicated as f64).sqrt()),
+            other => Err(FsdpError::InvalidArgument(format!("the gradient norm came back as {} values", other.len()))),
+        }
+    }
+}
+
 /// Gradient clipping needs a reduction kernel ([`ComputeStream::sum_squares`]).
 impl<C: CommBackend> Fsdp<C>
 where
@@ -316,35 +343,46 @@ where
     /// The global L2 norm of all gradients across shards (padding is zero and
     /// adds nothing; replicated parameters count once). If it exceeds
     /// `max_norm`, scales every gradient by `max_norm / (norm + 1e-6)` as
-    /// `torch.nn.utils.clip_grad_norm_` does. Every rank must call it; blocks.
+    /// `torch.nn.utils.clip_grad_norm_` does. Every rank must call it; blocks
+    /// until the norm is on the host ([`Fsdp::clip_grad_norm_async`] does not).
     /// Returns the norm before clipping.
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64> {
+        self.clip_grad_norm_async(max_norm)?.read()
+    }
+
+    /// [`Fsdp::clip_grad_norm`] without waiting: the norm, the coefficient and
+    /// the scaling are all enqueued on the compute stream (the coefficient is
+    /// computed on the device, [`ComputeStream::clip_scale`]), so the host can
+    /// enqueue the optimizer step at once. The norm is read from the returned
+    /// [`GradNorm`] when wanted. Every rank must call it. `max_norm` must be
+    /// finite and not negative.
+    pub fn clip_grad_norm_async(&mut self, max_norm: f64) -> Result<GradNorm> {
+        if !(max_norm.is_finite() && max_norm >= 0.0) {
+            return Err(FsdpError::InvalidArgument(format!(
+                "clip_grad_norm: max_norm must be finite and not negative, got {max_norm}"
+            )));
+        }
         let s = &self.ctx.streams.compute;
-        let sharded = s.alloc(DType::F32, 1)?;
-        let replicated = s.alloc(DType::F32, 1)?;
-        s.fill(sharded.view(), Scalar::Float(0.0))?;
-        s.fill(replicated.view(), Scalar::Float(0.0))?;
+        // [the shards' sum of squares, the replicated parameters'].
+        let sq = s.alloc(DType::F32, 2)?;
+        s.fill(sq.view(), Scalar::Float(0.0))?;
+        let (sharded, replicated) = (sq.view().slice(0, 1)?, sq.view().slice(1, 1)?);
         for storage in self.groups.iter().map(|g| &g.storage) {
             if let Some(grad) = &storage.grad {
                 // The sharded part, then the replicated parameters whole.
                 let split = storage.sharded_numel;
-                let parts = [(grad.slice(0, split)?, &sharded), (grad.slice(split, grad.len() - split)?, &replicated)];
+                let parts = [(grad.slice(0, split)?, sharded), (grad.slice(split, grad.len() - split)?, replicated)];
                 for (part, out) in parts.into_iter().filter(|(part, _)| !part.is_empty()) {
-                    offload::on_kernel_view(s, part, false, |g| s.sum_squares(g, out.view(), true))?;
+                    offload::on_kernel_view(s, part, false, |g| s.sum_squares(g, out, true))?;
                 }
             }
         }
         // Shards differ across the shard group only; replicas hold the same values.
-        self.ctx.dp.shard.all_reduce_in_place(sharded.view(), ReduceOp::Sum, s)?;
-        let total = s.read_vec::<f32>(sharded.view())?[0] as f64 + s.read_vec::<f32>(replicated.view())?[0] as f64;
-        let norm = total.sqrt();
-        let coef = max_norm / (norm + 1e-6);
-        if coef < 1.0 {
-            for grad in self.groups.iter().filter_map(|g| g.storage.grad.as_ref()) {
-                offload::on_kernel_view(s, grad.view(), true, |g| s.scale(g, coef))?;
-            }
+        self.ctx.dp.shard.all_reduce_in_place(sharded, ReduceOp::Sum, s)?;
+        for grad in self.groups.iter().filter_map(|g| g.storage.grad.as_ref()) {
+            offload::on_kernel_view(s, grad.view(), true, |g| s.clip_scale(g, [sharded, replicated], max_norm))?;
         }
-        Ok(norm)
+        Ok(GradNorm { parts: s.copy_to_host(sq.view())? })
     }
 }
 

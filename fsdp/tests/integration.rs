@@ -2,5 +2,6 @@
 //! is a module of it, so the code they share is built and linked once.
 //! nextest runs each test in a process of its own.
 
+mod clip;
 mod deferred_grads;
 mod host_path;

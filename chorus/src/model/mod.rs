@@ -260,9 +260,17 @@ where
     }
 
     /// Clips the gradients' global norm to `max_norm` (between `backward`
-    /// and `step`); returns the norm before clipping.
+    /// and `step`); returns the norm before clipping, waiting for it.
     pub fn clip_grad_norm(&self, max_norm: f64) -> Result<f64> {
         Ok(self.model.clip_grad_norm(max_norm)?)
+    }
+
+    /// [`ShardedModel::clip_grad_norm`] without waiting: the clipping is
+    /// enqueued on the device and `step` can follow at once; the norm is read
+    /// from the handle (`read`) when wanted, as PyTorch's `clip_grad_norm_`
+    /// returns a tensor.
+    pub fn clip_grad_norm_async(&self, max_norm: f64) -> Result<chorus_fsdp::GradNorm> {
+        Ok(self.model.clip_grad_norm_async(max_norm)?)
     }
 
     /// The mean over every rank of this rank's `loss` (one value): the

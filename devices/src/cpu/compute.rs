@@ -6,7 +6,7 @@ use super::kernels::{self, with_float};
 use super::sanitizer::Access;
 use super::Cpu;
 use crate::checks;
-use crate::{AdamWOperands, AdamWParams, MatmulSpec, Result, SgdOperands, SgdParams, View};
+use crate::{AdamWOperands, AdamWParams, Element, MatmulSpec, Result, SgdOperands, SgdParams, View};
 
 use super::stream::{store_scalar, typed, typed_mut};
 use super::{CpuStream, JobInput};
@@ -87,6 +87,20 @@ impl crate::ComputeStream for CpuStream {
             o.copy_from_slice(old);
             let s = with_float!(xd, X => kernels::sum_squares::<X>(typed(x)));
             with_float!(od, O => store_scalar::<O>(o, s, accumulate))
+        })
+    }
+
+    fn clip_scale(&self, x: View<'_, Cpu>, sq: [View<'_, Cpu>; 2], max_norm: f64) -> Result<()> {
+        checks::clip_scale(x, sq, max_norm)?;
+        let (xd, ad, bd) = (x.dtype(), sq[0].dtype(), sq[1].dtype());
+        self.map_job("clip_scale", [sq[0], sq[1], x], x, move |[a, b, old], x| {
+            x.copy_from_slice(old);
+            let total =
+                with_float!(ad, A => typed::<A>(a)[0].to_f64()) + with_float!(bd, B => typed::<B>(b)[0].to_f64());
+            let coef = max_norm / (total.sqrt() + 1e-6);
+            if coef < 1.0 {
+                with_float!(xd, T => kernels::scale::<T>(typed_mut(x), coef));
+            }
         })
     }
 

@@ -160,6 +160,24 @@ impl crate::ComputeStream for CudaStream {
         })
     }
 
+    fn clip_scale(&self, x: View<'_, Cuda>, sq: [View<'_, Cuda>; 2], max_norm: f64) -> Result<()> {
+        checks::clip_scale(x, sq, max_norm)?;
+        self.elementwise("clip_scale", &[sq[0], sq[1], x], x.len(), |k, s, label| {
+            let n = x.len() as u64;
+            let args = Args::default()
+                .ptr(device_ptr(&x))
+                .i32(code(x.dtype()))
+                .u64(n)
+                .ptr(device_ptr(&sq[0]))
+                .i32(code(sq[0].dtype()))
+                .ptr(device_ptr(&sq[1]))
+                .i32(code(sq[1].dtype()))
+                .f64(max_norm);
+            // SAFETY: as in `cast`; the parts do not overlap `x` (checked above).
+            unsafe { k.launch("chorus_clip_scale", n, s, args, label) }
+        })
+    }
+
     fn sgd_step(&self, params: SgdParams, operands: SgdOperands<'_, Cuda>) -> Result<()> {
         let op = "sgd_step";
         checks::sgd_step(&params, &operands)?;

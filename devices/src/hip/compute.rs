@@ -128,6 +128,20 @@ impl crate::ComputeStream for HipStream {
         })
     }
 
+    fn clip_scale(&self, x: View<'_, Hip>, sq: [View<'_, Hip>; 2], max_norm: f64) -> Result<()> {
+        let op = "clip_scale";
+        checks::clip_scale(x, sq, max_norm)?;
+        let n = x.len();
+        if n == 0 {
+            return self.enqueue(|_| Ok(()));
+        }
+        let (xt, at, bt) = (code(x.dtype()), code(sq[0].dtype()), code(sq[1].dtype()));
+        let inputs = [(sq[0], Reads::Whole), (sq[1], Reads::Whole)];
+        self.launch(op, "chorus_clip_scale", &inputs, x, Dims::linear(n), |p, d| {
+            Args::default().ptr(d).i32(xt).u64(n as u64).ptr(p[0]).i32(at).ptr(p[1]).i32(bt).f64(max_norm)
+        })
+    }
+
     fn sgd_step(&self, params: SgdParams, operands: SgdOperands<'_, Hip>) -> Result<()> {
         let op = "sgd_step";
         checks::sgd_step(&params, &operands)?;

@@ -322,6 +322,39 @@ fn the_mse_loss_gradient_and_sums_match_the_cpu_device() {
     }
 }
 
+/// Gradient clipping's scaling with the norm read on the device, for every
+/// dtype of `x` and of the norm's two parts, below, at and above `max_norm`
+/// and with a NaN norm.
+#[test]
+fn clip_scale_matches_the_cpu_device() {
+    let sides = sides();
+    let (k, s) = (sides.k, &sides.s);
+    let mut rng = Rng(23);
+    type Clip = unsafe extern "C" fn(*mut c_void, i32, u64, *const c_void, i32, *const c_void, i32, f64);
+    let clip: Clip = k.get("chorus_clip_scale");
+    for xt in FLOATS {
+        let mut vals = rng.values(300);
+        vals.extend(specials());
+        let x = Data::from_f64(xt, &vals);
+        let n = x.len as u64;
+        for pt in [DType::F32, DType::F64] {
+            for (a, b, max_norm) in [(16.0, 9.0, 2.0), (0.3, 0.1, 0.5), (16.0, 9.0, 10.0), (f64::NAN, 1.0, 1.0)] {
+                let (pa, pb) = (Data::from_f64(pt, &[a]), Data::from_f64(pt, &[b]));
+                let (ppa, ppb) = (pa.ptr(), pb.ptr());
+                sides.compare(
+                    &format!("clip_scale {xt} by parts {pt} ({a}, {b}, {max_norm})"),
+                    Agree::Value,
+                    ELEMENTWISE,
+                    [("x", &x)],
+                    // SAFETY: n elements of xt, one of pt each.
+                    |[px]| unsafe { clip(px as _, code(xt), n, ppa as _, code(pt), ppb as _, code(pt), max_norm) },
+                    |[cx]| s.clip_scale(cx, [sides.upload(&pa).view(), sides.upload(&pb).view()], max_norm),
+                );
+            }
+        }
+    }
+}
+
 /// The gradient norm's reduction over many blocks (fixed chunks, then one
 /// block over their sums) against the cpu device's left-to-right sum.
 #[test]

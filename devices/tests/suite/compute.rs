@@ -359,6 +359,56 @@ pub fn sum_squares_with_and_without_accumulation<B: ComputeBackend>(
     Ok(())
 }
 
+/// A case of the device suite: `clip_scale` against `clip_grad_norm_`'s formula
+/// computed here, for every float dtype of `x` and both dtypes of the parts;
+/// a norm at or under `max_norm` (and a NaN one) leaves `x` alone.
+pub fn clip_scale_scales_only_above_the_max_norm<B: ComputeBackend>(
+    make: &dyn Fn() -> Result<B::Device>,
+) -> Result<()> {
+    let dev = make()?;
+    let s = stream(&dev)?;
+    for (i, xd) in FLOATS.into_iter().enumerate() {
+        let x = Lcg::new(800 + i as u64).values(xd, 777, -3.0, 3.0);
+        for pd in [DType::F32, DType::F64] {
+            // (sharded part, replicated part, max_norm): 5 > 2, 5 < 10, 5 = 5 + 1e-6 margin, NaN.
+            for (a, b, max_norm) in [(16.0, 9.0, 2.0), (16.0, 9.0, 10.0), (25.0, 0.0, 5.0), (f64::NAN, 1.0, 1.0)] {
+                let xb = buffer::<B>(&dev, &s, xd, &x)?;
+                let (pa, pb) = (buffer::<B>(&dev, &s, pd, &[a])?, buffer::<B>(&dev, &s, pd, &[b])?);
+                s.clip_scale(xb.view(), [pa.view(), pb.view()], max_norm)?;
+                let coef = max_norm / ((a + b).sqrt() + 1e-6);
+                let want: Vec<f64> = if coef < 1.0 {
+                    // Scaled in the dtype's opmath (f32 below f64) by the coefficient rounded to it.
+                    let c = round_to(opmath(xd), coef);
+                    x.iter().map(|v| round_to(xd, v * c)).collect()
+                } else {
+                    x.clone()
+                };
+                // One rounding of the product in opmath, then to the dtype: within an ulp of it.
+                let tol = |j: usize| 2.0 * unit_roundoff(xd) * want[j].abs() * 1.0001;
+                assert_close(
+                    &format!("clip_scale {xd} by parts {pd} ({a}, {b}, {max_norm})"),
+                    &get(&s, xb.view())?,
+                    &want,
+                    tol,
+                );
+            }
+        }
+    }
+    let (x, one) = (dev.alloc(DType::F32, 8)?, dev.alloc(DType::F32, 1)?);
+    let bad: [(&str, Result<(), DeviceError>); 5] = [
+        ("a part of two elements", s.clip_scale(x.view(), [dev.alloc(DType::F32, 2)?.view(), one.view()], 1.0)),
+        ("an integer part", s.clip_scale(x.view(), [one.view(), dev.alloc(DType::I32, 1)?.view()], 1.0)),
+        ("a part inside x", s.clip_scale(x.view(), [x.view().slice(3, 1)?, one.view()], 1.0)),
+        ("a negative max_norm", s.clip_scale(x.view(), [one.view(), one.view()], -1.0)),
+        ("a NaN max_norm", s.clip_scale(x.view(), [one.view(), one.view()], f64::NAN)),
+    ];
+    for (what, r) in bad {
+        let e = r.expect_err(what);
+        assert!(is_invalid(&e, "clip_scale"), "{what}: {e:?}");
+    }
+    Ok(())
+}
+
 /// `torch.optim.SGD`'s update of one element, in f64.
 fn sgd_reference(p: &SgdParams, w: &mut f64, g: f64, buf: &mut f64) {
     let mut d = g;

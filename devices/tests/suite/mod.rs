@@ -59,6 +59,7 @@ macro_rules! device_suite {
         mse_loss_and_gradient => compute::mse_loss_and_gradient,
         column_sums_over_rows_with_and_without_accumulation => compute::column_sums_over_rows_with_and_without_accumulation,
         sum_squares_with_and_without_accumulation => compute::sum_squares_with_and_without_accumulation,
+        clip_scale_scales_only_above_the_max_norm => compute::clip_scale_scales_only_above_the_max_norm,
         sgd_step_matches_pytorch_with_and_without_momentum_nesterov_and_weight_decay => compute::sgd_step_matches_pytorch_with_and_without_momentum_nesterov_and_weight_decay,
         adamw_step_matches_pytorch_over_several_steps => compute::adamw_step_matches_pytorch_over_several_steps,
         );

@@ -37,7 +37,7 @@ use candle_core::{CustomOp2, Device as CandleDevice, Shape, Storage, Tensor, Var
 use candle_nn::VarBuilder;
 use chorus_collectives::CommBackend;
 use chorus_devices::{AccessKind, ComputeBackend, View};
-use chorus_fsdp::{DeferredParam, Fsdp, FsdpError, ParamInit, Reshard, ShardedOptimizer, ShardedState};
+use chorus_fsdp::{DeferredParam, Fsdp, FsdpError, GradNorm, ParamInit, Reshard, ShardedOptimizer, ShardedState};
 
 use crate::convert::{candle_dtype, to_f32_vec};
 use crate::device::{copy_storage, Side, Transfers};
@@ -665,6 +665,12 @@ where
     /// Clips the global gradient norm (see [`Fsdp::clip_grad_norm`]); returns the norm before clipping.
     pub fn clip_grad_norm(&self, max_norm: f64) -> Result<f64> {
         Ok(self.lock()?.fsdp.clip_grad_norm(max_norm)?)
+    }
+
+    /// Clips the global gradient norm without waiting for it (see
+    /// [`Fsdp::clip_grad_norm_async`]); the norm is read from the handle.
+    pub fn clip_grad_norm_async(&self, max_norm: f64) -> Result<GradNorm> {
+        Ok(self.lock()?.fsdp.clip_grad_norm_async(max_norm)?)
     }
 
     /// One optimizer step on the shards, then drops the gradients.

@@ -421,6 +421,14 @@ impl ComputeStream for VirtStream {
         self.memory_bound("sum_squares", x.bytes());
         Ok(())
     }
+    /// Costed as scaling `x` (read and written): the coefficient is computed
+    /// on the device from values a plan does not have, and a norm over
+    /// `max_norm` is the common case early in training.
+    fn clip_scale(&self, x: V<'_>, sq: [V<'_>; 2], _max_norm: f64) -> Result<()> {
+        self.mine("clip_scale", &[x, sq[0], sq[1]])?;
+        self.memory_bound("clip_scale", 2 * x.bytes());
+        Ok(())
+    }
     fn sgd_step(&self, _p: SgdParams, operands: SgdOperands<'_, Virt>) -> Result<()> {
         let SgdOperands { param, grad, momentum_buf } = operands;
         self.mine("sgd_step", &[param, grad])?;

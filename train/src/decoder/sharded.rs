@@ -118,7 +118,8 @@ where
             model.backward(&l)?;
         }
         if let Some(max) = spec.max_grad_norm {
-            model.clip_grad_norm(max)?;
+            // Enqueued with its coefficient on the device; the norm is not read.
+            let _ = model.clip_grad_norm_async(max)?;
         }
         model.optimizer_step(&mut opt)?;
         // The step's one host read of the loss, once the optimizer step is enqueued.
