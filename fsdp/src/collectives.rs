@@ -327,7 +327,9 @@ pub(crate) struct Reduced<C: CommBackend> {
 ///
 /// The group's first gradient since `zero_grad`, reduced in f32 into device
 /// memory with no replicated parameter, is the reduce-scatter output itself
-/// (FSDP2 does the same); otherwise the output is cast or added into it.
+/// (FSDP2 does the same); otherwise the output is cast or added into it. A
+/// group sharded over one rank with no replicated parameter is not packed or
+/// reduce-scattered: its unsharded gradients are that output already.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn reduce_gradients<C: CommBackend>(
     ctx: &mut CommContext<C>,
@@ -351,8 +353,19 @@ pub(crate) fn reduce_gradients<C: CommBackend>(
     let sharded: Vec<&Param> = params.iter().filter(|p| p.layout.is_some()).collect();
     let replicated: Vec<&Param> = params.iter().filter(|p| p.layout.is_none()).collect();
 
+    // One rank holding a group of sharded parameters alone: the unsharded
+    // gradients are laid out as the packed input would be (no padding, the
+    // same order), and the reduce-scatter would copy that input to its
+    // output, so they are the output as they are, neither packed nor copied.
+    // A pre-multiplied sum is then a scale, the same product in f32 or f64.
+    let one_rank = world == 1
+        && !sharded.is_empty()
+        && replicated.is_empty()
+        && n == grads.len()
+        && sharded.iter().all(|p| p.layout.map(|i| layout.params[i].offset) == Some(p.full))
+        && (!matches!(plan.shard_op, ReduceOp::PreMulSum(_)) || matches!(reduce_dtype, DType::F32 | DType::F64));
     // Pack on the compute stream, where the gradients were produced (FSDP2 does the same).
-    let packed = if sharded.is_empty() {
+    let packed = if sharded.is_empty() || one_rank {
         None
     } else {
         let input = s.compute.alloc(reduce_dtype, world * n)?;
@@ -386,12 +399,20 @@ pub(crate) fn reduce_gradients<C: CommBackend>(
         s.compute.copy_2d_batch(&copies)?;
         Some(flat)
     };
-    // The unsharded gradients are freed in the compute stream's order after the packing.
-    drop(grads);
+    // The unsharded gradients are freed in the compute stream's order after
+    // the packing, unless they are the output.
+    let unpacked = one_rank.then_some(grads);
     ctx.events.order(&ctx.device, &s.compute, &[&s.reduce_scatter])?;
 
     let mut out = None;
-    if let Some(input) = &packed {
+    if let Some(g) = unpacked {
+        if let ReduceOp::PreMulSum(f) = plan.shard_op {
+            s.reduce_scatter.scale(g.view(), f)?;
+        }
+        // Counted as the reduce-scatter it stands for (FSDP2 issues one at one rank too).
+        ctx.counts.reduce_scatters += 1;
+        out = Some(g);
+    } else if let Some(input) = &packed {
         let o = s.reduce_scatter.alloc(reduce_dtype, n)?;
         ctx.dp.shard.reduce_scatter(input.view(), o.view(), plan.shard_op, &s.reduce_scatter)?;
         ctx.counts.reduce_scatters += 1;

@@ -15,7 +15,9 @@ use crate::{Buf, Ev, Result, Strm};
 pub struct CommCounts {
     /// All-gathers of parameters.
     pub all_gathers: usize,
-    /// Reduce-scatters of gradients.
+    /// Reduce-scatters of gradients. At one rank a group without replicated
+    /// parameters issues none (its gradients are the result already); each
+    /// such reduction still counts, as FSDP2 issues one there.
     pub reduce_scatters: usize,
     /// All-reduces of gradients (HSDP, replicated parameters).
     pub all_reduces: usize,
