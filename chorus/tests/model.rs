@@ -152,3 +152,37 @@ fn each_rank_computes_in_a_pool_of_its_own() {
     let pools = World::threads(4).threads_per_rank(1).run(|_| Ok::<_, Error>(rayon::current_num_threads())).unwrap();
     assert_eq!(pools, vec![1; 4]);
 }
+
+/// A step's global loss is enqueued behind the work on the device and read
+/// later: `global_loss_async` returns while the compute stream is still held
+/// by earlier work, and reads the mean of the ranks' losses once it is let go.
+#[test]
+fn the_global_loss_is_enqueued_behind_the_device_and_read_later() {
+    let results = run_ranks(2, |rank| -> chorus::Result<(bool, f64)> {
+        let mut b = ShardBuilder::new(&rank, FsdpConfig::default()).weights(weights(0.5, 0.0, 0));
+        b.layer("a", |vb| linear(3, 4, vb))?;
+        let model = b.build()?;
+        let (release, gate) = std::sync::mpsc::channel::<()>();
+        model.fsdp_model().with_fsdp(|f| {
+            f.compute_stream().launch_host_fn(Box::new(move |_| {
+                let _ = gate.recv_timeout(std::time::Duration::from_secs(30));
+            }))
+        })??;
+        // Rank r's loss is r + 1: the mean over two ranks is 1.5.
+        let loss = Tensor::new(rank.rank() as f32 + 1.0, &Device::Cpu)?;
+        let pending = model.global_loss_async(&loss)?;
+        let enqueued_without_waiting = !pending.is_ready();
+        release.send(()).map_err(|_| Error::InvalidArgument("the gate's host function is gone".into()))?;
+        Ok((enqueued_without_waiting, pending.read()?))
+    })
+    .unwrap();
+    assert_eq!(results, vec![(true, 1.5); 2]);
+    let err = run_ranks(1, |rank| -> chorus::Result<()> {
+        let mut b = ShardBuilder::new(&rank, FsdpConfig::default()).weights(weights(0.5, 0.0, 0));
+        b.layer("a", |vb| linear(3, 4, vb))?;
+        let model = b.build()?;
+        model.global_loss_async(&Tensor::zeros(2, DType::F32, &Device::Cpu)?).map(drop)
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("a loss of one value"), "{err}");
+}

@@ -3,10 +3,11 @@
 
 use chorus_collectives::{CommBackend, ReduceOp};
 use chorus_devices::{
-    host_step, AdamWOperands, AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, DType, DeviceError,
-    Readback, Scalar, SgdOperands, SgdParams, Stream, StreamExt,
+    host_step, AdamWOperands, AdamWParams, Backend, Buffer, ComputeBackend, ComputeStream, DType, DeviceError, Scalar,
+    SgdOperands, SgdParams, Stream, StreamExt,
 };
 
+use crate::pending::{Finish, PendingValue};
 use crate::storage::{kernels_reach, zeroed_like, GroupStorage};
 use crate::{offload, Buf, Fsdp, FsdpError, Result, Strm};
 
@@ -308,33 +309,6 @@ fn host_step<S: Stream>(
     Ok(s.update_on_host(&[grad.view()], &writes, Box::new(update))?)
 }
 
-/// The global gradient norm of one [`Fsdp::clip_grad_norm_async`]: its copy
-/// to the host is enqueued behind the clipping, so reading it waits for that
-/// work only, and a loop that never reads it never waits for it.
-#[derive(Debug)]
-#[must_use = "the norm is read with `read`; drop it if it is not needed"]
-pub struct GradNorm {
-    /// The squared norm's two parts: the shards' (summed across the shard
-    /// group) and the replicated parameters'.
-    parts: Readback,
-}
-
-impl GradNorm {
-    /// Whether the norm has reached the host (reading it will not block). Never blocks.
-    pub fn is_ready(&self) -> bool {
-        self.parts.is_ready()
-    }
-
-    /// The norm before clipping; blocks until it has reached the host (or the
-    /// stream's deadline passes).
-    pub fn read(self) -> Result<f64> {
-        match self.parts.wait_typed::<f32>()?.as_slice() {
-            [sharded, replicated] => Ok((*sharded as f64 + *replicated as f64).sqrt()),
-            other => Err(FsdpError::InvalidArgument(format!("the gradient norm came back as {} values", other.len()))),
-        }
-    }
-}
-
 /// Gradient clipping needs a reduction kernel ([`ComputeStream::sum_squares`]).
 impl<C: CommBackend> Fsdp<C>
 where
@@ -354,9 +328,9 @@ where
     /// the scaling are all enqueued on the compute stream (the coefficient is
     /// computed on the device, [`ComputeStream::clip_scale`]), so the host can
     /// enqueue the optimizer step at once. The norm is read from the returned
-    /// [`GradNorm`] when wanted. Every rank must call it. `max_norm` must be
+    /// [`PendingValue`] when wanted. Every rank must call it. `max_norm` must be
     /// finite and not negative.
-    pub fn clip_grad_norm_async(&mut self, max_norm: f64) -> Result<GradNorm> {
+    pub fn clip_grad_norm_async(&mut self, max_norm: f64) -> Result<PendingValue> {
         if !(max_norm.is_finite() && max_norm >= 0.0) {
             return Err(FsdpError::InvalidArgument(format!(
                 "clip_grad_norm: max_norm must be finite and not negative, got {max_norm}"
@@ -382,7 +356,7 @@ where
         for grad in self.groups.iter().filter_map(|g| g.storage.grad.as_ref()) {
             offload::on_kernel_view(s, grad.view(), true, |g| s.clip_scale(g, [sharded, replicated], max_norm))?;
         }
-        Ok(GradNorm { parts: s.copy_to_host(sq.view())? })
+        Ok(PendingValue::new(s.copy_to_host(sq.view())?, Finish::Norm))
     }
 }
 

@@ -18,6 +18,7 @@ use crate::layout::{normalize_dim, GroupLayout};
 use crate::overhead::{Hook, HookStart, HostOverhead};
 use crate::param::{DeferredParam, Param, ParamInit};
 use crate::param_group::{Group, Route};
+use crate::pending::{Finish, PendingValue};
 use crate::storage::GroupStorage;
 use crate::training_state::{ShardedState, TrainingState};
 use crate::{FsdpError, Result, Strm, B};
@@ -673,6 +674,21 @@ impl<C: CommBackend> Fsdp<C> {
     /// Mean of a one-element f32 value over the data-parallel world (every
     /// rank must call it); blocks and returns it on every rank.
     pub fn mean_over_ranks(&self, value: View<'_, B<C>>) -> Result<f64> {
+        self.mean_over_ranks_async(value)?.read()
+    }
+
+    /// [`Fsdp::mean_over_ranks`] without waiting: the sum over the ranks and
+    /// its copy to the host are enqueued on the compute stream after the work
+    /// already there; the mean is read from the returned value when wanted
+    /// (a training loop reads a step's loss once the next step is enqueued).
+    pub fn mean_over_ranks_async(&self, value: View<'_, B<C>>) -> Result<PendingValue> {
+        if value.len() != 1 || value.dtype() != DType::F32 {
+            return Err(FsdpError::InvalidArgument(format!(
+                "mean_over_ranks: one f32 value, not {}[{}]",
+                value.dtype(),
+                value.len()
+            )));
+        }
         let s = &self.ctx.streams.compute;
         let dp = &self.ctx.dp;
         let buf = s.alloc(DType::F32, 1)?;
@@ -681,7 +697,6 @@ impl<C: CommBackend> Fsdp<C> {
         if let Some(r) = &dp.replicate {
             r.all_reduce_in_place(buf.view(), ReduceOp::Sum, s)?;
         }
-        let v = s.read_vec::<f32>(buf.view())?;
-        Ok(v.first().copied().unwrap_or(0.0) as f64 / dp.world_size() as f64)
+        Ok(PendingValue::new(s.copy_to_host(buf.view())?, Finish::Mean { world: dp.world_size() }))
     }
 }

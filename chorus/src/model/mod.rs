@@ -54,11 +54,11 @@ mod init;
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use candle_nn::{Module, VarBuilder};
 use chorus_collectives::{CommBackend, Communicator};
-use chorus_devices::{ComputeBackend, StreamExt};
-use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, FsdpError, ShardedOptimizer};
+use chorus_devices::ComputeBackend;
+use chorus_fsdp::{DataParallel, Fsdp, FsdpConfig, ShardedOptimizer};
 use chorus_fsdp_candle::{FsdpModel, StageId};
 
 pub use init::SeededVars;
@@ -269,7 +269,7 @@ where
     /// enqueued on the device and `step` can follow at once; the norm is read
     /// from the handle (`read`) when wanted, as PyTorch's `clip_grad_norm_`
     /// returns a tensor.
-    pub fn clip_grad_norm_async(&self, max_norm: f64) -> Result<chorus_fsdp::GradNorm> {
+    pub fn clip_grad_norm_async(&self, max_norm: f64) -> Result<chorus_fsdp::PendingValue> {
         Ok(self.model.clip_grad_norm_async(max_norm)?)
     }
 
@@ -277,15 +277,18 @@ where
     /// loss of the global batch when each rank's is its slice's mean. A
     /// collective; blocks until the value is on the host.
     pub fn global_loss(&self, loss: &Tensor) -> Result<f64> {
-        let local = loss.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let [local] = local[..] else {
+        Ok(self.global_loss_async(loss)?.read()?)
+    }
+
+    /// [`ShardedModel::global_loss`] without waiting: the mean is enqueued
+    /// on the device behind the work already there, and read (`read`) when
+    /// wanted. A loop that reads a step's loss once the next step is
+    /// enqueued never waits for the device in between. A collective.
+    pub fn global_loss_async(&self, loss: &Tensor) -> Result<chorus_fsdp::PendingValue> {
+        if loss.elem_count() != 1 {
             return Err(Error::InvalidArgument(format!("global_loss: a loss of one value, not {:?}", loss.shape())));
-        };
-        let mean = self.model.with_fsdp(|f| -> chorus_fsdp::Result<f64> {
-            let buf = f.compute_stream().buffer_from(&[local]).map_err(FsdpError::from)?;
-            f.mean_over_ranks(chorus_devices::Buffer::view(&buf))
-        })??;
-        Ok(mean)
+        }
+        Ok(self.model.mean_over_ranks_async(loss)?)
     }
 
     /// The candle device the layers compute on; inputs and targets belong there.

@@ -36,8 +36,8 @@ use std::time::{Duration, Instant};
 use candle_core::{CustomOp2, Device as CandleDevice, Shape, Storage, Tensor, Var};
 use candle_nn::VarBuilder;
 use chorus_collectives::CommBackend;
-use chorus_devices::{AccessKind, ComputeBackend, View};
-use chorus_fsdp::{DeferredParam, Fsdp, FsdpError, GradNorm, ParamInit, Reshard, ShardedOptimizer, ShardedState};
+use chorus_devices::{AccessKind, Buffer, ComputeBackend, Stream, StreamExt, View};
+use chorus_fsdp::{DeferredParam, Fsdp, FsdpError, ParamInit, PendingValue, Reshard, ShardedOptimizer, ShardedState};
 
 use crate::convert::{candle_dtype, to_f32_vec};
 use crate::device::{copy_storage, Side, Transfers};
@@ -669,8 +669,38 @@ where
 
     /// Clips the global gradient norm without waiting for it (see
     /// [`Fsdp::clip_grad_norm_async`]); the norm is read from the handle.
-    pub fn clip_grad_norm_async(&self, max_norm: f64) -> Result<GradNorm> {
+    pub fn clip_grad_norm_async(&self, max_norm: f64) -> Result<PendingValue> {
         Ok(self.lock()?.fsdp.clip_grad_norm_async(max_norm)?)
+    }
+
+    /// The mean over every rank of `local` (one value on candle's device:
+    /// this rank's loss), without waiting for it. The value crosses to FSDP's
+    /// compute stream in stream order (on CUDA one kernel on candle's stream;
+    /// candle's CPU computes as it is called, so there its value is read at
+    /// once), and its sum over the ranks and the copy to the host are
+    /// enqueued ([`Fsdp::mean_over_ranks_async`]). A collective: every rank
+    /// calls it, in the same order as the others.
+    pub fn mean_over_ranks_async(&self, local: &Tensor) -> Result<PendingValue> {
+        if local.elem_count() != 1 {
+            return Err(Error::InvalidArgument(format!(
+                "mean_over_ranks_async: one value, not a tensor of shape {:?}",
+                local.dims()
+            )));
+        }
+        let local = local.detach().to_dtype(candle_core::DType::F32)?.reshape(1)?;
+        let shared = self.lock()?;
+        let compute = shared.fsdp.compute_stream();
+        let buf = if local.device().is_cpu() {
+            compute.buffer_from(&to_f32_vec(&local)?).map_err(FsdpError::from)?
+        } else {
+            let buf = compute.alloc(chorus_devices::DType::F32, 1).map_err(FsdpError::from)?;
+            compute.fill(buf.view(), chorus_devices::Scalar::Float(0.0)).map_err(FsdpError::from)?;
+            shared.side.candle_waits_for(compute)?;
+            shared.side.add_grads(compute, vec![(local, buf.view())])?;
+            shared.side.compute_waits_for(compute, &[(buf.view(), AccessKind::Write)])?;
+            buf
+        };
+        Ok(shared.fsdp.mean_over_ranks_async(buf.view())?)
     }
 
     /// One optimizer step on the shards, then drops the gradients.

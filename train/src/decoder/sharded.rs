@@ -10,7 +10,7 @@ use std::time::Instant;
 use candle_core::Tensor;
 use chorus_collectives::{CommBackend, Communicator, Mesh};
 use chorus_devices::{ComputeBackend, Device as _};
-use chorus_fsdp::{CommCounts, DataParallel, Fsdp, HostOverhead, ShardedOptimizer};
+use chorus_fsdp::{CommCounts, DataParallel, Fsdp, HostOverhead, PendingValue, ShardedOptimizer};
 use chorus_fsdp_candle::checkpoint::{self, LoadOptions, PendingSave, SaveOptions, TrainingState};
 use chorus_fsdp_candle::{AdapterTimes, Error, FsdpModel, Result};
 use chorus_kernels::timing;
@@ -80,7 +80,10 @@ where
     let rank = world.rank();
     let seq = spec.data.seq_len();
     let rows = spec.batch / micro;
-    let (mut losses, mut lrs, mut times, mut saved) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut lrs, mut saved) = (Vec::new(), Vec::new());
+    let mut step_log = StepLog::default();
+    // The step whose loss is on its way to the host (read during the next).
+    let mut in_flight: Option<InFlight> = None;
     let mut val_losses = Vec::new();
     let mut stopped = None;
     let mut op_times = Vec::new();
@@ -122,25 +125,46 @@ where
             let _ = model.clip_grad_norm_async(max)?;
         }
         model.optimizer_step(&mut opt)?;
-        // The step's one host read of the loss, once the optimizer step is enqueued.
-        let mean = global_mean(model, local.read()?)?;
-        model.with_fsdp(|f| f.synchronize())??;
-        times.push(t0.elapsed().as_secs_f64());
-        if spec.op_times {
-            op_times.push(timing::take()?);
+        // The step's loss is enqueued (its mean over the ranks and its copy to
+        // the host) behind the optimizer step, and read once the next step is
+        // enqueued: the host stays one step ahead of the device and never
+        // synchronizes it. Where this step's loss is needed at once (a save or
+        // a validation after it, the last step, per-op times) it is read now.
+        let this = InFlight { step, loss: model.mean_over_ranks_async(&local.total()?)?, started: t0 };
+        let done = step + 1;
+        let save_due = spec.save_every > 0 && done % spec.save_every == 0 || done == spec.steps;
+        let read_now = spec.op_times
+            || done == spec.steps
+            || (spec.checkpoint_dir.is_some() && save_due)
+            || spec.validation.as_ref().is_some_and(|v| v.due(done, spec.steps));
+        let mut to_read: Vec<InFlight> = in_flight.take().into_iter().collect();
+        match read_now {
+            true => to_read.push(this),
+            false => in_flight = Some(this),
         }
-        losses.push(mean);
-        if !mean.is_finite() && !spec.allow_nonfinite {
-            // Every rank sees the same global loss, so all stop here together.
-            stopped = Some(NonFinite { step, loss: mean });
+        for step_loss in to_read {
+            let (at, mean) = (step_loss.step, step_log.read(step_loss)?);
+            if spec.op_times {
+                // Per-op times are read from events that have all completed.
+                model.with_fsdp(|f| f.synchronize())??;
+                op_times.push(timing::take()?);
+            }
+            if !mean.is_finite() && !spec.allow_nonfinite {
+                // Every rank sees the same global loss, so all stop here together.
+                stopped = Some(NonFinite { step: at, loss: mean });
+                break;
+            }
+            on_step(at, mean);
+        }
+        if stopped.is_some() {
+            // The step after the stopped one may be enqueued already: it is not reported.
+            lrs.truncate(step_log.losses.len());
             break;
         }
-        on_step(step, mean);
-        let done = step + 1;
         if let Some(v) = spec.validation.as_ref().filter(|v| v.due(done, spec.steps)) {
             val_losses.push((done, validate(&sharded, v, rank, spec.batch, micro)?));
         }
-        let due = spec.save_every > 0 && done % spec.save_every == 0 || done == spec.steps;
+        let due = save_due;
         // The step is recorded before its save: a fault during the save has lost it.
         let step_ended_us = progress::now_us();
         if let Some(p) = progress.as_mut() {
@@ -160,7 +184,7 @@ where
             }
         }
         if let (Some(dir), true) = (&spec.checkpoint_dir, due) {
-            let losses = earlier_losses.iter().chain(&losses).copied().collect();
+            let losses = earlier_losses.iter().chain(&step_log.losses).copied().collect();
             let state = TrainingState { step: done, data_seed: spec.data.seed(), losses, model: config.clone() };
             let t = Instant::now();
             let staged_bytes = if spec.async_save {
@@ -201,10 +225,10 @@ where
     Ok(TrainReport {
         start_step: start,
         earlier_losses,
-        losses,
+        losses: step_log.losses,
         lrs,
         val_losses,
-        step_times_s: times,
+        step_times_s: step_log.times,
         peak_memory_bytes: stats.peak_bytes,
         peak_host_memory_bytes: host.peak_bytes,
         overhead: counted.overhead,
@@ -331,12 +355,51 @@ impl LossSum {
         Ok(())
     }
 
+    /// The sum, where it was computed.
+    fn total(&self) -> Result<Tensor> {
+        self.0.clone().ok_or_else(|| Error::InvalidArgument("a step without a micro-batch has no loss".into()))
+    }
+
     /// The sum on the host (waits for the device's work up to the last loss).
     fn read(&self) -> Result<f64> {
         Ok(match &self.0 {
             Some(sum) => sum.to_scalar::<f64>()?,
             None => 0.0,
         })
+    }
+}
+
+/// A step whose global loss is on its way to the host.
+struct InFlight {
+    step: u64,
+    loss: PendingValue,
+    /// When the step's enqueueing began.
+    started: Instant,
+}
+
+/// The losses and times of the steps read so far.
+#[derive(Default)]
+struct StepLog {
+    losses: Vec<f64>,
+    times: Vec<f64>,
+    /// When the last step's loss reached the host.
+    last_read: Option<Instant>,
+}
+
+impl StepLog {
+    /// Reads `step`'s loss (waiting for the device up to it) and records it
+    /// with the step's time: from its start, or from when the step before it
+    /// was read if that was later (the host enqueues a step while the device
+    /// runs the one before, so in a run's steady state this is the device's
+    /// time per step).
+    fn read(&mut self, step: InFlight) -> Result<f64> {
+        let mean = step.loss.read()?;
+        let now = Instant::now();
+        let from = self.last_read.map_or(step.started, |r| r.max(step.started));
+        self.times.push((now - from).as_secs_f64());
+        self.losses.push(mean);
+        self.last_read = Some(now);
+        Ok(mean)
     }
 }
 

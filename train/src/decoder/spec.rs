@@ -169,7 +169,10 @@ pub struct TrainReport {
     pub lrs: Vec<f64>,
     /// `(steps done, mean validation loss)` at each evaluation of this run.
     pub val_losses: Vec<(u64, f64)>,
-    /// Wall time of each step, host-synchronized.
+    /// Wall time of each step: from its start (or from when the step before
+    /// it reached the host, if later) to when its loss reached the host. The
+    /// host enqueues a step while the device runs the one before, so in a
+    /// run's steady state this is the device's time per step.
     pub step_times_s: Vec<f64>,
     /// The most device bytes in use from the first step to the end: the
     /// steps, the checkpoints and the written model.
@@ -193,8 +196,8 @@ pub struct TrainReport {
     pub saved: Vec<PathBuf>,
     /// Where the run stopped early because the loss stopped being finite
     /// (without `allow_nonfinite`): that step's loss is the last of `losses`
-    /// (read once the step's optimizer update is enqueued, so the shards hold
-    /// that update; a stopped run writes nothing from them).
+    /// (read once the next step is enqueued, so the shards may hold that
+    /// step's update too; a stopped run writes nothing from them).
     pub stopped: Option<NonFinite>,
     /// Where the spec asked for them ([`TrainSpec::op_times`]), each step's
     /// calls and device time of every fused op kind on this rank, one entry
