@@ -56,6 +56,8 @@ pub(crate) struct DeviceInner {
     host_steps: AtomicBool,
     /// Seconds the host has spent in optimizer steps (f64 bits).
     host_step_s: AtomicU64,
+    /// Readbacks the host reads later ([`VirtDevice::set_deferred_readbacks`]).
+    deferred_readbacks: AtomicBool,
     /// Seconds the host has spent issuing operations ([`VirtDevice::host_work`], f64 bits).
     host_issue_s: AtomicU64,
 }
@@ -89,6 +91,7 @@ impl VirtDevice {
                 trace: Mutex::new(Vec::new()),
                 host_steps: AtomicBool::new(false),
                 host_step_s: AtomicU64::new(0f64.to_bits()),
+                deferred_readbacks: AtomicBool::new(false),
                 host_issue_s: AtomicU64::new(0f64.to_bits()),
             }),
         }
@@ -102,6 +105,20 @@ impl VirtDevice {
     /// The host's clock: the latest time the host has waited for.
     pub fn host_clock(&self) -> f64 {
         f64::from_bits(self.inner.host_clock.load(Ordering::Acquire))
+    }
+
+    /// Turns deferred readbacks on or off. A readback's copy runs in its
+    /// stream's order either way; with them off the host waits for it at once
+    /// (a blocking read), with them on it does not, and the caller says when
+    /// the host waits (an event's `synchronize`), as a loop that reads a
+    /// step's loss during the next step does.
+    pub fn set_deferred_readbacks(&self, on: bool) {
+        self.inner.deferred_readbacks.store(on, Ordering::Release)
+    }
+
+    /// Whether readbacks are deferred.
+    pub(crate) fn deferred_readbacks(&self) -> bool {
+        self.inner.deferred_readbacks.load(Ordering::Acquire)
     }
 
     /// Moves the host clock to at least `t` (the host waited until then).

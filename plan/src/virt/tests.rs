@@ -165,6 +165,31 @@ fn events_carry_clocks_between_streams_and_the_host_waits() {
     assert!(close(a.clock(), 5e-6), "{}", a.clock());
 }
 
+/// A deferred readback runs in its stream's order but the host does not wait
+/// for it; the host waits where the caller says (an event after it).
+#[test]
+fn a_deferred_readback_leaves_the_host_until_it_waits() {
+    use chorus_devices::Event as _;
+    let d = device(0);
+    let s = d.create_stream(Priority::Normal).unwrap();
+    let x = d.alloc(DType::F32, 250).unwrap(); // 1000 bytes
+    s.fill(x.view(), chorus_devices::Scalar::Float(0.0)).unwrap(); // 0..1 µs
+    d.set_deferred_readbacks(true);
+    let host = d.host_clock();
+    let _pending = s.copy_to_host(x.view()).unwrap();
+    assert!(close(d.host_clock(), host), "the host waited for a deferred readback: {}", d.host_clock());
+    let end = s.clock();
+    assert!(end > 1e-6, "the copy ran after the fill: {end}");
+    let e = d.create_event().unwrap();
+    s.record(&e).unwrap();
+    e.synchronize().unwrap();
+    assert!(close(d.host_clock(), end), "{} vs {end}", d.host_clock());
+    // Off again: a readback is a blocking read.
+    d.set_deferred_readbacks(false);
+    let _done = s.copy_to_host(x.view()).unwrap();
+    assert!(close(d.host_clock(), s.clock()), "{} vs {}", d.host_clock(), s.clock());
+}
+
 #[test]
 fn a_collective_starts_at_the_last_arrival_and_every_rank_ends_together() {
     let (_, ends) = on_every_rank(2, Duration::from_secs(10), |r, d, c| {
