@@ -110,13 +110,16 @@ static __device__ void attention_backward_tc(const u16* q, const u16* k, const u
                 }
             }
 
-            // P^T from the saved log-sum-exp; dS^T = P^T (dP^T - D).
+            // P^T from the saved log-sum-exp; dS^T = P^T (dP^T - D). The mask
+            // only on a tile that reaches past the keys or the queries, or
+            // holds a key its first query does not see (the diagonal).
+            const bool whole = kv0 + BC <= S && i0 + BR <= T && kv0 + BC - 1 <= off + i0;
             #pragma unroll
             for (int nt = 0; nt < BR / 8; nt++) {
                 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     int key = kv0 + warp * 16 + g + (e >> 1) * 8, ql = nt * 8 + 2 * t4 + (e & 1), qi = i0 + ql;
-                    bool seen = key < S && qi < T && key <= off + qi;
+                    bool seen = whole || (key < S && qi < T && key <= off + qi);
                     float p = seen ? fast_exp2(st[nt][e] * scale_log2 - sL[ql]) : 0.0f;
                     st[nt][e] = p;
                     dpt[nt][e] = p * (dpt[nt][e] - sD[ql]);

@@ -99,7 +99,10 @@ static __device__ void attention_forward_tc(const u16* q, const u16* k, const u1
             }
         }
 
-        // Scale into the log2 domain and hide the keys a row may not see.
+        // Scale into the log2 domain and hide the keys a row may not see:
+        // only on a tile that reaches past the keys or past what the block's
+        // first row sees (the diagonal); every row sees the others whole.
+        const bool whole = j0 + BC <= S && j0 + BC - 1 <= off + q0;
         float mx[2] = {m_run[0], m_run[1]};
         #pragma unroll
         for (int nt = 0; nt < BC / 8; nt++) {
@@ -107,7 +110,7 @@ static __device__ void attention_forward_tc(const u16* q, const u16* k, const u1
             for (int e = 0; e < 4; e++) {
                 int row = q0 + warp * 16 + g + (e >> 1) * 8, key = j0 + nt * 8 + 2 * t4 + (e & 1);
                 float x = s[nt][e] * scale_log2;
-                if (key >= S || key > off + row) x = -INFINITY;
+                if (!whole && (key >= S || key > off + row)) x = -INFINITY;
                 s[nt][e] = x;
                 mx[e >> 1] = fmaxf(mx[e >> 1], x);
             }

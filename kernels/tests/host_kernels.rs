@@ -336,6 +336,25 @@ fn tensor_core_attention_matches_the_reference_with_an_offset_and_f16() {
     // 30 new queries after 50 cached keys, two sequences.
     AttentionCase::new(20, Fmt::Bf16, shape(2, 30, 80, 2, 1, 64)).check(true);
     AttentionCase::new(21, Fmt::F16, shape(1, 70, 70, 2, 2, 64)).check(true);
+    // 70 queries after 62 cached keys: the first tile's last key (63) is one
+    // past what the first query sees (62), so a forward that takes the tile
+    // as seen whole one key too early shows; the tiles of the second query
+    // tile before the diagonal are seen whole.
+    AttentionCase::new(22, Fmt::Bf16, shape(1, 70, 132, 2, 1, 64)).check(true);
+}
+
+/// The backward's mask at a tile's edge, exactly: with the output's gradient
+/// only on the first query, which sees keys 0..=62 of the first key tile,
+/// key 63's dK and dV are zero, and one leaked probability is as large as
+/// the values the check compares (a leak among many queries would hide
+/// within bf16's tolerance).
+#[test]
+fn tensor_core_attention_backward_masks_exactly_at_a_tile_edge() {
+    let sh = shape(1, 70, 132, 1, 1, 64);
+    let mut case = AttentionCase::new(23, Fmt::Bf16, sh);
+    let first_row = sh.heads * sh.head_dim;
+    case.d_o[first_row..].iter_mut().for_each(|g| *g = 0.0);
+    case.check(true);
 }
 
 #[test]
