@@ -4,7 +4,8 @@
 // The tensor-core kernel (bf16/f16, head_dim 64 or 128): a block of four
 // warps owns 64 query rows of one head (16 rows a warp, their Q fragments in
 // registers); it walks the key/value tiles of its kv head up to the last
-// visible key, each tile copied once into shared memory, computing
+// visible key, each tile copied once into shared memory (head_dim 64: into
+// one of two buffers by cp.async while the other is computed on), computing
 // S = Q·K^T on the tensor cores, the online softmax in the log2 domain
 // (row max and sum kept per thread, the four lanes of a row combined by
 // shuffles), and O += P·V with P taken straight from S's accumulators as
@@ -36,9 +37,12 @@ template <typename E, int D, int BC>
 static __device__ void attention_forward_tc(const u16* q, const u16* k, const u16* v, u16* o, float* lse, int T,
                                             int S, int H, int KVH, float scale_log2) {
     constexpr int LD = D + 8;  // a row of a tile in shared memory, padded 16 bytes against bank conflicts
+    // Two K/V buffers where the static shared memory (48 KiB) holds them: the
+    // next tile's copy (cp.async) runs while this one is computed on.
+    constexpr int NBUF = (ATT_ROWS + 4 * BC) * LD * 2 <= 48 * 1024 ? 2 : 1;
     __shared__ __align__(16) u16 sQ[ATT_ROWS * LD];
-    __shared__ __align__(16) u16 sK[BC * LD];
-    __shared__ __align__(16) u16 sV[BC * LD];
+    __shared__ __align__(16) u16 sK[NBUF][BC * LD];
+    __shared__ __align__(16) u16 sV[NBUF][BC * LD];
     const bool bf = IsBf16<E>::value;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
     const int qtile = gridDim.x - 1 - blockIdx.x;  // the tiles with the most keys start first
@@ -71,16 +75,44 @@ static __device__ void attention_forward_tc(const u16* q, const u16* k, const u1
     const int last_row = (q0 + ATT_ROWS < T ? q0 + ATT_ROWS : T) - 1;
     const int kv_end = off + last_row + 1 < S ? off + last_row + 1 : S;
 
-    for (int j0 = 0; j0 < kv_end; j0 += BC) {
-        __syncthreads();  // every warp is done with the previous tile
+    // Tile j0's keys and values into buffer `buf`: asynchronous (one group)
+    // with two buffers, else plain copies. A key past S reads as zeros.
+    auto load_tile = [&](int j0, int buf) {
         #pragma unroll
         for (int c = tid; c < BC * (D / 8); c += blockDim.x) {
             int r = c / (D / 8), e = (c % (D / 8)) * 8;
             bool in = j0 + r < S;
-            copy16(&sK[r * LD + e], kb + (u64)(j0 + r) * kv_stride + e, in);
-            copy16(&sV[r * LD + e], vb + (u64)(j0 + r) * kv_stride + e, in);
+            u64 at = in ? (u64)(j0 + r) * kv_stride + e : 0;  // an address in range either way
+            if (NBUF == 2) {
+                cp_async16(&sK[buf][r * LD + e], kb + at, in);
+                cp_async16(&sV[buf][r * LD + e], vb + at, in);
+            } else {
+                copy16(&sK[buf][r * LD + e], kb + at, in);
+                copy16(&sV[buf][r * LD + e], vb + at, in);
+            }
         }
-        __syncthreads();
+        if (NBUF == 2) cp_async_commit();
+    };
+    if (NBUF == 2 && kv_end > 0) load_tile(0, 0);
+
+    for (int j0 = 0, it = 0; j0 < kv_end; j0 += BC, it++) {
+        const int buf = NBUF == 2 ? (it & 1) : 0;
+        if (NBUF == 2) {
+            // The next tile into the other buffer, which every warp finished
+            // reading before the barrier that ended the last iteration; then
+            // this tile's group has landed, and the barrier shows it to all.
+            if (j0 + BC < kv_end) {
+                load_tile(j0 + BC, buf ^ 1);
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();
+        } else {
+            __syncthreads();  // every warp is done with the previous tile
+            load_tile(j0, 0);
+            __syncthreads();
+        }
 
         // S = Q K^T for this warp's 16 rows and the tile's BC keys.
         float s[BC / 8][4];
@@ -94,7 +126,7 @@ static __device__ void attention_forward_tc(const u16* q, const u16* k, const u1
             for (int nt = 0; nt < BC / 8; nt += 2) {
                 u32 kf[4];
                 int row = nt * 8 + (lane & 7) + (lane >> 4) * 8, col = kk * 16 + ((lane >> 3) & 1) * 8;
-                ldmatrix_x4(kf, &sK[row * LD + col]);
+                ldmatrix_x4(kf, &sK[buf][row * LD + col]);
                 mma_pair(s[nt], s[nt + 1], qf[kk], kf, bf);
             }
         }
@@ -149,10 +181,12 @@ static __device__ void attention_forward_tc(const u16* q, const u16* k, const u1
             for (int dn = 0; dn < D / 8; dn += 2) {
                 u32 vf[4];
                 int row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, col = dn * 8 + (lane >> 4) * 8;
-                ldmatrix_x4_trans(vf, &sV[row * LD + col]);
+                ldmatrix_x4_trans(vf, &sV[buf][row * LD + col]);
                 mma_pair(acc[dn], acc[dn + 1], pa, vf, bf);
             }
         }
+        // Every warp is done with this buffer before the next iteration's copy into it.
+        if (NBUF == 2) __syncthreads();
     }
 
     #pragma unroll

@@ -213,6 +213,37 @@ static __device__ __forceinline__ void mma_pair(float c0[4], float c1[4], const 
 template <typename E> struct IsBf16 { static const bool value = false; };
 template <> struct IsBf16<BF16> { static const bool value = true; };
 
+// cp.async (sm_80 on): 16 bytes from global to shared memory without passing
+// through registers, zeros when !valid (a source size of 0: nothing is read;
+// `src` must still be a valid address). The copies a thread issues after its
+// last commit form a group at the next commit; cp_async_wait<N> returns when
+// at most the newest N of its groups are still in flight, and a barrier after
+// it makes every thread's landed copies visible to the block.
+static __device__ __forceinline__ void cp_async16(u16* dst, const u16* src, bool valid) {
+#ifdef __CUDA_ARCH__
+    unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+    int bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(bytes) : "memory");
+#else
+    chorus_host_cp_async16(dst, src, valid);
+#endif
+}
+static __device__ __forceinline__ void cp_async_commit() {
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#else
+    chorus_host_cp_async_commit();
+#endif
+}
+template <int N>
+static __device__ __forceinline__ void cp_async_wait() {
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#else
+    chorus_host_cp_async_wait(N);
+#endif
+}
+
 // Copies 16 bytes (eight 16-bit elements) from global to shared memory, or zeros when !valid.
 static __device__ __forceinline__ void copy16(u16* dst, const u16* src, bool valid) {
 #ifdef __CUDA_ARCH__

@@ -79,6 +79,7 @@ impl HostKernels {
                         "block ({bx}, {by}, {bz}) of {grid:?}: {}",
                         match rc {
                             -1 => "its threads wait at barriers that not all of them reach (a hang on a GPU)",
+                            -3 => "a thread ended with asynchronous copies (cp.async) it never waited for",
                             _ => "no stack could be mapped for its threads",
                         }
                     );

@@ -90,6 +90,51 @@ static float atomicAdd(float* p, float v) {
     return old;
 }
 
+// cp.async: a copy lands at one of the two ends of the time the hardware
+// allows. In even blocks it lands when its lane waits for its group
+// (cp.async.wait_group), so a read before the wait, or without the barrier
+// after it, sees the old bytes; in odd blocks it lands when issued, so a copy
+// into a buffer that other warps have not finished reading (a missing
+// barrier before the copy) shows. A lane that ends with copies it never
+// waited for fails the launch (-3).
+struct chorus_async_copy {
+    void* dst;
+    const void* src;
+    bool valid;
+};
+struct chorus_async_lane {
+    std::vector<chorus_async_copy> issued;  // in issue order, not yet landed
+    std::vector<size_t> groups;             // committed groups: the end of each in `issued`
+};
+static std::vector<chorus_async_lane> chorus_async;
+static bool chorus_async_eager;  // this block's copies land when issued
+
+static void chorus_host_cp_async16(void* dst, const void* src, bool valid) {
+    if (chorus_async_eager) {
+        if (valid) memcpy(dst, src, 16);
+        else memset(dst, 0, 16);
+        return;
+    }
+    chorus_async[chorus_running].issued.push_back({dst, src, valid});
+}
+static void chorus_host_cp_async_commit() {
+    chorus_async_lane& a = chorus_async[chorus_running];
+    a.groups.push_back(a.issued.size());
+}
+// Lands every committed group but the newest `newest` ones.
+static void chorus_host_cp_async_wait(int newest) {
+    chorus_async_lane& a = chorus_async[chorus_running];
+    if ((int)a.groups.size() <= newest) return;
+    size_t upto = a.groups[a.groups.size() - 1 - newest];
+    for (size_t i = 0; i < upto; i++) {
+        if (a.issued[i].valid) memcpy(a.issued[i].dst, a.issued[i].src, 16);
+        else memset(a.issued[i].dst, 0, 16);
+    }
+    a.issued.erase(a.issued.begin(), a.issued.begin() + upto);
+    a.groups.erase(a.groups.begin(), a.groups.end() - newest);
+    for (size_t& g : a.groups) g -= upto;
+}
+
 // Defined after the kernel source (they use its conversions).
 static void chorus_host_mma(float d[4], const unsigned a[4], const unsigned b[2], bool bf16);
 static void chorus_host_ldmatrix(unsigned r[4], const unsigned short* row, bool trans);
@@ -103,7 +148,8 @@ extern "C" void chorus_host_dims(unsigned gx, unsigned gy, unsigned gz, unsigned
 // from a warp collective when its 32 lanes have reached it, the block from
 // __syncthreads when every lane that has not exited has. Returns 0, or -1
 // when lanes wait at a barrier that not all of them reach (a hang on a
-// GPU), or -2 when no stack could be mapped.
+// GPU), -2 when no stack could be mapped, or -3 when a lane ended with
+// asynchronous copies it never waited for.
 extern "C" int chorus_host_run_block(unsigned bx, unsigned by, unsigned bz, void (*body)(void*), void* argument) {
     unsigned n = blockDim.x;
     while (chorus_stacks.size() < n) {
@@ -116,6 +162,8 @@ extern "C" int chorus_host_run_block(unsigned bx, unsigned by, unsigned bz, void
     }
     // Resized between blocks only, when no lane's context is live.
     if (chorus_lanes.size() < n) chorus_lanes.resize(n);
+    chorus_async.assign(n, chorus_async_lane{});
+    chorus_async_eager = (bx + by + bz) % 2 == 1;
     blockIdx = {bx, by, bz};
     chorus_lane_body = body;
     chorus_lane_argument = argument;
@@ -159,7 +207,12 @@ extern "C" int chorus_host_run_block(unsigned bx, unsigned by, unsigned bz, void
             at_block += chorus_lanes[t].state == CHORUS_AT_BLOCK;
             exited += chorus_lanes[t].state == CHORUS_EXITED;
         }
-        if (exited == n) return 0;
+        if (exited == n) {
+            for (unsigned t = 0; t < n; t++) {
+                if (!chorus_async[t].issued.empty()) return -3;
+            }
+            return 0;
+        }
         if (at_block + exited != n) return -1;
         for (unsigned t = 0; t < n; t++) {
             if (chorus_lanes[t].state == CHORUS_AT_BLOCK) chorus_lanes[t].state = CHORUS_RUNNABLE;
