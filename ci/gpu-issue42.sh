@@ -21,6 +21,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 out="${1:-${OUT:-gpu-results-42}}"
 mkdir -p "$out"
+# Another run's results are not replaced.
+if [ -e "$out/issue42.tgz" ]; then
+    echo "gpu-issue42: $out/issue42.tgz exists; give another directory" >&2
+    exit 2
+fi
 work="$(mktemp -d /tmp/issue42.XXXXXX)"
 failed=0
 start=$SECONDS
