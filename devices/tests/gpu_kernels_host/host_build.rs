@@ -75,7 +75,7 @@ pub struct HostKernels {
 }
 
 fn build() -> Result<HostKernels, String> {
-    let source = format!("{PRELUDE}\n#line 1 \"gpu_kernels.rs SOURCE\"\n{SOURCE}\n{EPILOGUE}");
+    let source = format!("{PRELUDE}\n#line 1 \"gpu_kernels.cu\"\n{SOURCE}\n{EPILOGUE}");
     let scratch = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
     // As the GPU compilers are told: no contraction into multiply-adds.
     let flags = ["-ffp-contract=off", "-Wall"];
