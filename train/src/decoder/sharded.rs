@@ -262,7 +262,10 @@ where
             sharded.model.finish_without_backward()?;
         }
     }
-    global_mean(&sharded.model, local.read()? / (v.batches * micro).max(1) as f64)
+    // The mean of the pieces in f64 (a division, as the host's was), then over the ranks.
+    let sum = local.total()?;
+    let pieces = Tensor::new((v.batches * micro).max(1) as f64, sum.device())?;
+    Ok(sharded.model.mean_over_ranks_async(&sum.broadcast_div(&pieces)?)?.read()?)
 }
 
 /// Continues the sample's prompt by its number of tokens with the sharded
@@ -339,8 +342,9 @@ where
 
 /// A sum of losses kept where they are computed (candle's CUDA device with
 /// `candle-cuda`), in f64 (the exact sum of the f32 losses, as a host sum
-/// would be), so that a step reads it to the host once ([`LossSum::read`])
-/// instead of waiting for the device after every micro-batch's forward.
+/// would be), whose mean over the ranks a step enqueues once
+/// ([`FsdpModel::mean_over_ranks_async`]) instead of waiting for the device
+/// after every micro-batch's forward.
 #[derive(Default)]
 struct LossSum(Option<Tensor>);
 
@@ -355,16 +359,11 @@ impl LossSum {
         Ok(())
     }
 
-    /// The sum, where it was computed.
+    /// The sum, where it was computed (zero, on the host, when nothing was added).
     fn total(&self) -> Result<Tensor> {
-        self.0.clone().ok_or_else(|| Error::InvalidArgument("a step without a micro-batch has no loss".into()))
-    }
-
-    /// The sum on the host (waits for the device's work up to the last loss).
-    fn read(&self) -> Result<f64> {
         Ok(match &self.0 {
-            Some(sum) => sum.to_scalar::<f64>()?,
-            None => 0.0,
+            Some(sum) => sum.clone(),
+            None => Tensor::new(0f64, &candle_core::Device::Cpu)?,
         })
     }
 }
@@ -429,18 +428,6 @@ where
         r.saved(step, at_us)?;
     }
     Ok(dir)
-}
-
-/// The mean over every rank of this rank's `local` loss (a collective; blocks).
-fn global_mean<C: CommBackend + 'static>(model: &FsdpModel<C>, local: f64) -> Result<f64>
-where
-    C::B: ComputeBackend,
-{
-    model.with_fsdp(|f| -> Result<f64> {
-        let s = f.compute_stream();
-        let buf = chorus_devices::StreamExt::buffer_from(s, &[local as f32]).map_err(chorus_fsdp::FsdpError::from)?;
-        Ok(f.mean_over_ranks(chorus_devices::Buffer::view(&buf))?)
-    })?
 }
 
 /// How a run's saves prune: `keep_last`, never the checkpoint resumed from.
