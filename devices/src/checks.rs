@@ -50,12 +50,12 @@ fn need_dtype(op: &'static str, expected: DType, found: DType) -> Result<()> {
     }
 }
 
-/// A reduction's result: one f32 or f64 element.
-fn scalar_out<B: Backend>(op: &'static str, v: &View<'_, B>) -> Result<()> {
+/// `what` (a reduction's result, a scalar operand): one f32 or f64 element.
+fn one_scalar<B: Backend>(op: &'static str, what: &str, v: &View<'_, B>) -> Result<()> {
     if v.len() != 1 || !matches!(v.dtype(), DType::F32 | DType::F64) {
         return Err(DeviceError::invalid(
             op,
-            format!("the result must be one f32 or f64 element, got {}[{}]", v.dtype(), v.len()),
+            format!("{what} must be one f32 or f64 element, got {}[{}]", v.dtype(), v.len()),
         ));
     }
     Ok(())
@@ -214,7 +214,7 @@ pub(crate) fn mse_loss<B: Backend>(pred: View<'_, B>, target: View<'_, B>, loss:
     need_float(op, pred.dtype())?;
     need_float(op, target.dtype())?;
     need_len(op, "target", pred.len(), target.len())?;
-    scalar_out(op, &loss)
+    one_scalar(op, "the result", &loss)
 }
 
 /// [`Stream::mse_grad`](crate::Stream::mse_grad): float dtypes, same length.
@@ -240,7 +240,7 @@ pub(crate) fn column_sums<B: Backend>(x: View<'_, B>, out: View<'_, B>) -> Resul
 pub(crate) fn sum_squares<B: Backend>(x: View<'_, B>, out: View<'_, B>) -> Result<()> {
     let op = "sum_squares";
     need_float(op, x.dtype())?;
-    scalar_out(op, &out)
+    one_scalar(op, "the result", &out)
 }
 
 /// [`ComputeStream::clip_scale`](crate::ComputeStream::clip_scale): a float
@@ -250,13 +250,7 @@ pub(crate) fn clip_scale<B: Backend>(x: View<'_, B>, sq: [View<'_, B>; 2], max_n
     let op = "clip_scale";
     need_float(op, x.dtype())?;
     for part in &sq {
-        if part.len() != 1 || !matches!(part.dtype(), DType::F32 | DType::F64) {
-            let found = format!("{}[{}]", part.dtype(), part.len());
-            return Err(DeviceError::invalid(
-                op,
-                format!("a squared-norm part must be one f32 or f64 element, got {found}"),
-            ));
-        }
+        one_scalar(op, "a squared-norm part", part)?;
         if part.overlaps(&x) {
             return Err(DeviceError::invalid(op, "a part of the squared norm overlaps the scaled view"));
         }
